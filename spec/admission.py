@@ -1,0 +1,52 @@
+"""The admission rule (trace property ``rejects-impossible``).
+
+A request that could never run to completion even alone is rejected, with a reason, at its arrival
+step, so that no admitted request can outgrow the cache and none blocks the queue forever. This is
+stricter than vLLM, which rejects only ``prompt_len > max_model_len`` at the API server
+(``vllm/v1/engine/processor.py``) and otherwise lets such a request preempt others and stall; an
+engine that does otherwise breaks ``rejects-impossible``, which is a finding about that engine.
+"""
+
+from __future__ import annotations
+
+from schedspec.spec.config import SchedulerConfig, blocks_for_tokens
+
+
+def max_sequence_len(prompt_len: int, max_tokens: int, config: SchedulerConfig) -> int:
+    """Most tokens the request's sequence can reach: ``min(prompt_len + max_tokens, max_model_len)``."""
+    return min(prompt_len + max_tokens, config.max_model_len)
+
+
+def max_blocks_needed(prompt_len: int, max_tokens: int, config: SchedulerConfig) -> int:
+    """Most KV blocks the request can ever hold.
+
+    ``ceil((min(prompt_len + max_tokens, max_model_len) - 1) / block_size)``: the last sampled token
+    is never fed back, so it needs no KV slot.
+    """
+    return blocks_for_tokens(max_sequence_len(prompt_len, max_tokens, config) - 1, config.block_size)
+
+
+def rejection_reason(prompt_len: int, max_tokens: int, config: SchedulerConfig) -> str | None:
+    """Why a request of this shape can never complete alone, or ``None`` if it can.
+
+    Args:
+        prompt_len: prompt tokens.
+        max_tokens: most output tokens.
+        config: the scheduler's limits.
+
+    Returns:
+        A one-line reason naming the limit, or ``None``.
+    """
+    if prompt_len <= 0:
+        return f"empty prompt (prompt_len={prompt_len})"
+    if max_tokens < 1:
+        return f"max_tokens={max_tokens} < 1"
+    if prompt_len > config.max_model_len:
+        return f"prompt_len={prompt_len} exceeds max_model_len={config.max_model_len}"
+    needed = max_blocks_needed(prompt_len, max_tokens, config)
+    if needed > config.num_kv_blocks:
+        return (
+            f"needs {needed} KV blocks (prompt_len={prompt_len}, max_tokens={max_tokens}, "
+            f"block_size={config.block_size}) but num_kv_blocks={config.num_kv_blocks}"
+        )
+    return None

@@ -1,0 +1,138 @@
+"""Scheduler configuration: the limits every step of an iteration-level scheduler must respect.
+
+Field names follow vLLM's ``SchedulerConfig`` and ``CacheConfig`` (``vllm/config/scheduler.py``,
+``vllm/config/cache.py``) so that a config can be read off an engine's arguments unchanged.
+
+Construction validates every field and every cross-field rule and raises :class:`ConfigError`
+naming the field and the value. A KV cache that holds fewer tokens than ``max_model_len`` is
+allowed (vLLM refuses it only at engine start): the requests that cannot fit are rejected one by one
+at arrival (see :func:`schedspec.spec.admission.rejection_reason`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+PREEMPTION_MODES = ("recompute",)
+"""Preemption modes the spec defines. vLLM V1 has only recompute (``vllm/v1/core/sched/scheduler.py``
+``_preempt_request``); swap was removed with V0, so the spec does not define it."""
+
+
+class ConfigError(ValueError):
+    """A scheduler configuration is unusable. The message names the field(s) and the value(s)."""
+
+    def __init__(self, field: str, value: Any, reason: str) -> None:
+        self.field = field
+        self.value = value
+        self.reason = reason
+        super().__init__(f"{field}={value!r}: {reason}")
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(name, value, "must be an integer")
+    if value < 1:
+        raise ConfigError(name, value, "must be >= 1")
+
+
+def _bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(name, value, "must be true or false")
+
+
+@attrs.frozen
+class SchedulerConfig:
+    """The limits a scheduler works under. Units are given per field.
+
+    Attributes:
+        block_size: tokens per KV-cache block (vLLM ``--block-size``, default 16).
+        num_kv_blocks: usable KV-cache blocks in the pool (vLLM's ``num_gpu_blocks``).
+        max_num_batched_tokens: token budget per step, prefill and decode tokens together.
+        max_num_seqs: most requests in the running set at once.
+        max_model_len: most tokens (prompt plus output) one request may reach.
+        enable_chunked_prefill: a prompt may be computed over several steps (Sarathi-Serve §4).
+        long_prefill_token_threshold: with chunked prefill, cap on one prefill chunk in tokens;
+            0 means no cap (vLLM ``--long-prefill-token-threshold``).
+        enable_prefix_caching: reuse KV blocks of identical prompt prefixes. Validated here; no
+            reference policy implements it yet, so those refuse configs that enable it.
+        preemption_mode: how a running request gives up its blocks; only ``"recompute"``.
+
+    Raises:
+        ConfigError: a field has the wrong type or range, or two fields contradict each other:
+            with chunked prefill off, ``max_num_batched_tokens < max_model_len`` (vLLM
+            ``SchedulerConfig._verify_args``: a prompt could never be scheduled); or
+            ``max_num_batched_tokens < max_num_seqs`` (vLLM, same function: a full batch of
+            decodes would not fit in one step).
+    """
+
+    block_size: int
+    num_kv_blocks: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    enable_prefix_caching: bool = False
+    preemption_mode: str = "recompute"
+
+    def __attrs_post_init__(self) -> None:
+        for name in ("block_size", "num_kv_blocks", "max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+            _positive_int(name, getattr(self, name))
+        _bool("enable_chunked_prefill", self.enable_chunked_prefill)
+        _bool("enable_prefix_caching", self.enable_prefix_caching)
+        threshold = self.long_prefill_token_threshold
+        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
+            raise ConfigError("long_prefill_token_threshold", threshold, "must be an integer >= 0 (0 = off)")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ConfigError("preemption_mode", self.preemption_mode, f"must be one of {list(PREEMPTION_MODES)}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError(
+                "max_num_batched_tokens",
+                self.max_num_batched_tokens,
+                f"is smaller than max_model_len={self.max_model_len} with enable_chunked_prefill=false: "
+                "a prompt of max_model_len tokens could never be scheduled; raise max_num_batched_tokens, "
+                "lower max_model_len or enable chunked prefill",
+            )
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ConfigError(
+                "max_num_batched_tokens",
+                self.max_num_batched_tokens,
+                f"must be >= max_num_seqs={self.max_num_seqs} so that every running decode fits in one step",
+            )
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens the whole KV cache holds: ``num_kv_blocks * block_size``."""
+        return self.num_kv_blocks * self.block_size
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a JSON-ready dict (the header of a trace file)."""
+        return attrs.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SchedulerConfig:
+        """Build from a dict; unknown keys raise :class:`ConfigError` naming the key."""
+        known = {f.name for f in attrs.fields(cls)}
+        for key in data:
+            if key not in known:
+                raise ConfigError(key, data[key], f"is not a SchedulerConfig field (known: {sorted(known)})")
+        missing = [f.name for f in attrs.fields(cls) if f.default is attrs.NOTHING and f.name not in data]
+        if missing:
+            raise ConfigError(missing[0], None, "is required")
+        return cls(**data)
+
+    def with_changes(self, **changes: Any) -> SchedulerConfig:
+        """A copy with some fields changed, validated again."""
+        return attrs.evolve(self, **changes)
+
+
+def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
+    """KV blocks needed to hold ``num_tokens`` tokens: ``ceil(num_tokens / block_size)``.
+
+    vLLM ``vllm/v1/core/kv_cache_utils.py`` (``cdiv``). ``num_tokens <= 0`` needs 0 blocks.
+    """
+    if num_tokens <= 0:
+        return 0
+    return -(-num_tokens // block_size)

@@ -1,0 +1,226 @@
+"""Named invariants: what must hold of every state, and of every step.
+
+State invariants take ``(state, config)``; step invariants take ``(before, plan, after, config)``.
+Each yields ``(request_id or None, detail)`` for every breach it finds. :func:`check_state` and
+:func:`check_step` run them all and return :class:`~schedspec.spec.rules.Violation` values naming
+the invariant; an empty list means all hold.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterator
+
+import attrs
+
+from schedspec.spec.config import SchedulerConfig
+from schedspec.spec.request import RequestStatus
+from schedspec.spec.rules import Violation
+from schedspec.spec.state import SchedulerState, StepPlan
+
+Breaches = Iterator[tuple[str | None, str]]
+StateCheck = Callable[[SchedulerState, SchedulerConfig], Breaches]
+StepCheck = Callable[[SchedulerState, StepPlan, SchedulerState, SchedulerConfig], Breaches]
+
+
+@attrs.frozen
+class Invariant:
+    """A named invariant: its statement (the check's docstring), its source and its check."""
+
+    name: str
+    statement: str
+    source: str
+    check: Callable[..., Breaches]
+    kind: str  # "state" or "step"
+
+
+STATE_INVARIANTS: list[Invariant] = []
+STEP_INVARIANTS: list[Invariant] = []
+
+
+def state_invariant(name: str, source: str) -> Callable[[StateCheck], StateCheck]:
+    def register(check: StateCheck) -> StateCheck:
+        STATE_INVARIANTS.append(Invariant(name, (check.__doc__ or "").strip(), source, check, "state"))
+        return check
+
+    return register
+
+
+def step_invariant(name: str, source: str) -> Callable[[StepCheck], StepCheck]:
+    def register(check: StepCheck) -> StepCheck:
+        STEP_INVARIANTS.append(Invariant(name, (check.__doc__ or "").strip(), source, check, "step"))
+        return check
+
+    return register
+
+
+@step_invariant("token-budget", "vLLM Scheduler.schedule token_budget; Sarathi-Serve §4.2")
+def token_budget(before: SchedulerState, plan: StepPlan, after: SchedulerState, config: SchedulerConfig) -> Breaches:
+    """sum(num_scheduled_tokens) <= max_num_batched_tokens in every step."""
+    total = plan.num_scheduled_tokens
+    if total > config.max_num_batched_tokens:
+        yield None, f"{total} tokens > max_num_batched_tokens={config.max_num_batched_tokens}"
+
+
+@state_invariant("sequence-cap", "vLLM Scheduler.schedule max_num_running_reqs")
+def sequence_cap(state: SchedulerState, config: SchedulerConfig) -> Breaches:
+    """len(running) <= max_num_seqs."""
+    if len(state.running) > config.max_num_seqs:
+        yield None, f"{len(state.running)} running > max_num_seqs={config.max_num_seqs}"
+
+
+@state_invariant("kv-capacity", "vLLM BlockPool (num_gpu_blocks)")
+def kv_capacity(state: SchedulerState, config: SchedulerConfig) -> Breaches:
+    """The blocks held by all requests are at most num_kv_blocks."""
+    held = sum(len(r.block_ids) for r in state.requests.values())
+    if held > config.num_kv_blocks:
+        yield None, f"{held} blocks held > num_kv_blocks={config.num_kv_blocks}"
+
+
+@state_invariant("block-conservation", "vLLM BlockPool: every block is in the free queue or owned")
+def block_conservation(state: SchedulerState, config: SchedulerConfig) -> Breaches:
+    """free + owned == num_kv_blocks; every block id is in range; no block is owned twice or both free
+    and owned; terminal requests own nothing."""
+    owners: dict[int, str] = {}
+    for request_id, request in state.requests.items():
+        for block_id in request.block_ids:
+            if block_id in owners:
+                yield request_id, f"block {block_id} also owned by {owners[block_id]}"
+            owners[block_id] = request_id
+    free_counts = Counter(state.free_block_ids)
+    for block_id, count in free_counts.items():
+        if count > 1:
+            yield None, f"block {block_id} is {count} times in the free queue"
+        if block_id in owners:
+            yield owners[block_id], f"block {block_id} is both free and owned"
+    for block_id in list(owners) + list(free_counts):
+        if not 0 <= block_id < config.num_kv_blocks:
+            yield owners.get(block_id), f"block id {block_id} out of range [0, {config.num_kv_blocks})"
+    total = len(state.free_block_ids) + sum(len(r.block_ids) for r in state.requests.values())
+    if total != config.num_kv_blocks:
+        yield None, f"free {len(state.free_block_ids)} + owned {total - len(state.free_block_ids)} != num_kv_blocks={config.num_kv_blocks}"
+    for request_id, request in state.finished.items():
+        if request.block_ids:
+            yield request_id, f"terminal request still owns {len(request.block_ids)} blocks"
+
+
+@state_invariant("table-covers-computed", "vLLM KVCacheManager.allocate_slots")
+def table_covers_computed(state: SchedulerState, config: SchedulerConfig) -> Breaches:
+    """Every running request's block table holds its computed tokens:
+    len(block_ids) * block_size >= num_computed_tokens."""
+    for request_id in state.running:
+        request = state.requests.get(request_id)
+        if request is not None and len(request.block_ids) * config.block_size < request.num_computed_tokens:
+            yield request_id, (
+                f"{len(request.block_ids)} blocks cannot hold {request.num_computed_tokens} computed tokens"
+            )
+
+
+@state_invariant("queues-disjoint", "vLLM Scheduler.waiting / Scheduler.running")
+def queues_disjoint(state: SchedulerState, config: SchedulerConfig) -> Breaches:
+    """waiting and running have no duplicates and share no id; waiting requests have status WAITING or
+    PREEMPTED, running ones RUNNING; finished ones are terminal."""
+    for name, queue in (("waiting", state.waiting), ("running", state.running)):
+        for request_id, count in Counter(queue).items():
+            if count > 1:
+                yield request_id, f"{count} times in {name}"
+    for request_id in set(state.waiting) & set(state.running):
+        yield request_id, "both waiting and running"
+    for request_id in state.waiting:
+        request = state.requests.get(request_id)
+        if request is not None and not request.status.is_waiting:
+            yield request_id, f"in waiting with status {request.status.value}"
+    for request_id in state.running:
+        request = state.requests.get(request_id)
+        if request is not None and request.status is not RequestStatus.RUNNING:
+            yield request_id, f"in running with status {request.status.value}"
+    for request_id, request in state.finished.items():
+        if not request.status.is_terminal:
+            yield request_id, f"in finished with status {request.status.value}"
+
+
+@state_invariant("no-request-lost", "this spec: every admitted request ends finished, aborted or rejected")
+def no_request_lost(state: SchedulerState, config: SchedulerConfig) -> Breaches:
+    """Every added request is in exactly one of waiting, running, finished (terminal, rejected included):
+    the live requests are exactly waiting plus running, and live plus terminal count the added ones."""
+    queued = set(state.waiting) | set(state.running)
+    for request_id in set(state.requests) - queued:
+        yield request_id, "live but in neither waiting nor running"
+    for request_id in queued - set(state.requests):
+        yield request_id, "queued but not a live request"
+    for request_id in set(state.requests) & set(state.finished):
+        yield request_id, "both live and terminal"
+    total = len(state.requests) + len(state.finished)
+    if total != state.num_requests_added:
+        yield None, f"{total} requests known but {state.num_requests_added} were added"
+
+
+@state_invariant("output-bound", "vLLM check_stop (max_tokens, max_model_len)")
+def output_bound(state: SchedulerState, config: SchedulerConfig) -> Breaches:
+    """len(output) <= max_tokens and len(prompt) + len(output) <= max_model_len for every request."""
+    for table in (state.requests, state.finished):
+        for request_id, request in table.items():
+            if len(request.output_token_ids) > request.max_tokens:
+                yield request_id, f"{len(request.output_token_ids)} outputs > max_tokens={request.max_tokens}"
+            if request.output_token_ids and request.num_tokens > config.max_model_len:
+                yield request_id, f"{request.num_tokens} tokens > max_model_len={config.max_model_len}"
+
+
+@state_invariant("computed-bound", "vLLM Request.num_computed_tokens")
+def computed_bound(state: SchedulerState, config: SchedulerConfig) -> Breaches:
+    """0 <= num_computed_tokens <= len(prompt) + len(output) for every live request."""
+    for request_id, request in state.requests.items():
+        if not 0 <= request.num_computed_tokens <= request.num_tokens:
+            yield request_id, f"num_computed_tokens={request.num_computed_tokens} outside [0, {request.num_tokens}]"
+
+
+@state_invariant("preempted-holds-nothing", "vLLM Scheduler._preempt_request (kv_cache_manager.free, num_computed_tokens = 0)")
+def preempted_holds_nothing(state: SchedulerState, config: SchedulerConfig) -> Breaches:
+    """A waiting request (fresh or preempted) holds no blocks and has no computed tokens."""
+    for request_id in state.waiting:
+        request = state.requests.get(request_id)
+        if request is not None and (request.block_ids or request.num_computed_tokens):
+            yield request_id, (
+                f"waiting with {len(request.block_ids)} blocks and {request.num_computed_tokens} computed tokens"
+            )
+
+
+@step_invariant("chunks-in-order", "Sarathi-Serve §4.1: chunks of a prompt run in order")
+def chunks_in_order(before: SchedulerState, plan: StepPlan, after: SchedulerState, config: SchedulerConfig) -> Breaches:
+    """Each scheduled chunk starts at the request's computed tokens before the step and, unless the request
+    ended, its computed tokens after the step are exactly that plus the chunk."""
+    for item in plan.scheduled:
+        old = before.requests.get(item.request_id)
+        if old is None:
+            continue
+        if item.num_computed_tokens != old.num_computed_tokens:
+            yield item.request_id, f"chunk starts at {item.num_computed_tokens}, computed was {old.num_computed_tokens}"
+        new = after.requests.get(item.request_id)
+        if new is not None and new.num_computed_tokens != old.num_computed_tokens + item.num_tokens:
+            yield item.request_id, (
+                f"computed {old.num_computed_tokens} + {item.num_tokens} != {new.num_computed_tokens} after the step"
+            )
+
+
+INVARIANT_NAMES: tuple[str, ...] = tuple(i.name for i in STATE_INVARIANTS + STEP_INVARIANTS)
+
+
+def check_state(state: SchedulerState, config: SchedulerConfig) -> list[Violation]:
+    """Every state invariant on one state; the violations found (tagged with ``state.step``)."""
+    return [
+        Violation(inv.name, detail, state.step, request_id)
+        for inv in STATE_INVARIANTS
+        for request_id, detail in inv.check(state, config)
+    ]
+
+
+def check_step(
+    before: SchedulerState, plan: StepPlan, after: SchedulerState, config: SchedulerConfig
+) -> list[Violation]:
+    """Every step invariant on one step, then every state invariant on the state after it."""
+    found = [
+        Violation(inv.name, detail, before.step, request_id)
+        for inv in STEP_INVARIANTS
+        for request_id, detail in inv.check(before, plan, after, config)
+    ]
+    return found + check_state(after, config)

@@ -1,0 +1,142 @@
+"""A request as the scheduler sees it: its prompt, its progress and its fate.
+
+Mirrors vLLM ``vllm/v1/request.py`` (``Request``, ``RequestStatus``): ``num_computed_tokens`` counts
+the tokens whose KV is in the cache; the tokens still to compute are
+``len(prompt) + len(output) - num_computed_tokens`` (a running decode has exactly one).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+import attrs
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is. The first three are live; the rest are terminal."""
+
+    WAITING = "waiting"
+    """Added, not admitted yet (or re-queued; see PREEMPTED)."""
+    RUNNING = "running"
+    """Admitted: holds KV blocks and a ``max_num_seqs`` slot."""
+    PREEMPTED = "preempted"
+    """Was running, gave back all its blocks (recompute) and waits at the front of the queue."""
+    FINISHED_STOPPED = "finished_stopped"
+    """Sampled its end-of-sequence token."""
+    FINISHED_LENGTH = "finished_length"
+    """Reached ``max_tokens`` outputs or ``max_model_len`` total tokens."""
+    FINISHED_ABORTED = "finished_aborted"
+    """Aborted by the client."""
+    REJECTED = "rejected"
+    """Never admitted: it could never run to completion even alone (see ``admission``)."""
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in _TERMINAL
+
+    @property
+    def is_waiting(self) -> bool:
+        """In the waiting queue (fresh or preempted)."""
+        return self in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+
+    @property
+    def outcome(self) -> str:
+        """The scenario-level outcome: finished, aborted, rejected, or live."""
+        if self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+            return "finished"
+        if self is RequestStatus.FINISHED_ABORTED:
+            return "aborted"
+        if self is RequestStatus.REJECTED:
+            return "rejected"
+        return "live"
+
+
+_TERMINAL = frozenset(
+    {
+        RequestStatus.FINISHED_STOPPED,
+        RequestStatus.FINISHED_LENGTH,
+        RequestStatus.FINISHED_ABORTED,
+        RequestStatus.REJECTED,
+    }
+)
+
+
+def _frozen_tokens(value: Sequence[int]) -> Sequence[int]:
+    """Lists (mutable) become tuples; other sequences (tuples, lazy id sequences) are kept."""
+    if isinstance(value, list) or not hasattr(value, "__getitem__"):
+        return tuple(value)
+    return value
+
+
+@attrs.frozen(slots=True)
+class Request:
+    """One request. Immutable: every change makes a new value.
+
+    Attributes:
+        request_id: unique id.
+        arrival_step: index of the step before which it was added.
+        arrival_time: arrival in seconds (trace or simulated clock).
+        prompt_token_ids: the prompt, ``len >= 0`` token ids (any ``Sequence[int]``, so a workload
+            can supply ids lazily).
+        max_tokens: most output tokens to sample (vLLM ``SamplingParams.max_tokens``).
+        priority: lower is more urgent (vLLM's convention); used by priority policies only.
+        eos_token_id: sampling this id stops the request; ``None`` never stops early.
+        status: see :class:`RequestStatus`.
+        finish_reason: why a terminal request ended (``stop``, ``length``, ``max_model_len``,
+            ``abort`` or the rejection reason); ``None`` while live.
+        num_computed_tokens: tokens whose KV is in this request's blocks (tokens).
+        output_token_ids: sampled tokens so far.
+        block_ids: the block table: KV block ids in logical order; block ``i`` holds token positions
+            ``[i * block_size, (i + 1) * block_size)``.
+        num_preemptions: times it was preempted.
+        admitted_step: step of its latest admission into the running set; ``None`` if never.
+        first_token_step: step in which its first output token was sampled; ``None`` before.
+    """
+
+    request_id: str
+    arrival_step: int
+    prompt_token_ids: Sequence[int] = attrs.field(converter=_frozen_tokens)
+    max_tokens: int
+    arrival_time: float = 0.0
+    priority: int = 0
+    eos_token_id: int | None = None
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    num_computed_tokens: int = 0
+    output_token_ids: tuple[int, ...] = ()
+    block_ids: tuple[int, ...] = ()
+    num_preemptions: int = 0
+    admitted_step: int | None = None
+    first_token_step: int | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        """Prompt length in tokens."""
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens so far: the sequence whose KV the request needs."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens still to compute before it can sample: ``num_tokens - num_computed_tokens``."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        """True while more than one token is pending (a prompt, or a recompute after preemption)."""
+        return self.num_pending_tokens > 1 or self.num_computed_tokens < self.prompt_len
+
+    def token_id_at(self, position: int) -> int:
+        """The token id at ``position`` of prompt plus output."""
+        prompt_len = len(self.prompt_token_ids)
+        if position < prompt_len:
+            return self.prompt_token_ids[position]
+        return self.output_token_ids[position - prompt_len]

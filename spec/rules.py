@@ -1,0 +1,308 @@
+"""Which step plans are allowed from a state: a list of local rules.
+
+A plan is allowed when no rule is violated. Each rule looks at the state before the step and the
+plan only; none of them says "the invariants hold afterwards". That is what makes the spec's central
+theorem non-circular (``schedspec.spec.proofs``): these rules alone imply that every invariant of
+:mod:`schedspec.spec.invariants` is preserved by :func:`schedspec.spec.transitions.apply_plan`.
+
+The rules are policy-independent: any policy (FCFS, priority, static batching, an engine's own)
+must obey them. What a policy chooses among the allowed plans is its own business, judged by the
+trace properties of :mod:`schedspec.spec.properties`.
+
+Use :func:`violated_rules` to check a plan; it returns the violations, empty if the plan is allowed.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterator
+
+import attrs
+
+from schedspec.spec.admission import rejection_reason
+from schedspec.spec.config import SchedulerConfig, blocks_for_tokens
+from schedspec.spec.state import SchedulerState, StepPlan
+
+
+@attrs.frozen
+class Violation:
+    """A broken rule or invariant: its registered name, the step, the request if any, and detail."""
+
+    name: str
+    detail: str
+    step: int | None = None
+    request_id: str | None = None
+
+    def __str__(self) -> str:
+        where = f"step {self.step}: " if self.step is not None else ""
+        who = f" (request {self.request_id})" if self.request_id is not None else ""
+        return f"{where}{self.name}{who}: {self.detail}"
+
+
+RuleCheck = Callable[[SchedulerState, StepPlan, SchedulerConfig], Iterator[tuple[str | None, str]]]
+
+
+@attrs.frozen
+class Rule:
+    """A local rule on plans: a name, what it says, where it comes from, and its check."""
+
+    name: str
+    statement: str
+    source: str
+    check: RuleCheck
+
+
+RULES: list[Rule] = []
+
+
+def rule(name: str, statement: str, source: str) -> Callable[[RuleCheck], RuleCheck]:
+    def register(check: RuleCheck) -> RuleCheck:
+        RULES.append(Rule(name, statement, source, check))
+        return check
+
+    return register
+
+
+@rule(
+    "known-requests",
+    "Every id the plan names is a live request; no id is scheduled twice; a request is at most one of "
+    "scheduled, preempted, rejected.",
+    "vLLM vllm/v1/core/sched/scheduler.py Scheduler.schedule (each request scheduled once per step)",
+)
+def _known_requests(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
+    named = [item.request_id for item in plan.scheduled] + list(plan.preempted) + [r for r, _ in plan.rejected]
+    for request_id, count in Counter(named).items():
+        if request_id not in state.requests:
+            yield request_id, "not a live request"
+        if count > 1:
+            yield request_id, f"named {count} times in one plan"
+
+
+@rule(
+    "token-budget",
+    "The tokens of a step, prefill and decode together, are at most max_num_batched_tokens.",
+    "vLLM Scheduler.schedule token_budget; Sarathi-Serve (OSDI'24) §4.2 token budget",
+)
+def _token_budget(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
+    total = plan.num_scheduled_tokens
+    if total > config.max_num_batched_tokens:
+        yield None, f"{total} tokens scheduled > max_num_batched_tokens={config.max_num_batched_tokens}"
+
+
+@rule(
+    "positive-tokens",
+    "A scheduled request computes at least one token.",
+    "vLLM Scheduler.schedule (num_new_tokens == 0 means not scheduled)",
+)
+def _positive_tokens(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
+    for item in plan.scheduled:
+        if item.num_tokens < 1:
+            yield item.request_id, f"num_tokens={item.num_tokens} < 1"
+
+
+@rule(
+    "chunk-continues",
+    "A chunk starts where the request's computed tokens end: ScheduledRequest.num_computed_tokens equals "
+    "the request's num_computed_tokens (0 for a waiting request).",
+    "Sarathi-Serve §4.1 chunked prefill; vLLM Request.num_computed_tokens",
+)
+def _chunk_continues(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
+    for item in plan.scheduled:
+        request = state.requests.get(item.request_id)
+        if request is not None and item.num_computed_tokens != request.num_computed_tokens:
+            yield item.request_id, (
+                f"chunk starts at {item.num_computed_tokens} but {request.num_computed_tokens} tokens are computed"
+            )
+
+
+@rule(
+    "no-overcompute",
+    "A request computes at most its pending tokens (prompt plus output minus computed); so a decode "
+    "computes exactly one token.",
+    "vLLM Scheduler.schedule num_new_tokens = num_tokens - num_computed_tokens",
+)
+def _no_overcompute(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
+    for item in plan.scheduled:
+        request = state.requests.get(item.request_id)
+        if request is not None and item.num_tokens > request.num_pending_tokens:
+            yield item.request_id, (
+                f"num_tokens={item.num_tokens} > pending tokens={request.num_pending_tokens}"
+            )
+
+
+@rule(
+    "whole-prefill-without-chunking",
+    "With enable_chunked_prefill off, a scheduled request computes all its pending tokens at once.",
+    "vLLM Scheduler.schedule: without chunked prefill a prompt that does not fit the budget waits",
+)
+def _whole_prefill(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
+    if config.enable_chunked_prefill:
+        return
+    for item in plan.scheduled:
+        request = state.requests.get(item.request_id)
+        if request is not None and item.num_tokens != request.num_pending_tokens:
+            yield item.request_id, (
+                f"chunk of {item.num_tokens} tokens of {request.num_pending_tokens} pending with chunked prefill off"
+            )
+
+
+@rule(
+    "long-prefill-threshold",
+    "With chunked prefill on and long_prefill_token_threshold > 0, a prefill chunk is at most that many tokens.",
+    "vLLM Scheduler.schedule long_prefill_token_threshold",
+)
+def _long_prefill(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
+    threshold = config.long_prefill_token_threshold
+    if not config.enable_chunked_prefill or threshold == 0:
+        return
+    for item in plan.scheduled:
+        if item.num_tokens > threshold:
+            yield item.request_id, f"chunk of {item.num_tokens} tokens > long_prefill_token_threshold={threshold}"
+
+
+@rule(
+    "sequence-cap",
+    "Running requests after the step (running, less preempted, plus admitted) are at most max_num_seqs.",
+    "vLLM Scheduler.schedule: len(self.running) == self.max_num_running_reqs stops admission",
+)
+def _sequence_cap(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
+    admitted = sum(1 for item in plan.scheduled if item.request_id not in state.running and item.request_id in state.requests)
+    preempted = sum(1 for request_id in set(plan.preempted) if request_id in state.running)
+    after = len(state.running) - preempted + admitted
+    if after > config.max_num_seqs:
+        yield None, f"{after} running after the step > max_num_seqs={config.max_num_seqs}"
+
+
+@rule(
+    "admit-fits-alone",
+    "A waiting request is admitted only if it could complete alone (see admission.rejection_reason).",
+    "rejects-impossible (this spec); vLLM processor.py rejects prompts above max_model_len",
+)
+def _admit_fits_alone(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
+    for item in plan.scheduled:
+        request = state.requests.get(item.request_id)
+        if request is not None and item.request_id not in state.running:
+            reason = rejection_reason(request.prompt_len, request.max_tokens, config)
+            if reason is not None:
+                yield item.request_id, f"admitted although {reason}"
+
+
+@rule(
+    "reject-only-impossible",
+    "A plan rejects only waiting requests that could never complete alone, with that reason; and it rejects "
+    "every such request that is waiting and was never admitted (rejects-impossible: at the arrival step).",
+    "this spec, section 'admission'",
+)
+def _reject_impossible(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
+    rejected = dict(plan.rejected)
+    for request_id in rejected:
+        request = state.requests.get(request_id)
+        if request is None:
+            continue
+        if request_id in state.running:
+            yield request_id, "rejected while running (only waiting requests can be rejected)"
+            continue
+        if rejection_reason(request.prompt_len, request.max_tokens, config) is None:
+            yield request_id, "rejected although it can complete alone"
+    for request_id in state.waiting:
+        request = state.requests[request_id]
+        if request.admitted_step is None and request_id not in rejected:
+            reason = rejection_reason(request.prompt_len, request.max_tokens, config)
+            if reason is not None:
+                yield request_id, f"not rejected although {reason}"
+
+
+@rule(
+    "preempt-running-only",
+    "Only running requests are preempted, and a preempted request is not also scheduled.",
+    "vLLM Scheduler._preempt_request (pops from self.running)",
+)
+def _preempt_running(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
+    scheduled = {item.request_id for item in plan.scheduled}
+    for request_id in plan.preempted:
+        if request_id in state.requests and request_id not in state.running:
+            yield request_id, "preempted but not running"
+        if request_id in scheduled:
+            yield request_id, "preempted and scheduled in the same step"
+
+
+@rule(
+    "blocks-from-free-pool",
+    "New blocks come only from the free pool, or from blocks released by this step's preemptions; no block "
+    "is handed out twice.",
+    "vLLM vllm/v1/core/block_pool.py BlockPool.get_new_blocks",
+)
+def _blocks_from_free_pool(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
+    available = set(state.free_block_ids)
+    for request_id in plan.preempted:
+        request = state.requests.get(request_id)
+        if request is not None:
+            available.update(request.block_ids)
+    handed: set[int] = set()
+    for item in plan.scheduled:
+        for block_id in item.new_block_ids:
+            if block_id in handed:
+                yield item.request_id, f"block {block_id} handed out twice"
+            elif block_id not in available:
+                yield item.request_id, f"block {block_id} is not free"
+            handed.add(block_id)
+
+
+@rule(
+    "block-table-covers",
+    "After the step, the request's block table holds slots for its computed tokens plus this step's: "
+    "len(table) * block_size >= num_computed_tokens + num_tokens.",
+    "vLLM vllm/v1/core/kv_cache_manager.py KVCacheManager.allocate_slots",
+)
+def _block_table_covers(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
+    for item in plan.scheduled:
+        request = state.requests.get(item.request_id)
+        if request is None:
+            continue
+        blocks = len(request.block_ids) + len(item.new_block_ids)
+        needed = blocks_for_tokens(item.num_computed_tokens + item.num_tokens, config.block_size)
+        if blocks < needed:
+            yield item.request_id, f"{blocks} blocks hold fewer than the {needed} needed"
+
+
+@rule(
+    "no-excess-blocks",
+    "A request never holds more blocks than its current sequence (prompt plus output) needs, and only "
+    "scheduled requests get new blocks.",
+    "vLLM KVCacheManager.allocate_slots (allocates for num_computed + num_new tokens)",
+)
+def _no_excess_blocks(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
+    for item in plan.scheduled:
+        request = state.requests.get(item.request_id)
+        if request is None:
+            continue
+        blocks = len(request.block_ids) + len(item.new_block_ids)
+        limit = blocks_for_tokens(request.num_tokens, config.block_size)
+        if blocks > limit:
+            yield item.request_id, f"{blocks} blocks > {limit} for a sequence of {request.num_tokens} tokens"
+
+
+RULE_NAMES: tuple[str, ...] = tuple(r.name for r in RULES)
+
+
+def violated_rules(state: SchedulerState, plan: StepPlan, config: SchedulerConfig) -> list[Violation]:
+    """The rules the plan breaks from this state; empty if the plan is allowed.
+
+    Args:
+        state: the state before the step.
+        plan: the proposed plan.
+        config: the limits.
+
+    Returns:
+        One :class:`Violation` per broken rule instance, tagged with ``state.step``.
+    """
+    found: list[Violation] = []
+    for r in RULES:
+        for request_id, detail in r.check(state, plan, config):
+            found.append(Violation(r.name, detail, state.step, request_id))
+    return found
+
+
+def is_allowed(state: SchedulerState, plan: StepPlan, config: SchedulerConfig) -> bool:
+    """True when :func:`violated_rules` finds nothing."""
+    return not violated_rules(state, plan, config)

@@ -1,0 +1,134 @@
+"""The scheduler's state and a step's plan.
+
+A scheduler alternates two things, once per forward pass (Orca, OSDI'22 §3, "iteration-level
+scheduling"): it **plans** a step (which requests run, how many tokens each computes, which get new
+KV blocks, which are preempted or rejected), the model runs that batch, and the state is
+**updated** with the plan and the sampled tokens. :mod:`schedspec.spec.rules` says which plans are
+allowed from a state; :mod:`schedspec.spec.transitions` says how the state changes.
+
+Everything here is immutable. ``requests`` and ``finished`` are read-only mappings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+
+import attrs
+
+from schedspec.spec.config import SchedulerConfig
+from schedspec.spec.request import Request
+
+_EMPTY: Mapping[str, Request] = MappingProxyType({})
+
+
+def _readonly(mapping: Mapping[str, Request]) -> Mapping[str, Request]:
+    return mapping if isinstance(mapping, MappingProxyType) else MappingProxyType(dict(mapping))
+
+
+@attrs.frozen(slots=True)
+class SchedulerState:
+    """Everything a scheduler knows between two steps.
+
+    Attributes:
+        step: index of the next step to plan (steps are numbered from 0, empty steps included).
+        waiting: ids of waiting requests, front of the queue first. Fresh requests join the back;
+            preempted ones go to the front (vLLM ``Scheduler._preempt_request`` ``prepend_request``).
+        running: ids of running requests in admission order (vLLM ``Scheduler.running``).
+        requests: every live request (waiting or running) by id.
+        finished: every terminal request (finished, aborted or rejected) by id.
+        free_block_ids: the free KV blocks, in the order they will be handed out (vLLM
+            ``FreeKVCacheBlockQueue``: allocate from the front, freed blocks join the back).
+        num_requests_added: how many requests were ever added (for ``no-request-lost``).
+    """
+
+    step: int = 0
+    waiting: tuple[str, ...] = ()
+    running: tuple[str, ...] = ()
+    requests: Mapping[str, Request] = attrs.field(default=_EMPTY, converter=_readonly)
+    finished: Mapping[str, Request] = attrs.field(default=_EMPTY, converter=_readonly)
+    free_block_ids: tuple[int, ...] = ()
+    num_requests_added: int = 0
+
+    @classmethod
+    def initial(cls, config: SchedulerConfig) -> SchedulerState:
+        """The state before step 0: no requests, every block free in id order."""
+        return cls(free_block_ids=tuple(range(config.num_kv_blocks)))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    def request(self, request_id: str) -> Request:
+        """The request with this id, live or terminal. Raises ``KeyError`` if never added."""
+        found = self.requests.get(request_id)
+        if found is None:
+            return self.finished[request_id]
+        return found
+
+    def running_requests(self) -> list[Request]:
+        return [self.requests[request_id] for request_id in self.running]
+
+    def waiting_requests(self) -> list[Request]:
+        return [self.requests[request_id] for request_id in self.waiting]
+
+    @property
+    def has_live_requests(self) -> bool:
+        return bool(self.requests)
+
+
+@attrs.frozen(slots=True)
+class ScheduledRequest:
+    """One request's part of a step.
+
+    Attributes:
+        request_id: the request.
+        num_computed_tokens: tokens already computed before this step; the chunk computes positions
+            ``[num_computed_tokens, num_computed_tokens + num_tokens)`` (vLLM ``SchedulerOutput``
+            ``num_computed_tokens``). Must equal the request's count: a chunk continues where the
+            last one ended.
+        num_tokens: tokens computed this step (vLLM ``num_scheduled_tokens``); 1 for a decode.
+        new_block_ids: KV blocks appended to the request's block table this step. The table after
+            the step is ``request.block_ids + new_block_ids``.
+    """
+
+    request_id: str
+    num_computed_tokens: int
+    num_tokens: int
+    new_block_ids: tuple[int, ...] = ()
+
+
+@attrs.frozen(slots=True)
+class StepPlan:
+    """What one step does, decided before the forward pass.
+
+    Attributes:
+        scheduled: the batch, in batch order. A waiting request listed here is admitted.
+        preempted: running requests preempted (recompute) this step, in the order the policy chose
+            them; each releases all its blocks and is prepended to the waiting queue in this order,
+            so the last one listed ends up at the front.
+        rejected: ``(request_id, reason)`` for waiting requests ended without being admitted.
+    """
+
+    scheduled: tuple[ScheduledRequest, ...] = ()
+    preempted: tuple[str, ...] = ()
+    rejected: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Tokens in the batch: prefill chunks plus decodes."""
+        return sum(item.num_tokens for item in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.scheduled or self.preempted or self.rejected)
+
+
+def samples_this_step(request: Request, item: ScheduledRequest) -> bool:
+    """Whether the request samples a token after this step.
+
+    It does when the chunk reaches the end of its known sequence (prompt plus output): a prefill that
+    completes the prompt samples the first output token, every decode samples the next one, a middle
+    chunk samples nothing (vLLM ``Scheduler.update_from_output`` discards partial-prefill samples).
+    """
+    return item.num_computed_tokens + item.num_tokens == request.num_tokens

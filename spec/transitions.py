@@ -1,0 +1,236 @@
+"""How the state changes: arrivals, aborts, and a step (an allowed plan plus the sampled tokens).
+
+These are the spec's actions. Each returns a new :class:`SchedulerState`; nothing is mutated.
+:func:`apply_plan` assumes the plan is allowed (:func:`schedspec.spec.rules.violated_rules` is
+empty); it raises :class:`PlanError` only for plans it cannot apply at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+
+import attrs
+
+from schedspec.spec.config import SchedulerConfig
+from schedspec.spec.request import Request, RequestStatus
+from schedspec.spec.state import SchedulerState, StepPlan, samples_this_step
+
+
+class PlanError(ValueError):
+    """A plan or an action that cannot be applied to this state (names the request and the problem)."""
+
+
+def add_request(state: SchedulerState, request: Request) -> SchedulerState:
+    """A request arrives: it joins the back of the waiting queue.
+
+    Raises:
+        PlanError: the id was already added, or the request is not fresh (status WAITING, nothing
+            computed, no output, no blocks).
+    """
+    request_id = request.request_id
+    if request_id in state.requests or request_id in state.finished:
+        raise PlanError(f"request_id={request_id!r} was already added")
+    if (
+        request.status is not RequestStatus.WAITING
+        or request.num_computed_tokens
+        or request.output_token_ids
+        or request.block_ids
+    ):
+        raise PlanError(f"request_id={request_id!r} is not a fresh request (status={request.status.value})")
+    requests = dict(state.requests)
+    requests[request_id] = request
+    return attrs.evolve(
+        state,
+        waiting=state.waiting + (request_id,),
+        requests=requests,
+        num_requests_added=state.num_requests_added + 1,
+    )
+
+
+def abort_request(state: SchedulerState, request_id: str) -> SchedulerState:
+    """The client aborts a request: it ends ``FINISHED_ABORTED`` and releases all its blocks at once.
+
+    Aborting a request that already ended, or an id never added, changes nothing (vLLM
+    ``Scheduler.finish_requests`` skips ids it does not know).
+    """
+    request = state.requests.get(request_id)
+    if request is None:
+        return state
+    requests = dict(state.requests)
+    del requests[request_id]
+    finished = dict(state.finished)
+    finished[request_id] = attrs.evolve(
+        request, status=RequestStatus.FINISHED_ABORTED, finish_reason="abort", block_ids=()
+    )
+    return attrs.evolve(
+        state,
+        waiting=tuple(r for r in state.waiting if r != request_id),
+        running=tuple(r for r in state.running if r != request_id),
+        requests=requests,
+        finished=finished,
+        free_block_ids=state.free_block_ids + tuple(reversed(request.block_ids)),
+    )
+
+
+def stop_reason(request: Request, config: SchedulerConfig) -> tuple[RequestStatus, str] | None:
+    """Whether a request with a freshly sampled token stops, and why.
+
+    Length first, then end-of-sequence, as vLLM ``vllm/v1/core/sched/utils.py`` ``check_stop``:
+    ``max_model_len`` total tokens or ``max_tokens`` outputs end it ``FINISHED_LENGTH``; its EOS id
+    ends it ``FINISHED_STOPPED``.
+    """
+    if request.num_tokens >= config.max_model_len:
+        return RequestStatus.FINISHED_LENGTH, "max_model_len"
+    if len(request.output_token_ids) >= request.max_tokens:
+        return RequestStatus.FINISHED_LENGTH, "length"
+    if request.eos_token_id is not None and request.output_token_ids[-1] == request.eos_token_id:
+        return RequestStatus.FINISHED_STOPPED, "stop"
+    return None
+
+
+@attrs.frozen
+class StepResult:
+    """The state after a step and what ended in it."""
+
+    state: SchedulerState
+    finished: tuple[str, ...]
+    """Requests that finished in this step (stop or length), in batch order."""
+    sampled: tuple[str, ...]
+    """Requests that sampled a token in this step, in batch order."""
+
+
+def _take_blocks(free: tuple[int, ...], taken: list[int]) -> tuple[int, ...]:
+    if not taken:
+        return free
+    count = len(taken)
+    if list(free[:count]) == taken:  # the usual case: allocation from the front of the free queue
+        return free[count:]
+    gone = set(taken)
+    return tuple(b for b in free if b not in gone)
+
+
+def apply_plan(
+    state: SchedulerState,
+    plan: StepPlan,
+    sampled_token_ids: Mapping[str, int],
+    config: SchedulerConfig,
+) -> StepResult:
+    """Apply an allowed plan and the tokens the model sampled; the step counter advances by one.
+
+    In order: preempted requests release every block (to the back of the free queue, last block
+    first, as vLLM ``KVCacheManager.free``) and are prepended to the waiting queue with
+    ``num_computed_tokens = 0``; rejected requests end ``REJECTED`` with their reason; scheduled
+    requests take their new blocks, waiting ones are admitted (appended to ``running``), and each
+    adds ``num_tokens`` to ``num_computed_tokens``; a request whose chunk reached the end of its
+    sequence (:func:`~schedspec.spec.state.samples_this_step`) appends its sampled token and is
+    checked by :func:`stop_reason`; one that stops releases its blocks and ends.
+
+    Args:
+        state: the state before the step.
+        plan: an allowed plan for this state.
+        sampled_token_ids: request id -> token id, for each request that samples this step
+            (extra entries are ignored).
+        config: the limits.
+
+    Returns:
+        :class:`StepResult` with the new state.
+
+    Raises:
+        PlanError: a named request is not live, or a sampling request has no sampled token.
+    """
+    requests = dict(state.requests)
+    finished = state.finished
+    waiting = list(state.waiting)
+    running = list(state.running)
+    free = state.free_block_ids
+
+    def live(request_id: str) -> Request:
+        try:
+            return requests[request_id]
+        except KeyError:
+            raise PlanError(f"request_id={request_id!r} is not a live request at step {state.step}") from None
+
+    released: list[int] = []
+    for request_id in plan.preempted:
+        request = live(request_id)
+        released.extend(reversed(request.block_ids))
+        requests[request_id] = attrs.evolve(
+            request,
+            status=RequestStatus.PREEMPTED,
+            num_computed_tokens=0,
+            block_ids=(),
+            num_preemptions=request.num_preemptions + 1,
+        )
+        running.remove(request_id)
+        waiting.insert(0, request_id)
+    if released:
+        free = free + tuple(released)
+
+    if plan.rejected:
+        finished = dict(finished)
+        for request_id, reason in plan.rejected:
+            request = live(request_id)
+            del requests[request_id]
+            waiting.remove(request_id)
+            finished[request_id] = attrs.evolve(request, status=RequestStatus.REJECTED, finish_reason=reason)
+
+    taken: list[int] = []
+    sampled: list[str] = []
+    stopped: list[str] = []
+    admitted: set[str] = set()
+    for item in plan.scheduled:
+        request_id = item.request_id
+        request = live(request_id)
+        changes: dict = {"num_computed_tokens": request.num_computed_tokens + item.num_tokens}
+        if item.new_block_ids:
+            taken.extend(item.new_block_ids)
+            changes["block_ids"] = request.block_ids + item.new_block_ids
+        if request.status is not RequestStatus.RUNNING:
+            changes["status"] = RequestStatus.RUNNING
+            changes["admitted_step"] = state.step
+            admitted.add(request_id)
+            running.append(request_id)
+        if samples_this_step(request, item):
+            try:
+                token_id = sampled_token_ids[request_id]
+            except KeyError:
+                raise PlanError(f"no sampled token for request_id={request_id!r} at step {state.step}") from None
+            changes["output_token_ids"] = request.output_token_ids + (token_id,)
+            if request.first_token_step is None:
+                changes["first_token_step"] = state.step
+            sampled.append(request_id)
+        samples = "output_token_ids" in changes
+        request = attrs.evolve(request, **changes)
+        requests[request_id] = request
+        if samples:
+            ending = stop_reason(request, config)
+            if ending is not None:
+                status, reason = ending
+                stopped.append(request_id)
+                requests[request_id] = attrs.evolve(request, status=status, finish_reason=reason)
+    if admitted:
+        waiting = [r for r in waiting if r not in admitted]
+    free = _take_blocks(free, taken)
+
+    if stopped:
+        finished = dict(finished)
+        gone = set(stopped)
+        ended_blocks: list[int] = []
+        for request_id in stopped:
+            request = requests.pop(request_id)
+            ended_blocks.extend(reversed(request.block_ids))
+            finished[request_id] = attrs.evolve(request, block_ids=())
+        running = [r for r in running if r not in gone]
+        free = free + tuple(ended_blocks)
+
+    new_state = SchedulerState(
+        step=state.step + 1,
+        waiting=tuple(waiting),
+        running=tuple(running),
+        requests=MappingProxyType(requests),
+        finished=finished if isinstance(finished, MappingProxyType) else MappingProxyType(finished),
+        free_block_ids=free,
+        num_requests_added=state.num_requests_added,
+    )
+    return StepResult(new_state, tuple(stopped), tuple(sampled))

@@ -1,0 +1,147 @@
+"""Request descriptors: what arrives, when, and with which deterministic token ids.
+
+A :class:`RequestSpec` is the full description of an arriving request (the ``arrivals`` of a
+:class:`~schedspec.spec.trace.StepRecord`). Its prompt ids are derived, not stored, so a trace of
+tens of millions of prompt tokens costs no memory: positions inside a shared ``prefix`` carry ids
+common to the whole group, every other position ids unique to the request (scenario format,
+``cases/README.md``). :data:`EOS_TOKEN_ID` appears in no prompt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import attrs
+import numpy as np
+
+from schedspec.spec.request import Request
+
+EOS_TOKEN_ID = 0
+"""The end-of-sequence id every workload uses; prompt ids are never 0."""
+
+DEFAULT_VOCAB_SIZE = 4096
+"""Token ids lie in ``[1, vocab_size)``; 4096 matches the built-in tiny model of the backend."""
+
+
+def _seed(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
+def _mix(seed: int, position: int) -> int:
+    # splitmix64 finaliser: a fast, well-spread deterministic function of (seed, position).
+    z = (seed + 0x9E3779B97F4A7C15 * (position + 1)) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return z ^ (z >> 31)
+
+
+class SyntheticPrompt(Sequence[int]):
+    """A read-only prompt whose ids are computed on access.
+
+    Position ``p < prefix_len`` has id ``f(prefix_group, p)``; others ``f(request_id, p)``; each id in
+    ``[1, vocab_size)``.
+    """
+
+    __slots__ = ("_length", "_prefix_len", "_prefix_seed", "_own_seed", "_vocab")
+
+    def __init__(self, request_id: str, length: int, prefix_group: str | None = None,
+                 prefix_len: int = 0, vocab_size: int = DEFAULT_VOCAB_SIZE) -> None:
+        self._length = length
+        self._prefix_len = min(prefix_len, length) if prefix_group is not None else 0
+        self._prefix_seed = _seed("prefix:" + (prefix_group or ""))
+        self._own_seed = _seed("request:" + request_id)
+        self._vocab = vocab_size
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            return tuple(self[i] for i in range(*index.indices(self._length)))
+        if index < 0:
+            index += self._length
+        if not 0 <= index < self._length:
+            raise IndexError(index)
+        seed = self._prefix_seed if index < self._prefix_len else self._own_seed
+        return 1 + _mix(seed, index) % (self._vocab - 1)
+
+    def array(self, start: int, stop: int) -> np.ndarray:
+        """Ids of positions ``[start, stop)`` as an int64 array, computed vectorised (same values as
+        indexing)."""
+        positions = np.arange(start, stop, dtype=np.uint64)
+        seeds = np.where(positions < self._prefix_len, np.uint64(self._prefix_seed), np.uint64(self._own_seed))
+        with np.errstate(over="ignore"):
+            z = seeds + np.uint64(0x9E3779B97F4A7C15) * (positions + np.uint64(1))
+            z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+            z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+            z = z ^ (z >> np.uint64(31))
+        return (np.uint64(1) + z % np.uint64(self._vocab - 1)).astype(np.int64)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, SyntheticPrompt):
+            return (self._length, self._prefix_len, self._prefix_seed, self._own_seed, self._vocab) == (
+                other._length, other._prefix_len, other._prefix_seed, other._own_seed, other._vocab)
+        if isinstance(other, Sequence):
+            return len(other) == self._length and all(a == b for a, b in zip(self, other, strict=True))
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash((self._length, self._prefix_len, self._prefix_seed, self._own_seed, self._vocab))
+
+    def __repr__(self) -> str:
+        return f"SyntheticPrompt(len={self._length}, prefix_len={self._prefix_len})"
+
+
+@attrs.frozen
+class RequestSpec:
+    """One arriving request, fully described.
+
+    Attributes:
+        request_id: unique id.
+        prompt_len: prompt tokens.
+        max_tokens: most output tokens.
+        arrival_step: step before which it is added (scenarios); ``None`` when arrival is by time.
+        arrival_time: arrival in seconds (traces); scenarios use ``arrival_step`` only.
+        priority: lower is more urgent (vLLM).
+        prefix_group: requests of one group share their first ``prefix_len`` prompt ids.
+        prefix_len: tokens of shared prefix.
+        abort_at_step: the client aborts it before this step is planned.
+        eos_at_output: the model emits end-of-sequence as output token k (1-based).
+        abort_at_time: the client aborts it at this time in seconds (time-driven runs).
+    """
+
+    request_id: str
+    prompt_len: int
+    max_tokens: int
+    arrival_step: int | None = None
+    arrival_time: float = 0.0
+    priority: int = 0
+    prefix_group: str | None = None
+    prefix_len: int = 0
+    abort_at_step: int | None = None
+    eos_at_output: int | None = None
+    abort_at_time: float | None = None
+
+    def prompt_token_ids(self, vocab_size: int = DEFAULT_VOCAB_SIZE) -> SyntheticPrompt:
+        """The deterministic prompt ids (see :class:`SyntheticPrompt`)."""
+        return SyntheticPrompt(self.request_id, self.prompt_len, self.prefix_group, self.prefix_len, vocab_size)
+
+    def to_request(self, arrival_step: int, vocab_size: int = DEFAULT_VOCAB_SIZE) -> Request:
+        """The fresh :class:`Request` the scheduler receives when this arrives at ``arrival_step``."""
+        return Request(
+            request_id=self.request_id,
+            arrival_step=arrival_step,
+            arrival_time=self.arrival_time,
+            prompt_token_ids=self.prompt_token_ids(vocab_size),
+            max_tokens=self.max_tokens,
+            priority=self.priority,
+            eos_token_id=EOS_TOKEN_ID,
+        )
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in attrs.asdict(self).items() if v is not None}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> RequestSpec:
+        return cls(**data)
