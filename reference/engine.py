@@ -1,0 +1,302 @@
+"""The engine loop: drive any :class:`~schedspec.reference.scheduler.Scheduler` with arrivals and a
+token source, and check it against the spec at every step.
+
+Per step: arrivals and aborts due before the step are applied; the scheduler plans; with checking on,
+the plan must be allowed by the spec from the current state (the **refinement check**,
+:func:`schedspec.spec.rules.violated_rules`); the token source runs the batch; the scheduler updates;
+every invariant (:mod:`schedspec.spec.invariants`) is checked on the step; the trace-property monitors
+(:mod:`schedspec.spec.properties`) watch it. A :class:`StepRecord` is produced for every step.
+
+Two clocks: ``mode="steps"`` adds a request before step ``arrival_step`` and runs empty steps while
+waiting for arrivals (scenarios); ``mode="time"`` adds requests whose ``arrival_time`` has passed on a
+simulated clock that advances by each step's duration and jumps over idle gaps (traces).
+"""
+
+from __future__ import annotations
+
+import time as wallclock
+from collections.abc import Callable, Iterable, Sequence
+
+import attrs
+
+from schedspec.spec.config import SchedulerConfig
+from schedspec.spec.invariants import check_step
+from schedspec.spec.properties import Monitor, monitors
+from schedspec.spec.rules import Violation, violated_rules
+from schedspec.spec.state import SchedulerState, StepPlan
+from schedspec.spec.trace import ScheduledTokens, StepRecord
+from schedspec.spec.transitions import abort_request, add_request, apply_plan
+from schedspec.spec.workload import RequestSpec
+
+from .fake_model import FakeModel, TokenSource
+from .scheduler import Scheduler
+
+
+class ViolationFound(Exception):
+    """A rule, invariant or guaranteed property was violated and the run was asked to stop."""
+
+    def __init__(self, violations: list[Violation], state: SchedulerState) -> None:
+        self.violations = violations
+        self.state = state
+        super().__init__("; ".join(str(v) for v in violations[:5]))
+
+
+@attrs.define
+class RunResult:
+    """What a run produced.
+
+    Attributes:
+        records: one :class:`StepRecord` per step (empty if ``record_steps`` was off).
+        state: the spec state after the last step.
+        violations: every rule, invariant and property violation found.
+        property_violations: the property violations by property name (guaranteed or only watched).
+        num_steps: steps run.
+        num_steps_checked: steps whose plan and invariants were checked.
+        wall_seconds: wall-clock time of the run.
+        specs: the workload's request descriptors by id.
+    """
+
+    records: list[StepRecord]
+    state: SchedulerState
+    violations: list[Violation]
+    property_violations: dict[str, list[Violation]]
+    num_steps: int
+    num_steps_checked: int
+    wall_seconds: float
+    specs: dict[str, RequestSpec]
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+
+def _record(
+    before: SchedulerState,
+    after: SchedulerState,
+    plan: StepPlan,
+    sampled: dict[str, int],
+    finished: Iterable[str],
+    start: float,
+    duration: float,
+    arrivals: list[RequestSpec],
+    aborts: list[str],
+    aborted: list[str],
+    freed_by_abort: dict[str, tuple[int, ...]],
+) -> StepRecord:
+    scheduled = []
+    allocated = {}
+    for item in plan.scheduled:
+        request = before.requests[item.request_id]
+        decode = 0 if request.is_prefill else item.num_tokens
+        scheduled.append(ScheduledTokens(item.request_id, item.num_computed_tokens, item.num_tokens - decode, decode))
+        if item.new_block_ids:
+            allocated[item.request_id] = item.new_block_ids
+    freed = dict(freed_by_abort)
+    for request_id in plan.preempted:
+        if before.requests[request_id].block_ids:
+            freed[request_id] = before.requests[request_id].block_ids
+    finished_reasons = {}
+    for request_id in finished:
+        request = after.finished[request_id]
+        finished_reasons[request_id] = request.finish_reason or ""
+        blocks = before.requests[request_id].block_ids + allocated.get(request_id, ())
+        if blocks:
+            freed[request_id] = blocks
+    return StepRecord(
+        step=before.step,
+        start_time=start,
+        duration=duration,
+        arrivals=arrivals,
+        aborts=aborts,
+        scheduled=scheduled,
+        blocks_allocated=allocated,
+        blocks_freed=freed,
+        preempted=plan.preempted,
+        finished=finished_reasons,
+        aborted=aborted,
+        rejected=dict(plan.rejected),
+        sampled_token_ids=sampled,
+        num_free_blocks=len(after.free_block_ids),
+        num_running=len(after.running),
+        num_waiting=len(after.waiting),
+    )
+
+
+class Engine:
+    """Drives a scheduler (module docstring).
+
+    Args:
+        scheduler: any :class:`Scheduler`.
+        config: the limits the scheduler was built with.
+        token_source: runs each step; default :class:`FakeModel` (with ``eos_at_output`` from the
+            workload).
+        check: check every plan and every invariant (the refinement check); off for speed only.
+        properties: trace properties to monitor; default: those the scheduler guarantees.
+        watch: extra properties to monitor without counting their violations as failures (used to
+            demonstrate counterexamples).
+        record_steps: keep a :class:`StepRecord` per step.
+        stop_on_violation: raise :class:`ViolationFound` at the first violated rule or invariant.
+        on_step: called with each record (progress bars, streaming output).
+    """
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        config: SchedulerConfig,
+        token_source: TokenSource | None = None,
+        check: bool = True,
+        properties: Iterable[str] | None = None,
+        watch: Iterable[str] = (),
+        record_steps: bool = True,
+        stop_on_violation: bool = False,
+        on_step: Callable[[StepRecord], None] | None = None,
+    ) -> None:
+        self.scheduler = scheduler
+        self.config = config
+        self.token_source = token_source
+        self.check = check
+        self.properties = tuple(properties if properties is not None else sorted(scheduler.guarantees))
+        self.watch = tuple(name for name in watch if name not in self.properties)
+        self.record_steps = record_steps
+        self.stop_on_violation = stop_on_violation
+        self.on_step = on_step
+
+    def run(
+        self,
+        workload: Sequence[RequestSpec],
+        mode: str = "steps",
+        max_steps: int | None = None,
+    ) -> RunResult:
+        """Run the workload until every request has ended (or ``max_steps`` steps).
+
+        Args:
+            workload: request descriptors; ``arrival_step`` (mode ``steps``) or ``arrival_time``
+                (mode ``time``) says when each arrives.
+            mode: ``"steps"`` or ``"time"`` (module docstring).
+            max_steps: stop after this many steps even if requests are live.
+
+        Raises:
+            ValueError: unknown mode, duplicate request ids, or a request without ``arrival_step``
+                in steps mode.
+            ViolationFound: with ``stop_on_violation``, at the first rule or invariant violation.
+        """
+        if mode not in ("steps", "time"):
+            raise ValueError(f"mode={mode!r}: must be 'steps' or 'time'")
+        specs: dict[str, RequestSpec] = {}
+        for spec in workload:
+            if spec.request_id in specs:
+                raise ValueError(f"request_id={spec.request_id!r} appears twice in the workload")
+            if mode == "steps" and spec.arrival_step is None:
+                raise ValueError(f"request_id={spec.request_id!r}: arrival_step is required in steps mode")
+            specs[spec.request_id] = spec
+        key = (lambda s: (s.arrival_step, 0.0)) if mode == "steps" else (lambda s: (0, s.arrival_time))
+        pending = sorted(workload, key=key)
+        token_source = self.token_source or FakeModel(
+            self.config, eos_at_output={s.request_id: s.eos_at_output for s in workload if s.eos_at_output}
+        )
+        step_aborts: dict[int, list[str]] = {}
+        time_aborts = sorted((s.abort_at_time, s.request_id) for s in workload if s.abort_at_time is not None)
+        for spec in workload:
+            if spec.abort_at_step is not None:
+                step_aborts.setdefault(spec.abort_at_step, []).append(spec.request_id)
+
+        watched: list[Monitor] = monitors(self.properties, self.config) + monitors(self.watch, self.config)
+        shadow = SchedulerState.initial(self.config)
+        own_state = isinstance(getattr(self.scheduler, "state", None), SchedulerState)
+        records: list[StepRecord] = []
+        violations: list[Violation] = []
+        next_arrival = 0
+        next_time_abort = 0
+        clock = 0.0
+        step = 0
+        checked = 0
+        started = wallclock.perf_counter()
+
+        while True:
+            if max_steps is not None and step >= max_steps:
+                break
+            if mode == "time" and not shadow.requests and next_arrival < len(pending):
+                clock = max(clock, pending[next_arrival].arrival_time)
+            arrivals: list[RequestSpec] = []
+            while next_arrival < len(pending):
+                spec = pending[next_arrival]
+                due = spec.arrival_step <= step if mode == "steps" else spec.arrival_time <= clock
+                if not due:
+                    break
+                request = spec.to_request(step)
+                self.scheduler.add_request(request)
+                shadow = self.scheduler.state if own_state else add_request(shadow, request)
+                arrivals.append(spec)
+                next_arrival += 1
+            aborts = list(step_aborts.get(step, ()))
+            while next_time_abort < len(time_aborts) and time_aborts[next_time_abort][0] <= clock:
+                aborts.append(time_aborts[next_time_abort][1])
+                next_time_abort += 1
+            aborted, freed_by_abort = [], {}
+            for request_id in aborts:
+                live = shadow.requests.get(request_id)
+                if live is not None:
+                    aborted.append(request_id)
+                    if live.block_ids:
+                        freed_by_abort[request_id] = live.block_ids
+                self.scheduler.abort_request(request_id)
+                shadow = self.scheduler.state if own_state else abort_request(shadow, request_id)
+            if not shadow.requests and next_arrival >= len(pending):
+                break
+
+            before = shadow
+            plan = self.scheduler.schedule()
+            if self.check:
+                found = violated_rules(before, plan, self.config)
+                if found:
+                    violations.extend(found)
+                    if self.stop_on_violation:
+                        raise ViolationFound(found, before)
+            sampled, duration = token_source.execute(plan, before)
+            finished = self.scheduler.update(plan, sampled)
+            if own_state:
+                after = self.scheduler.state
+            else:
+                result = apply_plan(before, plan, sampled, self.config)
+                after = result.state
+                if set(finished) != set(result.finished):
+                    violations.append(Violation(
+                        "refinement", f"scheduler says finished {sorted(finished)}, spec says {sorted(result.finished)}",
+                        before.step))
+                finished = result.finished
+            if self.check:
+                found = check_step(before, plan, after, self.config)
+                checked += 1
+                if found:
+                    violations.extend(found)
+                    if self.stop_on_violation:
+                        raise ViolationFound(found, after)
+            for monitor in watched:
+                monitor.observe(before, plan, after)
+            record = None
+            if self.record_steps or self.on_step is not None:
+                record = _record(before, after, plan, sampled, finished, clock, duration,
+                                 arrivals, aborts, aborted, freed_by_abort)
+                if self.record_steps:
+                    records.append(record)
+                if self.on_step is not None:
+                    self.on_step(record)
+            shadow = after
+            clock += duration
+            step += 1
+
+        property_violations: dict[str, list[Violation]] = {}
+        for monitor in watched:
+            property_violations[monitor.name] = monitor.finish(shadow)
+            if monitor.name in self.properties:
+                violations.extend(property_violations[monitor.name])
+        return RunResult(
+            records=records,
+            state=shadow,
+            violations=violations,
+            property_violations=property_violations,
+            num_steps=step,
+            num_steps_checked=checked,
+            wall_seconds=wallclock.perf_counter() - started,
+            specs=specs,
+        )

@@ -1,0 +1,125 @@
+"""The token-source interface and the default token source: a fake model over a fake paged KV cache.
+
+A token source runs one step: ``execute(plan, state) -> (sampled_token_ids, step_seconds)``, where
+``state`` is the state *before* the step and the result holds a token id for each request that
+samples in it (:func:`schedspec.spec.state.samples_this_step`). The PyTorch backend
+(``schedspec.gpu_backend.Runner``) implements the same interface with a real model.
+
+:class:`FakeModel` keeps one token id per KV slot (``num_kv_blocks * block_size`` slots). Each step it
+writes every scheduled token's id into the slot its block table gives, then derives each sampled token
+from ids it reads back **through the block table**: a wrong table, a lost or shared block, or a bad
+recompute changes the output, so ``outputs_equal_solo`` catches them. Its step time comes from a
+:class:`~schedspec.reference.cost_model.CostModel`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from schedspec.spec.config import SchedulerConfig
+from schedspec.spec.request import Request
+from schedspec.spec.state import SchedulerState, StepPlan, samples_this_step
+from schedspec.spec.workload import DEFAULT_VOCAB_SIZE, EOS_TOKEN_ID
+
+FULL_READ_LIMIT = 512
+"""Sequences up to this many tokens are read back whole each step; longer ones are read at their last
+:data:`SAMPLED_READS` positions and at as many pseudo-random earlier ones (cost stays O(1) per request)."""
+SAMPLED_READS = 8
+
+
+@runtime_checkable
+class TokenSource(Protocol):
+    """Runs one planned step. ``state`` is the state before the step.
+
+    Returns:
+        ``(sampled_token_ids, step_seconds)``: request id -> sampled token id for every request that
+        samples this step, and the step's duration in seconds.
+    """
+
+    def execute(self, plan: StepPlan, state: SchedulerState) -> tuple[dict[str, int], float]: ...
+
+
+def _token_ids(request: Request, start: int, stop: int) -> np.ndarray:
+    prompt = request.prompt_token_ids
+    prompt_len = len(prompt)
+    parts = []
+    if start < prompt_len:
+        end = min(stop, prompt_len)
+        if hasattr(prompt, "array"):
+            parts.append(prompt.array(start, end))
+        else:
+            parts.append(np.asarray(prompt[start:end], dtype=np.int64))
+    if stop > prompt_len:
+        outputs = request.output_token_ids
+        parts.append(np.asarray(outputs[max(start, prompt_len) - prompt_len: stop - prompt_len], dtype=np.int64))
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+class FakeModel:
+    """The default token source (module docstring).
+
+    Args:
+        config: the scheduler config (sizes the slot array: ``num_kv_blocks * block_size``).
+        cost_model: gives each step's duration; default: the ``llama3-8b-a100-80gb`` profile.
+        eos_at_output: request id -> k: emit :data:`EOS_TOKEN_ID` as output token k (1-based).
+        vocab_size: sampled ids lie in ``[1, vocab_size)`` (EOS only where ``eos_at_output`` says).
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        cost_model=None,
+        eos_at_output: Mapping[str, int] | None = None,
+        vocab_size: int = DEFAULT_VOCAB_SIZE,
+    ) -> None:
+        if cost_model is None:
+            from schedspec.reference.cost_model import PROFILES
+
+            cost_model = PROFILES["llama3-8b-a100-80gb"]
+        self.config = config
+        self.cost_model = cost_model
+        self.eos_at_output = dict(eos_at_output or {})
+        self.vocab_size = vocab_size
+        self.slots = np.full(config.num_kv_blocks * config.block_size, -1, dtype=np.int64)
+
+    def _slots(self, table: tuple[int, ...], start: int, stop: int) -> np.ndarray:
+        size = self.config.block_size
+        positions = np.arange(start, stop)
+        return np.asarray(table, dtype=np.int64)[positions // size] * size + positions % size
+
+    def _sample(self, request: Request, table: tuple[int, ...], length: int) -> int:
+        if length <= FULL_READ_LIMIT:
+            positions = np.arange(length)
+        else:
+            rng = np.random.default_rng(length * 2654435761 % (2**32))
+            positions = np.concatenate([np.arange(length - SAMPLED_READS, length),
+                                        rng.integers(0, length - SAMPLED_READS, SAMPLED_READS)])
+        size = self.config.block_size
+        read = self.slots[np.asarray(table, dtype=np.int64)[positions // size] * size + positions % size]
+        weights = (positions.astype(np.uint64) * np.uint64(0x9E3779B1) + np.uint64(1)) | np.uint64(1)
+        with np.errstate(over="ignore"):
+            digest = int(np.bitwise_xor.reduce(read.astype(np.uint64) * weights)) ^ (length * 0x85EBCA6B)
+        return 1 + digest % (self.vocab_size - 1)
+
+    def execute(self, plan: StepPlan, state: SchedulerState) -> tuple[dict[str, int], float]:
+        sampled: dict[str, int] = {}
+        prefill_tokens = decode_tokens = attended = 0
+        for item in plan.scheduled:
+            request = state.requests[item.request_id]
+            table = request.block_ids + item.new_block_ids
+            start, stop = item.num_computed_tokens, item.num_computed_tokens + item.num_tokens
+            self.slots[self._slots(table, start, stop)] = _token_ids(request, start, stop)
+            attended += stop
+            if request.is_prefill:
+                prefill_tokens += item.num_tokens
+            else:
+                decode_tokens += item.num_tokens
+            if samples_this_step(request, item):
+                if self.eos_at_output.get(item.request_id) == request.num_output_tokens + 1:
+                    sampled[item.request_id] = EOS_TOKEN_ID
+                else:
+                    sampled[item.request_id] = self._sample(request, table, stop)
+        return sampled, self.cost_model.step_seconds(prefill_tokens, decode_tokens, attended)

@@ -1,0 +1,142 @@
+"""The stateful ``Scheduler`` protocol, the reference schedulers that implement it, and the registry
+that ``--scheduler NAME`` reads.
+
+The protocol (engine adapters implement the same one):
+
+- ``add_request(request)``: a fresh :class:`~schedspec.spec.request.Request` arrives (before a step).
+- ``abort_request(request_id)``: the client aborts it (before a step); unknown ids are ignored.
+- ``schedule() -> StepPlan``: plan the next step. Must not change the scheduler's state.
+- ``update(plan, sampled_token_ids) -> tuple[str, ...]``: apply the plan just returned and the tokens
+  the model sampled (request id -> token id for each request that samples); returns the ids of the
+  requests that finished (stop or length) in this step.
+- ``state``: the scheduler's :class:`~schedspec.spec.state.SchedulerState` (reference schedulers), or
+  ``None`` for an engine adapter, whose state the engine loop shadows with the spec.
+- ``name`` and ``guarantees``: the registry name and the trace properties it promises.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from typing import Protocol, runtime_checkable
+
+from schedspec.spec.config import SchedulerConfig
+from schedspec.spec.request import Request
+from schedspec.spec.state import SchedulerState, StepPlan
+from schedspec.spec.transitions import abort_request, add_request, apply_plan
+
+from . import policies
+
+PlanFunction = Callable[[SchedulerState, SchedulerConfig], StepPlan]
+
+
+class UnsupportedFeature(Exception):
+    """The chosen scheduler cannot express this config or scenario (CLI exit status 3)."""
+
+
+class UnknownScheduler(ValueError):
+    """``--scheduler`` names no registered scheduler and no importable ``module:factory``."""
+
+
+@runtime_checkable
+class Scheduler(Protocol):
+    """An iteration-level scheduler driven step by step (module docstring)."""
+
+    name: str
+    guarantees: frozenset[str]
+
+    def add_request(self, request: Request) -> None: ...
+
+    def abort_request(self, request_id: str) -> None: ...
+
+    def schedule(self) -> StepPlan: ...
+
+    def update(self, plan: StepPlan, sampled_token_ids: Mapping[str, int]) -> tuple[str, ...]: ...
+
+
+ALL_PROPERTIES = frozenset(
+    {"progress", "work-conserving", "stall-free-decode", "bounded-wait", "bounded-preemptions", "rejects-impossible"}
+)
+
+
+class ReferenceScheduler:
+    """A pure policy wrapped as a stateful :class:`Scheduler`; its state changes only by the spec's
+    transitions, so it refines the spec whenever its plans are allowed."""
+
+    def __init__(self, config: SchedulerConfig, plan: PlanFunction, name: str, guarantees: frozenset[str]) -> None:
+        if config.enable_prefix_caching:
+            raise UnsupportedFeature(
+                f"scheduler {name!r} does not implement prefix caching (enable_prefix_caching=true)"
+            )
+        self.config = config
+        self.plan_function = plan
+        self.name = name
+        self.guarantees = guarantees
+        self.state = SchedulerState.initial(config)
+
+    def add_request(self, request: Request) -> None:
+        self.state = add_request(self.state, request)
+
+    def abort_request(self, request_id: str) -> None:
+        self.state = abort_request(self.state, request_id)
+
+    def schedule(self) -> StepPlan:
+        return self.plan_function(self.state, self.config)
+
+    def update(self, plan: StepPlan, sampled_token_ids: Mapping[str, int]) -> tuple[str, ...]:
+        result = apply_plan(self.state, plan, sampled_token_ids, self.config)
+        self.state = result.state
+        return result.finished
+
+
+SchedulerFactory = Callable[[SchedulerConfig], Scheduler]
+
+
+def _reference(plan: PlanFunction, name: str, guarantees: frozenset[str]) -> SchedulerFactory:
+    def factory(config: SchedulerConfig) -> Scheduler:
+        return ReferenceScheduler(config, plan, name, guarantees)
+
+    factory.__doc__ = plan.__doc__
+    return factory
+
+
+SCHEDULERS: dict[str, SchedulerFactory] = {
+    "fcfs": _reference(policies.fcfs, "fcfs", ALL_PROPERTIES),
+    "static": _reference(
+        policies.static, "static",
+        frozenset({"progress", "bounded-wait", "rejects-impossible", "bounded-preemptions"}),
+    ),
+    "shortest-prompt-first": _reference(
+        policies.shortest_prompt_first, "shortest-prompt-first",
+        frozenset({"progress", "work-conserving", "stall-free-decode", "rejects-impossible"}),
+    ),
+}
+"""Registered schedulers by ``--scheduler`` name. ``module:factory`` names a user's own factory, a
+callable taking a :class:`SchedulerConfig` and returning a :class:`Scheduler`."""
+
+PLAN_FUNCTIONS: dict[str, PlanFunction] = {
+    "fcfs": policies.fcfs,
+    "static": policies.static,
+    "shortest-prompt-first": policies.shortest_prompt_first,
+}
+
+
+def make_scheduler(name: str, config: SchedulerConfig) -> Scheduler:
+    """Build the scheduler ``name`` (registry name or ``module:factory``) for ``config``.
+
+    Raises:
+        UnknownScheduler: no such scheduler (the message lists the known names).
+        UnsupportedFeature: the scheduler cannot run this config.
+    """
+    factory = SCHEDULERS.get(name)
+    if factory is None:
+        if ":" not in name:
+            raise UnknownScheduler(
+                f"--scheduler {name!r}: unknown; known: {', '.join(sorted(SCHEDULERS))}, or module:factory"
+            )
+        module_name, _, attribute = name.partition(":")
+        try:
+            factory = getattr(importlib.import_module(module_name), attribute)
+        except (ImportError, AttributeError) as error:
+            raise UnknownScheduler(f"--scheduler {name!r}: cannot load ({error})") from None
+    return factory(config)

@@ -1,0 +1,282 @@
+"""Trace properties: claims about a whole run, not a single step.
+
+Each property has a registered name that the proofs, the scenarios (``demonstrates``) and the docs
+cite. A property is checked by a monitor that watches every step ``(before, plan, after)`` and
+reports :class:`~schedspec.spec.rules.Violation` values. Each policy declares which properties it
+guarantees (``GUARANTEES`` on the policy); a violation of a guaranteed property is a bug, a
+violation of another one is a fact about the policy (for example head-of-line blocking under
+static batching).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import attrs
+
+from schedspec.spec.admission import max_blocks_needed, rejection_reason
+from schedspec.spec.config import SchedulerConfig, blocks_for_tokens
+from schedspec.spec.rules import Violation
+from schedspec.spec.state import SchedulerState, StepPlan
+
+
+class Monitor:
+    """Watches a run step by step; ``violations`` collects what it finds."""
+
+    name = ""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.violations: list[Violation] = []
+
+    def observe(self, before: SchedulerState, plan: StepPlan, after: SchedulerState) -> None:
+        """Called once per step with the state before, the plan, and the state after."""
+
+    def finish(self, final: SchedulerState) -> list[Violation]:
+        """Called once at the end; returns every violation found."""
+        return self.violations
+
+    def report(self, step: int, detail: str, request_id: str | None = None) -> None:
+        self.violations.append(Violation(self.name, detail, step, request_id))
+
+
+def _oldest_live(state: SchedulerState) -> str | None:
+    """The live request that arrived first (arrival step, then order of addition), ignoring
+    requests that must be rejected."""
+    best: tuple[int, int] | None = None
+    best_id = None
+    for position, request_id in enumerate(state.running + state.waiting):
+        request = state.requests[request_id]
+        key = (request.arrival_step, position if request_id in state.running else 10**9 + position)
+        if best is None or key < best:
+            best, best_id = key, request_id
+    return best_id
+
+
+class Progress(Monitor):
+    """``progress``: over any window of ``window`` steps that start with live work, some request ends or
+    some request computes a token position it never computed before.
+
+    Recomputing already-computed positions after a preemption is not progress, so a request that
+    preempts itself forever breaks the property. The default window is ``max_model_len`` steps: a policy
+    that gives the oldest request at least one token per step recomputes at most that many positions
+    before passing its high-water mark (fcfs; see ``bounded-wait``).
+    """
+
+    name = "progress"
+
+    def __init__(self, config: SchedulerConfig, window: int | None = None) -> None:
+        super().__init__(config)
+        self.window = window or config.max_model_len
+        self.high_water: dict[str, int] = {}
+        self.stalled_since: int | None = None
+
+    def observe(self, before: SchedulerState, plan: StepPlan, after: SchedulerState) -> None:
+        advanced = len(after.finished) > len(before.finished)
+        for item in plan.scheduled:
+            reach = item.num_computed_tokens + item.num_tokens
+            if reach > self.high_water.get(item.request_id, 0):
+                self.high_water[item.request_id] = reach
+                advanced = True
+        if advanced or not before.requests:
+            self.stalled_since = None
+            return
+        if self.stalled_since is None:
+            self.stalled_since = before.step
+        if before.step - self.stalled_since + 1 >= self.window:
+            self.report(before.step, f"no new token position and no request ended for {self.window} steps")
+            self.stalled_since = None
+
+
+class WorkConserving(Monitor):
+    """``work-conserving``: no step leaves budget unused while a running request could use it, and no step
+    without preemption leaves budget, a sequence slot and blocks unused while the head of the waiting
+    queue fits.
+
+    Precisely, with ``left = max_num_batched_tokens - scheduled tokens``: if ``left > 0`` every running
+    request is scheduled or preempted; and if the step preempted nothing, ``left > 0`` and running after
+    the step ``< max_num_seqs``, then the first waiting request that is not rejected does not fit: its
+    whole sequence needs more blocks than the plan leaves free (blocks freed by requests that finish
+    in the step are not counted: they are free only after sampling), or (chunked prefill off) its pending
+    tokens exceed ``left``. Strict FCFS (head-of-line) is allowed; holding a finished request's slot
+    (static batching) is not. vLLM does not admit in a step that preempted
+    (``Scheduler.schedule``: ``if not preempted_reqs``), hence the exception.
+    """
+
+    name = "work-conserving"
+
+    def observe(self, before: SchedulerState, plan: StepPlan, after: SchedulerState) -> None:
+        config = self.config
+        left = config.max_num_batched_tokens - plan.num_scheduled_tokens
+        if left <= 0:
+            return
+        scheduled = {item.request_id for item in plan.scheduled}
+        preempted = set(plan.preempted)
+        for request_id in before.running:
+            if request_id not in scheduled and request_id not in preempted:
+                self.report(before.step, f"running request left out with {left} tokens of budget unused", request_id)
+        if plan.preempted:
+            return
+        running_after = len(before.running) + sum(1 for i in plan.scheduled if i.request_id not in before.running)
+        if running_after >= config.max_num_seqs:
+            return
+        rejected = {request_id for request_id, _ in plan.rejected}
+        free_at_plan = len(before.free_block_ids) - sum(len(i.new_block_ids) for i in plan.scheduled)
+        for request_id in before.waiting:
+            if request_id in rejected or request_id in scheduled:
+                continue
+            request = before.requests[request_id]
+            fits_blocks = blocks_for_tokens(request.num_tokens, config.block_size) <= free_at_plan
+            fits_budget = config.enable_chunked_prefill or request.num_pending_tokens <= left
+            if fits_blocks and fits_budget:
+                self.report(
+                    before.step,
+                    f"head of the waiting queue fits ({free_at_plan} free blocks, {left} tokens, "
+                    f"{config.max_num_seqs - running_after} slots left) but was not admitted",
+                    request_id,
+                )
+            break
+
+
+class StallFreeDecode(Monitor):
+    """``stall-free-decode`` (Sarathi-Serve §4.2, stall-free batching): in a step without preemption, if the
+    running requests in decode (one pending token) number at most ``max_num_batched_tokens``, each of them
+    gets exactly one token. A long prefill never delays a running decode."""
+
+    name = "stall-free-decode"
+
+    def observe(self, before: SchedulerState, plan: StepPlan, after: SchedulerState) -> None:
+        if plan.preempted:
+            return
+        decodes = [
+            r for r in before.running
+            if before.requests[r].num_pending_tokens == 1 and before.requests[r].num_computed_tokens >= before.requests[r].prompt_len
+        ]
+        if len(decodes) > self.config.max_num_batched_tokens:
+            return
+        tokens = {item.request_id: item.num_tokens for item in plan.scheduled}
+        for request_id in decodes:
+            if tokens.get(request_id) != 1:
+                self.report(before.step, "running decode got no token", request_id)
+
+
+class BoundedWait(Monitor):
+    """``bounded-wait`` (no starvation): a request that becomes the oldest live request (by arrival) ends
+    within ``max_model_len`` steps.
+
+    Why this bound: a policy that schedules the oldest live request in every step (fcfs does: it is first
+    in the running set, or alone) computes at least one of its at most ``max_model_len`` positions per
+    step. It follows that a request with ``k`` live requests older than it at arrival ends within
+    ``(k + 1) * max_model_len`` steps. Policies that starve by design (shortest-prompt-first) do not
+    guarantee this.
+    """
+
+    name = "bounded-wait"
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        super().__init__(config)
+        self.oldest: str | None = None
+        self.since = 0
+
+    def observe(self, before: SchedulerState, plan: StepPlan, after: SchedulerState) -> None:
+        oldest = _oldest_live(before)
+        rejected = {r for r, _ in plan.rejected}
+        if oldest in rejected:
+            oldest = None
+        if oldest != self.oldest:
+            self.oldest, self.since = oldest, before.step
+        if oldest is not None and oldest in after.requests and after.step - self.since >= self.config.max_model_len:
+            self.report(before.step, f"oldest live request for {after.step - self.since} steps without ending", oldest)
+            self.oldest = None
+
+
+class BoundedPreemptions(Monitor):
+    """``bounded-preemptions``: after the last arrival, no request is preempted more than ``P(i)`` times,
+    where requests live at the last arrival are ranked by age ``i = 1..n`` and ``P(1) = 0``,
+    ``A(j) = (P(j) + 1) * max_blocks(j)``, ``P(i) = sum_{j < i} A(j)``.
+
+    Why (for a policy that preempts the most recently admitted running request, as fcfs and vLLM do): a
+    request is preempted only when an older running request needs a new block; a request allocates at most
+    ``max_blocks`` blocks per admission. Without arrivals no younger request can take its place in line.
+    """
+
+    name = "bounded-preemptions"
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        super().__init__(config)
+        self.counts: dict[str, int] = {}
+        self.bounds: dict[str, int] | None = None
+        self.last_added = 0
+
+    def observe(self, before: SchedulerState, plan: StepPlan, after: SchedulerState) -> None:
+        if before.num_requests_added != self.last_added:
+            self.last_added = before.num_requests_added
+            self.counts = {}
+            self.bounds = None
+        if self.bounds is None:
+            order = sorted(before.requests.values(), key=lambda r: (r.arrival_step, r.arrival_time))
+            total, bounds = 0, {}
+            for request in order:
+                bounds[request.request_id] = total
+                blocks = max_blocks_needed(request.prompt_len, request.max_tokens, self.config)
+                total += (total + 1) * blocks
+                total = min(total, 10**18)
+            self.bounds = bounds
+        for request_id in plan.preempted:
+            self.counts[request_id] = self.counts.get(request_id, 0) + 1
+            bound = self.bounds.get(request_id, 0)
+            if self.counts[request_id] > bound:
+                self.report(before.step, f"preempted {self.counts[request_id]} times after the last arrival > bound {bound}", request_id)
+
+
+class RejectsImpossible(Monitor):
+    """``rejects-impossible``: a request that could never complete alone (see ``admission``) is rejected,
+    with its reason, in the first step after its arrival; no other request is rejected."""
+
+    name = "rejects-impossible"
+
+    def observe(self, before: SchedulerState, plan: StepPlan, after: SchedulerState) -> None:
+        rejected = dict(plan.rejected)
+        for request_id in before.waiting:
+            request = before.requests[request_id]
+            if request.admitted_step is not None:
+                continue
+            reason = rejection_reason(request.prompt_len, request.max_tokens, self.config)
+            if reason is not None and request_id not in rejected:
+                self.report(before.step, f"not rejected although {reason}", request_id)
+            if reason is None and request_id in rejected:
+                self.report(before.step, f"rejected ({rejected[request_id]}) although it can complete alone", request_id)
+
+
+@attrs.frozen
+class TraceProperty:
+    """A registered trace property: name, statement, source and monitor factory."""
+
+    name: str
+    statement: str
+    source: str
+    monitor: Callable[[SchedulerConfig], Monitor]
+
+
+PROPERTIES: dict[str, TraceProperty] = {
+    cls.name: TraceProperty(cls.name, (cls.__doc__ or "").strip(), source, cls)
+    for cls, source in (
+        (Progress, "Orca (OSDI'22) iteration-level scheduling; this spec"),
+        (WorkConserving, "vLLM Scheduler.schedule; Orca §3"),
+        (StallFreeDecode, "Sarathi-Serve (OSDI'24) §4.2"),
+        (BoundedWait, "this spec (FCFS starvation bound)"),
+        (BoundedPreemptions, "vLLM Scheduler._preempt_request (victim: last of running)"),
+        (RejectsImpossible, "this spec, admission"),
+    )
+}
+"""Every trace property by name."""
+
+
+def monitors(names: list[str] | tuple[str, ...] | frozenset[str], config: SchedulerConfig) -> list[Monitor]:
+    """Fresh monitors for the named properties. Raises ``KeyError`` naming an unknown property."""
+    found = []
+    for name in names:
+        if name not in PROPERTIES:
+            raise KeyError(f"unknown trace property {name!r}; known: {sorted(PROPERTIES)}")
+        found.append(PROPERTIES[name].monitor(config))
+    return found
