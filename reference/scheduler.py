@@ -121,6 +121,15 @@ PLAN_FUNCTIONS: dict[str, PlanFunction] = {
 }
 
 
+NOT_YET_IMPLEMENTED: dict[str, str] = {
+    "priority": "the priority policy (vLLM --scheduling-policy priority) is not implemented yet",
+    "vllm-v1": "the vLLM V1 replica policy is not implemented yet",
+    "vllm": "the vLLM engine adapter is not implemented yet",
+    "nanovllm": "the nano-vLLM engine adapter is not implemented yet",
+}
+"""Names the CLI already reserves; choosing one is a missing feature (exit 3), not a typo (exit 2)."""
+
+
 def make_scheduler(name: str, config: SchedulerConfig) -> Scheduler:
     """Build the scheduler ``name`` (registry name or ``module:factory``) for ``config``.
 
@@ -128,6 +137,8 @@ def make_scheduler(name: str, config: SchedulerConfig) -> Scheduler:
         UnknownScheduler: no such scheduler (the message lists the known names).
         UnsupportedFeature: the scheduler cannot run this config.
     """
+    if name in NOT_YET_IMPLEMENTED:
+        raise UnsupportedFeature(f"scheduler {name!r}: {NOT_YET_IMPLEMENTED[name]}")
     factory = SCHEDULERS.get(name)
     if factory is None:
         if ":" not in name:

@@ -1,0 +1,235 @@
+"""A Llama-family decoder that runs one packed, paged batch per call (pure PyTorch).
+
+The batch packs ``T`` new tokens of several requests: prefill chunks at any offset into their sequence
+and single decode tokens. Each new token attends to its request's cached tokens plus the causal part of
+its own chunk; keys and values are written to, then gathered from, the paged KV cache through the
+request's block table. Numerics follow Hugging Face ``modeling_llama`` (fp32 RMSNorm, fp32 rotary
+angles, ``rotate_half`` rotary embedding, SwiGLU) so logits match ``transformers`` to rounding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+from schedspec.gpu_backend.config import ModelConfig
+from schedspec.gpu_backend.kv_cache import PagedKVCache
+
+
+@attrs.define
+class PrefillChunk:
+    """One request's chunk of more than one token in a packed batch.
+
+    Attributes:
+        token_start: index of its first token in the packed batch.
+        num_tokens: ``n``, tokens in the chunk.
+        seq_len: ``L``, positions ``[0, L)`` visible after the chunk (cached plus new), tokens.
+        block_ids: ``[ceil(L / block_size)]`` int64, its block table prefix covering ``[0, L)``.
+        mask: ``[G * n, L]`` bool, True where query ``i`` (repeated for the ``G`` query heads of each
+            key/value head) may attend key position ``j`` (``j <= L - n + i``).
+    """
+
+    token_start: int
+    num_tokens: int
+    seq_len: int
+    block_ids: torch.Tensor
+    mask: torch.Tensor
+
+
+@attrs.define
+class PackedBatch:
+    """Inputs and attention metadata of one step, on the model device.
+
+    Attributes:
+        input_ids: ``[T]`` int64 token ids.
+        positions: ``[T]`` int64 position of each token in its sequence.
+        slot_mapping: ``[T]`` int64 KV-cache slot each token's key/value is written to.
+        decode_index: ``[Rd]`` int64 batch index of each single-token item (``None`` if none).
+        decode_block_tables: ``[Rd, B]`` int64 block tables padded with block 0 (``B`` blocks cover the
+            longest decode sequence).
+        decode_valid: ``[Rd, B * block_size]`` bool, True for the positions each decode may read.
+        prefills: the chunks of more than one token.
+        logits_index: ``[S]`` int64 batch indices whose logits are returned.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    decode_index: torch.Tensor | None
+    decode_block_tables: torch.Tensor | None
+    decode_valid: torch.Tensor | None
+    prefills: list[PrefillChunk]
+    logits_index: torch.Tensor
+
+
+@attrs.define
+class _Layer:
+    input_norm: torch.Tensor
+    qkv_weight: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o_weight: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up_weight: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down_weight: torch.Tensor
+    down_bias: torch.Tensor | None
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Rotary inverse frequencies ``[head_dim / 2]`` float32, as Hugging Face computes them
+    (``default``, ``linear`` and ``llama3`` rope types)."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim))
+    if config.rope_type == "linear":
+        inv_freq = inv_freq / config.rope_factor
+    elif config.rope_type == "llama3":
+        factor = config.rope_factor
+        low, high = config.rope_low_freq_factor, config.rope_high_freq_factor
+        old_context = config.rope_original_max_position_embeddings
+        low_wavelen, high_wavelen = old_context / low, old_context / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaModel:
+    """Weights of a Llama / Qwen2 decoder on a device, and the paged forward pass.
+
+    Args:
+        config: the architecture.
+        weights: tensors by Hugging Face name (CPU or device, any float dtype); checked by the caller.
+        device: where to run.
+        dtype: compute and storage dtype (float32, bfloat16 or float16).
+    """
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device,
+                 dtype: torch.dtype) -> None:
+        self.config = config
+        self.device = device
+        self.dtype = dtype
+
+        def get(name: str) -> torch.Tensor:
+            return weights[name].to(device=device, dtype=dtype).contiguous()
+
+        def maybe_cat(names: list[str]) -> torch.Tensor | None:
+            if names[0] not in weights:
+                return None
+            return torch.cat([get(n) for n in names], dim=0).contiguous()
+
+        self.embed = get("model.embed_tokens.weight")
+        self.norm = get("model.norm.weight")
+        self.lm_head = self.embed if config.tie_word_embeddings else get("lm_head.weight")
+        self.layers: list[_Layer] = []
+        for i in range(config.num_hidden_layers):
+            p = f"model.layers.{i}."
+            attn = [f"{p}self_attn.{n}_proj" for n in ("q", "k", "v")]
+            mlp = [f"{p}mlp.{n}_proj" for n in ("gate", "up")]
+            self.layers.append(_Layer(
+                input_norm=get(p + "input_layernorm.weight"),
+                qkv_weight=maybe_cat([n + ".weight" for n in attn]),
+                qkv_bias=maybe_cat([n + ".bias" for n in attn]),
+                o_weight=get(p + "self_attn.o_proj.weight"),
+                o_bias=get(p + "self_attn.o_proj.bias") if config.o_bias else None,
+                post_norm=get(p + "post_attention_layernorm.weight"),
+                gate_up_weight=maybe_cat([n + ".weight" for n in mlp]),
+                gate_up_bias=maybe_cat([n + ".bias" for n in mlp]),
+                down_weight=get(p + "mlp.down_proj.weight"),
+                down_bias=get(p + "mlp.down_proj.bias") if config.mlp_bias else None,
+            ))
+        self.inv_freq = rope_inv_freq(config).to(device)
+
+    @staticmethod
+    def weight_bytes(config: ModelConfig, dtype: torch.dtype, shapes: dict[str, tuple[int, ...]]) -> int:
+        """Bytes the weights take on the device."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return sum(math.prod(shape) for shape in shapes.values()) * itemsize
+
+    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos, sin`` of shape ``[T, 1, head_dim]`` in the model dtype for positions ``[T]``."""
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(self.dtype)[:, None, :], emb.sin().to(self.dtype)[:, None, :]
+
+    @torch.inference_mode()
+    def forward(self, batch: PackedBatch, kv_cache: PagedKVCache) -> torch.Tensor:
+        """One forward pass over a packed batch; writes the batch's keys/values to ``kv_cache``.
+
+        Returns:
+            ``[S, vocab_size]`` float32 logits of the tokens in ``batch.logits_index``.
+        """
+        cfg = self.config
+        num_tokens = batch.input_ids.shape[0]
+        q_size = cfg.num_attention_heads * cfg.head_dim
+        kv_size = cfg.num_key_value_heads * cfg.head_dim
+        cos, sin = self.rotary(batch.positions)
+        x = F.embedding(batch.input_ids, self.embed)
+        for index, layer in enumerate(self.layers):
+            h = _rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+            qkv = F.linear(h, layer.qkv_weight, layer.qkv_bias)
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q = q.reshape(num_tokens, cfg.num_attention_heads, cfg.head_dim)
+            k = k.reshape(num_tokens, cfg.num_key_value_heads, cfg.head_dim)
+            v = v.reshape(num_tokens, cfg.num_key_value_heads, cfg.head_dim)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            kv_cache.write(index, batch.slot_mapping, k, v)
+            attn = self._attention(index, q, batch, kv_cache)
+            x = x + F.linear(attn.reshape(num_tokens, q_size), layer.o_weight, layer.o_bias)
+            h = _rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
+            gate, up = F.linear(h, layer.gate_up_weight, layer.gate_up_bias).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.down_weight, layer.down_bias)
+        x = _rms_norm(x[batch.logits_index], self.norm, cfg.rms_norm_eps)
+        return F.linear(x, self.lm_head).to(torch.float32)
+
+    def _attention(self, layer: int, q: torch.Tensor, batch: PackedBatch, kv_cache: PagedKVCache) -> torch.Tensor:
+        """Attention output ``[T, num_attention_heads, head_dim]`` for queries ``q`` of the same shape.
+
+        Grouped-query attention folds the ``G`` query heads of a key/value head into the query-length
+        dimension, so keys and values are never repeated.
+        """
+        cfg = self.config
+        groups, kv_heads, head_dim = cfg.num_queries_per_kv, cfg.num_key_value_heads, cfg.head_dim
+        key_cache, value_cache = kv_cache.key[layer], kv_cache.value[layer]
+        out = torch.empty_like(q)
+        if batch.decode_index is not None:
+            tables, valid = batch.decode_block_tables, batch.decode_valid
+            num_decodes, length = valid.shape
+            invalid = ~valid[:, :, None, None]
+            # Positions past a request's length (the unwritten rest of its last block, padding blocks)
+            # are zeroed: masked-out NaN/garbage would otherwise leak through 0 * NaN.
+            keys = key_cache[tables].view(num_decodes, length, kv_heads, head_dim).masked_fill(invalid, 0)
+            values = value_cache[tables].view(num_decodes, length, kv_heads, head_dim).masked_fill(invalid, 0)
+            query = q[batch.decode_index].view(num_decodes, kv_heads, groups, head_dim)
+            result = F.scaled_dot_product_attention(
+                query, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=valid[:, None, None, :])
+            out[batch.decode_index] = result.reshape(num_decodes, kv_heads * groups, head_dim)
+        for chunk in batch.prefills:
+            start, n, length = chunk.token_start, chunk.num_tokens, chunk.seq_len
+            keys = key_cache[chunk.block_ids].view(-1, kv_heads, head_dim)[:length].transpose(0, 1)
+            values = value_cache[chunk.block_ids].view(-1, kv_heads, head_dim)[:length].transpose(0, 1)
+            query = q[start:start + n].view(n, kv_heads, groups, head_dim).permute(1, 2, 0, 3)
+            query = query.reshape(1, kv_heads, groups * n, head_dim)
+            result = F.scaled_dot_product_attention(query, keys[None], values[None], attn_mask=chunk.mask)
+            out[start:start + n] = result.view(kv_heads, groups, n, head_dim).permute(2, 0, 1, 3).reshape(
+                n, kv_heads * groups, head_dim)
+        return out

@@ -1,0 +1,339 @@
+"""A linear step-time model of one forward pass, with named hardware/model profiles.
+
+One iteration of an iteration-level scheduler runs one forward pass over the batch. Its time is
+modelled as
+
+    step_seconds = a + b * prefill_tokens + c * decode_tokens + d * kv_tokens_attended
+
+with every coefficient in seconds (per step, per token, per token, per attended KV token):
+
+- ``a`` (fixed per step): reading every weight once from HBM (a decode step of a small batch is
+  memory-bound: the weights are streamed once whatever the batch size), plus kernel-launch, scheduler,
+  sampling and detokenisation overhead. It dominates small batches, as on real GPUs.
+- ``b`` (per prefill token) and ``c`` (per decode token): the dense matmul FLOPs of one token,
+  ``2 * num_params`` FLOP, at a realistic fraction (MFU) of the GPU's peak bf16 dense throughput.
+  A decode token costs the same matmul FLOPs as a prompt token, so the built-in profiles have
+  ``c == b``; they are separate so that a profile fitted to measurements can differ.
+- ``d`` (per attended KV token): reading one token's K and V for every layer from HBM.
+  ``kv_tokens_attended`` is the sum, over the requests in the batch, of the tokens whose KV the request's
+  attention reads this step: its ``num_computed_tokens`` before the step plus the tokens it computes
+  in the step (for a decode, its whole context; for a prefill chunk, the prefix before the chunk and
+  the chunk itself). This is what :class:`~schedspec.reference.fake_model.FakeModel` passes.
+
+Simplifications (deliberate; the model is for comparing schedulers, not for predicting latency to
+the millisecond): compute and memory time are added, not overlapped (``max`` would not be linear);
+the quadratic attention FLOPs of long prefills are not modelled (for Llama-3-8B at 4k context they
+add about 13 % to a prompt token's FLOPs); tensor parallelism, quantisation and CUDA-graph padding
+are ignored.
+
+Sources for the hardware numbers: NVIDIA A100 datasheet (80 GB SXM: 2,039 GB/s HBM2e, 312 TFLOP/s
+dense bf16), NVIDIA H100 datasheet (80 GB SXM: 3.35 TB/s HBM3, 989 TFLOP/s dense bf16). Model:
+Meta Llama-3-8B ``config.json`` (32 layers, 8 KV heads, head dim 128, 8,030,261,248 parameters,
+8,192-token context).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import attrs
+
+GiB = 1 << 30
+KiB = 1 << 10
+
+
+class CostModelError(ValueError):
+    """An unknown profile or a negative token count; the message names it."""
+
+
+@attrs.frozen
+class GpuSpec:
+    """One accelerator, as the cost model needs it.
+
+    Attributes:
+        name: marketing name.
+        memory_bytes: device memory in bytes.
+        hbm_bytes_per_s: peak HBM bandwidth in bytes/s.
+        bf16_flops: peak dense bf16 tensor-core throughput in FLOP/s.
+        mfu: fraction of ``bf16_flops`` a well-tuned serving engine reaches on large prefills.
+        step_overhead_s: per-step CPU/launch/sampling overhead in seconds (CUDA graphs on).
+        vllm_max_num_batched_tokens: vLLM's default for the OpenAI server on this GPU.
+        vllm_max_num_seqs: vLLM's default for the OpenAI server on this GPU.
+    """
+
+    name: str
+    memory_bytes: int
+    hbm_bytes_per_s: float
+    bf16_flops: float
+    mfu: float
+    step_overhead_s: float
+    vllm_max_num_batched_tokens: int
+    vllm_max_num_seqs: int
+
+
+@attrs.frozen
+class ModelSpec:
+    """One model, as the cost model needs it.
+
+    Attributes:
+        name: model name.
+        num_params: parameter count.
+        bytes_per_param: 2 for bf16.
+        num_layers, num_kv_heads, head_dim: attention shape (grouped-query attention).
+        kv_bytes_per_elem: 2 for a bf16 KV cache.
+        max_model_len: the model's context length in tokens.
+    """
+
+    name: str
+    num_params: int
+    bytes_per_param: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    kv_bytes_per_elem: int
+    max_model_len: int
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.num_params * self.bytes_per_param
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token over all layers: ``layers * kv_heads * head_dim * 2 * bytes``."""
+        return self.num_layers * self.num_kv_heads * self.head_dim * 2 * self.kv_bytes_per_elem
+
+
+# vLLM's batch defaults: ``EngineArgs.get_batch_defaults`` in vllm/engine/arg_utils.py (earlier
+# ``_set_default_args``): a GPU with >= 70 GiB whose name does not contain "a100" (H100, H200, MI300x)
+# gets max_num_batched_tokens 8192 / max_num_seqs 1024 for the OpenAI server (16384 / 1024 for the
+# offline LLM class); every other GPU, the A100 included (vLLM PR #17885: a larger budget lowers A100
+# throughput), gets 2048 / 256 for the OpenAI server (8192 / 256 offline).
+GPUS: dict[str, GpuSpec] = {
+    "a100-80gb": GpuSpec(
+        name="NVIDIA A100 80GB SXM",
+        memory_bytes=80 * GiB,
+        hbm_bytes_per_s=2.039e12,
+        bf16_flops=312e12,
+        mfu=0.5,
+        step_overhead_s=2.0e-3,
+        vllm_max_num_batched_tokens=2048,
+        vllm_max_num_seqs=256,
+    ),
+    "h100-80gb": GpuSpec(
+        name="NVIDIA H100 80GB SXM",
+        memory_bytes=80 * GiB,
+        hbm_bytes_per_s=3.35e12,
+        bf16_flops=989e12,
+        mfu=0.5,
+        step_overhead_s=2.0e-3,
+        vllm_max_num_batched_tokens=8192,
+        vllm_max_num_seqs=1024,
+    ),
+}
+"""Accelerators by key. Memory is the nominal 80 GiB of both parts."""
+
+MODELS: dict[str, ModelSpec] = {
+    "llama3-8b": ModelSpec(
+        name="Meta-Llama-3-8B (bf16)",
+        num_params=8_030_261_248,
+        bytes_per_param=2,
+        num_layers=32,
+        num_kv_heads=8,
+        head_dim=128,
+        kv_bytes_per_elem=2,
+        max_model_len=8192,
+    ),
+}
+"""Models by key. Llama-3-8B: 16.06 GB of bf16 weights, 128 KiB of bf16 KV per token."""
+
+
+@attrs.frozen
+class CostModel:
+    """``step_seconds = a + b*prefill_tokens + c*decode_tokens + d*kv_tokens_attended`` (module docstring).
+
+    Attributes:
+        name: profile name, e.g. ``llama3-8b-a100-80gb``.
+        a: seconds per step.
+        b: seconds per prefill (prompt or recompute) token.
+        c: seconds per decode token.
+        d: seconds per KV token attended.
+        hardware: key into :data:`GPUS` (or free text for a fitted profile).
+        model: key into :data:`MODELS` (or free text).
+        source: how the coefficients were obtained (derivation or measurement).
+    """
+
+    name: str
+    a: float
+    b: float
+    c: float
+    d: float
+    hardware: str = ""
+    model: str = ""
+    source: str = ""
+
+    def step_seconds(self, prefill_tokens: int, decode_tokens: int, kv_tokens_attended: int = 0) -> float:
+        """Duration of one step in seconds.
+
+        Args:
+            prefill_tokens: prompt (and recompute) tokens computed in the step, all requests together.
+            decode_tokens: decode tokens in the step (one per decoding request).
+            kv_tokens_attended: sum over the batch of ``num_computed_tokens + tokens this step``.
+
+        Raises:
+            CostModelError: a negative count.
+
+        An empty step (all zero) costs ``a``; engines do not run empty steps, so callers skip them.
+        """
+        if prefill_tokens < 0 or decode_tokens < 0 or kv_tokens_attended < 0:
+            raise CostModelError(
+                f"step_seconds: token counts must be >= 0 (prefill_tokens={prefill_tokens}, "
+                f"decode_tokens={decode_tokens}, kv_tokens_attended={kv_tokens_attended})"
+            )
+        return self.a + self.b * prefill_tokens + self.c * decode_tokens + self.d * kv_tokens_attended
+
+    def batch_seconds(self, scheduled: Iterable) -> float:
+        """Duration of a step given its batch as :class:`~schedspec.spec.trace.ScheduledTokens`
+        (``prefill_tokens``, ``decode_tokens``, ``num_computed_tokens`` per request)."""
+        prefill = decode = attended = 0
+        for item in scheduled:
+            prefill += item.prefill_tokens
+            decode += item.decode_tokens
+            attended += item.num_computed_tokens + item.prefill_tokens + item.decode_tokens
+        return self.step_seconds(prefill, decode, attended)
+
+
+def derive(model_key: str, gpu_key: str) -> CostModel:
+    """The first-principles profile of ``model_key`` on ``gpu_key``:
+
+    - ``a = weight_bytes / hbm_bytes_per_s + step_overhead_s``
+    - ``b = c = 2 * num_params / (bf16_flops * mfu)``
+    - ``d = kv_bytes_per_token / hbm_bytes_per_s``
+
+    Llama-3-8B on an A100-80GB: ``a = 16.06 GB / 2.039 TB/s + 2 ms = 7.88 ms + 2 ms = 9.88 ms``;
+    ``b = c = 16.06 GFLOP / (312 TFLOP/s * 0.5) = 0.103 ms``; ``d = 131,072 B / 2.039 TB/s = 64.3 ns``.
+    So a batch of 8 decodes at 1,000 tokens of context takes about 11 ms (≈ 90 tokens/s per
+    request, the measured order for single-GPU Llama-3-8B), and a 2,048-token prefill chunk about
+    221 ms. On an H100-80GB: a = 6.79 ms, b = c = 32.5 µs, d = 39.1 ns.
+
+    Raises:
+        CostModelError: unknown key.
+    """
+    if model_key not in MODELS:
+        raise CostModelError(f"model={model_key!r}: unknown; known: {', '.join(sorted(MODELS))}")
+    if gpu_key not in GPUS:
+        raise CostModelError(f"hardware={gpu_key!r}: unknown; known: {', '.join(sorted(GPUS))}")
+    model, gpu = MODELS[model_key], GPUS[gpu_key]
+    weights_s = model.weight_bytes / gpu.hbm_bytes_per_s
+    per_token_s = 2 * model.num_params / (gpu.bf16_flops * gpu.mfu)
+    kv_s = model.kv_bytes_per_token / gpu.hbm_bytes_per_s
+    source = (
+        f"derived: a = {model.weight_bytes / 1e9:.2f} GB weights / {gpu.hbm_bytes_per_s / 1e12:.3f} TB/s "
+        f"= {weights_s * 1e3:.2f} ms + {gpu.step_overhead_s * 1e3:.1f} ms overhead; "
+        f"b = c = 2 * {model.num_params / 1e9:.2f}e9 FLOP / ({gpu.bf16_flops / 1e12:.0f} TFLOP/s * MFU {gpu.mfu}) "
+        f"= {per_token_s * 1e6:.1f} us/token; "
+        f"d = {model.kv_bytes_per_token // KiB} KiB KV / {gpu.hbm_bytes_per_s / 1e12:.3f} TB/s "
+        f"= {kv_s * 1e9:.1f} ns/token"
+    )
+    return CostModel(
+        name=f"{model_key}-{gpu_key}",
+        a=weights_s + gpu.step_overhead_s,
+        b=per_token_s,
+        c=per_token_s,
+        d=kv_s,
+        hardware=gpu_key,
+        model=model_key,
+        source=source,
+    )
+
+
+DEFAULT_PROFILE = "llama3-8b-a100-80gb"
+"""The profile used when none is named."""
+
+PROFILES: dict[str, CostModel] = {
+    profile.name: profile for profile in (derive("llama3-8b", "a100-80gb"), derive("llama3-8b", "h100-80gb"))
+}
+"""Named profiles: ``llama3-8b-a100-80gb`` (default) and ``llama3-8b-h100-80gb``."""
+
+
+def get_profile(name: str | CostModel | None = None) -> CostModel:
+    """The profile called ``name`` (``None``: the default); a :class:`CostModel` is returned as is.
+
+    Raises:
+        CostModelError: unknown name (the message lists the known ones).
+    """
+    if isinstance(name, CostModel):
+        return name
+    key = DEFAULT_PROFILE if name is None else name
+    if key not in PROFILES:
+        raise CostModelError(f"cost profile {key!r}: unknown; known: {', '.join(sorted(PROFILES))}")
+    return PROFILES[key]
+
+
+GPU_MEMORY_UTILIZATION = 0.9
+"""vLLM's default ``--gpu-memory-utilization``."""
+ACTIVATION_RESERVE_BYTES = 2 * GiB
+"""Memory kept for activations at the profiling run's peak and for CUDA graphs (an estimate)."""
+BLOCK_SIZE = 16
+"""vLLM's default ``--block-size`` on CUDA."""
+
+
+def default_scheduler_config(profile: str | CostModel | None = None) -> tuple[dict[str, int | bool], str]:
+    """The :class:`~schedspec.spec.config.SchedulerConfig` keyword arguments vLLM would use by default
+    for the profile's model on one of the profile's GPUs, and a text saying how each was derived.
+
+    For the default profile (Llama-3-8B, one A100-80GB, ``vllm serve`` defaults):
+
+    - ``block_size = 16`` (vLLM's CUDA default).
+    - ``num_kv_blocks = floor((80 GiB * 0.9 - 16.06 GB weights - 2 GiB activations/CUDA graphs)
+      / (16 tokens * 128 KiB)) = 28,181`` blocks (450,896 tokens). vLLM sizes the KV cache the same
+      way: ``gpu_memory_utilization`` (0.9) of device memory, minus weights and the peak activation
+      memory of a profiling run; the 2 GiB reserve is an estimate.
+    - ``max_num_batched_tokens = 2048``, ``max_num_seqs = 256``: vLLM's defaults for the OpenAI server
+      on GPUs that are not H100-class (``EngineArgs.get_batch_defaults`` in vllm/engine/arg_utils.py;
+      A100s are excluded from the larger defaults on purpose, vLLM PR #17885). The H100 profile gets
+      8192 and 1024.
+    - ``max_model_len = 8192``: Llama-3-8B's context length.
+    - ``enable_chunked_prefill = True``: always on in vLLM V1.
+
+    Returns:
+        ``(kwargs, derivation)``: field -> value, ready for ``SchedulerConfig(**kwargs)``, and a
+        multi-line text.
+
+    Raises:
+        CostModelError: unknown profile, or a profile whose hardware/model is not in
+            :data:`GPUS`/:data:`MODELS`, or one whose weights leave no room for a KV cache.
+    """
+    cost = get_profile(profile)
+    if cost.hardware not in GPUS or cost.model not in MODELS:
+        raise CostModelError(
+            f"profile {cost.name!r}: hardware={cost.hardware!r} / model={cost.model!r} are not known "
+            f"hardware ({', '.join(sorted(GPUS))}) and model ({', '.join(sorted(MODELS))}) keys"
+        )
+    gpu, model = GPUS[cost.hardware], MODELS[cost.model]
+    budget = int(gpu.memory_bytes * GPU_MEMORY_UTILIZATION)
+    free = budget - model.weight_bytes - ACTIVATION_RESERVE_BYTES
+    block_bytes = BLOCK_SIZE * model.kv_bytes_per_token
+    num_blocks = free // block_bytes
+    if num_blocks < 1:
+        raise CostModelError(f"profile {cost.name!r}: the weights leave no memory for a KV cache")
+    kwargs: dict[str, int | bool] = {
+        "block_size": BLOCK_SIZE,
+        "num_kv_blocks": int(num_blocks),
+        "max_num_batched_tokens": gpu.vllm_max_num_batched_tokens,
+        "max_num_seqs": gpu.vllm_max_num_seqs,
+        "max_model_len": model.max_model_len,
+        "enable_chunked_prefill": True,
+    }
+    derivation = "\n".join([
+        f"vLLM defaults for {model.name} on one {gpu.name} (vllm serve):",
+        f"  block_size = {BLOCK_SIZE} (vLLM CUDA default)",
+        f"  num_kv_blocks = floor(({gpu.memory_bytes / GiB:.0f} GiB * {GPU_MEMORY_UTILIZATION} "
+        f"- {model.weight_bytes / GiB:.2f} GiB weights - {ACTIVATION_RESERVE_BYTES / GiB:.0f} GiB activations) "
+        f"/ ({BLOCK_SIZE} tokens * {model.kv_bytes_per_token // KiB} KiB)) = {num_blocks} "
+        f"({num_blocks * BLOCK_SIZE:,} tokens)",
+        f"  max_num_batched_tokens = {gpu.vllm_max_num_batched_tokens}, max_num_seqs = {gpu.vllm_max_num_seqs} "
+        "(vLLM EngineArgs.get_batch_defaults, OpenAI server)",
+        f"  max_model_len = {model.max_model_len} (model context length)",
+        "  enable_chunked_prefill = True (vLLM V1)",
+    ])
+    return kwargs, derivation

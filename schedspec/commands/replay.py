@@ -1,0 +1,78 @@
+"""``schedspec replay CASE.json``: run a scenario, print its steps and a verdict per expectation."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from schedspec.cli_common import (
+    EXIT_CHECK_FAILED,
+    EXIT_UNSUPPORTED,
+    fail,
+    parse_sets,
+    scheduler_option,
+    set_option,
+)
+from schedspec.reference.scenarios import ScenarioError, bundled_scenarios, load_scenario, replay
+from schedspec.reference.scheduler import UnknownScheduler, UnsupportedFeature
+
+
+@click.command()
+@click.argument("cases", nargs=-1, metavar="CASE.json...")
+@scheduler_option
+@set_option
+@click.option("--all", "run_all", is_flag=True, help="Replay every bundled scenario.")
+@click.option("--quiet", "-q", is_flag=True, help="Verdicts only, no step table.")
+def command(cases: tuple[str, ...], scheduler_name: str | None, sets: tuple[str, ...], run_all: bool, quiet: bool) -> None:
+    """Replay scenarios (format: schedspec/data/cases/README.md) and judge their expectations.
+
+    Exit 0 if every expectation holds, 1 if one fails, 2 on a bad file, 3 if the scheduler lacks a
+    feature the scenario needs (with --all, unsupported scenarios are reported and skipped).
+    """
+    console = Console()
+    changes = parse_sets(sets)
+    paths = list(cases) + ([str(p) for p in bundled_scenarios()] if run_all else [])
+    if not paths:
+        fail("no scenario given (pass CASE.json or --all)")
+    scenarios = []
+    for path in paths:
+        try:
+            scenarios.append(load_scenario(path))
+        except ScenarioError as error:
+            fail(str(error))
+    failed = unsupported = 0
+    for scenario in scenarios:
+        try:
+            result = replay(scenario, scheduler_name, changes)
+        except UnsupportedFeature as error:
+            console.print(f"[yellow]UNSUPPORTED[/] {scenario.name}: {error}")
+            unsupported += 1
+            continue
+        except UnknownScheduler as error:
+            fail(str(error))
+        console.print(f"[bold]{scenario.name}[/] on [cyan]{result.scheduler}[/]: {scenario.about}")
+        if result.run is not None and not quiet:
+            table = Table("step", "scheduled (id:prefill+decode)", "preempted", "finished", "rejected", "free", "run", "wait")
+            for record in result.run.records:
+                table.add_row(
+                    str(record.step),
+                    " ".join(f"{s.request_id}:{s.prefill_tokens}+{s.decode_tokens}" for s in record.scheduled),
+                    " ".join(record.preempted),
+                    " ".join(f"{k}({v})" for k, v in record.finished.items()),
+                    " ".join(record.rejected),
+                    str(record.num_free_blocks), str(record.num_running), str(record.num_waiting),
+                )
+            console.print(table)
+        for verdict in result.verdicts:
+            mark = "[green]PASS[/]" if verdict.passed else "[red]FAIL[/]"
+            console.print(f"  {mark} {verdict.name}: {verdict.detail}")
+        failed += not result.passed
+    total = len(scenarios)
+    console.print(f"{total - failed - unsupported} passed, {failed} failed, {unsupported} unsupported")
+    if failed:
+        sys.exit(EXIT_CHECK_FAILED)
+    if unsupported and (not run_all or unsupported == total):
+        sys.exit(EXIT_UNSUPPORTED)
