@@ -149,11 +149,11 @@ def index_model_dir(model_dir: str | Path, config: ModelConfig) -> dict[str, Pat
         try:
             with safe_open(str(file), framework="pt") as handle:
                 for name in handle.keys():  # noqa: SIM118 (safe_open handles are not iterable)
-                    if name not in expected and not (name == "lm_head.weight" and config.tie_word_embeddings):
+                    if name not in expected:  # extras (tied lm_head, rotary buffers) are not loaded
                         continue
                     info = handle.get_slice(name)
                     shape = tuple(info.get_shape())
-                    want = expected.get(name, (config.vocab_size, config.hidden_size))
+                    want = expected[name]
                     if shape != want:
                         raise BackendError(
                             f"{file}: tensor {name!r} has shape {list(shape)}, expected {list(want)}",

@@ -1,0 +1,213 @@
+"""The lab: run an iteration-level scheduler on a real trace and collect what every step did.
+
+:func:`run_lab` drives :class:`~schedspec.reference.engine.Engine` in time mode (a simulated clock
+advanced by each step's duration from the cost model, or measured by a real backend), collects one
+:class:`LabStep` per step and one :class:`~schedspec.reference.metrics.RequestTimeline` per request,
+and returns them with the run's checks. ``schedspec lab`` prints them.
+
+Named variants (``--compare``) are schedulers with config changes:
+
+==================  =========  ================================================================
+name                scheduler  changes
+==================  =========  ================================================================
+fcfs                fcfs       none
+static              static     none
+fcfs-no-chunking    fcfs       enable_chunked_prefill=false, max_num_batched_tokens raised to at
+                               least max_model_len (vLLM requires it without chunking)
+static-no-chunking  static     same as fcfs-no-chunking
+==================  =========  ================================================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, TextIO
+
+import attrs
+import numpy as np
+
+from schedspec.spec.config import SchedulerConfig
+from schedspec.spec.trace import StepRecord
+from schedspec.spec.workload import RequestSpec
+
+from .engine import Engine, RunResult
+from .fake_model import FakeModel, TokenSource
+from .metrics import RequestTimeline
+from .scheduler import make_scheduler
+
+
+def _no_chunking(config: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "enable_chunked_prefill": False,
+        "max_num_batched_tokens": max(config["max_num_batched_tokens"], config["max_model_len"]),
+    }
+
+
+VARIANTS: dict[str, tuple[str, Callable[[dict[str, Any]], dict[str, Any]]]] = {
+    "fcfs-no-chunking": ("fcfs", _no_chunking),
+    "static-no-chunking": ("static", _no_chunking),
+}
+"""Variant name -> (scheduler name, function from config dict to the fields it changes)."""
+
+
+def resolve_variant(name: str, config: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """``(scheduler name, config dict)`` for a scheduler or variant name."""
+    if name in VARIANTS:
+        scheduler, changes = VARIANTS[name]
+        return scheduler, {**config, **changes(config)}
+    return name, dict(config)
+
+
+@attrs.frozen(slots=True)
+class LabStep:
+    """One step, in the units the step table shows (seconds, tokens, blocks)."""
+
+    step: int
+    start_time: float
+    duration: float
+    prefill_tokens: int
+    decode_tokens: int
+    num_prefill_chunks: int
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_preempted: int
+    num_finished: int
+    num_arrivals: int
+    long_prefill: bool
+
+
+@attrs.define
+class LabResult:
+    """A lab run: its steps, per-request timelines, and the engine's run (checks, final state)."""
+
+    scheduler: str
+    config: SchedulerConfig
+    steps: list[LabStep]
+    timelines: list[RequestTimeline]
+    run: RunResult
+
+
+class _Collector:
+    def __init__(self, workload: Sequence[RequestSpec], long_prompt_len: int, steps_out: TextIO | None) -> None:
+        self.specs = {s.request_id: s for s in workload}
+        self.long_prompt_len = long_prompt_len
+        self.steps_out = steps_out
+        self.steps: list[LabStep] = []
+        self.first_scheduled: dict[str, float] = {}
+        self.token_times: dict[str, list[float]] = {}
+        self.finish_time: dict[str, float] = {}
+        self.long_prefill_spans: list[tuple[float, float]] = []
+
+    def __call__(self, record: StepRecord) -> None:
+        if self.steps_out is not None:
+            self.steps_out.write(record.to_json() + "\n")
+        end = record.start_time + record.duration
+        long_prefill = False
+        prefill = decode = chunks = 0
+        for item in record.scheduled:
+            prefill += item.prefill_tokens
+            decode += item.decode_tokens
+            if item.prefill_tokens:
+                chunks += 1
+                if self.specs[item.request_id].prompt_len >= self.long_prompt_len:
+                    long_prefill = True
+            self.first_scheduled.setdefault(item.request_id, record.start_time)
+        if long_prefill:
+            self.long_prefill_spans.append((record.start_time, end))
+        for request_id in record.sampled_token_ids:
+            self.token_times.setdefault(request_id, []).append(end)
+        for request_id in record.finished:
+            self.finish_time[request_id] = end
+        for request_id in record.rejected:
+            self.finish_time[request_id] = record.start_time
+        for request_id in record.aborted:
+            self.finish_time[request_id] = record.start_time
+        self.steps.append(LabStep(
+            record.step, record.start_time, record.duration, prefill, decode, chunks, record.num_running,
+            record.num_waiting, record.num_free_blocks, len(record.preempted), len(record.finished),
+            len(record.arrivals), long_prefill,
+        ))
+
+    def arrived_during_long_prefill(self, arrival: float) -> bool:
+        spans = self.long_prefill_spans
+        if not spans:
+            return False
+        starts = np.fromiter((s for s, _ in spans), dtype=float, count=len(spans))
+        index = int(np.searchsorted(starts, arrival, side="right")) - 1
+        return index >= 0 and spans[index][0] <= arrival < spans[index][1]
+
+
+def long_prompt_threshold(workload: Sequence[RequestSpec]) -> int:
+    """Prompt length at the top decile (90th percentile, ``numpy.percentile`` linear) of the workload;
+    prompts at or above it are "long"."""
+    if not workload:
+        return 0
+    return int(np.ceil(np.percentile([s.prompt_len for s in workload], 90)))
+
+
+def run_lab(
+    workload: Sequence[RequestSpec],
+    scheduler_name: str,
+    config: SchedulerConfig,
+    token_source: TokenSource | None = None,
+    cost_model=None,
+    check: bool = True,
+    steps_out: TextIO | None = None,
+    on_step: Callable[[StepRecord], None] | None = None,
+    max_steps: int | None = None,
+) -> LabResult:
+    """Replay a time-stamped workload through a scheduler.
+
+    Args:
+        workload: requests with ``arrival_time`` in seconds.
+        scheduler_name: registry name or ``module:factory``.
+        config: the limits.
+        token_source: default :class:`FakeModel` with ``cost_model``.
+        cost_model: step-time model for the default token source.
+        check: check every plan, invariant and guaranteed property (stops at the first violation).
+        steps_out: write every step as a StepRecord JSON line here.
+        on_step: also called with each record (progress bars).
+        max_steps: stop after this many steps.
+
+    Raises:
+        UnknownScheduler, UnsupportedFeature: from :func:`make_scheduler`.
+        ViolationFound: with ``check``, at the first violated rule or invariant.
+    """
+    scheduler = make_scheduler(scheduler_name, config)
+    collector = _Collector(workload, long_prompt_threshold(workload), steps_out)
+
+    def observe(record: StepRecord) -> None:
+        collector(record)
+        if on_step is not None:
+            on_step(record)
+
+    engine = Engine(
+        scheduler, config,
+        token_source=token_source or FakeModel(config, cost_model=cost_model),
+        check=check,
+        properties=None if check else (),
+        record_steps=False,
+        stop_on_violation=check,
+        on_step=observe,
+    )
+    run = engine.run(workload, mode="time", max_steps=max_steps)
+    state = run.state
+    timelines = []
+    for spec in workload:
+        request = state.finished.get(spec.request_id) or state.requests.get(spec.request_id)
+        if request is None:
+            continue
+        timelines.append(RequestTimeline(
+            request_id=spec.request_id,
+            prompt_len=spec.prompt_len,
+            arrival_time=spec.arrival_time,
+            first_scheduled_time=collector.first_scheduled.get(spec.request_id),
+            token_times=collector.token_times.get(spec.request_id, []),
+            finish_time=collector.finish_time.get(spec.request_id),
+            outcome=request.status.outcome,
+            finish_reason=request.finish_reason,
+            num_preemptions=request.num_preemptions,
+            arrived_during_long_prefill=collector.arrived_during_long_prefill(spec.arrival_time),
+        ))
+    return LabResult(scheduler_name, config, collector.steps, timelines, run)
