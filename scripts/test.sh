@@ -9,4 +9,4 @@ python3 -m venv .venv
   | grep -v "is ignored: it is neither a file nor a directory" || true
 .venv/bin/python -c "import schedspec, torch, transformers" # fail early if the install is incomplete
 .venv/bin/ruff check .
-.venv/bin/python -m pytest -q -p no:randomly "$@"
+.venv/bin/python -m pytest -q "$@"

@@ -1,0 +1,105 @@
+"""The command line: exit codes 0/1/2/3 and one-line errors without tracebacks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from schedspec.reference.scenarios import bundled_scenarios
+
+CASES = {p.stem: p for p in bundled_scenarios()}
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "schedspec", *args], capture_output=True, text=True, timeout=600)
+
+
+def test_replay_passes_with_exit_0():
+    result = run("replay", str(CASES["slot-freed-is-reused"]))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "FAIL" not in result.stdout
+
+
+def test_replay_failed_expectation_exits_1(tmp_path):
+    data = json.loads(CASES["slot-freed-is-reused"].read_text())
+    data["expect"]["all_terminal_by_step"] = 3
+    path = tmp_path / "tight.json"
+    path.write_text(json.dumps(data))
+    result = run("replay", "-q", str(path))
+    assert result.returncode == 1
+    assert "FAIL all_terminal_by_step" in result.stdout
+
+
+def test_replay_static_override_fails_the_slot_reuse_expectation():
+    result = run("replay", "-q", "--scheduler", "static", str(CASES["slot-freed-is-reused"]))
+    assert result.returncode == 1
+    assert "FAIL first_token_by_step[C]" in result.stdout
+
+
+def test_replay_unsupported_feature_exits_3():
+    result = run("replay", "-q", str(CASES["preempt-then-prefix-hit"]))
+    assert result.returncode == 3
+    assert "prefix caching" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (("replay", "does-not-exist.json"), "does-not-exist.json"),
+        (("replay", "--scheduler", "nonsense", "CASE"), "nonsense"),
+        (("replay", "--set", "block_size=0", "CASE"), "block_size"),
+        (("replay", "--set", "oops", "CASE"), "oops"),
+        (("replay", "--set", "colour=blue", "CASE"), "colour"),
+        (("check", "missing-trace.jsonl"), "missing-trace.jsonl"),
+    ],
+)
+def test_bad_input_exits_2_without_traceback(args, needle):
+    args = tuple(str(CASES["slot-freed-is-reused"]) if a == "CASE" else a for a in args)
+    result = run(*args)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert needle in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_check_accepts_a_reference_trace_and_rejects_a_tampered_one(tmp_path):
+    from schedspec.reference.scenarios import load_scenario, replay
+    from schedspec.spec.config import SchedulerConfig
+    from schedspec.spec.trace import write_trace
+
+    scenario = load_scenario(CASES["kv-pressure-no-thrash"])
+    result = replay(scenario)
+    config = SchedulerConfig.from_dict(scenario.config)
+    good = tmp_path / "good.jsonl"
+    with good.open("w") as out:
+        write_trace(out, config, result.run.records, "fcfs")
+    checked = run("check", str(good))
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+    lines = good.read_text().splitlines()
+    record = json.loads(lines[3])
+    record["scheduled"][0]["prefill_tokens"] += 50  # blow the token budget
+    lines[3] = json.dumps(record)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(lines) + "\n")
+    checked = run("check", str(bad))
+    assert checked.returncode == 1
+    assert "token-budget" in checked.stdout
+
+
+def test_check_malformed_line_names_file_and_line(tmp_path):
+    path = tmp_path / "t.jsonl"
+    good = CASES["kv-pressure-no-thrash"]
+    config = json.loads(good.read_text())["config"]
+    config.pop("policy")
+    path.write_text(json.dumps({"schema_version": 1, "config": config}) + "\n{not json\n")
+    result = run("check", str(path))
+    assert result.returncode == 2
+    assert "t.jsonl:2" in result.stderr
+
+
+def test_package_main_module_exists():
+    assert (Path(__file__).resolve().parents[1] / "schedspec" / "__main__.py").is_file()
