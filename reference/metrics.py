@@ -1,0 +1,475 @@
+"""Per-request latency timelines, latency and efficiency summaries, and SLO attainment (goodput).
+
+Definitions follow vLLM's serving benchmark (``benchmarks/benchmark_serving.py``,
+``vllm bench serve``); all times are seconds on the run's clock (simulated or wall clock):
+
+- **TTFT** (time to first token) = time of the first output token - arrival time.
+- **ITL** (inter-token latency) = each gap between consecutive output token times of one request;
+  a request with ``n`` tokens has ``n - 1`` ITLs. Summaries pool the ITLs of all requests.
+- **TPOT** (time per output token) = (last token time - first token time) / (n - 1), for requests
+  with ``n >= 2`` tokens (vLLM: ``(latency - ttft) / (output_len - 1)``; the same thing, since a
+  request finishes at its last token).
+- **E2E** (end-to-end latency) = finish time - arrival time.
+- **Queueing delay** = start of the step that first scheduled any of the request's tokens - arrival.
+
+A token's time is the **end** of the step that sampled it (``start_time + duration`` of its
+:class:`~schedspec.spec.trace.StepRecord`). Latency summaries use finished requests only (vLLM
+counts successful requests only); the request counts by outcome are reported next to them so a
+survivor bias (many requests aborted or still live) is visible.
+
+Percentiles are ``numpy.percentile`` with its default linear interpolation (as vLLM).
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import re
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import attrs
+import numpy as np
+
+OUTCOMES = ("finished", "aborted", "rejected", "live")
+"""Request outcomes (:attr:`schedspec.spec.request.RequestStatus.outcome`)."""
+
+LATENCY_METRICS = ("ttft", "itl", "tpot", "e2e", "queueing")
+"""Metric keys of :func:`latency_summary`."""
+
+PERCENTILES = (50, 95, 99)
+
+
+class MetricsError(ValueError):
+    """Unusable metric input (bad SLO text, bad argument); the message names the field."""
+
+
+@attrs.define
+class RequestTimeline:
+    """What happened to one request, in seconds on the run's clock.
+
+    Attributes:
+        request_id: the request.
+        prompt_len: prompt tokens.
+        arrival_time: when it arrived.
+        first_scheduled_time: start of the first step that computed any of its tokens; ``None`` if it
+            never ran.
+        token_times: end time of every step in which it sampled an output token, in order (after a
+            recompute preemption the recomputed step that samples the next token counts once).
+        finish_time: when it ended (finished: end of its last step; aborted/rejected: start of the step
+            before which that happened); ``None`` while live.
+        outcome: ``finished``, ``aborted``, ``rejected`` or ``live``.
+        finish_reason: ``stop``, ``length``, ``max_model_len`` for finished requests, else ``None`` or
+            the engine's reason.
+        num_preemptions: times it was preempted.
+        arrived_during_long_prefill: set by the caller (the lab: it arrived while a step containing a
+            prefill chunk of a long prompt was running).
+    """
+
+    request_id: str
+    prompt_len: int
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    token_times: list[float] = attrs.field(factory=list, converter=list)
+    finish_time: float | None = None
+    outcome: str = "live"
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    arrived_during_long_prefill: bool = False
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_times)
+
+    @property
+    def first_token_time(self) -> float | None:
+        return self.token_times[0] if self.token_times else None
+
+    @property
+    def ttft(self) -> float | None:
+        """First token time - arrival; ``None`` without tokens."""
+        return self.token_times[0] - self.arrival_time if self.token_times else None
+
+    @property
+    def itls(self) -> list[float]:
+        """Gaps between consecutive token times (``n - 1`` values)."""
+        times = self.token_times
+        return [times[i + 1] - times[i] for i in range(len(times) - 1)]
+
+    @property
+    def max_itl(self) -> float | None:
+        """Largest ITL; ``None`` with fewer than 2 tokens."""
+        return max(self.itls) if len(self.token_times) >= 2 else None
+
+    @property
+    def tpot(self) -> float | None:
+        """(last - first token time) / (n - 1); ``None`` with fewer than 2 tokens."""
+        n = len(self.token_times)
+        return (self.token_times[-1] - self.token_times[0]) / (n - 1) if n >= 2 else None
+
+    @property
+    def e2e(self) -> float | None:
+        """Finish time - arrival; ``None`` while live."""
+        return self.finish_time - self.arrival_time if self.finish_time is not None else None
+
+    @property
+    def queueing_delay(self) -> float | None:
+        """First scheduled time - arrival; ``None`` if never scheduled."""
+        return self.first_scheduled_time - self.arrival_time if self.first_scheduled_time is not None else None
+
+
+# --------------------------------------------------------------------------------------------------
+# Latency
+
+
+def stats(values: Iterable[float]) -> dict[str, float | int | None]:
+    """``{"count", "mean", "p50", "p95", "p99", "max"}`` of ``values``; all but count ``None`` when
+    empty."""
+    array = np.asarray(list(values), dtype=float)
+    if array.size == 0:
+        return {"count": 0, "mean": None, **{f"p{p}": None for p in PERCENTILES}, "max": None}
+    return {
+        "count": int(array.size),
+        "mean": float(array.mean()),
+        **{f"p{p}": float(np.percentile(array, p)) for p in PERCENTILES},
+        "max": float(array.max()),
+    }
+
+
+def long_prompt_threshold(prompt_lens: Iterable[int]) -> int:
+    """The top-decile prompt length: ``ceil(numpy.percentile(prompt_lens, 90))``, the percentile rounded
+    to 6 decimals first so that floating-point noise (``760.0000000000001``) does not move it; prompts at
+    or above it are "long" (0 for no prompts)."""
+    lens = list(prompt_lens)
+    return int(math.ceil(round(float(np.percentile(lens, 90)), 6))) if lens else 0
+
+
+def _latency_block(timelines: Sequence[RequestTimeline]) -> dict[str, dict[str, float | int | None]]:
+    return {
+        "ttft": stats(t.ttft for t in timelines if t.ttft is not None),
+        "itl": stats(gap for t in timelines for gap in t.itls),
+        "tpot": stats(t.tpot for t in timelines if t.tpot is not None),
+        "e2e": stats(t.e2e for t in timelines if t.e2e is not None),
+        "queueing": stats(t.queueing_delay for t in timelines if t.queueing_delay is not None),
+    }
+
+
+def latency_summary(timelines: Sequence[RequestTimeline], long_prompt_len: int | None = None) -> dict[str, Any]:
+    """Latency statistics of the finished requests, overall and for two groups.
+
+    Args:
+        timelines: every request of the run (all outcomes).
+        long_prompt_len: prompts of at least this many tokens are "long"; default
+            :func:`long_prompt_threshold` over all ``timelines`` (the top decile).
+
+    Returns:
+        ``{"requests": {outcome: count, ..., "total": n}, "long_prompt_len": int,
+        "all": BLOCK, "long_prompts": BLOCK, "arrived_during_long_prefill": BLOCK}`` where ``BLOCK`` maps
+        each of :data:`LATENCY_METRICS` to :func:`stats` (seconds; ``queueing`` is the queueing delay). Only finished requests enter a
+        ``BLOCK``; ``itl`` pools every gap of every request in the group; ``tpot`` covers requests
+        with >= 2 tokens.
+    """
+    counts = Counter(t.outcome for t in timelines)
+    threshold = long_prompt_threshold(t.prompt_len for t in timelines) if long_prompt_len is None else long_prompt_len
+    finished = [t for t in timelines if t.outcome == "finished"]
+    return {
+        "requests": {**{outcome: counts.get(outcome, 0) for outcome in OUTCOMES}, "total": len(timelines)},
+        "long_prompt_len": threshold,
+        "all": _latency_block(finished),
+        "long_prompts": _latency_block([t for t in finished if t.prompt_len >= threshold]),
+        "arrived_during_long_prefill": _latency_block([t for t in finished if t.arrived_during_long_prefill]),
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# Efficiency
+
+
+EFFICIENCY_KEYS = (
+    "num_steps", "num_empty_steps", "tokens_per_step_mean", "tokens_per_step_p50", "tokens_per_step_p99",
+    "prefill_tokens", "decode_tokens", "running_mean", "running_max", "preemptions",
+    "max_preemptions_per_request", "kv_usage_mean", "kv_usage_max", "span_s", "output_tokens_per_s",
+    "total_tokens_per_s", "computed_tokens_per_s", "requests_per_s",
+)
+"""Keys of :func:`efficiency_summary`, in display order."""
+
+
+def efficiency_summary(
+    records: Sequence[Any], num_kv_blocks: int, timelines: Sequence[RequestTimeline] | None = None
+) -> dict[str, float | int | None]:
+    """How well the steps used the GPU and the KV cache, as a flat dict (keys :data:`EFFICIENCY_KEYS`).
+
+    Args:
+        records: the run's steps in order: :class:`StepRecord` s, or any objects with ``start_time``,
+            ``duration``, ``prefill_tokens``, ``decode_tokens``, ``num_running``, ``num_free_blocks``
+            and either ``preempted``/``finished`` (ids) or ``num_preempted``/``num_finished`` (counts),
+            such as the lab's ``LabStep``.
+        num_kv_blocks: the KV pool size of the run's config.
+        timelines: the run's requests; when given, output tokens, finished requests and per-request
+            preemptions come from them (needed for steps that carry only counts).
+
+    Returns:
+        - ``num_steps``; ``num_empty_steps``: steps that scheduled no token.
+        - ``tokens_per_step_mean/p50/p99``: prefill + decode tokens per non-empty step.
+        - ``prefill_tokens``, ``decode_tokens``: totals (recompute counts as prefill).
+        - ``running_mean/max``: ``num_running`` after each non-empty step.
+        - ``preemptions``: total; ``max_preemptions_per_request``: the most any request had.
+        - ``kv_usage_mean/max``: ``1 - num_free_blocks / num_kv_blocks`` after each step; the mean is
+          weighted by step duration (time while steps ran; idle gaps are not counted), unweighted if
+          every duration is 0.
+        - ``span_s``: first step's start to the latest step end (idle gaps included).
+        - per second of ``span_s``: ``output_tokens_per_s`` (sampled tokens), ``total_tokens_per_s``
+          (vLLM's "total token throughput": prompt plus output tokens of finished requests),
+          ``computed_tokens_per_s`` (every scheduled token, recomputation included), ``requests_per_s``
+          (finished requests).
+
+        A value that cannot be computed (no steps, zero span, counts-only steps without
+        ``timelines``) is ``None``.
+
+    Raises:
+        MetricsError: ``num_kv_blocks < 1``.
+    """
+    if isinstance(num_kv_blocks, bool) or not isinstance(num_kv_blocks, int) or num_kv_blocks < 1:
+        raise MetricsError(f"num_kv_blocks={num_kv_blocks!r}: must be an integer >= 1")
+    prompt_len: dict[str, int] = {}
+    outputs: Counter[str] = Counter()
+    preempted: Counter[str] = Counter()
+    finished: list[str] = []
+    has_ids = has_outputs = True
+    preemptions = finished_count = 0
+    tokens: list[int] = []
+    running: list[int] = []
+    usage: list[float] = []
+    weights: list[float] = []
+    prefill_total = decode_total = 0
+    start = end = None
+    for record in records:
+        for spec in getattr(record, "arrivals", ()):
+            prompt_len[spec.request_id] = spec.prompt_len
+        prefill, decode = record.prefill_tokens, record.decode_tokens
+        prefill_total += prefill
+        decode_total += decode
+        if prefill + decode:
+            tokens.append(prefill + decode)
+            running.append(record.num_running)
+        ids = getattr(record, "preempted", None)
+        if ids is None:
+            has_ids = False
+            preemptions += record.num_preempted
+            finished_count += record.num_finished
+        else:
+            preempted.update(ids)
+            preemptions += len(ids)
+            finished.extend(record.finished)
+            finished_count += len(record.finished)
+        sampled = getattr(record, "sampled_token_ids", None)
+        if sampled is None:
+            has_outputs = False
+        else:
+            outputs.update(sampled.keys())
+        usage.append(1.0 - record.num_free_blocks / num_kv_blocks)
+        weights.append(record.duration)
+        start = record.start_time if start is None else min(start, record.start_time)
+        step_end = record.start_time + record.duration
+        end = step_end if end is None else max(end, step_end)
+    span = (end - start) if start is not None else 0.0
+
+    num_output: int | None
+    finished_tokens: int | None
+    most_preempted: int | None
+    if timelines is not None:
+        num_output = sum(len(t.token_times) for t in timelines)
+        done = [t for t in timelines if t.outcome == "finished"]
+        finished_count = len(done)
+        finished_tokens = sum(t.prompt_len + len(t.token_times) for t in done)
+        most_preempted = max((t.num_preemptions for t in timelines), default=0)
+    else:
+        num_output = sum(outputs.values()) if has_outputs else None
+        finished_tokens = (sum(prompt_len.get(rid, 0) + outputs[rid] for rid in finished)
+                           if has_ids and has_outputs else None)
+        most_preempted = max(preempted.values(), default=0) if has_ids else None
+
+    def rate(amount: float | None) -> float | None:
+        return amount / span if span > 0 and amount is not None else None
+
+    token_array = np.asarray(tokens, dtype=float)
+    usage_mean = usage_max = None
+    if usage:
+        weight_array = np.asarray(weights, dtype=float)
+        usage_array = np.asarray(usage, dtype=float)
+        usage_mean = float(np.average(usage_array, weights=weight_array) if weight_array.sum() > 0
+                           else usage_array.mean())
+        usage_max = float(usage_array.max())
+    return {
+        "num_steps": len(usage),
+        "num_empty_steps": len(usage) - len(tokens),
+        "tokens_per_step_mean": float(token_array.mean()) if tokens else None,
+        "tokens_per_step_p50": float(np.percentile(token_array, 50)) if tokens else None,
+        "tokens_per_step_p99": float(np.percentile(token_array, 99)) if tokens else None,
+        "prefill_tokens": prefill_total,
+        "decode_tokens": decode_total,
+        "running_mean": float(np.mean(running)) if running else None,
+        "running_max": int(max(running)) if running else None,
+        "preemptions": preemptions,
+        "max_preemptions_per_request": most_preempted,
+        "kv_usage_mean": usage_mean,
+        "kv_usage_max": usage_max,
+        "span_s": span,
+        "output_tokens_per_s": rate(num_output),
+        "total_tokens_per_s": rate(finished_tokens),
+        "computed_tokens_per_s": rate(prefill_total + decode_total),
+        "requests_per_s": rate(finished_count),
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# SLOs and goodput
+
+
+def meets_slo(
+    timeline: RequestTimeline,
+    ttft_slo: float | None = None,
+    itl_slo: float | None = None,
+    tpot_slo: float | None = None,
+    e2e_slo: float | None = None,
+) -> bool:
+    """Whether one request attained its SLOs: it finished, and TTFT <= ``ttft_slo``, **every** ITL <=
+    ``itl_slo`` (its maximum ITL), TPOT <= ``tpot_slo``, E2E <= ``e2e_slo``, for each SLO given
+    (``None``: not checked). A request with one token has no ITL or TPOT and meets those SLOs."""
+    if timeline.outcome != "finished":
+        return False
+    checks = (
+        (ttft_slo, timeline.ttft),
+        (itl_slo, timeline.max_itl),
+        (tpot_slo, timeline.tpot),
+        (e2e_slo, timeline.e2e),
+    )
+    for slo, value in checks:
+        if slo is not None and value is not None and value > slo:
+            return False
+    if ttft_slo is not None and timeline.ttft is None:
+        return False
+    return True
+
+
+class Slo(NamedTuple):
+    """Per-request latency objectives in seconds; ``None``: not checked. Unpacks in the order of
+    :func:`goodput`'s parameters, so ``goodput(timelines, *slo)`` works."""
+
+    ttft: float | None = None
+    itl: float | None = None
+    tpot: float | None = None
+    e2e: float | None = None
+
+
+def goodput(
+    timelines: Sequence[RequestTimeline],
+    ttft_slo: float | None = None,
+    itl_slo: float | None = None,
+    tpot_slo: float | None = None,
+    e2e_slo: float | None = None,
+) -> dict[str, Any]:
+    """SLO attainment: the share of **non-rejected** requests (finished, aborted or still live) that
+    :func:`meets_slo` (SLOs in seconds).
+
+    This is DistServe's per-request SLO attainment: a request attains its SLO when its TTFT and all of
+    its token gaps do ("every ITL <= slo", i.e. its maximum ITL, is the strict form of a per-token
+    deadline: one stall fails the request). Rejected requests are left out of the denominator: the
+    system declined them at arrival (they could never fit) and no scheduler could serve them. Aborted
+    and live requests count as missing the SLO. vLLM's ``--goodput`` reports the *rate* of such
+    requests (requests/s); ``met / span`` gives that.
+
+    Returns:
+        ``{"percent": 100 * met / admitted (None if admitted == 0), "met": int, "admitted": int,
+        "ttft_slo", "itl_slo", "tpot_slo", "e2e_slo": the SLOs (None if not checked)}``.
+
+    Raises:
+        MetricsError: no SLO given, or an SLO that is not a number > 0.
+    """
+    slos = {"ttft_slo": ttft_slo, "itl_slo": itl_slo, "tpot_slo": tpot_slo, "e2e_slo": e2e_slo}
+    if all(value is None for value in slos.values()):
+        raise MetricsError("goodput: give at least one SLO (ttft, itl, tpot or e2e)")
+    for name, value in slos.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
+                                  or not math.isfinite(value) or value <= 0):
+            raise MetricsError(f"{name}={value!r}: SLO must be a number of seconds > 0")
+    admitted = [t for t in timelines if t.outcome != "rejected"]
+    met = sum(1 for t in admitted if meets_slo(t, ttft_slo, itl_slo, tpot_slo, e2e_slo))
+    return {
+        "percent": 100.0 * met / len(admitted) if admitted else None,
+        "met": met,
+        "admitted": len(admitted),
+        **slos,
+    }
+
+
+_SLO_VALUE = re.compile(r"([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(ms|s)?")
+
+
+def parse_slo(text: str) -> Slo:
+    """Parse ``"ttft=2,itl=100ms"`` into ``Slo(ttft=2.0, itl=0.1)``.
+
+    Keys: ``ttft``, ``itl``, ``tpot``, ``e2e`` (at least one; case-insensitive). Values: a number of
+    seconds, with an optional ``s`` or ``ms`` suffix, > 0.
+
+    Raises:
+        MetricsError: empty text, an item without ``=``, an unknown or repeated key, or a bad value
+            (the key is named).
+    """
+    result: dict[str, float] = {}
+    for item in text.split(","):
+        if not item.strip():
+            continue
+        key, sep, value = item.partition("=")
+        key, value = key.strip().lower(), value.strip()
+        if not sep:
+            raise MetricsError(f"SLO {item.strip()!r}: expected key=value (e.g. ttft=2s,itl=100ms)")
+        if key not in Slo._fields:
+            raise MetricsError(f"SLO key {key!r}: unknown; known: {', '.join(Slo._fields)}")
+        if key in result:
+            raise MetricsError(f"SLO key {key!r}: given twice")
+        match = _SLO_VALUE.fullmatch(value)
+        if match is None:
+            raise MetricsError(f"SLO {key}={value!r}: expected a number of seconds, optionally with s or ms")
+        seconds = float(match.group(1)) / (1000.0 if match.group(2) == "ms" else 1.0)
+        if not seconds > 0:
+            raise MetricsError(f"SLO {key}={value!r}: must be > 0")
+        result[key] = seconds
+    if not result:
+        raise MetricsError(f"SLO {text!r}: empty; expected e.g. ttft=2s,itl=100ms")
+    return Slo(**result)
+
+
+# --------------------------------------------------------------------------------------------------
+# Export
+
+CSV_COLUMNS = (
+    "request_id", "outcome", "finish_reason", "prompt_len", "num_output_tokens", "arrival_time",
+    "first_scheduled_time", "first_token_time", "finish_time", "queueing_delay", "ttft", "tpot",
+    "max_itl", "e2e", "num_preemptions", "arrived_during_long_prefill",
+)
+"""Columns of :func:`timelines_to_csv` (times in seconds; empty cell = not applicable)."""
+
+
+def timelines_to_csv(timelines: Iterable[RequestTimeline], path: str | Path) -> int:
+    """Write one row per request with :data:`CSV_COLUMNS` (header first, LF line ends, floats with
+    full precision, ``None`` as an empty cell). Returns the number of rows written.
+
+    Raises:
+        MetricsError: the file cannot be written.
+    """
+    path = Path(path)
+    rows = 0
+    try:
+        with path.open("w", encoding="utf-8", newline="") as handle:
+            writer = csv.writer(handle, lineterminator="\n")
+            writer.writerow(CSV_COLUMNS)
+            for t in timelines:
+                values = [getattr(t, column) for column in CSV_COLUMNS]
+                writer.writerow(["" if v is None else (repr(v) if isinstance(v, float) else v) for v in values])
+                rows += 1
+    except OSError as error:
+        raise MetricsError(f"{path}: cannot write ({error.strerror})") from None
+    return rows

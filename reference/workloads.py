@@ -1,0 +1,795 @@
+"""Workloads for time-driven runs: real traces and synthetic arrival processes.
+
+Every loader returns ``list[RequestSpec]`` sorted by ``arrival_time`` (seconds; the first request
+of the file is at 0.0), with ``arrival_step=None``. Request ids are ``{prefix}-{row:06d}``, ``row``
+counting data rows of the file from 0 (so the id says where the request came from).
+
+Formats (details and statistics in ``schedspec/data/traces/README.md``):
+
+- ``azure``: Azure LLM inference trace 2023 CSV (``TIMESTAMP,ContextTokens,GeneratedTokens``;
+  CRLF line ends, no newline after the last row; timestamps ``YYYY-MM-DD HH:MM:SS.fffffff`` with
+  seven fractional digits, parsed exactly to 100 ns). ``ContextTokens`` -> ``prompt_len``,
+  ``GeneratedTokens`` -> ``max_tokens``.
+- ``mooncake``: Mooncake JSON Lines (``timestamp`` in **milliseconds**, ``input_length``,
+  ``output_length``, ``hash_ids``: one id per 512-token prompt block). ``hash_ids`` become
+  ``prefix_group``/``prefix_len`` (:func:`load_mooncake_jsonl`).
+
+The packaged traces (:func:`default_trace_path`) are unmodified copies distributed under their
+licenses; :func:`trace_info` gives the attribution to show with any result computed from them.
+
+Every bad input raises :class:`WorkloadError` (a ``ValueError``) with a one-line message naming the
+file, the line and the field (or the parameter).
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import functools
+import hashlib
+import json
+import math
+import re
+from collections.abc import Iterable, Sequence
+from importlib import resources
+from pathlib import Path
+
+import attrs
+import numpy as np
+
+from schedspec.spec.workload import RequestSpec
+
+FORMATS = ("azure", "mooncake")
+"""Trace formats :func:`load_trace` reads."""
+
+MOONCAKE_BLOCK_TOKENS = 512
+"""Tokens per Mooncake ``hash_ids`` block."""
+
+DEFAULT_TRACE = "AzureLLMInferenceTrace_conv.csv"
+"""File name of the default packaged trace."""
+
+AZURE_ATTRIBUTION = (
+    "Azure LLM inference trace 2023, Microsoft Azure, https://github.com/Azure/AzurePublicDataset "
+    "(AzureLLMInferenceDataset2023.md), licensed CC BY 4.0 (https://creativecommons.org/licenses/by/4.0/). "
+    "Unmodified copy."
+)
+MOONCAKE_ATTRIBUTION = (
+    "Mooncake FAST'25 conversation trace, kvcache-ai/Mooncake, https://github.com/kvcache-ai/Mooncake "
+    "(FAST25-release/traces/conversation_trace.jsonl), Apache License 2.0. Unmodified copy."
+)
+
+_KNOWN_TRACES: dict[str, tuple[str, str, str]] = {
+    # sha256 -> (file name, description, attribution)
+    "2f1e5b666d4e3055fdbba98598ce2ec307767b9064e03e2fa46676dbcc7d0bf8": (
+        "AzureLLMInferenceTrace_conv.csv", "Azure LLM inference 2023, conversation service", AZURE_ATTRIBUTION),
+    "54e9a6d2a4bd06ba1e060304b900abbc74cbea53de96506e60fe5bb4f2277fb6": (
+        "AzureLLMInferenceTrace_code.csv", "Azure LLM inference 2023, code service", AZURE_ATTRIBUTION),
+    "b8cbb061a85206d729d91cdc2981f43c9e0d99209dce588d3af5f7934408b9df": (
+        "mooncake_conversation_trace.jsonl", "Mooncake (Kimi) FAST'25 conversation trace", MOONCAKE_ATTRIBUTION),
+}
+
+
+class WorkloadError(ValueError):
+    """A workload that cannot be built; the message names the file, line and field (or parameter)."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Helpers
+
+
+def _open(path: str | Path, **kwargs):
+    path = Path(path)
+    try:
+        return path.open(**kwargs)
+    except FileNotFoundError:
+        raise WorkloadError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise WorkloadError(f"{path}: is a directory, not a trace file") from None
+    except OSError as error:
+        raise WorkloadError(f"{path}: cannot read ({error.strerror})") from None
+
+
+_DIGITS = re.compile(r"[0-9]+")
+
+
+def _token_count(text: str, where: str, field: str) -> int:
+    value = text.strip()
+    if not _DIGITS.fullmatch(value):
+        if value.startswith("-") and _DIGITS.fullmatch(value[1:]):
+            raise WorkloadError(f"{where}: {field}={value!r}: token count must not be negative")
+        raise WorkloadError(f"{where}: {field}={value!r}: token count must be a non-negative integer")
+    count = int(value)
+    if count < 1:
+        raise WorkloadError(f"{where}: {field}={count}: token count must be >= 1")
+    return count
+
+
+def _json_token_count(value: object, where: str, field: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise WorkloadError(f"{where}: {field}={value!r}: token count must be an integer")
+    if value < 0:
+        raise WorkloadError(f"{where}: {field}={value}: token count must not be negative")
+    if value < 1:
+        raise WorkloadError(f"{where}: {field}={value}: token count must be >= 1")
+    return value
+
+
+_TIMESTAMP = re.compile(r"(\d{4})-(\d{2})-(\d{2})[ T](\d{2}):(\d{2}):(\d{2})(?:\.(\d{1,9}))?")
+
+
+def parse_azure_timestamp(text: str) -> int:
+    """``YYYY-MM-DD HH:MM:SS[.fffffff]`` -> integer nanoseconds since 0001-01-01 (no time zone).
+
+    Exact: the Azure files carry 7 fractional digits (100 ns), which ``strptime``'s ``%f`` (6 digits)
+    cannot read; 1 to 9 digits are accepted and right-padded.
+
+    Raises:
+        ValueError: not in this form, or not a valid date/time.
+    """
+    match = _TIMESTAMP.fullmatch(text.strip())
+    if match is None:
+        raise ValueError("expected YYYY-MM-DD HH:MM:SS.fffffff")
+    year, month, day, hour, minute, second, fraction = match.groups()
+    day_number = _day_number(year, month, day)
+    hour, minute, second = int(hour), int(minute), int(second)
+    if hour > 23 or minute > 59 or second > 59:
+        raise ValueError("time of day out of range")
+    seconds = ((day_number * 24 + hour) * 60 + minute) * 60 + second
+    return seconds * 1_000_000_000 + (int(fraction.ljust(9, "0")) if fraction else 0)
+
+
+@functools.lru_cache(maxsize=64)
+def _day_number(year: str, month: str, day: str) -> int:
+    return datetime.date(int(year), int(month), int(day)).toordinal()  # ValueError on a bad date
+
+
+def _sorted(requests: list[RequestSpec]) -> list[RequestSpec]:
+    # Stable: equal arrival times keep file order.
+    return sorted(requests, key=lambda r: r.arrival_time)
+
+
+def _default_prefix(path: Path, fmt: str) -> str:
+    if fmt == "azure":
+        # AzureLLMInferenceTrace_conv.csv -> "conv"
+        return path.stem.rsplit("_", 1)[-1] or "azure"
+    return "mooncake" if path.stem.startswith("mooncake") else path.stem
+
+
+# --------------------------------------------------------------------------------------------------
+# Azure CSV
+
+
+def load_azure_csv(path: str | Path, id_prefix: str | None = None) -> list[RequestSpec]:
+    """Load an Azure LLM inference trace CSV (2023 schema).
+
+    Args:
+        path: the CSV file. Header ``TIMESTAMP,ContextTokens,GeneratedTokens`` (column order free,
+            names matched exactly); any line ending; a missing newline after the last row is fine.
+        id_prefix: request id prefix; default: the file stem after its last ``_`` (``conv``, ``code``).
+
+    Returns:
+        Requests with ``prompt_len = ContextTokens``, ``max_tokens = GeneratedTokens`` and
+        ``arrival_time`` = seconds since the file's earliest ``TIMESTAMP`` (exact to 100 ns before
+        conversion to float), sorted by arrival time.
+
+    Raises:
+        WorkloadError: missing file, missing header or column, a row with the wrong number of fields,
+            an unparseable timestamp, a token count that is not an integer >= 1, or no rows.
+    """
+    path = Path(path)
+    prefix = id_prefix if id_prefix is not None else _default_prefix(path, "azure")
+    rows: list[tuple[int, int, int, int]] = []  # (ns, prompt, output, row)
+    with _open(path, encoding="utf-8-sig", newline="") as handle:
+        reader = csv.reader(handle)
+        try:
+            header = next(reader)
+        except StopIteration:
+            raise WorkloadError(f"{path}:1: empty file, expected header TIMESTAMP,ContextTokens,GeneratedTokens") from None
+        except csv.Error as error:
+            raise WorkloadError(f"{path}:1: header: {error}") from None
+        names = [name.strip() for name in header]
+        columns = {}
+        for field in ("TIMESTAMP", "ContextTokens", "GeneratedTokens"):
+            if field not in names:
+                raise WorkloadError(f"{path}:1: header: missing column {field} (found {','.join(names)})")
+            columns[field] = names.index(field)
+        width = len(names)
+        t_col, p_col, o_col = columns["TIMESTAMP"], columns["ContextTokens"], columns["GeneratedTokens"]
+        row_index = 0
+        try:
+            for fields in reader:
+                if not fields or (len(fields) == 1 and not fields[0].strip()):
+                    continue
+                where = f"{path}:{reader.line_num}"
+                if len(fields) != width:
+                    raise WorkloadError(f"{where}: expected {width} fields, found {len(fields)}")
+                try:
+                    ns = parse_azure_timestamp(fields[t_col])
+                except ValueError as error:
+                    raise WorkloadError(f"{where}: TIMESTAMP={fields[t_col]!r}: {error}") from None
+                prompt = _token_count(fields[p_col], where, "ContextTokens")
+                output = _token_count(fields[o_col], where, "GeneratedTokens")
+                rows.append((ns, prompt, output, row_index))
+                row_index += 1
+        except csv.Error as error:
+            raise WorkloadError(f"{path}:{reader.line_num}: {error}") from None
+    if not rows:
+        raise WorkloadError(f"{path}: no requests (header only)")
+    origin = min(row[0] for row in rows)
+    requests = [
+        RequestSpec(
+            request_id=f"{prefix}-{row:06d}",
+            prompt_len=prompt,
+            max_tokens=output,
+            arrival_time=(ns - origin) / 1e9,
+        )
+        for ns, prompt, output, row in rows
+    ]
+    return _sorted(requests)
+
+
+# --------------------------------------------------------------------------------------------------
+# Mooncake JSON Lines
+
+
+def _prefix_groups(block_lists: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
+    """For each request's full-block hash ids, ``(group, blocks)``: group -1 = no shared prefix.
+
+    Builds the trie of full-block hash sequences (a node = one distinct leading block sequence),
+    counts the requests through each node, and splits the trie into heavy paths (each node continues
+    the path of its parent if it is the parent's child with the most requests; ties: first created).
+    A request joins the path of its deepest node with ``blocks`` = its number of full blocks.
+    All members of one path lie on one chain of the trie, so two members really share their first
+    ``min(blocks)`` blocks: the synthetic prompt ids (same id at the same position within a group)
+    never claim sharing the trace does not have. Sharing across paths is lost.
+    """
+    children: dict[tuple[int, int], int] = {}
+    parent: list[int] = []
+    count: list[int] = []
+    deepest: list[int] = []
+    for blocks in block_lists:
+        node = -1
+        for block in blocks:
+            key = (node, block)
+            child = children.get(key)
+            if child is None:
+                child = len(parent)
+                children[key] = child
+                parent.append(node)
+                count.append(0)
+            node = child
+            count[node] += 1
+        deepest.append(node)
+    heavy: dict[int, int] = {}
+    for node, up in enumerate(parent):
+        if up >= 0:
+            best = heavy.get(up)
+            if best is None or count[node] > count[best]:
+                heavy[up] = node
+    path = [0] * len(parent)
+    paths = 0
+    for node, up in enumerate(parent):  # parents are created before their children
+        if up >= 0 and heavy[up] == node:
+            path[node] = path[up]
+        else:
+            path[node] = paths
+            paths += 1
+    members: dict[int, int] = {}
+    for node in deepest:
+        if node >= 0:
+            members[path[node]] = members.get(path[node], 0) + 1
+    result = []
+    for node, blocks in zip(deepest, block_lists, strict=True):
+        if node < 0 or members[path[node]] < 2:
+            result.append((-1, 0))
+        else:
+            result.append((path[node], len(blocks)))
+    return result
+
+
+def load_mooncake_jsonl(path: str | Path, id_prefix: str | None = None) -> list[RequestSpec]:
+    """Load a Mooncake trace (JSON Lines).
+
+    Each line is an object with ``timestamp`` (milliseconds since the start of the trace; integer or
+    float >= 0), ``input_length`` and ``output_length`` (integers >= 1) and optionally ``hash_ids``
+    (a list of ``ceil(input_length / 512)`` integers, one per 512-token prompt block; equal ids at
+    equal positions mean a reusable prefix). Blank lines are skipped; other keys are ignored.
+
+    Prefix metadata (prefix caching is not implemented by the schedulers; this only shapes the
+    synthetic prompt ids): ``RequestSpec`` can say only "requests of group G share their first
+    ``prefix_len`` ids" (the id at position ``p`` is a function of the group and ``p``), while the
+    trace's reuse is a tree. The loader keeps the part of the tree a group can state exactly: it
+    splits the trie of **full** 512-token blocks into heavy paths (:func:`_prefix_groups`); a
+    request's ``prefix_group`` is ``"{prefix}-p{path}"`` and its ``prefix_len`` is
+    ``512 * (input_length // 512)`` (its full blocks; never more than ``prompt_len``). Two requests of
+    one group truly share their first ``min(prefix_len)`` tokens; none share more in the synthetic ids
+    than in the trace. A request alone on its path, or shorter than one block, gets no group. The
+    groups are computed over the whole file, before any :func:`select_window`. On the packaged
+    conversation trace this keeps 90,906 of the 105,592 full-block prefix hits an infinite cache would
+    see in arrival order (86 %); what is lost is mostly the one shared first block (a common system
+    prompt) between different conversations.
+
+    Args:
+        path: the file.
+        id_prefix: request id prefix (default ``mooncake`` for ``mooncake*`` files, else the stem).
+
+    Returns:
+        Requests with ``arrival_time = (timestamp - min timestamp) / 1000`` seconds, sorted by arrival
+        (ties in file order).
+
+    Raises:
+        WorkloadError: missing file, a line that is not a JSON object, a missing key, a bad timestamp,
+            a token count that is not an integer >= 1, ``hash_ids`` of the wrong type or length, or no
+            rows.
+    """
+    path = Path(path)
+    prefix = id_prefix if id_prefix is not None else _default_prefix(path, "mooncake")
+    rows: list[tuple[float, int, int]] = []
+    blocks: list[list[int]] = []
+    with _open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                data = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise WorkloadError(f"{where}: not valid JSON ({error.msg} at column {error.colno})") from None
+            if not isinstance(data, dict):
+                raise WorkloadError(f"{where}: expected a JSON object, found {type(data).__name__}")
+            for key in ("timestamp", "input_length", "output_length"):
+                if key not in data:
+                    raise WorkloadError(f"{where}: {key}: missing")
+            stamp = data["timestamp"]
+            if isinstance(stamp, bool) or not isinstance(stamp, int | float) or not math.isfinite(stamp) or stamp < 0:
+                raise WorkloadError(f"{where}: timestamp={stamp!r}: must be a number of milliseconds >= 0")
+            prompt = _json_token_count(data["input_length"], where, "input_length")
+            output = _json_token_count(data["output_length"], where, "output_length")
+            ids = data.get("hash_ids")
+            full: list[int] = []
+            if ids is not None:
+                if not isinstance(ids, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+                    raise WorkloadError(f"{where}: hash_ids: must be a list of integers")
+                expected = -(-prompt // MOONCAKE_BLOCK_TOKENS)
+                if len(ids) != expected:
+                    raise WorkloadError(
+                        f"{where}: hash_ids: {len(ids)} ids for input_length={prompt}, expected "
+                        f"ceil({prompt}/{MOONCAKE_BLOCK_TOKENS}) = {expected}"
+                    )
+                full = ids[: prompt // MOONCAKE_BLOCK_TOKENS]
+            rows.append((float(stamp), prompt, output))
+            blocks.append(full)
+    if not rows:
+        raise WorkloadError(f"{path}: no requests (empty file)")
+    origin = min(row[0] for row in rows)
+    groups = _prefix_groups(blocks)
+    requests = []
+    for index, ((stamp, prompt, output), (group, num_blocks)) in enumerate(zip(rows, groups, strict=True)):
+        requests.append(RequestSpec(
+            request_id=f"{prefix}-{index:06d}",
+            prompt_len=prompt,
+            max_tokens=output,
+            arrival_time=(stamp - origin) / 1000.0,
+            prefix_group=f"{prefix}-p{group}" if group >= 0 else None,
+            prefix_len=min(prompt, num_blocks * MOONCAKE_BLOCK_TOKENS) if group >= 0 else 0,
+        ))
+    return _sorted(requests)
+
+
+# --------------------------------------------------------------------------------------------------
+# Format detection, loading, packaged traces
+
+
+def detect_format(path: str | Path) -> str:
+    """``"azure"`` if the first non-blank line is a CSV header with ``TIMESTAMP``, ``"mooncake"`` if it
+    is a JSON object.
+
+    Raises:
+        WorkloadError: missing file, empty file, or neither form.
+    """
+    path = Path(path)
+    with _open(path, encoding="utf-8-sig", errors="replace") as handle:
+        first = ""
+        for line in handle:
+            if line.strip():
+                first = line.strip()
+                break
+    if not first:
+        raise WorkloadError(f"{path}: empty file, cannot detect the trace format")
+    if first.startswith("{"):
+        return "mooncake"
+    if "TIMESTAMP" in [field.strip() for field in first.split(",")]:
+        return "azure"
+    raise WorkloadError(
+        f"{path}:1: cannot detect the trace format: expected an Azure CSV header "
+        f"(TIMESTAMP,ContextTokens,GeneratedTokens) or a Mooncake JSON object; give format= "
+        f"({', '.join(FORMATS)})"
+    )
+
+
+def load_trace(path: str | Path, format: str | None = None, id_prefix: str | None = None) -> list[RequestSpec]:
+    """Load a trace file in ``format`` (one of :data:`FORMATS`; ``None``: :func:`detect_format`).
+
+    Raises:
+        WorkloadError: unknown format, or anything the format's loader raises.
+    """
+    fmt = detect_format(path) if format is None else format
+    if fmt == "azure":
+        return load_azure_csv(path, id_prefix)
+    if fmt == "mooncake":
+        return load_mooncake_jsonl(path, id_prefix)
+    raise WorkloadError(f"format={fmt!r}: unknown trace format; known: {', '.join(FORMATS)}")
+
+
+def packaged_trace_path(name: str) -> Path:
+    """Path of a trace shipped in ``schedspec/data/traces/`` (via :mod:`importlib.resources`).
+
+    Raises:
+        WorkloadError: no such packaged file.
+    """
+    resource = resources.files("schedspec").joinpath("data", "traces", name)
+    if not resource.is_file():
+        raise WorkloadError(f"packaged trace {name!r}: not found in schedspec/data/traces")
+    return Path(str(resource))
+
+
+def default_trace_path() -> Path:
+    """The packaged Azure 2023 conversation trace (19,366 requests over 58 minutes)."""
+    return packaged_trace_path(DEFAULT_TRACE)
+
+
+@attrs.frozen
+class TraceInfo:
+    """What a trace file is.
+
+    Attributes:
+        path: the file.
+        format: ``azure`` or ``mooncake``.
+        num_requests: rows.
+        duration_s: last arrival minus first arrival, seconds.
+        description: one line: source, size, rate, median lengths.
+        attribution: the attribution the file's license requires (empty for unknown files).
+    """
+
+    path: Path
+    format: str
+    num_requests: int
+    duration_s: float
+    description: str
+    attribution: str
+
+    def __str__(self) -> str:
+        return self.description + (f"\nSource: {self.attribution}" if self.attribution else "")
+
+
+def trace_info(path: str | Path, format: str | None = None) -> TraceInfo:
+    """Load ``path`` and describe it; known files (by sha256) get their attribution.
+
+    Raises:
+        WorkloadError: as :func:`load_trace`.
+    """
+    path = Path(path)
+    requests = load_trace(path, format)
+    fmt = format or detect_format(path)
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    known = _KNOWN_TRACES.get(digest)
+    if known is not None:
+        title, attribution = known[1], known[2]
+    else:
+        title = f"{path.name} ({fmt} format)"
+        attribution = ""
+        for name, _, text in _KNOWN_TRACES.values():
+            if path.name == name:
+                title += ", differs from the packaged copy"
+                attribution = text.replace("Unmodified copy.", "Modified copy.")
+    duration = max(r.arrival_time for r in requests)
+    rate = len(requests) / duration if duration > 0 else float("inf")
+    prompts = np.array([r.prompt_len for r in requests])
+    outputs = np.array([r.max_tokens for r in requests])
+    description = (
+        f"{title}: {len(requests):,} requests over {duration:,.1f} s ({rate:.2f} req/s); prompt tokens "
+        f"p50 {np.percentile(prompts, 50):,.0f} / max {prompts.max():,}; output tokens p50 "
+        f"{np.percentile(outputs, 50):,.0f} / max {outputs.max():,}"
+    )
+    return TraceInfo(path, fmt, len(requests), duration, description, attribution)
+
+
+# --------------------------------------------------------------------------------------------------
+# Window selection
+
+
+def _check_number(name: str, value: object, minimum: float | None = None, strict: bool = False) -> float:
+    """``value`` as a float: finite, and ``> minimum`` (``strict``) or ``>= minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise WorkloadError(f"{name}={value!r}: must be a finite number")
+    if minimum is not None and (value <= minimum if strict else value < minimum):
+        raise WorkloadError(f"{name}={value!r}: must be {'>' if strict else '>='} {minimum:g}")
+    return float(value)
+
+
+def select_window(
+    requests: Iterable[RequestSpec],
+    start: float | None = None,
+    duration: float | None = None,
+    max_requests: int | None = None,
+    time_scale: float = 1.0,
+) -> list[RequestSpec]:
+    """A time window of a workload, re-based to 0 and optionally sped up or slowed down.
+
+    Keeps the requests with ``start <= arrival_time < start + duration`` (trace seconds; ``start``
+    default: the first arrival, ``duration`` default: to the end), then the first ``max_requests``
+    of them. Arrival times become ``(arrival_time - first kept arrival) * time_scale``: the first kept
+    request arrives at 0.0 and every inter-arrival gap is multiplied by ``time_scale`` (0.5 = arrivals
+    twice as fast). ``abort_at_time`` is shifted and scaled the same way. Other fields are unchanged.
+
+    Raises:
+        WorkloadError: no requests given, ``start`` not finite, ``duration <= 0``,
+            ``max_requests < 1`` or not an integer, ``time_scale <= 0``, or a window with no requests.
+    """
+    ordered = _sorted(list(requests))
+    if not ordered:
+        raise WorkloadError("select_window: the workload has no requests")
+    if start is not None:
+        start = _check_number("start", start)
+    if duration is not None:
+        duration = _check_number("duration", duration, minimum=0, strict=True)
+    if max_requests is not None and (isinstance(max_requests, bool) or not isinstance(max_requests, int)
+                                     or max_requests < 1):
+        raise WorkloadError(f"max_requests={max_requests!r}: must be an integer >= 1")
+    time_scale = _check_number("time_scale", time_scale, minimum=0, strict=True)
+    low = ordered[0].arrival_time if start is None else start
+    kept = [r for r in ordered if r.arrival_time >= low and (duration is None or r.arrival_time < low + duration)]
+    if max_requests is not None:
+        kept = kept[:max_requests]
+    if not kept:
+        end = "end" if duration is None else f"{low + duration:g} s"
+        raise WorkloadError(
+            f"select_window: no requests arrive in [{low:g} s, {end}) (the workload spans "
+            f"{ordered[0].arrival_time:g} s to {ordered[-1].arrival_time:g} s)"
+        )
+    origin = kept[0].arrival_time
+    return [
+        attrs.evolve(
+            r,
+            arrival_time=(r.arrival_time - origin) * time_scale,
+            abort_at_time=None if r.abort_at_time is None else max(0.0, (r.abort_at_time - origin) * time_scale),
+        )
+        for r in kept
+    ]
+
+
+# --------------------------------------------------------------------------------------------------
+# Synthetic workloads
+
+
+@attrs.frozen
+class LengthDist:
+    """A token-length distribution, written as text (the ``prompt=``/``output=`` syntax):
+
+    - ``N``: always ``N`` (integer >= 1).
+    - ``uniform:LO:HI``: integers uniform on ``[LO, HI]`` (inclusive; 1 <= LO <= HI).
+    - ``normal:MEAN:STD``: ``round(Normal(MEAN, STD))``, values below 1 set to 1 (MEAN >= 1, STD >= 0).
+    - ``geom:MEAN``: geometric on ``{1, 2, ...}`` with mean MEAN (the discrete exponential; MEAN >= 1).
+
+    Raises:
+        WorkloadError: any other text (naming ``field``).
+    """
+
+    kind: str
+    params: tuple[float, ...]
+
+    @classmethod
+    def parse(cls, text: str | int, field: str = "length") -> LengthDist:
+        if isinstance(text, bool):
+            raise WorkloadError(f"{field}={text!r}: expected a token length")
+        if isinstance(text, int):
+            text = str(text)
+        raw = str(text).strip()
+        parts = raw.split(":")
+        usage = "expected N, uniform:LO:HI, normal:MEAN:STD or geom:MEAN"
+        try:
+            if len(parts) == 1:
+                if not _DIGITS.fullmatch(raw) or int(raw) < 1:
+                    raise WorkloadError(f"{field}={raw!r}: fixed length must be an integer >= 1 ({usage})")
+                return cls("fixed", (int(raw),))
+            kind, args = parts[0].strip().lower(), [float(p) for p in parts[1:]]
+        except ValueError:
+            raise WorkloadError(f"{field}={raw!r}: {usage}") from None
+        if not all(math.isfinite(a) for a in args):
+            raise WorkloadError(f"{field}={raw!r}: parameters must be finite numbers")
+        if kind == "uniform" and len(args) == 2:
+            low, high = args
+            if low != int(low) or high != int(high) or not 1 <= low <= high:
+                raise WorkloadError(f"{field}={raw!r}: uniform:LO:HI needs integers 1 <= LO <= HI")
+            return cls("uniform", (low, high))
+        if kind == "normal" and len(args) == 2:
+            if args[0] < 1 or args[1] < 0:
+                raise WorkloadError(f"{field}={raw!r}: normal:MEAN:STD needs MEAN >= 1 and STD >= 0")
+            return cls("normal", tuple(args))
+        if kind == "geom" and len(args) == 1:
+            if args[0] < 1:
+                raise WorkloadError(f"{field}={raw!r}: geom:MEAN needs MEAN >= 1")
+            return cls("geom", tuple(args))
+        raise WorkloadError(f"{field}={raw!r}: {usage}")
+
+    def sample(self, rng: np.random.Generator, size: int) -> np.ndarray:
+        """``size`` integer lengths >= 1."""
+        if self.kind == "fixed":
+            return np.full(size, int(self.params[0]), dtype=np.int64)
+        if self.kind == "uniform":
+            return rng.integers(int(self.params[0]), int(self.params[1]), size, endpoint=True)
+        if self.kind == "normal":
+            return np.maximum(1, np.rint(rng.normal(self.params[0], self.params[1], size))).astype(np.int64)
+        return rng.geometric(1.0 / self.params[0], size).astype(np.int64)
+
+    def __str__(self) -> str:
+        if self.kind == "fixed":
+            return str(int(self.params[0]))
+        return ":".join([self.kind, *(f"{p:g}" for p in self.params)])
+
+
+def _arrival_gaps(rng: np.random.Generator, rate: float, cv: float, size: int) -> np.ndarray:
+    if cv == 0:
+        return np.full(size, 1.0 / rate)
+    if cv == 1:
+        return rng.exponential(1.0 / rate, size)
+    shape = 1.0 / (cv * cv)
+    return rng.gamma(shape, 1.0 / (rate * shape), size)
+
+
+def synthetic(
+    rate: float,
+    cv: float = 1.0,
+    prompt: int | str | LengthDist = 512,
+    output: int | str | LengthDist = 128,
+    num_requests: int | None = None,
+    duration: float | None = None,
+    seed: int = 0,
+    id_prefix: str = "syn",
+) -> list[RequestSpec]:
+    """A synthetic open-loop workload.
+
+    Inter-arrival gaps are i.i.d. with mean ``1/rate`` seconds and coefficient of variation ``cv``:
+    exponential for ``cv == 1`` (a Poisson process, as vLLM's ``benchmark_serving --request-rate``),
+    ``Gamma(shape=1/cv**2, scale=cv**2/rate)`` otherwise (``cv > 1`` bursty, ``cv < 1`` smoother, as
+    ``--burstiness = 1/cv**2``), constant for ``cv == 0``. The first request arrives at 0.0. Prompt and
+    output lengths are drawn independently from :class:`LengthDist` (ints or their text syntax).
+
+    Args:
+        rate: mean arrival rate, requests per second (> 0).
+        cv: coefficient of variation of the gaps (>= 0).
+        prompt, output: token lengths (``prompt_len``, ``max_tokens``).
+        num_requests: exactly this many requests; or
+        duration: every request arriving in ``[0, duration)`` seconds. Give exactly one.
+        seed: the random seed (integer >= 0); equal arguments give equal workloads.
+        id_prefix: ids are ``{id_prefix}-{i:06d}``.
+
+    Raises:
+        WorkloadError: a bad parameter (named).
+    """
+    rate = _check_number("rate", rate, minimum=0, strict=True)
+    cv = _check_number("cv", cv, minimum=0)
+    prompt_dist = prompt if isinstance(prompt, LengthDist) else LengthDist.parse(prompt, "prompt")
+    output_dist = output if isinstance(output, LengthDist) else LengthDist.parse(output, "output")
+    if (num_requests is None) == (duration is None):
+        raise WorkloadError("synthetic: give exactly one of n (num_requests) and duration")
+    if num_requests is not None and (isinstance(num_requests, bool) or not isinstance(num_requests, int)
+                                     or num_requests < 1):
+        raise WorkloadError(f"n={num_requests!r}: must be an integer >= 1")
+    if duration is not None:
+        duration = _check_number("duration", duration, minimum=0, strict=True)
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise WorkloadError(f"seed={seed!r}: must be an integer >= 0")
+    arrivals_rng, prompt_rng, output_rng = (np.random.default_rng([seed, stream]) for stream in range(3))
+    if num_requests is not None:
+        times = np.concatenate([[0.0], np.cumsum(_arrival_gaps(arrivals_rng, rate, cv, num_requests - 1))])
+    else:
+        chunks = [np.zeros(1)]
+        last, total = 0.0, 1
+        while last < duration:
+            size = max(64, int(rate * (duration - last) * 1.2) + 16)
+            block = last + np.cumsum(_arrival_gaps(arrivals_rng, rate, cv, size))
+            chunks.append(block)
+            last = float(block[-1])
+            total += size
+            if total > 50_000_000:
+                raise WorkloadError(f"synthetic: rate={rate:g} * duration={duration:g} gives over 50 million requests")
+        times = np.concatenate(chunks)
+        times = times[times < duration]
+    count = len(times)
+    prompts = prompt_dist.sample(prompt_rng, count)
+    outputs = output_dist.sample(output_rng, count)
+    return [
+        RequestSpec(request_id=f"{id_prefix}-{i:06d}", prompt_len=int(p), max_tokens=int(o), arrival_time=float(t))
+        for i, (t, p, o) in enumerate(zip(times.tolist(), prompts.tolist(), outputs.tolist(), strict=True))
+    ]
+
+
+@attrs.frozen
+class SyntheticSpec:
+    """A parsed ``rate=..,cv=..,prompt=..,output=..[,n=..|,duration=..][,seed=..]`` string.
+
+    Attributes mirror :func:`synthetic`'s parameters; :meth:`generate` calls it.
+    """
+
+    rate: float
+    cv: float = 1.0
+    prompt: LengthDist = LengthDist("fixed", (512,))
+    output: LengthDist = LengthDist("fixed", (128,))
+    num_requests: int | None = None
+    duration: float | None = None
+    seed: int = 0
+
+    def generate(self, id_prefix: str = "syn") -> list[RequestSpec]:
+        return synthetic(self.rate, self.cv, self.prompt, self.output, self.num_requests, self.duration,
+                         self.seed, id_prefix)
+
+    def __str__(self) -> str:
+        size = f"n={self.num_requests}" if self.num_requests is not None else f"duration={self.duration:g}"
+        return f"rate={self.rate:g},cv={self.cv:g},prompt={self.prompt},output={self.output},{size},seed={self.seed}"
+
+
+_SYNTHETIC_KEYS = ("rate", "cv", "prompt", "output", "n", "duration", "seed")
+
+
+def parse_synthetic(text: str) -> SyntheticSpec:
+    """Parse the CLI form ``rate=R,cv=C,prompt=P,output=O[,n=N][,duration=S][,seed=K]``.
+
+    ``rate`` (req/s, > 0), ``prompt`` and ``output`` (:class:`LengthDist` syntax) are required;
+    ``cv`` defaults to 1 (Poisson), ``seed`` to 0; exactly one of ``n`` and ``duration`` (seconds).
+    An optional leading ``synthetic:`` is ignored. Spaces around keys and values are ignored.
+
+    Raises:
+        WorkloadError: unknown, repeated or missing keys, or bad values (the key is named).
+    """
+    body = text.strip()
+    if body.startswith("synthetic:"):
+        body = body[len("synthetic:"):]
+    values: dict[str, str] = {}
+    for item in body.split(","):
+        if not item.strip():
+            continue
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or not value.strip():
+            raise WorkloadError(f"synthetic: {item.strip()!r}: expected key=value")
+        if key not in _SYNTHETIC_KEYS:
+            raise WorkloadError(f"synthetic: unknown key {key!r}; known: {', '.join(_SYNTHETIC_KEYS)}")
+        if key in values:
+            raise WorkloadError(f"synthetic: key {key!r} given twice")
+        values[key] = value.strip()
+    for key in ("rate", "prompt", "output"):
+        if key not in values:
+            raise WorkloadError(f"synthetic: missing key {key!r} (form: rate=R,cv=C,prompt=P,output=O,n=N,seed=K)")
+
+    def number(key: str) -> float:
+        try:
+            value = float(values[key])
+        except ValueError:
+            raise WorkloadError(f"synthetic: {key}={values[key]!r}: not a number") from None
+        return value
+
+    def integer(key: str) -> int:
+        if not _DIGITS.fullmatch(values[key]):
+            raise WorkloadError(f"synthetic: {key}={values[key]!r}: must be a non-negative integer")
+        return int(values[key])
+
+    spec = SyntheticSpec(
+        rate=number("rate"),
+        cv=number("cv") if "cv" in values else 1.0,
+        prompt=LengthDist.parse(values["prompt"], "prompt"),
+        output=LengthDist.parse(values["output"], "output"),
+        num_requests=integer("n") if "n" in values else None,
+        duration=number("duration") if "duration" in values else None,
+        seed=integer("seed") if "seed" in values else 0,
+    )
+    # Validate the numbers once, with the same messages as synthetic().
+    _check_number("rate", spec.rate, minimum=0, strict=True)
+    _check_number("cv", spec.cv, minimum=0)
+    if (spec.num_requests is None) == (spec.duration is None):
+        raise WorkloadError("synthetic: give exactly one of n and duration")
+    if spec.num_requests is not None and spec.num_requests < 1:
+        raise WorkloadError(f"synthetic: n={spec.num_requests}: must be >= 1")
+    if spec.duration is not None:
+        _check_number("duration", spec.duration, minimum=0, strict=True)
+    return spec
