@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Sequence
 import attrs
 
 from schedspec.spec.config import SchedulerConfig
+from schedspec.spec.incremental import IncrementalChecker
 from schedspec.spec.invariants import check_step
 from schedspec.spec.properties import Monitor, monitors
 from schedspec.spec.rules import Violation, violated_rules
@@ -135,6 +136,8 @@ class Engine:
         watch: extra properties to monitor without counting their violations as failures (used to
             demonstrate counterexamples).
         record_steps: keep a :class:`StepRecord` per step.
+        incremental: check with :class:`~schedspec.spec.incremental.IncrementalChecker` (same verdicts,
+            time proportional to what each step changed) instead of the full check.
         stop_on_violation: raise :class:`ViolationFound` at the first violated rule or invariant.
         on_step: called with each record (progress bars, streaming output).
     """
@@ -150,6 +153,7 @@ class Engine:
         record_steps: bool = True,
         stop_on_violation: bool = False,
         on_step: Callable[[StepRecord], None] | None = None,
+        incremental: bool = False,
     ) -> None:
         self.scheduler = scheduler
         self.config = config
@@ -160,6 +164,7 @@ class Engine:
         self.record_steps = record_steps
         self.stop_on_violation = stop_on_violation
         self.on_step = on_step
+        self.incremental = incremental
 
     def run(
         self,
@@ -200,6 +205,7 @@ class Engine:
             if spec.abort_at_step is not None:
                 step_aborts.setdefault(spec.abort_at_step, []).append(spec.request_id)
 
+        ledger = IncrementalChecker(self.config) if self.check and self.incremental else None
         watched: list[Monitor] = monitors(self.properties, self.config) + monitors(self.watch, self.config)
         shadow = SchedulerState.initial(self.config)
         own_state = isinstance(getattr(self.scheduler, "state", None), SchedulerState)
@@ -247,7 +253,8 @@ class Engine:
             before = shadow
             plan = self.scheduler.schedule()
             if self.check:
-                found = violated_rules(before, plan, self.config)
+                found = ledger.sync(before) if ledger is not None else []
+                found += violated_rules(before, plan, self.config)
                 if found:
                     violations.extend(found)
                     if self.stop_on_violation:
@@ -265,7 +272,10 @@ class Engine:
                         before.step))
                 finished = result.finished
             if self.check:
-                found = check_step(before, plan, after, self.config)
+                if ledger is not None:
+                    found = ledger.check(before, plan, after)
+                else:
+                    found = check_step(before, plan, after, self.config)
                 checked += 1
                 if found:
                     violations.extend(found)

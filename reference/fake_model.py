@@ -24,10 +24,11 @@ from schedspec.spec.request import Request
 from schedspec.spec.state import SchedulerState, StepPlan, samples_this_step
 from schedspec.spec.workload import DEFAULT_VOCAB_SIZE, EOS_TOKEN_ID
 
-FULL_READ_LIMIT = 512
-"""Sequences up to this many tokens are read back whole each step; longer ones are read at their last
-:data:`SAMPLED_READS` positions and at as many pseudo-random earlier ones (cost stays O(1) per request)."""
-SAMPLED_READS = 8
+FULL_READ_LIMIT = 64
+"""Sequences up to this many tokens are read back whole when they sample; longer ones are read at their
+last :data:`SAMPLED_READS` positions and at as many pseudo-random earlier ones chosen from the length
+(so the cost stays O(1) per request while any table entry can be probed)."""
+SAMPLED_READS = 16
 
 
 @runtime_checkable
@@ -90,22 +91,39 @@ class FakeModel:
         positions = np.arange(start, stop)
         return np.asarray(table, dtype=np.int64)[positions // size] * size + positions % size
 
-    def _sample(self, request: Request, table: tuple[int, ...], length: int) -> int:
+    @staticmethod
+    def read_positions(length: int) -> list[int]:
+        """Positions read back to sample after a sequence of ``length`` tokens (deterministic)."""
         if length <= FULL_READ_LIMIT:
-            positions = np.arange(length)
-        else:
-            rng = np.random.default_rng(length * 2654435761 % (2**32))
-            positions = np.concatenate([np.arange(length - SAMPLED_READS, length),
-                                        rng.integers(0, length - SAMPLED_READS, SAMPLED_READS)])
+            return list(range(length))
+        earlier = length - SAMPLED_READS
+        x = length
+        probes = []
+        for _ in range(SAMPLED_READS):
+            x = (x * 6364136223846793005 + 1442695040888963407) & 0xFFFFFFFFFFFFFFFF
+            probes.append((x >> 33) % earlier)
+        return probes + list(range(earlier, length))
+
+    def _sample_all(self, pending: list[tuple[str, tuple[int, ...], int]]) -> dict[str, int]:
+        """Sample for every ``(request_id, block table, length)`` with one gather from the slot array."""
         size = self.config.block_size
-        read = self.slots[np.asarray(table, dtype=np.int64)[positions // size] * size + positions % size]
-        weights = (positions.astype(np.uint64) * np.uint64(0x9E3779B1) + np.uint64(1)) | np.uint64(1)
-        with np.errstate(over="ignore"):
-            digest = int(np.bitwise_xor.reduce(read.astype(np.uint64) * weights)) ^ (length * 0x85EBCA6B)
-        return 1 + digest % (self.vocab_size - 1)
+        slot_ids: list[int] = []
+        bounds: list[int] = []
+        for _, table, length in pending:
+            slot_ids.extend(table[p // size] * size + p % size for p in self.read_positions(length))
+            bounds.append(len(slot_ids))
+        values = self.slots.take(slot_ids).tolist() if slot_ids else []
+        sampled = {}
+        start = 0
+        for (request_id, _, length), stop in zip(pending, bounds, strict=True):
+            digest = hash((length, *values[start:stop])) & 0xFFFFFFFFFFFFFFFF
+            sampled[request_id] = 1 + digest % (self.vocab_size - 1)
+            start = stop
+        return sampled
 
     def execute(self, plan: StepPlan, state: SchedulerState) -> tuple[dict[str, int], float]:
         sampled: dict[str, int] = {}
+        pending: list[tuple[str, tuple[int, ...], int]] = []
         prefill_tokens = decode_tokens = attended = 0
         for item in plan.scheduled:
             request = state.requests[item.request_id]
@@ -121,5 +139,6 @@ class FakeModel:
                 if self.eos_at_output.get(item.request_id) == request.num_output_tokens + 1:
                     sampled[item.request_id] = EOS_TOKEN_ID
                 else:
-                    sampled[item.request_id] = self._sample(request, table, stop)
+                    pending.append((item.request_id, table, stop))
+        sampled.update(self._sample_all(pending))
         return sampled, self.cost_model.step_seconds(prefill_tokens, decode_tokens, attended)

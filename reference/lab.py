@@ -32,7 +32,7 @@ from schedspec.spec.workload import RequestSpec
 
 from .engine import Engine, RunResult
 from .fake_model import FakeModel, TokenSource
-from .metrics import RequestTimeline
+from .metrics import RequestTimeline, long_prompt_threshold
 from .scheduler import make_scheduler
 
 
@@ -138,14 +138,6 @@ class _Collector:
         return index >= 0 and spans[index][0] <= arrival < spans[index][1]
 
 
-def long_prompt_threshold(workload: Sequence[RequestSpec]) -> int:
-    """Prompt length at the top decile (90th percentile, ``numpy.percentile`` linear) of the workload;
-    prompts at or above it are "long"."""
-    if not workload:
-        return 0
-    return int(np.ceil(np.percentile([s.prompt_len for s in workload], 90)))
-
-
 def run_lab(
     workload: Sequence[RequestSpec],
     scheduler_name: str,
@@ -175,7 +167,7 @@ def run_lab(
         ViolationFound: with ``check``, at the first violated rule or invariant.
     """
     scheduler = make_scheduler(scheduler_name, config)
-    collector = _Collector(workload, long_prompt_threshold(workload), steps_out)
+    collector = _Collector(workload, long_prompt_threshold(s.prompt_len for s in workload), steps_out)
 
     def observe(record: StepRecord) -> None:
         collector(record)
@@ -190,6 +182,7 @@ def run_lab(
         record_steps=False,
         stop_on_violation=check,
         on_step=observe,
+        incremental=True,
     )
     run = engine.run(workload, mode="time", max_steps=max_steps)
     state = run.state

@@ -49,9 +49,9 @@ def write_plots(runs: Sequence[tuple[str, LabResult]], folder: str | Path) -> li
         figure, axis = plt.subplots(figsize=(7, 4.5))
         for name, result in runs:
             if metric == "ttft":
-                values = [t.token_times[0] - t.arrival_time for t in result.timelines if t.token_times]
+                values = [t.ttft for t in result.timelines if t.ttft is not None]
             else:
-                values = [b - a for t in result.timelines for a, b in zip(t.token_times, t.token_times[1:], strict=False)]
+                values = [gap for t in result.timelines for gap in t.itls]
             if values:
                 ordered = np.sort(values)
                 axis.plot(ordered, np.arange(1, len(ordered) + 1) / len(ordered), label=name)

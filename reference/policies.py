@@ -48,20 +48,23 @@ class _BlockPool:
     back (the order :func:`schedspec.spec.transitions.apply_plan` will produce)."""
 
     def __init__(self, free: tuple[int, ...]) -> None:
-        self.free = list(free)
+        self.free = free  # not copied: the pool only reads it
+        self.released: list[int] = []
         self.next = 0
 
     @property
     def available(self) -> int:
-        return len(self.free) - self.next
+        return len(self.free) + len(self.released) - self.next
 
     def release(self, blocks: tuple[int, ...]) -> None:
-        self.free.extend(reversed(blocks))
+        self.released.extend(reversed(blocks))
 
     def take(self, count: int) -> tuple[int, ...]:
-        taken = tuple(self.free[self.next:self.next + count])
-        self.next += count
-        return taken
+        start, stop, size = self.next, self.next + count, len(self.free)
+        self.next = stop
+        if stop <= size:
+            return self.free[start:stop]
+        return self.free[start:size] + tuple(self.released[max(start - size, 0):stop - size])
 
 
 def reject_impossible(state: SchedulerState, config: SchedulerConfig) -> tuple[tuple[str, str], ...]:

@@ -9,17 +9,20 @@ the invariant; an empty list means all hold.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 import attrs
 
 from schedspec.spec.config import SchedulerConfig
-from schedspec.spec.request import RequestStatus
+from schedspec.spec.request import Request, RequestStatus
 from schedspec.spec.rules import Violation
 from schedspec.spec.state import SchedulerState, StepPlan
 
 Breaches = Iterator[tuple[str | None, str]]
-StateCheck = Callable[[SchedulerState, SchedulerConfig], Breaches]
+Terminal = Mapping[str, Request] | None
+"""State invariants look at the terminal requests given here; ``None`` means all of ``state.finished``.
+Terminal requests never change, so an incremental checker passes only the newly terminal ones."""
+StateCheck = Callable[..., Breaches]
 StepCheck = Callable[[SchedulerState, StepPlan, SchedulerState, SchedulerConfig], Breaches]
 
 
@@ -63,14 +66,14 @@ def token_budget(before: SchedulerState, plan: StepPlan, after: SchedulerState, 
 
 
 @state_invariant("sequence-cap", "vLLM Scheduler.schedule max_num_running_reqs")
-def sequence_cap(state: SchedulerState, config: SchedulerConfig) -> Breaches:
+def sequence_cap(state: SchedulerState, config: SchedulerConfig, terminal: Terminal = None) -> Breaches:
     """len(running) <= max_num_seqs."""
     if len(state.running) > config.max_num_seqs:
         yield None, f"{len(state.running)} running > max_num_seqs={config.max_num_seqs}"
 
 
 @state_invariant("kv-capacity", "vLLM BlockPool (num_gpu_blocks)")
-def kv_capacity(state: SchedulerState, config: SchedulerConfig) -> Breaches:
+def kv_capacity(state: SchedulerState, config: SchedulerConfig, terminal: Terminal = None) -> Breaches:
     """The blocks held by all requests are at most num_kv_blocks."""
     held = sum(len(r.block_ids) for r in state.requests.values())
     if held > config.num_kv_blocks:
@@ -78,7 +81,7 @@ def kv_capacity(state: SchedulerState, config: SchedulerConfig) -> Breaches:
 
 
 @state_invariant("block-conservation", "vLLM BlockPool: every block is in the free queue or owned")
-def block_conservation(state: SchedulerState, config: SchedulerConfig) -> Breaches:
+def block_conservation(state: SchedulerState, config: SchedulerConfig, terminal: Terminal = None) -> Breaches:
     """free + owned == num_kv_blocks; every block id is in range; no block is owned twice or both free
     and owned; terminal requests own nothing."""
     owners: dict[int, str] = {}
@@ -87,25 +90,28 @@ def block_conservation(state: SchedulerState, config: SchedulerConfig) -> Breach
             if block_id in owners:
                 yield request_id, f"block {block_id} also owned by {owners[block_id]}"
             owners[block_id] = request_id
-    free_counts = Counter(state.free_block_ids)
-    for block_id, count in free_counts.items():
-        if count > 1:
-            yield None, f"block {block_id} is {count} times in the free queue"
-        if block_id in owners:
-            yield owners[block_id], f"block {block_id} is both free and owned"
-    for block_id in list(owners) + list(free_counts):
-        if not 0 <= block_id < config.num_kv_blocks:
-            yield owners.get(block_id), f"block id {block_id} out of range [0, {config.num_kv_blocks})"
-    total = len(state.free_block_ids) + sum(len(r.block_ids) for r in state.requests.values())
-    if total != config.num_kv_blocks:
-        yield None, f"free {len(state.free_block_ids)} + owned {total - len(state.free_block_ids)} != num_kv_blocks={config.num_kv_blocks}"
-    for request_id, request in state.finished.items():
+    free = state.free_block_set
+    if len(free) != len(state.free_block_ids):
+        for block_id, count in Counter(state.free_block_ids).items():
+            if count > 1:
+                yield None, f"block {block_id} is {count} times in the free queue"
+    for block_id in free.intersection(owners):
+        yield owners[block_id], f"block {block_id} is both free and owned"
+    for ids in (free, owners):
+        if ids and (min(ids) < 0 or max(ids) >= config.num_kv_blocks):
+            for block_id in ids:
+                if not 0 <= block_id < config.num_kv_blocks:
+                    yield owners.get(block_id), f"block id {block_id} out of range [0, {config.num_kv_blocks})"
+    owned = sum(len(r.block_ids) for r in state.requests.values())
+    if len(state.free_block_ids) + owned != config.num_kv_blocks:
+        yield None, f"free {len(state.free_block_ids)} + owned {owned} != num_kv_blocks={config.num_kv_blocks}"
+    for request_id, request in (state.finished if terminal is None else terminal).items():
         if request.block_ids:
             yield request_id, f"terminal request still owns {len(request.block_ids)} blocks"
 
 
 @state_invariant("table-covers-computed", "vLLM KVCacheManager.allocate_slots")
-def table_covers_computed(state: SchedulerState, config: SchedulerConfig) -> Breaches:
+def table_covers_computed(state: SchedulerState, config: SchedulerConfig, terminal: Terminal = None) -> Breaches:
     """Every running request's block table holds its computed tokens:
     len(block_ids) * block_size >= num_computed_tokens."""
     for request_id in state.running:
@@ -117,7 +123,7 @@ def table_covers_computed(state: SchedulerState, config: SchedulerConfig) -> Bre
 
 
 @state_invariant("queues-disjoint", "vLLM Scheduler.waiting / Scheduler.running")
-def queues_disjoint(state: SchedulerState, config: SchedulerConfig) -> Breaches:
+def queues_disjoint(state: SchedulerState, config: SchedulerConfig, terminal: Terminal = None) -> Breaches:
     """waiting and running have no duplicates and share no id; waiting requests have status WAITING or
     PREEMPTED, running ones RUNNING; finished ones are terminal."""
     for name, queue in (("waiting", state.waiting), ("running", state.running)):
@@ -134,13 +140,13 @@ def queues_disjoint(state: SchedulerState, config: SchedulerConfig) -> Breaches:
         request = state.requests.get(request_id)
         if request is not None and request.status is not RequestStatus.RUNNING:
             yield request_id, f"in running with status {request.status.value}"
-    for request_id, request in state.finished.items():
+    for request_id, request in (state.finished if terminal is None else terminal).items():
         if not request.status.is_terminal:
             yield request_id, f"in finished with status {request.status.value}"
 
 
 @state_invariant("no-request-lost", "this spec: every admitted request ends finished, aborted or rejected")
-def no_request_lost(state: SchedulerState, config: SchedulerConfig) -> Breaches:
+def no_request_lost(state: SchedulerState, config: SchedulerConfig, terminal: Terminal = None) -> Breaches:
     """Every added request is in exactly one of waiting, running, finished (terminal, rejected included):
     the live requests are exactly waiting plus running, and live plus terminal count the added ones."""
     queued = set(state.waiting) | set(state.running)
@@ -148,26 +154,30 @@ def no_request_lost(state: SchedulerState, config: SchedulerConfig) -> Breaches:
         yield request_id, "live but in neither waiting nor running"
     for request_id in queued - set(state.requests):
         yield request_id, "queued but not a live request"
-    for request_id in set(state.requests) & set(state.finished):
-        yield request_id, "both live and terminal"
+    for request_id in state.requests:
+        if request_id in state.finished:
+            yield request_id, "both live and terminal"
     total = len(state.requests) + len(state.finished)
     if total != state.num_requests_added:
         yield None, f"{total} requests known but {state.num_requests_added} were added"
 
 
 @state_invariant("output-bound", "vLLM check_stop (max_tokens, max_model_len)")
-def output_bound(state: SchedulerState, config: SchedulerConfig) -> Breaches:
-    """len(output) <= max_tokens and len(prompt) + len(output) <= max_model_len for every request."""
-    for table in (state.requests, state.finished):
+def output_bound(state: SchedulerState, config: SchedulerConfig, terminal: Terminal = None) -> Breaches:
+    """len(output) <= max_tokens, and len(prompt) + len(output) <= max(max_model_len, len(prompt) + 1)
+    for every request: no request grows past max_model_len, except that a prompt of exactly
+    max_model_len tokens still samples its one token (vLLM ``check_stop`` runs after sampling)."""
+    for table in (state.requests, state.finished if terminal is None else terminal):
         for request_id, request in table.items():
             if len(request.output_token_ids) > request.max_tokens:
                 yield request_id, f"{len(request.output_token_ids)} outputs > max_tokens={request.max_tokens}"
-            if request.output_token_ids and request.num_tokens > config.max_model_len:
+            limit = max(config.max_model_len, request.prompt_len + 1)
+            if request.output_token_ids and request.num_tokens > limit:
                 yield request_id, f"{request.num_tokens} tokens > max_model_len={config.max_model_len}"
 
 
 @state_invariant("computed-bound", "vLLM Request.num_computed_tokens")
-def computed_bound(state: SchedulerState, config: SchedulerConfig) -> Breaches:
+def computed_bound(state: SchedulerState, config: SchedulerConfig, terminal: Terminal = None) -> Breaches:
     """0 <= num_computed_tokens <= len(prompt) + len(output) for every live request."""
     for request_id, request in state.requests.items():
         if not 0 <= request.num_computed_tokens <= request.num_tokens:
@@ -175,7 +185,7 @@ def computed_bound(state: SchedulerState, config: SchedulerConfig) -> Breaches:
 
 
 @state_invariant("preempted-holds-nothing", "vLLM Scheduler._preempt_request (kv_cache_manager.free, num_computed_tokens = 0)")
-def preempted_holds_nothing(state: SchedulerState, config: SchedulerConfig) -> Breaches:
+def preempted_holds_nothing(state: SchedulerState, config: SchedulerConfig, terminal: Terminal = None) -> Breaches:
     """A waiting request (fresh or preempted) holds no blocks and has no computed tokens."""
     for request_id in state.waiting:
         request = state.requests.get(request_id)
@@ -205,22 +215,36 @@ def chunks_in_order(before: SchedulerState, plan: StepPlan, after: SchedulerStat
 INVARIANT_NAMES: tuple[str, ...] = tuple(i.name for i in STATE_INVARIANTS + STEP_INVARIANTS)
 
 
-def check_state(state: SchedulerState, config: SchedulerConfig) -> list[Violation]:
-    """Every state invariant on one state; the violations found (tagged with ``state.step``)."""
+def check_state(
+    state: SchedulerState, config: SchedulerConfig, terminal: Terminal = None, skip: frozenset[str] = frozenset()
+) -> list[Violation]:
+    """Every state invariant on one state; the violations found (tagged with ``state.step``).
+
+    Args:
+        terminal: the terminal requests to check (default: all of ``state.finished``).
+        skip: invariant names checked elsewhere (the incremental checker's block ledger).
+    """
     return [
         Violation(inv.name, detail, state.step, request_id)
         for inv in STATE_INVARIANTS
-        for request_id, detail in inv.check(state, config)
+        if inv.name not in skip
+        for request_id, detail in inv.check(state, config, terminal)
     ]
 
 
 def check_step(
-    before: SchedulerState, plan: StepPlan, after: SchedulerState, config: SchedulerConfig
+    before: SchedulerState,
+    plan: StepPlan,
+    after: SchedulerState,
+    config: SchedulerConfig,
+    terminal: Terminal = None,
+    skip: frozenset[str] = frozenset(),
 ) -> list[Violation]:
-    """Every step invariant on one step, then every state invariant on the state after it."""
+    """Every step invariant on one step, then every state invariant on the state after it
+    (``terminal`` and ``skip`` as in :func:`check_state`)."""
     found = [
         Violation(inv.name, detail, before.step, request_id)
         for inv in STEP_INVARIANTS
         for request_id, detail in inv.check(before, plan, after, config)
     ]
-    return found + check_state(after, config)
+    return found + check_state(after, config, terminal, skip)

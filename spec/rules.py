@@ -233,17 +233,18 @@ def _preempt_running(state: SchedulerState, plan: StepPlan, config: SchedulerCon
     "vLLM vllm/v1/core/block_pool.py BlockPool.get_new_blocks",
 )
 def _blocks_from_free_pool(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
-    available = set(state.free_block_ids)
+    free = state.free_block_set
+    released: set[int] = set()
     for request_id in plan.preempted:
         request = state.requests.get(request_id)
         if request is not None:
-            available.update(request.block_ids)
+            released.update(request.block_ids)
     handed: set[int] = set()
     for item in plan.scheduled:
         for block_id in item.new_block_ids:
             if block_id in handed:
                 yield item.request_id, f"block {block_id} handed out twice"
-            elif block_id not in available:
+            elif block_id not in free and block_id not in released:
                 yield item.request_id, f"block {block_id} is not free"
             handed.add(block_id)
 

@@ -49,6 +49,14 @@ class SchedulerState:
     finished: Mapping[str, Request] = attrs.field(default=_EMPTY, converter=_readonly)
     free_block_ids: tuple[int, ...] = ()
     num_requests_added: int = 0
+    _free_set: frozenset[int] | None = attrs.field(default=None, init=False, eq=False, repr=False)
+
+    @property
+    def free_block_set(self) -> frozenset[int]:
+        """``free_block_ids`` as a set, computed once per state (the state is immutable)."""
+        if self._free_set is None:
+            object.__setattr__(self, "_free_set", frozenset(self.free_block_ids))
+        return self._free_set  # type: ignore[return-value]
 
     @classmethod
     def initial(cls, config: SchedulerConfig) -> SchedulerState:

@@ -130,11 +130,10 @@ def _print_latency(console: Console, title: str, summary: dict[str, Any]) -> Non
 
 def _summaries(result: LabResult, slo: tuple[float, float] | None) -> dict[str, Any]:
     latency = metrics.latency_summary(result.timelines)
-    efficiency = metrics.efficiency_summary(result.steps, result.config.num_kv_blocks)
-    outcomes: dict[str, int] = {}
+    efficiency = metrics.efficiency_summary(result.steps, result.config.num_kv_blocks, result.timelines)
+    outcomes = latency.pop("requests")
     reasons: dict[str, int] = {}
     for t in result.timelines:
-        outcomes[t.outcome] = outcomes.get(t.outcome, 0) + 1
         if t.outcome == "rejected":
             reasons[t.finish_reason or ""] = reasons.get(t.finish_reason or "", 0) + 1
     summary: dict[str, Any] = {
@@ -159,7 +158,7 @@ def _summaries(result: LabResult, slo: tuple[float, float] | None) -> dict[str, 
 def _print_summary(console: Console, summary: dict[str, Any]) -> None:
     latency = summary["latency"]
     _print_latency(console, "Per-request latency (all requests)", latency["all"])
-    for key, title in (("long_prompts", "Long prompts (top decile by prompt length)"),
+    for key, title in (("long_prompts", f"Long prompts (top decile: >= {latency['long_prompt_len']:,} tokens)"),
                        ("arrived_during_long_prefill", "Requests that arrived while a long prompt was prefilled")):
         if key in latency:
             _print_latency(console, title, latency[key])
@@ -170,11 +169,13 @@ def _print_summary(console: Console, summary: dict[str, Any]) -> None:
     for key, value in efficiency.items():
         table.add_row(key, f"{value:,.3f}" if isinstance(value, float) else str(value))
     requests = summary["requests"]
-    table.add_row("requests", ", ".join(f"{k} {v:,}" for k, v in sorted(requests.items())))
+    table.add_row("requests", ", ".join(f"{k} {v:,}" for k, v in requests.items()))
     for reason, count in summary["rejected_reasons"].items():
         table.add_row("rejected", f"{count:,}: {reason}")
     if "goodput" in summary:
-        table.add_row("goodput", json.dumps(summary["goodput"]))
+        g = summary["goodput"]
+        slos = ", ".join(f"{k[:-4]} <= {v:g} s" for k, v in g.items() if k.endswith("_slo") and v is not None)
+        table.add_row("goodput", f"{_fmt(g['percent'], '')}% of {g['admitted']:,} admitted requests meet {slos}")
     console.print(table)
     checks = summary["checks"]
     console.print(
@@ -258,7 +259,7 @@ def command(trace_path, trace_format, synthetic, start, duration, max_requests, 
     changes = parse_sets(sets)
     try:
         slo_pair = metrics.parse_slo(slo) if slo else None
-    except ValueError as error:
+    except metrics.MetricsError as error:
         fail(f"--slo: {error}")
     if max_steps is not None and max_steps < 1:
         fail(f"--max-steps={max_steps}: must be >= 1")

@@ -1,0 +1,109 @@
+"""The incremental checker (used by the lab) finds exactly what the full check finds, on every step of
+random runs, and on states broken on purpose."""
+
+from __future__ import annotations
+
+import attrs
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from schedspec.reference.fake_model import FakeModel
+from schedspec.reference.scheduler import make_scheduler
+from schedspec.spec.config import SchedulerConfig
+from schedspec.spec.incremental import IncrementalChecker
+from schedspec.spec.invariants import check_step
+from schedspec.spec.rules import violated_rules
+from schedspec.spec.transitions import abort_request
+from schedspec.spec.workload import RequestSpec
+
+
+class _Flat:
+    def step_seconds(self, prefill: int, decode: int, kv: int) -> float:
+        return 0.01
+
+
+@st.composite
+def runs(draw):
+    block_size = draw(st.sampled_from([1, 2, 4, 16]))
+    max_model_len = draw(st.integers(8, 96))
+    chunked = draw(st.booleans())
+    max_num_seqs = draw(st.integers(1, 6))
+    budget = draw(st.integers(max(max_num_seqs, 1 if chunked else max_model_len), max(max_num_seqs, max_model_len) + 32))
+    config = SchedulerConfig(
+        block_size=block_size, num_kv_blocks=draw(st.integers(1, 40)), max_num_batched_tokens=budget,
+        max_num_seqs=max_num_seqs, max_model_len=max_model_len, enable_chunked_prefill=chunked,
+    )
+    requests = draw(st.lists(st.tuples(st.integers(0, 12), st.integers(1, 100), st.integers(1, 20),
+                                       st.one_of(st.none(), st.integers(0, 30))), max_size=10))
+    specs = [RequestSpec(f"r{i}", prompt, out, arrival_step=arrive, abort_at_step=abort)
+             for i, (arrive, prompt, out, abort) in enumerate(requests)]
+    return config, specs, draw(st.sampled_from(["fcfs", "static", "shortest-prompt-first"]))
+
+
+def _names(violations):
+    return {(v.name, v.request_id) for v in violations}
+
+
+FAULTS = {
+    "block owned twice": lambda s, before: _give_block(s, lambda req, other: req.block_ids + other.block_ids[:1]),
+    "block leaked": lambda s, before: attrs.evolve(s, free_block_ids=s.free_block_ids[1:]),
+    "block out of range": lambda s, before: _give_block(s, lambda req, other: req.block_ids + (10**6,)),
+    "terminal holds blocks": lambda s, before: _finished_with_blocks(s, before),
+}
+
+
+def _give_block(state, table):
+    live = [r for r in state.requests.values() if r.block_ids]
+    if len(live) < 2:
+        return None
+    first, second = live[0], live[1]
+    requests = dict(state.requests)
+    requests[first.request_id] = attrs.evolve(first, block_ids=table(first, second))
+    return attrs.evolve(state, requests=requests)
+
+
+def _finished_with_blocks(state, before):
+    """A request that ends in this step keeps a block (terminal requests never change afterwards: the
+    spec's transitions never touch them, so a request is checked once, when it ends)."""
+    ended = [r for r in state.finished if r in before.requests]
+    if not ended or not state.free_block_ids:
+        return None
+    request_id, request = ended[0], state.finished[ended[0]]
+    finished = dict(state.finished)
+    finished[request_id] = attrs.evolve(request, block_ids=state.free_block_ids[:1])
+    return attrs.evolve(state, finished=finished, free_block_ids=state.free_block_ids[1:])
+
+
+@settings(max_examples=60, deadline=None)
+@given(runs(), st.sampled_from(sorted(FAULTS)), st.integers(0, 40))
+def test_incremental_equals_full_check(run, fault, fault_step):
+    config, specs, name = run
+    scheduler = make_scheduler(name, config)
+    model = FakeModel(config, cost_model=_Flat())
+    checker = IncrementalChecker(config)
+    pending = sorted(specs, key=lambda s: s.arrival_step)
+    step = 0
+    while step < 200:
+        for spec in [s for s in pending if s.arrival_step == step]:
+            scheduler.add_request(spec.to_request(step))
+        for spec in specs:
+            if spec.abort_at_step == step:
+                scheduler.state = abort_request(scheduler.state, spec.request_id)
+        before = scheduler.state
+        if not before.requests and step > max((s.arrival_step for s in specs), default=0):
+            break
+        assert checker.sync(before) == []
+        plan = scheduler.schedule()
+        assert violated_rules(before, plan, config) == []
+        sampled, _ = model.execute(plan, before)
+        scheduler.update(plan, sampled)
+        after = scheduler.state
+        broken = FAULTS[fault](after, before) if step == fault_step else None
+        target = broken if broken is not None else after
+        full = check_step(before, plan, target, config)
+        incremental = checker.check(before, plan, target)
+        assert _names(incremental) == _names(full), (fault if broken is not None else "no fault", step)
+        if broken is not None:
+            assert full, f"the fault {fault!r} must be detected"
+            return
+        step += 1
