@@ -91,11 +91,48 @@ def _chunk(request: Request, budget: int, config: SchedulerConfig) -> int:
     return min(pending, budget)
 
 
+def _urgency(request: Request) -> tuple[int, int, float]:
+    """Sort key, most urgent first: lower ``priority`` value, then earlier arrival (vLLM's priority
+    queue orders by ``(priority, arrival_time)``)."""
+    return (request.priority, request.arrival_step, request.arrival_time)
+
+
+def _make_room_by_priority(
+    state: SchedulerState, config: SchedulerConfig, order: Sequence[str], skip: set[str], pool: _BlockPool
+) -> list[str]:
+    """Priority admission gate: if the most urgent waiting request cannot be admitted for want of a
+    ``max_num_seqs`` slot or blocks, preempt the least urgent running requests that are strictly less
+    urgent than it, if (and only if) that makes room. Returns the requests to preempt."""
+    head = next((r for r in order if r not in skip), None)
+    if head is None:
+        return []
+    candidate = state.requests[head]
+    needed = blocks_for_tokens(candidate.num_tokens, config.block_size)
+    slots_free = config.max_num_seqs - len(state.running)
+    if slots_free > 0 and needed <= pool.available:
+        return []
+    less_urgent = sorted(
+        (r for r in state.running if _urgency(state.requests[r]) > _urgency(candidate)),
+        key=lambda r: _urgency(state.requests[r]), reverse=True,
+    )
+    victims: list[str] = []
+    freed = 0
+    for request_id in less_urgent:
+        if slots_free + len(victims) > 0 and needed <= pool.available + freed:
+            break
+        victims.append(request_id)
+        freed += len(state.requests[request_id].block_ids)
+    if slots_free + len(victims) > 0 and needed <= pool.available + freed:
+        return victims
+    return []
+
+
 def plan_step(
     state: SchedulerState,
     config: SchedulerConfig,
     admission_order: AdmissionOrder,
     admit_only_when_idle: bool = False,
+    by_priority: bool = False,
 ) -> StepPlan:
     """The shared three-phase step (module docstring) with a policy's admission order.
 
@@ -104,6 +141,10 @@ def plan_step(
         config: the limits.
         admission_order: waiting request ids in the order the policy admits them.
         admit_only_when_idle: admit only when nothing is running (static batching).
+        by_priority: the priority policy: preemption victims are the least urgent running requests
+            (not the most recently admitted), and before the running phase the most urgent waiting
+            request may preempt less urgent running ones to get a slot and blocks
+            (:func:`_make_room_by_priority`); admission then still happens in that step.
 
     Returns:
         A plan allowed by the spec from ``state``.
@@ -115,7 +156,18 @@ def plan_step(
     scheduled: list[ScheduledRequest] = []
     preempted: list[str] = []
     gone: set[str] = set()  # preempted or scheduled this step: no longer a preemption candidate
-    victims = list(state.running)  # candidates, most recently admitted last
+    skip = {request_id for request_id, _ in rejected}
+    if by_priority:
+        # candidates, least urgent last
+        victims = sorted(state.running, key=lambda r: _urgency(requests[r]))
+        order = admission_order(state)
+        for victim in _make_room_by_priority(state, config, order, skip, pool):
+            gone.add(victim)
+            preempted.append(victim)
+            pool.release(requests[victim].block_ids)
+    else:
+        victims = list(state.running)  # candidates, most recently admitted last
+    preempted_for_admission = len(preempted)
 
     decodes = [r for r in state.running if requests[r].num_pending_tokens == 1]
     prefills = [r for r in state.running if requests[r].num_pending_tokens > 1]
@@ -146,9 +198,8 @@ def plan_step(
         )
         budget -= num_tokens
 
-    if not preempted and not (admit_only_when_idle and state.running):
-        num_running = len(state.running)
-        skip = {request_id for request_id, _ in rejected}
+    if len(preempted) == preempted_for_admission and not (admit_only_when_idle and state.running):
+        num_running = len(state.running) - len(preempted)
         for request_id in admission_order(state):
             if request_id in skip:
                 continue
@@ -173,6 +224,22 @@ def _queue_order(state: SchedulerState) -> Sequence[str]:
 def _shortest_prompt_order(state: SchedulerState) -> Sequence[str]:
     position = {request_id: i for i, request_id in enumerate(state.waiting)}
     return sorted(state.waiting, key=lambda r: (state.requests[r].prompt_len, position[r]))
+
+
+def _priority_order(state: SchedulerState) -> Sequence[str]:
+    position = {request_id: i for i, request_id in enumerate(state.waiting)}
+    return sorted(state.waiting, key=lambda r: (*_urgency(state.requests[r]), position[r]))
+
+
+def priority(state: SchedulerState, config: SchedulerConfig) -> StepPlan:
+    """Priority scheduling (vLLM ``--scheduling-policy priority``): admission in order of urgency
+    (lower ``priority`` value, then earlier arrival); when blocks run out the least urgent running
+    request is preempted. Beyond vLLM 0.32 (which preempts only when a running request lacks a block),
+    a waiting request may preempt strictly less urgent running requests to get a ``max_num_seqs`` slot
+    and blocks, so an urgent request never waits behind less urgent ones
+    (scenario ``priority-preempts-at-seq-cap``). Starves less urgent requests by design: no
+    ``bounded-wait``."""
+    return plan_step(state, config, _priority_order, by_priority=True)
 
 
 def fcfs(state: SchedulerState, config: SchedulerConfig) -> StepPlan:

@@ -110,6 +110,10 @@ SCHEDULERS: dict[str, SchedulerFactory] = {
         policies.shortest_prompt_first, "shortest-prompt-first",
         frozenset({"progress", "work-conserving", "stall-free-decode", "rejects-impossible"}),
     ),
+    "priority": _reference(
+        policies.priority, "priority",
+        frozenset({"progress", "stall-free-decode", "rejects-impossible"}),
+    ),
 }
 """Registered schedulers by ``--scheduler`` name. ``module:factory`` names a user's own factory, a
 callable taking a :class:`SchedulerConfig` and returning a :class:`Scheduler`."""
@@ -118,11 +122,11 @@ PLAN_FUNCTIONS: dict[str, PlanFunction] = {
     "fcfs": policies.fcfs,
     "static": policies.static,
     "shortest-prompt-first": policies.shortest_prompt_first,
+    "priority": policies.priority,
 }
 
 
 NOT_YET_IMPLEMENTED: dict[str, str] = {
-    "priority": "the priority policy (vLLM --scheduling-policy priority) is not implemented yet",
     "vllm-v1": "the vLLM V1 replica policy is not implemented yet",
     "vllm": "the vLLM engine adapter is not implemented yet",
     "nanovllm": "the nano-vLLM engine adapter is not implemented yet",
