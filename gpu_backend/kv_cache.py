@@ -11,7 +11,6 @@ from collections.abc import Iterable
 
 import torch
 
-from schedspec.gpu_backend.errors import BlockTableError
 from schedspec.spec.state import SchedulerState, StepPlan
 
 

@@ -158,12 +158,6 @@ class LlamaModel:
             ))
         self.inv_freq = rope_inv_freq(config).to(device)
 
-    @staticmethod
-    def weight_bytes(config: ModelConfig, dtype: torch.dtype, shapes: dict[str, tuple[int, ...]]) -> int:
-        """Bytes the weights take on the device."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return sum(math.prod(shape) for shape in shapes.values()) * itemsize
-
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos, sin`` of shape ``[T, 1, head_dim]`` in the model dtype for positions ``[T]``."""
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
@@ -216,9 +210,9 @@ class LlamaModel:
             num_decodes, length = valid.shape
             invalid = ~valid[:, :, None, None]
             # Positions past a request's length (the unwritten rest of its last block, padding blocks)
-            # are zeroed: masked-out NaN/garbage would otherwise leak through 0 * NaN.
-            keys = key_cache[tables].view(num_decodes, length, kv_heads, head_dim).masked_fill(invalid, 0)
-            values = value_cache[tables].view(num_decodes, length, kv_heads, head_dim).masked_fill(invalid, 0)
+            # are zeroed (in place, in the gathered copy): masked-out NaN would otherwise leak through 0 * NaN.
+            keys = key_cache[tables].view(num_decodes, length, kv_heads, head_dim).masked_fill_(invalid, 0)
+            values = value_cache[tables].view(num_decodes, length, kv_heads, head_dim).masked_fill_(invalid, 0)
             query = q[batch.decode_index].view(num_decodes, kv_heads, groups, head_dim)
             result = F.scaled_dot_product_attention(
                 query, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=valid[:, None, None, :])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -49,6 +50,12 @@ def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, h)
     return shapes
+
+
+def weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes the model's weights take in ``dtype``."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return sum(math.prod(shape) for shape in expected_tensor_shapes(config).values()) * itemsize
 
 
 def _init_std(name: str) -> float:

@@ -1,0 +1,353 @@
+"""The token source: runs each scheduler step as one packed forward pass and samples the tokens.
+
+:class:`Runner` implements the interface the engine loop calls,
+``execute(plan, state) -> (sampled_token_ids, step_seconds)``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from schedspec.gpu_backend.config import ModelConfig, tiny_model_config
+from schedspec.gpu_backend.device import check_fits, resolve_device, resolve_dtype
+from schedspec.gpu_backend.errors import BackendError, BlockTableError
+from schedspec.gpu_backend.kv_cache import BlockLedger, PagedKVCache
+from schedspec.gpu_backend.model import LlamaModel, PackedBatch, PrefillChunk
+from schedspec.gpu_backend.sampling import sample, uniforms
+from schedspec.gpu_backend.weights import (
+    index_model_dir,
+    load_model_dir,
+    tiny_model_weights,
+    weight_bytes,
+)
+from schedspec.spec.config import SchedulerConfig
+from schedspec.spec.request import Request
+from schedspec.spec.state import SchedulerState, StepPlan, samples_this_step
+from schedspec.spec.workload import EOS_TOKEN_ID
+
+RECORD_LOGITS = ("none", "last", "all")
+
+
+def _token_ids(request: Request, start: int, stop: int) -> np.ndarray:
+    """Ids of positions ``[start, stop)`` of prompt plus output, int64 (vectorised for synthetic prompts)."""
+    prompt = request.prompt_token_ids
+    prompt_len = len(prompt)
+    parts = []
+    if start < prompt_len:
+        end = min(stop, prompt_len)
+        array = getattr(prompt, "array", None)
+        parts.append(array(start, end) if array is not None else np.asarray(prompt[start:end], dtype=np.int64))
+    if stop > prompt_len:
+        first = max(start, prompt_len) - prompt_len
+        parts.append(np.asarray(request.output_token_ids[first:stop - prompt_len], dtype=np.int64))
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+class Runner:
+    """A paged, batched Llama-family model that samples the next token of each scheduled request.
+
+    Args:
+        config: the scheduler limits; the KV cache has ``num_kv_blocks`` blocks of ``block_size`` tokens.
+        model: ``None`` for the built-in tiny model (no download), or a local Hugging Face model
+            directory (``config.json`` + ``*.safetensors``; ``LlamaForCausalLM`` / ``Qwen2ForCausalLM``).
+        device: ``"auto"`` (CUDA if available), ``"cuda"``, ``"cuda:N"`` or ``"cpu"``.
+        dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"`` (weights, activations and KV cache).
+        debug: check every step's block tables against the blocks each request was given (raise
+            :class:`BlockTableError`), fill freed blocks with NaN, and raise when logits come out NaN.
+        eos_at_output: request id -> k: output token k (1-based) of that request is EOS
+            (``EOS_TOKEN_ID``). EOS is masked (logit ``-inf``) at every other sample, so requests
+            without an entry end only at their length limits.
+        seed: seed of the per-request sampling generators (temperature sampling only).
+        temperature: 0 for greedy; otherwise sampling temperature.
+        top_p: nucleus sampling threshold in (0, 1].
+        record_logits: ``"none"``; ``"last"``: keep the raw logits of each sampled position in
+            :attr:`last_logits`; ``"all"``: also keep every computed position's logits in
+            :attr:`step_logits` (computes ``lm_head`` on the whole batch).
+
+    Raises:
+        BackendError: before anything is loaded or allocated, naming the field or file: a bad model
+            directory or tensor, an unsupported architecture, a device/dtype the machine cannot run,
+            ``max_model_len`` beyond the model's ``max_position_embeddings``, or a KV cache (plus
+            weights) that does not fit in free memory.
+
+    Attributes:
+        model_config: the architecture in use.
+        device, dtype: where and in what precision it runs.
+        kv_cache: the :class:`PagedKVCache`.
+        num_forward_calls: forward passes so far (one per non-empty step).
+        last_logits: request id -> ``[vocab_size]`` float32 CPU logits (before EOS masking) of the
+            requests that sampled in the last step (``record_logits`` ``"last"`` or ``"all"``).
+        step_logits: request id -> ``[num_tokens, vocab_size]`` float32 CPU logits of every position the
+            last step computed (``record_logits="all"``).
+        last_step_seconds: wall time of the last step in seconds.
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        model: str | os.PathLike[str] | None = None,
+        device: str | torch.device = "auto",
+        dtype: str | torch.dtype = "float32",
+        debug: bool = False,
+        eos_at_output: Mapping[str, int] | None = None,
+        seed: int = 0,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        record_logits: str = "none",
+    ) -> None:
+        if not isinstance(config, SchedulerConfig):
+            raise BackendError(f"config={config!r}: must be a SchedulerConfig", field="config")
+        if isinstance(temperature, bool) or not isinstance(temperature, int | float) or not temperature >= 0:
+            raise BackendError(f"temperature={temperature!r}: must be a number >= 0", field="temperature")
+        if isinstance(top_p, bool) or not isinstance(top_p, int | float) or not 0 < top_p <= 1:
+            raise BackendError(f"top_p={top_p!r}: must be in (0, 1]", field="top_p")
+        if record_logits not in RECORD_LOGITS:
+            raise BackendError(f"record_logits={record_logits!r}: must be one of {list(RECORD_LOGITS)}",
+                               field="record_logits")
+        eos = dict(eos_at_output or {})
+        for request_id, k in eos.items():
+            if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+                raise BackendError(f"eos_at_output[{request_id!r}]={k!r}: must be an integer >= 1 (1-based)",
+                                   field="eos_at_output")
+
+        self.config = config
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        # Everything is checked before anything is generated, loaded or allocated.
+        if model is None:
+            model_config, where = tiny_model_config(), None
+        else:
+            model_config = ModelConfig.from_model_dir(model)
+            where = index_model_dir(model, model_config)
+        if config.max_model_len > model_config.max_position_embeddings:
+            raise BackendError(
+                f"max_model_len={config.max_model_len}: exceeds the model's max_position_embeddings="
+                f"{model_config.max_position_embeddings}", field="max_model_len")
+        kv_bytes = PagedKVCache.size_bytes(model_config.num_hidden_layers, config.num_kv_blocks, config.block_size,
+                                           model_config.num_key_value_heads, model_config.head_dim, self.dtype)
+        check_fits(weight_bytes(model_config, self.dtype), kv_bytes, self.device)
+
+        weights = tiny_model_weights()[1] if where is None else load_model_dir(where)
+        self.model_config = model_config
+        self.model = LlamaModel(model_config, weights, self.device, self.dtype)
+        del weights
+        self.debug = debug
+        self.check_block_tables = debug
+        """In debug mode, raise on ownership violations (tests may turn this off to see NaN poisoning)."""
+        self.kv_cache = PagedKVCache(model_config.num_hidden_layers, config.num_kv_blocks, config.block_size,
+                                     model_config.num_key_value_heads, model_config.head_dim, self.dtype,
+                                     self.device, fill=float("nan") if debug else 0.0)
+        self.ledger = BlockLedger(config.num_kv_blocks, config.block_size) if debug else None
+        self.eos_at_output = eos
+        self.seed = seed
+        self.temperature = float(temperature)
+        self.top_p = float(top_p)
+        self.record_logits = record_logits
+        self.num_forward_calls = 0
+        self.last_logits: dict[str, torch.Tensor] = {}
+        self.step_logits: dict[str, torch.Tensor] = {}
+        self.last_step_seconds = 0.0
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the model knows: ``[0, vocab_size)``."""
+        return self.model_config.vocab_size
+
+    def reset(self) -> None:
+        """Forget all requests (a new run with the same weights): clears the ledger, counters and
+        recorded logits; in debug mode the whole cache is NaN again."""
+        if self.debug:
+            self.kv_cache.fill_blocks(range(self.config.num_kv_blocks))
+            self.ledger = BlockLedger(self.config.num_kv_blocks, self.config.block_size)
+        self.num_forward_calls = 0
+        self.last_logits = {}
+        self.step_logits = {}
+        self.last_step_seconds = 0.0
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def execute(self, plan: StepPlan, state: SchedulerState) -> tuple[dict[str, int], float]:
+        """Run one step: one forward pass over every scheduled chunk, then sample.
+
+        Args:
+            plan: the step; each scheduled chunk computes positions ``[num_computed_tokens,
+                num_computed_tokens + num_tokens)`` and its block table is ``request.block_ids +
+                new_block_ids``. Blocks of ``plan.preempted`` are released first.
+            state: the scheduler state before the step.
+
+        Returns:
+            ``(sampled, seconds)``: token id for each request that samples this step
+            (:func:`~schedspec.spec.state.samples_this_step`), in ``[1, vocab_size)`` or
+            ``EOS_TOKEN_ID`` where ``eos_at_output`` says so; and the step's wall time in seconds
+            (input preparation, forward, sampling; 0.0 for a step with nothing scheduled).
+
+        Raises:
+            BlockTableError: a block table too short for its chunk or naming a block outside the pool;
+                in debug mode also any write or read of a block the request does not own, or NaN logits.
+            BackendError: a scheduled request is not live, a chunk is out of the request's range, or a
+                token id is outside the model's vocabulary.
+        """
+        if self.ledger is not None:
+            freed, problems = self.ledger.check_step(plan, state)
+            self.kv_cache.fill_blocks(freed)
+            if problems and self.check_block_tables:
+                raise BlockTableError(f"step {state.step}: " + "; ".join(problems), field="block_ids")
+        self.last_logits = {}
+        self.step_logits = {}
+        if not plan.scheduled:
+            self.last_step_seconds = 0.0
+            return {}, 0.0
+        self._sync()
+        started = time.perf_counter()
+        batch, spans, samplers = self._build_batch(plan, state)
+        logits = self.model.forward(batch, self.kv_cache)
+        self.num_forward_calls += 1
+        if self.record_logits == "all":
+            rows = logits[[index for _, index, _ in samplers]] if samplers else logits[:0]
+        else:
+            rows = logits
+        sampled = self._sample(rows, samplers)
+        self._sync()
+        self.last_step_seconds = time.perf_counter() - started
+
+        if self.record_logits != "none":
+            cpu = rows.cpu()
+            self.last_logits = {request_id: cpu[i] for i, (request_id, _, _) in enumerate(samplers)}
+            if self.record_logits == "all":
+                everything = logits.cpu()
+                self.step_logits = {rid: everything[start:start + n] for rid, (start, n) in spans.items()}
+        if self.ledger is not None:
+            self.ledger.commit(plan, state)
+            bad = torch.isnan(logits).any(dim=-1).cpu()
+            if bool(bad.any()):
+                if self.record_logits == "all":
+                    culprits = [rid for rid, (start, n) in spans.items() if bool(bad[start:start + n].any())]
+                else:
+                    culprits = [samplers[i][0] for i in torch.nonzero(bad).flatten().tolist()]
+                raise BlockTableError(
+                    f"step {state.step}: NaN logits for request(s) {culprits}: the step read a freed "
+                    "(NaN-poisoned) KV block", field="block_ids")
+        return sampled, self.last_step_seconds
+
+    def _build_batch(self, plan: StepPlan, state: SchedulerState):
+        """Pack the plan's chunks. Returns the :class:`PackedBatch`, request id -> (batch offset, tokens),
+        and ``(request id, batch index of its last token, output index)`` for each sampling request."""
+        block_size = self.config.block_size
+        num_blocks = self.config.num_kv_blocks
+        groups = self.model_config.num_queries_per_kv
+        ids, positions, slots = [], [], []
+        spans: dict[str, tuple[int, int]] = {}
+        samplers: list[tuple[str, int, int]] = []
+        decode_index: list[int] = []
+        decode_tables: list[np.ndarray] = []
+        decode_lens: list[int] = []
+        prefills: list[tuple[int, int, int, np.ndarray]] = []
+        offset = 0
+        for item in plan.scheduled:
+            request_id = item.request_id
+            request = state.requests.get(request_id)
+            if request is None:
+                raise BackendError(f"step {state.step}: scheduled request {request_id!r} is not a live request",
+                                   field="scheduled")
+            start, n = item.num_computed_tokens, item.num_tokens
+            end = start + n
+            if n < 1 or start < 0 or end > request.num_tokens:
+                raise BackendError(
+                    f"step {state.step}: request {request_id!r}: chunk [{start}, {end}) is outside its "
+                    f"{request.num_tokens} tokens", field="num_tokens")
+            table = request.block_ids + item.new_block_ids
+            needed = -(-end // block_size)
+            if len(table) < needed:
+                raise BlockTableError(
+                    f"step {state.step}: request {request_id!r}: block table {list(table)} holds "
+                    f"{len(table) * block_size} tokens but the chunk ends at position {end}", field="new_block_ids")
+            blocks = np.asarray(table[:needed], dtype=np.int64)
+            if blocks.min() < 0 or blocks.max() >= num_blocks:
+                raise BlockTableError(
+                    f"step {state.step}: request {request_id!r}: block table {list(table)} names a block outside "
+                    f"[0, {num_blocks})", field="new_block_ids")
+            pos = np.arange(start, end, dtype=np.int64)
+            ids.append(_token_ids(request, start, end))
+            positions.append(pos)
+            slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+            spans[request_id] = (offset, n)
+            if n == 1:
+                decode_index.append(offset)
+                decode_tables.append(blocks)
+                decode_lens.append(end)
+            else:
+                prefills.append((offset, n, end, blocks))
+            if samples_this_step(request, item):
+                samplers.append((request_id, offset + n - 1, request.num_output_tokens + 1))
+            offset += n
+
+        input_ids = np.concatenate(ids)
+        if input_ids.min() < 0 or input_ids.max() >= self.vocab_size:
+            for request_id, (first, n) in spans.items():
+                bad = input_ids[first:first + n]
+                if bad.min() < 0 or bad.max() >= self.vocab_size:
+                    raise BackendError(
+                        f"step {state.step}: request {request_id!r} has token id {int(bad.max())} outside the "
+                        f"model's vocabulary [0, {self.vocab_size})", field="prompt_token_ids")
+
+        device = self.device
+
+        def tensor(array: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(array).to(device, non_blocking=True)
+
+        decode_index_t = decode_tables_t = decode_valid = None
+        if decode_index:
+            width = max(len(t) for t in decode_tables)
+            padded = np.zeros((len(decode_tables), width), dtype=np.int64)
+            for row, table in enumerate(decode_tables):
+                padded[row, :len(table)] = table
+            decode_index_t = tensor(np.asarray(decode_index, dtype=np.int64))
+            decode_tables_t = tensor(padded)
+            lens = tensor(np.asarray(decode_lens, dtype=np.int64))
+            decode_valid = torch.arange(width * block_size, device=device)[None, :] < lens[:, None]
+        chunks = []
+        for first, n, end, blocks in prefills:
+            key_pos = torch.arange(end, device=device)
+            query_pos = torch.arange(end - n, end, device=device)
+            mask = (key_pos[None, :] <= query_pos[:, None]).repeat(groups, 1)
+            chunks.append(PrefillChunk(first, n, end, tensor(blocks), mask))
+        if self.record_logits == "all":
+            logits_index = np.arange(offset, dtype=np.int64)
+        else:
+            logits_index = np.asarray([index for _, index, _ in samplers], dtype=np.int64)
+        batch = PackedBatch(
+            input_ids=tensor(input_ids),
+            positions=tensor(np.concatenate(positions)),
+            slot_mapping=tensor(np.concatenate(slots)),
+            decode_index=decode_index_t,
+            decode_block_tables=decode_tables_t,
+            decode_valid=decode_valid,
+            prefills=chunks,
+            logits_index=tensor(logits_index),
+        )
+        return batch, spans, samplers
+
+    def _sample(self, rows: torch.Tensor, samplers: list[tuple[str, int, int]]) -> dict[str, int]:
+        """Sample from ``rows`` ``[S, vocab]`` (one per entry of ``samplers``), EOS masked except where
+        ``eos_at_output`` forces it."""
+        if not samplers:
+            return {}
+        masked = rows.clone()
+        masked[:, EOS_TOKEN_ID] = -math.inf
+        u = None
+        if self.temperature > 0:
+            u = uniforms(self.seed, [rid for rid, _, _ in samplers], [k for _, _, k in samplers])
+        tokens = sample(masked, self.temperature, self.top_p, u).tolist()
+        result = {}
+        for (request_id, _, output_index), token in zip(samplers, tokens, strict=True):
+            forced = self.eos_at_output.get(request_id) == output_index
+            result[request_id] = EOS_TOKEN_ID if forced else int(token)
+        return result
