@@ -1,0 +1,118 @@
+"""`schedspec lab`: a real trace window end to end, the comparison, the outputs, and bad input."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from schedspec.cli import cli
+from schedspec.spec.checker import check_trace
+from schedspec.spec.trace import read_trace
+
+
+def lab(*args: str):
+    return CliRunner().invoke(cli, ["lab", *args], catch_exceptions=False)
+
+
+def test_lab_prints_conditions_steps_latency_and_efficiency():
+    result = lab("--max-requests", "40", "--steps", "5")
+    assert result.exit_code == 0, result.output
+    for needle in ("Run conditions", "max_num_batched_tokens", "num_kv_blocks", "Azure", "Steps (5 of",
+                   "Per-request latency", "ttft", "Batch efficiency", "0 violations"):
+        assert needle in result.output, needle
+
+
+def test_lab_json_summary_counts_every_request():
+    result = lab("--max-requests", "60", "--json", "--slo", "ttft=2s,itl=200ms")
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["requests"]["total"] == 60
+    assert summary["requests"]["finished"] + summary["requests"]["rejected"] == 60
+    assert summary["checks"]["violations"] == 0
+    assert summary["checks"]["steps_checked"] == summary["steps"] > 0
+    assert 0 <= summary["goodput"]["percent"] <= 100
+
+
+def test_continuous_batching_beats_static_on_ttft_under_load():
+    """The comparison shows why continuous batching exists: on the same burst, static batching makes
+    later requests wait for the longest request of each batch."""
+    result = lab("--compare", "static,fcfs,fcfs-no-chunking", "--max-requests", "120", "--time-scale", "0.05",
+                 "--set", "max_num_seqs=16", "--json")
+    assert result.exit_code == 0, result.output
+    by_name = {s["name"]: s for s in json.loads(result.stdout)}
+    assert set(by_name) == {"static", "fcfs", "fcfs-no-chunking"}
+    assert by_name["fcfs"]["latency"]["all"]["ttft"]["p50"] < by_name["static"]["latency"]["all"]["ttft"]["p50"]
+    assert by_name["fcfs-no-chunking"]["config"]["enable_chunked_prefill"] is False
+    assert by_name["fcfs-no-chunking"]["config"]["max_num_batched_tokens"] >= by_name["fcfs"]["config"]["max_model_len"]
+
+
+def test_chunked_prefill_bounds_the_worst_inter_token_latency():
+    """Without chunking a whole long prompt joins a step with running decodes; chunking caps the step."""
+    result = lab("--compare", "fcfs,fcfs-no-chunking", "--max-requests", "150", "--time-scale", "0.2", "--json")
+    assert result.exit_code == 0, result.output
+    by_name = {s["name"]: s for s in json.loads(result.stdout)}
+    assert by_name["fcfs"]["latency"]["all"]["itl"]["max"] < by_name["fcfs-no-chunking"]["latency"]["all"]["itl"]["max"]
+
+
+def test_steps_out_is_a_trace_the_checker_accepts(tmp_path):
+    steps = tmp_path / "steps.jsonl"
+    rows = tmp_path / "requests.csv"
+    result = lab("--max-requests", "30", "--steps", "none", "--steps-out", str(steps), "--requests-out", str(rows))
+    assert result.exit_code == 0, result.output
+    config, records = read_trace(steps)
+    violations, checked = check_trace(config, records)
+    assert violations == []
+    assert checked > 0
+    with rows.open() as handle:
+        assert len(list(csv.DictReader(handle))) == 30
+
+
+def test_plots_are_written(tmp_path):
+    result = lab("--compare", "static,fcfs", "--max-requests", "20", "--plot", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["itl-cdf.png", "steps-fcfs.png", "steps-static.png", "ttft-cdf.png"]
+    assert all(p.stat().st_size > 1000 for p in tmp_path.iterdir())
+
+
+def test_requests_that_cannot_fit_are_rejected_and_counted():
+    result = lab("--max-requests", "50", "--set", "max_model_len=1024", "--json")
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["requests"]["rejected"] > 0
+    assert any("max_model_len" in reason for reason in summary["rejected_reasons"])
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (("--trace", "no-such-file.csv"), "no-such-file.csv"),
+        (("--duration", "0"), "duration"),
+        (("--start", "99999999"), "no requests"),
+        (("--max-requests", "0"), "max_requests"),
+        (("--time-scale", "-1"), "time_scale"),
+        (("--scheduler", "lottery"), "lottery"),
+        (("--set", "max_num_seqs=0"), "max_num_seqs"),
+        (("--synthetic", "rate=abc,prompt=10,output=5,n=3"), "rate"),
+        (("--slo", "ttft=fast"), "ttft"),
+        (("--steps", "x-y", "--max-requests", "3"), "--steps"),
+        (("--compare", "fcfs,bogus", "--max-requests", "3"), "bogus"),
+        (("--profile", "tpu"), "tpu"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(args, needle):
+    result = lab(*args)
+    assert result.exit_code == 2, result.output
+    assert needle in result.output
+    assert "Traceback" not in result.output
+
+
+def test_malformed_trace_rows_name_the_line(tmp_path):
+    path = tmp_path / "bad.csv"
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\r\n2023-11-16 18:15:46.6805900,12,-3\r\n")
+    result = lab("--trace", str(path))
+    assert result.exit_code == 2
+    assert "bad.csv" in result.output and "GeneratedTokens" in result.output
