@@ -21,14 +21,14 @@ import numpy as np
 
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.request import Request
-from schedspec.spec.state import SchedulerState, StepPlan, samples_this_step
+from schedspec.spec.state import SchedulerState, StepPlan
 from schedspec.spec.workload import DEFAULT_VOCAB_SIZE, EOS_TOKEN_ID
 
-FULL_READ_LIMIT = 64
+FULL_READ_LIMIT = 32
 """Sequences up to this many tokens are read back whole when they sample; longer ones are read at their
 last :data:`SAMPLED_READS` positions and at as many pseudo-random earlier ones chosen from the length
 (so the cost stays O(1) per request while any table entry can be probed)."""
-SAMPLED_READS = 16
+SAMPLED_READS = 4
 
 
 @runtime_checkable
@@ -124,21 +124,31 @@ class FakeModel:
     def execute(self, plan: StepPlan, state: SchedulerState) -> tuple[dict[str, int], float]:
         sampled: dict[str, int] = {}
         pending: list[tuple[str, tuple[int, ...], int]] = []
+        decode_slots: list[int] = []
+        decode_ids: list[int] = []
+        size = self.config.block_size
         prefill_tokens = decode_tokens = attended = 0
         for item in plan.scheduled:
             request = state.requests[item.request_id]
-            table = request.block_ids + item.new_block_ids
-            start, stop = item.num_computed_tokens, item.num_computed_tokens + item.num_tokens
-            self.slots[self._slots(table, start, stop)] = _token_ids(request, start, stop)
+            table = request.block_ids + item.new_block_ids if item.new_block_ids else request.block_ids
+            start = item.num_computed_tokens
+            stop = start + item.num_tokens
             attended += stop
-            if request.is_prefill:
-                prefill_tokens += item.num_tokens
+            prompt_len = request.prompt_len
+            if item.num_tokens == 1 and start >= prompt_len:
+                # a decode: one slot, the last sampled token (batched into one write below)
+                decode_slots.append(table[start // size] * size + start % size)
+                decode_ids.append(request.output_token_ids[start - prompt_len])
+                decode_tokens += 1
             else:
-                decode_tokens += item.num_tokens
-            if samples_this_step(request, item):
-                if self.eos_at_output.get(item.request_id) == request.num_output_tokens + 1:
+                self.slots[self._slots(table, start, stop)] = _token_ids(request, start, stop)
+                prefill_tokens += item.num_tokens
+            if stop == prompt_len + len(request.output_token_ids):  # samples_this_step
+                if self.eos_at_output.get(item.request_id) == len(request.output_token_ids) + 1:
                     sampled[item.request_id] = EOS_TOKEN_ID
                 else:
                     pending.append((item.request_id, table, stop))
+        if decode_slots:
+            self.slots[decode_slots] = decode_ids
         sampled.update(self._sample_all(pending))
         return sampled, self.cost_model.step_seconds(prefill_tokens, decode_tokens, attended)

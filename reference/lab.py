@@ -98,6 +98,7 @@ class _Collector:
         self.token_times: dict[str, list[float]] = {}
         self.finish_time: dict[str, float] = {}
         self.long_prefill_spans: list[tuple[float, float]] = []
+        self._span_starts: np.ndarray | None = None
 
     def __call__(self, record: StepRecord) -> None:
         if self.steps_out is not None:
@@ -130,11 +131,13 @@ class _Collector:
         ))
 
     def arrived_during_long_prefill(self, arrival: float) -> bool:
+        """Whether ``arrival`` falls inside a step that prefilled a long prompt."""
         spans = self.long_prefill_spans
         if not spans:
             return False
-        starts = np.fromiter((s for s, _ in spans), dtype=float, count=len(spans))
-        index = int(np.searchsorted(starts, arrival, side="right")) - 1
+        if self._span_starts is None or len(self._span_starts) != len(spans):
+            self._span_starts = np.fromiter((s for s, _ in spans), dtype=float, count=len(spans))
+        index = int(np.searchsorted(self._span_starts, arrival, side="right")) - 1
         return index >= 0 and spans[index][0] <= arrival < spans[index][1]
 
 

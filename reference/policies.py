@@ -169,8 +169,11 @@ def plan_step(
         victims = list(state.running)  # candidates, most recently admitted last
     preempted_for_admission = len(preempted)
 
-    decodes = [r for r in state.running if requests[r].num_pending_tokens == 1]
-    prefills = [r for r in state.running if requests[r].num_pending_tokens > 1]
+    decodes, prefills = [], []
+    for request_id in state.running:
+        request = requests[request_id]
+        pending = request.prompt_len + len(request.output_token_ids) - request.num_computed_tokens
+        (decodes if pending == 1 else prefills).append(request_id)
     for request_id in decodes + prefills:
         if request_id in gone:
             continue

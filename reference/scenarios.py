@@ -8,7 +8,7 @@ runs it on a scheduler with every invariant checked at every step and judges eac
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -20,7 +20,11 @@ from schedspec.spec.properties import PROPERTIES
 from schedspec.spec.workload import RequestSpec
 
 from .engine import Engine, RunResult
+from .fake_model import TokenSource
 from .scheduler import UnsupportedFeature, make_scheduler
+
+TokenSourceFactory = Callable[[SchedulerConfig, Sequence[RequestSpec]], TokenSource]
+"""Builds the token source of one run from its config and workload (``replay(token_source_factory=...)``)."""
 
 
 class ScenarioError(ValueError):
@@ -175,21 +179,27 @@ def choose_scheduler(scenario: Scenario, override: str | None = None) -> str:
 
 
 def _run(scenario: Scenario, scheduler_name: str, config: SchedulerConfig, requests: Sequence[RequestSpec],
-         watch: tuple[str, ...] = ()) -> RunResult:
+         watch: tuple[str, ...] = (), token_source_factory: TokenSourceFactory | None = None) -> RunResult:
     scheduler = make_scheduler(scheduler_name, config)
     properties = [p for p in sorted(scheduler.guarantees) if p not in watch]
-    engine = Engine(scheduler, config, properties=properties, watch=watch)
+    token_source = token_source_factory(config, requests) if token_source_factory is not None else None
+    engine = Engine(scheduler, config, token_source=token_source, properties=properties, watch=watch)
     limit = scenario.expect.get("all_terminal_by_step")
     max_steps = DEFAULT_MAX_STEPS if limit is None else max(limit + 1, 1) * 4 + 100
     return engine.run(requests, mode="steps", max_steps=max_steps)
 
 
 def replay(scenario: Scenario, scheduler_name: str | None = None,
-           config_changes: dict[str, Any] | None = None) -> ReplayResult:
+           config_changes: dict[str, Any] | None = None,
+           token_source_factory: TokenSourceFactory | None = None) -> ReplayResult:
     """Run a scenario and judge it.
 
     Every rule and invariant is checked at every step and every property the scheduler guarantees is
     monitored (one verdict, ``invariants``); then each ``expect`` key gets a verdict.
+
+    ``token_source_factory(config, requests)`` builds the token source of each run (the scenario's and,
+    for ``outputs_equal_solo``, every solo run, each with a fresh one); default: the engine's
+    :class:`~schedspec.reference.fake_model.FakeModel` with the workload's ``eos_at_output``.
 
     Raises:
         UnsupportedFeature: the scheduler cannot run this config (CLI exit 3).
@@ -216,7 +226,8 @@ def replay(scenario: Scenario, scheduler_name: str | None = None,
         return ReplayResult(scenario, name, tuple(verdicts), None)
 
     demonstrates = expect.get("demonstrates")
-    run = _run(scenario, name, config, scenario.requests, watch=(demonstrates,) if demonstrates else ())
+    run = _run(scenario, name, config, scenario.requests, watch=(demonstrates,) if demonstrates else (),
+               token_source_factory=token_source_factory)
     state = run.state
     violations = [v for v in run.violations if v.name != demonstrates]
     verdicts.append(Verdict(
@@ -274,7 +285,8 @@ def replay(scenario: Scenario, scheduler_name: str | None = None,
             if found is None or found.status.outcome != "finished":
                 continue
             solo_spec = attrs.evolve(spec, arrival_step=0, abort_at_step=None)
-            solo = _run(scenario, name, config, [solo_spec]).state.finished.get(spec.request_id)
+            solo = _run(scenario, name, config, [solo_spec],
+                        token_source_factory=token_source_factory).state.finished.get(spec.request_id)
             if solo is None or solo.output_token_ids != found.output_token_ids:
                 differ.append(spec.request_id)
         verdicts.append(Verdict("outputs_equal_solo", not differ,
@@ -287,6 +299,6 @@ def replay(scenario: Scenario, scheduler_name: str | None = None,
 
 
 __all__ = [
-    "Scenario", "ScenarioError", "ReplayResult", "Verdict", "UnsupportedFeature",
+    "Scenario", "ScenarioError", "ReplayResult", "TokenSourceFactory", "Verdict", "UnsupportedFeature",
     "load_scenario", "parse_scenario", "replay", "bundled_scenarios", "choose_scheduler",
 ]

@@ -20,10 +20,12 @@ def max_sequence_len(prompt_len: int, max_tokens: int, config: SchedulerConfig) 
 def max_blocks_needed(prompt_len: int, max_tokens: int, config: SchedulerConfig) -> int:
     """Most KV blocks the request can ever hold.
 
-    ``ceil((min(prompt_len + max_tokens, max_model_len) - 1) / block_size)``: the last sampled token
-    is never fed back, so it needs no KV slot.
+    ``ceil(max(prompt_len, min(prompt_len + max_tokens, max_model_len) - 1) / block_size)``: the last
+    sampled token is never fed back, so it needs no KV slot; but the whole prompt is (a prompt of
+    exactly ``max_model_len`` tokens still needs all its slots).
     """
-    return blocks_for_tokens(max_sequence_len(prompt_len, max_tokens, config) - 1, config.block_size)
+    tokens = max(prompt_len, max_sequence_len(prompt_len, max_tokens, config) - 1)
+    return blocks_for_tokens(tokens, config.block_size)
 
 
 def rejection_reason(prompt_len: int, max_tokens: int, config: SchedulerConfig) -> str | None:

@@ -93,10 +93,11 @@ class IncrementalChecker:
                 self.held[request_id] = table
             else:
                 self.held.pop(request_id, None)
-        if len(state.free_block_ids) != len(self.free):
+        owned = sum(len(r.block_ids) for r in state.requests.values())
+        if len(state.free_block_ids) + owned != self.config.num_kv_blocks:
+            self._report(step, f"free {len(state.free_block_ids)} + owned {owned} != num_kv_blocks={self.config.num_kv_blocks}")
+        elif len(state.free_block_ids) != len(self.free):
             self._report(step, f"free queue holds {len(state.free_block_ids)} blocks, the ledger {len(self.free)}")
-        if len(self.free) + len(self.owner) != self.config.num_kv_blocks:
-            self._report(step, f"free {len(self.free)} + owned {len(self.owner)} != num_kv_blocks={self.config.num_kv_blocks}")
 
     def sync(self, before: SchedulerState) -> list[Violation]:
         """Follow arrivals and aborts applied since the last step; serve ``before.free_block_set`` from

@@ -69,7 +69,7 @@ def _frozen_tokens(value: Sequence[int]) -> Sequence[int]:
     return value
 
 
-@attrs.frozen(slots=True)
+@attrs.frozen(slots=False)
 class Request:
     """One request. Immutable: every change makes a new value.
 
@@ -109,11 +109,29 @@ class Request:
     num_preemptions: int = 0
     admitted_step: int | None = None
     first_token_step: int | None = None
+    prompt_len: int = attrs.field(init=False, eq=False, repr=False)
+    """Prompt length in tokens (``len(prompt_token_ids)``, kept because it is read every step)."""
 
-    @property
-    def prompt_len(self) -> int:
-        """Prompt length in tokens."""
-        return len(self.prompt_token_ids)
+    def __attrs_post_init__(self) -> None:
+        object.__setattr__(self, "prompt_len", len(self.prompt_token_ids))
+
+    def replace(self, **changes: object) -> Request:
+        """A copy with some fields changed: ``attrs.evolve`` without re-running ``__init__`` (the spec's
+        transitions call this for every scheduled request in every step). ``prompt_token_ids`` cannot
+        be changed this way.
+
+        Raises:
+            TypeError: a name that is not a field.
+        """
+        fields = self.__dict__
+        for name in changes:
+            if name not in fields or name in ("prompt_token_ids", "prompt_len"):
+                raise TypeError(f"Request.replace: cannot set {name!r}")
+        new = object.__new__(Request)
+        state = new.__dict__
+        state.update(fields)
+        state.update(changes)
+        return new
 
     @property
     def num_output_tokens(self) -> int:
@@ -122,7 +140,7 @@ class Request:
     @property
     def num_tokens(self) -> int:
         """Prompt plus output tokens so far: the sequence whose KV the request needs."""
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return self.prompt_len + len(self.output_token_ids)
 
     @property
     def num_pending_tokens(self) -> int:
@@ -136,7 +154,6 @@ class Request:
 
     def token_id_at(self, position: int) -> int:
         """The token id at ``position`` of prompt plus output."""
-        prompt_len = len(self.prompt_token_ids)
-        if position < prompt_len:
+        if position < self.prompt_len:
             return self.prompt_token_ids[position]
-        return self.output_token_ids[position - prompt_len]
+        return self.output_token_ids[position - self.prompt_len]

@@ -60,8 +60,7 @@ def abort_request(state: SchedulerState, request_id: str) -> SchedulerState:
     requests = dict(state.requests)
     del requests[request_id]
     finished = dict(state.finished)
-    finished[request_id] = attrs.evolve(
-        request, status=RequestStatus.FINISHED_ABORTED, finish_reason="abort", block_ids=()
+    finished[request_id] = request.replace(status=RequestStatus.FINISHED_ABORTED, finish_reason="abort", block_ids=()
     )
     return attrs.evolve(
         state,
@@ -155,8 +154,7 @@ def apply_plan(
     for request_id in plan.preempted:
         request = live(request_id)
         released.extend(reversed(request.block_ids))
-        requests[request_id] = attrs.evolve(
-            request,
+        requests[request_id] = request.replace(
             status=RequestStatus.PREEMPTED,
             num_computed_tokens=0,
             block_ids=(),
@@ -173,7 +171,7 @@ def apply_plan(
             request = live(request_id)
             del requests[request_id]
             waiting.remove(request_id)
-            finished[request_id] = attrs.evolve(request, status=RequestStatus.REJECTED, finish_reason=reason)
+            finished[request_id] = request.replace(status=RequestStatus.REJECTED, finish_reason=reason)
 
     taken: list[int] = []
     sampled: list[str] = []
@@ -201,14 +199,14 @@ def apply_plan(
                 changes["first_token_step"] = state.step
             sampled.append(request_id)
         samples = "output_token_ids" in changes
-        request = attrs.evolve(request, **changes)
+        request = request.replace(**changes)
         requests[request_id] = request
         if samples:
             ending = stop_reason(request, config)
             if ending is not None:
                 status, reason = ending
                 stopped.append(request_id)
-                requests[request_id] = attrs.evolve(request, status=status, finish_reason=reason)
+                requests[request_id] = request.replace(status=status, finish_reason=reason)
     if admitted:
         waiting = [r for r in waiting if r not in admitted]
     free = _take_blocks(free, taken)
@@ -220,7 +218,7 @@ def apply_plan(
         for request_id in stopped:
             request = requests.pop(request_id)
             ended_blocks.extend(reversed(request.block_ids))
-            finished[request_id] = attrs.evolve(request, block_ids=())
+            finished[request_id] = request.replace(block_ids=())
         running = [r for r in running if r not in gone]
         free = free + tuple(ended_blocks)
 

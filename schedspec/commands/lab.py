@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
+import shutil
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import attrs
 import click
 import numpy as np
 from rich.console import Console
@@ -31,6 +34,19 @@ from schedspec.reference.scheduler import UnknownScheduler, UnsupportedFeature
 
 DEFAULT_DURATION = 120.0
 """Seconds of trace time the default run replays (the first two minutes of the Azure conv trace)."""
+
+
+def _scale_lengths(window: list, factor: float) -> list:
+    """``--length-scale``: every prompt, shared prefix and output length divided by ``factor``, rounded
+    up (at least one token); arrival times, ids and everything else unchanged."""
+    if factor == 1:
+        return window
+    scaled = []
+    for spec in window:
+        prompt = max(1, math.ceil(spec.prompt_len / factor))
+        scaled.append(attrs.evolve(spec, prompt_len=prompt, max_tokens=max(1, math.ceil(spec.max_tokens / factor)),
+                                   prefix_len=min(prompt, math.ceil(spec.prefix_len / factor))))
+    return scaled
 
 
 def _step_filter(text: str | None, steps: list[LabStep]) -> list[LabStep]:
@@ -113,7 +129,7 @@ def _fmt(value: float | None, unit: str = "s") -> str:
     if value is None or (isinstance(value, float) and np.isnan(value)):
         return "-"
     if unit == "s":
-        return f"{value * 1e3:,.1f} ms" if value < 10 else f"{value:,.2f} s"
+        return f"{value * 1e3:,.1f} ms" if value < 1 else f"{value:,.2f} s"
     return f"{value:,.2f}"
 
 
@@ -223,6 +239,9 @@ def _compare_table(console: Console, summaries: list[dict[str, Any]]) -> None:
               help=f"Window length, seconds of trace time (default {DEFAULT_DURATION:g} unless --max-requests).")
 @click.option("--max-requests", type=int, default=None, help="At most this many requests of the window.")
 @click.option("--time-scale", type=float, default=1.0, help="Multiply inter-arrival gaps (0.5 = twice as fast).")
+@click.option("--length-scale", type=float, default=1.0, show_default=True,
+              help="Divide every prompt and output length by this (rounded up, at least 1 token); e.g. 8 to fit "
+                   "the trace to the tiny model of --backend torch on a CPU.")
 @scheduler_option
 @set_option
 @click.option("--profile", default=costs.DEFAULT_PROFILE, help=f"Cost profile: {', '.join(sorted(costs.PROFILES))}.")
@@ -244,13 +263,14 @@ def _compare_table(console: Console, summaries: list[dict[str, Any]]) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON only.")
 @click.option("--no-check", is_flag=True, help="Skip the spec checks (faster; not recommended).")
 @click.option("--max-steps", type=int, default=None, help="Stop after this many steps.")
-def command(trace_path, trace_format, synthetic, start, duration, max_requests, time_scale, scheduler_name, sets,
+def command(trace_path, trace_format, synthetic, start, duration, max_requests, time_scale, length_scale,
+            scheduler_name, sets,
             profile, backend, device, model_dir, steps_spec, steps_out, requests_out, slo, compare, plot_dir,
             as_json, no_check, max_steps) -> None:
     """Run the scheduler on a real trace and show every step, the latency each request saw and the batch
     efficiency, with the run conditions first. Exit 0 clean, 1 on a spec violation, 2 on bad input,
     3 if the scheduler lacks a feature the config needs."""
-    console = Console(stderr=as_json)
+    console = Console(stderr=as_json, width=max(shutil.get_terminal_size((120, 24)).columns, 100))
     try:
         cost = costs.get_profile(profile)
         base, derivation = costs.default_scheduler_config(cost)
@@ -263,6 +283,8 @@ def command(trace_path, trace_format, synthetic, start, duration, max_requests, 
         fail(f"--slo: {error}")
     if max_steps is not None and max_steps < 1:
         fail(f"--max-steps={max_steps}: must be >= 1")
+    if not length_scale > 0 or not math.isfinite(length_scale):
+        fail(f"--length-scale={length_scale:g}: must be a positive number")
 
     if synthetic and trace_path:
         fail("--trace and --synthetic: give one, not both")
@@ -282,9 +304,12 @@ def command(trace_path, trace_format, synthetic, start, duration, max_requests, 
                                          time_scale=time_scale)
     except workloads.WorkloadError as error:
         fail(str(error))
+    window = _scale_lengths(window, length_scale)
     window_text = (f"start {start if start is not None else 'first arrival'}, duration "
                    f"{f'{duration:g} s' if duration else 'to the end'}, max requests {max_requests or 'all'}, "
                    f"time scale {time_scale:g}")
+    if length_scale != 1:
+        window_text += f", length scale {length_scale:g} (prompt and output lengths divided by {length_scale:g})"
 
     names = [n.strip() for n in compare.split(",") if n.strip()] if compare else [scheduler_name or "fcfs"]
     if compare and scheduler_name:
@@ -297,15 +322,43 @@ def command(trace_path, trace_format, synthetic, start, duration, max_requests, 
         backend_text = f"cost model ({cost.name})"
         if backend == "torch":
             try:
-                from schedspec.gpu_backend import BackendError, Runner
+                from schedspec.gpu_backend import BackendError, ModelConfig, Runner, tiny_model_config
             except ImportError as error:
                 fail(f"--backend torch needs the torch extra (pip install 'schedspec[torch]'): {error}",
                      status=EXIT_UNSUPPORTED)
+            from schedspec.spec.config import ConfigError, blocks_for_tokens
+
+            # Fit the profile's config to the model, unless --set gave the field: max_model_len at most
+            # the model's max_position_embeddings; num_kv_blocks at most what the whole window needs at
+            # once (every request at its full length), which changes no scheduling decision (no request
+            # can run short of blocks with either size) but keeps the cache as small as it can be.
             try:
-                token_source = Runner(config, model_dir=model_dir, device=device)
+                model_config = tiny_model_config() if model_dir is None else ModelConfig.from_model_dir(model_dir)
+            except BackendError as error:
+                fail(f"--model: {error}")
+            fitted: dict[str, int] = {}
+            if "max_model_len" not in changes:
+                fitted["max_model_len"] = min(config.max_model_len, model_config.max_position_embeddings)
+            if "num_kv_blocks" not in changes:
+                limit = fitted.get("max_model_len", config.max_model_len)
+                demand = sum(blocks_for_tokens(min(s.prompt_len + s.max_tokens, limit), config.block_size)
+                             for s in window)
+                fitted["num_kv_blocks"] = max(1, min(config.num_kv_blocks, demand))
+            notes = [f"{key} {config_value:,} -> {fitted[key]:,}" for key, config_value in
+                     (("max_model_len", config.max_model_len), ("num_kv_blocks", config.num_kv_blocks))
+                     if key in fitted and fitted[key] != config_value]
+            try:
+                config = config.with_changes(**fitted)
+            except ConfigError as error:
+                fail(f"--backend torch: config fitted to the model: {error}")
+            try:
+                token_source = Runner(config, model=model_dir, device=device)
             except (BackendError, ValueError) as error:
                 fail(f"--backend torch: {error}")
             backend_text = f"torch backend, measured step times ({token_source.describe()})"
+            if notes:
+                backend_text += ("; config fitted to the model and window: " + ", ".join(notes)
+                                 + " (model limit / the window's whole demand)")
         handle = open(steps_out if len(names) == 1 else f"{steps_out}.{name}", "w") if steps_out else None  # noqa: SIM115
         if handle is not None:
             handle.write(json.dumps({"schema_version": 1, "config": config.to_dict(), "scheduler": scheduler}) + "\n")

@@ -1,0 +1,125 @@
+"""Theorems, options and results shared by the spec proofs and the policy proofs.
+
+Nothing here imports z3: the command line lists theorems and prints results without it, and the
+z3-using modules (:mod:`.encoding`, :mod:`.solve`, :mod:`.theorems`) are imported only when a
+theorem runs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+PROVED = "proved"
+COUNTEREXAMPLE = "counterexample"
+UNKNOWN = "unknown"
+
+DEFAULT_SLOTS = 8
+DEFAULT_DEPTH = 4
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class Options:
+    """How to run the theorems.
+
+    Attributes:
+        slots: N, the request slots of the symbolic state.
+        block: ``"fixed"`` (``block_size`` is ``block_size_value``), ``"symbolic"`` or
+            ``"uninterpreted"`` (see ``encoding.BLOCK_MODES``).
+        block_size_value: the fixed block size (also used to re-check uninterpreted counterexamples).
+        depth: K, the depth of bounded model checking.
+        fixed: other ``SchedulerConfig`` fields fixed to values (``--set``); the rest stay symbolic.
+        timeout_s: per solver query; a query that times out answers unknown.
+    """
+
+    slots: int = DEFAULT_SLOTS
+    block: str = "fixed"
+    block_size_value: int = DEFAULT_BLOCK_SIZE
+    depth: int = DEFAULT_DEPTH
+    fixed: dict[str, Any] = field(default_factory=dict)
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    @property
+    def block_label(self) -> str:
+        return f"fixed {self.block_size_value}" if self.block == "fixed" else self.block
+
+    def config_fixed(self) -> dict[str, Any]:
+        """The config fields given numerals in the encoding."""
+        fixed = dict(self.fixed)
+        if self.block == "fixed":
+            fixed["block_size"] = self.block_size_value
+        else:
+            fixed.pop("block_size", None)
+        return fixed
+
+
+@dataclass
+class Result:
+    """One theorem's outcome.
+
+    Attributes:
+        name, statement: the theorem.
+        expected: ``proved``, or ``counterexample`` for a property the policy is known to break.
+        status: ``proved``, ``counterexample`` or ``unknown``.
+        slots, block, depth: the size it was checked at (``depth`` only for bounded model checking).
+        seconds: wall time of its solver queries.
+        detail: one line: why unknown, or what the counterexample shows.
+        scenario: the counterexample as a scenario dict (bundled scenario format), if any.
+        scenario_file: where the scenario was written or found, if anywhere.
+        replayed: for a counterexample scenario, whether the executable reference confirmed it.
+        witness: a counterexample state (slot values), for display.
+    """
+
+    name: str
+    statement: str
+    expected: str
+    status: str
+    slots: int
+    block: str
+    depth: int | None = None
+    seconds: float = 0.0
+    detail: str = ""
+    scenario: dict[str, Any] | None = None
+    scenario_file: str | None = None
+    replayed: bool | None = None
+    witness: dict[str, Any] | None = None
+
+    @property
+    def ok(self) -> bool:
+        """As expected: proved, or a counterexample the reference replay confirmed."""
+        if self.expected == PROVED:
+            return self.status == PROVED
+        return self.status == COUNTEREXAMPLE and self.replayed is not False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "statement": self.statement, "expected": self.expected, "status": self.status,
+            "ok": self.ok, "slots": self.slots, "block_size": self.block, "depth": self.depth,
+            "seconds": round(self.seconds, 3), "detail": self.detail, "scenario_file": self.scenario_file,
+            "replayed": self.replayed, "scenario": self.scenario, "witness": self.witness,
+        }
+
+
+@dataclass(frozen=True)
+class Theorem:
+    """A named claim with its statement in words and a function that checks it."""
+
+    name: str
+    statement: str
+    run: Callable[[Options], Result]
+    expected: str = PROVED
+    bmc: bool = False
+    """Checked by bounded model checking (its result names the depth K)."""
+
+
+class Timer:
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+
+    @property
+    def seconds(self) -> float:
+        return time.perf_counter() - self.start

@@ -1,0 +1,543 @@
+"""The spec as quantifier-free integer arithmetic for Z3: state, config, allowed-plan rules, update.
+
+A state has ``n`` request **slots**. A slot holds at most one live request; an empty slot stands for
+"no live request here" (never added, or terminal: terminal requests never change again, so the
+proofs drop them and check their last values in the step that ends them). Per slot:
+
+``st``        status: :data:`EMPTY`, :data:`WAITING`, :data:`PREEMPTED` or :data:`RUNNING`
+``p``         prompt length; ``o`` outputs so far; ``mt`` ``max_tokens``
+``nc``        ``num_computed_tokens``; ``b`` blocks held (``len(block_ids)``)
+``pos``       position in its queue (waiting or running); only the order matters
+``adm``       ``admitted_step is not None``; ``npre`` ``num_preemptions``
+``arr``       ``arrival_step``; ``prio`` priority; ``seq`` order of addition (arrival order)
+
+Blocks are abstracted as counts: a free count ``free`` plus ``b`` per slot, so block conservation
+reads ``free + sum(b) == num_kv_blocks``; block ids (which block, in which order) are not modelled.
+Queue positions are sparse integers: a preempted request gets ``wfront - 1 - k`` (in front of every
+waiting request), an admitted one ``rback + 1 + k``, an arrival ``wback + 1``; so the update never
+renumbers and stays linear. ``ceil(x / block_size)`` is :meth:`Ctx.cdiv` (see ``BLOCK_MODES``).
+
+Everything here is built from z3 terms; given numerals (``z3.IntVal``) it evaluates to numerals, which
+is how ``tests/test_proofs_encoding.py`` compares it with the Python spec.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import z3
+
+EMPTY, WAITING, PREEMPTED, RUNNING = 0, 1, 2, 3
+STATUS_NAMES = {EMPTY: "empty", WAITING: "waiting", PREEMPTED: "preempted", RUNNING: "running"}
+
+BLOCK_MODES = ("fixed", "symbolic", "uninterpreted")
+"""How ``ceil(x / block_size)`` is encoded.
+
+- ``fixed``: ``block_size`` is a numeral; ``(x + bs - 1) div bs`` is linear.
+- ``symbolic``: ``block_size`` is a variable; the division is nonlinear (Z3 may answer unknown).
+- ``uninterpreted``: ``ceil(x / block_size)`` is an uninterpreted function ``f`` constrained only by
+  true facts about every term the query uses: ``f(x) = 0`` for ``x <= 0``, ``1 <= f(x) <= x`` for
+  ``x >= 1``, ``f(x + 1) <= f(x) + 1`` and monotonicity. A proof then holds for every block size; a
+  counterexample may be spurious and is re-checked with a concrete block size.
+"""
+
+Bool = z3.BoolRef
+Int = z3.ArithRef
+
+
+def _sum(terms: Sequence[Any]) -> Any:
+    terms = list(terms)
+    if not terms:
+        return z3.IntVal(0)
+    return z3.Sum(terms) if len(terms) > 1 else terms[0]
+
+
+def ite(c: Any, a: Any, b: Any) -> Any:
+    return z3.If(c, a, b)
+
+
+def count(conds: Sequence[Any]) -> Any:
+    return _sum([z3.If(c, 1, 0) for c in conds])
+
+
+def zmax(a: Any, b: Any) -> Any:
+    return z3.If(a >= b, a, b)
+
+
+def zmin(a: Any, b: Any) -> Any:
+    return z3.If(a <= b, a, b)
+
+
+@dataclass
+class SymConfig:
+    """A ``SchedulerConfig`` as z3 terms (numerals where a field is fixed)."""
+
+    block_size: Any
+    num_kv_blocks: Any
+    max_num_batched_tokens: Any
+    max_num_seqs: Any
+    max_model_len: Any
+    enable_chunked_prefill: Any
+    long_prefill_token_threshold: Any
+
+    def valid(self) -> Any:
+        """What ``SchedulerConfig.__attrs_post_init__`` accepts (prefix caching off, recompute)."""
+        return z3.And(
+            self.block_size >= 1,
+            self.num_kv_blocks >= 1,
+            self.max_num_batched_tokens >= 1,
+            self.max_num_seqs >= 1,
+            self.max_model_len >= 1,
+            self.long_prefill_token_threshold >= 0,
+            z3.Implies(z3.Not(self.enable_chunked_prefill), self.max_num_batched_tokens >= self.max_model_len),
+            self.max_num_batched_tokens >= self.max_num_seqs,
+        )
+
+    @classmethod
+    def symbolic(cls, prefix: str = "", fixed: dict[str, Any] | None = None) -> SymConfig:
+        """Every field a variable, except those in ``fixed`` (Python values)."""
+        fixed = fixed or {}
+        values = {}
+        for f in fields(cls):
+            if f.name in fixed:
+                values[f.name] = _val(fixed[f.name])
+            elif f.name == "enable_chunked_prefill":
+                values[f.name] = z3.Bool(prefix + f.name)
+            else:
+                values[f.name] = z3.Int(prefix + f.name)
+        return cls(**values)
+
+    @classmethod
+    def concrete(cls, config: Any) -> SymConfig:
+        """From a :class:`~schedspec.spec.config.SchedulerConfig`."""
+        return cls(**{f.name: _val(getattr(config, f.name)) for f in fields(cls)})
+
+    def evaluate(self, model: z3.ModelRef) -> dict[str, Any]:
+        """The field values in ``model`` as Python values."""
+        return {f.name: py(model.eval(getattr(self, f.name), model_completion=True)) for f in fields(self)}
+
+
+def _val(value: Any) -> Any:
+    if isinstance(value, bool):
+        return z3.BoolVal(value)
+    if isinstance(value, int):
+        return z3.IntVal(value)
+    return value
+
+
+def py(term: Any) -> Any:
+    """A z3 numeral or boolean value as a Python value."""
+    if z3.is_true(term):
+        return True
+    if z3.is_false(term):
+        return False
+    if z3.is_int_value(term):
+        return term.as_long()
+    raise ValueError(f"not a value: {term}")
+
+
+class Ctx:
+    """One query's encoding context: the config, the block mode, fresh names and side facts.
+
+    ``facts`` collects constraints that define auxiliary variables (policy encodings); a query asserts
+    them all, with the facts about the uninterpreted ``ceil`` (``solve.cdiv_facts``).
+    """
+
+    def __init__(self, config: SymConfig, block_mode: str = "fixed", prefix: str = "") -> None:
+        if block_mode not in BLOCK_MODES:
+            raise ValueError(f"block mode {block_mode!r}: expected one of {BLOCK_MODES}")
+        if block_mode == "fixed" and not z3.is_int_value(config.block_size):
+            raise ValueError("block mode 'fixed' needs a numeral block_size")
+        self.cfg = config
+        self.block_mode = block_mode
+        self.prefix = prefix
+        self.facts: list[Any] = []
+        self._names: dict[str, int] = {}
+        self._f = z3.Function(prefix + "cdiv", z3.IntSort(), z3.IntSort()) if block_mode == "uninterpreted" else None
+
+    def fresh(self, name: str, sort: str = "int") -> Any:
+        index = self._names.get(name, 0)
+        self._names[name] = index + 1
+        full = f"{self.prefix}{name}" + (f"!{index}" if index else "")
+        return z3.Bool(full) if sort == "bool" else z3.Int(full)
+
+    def define(self, name: str, expr: Any, sort: str = "int") -> Any:
+        """A fresh variable equal to ``expr`` (kept in ``facts``): names a shared subterm."""
+        if z3.is_int_value(expr) or z3.is_true(expr) or z3.is_false(expr):
+            return expr
+        var = self.fresh(name, sort)
+        self.facts.append(var == expr)
+        return var
+
+    def cdiv(self, x: Any) -> Any:
+        """``ceil(x / block_size)``, 0 for ``x <= 0`` (``blocks_for_tokens``)."""
+        if self._f is not None:
+            return self._f(x)
+        bs = self.cfg.block_size
+        return z3.If(x <= 0, 0, (x + bs - 1) / bs)
+
+    def covers(self, blocks: Any, tokens: Any) -> Any:
+        """``blocks * block_size >= tokens`` (equivalently ``blocks >= ceil(tokens / block_size)``)."""
+        if self._f is not None:
+            return blocks >= self.cdiv(tokens)
+        return blocks * self.cfg.block_size >= tokens
+
+
+@dataclass
+class Slot:
+    st: Any
+    p: Any
+    o: Any
+    mt: Any
+    nc: Any
+    b: Any
+    pos: Any
+    adm: Any
+    npre: Any
+    arr: Any
+    prio: Any
+    seq: Any
+
+    @property
+    def live(self) -> Any:
+        return self.st != EMPTY
+
+    @property
+    def running(self) -> Any:
+        return self.st == RUNNING
+
+    @property
+    def waiting(self) -> Any:
+        return z3.Or(self.st == WAITING, self.st == PREEMPTED)
+
+    @property
+    def pending(self) -> Any:
+        return self.p + self.o - self.nc
+
+
+SLOT_FIELDS = tuple(f.name for f in fields(Slot))
+BOOL_SLOT_FIELDS = ("adm",)
+
+
+@dataclass
+class State:
+    slots: list[Slot]
+    free: Any
+    wfront: Any
+    wback: Any
+    rback: Any
+    step: Any
+    nextseq: Any
+
+    @property
+    def n(self) -> int:
+        return len(self.slots)
+
+
+STATE_SCALARS = ("free", "wfront", "wback", "rback", "step", "nextseq")
+
+
+def symbolic_state(n: int, prefix: str = "s") -> State:
+    slots = []
+    for i in range(n):
+        values = {
+            name: (z3.Bool if name in BOOL_SLOT_FIELDS else z3.Int)(f"{prefix}_{name}{i}") for name in SLOT_FIELDS
+        }
+        slots.append(Slot(**values))
+    return State(slots, *(z3.Int(f"{prefix}_{name}") for name in STATE_SCALARS))
+
+
+@dataclass
+class Plan:
+    """A step plan, per slot: scheduled (with its chunk start, tokens, new blocks and batch index),
+    preempted (with its index in ``plan.preempted``), rejected."""
+
+    sched: list[Any]
+    start: list[Any]
+    ntok: list[Any]
+    nb: list[Any]
+    bpos: list[Any]
+    pre: list[Any]
+    ppos: list[Any]
+    rej: list[Any]
+
+    @property
+    def n(self) -> int:
+        return len(self.sched)
+
+    def tokens(self) -> Any:
+        return _sum([z3.If(self.sched[i], self.ntok[i], 0) for i in range(self.n)])
+
+
+PLAN_FIELDS = tuple(f.name for f in fields(Plan))
+BOOL_PLAN_FIELDS = ("sched", "pre", "rej")
+
+
+def symbolic_plan(n: int, prefix: str = "pl") -> Plan:
+    return Plan(**{
+        name: [(z3.Bool if name in BOOL_PLAN_FIELDS else z3.Int)(f"{prefix}_{name}{i}") for i in range(n)]
+        for name in PLAN_FIELDS
+    })
+
+
+def plan_well_formed(plan: Plan) -> Any:
+    """What a ``StepPlan`` value is by construction: batch and preemption indices distinct and in
+    ``[0, n)``, new block counts >= 0."""
+    n = plan.n
+    out = []
+    for i in range(n):
+        out.append(plan.nb[i] >= 0)
+        out.append(z3.Implies(plan.sched[i], z3.And(plan.bpos[i] >= 0, plan.bpos[i] < n)))
+        out.append(z3.Implies(plan.pre[i], z3.And(plan.ppos[i] >= 0, plan.ppos[i] < n)))
+        for j in range(i + 1, n):
+            out.append(z3.Implies(z3.And(plan.sched[i], plan.sched[j]), plan.bpos[i] != plan.bpos[j]))
+            out.append(z3.Implies(z3.And(plan.pre[i], plan.pre[j]), plan.ppos[i] != plan.ppos[j]))
+    return z3.And(out)
+
+
+# --- admission (schedspec.spec.admission) -------------------------------------------------------
+
+
+def max_sequence_len(ctx: Ctx, p: Any, mt: Any) -> Any:
+    return zmin(p + mt, ctx.cfg.max_model_len)
+
+
+def max_blocks_needed(ctx: Ctx, p: Any, mt: Any) -> Any:
+    """``admission.max_blocks_needed``: ``ceil((min(prompt_len + max_tokens, max_model_len) - 1) /
+    block_size)``."""
+    return ctx.cdiv(max_sequence_len(ctx, p, mt) - 1)
+
+
+def fits_alone(ctx: Ctx, p: Any, mt: Any) -> Any:
+    """``admission.rejection_reason(p, mt, config) is None``."""
+    c = ctx.cfg
+    return z3.And(p > 0, mt >= 1, p <= c.max_model_len, max_blocks_needed(ctx, p, mt) <= c.num_kv_blocks)
+
+
+# --- the allowed-plan predicate (schedspec.spec.rules) -------------------------------------------
+
+
+def allowed_rules(ctx: Ctx, s: State, plan: Plan) -> dict[str, Any]:
+    """Each local rule of :mod:`schedspec.spec.rules` by name, as a z3 formula over the state before the
+    step and the plan. The plan is allowed iff all hold."""
+    c = ctx.cfg
+    n = s.n
+    S = s.slots
+    rules: dict[str, list[Any]] = {name: [] for name in RULE_ORDER}
+    for i in range(n):
+        sl = S[i]
+        sch, pre, rej = plan.sched[i], plan.pre[i], plan.rej[i]
+        named = z3.Or(sch, pre, rej)
+        rules["known-requests"].append(z3.Implies(named, sl.live))
+        rules["known-requests"].append(count([sch, pre, rej]) <= 1)
+        rules["positive-tokens"].append(z3.Implies(sch, plan.ntok[i] >= 1))
+        rules["long-prefill-threshold"].append(z3.Implies(
+            z3.And(sch, c.enable_chunked_prefill, c.long_prefill_token_threshold > 0),
+            plan.ntok[i] <= c.long_prefill_token_threshold))
+        ls = z3.And(sch, sl.live)
+        rules["chunk-continues"].append(z3.Implies(ls, plan.start[i] == sl.nc))
+        rules["no-overcompute"].append(z3.Implies(ls, plan.ntok[i] <= sl.pending))
+        rules["whole-prefill-without-chunking"].append(
+            z3.Implies(z3.And(ls, z3.Not(c.enable_chunked_prefill)), plan.ntok[i] == sl.pending))
+        rules["admit-fits-alone"].append(z3.Implies(z3.And(ls, z3.Not(sl.running)), fits_alone(ctx, sl.p, sl.mt)))
+        rules["reject-only-impossible"].append(z3.Implies(
+            z3.And(rej, sl.live), z3.And(z3.Not(sl.running), z3.Not(fits_alone(ctx, sl.p, sl.mt)))))
+        rules["reject-only-impossible"].append(z3.Implies(
+            z3.And(sl.waiting, z3.Not(sl.adm), z3.Not(fits_alone(ctx, sl.p, sl.mt))), rej))
+        rules["preempt-running-only"].append(z3.Implies(pre, z3.And(z3.Implies(sl.live, sl.running), z3.Not(sch))))
+        blocks = sl.b + plan.nb[i]
+        rules["block-table-covers"].append(z3.Implies(ls, blocks >= ctx.cdiv(plan.start[i] + plan.ntok[i])))
+        rules["no-excess-blocks"].append(z3.Implies(ls, blocks <= ctx.cdiv(sl.p + sl.o)))
+    rules["token-budget"].append(plan.tokens() <= c.max_num_batched_tokens)
+    admitted = count([z3.And(plan.sched[i], z3.Not(S[i].running), S[i].live) for i in range(n)])
+    preempted = count([z3.And(plan.pre[i], S[i].running) for i in range(n)])
+    rules["sequence-cap"].append(count([sl.running for sl in S]) - preempted + admitted <= c.max_num_seqs)
+    handed = _sum([z3.If(plan.sched[i], plan.nb[i], 0) for i in range(n)])
+    released = _sum([z3.If(z3.And(plan.pre[i], S[i].live), S[i].b, 0) for i in range(n)])
+    rules["blocks-from-free-pool"].append(handed <= s.free + released)
+    return {name: z3.And(parts) for name, parts in rules.items()}
+
+
+RULE_ORDER = (
+    "known-requests", "token-budget", "positive-tokens", "chunk-continues", "no-overcompute",
+    "whole-prefill-without-chunking", "long-prefill-threshold", "sequence-cap", "admit-fits-alone",
+    "reject-only-impossible", "preempt-running-only", "blocks-from-free-pool", "block-table-covers",
+    "no-excess-blocks",
+)
+"""The rules of :mod:`schedspec.spec.rules`, in its order (the encoding test checks the two agree)."""
+
+
+def allowed(ctx: Ctx, s: State, plan: Plan) -> Any:
+    return z3.And(list(allowed_rules(ctx, s, plan).values()))
+
+
+# --- the update (schedspec.spec.transitions.apply_plan) --------------------------------------------
+
+
+@dataclass
+class StepOutcome:
+    """The state after a step and, per slot, whether the request sampled and whether it stopped (with
+    the values it ends with)."""
+
+    state: State
+    samples: list[Any]
+    stops: list[Any]
+    final_o: list[Any]
+
+
+def apply_plan(ctx: Ctx, s: State, plan: Plan, eos: Sequence[Any]) -> StepOutcome:
+    """The state after an allowed ``plan``; ``eos[i]``: the token slot ``i`` samples is its EOS."""
+    c = ctx.cfg
+    n = s.n
+    new_slots = []
+    samples, stops, final_o = [], [], []
+    released = []
+    for i in range(n):
+        sl = s.slots[i]
+        sch, pre, rej = plan.sched[i], plan.pre[i], plan.rej[i]
+        samp = z3.And(sch, plan.start[i] + plan.ntok[i] == sl.p + sl.o)
+        o1 = z3.If(samp, sl.o + 1, sl.o)
+        stop = z3.And(samp, z3.Or(sl.p + o1 >= c.max_model_len, o1 >= sl.mt, eos[i]))
+        admit = z3.And(sch, z3.Not(sl.running))
+        st = z3.If(pre, PREEMPTED, z3.If(rej, EMPTY, z3.If(sch, z3.If(stop, EMPTY, RUNNING), sl.st)))
+        nc = z3.If(pre, 0, z3.If(sch, sl.nc + plan.ntok[i], sl.nc))
+        b = z3.If(z3.Or(pre, rej, stop), 0, z3.If(sch, sl.b + plan.nb[i], sl.b))
+        pos = z3.If(pre, s.wfront - 1 - plan.ppos[i], z3.If(admit, s.rback + 1 + plan.bpos[i], sl.pos))
+        new_slots.append(replace(
+            sl, st=st, nc=nc, b=b, pos=pos, o=o1,
+            adm=z3.Or(sl.adm, admit), npre=z3.If(pre, sl.npre + 1, sl.npre),
+        ))
+        released.append(z3.If(pre, sl.b, 0) - z3.If(sch, plan.nb[i], 0) + z3.If(stop, sl.b + plan.nb[i], 0))
+        samples.append(samp)
+        stops.append(stop)
+        final_o.append(o1)
+    after = State(
+        new_slots, s.free + _sum(released), s.wfront - n, s.wback, s.rback + n, s.step + 1, s.nextseq,
+    )
+    return StepOutcome(after, samples, stops, final_o)
+
+
+def arrive(ctx: Ctx, s: State, i: int, p: Any, mt: Any, prio: Any = 0) -> State:
+    """``add_request``: a fresh request enters empty slot ``i`` at the back of the waiting queue."""
+    slots = list(s.slots)
+    slots[i] = Slot(st=z3.IntVal(WAITING), p=p, o=z3.IntVal(0), mt=mt, nc=z3.IntVal(0), b=z3.IntVal(0),
+                    pos=s.wback + 1, adm=z3.BoolVal(False), npre=z3.IntVal(0), arr=s.step, prio=prio,
+                    seq=s.nextseq)
+    return replace(s, slots=slots, wback=s.wback + 1, nextseq=s.nextseq + 1)
+
+
+def arrive_precondition(s: State, i: int, p: Any, mt: Any) -> Any:
+    """The slot is free and the request is well formed (``prompt_len >= 0``, ``max_tokens >= 0``)."""
+    return z3.And(s.slots[i].st == EMPTY, p >= 0, mt >= 0)
+
+
+def abort(ctx: Ctx, s: State, i: int) -> State:
+    """``abort_request`` of the live request in slot ``i``: it ends and releases every block."""
+    slots = list(s.slots)
+    sl = s.slots[i]
+    slots[i] = replace(sl, st=z3.IntVal(EMPTY), b=z3.IntVal(0))
+    return replace(s, slots=slots, free=s.free + z3.If(sl.live, sl.b, 0))
+
+
+# --- invariants (schedspec.spec.invariants) ------------------------------------------------------
+
+
+def state_invariants(ctx: Ctx, s: State) -> dict[str, Any]:
+    """The state invariants of :mod:`schedspec.spec.invariants` on live slots, by name.
+
+    ``no-request-lost`` holds by construction (a slot is in exactly one queue or empty).
+    """
+    c = ctx.cfg
+    S = s.slots
+    n = s.n
+    inv: dict[str, list[Any]] = {name: [] for name in STATE_INVARIANT_ORDER}
+    inv["sequence-cap"].append(count([sl.running for sl in S]) <= c.max_num_seqs)
+    held = _sum([z3.If(sl.live, sl.b, 0) for sl in S])
+    inv["kv-capacity"].append(held <= c.num_kv_blocks)
+    inv["block-conservation"].append(s.free >= 0)
+    inv["block-conservation"].append(s.free + held == c.num_kv_blocks)
+    for i in range(n):
+        sl = S[i]
+        inv["block-conservation"].append(z3.Implies(sl.live, sl.b >= 0))
+        inv["table-covers-computed"].append(z3.Implies(sl.running, ctx.covers(sl.b, sl.nc)))
+        inv["output-bound"].append(z3.Implies(sl.live, sl.o <= sl.mt))
+        inv["output-bound"].append(z3.Implies(z3.And(sl.live, sl.o >= 1),
+                                              sl.p + sl.o <= zmax(c.max_model_len, sl.p + 1)))
+        inv["computed-bound"].append(z3.Implies(sl.live, z3.And(sl.nc >= 0, sl.nc <= sl.p + sl.o)))
+        inv["preempted-holds-nothing"].append(z3.Implies(sl.waiting, z3.And(sl.b == 0, sl.nc == 0)))
+        for j in range(i + 1, n):
+            other = S[j]
+            inv["queues-disjoint"].append(z3.Implies(z3.And(sl.waiting, other.waiting), sl.pos != other.pos))
+            inv["queues-disjoint"].append(z3.Implies(z3.And(sl.running, other.running), sl.pos != other.pos))
+    return {name: z3.And(parts) for name, parts in inv.items()}
+
+
+STATE_INVARIANT_ORDER = (
+    "sequence-cap", "kv-capacity", "block-conservation", "table-covers-computed", "queues-disjoint",
+    "output-bound", "computed-bound", "preempted-holds-nothing",
+)
+
+
+def support(ctx: Ctx, s: State) -> dict[str, Any]:
+    """Facts that make the invariants inductive (the naive invariant is not), by name."""
+    c = ctx.cfg
+    out: dict[str, list[Any]] = {name: [] for name in SUPPORT_ORDER}
+    for sl in s.slots:
+        live = sl.live
+        out["ranges"].append(z3.And(sl.st >= EMPTY, sl.st <= RUNNING))
+        out["ranges"].append(z3.Implies(live, z3.And(sl.p >= 0, sl.mt >= 0, sl.o >= 0)))
+        out["ranges"].append(z3.Implies(z3.Not(live), sl.b == 0))
+        out["admission"].append(z3.Implies(sl.running, sl.adm))
+        out["admission"].append(z3.Implies(sl.st == WAITING, z3.Not(sl.adm)))
+        out["admission"].append(z3.Implies(sl.st == PREEMPTED, sl.adm))
+        out["admission"].append(z3.Implies(z3.And(live, sl.adm), fits_alone(ctx, sl.p, sl.mt)))
+        out["live-below-limits"].append(z3.Implies(z3.And(live, sl.o >= 1),
+                                                   z3.And(sl.o < sl.mt, sl.p + sl.o < c.max_model_len)))
+        out["running-has-pending"].append(z3.Implies(sl.running, sl.nc < sl.p + sl.o))
+        out["running-has-pending"].append(z3.Implies(z3.And(sl.running, z3.Not(c.enable_chunked_prefill)),
+                                                     sl.nc == sl.p + sl.o - 1))
+        out["no-excess-blocks"].append(z3.Implies(live, sl.b <= ctx.cdiv(sl.p + sl.o)))
+        out["queue-bounds"].append(z3.Implies(sl.waiting, z3.And(sl.pos >= s.wfront, sl.pos <= s.wback)))
+        out["queue-bounds"].append(z3.Implies(sl.running, sl.pos <= s.rback))
+    out["queue-bounds"].append(s.wfront <= s.wback + 1)
+    return {name: z3.And(parts) for name, parts in out.items()}
+
+
+SUPPORT_ORDER = (
+    "ranges", "admission", "live-below-limits", "running-has-pending", "no-excess-blocks", "queue-bounds",
+)
+
+
+def invariant(ctx: Ctx, s: State) -> Any:
+    """Every state invariant and every support fact."""
+    return z3.And(list(state_invariants(ctx, s).values()) + list(support(ctx, s).values()))
+
+
+def initial_state(ctx: Ctx, n: int) -> State:
+    """``SchedulerState.initial``: no request, every block free."""
+    zero = z3.IntVal(0)
+    slots = [Slot(st=z3.IntVal(EMPTY), p=zero, o=zero, mt=zero, nc=zero, b=zero, pos=zero,
+                  adm=z3.BoolVal(False), npre=zero, arr=zero, prio=zero, seq=zero) for _ in range(n)]
+    return State(slots, ctx.cfg.num_kv_blocks, zero, zero, zero, zero, zero)
+
+
+def step_invariants(ctx: Ctx, s: State, plan: Plan, out: StepOutcome) -> dict[str, Any]:
+    """Step invariants: ``token-budget``, ``chunks-in-order``, and the invariants on the requests that
+    end in the step (``output-bound`` on their final outputs; they release every block)."""
+    c = ctx.cfg
+    parts: dict[str, list[Any]] = {"token-budget": [plan.tokens() <= c.max_num_batched_tokens],
+                                   "chunks-in-order": [], "ended-requests": []}
+    for i in range(s.n):
+        sl = s.slots[i]
+        new = out.state.slots[i]
+        parts["chunks-in-order"].append(z3.Implies(plan.sched[i], plan.start[i] == sl.nc))
+        parts["chunks-in-order"].append(z3.Implies(z3.And(plan.sched[i], new.live), new.nc == sl.nc + plan.ntok[i]))
+        o1 = out.final_o[i]
+        parts["ended-requests"].append(z3.Implies(out.stops[i], z3.And(
+            o1 <= sl.mt, sl.p + o1 <= zmax(c.max_model_len, sl.p + 1))))
+    return {name: z3.And(v) for name, v in parts.items()}
+
+
+StateFn = Callable[[Ctx, State], Any]

@@ -1,0 +1,115 @@
+"""Running one proof obligation: assert hypotheses and the negated goal, ask Z3, read a witness."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import z3
+
+from .core import COUNTEREXAMPLE, PROVED, UNKNOWN
+from .encoding import (
+    BOOL_SLOT_FIELDS,
+    PLAN_FIELDS,
+    SLOT_FIELDS,
+    STATE_SCALARS,
+    STATUS_NAMES,
+    Ctx,
+    Plan,
+    State,
+    py,
+)
+
+
+@dataclass
+class Answer:
+    status: str
+    model: z3.ModelRef | None = None
+    reason: str = ""
+
+
+def _apps_of(exprs: Iterable[Any], decl: Any) -> list[Any]:
+    """Every application of ``decl`` in ``exprs`` (arguments included), each once."""
+    seen: set[int] = set()
+    found: dict[int, Any] = {}
+    stack = list(exprs)
+    while stack:
+        e = stack.pop()
+        key = e.get_id()
+        if key in seen:
+            continue
+        seen.add(key)
+        if z3.is_app(e):
+            if e.decl() == decl:
+                found[key] = e
+            stack.extend(e.children())
+    return list(found.values())
+
+
+def cdiv_facts(ctx: Ctx, exprs: list[Any]) -> list[Any]:
+    """True facts about ``ceil(x / block_size)`` for every application in ``exprs`` (uninterpreted
+    mode): ``f(x) = 0`` for ``x <= 0``; ``1 <= f(x) <= x`` for ``x >= 1``; for each pair, monotone with
+    slope at most 1 (``x <= y => f(x) <= f(y) <= f(x) + (y - x)``)."""
+    f = ctx._f
+    if f is None:
+        return []
+    apps = _apps_of(exprs, f)
+    args = [a.arg(0) for a in apps]
+    out = []
+    for x in args:
+        out.append(z3.If(x <= 0, f(x) == 0, z3.And(f(x) >= 1, f(x) <= x)))
+    for i, x in enumerate(args):
+        for y in args[i + 1:]:
+            out.append(z3.Implies(x <= y, z3.And(f(x) <= f(y), f(y) <= f(x) + (y - x))))
+            out.append(z3.Implies(y <= x, z3.And(f(y) <= f(x), f(x) <= f(y) + (x - y))))
+    return out
+
+
+def check(ctx: Ctx, hypotheses: list[Any], goal: Any, timeout_s: float) -> Answer:
+    """Is ``hypotheses => goal`` valid? ``proved`` (the negation is unsat), ``counterexample`` with a
+    model, or ``unknown`` with Z3's reason (timeout included)."""
+    return satisfiable(ctx, list(hypotheses) + [z3.Not(goal)], timeout_s, negate=True)
+
+
+def satisfiable(ctx: Ctx, constraints: list[Any], timeout_s: float, negate: bool = False) -> Answer:
+    """Find a model of ``constraints`` (plus the context's definitions). With ``negate`` the answer
+    is phrased for a validity check: unsat -> proved, sat -> counterexample."""
+    solver = z3.Solver()
+    solver.set("timeout", max(1, int(timeout_s * 1000)))
+    asserted = list(constraints) + list(ctx.facts)
+    solver.add(asserted)
+    solver.add(cdiv_facts(ctx, asserted))
+    result = solver.check()
+    if result == z3.unsat:
+        return Answer(PROVED if negate else "unsat")
+    if result == z3.sat:
+        return Answer(COUNTEREXAMPLE if negate else "sat", solver.model())
+    return Answer(UNKNOWN, reason=solver.reason_unknown())
+
+
+def value(model: z3.ModelRef, term: Any) -> Any:
+    return py(model.eval(term, model_completion=True))
+
+
+def state_values(model: z3.ModelRef, s: State, plan: Plan | None = None, extra: dict[str, list[Any]] | None = None,
+                 live_only: bool = True) -> dict[str, Any]:
+    """A readable dump of a symbolic state (and plan) in ``model``."""
+    slots = []
+    for i, sl in enumerate(s.slots):
+        row = {name: value(model, getattr(sl, name)) for name in SLOT_FIELDS}
+        if live_only and row["st"] == 0:
+            continue
+        row["slot"] = i
+        row["st"] = STATUS_NAMES.get(row["st"], row["st"])
+        for name in BOOL_SLOT_FIELDS:
+            row[name] = bool(row[name])
+        if plan is not None:
+            for name in PLAN_FIELDS:
+                row["plan_" + name] = value(model, getattr(plan, name)[i])
+        for name, terms in (extra or {}).items():
+            row[name] = value(model, terms[i])
+        slots.append(row)
+    out: dict[str, Any] = {name: value(model, getattr(s, name)) for name in STATE_SCALARS}
+    out["slots"] = slots
+    return out

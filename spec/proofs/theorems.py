@@ -1,0 +1,238 @@
+"""The spec's central theorem, policy-independent: its local rules suffice for its invariants.
+
+``Inv`` is the conjunction of the state invariants of :mod:`schedspec.spec.invariants` (encoded in
+:func:`.encoding.state_invariants`) and the support facts that make it inductive
+(:func:`.encoding.support`). The theorems, for every config that validation accepts and every state
+of N slots:
+
+- ``spec/init``: ``Init => Inv``.
+- ``spec/arrive``, ``spec/abort``: the environment's actions preserve ``Inv``.
+- ``spec/step/<invariant>``: ``Inv and Allowed(plan) and Update => <invariant>'`` for each invariant,
+  each support fact and each step invariant, whatever the plan and whichever requests sample EOS.
+  ``Allowed`` is the conjunction of the local rules of :mod:`schedspec.spec.rules` (never "the
+  invariants hold afterwards", which would make the theorem circular).
+
+Each step obligation is first asked with only the hypotheses it needs (a slice); a counterexample
+found on a slice is checked again with every hypothesis before it is reported.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import z3
+
+from .core import COUNTEREXAMPLE, PROVED, UNKNOWN, Options, Result, Theorem, Timer
+from .encoding import (
+    RULE_ORDER,
+    STATE_INVARIANT_ORDER,
+    SUPPORT_ORDER,
+    Ctx,
+    SymConfig,
+    abort,
+    allowed_rules,
+    apply_plan,
+    arrive,
+    arrive_precondition,
+    initial_state,
+    plan_well_formed,
+    state_invariants,
+    step_invariants,
+    support,
+    symbolic_plan,
+    symbolic_state,
+)
+from .solve import check, state_values
+
+
+def setup(opts: Options, prefix: str = "") -> Ctx:
+    """A context with the symbolic config the options describe."""
+    fixed = opts.config_fixed()
+    cfg = SymConfig.symbolic(prefix=prefix, fixed=fixed)
+    return Ctx(cfg, opts.block, prefix=prefix)
+
+
+def inv_parts(ctx: Ctx, s: Any) -> dict[str, Any]:
+    parts = {f"inv:{k}": v for k, v in state_invariants(ctx, s).items()}
+    parts.update({f"sup:{k}": v for k, v in support(ctx, s).items()})
+    return parts
+
+
+def recheck_block_size(opts: Options, rerun: Any) -> tuple[str, str]:
+    """For an uninterpreted ``ceil``, a counterexample may be spurious: run the same obligation with the
+    fixed block size and say whether it confirms it."""
+    fixed = Options(opts.slots, "fixed", opts.block_size_value, opts.depth, opts.fixed, opts.timeout_s)
+    status, _ = rerun(fixed)
+    if status == COUNTEREXAMPLE:
+        return COUNTEREXAMPLE, f"confirmed with block_size={opts.block_size_value}"
+    return UNKNOWN, (f"counterexample under uninterpreted ceil, not confirmed with block_size={opts.block_size_value} "
+                     f"({status}); possibly spurious")
+
+
+STEP_SLICES: dict[str, tuple[str, ...]] = {
+    "inv:sequence-cap": ("inv:sequence-cap", "rule:sequence-cap", "rule:known-requests", "rule:preempt-running-only",
+                         "rule:reject-only-impossible", "sup:ranges"),
+    "inv:kv-capacity": ("inv:block-conservation", "inv:preempted-holds-nothing", "rule:known-requests",
+                        "rule:preempt-running-only", "rule:reject-only-impossible", "rule:blocks-from-free-pool",
+                        "sup:ranges", "wf"),
+    "inv:block-conservation": ("inv:block-conservation", "inv:preempted-holds-nothing", "rule:known-requests",
+                               "rule:preempt-running-only", "rule:reject-only-impossible",
+                               "rule:blocks-from-free-pool", "sup:ranges", "wf"),
+    "inv:table-covers-computed": ("inv:table-covers-computed", "rule:block-table-covers", "rule:chunk-continues",
+                                  "rule:known-requests", "rule:preempt-running-only", "sup:ranges", "wf"),
+    "inv:queues-disjoint": ("inv:queues-disjoint", "sup:queue-bounds", "wf", "rule:known-requests",
+                            "rule:preempt-running-only", "rule:reject-only-impossible"),
+    "inv:output-bound": ("inv:output-bound", "sup:live-below-limits", "sup:ranges"),
+    "inv:computed-bound": ("inv:computed-bound", "rule:no-overcompute", "rule:chunk-continues",
+                           "rule:positive-tokens", "rule:known-requests", "sup:ranges"),
+    "inv:preempted-holds-nothing": ("inv:preempted-holds-nothing", "rule:known-requests"),
+    "sup:ranges": ("sup:ranges", "wf", "rule:known-requests", "inv:block-conservation"),
+    "sup:admission": ("sup:admission", "rule:admit-fits-alone", "rule:known-requests", "rule:preempt-running-only"),
+    "sup:live-below-limits": ("sup:live-below-limits", "sup:ranges"),
+    "sup:running-has-pending": ("sup:running-has-pending", "rule:no-overcompute", "rule:chunk-continues",
+                                "rule:whole-prefill-without-chunking", "rule:positive-tokens", "rule:known-requests",
+                                "sup:ranges", "inv:computed-bound", "inv:preempted-holds-nothing"),
+    "sup:no-excess-blocks": ("sup:no-excess-blocks", "rule:no-excess-blocks", "rule:known-requests", "sup:ranges"),
+    "sup:queue-bounds": ("sup:queue-bounds", "wf", "rule:known-requests", "rule:preempt-running-only"),
+    "step:token-budget": ("rule:token-budget",),
+    "step:chunks-in-order": ("rule:chunk-continues",),
+    "step:ended-requests": ("inv:output-bound", "sup:live-below-limits", "sup:ranges"),
+}
+
+GOAL_STATEMENTS = {
+    "inv:sequence-cap": "len(running) <= max_num_seqs",
+    "inv:kv-capacity": "blocks held <= num_kv_blocks",
+    "inv:block-conservation": "free + sum(held) == num_kv_blocks, free >= 0, ended requests hold nothing",
+    "inv:table-covers-computed": "a running request's blocks * block_size >= its computed tokens",
+    "inv:queues-disjoint": "no request twice in waiting or running (queue positions distinct)",
+    "inv:output-bound": "outputs <= max_tokens and prompt + outputs <= max(max_model_len, prompt + 1)",
+    "inv:computed-bound": "0 <= num_computed_tokens <= prompt + outputs",
+    "inv:preempted-holds-nothing": "a waiting (or preempted) request holds no block and no computed token",
+    "sup:ranges": "support: lengths >= 0, empty slots hold no block",
+    "sup:admission": "support: running => admitted; admitted => fits alone; fresh waiting => never admitted",
+    "sup:live-below-limits": "support: a live request with outputs has outputs < max_tokens and length < max_model_len",
+    "sup:running-has-pending": "support: a running request has >= 1 pending token (exactly 1 without chunking)",
+    "sup:no-excess-blocks": "support: a request holds <= ceil((prompt + outputs) / block_size) blocks",
+    "sup:queue-bounds": "support: queue positions lie within the queue's bounds",
+    "step:token-budget": "the step's tokens <= max_num_batched_tokens",
+    "step:chunks-in-order": "a chunk starts at the computed tokens and advances them by its size",
+    "step:ended-requests": "a request ending in the step satisfies output-bound with its final outputs",
+}
+
+
+def block_accounting(s: Any, plan: Any, out: Any) -> Any:
+    """Lemma, slot by slot: the change in the blocks a slot holds plus what it returns to the free pool
+    is zero (so the sum over slots follows by linear arithmetic; Z3 is slow to find this split)."""
+    local = []
+    for i, (old, new) in enumerate(zip(s.slots, out.state.slots, strict=True)):
+        returned = (z3.If(plan.pre[i], old.b, 0) - z3.If(plan.sched[i], plan.nb[i], 0)
+                    + z3.If(out.stops[i], old.b + plan.nb[i], 0))
+        local.append(z3.If(new.live, new.b, 0) - z3.If(old.live, old.b, 0) + returned == 0)
+    return z3.And(local)
+
+
+LEMMAS = {"inv:block-conservation": block_accounting, "inv:kv-capacity": block_accounting}
+
+
+def _step_goals(opts: Options, slots: int) -> tuple[Ctx, dict[str, Any], dict[str, Any], Any, Any, Any]:
+    ctx = setup(opts)
+    s = symbolic_state(slots, "s")
+    plan = symbolic_plan(slots, "pl")
+    eos = [z3.Bool(f"eos{i}") for i in range(slots)]
+    hyps: dict[str, Any] = {"cfg": ctx.cfg.valid(), "wf": plan_well_formed(plan)}
+    hyps.update(inv_parts(ctx, s))
+    hyps.update({f"rule:{k}": v for k, v in allowed_rules(ctx, s, plan).items()})
+    out = apply_plan(ctx, s, plan, eos)
+    goals = inv_parts(ctx, out.state)
+    goals.update({f"step:{k}": v for k, v in step_invariants(ctx, s, plan, out).items()})
+    for name, lemma in LEMMAS.items():
+        goals["lemma:" + name] = lemma(s, plan, out)
+    return ctx, hyps, goals, s, plan, eos
+
+
+def _run_step_goal(goal_name: str, opts: Options, use_slice: bool = True) -> tuple[str, Any]:
+    ctx, hyps, goals, s, plan, eos = _step_goals(opts, opts.slots)
+    names = ("cfg",) + STEP_SLICES[goal_name] if use_slice else tuple(hyps)
+    hypotheses = [hyps[n] for n in names]
+    answer = None
+    if goal_name in LEMMAS:
+        answer = check(ctx, hypotheses, goals["lemma:" + goal_name], opts.timeout_s)
+        hypotheses.append(goals["lemma:" + goal_name])
+    if answer is None or answer.status == PROVED:
+        answer = check(ctx, hypotheses, goals[goal_name], opts.timeout_s)
+    witness = None
+    if answer.model is not None:
+        witness = state_values(answer.model, s, plan, {"eos": eos})
+        witness["config"] = ctx.cfg.evaluate(answer.model)
+    return answer.status, (answer.reason, witness)
+
+
+def step_theorem(goal_name: str) -> Theorem:
+    kind, _, short = goal_name.partition(":")
+    name = f"spec/step/{short}" if kind != "sup" else f"spec/step/support-{short}"
+    statement = f"Inv and Allowed(plan) and Update => {GOAL_STATEMENTS[goal_name]} after the step"
+
+    def run(opts: Options) -> Result:
+        timer = Timer()
+        status, (reason, witness) = _run_step_goal(goal_name, opts)
+        detail = reason
+        if status == COUNTEREXAMPLE:
+            status, (reason, witness) = _run_step_goal(goal_name, opts, use_slice=False)
+            detail = reason
+            if status == COUNTEREXAMPLE and opts.block == "uninterpreted":
+                status, detail = recheck_block_size(opts, lambda o: _run_step_goal(goal_name, o, use_slice=False))
+            if status == COUNTEREXAMPLE:
+                detail = "the rules allow a step that breaks it (witness state and plan attached)"
+        return Result(name, statement, PROVED, status, opts.slots, opts.block_label, seconds=timer.seconds,
+                      detail=detail, witness=witness)
+
+    return Theorem(name, statement, run)
+
+
+def _init(opts: Options) -> Result:
+    timer = Timer()
+    ctx = setup(opts)
+    s0 = initial_state(ctx, opts.slots)
+    answer = check(ctx, [ctx.cfg.valid()], z3.And(list(inv_parts(ctx, s0).values())), opts.timeout_s)
+    return Result("spec/init", INIT_STATEMENT, PROVED, answer.status, opts.slots, opts.block_label,
+                  seconds=timer.seconds, detail=answer.reason)
+
+
+INIT_STATEMENT = "Init => Inv: the initial state (no request, every block free) satisfies every invariant"
+ARRIVE_STATEMENT = "Inv and a request arrives (add_request, prompt_len >= 0, max_tokens >= 0) => Inv'"
+ABORT_STATEMENT = "Inv and a live request is aborted (abort_request) => Inv'"
+
+
+def _env_action(name: str, statement: str, action: str, opts: Options) -> Result:
+    timer = Timer()
+    ctx = setup(opts)
+    s = symbolic_state(opts.slots, "s")
+    hyps = [ctx.cfg.valid(), z3.And(list(inv_parts(ctx, s).values()))]
+    if action == "arrive":
+        p, mt = z3.Int("new_p"), z3.Int("new_mt")
+        hyps.append(arrive_precondition(s, 0, p, mt))
+        after = arrive(ctx, s, 0, p, mt)
+    else:
+        hyps.append(s.slots[0].live)
+        after = abort(ctx, s, 0)
+    answer = check(ctx, hyps, z3.And(list(inv_parts(ctx, after).values())), opts.timeout_s)
+    witness = state_values(answer.model, s) if answer.model is not None else None
+    return Result(name, statement, PROVED, answer.status, opts.slots, opts.block_label, seconds=timer.seconds,
+                  detail=answer.reason, witness=witness)
+
+
+def spec_theorems() -> list[Theorem]:
+    """Every spec theorem, in the order ``schedspec prove`` lists them."""
+    out = [
+        Theorem("spec/init", INIT_STATEMENT, _init),
+        Theorem("spec/arrive", ARRIVE_STATEMENT, lambda o: _env_action("spec/arrive", ARRIVE_STATEMENT, "arrive", o)),
+        Theorem("spec/abort", ABORT_STATEMENT, lambda o: _env_action("spec/abort", ABORT_STATEMENT, "abort", o)),
+    ]
+    goal_names = ([f"inv:{k}" for k in STATE_INVARIANT_ORDER] + [f"step:{k}" for k in
+                  ("token-budget", "chunks-in-order", "ended-requests")] + [f"sup:{k}" for k in SUPPORT_ORDER])
+    out.extend(step_theorem(g) for g in goal_names)
+    return out
+
+
+assert set(STEP_SLICES) == set(GOAL_STATEMENTS)
+assert {k.partition(":")[2] for k in STEP_SLICES if k.startswith("rule:")} <= set(RULE_ORDER)
