@@ -104,7 +104,7 @@ SCHEDULERS: dict[str, SchedulerFactory] = {
     "fcfs": _reference(policies.fcfs, "fcfs", ALL_PROPERTIES),
     "static": _reference(
         policies.static, "static",
-        frozenset({"progress", "bounded-wait", "rejects-impossible", "bounded-preemptions"}),
+        frozenset({"progress", "stall-free-decode", "bounded-wait", "rejects-impossible", "bounded-preemptions"}),
     ),
     "shortest-prompt-first": _reference(
         policies.shortest_prompt_first, "shortest-prompt-first",

@@ -1,0 +1,17 @@
+"""Generated documentation is up to date with the code."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_spec_reference_is_generated_from_the_registries():
+    spec = importlib.util.spec_from_file_location("gen_spec_doc", ROOT / "scripts" / "gen_spec_doc.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert (ROOT / "docs" / "spec-reference.md").read_text() == module.render(), (
+        "docs/spec-reference.md is stale: run .venv/bin/python scripts/gen_spec_doc.py"
+    )
