@@ -45,7 +45,9 @@ def rejection_reason(prompt_len: int, max_tokens: int, config: SchedulerConfig) 
         return f"max_tokens={max_tokens} < 1"
     if prompt_len > config.max_model_len:
         return f"prompt_len={prompt_len} exceeds max_model_len={config.max_model_len}"
-    needed = max_blocks_needed(prompt_len, max_tokens, config)
+    # max_blocks_needed, inlined: this runs for every waiting request in every step
+    tokens = max(prompt_len, min(prompt_len + max_tokens, config.max_model_len) - 1)
+    needed = -(-tokens // config.block_size)
     if needed > config.num_kv_blocks:
         return (
             f"needs {needed} KV blocks (prompt_len={prompt_len}, max_tokens={max_tokens}, "
