@@ -24,11 +24,11 @@ from schedspec.spec.request import Request
 from schedspec.spec.state import SchedulerState, StepPlan
 from schedspec.spec.workload import DEFAULT_VOCAB_SIZE, EOS_TOKEN_ID
 
-FULL_READ_LIMIT = 32
+FULL_READ_LIMIT = 16
 """Sequences up to this many tokens are read back whole when they sample; longer ones are read at their
 last :data:`SAMPLED_READS` positions and at as many pseudo-random earlier ones chosen from the length
 (so the cost stays O(1) per request while any table entry can be probed)."""
-SAMPLED_READS = 4
+SAMPLED_READS = 2
 
 
 @runtime_checkable
