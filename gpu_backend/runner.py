@@ -135,6 +135,8 @@ class Runner:
 
         weights = tiny_model_weights()[1] if where is None else load_model_dir(where)
         self.model_config = model_config
+        self.model_path = None if model is None else os.fspath(model)
+        """The model directory, or ``None`` for the built-in tiny model."""
         self.model = LlamaModel(model_config, weights, self.device, self.dtype)
         del weights
         self.debug = debug
@@ -158,6 +160,19 @@ class Runner:
     def vocab_size(self) -> int:
         """Token ids the model knows: ``[0, vocab_size)``."""
         return self.model_config.vocab_size
+
+    def describe(self) -> str:
+        """One line naming the model, its shape, the dtype and the device (for run-condition headers),
+        e.g. ``built-in tiny model (LlamaForCausalLM, 4 layers, hidden 256, 4/2 heads, vocab 4096),
+        float32 on cpu``."""
+        c = self.model_config
+        name = "built-in tiny model" if self.model_path is None else f"model {self.model_path}"
+        device = str(self.device)
+        if self.device.type == "cuda":
+            device += f" ({torch.cuda.get_device_name(self.device)})"
+        dtype = str(self.dtype).removeprefix("torch.")
+        return (f"{name} ({c.architecture}, {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
+                f"{c.num_attention_heads}/{c.num_key_value_heads} heads, vocab {c.vocab_size}), {dtype} on {device}")
 
     def reset(self) -> None:
         """Forget all requests (a new run with the same weights): clears the ledger, counters and
