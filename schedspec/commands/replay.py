@@ -11,6 +11,7 @@ from rich.table import Table
 from schedspec.cli_common import (
     EXIT_CHECK_FAILED,
     EXIT_UNSUPPORTED,
+    build_config,
     fail,
     parse_sets,
     scheduler_option,
@@ -18,6 +19,7 @@ from schedspec.cli_common import (
 )
 from schedspec.reference.scenarios import ScenarioError, bundled_scenarios, load_scenario, replay
 from schedspec.reference.scheduler import UnknownScheduler, UnsupportedFeature
+from schedspec.spec.config import ConfigError, SchedulerConfig
 
 
 @click.command()
@@ -32,7 +34,7 @@ def command(cases: tuple[str, ...], scheduler_name: str | None, sets: tuple[str,
     Exit 0 if every expectation holds, 1 if one fails, 2 on a bad file, 3 if the scheduler lacks a
     feature the scenario needs (with --all, unsupported scenarios are reported and skipped).
     """
-    console = Console()
+    console = Console(soft_wrap=True)
     changes = parse_sets(sets)
     paths = list(cases) + ([str(p) for p in bundled_scenarios()] if run_all else [])
     if not paths:
@@ -45,6 +47,13 @@ def command(cases: tuple[str, ...], scheduler_name: str | None, sets: tuple[str,
             fail(str(error))
     failed = unsupported = 0
     for scenario in scenarios:
+        if changes:
+            try:
+                SchedulerConfig.from_dict(scenario.config)
+            except ConfigError:
+                pass  # the scenario itself expects a config error; --set cannot be blamed
+            else:
+                build_config(scenario.config, changes)  # a --set that breaks the config: exit 2
         try:
             result = replay(scenario, scheduler_name, changes)
         except UnsupportedFeature as error:
