@@ -183,7 +183,7 @@ def _print_summary(console: Console, summary: dict[str, Any]) -> None:
     table.add_column(style="bold")
     table.add_column(justify="right")
     for key, value in efficiency.items():
-        table.add_row(key, f"{value:,.3f}" if isinstance(value, float) else str(value))
+        table.add_row(key, f"{value:,.3f}" if isinstance(value, float) else f"{value:,}" if isinstance(value, int) else str(value))
     requests = summary["requests"]
     table.add_row("requests", ", ".join(f"{k} {v:,}" for k, v in requests.items()))
     for reason, count in summary["rejected_reasons"].items():
