@@ -152,3 +152,37 @@ class FakeModel:
             self.slots[decode_slots] = decode_ids
         sampled.update(self._sample_all(pending))
         return sampled, self.cost_model.step_seconds(prefill_tokens, decode_tokens, attended)
+
+
+class CostOnlyModel:
+    """A token source that keeps no KV at all: every sampled token is ``1`` (never EOS unless
+    ``eos_at_output`` says so) and the step time comes from the cost model.
+
+    The lab uses it with ``--no-check``: the fake KV of :class:`FakeModel` exists to make a wrong block
+    table change the output, which only matters when something checks the output.
+    """
+
+    def __init__(self, config: SchedulerConfig, cost_model=None, eos_at_output: Mapping[str, int] | None = None) -> None:
+        if cost_model is None:
+            from schedspec.reference.cost_model import PROFILES
+
+            cost_model = PROFILES["llama3-8b-a100-80gb"]
+        self.cost_model = cost_model
+        self.eos_at_output = dict(eos_at_output or {})
+
+    def execute(self, plan: StepPlan, state: SchedulerState) -> tuple[dict[str, int], float]:
+        sampled: dict[str, int] = {}
+        prefill_tokens = decode_tokens = attended = 0
+        eos = self.eos_at_output
+        for item in plan.scheduled:
+            request = state.requests[item.request_id]
+            stop = item.num_computed_tokens + item.num_tokens
+            attended += stop
+            outputs = len(request.output_token_ids)
+            if item.num_tokens == 1 and item.num_computed_tokens >= request.prompt_len:
+                decode_tokens += 1
+            else:
+                prefill_tokens += item.num_tokens
+            if stop == request.prompt_len + outputs:
+                sampled[item.request_id] = EOS_TOKEN_ID if eos.get(item.request_id) == outputs + 1 else 1
+        return sampled, self.cost_model.step_seconds(prefill_tokens, decode_tokens, attended)

@@ -31,7 +31,7 @@ from schedspec.spec.trace import StepRecord
 from schedspec.spec.workload import RequestSpec
 
 from .engine import Engine, RunResult
-from .fake_model import FakeModel, TokenSource
+from .fake_model import CostOnlyModel, FakeModel, TokenSource
 from .metrics import RequestTimeline, long_prompt_threshold
 from .scheduler import make_scheduler
 
@@ -158,7 +158,8 @@ def run_lab(
         workload: requests with ``arrival_time`` in seconds.
         scheduler_name: registry name or ``module:factory``.
         config: the limits.
-        token_source: default :class:`FakeModel` with ``cost_model``.
+        token_source: default :class:`FakeModel` with ``cost_model`` (with ``check`` off,
+            :class:`CostOnlyModel`: no fake KV, since nothing checks the outputs).
         cost_model: step-time model for the default token source.
         check: check every plan, invariant and guaranteed property (stops at the first violation).
         steps_out: write every step as a StepRecord JSON line here.
@@ -179,7 +180,7 @@ def run_lab(
 
     engine = Engine(
         scheduler, config,
-        token_source=token_source or FakeModel(config, cost_model=cost_model),
+        token_source=token_source or (FakeModel if check else CostOnlyModel)(config, cost_model=cost_model),
         check=check,
         properties=None if check else (),
         record_steps=False,
