@@ -59,8 +59,8 @@ def abort_request(state: SchedulerState, request_id: str) -> SchedulerState:
         return state
     requests = dict(state.requests)
     del requests[request_id]
-    finished = dict(state.finished)
-    finished[request_id] = request.replace(status=RequestStatus.FINISHED_ABORTED, finish_reason="abort", block_ids=()
+    finished = state.finished.with_added(
+        {request_id: request.replace(status=RequestStatus.FINISHED_ABORTED, finish_reason="abort", block_ids=())}
     )
     return attrs.evolve(
         state,
@@ -165,13 +165,13 @@ def apply_plan(
     if released:
         free = free + tuple(released)
 
+    ended: dict[str, Request] = {}
     if plan.rejected:
-        finished = dict(finished)
         for request_id, reason in plan.rejected:
             request = live(request_id)
             del requests[request_id]
             waiting.remove(request_id)
-            finished[request_id] = request.replace(status=RequestStatus.REJECTED, finish_reason=reason)
+            ended[request_id] = request.replace(status=RequestStatus.REJECTED, finish_reason=reason)
 
     taken: list[int] = []
     sampled: list[str] = []
@@ -212,13 +212,12 @@ def apply_plan(
     free = _take_blocks(free, taken)
 
     if stopped:
-        finished = dict(finished)
         gone = set(stopped)
         ended_blocks: list[int] = []
         for request_id in stopped:
             request = requests.pop(request_id)
             ended_blocks.extend(reversed(request.block_ids))
-            finished[request_id] = request.replace(block_ids=())
+            ended[request_id] = request.replace(block_ids=())
         running = [r for r in running if r not in gone]
         free = free + tuple(ended_blocks)
 
@@ -227,7 +226,7 @@ def apply_plan(
         waiting=tuple(waiting),
         running=tuple(running),
         requests=MappingProxyType(requests),
-        finished=finished if isinstance(finished, MappingProxyType) else MappingProxyType(finished),
+        finished=finished.with_added(ended),
         free_block_ids=free,
         num_requests_added=state.num_requests_added,
     )
