@@ -41,8 +41,9 @@ class PagedKVCache:
 
     def write(self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Store new keys/values ``[T, num_kv_heads, head_dim]`` at slots ``slot_mapping`` ``[T]`` (int64)."""
-        self.key[layer].view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slot_mapping, key)
-        self.value[layer].view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slot_mapping, value)
+        width = self.num_kv_heads * self.head_dim  # slots as rows of the 2-d view: faster than the 3-d one
+        self.key[layer].view(-1, width).index_copy_(0, slot_mapping, key.reshape(-1, width))
+        self.value[layer].view(-1, width).index_copy_(0, slot_mapping, value.reshape(-1, width))
 
     def fill_blocks(self, block_ids: Iterable[int], value: float = float("nan")) -> None:
         """Overwrite whole blocks in every layer (debug mode poisons freed blocks with NaN)."""

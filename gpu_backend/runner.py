@@ -18,7 +18,7 @@ from schedspec.gpu_backend.config import ModelConfig, tiny_model_config
 from schedspec.gpu_backend.device import check_fits, resolve_device, resolve_dtype
 from schedspec.gpu_backend.errors import BackendError, BlockTableError
 from schedspec.gpu_backend.kv_cache import BlockLedger, PagedKVCache
-from schedspec.gpu_backend.model import LlamaModel, PackedBatch, PrefillChunk
+from schedspec.gpu_backend.model import DecodeGroup, LlamaModel, PackedBatch, PrefillChunk
 from schedspec.gpu_backend.sampling import sample, uniforms
 from schedspec.gpu_backend.weights import (
     index_model_dir,
@@ -32,6 +32,14 @@ from schedspec.spec.state import SchedulerState, StepPlan, samples_this_step
 from schedspec.spec.workload import EOS_TOKEN_ID
 
 RECORD_LOGITS = ("none", "last", "all")
+
+DECODE_GROUP_BYTES = 1 << 20
+"""On CPU, single-token items are attended in groups of similar length whose gathered keys plus values
+take at most this many bytes per layer (one item at least), so each group's copy is still in the CPU cache
+when attention reads it; on CUDA all of them form one group."""
+
+ROTARY_TABLE_MAX_LEN = 1 << 16
+"""Rotary ``cos``/``sin`` are precomputed for positions below ``min(max_model_len, this)``."""
 
 
 def _token_ids(request: Request, start: int, stop: int) -> np.ndarray:
@@ -139,6 +147,11 @@ class Runner:
         """The model directory, or ``None`` for the built-in tiny model."""
         self.model = LlamaModel(model_config, weights, self.device, self.dtype)
         del weights
+        if config.max_model_len <= ROTARY_TABLE_MAX_LEN:
+            self.model.prepare_rotary(config.max_model_len)
+        self.decode_group_bytes = DECODE_GROUP_BYTES if self.device.type == "cpu" else 0
+        """Bytes of gathered keys plus values per decode group and layer (0: one group); see
+        :data:`DECODE_GROUP_BYTES`."""
         self.debug = debug
         self.check_block_tables = debug
         """In debug mode, raise on ownership violations (tests may turn this off to see NaN poisoning)."""
@@ -222,8 +235,8 @@ class Runner:
             return {}, 0.0
         self._sync()
         started = time.perf_counter()
-        batch, spans, samplers = self._build_batch(plan, state)
-        logits = self.model.forward(batch, self.kv_cache)
+        batch, spans, samplers, max_position = self._build_batch(plan, state)
+        logits = self.model.forward(batch, self.kv_cache, max_position)
         self.num_forward_calls += 1
         if self.record_logits == "all":
             rows = logits[[index for _, index, _ in samplers]] if samplers else logits[:0]
@@ -254,7 +267,8 @@ class Runner:
 
     def _build_batch(self, plan: StepPlan, state: SchedulerState):
         """Pack the plan's chunks. Returns the :class:`PackedBatch`, request id -> (batch offset, tokens),
-        and ``(request id, batch index of its last token, output index)`` for each sampling request."""
+        ``(request id, batch index of its last token, output index)`` for each sampling request, and the
+        largest position in the batch."""
         block_size = self.config.block_size
         num_blocks = self.config.num_kv_blocks
         groups = self.model_config.num_queries_per_kv
@@ -266,6 +280,7 @@ class Runner:
         decode_lens: list[int] = []
         prefills: list[tuple[int, int, int, np.ndarray]] = []
         offset = 0
+        max_end = 0
         for item in plan.scheduled:
             request_id = item.request_id
             request = state.requests.get(request_id)
@@ -298,8 +313,10 @@ class Runner:
                 decode_index.append(offset)
                 decode_tables.append(blocks)
                 decode_lens.append(end)
+                max_end = max(max_end, end)
             else:
                 prefills.append((offset, n, end, blocks))
+                max_end = max(max_end, end)
             if samples_this_step(request, item):
                 samplers.append((request_id, offset + n - 1, request.num_output_tokens + 1))
             offset += n
@@ -318,18 +335,12 @@ class Runner:
         def tensor(array: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(array).to(device, non_blocking=True)
 
-        decode_index_t = decode_tables_t = decode_valid = None
-        if decode_index:
-            width = max(len(t) for t in decode_tables)
-            padded = np.zeros((len(decode_tables), width), dtype=np.int64)
-            for row, table in enumerate(decode_tables):
-                padded[row, :len(table)] = table
-            decode_index_t = tensor(np.asarray(decode_index, dtype=np.int64))
-            decode_tables_t = tensor(padded)
-            lens = tensor(np.asarray(decode_lens, dtype=np.int64))
-            decode_valid = torch.arange(width * block_size, device=device)[None, :] < lens[:, None]
+        decode_groups = self._decode_groups(decode_index, decode_tables, decode_lens) if decode_index else []
         chunks = []
         for first, n, end, blocks in prefills:
+            if end == n:  # starts at position 0: attends only to its own new keys/values
+                chunks.append(PrefillChunk(first, n, end, None, None))
+                continue
             key_pos = torch.arange(end, device=device)
             query_pos = torch.arange(end - n, end, device=device)
             mask = (key_pos[None, :] <= query_pos[:, None]).repeat(groups, 1)
@@ -342,25 +353,71 @@ class Runner:
             input_ids=tensor(input_ids),
             positions=tensor(np.concatenate(positions)),
             slot_mapping=tensor(np.concatenate(slots)),
-            decode_index=decode_index_t,
-            decode_block_tables=decode_tables_t,
-            decode_valid=decode_valid,
+            decode_groups=decode_groups,
             prefills=chunks,
             logits_index=tensor(logits_index),
         )
-        return batch, spans, samplers
+        return batch, spans, samplers, max_end - 1
+
+    def _decode_groups(self, index: list[int], tables: list[np.ndarray], lengths: list[int]) -> list[DecodeGroup]:
+        """Split the single-token items into :class:`DecodeGroup` s: sorted by length, each group as large as
+        ``decode_group_bytes`` allows (one group when it is 0). Tables are padded with their first block."""
+        block_size = self.config.block_size
+        cfg = self.model_config
+        block_bytes = 2 * block_size * cfg.num_key_value_heads * cfg.head_dim * self.kv_cache.key[0].element_size()
+        widths = np.fromiter((len(t) for t in tables), dtype=np.int64, count=len(tables))
+        lens = np.asarray(lengths, dtype=np.int64)
+        order = np.argsort(widths, kind="stable")
+        width = int(widths.max())
+        padded = np.repeat(np.fromiter((t[0] for t in tables), dtype=np.int64, count=len(tables))[:, None],
+                           width, axis=1)
+        for row, table in enumerate(tables):
+            padded[row, :len(table)] = table
+        valid = np.arange(width * block_size)[None, :] < lens[:, None]
+        additive = np.where(valid, np.float32(0), np.float32(-np.inf))
+        zero_invalid = self.debug or self.dtype == torch.float16
+        budget = self.decode_group_bytes
+        batch_index = np.asarray(index, dtype=np.int64)
+        device = self.device
+        result = []
+        start = 0
+        while start < len(order):
+            stop = len(order)
+            if budget > 0:
+                stop = start + 1
+                while stop < len(order) and (stop + 1 - start) * widths[order[stop]] * block_bytes <= budget:
+                    stop += 1
+            members = order[start:stop]
+            group_width = int(widths[members[-1]])
+            length = group_width * block_size
+            rows = len(members)
+            mask = torch.from_numpy(additive[members, :length]).to(device=device, dtype=self.dtype)
+            invalid = None
+            if zero_invalid:
+                invalid = torch.from_numpy(~valid[members, :length]).to(device).view(rows, length, 1, 1)
+            result.append(DecodeGroup(
+                index=torch.from_numpy(batch_index[members]).to(device),
+                block_ids=torch.from_numpy(np.ascontiguousarray(padded[members, :group_width]).reshape(-1)).to(device),
+                num_blocks=group_width,
+                mask=mask.view(rows, 1, 1, length),
+                invalid=invalid,
+            ))
+            start = stop
+        return result
 
     def _sample(self, rows: torch.Tensor, samplers: list[tuple[str, int, int]]) -> dict[str, int]:
         """Sample from ``rows`` ``[S, vocab]`` (one per entry of ``samplers``), EOS masked except where
         ``eos_at_output`` forces it."""
         if not samplers:
             return {}
-        masked = rows.clone()
-        masked[:, EOS_TOKEN_ID] = -math.inf
         u = None
         if self.temperature > 0:
             u = uniforms(self.seed, [rid for rid, _, _ in samplers], [k for _, _, k in samplers])
-        tokens = sample(masked, self.temperature, self.top_p, u).tolist()
+        with torch.inference_mode():
+            # ``rows`` is this step's own tensor: mask in place unless its raw values are kept (record_logits).
+            masked = rows.clone() if self.record_logits != "none" else rows
+            masked[:, EOS_TOKEN_ID] = -math.inf
+            tokens = sample(masked, self.temperature, self.top_p, u).tolist()
         result = {}
         for (request_id, _, output_index), token in zip(samplers, tokens, strict=True):
             forced = self.eos_at_output.get(request_id) == output_index
