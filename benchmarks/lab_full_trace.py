@@ -33,13 +33,14 @@ def main() -> None:
           f"cost profile {cost_model.DEFAULT_PROFILE}; python {platform.python_version()}; "
           f"{os.cpu_count()} cpus; {platform.processor() or platform.machine()}")
     for check in ([args.only == "on"] if args.only else [False, True]):
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         result = run_lab(requests, "fcfs", config, check=check)
-        wall = time.perf_counter() - started
+        wall, cpu = time.perf_counter() - started, time.process_time() - cpu_started
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         simulated = result.steps[-1].start_time + result.steps[-1].duration if result.steps else 0.0
         print(f"check={'on ' if check else 'off'}: {result.run.num_steps:,} steps ({simulated:,.0f} s simulated) "
-              f"in {wall:.1f} s wall = {result.run.num_steps / wall:,.0f} steps/s; "
+              f"in {wall:.1f} s wall ({cpu:.1f} s CPU; load average {os.getloadavg()[0]:.1f}) = "
+              f"{result.run.num_steps / wall:,.0f} steps/s; "
               f"{result.run.num_steps_checked:,} steps checked, {len(result.run.violations)} violations; "
               f"peak RSS so far {peak:,.0f} MiB")
 
