@@ -1,0 +1,577 @@
+"""A reusable Hypothesis state machine that checks any scheduler against the spec.
+
+:class:`SchedulerStateMachine` drives a scheduler (any object with the ``Scheduler`` protocol of
+:mod:`schedspec.reference.scheduler`: ``add_request``, ``abort_request``, ``schedule``, ``update``,
+``guarantees``) through random workloads on random configs, and checks, at every step:
+
+- the **refinement check**: the plan is allowed from the spec state *before* the step
+  (``violated_rules(state, plan, config) == []``), checked before the plan is executed;
+- the scheduler reports the same finished requests as the spec's :func:`apply_plan`, and, when it
+  exposes a ``state`` (reference schedulers), that state equals the spec's;
+- every state and step invariant (:func:`check_state`, :func:`check_step`);
+- the trace properties the scheduler guarantees (``scheduler.guarantees``), via their monitors.
+
+The machine keeps its own **spec shadow state**, advanced only by the spec's transitions
+(``add_request``, ``abort_request``, ``apply_plan``), so it works for engine adapters whose state is
+hidden. At the end of every example (``teardown``) it **drains** the workload: it steps until no
+request is live (bounded, see :meth:`SchedulerStateMachine.drain_step_limit`), then asserts that no
+guaranteed property was violated and that nothing was lost: every added request ended finished,
+aborted or rejected, with a reason and with the number of outputs its limits imply.
+
+Use it for a registered scheduler::
+
+    from schedspec.testing import machine_for
+    TestFcfs = machine_for("fcfs").TestCase      # a unittest.TestCase that pytest collects
+
+or subclass it for an engine adapter::
+
+    class MyEngineMachine(SchedulerStateMachine):
+        @classmethod
+        def build_scheduler(cls, config):
+            return MyEngineScheduler(config)
+
+        @classmethod
+        def configs(cls):
+            return scheduler_configs(max_model_len=32)
+
+    TestMyEngine = MyEngineMachine.TestCase
+
+Settings (examples, steps per example) come from the active Hypothesis profile (see
+``tests/conftest.py`` and ``docs/testing.md``).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+import attrs
+from hypothesis import assume, event
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from schedspec.spec.admission import max_sequence_len, rejection_reason
+from schedspec.spec.config import SchedulerConfig, blocks_for_tokens
+from schedspec.spec.invariants import check_state, check_step
+from schedspec.spec.properties import Monitor, monitors
+from schedspec.spec.request import RequestStatus
+from schedspec.spec.rules import Violation, violated_rules
+from schedspec.spec.state import SchedulerState, StepPlan, samples_this_step
+from schedspec.spec.transitions import abort_request, add_request, apply_plan
+from schedspec.spec.workload import EOS_TOKEN_ID, RequestSpec
+
+__all__ = [
+    "SchedulerStateMachine",
+    "SpecViolation",
+    "machine_for",
+    "scheduler_configs",
+]
+
+
+class SpecViolation(AssertionError):
+    """The scheduler under test broke the spec: a rule (refinement check), an invariant, a guaranteed
+    trace property, or the end-of-run checks. ``check`` names the kind of check, ``violations`` holds
+    the spec's :class:`~schedspec.spec.rules.Violation` values (empty for the end-of-run checks)."""
+
+    def __init__(self, check: str, message: str, violations: Iterable[Violation] = ()) -> None:
+        self.check = check
+        self.violations = list(violations)
+        super().__init__(f"{check}: {message}")
+
+
+class _NoCost:
+    """A cost model for :class:`~schedspec.reference.fake_model.FakeModel`: every step takes 0 s (the
+    machine counts steps, not seconds)."""
+
+    def step_seconds(self, prefill_tokens: int, decode_tokens: int, kv_tokens: int) -> float:
+        return 0.0
+
+
+@st.composite
+def scheduler_configs(
+    draw: st.DrawFn,
+    *,
+    max_block_size: int = 16,
+    max_kv_blocks: int = 32,
+    max_model_len: int = 64,
+    max_num_seqs: int = 8,
+    max_batched_tokens: int = 128,
+    chunked_prefill: bool | None = None,
+) -> SchedulerConfig:
+    """Valid :class:`SchedulerConfig` values, small enough for fast stateful runs.
+
+    Tiny caches (one block, one-token blocks), tiny budgets (``max_num_batched_tokens ==
+    max_num_seqs``), caches smaller than ``max_model_len``, chunked prefill on and off, and
+    ``long_prefill_token_threshold`` off or anywhere up to ``max_model_len + 2`` are all drawn. Every
+    value passes :class:`SchedulerConfig` validation by construction (the budget is drawn at or above
+    the cross-field lower bounds). Prefix caching stays off (no reference policy implements it).
+
+    Args:
+        max_block_size: largest ``block_size`` drawn (16, vLLM's default, is drawn when allowed).
+        max_kv_blocks: largest ``num_kv_blocks``.
+        max_model_len: largest ``max_model_len``.
+        max_num_seqs: largest ``max_num_seqs``.
+        max_batched_tokens: usual upper end of ``max_num_batched_tokens`` (raised to the lower bound
+            when chunked prefill is off and ``max_model_len`` is larger).
+        chunked_prefill: force ``enable_chunked_prefill``; ``None`` draws it.
+    """
+    block_size = draw(
+        st.one_of(
+            st.integers(1, min(4, max_block_size)),
+            st.sampled_from(sorted({b for b in (1, 2, 4, 8, 16) if b <= max_block_size})),
+            st.integers(1, max_block_size),
+        )
+    )
+    model_len = draw(
+        st.one_of(
+            st.integers(1, max_model_len),
+            # multiples of block_size, and one past them (a prompt of max_model_len then needs a block
+            # more than max_model_len - 1 tokens do)
+            st.integers(0, max_model_len // block_size).map(lambda k: max(1, k * block_size)),
+            st.integers(0, (max_model_len - 1) // block_size).map(lambda k: k * block_size + 1),
+        )
+    )
+    # Pools around one sequence of max_model_len (tokens - 1, all tokens, one more block), pools of a few
+    # such sequences (requests fit alone but not together, so running requests preempt each other), and
+    # tiny or roomy pools.
+    per_sequence = blocks_for_tokens(model_len, block_size)
+    one_sequence = sorted({max(1, min(max_kv_blocks, b)) for b in (
+        blocks_for_tokens(model_len - 1, block_size), per_sequence, per_sequence + 1)})
+    num_kv_blocks = draw(
+        st.one_of(
+            st.sampled_from(one_sequence),
+            st.integers(min(per_sequence, max_kv_blocks), min(max_kv_blocks, 2 * per_sequence + 1)),
+            st.integers(1, min(max_kv_blocks, 3 * per_sequence + 1)),
+            st.integers(1, min(4, max_kv_blocks)),
+            st.integers(1, max_kv_blocks),
+        )
+    )
+    num_seqs = draw(st.integers(1, max_num_seqs))
+    chunked = draw(st.booleans()) if chunked_prefill is None else chunked_prefill
+    low = num_seqs if chunked else max(num_seqs, model_len)
+    high = max(low, max_batched_tokens)
+    budget = draw(
+        st.one_of(
+            st.integers(low, min(high, low + 8)),
+            st.integers(low, max(low, min(high, model_len))),  # long prompts take several chunks
+            st.integers(low, high),
+        )
+    )
+    threshold = draw(st.one_of(st.just(0), st.integers(1, model_len + 2))) if chunked else 0
+    return SchedulerConfig(
+        block_size=block_size,
+        num_kv_blocks=num_kv_blocks,
+        max_num_batched_tokens=budget,
+        max_num_seqs=num_seqs,
+        max_model_len=model_len,
+        enable_chunked_prefill=chunked,
+        long_prefill_token_threshold=threshold,
+    )
+
+
+@attrs.define
+class _Added:
+    """What the machine knows about a request it added (to check its fate at the end)."""
+
+    spec: RequestSpec
+    aborted_live: bool = False
+
+
+def _lines(violations: Iterable[Violation], limit: int = 8) -> str:
+    found = list(violations)
+    text = "; ".join(str(v) for v in found[:limit])
+    if len(found) > limit:
+        text += f"; ... ({len(found) - limit} more)"
+    return text
+
+
+ABORT_TARGETS = ("waiting", "running", "finished", "unknown")
+
+_STRATEGIES: dict[tuple[type, str, SchedulerConfig | None], st.SearchStrategy[Any]] = {}
+
+
+def _machine_strategy(machine: SchedulerStateMachine, hook: str) -> st.SearchStrategy[Any]:
+    """``getattr(machine, hook)()``, cached per (machine class, hook, config): building and validating
+    a strategy costs more than drawing from it, and a rule draws from the same one many times."""
+    key = (type(machine), hook, machine.config)
+    found = _STRATEGIES.get(key)
+    if found is None:
+        if len(_STRATEGIES) > 10_000:
+            _STRATEGIES.clear()
+        found = _STRATEGIES[key] = getattr(machine, hook)()
+    return found
+
+
+def _from_machine(hook: str) -> st.SearchStrategy[Any]:
+    """A rule argument drawn from the strategy the running machine's ``hook`` method returns (so that
+    subclasses override the strategies and they depend on the drawn config)."""
+    return st.runner().flatmap(lambda machine: _machine_strategy(machine, hook))
+
+
+class SchedulerStateMachine(RuleBasedStateMachine):
+    """Checks a scheduler against the spec on random configs and workloads (module docstring).
+
+    Hooks for subclasses:
+
+    - :attr:`scheduler_name` / :meth:`build_scheduler`: the scheduler under test (default: the
+      registered scheduler ``scheduler_name``, ``"fcfs"``).
+    - :meth:`configs`: the config strategy (default :func:`scheduler_configs`).
+    - :meth:`guaranteed_properties`: the trace properties to enforce (default
+      ``scheduler.guarantees``).
+    - :meth:`prompt_lengths`, :meth:`max_tokens_values`, :meth:`eos_positions`, :meth:`priorities`,
+      :meth:`request_shapes`: request strategies for ``self.config``. They are built once per
+      (machine class, config) and cached, so they must depend on nothing else.
+    - :meth:`drain_step_limit`: bound on the steps the final drain may take.
+
+    Subclasses may add rules; :meth:`advance` runs one fully checked step and :meth:`add_request`
+    adds a request to the scheduler and the shadow state.
+
+    Attributes set by ``setup``: ``config``, ``scheduler``, ``shadow`` (the spec state),
+    ``model`` (the fake model), ``monitors``, ``added`` (request id -> what was added).
+    """
+
+    scheduler_name: ClassVar[str] = "fcfs"
+
+    # ----------------------------------------------------------------------------------- hooks
+    @classmethod
+    def build_scheduler(cls, config: SchedulerConfig) -> Any:
+        """The scheduler under test for ``config``. May raise ``UnsupportedFeature`` to skip a config."""
+        from schedspec.reference.scheduler import make_scheduler
+
+        return make_scheduler(cls.scheduler_name, config)
+
+    @classmethod
+    def configs(cls) -> st.SearchStrategy[SchedulerConfig]:
+        """Strategy for the config of one example."""
+        return scheduler_configs()
+
+    def guaranteed_properties(self, scheduler: Any) -> Iterable[str]:
+        """Names of the trace properties whose violation fails the test."""
+        return sorted(getattr(scheduler, "guarantees", ()))
+
+    def prompt_lengths(self) -> st.SearchStrategy[int]:
+        """Prompt lengths for ``self.config``: mostly ones that fit (short, or anywhere below
+        ``max_model_len`` and the cache), multiples of ``block_size``, the boundaries around
+        ``block_size``, ``max_model_len`` and the cache capacity, and anything up to past the cache,
+        0 included (those must be rejected)."""
+        config = self.config
+        size, limit, capacity = config.block_size, config.max_model_len, config.kv_capacity_tokens
+        fits = max(1, min(limit - 1, capacity))
+        edges = sorted(
+            {n for n in (1, size - 1, size, size + 1, 2 * size, limit - 1, limit, limit + 1,
+                         capacity - 1, capacity, capacity + 1) if n >= 0}
+        )
+        return st.one_of(
+            st.integers(1, max(1, min(fits, 2 * size))),
+            st.integers(1, fits),
+            st.integers(1, max(1, fits // size)).map(lambda k: k * size),
+            st.sampled_from(edges),
+            st.integers(0, limit + capacity + 2),
+        )
+
+    def max_tokens_values(self) -> st.SearchStrategy[int]:
+        """``max_tokens`` values: short and long outputs (long ones grow their block tables and force
+        preemptions), sometimes 0 (rejected) or past ``max_model_len``."""
+        config = self.config
+        size, limit = config.block_size, config.max_model_len
+        return st.one_of(
+            st.integers(1, 6),
+            st.integers(1, max(1, limit)),
+            st.integers(max(1, limit // 2), max(1, limit)),
+            st.sampled_from(sorted({0, 1, size, size + 1, limit})),
+            st.integers(0, limit + 4),
+        )
+
+    def eos_positions(self) -> st.SearchStrategy[int | None]:
+        """Output index (1-based) at which the fake model emits end-of-sequence, or ``None``."""
+        return st.one_of(st.none(), st.integers(1, 8))
+
+    def priorities(self) -> st.SearchStrategy[int]:
+        """Request priorities (lower is more urgent); only priority policies look at them."""
+        return st.integers(0, 3)
+
+    def request_shapes(self) -> st.SearchStrategy[tuple[int, int, int | None, int]]:
+        """``(prompt_len, max_tokens, eos_at_output, priority)`` tuples for the ``burst`` rule."""
+        return st.tuples(self.prompt_lengths(), self.max_tokens_values(), self.eos_positions(), self.priorities())
+
+    def drain_step_limit(self) -> int:
+        """Most steps the final drain may take before the test fails.
+
+        A policy with ``progress`` computes a new position or ends a request at least every
+        ``max_model_len`` steps (the monitor fails the test earlier otherwise), and the live
+        requests have at most ``sum(max_sequence_len)`` positions, so
+        ``(positions + live requests + 1) * max_model_len`` steps suffice.
+        """
+        config = self.config
+        live = list(self.shadow.requests.values())
+        positions = sum(max_sequence_len(r.prompt_len, r.max_tokens, config) for r in live)
+        return (positions + len(live) + 1) * config.max_model_len
+
+    # ------------------------------------------------------------------------------ machinery
+    def __init__(self) -> None:
+        super().__init__()
+        self.config: SchedulerConfig | None = None
+        self.scheduler: Any = None
+        self.shadow = SchedulerState()
+        self.model: Any = None
+        self.monitors: list[Monitor] = []
+        self.added: dict[str, _Added] = {}
+        self.steps_run = 0
+        self.seen: set[str] = set()
+        self._checked: SchedulerState | None = None  # the latest spec state every check passed on
+
+    def _fail(self, check: str, message: str, violations: Iterable[Violation] = ()) -> None:
+        raise SpecViolation(check, f"[scheduler {self._label()}] {message}", violations)
+
+    def _label(self) -> str:
+        return getattr(self.scheduler, "name", None) or type(self).scheduler_name
+
+    def _scheduler_state(self) -> SchedulerState | None:
+        state = getattr(self.scheduler, "state", None)
+        return state if isinstance(state, SchedulerState) else None
+
+    def _check_scheduler_state(self) -> None:
+        own = self._scheduler_state()
+        if own is not None and own != self.shadow:
+            self._fail(
+                "refinement",
+                f"the scheduler's state differs from the spec state at step {self.shadow.step} "
+                f"(scheduler running={own.running} waiting={own.waiting} free={own.free_block_ids}; "
+                f"spec running={self.shadow.running} waiting={self.shadow.waiting} "
+                f"free={self.shadow.free_block_ids})",
+            )
+
+    def _check_monitors(self) -> None:
+        found = [v for m in self.monitors for v in m.violations]
+        if found:
+            self._fail("guaranteed property", _lines(found), found)
+
+    def advance(self) -> StepPlan:
+        """One step with every check: plan, refinement check (before anything runs), fake-model
+        execution, update, finished-set agreement, step and state invariants, property monitors."""
+        assert self.config is not None
+        before = self.shadow
+        plan = self.scheduler.schedule()
+        found = violated_rules(before, plan, self.config)
+        if found:
+            self._fail("refinement check (spec rules)", f"plan {plan} breaks: {_lines(found)}", found)
+        sampled, _ = self.model.execute(plan, before)
+        reported = self.scheduler.update(plan, sampled)
+        result = apply_plan(before, plan, sampled, self.config)
+        if set(reported) != set(result.finished):
+            self._fail(
+                "refinement",
+                f"step {before.step}: scheduler says finished {sorted(reported)}, spec says {sorted(result.finished)}",
+            )
+        found = check_step(before, plan, result.state, self.config)
+        if found:
+            self._fail("invariant", f"after plan {plan}: {_lines(found)}", found)
+        self.shadow = self._checked = result.state
+        self._check_scheduler_state()
+        for monitor in self.monitors:
+            monitor.observe(before, plan, result.state)
+        self._check_monitors()
+        self.steps_run += 1
+        if plan.preempted:
+            self.seen.add("preemption")
+        if plan.rejected:
+            self.seen.add("rejection")
+        if any(samples_this_step(before.requests[i.request_id], i) is False for i in plan.scheduled):
+            self.seen.add("partial prefill chunk")
+        return plan
+
+    # ---------------------------------------------------------------------------------- rules
+    @initialize(config=_from_machine("configs"))
+    def setup(self, config: SchedulerConfig) -> None:
+        from schedspec.reference.fake_model import FakeModel
+        from schedspec.reference.scheduler import UnsupportedFeature
+
+        try:
+            scheduler = self.build_scheduler(config)
+        except UnsupportedFeature:
+            assume(False)
+        self.config = config
+        self.scheduler = scheduler
+        self.shadow = SchedulerState.initial(config)
+        self.model = FakeModel(config, _NoCost(), {})
+        self.monitors = monitors(list(self.guaranteed_properties(scheduler)), config)
+        self._check_scheduler_state()
+
+    @precondition(lambda self: self.config is not None)
+    @rule(
+        prompt_len=_from_machine("prompt_lengths"),
+        max_tokens=_from_machine("max_tokens_values"),
+        eos_at_output=_from_machine("eos_positions"),
+        priority=_from_machine("priorities"),
+    )
+    def add(self, prompt_len: int, max_tokens: int, eos_at_output: int | None, priority: int) -> None:
+        """A request arrives before the next step (it may be one that must be rejected)."""
+        self.add_request(prompt_len, max_tokens, eos_at_output, priority)
+
+    @precondition(lambda self: self.config is not None)
+    @rule(
+        shapes=st.lists(_from_machine("request_shapes"), min_size=2, max_size=6)
+    )
+    def burst(self, shapes: list[tuple[int, int, int | None, int]]) -> None:
+        """Several requests arrive before the same step (they compete for slots and blocks)."""
+        for prompt_len, max_tokens, eos_at_output, priority in shapes:
+            self.add_request(prompt_len, max_tokens, eos_at_output, priority)
+
+    def add_request(self, prompt_len: int, max_tokens: int, eos_at_output: int | None = None, priority: int = 0) -> str:
+        """Add a request of this shape to the scheduler and to the spec state; returns its id."""
+        request_id = f"r{len(self.added)}"
+        spec = RequestSpec(request_id, prompt_len, max_tokens, arrival_step=self.shadow.step,
+                           priority=priority, eos_at_output=eos_at_output)
+        request = spec.to_request(self.shadow.step)
+        self.added[request_id] = _Added(spec)
+        if eos_at_output is not None:
+            self.model.eos_at_output[request_id] = eos_at_output
+        self.scheduler.add_request(request)
+        self.shadow = add_request(self.shadow, request)
+        return request_id
+
+    @precondition(lambda self: self.config is not None)
+    @rule()
+    def step(self) -> None:
+        """One scheduler step."""
+        self.advance()
+
+    @precondition(lambda self: self.config is not None)
+    @rule(count=st.integers(2, 8))
+    def steps(self, count: int) -> None:
+        """Several scheduler steps in a row (lets requests progress between arrivals)."""
+        for _ in range(count):
+            self.advance()
+
+    @precondition(lambda self: self.config is not None)
+    @rule(which=st.sampled_from(ABORT_TARGETS), index=st.integers(0, 63))
+    def abort(self, which: str, index: int) -> None:
+        """The client aborts a waiting, running or finished request, or an id never added (the last
+        two must change nothing)."""
+        state = self.shadow
+        pools = {"waiting": state.waiting, "running": state.running, "finished": tuple(sorted(state.finished))}
+        pool = pools.get(which, ())
+        request_id = pool[index % len(pool)] if pool else f"unknown-{index}"
+        live = request_id in state.requests
+        self.scheduler.abort_request(request_id)
+        self.shadow = abort_request(state, request_id)
+        if live:
+            self.added[request_id].aborted_live = True
+            self.seen.add(f"abort of a {which} request")
+        elif self.shadow != state:
+            self._fail("transition", f"aborting {request_id!r} (not live) changed the spec state")
+        self._check_scheduler_state()
+
+    # ----------------------------------------------------------------------------- invariants
+    @invariant()
+    def spec_holds(self) -> None:
+        """After every rule (arrivals and aborts included): every state invariant holds of the spec
+        state (:func:`check_state`), a scheduler that exposes its state agrees with it, and no
+        monitor of a guaranteed trace property has reported anything. (Step invariants,
+        :func:`check_step`, run inside :meth:`advance`, once per step.)"""
+        if self.config is None or self.shadow is self._checked:
+            return  # a step just checked this very state (check_step, scheduler state, monitors)
+        found = check_state(self.shadow, self.config)
+        if found:
+            self._fail("invariant", _lines(found), found)
+        self._check_scheduler_state()
+        self._check_monitors()
+        self._checked = self.shadow
+
+    # ------------------------------------------------------------------------------- teardown
+    def teardown(self) -> None:
+        """Drain the workload and run the end-of-run checks (skipped when the example already failed
+        or was rejected, so the original failure is what Hypothesis reports)."""
+        if self.config is None or sys.exc_info()[1] is not None:
+            return
+        self.drain()
+        for what in sorted(self.seen):
+            event(f"example has a {what}")
+
+    def drain(self) -> None:
+        """Step until no request is live (at most :meth:`drain_step_limit` steps), then check that
+        no guaranteed property was violated and that every added request ended as its limits say."""
+        assert self.config is not None
+        limit = self.drain_step_limit()
+        taken = 0
+        while self.shadow.requests:
+            if taken >= limit:
+                live = {r.request_id: r.status.value for r in self.shadow.requests.values()}
+                self._fail("drain", f"requests still live after {limit} drain steps: {live}")
+            self.advance()
+            taken += 1
+        found = [v for m in self.monitors for v in m.finish(self.shadow)]
+        if found:
+            self._fail("guaranteed property", _lines(found), found)
+        self.check_nothing_lost()
+
+    def check_nothing_lost(self) -> None:
+        """Every added request is terminal, with a reason, and ended the way its shape implies:
+        aborted ones ``abort``; impossible ones rejected; the others finished with
+        ``min(max_tokens, max(1, max_model_len - prompt_len), eos_at_output)`` outputs, the reason
+        matching which limit was hit, and end-of-sequence only as the last output."""
+        config = self.config
+        assert config is not None
+        state = self.shadow
+        if state.num_requests_added != len(self.added):
+            self._fail("no request lost", f"spec counted {state.num_requests_added} added, machine added {len(self.added)}")
+        if state.requests:
+            self._fail("no request lost", f"live requests left: {sorted(state.requests)}")
+        for request_id, added in self.added.items():
+            request = state.finished.get(request_id)
+            if request is None:
+                self._fail("no request lost", f"{request_id} was added but is not terminal")
+                return
+            spec = added.spec
+            status, reason = request.status, request.finish_reason
+            if not status.is_terminal or not reason:
+                self._fail("no request lost", f"{request_id} ended with status {status.value}, reason {reason!r}")
+            if request.block_ids:
+                self._fail("no request lost", f"{request_id} ended holding blocks {request.block_ids}")
+            if added.aborted_live:
+                if (status, reason) != (RequestStatus.FINISHED_ABORTED, "abort"):
+                    self._fail("outcome", f"{request_id} was aborted but ended {status.value} ({reason})")
+                continue
+            impossible = rejection_reason(spec.prompt_len, spec.max_tokens, config)
+            if impossible is not None:
+                if status is not RequestStatus.REJECTED:
+                    self._fail("outcome", f"{request_id} ({impossible}) ended {status.value}, not rejected")
+                continue
+            if status not in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+                self._fail("outcome", f"{request_id} (possible, never aborted) ended {status.value} ({reason})")
+            self._check_finished(request_id, request, spec, config)
+
+    def _check_finished(self, request_id: str, request: Any, spec: RequestSpec, config: SchedulerConfig) -> None:
+        outputs = request.output_token_ids
+        room = max(1, config.max_model_len - spec.prompt_len)
+        eos = spec.eos_at_output if spec.eos_at_output is not None else spec.max_tokens + room
+        expected = min(spec.max_tokens, room, eos)
+        if len(outputs) != expected:
+            self._fail(
+                "outcome",
+                f"{request_id} (prompt_len={spec.prompt_len}, max_tokens={spec.max_tokens}, "
+                f"eos_at_output={spec.eos_at_output}) produced {len(outputs)} outputs, expected {expected}",
+            )
+        if EOS_TOKEN_ID in outputs[:-1]:
+            self._fail("outcome", f"{request_id} continued after sampling end-of-sequence")
+        if request.num_tokens >= config.max_model_len:
+            wanted = "max_model_len"
+        elif len(outputs) >= spec.max_tokens:
+            wanted = "length"
+        else:
+            wanted = "stop"
+        if request.finish_reason != wanted:
+            self._fail("outcome", f"{request_id} ended with reason {request.finish_reason!r}, expected {wanted!r}")
+
+
+@functools.cache
+def machine_for(scheduler_name: str) -> type[SchedulerStateMachine]:
+    """The :class:`SchedulerStateMachine` subclass testing the registered scheduler ``scheduler_name``
+    (or a ``module:factory``). Its ``.TestCase`` is a ``unittest.TestCase`` pytest collects. The same
+    class is returned for the same name."""
+    words = "".join(part.capitalize() for part in scheduler_name.replace(":", "-").replace(".", "-").split("-"))
+    cls = type(f"{words}StateMachine", (SchedulerStateMachine,), {"scheduler_name": scheduler_name})
+    cls.__module__ = __name__
+    return cls

@@ -1,0 +1,125 @@
+"""The stateful refinement suite: every reference policy, driven by :mod:`schedspec.testing`.
+
+Examples and steps per example come from the active Hypothesis profile (``tests/conftest.py``):
+``HYPOTHESIS_PROFILE=ci`` runs 500 derandomized examples of 50 rules per policy.
+
+The other tests here check the machine itself: it works for an adapter that hides its state, and it
+fails (with a :class:`~schedspec.testing.SpecViolation`) on schedulers that break the spec.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import attrs
+import pytest
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from schedspec.reference.scheduler import SCHEDULERS, make_scheduler
+from schedspec.spec.config import SchedulerConfig
+from schedspec.spec.request import Request
+from schedspec.spec.state import StepPlan
+from schedspec.testing import SchedulerStateMachine, SpecViolation, machine_for, scheduler_configs
+
+
+@pytest.mark.parametrize("scheduler_name", sorted(SCHEDULERS))
+def test_policy_refines_spec(scheduler_name: str) -> None:
+    machine = machine_for(scheduler_name)
+    assert issubclass(machine, SchedulerStateMachine) and machine.scheduler_name == scheduler_name
+    run_state_machine_as_test(machine, settings=settings())
+
+
+def test_machine_for_is_cached_and_has_a_testcase() -> None:
+    assert machine_for("fcfs") is machine_for("fcfs")
+    assert machine_for("fcfs") is not machine_for("static")
+    assert machine_for("shortest-prompt-first").__name__ == "ShortestPromptFirstStateMachine"
+    assert hasattr(machine_for("fcfs").TestCase, "runTest")
+
+
+class _Adapter:
+    """Wraps a reference scheduler as an engine adapter would: no ``state`` attribute, only the protocol.
+    ``plan_hook`` may rewrite each plan; ``report_finished`` may lie about what finished."""
+
+    def __init__(self, config: SchedulerConfig, plan_hook=None, report_finished: bool = True) -> None:
+        self.inner = make_scheduler("fcfs", config)
+        self.name = "adapter"
+        self.guarantees = self.inner.guarantees
+        self.plan_hook = plan_hook
+        self.report_finished = report_finished
+
+    def add_request(self, request: Request) -> None:
+        self.inner.add_request(request)
+
+    def abort_request(self, request_id: str) -> None:
+        self.inner.abort_request(request_id)
+
+    def schedule(self) -> StepPlan:
+        plan = self.inner.schedule()
+        return self.plan_hook(self.inner.state, plan) if self.plan_hook else plan
+
+    def update(self, plan: StepPlan, sampled_token_ids: Mapping[str, int]) -> tuple[str, ...]:
+        finished = self.inner.update(plan, sampled_token_ids)
+        return finished if self.report_finished else ()
+
+
+QUICK = settings(max_examples=200, stateful_step_count=30, deadline=None, derandomize=True, database=None,
+                 phases=(Phase.explicit, Phase.generate), suppress_health_check=list(HealthCheck))
+
+
+def test_machine_works_for_an_adapter_without_state() -> None:
+    class AdapterMachine(SchedulerStateMachine):
+        @classmethod
+        def build_scheduler(cls, config):
+            return _Adapter(config)
+
+    run_state_machine_as_test(AdapterMachine, settings=settings(QUICK, max_examples=25))
+
+
+def _two_token_decodes(state, plan: StepPlan) -> StepPlan:
+    items = tuple(
+        attrs.evolve(item, num_tokens=2) if state.requests[item.request_id].num_pending_tokens == 1 else item
+        for item in plan.scheduled
+    )
+    return attrs.evolve(plan, scheduled=items)
+
+
+def _keep_one_impossible(state, plan: StepPlan) -> StepPlan:
+    return attrs.evolve(plan, rejected=plan.rejected[1:])
+
+
+@pytest.mark.parametrize(
+    ("plan_hook", "report_finished", "expected"),
+    [
+        (_two_token_decodes, True, "no-overcompute"),
+        (_keep_one_impossible, True, "reject-only-impossible"),
+        (None, False, "says finished"),
+    ],
+    ids=["decode-with-two-tokens", "impossible-request-not-rejected", "lies-about-finished"],
+)
+def test_machine_catches_a_broken_adapter(plan_hook, report_finished: bool, expected: str) -> None:
+    class BrokenMachine(SchedulerStateMachine):
+        @classmethod
+        def build_scheduler(cls, config):
+            return _Adapter(config, plan_hook, report_finished)
+
+    with pytest.raises(SpecViolation) as caught:
+        run_state_machine_as_test(BrokenMachine, settings=QUICK)
+    assert expected in str(caught.value)
+
+
+def test_config_strategy_can_be_narrowed_by_a_subclass() -> None:
+    seen: list[SchedulerConfig] = []
+
+    class Narrow(machine_for("fcfs")):
+        @classmethod
+        def configs(cls):
+            return scheduler_configs(max_model_len=8, max_kv_blocks=2, chunked_prefill=False)
+
+        @classmethod
+        def build_scheduler(cls, config):
+            seen.append(config)
+            return super().build_scheduler(config)
+
+    run_state_machine_as_test(Narrow, settings=settings(QUICK, max_examples=20))
+    assert seen and all(c.max_model_len <= 8 and c.num_kv_blocks <= 2 and not c.enable_chunked_prefill for c in seen)
