@@ -272,12 +272,17 @@ class Runner:
         block_size = self.config.block_size
         num_blocks = self.config.num_kv_blocks
         groups = self.model_config.num_queries_per_kv
-        ids, positions, slots = [], [], []
+        total = sum(item.num_tokens for item in plan.scheduled)
+        input_ids = np.empty(total, dtype=np.int64)
+        positions = np.empty(total, dtype=np.int64)
+        slots = np.empty(total, dtype=np.int64)
         spans: dict[str, tuple[int, int]] = {}
         samplers: list[tuple[str, int, int]] = []
         decode_index: list[int] = []
-        decode_tables: list[np.ndarray] = []
+        decode_tables: list[tuple[int, ...]] = []
         decode_lens: list[int] = []
+        decode_ids: list[int] = []
+        decode_slots: list[int] = []
         prefills: list[tuple[int, int, int, np.ndarray]] = []
         offset = 0
         max_end = 0
@@ -289,39 +294,46 @@ class Runner:
                                    field="scheduled")
             start, n = item.num_computed_tokens, item.num_tokens
             end = start + n
-            if n < 1 or start < 0 or end > request.num_tokens:
+            num_tokens = request.num_tokens
+            if n < 1 or start < 0 or end > num_tokens:
                 raise BackendError(
                     f"step {state.step}: request {request_id!r}: chunk [{start}, {end}) is outside its "
-                    f"{request.num_tokens} tokens", field="num_tokens")
+                    f"{num_tokens} tokens", field="num_tokens")
             table = request.block_ids + item.new_block_ids
             needed = -(-end // block_size)
             if len(table) < needed:
                 raise BlockTableError(
                     f"step {state.step}: request {request_id!r}: block table {list(table)} holds "
                     f"{len(table) * block_size} tokens but the chunk ends at position {end}", field="new_block_ids")
-            blocks = np.asarray(table[:needed], dtype=np.int64)
-            if blocks.min() < 0 or blocks.max() >= num_blocks:
+            blocks = table[:needed]
+            if min(blocks) < 0 or max(blocks) >= num_blocks:
                 raise BlockTableError(
                     f"step {state.step}: request {request_id!r}: block table {list(table)} names a block outside "
                     f"[0, {num_blocks})", field="new_block_ids")
-            pos = np.arange(start, end, dtype=np.int64)
-            ids.append(_token_ids(request, start, end))
-            positions.append(pos)
-            slots.append(blocks[pos // block_size] * block_size + pos % block_size)
             spans[request_id] = (offset, n)
-            if n == 1:
+            if end > max_end:
+                max_end = end
+            if n == 1:  # decode: plain Python ints, written into the arrays below in one go
                 decode_index.append(offset)
                 decode_tables.append(blocks)
                 decode_lens.append(end)
-                max_end = max(max_end, end)
+                decode_ids.append(request.token_id_at(start))
+                decode_slots.append(blocks[start // block_size] * block_size + start % block_size)
             else:
-                prefills.append((offset, n, end, blocks))
-                max_end = max(max_end, end)
+                block_array = np.asarray(blocks, dtype=np.int64)
+                pos = np.arange(start, end, dtype=np.int64)
+                input_ids[offset:offset + n] = _token_ids(request, start, end)
+                positions[offset:offset + n] = pos
+                slots[offset:offset + n] = block_array[pos // block_size] * block_size + pos % block_size
+                prefills.append((offset, n, end, block_array))
             if samples_this_step(request, item):
                 samplers.append((request_id, offset + n - 1, request.num_output_tokens + 1))
             offset += n
+        if decode_index:
+            input_ids[decode_index] = decode_ids
+            positions[decode_index] = np.asarray(decode_lens, dtype=np.int64) - 1
+            slots[decode_index] = decode_slots
 
-        input_ids = np.concatenate(ids)
         if input_ids.min() < 0 or input_ids.max() >= self.vocab_size:
             for request_id, (first, n) in spans.items():
                 bad = input_ids[first:first + n]
@@ -351,8 +363,8 @@ class Runner:
             logits_index = np.asarray([index for _, index, _ in samplers], dtype=np.int64)
         batch = PackedBatch(
             input_ids=tensor(input_ids),
-            positions=tensor(np.concatenate(positions)),
-            slot_mapping=tensor(np.concatenate(slots)),
+            positions=tensor(positions),
+            slot_mapping=tensor(slots),
             decode_groups=decode_groups,
             prefills=chunks,
             logits_index=tensor(logits_index),
