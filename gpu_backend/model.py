@@ -53,8 +53,8 @@ class DecodeGroup:
         mask: ``[R, 1, 1, B * block_size]`` additive mask in the model dtype: 0 where the item may read
             (positions below its length), ``-inf`` elsewhere.
         invalid: ``[R, B * block_size, 1, 1]`` bool, True at the positions the mask hides; set only when the
-            cache may hold NaN there (debug mode): the gathered copy is zeroed at them, since masked-out
-            NaN would otherwise leak through ``0 * NaN``.
+            cache may hold NaN or inf there (debug mode's poisoned blocks; float16): the gathered copy is
+            zeroed at them, since a masked-out NaN would otherwise leak through ``0 * NaN``.
     """
 
     index: torch.Tensor

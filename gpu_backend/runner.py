@@ -371,7 +371,7 @@ class Runner:
         )
         return batch, spans, samplers, max_end - 1
 
-    def _decode_groups(self, index: list[int], tables: list[np.ndarray], lengths: list[int]) -> list[DecodeGroup]:
+    def _decode_groups(self, index: list[int], tables: list[tuple[int, ...]], lengths: list[int]) -> list[DecodeGroup]:
         """Split the single-token items into :class:`DecodeGroup` s: sorted by length, each group as large as
         ``decode_group_bytes`` allows (one group when it is 0). Tables are padded with their first block."""
         block_size = self.config.block_size
@@ -387,6 +387,8 @@ class Runner:
             padded[row, :len(table)] = table
         valid = np.arange(width * block_size)[None, :] < lens[:, None]
         additive = np.where(valid, np.float32(0), np.float32(-np.inf))
+        # Masked positions hold stale but finite keys/values, which the -inf mask removes exactly; only a
+        # NaN-poisoned cache (debug) or an fp16 one (which may hold inf) needs them zeroed in the copy.
         zero_invalid = self.debug or self.dtype == torch.float16
         budget = self.decode_group_bytes
         batch_index = np.asarray(index, dtype=np.int64)
