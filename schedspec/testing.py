@@ -50,7 +50,7 @@ from typing import Any, ClassVar
 import attrs
 from hypothesis import assume, event
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from schedspec.spec.admission import max_sequence_len, rejection_reason
 from schedspec.spec.config import SchedulerConfig, blocks_for_tokens
@@ -399,7 +399,6 @@ class SchedulerStateMachine(RuleBasedStateMachine):
         self.monitors = monitors(list(self.guaranteed_properties(scheduler)), config)
         self._check_scheduler_state()
 
-    @precondition(lambda self: self.config is not None)
     @rule(
         prompt_len=_from_machine("prompt_lengths"),
         max_tokens=_from_machine("max_tokens_values"),
@@ -410,7 +409,6 @@ class SchedulerStateMachine(RuleBasedStateMachine):
         """A request arrives before the next step (it may be one that must be rejected)."""
         self.add_request(prompt_len, max_tokens, eos_at_output, priority)
 
-    @precondition(lambda self: self.config is not None)
     @rule(
         shapes=st.lists(_from_machine("request_shapes"), min_size=2, max_size=6)
     )
@@ -432,20 +430,17 @@ class SchedulerStateMachine(RuleBasedStateMachine):
         self.shadow = add_request(self.shadow, request)
         return request_id
 
-    @precondition(lambda self: self.config is not None)
     @rule()
     def step(self) -> None:
         """One scheduler step."""
         self.advance()
 
-    @precondition(lambda self: self.config is not None)
     @rule(count=st.integers(2, 8))
     def steps(self, count: int) -> None:
         """Several scheduler steps in a row (lets requests progress between arrivals)."""
         for _ in range(count):
             self.advance()
 
-    @precondition(lambda self: self.config is not None)
     @rule(which=st.sampled_from(ABORT_TARGETS), index=st.integers(0, 63))
     def abort(self, which: str, index: int) -> None:
         """The client aborts a waiting, running or finished request, or an id never added (the last

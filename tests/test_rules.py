@@ -254,7 +254,7 @@ def test_threshold_does_not_apply_without_chunked_prefill() -> None:
     assert violated_rules(state, StepPlan(scheduled=(DECODE_A, ADMIT_B)), config) == []
 
 
-@settings(max_examples=500)
+@settings(max_examples=300)
 @given(st.data())
 def test_admission_agrees_with_block_arithmetic(data: st.DataObject) -> None:
     """``admit-fits-alone`` / ``reject-only-impossible`` rest on ``rejection_reason``: a request it calls
