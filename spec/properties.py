@@ -41,16 +41,22 @@ class Monitor:
 
 
 def _oldest_live(state: SchedulerState) -> str | None:
-    """The live request that arrived first (arrival step, then order of addition), ignoring
-    requests that must be rejected."""
-    best: tuple[int, int] | None = None
-    best_id = None
-    for position, request_id in enumerate(state.running + state.waiting):
+    """The live request that arrived first (arrival step, then order of addition).
+
+    Uses a fact of the spec's transitions: fresh requests join the back of the waiting queue and
+    preempted ones its front, so the waiting queue is its preempted requests followed by the fresh ones
+    in arrival order; only the preempted prefix and the first fresh request can be the oldest waiting.
+    """
+    candidates: list[tuple[int, float, int, str]] = []
+    for position, request_id in enumerate(state.running):
         request = state.requests[request_id]
-        key = (request.arrival_step, position if request_id in state.running else 10**9 + position)
-        if best is None or key < best:
-            best, best_id = key, request_id
-    return best_id
+        candidates.append((request.arrival_step, request.arrival_time, position, request_id))
+    for position, request_id in enumerate(state.waiting, start=len(state.running)):
+        request = state.requests[request_id]
+        candidates.append((request.arrival_step, request.arrival_time, position, request_id))
+        if not request.num_preemptions:
+            break
+    return min(candidates)[3] if candidates else None
 
 
 class Progress(Monitor):
@@ -248,6 +254,42 @@ class RejectsImpossible(Monitor):
                 self.report(before.step, f"rejected ({rejected[request_id]}) although it can complete alone", request_id)
 
 
+ITL_TOKEN_BUDGET = 512
+"""Tokens per step that ``bounded-itl`` allows in a step carrying a running decode (Sarathi-Serve's
+token budget for a strict inter-token-latency target)."""
+
+
+class BoundedItl(Monitor):
+    """``bounded-itl`` (Sarathi-Serve §3, generation stalls): a step that carries a running decode (one
+    pending token, prompt computed) computes at most ``ITL_TOKEN_BUDGET`` (512) tokens, prefill and
+    decode together.
+
+    A decode's inter-token latency is the duration of the steps it rides in; under a step-time model
+    that grows with the tokens of a step (``reference.cost_model``) it is then at most the time of a
+    512-token step. Chunked prefill with ``max_num_batched_tokens <= 512`` keeps this; without chunked
+    prefill a whole prompt of up to ``max_model_len`` tokens joins the decodes' step, so no reference
+    policy guarantees it (counterexample: ``counterexample-bounded-itl``).
+    """
+
+    name = "bounded-itl"
+
+    def __init__(self, config: SchedulerConfig, budget: int = ITL_TOKEN_BUDGET) -> None:
+        super().__init__(config)
+        self.budget = budget
+
+    def observe(self, before: SchedulerState, plan: StepPlan, after: SchedulerState) -> None:
+        total = plan.num_scheduled_tokens
+        if total <= self.budget:
+            return
+        for item in plan.scheduled:
+            request = before.requests.get(item.request_id)
+            if (request is not None and item.request_id in before.running and request.num_pending_tokens == 1
+                    and request.num_computed_tokens >= request.prompt_len):
+                self.report(before.step, f"a running decode rides in a step of {total} tokens > {self.budget}",
+                            item.request_id)
+                return
+
+
 @attrs.frozen
 class TraceProperty:
     """A registered trace property: name, statement, source and monitor factory."""
@@ -267,6 +309,7 @@ PROPERTIES: dict[str, TraceProperty] = {
         (BoundedWait, "this spec (FCFS starvation bound)"),
         (BoundedPreemptions, "vLLM Scheduler._preempt_request (victim: last of running)"),
         (RejectsImpossible, "this spec, admission"),
+        (BoundedItl, "Sarathi-Serve (OSDI'24) §3, generation stalls; this spec"),
     )
 }
 """Every trace property by name."""

@@ -1,23 +1,24 @@
 """The reference policies' step (:func:`schedspec.reference.policies.plan_step`) as Z3 constraints.
 
 The Python step is a loop over a symbolic order (running decodes, then running prefill chunks, each
-in admission order; then waiting requests in the policy's order). The encoding gives every slot the
-values the loop has *when it reaches that slot*, as sums over the slots processed before it:
-
-- ``budget[i] = max_num_batched_tokens - sum(tokens of the slots processed before i)``;
-- ``avail[i] = free + blocks released by earlier preemptions - blocks taken by earlier slots``;
-- ``preby[m][v]``: processing ``m`` preempted ``v``. The victims of ``m`` are the running requests,
-  not yet scheduled or preempted, from the most recently admitted down to ``m`` itself, for as long as
-  the blocks available stay below what ``m`` needs: ``v`` is preempted iff ``pos[v] >= pos[m]`` and
-  ``avail[m] + blocks of the candidates after v < needed[m]``.
+in admission order; then waiting requests in the policy's order). The encoding makes the order
+explicit: ``perm[k]`` is the slot processed k-th (``rank`` its inverse), constrained to list the
+processed slots sorted by the loop's key, then the others by slot index. The running phase is then
+unrolled over ranks ``k = 0..n-1`` with the loop's state carried from rank to rank (token budget,
+free blocks, the set of requests already scheduled or preempted). The victims of rank ``k`` are the
+running requests not yet gone, from the most recently admitted down to the request itself, for as long
+as the blocks available stay below what it needs: ``v`` is preempted iff ``pos[v] >= pos[me]`` and
+``avail[k] + blocks of the candidates after v < needed[k]``.
 
 Admission takes a prefix of the policy's order: slot ``i`` is admitted iff it and every candidate
 before it pass the checks (sequence slot, budget, chunk > 0, blocks for the whole sequence), each
 computed assuming all before it were admitted.
 
-These are constraints on fresh variables; the order makes them have exactly one solution for every
-state whose queue positions are distinct (``tests/test_proofs_policy.py`` checks the solution is the
-plan :func:`schedspec.reference.policies.fcfs` returns, and that it is unique).
+These are constraints on fresh variables with exactly one solution for every state whose queue
+positions are distinct (``tests/test_proofs_policy.py`` checks that the solution is unique and is the
+plan the Python policy returns). :attr:`PolicyStep.lemmas` are consequences the proofs need and Z3
+does not find alone (induction over the ranks, exchanging sums over ranks and slots); every theorem
+proves them before using them.
 """
 
 from __future__ import annotations
@@ -45,13 +46,11 @@ class PolicyStep:
     plan: Plan
     rejected: list[Any]
     processed: list[Any]
-    budget: list[Any]
-    avail: list[Any]
-    preby: list[list[Any]]
+    perm: list[Any]
     any_preempted: Any
     admitting: Any
-    budget_left: Any
-    free_left: Any
+    lemmas: list[tuple[str, Any]]
+    ordered_lemmas: list[tuple[str, Any]]
 
 
 def chunk(ctx: Ctx, pending: Any, budget: Any) -> Any:
@@ -79,52 +78,80 @@ def plan_step(ctx: Ctx, s: State, policy: str, name: str = "") -> PolicyStep:
     pending = [sl.pending for sl in S]
     decode = [z3.And(sl.running, pending[i] == 1) for i, sl in enumerate(S)]
     processed = [z3.And(sl.running, pending[i] >= 1) for i, sl in enumerate(S)]
-
-    def before(j: int, i: int) -> Any:
-        if i == j:
-            return z3.BoolVal(False)
-        return z3.And(processed[j], processed[i],
-                      z3.If(decode[j] == decode[i], S[j].pos < S[i].pos, decode[j]))
-
-    B = [[before(j, i) for i in range(n)] for j in range(n)]
-    budget = [var("budget", i) for i in range(n)]
-    avail = [var("avail", i) for i in range(n)]
-    nt = [var("nt", i) for i in range(n)]
-    act = [var("act", i, "bool") for i in range(n)]
-    sched = [var("sched", i, "bool") for i in range(n)]
-    tok = [var("tok", i) for i in range(n)]
-    nbk = [var("nbk", i) for i in range(n)]
-    needed = [var("needed", i) for i in range(n)]
-    preby = [[var("preby", m, "bool", v) for v in range(n)] for m in range(n)]
-    released = [_sum([z3.If(preby[m][v], S[v].b, 0) for v in range(n)]) for m in range(n)]
-
-    def gone_before(i: int, v: int) -> Any:
-        return z3.Or([z3.And(B[m][i], preby[m][v]) for m in range(n)] + [z3.And(B[v][i], sched[v])])
-
     facts = ctx.facts
-    for i in range(n):
-        sl = S[i]
-        facts.append(budget[i] == c.max_num_batched_tokens - _sum([z3.If(B[j][i], tok[j], 0) for j in range(n)]))
-        facts.append(avail[i] == s.free + _sum([z3.If(B[m][i], released[m], 0) for m in range(n)])
-                     - _sum([z3.If(B[j][i], nbk[j], 0) for j in range(n)]))
-        facts.append(nt[i] == chunk(ctx, pending[i], budget[i]))
-        facts.append(act[i] == z3.And(processed[i], z3.Not(gone_before(i, i)), budget[i] > 0, nt[i] > 0))
-        facts.append(needed[i] == ctx.cdiv(sl.nc + nt[i]) - sl.b)
-        cand = [z3.And(S[v].running, z3.Not(gone_before(i, v))) for v in range(n)]
+
+    # The processing order as a permutation: perm[k] is the slot processed k-th. The first P entries are
+    # the processed slots (decodes first, each group by queue position); the others follow in slot order.
+    perm = [var("perm", k) for k in range(n)]
+    n_proc = count(processed)
+
+    def pick(values: list[Any], k: int) -> Any:
+        out = values[n - 1]
+        for i in range(n - 2, -1, -1):
+            out = z3.If(perm[k] == i, values[i], out)
+        return out
+
+    rank = [var("rank", i) for i in range(n)]  # the inverse permutation
+    for k in range(n):
+        facts.append(z3.And(perm[k] >= 0, perm[k] < n, rank[k] >= 0, rank[k] < n))
+        facts.append(pick(processed, k) == (k < n_proc))
+        for i in range(n):
+            facts.append((perm[k] == i) == (rank[i] == k))
+    pos = [sl.pos for sl in S]
+    for k in range(n - 1):
+        dec_k, dec_next = pick(decode, k), pick(decode, k + 1)
+        sorted_ = z3.Or(z3.And(dec_k, z3.Not(dec_next)), z3.And(dec_k == dec_next, pick(pos, k) < pick(pos, k + 1)))
+        facts.append(z3.Implies(k + 1 < n_proc, sorted_))
+        facts.append(z3.Implies(k >= n_proc, perm[k] < perm[k + 1]))
+
+    # the loop, one processed slot per rank k
+    budget = [c.max_num_batched_tokens]
+    avail = [s.free]
+    gone = [[z3.BoolVal(False)] * n]
+    sched_k, nt_k, nbk_k, tok_k, rel_k, needed_k, preby = [], [], [], [], [], [], []
+    for k in range(n):
+        is_slot = [perm[k] == i for i in range(n)]
+        nt = ctx.define(f"{p}nt{k}", chunk(ctx, pick(pending, k), budget[k]))
+        act = ctx.define(f"{p}act{k}", z3.And(k < n_proc, z3.Not(pick(gone[k], k)), budget[k] > 0, nt > 0), "bool")
+        needed = ctx.define(f"{p}needed{k}", ctx.cdiv(pick([sl.nc for sl in S], k) + nt) - pick([sl.b for sl in S], k))
+        cand = [z3.And(S[v].running, z3.Not(gone[k][v])) for v in range(n)]
+        me = pick(pos, k)
+        row = []
         for v in range(n):
             after_v = _sum([z3.If(z3.And(cand[u], S[u].pos > S[v].pos), S[u].b, 0) for u in range(n) if u != v])
-            facts.append(preby[i][v] == z3.And(act[i], cand[v], S[v].pos >= sl.pos, avail[i] + after_v < needed[i]))
-        facts.append(sched[i] == z3.And(act[i], z3.Not(preby[i][i])))
-        facts.append(tok[i] == z3.If(sched[i], nt[i], 0))
-        facts.append(nbk[i] == z3.If(sched[i], zmax(needed[i], 0), 0))
+            row.append(ctx.define(f"{p}preby{k}_{v}",
+                                  z3.And(act, cand[v], S[v].pos >= me, avail[k] + after_v < needed), "bool"))
+        self_pre = z3.Or([z3.And(is_slot[v], row[v]) for v in range(n)])
+        sched = ctx.define(f"{p}sched{k}", z3.And(act, z3.Not(self_pre)), "bool")
+        tok = z3.If(sched, nt, 0)
+        nbk = ctx.define(f"{p}nbk{k}", z3.If(sched, zmax(needed, 0), 0))
+        released = _sum([z3.If(row[v], S[v].b, 0) for v in range(n)])
+        budget.append(ctx.define(f"{p}budget{k + 1}", budget[k] - tok))
+        avail.append(ctx.define(f"{p}avail{k + 1}", avail[k] + released - nbk))
+        gone.append([ctx.define(f"{p}gone{k + 1}_{v}", z3.Or(gone[k][v], row[v], z3.And(is_slot[v], sched)), "bool")
+                     for v in range(n)])
+        sched_k.append(sched)
+        nt_k.append(nt)
+        nbk_k.append(nbk)
+        tok_k.append(tok)
+        rel_k.append(released)
+        needed_k.append(needed)
+        preby.append(row)
 
-    pre = [z3.Or([preby[m][v] for m in range(n)]) for v in range(n)]
+    def at_rank(values: list[Any], i: int) -> Any:
+        out = values[n - 1]
+        for k in range(n - 2, -1, -1):
+            out = z3.If(rank[i] == k, values[k], out)
+        return out
+
+    sched = [at_rank(sched_k, i) for i in range(n)]
+    nt = [at_rank(nt_k, i) for i in range(n)]
+    nbk = [at_rank(nbk_k, i) for i in range(n)]
+    pre = [z3.Or([preby[k][v] for k in range(n)]) for v in range(n)]
     any_pre = z3.Or(pre)
     admitting = z3.And(z3.Not(any_pre), z3.Not(z3.And(params["idle_only"], z3.Or([sl.running for sl in S]))))
-    budget_r = var("budget_run")
-    facts.append(budget_r == c.max_num_batched_tokens - _sum(tok))
-    free_r = var("free_run")
-    facts.append(free_r == s.free + _sum([z3.If(pre[v], S[v].b, 0) for v in range(n)]) - _sum(nbk))
+    budget_r = budget[n]
+    free_r = avail[n]
     n_run = count([sl.running for sl in S])
 
     candidate = [z3.And(sl.waiting, z3.Not(rejected[i])) for i, sl in enumerate(S)]
@@ -145,7 +172,6 @@ def plan_step(ctx: Ctx, s: State, policy: str, name: str = "") -> PolicyStep:
     admit = [var("admit", i, "bool") for i in range(n)]
     whole = [ctx.cdiv(sl.p + sl.o) for sl in S]
     for i in range(n):
-        sl = S[i]
         facts.append(budget_a[i] == budget_r - _sum([z3.If(A[j][i], nt_a[j], 0) for j in range(n)]))
         facts.append(nt_a[i] == chunk(ctx, pending[i], budget_a[i]))
         blocks_before = _sum([z3.If(A[j][i], whole[j], 0) for j in range(n)])
@@ -156,16 +182,51 @@ def plan_step(ctx: Ctx, s: State, policy: str, name: str = "") -> PolicyStep:
 
     scheduled = [z3.Or(sched[i], admit[i]) for i in range(n)]
     ntok = [z3.If(sched[i], nt[i], z3.If(admit[i], nt_a[i], 0)) for i in range(n)]
-    nb = [z3.If(sched[i], zmax(needed[i], 0), z3.If(admit[i], whole[i], 0)) for i in range(n)]
-    n_sched_run = count(sched)
-    bpos = [z3.If(sched[i], count([z3.And(B[j][i], sched[j]) for j in range(n)]),
-                  n_sched_run + count([z3.And(A[j][i], admit[j]) for j in range(n)])) for i in range(n)]
+    nb = [z3.If(sched[i], nbk[i], z3.If(admit[i], whole[i], 0)) for i in range(n)]
+    # batch order: running requests by rank, then admissions in the policy's order (indices < 2n)
+    bpos = [z3.If(sched[i], rank[i], n + count([A[j][i] for j in range(n)])) for i in range(n)]
     ppos = [count([z3.And(pre[u], S[u].pos > S[v].pos) for u in range(n) if u != v]) for v in range(n)]
     plan = Plan(sched=scheduled, start=[sl.nc for sl in S], ntok=ntok, nb=nb, bpos=bpos, pre=pre, ppos=ppos,
                 rej=rejected)
-    budget_left = c.max_num_batched_tokens - plan.tokens()
-    free_left = s.free + _sum([z3.If(pre[v], S[v].b, 0) for v in range(n)]) - _sum(nb)
-    return PolicyStep(plan, rejected, processed, budget, avail, preby, any_pre, admitting, budget_left, free_left)
+
+    # Lemmas: consequences of the definitions, each proved (in order, each using the ones before) by the
+    # theorems that rely on them. Z3 does not find the induction over the ranks or the exchange of
+    # sums over ranks and slots by itself.
+    lemmas: list[tuple[str, Any]] = []
+    for k in range(n):
+        lemmas.append((f"victims-suffice-{k}", z3.Implies(sched_k[k], avail[k] + rel_k[k] >= needed_k[k])))
+        lemmas.append((f"pool-nonnegative-{k + 1}", z3.Implies(avail[k] >= 0, avail[k + 1] >= 0)))
+        for label, x in (("tokens", tok_k[k]), ("blocks", nbk_k[k])):
+            lemmas.append((f"rank-{label}-{k}", _sum([z3.If(perm[k] == i, x, 0) for i in range(n)]) == x))
+    for i in range(n):
+        for label, x, per_rank in (("tokens", z3.If(sched[i], nt[i], 0), tok_k), ("blocks", nbk[i], nbk_k)):
+            lemmas.append((f"slot-{label}-{i}", x == _sum([z3.If(perm[k] == i, per_rank[k], 0) for k in range(n)])))
+    for v in range(n):
+        once = [z3.Not(z3.And(preby[k][v], preby[k2][v])) for k in range(n) for k2 in range(k + 1, n)]
+        lemmas.append((f"preempted-once-{v}", z3.And(once) if once else z3.BoolVal(True)))
+        lemmas.append((f"slot-released-{v}", z3.If(pre[v], S[v].b, 0)
+                       == _sum([z3.If(preby[k][v], S[v].b, 0) for k in range(n)])))
+    admitted_tokens = _sum([z3.If(admit[i], nt_a[i], 0) for i in range(n)])
+    admitted_blocks = _sum([z3.If(admit[i], whole[i], 0) for i in range(n)])
+    lemmas.append(("tokens-by-rank", plan.tokens() == _sum(tok_k) + admitted_tokens))
+    lemmas.append(("blocks-by-rank", _sum([z3.If(scheduled[i], nb[i], 0) for i in range(n)])
+                   == _sum(nbk_k) + admitted_blocks))
+    lemmas.append(("released-by-rank", _sum([z3.If(pre[v], S[v].b, 0) for v in range(n)]) == _sum(rel_k)))
+    lemmas.append(("admission-fits", z3.And(admitted_blocks <= free_r, admitted_tokens <= budget_r)))
+
+    # Lemmas that need the ordering invariant (running prefills hold blocks for their whole sequence):
+    # only a decode preempts, everything scheduled before it sits below its victims, so the preempted
+    # requests are the most recently admitted ones.
+    ordered_lemmas: list[tuple[str, Any]] = []
+    for k in range(n):
+        ordered_lemmas.append((f"only-decodes-preempt-{k}", z3.Implies(z3.Or(preby[k]), pick(decode, k))))
+        for k2 in range(k):
+            ordered_lemmas.append((f"scheduled-below-victims-{k2}-{k}", z3.And([
+                z3.Implies(z3.And(preby[k][v], sched_k[k2]), pick(pos, k2) < S[v].pos) for v in range(n)])))
+    ordered_lemmas.append(("victims-are-youngest", z3.And([
+        z3.Implies(z3.And(pre[v], S[u].running, S[u].pos > S[v].pos), pre[u])
+        for u in range(n) for v in range(n) if u != v])))
+    return PolicyStep(plan, rejected, processed, perm, any_pre, admitting, lemmas, ordered_lemmas)
 
 
 def concrete_step(state: Any, config: Any, policy: str, slots: int | None = None, unique: bool = True

@@ -17,7 +17,9 @@ COUNTEREXAMPLE = "counterexample"
 UNKNOWN = "unknown"
 
 DEFAULT_SLOTS = 8
-DEFAULT_DEPTH = 4
+DEFAULT_DEPTH = 3
+DEFAULT_POLICY_SLOTS = 4
+DEFAULT_BMC_SLOTS = 3
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -34,6 +36,10 @@ class Options:
         depth: K, the depth of bounded model checking.
         fixed: other ``SchedulerConfig`` fields fixed to values (``--set``); the rest stay symbolic.
         timeout_s: per solver query; a query that times out answers unknown.
+        policy_slots: slots for the one-step policy theorems (at most ``slots``): the encoded policy
+            step is a loop over a symbolic order, much larger than the spec's update.
+        bmc_slots: slots for bounded model checking (at most ``slots``): an unrolling of K steps is K
+            copies of the step.
     """
 
     slots: int = DEFAULT_SLOTS
@@ -42,6 +48,16 @@ class Options:
     depth: int = DEFAULT_DEPTH
     fixed: dict[str, Any] = field(default_factory=dict)
     timeout_s: float = DEFAULT_TIMEOUT_S
+    bmc_slots: int = DEFAULT_BMC_SLOTS
+    policy_slots: int = DEFAULT_POLICY_SLOTS
+
+    @property
+    def bmc_n(self) -> int:
+        return min(self.slots, self.bmc_slots)
+
+    @property
+    def policy_n(self) -> int:
+        return min(self.slots, self.policy_slots)
 
     @property
     def block_label(self) -> str:

@@ -283,13 +283,13 @@ def symbolic_plan(n: int, prefix: str = "pl") -> Plan:
 
 
 def plan_well_formed(plan: Plan) -> Any:
-    """What a ``StepPlan`` value is by construction: batch and preemption indices distinct and in
-    ``[0, n)``, new block counts >= 0."""
+    """What a ``StepPlan`` value is by construction: batch indices distinct in ``[0, 2n)``, preemption
+    indices distinct in ``[0, n)`` (only their order matters), new block counts >= 0."""
     n = plan.n
     out = []
     for i in range(n):
         out.append(plan.nb[i] >= 0)
-        out.append(z3.Implies(plan.sched[i], z3.And(plan.bpos[i] >= 0, plan.bpos[i] < n)))
+        out.append(z3.Implies(plan.sched[i], z3.And(plan.bpos[i] >= 0, plan.bpos[i] < 2 * n)))
         out.append(z3.Implies(plan.pre[i], z3.And(plan.ppos[i] >= 0, plan.ppos[i] < n)))
         for j in range(i + 1, n):
             out.append(z3.Implies(z3.And(plan.sched[i], plan.sched[j]), plan.bpos[i] != plan.bpos[j]))
@@ -305,9 +305,9 @@ def max_sequence_len(ctx: Ctx, p: Any, mt: Any) -> Any:
 
 
 def max_blocks_needed(ctx: Ctx, p: Any, mt: Any) -> Any:
-    """``admission.max_blocks_needed``: ``ceil((min(prompt_len + max_tokens, max_model_len) - 1) /
-    block_size)``."""
-    return ctx.cdiv(max_sequence_len(ctx, p, mt) - 1)
+    """``admission.max_blocks_needed``: ``ceil(max(prompt_len, min(prompt_len + max_tokens,
+    max_model_len) - 1) / block_size)``."""
+    return ctx.cdiv(zmax(p, max_sequence_len(ctx, p, mt) - 1))
 
 
 def fits_alone(ctx: Ctx, p: Any, mt: Any) -> Any:
@@ -414,7 +414,7 @@ def apply_plan(ctx: Ctx, s: State, plan: Plan, eos: Sequence[Any]) -> StepOutcom
         stops.append(stop)
         final_o.append(o1)
     after = State(
-        new_slots, s.free + _sum(released), s.wfront - n, s.wback, s.rback + n, s.step + 1, s.nextseq,
+        new_slots, s.free + _sum(released), s.wfront - n, s.wback, s.rback + 2 * n, s.step + 1, s.nextseq,
     )
     return StepOutcome(after, samples, stops, final_o)
 
@@ -492,6 +492,7 @@ def support(ctx: Ctx, s: State) -> dict[str, Any]:
         out["admission"].append(z3.Implies(sl.running, sl.adm))
         out["admission"].append(z3.Implies(sl.st == WAITING, z3.Not(sl.adm)))
         out["admission"].append(z3.Implies(sl.st == PREEMPTED, sl.adm))
+        out["admission"].append(z3.Implies(z3.And(live, z3.Not(sl.adm)), z3.And(sl.o == 0, sl.nc == 0, sl.b == 0)))
         out["admission"].append(z3.Implies(z3.And(live, sl.adm), fits_alone(ctx, sl.p, sl.mt)))
         out["live-below-limits"].append(z3.Implies(z3.And(live, sl.o >= 1),
                                                    z3.And(sl.o < sl.mt, sl.p + sl.o < c.max_model_len)))
@@ -502,11 +503,16 @@ def support(ctx: Ctx, s: State) -> dict[str, Any]:
         out["queue-bounds"].append(z3.Implies(sl.waiting, z3.And(sl.pos >= s.wfront, sl.pos <= s.wback)))
         out["queue-bounds"].append(z3.Implies(sl.running, sl.pos <= s.rback))
     out["queue-bounds"].append(s.wfront <= s.wback + 1)
+    for a in s.slots:
+        for b in s.slots:
+            if a is not b:
+                out["preempted-first"].append(z3.Implies(z3.And(a.st == PREEMPTED, b.st == WAITING), a.pos < b.pos))
     return {name: z3.And(parts) for name, parts in out.items()}
 
 
 SUPPORT_ORDER = (
     "ranges", "admission", "live-below-limits", "running-has-pending", "no-excess-blocks", "queue-bounds",
+    "preempted-first",
 )
 
 

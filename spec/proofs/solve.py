@@ -113,3 +113,76 @@ def state_values(model: z3.ModelRef, s: State, plan: Plan | None = None, extra: 
     out: dict[str, Any] = {name: value(model, getattr(s, name)) for name in STATE_SCALARS}
     out["slots"] = slots
     return out
+
+
+class Prover:
+    """An incremental solver: hypotheses are asserted once; each goal is checked in its own scope.
+
+    Keeps the facts about an uninterpreted ``ceil`` complete: every application met in a hypothesis
+    or goal gets its facts, pairwise with every application met before.
+    """
+
+    def __init__(self, ctx: Ctx, hypotheses: list[Any], timeout_s: float) -> None:
+        self.ctx = ctx
+        self.timeout_s = timeout_s
+        self.solver = z3.Solver()
+        self._args: list[Any] = []
+        self._seen: set[int] = set()
+        self._facts_done = 0
+        self.assume(hypotheses)
+
+    def _cdiv_facts(self, exprs: list[Any]) -> list[Any]:
+        f = self.ctx._f
+        if f is None:
+            return []
+        out = []
+        for app in _apps_of(exprs, f):
+            x = app.arg(0)
+            if x.get_id() in self._seen:
+                continue
+            self._seen.add(x.get_id())
+            out.append(z3.If(x <= 0, f(x) == 0, z3.And(f(x) >= 1, f(x) <= x)))
+            for y in self._args:
+                out.append(z3.Implies(x <= y, z3.And(f(x) <= f(y), f(y) <= f(x) + (y - x))))
+                out.append(z3.Implies(y <= x, z3.And(f(y) <= f(x), f(x) <= f(y) + (x - y))))
+            self._args.append(x)
+        return out
+
+    def assume(self, formulas: list[Any]) -> None:
+        new_facts = self.ctx.facts[self._facts_done:]
+        self._facts_done = len(self.ctx.facts)
+        formulas = list(formulas) + list(new_facts)
+        self.solver.add(formulas)
+        self.solver.add(self._cdiv_facts(formulas))
+
+    def prove(self, goal: Any) -> Answer:
+        self.assume([])
+        self.solver.push()
+        try:
+            negated = z3.Not(goal)
+            self.solver.add(negated)
+            self.solver.add(self._cdiv_facts([negated]))
+            self.solver.set("timeout", max(1, int(self.timeout_s * 1000)))
+            result = self.solver.check()
+            if result == z3.unsat:
+                return Answer(PROVED)
+            if result == z3.sat:
+                return Answer(COUNTEREXAMPLE, self.solver.model())
+            return Answer(UNKNOWN, reason=self.solver.reason_unknown())
+        finally:
+            self.solver.pop()
+            self._reset_facts()  # the facts met in the goal were added inside the scope
+
+    def _reset_facts(self) -> None:
+        """Re-derive the known applications from what is asserted outside any scope."""
+        f = self.ctx._f
+        if f is None:
+            return
+        base = list(self.solver.assertions())
+        self._seen = set()
+        self._args = []
+        for app in _apps_of(base, f):
+            x = app.arg(0)
+            if x.get_id() not in self._seen:
+                self._seen.add(x.get_id())
+                self._args.append(x)

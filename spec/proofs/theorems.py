@@ -18,6 +18,7 @@ found on a slice is checked again with every hypothesis before it is reported.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import z3
@@ -61,7 +62,7 @@ def inv_parts(ctx: Ctx, s: Any) -> dict[str, Any]:
 def recheck_block_size(opts: Options, rerun: Any) -> tuple[str, str]:
     """For an uninterpreted ``ceil``, a counterexample may be spurious: run the same obligation with the
     fixed block size and say whether it confirms it."""
-    fixed = Options(opts.slots, "fixed", opts.block_size_value, opts.depth, opts.fixed, opts.timeout_s)
+    fixed = dataclasses.replace(opts, block="fixed")
     status, _ = rerun(fixed)
     if status == COUNTEREXAMPLE:
         return COUNTEREXAMPLE, f"confirmed with block_size={opts.block_size_value}"
@@ -87,13 +88,16 @@ STEP_SLICES: dict[str, tuple[str, ...]] = {
                            "rule:positive-tokens", "rule:known-requests", "sup:ranges"),
     "inv:preempted-holds-nothing": ("inv:preempted-holds-nothing", "rule:known-requests"),
     "sup:ranges": ("sup:ranges", "wf", "rule:known-requests", "inv:block-conservation"),
-    "sup:admission": ("sup:admission", "rule:admit-fits-alone", "rule:known-requests", "rule:preempt-running-only"),
+    "sup:admission": ("sup:admission", "rule:admit-fits-alone", "rule:known-requests", "rule:preempt-running-only",
+                      "inv:preempted-holds-nothing"),
     "sup:live-below-limits": ("sup:live-below-limits", "sup:ranges"),
     "sup:running-has-pending": ("sup:running-has-pending", "rule:no-overcompute", "rule:chunk-continues",
                                 "rule:whole-prefill-without-chunking", "rule:positive-tokens", "rule:known-requests",
                                 "sup:ranges", "inv:computed-bound", "inv:preempted-holds-nothing"),
     "sup:no-excess-blocks": ("sup:no-excess-blocks", "rule:no-excess-blocks", "rule:known-requests", "sup:ranges"),
     "sup:queue-bounds": ("sup:queue-bounds", "wf", "rule:known-requests", "rule:preempt-running-only"),
+    "sup:preempted-first": ("sup:preempted-first", "sup:queue-bounds", "wf", "rule:known-requests",
+                            "rule:preempt-running-only"),
     "step:token-budget": ("rule:token-budget",),
     "step:chunks-in-order": ("rule:chunk-continues",),
     "step:ended-requests": ("inv:output-bound", "sup:live-below-limits", "sup:ranges"),
@@ -109,11 +113,13 @@ GOAL_STATEMENTS = {
     "inv:computed-bound": "0 <= num_computed_tokens <= prompt + outputs",
     "inv:preempted-holds-nothing": "a waiting (or preempted) request holds no block and no computed token",
     "sup:ranges": "support: lengths >= 0, empty slots hold no block",
-    "sup:admission": "support: running => admitted; admitted => fits alone; fresh waiting => never admitted",
+    "sup:admission": ("support: running => admitted => fits alone; fresh waiting => never admitted, and a "
+                      "never-admitted request has no output, no computed token, no block"),
     "sup:live-below-limits": "support: a live request with outputs has outputs < max_tokens and length < max_model_len",
     "sup:running-has-pending": "support: a running request has >= 1 pending token (exactly 1 without chunking)",
     "sup:no-excess-blocks": "support: a request holds <= ceil((prompt + outputs) / block_size) blocks",
     "sup:queue-bounds": "support: queue positions lie within the queue's bounds",
+    "sup:preempted-first": "support: every preempted request is ahead of every fresh one in the waiting queue",
     "step:token-budget": "the step's tokens <= max_num_batched_tokens",
     "step:chunks-in-order": "a chunk starts at the computed tokens and advances them by its size",
     "step:ended-requests": "a request ending in the step satisfies output-bound with its final outputs",

@@ -1,0 +1,535 @@
+"""Per-policy theorems: the policy refines the spec and keeps the trace properties it declares; and
+counterexamples, as replayable scenarios, for properties a policy is known to break.
+
+One-step theorems quantify over every state satisfying the spec's inductive invariant ``Inv`` (proved
+by :mod:`schedspec.spec.proofs.theorems`) and, for fcfs and static, the ordering invariant ``Ord``
+(:func:`.properties.order_invariant`, proved inductive here). What is not inductive on its own is
+checked by bounded model checking to depth K (``progress`` as the window property) or searched for
+from the initial state (counterexamples).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import z3
+
+from schedspec.spec.proofs.core import COUNTEREXAMPLE, PROVED, UNKNOWN, Options, Result, Theorem, Timer
+from schedspec.spec.proofs.encoding import (
+    RULE_ORDER,
+    Ctx,
+    State,
+    abort,
+    allowed_rules,
+    apply_plan,
+    arrive,
+    arrive_precondition,
+    fits_alone,
+    plan_well_formed,
+    symbolic_state,
+)
+from schedspec.spec.proofs.solve import Prover, satisfiable, state_values, value
+from schedspec.spec.proofs.theorems import inv_parts, recheck_block_size, setup
+from schedspec.spec.properties import ITL_TOKEN_BUDGET
+
+from .policy import POLICIES, plan_step
+from .properties import (
+    ORDER_INVARIANT_NAMES,
+    arrivals,
+    bounded_itl_violation,
+    materialize,
+    monitor_key_less,
+    monitor_oldest,
+    order_invariant,
+    rejects_impossible_violation,
+    run_from_init,
+    stall_free_violation,
+    work_conserving_violation,
+)
+from .scenarios import confirm, scenario_from_run
+
+ORDERED = ("fcfs", "static")
+"""Policies that keep the ordering invariant (admission in queue order)."""
+
+
+class Setup:
+    """A symbolic state of N slots, the policy's step from it, and the hypotheses about it, with an
+    incremental prover. Built once per (policy, options) and shared by the theorems of one run."""
+
+    _cache: dict[tuple[Any, ...], Setup] = {}
+
+    def __init__(self, opts: Options, policy: str, ordered: bool) -> None:
+        self.opts = opts
+        self.policy = policy
+        self.ctx: Ctx = setup(opts)
+        self.s: State = symbolic_state(opts.slots, "s")
+        self.step = plan_step(self.ctx, self.s, policy)
+        self.plan = self.step.plan
+        self.hyps = [self.ctx.cfg.valid()] + list(inv_parts(self.ctx, self.s).values())
+        if ordered:
+            self.hyps += list(order_invariant(self.ctx, self.s).values())
+        self.prover = Prover(self.ctx, self.hyps, opts.timeout_s)
+        self.lemma_status: tuple[str, str] | None = None
+        self.all_lemmas = self.step.lemmas + (self.step.ordered_lemmas if ordered else [])
+
+    @classmethod
+    def get(cls, opts: Options, policy: str, ordered: bool | None = None, fixed: dict[str, Any] | None = None
+            ) -> Setup:
+        if fixed:
+            opts = dataclasses.replace(opts, fixed={**opts.fixed, **fixed})
+        ordered = policy in ORDERED if ordered is None else ordered
+        key = (policy, ordered, repr(opts))
+        if key not in cls._cache:
+            cls._cache.clear()  # one at a time: each holds a solver
+            cls._cache[key] = cls(opts, policy, ordered)
+        return cls._cache[key]
+
+    def lemmas(self) -> tuple[str, str]:
+        """Prove the step's lemmas in order (each from the hypotheses and the lemmas before it) and assume
+        them. Returns ``(status, detail)``: proved unless one is not."""
+        if self.lemma_status is None:
+            self.lemma_status = (PROVED, f"{len(self.all_lemmas)} lemmas")
+            for name, lemma in self.all_lemmas:
+                answer = self.prover.prove(lemma)
+                if answer.status != PROVED:
+                    self.lemma_status = (UNKNOWN, f"lemma {name}: {answer.status} {answer.reason}".strip())
+                    break
+                self.prover.assume([lemma])
+        return self.lemma_status
+
+    def prove(self, goal: Any, extra: list[Any] | None = None) -> tuple[str, Any, str]:
+        status, detail = self.lemmas()
+        if status != PROVED:
+            return status, None, detail
+        if extra:
+            goal = z3.Implies(z3.And(extra), goal)
+        answer = self.prover.prove(goal)
+        witness = state_values(answer.model, self.s, self.plan) if answer.model is not None else None
+        if witness is not None:
+            witness["config"] = self.ctx.cfg.evaluate(answer.model)
+        return answer.status, witness, answer.reason
+
+
+def step_lemmas(policy: str) -> Theorem:
+    name = f"{policy}/step-lemmas"
+    statement = (f"lemmas of the encoded {policy} step (used by the theorems below): the free pool never goes "
+                 "negative, the victims preempted always free enough blocks, sums over slots equal sums over "
+                 "the processing order, admission fits the budget and the pool")
+
+    def run(opts: Options) -> Result:
+        timer = Timer()
+        opts = policy_options(opts)
+        st = Setup.get(opts, policy)
+        status, detail = st.lemmas()
+        return Result(name, statement, PROVED, status, opts.slots, opts.block_label, seconds=timer.seconds,
+                      detail=detail if status != PROVED else "")
+
+    return Theorem(name, statement, run)
+
+
+def one_step(name: str, statement: str, policy: str, goal: Callable[[Setup], Any],
+             extra: Callable[[Setup], list[Any]] | None = None, fixed: dict[str, Any] | None = None,
+             ordered: bool | None = None) -> Theorem:
+    """A theorem ``Inv (and Ord) and Step => goal`` checked in one query (re-checked with a fixed block
+    size when an uninterpreted ``ceil`` gives a counterexample)."""
+
+    def attempt(opts: Options) -> tuple[str, Any, str]:
+        st = Setup.get(opts, policy, ordered, fixed)
+        return st.prove(goal(st), extra(st) if extra else None)
+
+    def run(opts: Options) -> Result:
+        timer = Timer()
+        opts = policy_options(opts)
+        status, witness, detail = attempt(opts)
+        if status == COUNTEREXAMPLE:
+            detail = "a state satisfying the hypotheses from which the step breaks it (witness attached)"
+            if opts.block == "uninterpreted":
+                status, detail = recheck_block_size(opts, lambda o: attempt(o)[:2])
+        return Result(name, statement, PROVED, status, opts.slots, opts.block_label, seconds=timer.seconds,
+                      detail=detail, witness=witness)
+
+    return Theorem(name, statement, run)
+
+
+# --- refinement and the ordering invariant -------------------------------------------------------------
+
+
+def refines(policy: str) -> Theorem:
+    name = f"{policy}/refines"
+    statement = (f"Inv and Ord and plan = {policy}(s) => the plan is allowed: each of the {len(RULE_ORDER)} local "
+                 "rules holds (and the plan is well formed)")
+
+    def run(opts: Options) -> Result:
+        timer = Timer()
+        local = policy_options(opts)
+        st = Setup.get(local, policy)
+        goals = dict(allowed_rules(st.ctx, st.s, st.plan))
+        goals["well-formed"] = plan_well_formed(st.plan)
+        statuses = []
+        witness = None
+        for rule, goal in goals.items():
+            status, w, reason = st.prove(goal)
+            statuses.append((rule, status, reason))
+            witness = witness or w
+            if status != PROVED and reason.startswith("lemma"):
+                break
+        return _combine(name, statement, statuses, local, timer, witness)
+
+    return Theorem(name, statement, run)
+
+
+def policy_options(opts: Options) -> Options:
+    """One-step policy theorems run at ``min(N, policy_slots)`` slots."""
+    return dataclasses.replace(opts, slots=opts.policy_n)
+
+
+def order_inductive(policy: str) -> Theorem:
+    name = f"{policy}/ordering-invariant"
+    statement = ("Ord is inductive: queues stay in arrival order, running requests are older than waiting ones, "
+                 "running prefills hold blocks for their whole sequence (step, arrival, abort)")
+
+    def run(opts: Options) -> Result:
+        timer = Timer()
+        opts = policy_options(opts)
+        statuses = []
+        witness = None
+        # the step
+        st = Setup.get(opts, policy)
+        eos = [z3.Bool(f"eos{i}") for i in range(opts.slots)]
+        out = apply_plan(st.ctx, st.s, st.plan, eos)
+        goal = z3.And(list(order_invariant(st.ctx, out.state).values()))
+        status, w, reason = st.prove(goal)
+        statuses.append(("step", status, reason))
+        witness = witness or w
+        # an arrival (slot 0: the state is symmetric in its slots) and an abort
+        for action in ("arrive", "abort"):
+            st = Setup.get(opts, policy)
+            ctx, s = st.ctx, st.s
+            if action == "arrive":
+                p, mt = z3.Int("new_p"), z3.Int("new_mt")
+                pre = arrive_precondition(s, 0, p, mt)
+                after = arrive(ctx, s, 0, p, mt)
+            else:
+                pre = s.slots[0].live
+                after = abort(ctx, s, 0)
+            status, _, reason = st.prove(z3.Implies(pre, z3.And(list(order_invariant(ctx, after).values()))))
+            statuses.append((action, status, reason))
+        return _combine(name, statement, statuses, opts, timer, witness)
+
+    return Theorem(name, statement, run)
+
+
+def _combine(name: str, statement: str, statuses: list[tuple[str, str, str]], opts: Options, timer: Timer,
+             witness: Any = None, depth: int | None = None) -> Result:
+    bad = [(part, status, reason) for part, status, reason in statuses if status != PROVED]
+    if not bad:
+        return Result(name, statement, PROVED, PROVED, opts.slots, opts.block_label, depth, timer.seconds,
+                      witness=None)
+    status = COUNTEREXAMPLE if any(s == COUNTEREXAMPLE for _, s, _ in bad) else UNKNOWN
+    detail = "; ".join(f"{part}: {s}{' (' + r + ')' if r else ''}" for part, s, r in bad)
+    return Result(name, statement, PROVED, status, opts.slots, opts.block_label, depth, timer.seconds,
+                  detail=detail, witness=witness)
+
+
+# --- one-step properties ---------------------------------------------------------------------------------
+
+
+def work_conserving(policy: str) -> Theorem:
+    return one_step(
+        f"{policy}/work-conserving",
+        "work-conserving: with budget left, every running request is scheduled or preempted, and (no preemption, "
+        "a sequence slot free) the head of the waiting queue does not fit",
+        policy, lambda st: z3.Not(work_conserving_violation(st.ctx, st.s, st.plan)))
+
+
+def stall_free(policy: str) -> Theorem:
+    return one_step(
+        f"{policy}/stall-free-decode",
+        "stall-free-decode: in a step without preemption whose running decodes fit the budget, each gets "
+        "exactly one token", policy, lambda st: z3.Not(stall_free_violation(st.ctx, st.s, st.plan)))
+
+
+def rejects_impossible(policy: str) -> Theorem:
+    return one_step(
+        f"{policy}/rejects-impossible",
+        "rejects-impossible: a waiting, never-admitted request is rejected iff it could never complete alone",
+        policy, lambda st: z3.Not(rejects_impossible_violation(st.ctx, st.s, st.plan)))
+
+
+def progress_step(policy: str) -> Theorem:
+    def goal(st: Setup) -> Any:
+        S = st.s.slots
+        someone = z3.Or([sl.running for sl in S] + [z3.And(sl.waiting, z3.Not(st.step.rejected[i]))
+                                                      for i, sl in enumerate(S)])
+        return z3.Implies(someone, z3.Or(st.plan.tokens() > 0, st.step.any_preempted))
+
+    return one_step(
+        f"{policy}/progress-step",
+        "one-step progress: if a request runs, or a waiting request is not rejected (so it fits alone), the step "
+        "schedules tokens or preempts", policy, goal)
+
+
+def itl_chunked(policy: str) -> Theorem:
+    return one_step(
+        f"{policy}/bounded-itl",
+        f"bounded-itl with chunked prefill and max_num_batched_tokens <= {ITL_TOKEN_BUDGET}: a step carrying "
+        f"a running decode computes <= {ITL_TOKEN_BUDGET} tokens",
+        policy, lambda st: z3.Not(bounded_itl_violation(st.ctx, st.s, st.plan)),
+        extra=lambda st: [st.ctx.cfg.enable_chunked_prefill,
+                          st.ctx.cfg.max_num_batched_tokens <= ITL_TOKEN_BUDGET])
+
+
+# --- bounded wait: a ranking function -----------------------------------------------------------------------
+
+
+def bounded_wait(policy: str) -> Theorem:
+    name = f"{policy}/bounded-wait"
+    statement = ("bounded-wait by ranking: for the oldest live request o, rank = max_model_len - computed(o) "
+                 "is in [1, max_model_len] while o lives and strictly decreases at every step o does not end "
+                 "(o is never preempted), so o ends within max_model_len steps of becoming the oldest")
+
+    def oldest0(s: State) -> Any:
+        S = s.slots
+        return z3.And(S[0].live, *[z3.Implies(S[j].live, S[0].seq < S[j].seq) for j in range(1, s.n)])
+
+    def run(opts: Options) -> Result:
+        timer = Timer()
+        opts = policy_options(opts)
+        statuses = []
+        witness = None
+        # (1) decrease: slot 0 is the oldest live request (the state is symmetric in its slots)
+        st = Setup.get(opts, policy)
+        eos = [z3.Bool(f"eos{i}") for i in range(opts.slots)]
+        out = apply_plan(st.ctx, st.s, st.plan, eos)
+        o, o2 = st.s.slots[0], out.state.slots[0]
+        decrease = z3.And(z3.Not(st.plan.pre[0]), z3.Implies(o2.live, o2.nc > o.nc))
+        status, w, reason = st.prove(decrease, [oldest0(st.s), z3.Not(st.step.rejected[0])])
+        statuses.append(("decrease", status, reason))
+        witness = witness or w
+        # (2) bounds: every live request has 0 <= computed <= max_model_len - 1
+        st = Setup.get(opts, policy)
+        mml = st.ctx.cfg.max_model_len
+        bounds = z3.And([z3.Implies(sl.live, z3.And(sl.nc >= 0, sl.nc <= mml - 1)) for sl in st.s.slots])
+        status, w, reason = st.prove(bounds)
+        statuses.append(("bounds", status, reason))
+        witness = witness or w
+        # (3) the oldest by arrival order is the monitor's oldest (arrival step, running first, position)
+        st = Setup.get(opts, policy)
+        S = st.s.slots
+        same = z3.And([z3.Implies(z3.And(S[i].live, S[j].live, S[i].seq < S[j].seq), monitor_key_less(S[i], S[j]))
+                       for i in range(opts.slots) for j in range(opts.slots) if i != j])
+        status, w, reason = st.prove(same)
+        statuses.append(("oldest", status, reason))
+        witness = witness or w
+        return _combine(name, statement, statuses, opts, timer, witness)
+
+    return Theorem(name, statement, run)
+
+
+# --- progress: bounded model checking of the window property ----------------------------------------------
+
+
+def progress_window(policy: str) -> Theorem:
+    name = f"{policy}/progress"
+    statement = ("progress (window): from any state satisfying Inv and Ord, with any arrivals, no "
+                 "max_model_len consecutive steps with live requests pass without a request ending or computing a "
+                 "position it never computed; checked for every config with max_model_len <= K")
+
+    def run(opts: Options) -> Result:
+        timer = Timer()
+        depth = opts.depth
+        local = dataclasses.replace(opts, slots=opts.bmc_n)
+        status, witness, reason = _progress_bmc(local, policy, depth)
+        if status == COUNTEREXAMPLE and opts.block == "uninterpreted":
+            status, reason = recheck_block_size(local, lambda o: _progress_bmc(o, policy, depth)[:2])
+        return Result(name, statement, PROVED, status, local.slots, opts.block_label, depth, timer.seconds,
+                      detail=reason, witness=witness)
+
+    return Theorem(name, statement, run, bmc=True)
+
+
+def _progress_bmc(opts: Options, policy: str, depth: int) -> tuple[str, Any, str]:
+    ctx = setup(opts)
+    n = opts.slots
+    c = ctx.cfg
+    s = symbolic_state(n, "s")
+    hw = [z3.Int(f"hw{i}") for i in range(n)]
+    hyps = [c.valid(), c.max_model_len <= depth] + list(inv_parts(ctx, s).values())
+    hyps += list(order_invariant(ctx, s).values())
+    # symmetry: the encoding treats slots alike, so the live requests may be taken to fill the first
+    # slots in arrival order
+    for i in range(1, n):
+        prev, sl = s.slots[i - 1], s.slots[i]
+        hyps.append(z3.Implies(sl.live, z3.And(prev.live, prev.seq < sl.seq)))
+    for i, sl in enumerate(s.slots):
+        hyps.append(z3.Implies(sl.live, z3.And(hw[i] >= sl.nc, hw[i] <= sl.p + sl.o)))
+        hyps.append(z3.Implies(sl.st == 1, hw[i] == 0))
+    stalled = []
+    state = s
+    for t in range(depth):
+        flags = [z3.Bool(f"t{t}_arrives{i}") for i in range(n)]
+        prompts = [z3.Int(f"t{t}_p{i}") for i in range(n)]
+        mts = [z3.Int(f"t{t}_mt{i}") for i in range(n)]
+        for i in range(n):
+            hyps.append(z3.Implies(flags[i], z3.And(state.slots[i].st == 0, prompts[i] >= 0, mts[i] >= 0)))
+        before = materialize(ctx, arrivals(state, flags, prompts, mts), f"t{t}b")
+        hw = [z3.If(flags[i], 0, hw[i]) for i in range(n)]
+        step = plan_step(ctx, before, policy, name=f"t{t}")
+        plan = step.plan
+        eos = [z3.Bool(f"t{t}_eos{i}") for i in range(n)]
+        out = apply_plan(ctx, before, plan, eos)
+        reach = [plan.start[i] + plan.ntok[i] for i in range(n)]
+        advanced = z3.Or([z3.Or(out.stops[i], plan.rej[i], z3.And(plan.sched[i], reach[i] > hw[i])) for i in range(n)])
+        live = z3.Or([sl.live for sl in before.slots])
+        stalled.append(z3.Implies(t < c.max_model_len, z3.And(live, z3.Not(advanced))))
+        hw = [ctx.define(f"t{t + 1}_hw{i}", z3.If(z3.And(plan.sched[i], reach[i] > hw[i]), reach[i], hw[i]))
+              for i in range(n)]
+        state = materialize(ctx, out.state, f"t{t + 1}")
+        if t + 1 < depth:
+            # Inv and Ord are inductive (spec/step/*, fcfs/refines, <policy>/ordering-invariant): assuming
+            # them at every state of the run prunes the search without losing a real run
+            hyps += list(inv_parts(ctx, state).values()) + list(order_invariant(ctx, state).values())
+    answer = satisfiable(ctx, hyps + stalled, opts.timeout_s, negate=True)
+    witness = state_values(answer.model, s) if answer.model is not None else None
+    detail = answer.reason
+    if answer.model is not None:
+        detail = f"a stall of max_model_len={value(answer.model, c.max_model_len)} steps (witness: starting state)"
+    return answer.status, witness, detail
+
+
+# --- counterexamples from the initial state ------------------------------------------------------------------
+
+
+def counterexample(name: str, case: str, policy: str, prop: str, statement: str,
+                   violation: Callable[[Ctx, Any], Any], about: str, fixed: dict[str, Any] | None = None, bounds: Callable[[Ctx], list[Any]] | None = None,
+                   slots: int = 3, depth: int = 3) -> Theorem:
+    """A property ``policy`` is expected to break: search a run from Init (``slots`` requests, ``depth``
+    steps) whose monitor reports, turn it into a scenario and replay it on the reference."""
+
+    def run(opts: Options) -> Result:
+        timer = Timer()
+        local = dataclasses.replace(opts, slots=slots, block="fixed", depth=depth, fixed={**opts.fixed, **(fixed or {})})
+        ctx = setup(local)
+        r = run_from_init(ctx, policy, slots, depth)
+        constraints = [ctx.cfg.valid(), violation(ctx, r)] + (bounds(ctx) if bounds else [])
+        # a readable witness: every request that arrives could complete alone (none is rejected)
+        constraints += [z3.Implies(r.arrival[i] < depth, fits_alone(ctx, r.prompt[i], r.max_tokens[i]))
+                        for i in range(slots)]
+        answer = satisfiable(ctx, constraints, local.timeout_s)
+        status = {"sat": COUNTEREXAMPLE, "unsat": PROVED}.get(answer.status, UNKNOWN)
+        result = Result(name, statement, COUNTEREXAMPLE, status, slots, local.block_label, depth, 0.0,
+                        detail=answer.reason)
+        if answer.model is not None:
+            scenario = scenario_from_run(answer.model, ctx, r, policy, prop, case, about)
+            result.scenario = scenario
+            result.replayed, result.detail = confirm(scenario, prop)
+        elif status == PROVED:
+            result.detail = f"no run of {slots} requests and {depth} steps breaks it (search depth too small?)"
+        result.seconds = timer.seconds
+        return result
+
+    return Theorem(name, statement, run, expected=COUNTEREXAMPLE, bmc=True)
+
+
+def _small(ctx: Ctx, limit: int = 16) -> list[Any]:
+    c = ctx.cfg
+    return [c.num_kv_blocks <= limit, c.max_num_batched_tokens <= limit, c.max_num_seqs <= 4,
+            c.max_model_len <= limit, c.long_prefill_token_threshold == 0]
+
+
+def _itl_violation(ctx: Ctx, r: Any) -> Any:
+    # searched with twice the budget, so that the witness shows a clearly long prompt; the monitor (512)
+    # reports it all the more
+    return z3.Or([bounded_itl_violation(ctx, rec.before, rec.step.plan, 2 * ITL_TOKEN_BUDGET) for rec in r.steps])
+
+
+ITL_CONFIG = {"enable_chunked_prefill": False, "max_model_len": 2048, "max_num_batched_tokens": 2048,
+              "max_num_seqs": 4, "num_kv_blocks": 256}
+"""The counterexample's config: vLLM's A100 defaults (2,048-token budget) without chunked prefill."""
+
+
+def _wc_violation(ctx: Ctx, r: Any) -> Any:
+    return z3.Or([work_conserving_violation(ctx, rec.before, rec.step.plan) for rec in r.steps])
+
+
+def _bw_violation(ctx: Ctx, r: Any) -> Any:
+    """``BoundedWait`` reports: one request is the oldest in ``max_model_len`` consecutive steps and is
+    still live after the last."""
+    depth = len(r.steps)
+    mml = ctx.cfg.max_model_len
+    n = len(r.arrival)
+    options = []
+    for start in range(depth):
+        for i in range(n):
+            parts = [start + mml <= depth]
+            for t in range(start, depth):
+                rec = r.steps[t]
+                inside = t < start + mml
+                parts.append(z3.Implies(inside, z3.And(monitor_oldest(rec.before, i, rec.step.rejected),
+                                                       rec.out.state.slots[i].live)))
+            options.append(z3.And(parts))
+    return z3.Or(options)
+
+
+def policy_theorems(policy: str) -> list[Theorem]:
+    """The theorems ``schedspec prove --scheduler policy`` runs after the spec's."""
+    if policy not in POLICIES:
+        raise KeyError(policy)
+    from schedspec.reference.scheduler import SCHEDULERS
+    from schedspec.spec.config import SchedulerConfig
+
+    guarantees = SCHEDULERS[policy](SchedulerConfig(16, 8, 8, 1, 8)).guarantees
+    out = [step_lemmas(policy), refines(policy)]
+    if policy in ORDERED:
+        out.append(order_inductive(policy))
+    if "work-conserving" in guarantees:
+        out.append(work_conserving(policy))
+    if "stall-free-decode" in guarantees:
+        out.append(stall_free(policy))
+    if "rejects-impossible" in guarantees:
+        out.append(rejects_impossible(policy))
+    if "progress" in guarantees:
+        out.append(progress_step(policy))
+        if policy in ORDERED:
+            out.append(progress_window(policy))
+    if "bounded-wait" in guarantees and policy in ORDERED:
+        out.append(bounded_wait(policy))
+    out += EXPECTED_COUNTEREXAMPLES.get(policy, [])
+    if policy == "fcfs":
+        out.insert(len(out) - 1, itl_chunked(policy))
+    return out
+
+
+EXPECTED_COUNTEREXAMPLES: dict[str, list[Theorem]] = {
+    "fcfs": [counterexample(
+        "fcfs/bounded-itl-without-chunking", "counterexample-bounded-itl", "fcfs", "bounded-itl",
+        f"without chunked prefill, fcfs keeps bounded-itl ({ITL_TOKEN_BUDGET} tokens per step carrying a decode)",
+        _itl_violation,
+        "Without chunked prefill, a step that carries a running decode also carries a whole long prompt, so the "
+        "decode's inter-token latency is the time of that whole prefill; chunked prefill with a 512-token budget "
+        "keeps every such step to 512 tokens (found by Z3, replayed on fcfs).",
+        fixed=ITL_CONFIG, bounds=lambda ctx: [ctx.cfg.long_prefill_token_threshold == 0], slots=2, depth=2)],
+    "static": [counterexample(
+        "static/work-conserving", "counterexample-static-work-conserving", "static", "work-conserving",
+        "static batching is work-conserving", _wc_violation,
+        "Static batching admits only when the whole batch has ended, so a waiting request that fits (budget, "
+        "sequence slot and blocks all free) is held back while the batch runs (found by Z3, replayed on static).",
+        bounds=_small, slots=2, depth=2)],
+    "shortest-prompt-first": [counterexample(
+        "shortest-prompt-first/bounded-wait", "counterexample-shortest-prompt-first-bounded-wait",
+        "shortest-prompt-first", "bounded-wait",
+        "shortest-prompt-first bounds the wait of the oldest request", _bw_violation,
+        "Shortest-prompt-first admits shorter prompts ahead of an older long one, so the oldest request can wait "
+        "more than max_model_len steps while short requests keep arriving (found by Z3, replayed on "
+        "shortest-prompt-first).",
+        bounds=_small, slots=3, depth=3)],
+}
+
+
+def supported() -> tuple[str, ...]:
+    return tuple(POLICIES)
+
+
+__all__ = ["policy_theorems", "supported", "ORDER_INVARIANT_NAMES"]

@@ -1,0 +1,233 @@
+"""``schedspec prove``: check the spec's theorems and a policy's with Z3; counterexamples become scenarios.
+
+Every theorem is listed with its statement, its result (proved / counterexample with the scenario /
+unknown), the size it was checked at (N slots, ``block_size`` fixed, symbolic or uninterpreted, depth
+K for bounded model checking) and its time. Exit 1 if a theorem does not come out as expected (a claim
+not proved, unknown included, or an expected counterexample not found and confirmed by replay); 2 on
+bad options; 3 for a scheduler without a proof encoding. See ``docs/proofs.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import attrs
+import click
+from rich.console import Console
+from rich.table import Table
+
+from schedspec.cli_common import (
+    EXIT_CHECK_FAILED,
+    EXIT_UNSUPPORTED,
+    fail,
+    parse_sets,
+    scheduler_option,
+    set_option,
+)
+from schedspec.spec.config import SchedulerConfig
+from schedspec.spec.proofs.core import (
+    COUNTEREXAMPLE,
+    DEFAULT_BMC_SLOTS,
+    DEFAULT_DEPTH,
+    DEFAULT_POLICY_SLOTS,
+    DEFAULT_SLOTS,
+    DEFAULT_TIMEOUT_S,
+    PROVED,
+    Options,
+    Result,
+    Theorem,
+)
+
+DEFAULT_SCHEDULER = "fcfs"
+ENCODED = ("fcfs", "static", "shortest-prompt-first")
+"""Schedulers with a proof encoding (``schedspec.reference.proofs.policy.POLICIES``)."""
+
+_INT_FIELDS = {"num_kv_blocks", "max_num_batched_tokens", "max_num_seqs", "max_model_len"}
+
+
+def _options(sets: tuple[str, ...], slots: int, depth: int, policy_slots: int, bmc_slots: int,
+             timeout: float) -> Options:
+    changes = parse_sets(sets)
+    known = {f.name for f in attrs.fields(SchedulerConfig)}
+    fixed: dict[str, Any] = {}
+    block, block_size = "fixed", 16
+    for key, val in changes.items():
+        if key not in known:
+            fail(f"--set {key}: not a SchedulerConfig field (known: {sorted(known)})")
+        if key == "block_size":
+            if val in ("symbolic", "uninterpreted"):
+                block = val
+            elif isinstance(val, int) and not isinstance(val, bool) and val >= 1:
+                block_size = val
+            else:
+                fail(f"--set block_size={val!r}: expected a positive integer, 'symbolic' or 'uninterpreted'")
+        elif key in _INT_FIELDS:
+            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+                fail(f"--set {key}={val!r}: must be an integer >= 1")
+            fixed[key] = val
+        elif key == "long_prefill_token_threshold":
+            if isinstance(val, bool) or not isinstance(val, int) or val < 0:
+                fail(f"--set {key}={val!r}: must be an integer >= 0 (0 = off)")
+            fixed[key] = val
+        elif key == "enable_chunked_prefill":
+            if not isinstance(val, bool):
+                fail(f"--set {key}={val!r}: must be true or false")
+            fixed[key] = val
+        elif key == "enable_prefix_caching":
+            if val is not False:
+                fail("--set enable_prefix_caching: the proofs do not encode prefix caching", EXIT_UNSUPPORTED)
+        elif key == "preemption_mode":
+            if val != "recompute":
+                fail(f"--set preemption_mode={val!r}: must be 'recompute' (the only mode the spec defines)")
+    if min(slots, depth, policy_slots, bmc_slots) < 1:
+        fail("--slots, --depth, --policy-slots and --bmc-slots must be >= 1")
+    if timeout <= 0:
+        fail("--timeout must be > 0")
+    return Options(slots=slots, block=block, block_size_value=block_size, depth=depth, fixed=fixed,
+                   timeout_s=timeout, bmc_slots=bmc_slots, policy_slots=policy_slots)
+
+
+def _check_config_space(opts: Options) -> None:
+    """Exit 2 if the fixed fields leave no valid config (every theorem would hold vacuously)."""
+    import z3
+
+    from schedspec.spec.proofs.encoding import SymConfig
+
+    cfg = SymConfig.symbolic(fixed=opts.config_fixed())
+    solver = z3.Solver()
+    solver.add(cfg.valid())
+    if solver.check() == z3.unsat:
+        fail(f"--set {opts.fixed}: no valid SchedulerConfig has these values (config validation refuses them)")
+
+
+def theorems_for(scheduler: str) -> list[Theorem]:
+    from schedspec.reference.proofs.theorems import policy_theorems
+    from schedspec.spec.proofs.theorems import spec_theorems
+
+    return spec_theorems() + policy_theorems(scheduler)
+
+
+def _bundled(name: str) -> str | None:
+    from importlib import resources
+
+    path = resources.files("schedspec") / "data" / "cases" / f"{name}.json"
+    return str(path) if path.is_file() else None
+
+
+def _size(result: Result) -> str:
+    return f"N={result.slots}" + (f", K={result.depth}" if result.depth is not None else "")
+
+
+def _verdict(result: Result) -> str:
+    if result.status == PROVED:
+        text = "[green]proved[/]" if result.ok else "[red]proved[/] (a counterexample was expected)"
+    elif result.status == COUNTEREXAMPLE:
+        colour = "green" if result.ok else "red"
+        text = f"[{colour}]counterexample[/]"
+        if result.scenario is not None:
+            text += f" {result.scenario['name']}"
+            if result.replayed is not None:
+                text += " (replay confirms)" if result.replayed else " (replay does NOT confirm)"
+    else:
+        text = "[red]unknown[/]"
+    return text
+
+
+@click.command()
+@scheduler_option
+@set_option
+@click.option("--slots", "-N", "slots", type=int, default=DEFAULT_SLOTS, show_default=True,
+              help="Request slots N of the symbolic state.")
+@click.option("--depth", "-K", "depth", type=int, default=DEFAULT_DEPTH, show_default=True,
+              help="Depth K of bounded model checking (progress holds for every max_model_len <= K).")
+@click.option("--policy-slots", type=int, default=DEFAULT_POLICY_SLOTS, show_default=True,
+              help="Slots for the one-step policy theorems (at most N).")
+@click.option("--bmc-slots", type=int, default=DEFAULT_BMC_SLOTS, show_default=True,
+              help="Slots for bounded model checking (at most N).")
+@click.option("--timeout", type=float, default=DEFAULT_TIMEOUT_S, show_default=True,
+              help="Seconds per solver query; a query that runs out answers unknown.")
+@click.option("--only", "only", multiple=True, metavar="TEXT", help="Run only theorems whose name contains TEXT.")
+@click.option("--list", "list_only", is_flag=True, help="List the theorems and their statements; prove nothing.")
+@click.option("--save-cases", type=click.Path(file_okay=False), default=None, metavar="DIR",
+              help="Write each counterexample scenario to DIR/<name>.json.")
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
+def command(scheduler_name: str | None, sets: tuple[str, ...], slots: int, depth: int, policy_slots: int,
+            bmc_slots: int, timeout: float, only: tuple[str, ...], list_only: bool, save_cases: str | None, as_json: bool) -> None:
+    """Prove the spec's invariants and a scheduler's trace properties with Z3.
+
+    --set block_size=16 (default), =symbolic (ceil division is nonlinear; may answer unknown) or
+    =uninterpreted (proves for every block size; counterexamples are re-checked with block_size=16);
+    --set FIELD=VALUE fixes another config field. Full run: `schedspec prove` (N=8); CI runs N=3.
+    """
+    scheduler = scheduler_name or DEFAULT_SCHEDULER
+    if scheduler not in ENCODED:
+        from schedspec.reference.scheduler import SCHEDULERS
+
+        known = scheduler in SCHEDULERS or ":" in scheduler
+        if not known:
+            fail(f"--scheduler {scheduler!r}: unknown; known: {', '.join(sorted(SCHEDULERS))}")
+        fail(f"--scheduler {scheduler!r} has no proof encoding (encoded: {', '.join(ENCODED)}); "
+             "its plans are checked at run time by replay and check instead", EXIT_UNSUPPORTED)
+    opts = _options(sets, slots, depth, policy_slots, bmc_slots, timeout)
+    chosen = [t for t in theorems_for(scheduler) if not only or any(o in t.name for o in only)]
+    if not chosen:
+        fail(f"--only {list(only)}: no theorem matches")
+    if list_only:
+        for theorem in chosen:
+            click.echo(f"{theorem.name}  [{'expect ' + theorem.expected}]  {theorem.statement}")
+        return
+    _check_config_space(opts)
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    progress = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
+    results: list[Result] = []
+    for theorem in chosen:
+        with progress.status(f"{theorem.name} ..."):
+            result = theorem.run(opts)
+        if result.scenario is not None:
+            result.scenario_file = _bundled(result.scenario["name"])
+            if save_cases:
+                from schedspec.reference.proofs.scenarios import write_scenario
+
+                Path(save_cases).mkdir(parents=True, exist_ok=True)
+                result.scenario_file = str(write_scenario(result.scenario, save_cases))
+        results.append(result)
+        mark = "[green]ok[/]" if result.ok else "[red]not as expected[/]"
+        progress.print(f"{mark} {result.name}: {result.status} ({result.seconds:.1f} s)", highlight=False)
+    failed = [r for r in results if not r.ok]
+    if as_json:
+        click.echo(json.dumps({
+            "scheduler": scheduler, "slots": opts.slots, "block_size": opts.block_label, "depth": opts.depth,
+            "fixed": opts.fixed, "ok": not failed, "results": [r.to_dict() for r in results],
+        }, indent=2))
+    else:
+        _print(console, scheduler, opts, results)
+    if failed:
+        sys.exit(EXIT_CHECK_FAILED)
+
+
+def _print(console: Console, scheduler: str, opts: Options, results: list[Result]) -> None:
+    table = Table(title=f"schedspec prove --scheduler {scheduler} (block_size {opts.block_label}"
+                        + (f", fixed {opts.fixed}" if opts.fixed else "") + ")", show_lines=False)
+    table.add_column("theorem: statement", ratio=1)
+    table.add_column("result", max_width=44)
+    table.add_column("size", no_wrap=True)
+    table.add_column("block_size", no_wrap=True)
+    table.add_column("time", justify="right", no_wrap=True)
+    for r in results:
+        table.add_row(f"[bold]{r.name}[/]\n[dim]{r.statement}[/]", _verdict(r), _size(r), r.block,
+                      f"{r.seconds:.1f} s")
+    console.print(table)
+    for r in results:
+        if r.scenario is not None:
+            where = r.scenario_file or "not saved (use --save-cases DIR)"
+            console.print(f"[bold]{r.name}[/]: counterexample scenario {r.scenario['name']} ({where}); {r.detail}")
+        if not r.ok:
+            console.print(f"[red]{r.name}[/]: {r.status}; {r.detail}")
+            if r.witness is not None and r.scenario is None:
+                console.print_json(json.dumps(r.witness, default=str))
+    failed = sum(not r.ok for r in results)
+    console.print(f"{len(results) - failed} as expected, {failed} not"
+                  + ("" if not failed else " (exit 1)"))

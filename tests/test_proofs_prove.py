@@ -1,0 +1,122 @@
+"""``schedspec prove``: every fcfs theorem at a small size (CI), the expected counterexamples of static
+and shortest-prompt-first, the exit codes, and the options. The full run (N = 8) is documented in
+``docs/proofs.md``; CI runs N = 3 to stay within the test budget."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+pytest.importorskip("z3")
+
+from schedspec.cli import cli  # noqa: E402
+
+
+def prove(*args: str):
+    return CliRunner().invoke(cli, ["prove", *args])
+
+
+def results(output: str) -> dict[str, dict]:
+    data = json.loads(output)
+    return {r["name"]: r for r in data["results"]}
+
+
+def test_every_fcfs_theorem_holds_at_three_slots():
+    run = prove("--slots", "3", "--depth", "3", "--json")
+    assert run.exit_code == 0, run.output
+    found = results(run.stdout)
+    assert all(r["ok"] for r in found.values()), [r for r in found.values() if not r["ok"]]
+    for name in ("spec/init", "spec/arrive", "spec/abort", "spec/step/block-conservation",
+                 "spec/step/kv-capacity", "spec/step/table-covers-computed", "spec/step/output-bound",
+                 "spec/step/queues-disjoint", "spec/step/preempted-holds-nothing", "spec/step/sequence-cap",
+                 "spec/step/token-budget", "fcfs/refines", "fcfs/work-conserving", "fcfs/stall-free-decode",
+                 "fcfs/progress-step", "fcfs/bounded-wait", "fcfs/ordering-invariant"):
+        assert found[name]["status"] == "proved", name
+        assert found[name]["slots"] == 3
+    assert found["fcfs/progress"]["depth"] == 3
+    itl = found["fcfs/bounded-itl-without-chunking"]
+    assert itl["status"] == "counterexample" and itl["replayed"] is True
+    assert itl["scenario"]["expect"] == {"demonstrates": "bounded-itl"}
+    assert itl["scenario_file"].endswith("counterexample-bounded-itl.json")
+
+
+@pytest.mark.parametrize(("scheduler", "theorem", "prop"), [
+    ("static", "static/work-conserving", "work-conserving"),
+    ("shortest-prompt-first", "shortest-prompt-first/bounded-wait", "bounded-wait"),
+])
+def test_expected_counterexamples_are_found_and_replayed(scheduler, theorem, prop, tmp_path):
+    run = prove("--scheduler", scheduler, "--slots", "3", "--only", theorem, "--json", "--save-cases", str(tmp_path))
+    assert run.exit_code == 0, run.output
+    result = results(run.stdout)[theorem]
+    assert result["expected"] == "counterexample" and result["status"] == "counterexample"
+    assert result["replayed"] is True
+    saved = json.loads((tmp_path / f"{result['scenario']['name']}.json").read_text())
+    assert saved["scheduler"] == scheduler and saved["expect"] == {"demonstrates": prop}
+
+
+def test_static_keeps_its_declared_one_step_properties():
+    run = prove("--scheduler", "static", "--slots", "3", "--only", "static/stall-free-decode",
+                "--only", "static/bounded-wait", "--only", "static/refines", "--json")
+    assert run.exit_code == 0, run.output
+
+
+def test_block_size_modes():
+    for mode in ("uninterpreted", "symbolic"):
+        run = prove("--slots", "2", "--set", f"block_size={mode}", "--only", "spec/", "--json")
+        assert run.exit_code == 0, run.output
+        assert {r["block_size"] for r in results(run.stdout).values()} == {mode}
+    run = prove("--slots", "2", "--set", "block_size=4", "--only", "spec/step/table", "--json")
+    assert run.exit_code == 0 and results(run.stdout)["spec/step/table-covers-computed"]["block_size"] == "fixed 4"
+
+
+def test_a_theorem_not_proved_exits_1():
+    run = prove("--slots", "3", "--only", "fcfs/progress", "--timeout", "0.001")
+    assert run.exit_code == 1
+    assert "unknown" in run.output
+
+
+def test_scheduler_without_an_encoding_exits_3():
+    run = prove("--scheduler", "priority")
+    assert run.exit_code == 3
+    assert "no proof encoding" in run.output
+    assert prove("--scheduler", "os:getcwd").exit_code == 3
+
+
+@pytest.mark.parametrize("args", [
+    ["--scheduler", "nonsense"],
+    ["--set", "block_size=huge"],
+    ["--set", "colour=red"],
+    ["--set", "max_model_len=0"],
+    ["--set", "enable_chunked_prefill=false", "--set", "max_num_batched_tokens=4", "--set", "max_model_len=8"],
+    ["--slots", "0"],
+    ["--only", "no-such-theorem"],
+])
+def test_bad_options_exit_2(args):
+    run = prove(*args)
+    assert run.exit_code == 2, run.output
+    assert "schedspec: error:" in run.output
+
+
+def test_list_names_every_theorem_without_proving():
+    run = prove("--list")
+    assert run.exit_code == 0
+    assert "spec/step/block-conservation" in run.output and "fcfs/bounded-wait" in run.output
+    assert "expect counterexample" in run.output
+
+
+def test_human_output_is_a_table():
+    run = prove("--slots", "2", "--only", "spec/init", "--only", "without-chunking")
+    assert run.exit_code == 0, run.output
+    assert "spec/init" in run.output and "counterexample-bounded-itl" in run.output and "N=2" in run.output
+
+
+def test_cli_and_proof_core_import_without_z3():
+    code = ("import sys; sys.modules['z3'] = None\n"
+            "import schedspec.cli, schedspec.commands.prove, schedspec.spec.proofs, schedspec.spec.proofs.core\n"
+            "print('ok')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "ok", done.stderr
