@@ -27,7 +27,6 @@ from schedspec.gpu_backend.weights import (
     weight_bytes,
 )
 from schedspec.spec.config import SchedulerConfig
-from schedspec.spec.request import Request
 from schedspec.spec.state import SchedulerState, StepPlan, samples_this_step
 from schedspec.spec.workload import EOS_TOKEN_ID
 
@@ -42,19 +41,6 @@ ROTARY_TABLE_MAX_LEN = 1 << 16
 """Rotary ``cos``/``sin`` are precomputed for positions below ``min(max_model_len, this)``."""
 
 
-def _token_ids(request: Request, start: int, stop: int) -> np.ndarray:
-    """Ids of positions ``[start, stop)`` of prompt plus output, int64 (vectorised for synthetic prompts)."""
-    prompt = request.prompt_token_ids
-    prompt_len = len(prompt)
-    parts = []
-    if start < prompt_len:
-        end = min(stop, prompt_len)
-        array = getattr(prompt, "array", None)
-        parts.append(array(start, end) if array is not None else np.asarray(prompt[start:end], dtype=np.int64))
-    if stop > prompt_len:
-        first = max(start, prompt_len) - prompt_len
-        parts.append(np.asarray(request.output_token_ids[first:stop - prompt_len], dtype=np.int64))
-    return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 class Runner:
@@ -322,7 +308,7 @@ class Runner:
             else:
                 block_array = np.asarray(blocks, dtype=np.int64)
                 pos = np.arange(start, end, dtype=np.int64)
-                input_ids[offset:offset + n] = _token_ids(request, start, end)
+                input_ids[offset:offset + n] = request.token_ids(start, end)
                 positions[offset:offset + n] = pos
                 slots[offset:offset + n] = block_array[pos // block_size] * block_size + pos % block_size
                 prefills.append((offset, n, end, block_array))

@@ -20,7 +20,6 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from schedspec.spec.config import SchedulerConfig
-from schedspec.spec.request import Request
 from schedspec.spec.state import SchedulerState, StepPlan
 from schedspec.spec.workload import DEFAULT_VOCAB_SIZE, EOS_TOKEN_ID
 
@@ -43,20 +42,6 @@ class TokenSource(Protocol):
     def execute(self, plan: StepPlan, state: SchedulerState) -> tuple[dict[str, int], float]: ...
 
 
-def _token_ids(request: Request, start: int, stop: int) -> np.ndarray:
-    prompt = request.prompt_token_ids
-    prompt_len = len(prompt)
-    parts = []
-    if start < prompt_len:
-        end = min(stop, prompt_len)
-        if hasattr(prompt, "array"):
-            parts.append(prompt.array(start, end))
-        else:
-            parts.append(np.asarray(prompt[start:end], dtype=np.int64))
-    if stop > prompt_len:
-        outputs = request.output_token_ids
-        parts.append(np.asarray(outputs[max(start, prompt_len) - prompt_len: stop - prompt_len], dtype=np.int64))
-    return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 class FakeModel:
@@ -141,7 +126,7 @@ class FakeModel:
                 decode_ids.append(request.output_token_ids[start - prompt_len])
                 decode_tokens += 1
             else:
-                self.slots[self._slots(table, start, stop)] = _token_ids(request, start, stop)
+                self.slots[self._slots(table, start, stop)] = request.token_ids(start, stop)
                 prefill_tokens += item.num_tokens
             if stop == prompt_len + len(request.output_token_ids):  # samples_this_step
                 if self.eos_at_output.get(item.request_id) == len(request.output_token_ids) + 1:

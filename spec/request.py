@@ -11,6 +11,7 @@ import enum
 from collections.abc import Sequence
 
 import attrs
+import numpy as np
 
 
 class RequestStatus(enum.Enum):
@@ -151,6 +152,22 @@ class Request:
     def is_prefill(self) -> bool:
         """True while more than one token is pending (a prompt, or a recompute after preemption)."""
         return self.num_pending_tokens > 1 or self.num_computed_tokens < self.prompt_len
+
+    def token_ids(self, start: int, stop: int) -> np.ndarray:
+        """Ids of positions ``[start, stop)`` of prompt plus output as an int64 array of shape
+        ``[stop - start]`` (vectorised for prompts that offer ``array(start, stop)``, such as
+        :class:`~schedspec.spec.workload.SyntheticPrompt`)."""
+        prompt = self.prompt_token_ids
+        prompt_len = self.prompt_len
+        parts = []
+        if start < prompt_len:
+            end = min(stop, prompt_len)
+            array = getattr(prompt, "array", None)
+            parts.append(array(start, end) if array is not None else np.asarray(prompt[start:end], dtype=np.int64))
+        if stop > prompt_len:
+            first = max(start, prompt_len) - prompt_len
+            parts.append(np.asarray(self.output_token_ids[first:stop - prompt_len], dtype=np.int64))
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def token_id_at(self, position: int) -> int:
         """The token id at ``position`` of prompt plus output."""
