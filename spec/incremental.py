@@ -79,20 +79,25 @@ class IncrementalChecker:
             if ended is not None:
                 self.pending_terminal[request_id] = ended
         self.live.update(state.requests)
+        # Releases first (preemption empties a table), then allocations: a block released by one
+        # request may be taken by another in the same step.
+        takes: list[tuple[str, tuple[int, ...]]] = []
         for request_id, request in state.requests.items():
             old = self.held.get(request_id, ())
             table = request.block_ids
             if table is old or table == old:
                 continue
             if table[: len(old)] == old:
-                self._take(step, request_id, table[len(old):])
+                takes.append((request_id, table[len(old):]))
             else:
                 self._release(step, request_id, old)
-                self._take(step, request_id, table)
+                takes.append((request_id, table))
             if table:
                 self.held[request_id] = table
             else:
                 self.held.pop(request_id, None)
+        for request_id, blocks in takes:
+            self._take(step, request_id, blocks)
         owned = sum(len(r.block_ids) for r in state.requests.values())
         if len(state.free_block_ids) + owned != self.config.num_kv_blocks:
             self._report(step, f"free {len(state.free_block_ids)} + owned {owned} != num_kv_blocks={self.config.num_kv_blocks}")

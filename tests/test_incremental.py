@@ -75,7 +75,7 @@ def _finished_with_blocks(state, before):
     return attrs.evolve(state, finished=finished, free_block_ids=state.free_block_ids[1:])
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(runs(), st.sampled_from(sorted(FAULTS)), st.integers(0, 40))
 def test_incremental_equals_full_check(run, fault, fault_step):
     config, specs, name = run
