@@ -137,7 +137,19 @@ def block_accounting(s: Any, plan: Any, out: Any) -> Any:
     return z3.And(local)
 
 
-LEMMAS = {"inv:block-conservation": block_accounting, "inv:kv-capacity": block_accounting}
+def running_accounting(s: Any, plan: Any, out: Any) -> Any:
+    """Lemma, slot by slot: a slot runs after the step only if it ran and was not preempted, or was
+    admitted (so the count follows by linear arithmetic)."""
+    local = []
+    for i, (old, new) in enumerate(zip(s.slots, out.state.slots, strict=True)):
+        kept = z3.If(z3.And(old.running, z3.Not(plan.pre[i])), 1, 0)
+        admitted = z3.If(z3.And(plan.sched[i], z3.Not(old.running), old.live), 1, 0)
+        local.append(z3.If(new.running, 1, 0) <= kept + admitted)
+    return z3.And(local)
+
+
+LEMMAS = {"inv:block-conservation": block_accounting, "inv:kv-capacity": block_accounting,
+          "inv:sequence-cap": running_accounting}
 
 
 def _step_goals(opts: Options, slots: int) -> tuple[Ctx, dict[str, Any], dict[str, Any], Any, Any, Any]:
