@@ -13,14 +13,16 @@ import pytest
 
 z3 = pytest.importorskip("z3")
 
-from hypothesis import given, settings  # noqa: E402
+from hypothesis import example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from test_proofs_encoding import configs, states  # noqa: E402
 
 from schedspec.reference import policies  # noqa: E402
 from schedspec.reference.fake_model import FakeModel  # noqa: E402
 from schedspec.reference.proofs.policy import concrete_step  # noqa: E402
+from schedspec.spec.config import SchedulerConfig  # noqa: E402
 from schedspec.spec.proofs.concrete import describe_plan  # noqa: E402
+from schedspec.spec.request import Request, RequestStatus  # noqa: E402
 from schedspec.spec.state import SchedulerState  # noqa: E402
 from schedspec.spec.transitions import add_request, apply_plan  # noqa: E402
 from schedspec.spec.workload import RequestSpec  # noqa: E402
@@ -65,7 +67,22 @@ def cases(draw, policy: str):
     return config, state, len(state.requests) + extra
 
 
+def pressure_case():
+    """No free block; the running decode A needs one, so it preempts B (admitted after it) and takes B's
+    block. A policy that does not return a victim's blocks to the pool preempts A too."""
+    config = SchedulerConfig(block_size=2, num_kv_blocks=2, max_num_batched_tokens=8, max_num_seqs=2,
+                             max_model_len=16)
+    a = Request("A", 0, (1, 2), 4, status=RequestStatus.RUNNING, num_computed_tokens=2, output_token_ids=(5,),
+                block_ids=(0,), admitted_step=0)
+    b = Request("B", 0, (3, 4), 4, status=RequestStatus.RUNNING, num_computed_tokens=0, block_ids=(1,),
+                admitted_step=1)
+    state = SchedulerState(step=2, running=("A", "B"), requests={"A": a, "B": b}, free_block_ids=(),
+                           num_requests_added=2)
+    return config, state, 2
+
+
 @EXAMPLES
+@example(pressure_case())
 @given(cases("fcfs"))
 def test_encoded_fcfs_step_is_the_fcfs_plan(case):
     config, state, slots = case

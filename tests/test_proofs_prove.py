@@ -120,3 +120,10 @@ def test_cli_and_proof_core_import_without_z3():
             "print('ok')")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "ok", done.stderr
+
+
+def test_the_command_knows_which_policies_are_encoded():
+    from schedspec.commands.prove import ENCODED
+    from schedspec.reference.proofs.policy import POLICIES
+
+    assert set(ENCODED) == set(POLICIES)

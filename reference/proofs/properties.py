@@ -14,9 +14,6 @@ from typing import Any
 import z3
 
 from schedspec.spec.proofs.encoding import (
-    EMPTY,
-    PREEMPTED,
-    RUNNING,
     WAITING,
     Ctx,
     Plan,
@@ -207,7 +204,3 @@ def run_from_init(ctx: Ctx, policy: str, n: int, depth: int, eos: bool = False) 
         eos_vars.append(e)
         s = materialize(ctx, out.state, f"t{t + 1}")
     return Run(steps, arrival, prompt, max_tokens, eos_vars)
-
-
-def status_value(st: int) -> str:
-    return {EMPTY: "empty", WAITING: "waiting", PREEMPTED: "preempted", RUNNING: "running"}[st]
