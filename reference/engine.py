@@ -281,7 +281,7 @@ class Engine:
                 if set(finished) != set(result.finished):
                     violations.append(Violation(
                         "refinement", f"scheduler says finished {sorted(finished)}, spec says {sorted(result.finished)}",
-                        before.step))
+                        before.step, kind="mismatch"))
                 finished = result.finished
             if self.check:
                 if ledger is not None:

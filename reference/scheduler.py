@@ -11,6 +11,9 @@ The protocol (engine adapters implement the same one):
   requests that finished (stop or length) in this step.
 - ``state``: the scheduler's :class:`~schedspec.spec.state.SchedulerState` (reference schedulers), or
   ``None`` for an engine adapter, whose state the engine loop shadows with the spec.
+- ``engine_view() -> EngineView`` (engine adapters, optional): the engine's own bookkeeping after the
+  last ``update`` (or arrival/abort), in the spec's terms; the engine loop compares it field by field
+  with the spec's shadow state and reports ``state-mismatch``.
 - ``name`` and ``guarantees``: the registry name and the trace properties it promises.
 """
 
@@ -20,6 +23,8 @@ import importlib
 from collections.abc import Callable, Mapping
 from typing import Protocol, runtime_checkable
 
+import attrs
+
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.request import Request
 from schedspec.spec.state import SchedulerState, StepPlan
@@ -28,6 +33,41 @@ from schedspec.spec.transitions import abort_request, add_request, apply_plan
 from . import policies
 
 PlanFunction = Callable[[SchedulerState, SchedulerConfig], StepPlan]
+
+
+@attrs.frozen
+class EngineView:
+    """An engine's own view of its state, as an adapter reads it from the engine, in the spec's terms.
+
+    Block ids are the spec's: ``0 .. num_kv_blocks - 1`` (an adapter maps the engine's ids, e.g. vLLM's
+    null block 0 is left out and its block ``b`` is spec block ``b - 1``).
+
+    Attributes:
+        num_free_blocks: blocks the engine could hand out now (blocks).
+        waiting: ids in the engine's waiting queue (fresh and preempted), front first where the engine
+            keeps an order; compared as a set.
+        running: ids in the engine's running set; compared as a set.
+        block_tables: live request id -> its block table (block ids, logical order); requests holding
+            no blocks may be left out.
+        num_computed_tokens: live request id -> tokens whose KV the engine holds for it (tokens).
+    """
+
+    num_free_blocks: int
+    waiting: tuple[str, ...]
+    running: tuple[str, ...]
+    block_tables: Mapping[str, tuple[int, ...]]
+    num_computed_tokens: Mapping[str, int]
+
+    @classmethod
+    def of_state(cls, state: SchedulerState) -> EngineView:
+        """The view a spec state gives (what an engine that agrees with the spec reports)."""
+        return cls(
+            num_free_blocks=state.num_free_blocks,
+            waiting=state.waiting,
+            running=state.running,
+            block_tables={r: q.block_ids for r, q in state.requests.items() if q.block_ids},
+            num_computed_tokens={r: q.num_computed_tokens for r, q in state.requests.items()},
+        )
 
 
 class UnsupportedFeature(Exception):

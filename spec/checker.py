@@ -65,7 +65,7 @@ def check_trace(
     steps = 0
 
     def mismatch(step: int, detail: str, request_id: str | None = None) -> None:
-        violations.append(Violation("trace-mismatch", detail, step, request_id))
+        violations.append(Violation("trace-mismatch", detail, step, request_id, kind="mismatch"))
 
     for record in records:
         if record.step != state.step:

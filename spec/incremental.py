@@ -45,7 +45,7 @@ class IncrementalChecker:
         self.violations: list[Violation] = []
 
     def _report(self, step: int, detail: str, request_id: str | None = None) -> None:
-        self.violations.append(Violation(NAME, detail, step, request_id))
+        self.violations.append(Violation(NAME, detail, step, request_id, kind="invariant"))
 
     def _release(self, step: int, request_id: str, blocks: tuple[int, ...]) -> None:
         for block_id in blocks:
@@ -121,8 +121,8 @@ class IncrementalChecker:
         terminal: Mapping[str, Request] = self.pending_terminal
         self.pending_terminal = {}
         return check_step(before, plan, after, self.config, terminal=terminal, skip=frozenset({NAME})) + [
-            Violation(v.name, v.detail, before.step, v.request_id) for v in self.violations
+            Violation(v.name, v.detail, before.step, v.request_id, kind="invariant") for v in self.violations
         ] + [
-            Violation(NAME, f"terminal request still owns {len(r.block_ids)} blocks", before.step, rid)
+            Violation(NAME, f"terminal request still owns {len(r.block_ids)} blocks", before.step, rid, kind="invariant")
             for rid, r in terminal.items() if r.block_ids
         ]

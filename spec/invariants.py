@@ -225,7 +225,7 @@ def check_state(
         skip: invariant names checked elsewhere (the incremental checker's block ledger).
     """
     return [
-        Violation(inv.name, detail, state.step, request_id)
+        Violation(inv.name, detail, state.step, request_id, kind="invariant")
         for inv in STATE_INVARIANTS
         if inv.name not in skip
         for request_id, detail in inv.check(state, config, terminal)
@@ -243,7 +243,7 @@ def check_step(
     """Every step invariant on one step, then every state invariant on the state after it
     (``terminal`` and ``skip`` as in :func:`check_state`)."""
     found = [
-        Violation(inv.name, detail, before.step, request_id)
+        Violation(inv.name, detail, before.step, request_id, kind="invariant")
         for inv in STEP_INVARIANTS
         for request_id, detail in inv.check(before, plan, after, config)
     ]

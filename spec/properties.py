@@ -37,7 +37,7 @@ class Monitor:
         return self.violations
 
     def report(self, step: int, detail: str, request_id: str | None = None) -> None:
-        self.violations.append(Violation(self.name, detail, step, request_id))
+        self.violations.append(Violation(self.name, detail, step, request_id, kind="property"))
 
 
 def _oldest_live(state: SchedulerState) -> str | None:

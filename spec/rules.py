@@ -23,20 +23,36 @@ from schedspec.spec.admission import rejection_reason
 from schedspec.spec.config import SchedulerConfig, blocks_for_tokens
 from schedspec.spec.state import SchedulerState, StepPlan
 
+VIOLATION_KINDS = ("rule", "invariant", "property", "mismatch")
+"""What a :class:`Violation` broke: an allowed-plan ``rule`` (:mod:`~schedspec.spec.rules`), an
+``invariant`` (:mod:`~schedspec.spec.invariants`), a trace ``property``
+(:mod:`~schedspec.spec.properties`), or a ``mismatch``: something an engine reported (a trace field, its
+own state) differs from what the spec says happened."""
+
 
 @attrs.frozen
 class Violation:
-    """A broken rule or invariant: its registered name, the step, the request if any, and detail."""
+    """A broken rule, invariant or property, or a mismatch with the spec.
+
+    Attributes:
+        name: the registered name (a rule, invariant or property name; for mismatches ``trace-mismatch``,
+            ``state-mismatch`` or ``refinement``).
+        detail: one line saying what differs and what the spec allows.
+        step: the step that caused it (the step whose plan or update broke it).
+        request_id: the request concerned, if one is.
+        kind: one of :data:`VIOLATION_KINDS`.
+    """
 
     name: str
     detail: str
     step: int | None = None
     request_id: str | None = None
+    kind: str = attrs.field(kw_only=True, validator=attrs.validators.in_(VIOLATION_KINDS))
 
     def __str__(self) -> str:
         where = f"step {self.step}: " if self.step is not None else ""
         who = f" (request {self.request_id})" if self.request_id is not None else ""
-        return f"{where}{self.name}{who}: {self.detail}"
+        return f"{where}{self.kind} {self.name}{who}: {self.detail}"
 
 
 RuleCheck = Callable[[SchedulerState, StepPlan, SchedulerConfig], Iterator[tuple[str | None, str]]]
@@ -300,7 +316,7 @@ def violated_rules(state: SchedulerState, plan: StepPlan, config: SchedulerConfi
     found: list[Violation] = []
     for r in RULES:
         for request_id, detail in r.check(state, plan, config):
-            found.append(Violation(r.name, detail, state.step, request_id))
+            found.append(Violation(r.name, detail, state.step, request_id, kind="rule"))
     return found
 
 
