@@ -4,8 +4,13 @@ token source, and check it against the spec at every step.
 Per step: arrivals and aborts due before the step are applied; the scheduler plans; with checking on,
 the plan must be allowed by the spec from the current state (the **refinement check**,
 :func:`schedspec.spec.rules.violated_rules`); the token source runs the batch; the scheduler updates;
+the spec's **shadow** state is advanced by the spec's own transition
+(:func:`~schedspec.spec.transitions.apply_plan`), never taken from the scheduler, and compared field by
+field with the scheduler's own state (its ``state``, or an engine adapter's ``engine_view()``):
+a difference is a ``state-mismatch``, a different set of finished requests a ``refinement`` mismatch;
 every invariant (:mod:`schedspec.spec.invariants`) is checked on the step; the trace-property monitors
 (:mod:`schedspec.spec.properties`) watch it. A :class:`StepRecord` is produced for every step.
+With checking off, a scheduler's own spec state is trusted (the lab's fast path).
 
 Two clocks: ``mode="steps"`` adds a request before step ``arrival_step`` and runs empty steps while
 waiting for arrivals (scenarios); ``mode="time"`` adds requests whose ``arrival_time`` has passed on a
@@ -27,11 +32,11 @@ from schedspec.spec.properties import Monitor, monitors
 from schedspec.spec.rules import Violation, violated_rules
 from schedspec.spec.state import SchedulerState, StepPlan
 from schedspec.spec.trace import ScheduledTokens, StepRecord
-from schedspec.spec.transitions import abort_request, add_request, apply_plan
+from schedspec.spec.transitions import PlanError, abort_request, add_request, apply_plan
 from schedspec.spec.workload import RequestSpec
 
 from .fake_model import FakeModel, TokenSource
-from .scheduler import Scheduler
+from .scheduler import EngineView, Scheduler, state_differences, view_differences
 
 
 class ViolationFound(Exception):
@@ -220,7 +225,11 @@ class Engine:
     def _run(self, pending, specs, mode, max_steps, token_source, step_aborts, time_aborts, ledger) -> RunResult:
         watched: list[Monitor] = monitors(self.properties, self.config) + monitors(self.watch, self.config)
         shadow = SchedulerState.initial(self.config)
-        own_state = isinstance(getattr(self.scheduler, "state", None), SchedulerState)
+        has_state = isinstance(getattr(self.scheduler, "state", None), SchedulerState)
+        # With checks off, a scheduler that keeps a spec state is trusted (the fast path); with checks on,
+        # the spec's shadow is always advanced by the spec's own transitions and compared with it.
+        trust_state = has_state and not self.check
+        has_view = self.check and not has_state and callable(getattr(self.scheduler, "engine_view", None))
         records: list[StepRecord] = []
         violations: list[Violation] = []
         next_arrival = 0
@@ -229,6 +238,16 @@ class Engine:
         step = 0
         checked = 0
         started = wallclock.perf_counter()
+
+        def compare_own(after: SchedulerState, ended: tuple[str, ...], blamed: int) -> list[Violation]:
+            if has_state:
+                differences = state_differences(after, self.scheduler.state, ended)
+            elif has_view:
+                differences = view_differences(EngineView.of_state(after), self.scheduler.engine_view())
+            else:
+                return []
+            return [Violation("state-mismatch", detail, blamed, request_id, kind="mismatch")
+                    for request_id, detail in differences]
 
         while True:
             if max_steps is not None and step >= max_steps:
@@ -243,7 +262,7 @@ class Engine:
                     break
                 request = spec.to_request(step)
                 self.scheduler.add_request(request)
-                shadow = self.scheduler.state if own_state else add_request(shadow, request)
+                shadow = self.scheduler.state if trust_state else add_request(shadow, request)
                 arrivals.append(spec)
                 next_arrival += 1
             aborts = list(step_aborts.get(step, ()))
@@ -258,11 +277,17 @@ class Engine:
                     if live.block_ids:
                         freed_by_abort[request_id] = live.block_ids
                 self.scheduler.abort_request(request_id)
-                shadow = self.scheduler.state if own_state else abort_request(shadow, request_id)
+                shadow = self.scheduler.state if trust_state else abort_request(shadow, request_id)
             if not shadow.requests and next_arrival >= len(pending):
                 break
 
             before = shadow
+            if self.check and (arrivals or aborts):
+                found = compare_own(before, tuple(aborted), step)
+                if found:
+                    violations.extend(found)
+                    if self.stop_on_violation:
+                        raise ViolationFound(found, before)
             plan = self.scheduler.schedule()
             if self.check:
                 found = ledger.sync(before) if ledger is not None else []
@@ -273,15 +298,30 @@ class Engine:
                         raise ViolationFound(found, before)
             sampled, duration = token_source.execute(plan, before)
             finished = self.scheduler.update(plan, sampled)
-            if own_state:
+            if trust_state:
                 after = self.scheduler.state
             else:
-                result = apply_plan(before, plan, sampled, self.config)
+                try:
+                    result = apply_plan(before, plan, sampled, self.config)
+                except PlanError as error:
+                    found = [Violation("refinement", f"the spec cannot apply the scheduler's plan: {error}",
+                                       before.step, kind="mismatch")]
+                    violations.extend(found)
+                    if self.stop_on_violation:
+                        raise ViolationFound(found, before) from None
+                    break
                 after = result.state
-                if set(finished) != set(result.finished):
-                    violations.append(Violation(
-                        "refinement", f"scheduler says finished {sorted(finished)}, spec says {sorted(result.finished)}",
-                        before.step, kind="mismatch"))
+                if self.check:
+                    found = []
+                    if set(finished) != set(result.finished):
+                        found.append(Violation(
+                            "refinement", f"scheduler says finished {sorted(finished)}, spec says "
+                            f"{sorted(result.finished)}", before.step, kind="mismatch"))
+                    found += compare_own(after, result.finished, before.step)
+                    if found:
+                        violations.extend(found)
+                        if self.stop_on_violation:
+                            raise ViolationFound(found, after)
                 finished = result.finished
             if self.check:
                 if ledger is not None:

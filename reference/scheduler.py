@@ -70,6 +70,75 @@ class EngineView:
         )
 
 
+
+def view_differences(spec: EngineView, own: EngineView) -> list[tuple[str | None, str]]:
+    """Field-by-field differences between the view the spec's state gives and an engine's own view.
+
+    Returns:
+        ``(request_id or None, "field: engine X, spec Y")`` for each difference; empty when they agree.
+        Queues are compared as sets (engines order them differently, e.g. vLLM's priority heap);
+        block tables in logical order.
+    """
+    found: list[tuple[str | None, str]] = []
+    if spec.num_free_blocks != own.num_free_blocks:
+        found.append((None, f"num_free_blocks: engine {own.num_free_blocks}, spec {spec.num_free_blocks}"))
+    for name in ("waiting", "running"):
+        mine, theirs = set(getattr(own, name)), set(getattr(spec, name))
+        for request_id in sorted(mine - theirs):
+            found.append((request_id, f"{name}: in the engine's {name} queue, not in the spec's"))
+        for request_id in sorted(theirs - mine):
+            found.append((request_id, f"{name}: in the spec's {name} queue, not in the engine's"))
+    for request_id in sorted(set(spec.block_tables) | set(own.block_tables)):
+        mine, theirs = tuple(own.block_tables.get(request_id, ())), tuple(spec.block_tables.get(request_id, ()))
+        if mine != theirs:
+            found.append((request_id, f"block table: engine {list(mine)}, spec {list(theirs)}"))
+    for request_id in sorted(set(spec.num_computed_tokens) | set(own.num_computed_tokens)):
+        mine, theirs = own.num_computed_tokens.get(request_id), spec.num_computed_tokens.get(request_id)
+        if mine != theirs:
+            found.append((request_id, f"num_computed_tokens: engine {mine}, spec {theirs}"))
+    return found
+
+
+_REQUEST_FIELDS = tuple(field.name for field in attrs.fields(Request) if field.init)
+
+
+def state_differences(spec: SchedulerState, own: SchedulerState,
+                      ended: tuple[str, ...] = ()) -> list[tuple[str | None, str]]:
+    """Field-by-field differences between the spec's state and a scheduler's own
+    :class:`~schedspec.spec.state.SchedulerState` after the same step.
+
+    Compares the step counter, both queues in order, the free queue, the number of requests added, every
+    field of every live request, and the terminal requests listed in ``ended`` (those that ended in the
+    step: earlier ones were compared when they ended). Requests that are the same object in both states
+    cost one identity test.
+
+    Returns:
+        ``(request_id or None, "field: scheduler X, spec Y")`` per difference; empty when they agree.
+    """
+    found: list[tuple[str | None, str]] = []
+    for name in ("step", "waiting", "running", "num_requests_added"):
+        if getattr(spec, name) != getattr(own, name):
+            found.append((None, f"{name}: scheduler {getattr(own, name)!r}, spec {getattr(spec, name)!r}"))
+    if spec.free_block_ids != own.free_block_ids:
+        found.append((None, f"free_block_ids: scheduler has {own.num_free_blocks} "
+                            f"{list(own.free_block_ids[:8])}..., spec {spec.num_free_blocks} {list(spec.free_block_ids[:8])}..."))
+    for table, label in ((spec.requests, "live"), ({r: spec.finished[r] for r in ended if r in spec.finished}, "ended")):
+        other = own.requests if label == "live" else own.finished
+        for request_id, request in table.items():
+            mine = other.get(request_id)
+            if mine is request:
+                continue
+            if mine is None:
+                found.append((request_id, f"{label} in the spec's state, missing from the scheduler's"))
+                continue
+            for name in _REQUEST_FIELDS:
+                if getattr(mine, name) != getattr(request, name):
+                    found.append((request_id, f"{name}: scheduler {getattr(mine, name)!r}, spec {getattr(request, name)!r}"))
+    for request_id in own.requests:
+        if request_id not in spec.requests:
+            found.append((request_id, "live in the scheduler's state, not in the spec's"))
+    return found
+
 class UnsupportedFeature(Exception):
     """The chosen scheduler cannot express this config or scenario (CLI exit status 3)."""
 

@@ -28,6 +28,13 @@ def max_blocks_needed(prompt_len: int, max_tokens: int, config: SchedulerConfig)
     return blocks_for_tokens(tokens, config.block_size)
 
 
+REJECTION_CODES = ("empty-prompt", "no-output", "prompt-exceeds-max-model-len", "exceeds-kv-cache")
+"""The limit a rejection names, as the first word of its reason (``CODE: detail``): the prompt is empty;
+``max_tokens < 1``; the prompt is longer than ``max_model_len`` (vLLM ``processor.py`` raises
+``ValueError`` for it); the whole sequence needs more KV blocks than ``num_kv_blocks``. A trace's
+rejection reason is judged by its code, so an engine may word the detail its own way."""
+
+
 def rejection_reason(prompt_len: int, max_tokens: int, config: SchedulerConfig) -> str | None:
     """Why a request of this shape can never complete alone, or ``None`` if it can.
 
@@ -37,20 +44,25 @@ def rejection_reason(prompt_len: int, max_tokens: int, config: SchedulerConfig) 
         config: the scheduler's limits.
 
     Returns:
-        A one-line reason naming the limit, or ``None``.
+        ``"CODE: detail"``, ``CODE`` one of :data:`REJECTION_CODES`; or ``None``.
     """
     if prompt_len <= 0:
-        return f"empty prompt (prompt_len={prompt_len})"
+        return f"empty-prompt: prompt_len={prompt_len}"
     if max_tokens < 1:
-        return f"max_tokens={max_tokens} < 1"
+        return f"no-output: max_tokens={max_tokens} < 1"
     if prompt_len > config.max_model_len:
-        return f"prompt_len={prompt_len} exceeds max_model_len={config.max_model_len}"
+        return f"prompt-exceeds-max-model-len: prompt_len={prompt_len} exceeds max_model_len={config.max_model_len}"
     # max_blocks_needed, inlined: this runs for every waiting request in every step
     tokens = max(prompt_len, min(prompt_len + max_tokens, config.max_model_len) - 1)
     needed = -(-tokens // config.block_size)
     if needed > config.num_kv_blocks:
         return (
-            f"needs {needed} KV blocks (prompt_len={prompt_len}, max_tokens={max_tokens}, "
+            f"exceeds-kv-cache: needs {needed} KV blocks (prompt_len={prompt_len}, max_tokens={max_tokens}, "
             f"block_size={config.block_size}) but num_kv_blocks={config.num_kv_blocks}"
         )
     return None
+
+
+def rejection_code(reason: str) -> str:
+    """The code of a rejection reason: the text before its first ``:`` (the whole text if none)."""
+    return reason.partition(":")[0].strip()

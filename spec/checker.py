@@ -1,30 +1,73 @@
 """Judge any engine's step trace against the spec.
 
-:func:`check_trace` rebuilds the spec state from the trace's own records: before each step it adds the
-recorded arrivals and applies the recorded aborts; it turns the step's scheduled tokens, allocated
-blocks, preemptions and rejections into a :class:`~schedspec.spec.state.StepPlan`, checks that the
-plan is allowed (:func:`~schedspec.spec.rules.violated_rules`), applies it with the recorded sampled
-tokens, checks every invariant, and compares what the record says happened (finished requests and
-reasons, freed blocks, free/running/waiting counts) with what the spec says must have happened.
-Mismatches are reported as ``trace-mismatch`` violations.
+:func:`check_trace` replays the trace on the spec, as a linearizability checker replays a history on
+its model. Before each step it adds the recorded arrivals and applies the recorded aborts; it turns
+the step's scheduled tokens, allocated blocks, preemptions and rejections into a
+:class:`~schedspec.spec.state.StepPlan` and checks that the plan is allowed
+(:func:`~schedspec.spec.rules.violated_rules`); it applies the plan with the recorded sampled tokens
+(:func:`~schedspec.spec.transitions.apply_plan`) and checks every invariant; and it compares **every
+field** of the record with what the spec says happened:
+
+==========================  ==========================================================================
+record field                compared with
+==========================  ==========================================================================
+``step``                    the spec's step counter (steps are numbered from 0, none skipped)
+``start_time``/``duration`` a step lasts ``>= 0`` s and starts no earlier than the last one ended
+``arrivals``                a fresh id (never added before)
+``aborts``/``aborted``      ``aborted`` is exactly the ids of ``aborts`` that were live
+``scheduled``               the plan (rules); ``prefill_tokens``/``decode_tokens`` split as the spec
+                            defines a decode (:attr:`~schedspec.spec.request.Request.is_prefill`)
+``blocks_allocated``        the plan's new blocks (rules); only requests in ``scheduled`` get blocks
+``blocks_freed``            exactly the blocks each preempted, finished or aborted request held
+``prefix_hit_tokens``       0 for every request (prefix caching off)
+``preempted``/``rejected``  the plan (rules; a rejection's reason by its code)
+``sampled_token_ids``       exactly the requests whose chunk reached the end of their sequence
+``finished``                the requests the spec ends after sampling, with the spec's reasons
+``num_free_blocks`` ...     the spec's free blocks, running and waiting counts after the step
+==========================  ==========================================================================
+
+By default the check stops at the **first illegal step**: the step whose plan breaks a rule, whose
+update breaks an invariant, or whose record differs from the spec. The report gives that step, the
+state before it, the plan, every violation found in it, and the longest valid prefix (the steps before
+it). ``keep_going`` continues past illegal steps, applying the recorded plan where the spec can
+(later violations may then be consequences of the first).
+
+Trace properties (:mod:`schedspec.spec.properties`) are checked on the valid prefix.
+:data:`DEFAULT_PROPERTIES` are owed by every correct scheduler and checked unless told otherwise.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+import attrs
+
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.invariants import check_step
 from schedspec.spec.properties import monitors
+from schedspec.spec.request import Request
 from schedspec.spec.rules import Violation, violated_rules
 from schedspec.spec.state import ScheduledRequest, SchedulerState, StepPlan, samples_this_step
 from schedspec.spec.trace import StepRecord
 from schedspec.spec.transitions import PlanError, abort_request, add_request, apply_plan
-from schedspec.spec.workload import EOS_TOKEN_ID
+
+DEFAULT_PROPERTIES: tuple[str, ...] = ("progress", "rejects-impossible")
+"""Properties :func:`check_trace` checks unless told otherwise, because every correct scheduler owes
+them whatever its policy: ``progress`` (an engine that stops computing while requests are live has
+hung; no policy excuses it) and ``rejects-impossible`` (a request that can never complete is ended
+with a reason at arrival, not left to block the queue or be lost). The others (work-conserving,
+stall-free-decode, bounded-wait, bounded-itl, bounded-preemptions) are choices some correct policies
+do not make (static batching, shortest-prompt-first, no chunking); ask for them by name."""
+
+TIME_TOLERANCE = 1e-9
+"""Relative tolerance when comparing a step's start with the previous step's end (float sums)."""
+
+MISMATCH = "trace-mismatch"
 
 
 def plan_from_record(record: StepRecord) -> StepPlan:
-    """The :class:`StepPlan` a step record describes."""
+    """The :class:`StepPlan` a step record describes (allocations to requests outside ``scheduled``
+    are not part of it: :func:`check_trace` reports them)."""
     return StepPlan(
         scheduled=tuple(
             ScheduledRequest(s.request_id, s.num_computed_tokens, s.num_tokens, record.blocks_allocated.get(s.request_id, ()))
@@ -35,75 +78,261 @@ def plan_from_record(record: StepRecord) -> StepPlan:
     )
 
 
-def _sampled(state: SchedulerState, plan: StepPlan, record: StepRecord) -> dict[str, int]:
-    """The recorded sampled tokens; where a record omits them, EOS for requests it says stopped and a
-    non-EOS id for the others."""
-    sampled = dict(record.sampled_token_ids)
+@attrs.define
+class CheckReport:
+    """The verdict on a trace.
+
+    Attributes:
+        violations: every violation found (with ``keep_going``, of every illegal step; else of the first).
+        steps_checked: records replayed.
+        first_bad_step: the first illegal step, or ``None`` if every step was legal.
+        valid_prefix: how many steps from step 0 are legal (the longest valid prefix).
+        state_before: the spec's state before the first illegal step (after its arrivals and aborts).
+        plan: the plan the first illegal step's record describes.
+        record: the first illegal step's record.
+        properties: the trace properties that were checked.
+    """
+
+    violations: list[Violation] = attrs.field(factory=list)
+    steps_checked: int = 0
+    first_bad_step: int | None = None
+    valid_prefix: int = 0
+    state_before: SchedulerState | None = None
+    plan: StepPlan | None = None
+    record: StepRecord | None = None
+    properties: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+
+def _sorted_blocks(blocks: Iterable[int]) -> list[int]:
+    return sorted(blocks)
+
+
+class _StepComparison:
+    """Collects the trace-mismatch violations of one step."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.found: list[Violation] = []
+
+    def __call__(self, detail: str, request_id: str | None = None) -> None:
+        self.found.append(Violation(MISMATCH, detail, self.step, request_id, kind="mismatch"))
+
+
+def _compare_times(record: StepRecord, previous: StepRecord | None, mismatch: _StepComparison) -> None:
+    if record.duration < 0:
+        mismatch(f"duration {record.duration} s < 0: a step cannot last a negative time")
+    if previous is not None:
+        end = previous.start_time + max(previous.duration, 0.0)
+        if record.start_time < end - TIME_TOLERANCE * max(1.0, abs(end)):
+            mismatch(f"starts at {record.start_time} s, before step {previous.step} ended at {end} s "
+                     "(time runs backwards or steps overlap)")
+
+
+def _compare_split(before: SchedulerState, record: StepRecord, mismatch: _StepComparison) -> None:
+    for item in record.scheduled:
+        request = before.requests.get(item.request_id)
+        if request is None or item.num_computed_tokens != request.num_computed_tokens:
+            continue  # a rule reports it (known-requests, chunk-continues)
+        # A decode: the prompt is computed and exactly the one newest token is pending.
+        decode = 0 if request.is_prefill else item.num_tokens
+        if (item.prefill_tokens, item.decode_tokens) != (item.num_tokens - decode, decode):
+            kind = "a prefill (or recompute) chunk" if request.is_prefill else "a decode"
+            mismatch(f"prefill_tokens={item.prefill_tokens}, decode_tokens={item.decode_tokens}, but the step is "
+                     f"{kind} of {item.num_tokens} tokens: the spec says prefill_tokens={item.num_tokens - decode}, "
+                     f"decode_tokens={decode}", item.request_id)
+
+
+def _expected_samplers(before: SchedulerState, plan: StepPlan) -> list[str]:
+    samplers = []
     for item in plan.scheduled:
-        request = state.requests.get(item.request_id)
-        if request is not None and item.request_id not in sampled and samples_this_step(request, item):
-            sampled[item.request_id] = EOS_TOKEN_ID if record.finished.get(item.request_id) == "stop" else EOS_TOKEN_ID + 1
+        request = before.requests.get(item.request_id)
+        if request is not None and samples_this_step(request, item):
+            samplers.append(item.request_id)
+    return samplers
+
+
+def _compare_sampled(samplers: list[str], record: StepRecord, mismatch: _StepComparison) -> None:
+    expected = set(samplers)
+    for request_id in record.sampled_token_ids:
+        if request_id not in expected:
+            mismatch("a token was sampled for a request that does not sample this step (not scheduled, not live, "
+                     "or its chunk does not reach the end of its sequence)", request_id)
+    for request_id in samplers:
+        if request_id not in record.sampled_token_ids:
+            mismatch("no sampled token, but its chunk reaches the end of its sequence, so it samples one",
+                     request_id)
+
+
+def _compare_after(before: SchedulerState, plan: StepPlan, after: SchedulerState, finished: tuple[str, ...],
+                   record: StepRecord, freed_by_abort: dict[str, tuple[int, ...]], config: SchedulerConfig,
+                   mismatch: _StepComparison) -> None:
+    expected_finished = {r: after.finished[r].finish_reason for r in finished}
+    for request_id, reason in record.finished.items():
+        if request_id not in expected_finished:
+            mismatch(f"finished ({reason!r}) but the spec does not end it in this step", request_id)
+        elif expected_finished[request_id] != reason:
+            mismatch(f"finished with reason {reason!r}, the spec's reason is {expected_finished[request_id]!r}",
+                     request_id)
+    for request_id, reason in expected_finished.items():
+        if request_id not in record.finished:
+            mismatch(f"not reported finished, but the spec ends it in this step ({reason!r})", request_id)
+
+    expected_freed: dict[str, tuple[int, ...]] = dict(freed_by_abort)
+    for request_id in plan.preempted:
+        request = before.requests.get(request_id)
+        if request is not None and request.block_ids:
+            expected_freed[request_id] = request.block_ids
+    new_blocks = {item.request_id: item.new_block_ids for item in plan.scheduled}
+    for request_id in finished:
+        blocks = before.requests[request_id].block_ids + new_blocks.get(request_id, ())
+        if blocks:
+            expected_freed[request_id] = blocks
+    for request_id in sorted(set(record.blocks_freed) | set(expected_freed)):
+        said = _sorted_blocks(record.blocks_freed.get(request_id, ()))
+        spec = _sorted_blocks(expected_freed.get(request_id, ()))
+        if said != spec:
+            mismatch(f"blocks_freed {said}, but it released {spec}", request_id)
+
+    scheduled = {item.request_id for item in plan.scheduled}
+    for request_id, blocks in record.blocks_allocated.items():
+        if request_id not in scheduled and blocks:
+            mismatch(f"blocks_allocated {list(blocks)} to a request that is not in the step's batch", request_id)
+
+    for request_id, hit in record.prefix_hit_tokens.items():
+        if hit and not config.enable_prefix_caching:
+            mismatch(f"prefix_hit_tokens={hit} with prefix caching off", request_id)
+
+    for name, spec_value, trace_value in (
+        ("num_free_blocks", len(after.free_block_ids), record.num_free_blocks),
+        ("num_running", len(after.running), record.num_running),
+        ("num_waiting", len(after.waiting), record.num_waiting),
+    ):
+        if spec_value != trace_value:
+            mismatch(f"{name} after the step: the trace says {trace_value}, the spec {spec_value}")
+
+
+def _sampled_for_update(samplers: list[str], record: StepRecord, before: SchedulerState) -> dict[str, int]:
+    """The tokens to apply: the recorded ones; for a sampler the record omits (already reported), a token
+    that stops it exactly when the record says it stopped, so that ``keep_going`` follows the engine."""
+    sampled = {r: t for r, t in record.sampled_token_ids.items() if r in samplers}
+    for request_id in samplers:
+        if request_id in sampled:
+            continue
+        request: Request = before.requests[request_id]
+        stop = record.finished.get(request_id) == "stop"
+        candidates = [request.eos_token_id, *request.stop_token_ids] if stop else []
+        token = next((t for t in candidates if t is not None), None)
+        if token is None:
+            avoid = {request.eos_token_id, *request.stop_token_ids}
+            token = next(t for t in range(len(avoid) + 1) if t not in avoid)
+        sampled[request_id] = token
     return sampled
 
 
 def check_trace(
-    config: SchedulerConfig, records: Iterable[StepRecord], properties: Iterable[str] = ()
-) -> tuple[list[Violation], int]:
-    """Check a trace; returns ``(violations, steps_checked)``.
+    config: SchedulerConfig,
+    records: Iterable[StepRecord],
+    properties: Iterable[str] = DEFAULT_PROPERTIES,
+    keep_going: bool = False,
+) -> CheckReport:
+    """Replay a trace on the spec and judge every field of every record (module docstring).
 
     Args:
         config: the trace header's config.
-        records: the step records in order.
-        properties: trace properties to check as well (names from ``spec.properties.PROPERTIES``).
+        records: the step records in order (already validated against the schema, e.g. by
+            :func:`schedspec.spec.trace.open_trace`).
+        properties: trace properties to check (names from ``spec.properties.PROPERTIES``); default
+            :data:`DEFAULT_PROPERTIES`.
+        keep_going: continue past illegal steps instead of stopping at the first.
+
+    Returns:
+        A :class:`CheckReport`.
 
     Raises:
         KeyError: an unknown property name.
     """
+    names = tuple(dict.fromkeys(properties))
+    watched = monitors(names, config)
+    report = CheckReport(properties=names)
     state = SchedulerState.initial(config)
-    watched = monitors(tuple(properties), config)
-    violations: list[Violation] = []
-    steps = 0
-
-    def mismatch(step: int, detail: str, request_id: str | None = None) -> None:
-        violations.append(Violation("trace-mismatch", detail, step, request_id, kind="mismatch"))
+    previous: StepRecord | None = None
 
     for record in records:
+        mismatch = _StepComparison(record.step)
         if record.step != state.step:
-            mismatch(record.step, f"expected step {state.step}, record says {record.step}")
+            mismatch(f"expected step {state.step} (steps are numbered from 0, none skipped), the record says "
+                     f"{record.step}")
+            _fail(report, mismatch.found, state, None, record)
             break
-        try:
-            for spec in record.arrivals:
+        _compare_times(record, previous, mismatch)
+        previous = record
+
+        stuck = False
+        for spec in record.arrivals:
+            try:
                 state = add_request(state, spec.to_request(record.step))
-            for request_id in record.aborts:
-                state = abort_request(state, request_id)
-        except PlanError as error:
-            mismatch(record.step, str(error))
-            break
+            except PlanError as error:
+                mismatch(f"arrival: {error}", spec.request_id)
+                stuck = True
+        freed_by_abort: dict[str, tuple[int, ...]] = {}
+        expected_aborted = []
+        for request_id in record.aborts:
+            live = state.requests.get(request_id)
+            if live is not None:
+                expected_aborted.append(request_id)
+                if live.block_ids:
+                    freed_by_abort[request_id] = live.block_ids
+            state = abort_request(state, request_id)
+        if sorted(set(record.aborted)) != sorted(expected_aborted) or len(record.aborted) != len(set(record.aborted)):
+            mismatch(f"aborted {sorted(record.aborted)}, but of aborts {list(record.aborts)} the live ones were "
+                     f"{sorted(expected_aborted)}")
+
         before = state
         plan = plan_from_record(record)
         found = violated_rules(before, plan, config)
-        violations.extend(found)
+        _compare_split(before, record, mismatch)
+        samplers = _expected_samplers(before, plan)
+        _compare_sampled(samplers, record, mismatch)
+        after = None
         try:
-            result = apply_plan(before, plan, _sampled(before, plan, record), config)
+            result = apply_plan(before, plan, _sampled_for_update(samplers, record, before), config)
         except PlanError as error:
-            mismatch(record.step, f"cannot apply the recorded step: {error}")
-            break
-        after = result.state
-        steps += 1
-        violations.extend(check_step(before, plan, after, config))
+            if not found:
+                mismatch(f"the spec cannot apply the recorded step: {error}")
+            stuck = True
+        else:
+            after = result.state
+            found += check_step(before, plan, after, config)
+            _compare_after(before, plan, after, result.finished, record, freed_by_abort, config, mismatch)
+        report.steps_checked += 1
+        found += mismatch.found
+        if found:
+            _fail(report, found, before, plan, record)
+            if not keep_going or after is None or stuck:
+                break
+        elif report.first_bad_step is None:
+            report.valid_prefix += 1
+            for monitor in watched:
+                monitor.observe(before, plan, after)
+        if report.first_bad_step is None or keep_going:
+            state = after if after is not None else state
+
+    if report.first_bad_step is None or keep_going:
         for monitor in watched:
-            monitor.observe(before, plan, after)
-        expected_finished = {r: after.finished[r].finish_reason for r in result.finished}
-        if expected_finished != dict(record.finished):
-            mismatch(record.step, f"spec finishes {expected_finished}, trace says {dict(record.finished)}")
-        for name, spec_value, trace_value in (
-            ("free blocks", len(after.free_block_ids), record.num_free_blocks),
-            ("running", len(after.running), record.num_running),
-            ("waiting", len(after.waiting), record.num_waiting),
-        ):
-            if spec_value != trace_value:
-                mismatch(record.step, f"{name} after the step: spec {spec_value}, trace {trace_value}")
-        state = after
-    for monitor in watched:
-        violations.extend(monitor.finish(state))
-    return violations, steps
+            report.violations.extend(monitor.finish(state))
+    return report
+
+
+def _fail(report: CheckReport, found: list[Violation], before: SchedulerState, plan: StepPlan | None,
+          record: StepRecord) -> None:
+    report.violations.extend(found)
+    if report.first_bad_step is None:
+        report.first_bad_step = record.step
+        report.state_before = before
+        report.plan = plan
+        report.record = record
+

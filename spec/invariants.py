@@ -57,15 +57,7 @@ def step_invariant(name: str, source: str) -> Callable[[StepCheck], StepCheck]:
     return register
 
 
-@step_invariant("token-budget", "vLLM Scheduler.schedule token_budget; Sarathi-Serve §4.2")
-def token_budget(before: SchedulerState, plan: StepPlan, after: SchedulerState, config: SchedulerConfig) -> Breaches:
-    """sum(num_scheduled_tokens) <= max_num_batched_tokens in every step."""
-    total = plan.num_scheduled_tokens
-    if total > config.max_num_batched_tokens:
-        yield None, f"{total} tokens > max_num_batched_tokens={config.max_num_batched_tokens}"
-
-
-@state_invariant("sequence-cap", "vLLM Scheduler.schedule max_num_running_reqs")
+@state_invariant("running-within-max-num-seqs", "vLLM Scheduler.schedule max_num_running_reqs")
 def sequence_cap(state: SchedulerState, config: SchedulerConfig, terminal: Terminal = None) -> Breaches:
     """len(running) <= max_num_seqs."""
     if len(state.running) > config.max_num_seqs:
@@ -216,16 +208,20 @@ INVARIANT_NAMES: tuple[str, ...] = tuple(i.name for i in STATE_INVARIANTS + STEP
 
 
 def check_state(
-    state: SchedulerState, config: SchedulerConfig, terminal: Terminal = None, skip: frozenset[str] = frozenset()
+    state: SchedulerState, config: SchedulerConfig, terminal: Terminal = None, skip: frozenset[str] = frozenset(),
+    step: int | None = None,
 ) -> list[Violation]:
-    """Every state invariant on one state; the violations found (tagged with ``state.step``).
+    """Every state invariant on one state; the violations found.
 
     Args:
         terminal: the terminal requests to check (default: all of ``state.finished``).
         skip: invariant names checked elsewhere (the incremental checker's block ledger).
+        step: the step to blame (default ``state.step``; :func:`check_step` passes the step that
+            produced the state).
     """
+    blamed = state.step if step is None else step
     return [
-        Violation(inv.name, detail, state.step, request_id, kind="invariant")
+        Violation(inv.name, detail, blamed, request_id, kind="invariant")
         for inv in STATE_INVARIANTS
         if inv.name not in skip
         for request_id, detail in inv.check(state, config, terminal)
@@ -241,10 +237,11 @@ def check_step(
     skip: frozenset[str] = frozenset(),
 ) -> list[Violation]:
     """Every step invariant on one step, then every state invariant on the state after it
-    (``terminal`` and ``skip`` as in :func:`check_state`)."""
+    (``terminal`` and ``skip`` as in :func:`check_state`). Every violation is blamed on ``before.step``,
+    the step that caused it."""
     found = [
         Violation(inv.name, detail, before.step, request_id, kind="invariant")
         for inv in STEP_INVARIANTS
         for request_id, detail in inv.check(before, plan, after, config)
     ]
-    return found + check_state(after, config, terminal, skip)
+    return found + check_state(after, config, terminal, skip, step=before.step)

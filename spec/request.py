@@ -83,6 +83,8 @@ class Request:
         max_tokens: most output tokens to sample (vLLM ``SamplingParams.max_tokens``).
         priority: lower is more urgent (vLLM's convention); used by priority policies only.
         eos_token_id: sampling this id stops the request; ``None`` never stops early.
+        stop_token_ids: sampling any of these ids also stops it (vLLM ``SamplingParams.stop_token_ids``).
+        min_tokens: no stop by EOS or stop id before this many outputs (vLLM ``SamplingParams.min_tokens``).
         status: see :class:`RequestStatus`.
         finish_reason: why a terminal request ended (``stop``, ``length``, ``max_model_len``,
             ``abort`` or the rejection reason); ``None`` while live.
@@ -110,6 +112,8 @@ class Request:
     num_preemptions: int = 0
     admitted_step: int | None = None
     first_token_step: int | None = None
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    min_tokens: int = 0
     prompt_len: int = attrs.field(init=False, eq=False, repr=False)
     """Prompt length in tokens (``len(prompt_token_ids)``, kept because it is read every step)."""
 

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 
 import attrs
 
-from schedspec.spec.admission import rejection_reason
+from schedspec.spec.admission import rejection_code, rejection_reason
 from schedspec.spec.config import SchedulerConfig, blocks_for_tokens
 from schedspec.spec.state import SchedulerState, StepPlan
 
@@ -52,7 +52,8 @@ class Violation:
     def __str__(self) -> str:
         where = f"step {self.step}: " if self.step is not None else ""
         who = f" (request {self.request_id})" if self.request_id is not None else ""
-        return f"{where}{self.kind} {self.name}{who}: {self.detail}"
+        kind = "" if self.kind == "mismatch" else f"{self.kind} "
+        return f"{where}{kind}{self.name}{who}: {self.detail}"
 
 
 RuleCheck = Callable[[SchedulerState, StepPlan, SchedulerConfig], Iterator[tuple[str | None, str]]]
@@ -205,8 +206,9 @@ def _admit_fits_alone(state: SchedulerState, plan: StepPlan, config: SchedulerCo
 
 @rule(
     "reject-only-impossible",
-    "A plan rejects only waiting requests that could never complete alone, with that reason; and it rejects "
-    "every such request that is waiting and was never admitted (rejects-impossible: at the arrival step).",
+    "A plan rejects only waiting requests that could never complete alone, with that reason (its code, "
+    "admission.REJECTION_CODES); and it rejects every such request that is waiting and was never admitted "
+    "(rejects-impossible: at the arrival step).",
     "this spec, section 'admission'",
 )
 def _reject_impossible(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
@@ -218,8 +220,14 @@ def _reject_impossible(state: SchedulerState, plan: StepPlan, config: SchedulerC
         if request_id in state.running:
             yield request_id, "rejected while running (only waiting requests can be rejected)"
             continue
-        if rejection_reason(request.prompt_len, request.max_tokens, config) is None:
+        reason = rejection_reason(request.prompt_len, request.max_tokens, config)
+        if reason is None:
             yield request_id, "rejected although it can complete alone"
+        elif rejection_code(rejected[request_id]) != rejection_code(reason):
+            yield request_id, (
+                f"rejected with reason {rejected[request_id]!r}; the spec's reason is {reason!r} "
+                f"(code {rejection_code(reason)!r})"
+            )
     for request_id in state.waiting:
         request = state.requests[request_id]
         if request.admitted_step is None and request_id not in rejected:

@@ -1,24 +1,42 @@
 """The step trace format: one :class:`StepRecord` per step, as JSON Lines.
 
-A trace file starts with a header line ``{"schema_version": 1, "config": {...SchedulerConfig...},
-"scheduler": NAME}`` followed by one JSON object per step. Any engine that writes this format can be
-judged against the spec with :func:`schedspec.spec.checker.check_trace`. Serialisation is lossless:
-``StepRecord.from_json(record.to_json()) == record``.
+A trace file starts with a header line ``{"schema_version": 2, "config": {...SchedulerConfig...},
+"scheduler": NAME}`` followed by one JSON object per step. The format is published as a JSON Schema,
+``trace-schema.json`` beside this module (and ``docs/trace-schema.json``); :func:`open_trace` validates
+every line with the ``jsonschema`` library before anything is checked, so a malformed record is
+unusable input naming the file, the line and the field, never a verdict. Any engine that writes this
+format can be judged against the spec with :func:`schedspec.spec.checker.check_trace`. Serialisation
+is lossless: ``StepRecord.from_json(record.to_json()) == record``.
+
+Versions: 2 (written now) states every arrival's stop conditions (``eos_token_id``, null for none,
+``stop_token_ids``, ``min_tokens``); 1 (read only) had none, and its arrivals are read with the
+version-1 convention ``eos_token_id = 0``, said in :attr:`TraceFile.notes`.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Iterator
+from functools import cache
 from pathlib import Path
 from typing import IO, Any
 
 import attrs
+import jsonschema
 
 from schedspec.spec.config import ConfigError, SchedulerConfig
 from schedspec.spec.workload import RequestSpec
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""The version :func:`write_trace` writes."""
+
+READABLE_VERSIONS = (1, 2)
+"""The versions :func:`open_trace` reads."""
+
+V1_EOS_TOKEN_ID = 0
+"""Version 1 arrivals carried no stop conditions; every writer of version 1 used EOS id 0."""
+
+SCHEMA_PATH = Path(__file__).with_name("trace-schema.json")
 
 
 @attrs.frozen
@@ -140,49 +158,150 @@ class TraceFormatError(ValueError):
     """A trace file that cannot be read; the message names the file, the line and the field."""
 
 
+@cache
+def trace_schema() -> dict[str, Any]:
+    """The published JSON Schema (``trace-schema.json``) as a dict."""
+    return json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))
+
+
+@cache
+def _validator(part: str, version: int) -> jsonschema.Draft202012Validator:
+    schema = json.loads(json.dumps(trace_schema()))  # a private copy
+    if version == 1:  # version 1 arrivals carried no stop conditions
+        schema["$defs"]["arrival"]["required"].remove("eos_token_id")
+    return jsonschema.Draft202012Validator({"$ref": f"#/$defs/{part}", "$defs": schema["$defs"]})
+
+
+def _field_path(path: Iterable[Any]) -> str:
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(the line)"
+
+
+def _schema_error(where: str, validator: jsonschema.Draft202012Validator, data: Any) -> TraceFormatError | None:
+    error = jsonschema.exceptions.best_match(validator.iter_errors(data))
+    if error is None:
+        return None
+    message = error.message if len(error.message) <= 200 else error.message[:200] + "..."
+    return TraceFormatError(f"{where}: field {_field_path(error.absolute_path)}: {message}")
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a finite number")
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    data: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in data:
+            raise ValueError(f"key {key!r} appears twice in one object")
+        data[key] = value
+    return data
+
+
+def _parse(line: bytes, where: str) -> Any:
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise TraceFormatError(f"{where}: not UTF-8 (byte {error.start})") from None
+    try:
+        return json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_no_duplicate_keys)
+    except json.JSONDecodeError as error:
+        raise TraceFormatError(f"{where}: not JSON ({error.msg} at column {error.colno})") from None
+    except (ValueError, RecursionError) as error:
+        raise TraceFormatError(f"{where}: {error}") from None
+
+
 def write_trace(out: IO[str], config: SchedulerConfig, records: Iterable[StepRecord], scheduler: str = "") -> None:
-    """Write the header line and one line per record."""
+    """Write the header line (schema version :data:`SCHEMA_VERSION`) and one line per record."""
     header = {"schema_version": SCHEMA_VERSION, "config": config.to_dict(), "scheduler": scheduler}
     out.write(json.dumps(header) + "\n")
     for record in records:
         out.write(record.to_json() + "\n")
 
 
-def read_trace(path: str | Path) -> tuple[SchedulerConfig, Iterator[StepRecord]]:
-    """Read a trace file: its config and an iterator over its records.
+@attrs.define
+class TraceFile:
+    """An opened, header-validated trace file.
 
-    Raises:
-        TraceFormatError: unreadable file, bad header, unknown schema version, or a malformed line
-            (file, line number and field named).
+    Attributes:
+        path: the file.
+        config: the header's config.
+        scheduler: the header's scheduler name ("" if none).
+        schema_version: 1 or 2.
+        notes: what the reader assumed, to print beside the verdict (the version-1 convention).
     """
-    path = Path(path)
-    try:
-        handle = path.open(encoding="utf-8")
-    except OSError as error:
-        raise TraceFormatError(f"{path}: cannot read ({error.strerror})") from None
-    first = handle.readline()
-    try:
-        header = json.loads(first)
-        version = header["schema_version"]
-        config = SchedulerConfig.from_dict(header["config"])
-    except (json.JSONDecodeError, KeyError, TypeError) as error:
-        handle.close()
-        raise TraceFormatError(f"{path}:1: bad header ({error})") from None
-    except ConfigError as error:
-        handle.close()
-        raise TraceFormatError(f"{path}:1: config: {error}") from None
-    if version != SCHEMA_VERSION:
-        handle.close()
-        raise TraceFormatError(f"{path}:1: schema_version={version!r}, expected {SCHEMA_VERSION}")
 
-    def records() -> Iterator[StepRecord]:
-        with handle:
+    path: Path
+    config: SchedulerConfig
+    scheduler: str
+    schema_version: int
+    notes: list[str]
+
+    def records(self) -> Iterator[StepRecord]:
+        """The records in file order, each validated against the schema as it is read.
+
+        Raises:
+            TraceFormatError: a line that is not UTF-8, not JSON (NaN and Infinity included), repeats a
+                key, or breaks the schema (file, line and field named).
+        """
+        validator = _validator("record", self.schema_version)
+        with self.path.open("rb") as handle:
+            handle.readline()
             for number, line in enumerate(handle, start=2):
                 if not line.strip():
                     continue
-                try:
-                    yield StepRecord.from_json(line)
-                except (json.JSONDecodeError, TypeError, ValueError) as error:
-                    raise TraceFormatError(f"{path}:{number}: {error}") from None
+                where = f"{self.path}:{number}"
+                data = _parse(line, where)
+                problem = _schema_error(where, validator, data)
+                if problem is not None:
+                    raise problem
+                if self.schema_version == 1:
+                    for arrival in data["arrivals"]:
+                        arrival.setdefault("eos_token_id", V1_EOS_TOKEN_ID)
+                yield StepRecord.from_dict(data)
 
-    return config, records()
+
+def open_trace(path: str | Path) -> TraceFile:
+    """Open a trace file and validate its header.
+
+    Raises:
+        TraceFormatError: unreadable file, bad header (not JSON, schema, unknown version, invalid
+            config); the message names the file, line 1 and the field.
+    """
+    path = Path(path)
+    try:
+        with path.open("rb") as handle:
+            first = handle.readline()
+    except OSError as error:
+        raise TraceFormatError(f"{path}: cannot read ({error.strerror})") from None
+    where = f"{path}:1"
+    if not first.strip():
+        raise TraceFormatError(f"{where}: empty; expected the header line")
+    header = _parse(first, where)
+    version = header.get("schema_version") if isinstance(header, dict) else None
+    if isinstance(header, dict) and "schema_version" in header and version not in READABLE_VERSIONS:
+        raise TraceFormatError(f"{where}: field schema_version: {version!r} is not one of {list(READABLE_VERSIONS)}")
+    problem = _schema_error(where, _validator("header", SCHEMA_VERSION), header)
+    if problem is not None:
+        raise problem
+    try:
+        config = SchedulerConfig.from_dict(header["config"])
+    except (ConfigError, TypeError) as error:
+        raise TraceFormatError(f"{where}: field config: {error}") from None
+    notes = []
+    if version == 1:
+        notes.append(f"{path}: schema_version 1: arrivals carry no stop conditions; read with eos_token_id "
+                     f"{V1_EOS_TOKEN_ID} (the version-1 convention)")
+    return TraceFile(path, config, str(header.get("scheduler", "")), version, notes)
+
+
+def read_trace(path: str | Path) -> tuple[SchedulerConfig, Iterator[StepRecord]]:
+    """:func:`open_trace`, returning its config and its records.
+
+    Raises:
+        TraceFormatError: as :func:`open_trace` and :meth:`TraceFile.records`.
+    """
+    trace = open_trace(path)
+    return trace.config, trace.records()

@@ -75,15 +75,19 @@ def abort_request(state: SchedulerState, request_id: str) -> SchedulerState:
 def stop_reason(request: Request, config: SchedulerConfig) -> tuple[RequestStatus, str] | None:
     """Whether a request with a freshly sampled token stops, and why.
 
-    Length first, then end-of-sequence, as vLLM ``vllm/v1/core/sched/utils.py`` ``check_stop``:
-    ``max_model_len`` total tokens or ``max_tokens`` outputs end it ``FINISHED_LENGTH``; its EOS id
-    ends it ``FINISHED_STOPPED``.
+    As vLLM ``vllm/v1/core/sched/utils.py`` ``check_stop``, in this order: ``max_model_len`` total
+    tokens or ``max_tokens`` outputs end it ``FINISHED_LENGTH``; before ``min_tokens`` outputs nothing
+    else stops it; then its EOS id, or one of its ``stop_token_ids``, ends it ``FINISHED_STOPPED``.
     """
     if request.num_tokens >= config.max_model_len:
         return RequestStatus.FINISHED_LENGTH, "max_model_len"
-    if len(request.output_token_ids) >= request.max_tokens:
+    outputs = request.output_token_ids
+    if len(outputs) >= request.max_tokens:
         return RequestStatus.FINISHED_LENGTH, "length"
-    if request.eos_token_id is not None and request.output_token_ids[-1] == request.eos_token_id:
+    if len(outputs) < request.min_tokens:
+        return None
+    last = outputs[-1]
+    if (request.eos_token_id is not None and last == request.eos_token_id) or last in request.stop_token_ids:
         return RequestStatus.FINISHED_STOPPED, "stop"
     return None
 

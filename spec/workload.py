@@ -109,6 +109,10 @@ class RequestSpec:
         abort_at_step: the client aborts it before this step is planned.
         eos_at_output: the model emits end-of-sequence as output token k (1-based).
         abort_at_time: the client aborts it at this time in seconds (time-driven runs).
+        eos_token_id: its end-of-sequence id (:data:`EOS_TOKEN_ID` for every workload of this project);
+            ``None``: no EOS stops it (vLLM ``ignore_eos``).
+        stop_token_ids: other ids that stop it when sampled.
+        min_tokens: outputs before EOS or a stop id may stop it.
     """
 
     request_id: str
@@ -122,6 +126,9 @@ class RequestSpec:
     abort_at_step: int | None = None
     eos_at_output: int | None = None
     abort_at_time: float | None = None
+    eos_token_id: int | None = EOS_TOKEN_ID
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    min_tokens: int = 0
 
     def prompt_token_ids(self, vocab_size: int = DEFAULT_VOCAB_SIZE) -> SyntheticPrompt:
         """The deterministic prompt ids (see :class:`SyntheticPrompt`)."""
@@ -136,11 +143,19 @@ class RequestSpec:
             prompt_token_ids=self.prompt_token_ids(vocab_size),
             max_tokens=self.max_tokens,
             priority=self.priority,
-            eos_token_id=EOS_TOKEN_ID,
+            eos_token_id=self.eos_token_id,
+            stop_token_ids=self.stop_token_ids,
+            min_tokens=self.min_tokens,
         )
 
+    STOP_FIELDS = ("eos_token_id", "stop_token_ids", "min_tokens")
+    """The stop conditions, written explicitly in every trace arrival (``eos_token_id`` even when null)."""
+
     def to_dict(self) -> dict:
-        return {k: v for k, v in attrs.asdict(self).items() if v is not None}
+        """JSON-ready fields: optional ones left out when unset, the stop conditions always present."""
+        data = attrs.asdict(self)
+        data["stop_token_ids"] = list(self.stop_token_ids)
+        return {k: v for k, v in data.items() if v is not None or k in self.STOP_FIELDS}
 
     @classmethod
     def from_dict(cls, data: dict) -> RequestSpec:

@@ -114,7 +114,7 @@ def case_preempted_holds_nothing():
 
 
 STATE_CASES: dict[str, StateCase] = {
-    "sequence-cap": case_sequence_cap,
+    "running-within-max-num-seqs": case_sequence_cap,
     "kv-capacity": case_kv_capacity,
     "block-conservation": case_block_conservation,
     "table-covers-computed": case_table_covers_computed,
@@ -137,18 +137,6 @@ StepCase = Callable[[], tuple[tuple, tuple]]
 """(bad (before, plan, after, config), good twin)."""
 
 
-def case_step_token_budget():
-    # The batch is 1 (decode a) + 5 (prompt of b) = 6 tokens; a budget of 4 is exceeded.
-    before = state_of()
-    plan = StepPlan(scheduled=(DECODE_A, ScheduledRequest("b", 0, 5, (2, 3))))
-    b_running = waiting_b(status=RequestStatus.RUNNING, num_computed_tokens=5, output_token_ids=(36,),
-                          block_ids=(2, 3), admitted_step=1, first_token_step=1)
-    after = state_of(a=running_a(num_computed_tokens=7, output_token_ids=(21, 22)), b=b_running, step=2,
-                     waiting=(), running=("a", "b"), free_block_ids=(4, 5, 6, 7))
-    config = CONFIG.with_changes(max_num_batched_tokens=4)
-    return (before, plan, after, config), (before, plan, after, CONFIG)
-
-
 def case_chunks_in_order():
     # a decodes 1 token from 6 computed; afterwards it must have 7 computed, not 6.
     before = state_of()
@@ -157,7 +145,6 @@ def case_chunks_in_order():
 
 
 STEP_CASES: dict[str, StepCase] = {
-    "token-budget": case_step_token_budget,
     "chunks-in-order": case_chunks_in_order,
 }
 

@@ -63,9 +63,9 @@ def test_steps_out_is_a_trace_the_checker_accepts(tmp_path):
     result = lab("--max-requests", "30", "--steps", "none", "--steps-out", str(steps), "--requests-out", str(rows))
     assert result.exit_code == 0, result.output
     config, records = read_trace(steps)
-    violations, checked = check_trace(config, records)
-    assert violations == []
-    assert checked > 0
+    report = check_trace(config, records)
+    assert report.violations == []
+    assert report.steps_checked > 0 and report.first_bad_step is None
     with rows.open() as handle:
         assert len(list(csv.DictReader(handle))) == 30
 

@@ -32,8 +32,8 @@ def test_every_fcfs_theorem_holds_at_three_slots():
     assert all(r["ok"] for r in found.values()), [r for r in found.values() if not r["ok"]]
     for name in ("spec/init", "spec/arrive", "spec/abort", "spec/step/block-conservation",
                  "spec/step/kv-capacity", "spec/step/table-covers-computed", "spec/step/output-bound",
-                 "spec/step/queues-disjoint", "spec/step/preempted-holds-nothing", "spec/step/sequence-cap",
-                 "spec/step/token-budget", "fcfs/refines", "fcfs/work-conserving", "fcfs/stall-free-decode",
+                 "spec/step/queues-disjoint", "spec/step/preempted-holds-nothing", "spec/step/running-within-max-num-seqs",
+                 "fcfs/refines", "fcfs/work-conserving", "fcfs/stall-free-decode",
                  "fcfs/progress-step", "fcfs/bounded-wait", "fcfs/ordering-invariant"):
         assert found[name]["status"] == "proved", name
         assert found[name]["slots"] == 3

@@ -113,7 +113,7 @@ def case_admit_fits_alone():
     # c's prompt of 33 tokens exceeds max_model_len = 32: it can never run, so admitting it is wrong.
     huge = Request("c", 1, tuple(range(1, 34)), max_tokens=1)
     state = base_state(huge)
-    reason = "prompt_len=33 exceeds max_model_len=32"
+    reason = "prompt-exceeds-max-model-len: prompt_len=33 exceeds max_model_len=32"
     bad = StepPlan(scheduled=(ScheduledRequest("c", 0, 16, (2, 3, 4, 5)),))
     return state, bad, StepPlan(rejected=(("c", reason),)), CONFIG
 

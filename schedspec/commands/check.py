@@ -2,34 +2,100 @@
 
 from __future__ import annotations
 
+import json
 import sys
 
 import click
 
-from schedspec.cli_common import EXIT_CHECK_FAILED, fail
-from schedspec.spec.checker import check_trace
+from schedspec.cli_common import EXIT_CHECK_FAILED, EXIT_UNSUPPORTED, fail
+from schedspec.spec.checker import DEFAULT_PROPERTIES, CheckReport, check_trace
 from schedspec.spec.properties import PROPERTIES
-from schedspec.spec.trace import TraceFormatError, read_trace
+from schedspec.spec.state import SchedulerState
+from schedspec.spec.trace import TraceFormatError, open_trace
+
+
+def _state_lines(state: SchedulerState) -> list[str]:
+    lines = [f"  free blocks {state.num_free_blocks}; running {len(state.running)}; waiting {len(state.waiting)}"]
+    for queue, ids in (("running", state.running), ("waiting", state.waiting)):
+        for request_id in ids[:12]:
+            r = state.requests[request_id]
+            lines.append(f"  {queue} {request_id!r}: prompt {r.prompt_len}, outputs {r.num_output_tokens}/{r.max_tokens}, "
+                         f"computed {r.num_computed_tokens}, blocks {list(r.block_ids)}")
+        if len(ids) > 12:
+            lines.append(f"  ... {len(ids) - 12} more {queue}")
+    return lines
+
+
+def _print_report(report: CheckReport, limit: int) -> None:
+    if report.first_bad_step is not None:
+        click.echo(f"FIRST ILLEGAL STEP {report.first_bad_step} "
+                   f"(valid prefix: {report.valid_prefix} steps, 0..{report.valid_prefix - 1})")
+        if report.state_before is not None:
+            click.echo("state before the step (spec):")
+            for line in _state_lines(report.state_before):
+                click.echo(line)
+        if report.record is not None:
+            click.echo("the step as recorded:")
+            for item in report.record.scheduled:
+                blocks = list(report.record.blocks_allocated.get(item.request_id, ()))
+                click.echo(f"  scheduled {item.request_id!r}: from {item.num_computed_tokens}, prefill "
+                           f"{item.prefill_tokens}, decode {item.decode_tokens}, new blocks {blocks}")
+            for name in ("preempted", "rejected", "finished", "blocks_freed", "sampled_token_ids"):
+                value = getattr(report.record, name)
+                if value:
+                    click.echo(f"  {name}: {json.dumps(value if not isinstance(value, tuple) else list(value))}")
+    for violation in report.violations[:limit]:
+        click.echo(f"VIOLATION {violation}")
+    if len(report.violations) > limit:
+        click.echo(f"... {len(report.violations) - limit} more violations (--max-violations)")
 
 
 @click.command()
 @click.argument("trace", metavar="TRACE.jsonl")
 @click.option("--property", "properties", multiple=True, metavar="NAME",
-              help=f"Also check a trace property (repeatable): {', '.join(sorted(PROPERTIES))}.")
-def command(trace: str, properties: tuple[str, ...]) -> None:
-    """Check a StepRecord JSON Lines trace (header line with schema_version and config, then one record
-    per step): every plan allowed, every invariant held, the records consistent with the spec.
-    Exit 0 if clean, 1 naming the first violations, 2 on an unreadable trace."""
+              help=f"Also check a trace property (repeatable): {', '.join(sorted(PROPERTIES))}. "
+                   f"Always checked: {', '.join(DEFAULT_PROPERTIES)}.")
+@click.option("--keep-going", is_flag=True,
+              help="Continue past the first illegal step (later violations may be its consequences).")
+@click.option("--json", "as_json", is_flag=True, help="Print the verdict as one JSON object.")
+@click.option("--max-violations", default=20, show_default=True, type=click.IntRange(min=1),
+              help="Violations printed (all are counted).")
+def command(trace: str, properties: tuple[str, ...], keep_going: bool, as_json: bool, max_violations: int) -> None:
+    """Judge a StepRecord JSON Lines trace (schema: docs/trace-schema.json) against the spec: replay it,
+    check every plan against the rules, every state against the invariants and every field of every
+    record against what the spec says happened; stop at the first illegal step and show it. Exit 0 if
+    legal, 1 naming the first illegal step, 2 on an unreadable or malformed trace (file, line and
+    field named), 3 for a trace of a feature the spec does not judge yet (prefix caching)."""
     for name in properties:
         if name not in PROPERTIES:
             fail(f"--property {name!r}: unknown; known: {', '.join(sorted(PROPERTIES))}")
     try:
-        config, records = read_trace(trace)
-        violations, steps = check_trace(config, records, properties)
+        opened = open_trace(trace)
+        if opened.config.enable_prefix_caching:
+            fail(f"{trace}:1: field config.enable_prefix_caching: true; the spec does not judge prefix caching yet",
+                 EXIT_UNSUPPORTED)
+        report = check_trace(opened.config, opened.records(), DEFAULT_PROPERTIES + properties, keep_going)
     except TraceFormatError as error:
         fail(str(error))
-    for violation in violations[:20]:
-        click.echo(f"VIOLATION {violation}")
-    click.echo(f"{steps} steps checked, {len(violations)} violations")
-    if violations:
+    if as_json:
+        click.echo(json.dumps({
+            "trace": trace,
+            "ok": report.ok,
+            "steps_checked": report.steps_checked,
+            "first_bad_step": report.first_bad_step,
+            "valid_prefix": report.valid_prefix,
+            "properties": list(report.properties),
+            "notes": opened.notes,
+            "violations": [
+                {"kind": v.kind, "name": v.name, "step": v.step, "request_id": v.request_id, "detail": v.detail}
+                for v in report.violations
+            ],
+        }))
+    else:
+        for note in opened.notes:
+            click.echo(f"note: {note}")
+        _print_report(report, max_violations)
+        click.echo(f"{report.steps_checked} steps checked, {len(report.violations)} violations "
+                   f"(properties: {', '.join(report.properties)})")
+    if report.violations:
         sys.exit(EXIT_CHECK_FAILED)

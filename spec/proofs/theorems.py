@@ -71,7 +71,7 @@ def recheck_block_size(opts: Options, rerun: Any) -> tuple[str, str]:
 
 
 STEP_SLICES: dict[str, tuple[str, ...]] = {
-    "inv:sequence-cap": ("inv:sequence-cap", "rule:sequence-cap", "rule:known-requests", "rule:preempt-running-only",
+    "inv:running-within-max-num-seqs": ("inv:running-within-max-num-seqs", "rule:sequence-cap", "rule:known-requests", "rule:preempt-running-only",
                          "rule:reject-only-impossible", "sup:ranges"),
     "inv:kv-capacity": ("inv:block-conservation", "inv:preempted-holds-nothing", "rule:known-requests",
                         "rule:preempt-running-only", "rule:reject-only-impossible", "rule:blocks-from-free-pool",
@@ -98,13 +98,12 @@ STEP_SLICES: dict[str, tuple[str, ...]] = {
     "sup:queue-bounds": ("sup:queue-bounds", "wf", "rule:known-requests", "rule:preempt-running-only"),
     "sup:preempted-first": ("sup:preempted-first", "sup:queue-bounds", "wf", "rule:known-requests",
                             "rule:preempt-running-only"),
-    "step:token-budget": ("rule:token-budget",),
     "step:chunks-in-order": ("rule:chunk-continues",),
     "step:ended-requests": ("inv:output-bound", "sup:live-below-limits", "sup:ranges"),
 }
 
 GOAL_STATEMENTS = {
-    "inv:sequence-cap": "len(running) <= max_num_seqs",
+    "inv:running-within-max-num-seqs": "len(running) <= max_num_seqs",
     "inv:kv-capacity": "blocks held <= num_kv_blocks",
     "inv:block-conservation": "free + sum(held) == num_kv_blocks, free >= 0, ended requests hold nothing",
     "inv:table-covers-computed": "a running request's blocks * block_size >= its computed tokens",
@@ -120,7 +119,6 @@ GOAL_STATEMENTS = {
     "sup:no-excess-blocks": "support: a request holds <= ceil((prompt + outputs) / block_size) blocks",
     "sup:queue-bounds": "support: queue positions lie within the queue's bounds",
     "sup:preempted-first": "support: every preempted request is ahead of every fresh one in the waiting queue",
-    "step:token-budget": "the step's tokens <= max_num_batched_tokens",
     "step:chunks-in-order": "a chunk starts at the computed tokens and advances them by its size",
     "step:ended-requests": "a request ending in the step satisfies output-bound with its final outputs",
 }
@@ -149,7 +147,7 @@ def running_accounting(s: Any, plan: Any, out: Any) -> Any:
 
 
 LEMMAS = {"inv:block-conservation": block_accounting, "inv:kv-capacity": block_accounting,
-          "inv:sequence-cap": running_accounting}
+          "inv:running-within-max-num-seqs": running_accounting}
 
 
 def _step_goals(opts: Options, slots: int) -> tuple[Ctx, dict[str, Any], dict[str, Any], Any, Any, Any]:
@@ -247,7 +245,7 @@ def spec_theorems() -> list[Theorem]:
         Theorem("spec/abort", ABORT_STATEMENT, lambda o: _env_action("spec/abort", ABORT_STATEMENT, "abort", o)),
     ]
     goal_names = ([f"inv:{k}" for k in STATE_INVARIANT_ORDER] + [f"step:{k}" for k in
-                  ("token-budget", "chunks-in-order", "ended-requests")] + [f"sup:{k}" for k in SUPPORT_ORDER])
+                  ("chunks-in-order", "ended-requests")] + [f"sup:{k}" for k in SUPPORT_ORDER])
     out.extend(step_theorem(g) for g in goal_names)
     return out
 
