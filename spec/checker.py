@@ -43,6 +43,7 @@ from collections.abc import Iterable
 import attrs
 
 from schedspec.spec.config import SchedulerConfig
+from schedspec.spec.incremental import IncrementalChecker
 from schedspec.spec.invariants import check_step
 from schedspec.spec.properties import monitors
 from schedspec.spec.request import Request
@@ -238,6 +239,7 @@ def check_trace(
     records: Iterable[StepRecord],
     properties: Iterable[str] = DEFAULT_PROPERTIES,
     keep_going: bool = False,
+    incremental: bool = False,
 ) -> CheckReport:
     """Replay a trace on the spec and judge every field of every record (module docstring).
 
@@ -248,6 +250,9 @@ def check_trace(
         properties: trace properties to check (names from ``spec.properties.PROPERTIES``); default
             :data:`DEFAULT_PROPERTIES`.
         keep_going: continue past illegal steps instead of stopping at the first.
+        incremental: check invariants with :class:`~schedspec.spec.incremental.IncrementalChecker`
+            (the same violations, at a cost that does not grow with the run) instead of
+            :func:`~schedspec.spec.invariants.check_step`.
 
     Returns:
         A :class:`CheckReport`.
@@ -260,6 +265,7 @@ def check_trace(
     report = CheckReport(properties=names)
     state = SchedulerState.initial(config)
     previous: StepRecord | None = None
+    ledger = IncrementalChecker(config) if incremental else None
 
     for record in records:
         mismatch = _StepComparison(record.step)
@@ -293,6 +299,8 @@ def check_trace(
 
         before = state
         plan = plan_from_record(record)
+        if ledger is not None:
+            ledger.sync(before)
         found = violated_rules(before, plan, config)
         _compare_split(before, record, mismatch)
         samplers = _expected_samplers(before, plan)
@@ -306,7 +314,7 @@ def check_trace(
             stuck = True
         else:
             after = result.state
-            found += check_step(before, plan, after, config)
+            found += ledger.check(before, plan, after) if ledger is not None else check_step(before, plan, after, config)
             _compare_after(before, plan, after, result.finished, record, freed_by_abort, config, mismatch)
         report.steps_checked += 1
         found += mismatch.found

@@ -3,6 +3,8 @@ random runs, and on states broken on purpose."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import attrs
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -12,6 +14,7 @@ from schedspec.reference.scheduler import make_scheduler
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.incremental import IncrementalChecker
 from schedspec.spec.invariants import check_step
+from schedspec.spec.request import RequestStatus
 from schedspec.spec.rules import violated_rules
 from schedspec.spec.transitions import abort_request
 from schedspec.spec.workload import RequestSpec
@@ -40,9 +43,9 @@ def runs(draw):
     return config, specs, draw(st.sampled_from(["fcfs", "static", "shortest-prompt-first"]))
 
 
-def _names(violations):
-    """The invariants broken (what stops a lab run); the request named may differ between the two."""
-    return {v.name for v in violations}
+def _verdict(violations):
+    """What a check reports: each violation's name, kind, step and request (as a multiset)."""
+    return Counter((v.name, v.kind, v.step, v.request_id) for v in violations)
 
 
 FAULTS = {
@@ -50,7 +53,33 @@ FAULTS = {
     "block leaked": lambda s, before: attrs.evolve(s, free_block_ids=s.free_block_ids[1:]) if s.free_block_ids else None,
     "block out of range": lambda s, before: _give_block(s, lambda req, other: req.block_ids + (10**6,)),
     "terminal holds blocks": lambda s, before: _finished_with_blocks(s, before),
+    # Faults that keep the free queue's length right (the count alone cannot see them).
+    "owned block in the free queue": lambda s, before: _owned_in_queue(s),
+    "duplicate in the free queue": lambda s, before: (
+        attrs.evolve(s, free_block_ids=s.free_block_ids[1:] + s.free_block_ids[-1:]) if len(s.free_block_ids) > 1 else None),
+    "out-of-range id in the free queue": lambda s, before: (
+        attrs.evolve(s, free_block_ids=s.free_block_ids[1:] + (10**6,)) if s.free_block_ids else None),
+    "aborted request not terminal": lambda s, before: _aborted_not_terminal(s, before),
 }
+
+
+def _owned_in_queue(state):
+    owned = [b for r in state.requests.values() for b in r.block_ids]
+    if not owned or not state.free_block_ids:
+        return None
+    return attrs.evolve(state, free_block_ids=state.free_block_ids[1:] + (owned[0],))
+
+
+def _aborted_not_terminal(state, before):
+    """A request aborted before this step (possibly in the step it arrived, before the checker saw it live)
+    is left with a live status among the terminal requests."""
+    aborted = [r for r, q in state.finished.items() if q.finish_reason == "abort" and r in before.finished
+               and before.finished[r].admitted_step is None]
+    if not aborted:
+        return None
+    finished = dict(state.finished)
+    finished[aborted[-1]] = attrs.evolve(finished[aborted[-1]], status=RequestStatus.WAITING)
+    return attrs.evolve(state, finished=finished)
 
 
 def _give_block(state, table):
@@ -103,7 +132,7 @@ def test_incremental_equals_full_check(run, fault, fault_step):
         target = broken if broken is not None else after
         full = check_step(before, plan, target, config)
         incremental = checker.check(before, plan, target)
-        assert _names(incremental) == _names(full), (fault if broken is not None else "no fault", step)
+        assert _verdict(incremental) == _verdict(full), (fault if broken is not None else "no fault", step)
         if broken is not None:
             assert full, f"the fault {fault!r} must be detected"
             return
