@@ -268,11 +268,11 @@ def check_trace(
     ledger = IncrementalChecker(config) if incremental else None
 
     for record in records:
-        mismatch = _StepComparison(record.step)
+        mismatch = _StepComparison(state.step)
         if record.step != state.step:
             mismatch(f"expected step {state.step} (steps are numbered from 0, none skipped), the record says "
                      f"{record.step}")
-            _fail(report, mismatch.found, state, None, record)
+            _fail(report, mismatch.found, state, None, record, state.step)
             break
         _compare_times(record, previous, mismatch)
         previous = record
@@ -319,7 +319,7 @@ def check_trace(
         report.steps_checked += 1
         found += mismatch.found
         if found:
-            _fail(report, found, before, plan, record)
+            _fail(report, found, before, plan, record, before.step)
             if not keep_going or after is None or stuck:
                 break
         elif report.first_bad_step is None:
@@ -336,10 +336,10 @@ def check_trace(
 
 
 def _fail(report: CheckReport, found: list[Violation], before: SchedulerState, plan: StepPlan | None,
-          record: StepRecord) -> None:
+          record: StepRecord, step: int) -> None:
     report.violations.extend(found)
     if report.first_bad_step is None:
-        report.first_bad_step = record.step
+        report.first_bad_step = step
         report.state_before = before
         report.plan = plan
         report.record = record

@@ -187,6 +187,12 @@ def _schema_error(where: str, validator: jsonschema.Draft202012Validator, data: 
     return TraceFormatError(f"{where}: field {_field_path(error.absolute_path)}: {message}")
 
 
+def record_schema_errors(data: Any, version: int = SCHEMA_VERSION) -> str | None:
+    """The first schema error of one record given as a JSON object (``"field X: message"``), or ``None``."""
+    problem = _schema_error("record", _validator("record", version), data)
+    return None if problem is None else str(problem).partition(": ")[2]
+
+
 def _reject_constant(name: str) -> None:
     raise ValueError(f"{name} is not a finite number")
 

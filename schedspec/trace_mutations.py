@@ -1,0 +1,673 @@
+"""Trace mutation operators: faults an engine can make, written into a correct step trace.
+
+Each :class:`Mutation` takes a correct trace (the header and the records, as JSON objects) and a step
+``i`` and returns a mutated copy together with the step at which the fault first becomes observable,
+or ``None`` where it does not apply at ``i``. Each models a class of bug reported against public
+serving engines (double allocation, a block freed twice or never, a leak on finish, abort or
+preemption, budget or ``max_num_seqs`` exceeded, a chunk that skips or repeats tokens, a token after
+finish or abort, a missing token, output past ``max_tokens``, a wrong finish reason, wrong counters,
+time going backwards, ...). A checker is sound on a trace when it rejects every **semantic** mutant at
+exactly that step and accepts the unmutated trace. Mutants marked not semantic change nothing the spec
+constrains; a checker must accept them (each says why).
+
+Used by ``tests/test_checker_mutations.py`` (a derandomized sample in CI) and
+``benchmarks/checker_mutations.py`` (the whole catalogue on five real trace windows).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+
+from schedspec.spec.checker import check_trace, plan_from_record
+from schedspec.spec.config import SchedulerConfig
+from schedspec.spec.state import SchedulerState
+from schedspec.spec.trace import StepRecord, record_schema_errors
+from schedspec.spec.transitions import abort_request, add_request, apply_plan
+
+Record = dict[str, Any]
+
+
+@attrs.define
+class Trace:
+    """A trace as JSON objects, with the spec's states before and after each step (from replaying it).
+
+    Attributes:
+        header: the header line.
+        records: one dict per step.
+        config: the header's config.
+        before: ``before[i]``: the spec's state before step ``i`` is planned (arrivals and aborts applied).
+        after: ``after[i]``: the state after step ``i``.
+    """
+
+    header: dict[str, Any]
+    records: list[Record]
+    config: SchedulerConfig
+    before: list[SchedulerState]
+    after: list[SchedulerState]
+
+    @classmethod
+    def of(cls, header: dict[str, Any], records: Sequence[StepRecord]) -> Trace:
+        """Replay correct records on the spec (they must be legal) and keep every state."""
+        config = SchedulerConfig.from_dict(header["config"])
+        state = SchedulerState.initial(config)
+        before, after = [], []
+        for record in records:
+            for spec in record.arrivals:
+                state = add_request(state, spec.to_request(record.step))
+            for request_id in record.aborts:
+                state = abort_request(state, request_id)
+            before.append(state)
+            state = apply_plan(state, plan_from_record(record), record.sampled_token_ids, config).state
+            after.append(state)
+        return cls(header, [r.to_dict() for r in records], config, before, after)
+
+
+Mutant = tuple[dict[str, Any], list[Record], int]
+"""(header, records, the first step at which the fault is observable)."""
+
+
+@attrs.frozen
+class Mutation:
+    """A mutation operator.
+
+    Attributes:
+        name: kebab-case name.
+        models: the engine bug class it models.
+        apply: ``(trace, i) -> Mutant | None``.
+        semantic: False for a mutant that changes nothing the spec constrains (a checker must accept it).
+        why_not_semantic: for those, the reason.
+        applies: a cheap ``(trace, i) -> bool`` for operators whose ``apply`` copies many records; by
+            default ``apply(trace, i) is not None``.
+    """
+
+    name: str
+    models: str
+    apply: Callable[[Trace, int], Mutant | None]
+    semantic: bool = True
+    why_not_semantic: str = ""
+    applies: Callable[[Trace, int], bool] | None = None
+
+
+def _edit(trace: Trace, i: int) -> tuple[list[Record], Record]:
+    """A copy of the records whose record ``i`` may be edited in place."""
+    records = list(trace.records)
+    records[i] = copy.deepcopy(records[i])
+    return records, records[i]
+
+
+def _edit_from(trace: Trace, i: int) -> list[Record]:
+    """A copy of the records in which records ``i`` and later may be edited in place."""
+    return trace.records[:i] + [copy.deepcopy(r) for r in trace.records[i:]]
+
+
+def _scheduled(record: Record, predicate: Callable[[dict], bool]) -> dict | None:
+    return next((item for item in record["scheduled"] if predicate(item)), None)
+
+
+def _finishing(trace: Trace, i: int, reason: str | None = None) -> str | None:
+    finished = trace.records[i]["finished"]
+    return next((r for r, why in sorted(finished.items()) if reason is None or why == reason), None)
+
+
+# --- blocks -----------------------------------------------------------------------------------------
+
+
+def double_allocation(trace: Trace, i: int) -> Mutant | None:
+    record = trace.records[i]
+    before = trace.before[i]
+    preempted = set(record["preempted"])
+    finishing = set(record["finished"])
+    for taker, blocks in sorted(record["blocks_allocated"].items()):
+        if not blocks:
+            continue
+        for owner_id in before.running:
+            owner = before.requests[owner_id]
+            if owner_id != taker and owner.block_ids and owner_id not in preempted and owner_id not in finishing:
+                records, r = _edit(trace, i)
+                r["blocks_allocated"][taker][0] = owner.block_ids[0]
+                return trace.header, records, i
+    return None
+
+
+def allocation_out_of_range(trace: Trace, i: int) -> Mutant | None:
+    for taker, blocks in sorted(trace.records[i]["blocks_allocated"].items()):
+        if blocks:
+            records, r = _edit(trace, i)
+            r["blocks_allocated"][taker][0] = trace.config.num_kv_blocks + 7
+            return trace.header, records, i
+    return None
+
+
+def allocation_outside_batch(trace: Trace, i: int) -> Mutant | None:
+    record = trace.records[i]
+    before = trace.before[i]
+    scheduled = {item["request_id"] for item in record["scheduled"]}
+    idle = [r for r in before.running + before.waiting if r not in scheduled and r not in record["rejected"]]
+    taken = {b for blocks in record["blocks_allocated"].values() for b in blocks}
+    spare = [b for b in before.free_block_ids if b not in taken]
+    if not idle or not spare:
+        return None
+    records, r = _edit(trace, i)
+    r["blocks_allocated"][idle[0]] = [spare[-1]]
+    return trace.header, records, i
+
+
+def free_twice(trace: Trace, i: int) -> Mutant | None:
+    for request_id, blocks in sorted(trace.records[i]["blocks_freed"].items()):
+        if blocks:
+            records, r = _edit(trace, i)
+            r["blocks_freed"][request_id].append(blocks[0])
+            return trace.header, records, i
+    return None
+
+
+def free_foreign_block(trace: Trace, i: int) -> Mutant | None:
+    before = trace.before[i]
+    for request_id, blocks in sorted(trace.records[i]["blocks_freed"].items()):
+        foreign = [b for b in before.free_block_ids if b not in blocks]
+        if blocks and foreign:
+            records, r = _edit(trace, i)
+            r["blocks_freed"][request_id][-1] = foreign[0]
+            return trace.header, records, i
+    return None
+
+
+def _drop_freed(trace: Trace, i: int, request_id: str, whole: bool, counters: bool) -> Mutant | None:
+    blocks = trace.records[i]["blocks_freed"].get(request_id)
+    if not blocks:
+        return None
+    records = _edit_from(trace, i) if counters else _edit(trace, i)[0]
+    r = records[i]
+    lost = len(blocks) if whole else 1
+    if whole:
+        del r["blocks_freed"][request_id]
+    else:
+        r["blocks_freed"][request_id] = blocks[:-1]
+    if counters:  # the engine's free count agrees with its leak from here on
+        for later in records[i:]:
+            later["num_free_blocks"] = max(0, later["num_free_blocks"] - lost)
+    return trace.header, records, i
+
+
+def leak_on_finish_ids_only(trace: Trace, i: int) -> Mutant | None:
+    request_id = _finishing(trace, i)
+    return None if request_id is None else _drop_freed(trace, i, request_id, whole=False, counters=False)
+
+
+def leak_on_finish(trace: Trace, i: int) -> Mutant | None:
+    request_id = _finishing(trace, i)
+    return None if request_id is None else _drop_freed(trace, i, request_id, whole=False, counters=True)
+
+
+def leak_on_preempt(trace: Trace, i: int) -> Mutant | None:
+    preempted = trace.records[i]["preempted"]
+    return None if not preempted else _drop_freed(trace, i, preempted[0], whole=True, counters=False)
+
+
+def preempted_holds_blocks(trace: Trace, i: int) -> Mutant | None:
+    preempted = trace.records[i]["preempted"]
+    return None if not preempted else _drop_freed(trace, i, preempted[0], whole=True, counters=True)
+
+
+def leak_on_abort(trace: Trace, i: int) -> Mutant | None:
+    aborted = trace.records[i]["aborted"]
+    return None if not aborted else _drop_freed(trace, i, aborted[0], whole=True, counters=True)
+
+
+# --- the batch ----------------------------------------------------------------------------------------
+
+
+def preempted_and_scheduled(trace: Trace, i: int) -> Mutant | None:
+    record = trace.records[i]
+    if not record["preempted"]:
+        return None
+    victim = trace.before[i].requests[record["preempted"][0]]
+    records, r = _edit(trace, i)
+    r["scheduled"].append({"request_id": victim.request_id, "num_computed_tokens": victim.num_computed_tokens,
+                           "prefill_tokens": 0 if not victim.is_prefill else 1,
+                           "decode_tokens": 1 if not victim.is_prefill else 0})
+    return trace.header, records, i
+
+
+def budget_exceeded(trace: Trace, i: int) -> Mutant | None:
+    record = trace.records[i]
+    before = trace.before[i]
+    total = sum(s["prefill_tokens"] + s["decode_tokens"] for s in record["scheduled"])
+    extra = trace.config.max_num_batched_tokens - total + 1
+    for item in record["scheduled"]:
+        request = before.requests.get(item["request_id"])
+        tokens = item["prefill_tokens"] + item["decode_tokens"]
+        if request is not None and item["prefill_tokens"] and request.num_pending_tokens >= tokens + extra:
+            records, r = _edit(trace, i)
+            target = next(s for s in r["scheduled"] if s["request_id"] == item["request_id"])
+            target["prefill_tokens"] += extra
+            return trace.header, records, i
+    return None
+
+
+def max_num_seqs_exceeded(trace: Trace, i: int) -> Mutant | None:
+    """The header's ``max_num_seqs`` lowered below what the engine ran at step ``i`` (the first step at
+    which it ran that many): an engine that ignores its cap."""
+    def running_in(k: int) -> int:
+        before = trace.before[k]
+        record = trace.records[k]
+        preempted = sum(1 for r in set(record["preempted"]) if r in before.running)
+        admitted = sum(1 for s in record["scheduled"] if s["request_id"] not in before.running)
+        return len(before.running) - preempted + admitted
+
+    peak = running_in(i)
+    if peak < 2 or any(running_in(k) >= peak for k in range(i)):
+        return None
+    header = copy.deepcopy(trace.header)
+    header["config"]["max_num_seqs"] = peak - 1
+    try:
+        SchedulerConfig.from_dict(header["config"])
+    except Exception:  # noqa: BLE001 - a cap the config cannot take: not applicable
+        return None
+    return header, list(trace.records), i
+
+
+def chunk_skips_token(trace: Trace, i: int) -> Mutant | None:
+    item = _scheduled(trace.records[i], lambda s: s["prefill_tokens"] > 1)
+    if item is None:
+        return None
+    records, r = _edit(trace, i)
+    target = next(s for s in r["scheduled"] if s["request_id"] == item["request_id"])
+    target["num_computed_tokens"] += 1
+    target["prefill_tokens"] -= 1
+    return trace.header, records, i
+
+
+def chunk_repeats_token(trace: Trace, i: int) -> Mutant | None:
+    item = _scheduled(trace.records[i], lambda s: s["num_computed_tokens"] > 0)
+    if item is None:
+        return None
+    records, r = _edit(trace, i)
+    target = next(s for s in r["scheduled"] if s["request_id"] == item["request_id"])
+    target["num_computed_tokens"] -= 1
+    return trace.header, records, i
+
+
+def decode_two_tokens(trace: Trace, i: int) -> Mutant | None:
+    item = _scheduled(trace.records[i], lambda s: s["decode_tokens"] == 1)
+    if item is None:
+        return None
+    records, r = _edit(trace, i)
+    next(s for s in r["scheduled"] if s["request_id"] == item["request_id"])["decode_tokens"] = 2
+    return trace.header, records, i
+
+
+def prefill_reported_as_decode(trace: Trace, i: int) -> Mutant | None:
+    item = _scheduled(trace.records[i], lambda s: s["prefill_tokens"] >= 1 and s["decode_tokens"] == 0)
+    if item is None:
+        return None
+    records, r = _edit(trace, i)
+    target = next(s for s in r["scheduled"] if s["request_id"] == item["request_id"])
+    target["prefill_tokens"] -= 1
+    target["decode_tokens"] += 1
+    return trace.header, records, i
+
+
+def decode_reported_as_prefill(trace: Trace, i: int) -> Mutant | None:
+    item = _scheduled(trace.records[i], lambda s: s["decode_tokens"] == 1)
+    if item is None:
+        return None
+    records, r = _edit(trace, i)
+    target = next(s for s in r["scheduled"] if s["request_id"] == item["request_id"])
+    target["prefill_tokens"], target["decode_tokens"] = 1, 0
+    return trace.header, records, i
+
+
+# --- tokens and endings -------------------------------------------------------------------------------
+
+
+def token_after_finish(trace: Trace, i: int) -> Mutant | None:
+    if i == 0:
+        return None
+    request_id = _finishing(trace, i - 1)
+    if request_id is None:
+        return None
+    records, r = _edit(trace, i)
+    r["sampled_token_ids"][request_id] = 7
+    return trace.header, records, i
+
+
+def token_after_abort(trace: Trace, i: int) -> Mutant | None:
+    aborted = trace.records[i]["aborted"]
+    if not aborted:
+        return None
+    records, r = _edit(trace, i)
+    r["sampled_token_ids"][aborted[0]] = 7
+    return trace.header, records, i
+
+
+def missing_token(trace: Trace, i: int) -> Mutant | None:
+    sampled = trace.records[i]["sampled_token_ids"]
+    if not sampled:
+        return None
+    records, r = _edit(trace, i)
+    del r["sampled_token_ids"][sorted(sampled)[0]]
+    return trace.header, records, i
+
+
+def token_mid_prefill(trace: Trace, i: int) -> Mutant | None:
+    record = trace.records[i]
+    for item in record["scheduled"]:
+        if item["request_id"] not in record["sampled_token_ids"]:
+            records, r = _edit(trace, i)
+            r["sampled_token_ids"][item["request_id"]] = 7
+            return trace.header, records, i
+    return None
+
+
+def output_past_max_tokens(trace: Trace, i: int) -> Mutant | None:
+    """A request that reaches ``max_tokens`` is not ended: the engine keeps it (and its blocks)."""
+    request_id = _finishing(trace, i, "length")
+    if request_id is None:
+        return None
+    records, r = _edit(trace, i)
+    del r["finished"][request_id]
+    held = len(r["blocks_freed"].pop(request_id, []))
+    r["num_running"] += 1
+    r["num_free_blocks"] = max(0, r["num_free_blocks"] - held)
+    return trace.header, records, i
+
+
+def wrong_finish_reason(trace: Trace, i: int) -> Mutant | None:
+    request_id = _finishing(trace, i)
+    if request_id is None:
+        return None
+    records, r = _edit(trace, i)
+    r["finished"][request_id] = "stop" if r["finished"][request_id] != "stop" else "length"
+    return trace.header, records, i
+
+
+def finish_not_due(trace: Trace, i: int) -> Mutant | None:
+    """A request is reported finished although it has outputs left and sampled no stop token."""
+    record = trace.records[i]
+    for request_id in sorted(record["sampled_token_ids"]):
+        if request_id not in record["finished"]:
+            records, r = _edit(trace, i)
+            r["finished"][request_id] = "length"
+            return trace.header, records, i
+    return None
+
+
+# --- queue bookkeeping, counters, time -----------------------------------------------------------------
+
+
+def _counter(name: str) -> Callable[[Trace, int], Mutant | None]:
+    def mutate(trace: Trace, i: int) -> Mutant | None:
+        records, r = _edit(trace, i)
+        r[name] += 1
+        return trace.header, records, i
+
+    mutate.__name__ = f"wrong_{name}"
+    return mutate
+
+
+def time_backwards(trace: Trace, i: int) -> Mutant | None:
+    if i == 0:
+        return None
+    records, r = _edit(trace, i)
+    r["start_time"] = trace.records[i - 1]["start_time"] - 1.0
+    return trace.header, records, i
+
+
+def negative_duration(trace: Trace, i: int) -> Mutant | None:
+    records, r = _edit(trace, i)
+    r["duration"] = -max(r["duration"], 0.001)
+    return trace.header, records, i
+
+
+def step_skipped(trace: Trace, i: int) -> Mutant | None:
+    records = _edit_from(trace, i)
+    for later in records[i:]:
+        later["step"] += 1
+    return trace.header, records, i
+
+
+def wrong_rejection_reason(trace: Trace, i: int) -> Mutant | None:
+    rejected = trace.records[i]["rejected"]
+    if not rejected:
+        return None
+    records, r = _edit(trace, i)
+    r["rejected"][sorted(rejected)[0]] = "bogus"
+    return trace.header, records, i
+
+
+def rejects_possible_request(trace: Trace, i: int) -> Mutant | None:
+    record = trace.records[i]
+    before = trace.before[i]
+    scheduled = {s["request_id"] for s in record["scheduled"]}
+    for request_id in before.waiting:
+        request = before.requests[request_id]
+        if request.admitted_step is None and request_id not in scheduled and request_id not in record["rejected"]:
+            records, r = _edit(trace, i)
+            r["rejected"][request_id] = "exceeds-kv-cache: made up"
+            return trace.header, records, i
+    return None
+
+
+def prefix_hit_without_caching(trace: Trace, i: int) -> Mutant | None:
+    record = trace.records[i]
+    if trace.config.enable_prefix_caching or not record["scheduled"]:
+        return None
+    records, r = _edit(trace, i)
+    r["prefix_hit_tokens"][record["scheduled"][0]["request_id"]] = trace.config.block_size
+    return trace.header, records, i
+
+
+def aborted_without_abort(trace: Trace, i: int) -> Mutant | None:
+    record = trace.records[i]
+    live = [r for r in trace.before[i].running if r not in record["aborts"]]
+    if not live:
+        return None
+    records, r = _edit(trace, i)
+    r["aborted"].append(live[0])
+    return trace.header, records, i
+
+
+def duplicate_arrival(trace: Trace, i: int) -> Mutant | None:
+    if i == 0 or not trace.records[i]["arrivals"] and not any(trace.records[k]["arrivals"] for k in range(i)):
+        return None
+    earlier = next((trace.records[k]["arrivals"][0] for k in range(i) if trace.records[k]["arrivals"]), None)
+    if earlier is None:
+        return None
+    records, r = _edit(trace, i)
+    r["arrivals"].append(copy.deepcopy(earlier))
+    return trace.header, records, i
+
+
+# --- mutants that change nothing observable ------------------------------------------------------------
+
+
+def reorder_blocks_freed(trace: Trace, i: int) -> Mutant | None:
+    for request_id, blocks in sorted(trace.records[i]["blocks_freed"].items()):
+        if len(blocks) > 1:
+            records, r = _edit(trace, i)
+            r["blocks_freed"][request_id] = list(reversed(blocks))
+            return trace.header, records, i
+    return None
+
+
+def idle_gap(trace: Trace, i: int) -> Mutant | None:
+    records = _edit_from(trace, i)
+    for later in records[i:]:
+        later["start_time"] += 0.5
+    return trace.header, records, i
+
+
+def abort_unknown_id(trace: Trace, i: int) -> Mutant | None:
+    records, r = _edit(trace, i)
+    r["aborts"].append("never-added-request")
+    return trace.header, records, i
+
+
+MUTATIONS: tuple[Mutation, ...] = (
+    Mutation("double-allocation", "a block handed to a request while another request still holds it", double_allocation),
+    Mutation("allocation-out-of-range", "a block id past the pool (off-by-one in the block pool)", allocation_out_of_range),
+    Mutation("allocation-outside-batch", "blocks allocated to a request that is not in the step's batch",
+             allocation_outside_batch),
+    Mutation("free-twice", "a block freed twice (double free into the free queue)", free_twice),
+    Mutation("free-foreign-block", "a request frees a block it never owned", free_foreign_block),
+    Mutation("leak-on-finish-ids-only", "a finished request's last block is never freed; counters look right",
+             leak_on_finish_ids_only),
+    Mutation("leak-on-finish", "a finished request's last block is never freed (free count shrinks)", leak_on_finish),
+    Mutation("leak-on-preempt", "a preempted request's blocks are not reported freed", leak_on_preempt),
+    Mutation("preempted-holds-blocks", "a preempted request keeps its blocks", preempted_holds_blocks),
+    Mutation("leak-on-abort", "an aborted request's blocks are never freed", leak_on_abort),
+    Mutation("preempted-and-scheduled", "a preempted request is still run in the same step", preempted_and_scheduled),
+    Mutation("budget-exceeded", "a step computes more than max_num_batched_tokens", budget_exceeded),
+    Mutation("max-num-seqs-exceeded", "more running sequences than max_num_seqs", max_num_seqs_exceeded),
+    Mutation("chunk-skips-token", "a prefill chunk starts past the computed tokens (a token never computed)",
+             chunk_skips_token),
+    Mutation("chunk-repeats-token", "a chunk starts before the computed tokens (a token computed twice)",
+             chunk_repeats_token),
+    Mutation("decode-two-tokens", "a decode computes two tokens", decode_two_tokens),
+    Mutation("prefill-reported-as-decode", "a prefill token logged as a decode token", prefill_reported_as_decode),
+    Mutation("decode-reported-as-prefill", "a decode token logged as a prefill token", decode_reported_as_prefill),
+    Mutation("token-after-finish", "a token sampled for a request that finished a step earlier", token_after_finish),
+    Mutation("token-after-abort", "a token sampled for a request aborted before the step", token_after_abort),
+    Mutation("missing-token", "a request that completes its sequence gets no token", missing_token),
+    Mutation("token-mid-prefill", "a token sampled from a partial prefill chunk (or an unscheduled request)",
+             token_mid_prefill),
+    Mutation("output-past-max-tokens", "a request not stopped at max_tokens", output_past_max_tokens),
+    Mutation("wrong-finish-reason", "stop reported as length or length as stop", wrong_finish_reason),
+    Mutation("finish-not-due", "a request ended before its stop condition", finish_not_due),
+    Mutation("wrong-free-count", "the free block count off by one", _counter("num_free_blocks")),
+    Mutation("wrong-running-count", "the running count off by one", _counter("num_running")),
+    Mutation("wrong-waiting-count", "the waiting count off by one (a request lost from the queue)",
+             _counter("num_waiting")),
+    Mutation("time-backwards", "a step starts before the previous one", time_backwards),
+    Mutation("negative-duration", "a step lasts a negative time", negative_duration),
+    Mutation("step-skipped", "a step number skipped (a lost log line)", step_skipped, applies=lambda t, i: True),
+    Mutation("wrong-rejection-reason", "a rejection whose reason names no limit the request breaks",
+             wrong_rejection_reason),
+    Mutation("rejects-possible-request", "a request that fits is rejected", rejects_possible_request),
+    Mutation("prefix-hit-without-caching", "prefix cache hits reported with prefix caching off",
+             prefix_hit_without_caching),
+    Mutation("aborted-without-abort", "a request ended as aborted that the client did not abort", aborted_without_abort),
+    Mutation("duplicate-arrival", "a request id added twice", duplicate_arrival),
+    Mutation("reorder-blocks-freed", "blocks released in another order", reorder_blocks_freed, semantic=False,
+             why_not_semantic="the spec constrains which blocks are released, not the order an engine lists them"),
+    Mutation("idle-gap", "the engine idles between two steps", idle_gap, semantic=False, applies=lambda t, i: True,
+             why_not_semantic="steps may start later than the previous one ended (an idle engine)"),
+    Mutation("abort-unknown-id", "an abort of an id never added", abort_unknown_id, semantic=False,
+             why_not_semantic="aborting an unknown id changes nothing (vLLM Scheduler.finish_requests skips it)"),
+)
+"""The catalogue, by name order of concern: blocks, batch, tokens and endings, bookkeeping, time."""
+
+
+@attrs.frozen
+class Outcome:
+    """One mutant judged by both checkers.
+
+    Attributes:
+        mutation: the operator's name.
+        trace: the trace's label.
+        step: the step it was applied at.
+        expected: the first step at which the fault is observable (``None`` for a non-semantic mutant).
+        full: the first illegal step the full checker reported (``None``: accepted).
+        incremental: the same for the incremental checker.
+    """
+
+    mutation: str
+    trace: str
+    step: int
+    expected: int | None
+    full: int | None
+    incremental: int | None
+
+    @property
+    def correct(self) -> bool:
+        """Both checkers rejected a semantic mutant at the expected step, or accepted a non-semantic one."""
+        return self.full == self.expected and self.incremental == self.expected
+
+
+def judge(header: dict[str, Any], records: list[Record]) -> tuple[int | None, int | None]:
+    """The first illegal step by the full and by the incremental checker (``None``: the trace is legal).
+
+    Raises:
+        ValueError: a record breaks the trace schema (a mutation operator must produce valid records).
+    """
+    for number, record in enumerate(records):
+        problem = record_schema_errors(record)
+        if problem:
+            raise ValueError(f"record {number}: {problem}")
+    config = SchedulerConfig.from_dict(header["config"])
+    parsed = [StepRecord.from_dict(r) for r in records]
+    full = check_trace(config, parsed).first_bad_step
+    incremental = check_trace(config, parsed, incremental=True).first_bad_step
+    return full, incremental
+
+
+def mutate_and_judge(trace: Trace, label: str, mutation: Mutation, step: int) -> Outcome | None:
+    """Apply ``mutation`` at ``step`` and judge it; ``None`` where it does not apply."""
+    mutant = mutation.apply(trace, step)
+    if mutant is None:
+        return None
+    header, records, observable = mutant
+    full, incremental = judge(header, records)
+    return Outcome(mutation.name, label, step, observable if mutation.semantic else None, full, incremental)
+
+
+def applicable_steps(trace: Trace, mutation: Mutation) -> list[int]:
+    """The steps at which ``mutation`` applies."""
+    if mutation.applies is not None:
+        return [i for i in range(len(trace.records)) if mutation.applies(trace, i)]
+    return [i for i in range(len(trace.records)) if mutation.apply(trace, i) is not None]
+
+
+def lab_trace(label: str, trace_file: str, config: SchedulerConfig, max_requests: int, time_scale: float,
+              scheduler: str = "fcfs", faults: bool = True) -> tuple[str, Trace]:
+    """A correct trace from a lab run on a window of a packaged real trace (``trace_file`` names one of
+    ``schedspec/data/traces``), with, when ``faults``, every seventh request aborted shortly after it
+    arrives and one request made impossible (a prompt over ``max_model_len``), so that the abort and
+    rejection operators apply.
+
+    Raises:
+        schedspec.reference.engine.ViolationFound: the reference scheduler broke the spec (a bug).
+    """
+    import io
+
+    from schedspec.reference.lab import run_lab
+    from schedspec.reference.workloads import load_trace, packaged_trace_path, select_window
+
+    workload = select_window(load_trace(packaged_trace_path(trace_file)), max_requests=max_requests,
+                             time_scale=time_scale)
+    if faults:
+        workload = [
+            attrs.evolve(spec, abort_at_time=spec.arrival_time + 0.4) if k % 7 == 3 else
+            attrs.evolve(spec, prompt_len=config.max_model_len + 1) if k == 5 else spec
+            for k, spec in enumerate(workload)
+        ]
+    out = io.StringIO()
+    run_lab(workload, scheduler, config, steps_out=out)
+    records = [StepRecord.from_json(line) for line in out.getvalue().splitlines()]
+    header = {"schema_version": 2, "config": config.to_dict(), "scheduler": scheduler}
+    return label, Trace.of(header, records)
+
+
+def standard_traces(scale: int = 1) -> list[tuple[str, Trace]]:
+    """The five trace windows the catalogue is measured on: the Azure conversation and code traces and
+    Mooncake's conversation trace under a roomy KV cache (fcfs), the Azure conversation trace under KV
+    pressure (fcfs, with preemptions), and the Azure code trace under static batching. ``scale``
+    multiplies the requests per window (1: CI's sample)."""
+    roomy = SchedulerConfig(block_size=16, num_kv_blocks=2048, max_num_batched_tokens=512, max_num_seqs=16,
+                            max_model_len=8192)
+    tight = SchedulerConfig(block_size=16, num_kv_blocks=250, max_num_batched_tokens=512, max_num_seqs=8,
+                            max_model_len=2048)
+    long_roomy = SchedulerConfig(block_size=64, num_kv_blocks=4096, max_num_batched_tokens=8192, max_num_seqs=8,
+                                 max_model_len=65536)
+    return [
+        lab_trace("azure-conv", "AzureLLMInferenceTrace_conv.csv", roomy, 12 * scale, 0.05),
+        lab_trace("azure-code", "AzureLLMInferenceTrace_code.csv", roomy, 12 * scale, 0.05),
+        lab_trace("mooncake-conv", "mooncake_conversation_trace.jsonl", long_roomy, 6 * scale, 0.05),
+        lab_trace("azure-conv-kv-pressure", "AzureLLMInferenceTrace_conv.csv", tight, 24 * scale, 0.001),
+        lab_trace("azure-code-static", "AzureLLMInferenceTrace_code.csv", tight, 16 * scale, 0.01, scheduler="static"),
+    ]
