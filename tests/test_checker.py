@@ -117,7 +117,7 @@ def test_malformed_record_is_unusable_input_naming_line_and_field(tmp_path, edit
     result = check(str(_write(tmp_path, lines)))
     assert result.returncode == 2, result.stdout + result.stderr
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
-    assert f"bad.jsonl:2: field " in result.stderr
+    assert "bad.jsonl:2: field " in result.stderr
     assert field.split(".")[0].split("[")[0] in result.stderr or "eos_token_id" in result.stderr
 
 
