@@ -99,18 +99,25 @@ def _urgency(request: Request) -> tuple[int, int, float]:
 
 def _make_room_by_priority(
     state: SchedulerState, config: SchedulerConfig, order: Sequence[str], skip: set[str], pool: _BlockPool
-) -> list[str]:
+) -> tuple[str | None, int, list[str]]:
     """Priority admission gate: if the most urgent waiting request cannot be admitted for want of a
     ``max_num_seqs`` slot or blocks, preempt the least urgent running requests that are strictly less
-    urgent than it, if (and only if) that makes room. Returns the requests to preempt."""
+    urgent than it, if (and only if) that makes room **and** the request then gets a chunk of this step's
+    budget next to the running decodes (else the preemption would be wasted: the victim loses its KV
+    cache and the urgent request still waits; shared case ``priority-preemption-must-admit``).
+
+    Returns:
+        ``(request to admit first, its chunk in tokens, requests to preempt)``; ``(None, 0, [])`` when
+        no preemption is needed or none would admit it.
+    """
     head = next((r for r in order if r not in skip), None)
     if head is None:
-        return []
+        return None, 0, []
     candidate = state.requests[head]
     needed = blocks_for_tokens(candidate.num_tokens, config.block_size)
     slots_free = config.max_num_seqs - len(state.running)
     if slots_free > 0 and needed <= pool.available:
-        return []
+        return None, 0, []
     less_urgent = sorted(
         (r for r in state.running if _urgency(state.requests[r]) > _urgency(candidate)),
         key=lambda r: _urgency(state.requests[r]), reverse=True,
@@ -122,9 +129,14 @@ def _make_room_by_priority(
             break
         victims.append(request_id)
         freed += len(state.requests[request_id].block_ids)
-    if slots_free + len(victims) > 0 and needed <= pool.available + freed:
-        return victims
-    return []
+    if not (slots_free + len(victims) > 0 and needed <= pool.available + freed):
+        return None, 0, []
+    gone = set(victims)
+    decodes = sum(1 for r in state.running if r not in gone and state.requests[r].num_pending_tokens == 1)
+    chunk = _chunk(candidate, max(config.max_num_batched_tokens - decodes, 0), config)
+    if chunk == 0:
+        return None, 0, []
+    return head, chunk, victims
 
 
 def plan_step(
@@ -144,7 +156,8 @@ def plan_step(
         by_priority: the priority policy: preemption victims are the least urgent running requests
             (not the most recently admitted), and before the running phase the most urgent waiting
             request may preempt less urgent running ones to get a slot and blocks
-            (:func:`_make_room_by_priority`); admission then still happens in that step.
+            (:func:`_make_room_by_priority`); it is then admitted first, before running prefills can
+            take the budget, and further admission still happens in that step.
 
     Returns:
         A plan allowed by the spec from ``state``.
@@ -160,14 +173,25 @@ def plan_step(
     if by_priority:
         # candidates, least urgent last
         victims = sorted(state.running, key=lambda r: _urgency(requests[r]))
-        order = admission_order(state)
-        for victim in _make_room_by_priority(state, config, order, skip, pool):
+        urgent, chunk, made_room = _make_room_by_priority(state, config, admission_order(state), skip, pool)
+        for victim in made_room:
             gone.add(victim)
             preempted.append(victim)
             pool.release(requests[victim].block_ids)
     else:
         victims = list(state.running)  # candidates, most recently admitted last
+        urgent, chunk = None, 0
     preempted_for_admission = len(preempted)
+    admitted = 0
+    if urgent is not None:
+        # The request the preemptions made room for is admitted first, with blocks for its whole
+        # sequence and a chunk that leaves one token per running decode.
+        request = requests[urgent]
+        needed = blocks_for_tokens(request.num_tokens, config.block_size)
+        scheduled.append(ScheduledRequest(urgent, request.num_computed_tokens, chunk, pool.take(needed)))
+        budget -= chunk
+        skip.add(urgent)
+        admitted = 1
 
     decodes, prefills = [], []
     for request_id in state.running:
@@ -202,7 +226,7 @@ def plan_step(
         budget -= num_tokens
 
     if len(preempted) == preempted_for_admission and not (admit_only_when_idle and state.running):
-        num_running = len(state.running) - len(preempted)
+        num_running = len(state.running) - len(preempted) + admitted
         for request_id in admission_order(state):
             if request_id in skip:
                 continue
