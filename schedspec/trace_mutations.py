@@ -17,6 +17,7 @@ Used by ``tests/test_checker_mutations.py`` (a derandomized sample in CI) and
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,7 +26,7 @@ import attrs
 from schedspec.spec.checker import check_trace, plan_from_record
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.state import SchedulerState
-from schedspec.spec.trace import StepRecord, record_schema_errors
+from schedspec.spec.trace import StepRecord, header_line, record_schema_errors
 from schedspec.spec.transitions import abort_request, add_request, apply_plan
 
 Record = dict[str, Any]
@@ -649,8 +650,7 @@ def lab_trace(label: str, trace_file: str, config: SchedulerConfig, max_requests
     out = io.StringIO()
     run_lab(workload, scheduler, config, steps_out=out)
     records = [StepRecord.from_json(line) for line in out.getvalue().splitlines()]
-    header = {"schema_version": 2, "config": config.to_dict(), "scheduler": scheduler}
-    return label, Trace.of(header, records)
+    return label, Trace.of(json.loads(header_line(config, scheduler)), records)
 
 
 def standard_traces(scale: int = 1) -> list[tuple[str, Trace]]:

@@ -1,5 +1,5 @@
-"""Write docs/spec-reference.md from the spec's own registries (rules, invariants, properties), so the
-document cannot drift from the code. `tests/test_docs.py` fails when the file is stale.
+"""Write docs/spec-reference.md from the spec's own registries (rules, invariants, properties), and
+docs/trace-schema.json from spec/trace-schema.json, so the documents cannot drift from the code. `tests/test_docs.py` fails when the file is stale.
 
     .venv/bin/python scripts/gen_spec_doc.py
 """
@@ -13,8 +13,11 @@ from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.invariants import STATE_INVARIANTS, STEP_INVARIANTS
 from schedspec.spec.properties import PROPERTIES
 from schedspec.spec.rules import RULES
+from schedspec.spec.trace import SCHEMA_PATH
 
 TARGET = Path(__file__).resolve().parents[1] / "docs" / "spec-reference.md"
+SCHEMA_TARGET = Path(__file__).resolve().parents[1] / "docs" / "trace-schema.json"
+"""The published copy of ``spec/trace-schema.json`` (the schema the checker validates with)."""
 
 
 def _one_line(text: str) -> str:
@@ -51,6 +54,12 @@ def render() -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_schema() -> str:
+    """The trace schema, as the checker reads it."""
+    return SCHEMA_PATH.read_text(encoding="utf-8")
+
+
 if __name__ == "__main__":
     TARGET.write_text(render())
-    print(f"wrote {TARGET}")
+    SCHEMA_TARGET.write_text(render_schema())
+    print(f"wrote {TARGET} and {SCHEMA_TARGET}")

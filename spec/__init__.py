@@ -12,7 +12,8 @@ Read it in this order; each module is short and cites where its rules come from:
 7. :mod:`~schedspec.spec.invariants`: what must hold of every state and step.
 8. :mod:`~schedspec.spec.properties`: claims about whole runs (progress, no starvation, ...).
 9. :mod:`~schedspec.spec.trace` and :mod:`~schedspec.spec.checker`: the step-trace format any engine
-   can write, and the checker that judges it.
+   can write (a JSON Schema, ``trace-schema.json``), and the checker that replays it on the spec and
+   judges every field.
 10. :mod:`~schedspec.spec.incremental`: the same checks at a cost proportional to each step's change.
 
 This package imports nothing from ``schedspec.reference``, ``schedspec.gpu_backend`` or

@@ -219,10 +219,14 @@ def _parse(line: bytes, where: str) -> Any:
         raise TraceFormatError(f"{where}: {error}") from None
 
 
+def header_line(config: SchedulerConfig, scheduler: str = "") -> str:
+    """The header line of a trace (schema version :data:`SCHEMA_VERSION`), without its newline."""
+    return json.dumps({"schema_version": SCHEMA_VERSION, "config": config.to_dict(), "scheduler": scheduler})
+
+
 def write_trace(out: IO[str], config: SchedulerConfig, records: Iterable[StepRecord], scheduler: str = "") -> None:
-    """Write the header line (schema version :data:`SCHEMA_VERSION`) and one line per record."""
-    header = {"schema_version": SCHEMA_VERSION, "config": config.to_dict(), "scheduler": scheduler}
-    out.write(json.dumps(header) + "\n")
+    """Write the header line (:func:`header_line`) and one line per record."""
+    out.write(header_line(config, scheduler) + "\n")
     for record in records:
         out.write(record.to_json() + "\n")
 

@@ -31,6 +31,7 @@ from schedspec.reference import metrics, workloads
 from schedspec.reference.engine import ViolationFound
 from schedspec.reference.lab import VARIANTS, LabResult, LabStep, resolve_variant, run_lab
 from schedspec.reference.scheduler import UnknownScheduler, UnsupportedFeature
+from schedspec.spec.trace import header_line
 
 DEFAULT_DURATION = 120.0
 """Seconds of trace time the default run replays (the first two minutes of the Azure conv trace)."""
@@ -361,7 +362,7 @@ def command(trace_path, trace_format, synthetic, start, duration, max_requests, 
                                  + " (model limit / the window's whole demand)")
         handle = open(steps_out if len(names) == 1 else f"{steps_out}.{name}", "w") if steps_out else None  # noqa: SIM115
         if handle is not None:
-            handle.write(json.dumps({"schema_version": 1, "config": config.to_dict(), "scheduler": scheduler}) + "\n")
+            handle.write(header_line(config, scheduler) + "\n")
         started = time.perf_counter()
         progress = Progress(TextColumn(f"[bold]{name}[/]"), BarColumn(), TextColumn("{task.completed:,}/{task.total:,} requests ended"),
                             TimeElapsedColumn(), console=Console(stderr=True), transient=True,
