@@ -175,12 +175,13 @@ def check_config(config: SchedulerConfig) -> None:
 
 
 def _frame(error: BaseException) -> str:
-    """``file:line in function`` of the innermost frame inside the ``nanovllm`` package."""
+    """``file:line in function: source line`` of the innermost frame inside the ``nanovllm`` package."""
     frames = traceback.extract_tb(error.__traceback__)
     for frame in reversed(frames):
         marker = frame.filename.replace("\\", "/").rfind("/nanovllm/")
         if marker >= 0:
-            return f"{frame.filename[marker + 1:]}:{frame.lineno} in {frame.name}"
+            code = f": {frame.line}" if frame.line else ""
+            return f"{frame.filename[marker + 1:]}:{frame.lineno} in {frame.name}{code}"
     return "outside nanovllm"
 
 
