@@ -347,8 +347,8 @@ QUICK = settings(max_examples=60, stateful_step_count=25, deadline=None, derando
 def test_stateful_machine_finds_the_decode_preemption_fault():
     """Unfiltered, the machine finds the known fault by itself: the engine's running list keeps the
     preempted request (state-mismatch), or the engine crashes on it."""
-    with pytest.raises((SpecViolation, EngineFault)) as caught:
-        run_state_machine_as_test(NanoVllmMachine, settings=QUICK)
+    with pytest.raises((SpecViolation, EngineFault)) as caught:  # no shrinking: the first failure will do
+        run_state_machine_as_test(NanoVllmMachine, settings=settings(QUICK, phases=(Phase.explicit, Phase.generate)))
     text = str(caught.value)
     assert ("state-mismatch" in text and "running" in text) or all(w in text for w in PREEMPTION_CRASH), text
 
