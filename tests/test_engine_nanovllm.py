@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, Phase, event, reject, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from schedspec.engines.nanovllm import NanoVllmScheduler
-from schedspec.reference.engine import Engine
+from schedspec.reference.engine import Engine, ViolationFound
 from schedspec.reference.scenarios import bundled_scenarios, load_scenario, replay
 from schedspec.reference.scheduler import EngineFault, EngineView, UnsupportedFeature, make_scheduler
 from schedspec.spec.admission import rejection_reason
@@ -199,6 +199,21 @@ def test_a_view_mismatch_is_seen_by_the_comparison():
     assert view_mismatches(adapter.engine_view(), attrs.evolve(state, free_block_ids=state.free_block_ids[1:]))
 
 
+
+def test_a_broken_conversion_is_caught_by_the_engine_loop():
+    """Deliberate break: an adapter that forgets to report the blocks the engine allocated is caught by
+    the spec's rules (the checks this file relies on can fail)."""
+
+    class Forgetful(NanoVllmScheduler):
+        def schedule(self):
+            plan = super().schedule()
+            return attrs.evolve(plan, scheduled=tuple(attrs.evolve(i, new_block_ids=()) for i in plan.scheduled))
+
+    config = _config()
+    with pytest.raises(ViolationFound) as caught:
+        Engine(Forgetful(config), config, stop_on_violation=True).run([RequestSpec("A", 5, 3, arrival_step=0)])
+    assert "block-table-covers" in {v.name for v in caught.value.violations}
+
 # ------------------------------------------------------------------------------ scenarios
 PREEMPTION_CRASH = ("may_append", "IndexError")
 NEVER_FITS_CRASH = ("assert scheduled_seqs", "AssertionError")
@@ -358,3 +373,27 @@ def test_stateful_machine_elsewhere_finds_nothing():
     holds, the engine's view equals the spec's after every step, and nothing is lost."""
     run_state_machine_as_test(AvoidKnownFault, settings=settings(QUICK, max_examples=150))
 
+
+
+# ------------------------------------------------------------------------------ command line
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "schedspec", *args], capture_output=True, text=True, timeout=600)
+
+
+def test_cli_reports_an_engine_crash_in_the_lab_as_a_failed_check():
+    """The real Azure window (first 40 requests) with a 400-block cache: nano-vLLM preempts in decode and
+    crashes; the lab reports it (exit 1), no traceback."""
+    result = _cli("lab", "--scheduler", "nanovllm", "--set", "enable_chunked_prefill=false",
+                  "--set", "max_num_batched_tokens=8192", "--set", "num_kv_blocks=400",
+                  "--max-requests", "40", "--steps", "none")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "ENGINE CRASH" in result.stdout and "may_append" in result.stdout
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+def test_cli_exit_codes_for_nanovllm():
+    case = next(p for p in SCENARIOS if p.stem == "nanovllm-decode-preemption-leaves-victim-running")
+    assert _cli("replay", "-q", str(case)).returncode == 0  # the finding reproduces
+    unsupported = _cli("lab", "--scheduler", "nanovllm", "--max-requests", "5", "--steps", "none")
+    assert unsupported.returncode == 3 and "chunked prefill" in unsupported.stderr
+    assert "Traceback" not in unsupported.stdout + unsupported.stderr
