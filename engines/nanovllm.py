@@ -112,8 +112,9 @@ def load_engine() -> types.SimpleNamespace:
         A namespace with ``Scheduler``, ``Sequence``, ``SequenceStatus``, ``SamplingParams``.
 
     Raises:
-        UnsupportedFeature: ``nano-vllm-fork`` is not installed, or is another version than
-            :data:`VERSION` (the conversions here were checked against that one).
+        UnsupportedFeature: ``nano-vllm-fork`` is not installed, is another version than
+            :data:`VERSION` (the conversions here were checked against that one), or its engine modules
+            do not import (``xxhash`` or ``transformers`` missing).
     """
     try:
         installed = importlib.metadata.version(DISTRIBUTION)
@@ -130,9 +131,15 @@ def load_engine() -> types.SimpleNamespace:
             raise UnsupportedFeature(f"{DISTRIBUTION} is installed but its package 'nanovllm' cannot be found")
         shell = importlib.util.module_from_spec(spec)  # sets __path__; __init__.py is not executed
         sys.modules["nanovllm"] = shell
-    scheduler = importlib.import_module("nanovllm.engine.scheduler")
-    sequence = importlib.import_module("nanovllm.engine.sequence")
-    sampling = importlib.import_module("nanovllm.sampling_params")
+    try:
+        scheduler = importlib.import_module("nanovllm.engine.scheduler")
+        sequence = importlib.import_module("nanovllm.engine.sequence")
+        sampling = importlib.import_module("nanovllm.sampling_params")
+    except ImportError as error:
+        raise UnsupportedFeature(
+            f"scheduler 'nanovllm': cannot import nano-vLLM's engine modules ({error}); "
+            "pip install --no-deps -r engines/requirements-nanovllm.txt"
+        ) from None
     return types.SimpleNamespace(
         Scheduler=scheduler.Scheduler,
         Sequence=sequence.Sequence,

@@ -108,6 +108,23 @@ def test_engine_modules_import_without_the_package_init():
     assert result.stdout.split() == ["NanoVllmScheduler", "False", "False", "False"], result.stderr
 
 
+
+def test_a_missing_or_other_engine_version_is_unsupported(monkeypatch):
+    import importlib.metadata
+
+    from schedspec.engines import nanovllm
+
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "20250101")
+    with pytest.raises(UnsupportedFeature, match="20260210, found 20250101"):
+        nanovllm.load_engine()
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    with pytest.raises(UnsupportedFeature, match="requirements-nanovllm.txt"):
+        make_scheduler("nanovllm", _config())
+
 @pytest.mark.parametrize(
     ("changes", "needle"),
     [
