@@ -197,6 +197,27 @@ def test_front_end_rejects_and_caps_at_max_model_len():
     assert adapter.mismatches == []
 
 
+
+def test_prefix_groups_share_no_block_in_the_engine():
+    """Two requests with an 8-token shared prefix (two full blocks): nano-vLLM's always-on prefix cache
+    would reuse those blocks if it saw the workload's ids (shown with the engine directly); the adapter's
+    own ids keep every request's blocks its own, as the spec without prefix caching says."""
+    config = _config()
+    adapter = ViewChecked(NanoVllmScheduler(config), config)
+    specs = [RequestSpec(r, 10, 2, arrival_step=step, prefix_group="g", prefix_len=8) for r, step in (("A", 0), ("B", 1))]
+    run = Engine(adapter, config).run(specs)
+    assert run.ok and adapter.mismatches == []
+    admitted = [item for record in run.records for item in record.scheduled if item.prefill_tokens]
+    assert [(i.request_id, i.num_computed_tokens, i.prefill_tokens) for i in admitted] == [("A", 0, 10), ("B", 0, 10)]
+
+    raw = NanoVllmScheduler(config)  # the same prompts given to the engine unchanged
+    first, second = (raw._sequence_class(list(spec.to_request(0).prompt_token_ids)) for spec in specs)
+    raw.engine.add(first)
+    raw.engine.schedule()
+    raw.engine.add(second)
+    raw.engine.schedule()
+    assert second.num_cached_tokens == 8
+
 def test_abort_of_a_request_the_engine_holds_is_unsupported():
     adapter = NanoVllmScheduler(_config())
     adapter.add_request(RequestSpec("A", 4, 2).to_request(0))
