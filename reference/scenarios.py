@@ -21,7 +21,7 @@ from schedspec.spec.workload import RequestSpec
 
 from .engine import Engine, RunResult
 from .fake_model import TokenSource
-from .scheduler import UnsupportedFeature, make_scheduler
+from .scheduler import EngineFault, UnsupportedFeature, make_scheduler
 
 TokenSourceFactory = Callable[[SchedulerConfig, Sequence[RequestSpec]], TokenSource]
 """Builds the token source of one run from its config and workload (``replay(token_source_factory=...)``)."""
@@ -34,8 +34,11 @@ class ScenarioError(ValueError):
 EXPECT_KEYS = {
     "config_error", "config_error_mentions", "outcome", "all_terminal_by_step", "first_token_by_step",
     "max_preemptions_per_request", "no_tokens_after_abort", "outputs_equal_solo", "free_blocks_at_end",
-    "demonstrates",
+    "demonstrates", "finding",
 }
+FINDING_KEYS = {"name", "step", "mentions"}
+ENGINE_CRASH = "engine-crash"
+"""The ``finding.name`` of an engine crash (:class:`~schedspec.reference.scheduler.EngineFault`)."""
 REQUEST_KEYS = {"id", "arrival_step", "prompt_len", "max_tokens", "priority", "prefix", "abort_at_step", "eos_at_output"}
 OUTCOMES = {"finished", "rejected", "aborted"}
 DEFAULT_MAX_STEPS = 10_000
@@ -124,6 +127,18 @@ def parse_scenario(data: Any, path: str = "<scenario>") -> Scenario:
         raise ScenarioError(
             f"{path}: expect.demonstrates: unknown property {expect['demonstrates']!r} (known: {sorted(PROPERTIES)})"
         )
+    finding = expect.get("finding")
+    if finding is not None:
+        if not isinstance(finding, dict) or not isinstance(finding.get("name"), str) or set(finding) - FINDING_KEYS:
+            raise ScenarioError(
+                f"{path}: expect.finding: expected {{\"name\": violation name or {ENGINE_CRASH!r}, "
+                "optional \"step\", optional \"mentions\": [words]}"
+            )
+        if "step" in finding:
+            _int(finding["step"], f"{path}: expect.finding.step")
+        mentions = finding.get("mentions", [])
+        if not isinstance(mentions, list) or not all(isinstance(w, str) for w in mentions):
+            raise ScenarioError(f"{path}: expect.finding.mentions: expected a list of strings")
     return Scenario(
         name=str(data["name"]), about=str(data.get("about", "")), config=config, policy=policy,
         requests=tuple(requests), expect=expect, scheduler=data.get("scheduler"), path=path,
@@ -226,10 +241,18 @@ def replay(scenario: Scenario, scheduler_name: str | None = None,
         return ReplayResult(scenario, name, tuple(verdicts), None)
 
     demonstrates = expect.get("demonstrates")
-    run = _run(scenario, name, config, scenario.requests, watch=(demonstrates,) if demonstrates else (),
-               token_source_factory=token_source_factory)
+    finding = expect.get("finding")
+    try:
+        run = _run(scenario, name, config, scenario.requests, watch=(demonstrates,) if demonstrates else (),
+                   token_source_factory=token_source_factory)
+    except EngineFault as fault:
+        verdicts.append(_finding_verdict(finding, [(ENGINE_CRASH, fault.step, str(fault))])
+                        if finding else Verdict("engine", False, f"the engine crashed: {fault}"))
+        return ReplayResult(scenario, name, tuple(verdicts), None)
     state = run.state
-    violations = [v for v in run.violations if v.name != demonstrates]
+    if finding:
+        verdicts.append(_finding_verdict(finding, [(v.name, v.step, str(v)) for v in run.violations]))
+    violations = [v for v in run.violations if v.name not in (demonstrates, finding and finding["name"])]
     verdicts.append(Verdict(
         "invariants", not violations,
         f"{run.num_steps_checked} steps checked, no violation" if not violations
@@ -296,6 +319,19 @@ def replay(scenario: Scenario, scheduler_name: str | None = None,
         free = len(state.free_block_ids)
         verdicts.append(Verdict("free_blocks_at_end", free == wanted, f"{free} free blocks, expected {wanted}"))
     return ReplayResult(scenario, name, tuple(verdicts), run)
+
+
+def _finding_verdict(finding: dict[str, Any], seen: list[tuple[str, int | None, str]]) -> Verdict:
+    """``expect.finding``: a known engine fault must show, as it was observed: a violation (or the engine
+    crash, ``engine-crash``) of that name, at ``step`` if given, whose text contains every word of
+    ``mentions``. It passes while the engine still has the fault and fails once the engine is fixed."""
+    name, step, words = finding["name"], finding.get("step"), finding.get("mentions", [])
+    for seen_name, seen_step, text in seen:
+        if seen_name == name and (step is None or seen_step == step) and all(w in text for w in words):
+            return Verdict("finding", True, f"{name} reproduced: {text}")
+    where = f" at step {step}" if step is not None else ""
+    others = "; ".join(text for _, _, text in seen[:2]) or "none"
+    return Verdict("finding", False, f"{name}{where} mentioning {words} not seen (seen: {others})")
 
 
 __all__ = [

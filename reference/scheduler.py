@@ -143,6 +143,32 @@ class UnsupportedFeature(Exception):
     """The chosen scheduler cannot express this config or scenario (CLI exit status 3)."""
 
 
+class EngineFault(Exception):
+    """A third-party engine raised an exception inside its own code while an adapter drove it: a crash of
+    the engine under test, which is a finding about that engine, not an error of schedspec.
+
+    Adapters catch what the engine raises in their calls into it and re-raise it as this, so that the
+    engine loop and the CLI can report it as a violation (``engine-crash``, at ``step``) rather than
+    print a traceback. The original exception is the ``__cause__``.
+
+    Attributes:
+        engine: the engine and its version, e.g. ``"nano-vllm-fork 20260210"``.
+        operation: the engine function the adapter called, e.g. ``"Scheduler.schedule"``.
+        step: the step being planned or updated (the spec's numbering), ``None`` outside a step.
+        location: the innermost frame of the engine's own code, ``"file:line in function"``.
+        detail: the exception type and message.
+    """
+
+    def __init__(self, engine: str, operation: str, step: int | None, location: str, detail: str) -> None:
+        self.engine = engine
+        self.operation = operation
+        self.step = step
+        self.location = location
+        self.detail = detail
+        where = f"step {step}: " if step is not None else ""
+        super().__init__(f"{where}{engine} crashed in {operation} ({location}): {detail}")
+
+
 class UnknownScheduler(ValueError):
     """``--scheduler`` names no registered scheduler and no importable ``module:factory``."""
 
@@ -235,10 +261,16 @@ PLAN_FUNCTIONS: dict[str, PlanFunction] = {
 }
 
 
+ENGINE_ADAPTERS: dict[str, str] = {
+    "nanovllm": "schedspec.engines.nanovllm:NanoVllmScheduler",
+}
+"""Engine adapters by ``--scheduler`` name, as ``module:factory``. They live in ``schedspec.engines`` (a
+layer above this one), so they are imported only when chosen, by :func:`make_scheduler`; they are not
+in :data:`SCHEDULERS`, whose entries are reference policies (the stateful suite runs each of them)."""
+
 NOT_YET_IMPLEMENTED: dict[str, str] = {
     "vllm-v1": "the vLLM V1 replica policy is not implemented yet",
     "vllm": "the vLLM engine adapter is not implemented yet",
-    "nanovllm": "the nano-vLLM engine adapter is not implemented yet",
 }
 """Names the CLI already reserves; choosing one is a missing feature (exit 3), not a typo (exit 2)."""
 
@@ -246,17 +278,21 @@ NOT_YET_IMPLEMENTED: dict[str, str] = {
 def make_scheduler(name: str, config: SchedulerConfig) -> Scheduler:
     """Build the scheduler ``name`` (registry name or ``module:factory``) for ``config``.
 
+    Engine adapters (:data:`ENGINE_ADAPTERS`) are imported here, on first use.
+
     Raises:
         UnknownScheduler: no such scheduler (the message lists the known names).
-        UnsupportedFeature: the scheduler cannot run this config.
+        UnsupportedFeature: the scheduler cannot run this config (or its engine is not installed).
     """
     if name in NOT_YET_IMPLEMENTED:
         raise UnsupportedFeature(f"scheduler {name!r}: {NOT_YET_IMPLEMENTED[name]}")
+    name = ENGINE_ADAPTERS.get(name, name)
     factory = SCHEDULERS.get(name)
     if factory is None:
         if ":" not in name:
             raise UnknownScheduler(
-                f"--scheduler {name!r}: unknown; known: {', '.join(sorted(SCHEDULERS))}, or module:factory"
+                f"--scheduler {name!r}: unknown; known: {', '.join(sorted([*SCHEDULERS, *ENGINE_ADAPTERS]))}, "
+                "or module:factory"
             )
         module_name, _, attribute = name.partition(":")
         try:

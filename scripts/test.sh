@@ -7,6 +7,11 @@ cd "$(dirname "$0")/.."
 python3 -m venv .venv
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[dev,torch,hf]' 2>&1 \
   | grep -v "is ignored: it is neither a file nor a directory" || true
-.venv/bin/python -c "import schedspec, torch, transformers" # fail early if the install is incomplete
+# nano-vLLM (engine adapter schedspec.engines.nanovllm): exact pins, --no-deps so that its declared
+# triton/torch requirements are not resolved (see engines/requirements-nanovllm.txt).
+.venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps -r engines/requirements-nanovllm.txt 2>&1 \
+  | grep -v "is ignored: it is neither a file nor a directory" || true
+.venv/bin/python -c "import schedspec, torch, transformers, xxhash" # fail early if the install is incomplete
+.venv/bin/python -c "from schedspec.engines.nanovllm import load_engine; load_engine()"
 .venv/bin/ruff check .
 .venv/bin/python -m pytest -q "$@"

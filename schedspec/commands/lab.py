@@ -30,7 +30,7 @@ from schedspec.reference import cost_model as costs
 from schedspec.reference import metrics, workloads
 from schedspec.reference.engine import ViolationFound
 from schedspec.reference.lab import VARIANTS, LabResult, LabStep, resolve_variant, run_lab
-from schedspec.reference.scheduler import UnknownScheduler, UnsupportedFeature
+from schedspec.reference.scheduler import EngineFault, UnknownScheduler, UnsupportedFeature
 from schedspec.spec.trace import header_line
 
 DEFAULT_DURATION = 120.0
@@ -382,6 +382,11 @@ def command(trace_path, trace_format, synthetic, start, duration, max_requests, 
                 fail(str(error), status=EXIT_UNSUPPORTED)
             except UnknownScheduler as error:
                 fail(str(error))
+            except EngineFault as error:
+                # The engine under test crashed inside its own code: a finding, reported as a failed check.
+                console.print(f"ENGINE CRASH {error}", style="red", markup=False, highlight=False)
+                console.print("Stopped: the engine raised; see docs/findings for known engine faults.")
+                sys.exit(EXIT_CHECK_FAILED)
             except ViolationFound as error:
                 for violation in error.violations[:10]:
                     console.print(f"[red]VIOLATION[/] {violation}")
