@@ -20,6 +20,7 @@ The protocol (engine adapters implement the same one):
 from __future__ import annotations
 
 import importlib
+from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Protocol, runtime_checkable
 
@@ -76,13 +77,16 @@ def view_differences(spec: EngineView, own: EngineView) -> list[tuple[str | None
 
     Returns:
         ``(request_id or None, "field: engine X, spec Y")`` for each difference; empty when they agree.
-        Queues are compared as sets (engines order them differently, e.g. vLLM's priority heap);
-        block tables in logical order.
+        Queues are compared as sets (engines order them differently, e.g. vLLM's priority heap), and an
+        id twice in one of the engine's queues is a difference; block tables in logical order.
     """
     found: list[tuple[str | None, str]] = []
     if spec.num_free_blocks != own.num_free_blocks:
         found.append((None, f"num_free_blocks: engine {own.num_free_blocks}, spec {spec.num_free_blocks}"))
     for name in ("waiting", "running"):
+        for request_id, count in Counter(getattr(own, name)).items():
+            if count > 1:
+                found.append((request_id, f"{name}: {count} times in the engine's {name} queue"))
         mine, theirs = set(getattr(own, name)), set(getattr(spec, name))
         for request_id in sorted(mine - theirs):
             found.append((request_id, f"{name}: in the engine's {name} queue, not in the spec's"))
