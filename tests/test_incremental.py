@@ -71,10 +71,11 @@ def _owned_in_queue(state):
 
 
 def _aborted_not_terminal(state, before):
-    """A request aborted before this step (possibly in the step it arrived, before the checker saw it live)
-    is left with a live status among the terminal requests."""
+    """A request that arrived and was aborted before this step was planned (so the checker never saw it
+    live) is left with a live status among the terminal requests. (Breaking a request that ended in an
+    earlier step is out of scope: no spec transition changes a terminal request, module docstring.)"""
     aborted = [r for r, q in state.finished.items() if q.finish_reason == "abort" and r in before.finished
-               and before.finished[r].admitted_step is None]
+               and q.arrival_step == before.step]
     if not aborted:
         return None
     finished = dict(state.finished)
