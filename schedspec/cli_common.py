@@ -180,20 +180,30 @@ def build_config(base: dict[str, Any], changes: dict[str, Any], where: str = "--
         fail(f"{where}: {error}")
 
 
-def check_scheduler(name: str, config: SchedulerConfig, where: str = "--scheduler") -> None:
-    """Exit 2 (naming ``where``) unless ``name`` builds a scheduler for ``config``; exit 3 if the
-    scheduler exists but cannot run this config (:class:`UnsupportedFeature`).
+def check_scheduler(name: str, config: SchedulerConfig | None, where: str = "--scheduler",
+                    unsupported_ok: bool = False) -> None:
+    """Exit 2 (naming ``where``) unless ``name`` is a scheduler; with a ``config``, also build it
+    for that config, exiting 3 if the scheduler cannot run it (:class:`UnsupportedFeature`; or
+    return, with ``unsupported_ok``).
 
     A ``module:factory`` must name a Python function or class (not a built-in such as
     ``os:system`` or ``builtins:print``), and calling it with the config must return an object
     with ``add_request``, ``abort_request``, ``schedule`` and ``update``.
     """
-    from schedspec.reference.scheduler import SCHEDULERS, UnknownScheduler, UnsupportedFeature, make_scheduler
+    from schedspec.reference.scheduler import (
+        NOT_YET_IMPLEMENTED,
+        SCHEDULERS,
+        UnknownScheduler,
+        UnsupportedFeature,
+        make_scheduler,
+    )
 
     shown = one_line(name)
-    if name not in SCHEDULERS and ":" in name:
-        module_name, _, attribute = name.partition(":")
-        if not module_name or not attribute:
+    if name not in SCHEDULERS and name not in NOT_YET_IMPLEMENTED:
+        module_name, colon, attribute = name.partition(":")
+        if not colon:
+            fail(f"{where} {shown!r}: unknown; known: {', '.join(sorted(SCHEDULERS))}, or module:factory")
+        if not module_name.strip() or not attribute.strip():
             fail(f"{where} {shown!r}: expected module:factory")
         import importlib
 
@@ -204,15 +214,16 @@ def check_scheduler(name: str, config: SchedulerConfig, where: str = "--schedule
         if inspect.isbuiltin(factory) or not (inspect.isfunction(factory) or inspect.isclass(factory)):
             fail(f"{where} {shown!r}: not a scheduler factory (a Python function or class taking a "
                  f"SchedulerConfig), found {type(factory).__name__}")
+    if config is None:
+        return
     try:
         scheduler = make_scheduler(name, config)
     except UnsupportedFeature as error:
+        if unsupported_ok:
+            return
         fail(str(error), status=EXIT_UNSUPPORTED)
     except UnknownScheduler as error:
-        message = str(error)
-        if where != "--scheduler":
-            message = message.replace("--scheduler", where, 1)
-        fail(message)
+        fail(f"{where}: {error}".replace(f"{where}: --scheduler ", f"{where} "))
     except Exception as error:  # noqa: BLE001 - a user factory that fails is unusable input
         fail(f"{where} {shown!r}: the factory failed ({type(error).__name__}: {error})")
     missing = [m for m in ("add_request", "abort_request", "schedule", "update") if not callable(getattr(scheduler, m, None))]
