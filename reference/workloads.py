@@ -728,11 +728,11 @@ def select_window(
     if max_requests is not None:
         kept = kept[:max_requests]
     if not kept:
-        end = "end" if duration is None else f"{low + duration:g} s"
+        end = "end" if duration is None else f"{low + duration:.10g} s"
         raise WorkloadError(
-            f"start={low:g}, duration={duration if duration is None else f'{duration:g}'}: no requests arrive "
-            f"in [{low:g} s, {end}) (the workload spans {ordered[0].arrival_time:g} s to "
-            f"{ordered[-1].arrival_time:g} s)"
+            f"start={low:.10g}, duration={duration if duration is None else f'{duration:.10g}'}: no requests "
+            f"arrive in [{low:.10g} s, {end}) (the workload spans {ordered[0].arrival_time:.10g} s to "
+            f"{ordered[-1].arrival_time:.10g} s)"
         )
     origin = kept[0].arrival_time
     span = (kept[-1].arrival_time - origin) * time_scale

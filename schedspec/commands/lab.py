@@ -60,8 +60,8 @@ def _scale_lengths(window: list, factor: float) -> list:
         return 0 if length == 0 else max(1, math.ceil(length / factor))
 
     longest = max(max(s.prompt_len, s.max_tokens) for s in window)
-    if scale(longest) > workloads.MAX_TOKEN_COUNT:
-        fail(f"--length-scale {factor:g}: makes a length of {longest:,} tokens {scale(longest):,}, more than "
+    if longest / factor > workloads.MAX_TOKEN_COUNT:
+        fail(f"--length-scale {factor:g}: makes a length of {longest:,} tokens {longest / factor:.3g}, more than "
              f"{workloads.MAX_TOKEN_COUNT:,}")
     scaled = []
     for spec in window:
