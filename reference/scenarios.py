@@ -231,6 +231,8 @@ def load_scenario(path: str | Path) -> Scenario:
         raw = path.read_bytes()
     except OSError as error:
         raise ScenarioError(f"{path}: cannot read ({error.strerror})") from None
+    except ValueError as error:  # a NUL character in the path
+        raise ScenarioError(f"{path}: cannot open ({error})") from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:

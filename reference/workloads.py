@@ -99,6 +99,8 @@ def _open(path: str | Path, **kwargs):
         raise WorkloadError(f"{path}: is a directory, not a trace file") from None
     except OSError as error:
         raise WorkloadError(f"{path}: cannot read ({error.strerror})") from None
+    except ValueError as error:  # a NUL character in the path
+        raise WorkloadError(f"{path}: cannot open ({error})") from None
 
 
 _DIGITS = re.compile(r"[0-9]+")

@@ -236,6 +236,16 @@ def check_scheduler(name: str, config: SchedulerConfig | None, where: str = "--s
 # Output files
 
 
+def check_path(option: str, text: str | None) -> None:
+    """Exit 2 naming ``option`` if ``text`` cannot be a path at all (empty, or a NUL character)."""
+    if text is None:
+        return
+    if not text.strip():
+        fail(f"{option}: empty path")
+    if "\x00" in text:
+        fail(f"{option} {one_line(text)}: a path cannot contain a NUL character")
+
+
 def _same_file(a: Path, b: Path) -> bool:
     try:
         if a.exists() and b.exists():
@@ -259,8 +269,7 @@ def check_outputs(outputs: Sequence[tuple[str, str | None]], inputs: Sequence[st
     for option, text in outputs:
         if text is None:
             continue
-        if not str(text).strip():
-            fail(f"{option}: empty path")
+        check_path(option, text)
         path = Path(text)
         for source in inputs:
             if _same_file(path, Path(source)):
@@ -279,8 +288,7 @@ def check_outputs(outputs: Sequence[tuple[str, str | None]], inputs: Sequence[st
     for option, text in folders:
         if text is None:
             continue
-        if not str(text).strip():
-            fail(f"{option}: empty path")
+        check_path(option, text)
         folder = Path(text)
         if folder.exists() and not folder.is_dir():
             fail(f"{option} {one_line(text)}: is a file, expected a folder")

@@ -331,6 +331,7 @@ FUZZ_EXAMPLES = min(settings().max_examples, 150)
 @given(case=st.one_of(lab_cases(), replay_cases()))
 @example(case=("lab", {"t.csv": AZURE}, ("--trace", "{t.csv}", "--steps-out", "{t.csv}")))
 @example(case=("replay", {"c.json": scenario(expect__all_terminal_by_step="soon")}, ("{c.json}",)))
+@example(case=("lab", {"t.csv": AZURE}, ("--trace", "{t.csv}", "--max-requests", "3", "--steps-out", "\x00")))
 def test_cli_fuzz(tmp_path_factory, case):
     command, files, args = case
     folder = tmp_path_factory.mktemp("fuzz")

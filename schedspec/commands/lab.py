@@ -26,6 +26,7 @@ from schedspec.cli_common import (
     atomic_output,
     build_config,
     check_outputs,
+    check_path,
     check_scheduler,
     fail,
     note,
@@ -347,6 +348,8 @@ def command(trace_path, trace_format, synthetic, start, duration, max_requests, 
         fail(f"--synthetic: {error}".replace("--synthetic: synthetic: ", "--synthetic: "))
 
     # 2. Outputs: never an input, never each other, and writable, before anything runs.
+    check_path("--trace", trace_path)
+    check_path("--model", model_dir)
     path = (Path(trace_path) if trace_path is not None else workloads.default_trace_path()) if spec is None else None
 
     def output_name(base_path: str | None, name: str) -> str | None:

@@ -11,6 +11,7 @@ from rich.text import Text
 from schedspec.cli_common import (
     EXIT_CHECK_FAILED,
     build_config,
+    check_path,
     check_scheduler,
     fail,
     parse_sets,
@@ -51,6 +52,7 @@ def command(cases: tuple[str, ...], scheduler_name: str | None, sets: tuple[str,
         check_scheduler(scheduler_name, None)
     scenarios = []
     for path in paths:
+        check_path("CASE.json", path)
         try:
             scenario = load_scenario(path)
         except ScenarioError as error:
