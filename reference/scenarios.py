@@ -20,7 +20,7 @@ from schedspec.spec.properties import PROPERTIES
 from schedspec.spec.workload import RequestSpec
 
 from .engine import Engine, RunResult
-from .fake_model import TokenSource
+from .fake_model import TokenSource, simulation_size_problem
 from .scheduler import UnsupportedFeature, make_scheduler
 
 TokenSourceFactory = Callable[[SchedulerConfig, Sequence[RequestSpec]], TokenSource]
@@ -161,11 +161,14 @@ def parse_scenario(data: Any, path: str = "<scenario>") -> Scenario:
     _check_expect(expect, seen, path)
     if not expect.get("config_error"):
         try:
-            SchedulerConfig.from_dict(config)
+            checked = SchedulerConfig.from_dict(config)
         except ConfigError as error:
             raise ScenarioError(f"{path}: config.{error.field}: {error.reason} (got {_show(error.value)})") from None
         except (TypeError, ValueError, OverflowError) as error:
             raise ScenarioError(f"{path}: config: {error}") from None
+        problem = simulation_size_problem(checked)
+        if problem is not None:
+            raise ScenarioError(f"{path}: config.{problem}")
     return Scenario(
         name=name, about=about, config=config, policy=policy,
         requests=tuple(requests), expect=expect, scheduler=scheduler, path=path,

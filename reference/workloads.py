@@ -740,7 +740,8 @@ def select_window(
     span = (kept[-1].arrival_time - origin) * time_scale
     if span > MAX_WINDOW_SECONDS:
         raise WorkloadError(
-            f"time_scale={time_scale:g}: the window would span {span:.3g} s of simulated time, more than "
+            f"time_scale={time_scale:g}: the window would span {span:.3g} s of simulated time (trace span "
+            f"times time scale), more than "
             f"{MAX_WINDOW_SECONDS:g} s (step times of milliseconds would be lost in the clock's rounding)"
         )
     return [
@@ -834,7 +835,7 @@ request objects; a larger one is refused before anything is allocated."""
 
 
 def _arrival_gaps(rng: np.random.Generator, rate: float, cv: float, size: int) -> np.ndarray:
-    if cv == 0:
+    if cv < 1e-6:  # constant gaps; Gamma(1/cv**2) would overflow
         return np.full(size, 1.0 / rate)
     if cv == 1:
         return rng.exponential(1.0 / rate, size)
@@ -857,7 +858,7 @@ def synthetic(
     Inter-arrival gaps are i.i.d. with mean ``1/rate`` seconds and coefficient of variation ``cv``:
     exponential for ``cv == 1`` (a Poisson process, as vLLM's ``benchmark_serving --request-rate``),
     ``Gamma(shape=1/cv**2, scale=cv**2/rate)`` otherwise (``cv > 1`` bursty, ``cv < 1`` smoother, as
-    ``--burstiness = 1/cv**2``), constant for ``cv == 0``. The first request arrives at 0.0. Prompt and
+    ``--burstiness = 1/cv**2``), constant for ``cv == 0`` (and below 1e-6). The first request arrives at 0.0. Prompt and
     output lengths are drawn independently from :class:`LengthDist` (ints or their text syntax).
 
     Args:
@@ -906,6 +907,9 @@ def synthetic(
                 raise WorkloadError(f"rate={rate:g} * duration={duration:g}: more than {MAX_SYNTHETIC_REQUESTS:,} requests")
         times = np.concatenate(chunks)
         times = times[times < duration]
+    if not math.isfinite(times[-1]) or times[-1] > MAX_WINDOW_SECONDS:
+        raise WorkloadError(f"rate={rate:g}: the arrivals would span {times[-1]:.3g} s, more than "
+                            f"{MAX_WINDOW_SECONDS:g} s")
     count = len(times)
     prompts = prompt_dist.sample(prompt_rng, count)
     outputs = output_dist.sample(output_rng, count)

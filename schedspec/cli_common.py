@@ -169,15 +169,22 @@ def parse_sets(items: tuple[str, ...]) -> dict[str, Any]:
 
 def build_config(base: dict[str, Any], changes: dict[str, Any], where: str = "--set") -> SchedulerConfig:
     """``SchedulerConfig`` from ``base`` with ``changes`` applied; exits 2 naming ``where`` and the
-    field on error."""
+    field if it is invalid, or too large to simulate
+    (:func:`~schedspec.reference.fake_model.simulation_size_problem`)."""
+    from schedspec.reference.fake_model import simulation_size_problem
+
     data = dict(base)
     data.update(changes)
     try:
-        return SchedulerConfig.from_dict(data)
+        config = SchedulerConfig.from_dict(data)
     except ConfigError as error:
         fail(f"{where}: {error}")
     except (TypeError, ValueError, OverflowError) as error:
         fail(f"{where}: {error}")
+    problem = simulation_size_problem(config)
+    if problem is not None:
+        fail(f"{where}: {problem}")
+    return config
 
 
 def check_scheduler(name: str, config: SchedulerConfig | None, where: str = "--scheduler",

@@ -137,6 +137,7 @@ CASES = [
     ("lab", {}, ("--max-steps", "0"), 2, "--max-steps"),
     ("lab", {}, ("--slo", "ttft=1e999"), 2, "--slo"),
     ("lab", {}, ("--bogus",), 2, "--bogus"),
+    ("lab", {}, ("--trace", "no\nsuch\x1b[31m.csv"), 2, "no\\nsuch\\x1b[31m.csv: no such file"),
     ("replay", {"c.json": scenario(requests__0__id=7)}, ("{c.json}",), 2, "requests[0].id"),
     ("replay", {"c.json": scenario(requests__0__max_tokens=float("nan"))}, ("{c.json}",), 2, "NaN"),
 ]
@@ -254,18 +255,24 @@ def test_shared_samples_when_present():
 
 NASTY = ["", " ", "-1", "0", "-0", "1e300", "-1e300", "1e-300", "nan", "inf", "-inf", "NaN", "1" * 40, ",", ":",
          "[/]", "[red]x", ":100:", "\x00", "\n", "é", "a=b", "=", "1-", "-5", "changed:", "every:0", "x-y",
-         "fcfs,", "static,static", "rate=1", "os:system", "../..", "/", ".", "{t}", "{t}/x"]
+         "fcfs,", "static,static", "rate=1", "os:system", "builtins:print", "sub/../x", ".", "{t}", "{t}/x",
+         "num_kv_blocks=100000000000", "block_size=0", "max_num_seqs=true", "rate=1e-320,prompt=1,output=1,n=2",
+         "rate=5,prompt=uniform:100:3000,output=geom:3,n=4", "rate=5,cv=1e300,prompt=1,output=1,n=2"]
+# Values that are valid for some option, so that fuzzed runs also get past validation.
+VALID = ["all", "none", "3", "0-2", "every:2", "changed", "fcfs,static", "priority", "static", "vllm",
+         "shortest-prompt-first", "max_num_seqs=2", "num_kv_blocks=40", "max_model_len=300", "0.5", "2", "1",
+         "azure", "burstgpt", "mooncake", "ttft=1s,itl=50ms", "out.jsonl", "plots"]
 OPTIONS = ["--start", "--duration", "--max-requests", "--time-scale", "--length-scale", "--scheduler", "--set",
            "--steps", "--slo", "--compare", "--synthetic", "--trace-format", "--steps-out", "--requests-out",
            "--plot", "--max-steps", "--profile"]
-VALUES = st.one_of(st.sampled_from(NASTY), st.text(max_size=12),
+VALUES = st.one_of(st.sampled_from(NASTY), st.sampled_from(VALID), st.text(max_size=12),
                    st.floats(allow_nan=True, allow_infinity=True).map(repr),
                    st.integers(min_value=-(10**25), max_value=10**25).map(str))
 
 
 def _mutate(draw, data: bytes) -> bytes:
     """Byte flips, truncation, insertions of nasty text."""
-    for _ in range(draw(st.integers(0, 3))):
+    for _ in range(draw(st.sampled_from([0, 0, 1, 1, 2, 3]))):
         kind = draw(st.sampled_from(["flip", "truncate", "insert", "delete"]))
         if not data:
             break
@@ -283,7 +290,8 @@ def _mutate(draw, data: bytes) -> bytes:
     return data
 
 
-JSON_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.sampled_from(["", "soon", "[/]", ":100:"]),
+JSON_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.integers(0, 200),
+                        st.sampled_from(["", "soon", "[/]", ":100:", "A", "B", "priority", "static", "vllm"]),
                         st.floats(allow_nan=False, allow_infinity=False), st.just([]), st.just({}), st.just([1, "a"]))
 SCENARIO_FIELDS = ["name", "about", "scheduler", "config__block_size", "config__num_kv_blocks", "config__max_num_seqs",
                    "config__max_model_len", "config__enable_chunked_prefill", "config__policy", "config__extra",
@@ -323,7 +331,7 @@ def replay_cases(draw):
     return "replay", {"c.json": data}, tuple(args)
 
 
-FUZZ_EXAMPLES = min(settings().max_examples, 150)
+FUZZ_EXAMPLES = min(settings().max_examples, 300)
 
 
 @settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
