@@ -129,8 +129,10 @@ class Count(click.ParamType):
         else:
             text = str(value).strip()
             digits = text[1:] if text[:1] in "+-" else text
-            if not digits.isascii() or not digits.isdigit() or len(digits) > 30:
+            if not digits.isascii() or not digits.isdigit():
                 self.fail(f"{one_line(value)!r} is not an integer", param, ctx)
+            if len(digits) > 30:
+                self.fail(f"{one_line(text[:40])}...: out of range", param, ctx)
             number = int(text)
         if number < self.minimum:
             self.fail(f"{number}: must be >= {self.minimum}", param, ctx)
