@@ -168,6 +168,10 @@ def test_user_text_is_printed_as_text(tmp_path):
                     tmp_path)
     assert result.exit_code == 0, result.stderr
     assert "uniform:100:3000" in result.stdout and "\U0001f4af" not in result.stdout
+    name = "[red]x[bold]:100:.csv"
+    result = invoke("lab", {name: AZURE}, ("--trace", "{" + name + "}", "--steps", "none"), tmp_path)
+    assert result.exit_code == 0, result.stderr
+    assert name in result.stdout and "\U0001f4af" not in result.stdout
 
 
 def test_options_are_checked_before_the_run(tmp_path):
