@@ -37,6 +37,12 @@ def _label(name: str) -> str:
     return name.replace("$", r"\$")
 
 
+def plot_files(names: Sequence[str], folder: str | Path) -> list[Path]:
+    """The files :func:`write_plots` may write for runs called ``names`` into ``folder``."""
+    folder = Path(folder)
+    return [folder / f"steps-{_file_name(n)}.png" for n in names] + [folder / "ttft-cdf.png", folder / "itl-cdf.png"]
+
+
 def write_plots(runs: Sequence[tuple[str, LabResult]], folder: str | Path) -> list[Path]:
     """Write the plots for one or more named runs into ``folder`` (created); returns the files written.
 

@@ -8,6 +8,7 @@ runs it on a scheduler with every invariant checked at every step and judges eac
 from __future__ import annotations
 
 import json
+import stat
 from collections.abc import Callable, Sequence
 from importlib import resources
 from pathlib import Path
@@ -231,9 +232,13 @@ def load_scenario(path: str | Path) -> Scenario:
     given twice in one object), or any field :func:`parse_scenario` refuses."""
     path = Path(path)
     try:
+        if path.exists() and not path.is_dir() and not stat.S_ISREG(path.stat().st_mode):
+            raise ScenarioError(f"{path}: not a regular file (a device or pipe cannot be read as a scenario)")
         raw = path.read_bytes()
     except OSError as error:
         raise ScenarioError(f"{path}: cannot read ({error.strerror})") from None
+    except ScenarioError:
+        raise
     except ValueError as error:  # a NUL character in the path
         raise ScenarioError(f"{path}: cannot open ({error})") from None
     try:

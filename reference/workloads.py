@@ -42,6 +42,7 @@ import hashlib
 import json
 import math
 import re
+import stat
 from collections.abc import Iterable, Sequence
 from importlib import resources
 from pathlib import Path
@@ -92,6 +93,8 @@ class WorkloadError(ValueError):
 def _open(path: str | Path, **kwargs):
     path = Path(path)
     try:
+        if path.exists() and not path.is_dir() and not stat.S_ISREG(path.stat().st_mode):
+            raise WorkloadError(f"{path}: not a regular file (a device or pipe cannot be read as a trace)")
         return path.open(**kwargs)
     except FileNotFoundError:
         raise WorkloadError(f"{path}: no such file") from None
@@ -99,6 +102,8 @@ def _open(path: str | Path, **kwargs):
         raise WorkloadError(f"{path}: is a directory, not a trace file") from None
     except OSError as error:
         raise WorkloadError(f"{path}: cannot read ({error.strerror})") from None
+    except WorkloadError:
+        raise
     except ValueError as error:  # a NUL character in the path
         raise WorkloadError(f"{path}: cannot open ({error})") from None
 

@@ -6,7 +6,7 @@ The contract (schedspec/cli_common.py): exit 0/1/2/3; on exit 2 exactly one line
 printed as text (no Rich markup, no emoji codes); no input file changed.
 
 Cases are ``(command, files, args)``: ``files`` maps a file name to its bytes (written to a temporary
-folder), and ``{name}`` in ``args`` becomes that file's path. ``check`` step-trace cases can be added
+folder), and ``{name}`` in ``args`` becomes that file's path (``{folder}``: the folder). ``check`` step-trace cases can be added
 to :data:`CASES` the same way.
 """
 
@@ -74,6 +74,7 @@ def invoke(command: str, files: dict[str, bytes], args: tuple[str, ...], folder:
     digests = {name: hashlib.sha256(p.read_bytes()).hexdigest() for name, p in paths.items()}
     argv = [command]
     for arg in args:
+        arg = arg.replace("{folder}", str(folder))
         for name, path in paths.items():
             arg = arg.replace("{" + name + "}", str(path))
         argv.append(arg)
@@ -137,6 +138,9 @@ CASES = [
     ("lab", {}, ("--max-steps", "0"), 2, "--max-steps"),
     ("lab", {}, ("--slo", "ttft=1e999"), 2, "--slo"),
     ("lab", {}, ("--bogus",), 2, "--bogus"),
+    ("lab", {}, ("--trace", "/dev/zero"), 2, "not a regular file"),
+    ("replay", {}, ("/dev/zero",), 2, "not a regular file"),
+    ("lab", {"ttft-cdf.png": AZURE}, ("--trace", "{ttft-cdf.png}", "--plot", "{folder}"), 2, "would overwrite the input"),
     ("lab", {}, ("--trace", "no\nsuch\x1b[31m.csv"), 2, "no\\nsuch\\x1b[31m.csv: no such file"),
     ("replay", {"c.json": scenario(requests__0__id=7)}, ("{c.json}",), 2, "requests[0].id"),
     ("replay", {"c.json": scenario(requests__0__max_tokens=float("nan"))}, ("{c.json}",), 2, "NaN"),

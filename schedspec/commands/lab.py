@@ -362,6 +362,12 @@ def command(trace_path, trace_format, synthetic, start, duration, max_requests, 
         inputs=[path] if path is not None else [],
         folders=[("--plot", plot_dir)],
     )
+    if plot_dir is not None and path is not None:
+        from schedspec.reference.plots import plot_files
+
+        for plot in plot_files(names, plot_dir):
+            if plot.exists() and path.exists() and plot.samefile(path):
+                fail(f"--plot {plot_dir}: would overwrite the input file {plot}")
     if len(names) > 1 and any("/" in n or n.startswith(".") for n in names) and (steps_out or requests_out):
         fail(f"--compare {compare!r}: a name with '/' or a leading '.' cannot name an output file")
 
