@@ -116,20 +116,28 @@ A larger count is not a request the spec could reject but a corrupt field: the f
 that line. A count of 0 is kept (the spec rejects the request at arrival, with the reason)."""
 
 
-def _check_utf8(text: str, where: str) -> None:
-    """Files are read with ``errors="surrogateescape"`` so that a bad byte is found on its own line:
-    such a byte becomes a lone surrogate, which ``encode`` refuses."""
+def _not_utf8(path: Path) -> WorkloadError:
+    """The error for a file that failed to decode as UTF-8, naming the line of the first bad byte.
+    Files are decoded strictly (the fast path); only after a failure is the file read again as bytes
+    to find the line."""
     try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as error:
-        byte = ord(text[error.start]) - 0xDC00 if 0xDC80 <= ord(text[error.start]) <= 0xDCFF else None
-        shown = f"byte 0x{byte:02x}" if byte is not None else "a character that is not UTF-8"
-        raise WorkloadError(f"{where}: not UTF-8 text ({shown} at column {error.start + 1})") from None
+        data = path.read_bytes()
+        data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data[: error.start].count(b"\n") + 1
+        column = error.start - (data.rfind(b"\n", 0, error.start) + 1) + 1
+        return WorkloadError(f"{path}:{line}: not UTF-8 text (byte 0x{data[error.start]:02x} at column {column})")
+    except OSError as error:
+        return WorkloadError(f"{path}: cannot read ({error.strerror})")
+    return WorkloadError(f"{path}: not UTF-8 text")
 
 
-def _token_count(text: str, where: str, field: str) -> int:
+def _token_count(text: str, path: Path, line: int, field: str) -> int:
+    if len(text) <= 9 and text.isascii() and text.isdigit():  # the fast path: every count of the real traces
+        return int(text)
+    where = f"{path}:{line}"
     value = text.strip()
-    if not _DIGITS.fullmatch(value):
+    if not value.isascii() or not _DIGITS.fullmatch(value):
         if value.startswith("-") and _DIGITS.fullmatch(value[1:]):
             raise WorkloadError(f"{where}: {field}={value!r}: token count must not be negative")
         raise WorkloadError(f"{where}: {field}={value!r}: token count must be a non-negative integer")
@@ -224,13 +232,14 @@ def _default_prefix(path: Path, fmt: str) -> str:
 
 
 def _read_csv(path: Path, required: Sequence[str], expected_header: str):
-    """Yield ``(line number, {column: text})`` for each data row; checks the header and encoding.
+    """Yield ``(line number, [text of each required column])`` for each data row; checks the header
+    and the encoding.
 
     Raises:
         WorkloadError: missing file, empty file, missing column, a row of the wrong width, a byte that
             is not UTF-8 (with its line), or malformed CSV.
     """
-    with _open(path, encoding="utf-8-sig", errors="surrogateescape", newline="") as handle:
+    with _open(path, encoding="utf-8-sig", newline="") as handle:
         reader = csv.reader(handle)
         try:
             header = next(reader)
@@ -238,24 +247,25 @@ def _read_csv(path: Path, required: Sequence[str], expected_header: str):
             raise WorkloadError(f"{path}:1: empty file, expected header {expected_header}") from None
         except csv.Error as error:
             raise WorkloadError(f"{path}:1: header: {error}") from None
-        _check_utf8(",".join(header), f"{path}:1")
+        except UnicodeDecodeError:
+            raise _not_utf8(path) from None
         names = [name.strip() for name in header]
         for field in required:
             if field not in names:
                 raise WorkloadError(f"{path}:1: header: missing column {field!r} (found {','.join(names)!r})")
-        columns = {field: names.index(field) for field in required}
+        columns = [names.index(field) for field in required]
         width = len(names)
         try:
             for fields in reader:
-                if not fields or (len(fields) == 1 and not fields[0].strip()):
-                    continue
-                where = f"{path}:{reader.line_num}"
-                _check_utf8(",".join(fields), where)
                 if len(fields) != width:
-                    raise WorkloadError(f"{where}: expected {width} fields, found {len(fields)}")
-                yield reader.line_num, {field: fields[i] for field, i in columns.items()}
+                    if not fields or (len(fields) == 1 and not fields[0].strip()):
+                        continue
+                    raise WorkloadError(f"{path}:{reader.line_num}: expected {width} fields, found {len(fields)}")
+                yield reader.line_num, [fields[i] for i in columns]
         except csv.Error as error:
             raise WorkloadError(f"{path}:{reader.line_num}: {error}") from None
+        except UnicodeDecodeError:
+            raise _not_utf8(path) from None
 
 
 def load_azure_csv(path: str | Path, id_prefix: str | None = None, notes: list[str] | None = None) -> list[RequestSpec]:
@@ -284,15 +294,14 @@ def load_azure_csv(path: str | Path, id_prefix: str | None = None, notes: list[s
     prefix = id_prefix if id_prefix is not None else _default_prefix(path, "azure")
     rows: list[tuple[int, int, int, int]] = []  # (ns, prompt, output, row)
     lines: list[int] = []
-    for line, fields in _read_csv(path, ("TIMESTAMP", "ContextTokens", "GeneratedTokens"),
-                                  "TIMESTAMP,ContextTokens,GeneratedTokens"):
-        where = f"{path}:{line}"
+    for line, (stamp, context, generated) in _read_csv(path, ("TIMESTAMP", "ContextTokens", "GeneratedTokens"),
+                                                       "TIMESTAMP,ContextTokens,GeneratedTokens"):
         try:
-            ns = parse_azure_timestamp(fields["TIMESTAMP"])
+            ns = parse_azure_timestamp(stamp)
         except ValueError as error:
-            raise WorkloadError(f"{where}: TIMESTAMP={fields['TIMESTAMP'][:80]!r}: {error}") from None
-        prompt = _token_count(fields["ContextTokens"], where, "ContextTokens")
-        output = _token_count(fields["GeneratedTokens"], where, "GeneratedTokens")
+            raise WorkloadError(f"{path}:{line}: TIMESTAMP={stamp[:80]!r}: {error}") from None
+        prompt = _token_count(context, path, line, "ContextTokens")
+        output = _token_count(generated, path, line, "GeneratedTokens")
         rows.append((ns, prompt, output, len(rows)))
         lines.append(line)
     if not rows:
@@ -346,9 +355,10 @@ def load_burstgpt_csv(path: str | Path, id_prefix: str | None = None, notes: lis
     prefix = id_prefix if id_prefix is not None else _default_prefix(path, "burstgpt")
     rows: list[tuple[float, int, int, int]] = []
     lines: list[int] = []
-    for line, fields in _read_csv(path, ("Timestamp", "Request tokens", "Response tokens"), ",".join(BURSTGPT_COLUMNS)):
+    for line, (stamp_text, request, response) in _read_csv(path, ("Timestamp", "Request tokens", "Response tokens"),
+                                                          ",".join(BURSTGPT_COLUMNS)):
         where = f"{path}:{line}"
-        text = fields["Timestamp"].strip()
+        text = stamp_text.strip()
         try:
             stamp = float(text) if re.fullmatch(r"[0-9]+(\.[0-9]*)?([eE][+-]?[0-9]+)?", text) else None
         except ValueError:
@@ -356,8 +366,8 @@ def load_burstgpt_csv(path: str | Path, id_prefix: str | None = None, notes: lis
         if stamp is None or not math.isfinite(stamp) or stamp > 1e12:
             raise WorkloadError(f"{where}: Timestamp={text[:80]!r}: expected seconds since the trace start, "
                                 f"a number >= 0")
-        prompt = _token_count(fields["Request tokens"], where, "Request tokens")
-        output = _token_count(fields["Response tokens"], where, "Response tokens")
+        prompt = _token_count(request, path, line, "Request tokens")
+        output = _token_count(response, path, line, "Response tokens")
         rows.append((stamp, prompt, output, len(rows)))
         lines.append(line)
     if not rows:
@@ -478,12 +488,18 @@ def load_mooncake_jsonl(path: str | Path, id_prefix: str | None = None, notes: l
     rows: list[tuple[float, int, int, int]] = []  # (ms, prompt, output, row)
     lines: list[int] = []
     blocks: list[list[int]] = []
-    with _open(path, encoding="utf-8", errors="surrogateescape") as handle:
-        for number, line in enumerate(handle, start=1):
+    with _open(path, encoding="utf-8") as handle:
+        numbered = enumerate(handle, start=1)
+        while True:
+            try:
+                number, line = next(numbered)
+            except StopIteration:
+                break
+            except UnicodeDecodeError:
+                raise _not_utf8(path) from None
             if not line.strip():
                 continue
             where = f"{path}:{number}"
-            _check_utf8(line, where)
             try:
                 data = json.loads(line)
             except json.JSONDecodeError as error:

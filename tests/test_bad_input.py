@@ -6,8 +6,8 @@ The contract (schedspec/cli_common.py): exit 0/1/2/3; on exit 2 exactly one line
 printed as text (no Rich markup, no emoji codes); no input file changed.
 
 Cases are ``(command, files, args)``: ``files`` maps a file name to its bytes (written to a temporary
-folder), and ``{name}`` in ``args`` becomes that file's path (``{folder}``: the folder). ``check`` step-trace cases can be added
-to :data:`CASES` the same way.
+folder), and ``{name}`` in ``args`` becomes that file's path (``{folder}``: the folder). ``check``
+step-trace cases can be added to :data:`CASES` the same way.
 """
 
 from __future__ import annotations
@@ -241,6 +241,15 @@ def test_trace_formats_are_detected_and_read(tmp_path, name, data, fmt, expected
     assert summary["requests"]["rejected"] == failed  # BurstGPT's failed request: rejected at arrival
     if failed:
         assert any("max_tokens=0" in reason for reason in summary["rejected_reasons"])
+
+
+@pytest.mark.parametrize("name", ["AzureLLMInferenceTrace_code.csv", "mooncake_conversation_trace.jsonl"])
+def test_lab_runs_on_the_packaged_traces(tmp_path, name):
+    """The other two real formats (Azure 2023 conversation is the default, run by test_lab.py)."""
+    path = workloads.packaged_trace_path(name)
+    result = invoke("lab", {}, ("--trace", str(path), "--max-requests", "5", "--json"), tmp_path)
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["requests"]["total"] == 5
 
 
 def test_azure_2024_offsets_are_applied(tmp_path):
