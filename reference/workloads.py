@@ -334,9 +334,9 @@ def load_burstgpt_csv(path: str | Path, id_prefix: str | None = None, notes: lis
 
     Header ``Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type``. ``Timestamp``
     is seconds since the start of the trace (integer or decimal, >= 0); ``Request tokens`` ->
-    ``prompt_len``, ``Response tokens`` -> ``max_tokens``. ``Model`` (``ChatGPT``, ``GPT-4``) and
-    ``Log Type`` (``Conversation log``, ``API log``) are kept only as text in the id-free sense: they
-    do not change scheduling; ``Total tokens`` is not used. A failed request of the trace has
+    ``prompt_len``, ``Response tokens`` -> ``max_tokens``. ``Model`` (``ChatGPT``, ``GPT-4``),
+    ``Log Type`` (``Conversation log``, ``API log``) and ``Total tokens`` are not used (the columns
+    must be present; their values are not checked). A failed request of the trace has
     ``Response tokens`` = 0: it is kept, and the spec rejects it at arrival with the reason
     (``max_tokens=0 < 1``), so it is counted among the rejected requests, not dropped.
 

@@ -54,10 +54,7 @@ def one_line(text: object) -> str:
     escapes (``\\n``, ``\\x1b``), and anything past :data:`MAX_MESSAGE_CHARS` characters is cut."""
     out = []
     for char in str(text):
-        if char.isprintable() or char == " ":
-            out.append(char)
-        else:
-            out.append(repr(char)[1:-1] if char not in "\"'" else char)
+        out.append(char if char.isprintable() else repr(char)[1:-1])
     line = "".join(out)
     if len(line) > MAX_MESSAGE_CHARS:
         line = line[:MAX_MESSAGE_CHARS] + f"... ({len(line) - MAX_MESSAGE_CHARS} more characters)"
@@ -344,6 +341,9 @@ class OneLineErrors(click.Group):
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         try:
             result = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.exceptions.NoArgsIsHelpError as error:  # bare `schedspec`: the help, not an error
+            click.echo(error.ctx.get_help() if error.ctx is not None else error.format_message())
+            sys.exit(0)
         except click.UsageError as error:
             where = error.ctx.command_path if error.ctx is not None else (prog_name or "schedspec")
             fail(f"{where}: {error.format_message()} (see {where} --help)")

@@ -385,3 +385,13 @@ def test_cli_fuzz(tmp_path_factory, case):
         invoke(command, files, args, folder)
     finally:
         os.chdir(previous)
+
+
+def test_usage_errors_are_one_line_and_bare_command_prints_help():
+    runner = CliRunner()
+    bare = runner.invoke(cli, [], prog_name="schedspec")
+    assert bare.exit_code == 0 and bare.stdout.startswith("Usage: schedspec")
+    for argv in (["nonsense"], ["lab", "--max-requests"], ["replay", "--bogus"], ["--bogus"]):
+        result = runner.invoke(cli, argv, prog_name="schedspec")
+        assert result.exit_code == 2, argv
+        assert len(result.stderr.splitlines()) == 1 and result.stderr.startswith("schedspec: error: "), result.stderr
