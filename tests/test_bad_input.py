@@ -2,7 +2,8 @@
 trace formats on real rows, and a Hypothesis fuzz test of ``lab`` and ``replay``.
 
 The contract (schedspec/cli_common.py): exit 0/1/2/3; on exit 2 exactly one line on stderr,
-``schedspec: error: ...``, naming the option or the file/line/field; never a traceback; user text
+``schedspec: error: ...`` (after any one-line ``schedspec: note: ...``), naming the option or the
+file/line/field; never a traceback; user text
 printed as text (no Rich markup, no emoji codes); no input file changed.
 
 Cases are ``(command, files, args)``: ``files`` maps a file name to its bytes (written to a temporary
@@ -83,8 +84,8 @@ def invoke(command: str, files: dict[str, bytes], args: tuple[str, ...], folder:
     assert result.exit_code in (0, 1, 2, 3), (argv, result.exit_code, output, result.exception)
     assert result.exception is None or isinstance(result.exception, SystemExit), (argv, repr(result.exception))
     assert "Traceback" not in output, (argv, output)
-    if result.exit_code == 2:
-        lines = result.stderr.splitlines()
+    if result.exit_code == 2:  # one error line (notes about the input, one line each, may precede it)
+        lines = [line for line in result.stderr.splitlines() if not line.startswith("schedspec: note: ")]
         assert len(lines) == 1 and lines[0].startswith("schedspec: error: "), (argv, result.stderr)
     for name, path in paths.items():
         assert path.is_file() and hashlib.sha256(path.read_bytes()).hexdigest() == digests[name], (
