@@ -396,3 +396,10 @@ def test_usage_errors_are_one_line_and_bare_command_prints_help():
         result = runner.invoke(cli, argv, prog_name="schedspec")
         assert result.exit_code == 2, argv
         assert len(result.stderr.splitlines()) == 1 and result.stderr.startswith("schedspec: error: "), result.stderr
+
+
+def test_lab_shows_40_changed_steps_by_default(tmp_path):
+    """The README's claim: the step table shows the first 40 steps where something changed."""
+    result = invoke("lab", {}, ("--max-requests", "60"), tmp_path)
+    assert result.exit_code == 0, result.stderr
+    assert "Steps (40 of " in result.stdout
