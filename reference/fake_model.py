@@ -44,6 +44,30 @@ class TokenSource(Protocol):
 
 
 
+MAX_SIMULATED_KV_BLOCKS = 10_000_000
+"""Most KV blocks a simulated run may have: the spec's state and checker keep one entry per block
+(about 100 bytes each), so 10 million blocks cost about 1 GB."""
+
+MAX_SIMULATED_KV_TOKENS = 100_000_000
+"""Most KV slots (``num_kv_blocks * block_size``) :class:`FakeModel` may keep: 8 bytes each, 800 MB."""
+
+
+def simulation_size_problem(config: SchedulerConfig) -> str | None:
+    """Why ``config`` is too large to simulate on this machine (naming the field), or ``None``.
+
+    A valid config can describe a KV cache far larger than any GPU's; the simulation keeps one entry
+    per block and the fake model one per slot, so such a config would exhaust memory instead of
+    running. Callers refuse it as unusable input before the run.
+    """
+    if config.num_kv_blocks > MAX_SIMULATED_KV_BLOCKS:
+        return (f"num_kv_blocks={config.num_kv_blocks:,}: more than {MAX_SIMULATED_KV_BLOCKS:,} blocks, "
+                f"too large to simulate")
+    if config.kv_capacity_tokens > MAX_SIMULATED_KV_TOKENS:
+        return (f"num_kv_blocks={config.num_kv_blocks:,} * block_size={config.block_size:,} = "
+                f"{config.kv_capacity_tokens:,} KV slots: more than {MAX_SIMULATED_KV_TOKENS:,}, too large to simulate")
+    return None
+
+
 class FakeModel:
     """The default token source (module docstring).
 

@@ -28,7 +28,7 @@ import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TextIO
 
 import attrs
 import numpy as np
@@ -434,8 +434,8 @@ def parse_slo(text: str) -> Slo:
         if match is None:
             raise MetricsError(f"SLO {key}={value!r}: expected a number of seconds, optionally with s or ms")
         seconds = float(match.group(1)) / (1000.0 if match.group(2) == "ms" else 1.0)
-        if not seconds > 0:
-            raise MetricsError(f"SLO {key}={value!r}: must be > 0")
+        if not 0 < seconds <= 1e9:
+            raise MetricsError(f"SLO {key}={value!r}: must be > 0 and at most 1e9 s")
         result[key] = seconds
     if not result:
         raise MetricsError(f"SLO {text!r}: empty; expected e.g. ttft=2s,itl=100ms")
@@ -461,15 +461,21 @@ def timelines_to_csv(timelines: Iterable[RequestTimeline], path: str | Path) -> 
         MetricsError: the file cannot be written.
     """
     path = Path(path)
-    rows = 0
     try:
         with path.open("w", encoding="utf-8", newline="") as handle:
-            writer = csv.writer(handle, lineterminator="\n")
-            writer.writerow(CSV_COLUMNS)
-            for t in timelines:
-                values = [getattr(t, column) for column in CSV_COLUMNS]
-                writer.writerow(["" if v is None else (repr(v) if isinstance(v, float) else v) for v in values])
-                rows += 1
+            return write_timelines_csv(timelines, handle)
     except OSError as error:
         raise MetricsError(f"{path}: cannot write ({error.strerror})") from None
+
+
+def write_timelines_csv(timelines: Iterable[RequestTimeline], handle: TextIO) -> int:
+    """:func:`timelines_to_csv` into an open text file (opened with ``newline=""``). Returns the
+    number of rows written."""
+    rows = 0
+    writer = csv.writer(handle, lineterminator="\n")
+    writer.writerow(CSV_COLUMNS)
+    for t in timelines:
+        values = [getattr(t, column) for column in CSV_COLUMNS]
+        writer.writerow(["" if v is None else (repr(v) if isinstance(v, float) else v) for v in values])
+        rows += 1
     return rows

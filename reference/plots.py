@@ -3,6 +3,9 @@ and waiting over time, KV usage, and TTFT and ITL CDFs per run."""
 
 from __future__ import annotations
 
+import os
+import re
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -11,8 +14,45 @@ import numpy as np
 from .lab import LabResult
 
 
+def _save(figure, path: Path) -> None:
+    """Save to a temporary file in the same folder, then rename: never a half-written PNG."""
+    handle = tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".png", delete=False)  # noqa: SIM115
+    handle.close()
+    try:
+        figure.savefig(handle.name, dpi=90, bbox_inches="tight", format="png")
+        os.replace(handle.name, path)
+    except BaseException:
+        Path(handle.name).unlink(missing_ok=True)
+        raise
+
+
+def _file_name(name: str) -> str:
+    """A run name as part of a file name: characters other than letters, digits, ``.``, ``_`` and
+    ``-`` become ``_`` (``my.module:factory`` -> ``my.module_factory``)."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name).lstrip(".") or "run"
+
+
+def _label(name: str) -> str:
+    """A run name as matplotlib text: ``$`` would start math mode."""
+    return name.replace("$", r"\$")
+
+
+def plot_files(names: Sequence[str], folder: str | Path) -> list[Path]:
+    """The files :func:`write_plots` may write for runs called ``names`` into ``folder``."""
+    folder = Path(folder)
+    return [folder / f"steps-{_file_name(n)}.png" for n in names] + [folder / "ttft-cdf.png", folder / "itl-cdf.png"]
+
+
 def write_plots(runs: Sequence[tuple[str, LabResult]], folder: str | Path) -> list[Path]:
-    """Write the plots for one or more named runs into ``folder`` (created); returns the files written."""
+    """Write the plots for one or more named runs into ``folder`` (created); returns the files written.
+
+    Each file is written whole (temporary file, then rename). Files: ``steps-NAME.png`` per run (NAME
+    with characters other than letters, digits, ``.``, ``_``, ``-`` replaced by ``_``),
+    ``ttft-cdf.png``, ``itl-cdf.png``.
+
+    Raises:
+        OSError: the folder cannot be created or written.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -40,9 +80,9 @@ def write_plots(runs: Sequence[tuple[str, LabResult]], folder: str | Path) -> li
         axes[2].step(time, [1 - s.num_free_blocks / result.config.num_kv_blocks for s in steps], where="post")
         axes[2].set_ylabel("KV blocks used")
         axes[2].set_xlabel("simulated time (s)")
-        figure.suptitle(f"{name}: steps over time")
-        path = folder / f"steps-{name}.png"
-        figure.savefig(path, dpi=90, bbox_inches="tight")
+        figure.suptitle(f"{_label(name)}: steps over time")
+        path = folder / f"steps-{_file_name(name)}.png"
+        _save(figure, path)
         plt.close(figure)
         written.append(path)
     for metric, label in (("ttft", "TTFT (s)"), ("itl", "ITL (s)")):
@@ -54,14 +94,14 @@ def write_plots(runs: Sequence[tuple[str, LabResult]], folder: str | Path) -> li
                 values = [gap for t in result.timelines for gap in t.itls]
             if values:
                 ordered = np.sort(values)
-                axis.plot(ordered, np.arange(1, len(ordered) + 1) / len(ordered), label=name)
+                axis.plot(ordered, np.arange(1, len(ordered) + 1) / len(ordered), label=_label(name))
         axis.set_xscale("log")
         axis.set_xlabel(label)
         axis.set_ylabel("fraction of requests" if metric == "ttft" else "fraction of gaps")
         axis.grid(True, which="both", alpha=0.3)
         axis.legend()
         path = folder / f"{metric}-cdf.png"
-        figure.savefig(path, dpi=90, bbox_inches="tight")
+        _save(figure, path)
         plt.close(figure)
         written.append(path)
     return written

@@ -8,6 +8,7 @@ runs it on a scheduler with every invariant checked at every step and judges eac
 from __future__ import annotations
 
 import json
+import stat
 from collections.abc import Callable, Sequence
 from importlib import resources
 from pathlib import Path
@@ -20,7 +21,7 @@ from schedspec.spec.properties import PROPERTIES
 from schedspec.spec.workload import RequestSpec
 
 from .engine import Engine, RunResult
-from .fake_model import TokenSource
+from .fake_model import TokenSource, simulation_size_problem
 from .scheduler import EngineFault, UnsupportedFeature, make_scheduler
 
 TokenSourceFactory = Callable[[SchedulerConfig, Sequence[RequestSpec]], TokenSource]
@@ -41,6 +42,7 @@ ENGINE_CRASH = "engine-crash"
 """The ``finding.name`` of an engine crash (:class:`~schedspec.reference.scheduler.EngineFault`)."""
 REQUEST_KEYS = {"id", "arrival_step", "prompt_len", "max_tokens", "priority", "prefix", "abort_at_step", "eos_at_output"}
 OUTCOMES = {"finished", "rejected", "aborted"}
+TOP_KEYS = {"name", "about", "config", "requests", "expect", "scheduler"}
 DEFAULT_MAX_STEPS = 10_000
 
 
@@ -58,24 +60,68 @@ class Scenario:
     path: str
 
 
-def _int(value: Any, where: str, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ScenarioError(f"{where}: expected an integer >= {minimum}, got {value!r}")
+MAX_STEP = 10_000
+"""Largest step number a scenario may name (``arrival_step``, ``abort_at_step``, ``*_by_step``):
+scenarios are small cases, replayed step by step (a replay stops after 10,000 steps, or four
+times ``all_terminal_by_step``)."""
+
+MAX_COUNT = 2**31 - 1
+"""Largest token or block count a scenario may carry (int32)."""
+
+
+def _int(value: Any, where: str, minimum: int = 0, maximum: int = MAX_COUNT) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+        raise ScenarioError(f"{where}: expected an integer in [{minimum:,}, {maximum:,}], got {_show(value)}")
     return value
 
 
+def _bool(value: Any, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise ScenarioError(f"{where}: expected true or false, got {_show(value)}")
+    return value
+
+
+def _str(value: Any, where: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise ScenarioError(f"{where}: expected a non-empty string, got {_show(value)}")
+    return value
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def parse_scenario(data: Any, path: str = "<scenario>") -> Scenario:
-    """Validate a decoded scenario; raises :class:`ScenarioError` naming ``path`` and the field."""
+    """Validate a decoded scenario; raises :class:`ScenarioError` naming ``path`` and the field.
+
+    Every field is checked for type and range (counts in ``[0, 2**31-1]``, steps in
+    ``[0, MAX_STEP]``, flags ``true``/``false``), and ``config`` is validated as a
+    :class:`SchedulerConfig` unless ``expect.config_error`` says it must be refused, so a wrong
+    config is unusable input (naming ``config.FIELD``), never a failed check.
+    """
     if not isinstance(data, dict):
         raise ScenarioError(f"{path}: the top level must be a JSON object")
+    unknown = set(data) - TOP_KEYS
+    if unknown:
+        raise ScenarioError(f"{path}: unknown field {sorted(unknown)[0]!r} (known: {sorted(TOP_KEYS)})")
     for key in ("name", "config", "requests"):
         if key not in data:
             raise ScenarioError(f"{path}: missing field {key!r}")
+    name = _str(data["name"], f"{path}: name")
+    about = data.get("about", "")
+    if not isinstance(about, str):
+        raise ScenarioError(f"{path}: about: expected a string, got {_show(about)}")
+    scheduler = data.get("scheduler")
+    if scheduler is not None:
+        _str(scheduler, f"{path}: scheduler")
     config = data["config"]
     if not isinstance(config, dict):
         raise ScenarioError(f"{path}: field 'config' must be an object")
     config = dict(config)
     policy = config.pop("policy", None)
+    if policy is not None:
+        _str(policy, f"{path}: config.policy")
     if not isinstance(data["requests"], list):
         raise ScenarioError(f"{path}: field 'requests' must be a list")
     requests = []
@@ -90,22 +136,24 @@ def parse_scenario(data: Any, path: str = "<scenario>") -> Scenario:
         for key in ("id", "arrival_step", "prompt_len", "max_tokens"):
             if key not in raw:
                 raise ScenarioError(f"{where}: missing field {key!r}")
-        request_id = str(raw["id"])
+        request_id = _str(raw["id"], f"{where}.id")
         if request_id in seen:
             raise ScenarioError(f"{where}.id: duplicate id {request_id!r}")
         seen.add(request_id)
         prefix = raw.get("prefix")
-        if prefix is not None and (not isinstance(prefix, dict) or "group" not in prefix or "len" not in prefix):
+        if prefix is not None and (not isinstance(prefix, dict) or set(prefix) != {"group", "len"}):
             raise ScenarioError(f"{where}.prefix: expected {{\"group\": name, \"len\": tokens}}")
+        prompt_len = _int(raw["prompt_len"], f"{where}.prompt_len")
         requests.append(RequestSpec(
             request_id=request_id,
-            arrival_step=_int(raw["arrival_step"], f"{where}.arrival_step"),
-            prompt_len=_int(raw["prompt_len"], f"{where}.prompt_len"),
+            arrival_step=_int(raw["arrival_step"], f"{where}.arrival_step", maximum=MAX_STEP),
+            prompt_len=prompt_len,
             max_tokens=_int(raw["max_tokens"], f"{where}.max_tokens"),
             priority=_int(raw.get("priority", 0), f"{where}.priority", minimum=-(2**31)),
-            prefix_group=str(prefix["group"]) if prefix else None,
-            prefix_len=_int(prefix["len"], f"{where}.prefix.len") if prefix else 0,
-            abort_at_step=_int(raw["abort_at_step"], f"{where}.abort_at_step") if "abort_at_step" in raw else None,
+            prefix_group=_str(prefix["group"], f"{where}.prefix.group") if prefix else None,
+            prefix_len=_int(prefix["len"], f"{where}.prefix.len", maximum=prompt_len) if prefix else 0,
+            abort_at_step=(_int(raw["abort_at_step"], f"{where}.abort_at_step", maximum=MAX_STEP)
+                           if "abort_at_step" in raw else None),
             eos_at_output=_int(raw["eos_at_output"], f"{where}.eos_at_output", 1) if "eos_at_output" in raw else None,
         ))
     expect = data.get("expect", {})
@@ -114,48 +162,113 @@ def parse_scenario(data: Any, path: str = "<scenario>") -> Scenario:
     unknown = set(expect) - EXPECT_KEYS
     if unknown:
         raise ScenarioError(f"{path}: expect: unknown key {sorted(unknown)[0]!r}")
-    for request_id, outcome in expect.get("outcome", {}).items():
-        allowed = outcome if isinstance(outcome, list) else [outcome]
-        if request_id not in seen:
-            raise ScenarioError(f"{path}: expect.outcome: unknown request {request_id!r}")
-        if not allowed or any(o not in OUTCOMES for o in allowed):
-            raise ScenarioError(f"{path}: expect.outcome.{request_id}: {outcome!r} (allowed: {sorted(OUTCOMES)})")
-    for request_id in expect.get("first_token_by_step", {}):
-        if request_id not in seen:
-            raise ScenarioError(f"{path}: expect.first_token_by_step: unknown request {request_id!r}")
-    if "demonstrates" in expect and expect["demonstrates"] not in PROPERTIES:
+    _check_expect(expect, seen, path)
+    if not expect.get("config_error"):
+        try:
+            checked = SchedulerConfig.from_dict(config)
+        except ConfigError as error:
+            raise ScenarioError(f"{path}: config.{error.field}: {error.reason} (got {_show(error.value)})") from None
+        except (TypeError, ValueError, OverflowError) as error:
+            raise ScenarioError(f"{path}: config: {error}") from None
+        problem = simulation_size_problem(checked)
+        if problem is not None:
+            raise ScenarioError(f"{path}: config.{problem}")
+    return Scenario(
+        name=name, about=about, config=config, policy=policy,
+        requests=tuple(requests), expect=expect, scheduler=scheduler, path=path,
+    )
+
+
+def _check_expect(expect: dict[str, Any], ids: set[str], path: str) -> None:
+    where = f"{path}: expect"
+    for key in ("config_error", "no_tokens_after_abort", "outputs_equal_solo"):
+        if key in expect:
+            _bool(expect[key], f"{where}.{key}")
+    mentions = expect.get("config_error_mentions", [])
+    if not isinstance(mentions, list) or not all(isinstance(m, str) for m in mentions):
+        raise ScenarioError(f"{where}.config_error_mentions: expected a list of strings, got {_show(mentions)}")
+    outcome = expect.get("outcome", {})
+    if not isinstance(outcome, dict):
+        raise ScenarioError(f"{where}.outcome: expected an object of request id -> outcome, got {_show(outcome)}")
+    for request_id, wanted in outcome.items():
+        allowed = wanted if isinstance(wanted, list) else [wanted]
+        if request_id not in ids:
+            raise ScenarioError(f"{where}.outcome: unknown request {request_id!r}")
+        if not allowed or any(not isinstance(o, str) or o not in OUTCOMES for o in allowed):
+            raise ScenarioError(f"{where}.outcome.{request_id}: {_show(wanted)} (allowed: {sorted(OUTCOMES)})")
+    if "all_terminal_by_step" in expect:
+        _int(expect["all_terminal_by_step"], f"{where}.all_terminal_by_step", maximum=MAX_STEP)
+    first = expect.get("first_token_by_step", {})
+    if not isinstance(first, dict):
+        raise ScenarioError(f"{where}.first_token_by_step: expected an object of request id -> step, got {_show(first)}")
+    for request_id, bound in first.items():
+        if request_id not in ids:
+            raise ScenarioError(f"{where}.first_token_by_step: unknown request {request_id!r}")
+        _int(bound, f"{where}.first_token_by_step.{request_id}", maximum=MAX_STEP)
+    if "max_preemptions_per_request" in expect:
+        _int(expect["max_preemptions_per_request"], f"{where}.max_preemptions_per_request")
+    if "free_blocks_at_end" in expect:
+        _int(expect["free_blocks_at_end"], f"{where}.free_blocks_at_end")
+    if "demonstrates" in expect and (not isinstance(expect["demonstrates"], str)
+                                     or expect["demonstrates"] not in PROPERTIES):
         raise ScenarioError(
-            f"{path}: expect.demonstrates: unknown property {expect['demonstrates']!r} (known: {sorted(PROPERTIES)})"
+            f"{where}.demonstrates: unknown property {_show(expect['demonstrates'])} (known: {sorted(PROPERTIES)})"
         )
     finding = expect.get("finding")
     if finding is not None:
         if not isinstance(finding, dict) or not isinstance(finding.get("name"), str) or set(finding) - FINDING_KEYS:
             raise ScenarioError(
-                f"{path}: expect.finding: expected {{\"name\": violation name or {ENGINE_CRASH!r}, "
+                f"{where}.finding: expected {{\"name\": violation name or {ENGINE_CRASH!r}, "
                 "optional \"step\", optional \"mentions\": [words]}"
             )
         if "step" in finding:
-            _int(finding["step"], f"{path}: expect.finding.step")
-        mentions = finding.get("mentions", [])
-        if not isinstance(mentions, list) or not all(isinstance(w, str) for w in mentions):
-            raise ScenarioError(f"{path}: expect.finding.mentions: expected a list of strings")
-    return Scenario(
-        name=str(data["name"]), about=str(data.get("about", "")), config=config, policy=policy,
-        requests=tuple(requests), expect=expect, scheduler=data.get("scheduler"), path=path,
-    )
+            _int(finding["step"], f"{where}.finding.step", maximum=MAX_STEP)
+        words = finding.get("mentions", [])
+        if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
+            raise ScenarioError(f"{where}.finding.mentions: expected a list of strings")
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise ScenarioError(f"key {key!r} given twice in one object")
+        result[key] = value
+    return result
+
+
+def _no_constant(name: str) -> Any:
+    raise ScenarioError(f"{name} is not a JSON number")
 
 
 def load_scenario(path: str | Path) -> Scenario:
-    """Read and validate a scenario file. Raises :class:`ScenarioError` (file, line or field named)."""
+    """Read and validate a scenario file. Raises :class:`ScenarioError` (file, line or field named):
+    unreadable file, bytes that are not UTF-8, invalid JSON (also ``NaN``, ``Infinity`` and a key
+    given twice in one object), or any field :func:`parse_scenario` refuses."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        if path.exists() and not path.is_dir() and not stat.S_ISREG(path.stat().st_mode):
+            raise ScenarioError(f"{path}: not a regular file (a device or pipe cannot be read as a scenario)")
+        raw = path.read_bytes()
     except OSError as error:
         raise ScenarioError(f"{path}: cannot read ({error.strerror})") from None
+    except ScenarioError:
+        raise
+    except ValueError as error:  # a NUL character in the path
+        raise ScenarioError(f"{path}: cannot open ({error})") from None
     try:
-        data = json.loads(text)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = raw[: error.start].count(b"\n") + 1
+        raise ScenarioError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[error.start]:02x})") from None
+    try:
+        data = json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=_no_constant)
     except json.JSONDecodeError as error:
         raise ScenarioError(f"{path}:{error.lineno}: invalid JSON ({error.msg})") from None
+    except ScenarioError as error:
+        raise ScenarioError(f"{path}: invalid JSON ({error})") from None
+    except RecursionError:
+        raise ScenarioError(f"{path}: invalid JSON (nested too deeply)") from None
     return parse_scenario(data, str(path))
 
 

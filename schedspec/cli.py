@@ -7,11 +7,13 @@ import importlib
 
 import click
 
+from schedspec.cli_common import OneLineErrors
+
 COMMANDS = ("replay", "check", "lab", "prove")
 """Each is a module ``schedspec.commands.NAME`` defining a click command named ``command``."""
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="schedspec")
 def cli() -> None:
     """schedspec: an executable specification of iteration-level LLM schedulers."""

@@ -1,21 +1,42 @@
-"""Conventions shared by every ``schedspec`` command.
+"""Conventions shared by every ``schedspec`` command, and the one validation layer at the edge.
 
 - ``--scheduler NAME``: a registered scheduler (``schedspec.reference.scheduler.SCHEDULERS``) or
-  ``module:factory``.
+  ``module:factory`` (a Python function or class that takes a ``SchedulerConfig`` and returns a
+  scheduler; built-in functions such as ``os:system`` are refused).
 - ``--set key=value`` (repeatable): change a :class:`~schedspec.spec.config.SchedulerConfig` field.
   Values are parsed as JSON scalars where possible (``16``, ``true``), else kept as strings.
 - Exit status: 0 all checks passed; 1 a check failed (expectation, invariant, divergence, theorem
-  not proved), naming it and the step; 2 unusable input (file, line and field named, no traceback);
-  3 the chosen scheduler cannot express the scenario (a feature it lacks).
+  not proved), naming it and the step; 2 unusable input; 3 the chosen scheduler cannot express the
+  scenario (a feature it lacks).
+
+Bad input (exit 2) is found before any work starts, and reported as **one line** on stderr,
+``schedspec: error: WHERE: WHAT``, naming the option (``--steps``), or the file, line and field
+(``trace.csv:7: ContextTokens``), in the user's terms; never a traceback. User text (paths, ids,
+scenario fields) is printed as plain text: every Rich console of the CLI is made by :func:`console`,
+which interprets neither markup (``[red]``) nor emoji codes (``:100:``); :func:`one_line` escapes
+control characters so a message stays on one line.
+
+Output files (``--steps-out``, ``--requests-out``, ``--plot``) are checked before the run by
+:func:`check_outputs` (refused if equal to an input or another output, a directory, or not
+writable) and written by :func:`atomic_output` (a temporary file in the same folder, renamed over
+the target only when complete), so no input is ever overwritten and a failed run leaves no half file.
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import json
+import math
+import os
 import sys
-from typing import Any, NoReturn
+import tempfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import IO, Any, NoReturn
 
 import click
+from rich.console import Console
 
 from schedspec.spec.config import ConfigError, SchedulerConfig
 
@@ -24,19 +45,111 @@ EXIT_CHECK_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_UNSUPPORTED = 3
 
+MAX_MESSAGE_CHARS = 2000
+"""A message longer than this is cut (a 10 MB path must not flood the terminal)."""
+
+
+def one_line(text: object) -> str:
+    """``text`` as one printable line: newlines, tabs and other control characters are written as
+    escapes (``\\n``, ``\\x1b``), and anything past :data:`MAX_MESSAGE_CHARS` characters is cut."""
+    out = []
+    for char in str(text):
+        out.append(char if char.isprintable() else repr(char)[1:-1])
+    line = "".join(out)
+    if len(line) > MAX_MESSAGE_CHARS:
+        line = line[:MAX_MESSAGE_CHARS] + f"... ({len(line) - MAX_MESSAGE_CHARS} more characters)"
+    return line
+
 
 def fail(message: str, status: int = EXIT_BAD_INPUT) -> NoReturn:
-    """Print ``schedspec: error: message`` to stderr and exit with ``status``."""
-    click.echo(f"schedspec: error: {message}", err=True)
+    """Print ``schedspec: error: message`` (one line, plain text) to stderr and exit with ``status``."""
+    click.echo(f"schedspec: error: {one_line(message)}", err=True)
     sys.exit(status)
+
+
+def note(message: str) -> None:
+    """Print ``schedspec: note: message`` (one line, plain text) to stderr: something the user should
+    know about the input that did not stop the run (e.g. a trace that had to be sorted)."""
+    click.echo(f"schedspec: note: {one_line(message)}", err=True)
+
+
+def console(**kwargs: Any) -> Console:
+    """A Rich console that prints text as text: no markup, no emoji codes, no highlighting.
+
+    Styled parts are built with :class:`rich.text.Text` (``Text("FAIL", style="red")``); plain
+    strings (user paths, request ids, scenario text) are printed exactly as they are.
+    """
+    return Console(markup=False, emoji=False, highlight=False, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------------
+# Option types: finite numbers in range; click's own FloatRange accepts nan and inf.
+
+
+class Number(click.ParamType):
+    """A finite float with optional bounds: ``minimum`` (inclusive, or exclusive with
+    ``strict``) and ``maximum`` (inclusive). ``nan``, ``inf`` and out-of-range values are refused."""
+
+    name = "number"
+
+    def __init__(self, minimum: float | None = None, strict: bool = False, maximum: float | None = None) -> None:
+        self.minimum, self.strict, self.maximum = minimum, strict, maximum
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        if isinstance(value, float):
+            number = value
+        else:
+            try:
+                number = float(str(value).strip())
+            except ValueError:
+                self.fail(f"{one_line(value)!r} is not a number", param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{one_line(value)!r}: must be a finite number", param, ctx)
+        if self.minimum is not None and (number <= self.minimum if self.strict else number < self.minimum):
+            self.fail(f"{number:g}: must be {'>' if self.strict else '>='} {self.minimum:g}", param, ctx)
+        if self.maximum is not None and number > self.maximum:
+            self.fail(f"{number:g}: must be <= {self.maximum:g}", param, ctx)
+        return number
+
+
+class Count(click.ParamType):
+    """An integer in ``[minimum, maximum]`` (decimal digits only)."""
+
+    name = "integer"
+
+    def __init__(self, minimum: int = 0, maximum: int | None = None) -> None:
+        self.minimum, self.maximum = minimum, maximum
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            number = value
+        else:
+            text = str(value).strip()
+            digits = text[1:] if text[:1] in "+-" else text
+            if not digits.isascii() or not digits.isdigit():
+                self.fail(f"{one_line(value)!r} is not an integer", param, ctx)
+            if len(digits) > 30:
+                self.fail(f"{one_line(text[:40])}...: out of range", param, ctx)
+            number = int(text)
+        if number < self.minimum:
+            self.fail(f"{number}: must be >= {self.minimum}", param, ctx)
+        if self.maximum is not None and number > self.maximum:
+            self.fail(f"{number}: must be <= {self.maximum:,}", param, ctx)
+        return number
+
+
+# --------------------------------------------------------------------------------------------------
+# --set and the config
 
 
 def parse_value(text: str) -> Any:
     """A ``--set`` value: a JSON scalar (int, float, true/false, null) or else the string itself."""
     try:
         value = json.loads(text)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return text
+    if isinstance(value, float) and not math.isfinite(value):
+        return text  # NaN, Infinity: kept as text, refused by the field's type check
     return value if isinstance(value, int | float | bool | str) or value is None else text
 
 
@@ -47,20 +160,199 @@ def parse_sets(items: tuple[str, ...]) -> dict[str, Any]:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             fail(f"--set {item!r}: expected key=value")
+        if key.strip() in changes:
+            fail(f"--set {key.strip()!r}: given twice")
         changes[key.strip()] = parse_value(value.strip())
     return changes
 
 
 def build_config(base: dict[str, Any], changes: dict[str, Any], where: str = "--set") -> SchedulerConfig:
-    """``SchedulerConfig`` from ``base`` with ``changes`` applied; exits 2 naming the field on error."""
+    """``SchedulerConfig`` from ``base`` with ``changes`` applied; exits 2 naming ``where`` and the
+    field if it is invalid, or too large to simulate
+    (:func:`~schedspec.reference.fake_model.simulation_size_problem`)."""
+    from schedspec.reference.fake_model import simulation_size_problem
+
     data = dict(base)
     data.update(changes)
     try:
-        return SchedulerConfig.from_dict(data)
+        config = SchedulerConfig.from_dict(data)
     except ConfigError as error:
         fail(f"{where}: {error}")
-    except TypeError as error:
+    except (TypeError, ValueError, OverflowError) as error:
         fail(f"{where}: {error}")
+    problem = simulation_size_problem(config)
+    if problem is not None:
+        fail(f"{where}: {problem}")
+    return config
+
+
+def check_scheduler(name: str, config: SchedulerConfig | None, where: str = "--scheduler",
+                    unsupported_ok: bool = False) -> None:
+    """Exit 2 (naming ``where``) unless ``name`` is a scheduler; with a ``config``, also build it
+    for that config, exiting 3 if the scheduler cannot run it (:class:`UnsupportedFeature`; or
+    return, with ``unsupported_ok``).
+
+    A ``module:factory`` must name a Python function or class (not a built-in such as
+    ``os:system`` or ``builtins:print``), and calling it with the config must return an object
+    with ``add_request``, ``abort_request``, ``schedule`` and ``update``.
+    """
+    from schedspec.reference.scheduler import (
+        NOT_YET_IMPLEMENTED,
+        SCHEDULERS,
+        UnknownScheduler,
+        UnsupportedFeature,
+        make_scheduler,
+    )
+
+    shown = one_line(name)
+    if name not in SCHEDULERS and name not in NOT_YET_IMPLEMENTED:
+        module_name, colon, attribute = name.partition(":")
+        if not colon:
+            fail(f"{where} {shown!r}: unknown; known: {', '.join(sorted(SCHEDULERS))}, or module:factory")
+        if not module_name.strip() or not attribute.strip():
+            fail(f"{where} {shown!r}: expected module:factory")
+        import importlib
+
+        try:
+            factory = getattr(importlib.import_module(module_name), attribute)
+        except Exception as error:  # noqa: BLE001 - any import failure is the user's input
+            fail(f"{where} {shown!r}: cannot load ({type(error).__name__}: {error})")
+        if inspect.isbuiltin(factory) or not (inspect.isfunction(factory) or inspect.isclass(factory)):
+            fail(f"{where} {shown!r}: not a scheduler factory (a Python function or class taking a "
+                 f"SchedulerConfig), found {type(factory).__name__}")
+    if config is None:
+        return
+    try:
+        scheduler = make_scheduler(name, config)
+    except UnsupportedFeature as error:
+        if unsupported_ok:
+            return
+        fail(str(error), status=EXIT_UNSUPPORTED)
+    except UnknownScheduler as error:
+        fail(f"{where}: {error}".replace(f"{where}: --scheduler ", f"{where} "))
+    except Exception as error:  # noqa: BLE001 - a user factory that fails is unusable input
+        fail(f"{where} {shown!r}: the factory failed ({type(error).__name__}: {error})")
+    missing = [m for m in ("add_request", "abort_request", "schedule", "update") if not callable(getattr(scheduler, m, None))]
+    if missing:
+        fail(f"{where} {shown!r}: the factory returned {type(scheduler).__name__}, not a scheduler "
+             f"(no {', '.join(missing)})")
+
+
+# --------------------------------------------------------------------------------------------------
+# Output files
+
+
+def check_path(option: str, text: str | None) -> None:
+    """Exit 2 naming ``option`` if ``text`` cannot be a path at all (empty, or a NUL character)."""
+    if text is None:
+        return
+    if not text.strip():
+        fail(f"{option}: empty path")
+    if "\x00" in text:
+        fail(f"{option} {one_line(text)}: a path cannot contain a NUL character")
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        if a.exists() and b.exists():
+            return os.path.samefile(a, b)
+    except OSError:
+        pass
+    return a.resolve() == b.resolve()
+
+
+def check_outputs(outputs: Sequence[tuple[str, str | None]], inputs: Sequence[str | Path],
+                  folders: Sequence[tuple[str, str | None]] = ()) -> None:
+    """Refuse (exit 2, naming the option) output files that would overwrite an input or each other,
+    are directories, or cannot be written; and output folders under a regular file or not writable.
+
+    Args:
+        outputs: ``(option, path)`` pairs of files to be written (``None``: not asked for).
+        inputs: every file the command reads.
+        folders: ``(option, path)`` pairs of folders to be created or filled.
+    """
+    seen: list[tuple[str, Path]] = []
+    for option, text in outputs:
+        if text is None:
+            continue
+        check_path(option, text)
+        path = Path(text)
+        for source in inputs:
+            if _same_file(path, Path(source)):
+                fail(f"{option} {one_line(text)}: is an input file; refusing to overwrite it")
+        for other_option, other in seen:
+            if _same_file(path, other):
+                fail(f"{option} {one_line(text)}: same file as {other_option}")
+        if path.is_dir():
+            fail(f"{option} {one_line(text)}: is a directory, expected a file path")
+        parent = path.parent if str(path.parent) else Path(".")
+        if not parent.is_dir():
+            fail(f"{option} {one_line(text)}: folder {one_line(parent)} does not exist")
+        if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+            fail(f"{option} {one_line(text)}: not writable")
+        seen.append((option, path))
+    for option, text in folders:
+        if text is None:
+            continue
+        check_path(option, text)
+        folder = Path(text)
+        if folder.exists() and not folder.is_dir():
+            fail(f"{option} {one_line(text)}: is a file, expected a folder")
+        existing = folder
+        while not existing.exists():
+            if existing.parent == existing:
+                break
+            existing = existing.parent
+        if existing.exists() and not existing.is_dir():
+            fail(f"{option} {one_line(text)}: {one_line(existing)} is a file, cannot create a folder under it")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            fail(f"{option} {one_line(text)}: not writable")
+
+
+@contextlib.contextmanager
+def atomic_output(path: str | Path, mode: str = "w", **kwargs: Any) -> Iterator[IO]:
+    """Open a temporary file next to ``path`` for writing; on normal exit it replaces ``path``
+    (``os.replace``, atomic on one filesystem), on any exception it is deleted and ``path`` is left
+    as it was."""
+    path = Path(path)
+    handle = tempfile.NamedTemporaryFile(mode, dir=path.parent if str(path.parent) else ".",  # noqa: SIM115
+                                         prefix=f".{path.name}.", suffix=".tmp", delete=False, **kwargs)
+    try:
+        with handle:
+            yield handle
+        os.replace(handle.name, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(handle.name)
+        raise
+
+
+# --------------------------------------------------------------------------------------------------
+# Click wiring
+
+
+class OneLineErrors(click.Group):
+    """The ``schedspec`` group: click's usage errors (unknown option, bad option value, missing
+    argument) are printed as one line, ``schedspec: error: COMMAND: MESSAGE (see COMMAND --help)``,
+    exit 2, instead of click's usage block."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):  # type: ignore[override]
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            result = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.exceptions.NoArgsIsHelpError as error:  # bare `schedspec`: the help, not an error
+            click.echo(error.ctx.get_help() if error.ctx is not None else error.format_message())
+            sys.exit(0)
+        except click.UsageError as error:
+            where = error.ctx.command_path if error.ctx is not None else (prog_name or "schedspec")
+            fail(f"{where}: {error.format_message()} (see {where} --help)")
+        except click.ClickException as error:
+            fail(error.format_message(), status=error.exit_code)
+        except click.exceptions.Abort:
+            click.echo("Aborted!", err=True)
+            sys.exit(1)
+        sys.exit(result if isinstance(result, int) else 0)
 
 
 scheduler_option = click.option(

@@ -85,7 +85,7 @@ def test_azure_id_prefix_and_lf_and_blank_lines(tmp_path):
         ("2023-11-16 18:15:46.6805900,-5,44", "ContextTokens"),
         ("2023-11-16 18:15:46.6805900,12.5,44", "ContextTokens"),
         ("2023-11-16 18:15:46.6805900,12,abc", "GeneratedTokens"),
-        ("2023-11-16 18:15:46.6805900,12,0", "GeneratedTokens"),
+        ("2023-11-16 18:15:46.6805900,12,100000000000000000000", "GeneratedTokens"),  # 10^20
         ("2023-11-16 18:15:46.6805900,12,", "GeneratedTokens"),
         ("2023-11-16T18:15,12,4", "TIMESTAMP"),
         ("2023-02-30 18:15:46.1,12,4", "TIMESTAMP"),
@@ -103,7 +103,7 @@ def test_azure_bad_rows_name_file_line_and_field(tmp_path, row, field):
 
 
 def test_azure_bad_header_and_empty(tmp_path):
-    with pytest.raises(WorkloadError, match="missing column GeneratedTokens"):
+    with pytest.raises(WorkloadError, match="missing column 'GeneratedTokens'"):
         load_azure_csv(write(tmp_path, "a.csv", b"TIMESTAMP,ContextTokens\r\n2023-01-01 00:00:00,1"))
     with pytest.raises(WorkloadError, match="no requests"):
         load_azure_csv(write(tmp_path, "b.csv", HEADER))
@@ -190,6 +190,10 @@ def test_mooncake_packaged_prefix_groups_never_overstate_sharing():
         ('{"timestamp": 0, "input_length": -3, "output_length": 1}', "input_length"),
         ('{"timestamp": 0, "input_length": 10, "output_length": true}', "output_length"),
         ('{"timestamp": -1, "input_length": 10, "output_length": 1}', "timestamp"),
+        ('{"timestamp": 1e999, "input_length": 10, "output_length": 1}', "timestamp"),
+        ('{"timestamp": NaN, "input_length": 10, "output_length": 1}', "timestamp"),
+        ('{"timestamp": 1' + "0" * 400 + ', "input_length": 10, "output_length": 1}', "timestamp"),
+        ('{"timestamp": 0, "input_length": 100000000000000000000, "output_length": 1}', "input_length"),
         ('{"timestamp": "0", "input_length": 10, "output_length": 1}', "timestamp"),
         ('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1, 2]}', "hash_ids"),
         ('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": ["a"]}', "hash_ids"),

@@ -6,7 +6,7 @@ import json
 import math
 import shutil
 import sys
-import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,21 +16,34 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from schedspec.cli_common import (
     EXIT_CHECK_FAILED,
     EXIT_UNSUPPORTED,
+    Count,
+    Number,
+    atomic_output,
     build_config,
+    check_outputs,
+    check_path,
+    check_scheduler,
     fail,
+    note,
+    one_line,
     parse_sets,
     scheduler_option,
     set_option,
+)
+from schedspec.cli_common import (
+    console as make_console,
 )
 from schedspec.reference import cost_model as costs
 from schedspec.reference import metrics, workloads
 from schedspec.reference.engine import ViolationFound
 from schedspec.reference.lab import VARIANTS, LabResult, LabStep, resolve_variant, run_lab
 from schedspec.reference.scheduler import EngineFault, UnknownScheduler, UnsupportedFeature
+from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.trace import header_line
 
 DEFAULT_DURATION = 120.0
@@ -39,42 +52,63 @@ DEFAULT_DURATION = 120.0
 
 def _scale_lengths(window: list, factor: float) -> list:
     """``--length-scale``: every prompt, shared prefix and output length divided by ``factor``, rounded
-    up (at least one token); arrival times, ids and everything else unchanged."""
+    up (at least one token; a length of 0 stays 0, so the spec still rejects that request); arrival
+    times, ids and everything else unchanged. Exits 2 if a length would exceed
+    :data:`~schedspec.reference.workloads.MAX_TOKEN_COUNT`."""
     if factor == 1:
         return window
+
+    def scale(length: int) -> int:
+        return 0 if length == 0 else max(1, math.ceil(length / factor))
+
+    longest = max(max(s.prompt_len, s.max_tokens) for s in window)
+    if longest / factor > workloads.MAX_TOKEN_COUNT:
+        fail(f"--length-scale {factor:g}: makes a length of {longest:,} tokens {longest / factor:.3g}, more than "
+             f"{workloads.MAX_TOKEN_COUNT:,}")
     scaled = []
     for spec in window:
-        prompt = max(1, math.ceil(spec.prompt_len / factor))
-        scaled.append(attrs.evolve(spec, prompt_len=prompt, max_tokens=max(1, math.ceil(spec.max_tokens / factor)),
+        prompt = scale(spec.prompt_len)
+        scaled.append(attrs.evolve(spec, prompt_len=prompt, max_tokens=scale(spec.max_tokens),
                                    prefix_len=min(prompt, math.ceil(spec.prefix_len / factor))))
     return scaled
 
 
-def _step_filter(text: str | None, steps: list[LabStep]) -> list[LabStep]:
-    """``--steps``: ``N`` (first N), ``A-B`` (range), ``every:K``, ``changed`` (steps where a request
-    arrived, was preempted or finished), ``all`` or ``none``."""
-    if text is None:
-        text = "changed:40"
-    try:
-        if text == "none":
-            return []
-        if text == "all":
-            return steps
-        if text.startswith("changed"):
-            limit = int(text.partition(":")[2] or 10**12)
-            chosen = [s for s in steps if s.num_arrivals or s.num_preempted or s.num_finished]
-            return chosen[:limit]
-        if text.startswith("every:"):
-            k = int(text.split(":", 1)[1])
-            if k < 1:
-                raise ValueError
-            return steps[::k]
-        if "-" in text:
-            low, high = (int(x) for x in text.split("-", 1))
-            return [s for s in steps if low <= s.step <= high]
-        return steps[: int(text)]
-    except ValueError:
-        fail(f"--steps {text!r}: expected N, A-B, every:K, changed[:N], all or none")
+StepFilter = Callable[[list[LabStep]], list[LabStep]]
+
+STEPS_USAGE = "expected N, A-B, every:K, changed[:N], all or none"
+
+
+def parse_steps(text: str | None) -> StepFilter:
+    """``--steps``, parsed before the run: ``N`` (first N), ``A-B`` (steps A to B, A <= B),
+    ``every:K`` (K >= 1), ``changed[:N]`` (steps where a request arrived, was preempted or finished;
+    the first N, default all), ``all`` or ``none``. Default (``None``): ``changed:40``.
+
+    Exits 2 naming ``--steps`` on anything else (a negative count, ``10-5``)."""
+    spec = "changed:40" if text is None else text.strip()
+
+    def count(value: str, minimum: int) -> int:
+        if not value.isascii() or not value.isdigit() or len(value) > 18 or int(value) < minimum:
+            fail(f"--steps {text!r}: {value!r} must be an integer >= {minimum} ({STEPS_USAGE})")
+        return int(value)
+
+    if spec == "none":
+        return lambda steps: []
+    if spec == "all":
+        return lambda steps: steps
+    if spec == "changed" or spec.startswith("changed:"):
+        limit = count(spec.partition(":")[2], 1) if ":" in spec else None
+        return lambda steps: [s for s in steps if s.num_arrivals or s.num_preempted or s.num_finished][:limit]
+    if spec.startswith("every:"):
+        k = count(spec.partition(":")[2], 1)
+        return lambda steps: steps[::k]
+    if "-" in spec:
+        low_text, _, high_text = spec.partition("-")
+        low, high = count(low_text.strip(), 0), count(high_text.strip(), 0)
+        if low > high:
+            fail(f"--steps {text!r}: A-B needs A <= B")
+        return lambda steps: [s for s in steps if low <= s.step <= high]
+    first = count(spec, 0)
+    return lambda steps: steps[:first]
 
 
 def _conditions(result: LabResult, profile: costs.CostModel, trace_text: str, window: str, backend: str) -> list[tuple[str, str]]:
@@ -230,17 +264,20 @@ def _compare_table(console: Console, summaries: list[dict[str, Any]]) -> None:
 
 @click.command()
 @click.option("--trace", "trace_path", default=None, metavar="PATH",
-              help="Trace file (Azure 2023 CSV or Mooncake JSONL). Default: the packaged Azure conversation trace.")
+              help="Trace file: Azure LLM inference 2023 or 2024 CSV, BurstGPT CSV or Mooncake JSONL "
+                   "(detected from the first line). Default: the packaged Azure 2023 conversation trace.")
 @click.option("--trace-format", type=click.Choice(list(workloads.FORMATS)), default=None,
               help="Trace format (default: detected).")
 @click.option("--synthetic", default=None, metavar="SPEC",
               help="Synthetic arrivals instead of a trace: rate=R,cv=C,prompt=P,output=O[,n=N|,duration=S][,seed=K].")
-@click.option("--start", type=float, default=None, help="Window start, seconds of trace time.")
-@click.option("--duration", type=float, default=None,
+@click.option("--start", type=Number(minimum=0), default=None,
+              help="Window start, seconds of trace time after the first arrival (>= 0).")
+@click.option("--duration", type=Number(minimum=0, strict=True), default=None,
               help=f"Window length, seconds of trace time (default {DEFAULT_DURATION:g} unless --max-requests).")
-@click.option("--max-requests", type=int, default=None, help="At most this many requests of the window.")
-@click.option("--time-scale", type=float, default=1.0, help="Multiply inter-arrival gaps (0.5 = twice as fast).")
-@click.option("--length-scale", type=float, default=1.0, show_default=True,
+@click.option("--max-requests", type=Count(minimum=1), default=None, help="At most this many requests of the window.")
+@click.option("--time-scale", type=Number(minimum=0, strict=True), default=1.0,
+              help="Multiply inter-arrival gaps (0.5 = twice as fast); the window may span at most 1e9 s.")
+@click.option("--length-scale", type=Number(minimum=0, strict=True), default=1.0, show_default=True,
               help="Divide every prompt and output length by this (rounded up, at least 1 token); e.g. 8 to fit "
                    "the trace to the tiny model of --backend torch on a CPU.")
 @scheduler_option
@@ -252,26 +289,32 @@ def _compare_table(console: Console, summaries: list[dict[str, Any]]) -> None:
 @click.option("--model", "model_dir", default=None, metavar="DIR",
               help="Hugging Face model directory for --backend torch (default: the built-in tiny model).")
 @click.option("--steps", "steps_spec", default=None, metavar="SPEC",
-              help="Steps to print: N, A-B, every:K, changed[:N] (default changed:40), all, none.")
-@click.option("--steps-out", type=click.Path(dir_okay=False, writable=True), default=None,
-              help="Write every step as StepRecord JSON Lines (trace format) to this file.")
-@click.option("--requests-out", type=click.Path(dir_okay=False, writable=True), default=None,
-              help="Write one CSV row per request.")
+              help="Steps to print: N, A-B, every:K, changed[:N] (default changed:40: the first 40 steps where "
+                   "a request arrived, was preempted or finished), all, none.")
+@click.option("--steps-out", default=None, metavar="FILE",
+              help="Write every step as StepRecord JSON Lines (trace format) to this file (with --compare: "
+                   "FILE.NAME per scheduler). Never an input file; written only when the run completes.")
+@click.option("--requests-out", default=None, metavar="FILE",
+              help="Write one CSV row per request (with --compare: FILE.NAME per scheduler).")
 @click.option("--slo", default=None, metavar="ttft=..,itl=..", help="SLOs for goodput, e.g. ttft=2s,itl=200ms.")
 @click.option("--compare", default=None, metavar="A,B,..",
               help=f"Run each scheduler or variant ({', '.join(sorted(VARIANTS))}) on the same window and compare.")
-@click.option("--plot", "plot_dir", type=click.Path(file_okay=False), default=None, help="Write PNG plots here.")
+@click.option("--plot", "plot_dir", default=None, metavar="DIR", help="Write PNG plots into this folder.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON only.")
 @click.option("--no-check", is_flag=True, help="Skip the spec checks (faster; not recommended).")
-@click.option("--max-steps", type=int, default=None, help="Stop after this many steps.")
+@click.option("--max-steps", type=Count(minimum=1), default=None, help="Stop after this many steps.")
 def command(trace_path, trace_format, synthetic, start, duration, max_requests, time_scale, length_scale,
             scheduler_name, sets,
             profile, backend, device, model_dir, steps_spec, steps_out, requests_out, slo, compare, plot_dir,
             as_json, no_check, max_steps) -> None:
-    """Run the scheduler on a real trace and show every step, the latency each request saw and the batch
-    efficiency, with the run conditions first. Exit 0 clean, 1 on a spec violation, 2 on bad input,
-    3 if the scheduler lacks a feature the config needs."""
-    console = Console(stderr=as_json, width=max(shutil.get_terminal_size((120, 24)).columns, 100))
+    """Run the scheduler on a real trace and show the run conditions, the steps (by default the first
+    40 where a request arrived, was preempted or finished; --steps to choose), the latency each request
+    saw and the batch efficiency, with every step checked against the spec. Every option and the trace
+    are validated before the run. Exit 0 clean, 1 on a spec violation, 2 on bad input, 3 if the
+    scheduler lacks a feature the config needs."""
+    console = make_console(stderr=as_json, width=max(shutil.get_terminal_size((120, 24)).columns, 100))
+
+    # 1. Options, each on its own (no work yet).
     try:
         cost = costs.get_profile(profile)
         base, derivation = costs.default_scheduler_config(cost)
@@ -279,32 +322,90 @@ def command(trace_path, trace_format, synthetic, start, duration, max_requests, 
         fail(f"--profile: {error}")
     changes = parse_sets(sets)
     try:
-        slo_pair = metrics.parse_slo(slo) if slo else None
+        slo_pair = metrics.parse_slo(slo) if slo is not None else None
     except metrics.MetricsError as error:
         fail(f"--slo: {error}")
-    if max_steps is not None and max_steps < 1:
-        fail(f"--max-steps={max_steps}: must be >= 1")
-    if not length_scale > 0 or not math.isfinite(length_scale):
-        fail(f"--length-scale={length_scale:g}: must be a positive number")
-
-    if synthetic and trace_path:
+    step_filter = parse_steps(steps_spec)
+    if synthetic is not None and trace_path is not None:
         fail("--trace and --synthetic: give one, not both")
-    if duration is None and max_requests is None and not synthetic:
-        duration = DEFAULT_DURATION
+    if synthetic is not None and trace_format is not None:
+        fail("--trace-format and --synthetic: --trace-format describes a --trace file")
+    if compare is not None and scheduler_name is not None:
+        fail("--compare and --scheduler: give one, not both")
+    if compare is not None:
+        names = [n.strip() for n in compare.split(",")]
+        if not any(names):
+            fail(f"--compare {compare!r}: no scheduler named (expected A,B,.. e.g. static,fcfs)")
+        if not all(names):
+            fail(f"--compare {compare!r}: an empty name between commas")
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            fail(f"--compare {compare!r}: {repeated[0]!r} given twice")
+    else:
+        names = [scheduler_name if scheduler_name is not None else "fcfs"]
     try:
-        if synthetic:
-            spec = workloads.parse_synthetic(synthetic)
+        spec = workloads.parse_synthetic(synthetic) if synthetic is not None else None
+    except workloads.WorkloadError as error:
+        fail(f"--synthetic: {error}".replace("--synthetic: synthetic: ", "--synthetic: "))
+
+    # 2. Outputs: never an input, never each other, and writable, before anything runs.
+    check_path("--trace", trace_path)
+    check_path("--model", model_dir)
+    path = (Path(trace_path) if trace_path is not None else workloads.default_trace_path()) if spec is None else None
+
+    def output_name(base_path: str | None, name: str) -> str | None:
+        return None if base_path is None else base_path if len(names) == 1 else f"{base_path}.{name}"
+
+    check_outputs(
+        [(option, output_name(base_path, name)) for option, base_path in (("--steps-out", steps_out),
+                                                                            ("--requests-out", requests_out))
+         for name in names],
+        inputs=[path] if path is not None else [],
+        folders=[("--plot", plot_dir)],
+    )
+    if plot_dir is not None and path is not None:
+        from schedspec.reference.plots import plot_files
+
+        for plot in plot_files(names, plot_dir):
+            if plot.exists() and path.exists() and plot.samefile(path):
+                fail(f"--plot {plot_dir}: would overwrite the input file {plot}")
+    if len(names) > 1 and any("/" in n or n.startswith(".") for n in names) and (steps_out or requests_out):
+        fail(f"--compare {compare!r}: a name with '/' or a leading '.' cannot name an output file")
+
+    # 3. The configs and schedulers (exit 2 naming the option, or 3 for a missing feature).
+    where = "--set" if changes else f"--profile {cost.name}"
+    build_config(base, changes, where=where)
+    configs: dict[str, tuple[str, SchedulerConfig]] = {}
+    for name in names:
+        scheduler, raw = resolve_variant(name, {**base, **changes})
+        config = build_config(raw, {}, where=f"--compare {name} (with {where})" if compare else where)
+        check_scheduler(scheduler, config, where="--compare" if compare else "--scheduler")
+        configs[name] = (scheduler, config)
+
+    # 4. The workload.
+    if duration is None and max_requests is None and spec is None:
+        duration = DEFAULT_DURATION
+    notes: list[str] = []
+    try:
+        if spec is not None:
             requests = spec.generate()
             trace_text = f"synthetic {spec}"
         else:
-            path = Path(trace_path) if trace_path else workloads.default_trace_path()
-            requests = workloads.load_trace(path, trace_format)
-            info = workloads.trace_info(path, trace_format) if not trace_path else None
-            trace_text = str(info) if info else f"{path}"
+            assert path is not None
+            requests = workloads.load_trace(path, trace_format, notes=notes)
+            trace_text = str(workloads.trace_info(path, trace_format, requests))
+    except workloads.WorkloadError as error:
+        fail(f"--trace: {error}" if spec is None else f"--synthetic: {error}")
+    for line in notes:
+        note(line)
+    try:
         window = workloads.select_window(requests, start=start, duration=duration, max_requests=max_requests,
                                          time_scale=time_scale)
     except workloads.WorkloadError as error:
-        fail(str(error))
+        message = str(error)
+        for key, option in (("start=", "--start "), ("duration=", "--duration "), ("time_scale=", "--time-scale ")):
+            message = message.replace(key, option)
+        fail(message)
     window = _scale_lengths(window, length_scale)
     window_text = (f"start {start if start is not None else 'first arrival'}, duration "
                    f"{f'{duration:g} s' if duration else 'to the end'}, max requests {max_requests or 'all'}, "
@@ -312,113 +413,45 @@ def command(trace_path, trace_format, synthetic, start, duration, max_requests, 
     if length_scale != 1:
         window_text += f", length scale {length_scale:g} (prompt and output lengths divided by {length_scale:g})"
 
-    names = [n.strip() for n in compare.split(",") if n.strip()] if compare else [scheduler_name or "fcfs"]
-    if compare and scheduler_name:
-        fail("--compare and --scheduler: give one, not both")
+    # 5. The runs.
     runs: list[tuple[str, LabResult]] = []
     for name in names:
-        scheduler, raw = resolve_variant(name, {**base, **changes})
-        config = build_config(raw, {}, where=f"config for {name}")
+        scheduler, config = configs[name]
         token_source = None
         backend_text = f"cost model ({cost.name})"
         if backend == "torch":
-            try:
-                from schedspec.gpu_backend import BackendError, ModelConfig, Runner, tiny_model_config
-            except ImportError as error:
-                fail(f"--backend torch needs the torch extra (pip install 'schedspec[torch]'): {error}",
-                     status=EXIT_UNSUPPORTED)
-            from schedspec.spec.config import ConfigError, blocks_for_tokens
-
-            # Fit the profile's config to the model, unless --set gave the field: max_model_len at most
-            # the model's max_position_embeddings; num_kv_blocks at most what the whole window needs at
-            # once (every request at its full length), which changes no scheduling decision (no request
-            # can run short of blocks with either size) but keeps the cache as small as it can be.
-            try:
-                model_config = tiny_model_config() if model_dir is None else ModelConfig.from_model_dir(model_dir)
-            except BackendError as error:
-                fail(f"--model: {error}")
-            fitted: dict[str, int] = {}
-            if "max_model_len" not in changes:
-                fitted["max_model_len"] = min(config.max_model_len, model_config.max_position_embeddings)
-            if "num_kv_blocks" not in changes:
-                limit = fitted.get("max_model_len", config.max_model_len)
-                demand = sum(blocks_for_tokens(min(s.prompt_len + s.max_tokens, limit), config.block_size)
-                             for s in window)
-                fitted["num_kv_blocks"] = max(1, min(config.num_kv_blocks, demand))
-            notes = [f"{key} {config_value:,} -> {fitted[key]:,}" for key, config_value in
-                     (("max_model_len", config.max_model_len), ("num_kv_blocks", config.num_kv_blocks))
-                     if key in fitted and fitted[key] != config_value]
-            try:
-                config = config.with_changes(**fitted)
-            except ConfigError as error:
-                fail(f"--backend torch: config fitted to the model: {error}")
-            try:
-                token_source = Runner(config, model=model_dir, device=device)
-            except (BackendError, ValueError) as error:
-                fail(f"--backend torch: {error}")
-            backend_text = f"torch backend, measured step times ({token_source.describe()})"
-            if notes:
-                backend_text += ("; config fitted to the model and window: " + ", ".join(notes)
-                                 + " (model limit / the window's whole demand)")
-        handle = open(steps_out if len(names) == 1 else f"{steps_out}.{name}", "w") if steps_out else None  # noqa: SIM115
-        if handle is not None:
-            handle.write(header_line(config, scheduler) + "\n")
-        started = time.perf_counter()
-        progress = Progress(TextColumn(f"[bold]{name}[/]"), BarColumn(), TextColumn("{task.completed:,}/{task.total:,} requests ended"),
-                            TimeElapsedColumn(), console=Console(stderr=True), transient=True,
-                            disable=as_json or not sys.stderr.isatty())
-        with progress:
-            task = progress.add_task(name, total=len(window))
-
-            def tick(record, _task=task, _progress=progress) -> None:
-                ended = len(record.finished) + len(record.rejected) + len(record.aborted)
-                if ended:
-                    _progress.advance(_task, ended)
-
-            try:
-                result = run_lab(window, scheduler, config, token_source=token_source, cost_model=cost,
-                                 check=not no_check, steps_out=handle, on_step=tick, max_steps=max_steps)
-            except UnsupportedFeature as error:
-                fail(str(error), status=EXIT_UNSUPPORTED)
-            except UnknownScheduler as error:
-                fail(str(error))
-            except EngineFault as error:
-                # The engine under test crashed inside its own code: a finding, reported as a failed check.
-                console.print(f"ENGINE CRASH {error}", style="red", markup=False, highlight=False)
-                console.print("Stopped: the engine raised; see docs/findings for known engine faults.")
-                sys.exit(EXIT_CHECK_FAILED)
-            except ViolationFound as error:
-                for violation in error.violations[:10]:
-                    console.print(f"[red]VIOLATION[/] {violation}")
-                console.print(f"Stopped: the run broke the spec (state at step {error.state.step}: "
-                              f"{len(error.state.running)} running, {len(error.state.waiting)} waiting, "
-                              f"{len(error.state.free_block_ids)} free blocks).")
-                sys.exit(EXIT_CHECK_FAILED)
-            finally:
-                if handle is not None:
-                    handle.close()
+            config, token_source, backend_text = _torch_backend(config, changes, window, model_dir, device)
+        target = output_name(steps_out, name)
+        result = _run_one(name, scheduler, config, window, token_source, cost, no_check, max_steps, as_json,
+                          target, console)
         result.scheduler = name
         runs.append((name, result))
-        del started
         if not as_json and not compare:
             _print_conditions(console, _conditions(result, cost, trace_text, window_text, backend_text))
-            console.print(f"[dim]Config derivation: {derivation}[/]")
-            _print_steps(console, result.steps, config, _step_filter(steps_spec, result.steps))
+            console.print(Text(f"Config derivation: {derivation}", style="dim"))
+            _print_steps(console, result.steps, config, step_filter(result.steps))
 
     summaries = []
     for name, result in runs:
         summary = _summaries(result, slo_pair)
         summary["name"] = name
         summaries.append(summary)
-    if requests_out:
-        for name, result in runs:
-            target = requests_out if len(runs) == 1 else f"{requests_out}.{name}"
-            metrics.timelines_to_csv(result.timelines, target)
+    for name, result in runs:
+        target = output_name(requests_out, name)
+        if target is not None:
+            try:
+                with atomic_output(target, encoding="utf-8", newline="") as handle:
+                    metrics.write_timelines_csv(result.timelines, handle)
+            except OSError as error:
+                fail(f"--requests-out {target}: cannot write ({error.strerror})")
     if plot_dir:
         from schedspec.reference.plots import write_plots
 
-        for path in write_plots([(name, result) for name, result in runs], plot_dir):
-            console.print(f"wrote {path}")
+        try:
+            for written in write_plots([(name, result) for name, result in runs], plot_dir):
+                console.print(f"wrote {written}")
+        except OSError as error:
+            fail(f"--plot {plot_dir}: cannot write ({error.strerror})")
     if as_json:
         click.echo(json.dumps(summaries if compare else summaries[0], indent=2, default=str))
     elif compare:
@@ -429,3 +462,95 @@ def command(trace_path, trace_format, synthetic, start, duration, max_requests, 
         _print_summary(console, summaries[0])
     if any(s["checks"]["violations"] for s in summaries):
         sys.exit(EXIT_CHECK_FAILED)
+
+
+def _run_one(name: str, scheduler: str, config: SchedulerConfig, window: list, token_source, cost, no_check: bool,
+             max_steps: int | None, as_json: bool, steps_out: str | None, console: Console) -> LabResult:
+    """One run; the step trace goes to a temporary file renamed to ``steps_out`` only when the run
+    completes (a violation or an error leaves no half file)."""
+    progress = Progress(TextColumn("{task.description}", markup=False, style="bold"), BarColumn(),
+                        TextColumn("{task.completed:,}/{task.total:,} requests ended"),
+                        TimeElapsedColumn(), console=make_console(stderr=True), transient=True,
+                        disable=as_json or not sys.stderr.isatty())
+    with progress:
+        task = progress.add_task(name, total=len(window))
+
+        def tick(record, _task=task, _progress=progress) -> None:
+            ended = len(record.finished) + len(record.rejected) + len(record.aborted)
+            if ended:
+                _progress.advance(_task, ended)
+
+        def run(handle) -> LabResult:
+            if handle is not None:
+                handle.write(header_line(config, scheduler) + "\n")
+            return run_lab(window, scheduler, config, token_source=token_source, cost_model=cost,
+                           check=not no_check, steps_out=handle, on_step=tick, max_steps=max_steps)
+
+        try:
+            if steps_out is None:
+                return run(None)
+            try:
+                with atomic_output(steps_out, encoding="utf-8") as handle:
+                    return run(handle)
+            except OSError as error:
+                fail(f"--steps-out {steps_out}: cannot write ({error.strerror})")
+        except UnsupportedFeature as error:
+            fail(str(error), status=EXIT_UNSUPPORTED)
+        except UnknownScheduler as error:
+            fail(str(error))
+        except EngineFault as error:
+            # The engine under test crashed inside its own code: a finding, reported as a failed check.
+            console.print(Text.assemble(("ENGINE CRASH", "red"), " ", one_line(error)))
+            console.print("Stopped: the engine raised; see docs/findings for known engine faults.")
+            sys.exit(EXIT_CHECK_FAILED)
+        except ViolationFound as error:
+            for violation in error.violations[:10]:
+                console.print(Text.assemble(("VIOLATION", "red"), " ", one_line(violation)))
+            console.print(f"Stopped: the run broke the spec (state at step {error.state.step}: "
+                          f"{len(error.state.running)} running, {len(error.state.waiting)} waiting, "
+                          f"{len(error.state.free_block_ids)} free blocks).")
+            sys.exit(EXIT_CHECK_FAILED)
+
+
+def _torch_backend(config: SchedulerConfig, changes: dict[str, Any], window: list, model_dir: str | None,
+                   device: str):
+    """``--backend torch``: the config fitted to the model and window, the runner, and its description."""
+    try:
+        from schedspec.gpu_backend import BackendError, ModelConfig, Runner, tiny_model_config
+    except ImportError as error:
+        fail(f"--backend torch needs the torch extra (pip install 'schedspec[torch]'): {error}",
+             status=EXIT_UNSUPPORTED)
+    from schedspec.spec.config import ConfigError, blocks_for_tokens
+
+    # Fit the profile's config to the model, unless --set gave the field: max_model_len at most
+    # the model's max_position_embeddings; num_kv_blocks at most what the whole window needs at
+    # once (every request at its full length), which changes no scheduling decision (no request
+    # can run short of blocks with either size) but keeps the cache as small as it can be.
+    try:
+        model_config = tiny_model_config() if model_dir is None else ModelConfig.from_model_dir(model_dir)
+    except BackendError as error:
+        fail(f"--model: {error}")
+    fitted: dict[str, int] = {}
+    if "max_model_len" not in changes:
+        fitted["max_model_len"] = min(config.max_model_len, model_config.max_position_embeddings)
+    if "num_kv_blocks" not in changes:
+        limit = fitted.get("max_model_len", config.max_model_len)
+        demand = sum(blocks_for_tokens(min(s.prompt_len + s.max_tokens, limit), config.block_size)
+                     for s in window)
+        fitted["num_kv_blocks"] = max(1, min(config.num_kv_blocks, demand))
+    notes = [f"{key} {config_value:,} -> {fitted[key]:,}" for key, config_value in
+             (("max_model_len", config.max_model_len), ("num_kv_blocks", config.num_kv_blocks))
+             if key in fitted and fitted[key] != config_value]
+    try:
+        config = config.with_changes(**fitted)
+    except ConfigError as error:
+        fail(f"--backend torch: config fitted to the model: {error}")
+    try:
+        token_source = Runner(config, model=model_dir, device=device)
+    except (BackendError, ValueError) as error:
+        fail(f"--backend torch: {error}")
+    backend_text = f"torch backend, measured step times ({token_source.describe()})"
+    if notes:
+        backend_text += ("; config fitted to the model and window: " + ", ".join(notes)
+                         + " (model limit / the window's whole demand)")
+    return config, token_source, backend_text

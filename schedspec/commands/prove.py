@@ -22,6 +22,9 @@ from rich.table import Table
 from schedspec.cli_common import (
     EXIT_CHECK_FAILED,
     EXIT_UNSUPPORTED,
+    Count,
+    Number,
+    check_outputs,
     fail,
     parse_sets,
     scheduler_option,
@@ -40,6 +43,10 @@ from schedspec.spec.proofs.core import (
     Result,
     Theorem,
 )
+
+MAX_SIZE = 64
+"""Largest --slots, --depth, --policy-slots, --bmc-slots accepted (the full run uses N=8, K=3; the
+solver's work grows exponentially, so a larger model is a typo, not a proof anyone waits for)."""
 
 DEFAULT_SCHEDULER = "fcfs"
 ENCODED = ("fcfs", "static", "shortest-prompt-first")
@@ -139,19 +146,19 @@ def _verdict(result: Result) -> str:
 @click.command()
 @scheduler_option
 @set_option
-@click.option("--slots", "-N", "slots", type=int, default=DEFAULT_SLOTS, show_default=True,
+@click.option("--slots", "-N", "slots", type=Count(minimum=1, maximum=MAX_SIZE), default=DEFAULT_SLOTS, show_default=True,
               help="Request slots N of the symbolic state.")
-@click.option("--depth", "-K", "depth", type=int, default=DEFAULT_DEPTH, show_default=True,
+@click.option("--depth", "-K", "depth", type=Count(minimum=1, maximum=MAX_SIZE), default=DEFAULT_DEPTH, show_default=True,
               help="Depth K of bounded model checking (progress holds for every max_model_len <= K).")
-@click.option("--policy-slots", type=int, default=DEFAULT_POLICY_SLOTS, show_default=True,
+@click.option("--policy-slots", type=Count(minimum=1, maximum=MAX_SIZE), default=DEFAULT_POLICY_SLOTS, show_default=True,
               help="Slots for the one-step policy theorems (at most N).")
-@click.option("--bmc-slots", type=int, default=DEFAULT_BMC_SLOTS, show_default=True,
+@click.option("--bmc-slots", type=Count(minimum=1, maximum=MAX_SIZE), default=DEFAULT_BMC_SLOTS, show_default=True,
               help="Slots for bounded model checking (at most N).")
-@click.option("--timeout", type=float, default=DEFAULT_TIMEOUT_S, show_default=True,
+@click.option("--timeout", type=Number(minimum=0, strict=True, maximum=86_400.0), default=DEFAULT_TIMEOUT_S, show_default=True,
               help="Seconds per solver query; a query that runs out answers unknown.")
 @click.option("--only", "only", multiple=True, metavar="TEXT", help="Run only theorems whose name contains TEXT.")
 @click.option("--list", "list_only", is_flag=True, help="List the theorems and their statements; prove nothing.")
-@click.option("--save-cases", type=click.Path(file_okay=False), default=None, metavar="DIR",
+@click.option("--save-cases", default=None, metavar="DIR",
               help="Write each counterexample scenario to DIR/<name>.json.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 def command(scheduler_name: str | None, sets: tuple[str, ...], slots: int, depth: int, policy_slots: int,
@@ -162,6 +169,7 @@ def command(scheduler_name: str | None, sets: tuple[str, ...], slots: int, depth
     =uninterpreted (proves for every block size; counterexamples are re-checked with block_size=16);
     --set FIELD=VALUE fixes another config field. Full run: `schedspec prove` (N=8); CI runs N=3.
     """
+    check_outputs([], [], folders=[("--save-cases", save_cases)])
     scheduler = scheduler_name or DEFAULT_SCHEDULER
     if scheduler not in ENCODED:
         from schedspec.reference.scheduler import SCHEDULERS

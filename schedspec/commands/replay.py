@@ -5,19 +5,27 @@ from __future__ import annotations
 import sys
 
 import click
-from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from schedspec.cli_common import (
     EXIT_CHECK_FAILED,
-    EXIT_UNSUPPORTED,
     build_config,
+    check_path,
+    check_scheduler,
     fail,
     parse_sets,
     scheduler_option,
     set_option,
 )
-from schedspec.reference.scenarios import ScenarioError, bundled_scenarios, load_scenario, replay
+from schedspec.cli_common import console as make_console
+from schedspec.reference.scenarios import (
+    ScenarioError,
+    bundled_scenarios,
+    choose_scheduler,
+    load_scenario,
+    replay,
+)
 from schedspec.reference.scheduler import UnknownScheduler, UnsupportedFeature
 from schedspec.spec.config import ConfigError, SchedulerConfig
 
@@ -31,38 +39,47 @@ from schedspec.spec.config import ConfigError, SchedulerConfig
 def command(cases: tuple[str, ...], scheduler_name: str | None, sets: tuple[str, ...], run_all: bool, quiet: bool) -> None:
     """Replay scenarios (format: schedspec/data/cases/README.md) and judge their expectations.
 
-    Exit 0 if every expectation holds, 1 if one fails, 2 on a bad file, 3 if the scheduler lacks a
-    feature the scenario needs (with --all, unsupported scenarios are reported and skipped).
+    Every file, field and option is validated before the first replay. Exit 0 if every expectation
+    holds, 1 if one fails, 2 on a bad file or option (naming the file and field), 3 if the scheduler
+    lacks a feature the scenario needs (with --all, unsupported scenarios are reported and skipped).
     """
-    console = Console(soft_wrap=True)
+    console = make_console(soft_wrap=True)
     changes = parse_sets(sets)
     paths = list(cases) + ([str(p) for p in bundled_scenarios()] if run_all else [])
     if not paths:
         fail("no scenario given (pass CASE.json or --all)")
+    if scheduler_name is not None:
+        check_scheduler(scheduler_name, None)
     scenarios = []
     for path in paths:
+        check_path("CASE.json", path)
         try:
-            scenarios.append(load_scenario(path))
+            scenario = load_scenario(path)
         except ScenarioError as error:
             fail(str(error))
+        name = choose_scheduler(scenario, scheduler_name)
+        where = ("--scheduler" if scheduler_name is not None
+                 else f"{path}: scheduler" if scenario.scheduler is not None
+                 else f"{path}: config.policy" if scenario.policy is not None else "--scheduler")
+        try:
+            SchedulerConfig.from_dict(scenario.config)
+        except ConfigError:
+            check_scheduler(name, None, where)  # the scenario itself expects a config error
+        else:
+            config = build_config(scenario.config, changes)  # a --set that breaks the config: exit 2
+            check_scheduler(name, config, where, unsupported_ok=True)
+        scenarios.append(scenario)
     failed = unsupported = 0
     for scenario in scenarios:
-        if changes:
-            try:
-                SchedulerConfig.from_dict(scenario.config)
-            except ConfigError:
-                pass  # the scenario itself expects a config error; --set cannot be blamed
-            else:
-                build_config(scenario.config, changes)  # a --set that breaks the config: exit 2
         try:
             result = replay(scenario, scheduler_name, changes)
         except UnsupportedFeature as error:
-            console.print(f"[yellow]UNSUPPORTED[/] {scenario.name}: {error}")
+            console.print(Text.assemble(("UNSUPPORTED", "yellow"), f" {scenario.name}: {error}"))
             unsupported += 1
             continue
         except UnknownScheduler as error:
             fail(str(error))
-        console.print(f"[bold]{scenario.name}[/] on [cyan]{result.scheduler}[/]: {scenario.about}")
+        console.print(Text.assemble((scenario.name, "bold"), " on ", (result.scheduler, "cyan"), f": {scenario.about}"))
         if result.run is not None and not quiet:
             table = Table("step", "scheduled (id:prefill+decode)", "preempted", "finished", "rejected", "free", "run", "wait")
             for record in result.run.records:
@@ -76,12 +93,12 @@ def command(cases: tuple[str, ...], scheduler_name: str | None, sets: tuple[str,
                 )
             console.print(table)
         for verdict in result.verdicts:
-            mark = "[green]PASS[/]" if verdict.passed else "[red]FAIL[/]"
-            console.print(f"  {mark} {verdict.name}: {verdict.detail}")
+            mark = ("PASS", "green") if verdict.passed else ("FAIL", "red")
+            console.print(Text.assemble("  ", mark, f" {verdict.name}: {verdict.detail}"))
         failed += not result.passed
     total = len(scenarios)
     console.print(f"{total - failed - unsupported} passed, {failed} failed, {unsupported} unsupported")
     if failed:
         sys.exit(EXIT_CHECK_FAILED)
     if unsupported and (not run_all or unsupported == total):
-        sys.exit(EXIT_UNSUPPORTED)
+        sys.exit(3)
