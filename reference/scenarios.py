@@ -37,7 +37,7 @@ EXPECT_KEYS = {
     "max_preemptions_per_request", "no_tokens_after_abort", "outputs_equal_solo", "free_blocks_at_end",
     "demonstrates", "finding",
 }
-FINDING_KEYS = {"name", "step", "mentions"}
+FINDING_KEYS = {"name", "step", "mentions", "also"}
 ENGINE_CRASH = "engine-crash"
 """The ``finding.name`` of an engine crash (:class:`~schedspec.reference.scheduler.EngineFault`)."""
 REQUEST_KEYS = {"id", "arrival_step", "prompt_len", "max_tokens", "priority", "prefix", "abort_at_step", "eos_at_output"}
@@ -219,8 +219,11 @@ def _check_expect(expect: dict[str, Any], ids: set[str], path: str) -> None:
         if not isinstance(finding, dict) or not isinstance(finding.get("name"), str) or set(finding) - FINDING_KEYS:
             raise ScenarioError(
                 f"{where}.finding: expected {{\"name\": violation name or {ENGINE_CRASH!r}, "
-                "optional \"step\", optional \"mentions\": [words]}"
+                "optional \"step\", optional \"mentions\": [words], optional \"also\": [violation names]}"
             )
+        also = finding.get("also", [])
+        if not isinstance(also, list) or not all(isinstance(w, str) for w in also):
+            raise ScenarioError(f"{where}.finding.also: expected a list of violation names")
         if "step" in finding:
             _int(finding["step"], f"{where}.finding.step", maximum=MAX_STEP)
         words = finding.get("mentions", [])
@@ -365,7 +368,8 @@ def replay(scenario: Scenario, scheduler_name: str | None = None,
     state = run.state
     if finding:
         verdicts.append(_finding_verdict(finding, [(v.name, v.step, str(v)) for v in run.violations]))
-    violations = [v for v in run.violations if v.name not in (demonstrates, finding and finding["name"])]
+    expected = {demonstrates, *([finding["name"], *finding.get("also", [])] if finding else [])}
+    violations = [v for v in run.violations if v.name not in expected]
     verdicts.append(Verdict(
         "invariants", not violations,
         f"{run.num_steps_checked} steps checked, no violation" if not violations

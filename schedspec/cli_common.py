@@ -197,6 +197,7 @@ def check_scheduler(name: str, config: SchedulerConfig | None, where: str = "--s
     with ``add_request``, ``abort_request``, ``schedule`` and ``update``.
     """
     from schedspec.reference.scheduler import (
+        ENGINE_ADAPTERS,
         NOT_YET_IMPLEMENTED,
         SCHEDULERS,
         UnknownScheduler,
@@ -205,10 +206,11 @@ def check_scheduler(name: str, config: SchedulerConfig | None, where: str = "--s
     )
 
     shown = one_line(name)
-    if name not in SCHEDULERS and name not in NOT_YET_IMPLEMENTED:
+    if name not in SCHEDULERS and name not in ENGINE_ADAPTERS and name not in NOT_YET_IMPLEMENTED:
         module_name, colon, attribute = name.partition(":")
         if not colon:
-            fail(f"{where} {shown!r}: unknown; known: {', '.join(sorted(SCHEDULERS))}, or module:factory")
+            fail(f"{where} {shown!r}: unknown; known: {', '.join(sorted([*SCHEDULERS, *ENGINE_ADAPTERS]))}, "
+                 "or module:factory")
         if not module_name.strip() or not attribute.strip():
             fail(f"{where} {shown!r}: expected module:factory")
         import importlib
