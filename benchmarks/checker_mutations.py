@@ -6,7 +6,7 @@ Part 1 applies every operator of ``schedspec.trace_mutations.MUTATIONS`` at up t
 random applicable steps of each of the five standard trace windows (``standard_traces(scale)``: Azure
 conversation and code, Mooncake conversation, Azure conversation under KV pressure with preemptions,
 Azure code under static batching) and prints, per operator, the mutants, how many each checker
-rejected at the step the fault first becomes observable, and the kill rate; non-semantic mutants must
+rejected at the step the fault first becomes observable (a non-semantic one: accepted), and the kill rate; non-semantic mutants must
 be accepted (a rejection is a false alarm). Part 2 times ``check_trace`` (full and incremental) on the
 lab's default window (Azure conversation, first 120 s, vLLM's defaults for Llama-3-8B on an A100)
 beside the lab's own steps per second. Not part of the test suite; prints its run conditions.
@@ -51,7 +51,7 @@ def catalogue(scale: int, per_trace: int, seed: int) -> bool:
                 rows[mutation.name].append(mutate_and_judge(trace, label, mutation, step))
     print(f"judged in {time.perf_counter() - started:.0f} s; {conditions()}")
     print()
-    print("| operator | models | semantic | mutants | rejected at the step (full) | (incremental) | wrong |")
+    print("| operator | models | semantic | mutants | judged as expected (full) | (incremental) | wrong |")
     print("|---|---|---|---|---|---|---|")
     total = correct = false_alarms = 0
     wrong = []
