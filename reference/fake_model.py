@@ -20,7 +20,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from schedspec.spec.config import SchedulerConfig
-from schedspec.spec.state import SchedulerState, StepPlan
+from schedspec.spec.state import MAX_STATE_BLOCKS, SchedulerState, StepPlan
 from schedspec.spec.workload import DEFAULT_VOCAB_SIZE, EOS_TOKEN_ID
 
 FULL_READ_LIMIT = 16
@@ -44,9 +44,8 @@ class TokenSource(Protocol):
 
 
 
-MAX_SIMULATED_KV_BLOCKS = 10_000_000
-"""Most KV blocks a simulated run may have: the spec's state and checker keep one entry per block
-(about 100 bytes each), so 10 million blocks cost about 1 GB."""
+MAX_SIMULATED_KV_BLOCKS = MAX_STATE_BLOCKS
+"""Most KV blocks a simulated run may have (:data:`schedspec.spec.state.MAX_STATE_BLOCKS`)."""
 
 MAX_SIMULATED_KV_TOKENS = 100_000_000
 """Most KV slots (``num_kv_blocks * block_size``) :class:`FakeModel` may keep: 8 bytes each, 800 MB."""

@@ -21,6 +21,11 @@ from schedspec.spec.request import Request
 
 _EMPTY: Mapping[str, Request] = MappingProxyType({})
 
+MAX_STATE_BLOCKS = 10_000_000
+"""Most KV blocks a state is built for: it keeps one entry per block (about 100 bytes each, with the
+checkers' ledgers), so 10 million blocks cost about 1 GB. Readers of configs refuse larger ones as
+unusable input (far beyond any GPU's cache) instead of exhausting memory."""
+
 
 def _readonly(mapping: Mapping[str, Request]) -> Mapping[str, Request]:
     return mapping if isinstance(mapping, MappingProxyType) else MappingProxyType(dict(mapping))

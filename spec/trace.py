@@ -25,6 +25,7 @@ import attrs
 import jsonschema
 
 from schedspec.spec.config import ConfigError, SchedulerConfig
+from schedspec.spec.state import MAX_STATE_BLOCKS
 from schedspec.spec.workload import RequestSpec
 
 SCHEMA_VERSION = 2
@@ -193,6 +194,17 @@ def record_schema_errors(data: Any, version: int = SCHEMA_VERSION) -> str | None
     return None if problem is None else str(problem).partition(": ")[2]
 
 
+MAX_LINE_BYTES = 64 * 1024 * 1024
+"""Longest line read (64 MiB); a longer one is unusable input, not a reason to exhaust memory."""
+
+
+def _read_line(handle: IO[bytes], where: str) -> bytes:
+    line = handle.readline(MAX_LINE_BYTES + 1)
+    if len(line) > MAX_LINE_BYTES:
+        raise TraceFormatError(f"{where}: a line longer than {MAX_LINE_BYTES:,} bytes")
+    return line
+
+
 def _reject_constant(name: str) -> None:
     raise ValueError(f"{name} is not a finite number")
 
@@ -259,10 +271,15 @@ class TraceFile:
         validator = _validator("record", self.schema_version)
         with self.path.open("rb") as handle:
             handle.readline()
-            for number, line in enumerate(handle, start=2):
+            number = 1
+            while True:
+                number += 1
+                where = f"{self.path}:{number}"
+                line = _read_line(handle, where)
+                if not line:
+                    return
                 if not line.strip():
                     continue
-                where = f"{self.path}:{number}"
                 data = _parse(line, where)
                 problem = _schema_error(where, validator, data)
                 if problem is not None:
@@ -282,10 +299,14 @@ def open_trace(path: str | Path) -> TraceFile:
     """
     path = Path(path)
     try:
+        if path.exists() and not path.is_file():
+            raise TraceFormatError(f"{path}: not a regular file (a folder, device or pipe cannot be read as a trace)")
         with path.open("rb") as handle:
-            first = handle.readline()
+            first = _read_line(handle, f"{path}:1")
     except OSError as error:
         raise TraceFormatError(f"{path}: cannot read ({error.strerror})") from None
+    except ValueError as error:  # a NUL character in the path
+        raise TraceFormatError(f"{path!r}: cannot read ({error})") from None
     where = f"{path}:1"
     if not first.strip():
         raise TraceFormatError(f"{where}: empty; expected the header line")
@@ -300,6 +321,9 @@ def open_trace(path: str | Path) -> TraceFile:
         config = SchedulerConfig.from_dict(header["config"])
     except (ConfigError, TypeError) as error:
         raise TraceFormatError(f"{where}: field config: {error}") from None
+    if config.num_kv_blocks > MAX_STATE_BLOCKS:
+        raise TraceFormatError(f"{where}: field config.num_kv_blocks: {config.num_kv_blocks:,} is more than the "
+                               f"{MAX_STATE_BLOCKS:,} blocks the checker can hold")
     notes = []
     if version == 1:
         notes.append(f"{path}: schema_version 1: arrivals carry no stop conditions; read with eos_token_id "

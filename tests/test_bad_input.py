@@ -52,6 +52,33 @@ MOONCAKE_SYNTHETIC = (b'{"timestamp": 529, "input_length": 28, "output_length": 
                       b'{"timestamp": 3224, "input_length": 42, "output_length": 675, "hash_ids": [612]}\n')
 
 
+def _step_trace() -> bytes:
+    """A correct version-2 step trace: the kv-pressure-no-thrash scenario under fcfs (it preempts)."""
+    import io
+
+    from schedspec.reference.scenarios import load_scenario, replay
+    from schedspec.spec.config import SchedulerConfig
+    from schedspec.spec.trace import write_trace
+
+    case = load_scenario(next(p for p in bundled_scenarios() if p.stem == "kv-pressure-no-thrash"))
+    out = io.StringIO()
+    config = SchedulerConfig.from_dict({k: v for k, v in case.config.items() if k != "policy"})
+    write_trace(out, config, replay(case).run.records, "fcfs")
+    return out.getvalue().encode()
+
+
+STEPS = _step_trace()
+
+
+def step_trace(line: int, edit) -> bytes:
+    """:data:`STEPS` with line ``line`` (0 = header) parsed, passed to ``edit`` and written back."""
+    lines = STEPS.decode().splitlines()
+    data = json.loads(lines[line])
+    edit(data)
+    lines[line] = json.dumps(data)
+    return ("\n".join(lines) + "\n").encode()
+
+
 def scenario(**changes) -> bytes:
     """The slot-freed-is-reused scenario with top-level or dotted-path changes (``expect.x``)."""
     data = json.loads(SCENARIO)
@@ -145,6 +172,30 @@ CASES = [
     ("lab", {}, ("--trace", "no\nsuch\x1b[31m.csv"), 2, "no\\nsuch\\x1b[31m.csv: no such file"),
     ("replay", {"c.json": scenario(requests__0__id=7)}, ("{c.json}",), 2, "requests[0].id"),
     ("replay", {"c.json": scenario(requests__0__max_tokens=float("nan"))}, ("{c.json}",), 2, "NaN"),
+    # check: step records (issue 9): unusable input names the line and the field
+    ("check", {"s.jsonl": STEPS}, ("{s.jsonl}",), 0, "violations"),
+    ("check", {"s.jsonl": step_trace(2, lambda r: r.pop("scheduled"))}, ("{s.jsonl}",), 2,
+     "s.jsonl:3: field (the line): 'scheduled' is a required property"),
+    ("check", {"s.jsonl": step_trace(1, lambda r: r.__setitem__("step", "one"))}, ("{s.jsonl}",), 2,
+     "s.jsonl:2: field step: 'one' is not of type 'integer'"),
+    ("check", {"s.jsonl": STEPS.replace(b'"duration":', b'"duration":NaN,"x":', 1)}, ("{s.jsonl}",), 2,
+     "s.jsonl:2: NaN is not a finite number"),
+    ("check", {"s.jsonl": STEPS.replace(b'"step":', b'"st\xffep":', 1)}, ("{s.jsonl}",), 2, "s.jsonl:2: not UTF-8"),
+    ("check", {"s.jsonl": step_trace(1, lambda r: r.__setitem__("num_waiting", 10**20))}, ("{s.jsonl}",), 2,
+     "s.jsonl:2: field num_waiting"),
+    ("check", {"s.jsonl": step_trace(0, lambda h: h.__setitem__("schema_version", 9))}, ("{s.jsonl}",), 2,
+     "s.jsonl:1: field schema_version"),
+    ("check", {"s.jsonl": step_trace(0, lambda h: h["config"].__setitem__("block_size", 0))}, ("{s.jsonl}",), 2,
+     "s.jsonl:1: field config"),
+    ("check", {"a[red]b:100:.jsonl": step_trace(1, lambda r: r.pop("step"))}, ("{a[red]b:100:.jsonl}",), 2,
+     "a[red]b:100:.jsonl:2: field"),
+    ("check", {"s.jsonl": b""}, ("{s.jsonl}",), 2, "s.jsonl:1: empty"),
+    ("check", {"s.jsonl": step_trace(0, lambda h: h["config"].__setitem__("num_kv_blocks", 2**60))},
+     ("{s.jsonl}",), 2, "s.jsonl:1: field config.num_kv_blocks"),
+    ("check", {"s.jsonl": STEPS}, ("{s.jsonl}", "--property", "no-such-property"), 2, "--property"),
+    ("check", {}, ("/dev/zero",), 2, "/dev/zero"),
+    ("check", {"s.jsonl": step_trace(1, lambda r: r.__setitem__("num_free_blocks", r["num_free_blocks"] + 1))},
+     ("{s.jsonl}",), 1, "FIRST ILLEGAL STEP 0"),
 ]
 
 
@@ -373,7 +424,28 @@ FUZZ_EXAMPLES = min(settings().max_examples, 300)
 
 @settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                           HealthCheck.too_slow])
-@given(case=st.one_of(lab_cases(), replay_cases(), option_cases()))
+@st.composite
+def check_cases(draw):
+    """``check`` on a step trace corrupted at the byte level or with one field of one record replaced."""
+    if draw(st.booleans()):
+        data = _mutate(draw, STEPS)
+    else:
+        lines = STEPS.decode().splitlines()
+        line = draw(st.integers(0, len(lines) - 1))
+        record = json.loads(lines[line])
+        key = draw(st.sampled_from(sorted(record)))
+        record[key] = draw(JSON_VALUES)
+        lines[line] = json.dumps(record)
+        data = ("\n".join(lines) + "\n").encode()
+    args = ["{s.jsonl}"]
+    if draw(st.booleans()):
+        args += [draw(st.sampled_from(["--property", "--max-violations", "--keep-going", "--json", "--full"]))]
+        if args[-1] in ("--property", "--max-violations"):
+            args.append(draw(VALUES))
+    return "check", {"s.jsonl": data}, tuple(args)
+
+
+@given(case=st.one_of(lab_cases(), replay_cases(), option_cases(), check_cases()))
 @example(case=("lab", {"t.csv": AZURE}, ("--trace", "{t.csv}", "--steps-out", "{t.csv}")))
 @example(case=("replay", {"c.json": scenario(expect__all_terminal_by_step="soon")}, ("{c.json}",)))
 @example(case=("lab", {"t.csv": AZURE}, ("--trace", "{t.csv}", "--max-requests", "3", "--steps-out", "\x00")))
