@@ -18,6 +18,7 @@ import attrs
 
 from schedspec.spec.config import ConfigError, SchedulerConfig
 from schedspec.spec.properties import PROPERTIES
+from schedspec.spec.trace import StrictJsonError, strict_json_loads
 from schedspec.spec.workload import RequestSpec
 
 from .engine import Engine, RunResult
@@ -231,19 +232,6 @@ def _check_expect(expect: dict[str, Any], ids: set[str], path: str) -> None:
             raise ScenarioError(f"{where}.finding.mentions: expected a list of strings")
 
 
-def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    result: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in result:
-            raise ScenarioError(f"key {key!r} given twice in one object")
-        result[key] = value
-    return result
-
-
-def _no_constant(name: str) -> Any:
-    raise ScenarioError(f"{name} is not a JSON number")
-
-
 def load_scenario(path: str | Path) -> Scenario:
     """Read and validate a scenario file. Raises :class:`ScenarioError` (file, line or field named):
     unreadable file, bytes that are not UTF-8, invalid JSON (also ``NaN``, ``Infinity`` and a key
@@ -265,10 +253,10 @@ def load_scenario(path: str | Path) -> Scenario:
         line = raw[: error.start].count(b"\n") + 1
         raise ScenarioError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[error.start]:02x})") from None
     try:
-        data = json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=_no_constant)
+        data = strict_json_loads(text)
     except json.JSONDecodeError as error:
         raise ScenarioError(f"{path}:{error.lineno}: invalid JSON ({error.msg})") from None
-    except ScenarioError as error:
+    except StrictJsonError as error:
         raise ScenarioError(f"{path}: invalid JSON ({error})") from None
     except RecursionError:
         raise ScenarioError(f"{path}: invalid JSON (nested too deeply)") from None

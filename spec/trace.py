@@ -205,17 +205,33 @@ def _read_line(handle: IO[bytes], where: str) -> bytes:
     return line
 
 
+class StrictJsonError(ValueError):
+    """JSON that parses but is not data this project accepts: NaN or Infinity, or a key twice in one
+    object (the standard library would keep the last one silently)."""
+
+
 def _reject_constant(name: str) -> None:
-    raise ValueError(f"{name} is not a finite number")
+    raise StrictJsonError(f"{name} is not a finite number")
 
 
 def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     data: dict[str, Any] = {}
     for key, value in pairs:
         if key in data:
-            raise ValueError(f"key {key!r} appears twice in one object")
+            raise StrictJsonError(f"key {key!r} appears twice in one object")
         data[key] = value
     return data
+
+
+def strict_json_loads(text: str) -> Any:
+    """``json.loads`` that refuses NaN, Infinity and repeated keys.
+
+    Raises:
+        json.JSONDecodeError: not JSON.
+        StrictJsonError: JSON this project does not accept (message says why).
+        RecursionError: nested too deeply.
+    """
+    return json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_no_duplicate_keys)
 
 
 def _parse(line: bytes, where: str) -> Any:
@@ -224,7 +240,7 @@ def _parse(line: bytes, where: str) -> Any:
     except UnicodeDecodeError as error:
         raise TraceFormatError(f"{where}: not UTF-8 (byte {error.start})") from None
     try:
-        return json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_no_duplicate_keys)
+        return strict_json_loads(text)
     except json.JSONDecodeError as error:
         raise TraceFormatError(f"{where}: not JSON ({error.msg} at column {error.colno})") from None
     except (ValueError, RecursionError) as error:
