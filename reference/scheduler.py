@@ -30,7 +30,7 @@ from schedspec.spec.request import Request
 from schedspec.spec.state import SchedulerState, StepPlan
 from schedspec.spec.transitions import abort_request, add_request, apply_plan
 
-from . import policies
+from . import policies, vllm_v1
 
 PlanFunction = Callable[[SchedulerState, SchedulerConfig], StepPlan]
 
@@ -140,6 +140,10 @@ def _reference(plan: PlanFunction, name: str, guarantees: frozenset[str]) -> Sch
     return factory
 
 
+VLLM_V1_GUARANTEES = frozenset({"rejects-impossible"})
+"""What ``vllm-v1`` keeps (see tests/test_vllm_v1.py and docs/engines.md for the others)."""
+VLLM_V1_PRIORITY_GUARANTEES = frozenset({"rejects-impossible"})
+
 SCHEDULERS: dict[str, SchedulerFactory] = {
     "fcfs": _reference(policies.fcfs, "fcfs", ALL_PROPERTIES),
     "static": _reference(
@@ -154,6 +158,8 @@ SCHEDULERS: dict[str, SchedulerFactory] = {
         policies.priority, "priority",
         frozenset({"progress", "stall-free-decode", "rejects-impossible"}),
     ),
+    "vllm-v1": _reference(vllm_v1.vllm_v1, "vllm-v1", VLLM_V1_GUARANTEES),
+    "vllm-v1-priority": _reference(vllm_v1.vllm_v1_priority, "vllm-v1-priority", VLLM_V1_PRIORITY_GUARANTEES),
 }
 """Registered schedulers by ``--scheduler`` name. ``module:factory`` names a user's own factory, a
 callable taking a :class:`SchedulerConfig` and returning a :class:`Scheduler`."""
@@ -163,11 +169,12 @@ PLAN_FUNCTIONS: dict[str, PlanFunction] = {
     "static": policies.static,
     "shortest-prompt-first": policies.shortest_prompt_first,
     "priority": policies.priority,
+    "vllm-v1": vllm_v1.vllm_v1,
+    "vllm-v1-priority": vllm_v1.vllm_v1_priority,
 }
 
 
 NOT_YET_IMPLEMENTED: dict[str, str] = {
-    "vllm-v1": "the vLLM V1 replica policy is not implemented yet",
     "vllm": "the vLLM engine adapter is not implemented yet",
     "nanovllm": "the nano-vLLM engine adapter is not implemented yet",
 }

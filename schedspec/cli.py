@@ -7,7 +7,7 @@ import importlib
 
 import click
 
-COMMANDS = ("replay", "check", "lab", "prove")
+COMMANDS = ("replay", "check", "lab", "prove", "diff")
 """Each is a module ``schedspec.commands.NAME`` defining a click command named ``command``."""
 
 
