@@ -39,7 +39,7 @@ from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 
 from schedspec.cli_common import EXIT_CHECK_FAILED, EXIT_UNSUPPORTED, fail, parse_sets
-from schedspec.reference.engine import Engine, RunResult
+from schedspec.reference.engine import Engine, RunResult, ViolationFound
 from schedspec.reference.scheduler import (
     NOT_YET_IMPLEMENTED,
     SCHEDULERS,
@@ -128,9 +128,11 @@ def _run(name: str, config: SchedulerConfig, requests: Sequence[RequestSpec], ma
     """Run one scheduler (raises UnsupportedFeature / UnknownScheduler from ``make_scheduler``)."""
     scheduler = make_scheduler(name, config)
     try:
-        result = Engine(scheduler, config).run(requests, mode="steps", max_steps=max_steps)
+        result = Engine(scheduler, config, stop_on_violation=True).run(requests, mode="steps", max_steps=max_steps)
     except UnsupportedFeature:
         raise
+    except ViolationFound as error:  # a rule or invariant broken: the run cannot go on meaningfully
+        return None, [Finding(name, v.name, str(v)) for v in error.violations[:3]]
     except Exception as error:  # an engine that crashes is a finding, not a crash of diff
         return None, [Finding(name, "crash", f"{type(error).__name__}: {error}")]
     findings = [Finding(name, v.name, str(v)) for v in result.violations[:3]]
