@@ -65,7 +65,7 @@ def build_config(base: dict[str, Any], changes: dict[str, Any], where: str = "--
 
 scheduler_option = click.option(
     "--scheduler", "scheduler_name", default=None, metavar="NAME",
-    help="Scheduler: fcfs, static, shortest-prompt-first, or module:factory.",
+    help="Scheduler: fcfs, static, shortest-prompt-first, priority, vllm-v1, vllm-v1-priority, or module:factory.",
 )
 set_option = click.option(
     "--set", "sets", multiple=True, metavar="KEY=VALUE",
