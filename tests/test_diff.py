@@ -49,7 +49,7 @@ def test_fcfs_against_vllm_v1_diverges_and_writes_a_replayable_case(tmp_path: Pa
         again = compare(config, list(scenario.requests), "fcfs", "vllm-v1")
         assert again.divergence is not None
         assert f"at step {again.divergence.step}:" in json.loads(path.read_text())["about"]
-        assert len(scenario.requests) <= 6
+        assert len(scenario.requests) <= 8
         for name in ("fcfs", "vllm-v1"):  # its expectations hold on both: a divergence is not a fault
             assert replay(scenario, name).passed
 
