@@ -28,7 +28,8 @@ def invoke(*args: str):
 def test_vllm_v1_against_itself_has_no_divergence() -> None:
     result = invoke("--scheduler", "vllm-v1", "--against", "vllm-v1", "--examples", "60", "--seed", "3")
     assert result.exit_code == 0, result.output
-    assert "60 examples" in result.output and " 0 divergent, 0 findings" in result.output
+    assert "60 examples" in result.output
+    assert "0 divergent (unexplained), 0 documented differences, 0 findings" in result.output
 
 
 def test_fcfs_against_vllm_v1_diverges_and_writes_a_replayable_case(tmp_path: Path) -> None:
@@ -145,3 +146,56 @@ def test_set_fixes_a_field_in_every_scenario(monkeypatch) -> None:
                     "--set", "enable_chunked_prefill=false")
     assert result.exit_code == 0, result.output
     assert seen and all(not c.enable_chunked_prefill for c in seen)
+
+
+class _LiftsThresholdWhenAlone:
+    """An engine adapter (no spec ``state``) that behaves like vLLM: vllm-v1, except that
+    ``long_prefill_token_threshold`` is not applied while only one request is live."""
+
+    def __init__(self, config, expose_state: bool) -> None:
+        self.config = config
+        self.inner = ReferenceScheduler(config, vllm_v1.vllm_v1, "inner", frozenset())
+        self.name = "like-vllm"
+        self.guarantees = frozenset()
+        if expose_state:  # a spec state of its own: a reference scheduler, not an engine adapter
+            self.state = self.inner.state
+        self.expose_state = expose_state
+
+    def add_request(self, request) -> None:
+        self.inner.add_request(request)
+        self._sync()
+
+    def abort_request(self, request_id) -> None:
+        self.inner.abort_request(request_id)
+        self._sync()
+
+    def schedule(self) -> StepPlan:
+        state = self.inner.state
+        if len(state.requests) == 1:
+            return vllm_v1.vllm_v1(state, self.config.with_changes(long_prefill_token_threshold=0))
+        return vllm_v1.vllm_v1(state, self.config)
+
+    def update(self, plan, sampled):
+        finished = self.inner.update(plan, sampled)
+        self._sync()
+        return finished
+
+    def _sync(self) -> None:
+        if self.expose_state:
+            self.state = self.inner.state
+
+
+@pytest.mark.parametrize("expose_state", [False, True], ids=["engine", "reference"])
+def test_documented_vllm_behaviour_is_not_a_failure_only_for_an_engine(monkeypatch, expose_state: bool) -> None:
+    """vLLM lifts the long-prefill threshold for a lone request (its documented behaviour; the spec rule
+    long-prefill-threshold forbids it): from an engine adapter that is a documented difference (exit 0);
+    from a reference scheduler, a finding (exit 1)."""
+    monkeypatch.setitem(SCHEDULERS, "like-vllm", lambda config: _LiftsThresholdWhenAlone(config, expose_state))
+    result = invoke("--scheduler", "like-vllm", "--against", "vllm-v1", "--examples", "20", "--seed", "0",
+                    "--set", "long_prefill_token_threshold=1", "--set", "enable_chunked_prefill=true")
+    if expose_state:
+        assert result.exit_code == 1 and "FINDING like-vllm long-prefill-threshold" in result.output
+    else:
+        assert result.exit_code == 0, result.output
+        assert "documented difference: like-vllm long-prefill-threshold" in result.output
+        assert " 0 documented differences" not in result.output

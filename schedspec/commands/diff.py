@@ -91,23 +91,54 @@ class StepView:
 
 @attrs.frozen
 class Divergence:
-    """The first step at which the two runs differ, and how (``scheduler`` vs ``against``)."""
+    """The first step at which the two runs differ, and how (``scheduler`` vs ``against``).
+    ``documented`` names the documented difference of the ``vllm-v1`` profile it is (docs/engines.md),
+    or is ``None`` for an unexplained divergence."""
 
     step: int
     scheduler: str
     against: str
+    documented: str | None = None
 
     def __str__(self) -> str:
-        return f"step {self.step}: {self.scheduler} | against: {self.against}"
+        text = f"step {self.step}: {self.scheduler} | against: {self.against}"
+        return text + (f" (documented: {self.documented})" if self.documented else "")
+
+
+VLLM_PROFILES = ("vllm-v1", "vllm-v1-priority")
+"""The profiles whose documented differences from vLLM :func:`documented_difference` recognizes."""
+
+LONE_REQUEST = "long_prefill_token_threshold lifted for a lone request (vLLM Scheduler.schedule num_eligible_reqs > 1)"
+
+
+def _live_before(records: Sequence[StepRecord], index: int) -> int:
+    """Live requests (running and waiting) just before step ``records[index]`` was planned."""
+    before = records[index - 1].num_running + records[index - 1].num_waiting if index else 0
+    return before + len(records[index].arrivals) - len(records[index].aborted)
+
+
+def documented_difference(config: SchedulerConfig, records: Sequence[StepRecord], index: int,
+                          mine: StepView, other: StepView) -> str | None:
+    """Whether the divergence at ``records[index]`` between an engine and a ``vllm-v1`` profile is one of
+    the profile's documented differences from vLLM (docs/engines.md), and which. Only the one that
+    ``schedspec diff``'s scenarios can show is recognized: vLLM lifts ``long_prefill_token_threshold``
+    when one request is live, the profile does not (spec rule ``long-prefill-threshold``)."""
+    if not (config.enable_chunked_prefill and config.long_prefill_token_threshold):
+        return None
+    if _live_before(records, index) == 1 and mine.scheduled.keys() == other.scheduled.keys():
+        return LONE_REQUEST
+    return None
 
 
 @attrs.frozen
 class Finding:
-    """A spec violation, crash or hang of one side."""
+    """A spec violation, crash or hang of one side. ``documented`` names the documented behaviour of
+    vLLM it is (docs/engines.md), or is ``None``."""
 
     side: str
     name: str
     detail: str
+    documented: str | None = None
 
 
 @attrs.frozen
@@ -125,15 +156,27 @@ class Comparison:
 
 
 def _run(name: str, config: SchedulerConfig, requests: Sequence[RequestSpec], max_steps: int,
-         ) -> tuple[RunResult | None, list[Finding]]:
-    """Run one scheduler (raises UnsupportedFeature / UnknownScheduler from ``make_scheduler``)."""
+         ) -> tuple[RunResult | None, list[Finding], bool]:
+    """Run one scheduler (raises UnsupportedFeature / UnknownScheduler from ``make_scheduler``); the
+    flag says whether it is an engine adapter (no spec ``state`` of its own)."""
     scheduler = make_scheduler(name, config)
+    engine = getattr(scheduler, "state", None) is None
+    result, findings = _run_scheduler(scheduler, name, config, requests, max_steps, engine)
+    return result, findings, engine
+
+
+def _run_scheduler(scheduler, name: str, config: SchedulerConfig, requests: Sequence[RequestSpec],
+                   max_steps: int, engine: bool) -> tuple[RunResult | None, list[Finding]]:
     try:
         result = Engine(scheduler, config, stop_on_violation=True).run(requests, mode="steps", max_steps=max_steps)
     except UnsupportedFeature:
         raise
     except ViolationFound as error:  # a rule or invariant broken: the run cannot go on meaningfully
-        return None, [Finding(name, v.name, str(v)) for v in error.violations[:3]]
+        documented = None
+        if (engine and config.enable_chunked_prefill and len(error.state.requests) == 1
+                and all(v.name == "long-prefill-threshold" for v in error.violations)):
+            documented = LONE_REQUEST  # vLLM's SchedulerConfig docstring: not applied to a lone request
+        return None, [Finding(name, v.name, str(v), documented) for v in error.violations[:3]]
     except Exception as error:  # an engine that crashes is a finding, not a crash of diff
         return None, [Finding(name, "crash", f"{type(error).__name__}: {error}")]
     findings = [Finding(name, v.name, str(v)) for v in result.violations[:3]]
@@ -151,17 +194,21 @@ def compare(config: SchedulerConfig, requests: Sequence[RequestSpec], scheduler:
         UnsupportedFeature: either scheduler cannot run this config or scenario.
         UnknownScheduler: either name is not a scheduler.
     """
-    ours, findings = _run(scheduler, config, requests, max_steps)
-    theirs, more = _run(against, config, requests, max_steps)
+    ours, findings, ours_engine = _run(scheduler, config, requests, max_steps)
+    theirs, more, theirs_engine = _run(against, config, requests, max_steps)
     findings += [f for f in more if not (against == scheduler and f in findings)]
     if ours is None or theirs is None:
         return Comparison(0, None, tuple(findings))
+    # documented differences apply between an engine and the profile that reproduces it
+    profile_pair = (scheduler in VLLM_PROFILES and theirs_engine) or (against in VLLM_PROFILES and ours_engine)
     compared = 0
-    for mine, other in zip(ours.records, theirs.records, strict=False):
+    for index, (mine, other) in enumerate(zip(ours.records, theirs.records, strict=False)):
         compared += 1
         a, b = StepView.of(mine, exact_blocks), StepView.of(other, exact_blocks)
         if a != b:
-            return Comparison(compared, Divergence(mine.step, a.describe(), b.describe()), tuple(findings))
+            documented = documented_difference(config, ours.records, index, a, b) if profile_pair else None
+            return Comparison(compared, Divergence(mine.step, a.describe(), b.describe(), documented),
+                              tuple(findings))
     if len(ours.records) != len(theirs.records):
         step = compared
         return Comparison(compared, Divergence(step, f"{len(ours.records)} steps in all",
@@ -309,6 +356,7 @@ class DiffReport:
     examples: int = 0
     steps_compared: int = 0
     divergent: int = 0
+    documented: int = 0
     findings: list[tuple[int, Finding]] = attrs.field(factory=list)
     unsupported: list[str] = attrs.field(factory=list)
     cases: list[Path] = attrs.field(factory=list)
@@ -330,19 +378,28 @@ def run_diff(scheduler: str, against: str, examples: int, seed: int, changes: di
             report.unsupported.append(str(error))
             return
         report.steps_compared += result.steps_compared
-        for finding in result.findings:
+        findings = [f for f in result.findings if f.documented is None]
+        for finding in findings:
             report.findings.append((index, finding))
             echo(f"example {index}: FINDING {finding.side} {finding.name}: {finding.detail}")
+        documented = [f"{f.side} {f.name}: {f.documented}" for f in result.findings if f.documented]
+        if result.divergence is not None and result.divergence.documented:
+            documented.append(str(result.divergence))
+        if documented and not findings and (result.divergence is None or result.divergence.documented):
+            report.documented += 1
+            echo(f"example {index}: documented difference: {documented[0]}")
+            return
         if not result.failed:
             return
 
         def diverges(candidate: list[RequestSpec]) -> bool:
             try:
-                return compare(config, candidate, scheduler, against, exact_blocks, max_steps).divergence is not None
+                found = compare(config, candidate, scheduler, against, exact_blocks, max_steps).divergence
             except UnsupportedFeature:
                 return False
+            return found is not None and found.documented is None
 
-        if result.divergence is not None:
+        if result.divergence is not None and result.divergence.documented is None:
             report.divergent += 1
             small = shrink(requests, diverges)
             first = compare(config, small, scheduler, against, exact_blocks, max_steps).divergence
@@ -352,6 +409,7 @@ def run_diff(scheduler: str, against: str, examples: int, seed: int, changes: di
         else:
             small, first = requests, None
             kind = "finding"
+            result = attrs.evolve(result, findings=tuple(findings))
         if out is not None:
             name = f"diff-{scheduler}-vs-{against}-seed{seed}-{kind}{index}".replace(":", "_").replace("/", "_")
             about = (f"schedspec diff --scheduler {scheduler} --against {against} --seed {seed}, example {index}: "
@@ -430,7 +488,8 @@ def command(scheduler_name: str, against: str, examples: int, seed: int, sets: t
         fail(f"--set {' '.join(sets)}: no generated config satisfies it")
     click.echo(
         f"{report.examples} examples, {report.steps_compared} steps compared, "
-        f"{report.divergent} divergent, {len(report.findings)} findings, {len(report.unsupported)} unsupported"
+        f"{report.divergent} divergent (unexplained), {report.documented} documented differences, "
+        f"{len(report.findings)} findings, {len(report.unsupported)} unsupported"
     )
     if report.unsupported:
         click.echo(f"unsupported (first): {report.unsupported[0]}")
