@@ -67,7 +67,8 @@ queue, and so are reused first in later    then the spec state's ``free_block_id
 steps too                                                                                     counts agree, ids may differ after a free
 =========================================  =================================================  ===============================================
 
-Surprises in vLLM's code, confirmed by reading (not yet by running vLLM): under priority the
+Surprises in vLLM's code, read in the source and confirmed by running vLLM 0.32's ``Scheduler``
+standalone on hand-made scenarios (docs/engines.md): under priority the
 self-preemption ``break`` (rule 3) skips the remaining running requests although the victim's blocks
 were just freed; admission checks the whole sequence but allocates one chunk (rule 5), so a prefill admitted
 under pressure can still preempt others halfway through its prompt; freed blocks are reused LIFO
