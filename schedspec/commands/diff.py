@@ -125,7 +125,13 @@ def documented_difference(config: SchedulerConfig, records: Sequence[StepRecord]
     when one request is live, the profile does not (spec rule ``long-prefill-threshold``)."""
     if not (config.enable_chunked_prefill and config.long_prefill_token_threshold):
         return None
-    if _live_before(records, index) == 1 and mine.scheduled.keys() == other.scheduled.keys():
+    if _live_before(records, index) != 1 or len(mine.scheduled) != 1 or mine.scheduled.keys() != other.scheduled.keys():
+        return None
+    (request_id, (_, tokens, _)), = mine.scheduled.items()
+    larger = other.scheduled[request_id][1]
+    threshold = config.long_prefill_token_threshold
+    # one side capped at the threshold (the profile), the other above it (the engine)
+    if min(tokens, larger) == threshold < max(tokens, larger):
         return LONE_REQUEST
     return None
 
