@@ -42,8 +42,10 @@ vLLM's source:
    non-cached blocks for better GPU locality", ``prepend_n``), in the order
    ``SingleTypeKVCacheManager.free`` gives, ``reversed(blocks)``; ``get_new_blocks`` takes from the
    front (``popleft_n``). So blocks a preemption frees are the very next ones handed out in the same
-   step, the victim's last block first. This policy follows that order inside a step; across steps
-   it can only follow the spec state's order (``free_block_ids``, see the differences).
+   step, the victim's last block first. The spec state's ``free_block_ids`` keeps the same order
+   across steps (:func:`schedspec.spec.transitions.apply_plan`), and this policy follows it inside a
+   step, so its block ids are vLLM's (spec block ``b`` is vLLM block ``b + 1``, vLLM's null block 0
+   left out).
 
 Where this profile departs from vLLM, on purpose (kept short; docs/engines.md has the same table):
 
@@ -62,9 +64,6 @@ a running chunk is capped at               no such cap                          
 ``max_model_len - num_computed_tokens -                                                       max_model_len``, which vLLM's input processor
 1``; a prompt of exactly ``max_model_len``                                                    refuses (``_validate_prompt_len``) and the spec
 never completes once chunked                                                                  must serve (it can produce one token)
-freed blocks go to the front of the free   blocks freed in this step (preemptions) first,     a pure ``plan(state, config)`` sees only the
-queue, and so are reused first in later    then the spec state's ``free_block_ids`` order     spec's order (freed blocks at the back); block
-steps too                                                                                     counts agree, ids may differ after a free
 =========================================  =================================================  ===============================================
 
 Surprises in vLLM's code, read in the source and confirmed by running vLLM 0.32's ``Scheduler``
