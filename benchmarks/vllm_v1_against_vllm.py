@@ -12,7 +12,7 @@ vllm --against vllm-v1`` do this; it needs no adapter. Two halves, two environme
    ``num_kv_blocks + 1`` blocks (vLLM keeps block 0 as its null block), requests with
    ``ignore_eos`` and end-of-sequence as stop token 0, sampled tokens fed back through
    ``ModelRunnerOutput`` (none for a request in a middle prefill chunk), aborts through
-   ``finish_requests``; and compares per step the scheduled requests (``num_computed_tokens``,
+   ``finish_requests``, one call per request (given several ids, it frees them in set order); and compares per step the scheduled requests (``num_computed_tokens``,
    ``num_tokens``, number of new blocks), the preempted and the finished ones.
 
 Each divergence is classified: ``threshold lifted for a lone request`` is the documented difference
@@ -107,7 +107,7 @@ def _run_vllm(scenario: dict, policy: str, model_dir: str, exact_blocks: bool) -
     scheduler = _scheduler(scenario["config"], policy, model_dir)
     requests = sorted(scenario["requests"], key=lambda r: r["arrival_step"])
     aborts: dict[int, list[str]] = {}
-    for r in requests:
+    for r in scenario["requests"]:  # in workload order, as the engine loop aborts them
         if r.get("abort_at_step") is not None:
             aborts.setdefault(r["abort_at_step"], []).append(r["request_id"])
     eos_at = {r["request_id"]: r.get("eos_at_output") for r in requests}
@@ -123,9 +123,11 @@ def _run_vllm(scenario: dict, policy: str, model_dir: str, exact_blocks: bool) -
                                           arrival_time=r.get("arrival_time", 0.0), priority=r.get("priority", 0)))
             live.add(r["request_id"])
         aborted = [x for x in aborts.get(step, []) if x in live]
-        if aborted:
-            scheduler.finish_requests(aborted, RequestStatus.FINISHED_ABORTED)
-            live -= set(aborted)
+        for request_id in aborted:
+            # one call per abort: finish_requests makes a set of the ids it is given, so several in one
+            # call free their blocks in string-hash order (PYTHONHASHSEED), not in the order given
+            scheduler.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
+            live.discard(request_id)
         if not live and arrived >= len(requests):
             break
         counts.append(sum(scheduler.get_request_counts()))
