@@ -44,8 +44,9 @@ AdmissionOrder = Callable[[SchedulerState], Sequence[str]]
 
 
 class _BlockPool:
-    """The free queue as this step's plan sees it: allocate from the front, preempted blocks join the
-    back (the order :func:`schedspec.spec.transitions.apply_plan` will produce)."""
+    """The free queue as this step's plan sees it: allocate from the front; blocks released by this
+    step's preemptions are taken only after the blocks already free (any free block may be taken; the
+    vllm-v1 profile hands released blocks out first, as vLLM does)."""
 
     def __init__(self, free: tuple[int, ...]) -> None:
         self.free = free  # not copied: the pool only reads it

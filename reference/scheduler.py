@@ -31,7 +31,7 @@ from schedspec.spec.request import Request
 from schedspec.spec.state import SchedulerState, StepPlan
 from schedspec.spec.transitions import abort_request, add_request, apply_plan
 
-from . import policies
+from . import policies, vllm_v1
 
 PlanFunction = Callable[[SchedulerState, SchedulerConfig], StepPlan]
 
@@ -239,6 +239,15 @@ def _reference(plan: PlanFunction, name: str, guarantees: frozenset[str]) -> Sch
     return factory
 
 
+VLLM_V1_GUARANTEES = ALL_PROPERTIES
+"""``vllm-v1`` keeps every property (measured with the stateful suite, docs/engines.md): under FCFS a
+request that preempts itself is the last running one, and admission's whole-sequence gate is the
+work-conserving test."""
+VLLM_V1_PRIORITY_GUARANTEES = frozenset({"progress", "stall-free-decode", "rejects-impossible"})
+"""``vllm-v1-priority`` starves less urgent requests by design (no ``bounded-wait``), preempts whichever
+running request is least urgent (no ``bounded-preemptions``), and a request that preempts itself ends the
+running phase, leaving more urgent running requests without a token (no ``work-conserving``)."""
+
 SCHEDULERS: dict[str, SchedulerFactory] = {
     "fcfs": _reference(policies.fcfs, "fcfs", ALL_PROPERTIES),
     "static": _reference(
@@ -253,6 +262,8 @@ SCHEDULERS: dict[str, SchedulerFactory] = {
         policies.priority, "priority",
         frozenset({"progress", "stall-free-decode", "rejects-impossible"}),
     ),
+    "vllm-v1": _reference(vllm_v1.vllm_v1, "vllm-v1", VLLM_V1_GUARANTEES),
+    "vllm-v1-priority": _reference(vllm_v1.vllm_v1_priority, "vllm-v1-priority", VLLM_V1_PRIORITY_GUARANTEES),
 }
 """Registered schedulers by ``--scheduler`` name. ``module:factory`` names a user's own factory, a
 callable taking a :class:`SchedulerConfig` and returning a :class:`Scheduler`."""
@@ -262,6 +273,8 @@ PLAN_FUNCTIONS: dict[str, PlanFunction] = {
     "static": policies.static,
     "shortest-prompt-first": policies.shortest_prompt_first,
     "priority": policies.priority,
+    "vllm-v1": vllm_v1.vllm_v1,
+    "vllm-v1-priority": vllm_v1.vllm_v1_priority,
 }
 
 
@@ -273,7 +286,6 @@ layer above this one), so they are imported only when chosen, by :func:`make_sch
 in :data:`SCHEDULERS`, whose entries are reference policies (the stateful suite runs each of them)."""
 
 NOT_YET_IMPLEMENTED: dict[str, str] = {
-    "vllm-v1": "the vLLM V1 replica policy is not implemented yet",
     "vllm": "the vLLM engine adapter is not implemented yet",
 }
 """Names the CLI already reserves; choosing one is a missing feature (exit 3), not a typo (exit 2)."""

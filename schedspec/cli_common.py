@@ -359,7 +359,8 @@ class OneLineErrors(click.Group):
 
 scheduler_option = click.option(
     "--scheduler", "scheduler_name", default=None, metavar="NAME",
-    help="Scheduler: fcfs, static, shortest-prompt-first, priority, nanovllm (engine adapter), or module:factory.",
+    help="Scheduler: fcfs, static, shortest-prompt-first, priority, vllm-v1, vllm-v1-priority, nanovllm "
+         "(engine adapter), or module:factory.",
 )
 set_option = click.option(
     "--set", "sets", multiple=True, metavar="KEY=VALUE",

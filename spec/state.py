@@ -96,8 +96,12 @@ class SchedulerState:
         running: ids of running requests in admission order (vLLM ``Scheduler.running``).
         requests: every live request (waiting or running) by id.
         finished: every terminal request (finished, aborted or rejected) by id.
-        free_block_ids: the free KV blocks, in the order they will be handed out (vLLM
-            ``FreeKVCacheBlockQueue``: allocate from the front, freed blocks join the back).
+        free_block_ids: the free KV blocks, in the order they will be handed out. As vLLM 0.32 without
+            prefix caching: allocation takes from the front (``BlockPool.get_new_blocks``) and a freed
+            block table goes to the front, last block first (``BlockPool.free_blocks`` puts blocks
+            without a hash at the front, "LIFO reuse"; ``SingleTypeKVCacheManager.free`` passes them
+            reversed), so the blocks freed last are handed out first. Any free block may be handed
+            out (rule ``blocks-from-free-pool``); the order only lets a policy pick vLLM's.
         num_requests_added: how many requests were ever added (for ``no-request-lost``).
     """
 

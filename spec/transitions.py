@@ -49,7 +49,8 @@ def add_request(state: SchedulerState, request: Request) -> SchedulerState:
 
 
 def abort_request(state: SchedulerState, request_id: str) -> SchedulerState:
-    """The client aborts a request: it ends ``FINISHED_ABORTED`` and releases all its blocks at once.
+    """The client aborts a request: it ends ``FINISHED_ABORTED`` and releases all its blocks at once
+    (to the front of the free queue, last block first: see ``SchedulerState.free_block_ids``).
 
     Aborting a request that already ended, or an id never added, changes nothing (vLLM
     ``Scheduler.finish_requests`` skips ids it does not know).
@@ -68,7 +69,7 @@ def abort_request(state: SchedulerState, request_id: str) -> SchedulerState:
         running=tuple(r for r in state.running if r != request_id),
         requests=requests,
         finished=finished,
-        free_block_ids=state.free_block_ids + tuple(reversed(request.block_ids)),
+        free_block_ids=tuple(reversed(request.block_ids)) + state.free_block_ids,
     )
 
 
@@ -121,13 +122,15 @@ def apply_plan(
 ) -> StepResult:
     """Apply an allowed plan and the tokens the model sampled; the step counter advances by one.
 
-    In order: preempted requests release every block (to the back of the free queue, last block
-    first, as vLLM ``KVCacheManager.free``) and are prepended to the waiting queue with
+    In order: preempted requests release every block (to the front of the free queue, last block
+    first, each preempted request in front of the one before it, as vLLM ``KVCacheManager.free`` and
+    ``BlockPool.free_blocks`` without prefix caching) and are prepended to the waiting queue with
     ``num_computed_tokens = 0``; rejected requests end ``REJECTED`` with their reason; scheduled
     requests take their new blocks, waiting ones are admitted (appended to ``running``), and each
     adds ``num_tokens`` to ``num_computed_tokens``; a request whose chunk reached the end of its
     sequence (:func:`~schedspec.spec.state.samples_this_step`) appends its sampled token and is
-    checked by :func:`stop_reason`; one that stops releases its blocks and ends.
+    checked by :func:`stop_reason`; one that stops releases its blocks (to the front of the free
+    queue, in batch order, as vLLM ``Scheduler.update_from_output``) and ends.
 
     Args:
         state: the state before the step.
@@ -157,7 +160,7 @@ def apply_plan(
     released: list[int] = []
     for request_id in plan.preempted:
         request = live(request_id)
-        released.extend(reversed(request.block_ids))
+        released[:0] = reversed(request.block_ids)
         requests[request_id] = request.replace(
             status=RequestStatus.PREEMPTED,
             num_computed_tokens=0,
@@ -167,7 +170,7 @@ def apply_plan(
         running.remove(request_id)
         waiting.insert(0, request_id)
     if released:
-        free = free + tuple(released)
+        free = tuple(released) + free
 
     ended: dict[str, Request] = {}
     if plan.rejected:
@@ -220,10 +223,10 @@ def apply_plan(
         ended_blocks: list[int] = []
         for request_id in stopped:
             request = requests.pop(request_id)
-            ended_blocks.extend(reversed(request.block_ids))
+            ended_blocks[:0] = reversed(request.block_ids)
             ended[request_id] = request.replace(block_ids=())
         running = [r for r in running if r not in gone]
-        free = free + tuple(ended_blocks)
+        free = tuple(ended_blocks) + free
 
     new_state = SchedulerState(
         step=state.step + 1,

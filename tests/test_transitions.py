@@ -79,8 +79,9 @@ def test_abort_running_request_frees_its_blocks_last_block_first() -> None:
     assert "a" not in after.requests
     ended = after.finished["a"]
     assert (ended.status, ended.finish_reason, ended.block_ids) == (RequestStatus.FINISHED_ABORTED, "abort", ())
-    # Freed blocks join the back of the free queue, last block of the table first.
-    assert after.free_block_ids == (0, 1, 2, 4, 6, 7, 5, 3)
+    # Freed blocks go to the front of the free queue, last block of the table first (vLLM 0.32
+    # BlockPool.free_blocks: blocks without a hash are prepended).
+    assert after.free_block_ids == (5, 3, 0, 1, 2, 4, 6, 7)
     assert check_state(after, CONFIG) == []
 
 
@@ -124,8 +125,8 @@ def test_two_preemptions_last_listed_ends_at_front() -> None:
     state = state_with([a, b], free=(2, 3, 4, 5, 6, 7))
     after = apply_plan(state, StepPlan(preempted=("a", "b")), {}, CONFIG).state
     assert after.waiting == ("b", "a")
-    # Released in plan order, each table last block first, after the blocks already free.
-    assert after.free_block_ids == (2, 3, 4, 5, 6, 7, 0, 1)
+    # Released in plan order, each to the front: b's block ahead of a's, both ahead of the free ones.
+    assert after.free_block_ids == (1, 0, 2, 3, 4, 5, 6, 7)
 
 
 def test_preempted_request_is_readmitted_and_recomputes_prompt_and_outputs() -> None:
@@ -195,7 +196,7 @@ def test_finish_frees_blocks_and_leaves_running() -> None:
     assert (done.status, done.finish_reason, done.block_ids) == (RequestStatus.FINISHED_LENGTH, "length", ())
     assert done.output_token_ids == (7, 8, 9, 10)
     assert sorted(after.free_block_ids) == [0, 1, 3, 4, 5, 6, 7]
-    assert after.free_block_ids[-2:] == (1, 0)  # freed at the back, last block first
+    assert after.free_block_ids[:2] == (1, 0)  # freed to the front, last block first
     assert check_step(state, plan, after, CONFIG) == []
 
 

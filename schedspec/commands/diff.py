@@ -1,0 +1,505 @@
+"""``schedspec diff --scheduler A --against B``: differential testing of two schedulers, step by step.
+
+Generates random scenarios (Hypothesis, reproducible from ``--seed``), runs both schedulers on each
+through the engine loop (:class:`~schedspec.reference.engine.Engine`, every step checked against the
+spec) with the same token source (a fresh :class:`~schedspec.reference.fake_model.FakeModel` each),
+and compares the two runs step by step: per step the scheduled requests (``num_computed_tokens``,
+``num_tokens`` and the number of new blocks, or the block ids themselves with ``--exact-blocks``), the
+preempted, rejected and finished requests (as sets: an engine need not report an order). Block ids
+may legitimately differ between two schedulers that both refine the spec, so only counts are
+compared by default.
+
+For each example whose runs diverge, the scenario is shrunk (greedy: fewer requests, shorter prompts
+and outputs, earlier arrivals, no aborts or end-of-sequence, while the runs still diverge) and written
+in the ``schedspec/data/cases`` format to ``--out`` (never over an existing file); the first divergence
+is printed. A **finding** is a spec violation (rule, invariant, guaranteed property), a crash, or a run
+that does not end within ``--max-steps`` steps, by either side.
+
+Scenarios contain only requests that vLLM's front door accepts and the spec does not reject
+(``0 < prompt_len < max_model_len``, able to complete alone), so that differences come from
+scheduling decisions, not from admission control (docs/engines.md).
+
+Exit status: 0 no divergence and no finding (scenarios a scheduler cannot express are counted and
+named, not compared); 1 a divergence or a finding; 2 bad input; 3 a scheduler could express none of
+the scenarios (``UnsupportedFeature``), e.g. an engine whose adapter is not installed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import click
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import seed as hypothesis_seed
+from hypothesis import strategies as st
+from hypothesis.errors import Unsatisfiable
+
+from schedspec.cli_common import EXIT_CHECK_FAILED, EXIT_UNSUPPORTED, fail, parse_sets
+from schedspec.reference.engine import Engine, RunResult, ViolationFound
+from schedspec.reference.scheduler import (
+    NOT_YET_IMPLEMENTED,
+    SCHEDULERS,
+    UnknownScheduler,
+    UnsupportedFeature,
+    make_scheduler,
+)
+from schedspec.spec.config import ConfigError, SchedulerConfig
+from schedspec.spec.trace import StepRecord
+from schedspec.spec.workload import RequestSpec
+from schedspec.testing import scheduler_configs
+
+DEFAULT_MAX_STEPS = 2_000
+
+
+@attrs.frozen
+class StepView:
+    """What two schedulers are compared on in one step (sets where an engine need not keep an order).
+
+    ``scheduled`` maps request id -> ``(num_computed_tokens, num_tokens, blocks)`` where ``blocks`` is
+    the number of new blocks, or their ids with exact block comparison.
+    """
+
+    scheduled: dict[str, tuple[int, int, Any]]
+    preempted: frozenset[str]
+    rejected: frozenset[str]
+    finished: frozenset[str]
+
+    @classmethod
+    def of(cls, record: StepRecord, exact_blocks: bool) -> StepView:
+        scheduled = {}
+        for item in record.scheduled:
+            blocks = tuple(record.blocks_allocated.get(item.request_id, ()))
+            scheduled[item.request_id] = (
+                item.num_computed_tokens, item.num_tokens,
+                blocks if exact_blocks else len(blocks),
+            )
+        return cls(scheduled, frozenset(record.preempted), frozenset(record.rejected), frozenset(record.finished))
+
+    def describe(self) -> str:
+        parts = [" ".join(f"{r}:{c}+{n}/{b}" for r, (c, n, b) in self.scheduled.items()) or "-"]
+        for name in ("preempted", "rejected", "finished"):
+            value = getattr(self, name)
+            if value:
+                parts.append(f"{name} {' '.join(sorted(value))}")
+        return "; ".join(parts)
+
+
+@attrs.frozen
+class Divergence:
+    """The first step at which the two runs differ, and how (``scheduler`` vs ``against``).
+    ``documented`` names the documented difference of the ``vllm-v1`` profile it is (docs/engines.md),
+    or is ``None`` for an unexplained divergence."""
+
+    step: int
+    scheduler: str
+    against: str
+    documented: str | None = None
+
+    def __str__(self) -> str:
+        text = f"step {self.step}: {self.scheduler} | against: {self.against}"
+        return text + (f" (documented: {self.documented})" if self.documented else "")
+
+
+VLLM_PROFILES = ("vllm-v1", "vllm-v1-priority")
+"""The profiles whose documented differences from vLLM :func:`documented_difference` recognizes."""
+
+LONE_REQUEST = "long_prefill_token_threshold lifted for a lone request (vLLM Scheduler.schedule num_eligible_reqs > 1)"
+
+
+def _live_before(records: Sequence[StepRecord], index: int) -> int:
+    """Live requests (running and waiting) just before step ``records[index]`` was planned."""
+    before = records[index - 1].num_running + records[index - 1].num_waiting if index else 0
+    return before + len(records[index].arrivals) - len(records[index].aborted)
+
+
+def documented_difference(config: SchedulerConfig, records: Sequence[StepRecord], index: int,
+                          mine: StepView, other: StepView) -> str | None:
+    """Whether the divergence at ``records[index]`` between an engine and a ``vllm-v1`` profile is one of
+    the profile's documented differences from vLLM (docs/engines.md), and which. Only the one that
+    ``schedspec diff``'s scenarios can show is recognized: vLLM lifts ``long_prefill_token_threshold``
+    when one request is live, the profile does not (spec rule ``long-prefill-threshold``)."""
+    if not (config.enable_chunked_prefill and config.long_prefill_token_threshold):
+        return None
+    if _live_before(records, index) != 1 or len(mine.scheduled) != 1 or mine.scheduled.keys() != other.scheduled.keys():
+        return None
+    (request_id, (_, tokens, _)), = mine.scheduled.items()
+    larger = other.scheduled[request_id][1]
+    threshold = config.long_prefill_token_threshold
+    # one side capped at the threshold (the profile), the other above it (the engine)
+    if min(tokens, larger) == threshold < max(tokens, larger):
+        return LONE_REQUEST
+    return None
+
+
+@attrs.frozen
+class Finding:
+    """A spec violation, crash or hang of one side. ``documented`` names the documented behaviour of
+    vLLM it is (docs/engines.md), or is ``None``."""
+
+    side: str
+    name: str
+    detail: str
+    documented: str | None = None
+
+
+@attrs.frozen
+class Comparison:
+    """Both runs of one scenario compared. ``steps_compared`` counts steps up to and including the
+    first divergence (or all steps of the shorter run)."""
+
+    steps_compared: int
+    divergence: Divergence | None
+    findings: tuple[Finding, ...]
+
+    @property
+    def failed(self) -> bool:
+        return self.divergence is not None or bool(self.findings)
+
+
+def _run(name: str, config: SchedulerConfig, requests: Sequence[RequestSpec], max_steps: int,
+         ) -> tuple[RunResult | None, list[Finding], bool]:
+    """Run one scheduler (raises UnsupportedFeature / UnknownScheduler from ``make_scheduler``); the
+    flag says whether it is an engine adapter (no spec ``state`` of its own)."""
+    scheduler = make_scheduler(name, config)
+    engine = getattr(scheduler, "state", None) is None
+    result, findings = _run_scheduler(scheduler, name, config, requests, max_steps, engine)
+    return result, findings, engine
+
+
+def _run_scheduler(scheduler, name: str, config: SchedulerConfig, requests: Sequence[RequestSpec],
+                   max_steps: int, engine: bool) -> tuple[RunResult | None, list[Finding]]:
+    try:
+        result = Engine(scheduler, config, stop_on_violation=True).run(requests, mode="steps", max_steps=max_steps)
+    except UnsupportedFeature:
+        raise
+    except ViolationFound as error:  # a rule or invariant broken: the run cannot go on meaningfully
+        documented = None
+        if (engine and config.enable_chunked_prefill and len(error.state.requests) == 1
+                and all(v.name == "long-prefill-threshold" for v in error.violations)):
+            documented = LONE_REQUEST  # vLLM's SchedulerConfig docstring: not applied to a lone request
+        return None, [Finding(name, v.name, str(v), documented) for v in error.violations[:3]]
+    except Exception as error:  # an engine that crashes is a finding, not a crash of diff
+        return None, [Finding(name, "crash", f"{type(error).__name__}: {error}")]
+    findings = [Finding(name, v.name, str(v)) for v in result.violations[:3]]
+    if result.state.requests:
+        findings.append(Finding(name, "no-termination",
+                                f"requests still live after {result.num_steps} steps: {sorted(result.state.requests)}"))
+    return result, findings
+
+
+def compare(config: SchedulerConfig, requests: Sequence[RequestSpec], scheduler: str, against: str,
+            exact_blocks: bool = False, max_steps: int = DEFAULT_MAX_STEPS) -> Comparison:
+    """Run ``scheduler`` and ``against`` on the same scenario and compare them step by step.
+
+    Raises:
+        UnsupportedFeature: either scheduler cannot run this config or scenario.
+        UnknownScheduler: either name is not a scheduler.
+    """
+    ours, findings, ours_engine = _run(scheduler, config, requests, max_steps)
+    theirs, more, theirs_engine = _run(against, config, requests, max_steps)
+    findings += [f for f in more if not (against == scheduler and f in findings)]
+    if ours is None or theirs is None:
+        return Comparison(0, None, tuple(findings))
+    # documented differences apply between an engine and the profile that reproduces it
+    profile_pair = (scheduler in VLLM_PROFILES and theirs_engine) or (against in VLLM_PROFILES and ours_engine)
+    compared = 0
+    for index, (mine, other) in enumerate(zip(ours.records, theirs.records, strict=False)):
+        compared += 1
+        a, b = StepView.of(mine, exact_blocks), StepView.of(other, exact_blocks)
+        if a != b:
+            documented = documented_difference(config, ours.records, index, a, b) if profile_pair else None
+            return Comparison(compared, Divergence(mine.step, a.describe(), b.describe(), documented),
+                              tuple(findings))
+    if len(ours.records) != len(theirs.records):
+        step = compared
+        return Comparison(compared, Divergence(step, f"{len(ours.records)} steps in all",
+                                               f"{len(theirs.records)} steps in all"), tuple(findings))
+    return Comparison(compared, None, tuple(findings))
+
+
+# ----------------------------------------------------------------------------------- generation
+def _possible_requests(config: SchedulerConfig) -> st.SearchStrategy[list[RequestSpec]]:
+    """1 to 8 requests that vLLM's input processor accepts (``0 < prompt_len < max_model_len``) and
+    that can complete alone (the spec does not reject them), arriving in steps 0..8, sometimes
+    aborted, sometimes stopping early (end-of-sequence), priorities 0..3."""
+    capacity = config.kv_capacity_tokens
+    longest = max(1, min(config.max_model_len - 1, capacity))
+
+    @st.composite
+    def one(draw: st.DrawFn, index: int) -> RequestSpec:
+        prompt_len = draw(st.integers(1, longest))
+        max_tokens = draw(st.integers(1, max(1, min(config.max_model_len, capacity + 1 - prompt_len))))
+        arrival = draw(st.integers(0, 8))
+        abort = draw(st.one_of(st.none(), st.none(), st.integers(arrival, arrival + 12)))
+        eos = draw(st.one_of(st.none(), st.none(), st.integers(1, 6)))
+        return RequestSpec(f"r{index}", prompt_len, max_tokens, arrival_step=arrival,
+                           priority=draw(st.integers(0, 3)), abort_at_step=abort, eos_at_output=eos)
+
+    # uniform request counts (Hypothesis's integers favour the small end): most scenarios have several
+    # requests competing for slots, budget and blocks
+    return st.sampled_from(range(1, 9)).flatmap(lambda n: st.tuples(*(one(i) for i in range(n)))).map(list)
+
+
+def scenarios(changes: dict[str, Any]) -> st.SearchStrategy[tuple[SchedulerConfig, list[RequestSpec]]]:
+    """``(config, requests)``: a config from :func:`schedspec.testing.scheduler_configs` (with
+    ``long_prefill_token_threshold`` at most ``max_model_len``, as vLLM requires) with ``changes``
+    applied (drawn configs that ``changes`` make invalid are discarded; at least two tokens of
+    ``max_model_len``), and :func:`_possible_requests` for it."""
+
+    def apply(config: SchedulerConfig) -> SchedulerConfig | None:
+        try:
+            if config.long_prefill_token_threshold > config.max_model_len:
+                # vLLM refuses a threshold above max_model_len (SchedulerConfig.verify_max_model_len);
+                # the spec allows it, with the same effect as max_model_len
+                config = config.with_changes(long_prefill_token_threshold=config.max_model_len)
+            return config.with_changes(**changes) if changes else config
+        except (ConfigError, TypeError):
+            return None
+
+    configs = scheduler_configs().map(apply).filter(lambda c: c is not None and c.max_model_len >= 2)
+    return configs.flatmap(lambda c: st.tuples(st.just(c), _possible_requests(c)))
+
+
+# ------------------------------------------------------------------------------------ shrinking
+def _candidates(requests: list[RequestSpec]) -> list[list[RequestSpec]]:
+    """Smaller variants of a scenario, most drastic first."""
+    out: list[list[RequestSpec]] = []
+    for i in range(len(requests)):
+        out.append(requests[:i] + requests[i + 1:])
+    for i, r in enumerate(requests):
+        simpler = []
+        if r.abort_at_step is not None:
+            simpler.append(attrs.evolve(r, abort_at_step=None))
+        if r.eos_at_output is not None:
+            simpler.append(attrs.evolve(r, eos_at_output=None))
+        for field in ("prompt_len", "max_tokens"):
+            value = getattr(r, field)
+            for smaller in sorted({1, value // 2, value - 1}):
+                if 1 <= smaller < value:
+                    simpler.append(attrs.evolve(r, **{field: smaller}))
+        if r.arrival_step:
+            simpler.append(attrs.evolve(r, arrival_step=0))
+            simpler.append(attrs.evolve(r, arrival_step=r.arrival_step - 1))
+        if r.priority:
+            simpler.append(attrs.evolve(r, priority=0))
+        for variant in simpler:
+            if variant.abort_at_step is not None and variant.abort_at_step < (variant.arrival_step or 0):
+                continue
+            out.append(requests[:i] + [variant] + requests[i + 1:])
+    return out
+
+
+def shrink(requests: list[RequestSpec], still_fails: Callable[[list[RequestSpec]], bool],
+           budget: int = 400) -> list[RequestSpec]:
+    """Greedy shrinking: take the first smaller variant that still fails, until none does or
+    ``budget`` attempts are spent. Returns the smallest failing scenario found."""
+    current = list(requests)
+    attempts = 0
+    improved = True
+    while improved and attempts < budget:
+        improved = False
+        for candidate in _candidates(current):
+            attempts += 1
+            if still_fails(candidate):
+                current = candidate
+                improved = True
+                break
+            if attempts >= budget:
+                break
+    return current
+
+
+# --------------------------------------------------------------------------------- case output
+def case_dict(name: str, about: str, config: SchedulerConfig, requests: Sequence[RequestSpec],
+              scheduler: str | None = None) -> dict[str, Any]:
+    """A scenario in the ``schedspec/data/cases`` format. Its expectations follow from the request
+    shapes alone (every request can complete alone): ``finished``, or ``aborted`` (or ``finished``
+    if it ends before its abort)."""
+    rows = []
+    outcome: dict[str, Any] = {}
+    for r in requests:
+        row: dict[str, Any] = {"id": r.request_id, "arrival_step": r.arrival_step, "prompt_len": r.prompt_len,
+                               "max_tokens": r.max_tokens}
+        if r.priority:
+            row["priority"] = r.priority
+        if r.abort_at_step is not None:
+            row["abort_at_step"] = r.abort_at_step
+        if r.eos_at_output is not None:
+            row["eos_at_output"] = r.eos_at_output
+        rows.append(row)
+        outcome[r.request_id] = ["finished", "aborted"] if r.abort_at_step is not None else "finished"
+    data: dict[str, Any] = {"name": name, "about": about, "config": config.to_dict(), "requests": rows,
+                            "expect": {"outcome": outcome}}
+    if scheduler is not None:
+        data["scheduler"] = scheduler
+    return data
+
+
+def write_case(folder: Path, data: dict[str, Any]) -> Path:
+    """Write ``data`` as ``folder/NAME.json``, or ``NAME-2.json`` ... if that exists (never overwrites)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    base = data["name"]
+    path = folder / f"{base}.json"
+    suffix = 2
+    while path.exists():
+        path = folder / f"{base}-{suffix}.json"
+        suffix += 1
+    with path.open("x", encoding="utf-8") as handle:
+        handle.write(json.dumps(data, indent=1) + "\n")
+    return path
+
+
+# ------------------------------------------------------------------------------------- command
+@attrs.define
+class DiffReport:
+    """Totals of a diff run."""
+
+    examples: int = 0
+    steps_compared: int = 0
+    divergent: int = 0
+    documented: int = 0
+    findings: list[tuple[int, Finding]] = attrs.field(factory=list)
+    unsupported: list[str] = attrs.field(factory=list)
+    cases: list[Path] = attrs.field(factory=list)
+
+
+def run_diff(scheduler: str, against: str, examples: int, seed: int, changes: dict[str, Any],
+             out: Path | None, exact_blocks: bool = False, max_steps: int = DEFAULT_MAX_STEPS,
+             echo: Callable[[str], None] = print) -> DiffReport:
+    """Generate ``examples`` scenarios from ``seed``, compare the two schedulers on each, shrink and
+    write each divergence (module docstring). Deterministic for a given seed and Hypothesis version."""
+    report = DiffReport()
+
+    def examine(config: SchedulerConfig, requests: list[RequestSpec]) -> None:
+        index = report.examples
+        report.examples += 1
+        try:
+            result = compare(config, requests, scheduler, against, exact_blocks, max_steps)
+        except UnsupportedFeature as error:
+            report.unsupported.append(str(error))
+            return
+        report.steps_compared += result.steps_compared
+        findings = [f for f in result.findings if f.documented is None]
+        for finding in findings:
+            report.findings.append((index, finding))
+            echo(f"example {index}: FINDING {finding.side} {finding.name}: {finding.detail}")
+        documented = [f"{f.side} {f.name}: {f.documented}" for f in result.findings if f.documented]
+        if result.divergence is not None and result.divergence.documented:
+            documented.append(str(result.divergence))
+        if documented and not findings and (result.divergence is None or result.divergence.documented):
+            report.documented += 1
+            echo(f"example {index}: documented difference: {documented[0]}")
+            return
+        if not result.failed:
+            return
+
+        def diverges(candidate: list[RequestSpec]) -> bool:
+            try:
+                found = compare(config, candidate, scheduler, against, exact_blocks, max_steps).divergence
+            except UnsupportedFeature:
+                return False
+            return found is not None and found.documented is None
+
+        if result.divergence is not None and result.divergence.documented is None:
+            report.divergent += 1
+            small = shrink(requests, diverges)
+            first = compare(config, small, scheduler, against, exact_blocks, max_steps).divergence
+            assert first is not None
+            echo(f"example {index}: DIVERGENCE ({len(requests)} requests, shrunk to {len(small)}) at {first}")
+            kind = "divergence"
+        else:
+            small, first = requests, None
+            kind = "finding"
+            result = attrs.evolve(result, findings=tuple(findings))
+        if out is not None:
+            name = f"diff-{scheduler}-vs-{against}-seed{seed}-{kind}{index}".replace(":", "_").replace("/", "_")
+            about = (f"schedspec diff --scheduler {scheduler} --against {against} --seed {seed}, example {index}: "
+                     + (f"first divergence at {first}" if first is not None
+                        else "; ".join(f"{f.side} {f.name}: {f.detail}" for f in result.findings)))
+            path = write_case(out, case_dict(name, about, config, small))
+            report.cases.append(path)
+            echo(f"  wrote {path}")
+
+    @hypothesis_seed(seed)
+    @settings(max_examples=examples, database=None, deadline=None, phases=(Phase.generate,),
+              suppress_health_check=list(HealthCheck), derandomize=False)
+    @given(scenarios(changes))
+    def generate(scenario: tuple[SchedulerConfig, list[RequestSpec]]) -> None:
+        examine(*scenario)
+
+    generate()
+    return report
+
+
+def check_scheduler_name(name: str) -> None:
+    """Exit 2 for a name that is no scheduler, 3 for a reserved one not implemented yet, before any
+    scenario runs (a scheduler that refuses only some configs is counted per scenario)."""
+    if name in NOT_YET_IMPLEMENTED:
+        fail(f"scheduler {name!r}: {NOT_YET_IMPLEMENTED[name]}", EXIT_UNSUPPORTED)
+    if name in SCHEDULERS:
+        return
+    if ":" not in name:
+        fail(f"--scheduler {name!r}: unknown; known: {', '.join(sorted(SCHEDULERS))}, or module:factory")
+    probe = SchedulerConfig(block_size=4, num_kv_blocks=8, max_num_batched_tokens=16, max_num_seqs=2, max_model_len=16)
+    try:
+        make_scheduler(name, probe)
+    except UnknownScheduler as error:
+        fail(str(error))
+    except UnsupportedFeature:
+        pass
+
+
+@click.command()
+@click.option("--scheduler", "scheduler_name", required=True, metavar="NAME", help="The scheduler under test.")
+@click.option("--against", "against", required=True, metavar="NAME", help="The scheduler it is compared with.")
+@click.option("--examples", type=click.IntRange(min=1), default=100, show_default=True, help="Scenarios to generate.")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Generation seed.")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
+              help="Fix a SchedulerConfig field in every scenario (repeatable).")
+@click.option("--out", "out", type=click.Path(file_okay=False), default=None, metavar="DIR",
+              help="Write each shrunk divergence here as a case file (never overwrites).")
+@click.option("--exact-blocks", is_flag=True, help="Compare block ids, not only block counts.")
+@click.option("--max-steps", type=click.IntRange(min=1), default=DEFAULT_MAX_STEPS, show_default=True,
+              help="Steps after which a run that has not ended is a finding.")
+def command(scheduler_name: str, against: str, examples: int, seed: int, sets: tuple[str, ...],
+            out: str | None, exact_blocks: bool, max_steps: int) -> None:
+    """Compare two schedulers step by step on generated scenarios.
+
+    Exit 0 if they agree and neither breaks the spec (unsupported scenarios are counted, not
+    compared), 1 on a divergence or finding, 2 on bad input, 3 if a scheduler could express none.
+    """
+    changes = parse_sets(sets)
+    if changes:
+        # field-level validation only (cross-field rules are checked per drawn config)
+        permissive = SchedulerConfig(block_size=16, num_kv_blocks=64, max_num_batched_tokens=1 << 20,
+                                     max_num_seqs=1, max_model_len=1)
+        try:
+            permissive.with_changes(**changes)
+        except (ConfigError, TypeError) as error:
+            fail(f"--set: {error}")
+    for name in (scheduler_name, against):
+        check_scheduler_name(name)
+    folder = Path(out) if out is not None else None
+    if folder is not None and folder.exists() and not folder.is_dir():
+        fail(f"--out {out!r}: not a directory")
+    try:
+        report = run_diff(scheduler_name, against, examples, seed, changes, folder, exact_blocks, max_steps,
+                          echo=click.echo)
+    except Unsatisfiable:
+        fail(f"--set {' '.join(sets)}: no generated config satisfies it")
+    click.echo(
+        f"{report.examples} examples, {report.steps_compared} steps compared, "
+        f"{report.divergent} divergent (unexplained), {report.documented} documented differences, "
+        f"{len(report.findings)} findings, {len(report.unsupported)} unsupported"
+    )
+    if report.unsupported:
+        click.echo(f"unsupported (first): {report.unsupported[0]}")
+    if report.divergent or report.findings:
+        sys.exit(EXIT_CHECK_FAILED)
+    if report.unsupported and len(report.unsupported) == report.examples:
+        sys.exit(EXIT_UNSUPPORTED)

@@ -1,0 +1,201 @@
+"""``schedspec diff``: agreement with itself, a divergence found, shrunk and written as a replayable case,
+findings, exact block comparison, and the exit codes 0/1/2/3.
+
+Cost: about 10 s on one core (a few hundred small generated scenarios in all).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import attrs
+import pytest
+from click.testing import CliRunner
+
+from schedspec.cli import cli
+from schedspec.commands.diff import compare, run_diff
+from schedspec.reference import vllm_v1
+from schedspec.reference.scenarios import load_scenario, replay
+from schedspec.reference.scheduler import SCHEDULERS, ReferenceScheduler, UnsupportedFeature
+from schedspec.spec.state import StepPlan
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(cli, ["diff", *args], catch_exceptions=False)
+
+
+def test_vllm_v1_against_itself_has_no_divergence() -> None:
+    result = invoke("--scheduler", "vllm-v1", "--against", "vllm-v1", "--examples", "60", "--seed", "3")
+    assert result.exit_code == 0, result.output
+    assert "60 examples" in result.output
+    assert "0 divergent (unexplained), 0 documented differences, 0 findings" in result.output
+
+
+def test_fcfs_against_vllm_v1_diverges_and_writes_a_replayable_case(tmp_path: Path) -> None:
+    """fcfs reserves blocks for the whole prompt at admission and schedules decodes first; vllm-v1
+    allocates for the first chunk and keeps list order: they must diverge on some scenario."""
+    out = tmp_path / "cases"
+    result = invoke("--scheduler", "fcfs", "--against", "vllm-v1", "--examples", "40", "--seed", "1",
+                    "--out", str(out))
+    assert result.exit_code == 1, result.output
+    assert "DIVERGENCE" in result.output
+    written = sorted(out.glob("*.json"))
+    assert written
+    for path in written:
+        scenario = load_scenario(path)  # the cases format
+        from schedspec.spec.config import SchedulerConfig
+
+        config = SchedulerConfig.from_dict(scenario.config)
+        again = compare(config, list(scenario.requests), "fcfs", "vllm-v1")
+        assert again.divergence is not None
+        assert f"at step {again.divergence.step}:" in json.loads(path.read_text())["about"]
+        assert len(scenario.requests) <= 8
+        for name in ("fcfs", "vllm-v1"):  # its expectations hold on both: a divergence is not a fault
+            assert replay(scenario, name).passed
+
+    before = {p: p.read_bytes() for p in written}
+    again = invoke("--scheduler", "fcfs", "--against", "vllm-v1", "--examples", "40", "--seed", "1",
+                   "--out", str(out))
+    assert again.exit_code == 1
+    assert {p: p.read_bytes() for p in written} == before  # nothing overwritten
+    assert len(list(out.glob("*.json"))) == 2 * len(written)
+
+
+def test_shrinking_keeps_the_divergence_and_makes_it_small(tmp_path: Path) -> None:
+    report = run_diff("fcfs", "vllm-v1", 40, 1, {}, tmp_path, echo=lambda line: None)
+    assert report.divergent >= 1 and report.cases
+    sizes = [len(load_scenario(p).requests) for p in report.cases]
+    assert min(sizes) == 1  # a fcfs/vllm-v1 difference needs one long prompt only
+
+
+def _register(monkeypatch, name: str, plan, guarantees=frozenset()) -> None:
+    monkeypatch.setitem(SCHEDULERS, name, lambda config: ReferenceScheduler(config, plan, name, guarantees))
+
+
+def test_a_scheduler_that_breaks_the_spec_is_a_finding(monkeypatch) -> None:
+    def no_new_blocks(state, config) -> StepPlan:
+        plan = vllm_v1.vllm_v1(state, config)
+        return attrs.evolve(plan, scheduled=tuple(attrs.evolve(i, new_block_ids=()) for i in plan.scheduled))
+
+    _register(monkeypatch, "broken", no_new_blocks)
+    result = invoke("--scheduler", "broken", "--against", "vllm-v1", "--examples", "10", "--seed", "0")
+    assert result.exit_code == 1
+    assert "FINDING broken block-table-covers" in result.output
+
+
+def test_block_ids_are_compared_only_with_exact_blocks(monkeypatch) -> None:
+    """A scheduler equal to vllm-v1 but for the block ids it picks (the back of the free queue): the
+    same block counts, other ids."""
+
+    def from_the_back(state, config) -> StepPlan:
+        return vllm_v1.vllm_v1(attrs.evolve(state, free_block_ids=state.free_block_ids[::-1]), config)
+
+    _register(monkeypatch, "backwards", from_the_back)
+    counts = invoke("--scheduler", "backwards", "--against", "vllm-v1", "--examples", "20", "--seed", "0")
+    assert counts.exit_code == 0, counts.output
+    exact = invoke("--scheduler", "backwards", "--against", "vllm-v1", "--examples", "20", "--seed", "0",
+                   "--exact-blocks")
+    assert exact.exit_code == 1 and "DIVERGENCE" in exact.output
+
+
+def test_a_scheduler_that_cannot_express_the_scenarios_exits_3(monkeypatch) -> None:
+    def refuse(config):
+        raise UnsupportedFeature("refuses every config")
+
+    monkeypatch.setitem(SCHEDULERS, "refuses", refuse)
+    result = invoke("--scheduler", "refuses", "--against", "vllm-v1", "--examples", "5")
+    assert result.exit_code == 3
+    assert "5 unsupported" in result.output
+
+
+def test_a_reserved_scheduler_not_implemented_exits_3(monkeypatch) -> None:
+    monkeypatch.setitem(__import__("schedspec.reference.scheduler", fromlist=["x"]).NOT_YET_IMPLEMENTED,
+                        "future-engine", "not written yet")
+    result = CliRunner().invoke(cli, ["diff", "--scheduler", "future-engine", "--against", "vllm-v1"])
+    assert result.exit_code == 3
+    assert "not written yet" in result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--scheduler", "nope", "--against", "vllm-v1"], "unknown"),
+        (["--scheduler", "fcfs", "--against", "vllm-v1", "--set", "no_such_field=1"], "no_such_field"),
+        (["--scheduler", "fcfs", "--against", "vllm-v1", "--set", "block_size=0"], "block_size"),
+        (["--scheduler", "fcfs", "--against", "vllm-v1", "--examples", "0"], "--examples"),
+    ],
+)
+def test_bad_input_exits_2(args: list[str], needle: str) -> None:
+    result = CliRunner().invoke(cli, ["diff", *args])
+    assert result.exit_code == 2
+    assert needle in result.output
+    assert "Traceback" not in result.output
+
+
+def test_set_fixes_a_field_in_every_scenario(monkeypatch) -> None:
+    seen = []
+    original = SCHEDULERS["vllm-v1"]
+
+    def recording(config):
+        seen.append(config)
+        return original(config)
+
+    monkeypatch.setitem(SCHEDULERS, "vllm-v1", recording)
+    result = invoke("--scheduler", "vllm-v1", "--against", "vllm-v1", "--examples", "10",
+                    "--set", "enable_chunked_prefill=false")
+    assert result.exit_code == 0, result.output
+    assert seen and all(not c.enable_chunked_prefill for c in seen)
+
+
+class _LiftsThresholdWhenAlone:
+    """An engine adapter (no spec ``state``) that behaves like vLLM: vllm-v1, except that
+    ``long_prefill_token_threshold`` is not applied while only one request is live."""
+
+    def __init__(self, config, expose_state: bool) -> None:
+        self.config = config
+        self.inner = ReferenceScheduler(config, vllm_v1.vllm_v1, "inner", frozenset())
+        self.name = "like-vllm"
+        self.guarantees = frozenset()
+        if expose_state:  # a spec state of its own: a reference scheduler, not an engine adapter
+            self.state = self.inner.state
+        self.expose_state = expose_state
+
+    def add_request(self, request) -> None:
+        self.inner.add_request(request)
+        self._sync()
+
+    def abort_request(self, request_id) -> None:
+        self.inner.abort_request(request_id)
+        self._sync()
+
+    def schedule(self) -> StepPlan:
+        state = self.inner.state
+        if len(state.requests) == 1:
+            return vllm_v1.vllm_v1(state, self.config.with_changes(long_prefill_token_threshold=0))
+        return vllm_v1.vllm_v1(state, self.config)
+
+    def update(self, plan, sampled):
+        finished = self.inner.update(plan, sampled)
+        self._sync()
+        return finished
+
+    def _sync(self) -> None:
+        if self.expose_state:
+            self.state = self.inner.state
+
+
+@pytest.mark.parametrize("expose_state", [False, True], ids=["engine", "reference"])
+def test_documented_vllm_behaviour_is_not_a_failure_only_for_an_engine(monkeypatch, expose_state: bool) -> None:
+    """vLLM lifts the long-prefill threshold for a lone request (its documented behaviour; the spec rule
+    long-prefill-threshold forbids it): from an engine adapter that is a documented difference (exit 0);
+    from a reference scheduler, a finding (exit 1)."""
+    monkeypatch.setitem(SCHEDULERS, "like-vllm", lambda config: _LiftsThresholdWhenAlone(config, expose_state))
+    result = invoke("--scheduler", "like-vllm", "--against", "vllm-v1", "--examples", "20", "--seed", "0",
+                    "--set", "long_prefill_token_threshold=1", "--set", "enable_chunked_prefill=true")
+    if expose_state:
+        assert result.exit_code == 1 and "FINDING like-vllm long-prefill-threshold" in result.output
+    else:
+        assert result.exit_code == 0, result.output
+        assert "documented difference: like-vllm long-prefill-threshold" in result.output
+        assert " 0 documented differences" not in result.output
