@@ -12,8 +12,8 @@ every step of random runs with injected faults), by two means:
 - **``block-conservation`` is screened by a ledger** (block -> owner, the free set, the last free
   queue), which proves the invariant from the previous state's and what changed: every newly owned
   block was free and in range, every released block was owned by the releasing request, the new free
-  queue is the old one less a front part plus appended blocks that were released (or taken from that
-  front part) and are not owned, and ``free + owned == num_kv_blocks``. When the screen cannot prove
+  queue is the old one less a front part, with blocks added in front of it or behind it that were
+  released (or taken from that front part) and are not owned, and ``free + owned == num_kv_blocks``. When the screen cannot prove
   it (a fault, or a free queue rearranged otherwise), the full ``block_conservation`` check runs on
   that state and its answer is returned; the ledger is rebuilt from the state.
 
@@ -55,6 +55,8 @@ class IncrementalChecker:
         self.terminal_ids: set[str] = set()
         self.broken_terminal: dict[str, Request] = {}
         self.pending_terminal: dict[str, Request] = {}
+        self.fallbacks = 0
+        """Steps on which the screen could not prove ``block-conservation`` and the full check ran."""
 
     def _rebuild(self, state: SchedulerState) -> None:
         """The ledger of ``state``, from scratch (O(blocks + live requests))."""
@@ -143,36 +145,43 @@ class IncrementalChecker:
 
         previous, queue = self.queue, state.free_block_ids
         self.queue = queue
-        if queue is not previous:
-            size = len(previous)
-            if not previous:
-                front = 0
-            elif not queue:
-                front = size
-            else:
-                try:
-                    front = previous.index(queue[0])
-                except ValueError:
-                    front = size
-            kept = size - front
-            if kept > len(queue) or queue[:kept] != previous[front:]:
-                ok = False
-            else:
-                removed = set(previous[:front])
-                appended = queue[kept:]
-                if len(set(appended)) != len(appended):
-                    ok = False
-                for block_id in appended:
-                    if block_id in owner or not (block_id in released or block_id in removed):
-                        ok = False
-                        break
-                for block_id in fresh_from_queue:
-                    if block_id not in removed:
-                        ok = False
-                        break
+        if queue is not previous and not self._queue_follows(previous, queue, released, fresh_from_queue):
+            ok = False
         if len(queue) + len(owner) != num_blocks or len(free) != len(queue):
             ok = False
         return ok
+
+    def _queue_follows(self, previous: tuple[int, ...], queue: tuple[int, ...], released: set[int],
+                       fresh_from_queue: list[int]) -> bool:
+        """Whether the new free queue is the old one less a front part, with blocks added in front of it
+        and behind it, every added block released in this step (or taken from that front part and
+        released again) and not owned now, none twice; and every block taken from the old queue taken
+        from that front part. With the old queue equal to the free set, this makes the new one equal to
+        the new free set (the spec adds freed blocks at the front, as vLLM; engines may add them at the
+        back)."""
+        owner = self.owner
+        size, length = len(previous), len(queue)
+        front = 0  # blocks added in front: a leading run of released blocks
+        while front < length and queue[front] in released:
+            front += 1
+        if front < length:
+            try:
+                start = previous.index(queue[front])
+            except ValueError:
+                start = size
+        else:
+            start = size
+        kept = size - start
+        if front + kept > length or queue[front:front + kept] != previous[start:]:
+            return False
+        removed = set(previous[:start])
+        added = queue[:front] + queue[front + kept:]
+        if len(set(added)) != len(added):
+            return False
+        for block_id in added:
+            if block_id in owner or not (block_id in released or block_id in removed):
+                return False
+        return all(block_id in removed for block_id in fresh_from_queue)
 
     def sync(self, before: SchedulerState) -> list[Violation]:
         """Follow the arrivals and aborts applied since the last step and, when the ledger is sound,
@@ -202,6 +211,7 @@ class IncrementalChecker:
                 for rid, r in terminal.items() if r.block_ids
             ]
         else:
+            self.fallbacks += 1
             breaches = list(block_conservation(after, self.config, terminal))
             found += [Violation(NAME, detail, before.step, rid, kind="invariant") for rid, detail in breaches]
             self._rebuild(after)

@@ -76,20 +76,22 @@ def abort_request(state: SchedulerState, request_id: str) -> SchedulerState:
 def stop_reason(request: Request, config: SchedulerConfig) -> tuple[RequestStatus, str] | None:
     """Whether a request with a freshly sampled token stops, and why.
 
-    As vLLM ``vllm/v1/core/sched/utils.py`` ``check_stop``, in this order: ``max_model_len`` total
-    tokens or ``max_tokens`` outputs end it ``FINISHED_LENGTH``; before ``min_tokens`` outputs nothing
-    else stops it; then its EOS id, or one of its ``stop_token_ids``, ends it ``FINISHED_STOPPED``.
+    As vLLM 0.32 ``vllm/v1/core/sched/utils.py`` ``check_stop``, in this order: its EOS id, or one of
+    its ``stop_token_ids``, ends it ``FINISHED_STOPPED`` (``stop``), so an EOS sampled as the last
+    allowed token is a stop; then ``max_model_len`` total tokens or ``max_tokens`` outputs end it
+    ``FINISHED_LENGTH`` (``max_model_len``, ``length``). ``min_tokens``: vLLM's sampler never samples
+    EOS or a stop id before ``min_tokens`` outputs (its min-tokens logits processor), so the spec does
+    not stop on one sampled earlier.
     """
+    outputs = request.output_token_ids
+    last = outputs[-1]
+    if len(outputs) >= request.min_tokens and (
+            (request.eos_token_id is not None and last == request.eos_token_id) or last in request.stop_token_ids):
+        return RequestStatus.FINISHED_STOPPED, "stop"
     if request.num_tokens >= config.max_model_len:
         return RequestStatus.FINISHED_LENGTH, "max_model_len"
-    outputs = request.output_token_ids
     if len(outputs) >= request.max_tokens:
         return RequestStatus.FINISHED_LENGTH, "length"
-    if len(outputs) < request.min_tokens:
-        return None
-    last = outputs[-1]
-    if (request.eos_token_id is not None and last == request.eos_token_id) or last in request.stop_token_ids:
-        return RequestStatus.FINISHED_STOPPED, "stop"
     return None
 
 

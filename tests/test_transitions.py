@@ -209,20 +209,36 @@ def test_eos_stops_with_reason_stop() -> None:
     assert done.output_token_ids == (7, EOS)
 
 
-def test_max_model_len_stop_comes_before_eos_and_max_tokens() -> None:
-    # Prompt 10 + 2 outputs = 12 = max_model_len; the 2nd output is also EOS and the max_tokens-th.
+def test_eos_stop_comes_before_max_model_len_and_max_tokens() -> None:
+    # vLLM 0.32 vllm/v1/core/sched/utils.py check_stop tests EOS and stop ids before the length limits.
+    # Prompt 10 + 2 outputs = 12 = max_model_len; the 2nd output is EOS and the max_tokens-th: "stop".
     a = running("a", 10, (7,), (0, 1, 2), max_tokens=2)
     state = state_with([a], free=(3, 4, 5, 6, 7))
     done = apply_plan(state, StepPlan(scheduled=(ScheduledRequest("a", 10, 1),)), {"a": EOS}, CONFIG).state.finished["a"]
-    assert (done.status, done.finish_reason) == (RequestStatus.FINISHED_LENGTH, "max_model_len")
+    assert (done.status, done.finish_reason) == (RequestStatus.FINISHED_STOPPED, "stop")
+    # Any other token there ends it on length (max_model_len is checked before max_tokens).
+    other = apply_plan(state, StepPlan(scheduled=(ScheduledRequest("a", 10, 1),)), {"a": 9}, CONFIG).state.finished["a"]
+    assert (other.status, other.finish_reason) == (RequestStatus.FINISHED_LENGTH, "max_model_len")
 
 
-def test_max_tokens_stop_comes_before_eos() -> None:
-    # vLLM check_stop: the length check runs first, so an EOS as the max_tokens-th output is "length".
+def test_eos_as_the_last_allowed_output_is_a_stop() -> None:
     a = running("a", 3, (7,), (0,), max_tokens=2)
     state = state_with([a], free=(1, 2, 3, 4, 5, 6, 7))
     done = apply_plan(state, StepPlan(scheduled=(ScheduledRequest("a", 3, 1),)), {"a": EOS}, CONFIG).state.finished["a"]
-    assert (done.status, done.finish_reason) == (RequestStatus.FINISHED_LENGTH, "length")
+    assert (done.status, done.finish_reason) == (RequestStatus.FINISHED_STOPPED, "stop")
+
+
+def test_stop_ids_and_min_tokens() -> None:
+    def after(outputs: tuple[int, ...], **fields) -> tuple | None:
+        return stop_reason(Request("r", 0, (1, 2, 3), max_tokens=10, eos_token_id=EOS, output_token_ids=outputs,
+                                   **fields), CONFIG)
+
+    assert after((5, 42), stop_token_ids=(42,)) == (RequestStatus.FINISHED_STOPPED, "stop")
+    assert after((5, 43), stop_token_ids=(42,)) is None
+    # Before min_tokens outputs neither EOS nor a stop id stops it (vLLM's sampler never samples them).
+    assert after((5, EOS), min_tokens=3) is None
+    assert after((5, 42), min_tokens=3, stop_token_ids=(42,)) is None
+    assert after((5, 6, EOS), min_tokens=3) == (RequestStatus.FINISHED_STOPPED, "stop")
 
 
 def test_stop_reason_directly() -> None:
