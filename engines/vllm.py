@@ -55,7 +55,14 @@ raises :class:`EngineUnavailable` (an ``UnsupportedFeature``: CLI exit 3) saying
   (the spec's step is plan, run, update); mapping its optimistic ``num_computed_tokens`` (which counts
   ``num_output_placeholders``) onto the spec is left open. ``async_scheduling=True`` raises
   ``UnsupportedFeature``.
-- Prefix caching on raises ``UnsupportedFeature`` (CLI exit 3).
+- Prefix caching on raises ``UnsupportedFeature`` (CLI exit 3); so does a config vLLM's own config
+  classes refuse (the message is vLLM's). A ``long_prefill_token_threshold`` above ``max_model_len``
+  (vLLM refuses it) is passed as 0: no chunk is longer than ``max_model_len``, so it caps nothing.
+- *Documented differences* (vLLM's choice, not faults): vLLM lifts ``long_prefill_token_threshold``
+  when only one request is running or waiting ("nobody to starve", ``Scheduler.schedule`` and the
+  field's docstring in ``vllm/config/scheduler.py``), which breaks the spec's rule
+  ``long-prefill-threshold``; and the input processor's refusal of a prompt of exactly
+  ``max_model_len`` tokens (above). :func:`known_divergence` recognises the first.
 
 ``guarantees`` is empty: vLLM promises none of the spec's trace properties (it breaks
 ``rejects-impossible`` and, with an impossible request, ``progress``; see ``docs/findings``).
@@ -75,7 +82,8 @@ from typing import IO, Any
 from schedspec.reference.scheduler import EngineView, UnsupportedFeature
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.request import Request
-from schedspec.spec.state import ScheduledRequest, StepPlan
+from schedspec.spec.rules import Violation
+from schedspec.spec.state import ScheduledRequest, SchedulerState, StepPlan
 from schedspec.spec.workload import DEFAULT_VOCAB_SIZE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -242,10 +250,17 @@ class VllmScheduler:
         self.worker = _worker(vllm_python())
         self.handle = self.worker.next_handle
         self.worker.next_handle += 1
+        settings = config.to_dict()
+        if settings["long_prefill_token_threshold"] > config.max_model_len:
+            # vLLM refuses a threshold above max_model_len; no chunk can be longer than max_model_len,
+            # so such a threshold caps nothing, like 0 (vllm/config/scheduler.py verify_max_model_len).
+            settings["long_prefill_token_threshold"] = 0
         reply = self.worker.call({
-            "op": "init", "handle": self.handle, "config": config.to_dict(), "policy": policy,
+            "op": "init", "handle": self.handle, "config": settings, "policy": policy,
             "async_scheduling": False, "vocab_size": DEFAULT_VOCAB_SIZE,
         })
+        if "refused" in reply:
+            raise UnsupportedFeature(f"scheduler {self.name!r}: vLLM refuses this config: {reply['refused']}")
         self.vllm_version: str = reply["vllm_version"]
         self.refused: dict[str, str] = {}  # refused by the input processor, reported in the next plan
         self.refused_requests: dict[str, Request] = {}
@@ -338,6 +353,16 @@ class VllmScheduler:
             self.close()
         except Exception:  # noqa: BLE001  (never raise from a finalizer)
             pass
+
+
+def known_divergence(state: SchedulerState, plan: StepPlan, violation: Violation) -> bool:
+    """Whether ``violation`` (of ``plan`` from the spec state ``state``) is vLLM's documented lifting of
+    ``long_prefill_token_threshold`` for a lone request: a ``long-prefill-threshold`` violation in a step
+    where vLLM's scheduler holds at most one request (``Scheduler.get_request_counts``; the spec state
+    also holds the input processor's refusals, which this plan rejects and vLLM never saw)."""
+    if violation.name != "long-prefill-threshold":
+        return False
+    return len(state.requests) - len(plan.rejected) <= 1
 
 
 def fcfs(config: SchedulerConfig) -> VllmScheduler:

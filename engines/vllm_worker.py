@@ -72,6 +72,10 @@ TINY_LLAMA = {
 length limits and whether it is a plain decoder (no multimodal, no mamba, no sliding window)."""
 
 
+class ConfigRefused(Exception):
+    """vLLM's config classes refuse the configuration (the message is vLLM's)."""
+
+
 class Worker:
     """One vLLM scheduler and the bookkeeping to answer the commands (module docstring)."""
 
@@ -90,33 +94,32 @@ class Worker:
         model = dict(TINY_LLAMA, vocab_size=vocab_size, max_position_embeddings=max(max_model_len, 2048))
         with open(os.path.join(self.model_dir.name, "config.json"), "w") as handle:
             json.dump(model, handle)
-
-        model_config = ModelConfig(
-            model=self.model_dir.name,
-            tokenizer=self.model_dir.name,
-            skip_tokenizer_init=True,
-            max_model_len=max_model_len,
-            dtype="float32",
-            seed=0,
-        )
-        scheduler_config = SchedulerConfig(
-            max_num_seqs=config["max_num_seqs"],
-            max_num_batched_tokens=config["max_num_batched_tokens"],
-            max_model_len=max_model_len,
-            enable_chunked_prefill=config["enable_chunked_prefill"],
-            long_prefill_token_threshold=config["long_prefill_token_threshold"],
-            policy=policy,
-            async_scheduling=async_scheduling,
-            is_encoder_decoder=False,
-        )
-        cache_config = CacheConfig(
-            block_size=self.block_size,
-            enable_prefix_caching=False,
-        )
-        cache_config.num_gpu_blocks = self.num_kv_blocks + 1
-        vllm_config = VllmConfig(
-            model_config=model_config, scheduler_config=scheduler_config, cache_config=cache_config
-        )
+        try:
+            model_config = ModelConfig(
+                model=self.model_dir.name,
+                tokenizer=self.model_dir.name,
+                skip_tokenizer_init=True,
+                max_model_len=max_model_len,
+                dtype="float32",
+                seed=0,
+            )
+            scheduler_config = SchedulerConfig(
+                max_num_seqs=config["max_num_seqs"],
+                max_num_batched_tokens=config["max_num_batched_tokens"],
+                max_model_len=max_model_len,
+                enable_chunked_prefill=config["enable_chunked_prefill"],
+                long_prefill_token_threshold=config["long_prefill_token_threshold"],
+                policy=policy,
+                async_scheduling=async_scheduling,
+                is_encoder_decoder=False,
+            )
+            cache_config = CacheConfig(block_size=self.block_size, enable_prefix_caching=False)
+            cache_config.num_gpu_blocks = self.num_kv_blocks + 1
+            vllm_config = VllmConfig(
+                model_config=model_config, scheduler_config=scheduler_config, cache_config=cache_config
+            )
+        except Exception as error:  # noqa: BLE001  (vLLM validates with pydantic and ValueError)
+            raise ConfigRefused(f"{type(error).__name__}: {error}") from None
         kv_cache_config = KVCacheConfig(
             num_blocks=self.num_kv_blocks + 1,
             kv_cache_tensors=[],
@@ -130,7 +133,6 @@ class Worker:
             ],
         )
         scheduler_class = AsyncScheduler if async_scheduling else Scheduler
-
         worker = self
 
         class RecordingScheduler(scheduler_class):  # type: ignore[misc, valid-type]
@@ -148,7 +150,6 @@ class Worker:
             block_size=self.block_size,
             log_stats=False,
         )
-        self.async_scheduling = async_scheduling
         self.preempted: list[str] = []
         self.output = None  # the SchedulerOutput of the step planned and not yet updated
 
@@ -288,6 +289,9 @@ def main() -> None:
                 result = getattr(workers[handle], op)(message)
             else:
                 raise RuntimeError(f"unknown op {op!r}")
+        except ConfigRefused as error:
+            reply({"refused": str(error)})
+            continue
         except Exception:  # noqa: BLE001  (every failure goes back to the adapter as text)
             text = traceback.format_exc()
             if replies:

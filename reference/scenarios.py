@@ -17,6 +17,7 @@ import attrs
 
 from schedspec.spec.config import ConfigError, SchedulerConfig
 from schedspec.spec.properties import PROPERTIES
+from schedspec.spec.rules import RULES
 from schedspec.spec.workload import RequestSpec
 
 from .engine import Engine, RunResult
@@ -53,6 +54,7 @@ class Scenario:
     expect: dict[str, Any]
     scheduler: str | None
     path: str
+    max_steps: int | None = None
 
 
 def _int(value: Any, where: str, minimum: int = 0) -> int:
@@ -120,13 +122,20 @@ def parse_scenario(data: Any, path: str = "<scenario>") -> Scenario:
     for request_id in expect.get("first_token_by_step", {}):
         if request_id not in seen:
             raise ScenarioError(f"{path}: expect.first_token_by_step: unknown request {request_id!r}")
-    if "demonstrates" in expect and expect["demonstrates"] not in PROPERTIES:
-        raise ScenarioError(
-            f"{path}: expect.demonstrates: unknown property {expect['demonstrates']!r} (known: {sorted(PROPERTIES)})"
-        )
+    if "demonstrates" in expect:
+        named = expect["demonstrates"]
+        names = named if isinstance(named, list) else [named]
+        known = set(PROPERTIES) | {r.name for r in RULES}
+        if not names or any(not isinstance(n, str) or n not in known for n in names):
+            raise ScenarioError(
+                f"{path}: expect.demonstrates: {named!r} is not a property or rule name or a list of them "
+                f"(properties: {sorted(PROPERTIES)}; rules: {sorted(r.name for r in RULES)})"
+            )
+    max_steps = _int(data["max_steps"], f"{path}: max_steps", 1) if "max_steps" in data else None
     return Scenario(
         name=str(data["name"]), about=str(data.get("about", "")), config=config, policy=policy,
         requests=tuple(requests), expect=expect, scheduler=data.get("scheduler"), path=path,
+        max_steps=max_steps,
     )
 
 
@@ -186,6 +195,8 @@ def _run(scenario: Scenario, scheduler_name: str, config: SchedulerConfig, reque
     engine = Engine(scheduler, config, token_source=token_source, properties=properties, watch=watch)
     limit = scenario.expect.get("all_terminal_by_step")
     max_steps = DEFAULT_MAX_STEPS if limit is None else max(limit + 1, 1) * 4 + 100
+    if scenario.max_steps is not None:
+        max_steps = scenario.max_steps
     return engine.run(requests, mode="steps", max_steps=max_steps)
 
 
@@ -225,21 +236,25 @@ def replay(scenario: Scenario, scheduler_name: str | None = None,
         verdicts.append(Verdict("config_error", False, "config was accepted but must be refused"))
         return ReplayResult(scenario, name, tuple(verdicts), None)
 
-    demonstrates = expect.get("demonstrates")
-    run = _run(scenario, name, config, scenario.requests, watch=(demonstrates,) if demonstrates else (),
-               token_source_factory=token_source_factory)
+    named = expect.get("demonstrates")
+    demonstrates = tuple(named if isinstance(named, list) else [named] if named else [])
+    watch = tuple(n for n in demonstrates if n in PROPERTIES)
+    run = _run(scenario, name, config, scenario.requests, watch=watch, token_source_factory=token_source_factory)
     state = run.state
-    violations = [v for v in run.violations if v.name != demonstrates]
+    violations = [v for v in run.violations if v.name not in demonstrates]
     verdicts.append(Verdict(
         "invariants", not violations,
         f"{run.num_steps_checked} steps checked, no violation" if not violations
         else "; ".join(str(v) for v in violations[:3]),
     ))
-    if demonstrates:
-        seen = run.property_violations.get(demonstrates, [])
+    for demonstrated in demonstrates:
+        if demonstrated in PROPERTIES:
+            seen = run.property_violations.get(demonstrated, [])
+        else:
+            seen = [v for v in run.violations if v.name == demonstrated]
         verdicts.append(Verdict(
-            "demonstrates", bool(seen),
-            f"{demonstrates} fails as expected: {seen[0]}" if seen else f"{demonstrates} held on every step",
+            "demonstrates" if len(demonstrates) == 1 else f"demonstrates({demonstrated})", bool(seen),
+            f"{demonstrated} fails as expected: {seen[0]}" if seen else f"{demonstrated} held on every step",
         ))
 
     def request(request_id: str):
