@@ -353,3 +353,22 @@ def test_finding_cases_name_vllm() -> None:
     for stem in FINDINGS:
         data = json.loads(CASES[stem].read_text())
         assert data["scheduler"].startswith("vllm") and data["expect"]
+
+
+def test_lab_runs_vllm_under_kv_pressure_with_every_step_checked() -> None:
+    """``schedspec lab`` on a real-trace window (the first 120 Azure requests, compressed in time) with a
+    small cache, so that vLLM preempts: every step checked, no violation, every request finished."""
+    from click.testing import CliRunner
+
+    from schedspec.cli import cli
+
+    result = CliRunner().invoke(cli, [
+        "lab", "--compare", "fcfs,vllm", "--max-requests", "120", "--time-scale", "0.05",
+        "--set", "max_num_seqs=16", "--set", "num_kv_blocks=400", "--json",
+    ], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    by_name = {s["name"]: s for s in json.loads(result.stdout)}
+    vllm = by_name["vllm"]
+    assert vllm["checks"]["violations"] == 0 and vllm["checks"]["steps_checked"] == vllm["steps"] > 0
+    assert vllm["requests"]["finished"] == 120
+    assert vllm["efficiency"]["preemptions"] > 0
