@@ -17,8 +17,8 @@ These tests are never skipped for a missing engine: ``scripts/test.sh`` installs
 the suite on a machine without it, deselect them: ``pytest --deselect tests/test_engine_vllm.py`` or
 ``-k 'not vllm'``.
 
-Cost (HYPOTHESIS_PROFILE=ci, 2-core machine): see ``docs/testing.md``; the worker process starts once
-per test session (importing vLLM takes 10-30 s).
+Cost (HYPOTHESIS_PROFILE=ci, shared 2-core machine): about a minute for this file, of which 10-30 s is
+the worker's one import of vLLM per test session; see ``docs/engines.md``.
 """
 
 from __future__ import annotations
