@@ -50,11 +50,22 @@ raises :class:`EngineUnavailable` (an ``UnsupportedFeature``: CLI exit 3) saying
 - *Policies*: ``vllm`` is vLLM's ``policy="fcfs"``, ``vllm-priority`` its ``policy="priority"``
   (``vllm/v1/core/sched/request_queue.py``); a scenario's ``config.policy`` does not reach a factory,
   so the two are separate registry names.
-- *Async scheduling* (``AsyncScheduler``, ``vllm/v1/core/sched/async_scheduler.py``) is not offered:
-  it plans step n+1 before step n's tokens arrive, so its plans are not plans of the spec's state
-  (the spec's step is plan, run, update); mapping its optimistic ``num_computed_tokens`` (which counts
-  ``num_output_placeholders``) onto the spec is left open. ``async_scheduling=True`` raises
-  ``UnsupportedFeature``.
+- *Async scheduling* (``vllm-async``, ``vllm-priority-async``: :class:`VllmAsyncScheduler`, vLLM's
+  ``AsyncScheduler``, ``vllm/v1/core/sched/async_scheduler.py``). The engine core keeps two batches in
+  flight (``EngineCore.step_with_batch_queue``): it plans step n+1, then processes step n's output. The
+  adapter calls vLLM in that order: its ``update`` for step n first runs ``schedule()`` for step n+1,
+  then ``update_from_output`` for step n, and the next ``schedule`` returns that prepared plan. How the
+  optimistic state maps onto the spec: when vLLM plans step n+1 it has already advanced
+  ``num_computed_tokens`` by step n's tokens (``_update_after_schedule``) and counts the token step n
+  will sample as an output placeholder (``num_output_placeholders``), so a decode of step n+1 starts at
+  exactly the position the spec's state after step n has computed: its ``num_computed_tokens`` is the
+  spec's. What vLLM cannot know is which requests step n ends (end-of-sequence, or a length it did not
+  foresee) and which the client aborts before step n+1: it plans them anyway, and the engine throws
+  their work away (``update_from_output`` skips requests it no longer holds; their blocks are freed
+  with the request). The adapter drops those items, and preemptions of such requests, from the plan it
+  returns (counted in ``num_dropped``); the rest is the plan as vLLM made it. Arrivals added after step
+  n's ``update`` reach vLLM one step later than in synchronous mode, as in the engine. The async adapter
+  has no ``engine_view``: between steps vLLM's state already holds step n+1's allocations.
 - Prefix caching on raises ``UnsupportedFeature`` (CLI exit 3); so does a config vLLM's own config
   classes refuse (the message is vLLM's). A ``long_prefill_token_threshold`` above ``max_model_len``
   (vLLM refuses it) is passed as 0: no chunk is longer than ``max_model_len``, so it caps nothing.
@@ -62,7 +73,7 @@ raises :class:`EngineUnavailable` (an ``UnsupportedFeature``: CLI exit 3) saying
   when only one request is running or waiting ("nobody to starve", ``Scheduler.schedule`` and the
   field's docstring in ``vllm/config/scheduler.py``), which breaks the spec's rule
   ``long-prefill-threshold``; and the input processor's refusal of a prompt of exactly
-  ``max_model_len`` tokens (above). :func:`known_divergence` recognises the first.
+  ``max_model_len`` tokens (above). :meth:`VllmScheduler.is_known_divergence` recognises the first.
 
 ``guarantees`` is empty: vLLM promises none of the spec's trace properties (it breaks
 ``rejects-impossible`` and, with an impossible request, ``progress``; see ``docs/findings``).
@@ -83,7 +94,7 @@ from schedspec.reference.scheduler import EngineView, UnsupportedFeature
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.request import Request
 from schedspec.spec.rules import Violation
-from schedspec.spec.state import ScheduledRequest, SchedulerState, StepPlan
+from schedspec.spec.state import ScheduledRequest, StepPlan
 from schedspec.spec.workload import DEFAULT_VOCAB_SIZE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -216,36 +227,21 @@ def input_processor_rejection(request: Request, config: SchedulerConfig) -> str 
     return None
 
 
-class VllmScheduler:
-    """vLLM V1's scheduler as a :class:`~schedspec.reference.scheduler.Scheduler` (module docstring).
-
-    Args:
-        config: the limits; every field maps onto vLLM's ``SchedulerConfig``/``CacheConfig``/
-            ``ModelConfig`` of the same name (``num_kv_blocks`` onto ``num_gpu_blocks`` plus the null
-            block).
-        policy: ``"fcfs"`` or ``"priority"`` (vLLM ``SchedulerConfig.policy``).
-        async_scheduling: must be false (module docstring).
-
-    Raises:
-        UnsupportedFeature: prefix caching on, async scheduling asked for, or an unknown policy.
-        EngineUnavailable: no vLLM environment (how to install it is in the message).
-        EngineError: the worker failed to build vLLM's scheduler.
-    """
+class _VllmAdapter:
+    """What the synchronous and the asynchronous adapter share (module docstring); not registered."""
 
     state = None
+    async_scheduling = False
 
-    def __init__(self, config: SchedulerConfig, policy: str = "fcfs", async_scheduling: bool = False) -> None:
+    def __init__(self, config: SchedulerConfig, policy: str = "fcfs") -> None:
+        self.name = "vllm" + ("" if policy == "fcfs" else f"-{policy}") + ("-async" if self.async_scheduling else "")
         if config.enable_prefix_caching:
-            raise UnsupportedFeature("scheduler 'vllm': prefix caching is not mapped onto the spec yet "
+            raise UnsupportedFeature(f"scheduler {self.name!r}: prefix caching is not mapped onto the spec yet "
                                      "(enable_prefix_caching=true)")
-        if async_scheduling:
-            raise UnsupportedFeature("scheduler 'vllm': async scheduling (AsyncScheduler) is not mapped onto "
-                                     "the spec (see schedspec.engines.vllm)")
         if policy not in POLICIES:
-            raise UnsupportedFeature(f"scheduler 'vllm': policy {policy!r} (vLLM has {list(POLICIES)})")
+            raise UnsupportedFeature(f"scheduler {self.name!r}: policy {policy!r} (vLLM has {list(POLICIES)})")
         self.config = config
         self.policy = policy
-        self.name = "vllm" if policy == "fcfs" else f"vllm-{policy}"
         self.guarantees: frozenset[str] = frozenset()
         self.worker = _worker(vllm_python())
         self.handle = self.worker.next_handle
@@ -257,14 +253,18 @@ class VllmScheduler:
             settings["long_prefill_token_threshold"] = 0
         reply = self.worker.call({
             "op": "init", "handle": self.handle, "config": settings, "policy": policy,
-            "async_scheduling": False, "vocab_size": DEFAULT_VOCAB_SIZE,
+            "async_scheduling": self.async_scheduling, "vocab_size": DEFAULT_VOCAB_SIZE,
         })
         if "refused" in reply:
             raise UnsupportedFeature(f"scheduler {self.name!r}: vLLM refuses this config: {reply['refused']}")
         self.vllm_version: str = reply["vllm_version"]
         self.refused: dict[str, str] = {}  # refused by the input processor, reported in the next plan
         self.refused_requests: dict[str, Request] = {}
+        self.live: set[str] = set()  # ids given to vLLM that have not ended (as the spec sees them)
         self.plan: StepPlan | None = None
+        self.prepared: dict[str, Any] | None = None  # async: the next step, planned before this one's update
+        self.num_dropped = 0  # async: plan items dropped because their request ended meanwhile
+        self.plan_num_requests = 0  # requests vLLM held when it planned the current plan
         self.closed = False
 
     def _send(self, message: dict[str, Any]) -> None:
@@ -280,6 +280,7 @@ class VllmScheduler:
             self.refused[request.request_id] = reason
             self.refused_requests[request.request_id] = request
             return
+        self.live.add(request.request_id)
         self._send({
             "op": "add", "id": request.request_id,
             "prompt": request.token_ids(0, request.prompt_len).tolist(),
@@ -293,23 +294,40 @@ class VllmScheduler:
         if self.refused.pop(request_id, None) is not None:
             self.refused_requests.pop(request_id, None)
             return
+        self.live.discard(request_id)
         self._send({"op": "abort", "id": request_id})
 
     def schedule(self) -> StepPlan:
-        """vLLM's ``Scheduler.schedule()`` as a plan (module docstring); the same plan until ``update``."""
+        """vLLM's ``Scheduler.schedule()`` as a plan (module docstring); the same plan until ``update``.
+        With async scheduling, the plan vLLM made during the previous ``update``, less its items for
+        requests that ended or were aborted since (their work is wasted, counted in ``num_dropped``)."""
         if self.plan is None:
-            reply = self._call({"op": "schedule"})
-            scheduled = tuple(
-                ScheduledRequest(request_id, computed, count, tuple(b - 1 for b in blocks))
-                for request_id, computed, count, blocks in reply["scheduled"]
-            )
-            self.plan = StepPlan(scheduled=scheduled, preempted=tuple(reply["preempted"]),
+            reply, self.prepared = self.prepared or self._call({"op": "schedule"}), None
+            scheduled = []
+            for request_id, computed, count, blocks in reply["scheduled"]:
+                if request_id in self.live:
+                    scheduled.append(ScheduledRequest(request_id, computed, count, tuple(b - 1 for b in blocks)))
+                else:
+                    self.num_dropped += 1
+            preempted = tuple(r for r in reply["preempted"] if r in self.live)
+            if not self.async_scheduling and (len(scheduled) < len(reply["scheduled"])
+                                              or len(preempted) < len(reply["preempted"])):
+                raise EngineError(f"vLLM planned requests that are not live: {reply}")
+            self.plan = StepPlan(scheduled=tuple(scheduled), preempted=preempted,
                                  rejected=tuple(self.refused.items()))
+            self.plan_num_requests = reply["num_requests"]
         return self.plan
+
+    def is_known_divergence(self, violation: Violation) -> bool:
+        """Whether ``violation`` (of the plan ``schedule`` returned) is vLLM's documented lifting of
+        ``long_prefill_token_threshold`` for a lone request: a ``long-prefill-threshold`` violation in a
+        step vLLM planned while holding at most one request (running or waiting;
+        ``Scheduler.get_request_counts``, read at the start of ``Scheduler.schedule``)."""
+        return violation.name == "long-prefill-threshold" and self.plan_num_requests <= 1
 
     def update(self, plan: StepPlan, sampled_token_ids: Mapping[str, int]) -> tuple[str, ...]:
         """Feed the sampled tokens to ``Scheduler.update_from_output``; the ids that finished (stop or
-        length) in this step.
+        length) in this step. With async scheduling, vLLM plans the next step first (module docstring).
 
         Raises:
             ValueError: ``plan`` is not the plan ``schedule`` returned.
@@ -321,9 +339,41 @@ class VllmScheduler:
             self.refused_requests.pop(request_id, None)
         scheduled = {item.request_id for item in plan.scheduled}
         sampled = {r: int(t) for r, t in sampled_token_ids.items() if r in scheduled}
+        if self.async_scheduling:
+            self.prepared = self._call({"op": "schedule"})
         reply = self._call({"op": "update", "sampled": sampled})
         self.plan = None
-        return tuple(request_id for request_id, _ in reply["finished"])
+        finished = tuple(request_id for request_id, _ in reply["finished"])
+        self.live.difference_update(finished)
+        return finished
+
+    def close(self) -> None:
+        """Drop vLLM's scheduler in the worker (the worker process stays for the next adapter)."""
+        if not self.closed and self.worker.alive():
+            self.closed = True
+            self._send({"op": "close"})
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001  (never raise from a finalizer)
+            pass
+
+
+class VllmScheduler(_VllmAdapter):
+    """vLLM V1's ``Scheduler`` as a :class:`~schedspec.reference.scheduler.Scheduler` (module docstring).
+
+    Args:
+        config: the limits; every field maps onto vLLM's ``SchedulerConfig``/``CacheConfig``/
+            ``ModelConfig`` of the same name (``num_kv_blocks`` onto ``num_gpu_blocks`` plus the null
+            block).
+        policy: ``"fcfs"`` or ``"priority"`` (vLLM ``SchedulerConfig.policy``).
+
+    Raises:
+        UnsupportedFeature: prefix caching on, an unknown policy, or a config vLLM refuses.
+        EngineUnavailable: no vLLM environment (how to install it is in the message).
+        EngineError: the worker failed.
+    """
 
     def engine_view(self) -> EngineView:
         """vLLM's own bookkeeping in spec terms: the block pool's free count
@@ -342,27 +392,16 @@ class VllmScheduler:
             num_computed_tokens=computed,
         )
 
-    def close(self) -> None:
-        """Drop vLLM's scheduler in the worker (the worker process stays for the next adapter)."""
-        if not self.closed and self.worker.alive():
-            self.closed = True
-            self._send({"op": "close"})
 
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001  (never raise from a finalizer)
-            pass
+class VllmAsyncScheduler(_VllmAdapter):
+    """vLLM V1's ``AsyncScheduler`` (``vllm/v1/core/sched/async_scheduler.py``) driven as the engine
+    core drives it with two batches in flight (``EngineCore.step_with_batch_queue``): step n+1 is
+    planned before step n's sampled tokens reach the scheduler (module docstring, *Async scheduling*).
+    Same arguments and errors as :class:`VllmScheduler`. It has no ``engine_view``: between steps
+    vLLM's state already holds the next step's allocations and optimistic counts.
+    """
 
-
-def known_divergence(state: SchedulerState, plan: StepPlan, violation: Violation) -> bool:
-    """Whether ``violation`` (of ``plan`` from the spec state ``state``) is vLLM's documented lifting of
-    ``long_prefill_token_threshold`` for a lone request: a ``long-prefill-threshold`` violation in a step
-    where vLLM's scheduler holds at most one request (``Scheduler.get_request_counts``; the spec state
-    also holds the input processor's refusals, which this plan rejects and vLLM never saw)."""
-    if violation.name != "long-prefill-threshold":
-        return False
-    return len(state.requests) - len(plan.rejected) <= 1
+    async_scheduling = True
 
 
 def fcfs(config: SchedulerConfig) -> VllmScheduler:
@@ -373,3 +412,13 @@ def fcfs(config: SchedulerConfig) -> VllmScheduler:
 def priority(config: SchedulerConfig) -> VllmScheduler:
     """vLLM V1's scheduler with ``policy="priority"`` (registry name ``vllm-priority``)."""
     return VllmScheduler(config, "priority")
+
+
+def fcfs_async(config: SchedulerConfig) -> VllmAsyncScheduler:
+    """vLLM V1's ``AsyncScheduler`` with ``policy="fcfs"`` (registry name ``vllm-async``)."""
+    return VllmAsyncScheduler(config, "fcfs")
+
+
+def priority_async(config: SchedulerConfig) -> VllmAsyncScheduler:
+    """vLLM V1's ``AsyncScheduler`` with ``policy="priority"`` (registry name ``vllm-priority-async``)."""
+    return VllmAsyncScheduler(config, "priority")

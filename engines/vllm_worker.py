@@ -14,8 +14,10 @@ Commands (``op``):
 - ``add`` ``{id, prompt, max_tokens, priority, arrival_time, eos}``: no reply.
 - ``abort`` ``{id}``: ``Scheduler.finish_requests(id, RequestStatus.FINISHED_ABORTED)``; no reply.
 - ``schedule``: ``Scheduler.schedule()``; reply ``{"scheduled": [[id, num_computed_tokens,
-  num_scheduled_tokens, new_block_ids], ...], "preempted": [id, ...]}`` in vLLM's numbering.
-- ``update`` ``{sampled}``: ``Scheduler.update_from_output`` with a ``ModelRunnerOutput`` holding the
+  num_scheduled_tokens, new_block_ids], ...], "preempted": [id, ...], "num_requests": n}`` in vLLM's
+  numbering, ``n`` the running and waiting requests the scheduler held when it began.
+- ``update`` ``{sampled}``: ``Scheduler.update_from_output`` of the oldest step in flight (with
+  ``AsyncScheduler`` two steps may be in flight) with a ``ModelRunnerOutput`` holding the
   sampled token of every request that samples (an empty list for a request inside a prefill chunk);
   reply ``{"finished": [[id, status], ...]}``.
 - ``close``: drop the scheduler; no reply.
@@ -44,6 +46,7 @@ import os
 import sys
 import tempfile
 import traceback
+from collections import deque
 
 # This file sits beside the adapter ``vllm.py``; as a script its folder is sys.path[0], where
 # ``import vllm`` would find the adapter instead of the engine.
@@ -151,7 +154,10 @@ class Worker:
             log_stats=False,
         )
         self.preempted: list[str] = []
-        self.output = None  # the SchedulerOutput of the step planned and not yet updated
+        self.async_scheduling = async_scheduling
+        # SchedulerOutputs planned and not yet updated, oldest first: at most one for the Scheduler, two
+        # for the AsyncScheduler (step n+1 is planned before step n's output is processed).
+        self.in_flight: deque = deque()
 
     # ------------------------------------------------------------------------------ commands
     def add(self, message: dict) -> None:
@@ -179,11 +185,12 @@ class Worker:
         self.scheduler.finish_requests(message["id"], RequestStatus.FINISHED_ABORTED)
 
     def schedule(self, message: dict) -> dict:
-        if self.output is not None:
-            raise RuntimeError("schedule twice without update")
+        if len(self.in_flight) >= (2 if self.async_scheduling else 1):
+            raise RuntimeError(f"schedule with {len(self.in_flight)} steps in flight")
         self.preempted = []
+        num_running, num_waiting = self.scheduler.get_request_counts()  # what schedule() reads first
         output = self.scheduler.schedule()
-        self.output = output
+        self.in_flight.append(output)
         blocks: dict[str, list[int]] = {}
         computed: dict[str, int] = {}
         for new in output.scheduled_new_reqs:
@@ -200,15 +207,14 @@ class Worker:
         ]
         if set(self.preempted) != set(output.preempted_req_ids):
             raise RuntimeError(f"recorded preemptions {self.preempted} != {sorted(output.preempted_req_ids)}")
-        return {"scheduled": scheduled, "preempted": list(self.preempted)}
+        return {"scheduled": scheduled, "preempted": list(self.preempted), "num_requests": num_running + num_waiting}
 
     def update(self, message: dict) -> dict:
         from vllm.v1.outputs import ModelRunnerOutput
 
-        output = self.output
-        if output is None:
+        if not self.in_flight:
             raise RuntimeError("update without schedule")
-        self.output = None
+        output = self.in_flight.popleft()
         sampled = message["sampled"]
         request_ids = list(output.num_scheduled_tokens)
         runner_output = ModelRunnerOutput(

@@ -176,6 +176,8 @@ NOT_YET_IMPLEMENTED: dict[str, str] = {
 ENGINE_ADAPTERS: dict[str, str] = {
     "vllm": "schedspec.engines.vllm:fcfs",
     "vllm-priority": "schedspec.engines.vllm:priority",
+    "vllm-async": "schedspec.engines.vllm:fcfs_async",
+    "vllm-priority-async": "schedspec.engines.vllm:priority_async",
 }
 """Adapters of real engines' schedulers by ``--scheduler`` name, as ``module:factory``. They live in
 ``schedspec.engines``, which ``reference`` must not import (``tests/test_layering.py``), so the module is

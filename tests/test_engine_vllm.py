@@ -36,9 +36,9 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from schedspec.engines.vllm import (
     EngineUnavailable,
+    VllmAsyncScheduler,
     VllmScheduler,
     input_processor_rejection,
-    known_divergence,
 )
 from schedspec.reference.engine import Engine
 from schedspec.reference.scenarios import bundled_scenarios, load_scenario, replay
@@ -258,13 +258,11 @@ def test_abort_frees_the_blocks_and_leaves_the_queues() -> None:
     assert "a" not in view.num_computed_tokens
 
 
-def test_prefix_caching_and_async_scheduling_are_unsupported() -> None:
+def test_prefix_caching_is_unsupported() -> None:
     from schedspec.reference.scheduler import UnsupportedFeature
 
     with pytest.raises(UnsupportedFeature, match="prefix caching"):
         make_scheduler("vllm", CONFIG.with_changes(enable_prefix_caching=True))
-    with pytest.raises(UnsupportedFeature, match="async"):
-        VllmScheduler(CONFIG, async_scheduling=True)
 
 
 def test_missing_engine_says_how_to_install_it(monkeypatch, tmp_path) -> None:
@@ -315,13 +313,14 @@ class VllmMachine(SchedulerStateMachine):
         return super().add_request(prompt_len, max_tokens, eos_at_output, priority)
 
     def known_divergences(self, state, plan, found):
-        return [v for v in found if known_divergence(state, plan, v)]
+        return [v for v in found if self.scheduler.is_known_divergence(v)]
 
     def _check_scheduler_state(self) -> None:
         super()._check_scheduler_state()
-        if self.scheduler is None:
+        engine_view = getattr(self.scheduler, "engine_view", None)
+        if engine_view is None:
             return
-        found = view_differences(EngineView.of_state(self.shadow), self.scheduler.engine_view())
+        found = view_differences(EngineView.of_state(self.shadow), engine_view())
         if found:
             self._fail("engine view", f"at step {self.shadow.step}: " + "; ".join(found))
 
@@ -330,11 +329,21 @@ class VllmPriorityMachine(VllmMachine):
     policy = "priority"
 
 
+class VllmAsyncMachine(VllmMachine):
+    """The machine on vLLM's ``AsyncScheduler`` (no engine view: between steps vLLM already holds the
+    next step's plan)."""
+
+    @classmethod
+    def build_scheduler(cls, config):
+        return VllmAsyncScheduler(config, cls.policy)
+
+
 MACHINE_EXAMPLES = int(os.environ.get("SCHEDSPEC_VLLM_EXAMPLES", "60"))
 """Examples per policy (CI: derandomized). Each costs about a hundred worker round trips."""
 
 
-@pytest.mark.parametrize("machine", [VllmMachine, VllmPriorityMachine], ids=["fcfs", "priority"])
+@pytest.mark.parametrize("machine", [VllmMachine, VllmPriorityMachine, VllmAsyncMachine],
+                         ids=["fcfs", "priority", "fcfs-async"])
 def test_state_machine(machine) -> None:
     run_state_machine_as_test(machine, settings=settings(max_examples=MACHINE_EXAMPLES, stateful_step_count=30))
 
@@ -372,3 +381,31 @@ def test_lab_runs_vllm_under_kv_pressure_with_every_step_checked() -> None:
     assert vllm["checks"]["violations"] == 0 and vllm["checks"]["steps_checked"] == vllm["steps"] > 0
     assert vllm["requests"]["finished"] == 120
     assert vllm["efficiency"]["preemptions"] > 0
+
+
+# --------------------------------------------------------------------------- async scheduling
+@pytest.mark.parametrize("stem", AGREEING + ["priority-preempts-at-seq-cap"])
+def test_async_scheduler_plans_are_allowed_on_the_scenarios(stem: str) -> None:
+    """``vllm-async``: every plan allowed, every invariant, every request ends as with ``vllm`` (its
+    step bounds may be a step later: arrivals reach vLLM one step late)."""
+    scenario = load_scenario(CASES[stem])
+    name = "vllm-priority-async" if stem.startswith("priority") else "vllm-async"
+    result = replay(scenario, name)
+    verdicts = {v.name: v for v in result.verdicts}
+    assert verdicts["invariants"].passed, verdicts["invariants"].detail
+    assert all(v.passed for k, v in verdicts.items() if k.startswith("outcome")), result.verdicts
+
+
+def test_async_scheduler_drops_work_for_a_request_that_ended() -> None:
+    """A request that samples end-of-sequence in step n was already planned for step n+1 by vLLM's
+    AsyncScheduler; the adapter drops that item (the engine discards its output), and the plan the
+    spec sees is allowed."""
+    config = SchedulerConfig(block_size=4, num_kv_blocks=16, max_num_batched_tokens=32, max_num_seqs=4,
+                             max_model_len=64)
+    scheduler = make_scheduler("vllm-async", config)
+    specs = [RequestSpec("a", 6, 10, arrival_step=0, eos_at_output=2), RequestSpec("b", 6, 10, arrival_step=0)]
+    result = Engine(scheduler, config, properties=()).run(specs, max_steps=100)
+    assert result.ok, [str(v) for v in result.violations[:3]]
+    assert result.state.finished["a"].finish_reason == "stop" and len(result.state.finished["a"].output_token_ids) == 2
+    assert scheduler.num_dropped == 1
+    assert not hasattr(scheduler, "engine_view")
