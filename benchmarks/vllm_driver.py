@@ -1,7 +1,7 @@
 """vLLM side of ``benchmarks/backend_throughput.py``: run one token-id workload through vLLM's offline
 ``LLM`` and print a JSON result line.
 
-Runs in the separate vLLM environment made by ``scripts/bench_setup.sh`` (``benchmarks/.venv-vllm``),
+Runs in the separate vLLM environment made by ``scripts/engines_setup.sh`` (``.venv-vllm``),
 not in the project's venv: it imports nothing from ``schedspec``. The workload comes as a JSON file
 written by the main benchmark::
 
@@ -9,7 +9,7 @@ written by the main benchmark::
      "block_size": 16, "max_num_seqs": 64, "max_num_batched_tokens": 2048, "max_model_len": 1024,
      "threads": 2, "warmup": true, "repeat": 1}
 
-    benchmarks/.venv-vllm/bin/python benchmarks/vllm_driver.py workload.json
+    .venv-vllm/bin/python benchmarks/vllm_driver.py workload.json
 
 The last line of stdout is ``VLLM_RESULT {json}`` with the wall seconds of each timed ``generate`` call
 (``"repeat"`` of them), output tokens and the output token ids of each request (to compare with the other

@@ -6,7 +6,7 @@ vllm --against vllm-v1`` do this; it needs no adapter. Two halves, two environme
 1. ``generate`` (the project's ``.venv``): draws scenarios with ``schedspec diff``'s strategy
    (:func:`schedspec.commands.diff.scenarios`, seeded), runs ``vllm-v1`` (or ``vllm-v1-priority``) on
    each through the engine loop and writes the scenarios and the profile's step views to a JSON file.
-2. ``drive`` (the vLLM venv, ``bash scripts/bench_setup.sh``): runs each scenario on
+2. ``drive`` (the vLLM venv, ``bash scripts/engines_setup.sh``): runs each scenario on
    ``vllm.v1.core.sched.scheduler.Scheduler`` standalone, no model: a ``VllmConfig`` from a
    throw-away tiny Llama ``config.json`` (``skip_tokenizer_init``), a ``KVCacheConfig`` of
    ``num_kv_blocks + 1`` blocks (vLLM keeps block 0 as its null block), requests with
@@ -20,7 +20,7 @@ of docs/engines.md (vLLM skips ``long_prefill_token_threshold`` when one request
 waiting); anything else is unexplained. Exit 1 if any divergence is unexplained.
 
     .venv/bin/python benchmarks/vllm_v1_against_vllm.py generate --examples 500 --seed 7 --policy fcfs --out /tmp/s.json
-    benchmarks/.venv-vllm/bin/python benchmarks/vllm_v1_against_vllm.py drive /tmp/s.json
+    .venv-vllm/bin/python benchmarks/vllm_v1_against_vllm.py drive /tmp/s.json
 """
 
 from __future__ import annotations

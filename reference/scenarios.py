@@ -18,6 +18,7 @@ import attrs
 
 from schedspec.spec.config import ConfigError, SchedulerConfig
 from schedspec.spec.properties import PROPERTIES
+from schedspec.spec.rules import RULES
 from schedspec.spec.trace import StrictJsonError, strict_json_loads
 from schedspec.spec.workload import RequestSpec
 
@@ -43,7 +44,7 @@ ENGINE_CRASH = "engine-crash"
 """The ``finding.name`` of an engine crash (:class:`~schedspec.reference.scheduler.EngineFault`)."""
 REQUEST_KEYS = {"id", "arrival_step", "prompt_len", "max_tokens", "priority", "prefix", "abort_at_step", "eos_at_output"}
 OUTCOMES = {"finished", "rejected", "aborted"}
-TOP_KEYS = {"name", "about", "config", "requests", "expect", "scheduler"}
+TOP_KEYS = {"name", "about", "config", "requests", "expect", "scheduler", "max_steps"}
 DEFAULT_MAX_STEPS = 10_000
 
 
@@ -59,6 +60,7 @@ class Scenario:
     expect: dict[str, Any]
     scheduler: str | None
     path: str
+    max_steps: int | None = None
 
 
 MAX_STEP = 10_000
@@ -174,9 +176,10 @@ def parse_scenario(data: Any, path: str = "<scenario>") -> Scenario:
         problem = simulation_size_problem(checked)
         if problem is not None:
             raise ScenarioError(f"{path}: config.{problem}")
+    max_steps = _int(data["max_steps"], f"{path}: max_steps", 1, maximum=10 * MAX_STEP) if "max_steps" in data else None
     return Scenario(
         name=name, about=about, config=config, policy=policy,
-        requests=tuple(requests), expect=expect, scheduler=scheduler, path=path,
+        requests=tuple(requests), expect=expect, scheduler=scheduler, path=path, max_steps=max_steps,
     )
 
 
@@ -210,11 +213,15 @@ def _check_expect(expect: dict[str, Any], ids: set[str], path: str) -> None:
         _int(expect["max_preemptions_per_request"], f"{where}.max_preemptions_per_request")
     if "free_blocks_at_end" in expect:
         _int(expect["free_blocks_at_end"], f"{where}.free_blocks_at_end")
-    if "demonstrates" in expect and (not isinstance(expect["demonstrates"], str)
-                                     or expect["demonstrates"] not in PROPERTIES):
-        raise ScenarioError(
-            f"{where}.demonstrates: unknown property {_show(expect['demonstrates'])} (known: {sorted(PROPERTIES)})"
-        )
+    if "demonstrates" in expect:
+        named = expect["demonstrates"]
+        names = named if isinstance(named, list) else [named]
+        known = set(PROPERTIES) | {r.name for r in RULES}
+        if not names or any(not isinstance(n, str) or n not in known for n in names):
+            raise ScenarioError(
+                f"{where}.demonstrates: {_show(named)} is not a property or rule name or a list of them "
+                f"(properties: {sorted(PROPERTIES)}; rules: {sorted(r.name for r in RULES)})"
+            )
     finding = expect.get("finding")
     if finding is not None:
         if not isinstance(finding, dict) or not isinstance(finding.get("name"), str) or set(finding) - FINDING_KEYS:
@@ -305,6 +312,8 @@ def _run(scenario: Scenario, scheduler_name: str, config: SchedulerConfig, reque
     engine = Engine(scheduler, config, token_source=token_source, properties=properties, watch=watch)
     limit = scenario.expect.get("all_terminal_by_step")
     max_steps = DEFAULT_MAX_STEPS if limit is None else max(limit + 1, 1) * 4 + 100
+    if scenario.max_steps is not None:
+        max_steps = scenario.max_steps
     return engine.run(requests, mode="steps", max_steps=max_steps)
 
 
@@ -344,11 +353,12 @@ def replay(scenario: Scenario, scheduler_name: str | None = None,
         verdicts.append(Verdict("config_error", False, "config was accepted but must be refused"))
         return ReplayResult(scenario, name, tuple(verdicts), None)
 
-    demonstrates = expect.get("demonstrates")
+    named = expect.get("demonstrates")
+    demonstrates = tuple(named if isinstance(named, list) else [named] if named else [])
+    watch = tuple(n for n in demonstrates if n in PROPERTIES)
     finding = expect.get("finding")
     try:
-        run = _run(scenario, name, config, scenario.requests, watch=(demonstrates,) if demonstrates else (),
-                   token_source_factory=token_source_factory)
+        run = _run(scenario, name, config, scenario.requests, watch=watch, token_source_factory=token_source_factory)
     except EngineFault as fault:
         verdicts.append(_finding_verdict(finding, [(ENGINE_CRASH, fault.step, str(fault))])
                         if finding else Verdict("engine", False, f"the engine crashed: {fault}"))
@@ -356,18 +366,21 @@ def replay(scenario: Scenario, scheduler_name: str | None = None,
     state = run.state
     if finding:
         verdicts.append(_finding_verdict(finding, [(v.name, v.step, str(v)) for v in run.violations]))
-    expected = {demonstrates, *([finding["name"], *finding.get("also", [])] if finding else [])}
+    expected = {*demonstrates, *([finding["name"], *finding.get("also", [])] if finding else [])}
     violations = [v for v in run.violations if v.name not in expected]
     verdicts.append(Verdict(
         "invariants", not violations,
         f"{run.num_steps_checked} steps checked, no violation" if not violations
         else "; ".join(str(v) for v in violations[:3]),
     ))
-    if demonstrates:
-        seen = run.property_violations.get(demonstrates, [])
+    for demonstrated in demonstrates:
+        if demonstrated in PROPERTIES:
+            seen = run.property_violations.get(demonstrated, [])
+        else:
+            seen = [v for v in run.violations if v.name == demonstrated]
         verdicts.append(Verdict(
-            "demonstrates", bool(seen),
-            f"{demonstrates} fails as expected: {seen[0]}" if seen else f"{demonstrates} held on every step",
+            "demonstrates" if len(demonstrates) == 1 else f"demonstrates({demonstrated})", bool(seen),
+            f"{demonstrated} fails as expected: {seen[0]}" if seen else f"{demonstrated} held on every step",
         ))
 
     def request(request_id: str):

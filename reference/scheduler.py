@@ -278,21 +278,27 @@ PLAN_FUNCTIONS: dict[str, PlanFunction] = {
 }
 
 
+NOT_YET_IMPLEMENTED: dict[str, str] = {}
+"""Names the CLI reserves for schedulers not written yet; choosing one is a missing feature (exit 3),
+not a typo (exit 2)."""
+
+
 ENGINE_ADAPTERS: dict[str, str] = {
+    "vllm": "schedspec.engines.vllm:fcfs",
+    "vllm-priority": "schedspec.engines.vllm:priority",
+    "vllm-async": "schedspec.engines.vllm:fcfs_async",
+    "vllm-priority-async": "schedspec.engines.vllm:priority_async",
     "nanovllm": "schedspec.engines.nanovllm:NanoVllmScheduler",
 }
-"""Engine adapters by ``--scheduler`` name, as ``module:factory``. They live in ``schedspec.engines`` (a
-layer above this one), so they are imported only when chosen, by :func:`make_scheduler`; they are not
-in :data:`SCHEDULERS`, whose entries are reference policies (the stateful suite runs each of them)."""
-
-NOT_YET_IMPLEMENTED: dict[str, str] = {
-    "vllm": "the vLLM engine adapter is not implemented yet",
-}
-"""Names the CLI already reserves; choosing one is a missing feature (exit 3), not a typo (exit 2)."""
+"""Adapters of real engines' schedulers by ``--scheduler`` name, as ``module:factory``. They live in
+``schedspec.engines``, which ``reference`` must not import (``tests/test_layering.py``), so the module is
+imported by name only when one is chosen. They are not in :data:`SCHEDULERS`, whose entries are the
+reference schedulers every test suite runs (an adapter needs its engine installed and promises less)."""
 
 
 def make_scheduler(name: str, config: SchedulerConfig) -> Scheduler:
-    """Build the scheduler ``name`` (registry name or ``module:factory``) for ``config``.
+    """Build the scheduler ``name`` (registry name, engine adapter name or ``module:factory``) for
+    ``config``.
 
     Engine adapters (:data:`ENGINE_ADAPTERS`) are imported here, on first use.
 
@@ -302,15 +308,13 @@ def make_scheduler(name: str, config: SchedulerConfig) -> Scheduler:
     """
     if name in NOT_YET_IMPLEMENTED:
         raise UnsupportedFeature(f"scheduler {name!r}: {NOT_YET_IMPLEMENTED[name]}")
-    name = ENGINE_ADAPTERS.get(name, name)
     factory = SCHEDULERS.get(name)
     if factory is None:
-        if ":" not in name:
-            raise UnknownScheduler(
-                f"--scheduler {name!r}: unknown; known: {', '.join(sorted([*SCHEDULERS, *ENGINE_ADAPTERS]))}, "
-                "or module:factory"
-            )
-        module_name, _, attribute = name.partition(":")
+        target = ENGINE_ADAPTERS.get(name, name)
+        if ":" not in target:
+            known = sorted(SCHEDULERS) + sorted(ENGINE_ADAPTERS)
+            raise UnknownScheduler(f"--scheduler {name!r}: unknown; known: {', '.join(known)}, or module:factory")
+        module_name, _, attribute = target.partition(":")
         try:
             factory = getattr(importlib.import_module(module_name), attribute)
         except (ImportError, AttributeError) as error:

@@ -76,7 +76,9 @@ def test_scenario_replays_on_the_torch_backend(path: Path):
         return
     runner = factory.runners[0]
     busy = sum(1 for record in result.run.records if record.scheduled)
-    assert runner.num_forward_calls == busy > 0, "each non-empty step must be one packed forward call"
+    assert runner.num_forward_calls == busy, "each non-empty step must be one packed forward call"
+    if busy == 0:  # an engine finding whose queue never moves (counterexample-vllm-impossible-...)
+        assert result.run.state.requests and not any(record.sampled_token_ids for record in result.run.records)
     if scenario.expect.get("outputs_equal_solo"):
         finished = [r for r in result.run.state.finished.values() if r.status.outcome == "finished"]
         assert len(factory.runners) == 1 + len(finished), "one fresh runner per solo run"

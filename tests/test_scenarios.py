@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from schedspec.engines.vllm import EngineUnavailable
 from schedspec.reference.scenarios import (
     ScenarioError,
     bundled_scenarios,
@@ -34,6 +35,8 @@ def test_scenario_replays(path: Path):
     scenario = load_scenario(path)
     try:
         result = replay(scenario)
+    except EngineUnavailable:
+        raise  # an engine's scenario (e.g. a vLLM finding) needs the engine: never skipped for its absence
     except UnsupportedFeature as error:
         pytest.skip(f"needs a feature the reference schedulers lack: {error}")
     failed = [f"{v.name}: {v.detail}" for v in result.verdicts if not v.passed]

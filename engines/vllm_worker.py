@@ -1,0 +1,313 @@
+"""vLLM V1's scheduler run standalone, no model, in vLLM's own environment: the worker half of the
+``vllm`` adapter (:mod:`schedspec.engines.vllm` is the other half).
+
+This file is run as a script by the Python of the vLLM environment (``.venv-vllm``, made by
+``scripts/engines_setup.sh``); it imports only the standard library and ``vllm``, never ``schedspec``
+(whose dependencies that environment does not pin). It speaks JSON Lines over stdin/stdout: one
+command per line in, one reply per line out for the commands that reply. vLLM's own logging goes to
+stderr. Every command but ``init`` names the scheduler it is for with ``handle`` (an integer the
+client chose at ``init``), so one process serves many schedulers.
+
+Commands (``op``):
+
+- ``init`` ``{config, policy, async_scheduling}``: build the scheduler; reply ``{"vllm_version"}``.
+- ``add`` ``{id, prompt, max_tokens, priority, arrival_time, eos}``: no reply.
+- ``abort`` ``{id}``: ``Scheduler.finish_requests(id, RequestStatus.FINISHED_ABORTED)``; no reply.
+- ``schedule``: ``Scheduler.schedule()``; reply ``{"scheduled": [[id, num_computed_tokens,
+  num_scheduled_tokens, new_block_ids], ...], "preempted": [id, ...], "num_requests": n}`` in vLLM's
+  numbering, ``n`` the running and waiting requests the scheduler held when it began.
+- ``update`` ``{sampled}``: ``Scheduler.update_from_output`` of the oldest step in flight (with
+  ``AsyncScheduler`` two steps may be in flight) with a ``ModelRunnerOutput`` holding the
+  sampled token of every request that samples (an empty list for a request inside a prefill chunk);
+  reply ``{"finished": [[id, status], ...]}``.
+- ``close``: drop the scheduler; no reply.
+- ``view``: reply the scheduler's own bookkeeping (free blocks of the block pool, waiting and running
+  ids, block tables, ``num_computed_tokens``), vLLM numbering.
+
+A command that fails sends ``{"error": traceback}`` as its reply; a failing command that does not
+reply (``add``, ``abort``) makes the next reply an error instead.
+
+How the scheduler is built (no GPU, no model weights, no hub):
+
+- ``ModelConfig`` reads a ``config.json`` of a one-layer Llama written to a temporary directory, with
+  ``skip_tokenizer_init=True``; ``HF_HUB_OFFLINE=1`` is set before vLLM is imported.
+- ``KVCacheConfig`` has one ``KVCacheGroupSpec`` with a ``FullAttentionSpec`` and
+  ``num_kv_blocks + 1`` blocks: ``BlockPool`` (``vllm/v1/core/block_pool.py``) takes block 0 as its
+  null block and never hands it out, so exactly ``num_kv_blocks`` are usable, ids ``1..num_kv_blocks``
+  (the adapter maps vLLM block ``b`` to spec block ``b - 1``).
+- ``Scheduler`` (``vllm/v1/core/sched/scheduler.py``) or ``AsyncScheduler``
+  (``vllm/v1/core/sched/async_scheduler.py``), with a ``StructuredOutputManager`` that is never used.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import traceback
+from collections import deque
+
+# This file sits beside the adapter ``vllm.py``; as a script its folder is sys.path[0], where
+# ``import vllm`` would find the adapter instead of the engine.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "num_hidden_layers": 1,
+    "rms_norm_eps": 1e-5,
+    "torch_dtype": "float32",
+    "bos_token_id": 1,
+    "eos_token_id": 0,
+}
+"""The model vLLM's ``ModelConfig`` is told about. Nothing is loaded; the scheduler reads only its
+length limits and whether it is a plain decoder (no multimodal, no mamba, no sliding window)."""
+
+
+class ConfigRefused(Exception):
+    """vLLM's config classes refuse the configuration (the message is vLLM's)."""
+
+
+class Worker:
+    """One vLLM scheduler and the bookkeeping to answer the commands (module docstring)."""
+
+    def __init__(self, config: dict, policy: str, async_scheduling: bool, vocab_size: int) -> None:
+        import torch
+        from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        self.block_size = config["block_size"]
+        self.num_kv_blocks = config["num_kv_blocks"]
+        max_model_len = config["max_model_len"]
+        self.model_dir = tempfile.TemporaryDirectory(prefix="schedspec-vllm-model-")
+        model = dict(TINY_LLAMA, vocab_size=vocab_size, max_position_embeddings=max(max_model_len, 2048))
+        with open(os.path.join(self.model_dir.name, "config.json"), "w") as handle:
+            json.dump(model, handle)
+        try:
+            model_config = ModelConfig(
+                model=self.model_dir.name,
+                tokenizer=self.model_dir.name,
+                skip_tokenizer_init=True,
+                max_model_len=max_model_len,
+                dtype="float32",
+                seed=0,
+            )
+            scheduler_config = SchedulerConfig(
+                max_num_seqs=config["max_num_seqs"],
+                max_num_batched_tokens=config["max_num_batched_tokens"],
+                max_model_len=max_model_len,
+                enable_chunked_prefill=config["enable_chunked_prefill"],
+                long_prefill_token_threshold=config["long_prefill_token_threshold"],
+                policy=policy,
+                async_scheduling=async_scheduling,
+                is_encoder_decoder=False,
+            )
+            cache_config = CacheConfig(block_size=self.block_size, enable_prefix_caching=False)
+            cache_config.num_gpu_blocks = self.num_kv_blocks + 1
+            vllm_config = VllmConfig(
+                model_config=model_config, scheduler_config=scheduler_config, cache_config=cache_config
+            )
+        except Exception as error:  # noqa: BLE001  (vLLM validates with pydantic and ValueError)
+            raise ConfigRefused(f"{type(error).__name__}: {error}") from None
+        kv_cache_config = KVCacheConfig(
+            num_blocks=self.num_kv_blocks + 1,
+            kv_cache_tensors=[],
+            kv_cache_groups=[
+                KVCacheGroupSpec(
+                    ["layers.0.self_attn"],
+                    FullAttentionSpec(
+                        block_size=self.block_size, num_kv_heads=1, head_size=1, dtype=torch.float32
+                    ),
+                )
+            ],
+        )
+        scheduler_class = AsyncScheduler if async_scheduling else Scheduler
+        worker = self
+
+        class RecordingScheduler(scheduler_class):  # type: ignore[misc, valid-type]
+            """vLLM's scheduler, unchanged but for recording the order of its preemptions
+            (``SchedulerOutput.preempted_req_ids`` is a set; the spec prepends in order)."""
+
+            def _preempt_request(self, request, *args, **kwargs):
+                worker.preempted.append(request.request_id)
+                return super()._preempt_request(request, *args, **kwargs)
+
+        self.scheduler = RecordingScheduler(
+            vllm_config=vllm_config,
+            kv_cache_config=kv_cache_config,
+            structured_output_manager=StructuredOutputManager(vllm_config),
+            block_size=self.block_size,
+            log_stats=False,
+        )
+        self.preempted: list[str] = []
+        self.async_scheduling = async_scheduling
+        # SchedulerOutputs planned and not yet updated, oldest first: at most one for the Scheduler, two
+        # for the AsyncScheduler (step n+1 is planned before step n's output is processed).
+        self.in_flight: deque = deque()
+
+    # ------------------------------------------------------------------------------ commands
+    def add(self, message: dict) -> None:
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request
+
+        params = SamplingParams(max_tokens=message["max_tokens"], ignore_eos=message["eos"] is None)
+        if message["eos"] is not None:
+            # What the input processor sets from the tokenizer's generation config
+            # (vllm/v1/engine/input_processor.py); check_stop reads sampling_params.eos_token_id.
+            params.update_from_generation_config({}, message["eos"])
+        request = Request(
+            request_id=message["id"],
+            prompt_token_ids=list(message["prompt"]),
+            sampling_params=params,
+            pooling_params=None,
+            arrival_time=message["arrival_time"],
+            priority=message["priority"],
+        )
+        self.scheduler.add_request(request)
+
+    def abort(self, message: dict) -> None:
+        from vllm.v1.request import RequestStatus
+
+        self.scheduler.finish_requests(message["id"], RequestStatus.FINISHED_ABORTED)
+
+    def schedule(self, message: dict) -> dict:
+        if len(self.in_flight) >= (2 if self.async_scheduling else 1):
+            raise RuntimeError(f"schedule with {len(self.in_flight)} steps in flight")
+        self.preempted = []
+        num_running, num_waiting = self.scheduler.get_request_counts()  # what schedule() reads first
+        output = self.scheduler.schedule()
+        self.in_flight.append(output)
+        blocks: dict[str, list[int]] = {}
+        computed: dict[str, int] = {}
+        for new in output.scheduled_new_reqs:
+            blocks[new.req_id] = list(new.block_ids[0]) if new.block_ids else []
+            computed[new.req_id] = new.num_computed_tokens
+        cached = output.scheduled_cached_reqs
+        for index, request_id in enumerate(cached.req_ids):
+            ids = cached.new_block_ids[index]
+            blocks[request_id] = list(ids[0]) if ids else []
+            computed[request_id] = cached.num_computed_tokens[index]
+        scheduled = [
+            [request_id, computed[request_id], count, blocks[request_id]]
+            for request_id, count in output.num_scheduled_tokens.items()
+        ]
+        if set(self.preempted) != set(output.preempted_req_ids):
+            raise RuntimeError(f"recorded preemptions {self.preempted} != {sorted(output.preempted_req_ids)}")
+        return {"scheduled": scheduled, "preempted": list(self.preempted), "num_requests": num_running + num_waiting}
+
+    def update(self, message: dict) -> dict:
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        if not self.in_flight:
+            raise RuntimeError("update without schedule")
+        output = self.in_flight.popleft()
+        sampled = message["sampled"]
+        request_ids = list(output.num_scheduled_tokens)
+        runner_output = ModelRunnerOutput(
+            req_ids=request_ids,
+            req_id_to_index={request_id: index for index, request_id in enumerate(request_ids)},
+            sampled_token_ids=[[sampled[r]] if r in sampled else [] for r in request_ids],
+        )
+        before = {r: q.status for r, q in self.scheduler.requests.items()}
+        engine_outputs = self.scheduler.update_from_output(output, runner_output)
+        finished: dict[str, str] = {}
+        for outputs in engine_outputs.values():
+            for item in outputs.outputs:
+                if item.finish_reason is not None:
+                    finished[item.request_id] = str(item.finish_reason)
+        # A request that ended in this step is gone from scheduler.requests (its blocks freed); its
+        # EngineCoreOutput carries the finish reason. Cross-check both.
+        gone = [r for r in before if r not in self.scheduler.requests and r not in finished]
+        if gone:
+            raise RuntimeError(f"requests left the scheduler without a finish output: {gone}")
+        return {"finished": sorted(finished.items())}
+
+    def view(self, message: dict) -> dict:
+        scheduler = self.scheduler
+        manager = scheduler.kv_cache_manager
+        waiting = [request.request_id for request in scheduler.waiting]
+        waiting += [request.request_id for request in scheduler.kv_holding_waiting]
+        tables = {}
+        computed = {}
+        for request_id, request in scheduler.requests.items():
+            computed[request_id] = request.num_computed_tokens
+            ids = manager.get_block_ids(request_id)
+            if ids and ids[0]:
+                tables[request_id] = list(ids[0])
+        return {
+            "num_free_blocks": manager.block_pool.get_num_free_blocks(),
+            "waiting": waiting,
+            "running": [request.request_id for request in scheduler.running],
+            "block_tables": tables,
+            "num_computed_tokens": computed,
+        }
+
+
+def main() -> None:
+    """Serve commands from stdin until it closes."""
+    out = sys.stdout
+    sys.stdout = sys.stderr  # anything vLLM prints goes to stderr, not into the protocol
+    workers: dict[int, Worker] = {}
+    pending_error: str | None = None
+
+    def reply(payload: dict) -> None:
+        out.write(json.dumps(payload, separators=(",", ":")) + "\n")
+        out.flush()
+
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        message = json.loads(line)
+        op = message.get("op")
+        replies = op not in ("add", "abort", "close")
+        if pending_error is not None and replies:
+            reply({"error": pending_error})
+            pending_error = None
+            continue
+        try:
+            handle = message.get("handle")
+            if op == "init":
+                workers[handle] = Worker(message["config"], message["policy"], message["async_scheduling"],
+                                         message["vocab_size"])
+                import vllm
+
+                result: dict | None = {"vllm_version": vllm.__version__}
+            elif op == "close":
+                workers.pop(handle, None)
+                result = None
+            elif handle not in workers:
+                raise RuntimeError(f"{op!r} for scheduler {handle!r}, which was never built")
+            elif op in ("add", "abort", "schedule", "update", "view"):
+                result = getattr(workers[handle], op)(message)
+            else:
+                raise RuntimeError(f"unknown op {op!r}")
+        except ConfigRefused as error:
+            reply({"refused": str(error)})
+            continue
+        except Exception:  # noqa: BLE001  (every failure goes back to the adapter as text)
+            text = traceback.format_exc()
+            if replies:
+                reply({"error": text})
+            elif pending_error is None:
+                pending_error = f"{op} {message.get('id')!r} failed: {text}"
+            continue
+        if replies:
+            reply(result or {})
+
+
+if __name__ == "__main__":
+    main()

