@@ -212,18 +212,23 @@ def input_processor_rejection(request: Request, config: SchedulerConfig) -> str 
     ``vllm/v1/engine/input_processor.py`` ``InputProcessor._validate_prompt_len`` (empty prompt; prompt
     longer than ``max_model_len``; for generation, a prompt of exactly ``max_model_len`` tokens) and
     ``vllm/sampling_params.py`` ``SamplingParams._verify_args`` (``max_tokens`` at least 1).
+
+    Returns:
+        ``"CODE: vLLM's message"``, the code naming the limit as the spec does
+        (:data:`schedspec.spec.admission.REJECTION_CODES`), so the spec's rules judge the reason.
     """
     prompt_len = request.prompt_len
     if prompt_len == 0:
-        return "vLLM input processor: the decoder prompt cannot be empty"
+        return "empty-prompt: vLLM input processor: the decoder prompt cannot be empty"
     if prompt_len > config.max_model_len:
-        return (f"vLLM input processor: the decoder prompt (length {prompt_len}) is longer than the maximum "
-                f"model length of {config.max_model_len}")
+        return (f"prompt-exceeds-max-model-len: vLLM input processor: the decoder prompt (length {prompt_len}) "
+                f"is longer than the maximum model length of {config.max_model_len}")
     if prompt_len == config.max_model_len:
-        return (f"vLLM input processor: the decoder prompt (length {prompt_len}) plus the number of requested "
-                f"output tokens (at least 1) is longer than the maximum model length of {config.max_model_len}")
+        return (f"prompt-exceeds-max-model-len: vLLM input processor: the decoder prompt (length {prompt_len}) "
+                f"plus the number of requested output tokens (at least 1) is longer than the maximum model "
+                f"length of {config.max_model_len}")
     if request.max_tokens < 1:
-        return f"vLLM SamplingParams: max_tokens must be at least 1, got {request.max_tokens}"
+        return f"no-output: vLLM SamplingParams: max_tokens must be at least 1, got {request.max_tokens}"
     return None
 
 
