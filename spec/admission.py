@@ -35,32 +35,48 @@ REJECTION_CODES = ("empty-prompt", "no-output", "prompt-exceeds-max-model-len", 
 rejection reason is judged by its code, so an engine may word the detail its own way."""
 
 
-def rejection_reason(prompt_len: int, max_tokens: int, config: SchedulerConfig) -> str | None:
-    """Why a request of this shape can never complete alone, or ``None`` if it can.
+def rejection_reasons(prompt_len: int, max_tokens: int, config: SchedulerConfig) -> list[str]:
+    """Every limit a request of this shape breaks, each as ``"CODE: detail"`` (``CODE`` one of
+    :data:`REJECTION_CODES`), in the order of :data:`REJECTION_CODES`; empty if it can complete alone.
 
     Args:
         prompt_len: prompt tokens.
         max_tokens: most output tokens.
         config: the scheduler's limits.
+    """
+    reasons = []
+    if prompt_len <= 0:
+        reasons.append(f"empty-prompt: prompt_len={prompt_len}")
+    if max_tokens < 1:
+        reasons.append(f"no-output: max_tokens={max_tokens} < 1")
+    if prompt_len > config.max_model_len:
+        reasons.append(f"prompt-exceeds-max-model-len: prompt_len={prompt_len} exceeds max_model_len={config.max_model_len}")
+    if prompt_len > 0:
+        # max_blocks_needed, inlined: this runs for every waiting request in every step
+        tokens = max(prompt_len, min(prompt_len + max(max_tokens, 1), config.max_model_len) - 1)
+        needed = -(-tokens // config.block_size)
+        if needed > config.num_kv_blocks:
+            reasons.append(
+                f"exceeds-kv-cache: needs {needed} KV blocks (prompt_len={prompt_len}, max_tokens={max_tokens}, "
+                f"block_size={config.block_size}) but num_kv_blocks={config.num_kv_blocks}"
+            )
+    return reasons
+
+
+def rejection_reason(prompt_len: int, max_tokens: int, config: SchedulerConfig) -> str | None:
+    """Why a request of this shape can never complete alone (the first of :func:`rejection_reasons`),
+    or ``None`` if it can.
 
     Returns:
         ``"CODE: detail"``, ``CODE`` one of :data:`REJECTION_CODES`; or ``None``.
     """
-    if prompt_len <= 0:
-        return f"empty-prompt: prompt_len={prompt_len}"
-    if max_tokens < 1:
-        return f"no-output: max_tokens={max_tokens} < 1"
-    if prompt_len > config.max_model_len:
-        return f"prompt-exceeds-max-model-len: prompt_len={prompt_len} exceeds max_model_len={config.max_model_len}"
-    # max_blocks_needed, inlined: this runs for every waiting request in every step
-    tokens = max(prompt_len, min(prompt_len + max_tokens, config.max_model_len) - 1)
-    needed = -(-tokens // config.block_size)
-    if needed > config.num_kv_blocks:
-        return (
-            f"exceeds-kv-cache: needs {needed} KV blocks (prompt_len={prompt_len}, max_tokens={max_tokens}, "
-            f"block_size={config.block_size}) but num_kv_blocks={config.num_kv_blocks}"
-        )
-    return None
+    if 0 < prompt_len <= config.max_model_len and max_tokens >= 1:
+        # The common case, decided without building reasons: this runs for every waiting request in
+        # every step (max_blocks_needed, inlined).
+        tokens = max(prompt_len, min(prompt_len + max_tokens, config.max_model_len) - 1)
+        if -(-tokens // config.block_size) <= config.num_kv_blocks:
+            return None
+    return rejection_reasons(prompt_len, max_tokens, config)[0]
 
 
 def rejection_code(reason: str) -> str:

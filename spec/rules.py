@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 
 import attrs
 
-from schedspec.spec.admission import rejection_code, rejection_reason
+from schedspec.spec.admission import rejection_code, rejection_reason, rejection_reasons
 from schedspec.spec.config import SchedulerConfig, blocks_for_tokens
 from schedspec.spec.state import SchedulerState, StepPlan
 
@@ -206,9 +206,9 @@ def _admit_fits_alone(state: SchedulerState, plan: StepPlan, config: SchedulerCo
 
 @rule(
     "reject-only-impossible",
-    "A plan rejects only waiting requests that could never complete alone, with that reason (its code, "
-    "admission.REJECTION_CODES); and it rejects every such request that is waiting and was never admitted "
-    "(rejects-impossible: at the arrival step).",
+    "A plan rejects only waiting requests that could never complete alone, with a reason whose code "
+    "(admission.REJECTION_CODES) names a limit the request breaks; and it rejects every such request that is "
+    "waiting and was never admitted (rejects-impossible: at the arrival step).",
     "this spec, section 'admission'",
 )
 def _reject_impossible(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
@@ -220,13 +220,13 @@ def _reject_impossible(state: SchedulerState, plan: StepPlan, config: SchedulerC
         if request_id in state.running:
             yield request_id, "rejected while running (only waiting requests can be rejected)"
             continue
-        reason = rejection_reason(request.prompt_len, request.max_tokens, config)
-        if reason is None:
+        reasons = rejection_reasons(request.prompt_len, request.max_tokens, config)
+        if not reasons:
             yield request_id, "rejected although it can complete alone"
-        elif rejection_code(rejected[request_id]) != rejection_code(reason):
+        elif rejection_code(rejected[request_id]) not in {rejection_code(r) for r in reasons}:
             yield request_id, (
-                f"rejected with reason {rejected[request_id]!r}; the spec's reason is {reason!r} "
-                f"(code {rejection_code(reason)!r})"
+                f"rejected with reason {rejected[request_id]!r}, which names no limit it breaks; it breaks "
+                f"{'; '.join(repr(r) for r in reasons)}"
             )
     for request_id in state.waiting:
         request = state.requests[request_id]

@@ -282,3 +282,20 @@ def test_admission_agrees_with_block_arithmetic(data: st.DataObject) -> None:
         return
     fits = need <= config.num_kv_blocks
     assert (reason is None) == fits, (reason, kv_tokens, need)
+
+
+def test_rejection_reason_is_the_first_of_every_limit_broken():
+    """One definition of the reasons (``rejection_reasons``); ``rejection_reason``'s fast path agrees with it
+    on every small shape."""
+    import itertools
+
+    from schedspec.spec.admission import rejection_reasons
+
+    config = SchedulerConfig(block_size=4, num_kv_blocks=3, max_num_batched_tokens=16, max_num_seqs=2,
+                             max_model_len=16)
+    for prompt_len, max_tokens in itertools.product(range(-1, 20), range(-1, 20)):
+        reasons = rejection_reasons(prompt_len, max_tokens, config)
+        assert rejection_reason(prompt_len, max_tokens, config) == (reasons[0] if reasons else None)
+    # A request breaking two limits may be rejected naming either (an engine checks in its own order).
+    both = rejection_reasons(20, 0, config)
+    assert [r.partition(":")[0] for r in both] == ["no-output", "prompt-exceeds-max-model-len", "exceeds-kv-cache"]
