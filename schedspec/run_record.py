@@ -323,6 +323,10 @@ def differing_conditions(before: Mapping[str, Any], after: Mapping[str, Any]) ->
 
 def is_informational(path: str, before: Mapping[str, Any], after: Mapping[str, Any]) -> bool:
     """Whether a differing condition cannot change the figures (other than wall time): the machine
-    and Python version when both runs took their step times from the cost model."""
+    and Python version when both runs took their step times from the cost model; the trace's path
+    when both files have the same sha256."""
+    if path == "workload.trace_path":
+        digests = [r["conditions"]["workload"].get("trace_sha256") for r in (before, after)]
+        return digests[0] is not None and digests[0] == digests[1]
     simulated = all(r["conditions"]["backend"]["kind"] == "cost-model" for r in (before, after))
     return simulated and any(path == f or path.startswith(f + ".") for f in INFORMATIONAL_CONDITIONS)
