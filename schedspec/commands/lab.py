@@ -669,7 +669,7 @@ def _print_sweep_table(console: Console, points: list[dict[str, Any]], records: 
             continue
         f = record["figures"]
         meets = sweeping.meets_slo(f, slo)
-        mark = "" if meets is None else "meets" if meets else "-"
+        mark = "" if meets is None else "meets" if meets else "misses"
         if index == best:
             mark = "BEST" if meets is not False else mark
         table.add_row(
@@ -678,7 +678,7 @@ def _print_sweep_table(console: Console, points: list[dict[str, Any]], records: 
             "-" if f["goodput_percent"] is None else f"{f['goodput_percent']:.1f}", f"{f['preemptions']:,}",
             f"{_percent(f['kv_usage_mean_percent'])[:-1]} / {_percent(f['kv_usage_max_percent'])[:-1]}", mark,
             style="bold" if index == best else None)
-    make_console(width=max(console.width, 170)).print(table)  # wide: one line per configuration
+    make_console(width=1000).print(table)  # its natural width: one line per configuration, nothing cut
 
 
 def _ms(seconds: float | None) -> str:
