@@ -118,3 +118,25 @@ def test_malformed_trace_rows_name_the_line(tmp_path):
     result = lab("--trace", str(path))
     assert result.exit_code == 2
     assert "bad.csv" in result.output and "GeneratedTokens" in result.output
+
+
+def test_compare_shows_each_runs_own_conditions():
+    """Chunking and the budget differ between fcfs and fcfs-no-chunking: each run's value is shown,
+    not the first run's as if it held for all."""
+    result = lab("--compare", "fcfs,fcfs-no-chunking", "--max-requests", "10")
+    assert result.exit_code == 0, result.output
+    rows = {line.split("│")[1].strip(): [cell.strip() for cell in line.split("│")[2:-1]]
+            for line in result.stdout.splitlines() if line.startswith("│") and line.count("│") == 4}
+    assert rows["chunked prefill"] == ["on", "off"]
+    assert rows["max_num_batched_tokens"] == ["2,048", "8,192"]
+    assert rows["policy"] == ["fcfs", "fcfs-no-chunking"]
+
+
+def test_rejections_are_grouped_by_kind_of_reason():
+    result = lab("--max-requests", "50", "--set", "max_model_len=1024", "--steps", "none")
+    assert result.exit_code == 0, result.output
+    rejected_rows = [line for line in result.stdout.splitlines() if line.startswith("│ rejected ")]
+    figures = json.loads(lab("--max-requests", "50", "--set", "max_model_len=1024", "--json").stdout)["figures"]
+    assert figures["requests_rejected"] > 1
+    assert len(rejected_rows) == 1
+    assert f"{figures['requests_rejected']}: prompt-exceeds-max-model-len" in rejected_rows[0]
