@@ -57,16 +57,17 @@ def cartesian(sweeps: Sequence[tuple[str, Sequence[Any]]]) -> list[dict[str, Any
 
 def point_label(point: Mapping[str, Any]) -> str:
     """``max_num_seqs=64,max_num_batched_tokens=512``."""
-    return ",".join(f"{k}={_text(v)}" for k, v in point.items())
+    return ",".join(f"{k}={value_text(v)}" for k, v in point.items())
 
 
-def _text(value: Any) -> str:
+def value_text(value: Any) -> str:
+    """A swept value as the user wrote it: ``0.5``, ``true``, ``2048``."""
     return f"{value:g}" if isinstance(value, float) else str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def short_label(point: Mapping[str, Any]) -> str:
     """The values only, ``512/64``: a plot label (the field order is in the plot title)."""
-    return "/".join(_text(v) for v in point.values())
+    return "/".join(value_text(v) for v in point.values())
 
 
 # --------------------------------------------------------------------------------------------------

@@ -663,7 +663,7 @@ def _print_sweep_table(console: Console, points: list[dict[str, Any]], records: 
                    "KV mean/max %", "SLO"):
         table.add_column(column, justify="right", no_wrap=True)
     for index, (point, record) in enumerate(zip(points, records, strict=True)):
-        values = [sweeping._text(v) for v in point.values()]
+        values = [sweeping.value_text(v) for v in point.values()]
         if record is None:
             table.add_row(str(index + 1), *values, "failed", *([""] * 8))
             continue
