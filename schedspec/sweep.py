@@ -93,7 +93,11 @@ def run_point(job: tuple) -> tuple[int, dict[str, Any] | None, str | None]:
 
 
 def run_points(jobs: Sequence[tuple], workers: int) -> list[tuple[int, dict[str, Any] | None, str | None]]:
-    """Run every job, ``workers`` at a time (1: in this process); results in job order."""
+    """Run every job, ``workers`` at a time (1: in this process); results in job order.
+
+    Raises:
+        concurrent.futures.process.BrokenProcessPool: a worker process died (killed, out of memory).
+    """
     if workers <= 1 or len(jobs) <= 1:
         return [run_point(job) for job in jobs]
     with ProcessPoolExecutor(max_workers=min(workers, len(jobs))) as pool:

@@ -7,6 +7,7 @@ import math
 import shutil
 import sys
 from collections.abc import Callable
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
 
@@ -629,7 +630,11 @@ def _sweep(console: Console, points: list[dict[str, Any]], point_configs: list[t
     if not as_json:
         console.print(f"Sweep: {len(points)} configurations of {trace_text.splitlines()[0]}; window {window_text}; "
                       f"checks {'off' if no_check else 'on'}; {min(workers, len(points))} worker processes")
-    results = sweeping.run_points(job_list, workers)
+    try:
+        results = sweeping.run_points(job_list, workers)
+    except BrokenProcessPool as error:
+        fail(f"--sweep: a worker process died ({error}); try fewer --jobs or a smaller window",
+             status=EXIT_CHECK_FAILED)
     records = [record for _, record, _ in results]
     problems = [(i, why) for i, _, why in results if why is not None]
     best, reason = sweeping.choose_best(records, slo)
