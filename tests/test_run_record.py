@@ -171,3 +171,18 @@ def test_compare_names_the_field_of_an_invalid_record(saved, tmp_path):
     result = run("compare", str(path), _write(tmp_path, "broken.json", broken))
     assert result.exit_code == 2 and "figures.itl_p99_s" in result.stderr
     assert run("compare", str(path), str(path), "--allow-different", "no_such_field").exit_code == 2
+
+
+def test_compare_two_real_runs_of_a_compare(tmp_path):
+    """`lab --compare A,B --save F.json` writes F-A.json and F-B.json; compare refuses them (the
+    scheduler differs) unless the scheduler is the condition under study."""
+    result = run("lab", "--compare", "fcfs,static", "--max-requests", "10", "--save", str(tmp_path / "run.json"))
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run-fcfs.json", "run-static.json"]
+    before, after = str(tmp_path / "run-fcfs.json"), str(tmp_path / "run-static.json")
+    refused = run("compare", before, after)
+    assert refused.exit_code == 1 and "scheduler" in refused.stdout
+    allowed = run("compare", before, after, "--allow-different", "scheduler", "--json")
+    assert allowed.exit_code == 0, allowed.output
+    differing = [d["condition"] for d in json.loads(allowed.stdout)["differing_conditions"]]
+    assert differing == ["scheduler"]
