@@ -117,15 +117,17 @@ def test_lab_torch_json_summary_counts_every_request():
     result = _lab("--backend", "torch", "--device", device_for_tests().split(":")[0], "--max-requests", "8",
                   "--length-scale", "16", "--json")
     assert result.exit_code == 0, result.output
-    summary = json.loads(result.stdout)
-    assert summary["requests"]["total"] == 8
-    assert summary["checks"]["violations"] == 0
-    assert summary["checks"]["steps_checked"] == summary["steps"] > 0
+    record = json.loads(result.stdout)
+    figures, conditions = record["figures"], record["conditions"]
+    assert figures["requests_total"] == 8
+    assert figures["violations"] == 0
+    assert figures["steps_checked"] == figures["num_steps"] > 0
+    assert conditions["backend"]["kind"] == "torch"
     profile, _ = default_scheduler_config()
     # Fitted to the tiny model (131,072 positions) and the window: the cache holds just what 8 requests
     # need at once, far below the profile's.
-    assert summary["config"]["max_model_len"] == min(profile["max_model_len"], 131072)
-    assert 0 < summary["config"]["num_kv_blocks"] < profile["num_kv_blocks"]
+    assert conditions["config"]["max_model_len"] == min(profile["max_model_len"], 131072)
+    assert 0 < conditions["config"]["num_kv_blocks"] < profile["num_kv_blocks"]
 
 
 def test_lab_length_scale_must_be_positive():

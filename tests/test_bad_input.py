@@ -287,12 +287,13 @@ def test_trace_formats_are_detected_and_read(tmp_path, name, data, fmt, expected
     assert [r.arrival_time for r in requests] == pytest.approx([e[2] for e in expected], abs=1e-9)
     result = invoke("lab", {name: data}, ("--trace", "{" + name + "}", "--json"), tmp_path)
     assert result.exit_code == 0, result.stderr
-    summary = json.loads(result.stdout)
-    assert summary["requests"]["total"] == len(expected)
+    record = json.loads(result.stdout)
+    assert record["figures"]["requests_total"] == len(expected)
     failed = sum(1 for e in expected if e[1] == 0)
-    assert summary["requests"]["rejected"] == failed  # BurstGPT's failed request: rejected at arrival
+    assert record["figures"]["requests_rejected"] == failed  # BurstGPT's failed request: rejected at arrival
+    assert record["figures"]["rejected_no_output"] == failed
     if failed:
-        assert any("max_tokens=0" in reason for reason in summary["rejected_reasons"])
+        assert any("max_tokens=0" in reason for reason in record["details"]["rejected_reasons"])
 
 
 @pytest.mark.parametrize("name", ["AzureLLMInferenceTrace_code.csv", "mooncake_conversation_trace.jsonl"])
@@ -301,7 +302,9 @@ def test_lab_runs_on_the_packaged_traces(tmp_path, name):
     path = workloads.packaged_trace_path(name)
     result = invoke("lab", {}, ("--trace", str(path), "--max-requests", "5", "--json"), tmp_path)
     assert result.exit_code == 0, result.stderr
-    assert json.loads(result.stdout)["requests"]["total"] == 5
+    record = json.loads(result.stdout)
+    assert record["figures"]["requests_total"] == 5
+    assert record["conditions"]["workload"]["trace_path"] == str(path)
 
 
 def test_azure_2024_offsets_are_applied(tmp_path):

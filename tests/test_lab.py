@@ -28,12 +28,12 @@ def test_lab_prints_conditions_steps_latency_and_efficiency():
 def test_lab_json_summary_counts_every_request():
     result = lab("--max-requests", "60", "--json", "--slo", "ttft=2s,itl=200ms")
     assert result.exit_code == 0, result.output
-    summary = json.loads(result.stdout)
-    assert summary["requests"]["total"] == 60
-    assert summary["requests"]["finished"] + summary["requests"]["rejected"] == 60
-    assert summary["checks"]["violations"] == 0
-    assert summary["checks"]["steps_checked"] == summary["steps"] > 0
-    assert 0 <= summary["goodput"]["percent"] <= 100
+    figures = json.loads(result.stdout)["figures"]
+    assert figures["requests_total"] == 60
+    assert figures["requests_finished"] + figures["requests_rejected"] == 60
+    assert figures["violations"] == 0
+    assert figures["steps_checked"] == figures["num_steps"] > 0
+    assert 0 <= figures["goodput_percent"] <= 100
 
 
 def test_continuous_batching_beats_static_on_ttft_under_load():
@@ -44,17 +44,18 @@ def test_continuous_batching_beats_static_on_ttft_under_load():
     assert result.exit_code == 0, result.output
     by_name = {s["name"]: s for s in json.loads(result.stdout)}
     assert set(by_name) == {"static", "fcfs", "fcfs-no-chunking"}
-    assert by_name["fcfs"]["latency"]["all"]["ttft"]["p50"] < by_name["static"]["latency"]["all"]["ttft"]["p50"]
-    assert by_name["fcfs-no-chunking"]["config"]["enable_chunked_prefill"] is False
-    assert by_name["fcfs-no-chunking"]["config"]["max_num_batched_tokens"] >= by_name["fcfs"]["config"]["max_model_len"]
+    assert by_name["fcfs"]["figures"]["ttft_p50_s"] < by_name["static"]["figures"]["ttft_p50_s"]
+    no_chunking, fcfs = by_name["fcfs-no-chunking"]["conditions"], by_name["fcfs"]["conditions"]
+    assert no_chunking["config"]["enable_chunked_prefill"] is False
+    assert no_chunking["config"]["max_num_batched_tokens"] >= fcfs["config"]["max_model_len"]
 
 
 def test_chunked_prefill_bounds_the_worst_inter_token_latency():
     """Without chunking a whole long prompt joins a step with running decodes; chunking caps the step."""
     result = lab("--compare", "fcfs,fcfs-no-chunking", "--max-requests", "150", "--time-scale", "0.2", "--json")
     assert result.exit_code == 0, result.output
-    by_name = {s["name"]: s for s in json.loads(result.stdout)}
-    assert by_name["fcfs"]["latency"]["all"]["itl"]["max"] < by_name["fcfs-no-chunking"]["latency"]["all"]["itl"]["max"]
+    by_name = {s["name"]: s["figures"] for s in json.loads(result.stdout)}
+    assert by_name["fcfs"]["itl_max_s"] < by_name["fcfs-no-chunking"]["itl_max_s"]
 
 
 def test_steps_out_is_a_trace_the_checker_accepts(tmp_path):
@@ -81,9 +82,10 @@ def test_plots_are_written(tmp_path):
 def test_requests_that_cannot_fit_are_rejected_and_counted():
     result = lab("--max-requests", "50", "--set", "max_model_len=1024", "--json")
     assert result.exit_code == 0, result.output
-    summary = json.loads(result.stdout)
-    assert summary["requests"]["rejected"] > 0
-    assert any("max_model_len" in reason for reason in summary["rejected_reasons"])
+    record = json.loads(result.stdout)
+    assert record["figures"]["requests_rejected"] > 0
+    assert record["figures"]["rejected_prompt_exceeds_max_model_len"] == record["figures"]["requests_rejected"]
+    assert any("max_model_len" in reason for reason in record["details"]["rejected_reasons"])
 
 
 @pytest.mark.parametrize(
@@ -116,3 +118,25 @@ def test_malformed_trace_rows_name_the_line(tmp_path):
     result = lab("--trace", str(path))
     assert result.exit_code == 2
     assert "bad.csv" in result.output and "GeneratedTokens" in result.output
+
+
+def test_compare_shows_each_runs_own_conditions():
+    """Chunking and the budget differ between fcfs and fcfs-no-chunking: each run's value is shown,
+    not the first run's as if it held for all."""
+    result = lab("--compare", "fcfs,fcfs-no-chunking", "--max-requests", "10")
+    assert result.exit_code == 0, result.output
+    rows = {line.split("│")[1].strip(): [cell.strip() for cell in line.split("│")[2:-1]]
+            for line in result.stdout.splitlines() if line.startswith("│") and line.count("│") == 4}
+    assert rows["chunked prefill"] == ["on", "off"]
+    assert rows["max_num_batched_tokens"] == ["2,048", "8,192"]
+    assert rows["policy"] == ["fcfs", "fcfs-no-chunking"]
+
+
+def test_rejections_are_grouped_by_kind_of_reason():
+    result = lab("--max-requests", "50", "--set", "max_model_len=1024", "--steps", "none")
+    assert result.exit_code == 0, result.output
+    rejected_rows = [line for line in result.stdout.splitlines() if line.startswith("│ rejected ")]
+    figures = json.loads(lab("--max-requests", "50", "--set", "max_model_len=1024", "--json").stdout)["figures"]
+    assert figures["requests_rejected"] > 1
+    assert len(rejected_rows) == 1
+    assert f"{figures['requests_rejected']}: prompt-exceeds-max-model-len" in rejected_rows[0]

@@ -7,6 +7,7 @@ import math
 import shutil
 import sys
 from collections.abc import Callable
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
+from schedspec import run_record
+from schedspec import sweep as sweeping
 from schedspec.cli_common import (
     EXIT_CHECK_FAILED,
     EXIT_UNSUPPORTED,
@@ -32,6 +35,7 @@ from schedspec.cli_common import (
     note,
     one_line,
     parse_sets,
+    parse_value,
     scheduler_option,
     set_option,
 )
@@ -43,6 +47,7 @@ from schedspec.reference import metrics, workloads
 from schedspec.reference.engine import ViolationFound
 from schedspec.reference.lab import VARIANTS, LabResult, LabStep, resolve_variant, run_lab
 from schedspec.reference.scheduler import EngineFault, UnknownScheduler, UnsupportedFeature
+from schedspec.spec.admission import rejection_code
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.trace import header_line
 
@@ -179,86 +184,76 @@ def _print_latency(console: Console, title: str, summary: dict[str, Any]) -> Non
     console.print(table)
 
 
-def _summaries(result: LabResult, slo: tuple[float, float] | None) -> dict[str, Any]:
-    latency = metrics.latency_summary(result.timelines)
-    efficiency = metrics.efficiency_summary(result.steps, result.config.num_kv_blocks, result.timelines)
-    outcomes = latency.pop("requests")
-    reasons: dict[str, int] = {}
-    for t in result.timelines:
-        if t.outcome == "rejected":
-            reasons[t.finish_reason or ""] = reasons.get(t.finish_reason or "", 0) + 1
-    summary: dict[str, Any] = {
-        "scheduler": result.scheduler,
-        "config": result.config.to_dict(),
-        "requests": outcomes,
-        "rejected_reasons": reasons,
-        "latency": latency,
-        "efficiency": efficiency,
-        "checks": {
-            "steps_checked": result.run.num_steps_checked,
-            "violations": len(result.run.violations),
-        },
-        "steps": result.run.num_steps,
-        "wall_seconds": result.run.wall_seconds,
-    }
-    if slo is not None:
-        summary["goodput"] = metrics.goodput(result.timelines, *slo)
-    return summary
-
-
-def _print_summary(console: Console, summary: dict[str, Any]) -> None:
-    latency = summary["latency"]
+def _print_summary(console: Console, record: dict[str, Any]) -> None:
+    details, figures = record["details"], record["figures"]
+    latency = details["latency_s"]
     _print_latency(console, "Per-request latency (all requests)", latency["all"])
     for key, title in (("long_prompts", f"Long prompts (top decile: >= {latency['long_prompt_len']:,} tokens)"),
                        ("arrived_during_long_prefill", "Requests that arrived while a long prompt was prefilled")):
         if key in latency:
             _print_latency(console, title, latency[key])
-    efficiency = summary["efficiency"]
+    efficiency = details["efficiency"]
     table = Table(title="Batch efficiency", show_header=False, title_justify="left")
     table.add_column(style="bold")
     table.add_column(justify="right")
     for key, value in efficiency.items():
         table.add_row(key, f"{value:,.3f}" if isinstance(value, float) else f"{value:,}" if isinstance(value, int) else str(value))
-    requests = summary["requests"]
+    requests = details["requests"]
     table.add_row("requests", ", ".join(f"{k} {v:,}" for k, v in requests.items()))
-    for reason, count in summary["rejected_reasons"].items():
-        table.add_row("rejected", f"{count:,}: {reason}")
-    if "goodput" in summary:
-        g = summary["goodput"]
+    for code, count in details["rejected_by_code"].items():
+        example = next((reason for reason in details["rejected_reasons"] if rejection_code(reason) == code), "")
+        table.add_row("rejected", f"{count:,}: {code}" + (f" (e.g. {example.partition(':')[2].strip()})"
+                                                          if example.partition(":")[2].strip() else ""))
+    if details.get("goodput") is not None:
+        g = details["goodput"]
         slos = ", ".join(f"{k[:-4]} <= {v:g} s" for k, v in g.items() if k.endswith("_slo") and v is not None)
         table.add_row("goodput", f"{_fmt(g['percent'], '')}% of {g['admitted']:,} admitted requests meet {slos}")
     console.print(table)
-    checks = summary["checks"]
     console.print(
-        f"Checked {checks['steps_checked']:,} of {summary['steps']:,} steps against every spec invariant: "
-        f"{checks['violations']} violations. Wall time {summary['wall_seconds']:.1f} s."
+        f"Checked {figures['steps_checked']:,} of {figures['num_steps']:,} steps against every spec invariant: "
+        f"{figures['violations']} violations. Wall time {figures['wall_time_s']:.1f} s."
     )
 
 
-def _compare_table(console: Console, summaries: list[dict[str, Any]]) -> None:
+def _print_compare_conditions(console: Console, names: list[str], rows: list[list[tuple[str, str]]]) -> None:
+    """The conditions of a ``--compare``: those every run shares once, then each run's own where they
+    differ (chunking, budget, policy), one column per run."""
+    shared = [(key, value) for (key, value) in rows[0] if all(dict(r).get(key) == value for r in rows)]
+    _print_conditions(console, shared + [("compared", ", ".join(names))])
+    differing = [key for key, _ in rows[0] if key not in dict(shared)]
+    if differing:
+        table = Table(title="Conditions that differ between the runs", title_justify="left")
+        table.add_column("condition", style="bold")
+        for name in names:
+            table.add_column(name)
+        for key in differing:
+            table.add_row(key, *(dict(r).get(key, "") for r in rows))
+        console.print(table)
+
+
+def _count(value: Any) -> str:
+    """An integer as an integer (``1,234``), a float with two decimals, ``None`` as ``-``."""
+    return "-" if value is None else f"{value:,}" if isinstance(value, int) else f"{value:,.2f}"
+
+
+def _compare_table(console: Console, records: list[dict[str, Any]]) -> None:
     table = Table(title="Comparison (same window, same cost model)", title_justify="left")
     table.add_column("metric", style="bold")
-    for s in summaries:
-        table.add_column(s["name"], justify="right")
-    rows = [
-        ("TTFT p50", lambda s: _fmt(s["latency"]["all"]["ttft"]["p50"])),
-        ("TTFT p99", lambda s: _fmt(s["latency"]["all"]["ttft"]["p99"])),
-        ("ITL p50", lambda s: _fmt(s["latency"]["all"]["itl"]["p50"])),
-        ("ITL p99", lambda s: _fmt(s["latency"]["all"]["itl"]["p99"])),
-        ("ITL max", lambda s: _fmt(s["latency"]["all"]["itl"]["max"])),
-        ("TPOT p50", lambda s: _fmt(s["latency"]["all"]["tpot"]["p50"])),
-        ("E2E p50", lambda s: _fmt(s["latency"]["all"]["e2e"]["p50"])),
-        ("E2E p99", lambda s: _fmt(s["latency"]["all"]["e2e"]["p99"])),
-        ("queueing p99", lambda s: _fmt(s["latency"]["all"]["queueing"]["p99"])),
-    ]
-    for name, get in rows:
-        table.add_row(name, *(get(s) for s in summaries))
-    for key in summaries[0]["efficiency"]:
-        table.add_row(key, *(_fmt(s["efficiency"].get(key), "") for s in summaries))
-    if "goodput" in summaries[0]:
-        table.add_row("goodput %", *(_fmt(s["goodput"].get("percent"), "") for s in summaries))
-    table.add_row("steps", *(f"{s['steps']:,}" for s in summaries))
-    table.add_row("violations", *(str(s["checks"]["violations"]) for s in summaries))
+    for r in records:
+        table.add_column(r["name"], justify="right")
+    for label, key in (("TTFT p50", "ttft_p50_s"), ("TTFT p99", "ttft_p99_s"), ("ITL p50", "itl_p50_s"),
+                       ("ITL p99", "itl_p99_s"), ("ITL max", "itl_max_s"), ("TPOT p50", "tpot_p50_s"),
+                       ("E2E p50", "e2e_p50_s"), ("E2E p99", "e2e_p99_s"), ("queueing p99", "queueing_p99_s")):
+        table.add_row(label, *(_fmt(r["figures"][key]) for r in records))
+    for key in records[0]["details"]["efficiency"]:
+        values = [r["details"]["efficiency"].get(key) for r in records]
+        if key.startswith("kv_usage"):
+            table.add_row(key + " %", *(_percent(None if v is None else 100 * v) for v in values))
+        else:
+            table.add_row(key, *(_count(v) for v in values))
+    if records[0]["figures"]["goodput_percent"] is not None:
+        table.add_row("goodput %", *(_fmt(r["figures"]["goodput_percent"], "") for r in records))
+    table.add_row("violations", *(str(r["figures"]["violations"]) for r in records))
     console.print(table)
 
 
@@ -300,13 +295,24 @@ def _compare_table(console: Console, summaries: list[dict[str, Any]]) -> None:
 @click.option("--compare", default=None, metavar="A,B,..",
               help=f"Run each scheduler or variant ({', '.join(sorted(VARIANTS))}) on the same window and compare.")
 @click.option("--plot", "plot_dir", default=None, metavar="DIR", help="Write PNG plots into this folder.")
-@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON only.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the run record as JSON only (a list with --compare or --sweep): every condition "
+                   "and every figure, units in the key names.")
+@click.option("--save", "save_path", default=None, metavar="FILE.json",
+              help="Write the run record (conditions and figures) to this file; with --compare or --sweep, one "
+                   "file per run: FILE-NAME.json / FILE-NN.json. Read back by `schedspec compare`.")
+@click.option("--sweep", "sweeps", multiple=True, metavar="FIELD=V1,V2,..",
+              help="Run every combination (cartesian product, repeatable) of SchedulerConfig fields, "
+                   "`scheduler`, or the load (`rate` in req/s, `time_scale`) and print one row per "
+                   "configuration; with --slo, mark those that meet it and name the best.")
+@click.option("--jobs", type=Count(minimum=1), default=None,
+              help="Worker processes for --sweep (default: all cores); the results do not depend on it.")
 @click.option("--no-check", is_flag=True, help="Skip the spec checks (faster; not recommended).")
 @click.option("--max-steps", type=Count(minimum=1), default=None, help="Stop after this many steps.")
 def command(trace_path, trace_format, synthetic, start, duration, max_requests, time_scale, length_scale,
             scheduler_name, sets,
             profile, backend, device, model_dir, steps_spec, steps_out, requests_out, slo, compare, plot_dir,
-            as_json, no_check, max_steps) -> None:
+            as_json, save_path, sweeps, jobs, no_check, max_steps) -> None:
     """Run the scheduler on a real trace and show the run conditions, the steps (by default the first
     40 where a request arrived, was preempted or finished; --steps to choose), the latency each request
     saw and the batch efficiency, with every step checked against the spec. Every option and the trace
@@ -343,6 +349,29 @@ def command(trace_path, trace_format, synthetic, start, duration, max_requests, 
             fail(f"--compare {compare!r}: {repeated[0]!r} given twice")
     else:
         names = [scheduler_name if scheduler_name is not None else "fcfs"]
+    sweep_fields = _parse_sweeps(sweeps)
+    points = sweeping.cartesian(sweep_fields) if sweep_fields else []
+    if sweep_fields:
+        fields = [field for field, _ in sweep_fields]
+        if compare is not None:
+            fail("--sweep and --compare: give one, not both (--sweep scheduler=A,B runs several schedulers)")
+        if backend != "cost-model":
+            fail("--sweep: only with --backend cost-model (measured step times of parallel runs on one device "
+                 "would disturb each other)")
+        for option, value in (("--steps-out", steps_out), ("--requests-out", requests_out)):
+            if value is not None:
+                fail(f"{option}: not with --sweep (--save writes one run record per configuration)")
+        if "time_scale" in fields and time_scale != 1:
+            fail("--sweep time_scale and --time-scale: give one, not both")
+        if "rate" in fields and (time_scale != 1 or "time_scale" in fields):
+            fail("--sweep rate: sets the time scale itself; give neither --time-scale nor --sweep time_scale")
+        if "scheduler" in fields and scheduler_name is not None:
+            fail("--sweep scheduler and --scheduler: give one, not both")
+        for field in fields:
+            if field in changes:
+                fail(f"--sweep {field} and --set {field}: give one, not both")
+    elif jobs is not None:
+        fail("--jobs: only with --sweep")
     try:
         spec = workloads.parse_synthetic(synthetic) if synthetic is not None else None
     except workloads.WorkloadError as error:
@@ -351,25 +380,29 @@ def command(trace_path, trace_format, synthetic, start, duration, max_requests, 
     # 2. Outputs: never an input, never each other, and writable, before anything runs.
     check_path("--trace", trace_path)
     check_path("--model", model_dir)
+    check_path("--save", save_path)
     path = (Path(trace_path) if trace_path is not None else workloads.default_trace_path()) if spec is None else None
 
     def output_name(base_path: str | None, name: str) -> str | None:
         return None if base_path is None else base_path if len(names) == 1 else f"{base_path}.{name}"
 
+    run_labels = [f"{i + 1:0{len(str(len(points)))}d}" for i in range(len(points))] if points else names
+    save_names = [_save_name(save_path, label, len(run_labels) > 1) for label in run_labels] if save_path else []
     check_outputs(
         [(option, output_name(base_path, name)) for option, base_path in (("--steps-out", steps_out),
                                                                             ("--requests-out", requests_out))
-         for name in names],
+         for name in names] + [("--save", target) for target in save_names],
         inputs=[path] if path is not None else [],
         folders=[("--plot", plot_dir)],
     )
     if plot_dir is not None and path is not None:
         from schedspec.reference.plots import plot_files
 
-        for plot in plot_files(names, plot_dir):
+        planned = sweeping.plot_files(plot_dir) if points else plot_files(names, plot_dir)
+        for plot in planned:
             if plot.exists() and path.exists() and plot.samefile(path):
                 fail(f"--plot {plot_dir}: would overwrite the input file {plot}")
-    if len(names) > 1 and any("/" in n or n.startswith(".") for n in names) and (steps_out or requests_out):
+    if len(names) > 1 and any("/" in n or n.startswith(".") for n in names) and (steps_out or requests_out or save_path):
         fail(f"--compare {compare!r}: a name with '/' or a leading '.' cannot name an output file")
 
     # 3. The configs and schedulers (exit 2 naming the option, or 3 for a missing feature).
@@ -381,6 +414,14 @@ def command(trace_path, trace_format, synthetic, start, duration, max_requests, 
         config = build_config(raw, {}, where=f"--compare {name} (with {where})" if compare else where)
         check_scheduler(scheduler, config, where="--compare" if compare else "--scheduler")
         configs[name] = (scheduler, config)
+    point_configs: list[tuple[str, SchedulerConfig]] = []
+    for point in points:
+        label = sweeping.point_label(point)
+        fields_changed = {k: v for k, v in point.items() if k not in sweeping.LOAD_FIELDS and k != "scheduler"}
+        scheduler, raw = resolve_variant(point.get("scheduler", names[0]), {**base, **changes, **fields_changed})
+        config = build_config(raw, {}, where=f"--sweep {label}")
+        check_scheduler(scheduler, config, where=f"--sweep {label}:" if "scheduler" in point else "--scheduler")
+        point_configs.append((scheduler, config))
 
     # 4. The workload.
     if duration is None and max_requests is None and spec is None:
@@ -390,52 +431,81 @@ def command(trace_path, trace_format, synthetic, start, duration, max_requests, 
         if spec is not None:
             requests = spec.generate()
             trace_text = f"synthetic {spec}"
+            workload = {"kind": "synthetic", "trace_path": None, "trace_sha256": None, "trace_format": None,
+                        "synthetic": str(spec), "description": trace_text}
         else:
             assert path is not None
             requests = workloads.load_trace(path, trace_format, notes=notes)
-            trace_text = str(workloads.trace_info(path, trace_format, requests))
+            info = workloads.trace_info(path, trace_format, requests)
+            trace_text = str(info)
+            workload = {"kind": "trace", "trace_path": str(path), "trace_sha256": run_record.file_sha256(path),
+                        "trace_format": info.format, "synthetic": None, "description": trace_text}
     except workloads.WorkloadError as error:
         fail(f"--trace: {error}" if spec is None else f"--synthetic: {error}")
+    except OSError as error:
+        fail(f"--trace {path}: cannot read ({error.strerror})")
     for line in notes:
         note(line)
-    try:
-        window = workloads.select_window(requests, start=start, duration=duration, max_requests=max_requests,
-                                         time_scale=time_scale)
-    except workloads.WorkloadError as error:
-        message = str(error)
-        for key, option in (("start=", "--start "), ("duration=", "--duration "), ("time_scale=", "--time-scale ")):
-            message = message.replace(key, option)
-        fail(message)
-    window = _scale_lengths(window, length_scale)
+
+    def make_window(scale: float, option: str = "--time-scale ") -> list:
+        try:
+            chosen = workloads.select_window(requests, start=start, duration=duration, max_requests=max_requests,
+                                             time_scale=scale)
+        except workloads.WorkloadError as error:
+            message = str(error)
+            for key, replacement in (("start=", "--start "), ("duration=", "--duration "), ("time_scale=", option)):
+                message = message.replace(key, replacement)
+            fail(message)
+        return _scale_lengths(chosen, length_scale)
+
+    window = make_window(time_scale)
     window_text = (f"start {start if start is not None else 'first arrival'}, duration "
                    f"{f'{duration:g} s' if duration else 'to the end'}, max requests {max_requests or 'all'}, "
                    f"time scale {time_scale:g}")
     if length_scale != 1:
         window_text += f", length scale {length_scale:g} (prompt and output lengths divided by {length_scale:g})"
+    window_conditions = {"start_s": start, "duration_s": duration, "max_requests": max_requests,
+                         "time_scale": time_scale, "length_scale": length_scale}
+    cost_backend = {"kind": "cost-model", "device": None, "model_dir": None, "description": f"cost model ({cost.name})"}
+
+    def shared(backend_conditions: dict[str, Any], model: str, window_fields: dict[str, Any]) -> dict[str, Any]:
+        return run_record.shared_conditions(workload=workload, window=window_fields, cost=cost,
+                                            backend=backend_conditions, model=model, checks=not no_check,
+                                            max_steps=max_steps)
+
+    if points:
+        _sweep(console, points, point_configs, make_window, window, window_conditions,
+               shared(cost_backend, cost.model, window_conditions), cost, slo_pair, no_check, max_steps,
+               jobs, plot_dir, save_names, as_json, trace_text, window_text)
+        return
 
     # 5. The runs.
     runs: list[tuple[str, LabResult]] = []
+    records: list[dict[str, Any]] = []
+    run_conditions: list[list[tuple[str, str]]] = []
     for name in names:
         scheduler, config = configs[name]
         token_source = None
         backend_text = f"cost model ({cost.name})"
+        backend_conditions, model = cost_backend, cost.model
         if backend == "torch":
             config, token_source, backend_text = _torch_backend(config, changes, window, model_dir, device)
+            backend_conditions = {"kind": "torch", "device": device, "model_dir": model_dir,
+                                  "description": backend_text}
+            model = model_dir if model_dir is not None else "built-in tiny model (schedspec.gpu_backend)"
         target = output_name(steps_out, name)
         result = _run_one(name, scheduler, config, window, token_source, cost, no_check, max_steps, as_json,
                           target, console)
         result.scheduler = name
         runs.append((name, result))
+        records.append(run_record.build_record(name, result, shared(backend_conditions, model, window_conditions),
+                                               slo_pair))
+        run_conditions.append(_conditions(result, cost, trace_text, window_text, backend_text))
         if not as_json and not compare:
-            _print_conditions(console, _conditions(result, cost, trace_text, window_text, backend_text))
+            _print_conditions(console, run_conditions[-1])
             console.print(Text(f"Config derivation: {derivation}", style="dim"))
             _print_steps(console, result.steps, config, step_filter(result.steps))
 
-    summaries = []
-    for name, result in runs:
-        summary = _summaries(result, slo_pair)
-        summary["name"] = name
-        summaries.append(summary)
     for name, result in runs:
         target = output_name(requests_out, name)
         if target is not None:
@@ -444,6 +514,7 @@ def command(trace_path, trace_format, synthetic, start, duration, max_requests, 
                     metrics.write_timelines_csv(result.timelines, handle)
             except OSError as error:
                 fail(f"--requests-out {target}: cannot write ({error.strerror})")
+    _save_records(records, save_names, console, quiet=as_json)
     if plot_dir:
         from schedspec.reference.plots import write_plots
 
@@ -453,15 +524,177 @@ def command(trace_path, trace_format, synthetic, start, duration, max_requests, 
         except OSError as error:
             fail(f"--plot {plot_dir}: cannot write ({error.strerror})")
     if as_json:
-        click.echo(json.dumps(summaries if compare else summaries[0], indent=2, default=str))
+        click.echo(json.dumps(records if compare else records[0], indent=2, default=str))
     elif compare:
-        _print_conditions(console, _conditions(runs[0][1], cost, trace_text, window_text, "cost model")
-                          + [("compared", ", ".join(names))])
-        _compare_table(console, summaries)
+        _print_compare_conditions(console, names, run_conditions)
+        _compare_table(console, records)
     else:
-        _print_summary(console, summaries[0])
-    if any(s["checks"]["violations"] for s in summaries):
+        _print_summary(console, records[0])
+    if any(r["figures"]["violations"] for r in records):
         sys.exit(EXIT_CHECK_FAILED)
+
+
+MAX_SWEEP_POINTS = 1000
+"""Most configurations one ``--sweep`` may run (the product of the value counts)."""
+
+
+def _parse_sweeps(items: tuple[str, ...]) -> list[tuple[str, list[Any]]]:
+    """``--sweep FIELD=V1,V2,..`` options as ``[(field, [values])]``; exits 2 naming the option on an
+    unknown or repeated field, an empty or repeated value, a load value that is not a number > 0, or
+    more than :data:`MAX_SWEEP_POINTS` configurations."""
+    known = [f.name for f in attrs.fields(SchedulerConfig)] + ["scheduler", *sweeping.LOAD_FIELDS]
+    out: list[tuple[str, list[Any]]] = []
+    total = 1
+    for item in items:
+        field, sep, text = item.partition("=")
+        field = field.strip()
+        if not sep or not field:
+            fail(f"--sweep {item!r}: expected FIELD=V1,V2,.. (e.g. max_num_seqs=64,128)")
+        if field not in known:
+            fail(f"--sweep {field!r}: unknown field; known: {', '.join(known)}")
+        if any(field == f for f, _ in out):
+            fail(f"--sweep {field!r}: given twice")
+        raw = [v.strip() for v in text.split(",")]
+        if not all(raw):
+            fail(f"--sweep {item!r}: an empty value")
+        values: list[Any] = []
+        for value in raw:
+            if field in sweeping.LOAD_FIELDS:
+                try:
+                    number = float(value)
+                except ValueError:
+                    fail(f"--sweep {field}={value!r}: not a number")
+                if not math.isfinite(number) or number <= 0:
+                    fail(f"--sweep {field}={value!r}: must be a finite number > 0")
+                values.append(number)
+            else:
+                values.append(value if field == "scheduler" else parse_value(value))
+        if len(set(map(repr, values))) != len(values):
+            fail(f"--sweep {item!r}: a value given twice")
+        total *= len(values)
+        if total > MAX_SWEEP_POINTS:
+            fail(f"--sweep: more than {MAX_SWEEP_POINTS:,} configurations")
+        out.append((field, values))
+    return out
+
+
+def _save_name(save_path: str, label: str, several: bool) -> str:
+    """``run.json`` -> ``run-LABEL.json`` when several runs are saved."""
+    if not several:
+        return save_path
+    target = Path(save_path)
+    suffix = target.suffix or ".json"
+    return str(target.with_name(f"{target.stem if target.suffix else target.name}-{label}{suffix}"))
+
+
+def _save_records(records: list[dict[str, Any]], targets: list[str], console: Console, quiet: bool) -> None:
+    for record, target in zip(records, targets, strict=False):
+        if record is None:
+            continue
+        try:
+            with atomic_output(target, encoding="utf-8") as handle:
+                handle.write(json.dumps(record, indent=2, default=str) + "\n")
+        except OSError as error:
+            fail(f"--save {target}: cannot write ({error.strerror})")
+        if not quiet:
+            console.print(f"wrote {target}")
+
+
+def _sweep(console: Console, points: list[dict[str, Any]], point_configs: list[tuple[str, SchedulerConfig]],
+           make_window, window: list, window_conditions: dict[str, Any], conditions: dict[str, Any],
+           cost, slo, no_check: bool, max_steps: int | None, jobs: int | None, plot_dir: str | None,
+           save_names: list[str], as_json: bool, trace_text: str, window_text: str) -> None:
+    """``--sweep``: every point run (in parallel), one table, the best configuration named."""
+    windows: dict[float, list] = {window_conditions["time_scale"]: window}
+    natural_rate = None
+    job_list = []
+    for index, (point, (scheduler, config)) in enumerate(zip(points, point_configs, strict=True)):
+        scale = window_conditions["time_scale"]
+        if "time_scale" in point:
+            scale = point["time_scale"]
+        elif "rate" in point:
+            if natural_rate is None:
+                base = windows[window_conditions["time_scale"]]
+                span = base[-1].arrival_time - base[0].arrival_time
+                if span <= 0:
+                    fail("--sweep rate: every request of the window arrives at the same time; no rate to scale")
+                natural_rate = len(base) / span
+            scale = natural_rate / point["rate"]
+        if scale not in windows:
+            windows[scale] = make_window(scale, option=f"--sweep {sweeping.point_label(point)}: time_scale=")
+        own = dict(conditions)
+        own["window"] = {**window_conditions, "time_scale": scale}
+        job_list.append((index, sweeping.point_label(point), scheduler, config, windows[scale], cost, not no_check,
+                         max_steps, own, slo, point))
+    workers = jobs if jobs is not None else sweeping.default_jobs()
+    if not as_json:
+        console.print(f"Sweep: {len(points)} configurations of {trace_text.splitlines()[0]}; window {window_text}; "
+                      f"checks {'off' if no_check else 'on'}; {min(workers, len(points))} worker processes")
+    try:
+        results = sweeping.run_points(job_list, workers)
+    except BrokenProcessPool as error:
+        fail(f"--sweep: a worker process died ({error}); try fewer --jobs or a smaller window",
+             status=EXIT_CHECK_FAILED)
+    records = [record for _, record, _ in results]
+    problems = [(i, why) for i, _, why in results if why is not None]
+    best, reason = sweeping.choose_best(records, slo)
+    _save_records(records, save_names, console, quiet=as_json)  # type: ignore[arg-type]
+    if plot_dir is not None:
+        try:
+            for written in sweeping.write_plots(records, points, slo, plot_dir):
+                if not as_json:
+                    console.print(f"wrote {written}")
+        except OSError as error:
+            fail(f"--plot {plot_dir}: cannot write ({error.strerror})")
+    if as_json:
+        click.echo(json.dumps([r for r in records if r is not None], indent=2, default=str))
+    else:
+        _print_sweep_table(console, points, records, slo, best)
+        for index, why in problems:
+            console.print(Text.assemble(("FAILED", "red"), f" point {index + 1} ({sweeping.point_label(points[index])}): ",
+                                        one_line(why)))
+        console.print(f"Best: {'point ' + str(best + 1) + ' (' + sweeping.point_label(points[best]) + ')' if best is not None else 'none'}: {reason}")
+    if problems or any(r is not None and r["figures"]["violations"] for r in records):
+        sys.exit(EXIT_CHECK_FAILED)
+
+
+def _print_sweep_table(console: Console, points: list[dict[str, Any]], records: list, slo, best: int | None) -> None:
+    table = Table(title="Sweep: one row per configuration (latency over finished requests, in ms: p50 / p95 / p99)",
+                  title_justify="left")
+    table.add_column("#", justify="right")
+    for field in points[0]:
+        table.add_column(field, justify="right", no_wrap=True, min_width=len(field))
+    for column in ("output tok/s", "total tok/s", "TTFT ms", "ITL ms", "TPOT ms", "goodput %", "preemptions",
+                   "KV mean/max %", "SLO"):
+        table.add_column(column, justify="right", no_wrap=True)
+    for index, (point, record) in enumerate(zip(points, records, strict=True)):
+        values = [sweeping.value_text(v) for v in point.values()]
+        if record is None:
+            table.add_row(str(index + 1), *values, "failed", *([""] * 8))
+            continue
+        f = record["figures"]
+        meets = sweeping.meets_slo(f, slo)
+        mark = "" if meets is None else "meets" if meets else "misses"
+        if index == best:
+            mark = "BEST" if meets is not False else mark
+        table.add_row(
+            str(index + 1), *values, _count(f["output_tokens_per_s"]), _count(f["total_tokens_per_s"]),
+            *(" / ".join(_ms(f[f"{m}_{p}_s"]) for p in ("p50", "p95", "p99")) for m in ("ttft", "itl", "tpot")),
+            "-" if f["goodput_percent"] is None else f"{f['goodput_percent']:.1f}", f"{f['preemptions']:,}",
+            f"{_percent(f['kv_usage_mean_percent'])[:-1]} / {_percent(f['kv_usage_max_percent'])[:-1]}", mark,
+            style="bold" if index == best else None)
+    make_console(width=1000).print(table)  # its natural width: one line per configuration, nothing cut
+
+
+def _ms(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    value = seconds * 1e3
+    return f"{value:,.0f}" if value >= 100 else f"{value:.1f}"
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}%"
 
 
 def _run_one(name: str, scheduler: str, config: SchedulerConfig, window: list, token_source, cost, no_check: bool,
