@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The test command (README quick start): create the environment, install pinned dependencies,
-# lint, and run the whole suite. HYPOTHESIS_PROFILE selects the Hypothesis profile (default: fast;
+# lint, build the documentation site (mkdocs.yml, strict: a broken link or reference fails), and
+# run the whole suite. HYPOTHESIS_PROFILE selects the Hypothesis profile (default: fast;
 # CI sets "ci").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[dev,torch,hf]' 2>&1 \
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[dev,torch,hf,docs]' 2>&1 \
   | grep -v "is ignored: it is neither a file nor a directory" || true
 # nano-vLLM (engine adapter schedspec.engines.nanovllm): exact pins, --no-deps so that its declared
 # triton/torch requirements are not resolved (see engines/requirements-nanovllm.txt).
@@ -14,4 +15,5 @@ python3 -m venv .venv
 .venv/bin/python -c "import schedspec, torch, transformers, xxhash" # fail early if the install is incomplete
 .venv/bin/python -c "from schedspec.engines.nanovllm import load_engine; load_engine()"
 .venv/bin/ruff check .
+NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet   # the site goes to site/ (git-ignored)
 .venv/bin/python -m pytest -q "$@"
