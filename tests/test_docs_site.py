@@ -48,3 +48,12 @@ def test_api_spec_page_follows_the_reading_order(generator) -> None:
     assert generator.API_SPEC.read_text(encoding="utf-8") == generator.render_api_spec(), (
         "docs/api/spec.md is stale: run .venv/bin/python scripts/gen_docs_examples.py"
     )
+
+
+def test_sphinx_roles_render_as_inline_code() -> None:
+    spec = importlib.util.spec_from_file_location("griffe_sphinx_roles", ROOT / "scripts" / "griffe_sphinx_roles.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    text = "See :class:`~schedspec.spec.state.StepPlan`, :func:`apply_plan` and :mod:`schedspec.spec.rules`."
+    assert module.plain_roles(text) == "See `StepPlan`, `apply_plan` and `schedspec.spec.rules`."
+    assert module.plain_roles("``literal`` and :notarole:`x`") == "``literal`` and :notarole:`x`"
