@@ -270,6 +270,10 @@ KNOWN = {
     "slot-freed-is-reused": SEQUENCE_CAP,
     "priority-preempts-at-seq-cap": SEQUENCE_CAP,
     "priority-preemption-must-admit": SEQUENCE_CAP,
+    # vLLM's findings' cases: nano-vLLM has the never-fits fault too.
+    "counterexample-vllm-impossible-request-blocks-queue": NEVER_FITS_CRASH,
+    "counterexample-vllm-outgrown-request-blocks-queue": NEVER_FITS_CRASH,
+    "counterexample-vllm-priority-no-preempt-at-seq-cap": SEQUENCE_CAP,
 }
 SCENARIOS = bundled_scenarios()
 

@@ -376,11 +376,11 @@ def test_lab_runs_vllm_under_kv_pressure_with_every_step_checked() -> None:
         "--set", "max_num_seqs=16", "--set", "num_kv_blocks=400", "--json",
     ], catch_exceptions=False)
     assert result.exit_code == 0, result.output
-    by_name = {s["name"]: s for s in json.loads(result.stdout)}
+    by_name = {s["conditions"]["scheduler"]: s["figures"] for s in json.loads(result.stdout)}
     vllm = by_name["vllm"]
-    assert vllm["checks"]["violations"] == 0 and vllm["checks"]["steps_checked"] == vllm["steps"] > 0
-    assert vllm["requests"]["finished"] == 120
-    assert vllm["efficiency"]["preemptions"] > 0
+    assert vllm["violations"] == 0 and vllm["steps_checked"] == vllm["num_steps"] > 0
+    assert vllm["requests_finished"] == 120
+    assert vllm["preemptions"] > 0
 
 
 # --------------------------------------------------------------------------- async scheduling
