@@ -366,3 +366,17 @@ def test_unknown_request_detail_says_it_is_not_live() -> None:
     state = base_state()
     found = dict(_check("known-requests", state, StepPlan(scheduled=(DECODE_A, ScheduledRequest("ghost", 0, 1)))))
     assert "not a live request" in found["ghost"]
+
+
+def test_rule_decorator_registers_the_check_unchanged() -> None:
+    from schedspec.spec.rules import Rule, rule
+
+    def probe(state, plan, config):
+        yield from ()
+
+    count = len(RULES)
+    try:
+        assert rule("probe-rule", "A statement.", "a source")(probe) is probe
+        assert RULES[count:] == [Rule("probe-rule", "A statement.", "a source", probe)]
+    finally:
+        del RULES[count:]
