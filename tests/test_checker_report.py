@@ -166,3 +166,96 @@ def test_overlap_tolerance_is_absolute_below_one_second() -> None:
     negative[1] = attrs.evolve(timed[1], duration=-0.5)
     (found,) = _mismatches(check_trace(config, negative))
     assert "duration" in found.detail and found.step == 1
+
+
+def _tamper(records: list[StepRecord], index: int, **changes) -> list[StepRecord]:
+    changed = list(records)
+    changed[index] = attrs.evolve(records[index], **changes)
+    return changed
+
+
+def _finishing(records: list[StepRecord]) -> tuple[int, str, str]:
+    """(index, request id, reason) of the first record in which a request finishes holding blocks."""
+    for i, record in enumerate(records):
+        for request_id, reason in record.finished.items():
+            if record.blocks_freed.get(request_id):
+                return i, request_id, reason
+    raise AssertionError("the run has no finish that frees blocks")
+
+
+def _still_running(records: list[StepRecord]) -> tuple[int, str]:
+    """(index, request id) of the first scheduled request that neither finishes nor frees in its step."""
+    for i, record in enumerate(records):
+        for item in record.scheduled:
+            if item.request_id not in record.finished and item.request_id not in record.blocks_freed:
+                return i, item.request_id
+    raise AssertionError("the run has no such step")
+
+
+def _mismatch_of(config, records, index, request_id=None) -> str:
+    report = check_trace(config, records, keep_going=True)
+    assert report.first_bad_step == records[index].step, report.violations
+    found = [v for v in _mismatches(report) if v.step == records[index].step and v.request_id == request_id]
+    assert found, report.violations
+    return found[0].detail
+
+
+def test_finish_reports_are_compared_with_the_spec() -> None:
+    config, records = _good_run()
+    i, request_id, reason = _finishing(records)
+    record = records[i]
+    other = "abort" if reason != "abort" else "length"
+    detail = _mismatch_of(config, _tamper(records, i, finished={**record.finished, request_id: other}), i, request_id)
+    assert repr(other) in detail and repr(reason) in detail
+    missing = {k: v for k, v in record.finished.items() if k != request_id}
+    assert "not reported finished" in _mismatch_of(config, _tamper(records, i, finished=missing), i, request_id)
+    j, live = _still_running(records)
+    detail = _mismatch_of(config, _tamper(records, j, finished={**records[j].finished, live: "length"}), j, live)
+    assert "does not end it" in detail
+
+
+def test_freed_blocks_are_compared_with_the_spec() -> None:
+    config, records = _good_run()
+    i, request_id, _ = _finishing(records)
+    record = records[i]
+    short = {**record.blocks_freed, request_id: record.blocks_freed[request_id][1:]}
+    assert "blocks_freed" in _mismatch_of(config, _tamper(records, i, blocks_freed=short), i, request_id)
+    # A request that frees nothing in the step, reported as freeing a block.
+    j, live = _still_running(records)
+    extra = {**records[j].blocks_freed, live: (0,)}
+    assert "blocks_freed [0]" in _mismatch_of(config, _tamper(records, j, blocks_freed=extra), j, live)
+
+
+def test_allocation_outside_the_batch_and_prefix_hits_without_caching_are_mismatches() -> None:
+    config, records = _good_run()
+    assert not config.enable_prefix_caching
+    index = next(i for i, r in enumerate(records) if r.scheduled)
+    request_id = records[index].scheduled[0].request_id
+    outside = _tamper(records, index, blocks_allocated={**records[index].blocks_allocated, "nobody": (0,)})
+    assert "blocks_allocated [0]" in _mismatch_of(config, outside, index, "nobody")
+    hit = _tamper(records, index, prefix_hit_tokens={request_id: 4})
+    assert "prefix_hit_tokens=4" in _mismatch_of(config, hit, index, request_id)
+    assert check_trace(config, _tamper(records, index, prefix_hit_tokens={request_id: 0})).ok
+
+
+def test_queue_and_pool_counts_are_compared_with_the_spec() -> None:
+    config, records = _good_run()
+    index = 2
+    for field in ("num_free_blocks", "num_running", "num_waiting"):
+        changed = _tamper(records, index, **{field: getattr(records[index], field) + 1})
+        detail = _mismatch_of(config, changed, index)
+        assert detail.startswith(f"{field} after the step")
+        assert f"says {getattr(records[index], field) + 1}" in detail
+
+
+def test_keep_going_follows_the_engine_past_a_missing_sampled_token() -> None:
+    """The checker applies a token that keeps the request going (the record says it did not stop), so
+    the steps after the faulty one are judged on the engine's own course: nothing cascades."""
+    config, records = _good_run()
+    index = next(i for i, r in enumerate(records) if len(r.sampled_token_ids) > 1 and not r.finished)
+    record = records[index]
+    first, *rest = record.sampled_token_ids
+    missing = _tamper(records, index, sampled_token_ids={k: record.sampled_token_ids[k] for k in rest})
+    report = check_trace(config, missing, keep_going=True)
+    assert {v.step for v in report.violations} == {record.step}, report.violations
+    assert {v.request_id for v in report.violations} == {first}
