@@ -142,3 +142,59 @@ def test_incremental_equals_full_check(run, fault, fault_step):
             return
         checked = frozenset(after.finished)
         step += 1
+
+
+def _drive(config, specs, name, fault=None, fault_step=None):
+    """Run ``name`` on ``specs`` and compare the incremental and the full check at every step, breaking
+    the state after step ``fault_step`` with FAULTS[fault]; returns the verdicts of that step (or None)."""
+    scheduler = make_scheduler(name, config)
+    model = FakeModel(config, cost_model=_Flat())
+    checker = IncrementalChecker(config)
+    checked: frozenset[str] = frozenset()
+    for step in range(200):
+        for spec in specs:
+            if spec.arrival_step == step:
+                scheduler.add_request(spec.to_request(step))
+            if spec.abort_at_step == step:
+                scheduler.state = abort_request(scheduler.state, spec.request_id)
+        before = scheduler.state
+        if not before.requests and step > max(s.arrival_step for s in specs):
+            return None
+        checker.sync(before)
+        plan = scheduler.schedule()
+        sampled, _ = model.execute(plan, before)
+        scheduler.update(plan, sampled)
+        after = scheduler.state
+        broken = FAULTS[fault](after, before, checked) if step == fault_step else None
+        target = broken if broken is not None else after
+        full, incremental = check_step(before, plan, target, config), checker.check(before, plan, target)
+        assert _verdict(incremental) == _verdict(full), step
+        if broken is not None:
+            return full
+        checked = frozenset(after.finished)
+    return None
+
+
+CONFIG = SchedulerConfig(block_size=4, num_kv_blocks=12, max_num_batched_tokens=16, max_num_seqs=3, max_model_len=32)
+SPECS = [RequestSpec(f"r{i}", 5 + 3 * i, 4 + i, arrival_step=i // 2) for i in range(6)]
+
+
+def test_correct_run_never_falls_back_to_the_full_block_conservation_check(monkeypatch):
+    """The block ledger proves block-conservation on every step of a correct run (with preemptions,
+    finishes and aborts), so the full check, whose cost grows with the pool, is never run."""
+    import schedspec.spec.incremental as incremental
+
+    calls = []
+    monkeypatch.setattr(incremental, "block_conservation", lambda *args: calls.append(args) or iter(()))
+    specs = SPECS + [RequestSpec("aborted", 6, 4, arrival_step=1, abort_at_step=3)]
+    for name in ("fcfs", "static", "shortest-prompt-first"):
+        assert _drive(CONFIG.with_changes(num_kv_blocks=8), specs, name) is None
+    assert calls == []
+
+
+def test_arrival_aborted_before_its_first_step_and_broken_then_is_reported():
+    """A request that arrives and is aborted before the checker ever sees it live is still checked in
+    that step: left with a live status, both checks report it (queues-disjoint)."""
+    specs = SPECS[:2] + [RequestSpec("gone", 3, 2, arrival_step=1, abort_at_step=1)]
+    full = _drive(CONFIG, specs, "fcfs", fault="aborted request not terminal", fault_step=1)
+    assert full is not None and "gone" in {v.request_id for v in full}
