@@ -259,3 +259,49 @@ def test_keep_going_follows_the_engine_past_a_missing_sampled_token() -> None:
     report = check_trace(config, missing, keep_going=True)
     assert {v.step for v in report.violations} == {record.step}, report.violations
     assert {v.request_id for v in report.violations} == {first}
+
+
+def test_a_skipped_step_number_stops_the_check_there() -> None:
+    config, records = _good_run()
+    skipped = _tamper(records, 3, step=5)
+    report = check_trace(config, skipped, keep_going=True)
+    assert report.first_bad_step == 3 and report.record is skipped[3] and report.plan is None
+    assert report.state_before is not None and report.state_before.step == 3
+    (found,) = report.violations
+    assert found.kind == "mismatch" and found.step == 3 and "expected step 3" in found.detail
+
+
+def test_by_default_the_check_stops_at_the_first_illegal_step() -> None:
+    config, records = _good_run()
+    for bad in (2, 4):
+        item = records[bad].scheduled[0]
+        records[bad] = attrs.evolve(records[bad], scheduled=(attrs.evolve(item, prefill_tokens=item.prefill_tokens + 50),)
+                                    + records[bad].scheduled[1:])
+    report = check_trace(config, records)
+    assert {v.step for v in report.violations} == {2}
+    assert report.steps_checked < len(records)
+
+
+def test_aborts_of_live_requests_must_be_reported_aborted() -> None:
+    config, records = _good_run()
+    j, live = _still_running(records)
+    # The engine says it received an abort for a live request but reports nothing aborted.
+    report = check_trace(config, _tamper(records, j, aborts=(live,), aborted=()))
+    assert report.first_bad_step == records[j].step
+    details = [v.detail for v in _mismatches(report)]
+    assert any(d.startswith("aborted []") and repr(live) in d for d in details), details
+    # An abort of an unknown id is not expected to be reported aborted.
+    assert not [v for v in _mismatches(check_trace(config, _tamper(records, j, aborts=("nobody",), aborted=())))
+                if v.detail.startswith("aborted")]
+    # The same id reported aborted twice.
+    report = check_trace(config, _tamper(records, j, aborts=(live,), aborted=(live, live)))
+    assert any(v.detail.startswith("aborted") for v in _mismatches(report))
+
+
+def test_an_arrival_the_spec_cannot_add_is_a_mismatch_naming_it() -> None:
+    config, records = _good_run()
+    index = next(i for i, r in enumerate(records) if r.arrivals)
+    again = records[index].arrivals[0]
+    later = index + 1
+    report = check_trace(config, _tamper(records, later, arrivals=records[later].arrivals + (again,)), keep_going=True)
+    assert again.request_id in {v.request_id for v in _mismatches(report) if v.detail.startswith("arrival:")}
