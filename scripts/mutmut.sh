@@ -5,6 +5,8 @@
 #   scripts/mutmut.sh rules checker   # only the mutants of spec/rules.py and spec/checker.py
 #   MUTMUT_CHILDREN=2 scripts/mutmut.sh rules       # parallel workers (default 1)
 #   MUTMUT_RESUME=1 scripts/mutmut.sh rules         # keep build/mutmut and its results from a previous run
+#   scripts/mutmut.sh 'schedspec.spec.checker.x__compare_after__mutmut_*'   # mutant names or patterns
+#   MUTMUT_STAGE=/tmp/mm scripts/mutmut.sh checker  # another staging folder (default build/mutmut)
 #
 # Mutated: spec/{rules,transitions,invariants,checker,incremental}.py. Tests: the fast selection below
 # (about 45 s in all on one core; mutmut runs, for each mutant, only the tests that called its function).
@@ -25,7 +27,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 PY="${PYTHON:-$ROOT/.venv/bin/python}"
-STAGE="$ROOT/build/mutmut"
+STAGE="${MUTMUT_STAGE:-$ROOT/build/mutmut}"
 CHILDREN="${MUTMUT_CHILDREN:-1}"
 MODULES=("$@")
 [ ${#MODULES[@]} -eq 0 ] && MODULES=(rules transitions invariants checker incremental)
@@ -66,7 +68,14 @@ fi
 
 cd "$STAGE"
 PATTERNS=()
-for m in "${MODULES[@]}"; do PATTERNS+=("schedspec.spec.$m.*"); done
+SUMMARY=()
+for m in "${MODULES[@]}"; do
+  case "$m" in
+    *.*) PATTERNS+=("$m"); m="${m#schedspec.spec.}"; m="${m%%.*}" ;;
+    *) PATTERNS+=("schedspec.spec.$m.*") ;;
+  esac
+  case " ${SUMMARY[*]:-} " in *" $m "*) ;; *) SUMMARY+=("$m") ;; esac
+done
 start=$(date +%s)
 # mutants/ must exist before Python starts: a PYTHONPATH entry that does not exist yet is cached as
 # "no finder" and the tests would silently import the unmutated package through the editable install.
@@ -74,7 +83,7 @@ mkdir -p mutants
 export HYPOTHESIS_PROFILE=mutmut PYTHONPATH="$STAGE/mutants" SCHEDSPEC_TESTS_IN_PROCESS=1
 "$PY" -m mutmut run --max-children "$CHILDREN" "${PATTERNS[@]}"
 echo "mutmut took $(( $(date +%s) - start )) s with $CHILDREN worker(s) on $(nproc) core(s)"
-"$PY" - "${MODULES[@]}" <<'EOF'
+"$PY" - "${SUMMARY[@]}" <<'EOF'
 import collections
 import subprocess
 import sys
