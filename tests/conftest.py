@@ -3,6 +3,8 @@
 - ``default``: fast local runs (30 examples, stateful runs of up to 30 rules).
 - ``ci``: derandomized (a fixed seed sequence, no example database) so CI never flakes; 500 examples
   of 50 rules per stateful test, i.e. per reference policy.
+- ``mutmut``: derandomized like ``ci`` but with the default's 30 examples, so that a mutant's verdict does
+  not depend on the run (scripts/mutmut.sh).
 - ``nightly``: long randomized campaigns (10,000 examples of 100 rules), failures kept in the local
   example database for replay.
 
@@ -29,6 +31,15 @@ settings.register_profile(
     derandomize=True,
     database=None,
     print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "mutmut",
+    max_examples=30,
+    stateful_step_count=30,
+    deadline=None,
+    derandomize=True,
+    database=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.register_profile(

@@ -49,17 +49,17 @@ def _verdict(violations):
 
 
 FAULTS = {
-    "block owned twice": lambda s, before: _give_block(s, lambda req, other: req.block_ids + other.block_ids[:1]),
-    "block leaked": lambda s, before: attrs.evolve(s, free_block_ids=s.free_block_ids[1:]) if s.free_block_ids else None,
-    "block out of range": lambda s, before: _give_block(s, lambda req, other: req.block_ids + (10**6,)),
-    "terminal holds blocks": lambda s, before: _finished_with_blocks(s, before),
+    "block owned twice": lambda s, before, checked: _give_block(s, lambda req, other: req.block_ids + other.block_ids[:1]),
+    "block leaked": lambda s, before, checked: attrs.evolve(s, free_block_ids=s.free_block_ids[1:]) if s.free_block_ids else None,
+    "block out of range": lambda s, before, checked: _give_block(s, lambda req, other: req.block_ids + (10**6,)),
+    "terminal holds blocks": lambda s, before, checked: _finished_with_blocks(s, before),
     # Faults that keep the free queue's length right (the count alone cannot see them).
-    "owned block in the free queue": lambda s, before: _owned_in_queue(s),
-    "duplicate in the free queue": lambda s, before: (
+    "owned block in the free queue": lambda s, before, checked: _owned_in_queue(s),
+    "duplicate in the free queue": lambda s, before, checked: (
         attrs.evolve(s, free_block_ids=s.free_block_ids[1:] + s.free_block_ids[-1:]) if len(s.free_block_ids) > 1 else None),
-    "out-of-range id in the free queue": lambda s, before: (
+    "out-of-range id in the free queue": lambda s, before, checked: (
         attrs.evolve(s, free_block_ids=s.free_block_ids[1:] + (10**6,)) if s.free_block_ids else None),
-    "aborted request not terminal": lambda s, before: _aborted_not_terminal(s, before),
+    "aborted request not terminal": lambda s, before, checked: _aborted_not_terminal(s, before, checked),
 }
 
 
@@ -70,12 +70,14 @@ def _owned_in_queue(state):
     return attrs.evolve(state, free_block_ids=state.free_block_ids[1:] + (owned[0],))
 
 
-def _aborted_not_terminal(state, before):
-    """A request that arrived and was aborted before this step was planned (so the checker never saw it
-    live) is left with a live status among the terminal requests. (Breaking a request that ended in an
-    earlier step is out of scope: no spec transition changes a terminal request, module docstring.)"""
+def _aborted_not_terminal(state, before, checked):
+    """A request aborted before this step (possibly in the step it arrived, before the checker saw it live)
+    is left with a live status among the terminal requests. Only a request that became terminal since the
+    previous step (not in ``checked``, the terminal ids of the previous step's state) is chosen: the
+    incremental checker checks a terminal request once, in the step it becomes terminal (its module
+    docstring), so breaking one that ended steps ago is outside its contract."""
     aborted = [r for r, q in state.finished.items() if q.finish_reason == "abort" and r in before.finished
-               and q.arrival_step == before.step]
+               and before.finished[r].admitted_step is None and r not in checked]
     if not aborted:
         return None
     finished = dict(state.finished)
@@ -114,6 +116,7 @@ def test_incremental_equals_full_check(run, fault, fault_step):
     checker = IncrementalChecker(config)
     pending = sorted(specs, key=lambda s: s.arrival_step)
     step = 0
+    checked: frozenset[str] = frozenset()  # terminal ids of the previous step's state
     while step < 200:
         for spec in [s for s in pending if s.arrival_step == step]:
             scheduler.add_request(spec.to_request(step))
@@ -129,7 +132,7 @@ def test_incremental_equals_full_check(run, fault, fault_step):
         sampled, _ = model.execute(plan, before)
         scheduler.update(plan, sampled)
         after = scheduler.state
-        broken = FAULTS[fault](after, before) if step == fault_step else None
+        broken = FAULTS[fault](after, before, checked) if step == fault_step else None
         target = broken if broken is not None else after
         full = check_step(before, plan, target, config)
         incremental = checker.check(before, plan, target)
@@ -137,4 +140,61 @@ def test_incremental_equals_full_check(run, fault, fault_step):
         if broken is not None:
             assert full, f"the fault {fault!r} must be detected"
             return
+        checked = frozenset(after.finished)
         step += 1
+
+
+def _drive(config, specs, name, fault=None, fault_step=None):
+    """Run ``name`` on ``specs`` and compare the incremental and the full check at every step, breaking
+    the state after step ``fault_step`` with FAULTS[fault]; returns the verdicts of that step (or None)."""
+    scheduler = make_scheduler(name, config)
+    model = FakeModel(config, cost_model=_Flat())
+    checker = IncrementalChecker(config)
+    checked: frozenset[str] = frozenset()
+    for step in range(200):
+        for spec in specs:
+            if spec.arrival_step == step:
+                scheduler.add_request(spec.to_request(step))
+            if spec.abort_at_step == step:
+                scheduler.state = abort_request(scheduler.state, spec.request_id)
+        before = scheduler.state
+        if not before.requests and step > max(s.arrival_step for s in specs):
+            return None
+        checker.sync(before)
+        plan = scheduler.schedule()
+        sampled, _ = model.execute(plan, before)
+        scheduler.update(plan, sampled)
+        after = scheduler.state
+        broken = FAULTS[fault](after, before, checked) if step == fault_step else None
+        target = broken if broken is not None else after
+        full, incremental = check_step(before, plan, target, config), checker.check(before, plan, target)
+        assert _verdict(incremental) == _verdict(full), step
+        if broken is not None:
+            return full
+        checked = frozenset(after.finished)
+    return None
+
+
+CONFIG = SchedulerConfig(block_size=4, num_kv_blocks=12, max_num_batched_tokens=16, max_num_seqs=3, max_model_len=32)
+SPECS = [RequestSpec(f"r{i}", 5 + 3 * i, 4 + i, arrival_step=i // 2) for i in range(6)]
+
+
+def test_correct_run_never_falls_back_to_the_full_block_conservation_check(monkeypatch):
+    """The block ledger proves block-conservation on every step of a correct run (with preemptions,
+    finishes and aborts), so the full check, whose cost grows with the pool, is never run."""
+    import schedspec.spec.incremental as incremental
+
+    calls = []
+    monkeypatch.setattr(incremental, "block_conservation", lambda *args: calls.append(args) or iter(()))
+    specs = SPECS + [RequestSpec("aborted", 6, 4, arrival_step=1, abort_at_step=3)]
+    for name in ("fcfs", "static", "shortest-prompt-first"):
+        assert _drive(CONFIG.with_changes(num_kv_blocks=8), specs, name) is None
+    assert calls == []
+
+
+def test_arrival_aborted_before_its_first_step_and_broken_then_is_reported():
+    """A request that arrives and is aborted before the checker ever sees it live is still checked in
+    that step: left with a live status, both checks report it (queues-disjoint)."""
+    specs = SPECS[:2] + [RequestSpec("gone", 3, 2, arrival_step=1, abort_at_step=1)]
+    full = _drive(CONFIG, specs, "fcfs", fault="aborted request not terminal", fault_step=1)
+    assert full is not None and "gone" in {v.request_id for v in full}

@@ -228,3 +228,38 @@ def test_prompt_of_max_model_len_may_sample_one_token() -> None:
     assert "output-bound" not in {v.name for v in check_state(state_of(a=a), config)}
     two = running_a(num_computed_tokens=7, output_token_ids=(21, 22))
     assert "output-bound" in {v.name for v in check_state(state_of(a=two), config)}
+
+
+@pytest.mark.parametrize("kind", ["state", "step"])
+def test_invariant_decorators_register_the_check_with_its_docstring(kind: str) -> None:
+    """``@state_invariant`` / ``@step_invariant`` append an Invariant whose statement is the check's
+    docstring without surrounding blank space (empty when it has none), and return the check itself."""
+    from schedspec.spec.invariants import (
+        STATE_INVARIANTS,
+        STEP_INVARIANTS,
+        Invariant,
+        state_invariant,
+        step_invariant,
+    )
+
+    registry, decorator = (STATE_INVARIANTS, state_invariant) if kind == "state" else (STEP_INVARIANTS, step_invariant)
+
+    def documented(*args):
+        """
+        Nothing breaks.
+        """
+        yield from ()
+
+    def bare(*args):
+        yield from ()
+
+    count = len(registry)
+    try:
+        assert decorator("probe-documented", "a source")(documented) is documented
+        assert decorator("probe-bare", "another source")(bare) is bare
+        assert registry[count:] == [
+            Invariant("probe-documented", "Nothing breaks.", "a source", documented, kind),
+            Invariant("probe-bare", "", "another source", bare, kind),
+        ]
+    finally:
+        del registry[count:]

@@ -299,3 +299,101 @@ def test_rejection_reason_is_the_first_of_every_limit_broken():
     # A request breaking two limits may be rejected naming either (an engine checks in its own order).
     both = rejection_reasons(20, 0, config)
     assert [r.partition(":")[0] for r in both] == ["no-output", "prompt-exceeds-max-model-len", "exceeds-kv-cache"]
+
+
+# --- Cases found by mutation testing (scripts/mutmut.sh, docs/mutmut-results.md) ---------------------
+
+
+def _check(name: str, state: SchedulerState, plan: StepPlan, config: SchedulerConfig = CONFIG) -> list:
+    (registered,) = [r for r in RULES if r.name == name]
+    return list(registered.check(state, plan, config))
+
+
+def test_violation_text_names_step_kind_rule_request_and_detail() -> None:
+    """``str(v)`` reads "step N: KIND NAME (request R): DETAIL"; the parts that are unknown are left out,
+    and a mismatch is not labelled with its kind (its name, trace-mismatch, already says it)."""
+    from schedspec.spec.rules import Violation
+
+    full = Violation("token-budget", "17 > 16", 3, "r1", kind="rule")
+    assert str(full) == "step 3: rule token-budget (request r1): 17 > 16"
+    assert str(Violation("token-budget", "17 > 16", kind="rule")) == "rule token-budget: 17 > 16"
+    assert str(Violation("trace-mismatch", "free blocks 3 != 4", 2, kind="mismatch")) == (
+        "step 2: trace-mismatch: free blocks 3 != 4")
+    assert str(Violation("kv-capacity", "x", 0, kind="invariant")).startswith("step 0: invariant kv-capacity")
+
+
+def _two_running_state() -> SchedulerState:
+    """a and c running (a holds blocks 0-1, c block 2); b and d waiting; 2 sequences allowed."""
+    c = Request("c", 1, (41, 42), max_tokens=3, status=RequestStatus.RUNNING, num_computed_tokens=2,
+                output_token_ids=(51,), block_ids=(2,), admitted_step=0, first_token_step=0)
+    d = Request("d", 2, (61, 62), max_tokens=3)
+    requests = {"a": running_a(), "b": waiting_b(), "c": c, "d": d}
+    return SchedulerState(step=1, waiting=("b", "d"), running=("a", "c"), requests=requests,
+                          free_block_ids=(3, 4, 5, 6, 7), num_requests_added=4)
+
+
+def test_sequence_cap_counts_each_preempted_running_request_once() -> None:
+    state = _two_running_state()
+    # 2 running - 1 preempted + 1 admitted = 2 <= 2.
+    swap = StepPlan(scheduled=(DECODE_A, ADMIT_B), preempted=("c",))
+    assert _check("sequence-cap", state, swap) == []
+    # 2 - 1 + 2 = 3 > 2: one preemption makes room for one admission, not two.
+    two_for_one = StepPlan(scheduled=(DECODE_A, ADMIT_B, ScheduledRequest("d", 0, 2, (4,))), preempted=("c",))
+    assert _check("sequence-cap", state, two_for_one)
+    # Preempting a request that is not running frees no seat: 2 - 0 + 1 = 3 > 2.
+    assert _check("sequence-cap", state, StepPlan(scheduled=(DECODE_A, ADMIT_B), preempted=("d",)))
+
+
+def test_reject_only_impossible_judges_every_rejection() -> None:
+    """A rejection of an unknown id or of a running request does not stop the check of the next one."""
+    state = base_state()
+    after_unknown = _check("reject-only-impossible", state, StepPlan(rejected=(("ghost", "x"), ("b", "made up"))))
+    assert [request_id for request_id, _ in after_unknown] == ["b"]
+    after_running = _check("reject-only-impossible", state, StepPlan(rejected=(("a", "no"), ("b", "made up"))))
+    assert sorted(request_id for request_id, _ in after_running) == ["a", "b"]
+    details = dict(after_running)
+    assert "running" in details["a"]
+    assert "can complete" in details["b"]
+
+
+def test_rejection_with_the_wrong_code_is_reported_naming_the_right_one() -> None:
+    # c's prompt of 33 tokens exceeds max_model_len = 32: the reason's code must be
+    # prompt-exceeds-max-model-len; the detail after the colon is the engine's own wording.
+    state = base_state(Request("c", 1, tuple(range(1, 34)), max_tokens=1))
+    right = StepPlan(rejected=(("c", "prompt-exceeds-max-model-len: too long for this engine"),))
+    assert _check("reject-only-impossible", state, right) == []
+    wrong = StepPlan(rejected=(("c", "empty-prompt: the prompt is empty"),))  # it is not: a limit c does not break
+    (found,) = _check("reject-only-impossible", state, wrong)
+    assert found[0] == "c"
+    assert "names no limit it breaks" in found[1] and "'prompt-exceeds-max-model-len:" in found[1]
+
+
+def test_unknown_request_does_not_hide_the_next_scheduled_one() -> None:
+    """block-table-covers and no-excess-blocks skip ids that are not live (known-requests reports them)
+    and go on with the rest of the plan."""
+    state = base_state()
+    ghost = ScheduledRequest("ghost", 0, 1)
+    too_few = StepPlan(scheduled=(ghost, ScheduledRequest("b", 0, 5, (2,))))
+    assert [r for r, _ in _check("block-table-covers", state, too_few)] == ["b"]
+    too_many = StepPlan(scheduled=(ghost, ScheduledRequest("b", 0, 5, (2, 3, 4))))
+    assert [r for r, _ in _check("no-excess-blocks", state, too_many)] == ["b"]
+
+
+def test_unknown_request_detail_says_it_is_not_live() -> None:
+    state = base_state()
+    found = dict(_check("known-requests", state, StepPlan(scheduled=(DECODE_A, ScheduledRequest("ghost", 0, 1)))))
+    assert "not a live request" in found["ghost"]
+
+
+def test_rule_decorator_registers_the_check_unchanged() -> None:
+    from schedspec.spec.rules import Rule, rule
+
+    def probe(state, plan, config):
+        yield from ()
+
+    count = len(RULES)
+    try:
+        assert rule("probe-rule", "A statement.", "a source")(probe) is probe
+        assert RULES[count:] == [Rule("probe-rule", "A statement.", "a source", probe)]
+    finally:
+        del RULES[count:]
