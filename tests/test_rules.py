@@ -301,7 +301,7 @@ def test_rejection_reason_is_the_first_of_every_limit_broken():
     assert [r.partition(":")[0] for r in both] == ["no-output", "prompt-exceeds-max-model-len", "exceeds-kv-cache"]
 
 
-# --- Cases found by mutation testing (scripts/mutmut.sh, docs/mutmut-results.md) ---------------------
+# --- Cases found by mutation testing (scripts/mutmut.sh, docs/testing.md) ---------------------
 
 
 def _check(name: str, state: SchedulerState, plan: StepPlan, config: SchedulerConfig = CONFIG) -> list:
