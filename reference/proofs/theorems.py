@@ -65,9 +65,11 @@ class Setup:
         self.policy = policy
         self.ctx: Ctx = setup(opts)
         self.s: State = symbolic_state(opts.slots, "s")
-        self.step = plan_step(self.ctx, self.s, policy)
+        self.step = plan_step(self.ctx, self.s, policy, canonical=True)
         self.plan = self.step.plan
-        self.hyps = [self.ctx.cfg.valid()] + list(inv_parts(self.ctx, self.s).values())
+        # the slots in processing order: every state has such a slot permutation, and every hypothesis and
+        # goal below is symmetric in the slots (goals about one slot are stated for each slot)
+        self.hyps = [self.ctx.cfg.valid()] + list(self.step.canonical) + list(inv_parts(self.ctx, self.s).values())
         if ordered:
             self.hyps += list(order_invariant(self.ctx, self.s).values())
         self.prover = Prover(self.ctx, self.hyps, opts.timeout_s)
@@ -203,17 +205,15 @@ def order_inductive(policy: str) -> Theorem:
         status, w, reason = st.prove(goal)
         statuses.append(("step", status, reason))
         witness = witness or w
-        # an arrival (slot 0: the state is symmetric in its slots) and an abort
-        for action in ("arrive", "abort"):
-            st = Setup.get(opts, policy)
-            ctx, s = st.ctx, st.s
-            if action == "arrive":
-                p, mt = z3.Int("new_p"), z3.Int("new_mt")
-                pre = arrive_precondition(s, 0, p, mt)
-                after = arrive(ctx, s, 0, p, mt)
-            else:
-                pre = s.slots[0].live
-                after = abort(ctx, s, 0)
+        # an arrival (into the last slot: an empty slot is not processed, so the processing order may put
+        # it last) and an abort (of each slot)
+        st = Setup.get(opts, policy)
+        ctx, s = st.ctx, st.s
+        last = opts.slots - 1
+        p, mt = z3.Int("new_p"), z3.Int("new_mt")
+        actions = [("arrive", arrive_precondition(s, last, p, mt), arrive(ctx, s, last, p, mt))]
+        actions += [(f"abort-{i}", s.slots[i].live, abort(ctx, s, i)) for i in range(opts.slots)]
+        for action, pre, after in actions:
             status, _, reason = st.prove(z3.Implies(pre, z3.And(list(order_invariant(ctx, after).values()))))
             statuses.append((action, status, reason))
         return _combine(name, statement, statuses, opts, timer, witness)
@@ -290,24 +290,25 @@ def bounded_wait(policy: str) -> Theorem:
                  "is in [1, max_model_len] while o lives and strictly decreases at every step o does not end "
                  "(o is never preempted), so o ends within max_model_len steps of becoming the oldest")
 
-    def oldest0(s: State) -> Any:
+    def oldest(s: State, i: int) -> Any:
         S = s.slots
-        return z3.And(S[0].live, *[z3.Implies(S[j].live, S[0].seq < S[j].seq) for j in range(1, s.n)])
+        return z3.And(S[i].live, *[z3.Implies(S[j].live, S[i].seq < S[j].seq) for j in range(s.n) if j != i])
 
     def run(opts: Options) -> Result:
         timer = Timer()
         opts = policy_options(opts)
         statuses = []
         witness = None
-        # (1) decrease: slot 0 is the oldest live request (the state is symmetric in its slots)
+        # (1) decrease, for the oldest live request in each slot i
         st = Setup.get(opts, policy)
         eos = [z3.Bool(f"eos{i}") for i in range(opts.slots)]
         out = apply_plan(st.ctx, st.s, st.plan, eos)
-        o, o2 = st.s.slots[0], out.state.slots[0]
-        decrease = z3.And(z3.Not(st.plan.pre[0]), z3.Implies(o2.live, o2.nc > o.nc))
-        status, w, reason = st.prove(decrease, [oldest0(st.s), z3.Not(st.step.rejected[0])])
-        statuses.append(("decrease", status, reason))
-        witness = witness or w
+        for i in range(opts.slots):
+            o, o2 = st.s.slots[i], out.state.slots[i]
+            decrease = z3.And(z3.Not(st.plan.pre[i]), z3.Implies(o2.live, o2.nc > o.nc))
+            status, w, reason = st.prove(decrease, [oldest(st.s, i), z3.Not(st.step.rejected[i])])
+            statuses.append((f"decrease-{i}", status, reason))
+            witness = witness or w
         # (2) bounds: every live request has 0 <= computed <= max_model_len - 1
         st = Setup.get(opts, policy)
         mml = st.ctx.cfg.max_model_len
