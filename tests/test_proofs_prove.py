@@ -127,3 +127,36 @@ def test_the_command_knows_which_policies_are_encoded():
     from schedspec.reference.proofs.policy import POLICIES
 
     assert set(ENCODED) == set(POLICIES)
+
+
+def test_a_vacuous_theorem_fails_the_run(monkeypatch):
+    """Deliberate break: a well-formedness constraint that no plan satisfies (new blocks < 0 and >= 0)
+    makes every step theorem hold vacuously; the vacuity check must catch it."""
+    import z3
+
+    from schedspec.spec.proofs import theorems
+
+    original = theorems.plan_well_formed
+    monkeypatch.setattr(theorems, "plan_well_formed", lambda plan: z3.And(original(plan), plan.nb[0] < 0))
+    theorems._STEP_GOALS.clear()
+    theorems._STEP_VACUITY.clear()
+    run = prove("--slots", "2", "--only", "spec/step/kv-capacity", "--json")
+    theorems._STEP_GOALS.clear()
+    theorems._STEP_VACUITY.clear()
+    assert run.exit_code == 1, run.output
+    result = results(run.stdout)["spec/step/kv-capacity"]
+    assert result["status"] == "proved" and result["ok"] is False
+    assert {c["status"] for c in result["vacuity"]} == {"unsat"}
+
+
+def test_vacuity_checks_are_printed_and_satisfiable():
+    run = prove("--slots", "2", "--only", "spec/step/kv-capacity", "--only", "fcfs/work-conserving", "--json")
+    assert run.exit_code == 0, run.output
+    found = results(run.stdout)
+    for name in ("spec/step/kv-capacity", "fcfs/work-conserving"):
+        cases = {c["case"]: c["status"] for c in found[name]["vacuity"]}
+        assert set(cases) == {"premises", "premises + preemption", "premises + admission at max_num_seqs",
+                              "premises + stop", "premises + rejection"}, cases
+        assert set(cases.values()) == {"sat"}
+    human = prove("--slots", "2", "--only", "spec/step/kv-capacity")
+    assert "premises + preemption: satisfiable" in human.output

@@ -16,8 +16,18 @@ from typing import Any
 
 import z3
 
-from schedspec.spec.proofs.core import COUNTEREXAMPLE, PROVED, UNKNOWN, Options, Result, Theorem, Timer
+from schedspec.spec.proofs.core import (
+    COUNTEREXAMPLE,
+    PROVED,
+    UNKNOWN,
+    Coverage,
+    Options,
+    Result,
+    Theorem,
+    Timer,
+)
 from schedspec.spec.proofs.encoding import (
+    PLAN_FIELDS,
     RULE_ORDER,
     Ctx,
     State,
@@ -31,7 +41,7 @@ from schedspec.spec.proofs.encoding import (
     symbolic_state,
 )
 from schedspec.spec.proofs.solve import Prover, satisfiable, state_values, value
-from schedspec.spec.proofs.theorems import inv_parts, recheck_block_size, setup
+from schedspec.spec.proofs.theorems import inv_parts, recheck_block_size, setup, step_cases
 from schedspec.spec.properties import ITL_TOKEN_BUDGET
 
 from .policy import POLICIES, plan_step
@@ -74,6 +84,7 @@ class Setup:
             self.hyps += list(order_invariant(self.ctx, self.s).values())
         self.prover = Prover(self.ctx, self.hyps, opts.timeout_s)
         self.lemma_status: tuple[str, str] | None = None
+        self._vacuity: dict[str, list[Coverage]] = {}
         self.all_lemmas = self.step.lemmas + (self.step.ordered_lemmas if ordered else [])
 
     @classmethod
@@ -101,6 +112,22 @@ class Setup:
                 self.prover.assume([lemma])
         return self.lemma_status
 
+    def cases(self) -> dict[str, Any]:
+        """The interesting cases of the policy's step (:func:`schedspec.spec.proofs.theorems.step_cases`):
+        a preemption, an admission filling the last sequence slot, a stop, a rejection."""
+        eos = [z3.Bool(f"vac_eos{i}") for i in range(self.s.n)]
+        out = apply_plan(self.ctx, self.s, self.plan, eos)
+        return step_cases(self.ctx, self.s, self.plan, out)
+
+    def vacuity(self, extra: list[Any] | None = None) -> list[Coverage]:
+        """The premises (with ``extra``) are satisfiable, alone and with each of :meth:`cases`."""
+        key = repr(extra)
+        if key not in self._vacuity:
+            if self.lemmas()[0] != PROVED:
+                return []
+            self._vacuity[key] = self.prover.coverage(self.cases(), z3.And(extra) if extra else None)
+        return self._vacuity[key]
+
     def prove(self, goal: Any, extra: list[Any] | None = None) -> tuple[str, Any, str]:
         status, detail = self.lemmas()
         if status != PROVED:
@@ -112,6 +139,52 @@ class Setup:
         if witness is not None:
             witness["config"] = self.ctx.cfg.evaluate(answer.model)
         return answer.status, witness, answer.reason
+
+
+def _constants(exprs: list[Any]) -> list[Any]:
+    """The uninterpreted constants (variables) of ``exprs``, each once."""
+    seen: set[int] = set()
+    found: dict[int, Any] = {}
+    stack = list(exprs)
+    while stack:
+        e = stack.pop()
+        if e.get_id() in seen:
+            continue
+        seen.add(e.get_id())
+        if z3.is_const(e) and e.decl().kind() == z3.Z3_OP_UNINTERPRETED:
+            found[e.get_id()] = e
+        elif z3.is_app(e):
+            stack.extend(e.children())
+    return list(found.values())
+
+
+def step_unique(policy: str) -> Theorem:
+    name = f"{policy}/step-unique"
+    statement = (f"the encoded {policy} step is a function of the state: from every state satisfying the premises "
+                 "(Inv, Ord, slots in processing order), two solutions of its constraints give the same plan")
+
+    def run(opts: Options) -> Result:
+        timer = Timer()
+        opts = policy_options(opts)
+        ctx = setup(opts)
+        s = symbolic_state(opts.slots, "s")
+        step = plan_step(ctx, s, policy, canonical=True)
+        premises = [ctx.cfg.valid(), *step.canonical, *inv_parts(ctx, s).values()]
+        if policy in ORDERED:
+            premises += list(order_invariant(ctx, s).values())
+        known = {c.get_id() for c in _constants(premises)}
+        free = [c for c in _constants(ctx.facts) if c.get_id() not in known]
+        primed = [(c, z3.Const(c.decl().name() + "'", c.sort())) for c in free]
+        facts = z3.And(ctx.facts)
+        differs = [t != z3.substitute(t, *primed) for f in PLAN_FIELDS for t in getattr(step.plan, f)]
+        answer = satisfiable(ctx, premises + [z3.substitute(facts, *primed), z3.Or(differs)], opts.timeout_s,
+                             negate=True)
+        witness = state_values(answer.model, s) if answer.model is not None else None
+        vacuity = Prover(ctx, premises, opts.timeout_s).coverage({})
+        return Result(name, statement, PROVED, answer.status, opts.slots, opts.block_label, seconds=timer.seconds,
+                      detail=answer.reason or f"{len(free)} step variables", witness=witness, vacuity=vacuity)
+
+    return Theorem(name, statement, run)
 
 
 def step_lemmas(policy: str) -> Theorem:
@@ -126,7 +199,7 @@ def step_lemmas(policy: str) -> Theorem:
         st = Setup.get(opts, policy)
         status, detail = st.lemmas()
         return Result(name, statement, PROVED, status, opts.slots, opts.block_label, seconds=timer.seconds,
-                      detail=detail if status != PROVED else "")
+                      detail=detail if status != PROVED else "", vacuity=st.vacuity())
 
     return Theorem(name, statement, run)
 
@@ -145,12 +218,14 @@ def one_step(name: str, statement: str, policy: str, goal: Callable[[Setup], Any
         timer = Timer()
         opts = policy_options(opts)
         status, witness, detail = attempt(opts)
+        st = Setup.get(opts, policy, ordered, fixed)
+        vacuity = st.vacuity(extra(st) if extra else None)
         if status == COUNTEREXAMPLE:
             detail = "a state satisfying the hypotheses from which the step breaks it (witness attached)"
             if opts.block == "uninterpreted":
                 status, detail = recheck_block_size(opts, lambda o: attempt(o)[:2])
         return Result(name, statement, PROVED, status, opts.slots, opts.block_label, seconds=timer.seconds,
-                      detail=detail, witness=witness)
+                      detail=detail, witness=witness, vacuity=vacuity)
 
     return Theorem(name, statement, run)
 
@@ -177,7 +252,7 @@ def refines(policy: str) -> Theorem:
             witness = witness or w
             if status != PROVED and reason.startswith("lemma"):
                 break
-        return _combine(name, statement, statuses, local, timer, witness)
+        return _combine(name, statement, statuses, local, timer, witness, vacuity=st.vacuity())
 
     return Theorem(name, statement, run)
 
@@ -216,21 +291,22 @@ def order_inductive(policy: str) -> Theorem:
         for action, pre, after in actions:
             status, _, reason = st.prove(z3.Implies(pre, z3.And(list(order_invariant(ctx, after).values()))))
             statuses.append((action, status, reason))
-        return _combine(name, statement, statuses, opts, timer, witness)
+        return _combine(name, statement, statuses, opts, timer, witness, vacuity=st.vacuity())
 
     return Theorem(name, statement, run)
 
 
 def _combine(name: str, statement: str, statuses: list[tuple[str, str, str]], opts: Options, timer: Timer,
-             witness: Any = None, depth: int | None = None) -> Result:
+             witness: Any = None, depth: int | None = None, vacuity: list[Coverage] | None = None) -> Result:
+    vacuity = vacuity or []
     bad = [(part, status, reason) for part, status, reason in statuses if status != PROVED]
     if not bad:
         return Result(name, statement, PROVED, PROVED, opts.slots, opts.block_label, depth, timer.seconds,
-                      witness=None)
+                      witness=None, vacuity=vacuity)
     status = COUNTEREXAMPLE if any(s == COUNTEREXAMPLE for _, s, _ in bad) else UNKNOWN
     detail = "; ".join(f"{part}: {s}{' (' + r + ')' if r else ''}" for part, s, r in bad)
     return Result(name, statement, PROVED, status, opts.slots, opts.block_label, depth, timer.seconds,
-                  detail=detail, witness=witness)
+                  detail=detail, witness=witness, vacuity=vacuity)
 
 
 # --- one-step properties ---------------------------------------------------------------------------------
@@ -324,7 +400,8 @@ def bounded_wait(policy: str) -> Theorem:
         status, w, reason = st.prove(same)
         statuses.append(("oldest", status, reason))
         witness = witness or w
-        return _combine(name, statement, statuses, opts, timer, witness)
+        oldest_waits = z3.Or([z3.And(oldest(st.s, i), z3.Not(st.step.rejected[i])) for i in range(opts.slots)])
+        return _combine(name, statement, statuses, opts, timer, witness, vacuity=st.vacuity([oldest_waits]))
 
     return Theorem(name, statement, run)
 
@@ -482,7 +559,7 @@ def policy_theorems(policy: str) -> list[Theorem]:
     from schedspec.spec.config import SchedulerConfig
 
     guarantees = SCHEDULERS[policy](SchedulerConfig(16, 8, 8, 1, 8)).guarantees
-    out = [step_lemmas(policy), refines(policy)]
+    out = [step_unique(policy), step_lemmas(policy), refines(policy)]
     if policy in ORDERED:
         out.append(order_inductive(policy))
     if "work-conserving" in guarantees:

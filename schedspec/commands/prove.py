@@ -128,6 +128,20 @@ def _size(result: Result) -> str:
     return f"N={result.slots}" + (f", K={result.depth}" if result.depth is not None else "")
 
 
+def _coverage(result: Result) -> str:
+    """The vacuity checks (premises and cases satisfiable) or cover goals (reached at depth d), short."""
+    if not result.vacuity:
+        return "-"
+    bad = result.vacuous
+    cover = [c for c in result.vacuity if c.depth is not None]
+    text = f"{len(result.vacuity) - len(bad)}/{len(result.vacuity)} " + ("reached" if cover else "satisfiable")
+    if cover:
+        text += " (" + ", ".join(f"{c.case} @{c.depth}" for c in cover if c.reached) + ")"
+    if bad:
+        text += "; [red]" + ", ".join(f"{c.case}: {c.status}" for c in bad) + "[/]"
+    return text
+
+
 def _verdict(result: Result) -> str:
     if result.status == PROVED:
         text = "[green]proved[/]" if result.ok else "[red]proved[/] (a counterexample was expected)"
@@ -223,16 +237,27 @@ def _print(console: Console, scheduler: str, opts: Options, results: list[Result
     table.add_column("result", max_width=44)
     table.add_column("size", no_wrap=True)
     table.add_column("block_size", no_wrap=True)
+    table.add_column("vacuity / cover", max_width=40)
     table.add_column("time", justify="right", no_wrap=True)
     for r in results:
         table.add_row(f"[bold]{r.name}[/]\n[dim]{r.statement}[/]", _verdict(r), _size(r), r.block,
-                      f"{r.seconds:.1f} s")
+                      _coverage(r), f"{r.seconds:.1f} s")
     console.print(table)
+    shown: set[str] = set()
+    for r in results:
+        lines = "; ".join(str(c) for c in r.vacuity)
+        if lines and lines not in shown:
+            shown.add(lines)
+            console.print(f"[bold]{r.name}[/] (and the theorems with the same premises): ", end="")
+            console.print(lines, markup=False, highlight=False)
     for r in results:
         if r.scenario is not None:
             where = r.scenario_file or "not saved (use --save-cases DIR)"
             console.print(f"[bold]{r.name}[/]: counterexample scenario {r.scenario['name']} ({where}); {r.detail}")
-        if not r.ok:
+        if not r.ok and r.vacuous and r.status == PROVED:
+            console.print(f"[red]{r.name}[/]: proved, but vacuously: "
+                          + "; ".join(str(c) for c in r.vacuous), highlight=False)
+        elif not r.ok:
             console.print(f"[red]{r.name}[/]: {r.status}; {r.detail}")
             if r.witness is not None and r.scenario is None:
                 console.print_json(json.dumps(r.witness, default=str))

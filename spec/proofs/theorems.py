@@ -23,8 +23,9 @@ from typing import Any
 
 import z3
 
-from .core import COUNTEREXAMPLE, PROVED, UNKNOWN, Options, Result, Theorem, Timer
+from .core import COUNTEREXAMPLE, PROVED, UNKNOWN, Coverage, Options, Result, Theorem, Timer
 from .encoding import (
+    PREEMPTED,
     RULE_ORDER,
     STATE_INVARIANT_ORDER,
     SUPPORT_ORDER,
@@ -222,6 +223,37 @@ def _run_step_goal(goal_name: str, opts: Options, use_slice: bool = True) -> tup
     return answer.status, (answer.reason, witness)
 
 
+_STEP_VACUITY: dict[str, list[Coverage]] = {}
+
+
+def step_cases(ctx: Ctx, s: Any, plan: Any, out: Any) -> dict[str, Any]:
+    """The interesting cases of a step, each of which the premises must allow: a preemption, an
+    admission that fills the last sequence slot, a request that stops, a rejection."""
+    c = ctx.cfg
+    atoms = [rule_atoms(s, plan, i) for i in range(s.n)]
+    admitted = z3.Sum([a.admitted for a in atoms] + [z3.IntVal(0)])
+    after = z3.Sum([a.running - a.preempted + a.admitted for a in atoms] + [z3.IntVal(0)])
+    return {
+        "preemption": z3.Or([z3.And(plan.pre[i], sl.running) for i, sl in enumerate(s.slots)]),
+        "admission at max_num_seqs": z3.And(admitted >= 1, after == c.max_num_seqs),
+        "stop": z3.Or(out.stops),
+        "rejection": z3.Or([z3.And(plan.rej[i], sl.live) for i, sl in enumerate(s.slots)]),
+    }
+
+
+def step_vacuity(opts: Options) -> list[Coverage]:
+    """The step theorems' premises (``Inv``, every rule, a well-formed plan) are satisfiable, alone and
+    with each of :func:`step_cases` (shared by every step theorem: each uses a subset of them)."""
+    key = repr(opts)
+    if key not in _STEP_VACUITY:
+        ctx, hyps, _, s, plan, eos = _step_goals(opts, opts.slots)
+        out = apply_plan(ctx, s, plan, eos)
+        prover = Prover(ctx, list(hyps.values()), opts.timeout_s)
+        _STEP_VACUITY.clear()
+        _STEP_VACUITY[key] = prover.coverage(step_cases(ctx, s, plan, out))
+    return _STEP_VACUITY[key]
+
+
 def step_theorem(goal_name: str) -> Theorem:
     kind, _, short = goal_name.partition(":")
     name = f"spec/step/{short}" if kind != "sup" else f"spec/step/support-{short}"
@@ -238,8 +270,9 @@ def step_theorem(goal_name: str) -> Theorem:
                 status, detail = recheck_block_size(opts, lambda o: _run_step_goal(goal_name, o, use_slice=False))
             if status == COUNTEREXAMPLE:
                 detail = "the rules allow a step that breaks it (witness state and plan attached)"
+        vacuity = step_vacuity(opts)
         return Result(name, statement, PROVED, status, opts.slots, opts.block_label, seconds=timer.seconds,
-                      detail=detail, witness=witness)
+                      detail=detail, witness=witness, vacuity=vacuity)
 
     return Theorem(name, statement, run)
 
@@ -249,8 +282,9 @@ def _init(opts: Options) -> Result:
     ctx = setup(opts)
     s0 = initial_state(ctx, opts.slots)
     answer = check(ctx, [ctx.cfg.valid()], z3.And(list(inv_parts(ctx, s0).values())), opts.timeout_s)
+    vacuity = Prover(ctx, [ctx.cfg.valid()], opts.timeout_s).coverage({})
     return Result("spec/init", INIT_STATEMENT, PROVED, answer.status, opts.slots, opts.block_label,
-                  seconds=timer.seconds, detail=answer.reason)
+                  seconds=timer.seconds, detail=answer.reason, vacuity=vacuity)
 
 
 INIT_STATEMENT = "Init => Inv: the initial state (no request, every block free) satisfies every invariant"
@@ -263,17 +297,22 @@ def _env_action(name: str, statement: str, action: str, opts: Options) -> Result
     ctx = setup(opts)
     s = symbolic_state(opts.slots, "s")
     hyps = [ctx.cfg.valid(), z3.And(list(inv_parts(ctx, s).values()))]
+    sl = s.slots[0]
     if action == "arrive":
         p, mt = z3.Int("new_p"), z3.Int("new_mt")
         hyps.append(arrive_precondition(s, 0, p, mt))
         after = arrive(ctx, s, 0, p, mt)
+        cases = {"others live": z3.And([other.live for other in s.slots[1:]])}
     else:
-        hyps.append(s.slots[0].live)
+        hyps.append(sl.live)
         after = abort(ctx, s, 0)
+        cases = {"abort mid-prefill": z3.And(sl.running, sl.nc < sl.p, sl.nc >= 1),
+                 "abort of a preempted request": sl.st == PREEMPTED}
     answer = check(ctx, hyps, z3.And(list(inv_parts(ctx, after).values())), opts.timeout_s)
     witness = state_values(answer.model, s) if answer.model is not None else None
+    vacuity = Prover(ctx, hyps, opts.timeout_s).coverage(cases)
     return Result(name, statement, PROVED, answer.status, opts.slots, opts.block_label, seconds=timer.seconds,
-                  detail=answer.reason, witness=witness)
+                  detail=answer.reason, witness=witness, vacuity=vacuity)
 
 
 def spec_theorems() -> list[Theorem]:
