@@ -275,12 +275,27 @@ def plan_step(ctx: Ctx, s: State, policy: str, name: str = "", canonical: bool =
                       order_facts if canonical else [])
 
 
-def concrete_step(state: Any, config: Any, policy: str, slots: int | None = None, unique: bool = True
-                  ) -> dict[str, Any]:
+def processing_order(state: Any, n: int) -> list[str | None]:
+    """Slot ids in the order the policy's running phase processes them (running decodes, then running
+    prefills, each in queue order), then the other requests, then empty slots: the order
+    ``plan_step(canonical=True)`` assumes."""
+    running = [r for r in state.running if state.requests[r].num_pending_tokens >= 1]
+    decodes = [r for r in running if state.requests[r].num_pending_tokens == 1]
+    ids: list[str | None] = decodes + [r for r in running if r not in decodes]
+    ids += [r for r in list(state.running) + list(state.waiting) if r not in ids]
+    if len(ids) > n:
+        raise ValueError(f"{len(ids)} requests need more than {n} slots")
+    return ids + [None] * (n - len(ids))
+
+
+def concrete_step(state: Any, config: Any, policy: str, slots: int | None = None, unique: bool = True,
+                  canonical: bool = False) -> dict[str, Any]:
     """The encoded step of ``policy`` on a concrete state, solved by Z3, as
     :func:`schedspec.spec.proofs.concrete.describe_plan` would show it.
 
-    With ``unique``, also checks that no other plan satisfies the encoding from this state.
+    With ``unique``, also checks that no other plan satisfies the encoding from this state. With
+    ``canonical``, the encoding the one-step proofs use: slots in :func:`processing_order`, whose
+    constraints must hold.
 
     Raises:
         AssertionError: the encoding has no solution, or (``unique``) more than one.
@@ -289,12 +304,13 @@ def concrete_step(state: Any, config: Any, policy: str, slots: int | None = None
     from schedspec.spec.proofs.encoding import PLAN_FIELDS
 
     n = slots if slots is not None else max(1, len(state.requests))
-    slot_ids = slot_assignment(state, None, n)
+    slot_ids = processing_order(state, n) if canonical else slot_assignment(state, None, n)
     ctx = concrete_ctx(config)
     s = encode_state(state, slot_ids)
-    step = plan_step(ctx, s, policy)
+    step = plan_step(ctx, s, policy, canonical=canonical)
     solver = z3.Solver()
     solver.add(ctx.facts)
+    solver.add(step.canonical)
     result = solver.check()
     assert result == z3.sat, f"the encoding of {policy} has no solution from this state ({result})"
     model = solver.model()

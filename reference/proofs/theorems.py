@@ -38,7 +38,11 @@ from schedspec.spec.proofs.encoding import (
     arrive_precondition,
     fits_alone,
     plan_well_formed,
+    rule_atoms,
     symbolic_state,
+)
+from schedspec.spec.proofs.encoding import (
+    PREEMPTED as PREEMPTED_STATUS,
 )
 from schedspec.spec.proofs.solve import Prover, satisfiable, state_values, value
 from schedspec.spec.proofs.theorems import inv_parts, recheck_block_size, setup, step_cases
@@ -85,6 +89,7 @@ class Setup:
         self.prover = Prover(self.ctx, self.hyps, opts.timeout_s)
         self.lemma_status: tuple[str, str] | None = None
         self._vacuity: dict[str, list[Coverage]] = {}
+        self.lemma_witness: dict[str, Any] | None = None
         self.all_lemmas = self.step.lemmas + (self.step.ordered_lemmas if ordered else [])
 
     @classmethod
@@ -107,7 +112,12 @@ class Setup:
             for name, lemma in self.all_lemmas:
                 answer = self.prover.prove(lemma)
                 if answer.status != PROVED:
-                    self.lemma_status = (UNKNOWN, f"lemma {name}: {answer.status} {answer.reason}".strip())
+                    refuted = answer.status == COUNTEREXAMPLE
+                    self.lemma_status = (answer.status if refuted else UNKNOWN,
+                                         f"lemma {name}: {'refuted (witness attached)' if refuted else answer.status} "
+                                         f"{answer.reason}".strip())
+                    if answer.model is not None:
+                        self.lemma_witness = state_values(answer.model, self.s, self.plan)
                     break
                 self.prover.assume([lemma])
         return self.lemma_status
@@ -131,7 +141,7 @@ class Setup:
     def prove(self, goal: Any, extra: list[Any] | None = None) -> tuple[str, Any, str]:
         status, detail = self.lemmas()
         if status != PROVED:
-            return status, None, detail
+            return status, self.lemma_witness, detail
         if extra:
             goal = z3.Implies(z3.And(extra), goal)
         answer = self.prover.prove(goal)
@@ -199,7 +209,7 @@ def step_lemmas(policy: str) -> Theorem:
         st = Setup.get(opts, policy)
         status, detail = st.lemmas()
         return Result(name, statement, PROVED, status, opts.slots, opts.block_label, seconds=timer.seconds,
-                      detail=detail if status != PROVED else "", vacuity=st.vacuity())
+                      detail=detail if status != PROVED else "", vacuity=st.vacuity(), witness=st.lemma_witness)
 
     return Theorem(name, statement, run)
 
@@ -418,14 +428,73 @@ def progress_window(policy: str) -> Theorem:
     def run(opts: Options) -> Result:
         timer = Timer()
         depth = opts.depth
-        local = dataclasses.replace(opts, slots=opts.bmc_n)
+        local = bmc_options(opts)
         status, witness, reason = _progress_bmc(local, policy, depth)
         if status == COUNTEREXAMPLE and opts.block == "uninterpreted":
             status, reason = recheck_block_size(local, lambda o: _progress_bmc(o, policy, depth)[:2])
-        return Result(name, statement, PROVED, status, local.slots, opts.block_label, depth, timer.seconds,
-                      detail=reason, witness=witness)
+        covers = cover_goals(bmc_options(opts, fixed_block=True), policy, depth)
+        return Result(name, statement, PROVED, status, local.slots, local.block_label, depth, timer.seconds,
+                      detail=reason, witness=witness, vacuity=covers)
 
     return Theorem(name, statement, run, bmc=True)
+
+
+def bmc_options(opts: Options, fixed_block: bool = False) -> Options:
+    """Bounded model checking runs at ``bmc_n`` slots with the small ``bmc_block_size`` (unless the
+    block size is symbolic or uninterpreted and ``fixed_block`` is not asked)."""
+    local = dataclasses.replace(opts, slots=opts.bmc_n)
+    if local.block == "fixed" or fixed_block:
+        local = dataclasses.replace(local, block="fixed", block_size_value=opts.bmc_block_size)
+    return local
+
+
+COVER_GOALS = ("preemption", "recompute after a preemption", "admission at max_num_seqs", "abort mid-prefill")
+"""What bounded model checking must reach from the initial state for its bound to mean something."""
+
+
+def cover_goals(opts: Options, policy: str, depth: int) -> list[Coverage]:
+    """Each of :data:`COVER_GOALS`, searched from ``Init`` (requests arriving at any step, EOS and client
+    aborts free) within K steps; reports the step of the run found at which it is reached (``unsat``: not
+    within K).
+    A run of K steps that can never preempt, say, checks progress only for runs without preemption."""
+    ctx = setup(opts)
+    n = opts.slots
+    r = run_from_init(ctx, policy, n, depth, eos=True, aborts=True)
+    c = ctx.cfg
+    per_step: dict[str, list[Any]] = {goal: [] for goal in COVER_GOALS}
+    for t, rec in enumerate(r.steps):
+        S, plan = rec.before.slots, rec.step.plan
+        atoms = [rule_atoms(rec.before, plan, i) for i in range(n)]
+        after = _sum_z3([a.running - a.preempted + a.admitted for a in atoms])
+        per_step["preemption"].append(rec.step.any_preempted)
+        per_step["recompute after a preemption"].append(
+            z3.Or([z3.And(sl.st == PREEMPTED_STATUS, plan.sched[i]) for i, sl in enumerate(S)]))
+        per_step["admission at max_num_seqs"].append(
+            z3.And(_sum_z3([a.admitted for a in atoms]) >= 1, after == c.max_num_seqs))
+        arrived = r.arrived[t].slots
+        per_step["abort mid-prefill"].append(z3.Or([z3.And(r.aborted[t][i], arrived[i].running, arrived[i].nc >= 1,
+                                                           arrived[i].nc < arrived[i].p) for i in range(n)]))
+    solver = z3.Solver()
+    solver.set("timeout", max(1, int(opts.timeout_s * 1000)))
+    solver.add(c.valid(), *ctx.facts)
+    out = []
+    for goal in COVER_GOALS:
+        timer = Timer()
+        solver.push()
+        solver.add(z3.Or(per_step[goal]))
+        answer = solver.check()
+        found = None
+        if answer == z3.sat:
+            model = solver.model()
+            found = next(t + 1 for t, g in enumerate(per_step[goal]) if z3.is_true(model.eval(g, model_completion=True)))
+        solver.pop()
+        status = {z3.sat: "sat", z3.unsat: "unsat"}.get(answer, UNKNOWN)
+        out.append(Coverage(goal, status, found if found is not None else depth, timer.seconds))
+    return out
+
+
+def _sum_z3(terms: list[Any]) -> Any:
+    return z3.Sum(terms + [z3.IntVal(0)])
 
 
 def _progress_bmc(opts: Options, policy: str, depth: int) -> tuple[str, Any, str]:

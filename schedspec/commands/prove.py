@@ -33,6 +33,7 @@ from schedspec.cli_common import (
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.proofs.core import (
     COUNTEREXAMPLE,
+    DEFAULT_BMC_BLOCK_SIZE,
     DEFAULT_BMC_SLOTS,
     DEFAULT_DEPTH,
     DEFAULT_POLICY_SLOTS,
@@ -45,7 +46,7 @@ from schedspec.spec.proofs.core import (
 )
 
 MAX_SIZE = 64
-"""Largest --slots, --depth, --policy-slots, --bmc-slots accepted (the full run uses N=8, K=3; the
+"""Largest --slots, --depth, --policy-slots, --bmc-slots accepted (the default run uses N=16, K=6; the
 solver's work grows exponentially, so a larger model is a typo, not a proof anyone waits for)."""
 
 DEFAULT_SCHEDULER = "fcfs"
@@ -56,7 +57,7 @@ _INT_FIELDS = {"num_kv_blocks", "max_num_batched_tokens", "max_num_seqs", "max_m
 
 
 def _options(sets: tuple[str, ...], slots: int, depth: int, policy_slots: int, bmc_slots: int,
-             timeout: float) -> Options:
+             timeout: float, bmc_block_size: int = 2) -> Options:
     changes = parse_sets(sets)
     known = {f.name for f in attrs.fields(SchedulerConfig)}
     fixed: dict[str, Any] = {}
@@ -94,7 +95,7 @@ def _options(sets: tuple[str, ...], slots: int, depth: int, policy_slots: int, b
     if timeout <= 0:
         fail("--timeout must be > 0")
     return Options(slots=slots, block=block, block_size_value=block_size, depth=depth, fixed=fixed,
-                   timeout_s=timeout, bmc_slots=bmc_slots, policy_slots=policy_slots)
+                   timeout_s=timeout, bmc_slots=bmc_slots, policy_slots=policy_slots, bmc_block_size=bmc_block_size)
 
 
 def _check_config_space(opts: Options) -> None:
@@ -168,6 +169,8 @@ def _verdict(result: Result) -> str:
               help="Slots for the one-step policy theorems (at most N).")
 @click.option("--bmc-slots", type=Count(minimum=1, maximum=MAX_SIZE), default=DEFAULT_BMC_SLOTS, show_default=True,
               help="Slots for bounded model checking (at most N).")
+@click.option("--bmc-block-size", type=Count(minimum=1, maximum=1024), default=DEFAULT_BMC_BLOCK_SIZE,
+              show_default=True, help="Block size of bounded model checking and its cover goals (small: preemptions reachable).")
 @click.option("--timeout", type=Number(minimum=0, strict=True, maximum=86_400.0), default=DEFAULT_TIMEOUT_S, show_default=True,
               help="Seconds per solver query; a query that runs out answers unknown.")
 @click.option("--only", "only", multiple=True, metavar="TEXT", help="Run only theorems whose name contains TEXT.")
@@ -176,12 +179,13 @@ def _verdict(result: Result) -> str:
               help="Write each counterexample scenario to DIR/<name>.json.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 def command(scheduler_name: str | None, sets: tuple[str, ...], slots: int, depth: int, policy_slots: int,
-            bmc_slots: int, timeout: float, only: tuple[str, ...], list_only: bool, save_cases: str | None, as_json: bool) -> None:
+            bmc_slots: int, bmc_block_size: int, timeout: float, only: tuple[str, ...], list_only: bool, save_cases: str | None, as_json: bool) -> None:
     """Prove the spec's invariants and a scheduler's trace properties with Z3.
 
     --set block_size=16 (default), =symbolic (ceil division is nonlinear; may answer unknown) or
     =uninterpreted (proves for every block size; counterexamples are re-checked with block_size=16);
-    --set FIELD=VALUE fixes another config field. Full run: `schedspec prove` (N=8); CI runs N=3.
+    --set FIELD=VALUE fixes another config field. Default run: spec at N=16, one-step policy theorems
+    at N=4, bounded model checking at N=4, K=6 with block_size 2 (--bmc-block-size).
     """
     check_outputs([], [], folders=[("--save-cases", save_cases)])
     scheduler = scheduler_name or DEFAULT_SCHEDULER
@@ -193,7 +197,7 @@ def command(scheduler_name: str | None, sets: tuple[str, ...], slots: int, depth
             fail(f"--scheduler {scheduler!r}: unknown; known: {', '.join(sorted(SCHEDULERS))}")
         fail(f"--scheduler {scheduler!r} has no proof encoding (encoded: {', '.join(ENCODED)}); "
              "its plans are checked at run time by replay and check instead", EXIT_UNSUPPORTED)
-    opts = _options(sets, slots, depth, policy_slots, bmc_slots, timeout)
+    opts = _options(sets, slots, depth, policy_slots, bmc_slots, timeout, bmc_block_size)
     chosen = [t for t in theorems_for(scheduler) if not only or any(o in t.name for o in only)]
     if not chosen:
         fail(f"--only {list(only)}: no theorem matches")

@@ -17,9 +17,10 @@ COUNTEREXAMPLE = "counterexample"
 UNKNOWN = "unknown"
 
 DEFAULT_SLOTS = 16
-DEFAULT_DEPTH = 3
+DEFAULT_DEPTH = 6
 DEFAULT_POLICY_SLOTS = 4
-DEFAULT_BMC_SLOTS = 3
+DEFAULT_BMC_SLOTS = 4
+DEFAULT_BMC_BLOCK_SIZE = 2
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -40,6 +41,9 @@ class Options:
             step is a loop over a symbolic order, much larger than the spec's update.
         bmc_slots: slots for bounded model checking (at most ``slots``): an unrolling of K steps is K
             copies of the step.
+        bmc_block_size: the block size of bounded model checking and its cover goals (with a fixed
+            block size): small, so that decodes need new blocks within K steps and preemptions are
+            reachable (with 16 and max_model_len <= K no run from the initial state preempts).
     """
 
     slots: int = DEFAULT_SLOTS
@@ -50,6 +54,7 @@ class Options:
     timeout_s: float = DEFAULT_TIMEOUT_S
     bmc_slots: int = DEFAULT_BMC_SLOTS
     policy_slots: int = DEFAULT_POLICY_SLOTS
+    bmc_block_size: int = DEFAULT_BMC_BLOCK_SIZE
 
     @property
     def bmc_n(self) -> int:
