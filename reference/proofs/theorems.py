@@ -488,7 +488,7 @@ def cover_goals(opts: Options, policy: str, depth: int) -> list[Coverage]:
             model = solver.model()
             found = next(t + 1 for t, g in enumerate(per_step[goal]) if z3.is_true(model.eval(g, model_completion=True)))
         solver.pop()
-        status = {z3.sat: "sat", z3.unsat: "unsat"}.get(answer, UNKNOWN)
+        status = "sat" if answer == z3.sat else "unsat" if answer == z3.unsat else UNKNOWN
         out.append(Coverage(goal, status, found if found is not None else depth, timer.seconds))
     return out
 
