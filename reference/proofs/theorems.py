@@ -454,7 +454,7 @@ COVER_GOALS = ("preemption", "recompute after a preemption", "admission at max_n
 
 def cover_goals(opts: Options, policy: str, depth: int) -> list[Coverage]:
     """Each of :data:`COVER_GOALS`, searched from ``Init`` (requests arriving at any step, EOS and client
-    aborts free) within K steps; reports the step of the run found at which it is reached (``unsat``: not
+    aborts free, ``max_model_len <= K`` as in the bounded proof) within K steps; reports the step of the run found at which it is reached (``unsat``: not
     within K).
     A run of K steps that can never preempt, say, checks progress only for runs without preemption."""
     ctx = setup(opts)
@@ -476,7 +476,9 @@ def cover_goals(opts: Options, policy: str, depth: int) -> list[Coverage]:
                                                            arrived[i].nc < arrived[i].p) for i in range(n)]))
     solver = z3.Solver()
     solver.set("timeout", max(1, int(opts.timeout_s * 1000)))
-    solver.add(c.valid(), *ctx.facts)
+    # the configs the bounded proof covers (max_model_len <= K): a cover reached only with a longer
+    # max_model_len would say nothing about them
+    solver.add(c.valid(), c.max_model_len <= depth, *ctx.facts)
     out = []
     for goal in COVER_GOALS:
         timer = Timer()

@@ -144,7 +144,9 @@ def _coverage(result: Result) -> str:
 
 
 def _verdict(result: Result) -> str:
-    if result.status == PROVED:
+    if result.status == PROVED and result.expected == PROVED and result.vacuous:
+        text = "[red]proved, but vacuously[/] (see vacuity / cover)"
+    elif result.status == PROVED:
         text = "[green]proved[/]" if result.ok else "[red]proved[/] (a counterexample was expected)"
     elif result.status == COUNTEREXAMPLE:
         colour = "green" if result.ok else "red"
