@@ -171,7 +171,7 @@ def test_vacuity_checks_are_printed_and_satisfiable():
 def test_a_cover_goal_not_reached_fails_the_run():
     """Deliberate break: with block_size 16 and max_model_len <= K = 4 every request fits in one block,
     so no run from Init preempts; the bounded proof then says nothing about preemption and must fail."""
-    run = prove("--slots", "3", "--depth", "4", "--bmc-block-size", "16", "--only", "fcfs/progress", "--json")
+    run = prove("--slots", "2", "--depth", "4", "--bmc-block-size", "16", "--only", "fcfs/progress", "--json")
     assert run.exit_code == 1, run.output
     result = results(run.stdout)["fcfs/progress"]
     assert result["status"] == "proved" and result["ok"] is False
