@@ -25,12 +25,15 @@ def add_request(state: SchedulerState, request: Request) -> SchedulerState:
     """A request arrives: it joins the back of the waiting queue.
 
     Raises:
-        PlanError: the id was already added, or the request is not fresh (status WAITING, nothing
-            computed, no output, no blocks).
+        PlanError: the id was already added, the request is not fresh (status WAITING, nothing
+            computed, no output, no blocks), or its ``max_tokens`` is negative (vLLM's
+            ``SamplingParams`` refuses it; ``max_tokens == 0`` is a rejection at the next step).
     """
     request_id = request.request_id
     if request_id in state.requests or request_id in state.finished:
         raise PlanError(f"request_id={request_id!r} was already added")
+    if request.max_tokens < 0:
+        raise PlanError(f"request_id={request_id!r}: max_tokens={request.max_tokens} < 0")
     if (
         request.status is not RequestStatus.WAITING
         or request.num_computed_tokens

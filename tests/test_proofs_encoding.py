@@ -20,6 +20,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from schedspec.reference import policies  # noqa: E402
+from schedspec.spec.admission import rejection_reason  # noqa: E402
 from schedspec.spec.config import SchedulerConfig, blocks_for_tokens  # noqa: E402
 from schedspec.spec.proofs.concrete import (  # noqa: E402
     concrete_ctx,
@@ -155,7 +156,14 @@ def plans(draw, state: SchedulerState, config: SchedulerConfig) -> StepPlan:
         scheduled.append(ScheduledRequest(rid, start, ntok, _blocks(pool, taken, nb, config)))
         taken += nb
     return StepPlan(scheduled=tuple(scheduled), preempted=tuple(preempted),
-                    rejected=tuple((r, "drawn") for r in rejected))
+                    rejected=tuple((r, _reason(state, r, config)) for r in rejected))
+
+
+def _reason(state: SchedulerState, request_id: str, config: SchedulerConfig) -> str:
+    """The spec's rejection reason (the encoding does not model reasons, only that one exists)."""
+    request = state.requests.get(request_id)
+    reason = rejection_reason(request.prompt_len, request.max_tokens, config) if request is not None else None
+    return reason or "drawn: can complete alone"
 
 
 @st.composite

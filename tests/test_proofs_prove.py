@@ -26,7 +26,8 @@ def results(output: str) -> dict[str, dict]:
 
 
 def test_every_fcfs_theorem_holds_at_three_slots():
-    run = prove("--slots", "3", "--depth", "3", "--json")
+    # K = 4: with block_size 2 and max_model_len <= 3 no run preempts (a request stops at 3 tokens)
+    run = prove("--slots", "3", "--depth", "4", "--json")
     assert run.exit_code == 0, run.output
     found = results(run.stdout)
     assert all(r["ok"] for r in found.values()), [r for r in found.values() if not r["ok"]]
@@ -37,7 +38,12 @@ def test_every_fcfs_theorem_holds_at_three_slots():
                  "fcfs/progress-step", "fcfs/bounded-wait", "fcfs/ordering-invariant"):
         assert found[name]["status"] == "proved", name
         assert found[name]["slots"] == 3
-    assert found["fcfs/progress"]["depth"] == 3
+    assert found["fcfs/progress"]["depth"] == 4
+    assert found["fcfs/progress"]["block_size"] == "fixed 2"
+    covers = {c["case"]: (c["status"], c["depth"]) for c in found["fcfs/progress"]["vacuity"]}
+    assert set(covers) == {"preemption", "recompute after a preemption", "admission at max_num_seqs",
+                           "abort mid-prefill"}
+    assert all(status == "sat" and 1 <= depth <= 4 for status, depth in covers.values()), covers
     itl = found["fcfs/bounded-itl-without-chunking"]
     assert itl["status"] == "counterexample" and itl["replayed"] is True
     assert itl["scenario"]["expect"] == {"demonstrates": "bounded-itl"}
@@ -127,3 +133,47 @@ def test_the_command_knows_which_policies_are_encoded():
     from schedspec.reference.proofs.policy import POLICIES
 
     assert set(ENCODED) == set(POLICIES)
+
+
+def test_a_vacuous_theorem_fails_the_run(monkeypatch):
+    """Deliberate break: a well-formedness constraint that no plan satisfies (new blocks < 0 and >= 0)
+    makes every step theorem hold vacuously; the vacuity check must catch it."""
+    import z3
+
+    from schedspec.spec.proofs import theorems
+
+    original = theorems.plan_well_formed
+    monkeypatch.setattr(theorems, "plan_well_formed", lambda plan: z3.And(original(plan), plan.nb[0] < 0))
+    theorems._STEP_GOALS.clear()
+    theorems._STEP_VACUITY.clear()
+    run = prove("--slots", "2", "--only", "spec/step/kv-capacity", "--json")
+    theorems._STEP_GOALS.clear()
+    theorems._STEP_VACUITY.clear()
+    assert run.exit_code == 1, run.output
+    result = results(run.stdout)["spec/step/kv-capacity"]
+    assert result["status"] == "proved" and result["ok"] is False
+    assert {c["status"] for c in result["vacuity"]} == {"unsat"}
+
+
+def test_vacuity_checks_are_printed_and_satisfiable():
+    run = prove("--slots", "2", "--only", "spec/step/kv-capacity", "--only", "fcfs/work-conserving", "--json")
+    assert run.exit_code == 0, run.output
+    found = results(run.stdout)
+    for name in ("spec/step/kv-capacity", "fcfs/work-conserving"):
+        cases = {c["case"]: c["status"] for c in found[name]["vacuity"]}
+        assert set(cases) == {"premises", "premises + preemption", "premises + admission at max_num_seqs",
+                              "premises + stop", "premises + rejection"}, cases
+        assert set(cases.values()) == {"sat"}
+    human = prove("--slots", "2", "--only", "spec/step/kv-capacity")
+    assert "premises + preemption: satisfiable" in human.output
+
+
+def test_a_cover_goal_not_reached_fails_the_run():
+    """Deliberate break: with block_size 16 and max_model_len <= K = 4 every request fits in one block,
+    so no run from Init preempts; the bounded proof then says nothing about preemption and must fail."""
+    run = prove("--slots", "2", "--depth", "4", "--bmc-block-size", "16", "--only", "fcfs/progress", "--json")
+    assert run.exit_code == 1, run.output
+    result = results(run.stdout)["fcfs/progress"]
+    assert result["status"] == "proved" and result["ok"] is False
+    covers = {c["case"]: c["status"] for c in result["vacuity"]}
+    assert covers["preemption"] == "unsat" and covers["recompute after a preemption"] == "unsat"

@@ -254,3 +254,12 @@ def test_stop_reason_directly() -> None:
     assert stop_reason(with_outputs(3, (5, 0), 4, eos=None), CONFIG) is None
     # A prompt of exactly max_model_len still samples one token, then stops on length.
     assert stop_reason(with_outputs(12, (5,), 4), CONFIG) == (RequestStatus.FINISHED_LENGTH, "max_model_len")
+
+
+def test_add_request_refuses_negative_max_tokens() -> None:
+    """The proofs' arrival assumes max_tokens >= 0 (encoding.arrive_precondition); 0 is allowed (it is
+    rejected at the next step as no-output), -1 is not a request."""
+    state = SchedulerState.initial(CONFIG)
+    assert add_request(state, fresh("zero", 3, max_tokens=0)).waiting == ("zero",)
+    with pytest.raises(PlanError, match="max_tokens=-1 < 0"):
+        add_request(state, fresh("negative", 3, max_tokens=-1))

@@ -51,6 +51,9 @@ class PolicyStep:
     admitting: Any
     lemmas: list[tuple[str, Any]]
     ordered_lemmas: list[tuple[str, Any]]
+    canonical: list[Any]
+    """With ``plan_step(canonical=True)``: the slots are in processing order (a hypothesis on the
+    state); empty otherwise."""
 
 
 def chunk(ctx: Ctx, pending: Any, budget: Any) -> Any:
@@ -62,8 +65,16 @@ def chunk(ctx: Ctx, pending: Any, budget: Any) -> Any:
     return z3.If(c.enable_chunked_prefill, zmin(capped, budget), z3.If(pending <= budget, pending, 0))
 
 
-def plan_step(ctx: Ctx, s: State, policy: str, name: str = "") -> PolicyStep:
-    """The step of ``policy`` from ``s`` (definitions go to ``ctx.facts``)."""
+def plan_step(ctx: Ctx, s: State, policy: str, name: str = "", canonical: bool = False) -> PolicyStep:
+    """The step of ``policy`` from ``s`` (definitions go to ``ctx.facts``).
+
+    With ``canonical``, the slots are taken to be in processing order already (``perm`` is the
+    identity): the constraints that say so are returned in :attr:`PolicyStep.canonical`, a hypothesis
+    about the state, not a definition. The one-step theorems use it: their hypotheses and goals are
+    symmetric in the slots, so every state has a slot permutation satisfying it, and the ``pick``
+    chains over a symbolic order vanish (the step is then linear in N instead of quadratic). Runs of
+    several steps (bounded model checking) cannot order every state at once and keep the permutation.
+    """
     params = POLICIES[policy]
     c = ctx.cfg
     n = s.n
@@ -82,27 +93,39 @@ def plan_step(ctx: Ctx, s: State, policy: str, name: str = "") -> PolicyStep:
 
     # The processing order as a permutation: perm[k] is the slot processed k-th. The first P entries are
     # the processed slots (decodes first, each group by queue position); the others follow in slot order.
-    perm = [var("perm", k) for k in range(n)]
     n_proc = count(processed)
+    order_facts: list[Any] = []
+    if canonical:
+        perm = [z3.IntVal(k) for k in range(n)]
+        rank = [z3.IntVal(i) for i in range(n)]
 
-    def pick(values: list[Any], k: int) -> Any:
-        out = values[n - 1]
-        for i in range(n - 2, -1, -1):
-            out = z3.If(perm[k] == i, values[i], out)
-        return out
+        def pick(values: list[Any], k: int) -> Any:
+            return values[k]
+    else:
+        perm = [var("perm", k) for k in range(n)]
 
-    rank = [var("rank", i) for i in range(n)]  # the inverse permutation
+        def pick(values: list[Any], k: int) -> Any:
+            out = values[n - 1]
+            for i in range(n - 2, -1, -1):
+                out = z3.If(perm[k] == i, values[i], out)
+            return out
+
+        rank = [var("rank", i) for i in range(n)]  # the inverse permutation
+        for k in range(n):
+            facts.append(z3.And(perm[k] >= 0, perm[k] < n, rank[k] >= 0, rank[k] < n))
+            for i in range(n):
+                facts.append((perm[k] == i) == (rank[i] == k))
     for k in range(n):
-        facts.append(z3.And(perm[k] >= 0, perm[k] < n, rank[k] >= 0, rank[k] < n))
-        facts.append(pick(processed, k) == (k < n_proc))
-        for i in range(n):
-            facts.append((perm[k] == i) == (rank[i] == k))
+        order_facts.append(pick(processed, k) == (k < n_proc))
     pos = [sl.pos for sl in S]
     for k in range(n - 1):
         dec_k, dec_next = pick(decode, k), pick(decode, k + 1)
         sorted_ = z3.Or(z3.And(dec_k, z3.Not(dec_next)), z3.And(dec_k == dec_next, pick(pos, k) < pick(pos, k + 1)))
-        facts.append(z3.Implies(k + 1 < n_proc, sorted_))
-        facts.append(z3.Implies(k >= n_proc, perm[k] < perm[k + 1]))
+        order_facts.append(z3.Implies(k + 1 < n_proc, sorted_))
+        if not canonical:
+            order_facts.append(z3.Implies(k >= n_proc, perm[k] < perm[k + 1]))
+    if not canonical:
+        facts.extend(order_facts)
 
     # the loop, one processed slot per rank k
     budget = [c.max_num_batched_tokens]
@@ -139,6 +162,8 @@ def plan_step(ctx: Ctx, s: State, policy: str, name: str = "") -> PolicyStep:
         preby.append(row)
 
     def at_rank(values: list[Any], i: int) -> Any:
+        if canonical:
+            return values[i]
         out = values[n - 1]
         for k in range(n - 2, -1, -1):
             out = z3.If(rank[i] == k, values[k], out)
@@ -196,9 +221,10 @@ def plan_step(ctx: Ctx, s: State, policy: str, name: str = "") -> PolicyStep:
     for k in range(n):
         lemmas.append((f"victims-suffice-{k}", z3.Implies(sched_k[k], avail[k] + rel_k[k] >= needed_k[k])))
         lemmas.append((f"pool-nonnegative-{k + 1}", z3.Implies(avail[k] >= 0, avail[k + 1] >= 0)))
-        for label, x in (("tokens", tok_k[k]), ("blocks", nbk_k[k])):
-            lemmas.append((f"rank-{label}-{k}", _sum([z3.If(perm[k] == i, x, 0) for i in range(n)]) == x))
-    for i in range(n):
+        if not canonical:
+            for label, x in (("tokens", tok_k[k]), ("blocks", nbk_k[k])):
+                lemmas.append((f"rank-{label}-{k}", _sum([z3.If(perm[k] == i, x, 0) for i in range(n)]) == x))
+    for i in range(n if not canonical else 0):
         for label, x, per_rank in (("tokens", z3.If(sched[i], nt[i], 0), tok_k), ("blocks", nbk[i], nbk_k)):
             lemmas.append((f"slot-{label}-{i}", x == _sum([z3.If(perm[k] == i, per_rank[k], 0) for k in range(n)])))
     for v in range(n):
@@ -212,6 +238,19 @@ def plan_step(ctx: Ctx, s: State, policy: str, name: str = "") -> PolicyStep:
     lemmas.append(("blocks-by-rank", _sum([z3.If(scheduled[i], nb[i], 0) for i in range(n)])
                    == _sum(nbk_k) + admitted_blocks))
     lemmas.append(("released-by-rank", _sum([z3.If(pre[v], S[v].b, 0) for v in range(n)]) == _sum(rel_k)))
+    # admission takes a prefix of the policy's order: the admitted requests before an admitted one are
+    # all those before it, so the last admitted one's checks cover the whole batch
+    for i in range(n):
+        before_i = [j for j in range(n) if j != i]
+        lemmas.append((f"admitted-prefix-{i}", z3.Implies(admit[i], z3.And(
+            [z3.Implies(A[j][i], admit[j]) for j in before_i]
+            + [z3.Implies(admit[j], z3.Or(A[j][i], A[i][j])) for j in before_i]))))
+    last = [z3.And(admit[i], *[z3.Implies(admit[j], A[j][i]) for j in range(n) if j != i]) for i in range(n)]
+    lemmas.append(("admitted-has-last", z3.Implies(z3.Or(admit), z3.Or(last))))
+    for i in range(n):
+        lemmas.append((f"admitted-up-to-{i}", z3.Implies(last[i], z3.And(
+            admitted_blocks == _sum([z3.If(A[j][i], whole[j], 0) for j in range(n)]) + whole[i],
+            admitted_tokens == _sum([z3.If(A[j][i], nt_a[j], 0) for j in range(n)]) + nt_a[i]))))
     lemmas.append(("admission-fits", z3.And(admitted_blocks <= free_r, admitted_tokens <= budget_r)))
 
     # Lemmas that need the ordering invariant (running prefills hold blocks for their whole sequence):
@@ -223,18 +262,40 @@ def plan_step(ctx: Ctx, s: State, policy: str, name: str = "") -> PolicyStep:
         for k2 in range(k):
             ordered_lemmas.append((f"scheduled-below-victims-{k2}-{k}", z3.And([
                 z3.Implies(z3.And(preby[k][v], sched_k[k2]), pick(pos, k2) < S[v].pos) for v in range(n)])))
-    ordered_lemmas.append(("victims-are-youngest", z3.And([
-        z3.Implies(z3.And(pre[v], S[u].running, S[u].pos > S[v].pos), pre[u])
-        for u in range(n) for v in range(n) if u != v])))
-    return PolicyStep(plan, rejected, processed, perm, any_pre, admitting, lemmas, ordered_lemmas)
+    # the victims are the youngest: per pair, first within the rank that preempts v (the candidates
+    # after v have fewer blocks after them), then across ranks (a younger request already gone was
+    # preempted: it was not scheduled below a victim)
+    for u in range(n):
+        for v in range(n):
+            if u == v:
+                continue
+            younger = z3.And(S[u].running, S[u].pos > S[v].pos)
+            ordered_lemmas.append((f"victims-are-youngest-{u}-{v}", z3.Implies(z3.And(pre[v], younger), pre[u])))
+    return PolicyStep(plan, rejected, processed, perm, any_pre, admitting, lemmas, ordered_lemmas,
+                      order_facts if canonical else [])
 
 
-def concrete_step(state: Any, config: Any, policy: str, slots: int | None = None, unique: bool = True
-                  ) -> dict[str, Any]:
+def processing_order(state: Any, n: int) -> list[str | None]:
+    """Slot ids in the order the policy's running phase processes them (running decodes, then running
+    prefills, each in queue order), then the other requests, then empty slots: the order
+    ``plan_step(canonical=True)`` assumes."""
+    running = [r for r in state.running if state.requests[r].num_pending_tokens >= 1]
+    decodes = [r for r in running if state.requests[r].num_pending_tokens == 1]
+    ids: list[str | None] = decodes + [r for r in running if r not in decodes]
+    ids += [r for r in list(state.running) + list(state.waiting) if r not in ids]
+    if len(ids) > n:
+        raise ValueError(f"{len(ids)} requests need more than {n} slots")
+    return ids + [None] * (n - len(ids))
+
+
+def concrete_step(state: Any, config: Any, policy: str, slots: int | None = None, unique: bool = True,
+                  canonical: bool = False) -> dict[str, Any]:
     """The encoded step of ``policy`` on a concrete state, solved by Z3, as
     :func:`schedspec.spec.proofs.concrete.describe_plan` would show it.
 
-    With ``unique``, also checks that no other plan satisfies the encoding from this state.
+    With ``unique``, also checks that no other plan satisfies the encoding from this state. With
+    ``canonical``, the encoding the one-step proofs use: slots in :func:`processing_order`, whose
+    constraints must hold.
 
     Raises:
         AssertionError: the encoding has no solution, or (``unique``) more than one.
@@ -243,12 +304,13 @@ def concrete_step(state: Any, config: Any, policy: str, slots: int | None = None
     from schedspec.spec.proofs.encoding import PLAN_FIELDS
 
     n = slots if slots is not None else max(1, len(state.requests))
-    slot_ids = slot_assignment(state, None, n)
+    slot_ids = processing_order(state, n) if canonical else slot_assignment(state, None, n)
     ctx = concrete_ctx(config)
     s = encode_state(state, slot_ids)
-    step = plan_step(ctx, s, policy)
+    step = plan_step(ctx, s, policy, canonical=canonical)
     solver = z3.Solver()
     solver.add(ctx.facts)
+    solver.add(step.canonical)
     result = solver.check()
     assert result == z3.sat, f"the encoding of {policy} has no solution from this state ({result})"
     model = solver.model()

@@ -14,6 +14,7 @@ from typing import Any
 import z3
 
 from schedspec.spec.proofs.encoding import (
+    EMPTY,
     WAITING,
     Ctx,
     Plan,
@@ -181,11 +182,25 @@ class Run:
     prompt: list[Any]
     max_tokens: list[Any]
     eos: list[list[Any]]
+    aborted: list[list[Any]]
+    """Per step and slot: the live request there was aborted before the step (``aborts`` runs)."""
+    arrived: list[State]
+    """Per step: the state after arrivals, before aborts."""
 
 
-def run_from_init(ctx: Ctx, policy: str, n: int, depth: int, eos: bool = False) -> Run:
+def abort_where(s: State, flags: Sequence[Any]) -> State:
+    """``abort_request`` of the live request in every slot whose flag is set: it ends, its blocks return."""
+    slots = [replace(sl, st=z3.If(flags[i], z3.IntVal(EMPTY), sl.st), b=z3.If(flags[i], z3.IntVal(0), sl.b))
+             for i, sl in enumerate(s.slots)]
+    freed = _sum([z3.If(z3.And(flags[i], sl.live), sl.b, 0) for i, sl in enumerate(s.slots)])
+    return replace(s, slots=slots, free=s.free + freed)
+
+
+def run_from_init(ctx: Ctx, policy: str, n: int, depth: int, eos: bool = False, aborts: bool = False) -> Run:
     """``depth`` steps from the initial state; slot ``i`` receives one request before step
-    ``arrival[i]`` (``arrival[i] == depth``: never), requests of one step added in slot order."""
+    ``arrival[i]`` (``arrival[i] == depth``: never), requests of one step added in slot order. With
+    ``eos``, each sampled token may be EOS; with ``aborts``, the client may abort any live request
+    before each step (after that step's arrivals)."""
     arrival = [z3.Int(f"arrival{i}") for i in range(n)]
     prompt = [z3.Int(f"prompt{i}") for i in range(n)]
     max_tokens = [z3.Int(f"max_tokens{i}") for i in range(n)]
@@ -194,13 +209,21 @@ def run_from_init(ctx: Ctx, policy: str, n: int, depth: int, eos: bool = False) 
     s = initial_state(ctx, n)
     steps = []
     eos_vars = []
+    abort_vars: list[list[Any]] = []
+    arrived_states = []
     for t in range(depth):
         flags = [arrival[i] == t for i in range(n)]
-        before = materialize(ctx, arrivals(s, flags, prompt, max_tokens), f"t{t}b")
+        before = materialize(ctx, arrivals(s, flags, prompt, max_tokens), f"t{t}a")
+        arrived_states.append(before)
+        cut = [z3.And(z3.Bool(f"t{t}_abort{i}"), before.slots[i].live) if aborts else z3.BoolVal(False)
+               for i in range(n)]
+        abort_vars.append(cut)
+        if aborts:
+            before = materialize(ctx, abort_where(before, cut), f"t{t}b")
         step = plan_step(ctx, before, policy, name=f"t{t}")
         e = [z3.Bool(f"t{t}_eos{i}") if eos else z3.BoolVal(False) for i in range(n)]
         out = apply_plan(ctx, before, step.plan, e)
         steps.append(StepRecord(before, step, out))
         eos_vars.append(e)
         s = materialize(ctx, out.state, f"t{t + 1}")
-    return Run(steps, arrival, prompt, max_tokens, eos_vars)
+    return Run(steps, arrival, prompt, max_tokens, eos_vars, abort_vars, arrived_states)

@@ -16,8 +16,18 @@ from typing import Any
 
 import z3
 
-from schedspec.spec.proofs.core import COUNTEREXAMPLE, PROVED, UNKNOWN, Options, Result, Theorem, Timer
+from schedspec.spec.proofs.core import (
+    COUNTEREXAMPLE,
+    PROVED,
+    UNKNOWN,
+    Coverage,
+    Options,
+    Result,
+    Theorem,
+    Timer,
+)
 from schedspec.spec.proofs.encoding import (
+    PLAN_FIELDS,
     RULE_ORDER,
     Ctx,
     State,
@@ -28,10 +38,14 @@ from schedspec.spec.proofs.encoding import (
     arrive_precondition,
     fits_alone,
     plan_well_formed,
+    rule_atoms,
     symbolic_state,
 )
+from schedspec.spec.proofs.encoding import (
+    PREEMPTED as PREEMPTED_STATUS,
+)
 from schedspec.spec.proofs.solve import Prover, satisfiable, state_values, value
-from schedspec.spec.proofs.theorems import inv_parts, recheck_block_size, setup
+from schedspec.spec.proofs.theorems import inv_parts, recheck_block_size, setup, step_cases
 from schedspec.spec.properties import ITL_TOKEN_BUDGET
 
 from .policy import POLICIES, plan_step
@@ -65,13 +79,17 @@ class Setup:
         self.policy = policy
         self.ctx: Ctx = setup(opts)
         self.s: State = symbolic_state(opts.slots, "s")
-        self.step = plan_step(self.ctx, self.s, policy)
+        self.step = plan_step(self.ctx, self.s, policy, canonical=True)
         self.plan = self.step.plan
-        self.hyps = [self.ctx.cfg.valid()] + list(inv_parts(self.ctx, self.s).values())
+        # the slots in processing order: every state has such a slot permutation, and every hypothesis and
+        # goal below is symmetric in the slots (goals about one slot are stated for each slot)
+        self.hyps = [self.ctx.cfg.valid()] + list(self.step.canonical) + list(inv_parts(self.ctx, self.s).values())
         if ordered:
             self.hyps += list(order_invariant(self.ctx, self.s).values())
         self.prover = Prover(self.ctx, self.hyps, opts.timeout_s)
         self.lemma_status: tuple[str, str] | None = None
+        self._vacuity: dict[str, list[Coverage]] = {}
+        self.lemma_witness: dict[str, Any] | None = None
         self.all_lemmas = self.step.lemmas + (self.step.ordered_lemmas if ordered else [])
 
     @classmethod
@@ -94,15 +112,36 @@ class Setup:
             for name, lemma in self.all_lemmas:
                 answer = self.prover.prove(lemma)
                 if answer.status != PROVED:
-                    self.lemma_status = (UNKNOWN, f"lemma {name}: {answer.status} {answer.reason}".strip())
+                    refuted = answer.status == COUNTEREXAMPLE
+                    self.lemma_status = (answer.status if refuted else UNKNOWN,
+                                         f"lemma {name}: {'refuted (witness attached)' if refuted else answer.status} "
+                                         f"{answer.reason}".strip())
+                    if answer.model is not None:
+                        self.lemma_witness = state_values(answer.model, self.s, self.plan)
                     break
                 self.prover.assume([lemma])
         return self.lemma_status
 
+    def cases(self) -> dict[str, Any]:
+        """The interesting cases of the policy's step (:func:`schedspec.spec.proofs.theorems.step_cases`):
+        a preemption, an admission filling the last sequence slot, a stop, a rejection."""
+        eos = [z3.Bool(f"vac_eos{i}") for i in range(self.s.n)]
+        out = apply_plan(self.ctx, self.s, self.plan, eos)
+        return step_cases(self.ctx, self.s, self.plan, out)
+
+    def vacuity(self, extra: list[Any] | None = None) -> list[Coverage]:
+        """The premises (with ``extra``) are satisfiable, alone and with each of :meth:`cases`."""
+        key = repr(extra)
+        if key not in self._vacuity:
+            if self.lemmas()[0] != PROVED:
+                return []
+            self._vacuity[key] = self.prover.coverage(self.cases(), z3.And(extra) if extra else None)
+        return self._vacuity[key]
+
     def prove(self, goal: Any, extra: list[Any] | None = None) -> tuple[str, Any, str]:
         status, detail = self.lemmas()
         if status != PROVED:
-            return status, None, detail
+            return status, self.lemma_witness, detail
         if extra:
             goal = z3.Implies(z3.And(extra), goal)
         answer = self.prover.prove(goal)
@@ -110,6 +149,52 @@ class Setup:
         if witness is not None:
             witness["config"] = self.ctx.cfg.evaluate(answer.model)
         return answer.status, witness, answer.reason
+
+
+def _constants(exprs: list[Any]) -> list[Any]:
+    """The uninterpreted constants (variables) of ``exprs``, each once."""
+    seen: set[int] = set()
+    found: dict[int, Any] = {}
+    stack = list(exprs)
+    while stack:
+        e = stack.pop()
+        if e.get_id() in seen:
+            continue
+        seen.add(e.get_id())
+        if z3.is_const(e) and e.decl().kind() == z3.Z3_OP_UNINTERPRETED:
+            found[e.get_id()] = e
+        elif z3.is_app(e):
+            stack.extend(e.children())
+    return list(found.values())
+
+
+def step_unique(policy: str) -> Theorem:
+    name = f"{policy}/step-unique"
+    statement = (f"the encoded {policy} step is a function of the state: from every state satisfying the premises "
+                 "(Inv, Ord, slots in processing order), two solutions of its constraints give the same plan")
+
+    def run(opts: Options) -> Result:
+        timer = Timer()
+        opts = policy_options(opts)
+        ctx = setup(opts)
+        s = symbolic_state(opts.slots, "s")
+        step = plan_step(ctx, s, policy, canonical=True)
+        premises = [ctx.cfg.valid(), *step.canonical, *inv_parts(ctx, s).values()]
+        if policy in ORDERED:
+            premises += list(order_invariant(ctx, s).values())
+        known = {c.get_id() for c in _constants(premises)}
+        free = [c for c in _constants(ctx.facts) if c.get_id() not in known]
+        primed = [(c, z3.Const(c.decl().name() + "'", c.sort())) for c in free]
+        facts = z3.And(ctx.facts)
+        differs = [t != z3.substitute(t, *primed) for f in PLAN_FIELDS for t in getattr(step.plan, f)]
+        answer = satisfiable(ctx, premises + [z3.substitute(facts, *primed), z3.Or(differs)], opts.timeout_s,
+                             negate=True)
+        witness = state_values(answer.model, s) if answer.model is not None else None
+        vacuity = Prover(ctx, premises, opts.timeout_s).coverage({})
+        return Result(name, statement, PROVED, answer.status, opts.slots, opts.block_label, seconds=timer.seconds,
+                      detail=answer.reason or f"{len(free)} step variables", witness=witness, vacuity=vacuity)
+
+    return Theorem(name, statement, run)
 
 
 def step_lemmas(policy: str) -> Theorem:
@@ -124,7 +209,7 @@ def step_lemmas(policy: str) -> Theorem:
         st = Setup.get(opts, policy)
         status, detail = st.lemmas()
         return Result(name, statement, PROVED, status, opts.slots, opts.block_label, seconds=timer.seconds,
-                      detail=detail if status != PROVED else "")
+                      detail=detail if status != PROVED else "", vacuity=st.vacuity(), witness=st.lemma_witness)
 
     return Theorem(name, statement, run)
 
@@ -143,12 +228,14 @@ def one_step(name: str, statement: str, policy: str, goal: Callable[[Setup], Any
         timer = Timer()
         opts = policy_options(opts)
         status, witness, detail = attempt(opts)
+        st = Setup.get(opts, policy, ordered, fixed)
+        vacuity = st.vacuity(extra(st) if extra else None)
         if status == COUNTEREXAMPLE:
             detail = "a state satisfying the hypotheses from which the step breaks it (witness attached)"
             if opts.block == "uninterpreted":
                 status, detail = recheck_block_size(opts, lambda o: attempt(o)[:2])
         return Result(name, statement, PROVED, status, opts.slots, opts.block_label, seconds=timer.seconds,
-                      detail=detail, witness=witness)
+                      detail=detail, witness=witness, vacuity=vacuity)
 
     return Theorem(name, statement, run)
 
@@ -175,7 +262,7 @@ def refines(policy: str) -> Theorem:
             witness = witness or w
             if status != PROVED and reason.startswith("lemma"):
                 break
-        return _combine(name, statement, statuses, local, timer, witness)
+        return _combine(name, statement, statuses, local, timer, witness, vacuity=st.vacuity())
 
     return Theorem(name, statement, run)
 
@@ -203,34 +290,33 @@ def order_inductive(policy: str) -> Theorem:
         status, w, reason = st.prove(goal)
         statuses.append(("step", status, reason))
         witness = witness or w
-        # an arrival (slot 0: the state is symmetric in its slots) and an abort
-        for action in ("arrive", "abort"):
-            st = Setup.get(opts, policy)
-            ctx, s = st.ctx, st.s
-            if action == "arrive":
-                p, mt = z3.Int("new_p"), z3.Int("new_mt")
-                pre = arrive_precondition(s, 0, p, mt)
-                after = arrive(ctx, s, 0, p, mt)
-            else:
-                pre = s.slots[0].live
-                after = abort(ctx, s, 0)
+        # an arrival (into the last slot: an empty slot is not processed, so the processing order may put
+        # it last) and an abort (of each slot)
+        st = Setup.get(opts, policy)
+        ctx, s = st.ctx, st.s
+        last = opts.slots - 1
+        p, mt = z3.Int("new_p"), z3.Int("new_mt")
+        actions = [("arrive", arrive_precondition(s, last, p, mt), arrive(ctx, s, last, p, mt))]
+        actions += [(f"abort-{i}", s.slots[i].live, abort(ctx, s, i)) for i in range(opts.slots)]
+        for action, pre, after in actions:
             status, _, reason = st.prove(z3.Implies(pre, z3.And(list(order_invariant(ctx, after).values()))))
             statuses.append((action, status, reason))
-        return _combine(name, statement, statuses, opts, timer, witness)
+        return _combine(name, statement, statuses, opts, timer, witness, vacuity=st.vacuity())
 
     return Theorem(name, statement, run)
 
 
 def _combine(name: str, statement: str, statuses: list[tuple[str, str, str]], opts: Options, timer: Timer,
-             witness: Any = None, depth: int | None = None) -> Result:
+             witness: Any = None, depth: int | None = None, vacuity: list[Coverage] | None = None) -> Result:
+    vacuity = vacuity or []
     bad = [(part, status, reason) for part, status, reason in statuses if status != PROVED]
     if not bad:
         return Result(name, statement, PROVED, PROVED, opts.slots, opts.block_label, depth, timer.seconds,
-                      witness=None)
+                      witness=None, vacuity=vacuity)
     status = COUNTEREXAMPLE if any(s == COUNTEREXAMPLE for _, s, _ in bad) else UNKNOWN
     detail = "; ".join(f"{part}: {s}{' (' + r + ')' if r else ''}" for part, s, r in bad)
     return Result(name, statement, PROVED, status, opts.slots, opts.block_label, depth, timer.seconds,
-                  detail=detail, witness=witness)
+                  detail=detail, witness=witness, vacuity=vacuity)
 
 
 # --- one-step properties ---------------------------------------------------------------------------------
@@ -290,24 +376,25 @@ def bounded_wait(policy: str) -> Theorem:
                  "is in [1, max_model_len] while o lives and strictly decreases at every step o does not end "
                  "(o is never preempted), so o ends within max_model_len steps of becoming the oldest")
 
-    def oldest0(s: State) -> Any:
+    def oldest(s: State, i: int) -> Any:
         S = s.slots
-        return z3.And(S[0].live, *[z3.Implies(S[j].live, S[0].seq < S[j].seq) for j in range(1, s.n)])
+        return z3.And(S[i].live, *[z3.Implies(S[j].live, S[i].seq < S[j].seq) for j in range(s.n) if j != i])
 
     def run(opts: Options) -> Result:
         timer = Timer()
         opts = policy_options(opts)
         statuses = []
         witness = None
-        # (1) decrease: slot 0 is the oldest live request (the state is symmetric in its slots)
+        # (1) decrease, for the oldest live request in each slot i
         st = Setup.get(opts, policy)
         eos = [z3.Bool(f"eos{i}") for i in range(opts.slots)]
         out = apply_plan(st.ctx, st.s, st.plan, eos)
-        o, o2 = st.s.slots[0], out.state.slots[0]
-        decrease = z3.And(z3.Not(st.plan.pre[0]), z3.Implies(o2.live, o2.nc > o.nc))
-        status, w, reason = st.prove(decrease, [oldest0(st.s), z3.Not(st.step.rejected[0])])
-        statuses.append(("decrease", status, reason))
-        witness = witness or w
+        for i in range(opts.slots):
+            o, o2 = st.s.slots[i], out.state.slots[i]
+            decrease = z3.And(z3.Not(st.plan.pre[i]), z3.Implies(o2.live, o2.nc > o.nc))
+            status, w, reason = st.prove(decrease, [oldest(st.s, i), z3.Not(st.step.rejected[i])])
+            statuses.append((f"decrease-{i}", status, reason))
+            witness = witness or w
         # (2) bounds: every live request has 0 <= computed <= max_model_len - 1
         st = Setup.get(opts, policy)
         mml = st.ctx.cfg.max_model_len
@@ -323,7 +410,8 @@ def bounded_wait(policy: str) -> Theorem:
         status, w, reason = st.prove(same)
         statuses.append(("oldest", status, reason))
         witness = witness or w
-        return _combine(name, statement, statuses, opts, timer, witness)
+        oldest_waits = z3.Or([z3.And(oldest(st.s, i), z3.Not(st.step.rejected[i])) for i in range(opts.slots)])
+        return _combine(name, statement, statuses, opts, timer, witness, vacuity=st.vacuity([oldest_waits]))
 
     return Theorem(name, statement, run)
 
@@ -340,14 +428,93 @@ def progress_window(policy: str) -> Theorem:
     def run(opts: Options) -> Result:
         timer = Timer()
         depth = opts.depth
-        local = dataclasses.replace(opts, slots=opts.bmc_n)
+        local = bmc_options(opts)
         status, witness, reason = _progress_bmc(local, policy, depth)
         if status == COUNTEREXAMPLE and opts.block == "uninterpreted":
             status, reason = recheck_block_size(local, lambda o: _progress_bmc(o, policy, depth)[:2])
-        return Result(name, statement, PROVED, status, local.slots, opts.block_label, depth, timer.seconds,
-                      detail=reason, witness=witness)
+        covers = cover_goals(bmc_options(opts, fixed_block=True), policy, depth)
+        return Result(name, statement, PROVED, status, local.slots, local.block_label, depth, timer.seconds,
+                      detail=reason, witness=witness, vacuity=covers)
 
     return Theorem(name, statement, run, bmc=True)
+
+
+def bmc_options(opts: Options, fixed_block: bool = False) -> Options:
+    """Bounded model checking runs at ``bmc_n`` slots with the small ``bmc_block_size`` (unless the
+    block size is symbolic or uninterpreted and ``fixed_block`` is not asked)."""
+    local = dataclasses.replace(opts, slots=opts.bmc_n)
+    if local.block == "fixed" or fixed_block:
+        local = dataclasses.replace(local, block="fixed", block_size_value=opts.bmc_block_size)
+    return local
+
+
+COVER_GOALS = ("preemption", "recompute after a preemption", "admission at max_num_seqs", "abort mid-prefill")
+"""What bounded model checking must reach from the initial state for its bound to mean something."""
+
+
+COVER_FIRST_DEPTH = 4
+"""Cover goals are searched first in runs of this many steps (every goal is reached within 4 with the
+default block size), then, for those not reached, in runs of K: a shorter run is a much smaller query."""
+
+
+def cover_goals(opts: Options, policy: str, depth: int) -> list[Coverage]:
+    """Each of :data:`COVER_GOALS`, searched from ``Init`` (requests arriving at any step, EOS and client
+    aborts free, ``max_model_len <= K`` as in the bounded proof) within K steps; reports the step of the
+    run found at which it is reached (``unsat``: not within K). A run of K steps that can never
+    preempt, say, checks progress only for runs without preemption."""
+    found: dict[str, Coverage] = {}
+    for d in sorted({min(COVER_FIRST_DEPTH, depth), depth}):
+        missing = [goal for goal in COVER_GOALS if goal not in found or not found[goal].reached]
+        if not missing:
+            break
+        for cover in _cover_run(opts, policy, d, depth, missing):
+            if cover.case in found:
+                cover.seconds += found[cover.case].seconds
+            found[cover.case] = cover
+    return [found[goal] for goal in COVER_GOALS]
+
+
+def _cover_run(opts: Options, policy: str, steps: int, depth: int, goals: list[str]) -> list[Coverage]:
+    ctx = setup(opts)
+    n = opts.slots
+    r = run_from_init(ctx, policy, n, steps, eos=True, aborts=True)
+    c = ctx.cfg
+    per_step: dict[str, list[Any]] = {goal: [] for goal in COVER_GOALS}
+    for t, rec in enumerate(r.steps):
+        S, plan = rec.before.slots, rec.step.plan
+        atoms = [rule_atoms(rec.before, plan, i) for i in range(n)]
+        after = _sum_z3([a.running - a.preempted + a.admitted for a in atoms])
+        per_step["preemption"].append(rec.step.any_preempted)
+        per_step["recompute after a preemption"].append(
+            z3.Or([z3.And(sl.st == PREEMPTED_STATUS, plan.sched[i]) for i, sl in enumerate(S)]))
+        per_step["admission at max_num_seqs"].append(
+            z3.And(_sum_z3([a.admitted for a in atoms]) >= 1, after == c.max_num_seqs))
+        arrived = r.arrived[t].slots
+        per_step["abort mid-prefill"].append(z3.Or([z3.And(r.aborted[t][i], arrived[i].running, arrived[i].nc >= 1,
+                                                           arrived[i].nc < arrived[i].p) for i in range(n)]))
+    solver = z3.Solver()
+    solver.set("timeout", max(1, int(opts.timeout_s * 1000)))
+    # the configs the bounded proof covers (max_model_len <= K): a cover reached only with a longer
+    # max_model_len would say nothing about them
+    solver.add(c.valid(), c.max_model_len <= depth, *ctx.facts)
+    out = []
+    for goal in goals:
+        timer = Timer()
+        solver.push()
+        solver.add(z3.Or(per_step[goal]))
+        answer = solver.check()
+        reached = None
+        if answer == z3.sat:
+            model = solver.model()
+            reached = next(t + 1 for t, g in enumerate(per_step[goal]) if z3.is_true(model.eval(g, model_completion=True)))
+        solver.pop()
+        status = "sat" if answer == z3.sat else "unsat" if answer == z3.unsat else UNKNOWN
+        out.append(Coverage(goal, status, reached if reached is not None else steps, timer.seconds))
+    return out
+
+
+def _sum_z3(terms: list[Any]) -> Any:
+    return z3.Sum(terms + [z3.IntVal(0)])
 
 
 def _progress_bmc(opts: Options, policy: str, depth: int) -> tuple[str, Any, str]:
@@ -481,7 +648,7 @@ def policy_theorems(policy: str) -> list[Theorem]:
     from schedspec.spec.config import SchedulerConfig
 
     guarantees = SCHEDULERS[policy](SchedulerConfig(16, 8, 8, 1, 8)).guarantees
-    out = [step_lemmas(policy), refines(policy)]
+    out = [step_unique(policy), step_lemmas(policy), refines(policy)]
     if policy in ORDERED:
         out.append(order_inductive(policy))
     if "work-conserving" in guarantees:

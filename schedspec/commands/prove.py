@@ -33,6 +33,7 @@ from schedspec.cli_common import (
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.proofs.core import (
     COUNTEREXAMPLE,
+    DEFAULT_BMC_BLOCK_SIZE,
     DEFAULT_BMC_SLOTS,
     DEFAULT_DEPTH,
     DEFAULT_POLICY_SLOTS,
@@ -45,7 +46,7 @@ from schedspec.spec.proofs.core import (
 )
 
 MAX_SIZE = 64
-"""Largest --slots, --depth, --policy-slots, --bmc-slots accepted (the full run uses N=8, K=3; the
+"""Largest --slots, --depth, --policy-slots, --bmc-slots accepted (the default run uses N=16, K=6; the
 solver's work grows exponentially, so a larger model is a typo, not a proof anyone waits for)."""
 
 DEFAULT_SCHEDULER = "fcfs"
@@ -56,7 +57,7 @@ _INT_FIELDS = {"num_kv_blocks", "max_num_batched_tokens", "max_num_seqs", "max_m
 
 
 def _options(sets: tuple[str, ...], slots: int, depth: int, policy_slots: int, bmc_slots: int,
-             timeout: float) -> Options:
+             timeout: float, bmc_block_size: int = 2) -> Options:
     changes = parse_sets(sets)
     known = {f.name for f in attrs.fields(SchedulerConfig)}
     fixed: dict[str, Any] = {}
@@ -94,7 +95,7 @@ def _options(sets: tuple[str, ...], slots: int, depth: int, policy_slots: int, b
     if timeout <= 0:
         fail("--timeout must be > 0")
     return Options(slots=slots, block=block, block_size_value=block_size, depth=depth, fixed=fixed,
-                   timeout_s=timeout, bmc_slots=bmc_slots, policy_slots=policy_slots)
+                   timeout_s=timeout, bmc_slots=bmc_slots, policy_slots=policy_slots, bmc_block_size=bmc_block_size)
 
 
 def _check_config_space(opts: Options) -> None:
@@ -128,8 +129,24 @@ def _size(result: Result) -> str:
     return f"N={result.slots}" + (f", K={result.depth}" if result.depth is not None else "")
 
 
+def _coverage(result: Result) -> str:
+    """The vacuity checks (premises and cases satisfiable) or cover goals (reached at depth d), short."""
+    if not result.vacuity:
+        return "-"
+    bad = result.vacuous
+    cover = [c for c in result.vacuity if c.depth is not None]
+    text = f"{len(result.vacuity) - len(bad)}/{len(result.vacuity)} " + ("reached" if cover else "satisfiable")
+    if cover:
+        text += " (" + ", ".join(f"{c.case} @{c.depth}" for c in cover if c.reached) + ")"
+    if bad:
+        text += "; [red]" + ", ".join(f"{c.case}: {c.status}" for c in bad) + "[/]"
+    return text
+
+
 def _verdict(result: Result) -> str:
-    if result.status == PROVED:
+    if result.status == PROVED and result.expected == PROVED and result.vacuous:
+        text = "[red]proved, but vacuously[/] (see vacuity / cover)"
+    elif result.status == PROVED:
         text = "[green]proved[/]" if result.ok else "[red]proved[/] (a counterexample was expected)"
     elif result.status == COUNTEREXAMPLE:
         colour = "green" if result.ok else "red"
@@ -154,6 +171,8 @@ def _verdict(result: Result) -> str:
               help="Slots for the one-step policy theorems (at most N).")
 @click.option("--bmc-slots", type=Count(minimum=1, maximum=MAX_SIZE), default=DEFAULT_BMC_SLOTS, show_default=True,
               help="Slots for bounded model checking (at most N).")
+@click.option("--bmc-block-size", type=Count(minimum=1, maximum=1024), default=DEFAULT_BMC_BLOCK_SIZE,
+              show_default=True, help="Block size of bounded model checking and its cover goals (small: preemptions reachable).")
 @click.option("--timeout", type=Number(minimum=0, strict=True, maximum=86_400.0), default=DEFAULT_TIMEOUT_S, show_default=True,
               help="Seconds per solver query; a query that runs out answers unknown.")
 @click.option("--only", "only", multiple=True, metavar="TEXT", help="Run only theorems whose name contains TEXT.")
@@ -162,12 +181,13 @@ def _verdict(result: Result) -> str:
               help="Write each counterexample scenario to DIR/<name>.json.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 def command(scheduler_name: str | None, sets: tuple[str, ...], slots: int, depth: int, policy_slots: int,
-            bmc_slots: int, timeout: float, only: tuple[str, ...], list_only: bool, save_cases: str | None, as_json: bool) -> None:
+            bmc_slots: int, bmc_block_size: int, timeout: float, only: tuple[str, ...], list_only: bool, save_cases: str | None, as_json: bool) -> None:
     """Prove the spec's invariants and a scheduler's trace properties with Z3.
 
     --set block_size=16 (default), =symbolic (ceil division is nonlinear; may answer unknown) or
     =uninterpreted (proves for every block size; counterexamples are re-checked with block_size=16);
-    --set FIELD=VALUE fixes another config field. Full run: `schedspec prove` (N=8); CI runs N=3.
+    --set FIELD=VALUE fixes another config field. Default run: spec at N=16, one-step policy theorems
+    at N=4, bounded model checking at N=4, K=6 with block_size 2 (--bmc-block-size).
     """
     check_outputs([], [], folders=[("--save-cases", save_cases)])
     scheduler = scheduler_name or DEFAULT_SCHEDULER
@@ -179,7 +199,7 @@ def command(scheduler_name: str | None, sets: tuple[str, ...], slots: int, depth
             fail(f"--scheduler {scheduler!r}: unknown; known: {', '.join(sorted(SCHEDULERS))}")
         fail(f"--scheduler {scheduler!r} has no proof encoding (encoded: {', '.join(ENCODED)}); "
              "its plans are checked at run time by replay and check instead", EXIT_UNSUPPORTED)
-    opts = _options(sets, slots, depth, policy_slots, bmc_slots, timeout)
+    opts = _options(sets, slots, depth, policy_slots, bmc_slots, timeout, bmc_block_size)
     chosen = [t for t in theorems_for(scheduler) if not only or any(o in t.name for o in only)]
     if not chosen:
         fail(f"--only {list(only)}: no theorem matches")
@@ -223,16 +243,27 @@ def _print(console: Console, scheduler: str, opts: Options, results: list[Result
     table.add_column("result", max_width=44)
     table.add_column("size", no_wrap=True)
     table.add_column("block_size", no_wrap=True)
+    table.add_column("vacuity / cover", max_width=40)
     table.add_column("time", justify="right", no_wrap=True)
     for r in results:
         table.add_row(f"[bold]{r.name}[/]\n[dim]{r.statement}[/]", _verdict(r), _size(r), r.block,
-                      f"{r.seconds:.1f} s")
+                      _coverage(r), f"{r.seconds:.1f} s")
     console.print(table)
+    shown: set[str] = set()
+    for r in results:
+        lines = "; ".join(str(c) for c in r.vacuity)
+        if lines and lines not in shown:
+            shown.add(lines)
+            console.print(f"[bold]{r.name}[/] (and the theorems with the same premises): ", end="")
+            console.print(lines, markup=False, highlight=False)
     for r in results:
         if r.scenario is not None:
             where = r.scenario_file or "not saved (use --save-cases DIR)"
             console.print(f"[bold]{r.name}[/]: counterexample scenario {r.scenario['name']} ({where}); {r.detail}")
-        if not r.ok:
+        if not r.ok and r.vacuous and r.status == PROVED:
+            console.print(f"[red]{r.name}[/]: proved, but vacuously: "
+                          + "; ".join(str(c) for c in r.vacuous), highlight=False)
+        elif not r.ok:
             console.print(f"[red]{r.name}[/]: {r.status}; {r.detail}")
             if r.witness is not None and r.scenario is None:
                 console.print_json(json.dumps(r.witness, default=str))

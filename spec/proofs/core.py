@@ -16,10 +16,11 @@ PROVED = "proved"
 COUNTEREXAMPLE = "counterexample"
 UNKNOWN = "unknown"
 
-DEFAULT_SLOTS = 8
-DEFAULT_DEPTH = 3
+DEFAULT_SLOTS = 16
+DEFAULT_DEPTH = 6
 DEFAULT_POLICY_SLOTS = 4
 DEFAULT_BMC_SLOTS = 3
+DEFAULT_BMC_BLOCK_SIZE = 2
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -40,6 +41,9 @@ class Options:
             step is a loop over a symbolic order, much larger than the spec's update.
         bmc_slots: slots for bounded model checking (at most ``slots``): an unrolling of K steps is K
             copies of the step.
+        bmc_block_size: the block size of bounded model checking and its cover goals (with a fixed
+            block size): small, so that decodes need new blocks within K steps and preemptions are
+            reachable (with 16 and max_model_len <= K no run from the initial state preempts).
     """
 
     slots: int = DEFAULT_SLOTS
@@ -50,6 +54,7 @@ class Options:
     timeout_s: float = DEFAULT_TIMEOUT_S
     bmc_slots: int = DEFAULT_BMC_SLOTS
     policy_slots: int = DEFAULT_POLICY_SLOTS
+    bmc_block_size: int = DEFAULT_BMC_BLOCK_SIZE
 
     @property
     def bmc_n(self) -> int:
@@ -71,6 +76,36 @@ class Options:
         else:
             fixed.pop("block_size", None)
         return fixed
+
+
+SAT = "sat"
+UNSAT = "unsat"
+
+
+@dataclass
+class Coverage:
+    """One vacuity or cover check: ``case`` (``premises``, ``premises + preemption``, or a cover goal),
+    ``status`` (``sat``: satisfiable / reached; ``unsat``: vacuous / unreachable within the depth;
+    ``unknown``), the depth it was reached at (cover goals), its time."""
+
+    case: str
+    status: str
+    depth: int | None = None
+    seconds: float = 0.0
+
+    @property
+    def reached(self) -> bool:
+        return self.status == SAT
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"case": self.case, "status": self.status, "depth": self.depth, "seconds": round(self.seconds, 3)}
+
+    def __str__(self) -> str:
+        at = f" at depth {self.depth}" if self.depth is not None else ""
+        word = {SAT: "satisfiable" if self.depth is None else "reached"}.get(self.status, self.status)
+        if self.status == UNSAT:
+            word = "UNSATISFIABLE (vacuous)" if self.depth is None else "NOT REACHED"
+        return f"{self.case}: {word}{at}"
 
 
 @dataclass
@@ -103,12 +138,22 @@ class Result:
     scenario_file: str | None = None
     replayed: bool | None = None
     witness: dict[str, Any] | None = None
+    vacuity: list[Coverage] = field(default_factory=list)
+    """Satisfiability of the theorem's premises, alone and with each interesting case (a preemption,
+    an admission at the cap, a stop, a rejection); for bounded model checking, the cover goals reached
+    from the initial state (with the depth). A proof whose premises (or one case) are unsatisfiable
+    proves nothing about it: the theorem is then not as expected."""
+
+    @property
+    def vacuous(self) -> list[Coverage]:
+        return [c for c in self.vacuity if not c.reached]
 
     @property
     def ok(self) -> bool:
-        """As expected: proved, or a counterexample the reference replay confirmed."""
+        """As expected: proved with every premise and case satisfiable (none vacuous), or a
+        counterexample the reference replay confirmed."""
         if self.expected == PROVED:
-            return self.status == PROVED
+            return self.status == PROVED and not self.vacuous
         return self.status == COUNTEREXAMPLE and self.replayed is not False
 
     def to_dict(self) -> dict[str, Any]:
@@ -117,6 +162,7 @@ class Result:
             "ok": self.ok, "slots": self.slots, "block_size": self.block, "depth": self.depth,
             "seconds": round(self.seconds, 3), "detail": self.detail, "scenario_file": self.scenario_file,
             "replayed": self.replayed, "scenario": self.scenario, "witness": self.witness,
+            "vacuity": [c.to_dict() for c in self.vacuity],
         }
 
 

@@ -319,6 +319,35 @@ def fits_alone(ctx: Ctx, p: Any, mt: Any) -> Any:
 # --- the allowed-plan predicate (schedspec.spec.rules) -------------------------------------------
 
 
+@dataclass
+class RuleAtoms:
+    """The per-slot terms the counting rules add up, built once so that the rules, the update and the
+    per-slot sum lemmas of :mod:`.theorems` share them (z3 hash-conses equal terms, so a lemma stated in
+    these atoms adds up to the rule by linear arithmetic alone, with no case split per slot).
+
+    ``running``: 1 if the slot runs before the step; ``preempted``: 1 if it runs and the plan preempts
+    it; ``admitted``: 1 if it is live, not running, and scheduled (``sequence-cap``); ``handed``: the
+    new blocks the plan gives it; ``released``: the blocks it holds if the plan preempts it while live
+    (``blocks-from-free-pool``)."""
+
+    running: Any
+    preempted: Any
+    admitted: Any
+    handed: Any
+    released: Any
+
+
+def rule_atoms(s: State, plan: Plan, i: int) -> RuleAtoms:
+    sl = s.slots[i]
+    return RuleAtoms(
+        running=z3.If(sl.running, 1, 0),
+        preempted=z3.If(z3.And(plan.pre[i], sl.running), 1, 0),
+        admitted=z3.If(z3.And(plan.sched[i], z3.Not(sl.running), sl.live), 1, 0),
+        handed=z3.If(plan.sched[i], plan.nb[i], 0),
+        released=z3.If(z3.And(plan.pre[i], sl.live), sl.b, 0),
+    )
+
+
 def allowed_rules(ctx: Ctx, s: State, plan: Plan) -> dict[str, Any]:
     """Each local rule of :mod:`schedspec.spec.rules` by name, as a z3 formula over the state before the
     step and the plan. The plan is allowed iff all hold."""
@@ -351,11 +380,13 @@ def allowed_rules(ctx: Ctx, s: State, plan: Plan) -> dict[str, Any]:
         rules["block-table-covers"].append(z3.Implies(ls, blocks >= ctx.cdiv(plan.start[i] + plan.ntok[i])))
         rules["no-excess-blocks"].append(z3.Implies(ls, blocks <= ctx.cdiv(sl.p + sl.o)))
     rules["token-budget"].append(plan.tokens() <= c.max_num_batched_tokens)
-    admitted = count([z3.And(plan.sched[i], z3.Not(S[i].running), S[i].live) for i in range(n)])
-    preempted = count([z3.And(plan.pre[i], S[i].running) for i in range(n)])
-    rules["sequence-cap"].append(count([sl.running for sl in S]) - preempted + admitted <= c.max_num_seqs)
-    handed = _sum([z3.If(plan.sched[i], plan.nb[i], 0) for i in range(n)])
-    released = _sum([z3.If(z3.And(plan.pre[i], S[i].live), S[i].b, 0) for i in range(n)])
+    atoms = [rule_atoms(s, plan, i) for i in range(n)]
+    running = _sum([a.running for a in atoms])
+    preempted = _sum([a.preempted for a in atoms])
+    admitted = _sum([a.admitted for a in atoms])
+    rules["sequence-cap"].append(running - preempted + admitted <= c.max_num_seqs)
+    handed = _sum([a.handed for a in atoms])
+    released = _sum([a.released for a in atoms])
     rules["blocks-from-free-pool"].append(handed <= s.free + released)
     return {name: z3.And(parts) for name, parts in rules.items()}
 
@@ -385,6 +416,8 @@ class StepOutcome:
     samples: list[Any]
     stops: list[Any]
     final_o: list[Any]
+    returned: list[Any]
+    """Per slot: the blocks a request that stops in the step returns (its old blocks plus the new ones)."""
 
 
 def apply_plan(ctx: Ctx, s: State, plan: Plan, eos: Sequence[Any]) -> StepOutcome:
@@ -393,7 +426,8 @@ def apply_plan(ctx: Ctx, s: State, plan: Plan, eos: Sequence[Any]) -> StepOutcom
     n = s.n
     new_slots = []
     samples, stops, final_o = [], [], []
-    released = []
+    released: list[Any] = []
+    returned: list[Any] = []
     for i in range(n):
         sl = s.slots[i]
         sch, pre, rej = plan.sched[i], plan.pre[i], plan.rej[i]
@@ -409,14 +443,16 @@ def apply_plan(ctx: Ctx, s: State, plan: Plan, eos: Sequence[Any]) -> StepOutcom
             sl, st=st, nc=nc, b=b, pos=pos, o=o1,
             adm=z3.Or(sl.adm, admit), npre=z3.If(pre, sl.npre + 1, sl.npre),
         ))
-        released.append(z3.If(pre, sl.b, 0) - z3.If(sch, plan.nb[i], 0) + z3.If(stop, sl.b + plan.nb[i], 0))
+        atoms = rule_atoms(s, plan, i)
+        returned.append(z3.If(stop, sl.b + plan.nb[i], 0))
+        released.append(atoms.released - atoms.handed + returned[i])
         samples.append(samp)
         stops.append(stop)
         final_o.append(o1)
     after = State(
         new_slots, s.free + _sum(released), s.wfront - n, s.wback, s.rback + 2 * n, s.step + 1, s.nextseq,
     )
-    return StepOutcome(after, samples, stops, final_o)
+    return StepOutcome(after, samples, stops, final_o, returned)
 
 
 def arrive(ctx: Ctx, s: State, i: int, p: Any, mt: Any, prio: Any = 0) -> State:

@@ -173,6 +173,25 @@ class Prover:
             self.solver.pop()
             self._reset_facts()  # the facts met in the goal were added inside the scope
 
+    def satisfiable(self, constraint: Any) -> str:
+        """Is ``constraint`` satisfiable together with everything assumed? ``sat``, ``unsat`` or
+        ``unknown`` (a vacuity check: ``prove(Not(constraint))`` read the other way)."""
+        answer = self.prove(z3.Not(constraint))
+        return {PROVED: "unsat", COUNTEREXAMPLE: "sat"}.get(answer.status, UNKNOWN)
+
+    def coverage(self, cases: dict[str, Any], premise: Any = None) -> list[Any]:
+        """:class:`~.core.Coverage` of the premises (everything assumed, and ``premise`` if given) and of
+        each case added to them."""
+        from .core import Coverage, Timer
+
+        premise = z3.BoolVal(True) if premise is None else premise
+        out = []
+        for name, case in {"premises": z3.BoolVal(True), **cases}.items():
+            timer = Timer()
+            status = self.satisfiable(z3.And(premise, case))
+            out.append(Coverage(name if name == "premises" else f"premises + {name}", status, None, timer.seconds))
+        return out
+
     def _reset_facts(self) -> None:
         """Re-derive the known applications from what is asserted outside any scope."""
         f = self.ctx._f
