@@ -36,6 +36,7 @@ from schedspec.reference import metrics
 from schedspec.reference.cost_model import CostModel
 from schedspec.reference.lab import LabResult
 from schedspec.spec.admission import REJECTION_CODES, rejection_code
+from schedspec.spec.trace import StrictJsonError, strict_json_loads
 
 RECORD_KIND = "schedspec-run-record"
 SCHEMA_VERSION = 1
@@ -284,9 +285,11 @@ def load_record(path: str | Path) -> dict[str, Any]:
     except UnicodeDecodeError:
         raise RunRecordError(f"{path}: not UTF-8 text, not a run record") from None
     try:
-        data = json.loads(text)
+        data = strict_json_loads(text)
     except json.JSONDecodeError as error:
         raise RunRecordError(f"{path}:{error.lineno}: not JSON ({error.msg})") from None
+    except StrictJsonError as error:
+        raise RunRecordError(f"{path}: not a run record ({error})") from None
     except RecursionError:
         raise RunRecordError(f"{path}: nested too deeply, not a run record") from None
     problem = validate_record(data)
