@@ -409,3 +409,19 @@ def test_async_scheduler_drops_work_for_a_request_that_ended() -> None:
     assert result.state.finished["a"].finish_reason == "stop" and len(result.state.finished["a"].output_token_ids) == 2
     assert scheduler.num_dropped == 1
     assert not hasattr(scheduler, "engine_view")
+
+
+@pytest.mark.parametrize("policy", ["vllm", "vllm-priority"])
+def test_diff_vllm_against_the_vllm_v1_profile_has_no_unexplained_divergence(policy: str) -> None:
+    """Issue 8's target: 0 unexplained divergences between vLLM's own scheduler and the profile over 1,000
+    derandomized scenarios per policy (``benchmarks/vllm_v1_against_vllm.py`` runs 10,000)."""
+    from click.testing import CliRunner
+
+    from schedspec.cli import cli
+
+    against = "vllm-v1" if policy == "vllm" else "vllm-v1-priority"
+    result = CliRunner().invoke(cli, ["diff", "--scheduler", policy, "--against", against, "--examples", "1000",
+                                      "--seed", "20261201"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output[-3000:]
+    assert "1000 examples" in result.output and "0 divergent (unexplained)" in result.output
+    assert "0 findings" in result.output

@@ -42,6 +42,7 @@ from hypothesis.errors import Unsatisfiable
 from schedspec.cli_common import EXIT_CHECK_FAILED, EXIT_UNSUPPORTED, fail, parse_sets
 from schedspec.reference.engine import Engine, RunResult, ViolationFound
 from schedspec.reference.scheduler import (
+    ENGINE_ADAPTERS,
     NOT_YET_IMPLEMENTED,
     SCHEDULERS,
     UnknownScheduler,
@@ -443,8 +444,9 @@ def check_scheduler_name(name: str) -> None:
         fail(f"scheduler {name!r}: {NOT_YET_IMPLEMENTED[name]}", EXIT_UNSUPPORTED)
     if name in SCHEDULERS:
         return
-    if ":" not in name:
-        fail(f"--scheduler {name!r}: unknown; known: {', '.join(sorted(SCHEDULERS))}, or module:factory")
+    if ":" not in name and name not in ENGINE_ADAPTERS:
+        known = sorted(SCHEDULERS) + sorted(ENGINE_ADAPTERS)
+        fail(f"--scheduler {name!r}: unknown; known: {', '.join(known)}, or module:factory")
     probe = SchedulerConfig(block_size=4, num_kv_blocks=8, max_num_batched_tokens=16, max_num_seqs=2, max_model_len=16)
     try:
         make_scheduler(name, probe)
