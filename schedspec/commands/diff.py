@@ -39,13 +39,9 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 
-from schedspec.cli_common import EXIT_CHECK_FAILED, EXIT_UNSUPPORTED, fail, parse_sets
+from schedspec.cli_common import EXIT_CHECK_FAILED, EXIT_UNSUPPORTED, check_scheduler, fail, parse_sets
 from schedspec.reference.engine import Engine, RunResult, ViolationFound
 from schedspec.reference.scheduler import (
-    ENGINE_ADAPTERS,
-    NOT_YET_IMPLEMENTED,
-    SCHEDULERS,
-    UnknownScheduler,
     UnsupportedFeature,
     make_scheduler,
 )
@@ -437,25 +433,6 @@ def run_diff(scheduler: str, against: str, examples: int, seed: int, changes: di
     return report
 
 
-def check_scheduler_name(name: str) -> None:
-    """Exit 2 for a name that is no scheduler, 3 for a reserved one not implemented yet, before any
-    scenario runs (a scheduler that refuses only some configs is counted per scenario)."""
-    if name in NOT_YET_IMPLEMENTED:
-        fail(f"scheduler {name!r}: {NOT_YET_IMPLEMENTED[name]}", EXIT_UNSUPPORTED)
-    if name in SCHEDULERS:
-        return
-    if ":" not in name and name not in ENGINE_ADAPTERS:
-        known = sorted(SCHEDULERS) + sorted(ENGINE_ADAPTERS)
-        fail(f"--scheduler {name!r}: unknown; known: {', '.join(known)}, or module:factory")
-    probe = SchedulerConfig(block_size=4, num_kv_blocks=8, max_num_batched_tokens=16, max_num_seqs=2, max_model_len=16)
-    try:
-        make_scheduler(name, probe)
-    except UnknownScheduler as error:
-        fail(str(error))
-    except UnsupportedFeature:
-        pass
-
-
 @click.command()
 @click.option("--scheduler", "scheduler_name", required=True, metavar="NAME", help="The scheduler under test.")
 @click.option("--against", "against", required=True, metavar="NAME", help="The scheduler it is compared with.")
@@ -484,8 +461,9 @@ def command(scheduler_name: str, against: str, examples: int, seed: int, sets: t
             permissive.with_changes(**changes)
         except (ConfigError, TypeError) as error:
             fail(f"--set: {error}")
-    for name in (scheduler_name, against):
-        check_scheduler_name(name)
+    for option, name in (("--scheduler", scheduler_name), ("--against", against)):
+        # The name only: a scheduler that refuses some configs is counted per scenario.
+        check_scheduler(name, None, where=option)
     folder = Path(out) if out is not None else None
     if folder is not None and folder.exists() and not folder.is_dir():
         fail(f"--out {out!r}: not a directory")
