@@ -7,7 +7,6 @@ runs it on a scheduler with every invariant checked at every step and judges eac
 
 from __future__ import annotations
 
-import json
 import stat
 from collections.abc import Callable, Sequence
 from importlib import resources
@@ -261,12 +260,9 @@ def load_scenario(path: str | Path) -> Scenario:
         raise ScenarioError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[error.start]:02x})") from None
     try:
         data = strict_json_loads(text)
-    except json.JSONDecodeError as error:
-        raise ScenarioError(f"{path}:{error.lineno}: invalid JSON ({error.msg})") from None
     except StrictJsonError as error:
-        raise ScenarioError(f"{path}: invalid JSON ({error})") from None
-    except RecursionError:
-        raise ScenarioError(f"{path}: invalid JSON (nested too deeply)") from None
+        where = f"{path}:{error.lineno}" if error.lineno is not None else f"{path}"
+        raise ScenarioError(f"{where}: invalid JSON ({error})") from None
     return parse_scenario(data, str(path))
 
 

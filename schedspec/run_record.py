@@ -286,12 +286,9 @@ def load_record(path: str | Path) -> dict[str, Any]:
         raise RunRecordError(f"{path}: not UTF-8 text, not a run record") from None
     try:
         data = strict_json_loads(text)
-    except json.JSONDecodeError as error:
-        raise RunRecordError(f"{path}:{error.lineno}: not JSON ({error.msg})") from None
     except StrictJsonError as error:
-        raise RunRecordError(f"{path}: not a run record ({error})") from None
-    except RecursionError:
-        raise RunRecordError(f"{path}: nested too deeply, not a run record") from None
+        where = f"{path}:{error.lineno}" if error.lineno is not None else f"{path}"
+        raise RunRecordError(f"{where}: {error}, not a run record") from None
     problem = validate_record(data)
     if problem is not None:
         raise RunRecordError(f"{path}: {problem}")

@@ -206,8 +206,16 @@ def _read_line(handle: IO[bytes], where: str) -> bytes:
 
 
 class StrictJsonError(ValueError):
-    """JSON that parses but is not data this project accepts: NaN or Infinity, or a key twice in one
-    object (the standard library would keep the last one silently)."""
+    """Text that is not JSON this project accepts: not JSON at all, nested too deeply, NaN or Infinity, or
+    a key twice in one object (the standard library would keep the last one silently).
+
+    Attributes:
+        lineno: the line (1-based) where the JSON parser stopped, or ``None`` when no line is known.
+    """
+
+    def __init__(self, message: str, lineno: int | None = None) -> None:
+        super().__init__(message)
+        self.lineno = lineno
 
 
 def _reject_constant(name: str) -> None:
@@ -224,14 +232,18 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def strict_json_loads(text: str) -> Any:
-    """``json.loads`` that refuses NaN, Infinity and repeated keys.
+    """``json.loads`` that refuses NaN, Infinity and repeated keys, with every failure one exception.
 
     Raises:
-        json.JSONDecodeError: not JSON.
-        StrictJsonError: JSON this project does not accept (message says why).
-        RecursionError: nested too deeply.
+        StrictJsonError: the message says why ("not JSON (... at column N)", "nested too deeply", "NaN is
+            not a finite number", "key 'x' appears twice in one object"); ``lineno`` where known.
     """
-    return json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_no_duplicate_keys)
+    try:
+        return json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_no_duplicate_keys)
+    except json.JSONDecodeError as error:
+        raise StrictJsonError(f"not JSON ({error.msg} at column {error.colno})", error.lineno) from None
+    except RecursionError:
+        raise StrictJsonError("nested too deeply") from None
 
 
 def _parse(line: bytes, where: str) -> Any:
@@ -241,9 +253,7 @@ def _parse(line: bytes, where: str) -> Any:
         raise TraceFormatError(f"{where}: not UTF-8 (byte {error.start})") from None
     try:
         return strict_json_loads(text)
-    except json.JSONDecodeError as error:
-        raise TraceFormatError(f"{where}: not JSON ({error.msg} at column {error.colno})") from None
-    except (ValueError, RecursionError) as error:
+    except StrictJsonError as error:
         raise TraceFormatError(f"{where}: {error}") from None
 
 
