@@ -95,7 +95,7 @@ from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.request import Request
 from schedspec.spec.rules import Violation
 from schedspec.spec.state import ScheduledRequest, StepPlan
-from schedspec.spec.workload import DEFAULT_VOCAB_SIZE
+from schedspec.spec.workload import DEFAULT_VOCAB_SIZE, token_ids
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().with_name("vllm_worker.py")
@@ -288,7 +288,7 @@ class _VllmAdapter:
         self.live.add(request.request_id)
         self._send({
             "op": "add", "id": request.request_id,
-            "prompt": request.token_ids(0, request.prompt_len).tolist(),
+            "prompt": token_ids(request, 0, request.prompt_len).tolist(),
             "max_tokens": request.max_tokens, "priority": request.priority,
             "arrival_time": request.arrival_time, "eos": request.eos_token_id,
         })

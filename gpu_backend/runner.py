@@ -28,7 +28,7 @@ from schedspec.gpu_backend.weights import (
 )
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.state import SchedulerState, StepPlan, samples_this_step
-from schedspec.spec.workload import EOS_TOKEN_ID
+from schedspec.spec.workload import EOS_TOKEN_ID, token_id_at, token_ids
 
 RECORD_LOGITS = ("none", "last", "all")
 
@@ -303,12 +303,12 @@ class Runner:
                 decode_index.append(offset)
                 decode_tables.append(blocks)
                 decode_lens.append(end)
-                decode_ids.append(request.token_id_at(start))
+                decode_ids.append(token_id_at(request, start))
                 decode_slots.append(blocks[start // block_size] * block_size + start % block_size)
             else:
                 block_array = np.asarray(blocks, dtype=np.int64)
                 pos = np.arange(start, end, dtype=np.int64)
-                input_ids[offset:offset + n] = request.token_ids(start, end)
+                input_ids[offset:offset + n] = token_ids(request, start, end)
                 positions[offset:offset + n] = pos
                 slots[offset:offset + n] = block_array[pos // block_size] * block_size + pos % block_size
                 prefills.append((offset, n, end, block_array))

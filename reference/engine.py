@@ -290,8 +290,11 @@ class Engine:
                         raise ViolationFound(found, before)
             plan = self.scheduler.schedule()
             if self.check:
-                found = ledger.sync(before) if ledger is not None else []
-                found += violated_rules(before, plan, self.config)
+                if ledger is not None:
+                    ledger.sync(before)
+                    found = ledger.violated_rules(before, plan)
+                else:
+                    found = violated_rules(before, plan, self.config)
                 if found:
                     violations.extend(found)
                     if self.stop_on_violation:

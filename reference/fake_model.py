@@ -21,7 +21,7 @@ import numpy as np
 
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.state import MAX_STATE_BLOCKS, SchedulerState, StepPlan
-from schedspec.spec.workload import DEFAULT_VOCAB_SIZE, EOS_TOKEN_ID
+from schedspec.spec.workload import DEFAULT_VOCAB_SIZE, EOS_TOKEN_ID, token_ids
 
 FULL_READ_LIMIT = 16
 """Sequences up to this many tokens are read back whole when they sample; longer ones are read at their
@@ -143,13 +143,13 @@ class FakeModel:
             stop = start + item.num_tokens
             attended += stop
             prompt_len = request.prompt_len
-            if item.num_tokens == 1 and start >= prompt_len:
-                # a decode: one slot, the last sampled token (batched into one write below)
+            if request.is_decode:
+                # one slot, the last sampled token (batched into one write below)
                 decode_slots.append(table[start // size] * size + start % size)
                 decode_ids.append(request.output_token_ids[start - prompt_len])
                 decode_tokens += 1
             else:
-                self.slots[self._slots(table, start, stop)] = request.token_ids(start, stop)
+                self.slots[self._slots(table, start, stop)] = token_ids(request, start, stop)
                 prefill_tokens += item.num_tokens
             if stop == prompt_len + len(request.output_token_ids):  # samples_this_step
                 if self.eos_at_output.get(item.request_id) == len(request.output_token_ids) + 1:
@@ -187,7 +187,7 @@ class CostOnlyModel:
             stop = item.num_computed_tokens + item.num_tokens
             attended += stop
             outputs = len(request.output_token_ids)
-            if item.num_tokens == 1 and item.num_computed_tokens >= request.prompt_len:
+            if request.is_decode:
                 decode_tokens += 1
             else:
                 prefill_tokens += item.num_tokens

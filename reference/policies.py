@@ -9,8 +9,9 @@ The shared mechanism, one step in three phases:
 
 1. **Reject** every waiting request that was never admitted and could never complete alone
    (``rejects-impossible``).
-2. **Running requests**: decodes first, then partial prefills, each group in admission order. A decode
-   gets one token; a prefill chunk gets its pending tokens capped by ``long_prefill_token_threshold``
+2. **Running requests**: those with one pending token first (every decode,
+   :attr:`~schedspec.spec.request.Request.is_decode`, and a prefill with one token left), then the other
+   partial prefills, each group in admission order. A decode gets one token; a prefill chunk gets its pending tokens capped by ``long_prefill_token_threshold``
    and by the budget left. A request that needs a new block when none is free preempts the most
    recently admitted running request not yet scheduled in this step (recompute), possibly itself.
 3. **Admission** (only in a step that preempted nothing, as vLLM): waiting requests in the policy's

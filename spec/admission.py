@@ -52,9 +52,7 @@ def rejection_reasons(prompt_len: int, max_tokens: int, config: SchedulerConfig)
     if prompt_len > config.max_model_len:
         reasons.append(f"prompt-exceeds-max-model-len: prompt_len={prompt_len} exceeds max_model_len={config.max_model_len}")
     if prompt_len > 0:
-        # max_blocks_needed, inlined: this runs for every waiting request in every step
-        tokens = max(prompt_len, min(prompt_len + max(max_tokens, 1), config.max_model_len) - 1)
-        needed = -(-tokens // config.block_size)
+        needed = max_blocks_needed(prompt_len, max(max_tokens, 1), config)
         if needed > config.num_kv_blocks:
             reasons.append(
                 f"exceeds-kv-cache: needs {needed} KV blocks (prompt_len={prompt_len}, max_tokens={max_tokens}, "
@@ -70,13 +68,8 @@ def rejection_reason(prompt_len: int, max_tokens: int, config: SchedulerConfig) 
     Returns:
         ``"CODE: detail"``, ``CODE`` one of :data:`REJECTION_CODES`; or ``None``.
     """
-    if 0 < prompt_len <= config.max_model_len and max_tokens >= 1:
-        # The common case, decided without building reasons: this runs for every waiting request in
-        # every step (max_blocks_needed, inlined).
-        tokens = max(prompt_len, min(prompt_len + max_tokens, config.max_model_len) - 1)
-        if -(-tokens // config.block_size) <= config.num_kv_blocks:
-            return None
-    return rejection_reasons(prompt_len, max_tokens, config)[0]
+    reasons = rejection_reasons(prompt_len, max_tokens, config)
+    return reasons[0] if reasons else None
 
 
 def rejection_code(reason: str) -> str:

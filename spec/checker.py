@@ -301,7 +301,9 @@ def check_trace(
         plan = plan_from_record(record)
         if ledger is not None:
             ledger.sync(before)
-        found = violated_rules(before, plan, config)
+            found = ledger.violated_rules(before, plan)
+        else:
+            found = violated_rules(before, plan, config)
         _compare_split(before, record, mismatch)
         samplers = _expected_samplers(before, plan)
         _compare_sampled(samplers, record, mismatch)

@@ -31,18 +31,21 @@ from collections.abc import Mapping
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.invariants import block_conservation, check_step
 from schedspec.spec.request import Request
-from schedspec.spec.rules import Violation
+from schedspec.spec.rules import Violation, blocks_not_from_free_pool, violated_rules
 from schedspec.spec.state import SchedulerState, StepPlan
 
 NAME = "block-conservation"
+FREE_POOL_RULE = "blocks-from-free-pool"
+FREE_POOL = frozenset({FREE_POOL_RULE})
 TERMINAL_OWNS = "terminal request still owns"
 
 
 class IncrementalChecker:
     """Checks steps incrementally (module docstring). Feed it every state in order.
 
-    Usage per step: ``checker.sync(before)`` (after arrivals and aborts; it also serves
-    ``before.free_block_set`` from the ledger for :func:`schedspec.spec.rules.violated_rules`), then
+    Usage per step: ``checker.sync(before)`` (after arrivals and aborts), then
+    ``checker.violated_rules(before, plan)``, which returns what
+    :func:`schedspec.spec.rules.violated_rules` returns (as a multiset), then
     ``checker.check(before, plan, after)``, which returns what ``check_step(before, plan, after)``
     returns.
     """
@@ -184,19 +187,27 @@ class IncrementalChecker:
         return all(block_id in removed for block_id in fresh_from_queue)
 
     def sync(self, before: SchedulerState) -> list[Violation]:
-        """Follow the arrivals and aborts applied since the last step and, when the ledger is sound,
-        serve ``before.free_block_set`` from it. Reports nothing (the next :meth:`check` does); returns
-        an empty list."""
+        """Follow the arrivals and aborts applied since the last step. Reports nothing (the next
+        :meth:`check` does); returns an empty list."""
         if not self._follow(before):
             self.sound = False
-        if self.sound:
-            object.__setattr__(before, "_free_set", self.free)
         return []
+
+    def violated_rules(self, before: SchedulerState, plan: StepPlan) -> list[Violation]:
+        """:func:`schedspec.spec.rules.violated_rules` for ``before`` (after :meth:`sync`), with
+        ``blocks-from-free-pool`` checked against the ledger's free set instead of a set built from
+        the free queue (the same check: :func:`~schedspec.spec.rules.blocks_not_from_free_pool`).
+        The same violations as a multiset; the free-pool ones come last."""
+        if not self.sound:
+            return violated_rules(before, plan, self.config)
+        found = violated_rules(before, plan, self.config, skip=FREE_POOL)
+        found += [Violation(FREE_POOL_RULE, detail, before.step, request_id, kind="rule")
+                  for request_id, detail in blocks_not_from_free_pool(before, plan, self.free)]
+        return found
 
     def check(self, before: SchedulerState, plan: StepPlan, after: SchedulerState) -> list[Violation]:
         """The violations of the step ``before -> after``: what :func:`check_step` returns (as a multiset;
         the order may differ)."""
-        object.__setattr__(before, "_free_set", None)  # the ledger's set is about to change
         proved = self._follow(after) and self.sound
         # The terminal requests as ``after`` has them (one that ended before ``before`` was seen by sync).
         terminal: Mapping[str, Request] = {

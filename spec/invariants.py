@@ -82,7 +82,7 @@ def block_conservation(state: SchedulerState, config: SchedulerConfig, terminal:
             if block_id in owners:
                 yield request_id, f"block {block_id} also owned by {owners[block_id]}"
             owners[block_id] = request_id
-    free = state.free_block_set
+    free = frozenset(state.free_block_ids)
     if len(free) != len(state.free_block_ids):
         for block_id, count in Counter(state.free_block_ids).items():
             if count > 1:

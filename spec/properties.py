@@ -154,10 +154,7 @@ class StallFreeDecode(Monitor):
     def observe(self, before: SchedulerState, plan: StepPlan, after: SchedulerState) -> None:
         if plan.preempted:
             return
-        decodes = [
-            r for r in before.running
-            if before.requests[r].num_pending_tokens == 1 and before.requests[r].num_computed_tokens >= before.requests[r].prompt_len
-        ]
+        decodes = [r for r in before.running if before.requests[r].is_decode]
         if len(decodes) > self.config.max_num_batched_tokens:
             return
         tokens = {item.request_id: item.num_tokens for item in plan.scheduled}
@@ -283,8 +280,7 @@ class BoundedItl(Monitor):
             return
         for item in plan.scheduled:
             request = before.requests.get(item.request_id)
-            if (request is not None and item.request_id in before.running and request.num_pending_tokens == 1
-                    and request.num_computed_tokens >= request.prompt_len):
+            if request is not None and item.request_id in before.running and request.is_decode:
                 self.report(before.step, f"a running decode rides in a step of {total} tokens > {self.budget}",
                             item.request_id)
                 return

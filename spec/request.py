@@ -11,7 +11,6 @@ import enum
 from collections.abc import Sequence
 
 import attrs
-import numpy as np
 
 
 class RequestStatus(enum.Enum):
@@ -120,24 +119,6 @@ class Request:
     def __attrs_post_init__(self) -> None:
         object.__setattr__(self, "prompt_len", len(self.prompt_token_ids))
 
-    def replace(self, **changes: object) -> Request:
-        """A copy with some fields changed: ``attrs.evolve`` without re-running ``__init__`` (the spec's
-        transitions call this for every scheduled request in every step). ``prompt_token_ids`` cannot
-        be changed this way.
-
-        Raises:
-            TypeError: a name that is not a field.
-        """
-        fields = self.__dict__
-        for name in changes:
-            if name not in fields or name in ("prompt_token_ids", "prompt_len"):
-                raise TypeError(f"Request.replace: cannot set {name!r}")
-        new = object.__new__(Request)
-        state = new.__dict__
-        state.update(fields)
-        state.update(changes)
-        return new
-
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
@@ -153,28 +134,16 @@ class Request:
         return self.num_tokens - self.num_computed_tokens
 
     @property
+    def is_decode(self) -> bool:
+        """Whether its next computation is a decode: exactly one token pending, past the prompt (the
+        token it sampled last). This is the spec's one definition of a decode; everything else,
+        including the last token of a prompt and a recompute after preemption, is a prefill (vLLM
+        does not distinguish the two in ``Scheduler.schedule``; its ``SchedulerOutput`` and metrics
+        count a request as decoding once its prompt is computed)."""
+        return self.num_pending_tokens == 1 and self.num_computed_tokens >= self.prompt_len
+
+    @property
     def is_prefill(self) -> bool:
-        """True while more than one token is pending (a prompt, or a recompute after preemption)."""
-        return self.num_pending_tokens > 1 or self.num_computed_tokens < self.prompt_len
-
-    def token_ids(self, start: int, stop: int) -> np.ndarray:
-        """Ids of positions ``[start, stop)`` of prompt plus output as an int64 array of shape
-        ``[stop - start]`` (vectorised for prompts that offer ``array(start, stop)``, such as
-        :class:`~schedspec.spec.workload.SyntheticPrompt`)."""
-        prompt = self.prompt_token_ids
-        prompt_len = self.prompt_len
-        parts = []
-        if start < prompt_len:
-            end = min(stop, prompt_len)
-            array = getattr(prompt, "array", None)
-            parts.append(array(start, end) if array is not None else np.asarray(prompt[start:end], dtype=np.int64))
-        if stop > prompt_len:
-            first = max(start, prompt_len) - prompt_len
-            parts.append(np.asarray(self.output_token_ids[first:stop - prompt_len], dtype=np.int64))
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
-
-    def token_id_at(self, position: int) -> int:
-        """The token id at ``position`` of prompt plus output."""
-        if position < self.prompt_len:
-            return self.prompt_token_ids[position]
-        return self.output_token_ids[position - self.prompt_len]
+        """``not is_decode``: more than one token pending (a prompt, or a recompute after preemption),
+        or the prompt's last token."""
+        return not self.is_decode

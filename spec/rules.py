@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterator
+from collections.abc import Set as AbstractSet
 
 import attrs
 
@@ -59,22 +60,33 @@ class Violation:
 RuleCheck = Callable[[SchedulerState, StepPlan, SchedulerConfig], Iterator[tuple[str | None, str]]]
 
 
+ACTIONS = ("step", "preempt", "reject", "schedule")
+"""What a rule guards: the ``step`` as a whole, or one of the scheduler's actions of
+:mod:`~schedspec.spec.transitions` (:func:`~schedspec.spec.transitions.preempt`,
+:func:`~schedspec.spec.transitions.reject`, :func:`~schedspec.spec.transitions.schedule`)."""
+
+
 @attrs.frozen
 class Rule:
-    """A local rule on plans: a name, what it says, where it comes from, and its check."""
+    """A local rule on plans: a name, what it says, where it comes from, the action it guards (one of
+    :data:`ACTIONS`), and its check (``check(state, plan, config)`` yields ``(request_id or None,
+    detail)`` per breach)."""
 
     name: str
     statement: str
     source: str
     check: RuleCheck
+    action: str = attrs.field(validator=attrs.validators.in_(ACTIONS))
 
 
 RULES: list[Rule] = []
 
 
-def rule(name: str, statement: str, source: str) -> Callable[[RuleCheck], RuleCheck]:
+def rule(name: str, statement: str, source: str, *, action: str) -> Callable[[RuleCheck], RuleCheck]:
+    """Register the decorated check as the rule ``name`` guarding ``action``."""
+
     def register(check: RuleCheck) -> RuleCheck:
-        RULES.append(Rule(name, statement, source, check))
+        RULES.append(Rule(name, statement, source, check, action))
         return check
 
     return register
@@ -85,6 +97,7 @@ def rule(name: str, statement: str, source: str) -> Callable[[RuleCheck], RuleCh
     "Every id the plan names is a live request; no id is scheduled twice; a request is at most one of "
     "scheduled, preempted, rejected.",
     "vLLM vllm/v1/core/sched/scheduler.py Scheduler.schedule (each request scheduled once per step)",
+    action="step",
 )
 def _known_requests(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
     named = [item.request_id for item in plan.scheduled] + list(plan.preempted) + [r for r, _ in plan.rejected]
@@ -99,6 +112,7 @@ def _known_requests(state: SchedulerState, plan: StepPlan, config: SchedulerConf
     "token-budget",
     "The tokens of a step, prefill and decode together, are at most max_num_batched_tokens.",
     "vLLM Scheduler.schedule token_budget; Sarathi-Serve (OSDI'24) §4.2 token budget",
+    action="step",
 )
 def _token_budget(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
     total = plan.num_scheduled_tokens
@@ -110,6 +124,7 @@ def _token_budget(state: SchedulerState, plan: StepPlan, config: SchedulerConfig
     "positive-tokens",
     "A scheduled request computes at least one token.",
     "vLLM Scheduler.schedule (num_new_tokens == 0 means not scheduled)",
+    action="schedule",
 )
 def _positive_tokens(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
     for item in plan.scheduled:
@@ -122,6 +137,7 @@ def _positive_tokens(state: SchedulerState, plan: StepPlan, config: SchedulerCon
     "A chunk starts where the request's computed tokens end: ScheduledRequest.num_computed_tokens equals "
     "the request's num_computed_tokens (0 for a waiting request).",
     "Sarathi-Serve §4.1 chunked prefill; vLLM Request.num_computed_tokens",
+    action="schedule",
 )
 def _chunk_continues(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
     for item in plan.scheduled:
@@ -137,6 +153,7 @@ def _chunk_continues(state: SchedulerState, plan: StepPlan, config: SchedulerCon
     "A request computes at most its pending tokens (prompt plus output minus computed); so a decode "
     "computes exactly one token.",
     "vLLM Scheduler.schedule num_new_tokens = num_tokens - num_computed_tokens",
+    action="schedule",
 )
 def _no_overcompute(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
     for item in plan.scheduled:
@@ -151,6 +168,7 @@ def _no_overcompute(state: SchedulerState, plan: StepPlan, config: SchedulerConf
     "whole-prefill-without-chunking",
     "With enable_chunked_prefill off, a scheduled request computes all its pending tokens at once.",
     "vLLM Scheduler.schedule: without chunked prefill a prompt that does not fit the budget waits",
+    action="schedule",
 )
 def _whole_prefill(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
     if config.enable_chunked_prefill:
@@ -167,6 +185,7 @@ def _whole_prefill(state: SchedulerState, plan: StepPlan, config: SchedulerConfi
     "long-prefill-threshold",
     "With chunked prefill on and long_prefill_token_threshold > 0, a prefill chunk is at most that many tokens.",
     "vLLM Scheduler.schedule long_prefill_token_threshold",
+    action="schedule",
 )
 def _long_prefill(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
     threshold = config.long_prefill_token_threshold
@@ -181,6 +200,7 @@ def _long_prefill(state: SchedulerState, plan: StepPlan, config: SchedulerConfig
     "sequence-cap",
     "Running requests after the step (running, less preempted, plus admitted) are at most max_num_seqs.",
     "vLLM Scheduler.schedule: len(self.running) == self.max_num_running_reqs stops admission",
+    action="step",
 )
 def _sequence_cap(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
     admitted = sum(1 for item in plan.scheduled if item.request_id not in state.running and item.request_id in state.requests)
@@ -194,6 +214,7 @@ def _sequence_cap(state: SchedulerState, plan: StepPlan, config: SchedulerConfig
     "admit-fits-alone",
     "A waiting request is admitted only if it could complete alone (see admission.rejection_reason).",
     "rejects-impossible (this spec); vLLM processor.py rejects prompts above max_model_len",
+    action="schedule",
 )
 def _admit_fits_alone(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
     for item in plan.scheduled:
@@ -210,6 +231,7 @@ def _admit_fits_alone(state: SchedulerState, plan: StepPlan, config: SchedulerCo
     "(admission.REJECTION_CODES) names a limit the request breaks; and it rejects every such request that is "
     "waiting and was never admitted (rejects-impossible: at the arrival step).",
     "this spec, section 'admission'",
+    action="reject",
 )
 def _reject_impossible(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
     rejected = dict(plan.rejected)
@@ -240,6 +262,7 @@ def _reject_impossible(state: SchedulerState, plan: StepPlan, config: SchedulerC
     "preempt-running-only",
     "Only running requests are preempted, and a preempted request is not also scheduled.",
     "vLLM Scheduler._preempt_request (pops from self.running)",
+    action="preempt",
 )
 def _preempt_running(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
     scheduled = {item.request_id for item in plan.scheduled}
@@ -255,9 +278,16 @@ def _preempt_running(state: SchedulerState, plan: StepPlan, config: SchedulerCon
     "New blocks come only from the free pool, or from blocks released by this step's preemptions; no block "
     "is handed out twice.",
     "vLLM vllm/v1/core/block_pool.py BlockPool.get_new_blocks",
+    action="schedule",
 )
 def _blocks_from_free_pool(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
-    free = state.free_block_set
+    yield from blocks_not_from_free_pool(state, plan, frozenset(state.free_block_ids))
+
+
+def blocks_not_from_free_pool(state: SchedulerState, plan: StepPlan, free: AbstractSet[int]):
+    """The check of ``blocks-from-free-pool`` given the free queue as a set (``free`` must equal
+    ``set(state.free_block_ids)``; the incremental checker passes the set it keeps, instead of building
+    one per step). Yields ``(request_id, detail)`` per breach."""
     released: set[int] = set()
     for request_id in plan.preempted:
         request = state.requests.get(request_id)
@@ -278,6 +308,7 @@ def _blocks_from_free_pool(state: SchedulerState, plan: StepPlan, config: Schedu
     "After the step, the request's block table holds slots for its computed tokens plus this step's: "
     "len(table) * block_size >= num_computed_tokens + num_tokens.",
     "vLLM vllm/v1/core/kv_cache_manager.py KVCacheManager.allocate_slots",
+    action="schedule",
 )
 def _block_table_covers(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
     for item in plan.scheduled:
@@ -295,6 +326,7 @@ def _block_table_covers(state: SchedulerState, plan: StepPlan, config: Scheduler
     "A request never holds more blocks than its current sequence (prompt plus output) needs, and only "
     "scheduled requests get new blocks.",
     "vLLM KVCacheManager.allocate_slots (allocates for num_computed + num_new tokens)",
+    action="schedule",
 )
 def _no_excess_blocks(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
     for item in plan.scheduled:
@@ -310,19 +342,24 @@ def _no_excess_blocks(state: SchedulerState, plan: StepPlan, config: SchedulerCo
 RULE_NAMES: tuple[str, ...] = tuple(r.name for r in RULES)
 
 
-def violated_rules(state: SchedulerState, plan: StepPlan, config: SchedulerConfig) -> list[Violation]:
+def violated_rules(state: SchedulerState, plan: StepPlan, config: SchedulerConfig,
+                   skip: AbstractSet[str] = frozenset()) -> list[Violation]:
     """The rules the plan breaks from this state; empty if the plan is allowed.
 
     Args:
         state: the state before the step.
         plan: the proposed plan.
         config: the limits.
+        skip: names of rules not to check here (a caller that checks them its own way, as the
+            incremental checker does ``blocks-from-free-pool``).
 
     Returns:
         One :class:`Violation` per broken rule instance, tagged with ``state.step``.
     """
     found: list[Violation] = []
     for r in RULES:
+        if r.name in skip:
+            continue
         for request_id, detail in r.check(state, plan, config):
             found.append(Violation(r.name, detail, state.step, request_id, kind="rule"))
     return found

@@ -17,6 +17,7 @@ from types import MappingProxyType
 import attrs
 
 from schedspec.spec.config import SchedulerConfig
+from schedspec.spec.persistent import TerminalRequests, terminal_requests
 from schedspec.spec.request import Request
 
 _EMPTY: Mapping[str, Request] = MappingProxyType({})
@@ -31,60 +32,6 @@ def _readonly(mapping: Mapping[str, Request]) -> Mapping[str, Request]:
     return mapping if isinstance(mapping, MappingProxyType) else MappingProxyType(dict(mapping))
 
 
-class TerminalRequests(Mapping[str, Request]):
-    """The read-only map of terminal requests, shared between successive states.
-
-    Requests only ever join it, and a run ends tens of thousands of them, so copying it whenever one
-    ends would make a run quadratic. :meth:`with_added` returns a new map that shares the old one's
-    large base dict (never mutated) and copies only a small dict of recent additions, merged into a new
-    base when it grows past the square root of the base: O(sqrt(n)) amortized per addition.
-    """
-
-    __slots__ = ("_base", "_recent", "_len")
-
-    def __init__(self, entries: Mapping[str, Request] | None = None, *,
-                 _base: dict[str, Request] | None = None, _recent: dict[str, Request] | None = None,
-                 _len: int | None = None) -> None:
-        self._base = dict(entries) if entries is not None else (_base if _base is not None else {})
-        self._recent = _recent if _recent is not None else {}
-        self._len = _len if _len is not None else len(self._base) + sum(1 for r in self._recent if r not in self._base)
-
-    def with_added(self, entries: Mapping[str, Request]) -> TerminalRequests:
-        """A new map with ``entries`` added (ids already present are replaced)."""
-        if not entries:
-            return self
-        size = self._len + sum(1 for r in entries if r not in self)
-        recent = {**self._recent, **entries}
-        if len(recent) ** 2 > len(self._base) + 256:
-            return TerminalRequests(_base={**self._base, **recent}, _len=size)
-        return TerminalRequests(_base=self._base, _recent=recent, _len=size)
-
-    def __getitem__(self, request_id: str) -> Request:
-        found = self._recent.get(request_id)
-        if found is None:
-            return self._base[request_id]
-        return found
-
-    def __contains__(self, request_id: object) -> bool:
-        return request_id in self._recent or request_id in self._base
-
-    def __iter__(self):
-        yield from self._base
-        for request_id in self._recent:
-            if request_id not in self._base:
-                yield request_id
-
-    def __len__(self) -> int:
-        return self._len
-
-    def __repr__(self) -> str:
-        return f"TerminalRequests({dict(self.items())!r})"
-
-
-def _terminal(mapping: Mapping[str, Request]) -> TerminalRequests:
-    return mapping if isinstance(mapping, TerminalRequests) else TerminalRequests(mapping)
-
-
 @attrs.frozen(slots=True)
 class SchedulerState:
     """Everything a scheduler knows between two steps.
@@ -95,7 +42,8 @@ class SchedulerState:
             preempted ones go to the front (vLLM ``Scheduler._preempt_request`` ``prepend_request``).
         running: ids of running requests in admission order (vLLM ``Scheduler.running``).
         requests: every live request (waiting or running) by id.
-        finished: every terminal request (finished, aborted or rejected) by id.
+        finished: every terminal request (finished, aborted or rejected) by id (a read-only mapping;
+            :class:`~schedspec.spec.persistent.TerminalRequests` shares it between states, for speed).
         free_block_ids: the free KV blocks, in the order they will be handed out. As vLLM 0.32 without
             prefix caching: allocation takes from the front (``BlockPool.get_new_blocks``) and a freed
             block table goes to the front, last block first (``BlockPool.free_blocks`` puts blocks
@@ -109,17 +57,9 @@ class SchedulerState:
     waiting: tuple[str, ...] = ()
     running: tuple[str, ...] = ()
     requests: Mapping[str, Request] = attrs.field(default=_EMPTY, converter=_readonly)
-    finished: Mapping[str, Request] = attrs.field(factory=TerminalRequests, converter=_terminal)
+    finished: Mapping[str, Request] = attrs.field(factory=TerminalRequests, converter=terminal_requests)
     free_block_ids: tuple[int, ...] = ()
     num_requests_added: int = 0
-    _free_set: frozenset[int] | None = attrs.field(default=None, init=False, eq=False, repr=False)
-
-    @property
-    def free_block_set(self) -> frozenset[int]:
-        """``free_block_ids`` as a set, computed once per state (the state is immutable)."""
-        if self._free_set is None:
-            object.__setattr__(self, "_free_set", frozenset(self.free_block_ids))
-        return self._free_set  # type: ignore[return-value]
 
     @classmethod
     def initial(cls, config: SchedulerConfig) -> SchedulerState:

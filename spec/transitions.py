@@ -1,8 +1,29 @@
-"""How the state changes: arrivals, aborts, and a step (an allowed plan plus the sampled tokens).
+"""How the state changes: the spec's actions.
 
-These are the spec's actions. Each returns a new :class:`SchedulerState`; nothing is mutated.
-:func:`apply_plan` assumes the plan is allowed (:func:`schedspec.spec.rules.violated_rules` is
-empty); it raises :class:`PlanError` only for plans it cannot apply at all.
+As a TLA+ specification names them, an action is a guard (when it may happen) and an update (what
+it changes). The client's actions happen between steps: a request **arrives**
+(:func:`add_request`) or is **aborted** (:func:`abort_request`). A step is the composition
+:func:`apply_plan` of the scheduler's actions, in this order:
+
+- :func:`preempt`: a running request gives back all its blocks and returns to the front of the
+  waiting queue. Guard: ``preempt-running-only``.
+- :func:`reject`: a waiting request that can never complete ends ``REJECTED`` with its reason.
+  Guard: ``reject-only-impossible``.
+- :func:`schedule`: a request computes a chunk of its prompt (a prefill) or its last sampled token
+  (a decode), taking new blocks; a waiting one is admitted. Guard: ``positive-tokens``,
+  ``chunk-continues``, ``no-overcompute``, ``whole-prefill-without-chunking``,
+  ``long-prefill-threshold``, ``admit-fits-alone``, ``blocks-from-free-pool``, ``block-table-covers``,
+  ``no-excess-blocks``.
+- :func:`sample`: a request whose chunk reached the end of its sequence appends the sampled token,
+  then stops (:func:`stop_reason`) or goes on. Guard: none (the model chooses the token).
+
+The rules about the plan as a whole guard the step itself: ``known-requests``, ``token-budget``,
+``sequence-cap``. Every rule's check is in :mod:`~schedspec.spec.rules` (``Rule.action`` names its
+action); :func:`apply_plan` assumes the plan is allowed and raises :class:`PlanError` only for plans it
+cannot apply at all.
+
+Each action of a step updates a :class:`StepInProgress`, a working copy of the state that the step
+turns into the next :class:`SchedulerState`. Nothing else is mutated.
 """
 
 from __future__ import annotations
@@ -13,16 +34,20 @@ from types import MappingProxyType
 import attrs
 
 from schedspec.spec.config import SchedulerConfig
+from schedspec.spec.persistent import evolve_request as evolve
 from schedspec.spec.request import Request, RequestStatus
-from schedspec.spec.state import SchedulerState, StepPlan, samples_this_step
+from schedspec.spec.state import ScheduledRequest, SchedulerState, StepPlan, samples_this_step
 
 
 class PlanError(ValueError):
     """A plan or an action that cannot be applied to this state (names the request and the problem)."""
 
 
+# --- The client's actions, between steps ------------------------------------------------------------
+
+
 def add_request(state: SchedulerState, request: Request) -> SchedulerState:
-    """A request arrives: it joins the back of the waiting queue.
+    """A request **arrives**: it joins the back of the waiting queue.
 
     Raises:
         PlanError: the id was already added, the request is not fresh (status WAITING, nothing
@@ -41,18 +66,16 @@ def add_request(state: SchedulerState, request: Request) -> SchedulerState:
         or request.block_ids
     ):
         raise PlanError(f"request_id={request_id!r} is not a fresh request (status={request.status.value})")
-    requests = dict(state.requests)
-    requests[request_id] = request
     return attrs.evolve(
         state,
         waiting=state.waiting + (request_id,),
-        requests=requests,
+        requests={**state.requests, request_id: request},
         num_requests_added=state.num_requests_added + 1,
     )
 
 
 def abort_request(state: SchedulerState, request_id: str) -> SchedulerState:
-    """The client aborts a request: it ends ``FINISHED_ABORTED`` and releases all its blocks at once
+    """The client **aborts** a request: it ends ``FINISHED_ABORTED`` and releases all its blocks at once
     (to the front of the free queue, last block first: see ``SchedulerState.free_block_ids``).
 
     Aborting a request that already ended, or an id never added, changes nothing (vLLM
@@ -63,17 +86,148 @@ def abort_request(state: SchedulerState, request_id: str) -> SchedulerState:
         return state
     requests = dict(state.requests)
     del requests[request_id]
-    finished = state.finished.with_added(
-        {request_id: request.replace(status=RequestStatus.FINISHED_ABORTED, finish_reason="abort", block_ids=())}
-    )
+    aborted = evolve(request, status=RequestStatus.FINISHED_ABORTED, finish_reason="abort", block_ids=())
     return attrs.evolve(
         state,
         waiting=tuple(r for r in state.waiting if r != request_id),
         running=tuple(r for r in state.running if r != request_id),
         requests=requests,
-        finished=finished,
+        finished=state.finished.with_added({request_id: aborted}),
         free_block_ids=tuple(reversed(request.block_ids)) + state.free_block_ids,
     )
+
+
+# --- A step: the scheduler's actions ----------------------------------------------------------------
+
+
+@attrs.define
+class StepInProgress:
+    """The state while a step's actions apply: working copies of :class:`SchedulerState`'s fields.
+
+    Changes to the free queue are collected and applied once, in :meth:`end` (one pass over the
+    queue per step, however many requests move): blocks released by preemptions go to its front,
+    then the blocks handed out are taken from it, then the blocks of requests that ended go to its
+    front. That is the order of vLLM 0.32, which frees a victim's blocks inside ``Scheduler.schedule``
+    and a finished request's in ``Scheduler.update_from_output``.
+    """
+
+    before: SchedulerState
+    requests: dict[str, Request]
+    waiting: list[str]
+    running: list[str]
+    ended: dict[str, Request] = attrs.field(factory=dict)
+    """Requests that became terminal in this step (rejected or stopped)."""
+    released: list[int] = attrs.field(factory=list)
+    """Blocks released by preemptions, in the order they go to the front of the free queue."""
+    taken: list[int] = attrs.field(factory=list)
+    """Blocks handed out by :func:`schedule`, in batch order."""
+    freed: list[int] = attrs.field(factory=list)
+    """Blocks released by requests that stopped, in the order they go to the front of the free queue."""
+    sampled: list[str] = attrs.field(factory=list)
+    stopped: list[str] = attrs.field(factory=list)
+
+    @classmethod
+    def begin(cls, state: SchedulerState) -> StepInProgress:
+        return cls(state, dict(state.requests), list(state.waiting), list(state.running))
+
+    def live(self, request_id: str) -> Request:
+        """The live request with this id. Raises :class:`PlanError` if there is none."""
+        try:
+            return self.requests[request_id]
+        except KeyError:
+            raise PlanError(f"request_id={request_id!r} is not a live request at step {self.before.step}") from None
+
+    def end(self) -> StepResult:
+        """The state after the step: the step counter advances by one."""
+        free = self.released + list(self.before.free_block_ids) if self.released else self.before.free_block_ids
+        free = _without(free, self.taken)
+        if self.freed:
+            free = self.freed + list(free)
+        state = SchedulerState(
+            step=self.before.step + 1,
+            waiting=tuple(self.waiting),
+            running=tuple(self.running),
+            requests=MappingProxyType(self.requests),
+            finished=self.before.finished.with_added(self.ended),
+            free_block_ids=tuple(free),
+            num_requests_added=self.before.num_requests_added,
+        )
+        return StepResult(state, tuple(self.stopped), tuple(self.sampled))
+
+
+@attrs.frozen
+class StepResult:
+    """The state after a step and what ended in it."""
+
+    state: SchedulerState
+    finished: tuple[str, ...]
+    """Requests that finished in this step (stop or length), in batch order."""
+    sampled: tuple[str, ...]
+    """Requests that sampled a token in this step, in batch order."""
+
+
+def preempt(step: StepInProgress, request_id: str) -> None:
+    """**Preempt** a running request (recompute): it releases every block (to the front of the free
+    queue, last block first; a request preempted later in the same step goes in front of one preempted
+    earlier, as vLLM ``KVCacheManager.free`` and ``BlockPool.free_blocks`` without prefix caching), forgets
+    its computed tokens (``num_computed_tokens = 0``; its outputs are kept and recomputed as a prefill)
+    and goes to the front of the waiting queue (vLLM ``Scheduler._preempt_request``)."""
+    request = step.live(request_id)
+    step.released[:0] = reversed(request.block_ids)
+    step.requests[request_id] = evolve(
+        request, status=RequestStatus.PREEMPTED, num_computed_tokens=0, block_ids=(),
+        num_preemptions=request.num_preemptions + 1)
+    step.running.remove(request_id)
+    step.waiting.insert(0, request_id)
+
+
+def reject(step: StepInProgress, request_id: str, reason: str) -> None:
+    """**Reject** a waiting request: it leaves the queue and ends ``REJECTED`` with ``reason``
+    (``"CODE: detail"``, see :mod:`~schedspec.spec.admission`). It holds no blocks."""
+    request = step.live(request_id)
+    del step.requests[request_id]
+    step.waiting.remove(request_id)
+    step.ended[request_id] = evolve(request, status=RequestStatus.REJECTED, finish_reason=reason)
+
+
+def schedule(step: StepInProgress, item: ScheduledRequest) -> None:
+    """**Schedule** one request's part of the batch: it computes ``item.num_tokens`` more tokens (a
+    prefill chunk, or the one token of a decode) and appends ``item.new_block_ids`` to its block table.
+    A waiting request is admitted: it leaves the waiting queue and joins the back of ``running``
+    (vLLM ``Scheduler.schedule``, ``self.running.append(request)``)."""
+    request = step.live(item.request_id)
+    changes: dict = {"num_computed_tokens": request.num_computed_tokens + item.num_tokens}
+    if item.new_block_ids:
+        step.taken.extend(item.new_block_ids)
+        changes["block_ids"] = request.block_ids + item.new_block_ids
+    if request.status is not RequestStatus.RUNNING:
+        changes.update(status=RequestStatus.RUNNING, admitted_step=step.before.step)
+        step.waiting.remove(item.request_id)
+        step.running.append(item.request_id)
+    step.requests[item.request_id] = evolve(request, **changes)
+
+
+def sample(step: StepInProgress, request_id: str, token_id: int, config: SchedulerConfig) -> None:
+    """**Sample**: the request appends ``token_id`` (its first output token records ``first_token_step``);
+    if :func:`stop_reason` says it stops, it ends with that status and releases its blocks to the front
+    of the free queue (a request that stops later in the batch goes in front of one that stopped
+    earlier, as vLLM ``Scheduler.update_from_output`` frees them in batch order)."""
+    request = step.live(request_id)
+    changes: dict = {"output_token_ids": request.output_token_ids + (token_id,)}
+    if request.first_token_step is None:
+        changes["first_token_step"] = step.before.step
+    request = evolve(request, **changes)
+    step.sampled.append(request_id)
+    ending = stop_reason(request, config)
+    if ending is None:
+        step.requests[request_id] = request
+        return
+    status, reason = ending
+    del step.requests[request_id]
+    step.running.remove(request_id)
+    step.freed[:0] = reversed(request.block_ids)
+    step.ended[request_id] = evolve(request, status=status, finish_reason=reason, block_ids=())
+    step.stopped.append(request_id)
 
 
 def stop_reason(request: Request, config: SchedulerConfig) -> tuple[RequestStatus, str] | None:
@@ -98,148 +252,49 @@ def stop_reason(request: Request, config: SchedulerConfig) -> tuple[RequestStatu
     return None
 
 
-@attrs.frozen
-class StepResult:
-    """The state after a step and what ended in it."""
-
-    state: SchedulerState
-    finished: tuple[str, ...]
-    """Requests that finished in this step (stop or length), in batch order."""
-    sampled: tuple[str, ...]
-    """Requests that sampled a token in this step, in batch order."""
-
-
-def _take_blocks(free: tuple[int, ...], taken: list[int]) -> tuple[int, ...]:
-    if not taken:
-        return free
-    count = len(taken)
-    if list(free[:count]) == taken:  # the usual case: allocation from the front of the free queue
-        return free[count:]
-    gone = set(taken)
-    return tuple(b for b in free if b not in gone)
-
-
 def apply_plan(
     state: SchedulerState,
     plan: StepPlan,
     sampled_token_ids: Mapping[str, int],
     config: SchedulerConfig,
 ) -> StepResult:
-    """Apply an allowed plan and the tokens the model sampled; the step counter advances by one.
-
-    In order: preempted requests release every block (to the front of the free queue, last block
-    first, each preempted request in front of the one before it, as vLLM ``KVCacheManager.free`` and
-    ``BlockPool.free_blocks`` without prefix caching) and are prepended to the waiting queue with
-    ``num_computed_tokens = 0``; rejected requests end ``REJECTED`` with their reason; scheduled
-    requests take their new blocks, waiting ones are admitted (appended to ``running``), and each
-    adds ``num_tokens`` to ``num_computed_tokens``; a request whose chunk reached the end of its
-    sequence (:func:`~schedspec.spec.state.samples_this_step`) appends its sampled token and is
-    checked by :func:`stop_reason`; one that stops releases its blocks (to the front of the free
-    queue, in batch order, as vLLM ``Scheduler.update_from_output``) and ends.
+    """One step: apply an allowed plan and the tokens the model sampled, action by action.
 
     Args:
         state: the state before the step.
-        plan: an allowed plan for this state.
+        plan: an allowed plan for this state (``violated_rules(state, plan, config) == []``).
         sampled_token_ids: request id -> token id, for each request that samples this step
-            (extra entries are ignored).
+            (:func:`~schedspec.spec.state.samples_this_step`; extra entries are ignored).
         config: the limits.
 
     Returns:
-        :class:`StepResult` with the new state.
+        :class:`StepResult`: the state after the step (``step`` advanced by one) and what ended.
 
     Raises:
         PlanError: a named request is not live, or a sampling request has no sampled token.
     """
-    requests = dict(state.requests)
-    finished = state.finished
-    waiting = list(state.waiting)
-    running = list(state.running)
-    free = state.free_block_ids
-
-    def live(request_id: str) -> Request:
-        try:
-            return requests[request_id]
-        except KeyError:
-            raise PlanError(f"request_id={request_id!r} is not a live request at step {state.step}") from None
-
-    released: list[int] = []
+    step = StepInProgress.begin(state)
     for request_id in plan.preempted:
-        request = live(request_id)
-        released[:0] = reversed(request.block_ids)
-        requests[request_id] = request.replace(
-            status=RequestStatus.PREEMPTED,
-            num_computed_tokens=0,
-            block_ids=(),
-            num_preemptions=request.num_preemptions + 1,
-        )
-        running.remove(request_id)
-        waiting.insert(0, request_id)
-    if released:
-        free = tuple(released) + free
-
-    ended: dict[str, Request] = {}
-    if plan.rejected:
-        for request_id, reason in plan.rejected:
-            request = live(request_id)
-            del requests[request_id]
-            waiting.remove(request_id)
-            ended[request_id] = request.replace(status=RequestStatus.REJECTED, finish_reason=reason)
-
-    taken: list[int] = []
-    sampled: list[str] = []
-    stopped: list[str] = []
-    admitted: set[str] = set()
+        preempt(step, request_id)
+    for request_id, reason in plan.rejected:
+        reject(step, request_id, reason)
     for item in plan.scheduled:
-        request_id = item.request_id
-        request = live(request_id)
-        changes: dict = {"num_computed_tokens": request.num_computed_tokens + item.num_tokens}
-        if item.new_block_ids:
-            taken.extend(item.new_block_ids)
-            changes["block_ids"] = request.block_ids + item.new_block_ids
-        if request.status is not RequestStatus.RUNNING:
-            changes["status"] = RequestStatus.RUNNING
-            changes["admitted_step"] = state.step
-            admitted.add(request_id)
-            running.append(request_id)
-        if samples_this_step(request, item):
-            try:
-                token_id = sampled_token_ids[request_id]
-            except KeyError:
-                raise PlanError(f"no sampled token for request_id={request_id!r} at step {state.step}") from None
-            changes["output_token_ids"] = request.output_token_ids + (token_id,)
-            if request.first_token_step is None:
-                changes["first_token_step"] = state.step
-            sampled.append(request_id)
-        samples = "output_token_ids" in changes
-        request = request.replace(**changes)
-        requests[request_id] = request
-        if samples:
-            ending = stop_reason(request, config)
-            if ending is not None:
-                status, reason = ending
-                stopped.append(request_id)
-                requests[request_id] = request.replace(status=status, finish_reason=reason)
-    if admitted:
-        waiting = [r for r in waiting if r not in admitted]
-    free = _take_blocks(free, taken)
+        schedule(step, item)
+    for item in plan.scheduled:  # the forward pass ran; now each request that reached its end samples
+        if samples_this_step(state.requests[item.request_id], item):
+            if item.request_id not in sampled_token_ids:
+                raise PlanError(f"no sampled token for request_id={item.request_id!r} at step {state.step}")
+            sample(step, item.request_id, sampled_token_ids[item.request_id], config)
+    return step.end()
 
-    if stopped:
-        gone = set(stopped)
-        ended_blocks: list[int] = []
-        for request_id in stopped:
-            request = requests.pop(request_id)
-            ended_blocks[:0] = reversed(request.block_ids)
-            ended[request_id] = request.replace(block_ids=())
-        running = [r for r in running if r not in gone]
-        free = tuple(ended_blocks) + free
 
-    new_state = SchedulerState(
-        step=state.step + 1,
-        waiting=tuple(waiting),
-        running=tuple(running),
-        requests=MappingProxyType(requests),
-        finished=finished.with_added(ended),
-        free_block_ids=free,
-        num_requests_added=state.num_requests_added,
-    )
-    return StepResult(new_state, tuple(stopped), tuple(sampled))
+def _without(queue, taken: list[int]):
+    """``queue`` less the blocks in ``taken`` (usually its first ``len(taken)`` blocks, as allocation
+    takes from the front)."""
+    if not taken:
+        return queue
+    count = len(taken)
+    if list(queue[:count]) == taken:
+        return queue[count:]
+    gone = set(taken)
+    return [block_id for block_id in queue if block_id not in gone]

@@ -160,3 +160,29 @@ class RequestSpec:
     @classmethod
     def from_dict(cls, data: dict) -> RequestSpec:
         return cls(**data)
+
+
+def token_ids(request: Request, start: int, stop: int) -> np.ndarray:
+    """Ids of positions ``[start, stop)`` of the request's prompt plus output, as an int64 array of
+    shape ``[stop - start]`` (vectorised for prompts that offer ``array(start, stop)``, such as
+    :class:`SyntheticPrompt`). Used by the model backends to build a step's input ids."""
+    prompt = request.prompt_token_ids
+    prompt_len = request.prompt_len
+    parts = []
+    if start < prompt_len:
+        end = min(stop, prompt_len)
+        array = getattr(prompt, "array", None)
+        parts.append(array(start, end) if array is not None else np.asarray(prompt[start:end], dtype=np.int64))
+    if stop > prompt_len:
+        first = max(start, prompt_len) - prompt_len
+        parts.append(np.asarray(request.output_token_ids[first:stop - prompt_len], dtype=np.int64))
+    if not parts:
+        return np.zeros(0, dtype=np.int64)
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def token_id_at(request: Request, position: int) -> int:
+    """The token id at ``position`` of the request's prompt plus output."""
+    if position < request.prompt_len:
+        return request.prompt_token_ids[position]
+    return request.output_token_ids[position - request.prompt_len]

@@ -393,7 +393,7 @@ def test_rule_decorator_registers_the_check_unchanged() -> None:
 
     count = len(RULES)
     try:
-        assert rule("probe-rule", "A statement.", "a source")(probe) is probe
-        assert RULES[count:] == [Rule("probe-rule", "A statement.", "a source", probe)]
+        assert rule("probe-rule", "A statement.", "a source", action="step")(probe) is probe
+        assert RULES[count:] == [Rule("probe-rule", "A statement.", "a source", probe, "step")]
     finally:
         del RULES[count:]

@@ -1,12 +1,16 @@
-"""The shared map of terminal requests behaves as a read-only dict."""
+"""The speed-only containers of spec/persistent.py behave as their plain versions: the shared map of
+terminal requests as a read-only dict, ``evolve_request`` as ``attrs.evolve``."""
 
 from __future__ import annotations
 
+import attrs
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from schedspec.spec.request import Request
-from schedspec.spec.state import SchedulerState, TerminalRequests
+from schedspec.spec.persistent import TerminalRequests, evolve_request
+from schedspec.spec.request import Request, RequestStatus
+from schedspec.spec.state import SchedulerState
 
 
 def _request(request_id: str, max_tokens: int = 1) -> Request:
@@ -44,3 +48,33 @@ def test_state_converts_plain_dicts_and_compares_by_content():
     assert isinstance(state.finished, TerminalRequests)
     assert state == SchedulerState(finished=TerminalRequests().with_added({"a": _request("a")}))
     assert state != SchedulerState()
+
+
+_CHANGES = st.fixed_dictionaries({}, optional={
+    "status": st.sampled_from(list(RequestStatus)),
+    "finish_reason": st.none() | st.text(max_size=5),
+    "num_computed_tokens": st.integers(0, 50),
+    "output_token_ids": st.lists(st.integers(0, 9), max_size=4).map(tuple),
+    "block_ids": st.lists(st.integers(0, 9), max_size=4).map(tuple),
+    "num_preemptions": st.integers(0, 3),
+    "admitted_step": st.none() | st.integers(0, 9),
+    "first_token_step": st.none() | st.integers(0, 9),
+})
+
+
+@given(_CHANGES)
+def test_evolve_request_equals_attrs_evolve(changes):
+    request = Request("a", 3, (5, 6, 7), 4, stop_token_ids=(9,), min_tokens=1)
+    fast = evolve_request(request, **changes)
+    plain = attrs.evolve(request, **changes)
+    assert fast == plain
+    assert {f.name: getattr(fast, f.name) for f in attrs.fields(Request)} == {
+        f.name: getattr(plain, f.name) for f in attrs.fields(Request)}
+    assert request == Request("a", 3, (5, 6, 7), 4, stop_token_ids=(9,), min_tokens=1)  # the original is unchanged
+
+
+def test_evolve_request_refuses_the_prompt_and_unknown_names():
+    request = Request("a", 0, (1, 2), 1)
+    for name in ("prompt_token_ids", "prompt_len", "no_such_field"):
+        with pytest.raises(TypeError, match=name):
+            evolve_request(request, **{name: 1})

@@ -263,3 +263,25 @@ def test_add_request_refuses_negative_max_tokens() -> None:
     assert add_request(state, fresh("zero", 3, max_tokens=0)).waiting == ("zero",)
     with pytest.raises(PlanError, match="max_tokens=-1 < 0"):
         add_request(state, fresh("negative", 3, max_tokens=-1))
+
+
+def test_each_action_docstring_names_exactly_its_guard_rules() -> None:
+    """The module docstring of spec/transitions.py lists each action's guard; it must name exactly the
+    rules registered for that action (``Rule.action``), so the reading path cannot go stale."""
+    import re
+
+    from schedspec.spec import transitions
+    from schedspec.spec.rules import ACTIONS, RULES
+
+    doc = transitions.__doc__
+    listed: dict[str, set[str]] = {}
+    for action in ACTIONS:
+        if action == "step":
+            match = re.search(r"guard the step itself: (.*?)\.\s", doc, re.S)
+        else:
+            match = re.search(rf":func:`{action}`:.*?Guard: (.*?)\.\n", doc, re.S)
+        assert match, f"no guard listed for {action}"
+        listed[action] = set(re.findall(r"``([a-z-]+)``", match.group(1)))
+    registered = {action: {r.name for r in RULES if r.action == action} for action in ACTIONS}
+    assert listed == registered
+    assert all(callable(getattr(transitions, a)) for a in ACTIONS if a != "step")
