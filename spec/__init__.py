@@ -4,17 +4,25 @@ Read it in this order; each module is short and cites where its rules come from:
 
 1. :mod:`~schedspec.spec.config`: the limits (``block_size``, ``num_kv_blocks``,
    ``max_num_batched_tokens``, ``max_num_seqs``, ``max_model_len``, chunked prefill, ...).
-2. :mod:`~schedspec.spec.request`: a request, its status and its progress.
+2. :mod:`~schedspec.spec.request`: a request, its status and its progress (what a decode is).
 3. :mod:`~schedspec.spec.admission`: which requests are rejected at arrival.
 4. :mod:`~schedspec.spec.state`: the scheduler state and a step's plan.
-5. :mod:`~schedspec.spec.rules`: which plans are **allowed** (local rules).
-6. :mod:`~schedspec.spec.transitions`: how arrivals, aborts and an allowed step change the state.
+5. :mod:`~schedspec.spec.transitions`: the actions (arrive, abort; preempt, reject, schedule,
+   sample) and the step as their composition.
+6. :mod:`~schedspec.spec.rules`: each action's guard, the rules that say which plans are **allowed**.
 7. :mod:`~schedspec.spec.invariants`: what must hold of every state and step.
 8. :mod:`~schedspec.spec.properties`: claims about whole runs (progress, no starvation, ...).
 9. :mod:`~schedspec.spec.trace` and :mod:`~schedspec.spec.checker`: the step-trace format any engine
    can write (a JSON Schema, ``trace-schema.json``), and the checker that replays it on the spec and
    judges every field.
-10. :mod:`~schedspec.spec.incremental`: the same checks at a cost proportional to each step's change.
+
+Where a name differs from vLLM's, ``docs/vllm-names.md`` says so and why.
+
+Not on the reading path (each tested equal to the plain definitions above):
+:mod:`~schedspec.spec.persistent` (containers shared between states, for speed),
+:mod:`~schedspec.spec.incremental` (the checks at a cost proportional to each step's change),
+:mod:`~schedspec.spec.workload` (deterministic prompt ids for the requests a trace or scenario
+describes) and :mod:`~schedspec.spec.proofs` (the Z3 encoding of the rules and invariants).
 
 This package imports nothing from ``schedspec.reference``, ``schedspec.gpu_backend`` or
 ``schedspec.engines``.

@@ -1,10 +1,12 @@
 """The admission rule (trace property ``rejects-impossible``).
 
 A request that could never run to completion even alone is rejected, with a reason, at its arrival
-step, so that no admitted request can outgrow the cache and none blocks the queue forever. This is
-stricter than vLLM, which rejects only ``prompt_len > max_model_len`` at the API server
-(``vllm/v1/engine/processor.py``) and otherwise lets such a request preempt others and stall; an
-engine that does otherwise breaks ``rejects-impossible``, which is a finding about that engine.
+step, so that no admitted request can outgrow the cache and none blocks the queue forever. vLLM
+rejects only an empty prompt or ``prompt_len >= max_model_len`` at the API server
+(``vllm/v1/engine/input_processor.py`` ``InputProcessor._validate_prompt_len``) and otherwise lets
+such a request preempt others and stall; an engine that does so breaks ``rejects-impossible``, which
+is a finding about that engine. (A prompt of exactly ``max_model_len`` tokens, which vLLM refuses, is
+admitted here and ends ``max_model_len`` after its first output token; see ``docs/vllm-names.md``.)
 """
 
 from __future__ import annotations
@@ -30,9 +32,10 @@ def max_blocks_needed(prompt_len: int, max_tokens: int, config: SchedulerConfig)
 
 REJECTION_CODES = ("empty-prompt", "no-output", "prompt-exceeds-max-model-len", "exceeds-kv-cache")
 """The limit a rejection names, as the first word of its reason (``CODE: detail``): the prompt is empty;
-``max_tokens < 1``; the prompt is longer than ``max_model_len`` (vLLM ``processor.py`` raises
-``ValueError`` for it); the whole sequence needs more KV blocks than ``num_kv_blocks``. A trace's
-rejection reason is judged by its code, so an engine may word the detail its own way."""
+``max_tokens < 1``; the prompt is longer than ``max_model_len`` (vLLM
+``InputProcessor._validate_prompt_len`` raises for it); the whole sequence needs more KV blocks than
+``num_kv_blocks``. A trace's rejection reason is judged by its code, so an engine may word the detail
+its own way."""
 
 
 def rejection_reasons(prompt_len: int, max_tokens: int, config: SchedulerConfig) -> list[str]:

@@ -213,7 +213,7 @@ def _sequence_cap(state: SchedulerState, plan: StepPlan, config: SchedulerConfig
 @rule(
     "admit-fits-alone",
     "A waiting request is admitted only if it could complete alone (see admission.rejection_reason).",
-    "rejects-impossible (this spec); vLLM processor.py rejects prompts above max_model_len",
+    "rejects-impossible (this spec); vLLM input_processor.py InputProcessor._validate_prompt_len rejects long prompts",
     action="schedule",
 )
 def _admit_fits_alone(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
