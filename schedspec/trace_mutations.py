@@ -219,6 +219,48 @@ def leak_on_abort(trace: Trace, i: int) -> Mutant | None:
     return None if not aborted else _drop_freed(trace, i, aborted[0], whole=True, counters=True)
 
 
+def _spare_blocks(trace: Trace, i: int) -> list[int]:
+    """Blocks free before step ``i`` that the step hands to nobody."""
+    taken = {b for blocks in trace.records[i]["blocks_allocated"].values() for b in blocks}
+    return [b for b in trace.before[i].free_block_ids if b not in taken]
+
+
+def too_few_blocks(trace: Trace, i: int) -> Mutant | None:
+    """A request's new blocks of step ``i`` less the last one, while its chunk needs it: the block
+    table no longer covers the tokens it computes."""
+    record = trace.records[i]
+    before = trace.before[i]
+    for item in record["scheduled"]:
+        request_id = item["request_id"]
+        new = record["blocks_allocated"].get(request_id)
+        request = before.requests.get(request_id)
+        if not new or request is None:
+            continue
+        end = item["num_computed_tokens"] + item["prefill_tokens"] + item["decode_tokens"]
+        if (len(request.block_ids) + len(new) - 1) * trace.config.block_size < end:
+            records, r = _edit(trace, i)
+            r["blocks_allocated"][request_id] = new[:-1]
+            return trace.header, records, i
+    return None
+
+
+def extra_block(trace: Trace, i: int) -> Mutant | None:
+    """One more block for a request whose chunk reaches the end of its sequence: more blocks than its
+    sequence needs (an allocator that rounds up)."""
+    record = trace.records[i]
+    before = trace.before[i]
+    spare = _spare_blocks(trace, i)
+    for item in record["scheduled"]:
+        request = before.requests.get(item["request_id"])
+        end = item["num_computed_tokens"] + item["prefill_tokens"] + item["decode_tokens"]
+        if request is None or not spare or end != request.num_tokens:
+            continue
+        records, r = _edit(trace, i)
+        r["blocks_allocated"].setdefault(item["request_id"], []).append(spare[-1])
+        return trace.header, records, i
+    return None
+
+
 # --- the batch ----------------------------------------------------------------------------------------
 
 
@@ -231,6 +273,49 @@ def preempted_and_scheduled(trace: Trace, i: int) -> Mutant | None:
     r["scheduled"].append({"request_id": victim.request_id, "num_computed_tokens": victim.num_computed_tokens,
                            "prefill_tokens": 0 if not victim.is_prefill else 1,
                            "decode_tokens": 1 if not victim.is_prefill else 0})
+    return trace.header, records, i
+
+
+def zero_token_chunk(trace: Trace, i: int) -> Mutant | None:
+    """A request in the batch with no tokens to compute (vLLM never schedules one: a request with
+    ``num_new_tokens == 0`` is skipped): the first scheduled request's tokens set to 0."""
+    record = trace.records[i]
+    if not record["scheduled"]:
+        return None
+    records, r = _edit(trace, i)
+    r["scheduled"][0]["prefill_tokens"] = r["scheduled"][0]["decode_tokens"] = 0
+    return trace.header, records, i
+
+
+def chunk_over_threshold(trace: Trace, i: int) -> Mutant | None:
+    """The header's ``long_prefill_token_threshold`` set just below the largest prefill chunk of step
+    ``i``, the first step with a chunk that large: an engine that ignores the threshold."""
+    def largest(k: int) -> int:
+        return max((s["prefill_tokens"] for s in trace.records[k]["scheduled"]), default=0)
+
+    if not trace.config.enable_chunked_prefill:
+        return None
+    peak = largest(i)
+    if peak < 2 or any(largest(k) >= peak for k in range(i)):
+        return None
+    header = copy.deepcopy(trace.header)
+    header["config"]["long_prefill_token_threshold"] = peak - 1
+    return header, list(trace.records), i
+
+
+def admits_impossible(trace: Trace, i: int) -> Mutant | None:
+    """A request the spec rejects at its arrival (it can never complete alone) admitted instead, with
+    one prompt token and one block: an engine without the admission check."""
+    record = trace.records[i]
+    spare = _spare_blocks(trace, i)
+    if not record["rejected"] or not spare:
+        return None
+    request_id = sorted(record["rejected"])[0]
+    records, r = _edit(trace, i)
+    del r["rejected"][request_id]
+    r["scheduled"].append({"request_id": request_id, "num_computed_tokens": 0, "prefill_tokens": 1,
+                           "decode_tokens": 0})
+    r["blocks_allocated"][request_id] = [spare[-1]]
     return trace.header, records, i
 
 
@@ -514,6 +599,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation("allocation-out-of-range", "a block id past the pool (off-by-one in the block pool)", allocation_out_of_range),
     Mutation("allocation-outside-batch", "blocks allocated to a request that is not in the step's batch",
              allocation_outside_batch),
+    Mutation("too-few-blocks", "a chunk computed into a block table too short for it (one block missing)",
+             too_few_blocks),
+    Mutation("extra-block", "a block more than the sequence needs (an allocator that rounds up)", extra_block),
     Mutation("free-twice", "a block freed twice (double free into the free queue)", free_twice),
     Mutation("free-foreign-block", "a request frees a block it never owned", free_foreign_block),
     Mutation("leak-on-finish-ids-only", "a finished request's last block is never freed; counters look right",
@@ -523,6 +611,10 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation("preempted-holds-blocks", "a preempted request keeps its blocks", preempted_holds_blocks),
     Mutation("leak-on-abort", "an aborted request's blocks are never freed", leak_on_abort),
     Mutation("preempted-and-scheduled", "a preempted request is still run in the same step", preempted_and_scheduled),
+    Mutation("zero-token-chunk", "a request in the batch with no tokens to compute", zero_token_chunk),
+    Mutation("chunk-over-threshold", "a prefill chunk above long_prefill_token_threshold", chunk_over_threshold),
+    Mutation("admits-impossible", "a request that can never complete alone admitted instead of rejected",
+             admits_impossible),
     Mutation("budget-exceeded", "a step computes more than max_num_batched_tokens", budget_exceeded),
     Mutation("max-num-seqs-exceeded", "more running sequences than max_num_seqs", max_num_seqs_exceeded),
     Mutation("chunk-skips-token", "a prefill chunk starts past the computed tokens (a token never computed)",

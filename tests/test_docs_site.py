@@ -57,3 +57,17 @@ def test_sphinx_roles_render_as_inline_code() -> None:
     text = "See :class:`~schedspec.spec.state.StepPlan`, :func:`apply_plan` and :mod:`schedspec.spec.rules`."
     assert module.plain_roles(text) == "See `StepPlan`, `apply_plan` and `schedspec.spec.rules`."
     assert module.plain_roles("``literal`` and :notarole:`x`") == "``literal`` and :notarole:`x`"
+
+
+def test_what_breaks_each_check_is_generated_by_running_the_checker() -> None:
+    spec = importlib.util.spec_from_file_location("gen_check_examples", ROOT / "scripts" / "gen_check_examples.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    page = module.render()
+    assert module.TARGET.read_text(encoding="utf-8") == page, (
+        "docs/generated/what-breaks-each-check.md is stale: run .venv/bin/python scripts/gen_check_examples.py"
+    )
+    # every allowed-plan rule is broken by some fault of the catalogue, except the one no config of the
+    # catalogue's traces can reach (chunked prefill off needs max_num_batched_tokens >= max_model_len)
+    unreached = [line.split("`")[1] for line in page.splitlines() if "| rule | none" in line]
+    assert unreached == ["whole-prefill-without-chunking"]
