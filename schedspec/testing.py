@@ -36,6 +36,11 @@ or subclass it for an engine adapter::
 
     TestMyEngine = MyEngineMachine.TestCase
 
+Rules draw their inputs with ``st.data()`` from the machine's strategy hooks (defaults in
+:mod:`schedspec.strategies`, which engine authors can use on their own), ``@precondition`` keeps
+useless rules out (several steps in a row only while requests are live), and ``note()`` records every
+arrival, abort and plan, so a failing example prints the run that broke the spec, step by step.
+
 Settings (examples, steps per example) come from the active Hypothesis profile (see
 ``tests/conftest.py`` and ``docs/testing.md``).
 """
@@ -48,12 +53,13 @@ from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import attrs
-from hypothesis import assume, event
+from hypothesis import assume, event, note
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from schedspec import strategies
 from schedspec.spec.admission import max_sequence_len, rejection_reason
-from schedspec.spec.config import SchedulerConfig, blocks_for_tokens
+from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.invariants import check_state, check_step
 from schedspec.spec.properties import Monitor, monitors
 from schedspec.spec.request import RequestStatus
@@ -61,6 +67,7 @@ from schedspec.spec.rules import Violation, violated_rules
 from schedspec.spec.state import SchedulerState, StepPlan, samples_this_step
 from schedspec.spec.transitions import abort_request, add_request, apply_plan
 from schedspec.spec.workload import EOS_TOKEN_ID, RequestSpec
+from schedspec.strategies import scheduler_configs
 
 __all__ = [
     "SchedulerStateMachine",
@@ -89,88 +96,6 @@ class _NoCost:
         return 0.0
 
 
-@st.composite
-def scheduler_configs(
-    draw: st.DrawFn,
-    *,
-    max_block_size: int = 16,
-    max_kv_blocks: int = 32,
-    max_model_len: int = 64,
-    max_num_seqs: int = 8,
-    max_batched_tokens: int = 128,
-    chunked_prefill: bool | None = None,
-) -> SchedulerConfig:
-    """Valid :class:`SchedulerConfig` values, small enough for fast stateful runs.
-
-    Tiny caches (one block, one-token blocks), tiny budgets (``max_num_batched_tokens ==
-    max_num_seqs``), caches smaller than ``max_model_len``, chunked prefill on and off, and
-    ``long_prefill_token_threshold`` off or anywhere up to ``max_model_len + 2`` are all drawn. Every
-    value passes :class:`SchedulerConfig` validation by construction (the budget is drawn at or above
-    the cross-field lower bounds). Prefix caching stays off (no reference policy implements it).
-
-    Args:
-        max_block_size: largest ``block_size`` drawn (16, vLLM's default, is drawn when allowed).
-        max_kv_blocks: largest ``num_kv_blocks``.
-        max_model_len: largest ``max_model_len``.
-        max_num_seqs: largest ``max_num_seqs``.
-        max_batched_tokens: usual upper end of ``max_num_batched_tokens`` (raised to the lower bound
-            when chunked prefill is off and ``max_model_len`` is larger).
-        chunked_prefill: force ``enable_chunked_prefill``; ``None`` draws it.
-    """
-    block_size = draw(
-        st.one_of(
-            st.integers(1, min(4, max_block_size)),
-            st.sampled_from(sorted({b for b in (1, 2, 4, 8, 16) if b <= max_block_size})),
-            st.integers(1, max_block_size),
-        )
-    )
-    model_len = draw(
-        st.one_of(
-            st.integers(1, max_model_len),
-            # multiples of block_size, and one past them (a prompt of max_model_len then needs a block
-            # more than max_model_len - 1 tokens do)
-            st.integers(0, max_model_len // block_size).map(lambda k: max(1, k * block_size)),
-            st.integers(0, (max_model_len - 1) // block_size).map(lambda k: k * block_size + 1),
-        )
-    )
-    # Pools around one sequence of max_model_len (tokens - 1, all tokens, one more block), pools of a few
-    # such sequences (requests fit alone but not together, so running requests preempt each other), and
-    # tiny or roomy pools.
-    per_sequence = blocks_for_tokens(model_len, block_size)
-    one_sequence = sorted({max(1, min(max_kv_blocks, b)) for b in (
-        blocks_for_tokens(model_len - 1, block_size), per_sequence, per_sequence + 1)})
-    num_kv_blocks = draw(
-        st.one_of(
-            st.sampled_from(one_sequence),
-            st.integers(min(per_sequence, max_kv_blocks), min(max_kv_blocks, 2 * per_sequence + 1)),
-            st.integers(1, min(max_kv_blocks, 3 * per_sequence + 1)),
-            st.integers(1, min(4, max_kv_blocks)),
-            st.integers(1, max_kv_blocks),
-        )
-    )
-    num_seqs = draw(st.integers(1, max_num_seqs))
-    chunked = draw(st.booleans()) if chunked_prefill is None else chunked_prefill
-    low = num_seqs if chunked else max(num_seqs, model_len)
-    high = max(low, max_batched_tokens)
-    budget = draw(
-        st.one_of(
-            st.integers(low, min(high, low + 8)),
-            st.integers(low, max(low, min(high, model_len))),  # long prompts take several chunks
-            st.integers(low, high),
-        )
-    )
-    threshold = draw(st.one_of(st.just(0), st.integers(1, model_len + 2))) if chunked else 0
-    return SchedulerConfig(
-        block_size=block_size,
-        num_kv_blocks=num_kv_blocks,
-        max_num_batched_tokens=budget,
-        max_num_seqs=num_seqs,
-        max_model_len=model_len,
-        enable_chunked_prefill=chunked,
-        long_prefill_token_threshold=threshold,
-    )
-
-
 @attrs.define
 class _Added:
     """What the machine knows about a request it added (to check its fate at the end)."""
@@ -192,6 +117,17 @@ ABORT_TARGETS = ("waiting", "running", "finished", "unknown")
 _STRATEGIES: dict[tuple[type, str, SchedulerConfig | None], st.SearchStrategy[Any]] = {}
 
 
+def _plan_line(plan: StepPlan) -> str:
+    """A plan on one line, for ``note()``: each scheduled request with its tokens, then preemptions and
+    rejections."""
+    parts = [f"{item.request_id}+{item.num_tokens}" for item in plan.scheduled]
+    if plan.preempted:
+        parts.append(f"preempt {list(plan.preempted)}")
+    if plan.rejected:
+        parts.append(f"reject {[r for r, _ in plan.rejected]}")
+    return ", ".join(parts) or "(empty step)"
+
+
 def _machine_strategy(machine: SchedulerStateMachine, hook: str) -> st.SearchStrategy[Any]:
     """``getattr(machine, hook)()``, cached per (machine class, hook, config): building and validating
     a strategy costs more than drawing from it, and a rule draws from the same one many times."""
@@ -202,12 +138,6 @@ def _machine_strategy(machine: SchedulerStateMachine, hook: str) -> st.SearchStr
             _STRATEGIES.clear()
         found = _STRATEGIES[key] = getattr(machine, hook)()
     return found
-
-
-def _from_machine(hook: str) -> st.SearchStrategy[Any]:
-    """A rule argument drawn from the strategy the running machine's ``hook`` method returns (so that
-    subclasses override the strategies and they depend on the drawn config)."""
-    return st.runner().flatmap(lambda machine: _machine_strategy(machine, hook))
 
 
 class SchedulerStateMachine(RuleBasedStateMachine):
@@ -253,48 +183,23 @@ class SchedulerStateMachine(RuleBasedStateMachine):
         return sorted(getattr(scheduler, "guarantees", ()))
 
     def prompt_lengths(self) -> st.SearchStrategy[int]:
-        """Prompt lengths for ``self.config``: mostly ones that fit (short, or anywhere below
-        ``max_model_len`` and the cache), multiples of ``block_size``, the boundaries around
-        ``block_size``, ``max_model_len`` and the cache capacity, and anything up to past the cache,
-        0 included (those must be rejected)."""
-        config = self.config
-        size, limit, capacity = config.block_size, config.max_model_len, config.kv_capacity_tokens
-        fits = max(1, min(limit - 1, capacity))
-        edges = sorted(
-            {n for n in (1, size - 1, size, size + 1, 2 * size, limit - 1, limit, limit + 1,
-                         capacity - 1, capacity, capacity + 1) if n >= 0}
-        )
-        return st.one_of(
-            st.integers(1, max(1, min(fits, 2 * size))),
-            st.integers(1, fits),
-            st.integers(1, max(1, fits // size)).map(lambda k: k * size),
-            st.sampled_from(edges),
-            st.integers(0, limit + capacity + 2),
-        )
+        """Prompt lengths for ``self.config`` (default :func:`schedspec.strategies.prompt_lengths`)."""
+        return strategies.prompt_lengths(self.config)
 
     def max_tokens_values(self) -> st.SearchStrategy[int]:
-        """``max_tokens`` values: short and long outputs (long ones grow their block tables and force
-        preemptions), sometimes 0 (rejected) or past ``max_model_len``."""
-        config = self.config
-        size, limit = config.block_size, config.max_model_len
-        return st.one_of(
-            st.integers(1, 6),
-            st.integers(1, max(1, limit)),
-            st.integers(max(1, limit // 2), max(1, limit)),
-            st.sampled_from(sorted({0, 1, size, size + 1, limit})),
-            st.integers(0, limit + 4),
-        )
+        """``max_tokens`` values for ``self.config`` (default :func:`schedspec.strategies.max_tokens_values`)."""
+        return strategies.max_tokens_values(self.config)
 
     def eos_positions(self) -> st.SearchStrategy[int | None]:
         """Output index (1-based) at which the fake model emits end-of-sequence, or ``None``."""
-        return st.one_of(st.none(), st.integers(1, 8))
+        return strategies.eos_positions()
 
     def priorities(self) -> st.SearchStrategy[int]:
         """Request priorities (lower is more urgent); only priority policies look at them."""
-        return st.integers(0, 3)
+        return strategies.priorities()
 
     def request_shapes(self) -> st.SearchStrategy[tuple[int, int, int | None, int]]:
-        """``(prompt_len, max_tokens, eos_at_output, priority)`` tuples for the ``burst`` rule."""
+        """``(prompt_len, max_tokens, eos_at_output, priority)`` tuples, from the four hooks above."""
         return st.tuples(self.prompt_lengths(), self.max_tokens_values(), self.eos_positions(), self.priorities())
 
     def known_divergences(self, state: SchedulerState, plan: StepPlan, found: list[Violation]) -> list[Violation]:
@@ -362,6 +267,7 @@ class SchedulerStateMachine(RuleBasedStateMachine):
         assert self.config is not None
         before = self.shadow
         plan = self.scheduler.schedule()
+        note(f"step {before.step}: {_plan_line(plan)}")
         found = violated_rules(before, plan, self.config)
         if found:
             known = self.known_divergences(before, plan, found)
@@ -394,11 +300,14 @@ class SchedulerStateMachine(RuleBasedStateMachine):
         return plan
 
     # ---------------------------------------------------------------------------------- rules
-    @initialize(config=_from_machine("configs"))
-    def setup(self, config: SchedulerConfig) -> None:
+    @initialize(data=st.data())
+    def setup(self, data: st.DataObject) -> None:
+        """Draw the config and build the scheduler under test (a config it refuses with
+        ``UnsupportedFeature`` is not a failure: the example is discarded)."""
         from schedspec.reference.fake_model import FakeModel
         from schedspec.reference.scheduler import UnsupportedFeature
 
+        config = data.draw(_machine_strategy(self, "configs"), label="config")
         try:
             scheduler = self.build_scheduler(config)
         except UnsupportedFeature:
@@ -410,23 +319,19 @@ class SchedulerStateMachine(RuleBasedStateMachine):
         self.monitors = monitors(list(self.guaranteed_properties(scheduler)), config)
         self._check_scheduler_state()
 
-    @rule(
-        prompt_len=_from_machine("prompt_lengths"),
-        max_tokens=_from_machine("max_tokens_values"),
-        eos_at_output=_from_machine("eos_positions"),
-        priority=_from_machine("priorities"),
-    )
-    def add(self, prompt_len: int, max_tokens: int, eos_at_output: int | None, priority: int) -> None:
+    @rule(data=st.data())
+    def add(self, data: st.DataObject) -> None:
         """A request arrives before the next step (it may be one that must be rejected)."""
-        self.add_request(prompt_len, max_tokens, eos_at_output, priority)
+        self.add_request(*data.draw(_machine_strategy(self, "request_shapes"), label="request"))
 
-    @rule(
-        shapes=st.lists(_from_machine("request_shapes"), min_size=2, max_size=6)
-    )
-    def burst(self, shapes: list[tuple[int, int, int | None, int]]) -> None:
-        """Several requests arrive before the same step (they compete for slots and blocks)."""
-        for prompt_len, max_tokens, eos_at_output, priority in shapes:
-            self.add_request(prompt_len, max_tokens, eos_at_output, priority)
+    @rule(data=st.data())
+    def burst(self, data: st.DataObject) -> None:
+        """Several requests arrive before the same step (they compete for slots and blocks): up to
+        ``max_num_seqs + 2``, so that one burst can fill the running set past its cap."""
+        most = max(6, self.config.max_num_seqs + 2)
+        shapes = data.draw(st.lists(_machine_strategy(self, "request_shapes"), min_size=2, max_size=most), label="requests")
+        for shape in shapes:
+            self.add_request(*shape)
 
     def add_request(self, prompt_len: int, max_tokens: int, eos_at_output: int | None = None, priority: int = 0) -> str:
         """Add a request of this shape to the scheduler and to the spec state; returns its id."""
@@ -434,6 +339,8 @@ class SchedulerStateMachine(RuleBasedStateMachine):
         spec = RequestSpec(request_id, prompt_len, max_tokens, arrival_step=self.shadow.step,
                            priority=priority, eos_at_output=eos_at_output)
         request = spec.to_request(self.shadow.step)
+        note(f"step {self.shadow.step}: add {request_id} prompt_len={prompt_len} max_tokens={max_tokens} "
+             f"eos_at_output={eos_at_output} priority={priority}")
         self.added[request_id] = _Added(spec)
         if eos_at_output is not None:
             self.model.eos_at_output[request_id] = eos_at_output
@@ -446,6 +353,7 @@ class SchedulerStateMachine(RuleBasedStateMachine):
         """One scheduler step."""
         self.advance()
 
+    @precondition(lambda self: bool(self.shadow.requests))
     @rule(count=st.integers(2, 8))
     def steps(self, count: int) -> None:
         """Several scheduler steps in a row (lets requests progress between arrivals)."""
@@ -460,6 +368,7 @@ class SchedulerStateMachine(RuleBasedStateMachine):
         pools = {"waiting": state.waiting, "running": state.running, "finished": tuple(sorted(state.finished))}
         pool = pools.get(which, ())
         request_id = pool[index % len(pool)] if pool else f"unknown-{index}"
+        note(f"step {state.step}: abort {request_id} ({which})")
         live = request_id in state.requests
         self.scheduler.abort_request(request_id)
         self.shadow = abort_request(state, request_id)

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 
 from schedspec.spec.config import ConfigError, SchedulerConfig, blocks_for_tokens
-from schedspec.testing import scheduler_configs
+from schedspec.strategies import scheduler_configs
 
 GOOD = {
     "block_size": 16,

@@ -33,7 +33,8 @@ from schedspec.spec.request import Request
 from schedspec.spec.state import ScheduledRequest, SchedulerState, StepPlan
 from schedspec.spec.transitions import abort_request, add_request, apply_plan
 from schedspec.spec.workload import RequestSpec
-from schedspec.testing import SchedulerStateMachine, SpecViolation, scheduler_configs
+from schedspec.strategies import scheduler_configs
+from schedspec.testing import SchedulerStateMachine, SpecViolation
 
 
 def _config(**changes) -> SchedulerConfig:

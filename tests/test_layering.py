@@ -13,7 +13,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 FORBIDDEN = {
     "spec": ("schedspec.reference", "schedspec.gpu_backend", "schedspec.engines", "schedspec.cli",
-             "schedspec.commands", "schedspec.testing", "schedspec.run_record", "schedspec.sweep"),
+             "schedspec.commands", "schedspec.testing", "schedspec.strategies", "schedspec.run_record",
+             "schedspec.sweep"),
     "reference": ("schedspec.engines", "schedspec.gpu_backend", "schedspec.run_record", "schedspec.sweep",
                   "schedspec.cli", "schedspec.commands"),
 }

@@ -20,7 +20,8 @@ from schedspec.reference.scheduler import SCHEDULERS, make_scheduler
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.request import Request
 from schedspec.spec.state import StepPlan
-from schedspec.testing import SchedulerStateMachine, SpecViolation, machine_for, scheduler_configs
+from schedspec.strategies import scheduler_configs
+from schedspec.testing import SchedulerStateMachine, SpecViolation, machine_for
 
 
 @pytest.mark.parametrize("scheduler_name", sorted(SCHEDULERS))

@@ -48,7 +48,7 @@ from schedspec.reference.scheduler import (
 from schedspec.spec.config import ConfigError, SchedulerConfig
 from schedspec.spec.trace import StepRecord
 from schedspec.spec.workload import RequestSpec
-from schedspec.testing import scheduler_configs
+from schedspec.strategies import scheduler_configs
 
 DEFAULT_MAX_STEPS = 2_000
 
