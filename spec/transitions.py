@@ -13,6 +13,7 @@ from types import MappingProxyType
 import attrs
 
 from schedspec.spec.config import SchedulerConfig
+from schedspec.spec.prefix_cache import CacheUpdate
 from schedspec.spec.request import Request, RequestStatus
 from schedspec.spec.state import SchedulerState, StepPlan, samples_this_step
 
@@ -53,7 +54,8 @@ def add_request(state: SchedulerState, request: Request) -> SchedulerState:
 
 def abort_request(state: SchedulerState, request_id: str) -> SchedulerState:
     """The client aborts a request: it ends ``FINISHED_ABORTED`` and releases all its blocks at once
-    (to the front of the free queue, last block first: see ``SchedulerState.free_block_ids``).
+    (to the front of the free queue, last block first: see ``SchedulerState.free_block_ids``; with prefix
+    caching its cached blocks stay cached and go to the back: :meth:`CacheUpdate.release`).
 
     Aborting a request that already ended, or an id never added, changes nothing (vLLM
     ``Scheduler.finish_requests`` skips ids it does not know).
@@ -66,13 +68,21 @@ def abort_request(state: SchedulerState, request_id: str) -> SchedulerState:
     finished = state.finished.with_added(
         {request_id: request.replace(status=RequestStatus.FINISHED_ABORTED, finish_reason="abort", block_ids=())}
     )
+    cache = state.prefix_cache
+    if cache is None:
+        free = tuple(reversed(request.block_ids)) + state.free_block_ids
+    else:
+        update = CacheUpdate(cache, state.free_block_ids)
+        update.release(request.block_ids)
+        cache, free = update.freeze()
     return attrs.evolve(
         state,
         waiting=tuple(r for r in state.waiting if r != request_id),
         running=tuple(r for r in state.running if r != request_id),
         requests=requests,
         finished=finished,
-        free_block_ids=tuple(reversed(request.block_ids)) + state.free_block_ids,
+        free_block_ids=free,
+        prefix_cache=cache,
     )
 
 
@@ -137,6 +147,13 @@ def apply_plan(
     checked by :func:`stop_reason`; one that stops releases its blocks (to the front of the free
     queue, in batch order, as vLLM ``Scheduler.update_from_output``) and ends.
 
+    With prefix caching (``state.prefix_cache`` set) the blocks go through
+    :class:`~schedspec.spec.prefix_cache.CacheUpdate`: a release drops reference counts (cached blocks
+    stay cached, at the back of the free queue), an admitted request's ``cached_block_ids`` are
+    referenced and start its table, with ``num_computed_tokens`` counting the hit; handing out a cached
+    block evicts it; and at the end of the step every scheduled request publishes its fully computed
+    blocks (before a finished request releases them).
+
     Args:
         state: the state before the step.
         plan: an allowed plan for this state.
@@ -155,6 +172,7 @@ def apply_plan(
     waiting = list(state.waiting)
     running = list(state.running)
     free = state.free_block_ids
+    update = CacheUpdate(state.prefix_cache, free) if state.prefix_cache is not None else None
 
     def live(request_id: str) -> Request:
         try:
@@ -165,6 +183,8 @@ def apply_plan(
     released: list[int] = []
     for request_id in plan.preempted:
         request = live(request_id)
+        if update is not None:
+            update.release(request.block_ids)
         released[:0] = reversed(request.block_ids)
         requests[request_id] = request.replace(
             status=RequestStatus.PREEMPTED,
@@ -174,7 +194,7 @@ def apply_plan(
         )
         running.remove(request_id)
         waiting.insert(0, request_id)
-    if released:
+    if released and update is None:
         free = tuple(released) + free
 
     ended: dict[str, Request] = {}
@@ -193,9 +213,15 @@ def apply_plan(
         request_id = item.request_id
         request = live(request_id)
         changes: dict = {"num_computed_tokens": request.num_computed_tokens + item.num_tokens}
+        if update is not None:
+            update.touch(item.cached_block_ids)
+            update.take(item.new_block_ids)
+            if item.cached_block_ids:
+                changes["num_computed_tokens"] += len(item.cached_block_ids) * config.block_size
+                changes["block_ids"] = request.block_ids + item.cached_block_ids + item.new_block_ids
         if item.new_block_ids:
             taken.extend(item.new_block_ids)
-            changes["block_ids"] = request.block_ids + item.new_block_ids
+            changes.setdefault("block_ids", request.block_ids + item.new_block_ids)
         if request.status is not RequestStatus.RUNNING:
             changes["status"] = RequestStatus.RUNNING
             changes["admitted_step"] = state.step
@@ -221,17 +247,28 @@ def apply_plan(
                 requests[request_id] = request.replace(status=status, finish_reason=reason)
     if admitted:
         waiting = [r for r in waiting if r not in admitted]
-    free = _take_blocks(free, taken)
+    if update is None:
+        free = _take_blocks(free, taken)
+    else:
+        for item in plan.scheduled:
+            request = requests[item.request_id]
+            update.publish(request, request.block_ids, request.num_computed_tokens, config.block_size)
 
     if stopped:
         gone = set(stopped)
         ended_blocks: list[int] = []
         for request_id in stopped:
             request = requests.pop(request_id)
+            if update is not None:
+                update.release(request.block_ids)
             ended_blocks[:0] = reversed(request.block_ids)
             ended[request_id] = request.replace(block_ids=())
         running = [r for r in running if r not in gone]
-        free = tuple(ended_blocks) + free
+        if update is None:
+            free = tuple(ended_blocks) + free
+    cache = None
+    if update is not None:
+        cache, free = update.freeze()
 
     new_state = SchedulerState(
         step=state.step + 1,
@@ -241,5 +278,6 @@ def apply_plan(
         finished=finished.with_added(ended),
         free_block_ids=free,
         num_requests_added=state.num_requests_added,
+        prefix_cache=cache,
     )
     return StepResult(new_state, tuple(stopped), tuple(sampled))

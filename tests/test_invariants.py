@@ -20,6 +20,7 @@ from schedspec.spec.invariants import (
 )
 from schedspec.spec.request import Request, RequestStatus
 from schedspec.spec.state import ScheduledRequest, SchedulerState, StepPlan
+from test_prefix_cache import PREFIX_STATE_CASES, PREFIX_STEP_CASES
 
 # block_size 4, 8 blocks, budget 16 tokens, 2 sequences, max_model_len 32.
 CONFIG = SchedulerConfig(block_size=4, num_kv_blocks=8, max_num_batched_tokens=16, max_num_seqs=2, max_model_len=32)
@@ -124,6 +125,7 @@ STATE_CASES: dict[str, StateCase] = {
     "computed-bound": case_computed_bound,
     "preempted-holds-nothing": case_preempted_holds_nothing,
 }
+STATE_CASES.update(PREFIX_STATE_CASES)  # the prefix-caching invariants' cases live with the other prefix tests
 
 DECODE_A = ScheduledRequest("a", 6, 1)
 
@@ -147,6 +149,7 @@ def case_chunks_in_order():
 STEP_CASES: dict[str, StepCase] = {
     "chunks-in-order": case_chunks_in_order,
 }
+STEP_CASES.update(PREFIX_STEP_CASES)
 
 
 def test_every_invariant_has_a_case() -> None:
