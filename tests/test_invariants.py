@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import attrs
 import pytest
+from test_prefix_cache import PREFIX_STATE_CASES, PREFIX_STEP_CASES
 
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.invariants import (
@@ -20,7 +21,6 @@ from schedspec.spec.invariants import (
 )
 from schedspec.spec.request import Request, RequestStatus
 from schedspec.spec.state import ScheduledRequest, SchedulerState, StepPlan
-from test_prefix_cache import PREFIX_STATE_CASES, PREFIX_STEP_CASES
 
 # block_size 4, 8 blocks, budget 16 tokens, 2 sequences, max_model_len 32.
 CONFIG = SchedulerConfig(block_size=4, num_kv_blocks=8, max_num_batched_tokens=16, max_num_seqs=2, max_model_len=32)

@@ -13,13 +13,13 @@ import attrs
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_prefix_cache import PREFIX_RULE_CASES
 
 from schedspec.spec.admission import rejection_reason
 from schedspec.spec.config import SchedulerConfig, blocks_for_tokens
 from schedspec.spec.request import Request, RequestStatus
 from schedspec.spec.rules import RULE_NAMES, RULES, is_allowed, violated_rules
 from schedspec.spec.state import ScheduledRequest, SchedulerState, StepPlan
-from test_prefix_cache import PREFIX_RULE_CASES
 
 # block_size 4, 8 blocks, budget 16 tokens, 2 sequences, max_model_len 32.
 CONFIG = SchedulerConfig(block_size=4, num_kv_blocks=8, max_num_batched_tokens=16, max_num_seqs=2, max_model_len=32)
