@@ -203,10 +203,6 @@ class ReferenceScheduler:
     transitions, so it refines the spec whenever its plans are allowed."""
 
     def __init__(self, config: SchedulerConfig, plan: PlanFunction, name: str, guarantees: frozenset[str]) -> None:
-        if config.enable_prefix_caching:
-            raise UnsupportedFeature(
-                f"scheduler {name!r} does not implement prefix caching (enable_prefix_caching=true)"
-            )
         self.config = config
         self.plan_function = plan
         self.name = name

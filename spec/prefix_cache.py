@@ -184,6 +184,10 @@ class CacheUpdate:
         count against the free blocks: vLLM ``get_num_blocks_to_allocate`` ``num_evictable_blocks``)."""
         return sum(1 for b in blocks if not self.ref_counts.get(b))
 
+    def longest_hit(self, request: Request, block_size: int) -> tuple[int, ...]:
+        """:meth:`PrefixCache.longest_hit` on the cache as it is now (blocks handed out so far are evicted)."""
+        return PrefixCache(self.block_hashes, self.hash_to_blocks, self.ref_counts).longest_hit(request, block_size)
+
     def release(self, table: Sequence[int]) -> None:
         """A block table is given back: last block first, each block's count drops by one; blocks reaching
         0 without a hash go to the front of the free queue, those with a hash to the back."""

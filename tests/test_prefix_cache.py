@@ -264,3 +264,23 @@ def test_prefix_state_invariant_cases_hold_for_the_good_twin(name: str) -> None:
     bad, good, config, _ = PREFIX_STATE_CASES[name]()
     assert name in {v.name for v in check_state(bad, config)}
     assert check_state(good, config) == []
+
+
+# ---- the reference schedulers with prefix caching
+
+
+PREFIX_SCENARIOS = ("abort-during-chunked-prefill", "preempt-then-prefix-hit")
+
+
+@pytest.mark.parametrize("scheduler", ["fcfs", "static", "shortest-prompt-first", "priority", "vllm-v1",
+                                       "vllm-v1-priority"])
+@pytest.mark.parametrize("name", PREFIX_SCENARIOS)
+def test_prefix_scenarios_pass_on_every_reference_scheduler(name: str, scheduler: str) -> None:
+    from schedspec.reference.scenarios import bundled_scenarios, load_scenario, replay
+
+    (path,) = [p for p in bundled_scenarios() if p.stem == name]
+    result = replay(load_scenario(path), scheduler)
+    failed = [f"{v.name}: {v.detail}" for v in result.verdicts if not v.passed]
+    assert not failed, failed
+    hits = [r.prefix_hit_tokens for r in result.run.records if r.prefix_hit_tokens]
+    assert hits, "the scenario is about prefix hits: at least one must happen"
