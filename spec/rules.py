@@ -142,22 +142,24 @@ def _chunk_continues(state: SchedulerState, plan: StepPlan, config: SchedulerCon
 
 @rule(
     "no-overcompute",
-    "A request computes at most its pending tokens (prompt plus output minus computed); so a decode "
-    "computes exactly one token.",
+    "A request computes at most its pending tokens (prompt plus output minus computed, minus a prefix-cache "
+    "hit); so a decode computes exactly one token.",
     "vLLM Scheduler.schedule num_new_tokens = num_tokens - num_computed_tokens",
 )
 def _no_overcompute(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
     for item in plan.scheduled:
         request = state.requests.get(item.request_id)
-        if request is not None and item.num_tokens > request.num_pending_tokens:
-            yield item.request_id, (
-                f"num_tokens={item.num_tokens} > pending tokens={request.num_pending_tokens}"
-            )
+        if request is None:
+            continue
+        pending = request.num_pending_tokens - len(item.cached_block_ids) * config.block_size
+        if item.num_tokens > pending:
+            yield item.request_id, f"num_tokens={item.num_tokens} > pending tokens={pending}"
 
 
 @rule(
     "whole-prefill-without-chunking",
-    "With enable_chunked_prefill off, a scheduled request computes all its pending tokens at once.",
+    "With enable_chunked_prefill off, a scheduled request computes all its pending tokens (less a prefix-cache "
+    "hit) at once.",
     "vLLM Scheduler.schedule: without chunked prefill a prompt that does not fit the budget waits",
 )
 def _whole_prefill(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
@@ -165,10 +167,11 @@ def _whole_prefill(state: SchedulerState, plan: StepPlan, config: SchedulerConfi
         return
     for item in plan.scheduled:
         request = state.requests.get(item.request_id)
-        if request is not None and item.num_tokens != request.num_pending_tokens:
-            yield item.request_id, (
-                f"chunk of {item.num_tokens} tokens of {request.num_pending_tokens} pending with chunked prefill off"
-            )
+        if request is None:
+            continue
+        pending = request.num_pending_tokens - len(item.cached_block_ids) * config.block_size
+        if item.num_tokens != pending:
+            yield item.request_id, f"chunk of {item.num_tokens} tokens of {pending} pending with chunked prefill off"
 
 
 @rule(

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import attrs
 import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import run_state_machine_as_test
 
+from schedspec.reference.scheduler import SCHEDULERS
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.invariants import check_state, check_step
 from schedspec.spec.prefix_cache import ROOT_HASH, CacheUpdate, PrefixCache, block_hash, max_hit_blocks
@@ -19,6 +22,7 @@ from schedspec.spec.request import Request, RequestStatus
 from schedspec.spec.rules import violated_rules
 from schedspec.spec.state import ScheduledRequest, SchedulerState, StepPlan
 from schedspec.spec.transitions import abort_request, add_request, apply_plan
+from schedspec.testing import machine_for
 
 CONFIG = SchedulerConfig(block_size=4, num_kv_blocks=8, max_num_batched_tokens=16, max_num_seqs=2, max_model_len=32,
                          enable_prefix_caching=True)
@@ -284,3 +288,31 @@ def test_prefix_scenarios_pass_on_every_reference_scheduler(name: str, scheduler
     assert not failed, failed
     hits = [r.prefix_hit_tokens for r in result.run.records if r.prefix_hit_tokens]
     assert hits, "the scenario is about prefix hits: at least one must happen"
+
+
+# ---- the stateful suite with prefix caching
+
+
+@pytest.mark.parametrize("scheduler_name", sorted(SCHEDULERS))
+def test_policy_refines_spec_with_prefix_caching(scheduler_name: str) -> None:
+    """The stateful machine (:mod:`schedspec.testing`) with prefix caching on and shared-prefix requests.
+    Examples: the active profile's, at most 100 (ci: 100 derandomized examples of 50 rules per policy)."""
+    machine = machine_for(scheduler_name, prefix_caching=True)
+    active = settings()
+    run_state_machine_as_test(machine, settings=settings(active, max_examples=min(active.max_examples, 100)))
+
+
+def test_stateful_machine_reaches_hits_after_preemption() -> None:
+    """The machine's workloads reach what prefix caching is about: hits, and re-admission after a
+    preemption with a hit (the shared case preempt-then-prefix-hit)."""
+    seen: set[str] = set()
+
+    class Watched(machine_for("fcfs", prefix_caching=True)):
+        def teardown(self) -> None:
+            super().teardown()
+            seen.update(self.seen)
+
+    run_state_machine_as_test(Watched, settings=settings(max_examples=60, stateful_step_count=30, deadline=None,
+                                                          derandomize=True, database=None,
+                                                          suppress_health_check=list(HealthCheck)))
+    assert {"prefix-cache hit", "prefix-cache hit after preemption", "preemption"} <= seen, seen
