@@ -316,3 +316,49 @@ def test_stateful_machine_reaches_hits_after_preemption() -> None:
                                                           derandomize=True, database=None,
                                                           suppress_health_check=list(HealthCheck)))
     assert {"prefix-cache hit", "prefix-cache hit after preemption", "preemption"} <= seen, seen
+
+
+def test_hit_counts_against_pending_tokens() -> None:
+    # b has 10 tokens, 8 hit: 2 are left; computing 10 after the hit overcomputes
+    bad = StepPlan(scheduled=(ScheduledRequest("b", 8, 10, (2, 3, 4), cached_block_ids=(0, 1)),))
+    assert "no-overcompute" in {v.name for v in violated_rules(warm_state(), bad, CONFIG)}
+    no_chunking = CONFIG.with_changes(enable_chunked_prefill=False, max_num_batched_tokens=32)
+    assert violated_rules(warm_state(), StepPlan(scheduled=(HIT_B,)), no_chunking) == []
+
+
+# ---- the trace checker on caching traces
+
+
+def test_caching_trace_round_trips_through_schedspec_check(tmp_path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    from schedspec.reference.scenarios import bundled_scenarios, load_scenario, replay
+    from schedspec.spec.trace import write_trace
+
+    (path,) = [p for p in bundled_scenarios() if p.stem == "preempt-then-prefix-hit"]
+    scenario = load_scenario(path)
+    result = replay(scenario, "vllm-v1")
+    config = SchedulerConfig.from_dict({k: v for k, v in scenario.config.items() if k != "policy"})
+    trace = tmp_path / "cached.jsonl"
+    with trace.open("w") as out:
+        write_trace(out, config, result.run.records, "vllm-v1")
+    lines = trace.read_text().splitlines()
+    assert any("prefix_hit_blocks" in line for line in lines)
+
+    def check(path) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "schedspec", "check", str(path)], capture_output=True, text=True,
+                              timeout=120)
+
+    assert check(trace).returncode == 0
+    # the first hit claims one block more than the cache holds for it
+    records = [json.loads(line) for line in lines]
+    index = next(i for i, r in enumerate(records) if r.get("prefix_hit_blocks"))
+    record = records[index]
+    request_id, blocks = next(iter(record["prefix_hit_blocks"].items()))
+    record["prefix_hit_blocks"][request_id] = blocks[:-1] + [blocks[0]]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    result = check(bad)
+    assert result.returncode == 1 and "prefix-hit" in result.stdout, result.stdout
