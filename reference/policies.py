@@ -22,6 +22,14 @@ Sources: vLLM 0.32 ``vllm/v1/core/sched/scheduler.py`` ``Scheduler.schedule`` (r
 waiting; ``_preempt_request`` takes the last of ``self.running``; no admission after a preemption);
 Sarathi-Serve (OSDI'24) §4.2 stall-free batching (decodes before prefill chunks).
 
+With ``enable_prefix_caching`` (:mod:`schedspec.spec.prefix_cache`) every policy here looks up the
+longest chain of cached blocks when it admits a waiting request (fresh or preempted; vLLM
+``KVCacheManager.get_computed_blocks``), reuses them (``ScheduledRequest.cached_block_ids``, the chunk
+starting after the hit) and reserves blocks for the rest of the sequence only; a hit on an evictable
+block counts against the free blocks (it leaves the free queue). Blocks come from :class:`CachePool`,
+which follows vLLM's free-queue order with caching (released cached blocks at the back, handed out last),
+also for the blocks a preemption releases (without caching those are taken after the free ones).
+
 Where this differs from vLLM 0.32, on purpose:
 - decodes are scheduled before running prefill chunks (vLLM keeps admission order), so a long
   chunked prefill never stalls a decode (``stall-free-decode``);

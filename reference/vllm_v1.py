@@ -47,6 +47,15 @@ vLLM's source:
    step, so its block ids are vLLM's (spec block ``b`` is vLLM block ``b + 1``, vLLM's null block 0
    left out).
 
+**With prefix caching** (``enable_prefix_caching``): admission first looks up the longest cached prefix
+(``KVCacheManager.get_computed_blocks``, at most ``num_tokens - 1`` tokens), the whole-sequence gate
+counts the blocks beyond the hit plus the hit's evictable blocks (``get_num_blocks_to_allocate``), and
+the first chunk starts after the hit; the free queue is vLLM's with caching (:class:`~.policies.CachePool`:
+released cached blocks go to the back, never-cached ones to the front). One difference remains, from the
+spec (:mod:`schedspec.spec.prefix_cache`): vLLM publishes a block's hash when it schedules the block's
+last token, the spec when that token is computed, so a request admitted later in the same step hits
+in vLLM what it does not hit here.
+
 Where this profile departs from vLLM, on purpose (kept short; docs/engines.md has the same table):
 
 =========================================  =================================================  ===============================================
