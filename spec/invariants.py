@@ -244,18 +244,19 @@ def prefix_block_partition(state: SchedulerState, config: SchedulerConfig, termi
     if cache is None:
         return
     queue = state.free_block_ids
-    for block_id, count in Counter(queue).items():
-        if count > 1:
-            yield None, f"block {block_id} is {count} times in the free queue"
-    in_queue = set(queue)
+    in_queue = state.free_block_set
+    if len(in_queue) != len(queue):
+        for block_id, count in Counter(queue).items():
+            if count > 1:
+                yield None, f"block {block_id} is {count} times in the free queue"
     held = {b for b, count in cache.ref_counts.items() if count > 0}
-    for block_id in sorted(in_queue & held):
+    for block_id in sorted(b for b in held if b in in_queue):
         yield None, f"block {block_id} is in the free queue with reference count {cache.ref_counts[block_id]}"
-    evictable = sum(1 for b in in_queue if b in cache.block_hashes)
+    evictable = sum(1 for b in cache.block_hashes if b in in_queue)
     free = len(in_queue) - evictable
-    if free + evictable + len(held - in_queue) != config.num_kv_blocks or len(in_queue | held) != config.num_kv_blocks:
-        yield None, (f"free {free} + evictable {evictable} + held {len(held - in_queue)} blocks, "
-                     f"{config.num_kv_blocks - len(in_queue | held)} in none of them, != num_kv_blocks="
+    only_held = len(held) - sum(1 for b in held if b in in_queue)
+    if free + evictable + only_held != config.num_kv_blocks:
+        yield None, (f"free {free} + evictable {evictable} + held {only_held} blocks != num_kv_blocks="
                      f"{config.num_kv_blocks}")
 
 

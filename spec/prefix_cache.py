@@ -78,10 +78,26 @@ def block_hash(parent: str, token_ids: Sequence[int] | np.ndarray) -> str:
     return digest.hexdigest()
 
 
+_MEMO = "_prefix_block_hashes"
+
+
 def request_block_hash(request: Request, index: int, parent: str, block_size: int) -> str:
-    """The hash of block ``index`` of the request's sequence (prompt plus output), given its parent's."""
+    """The hash of block ``index`` of the request's sequence (prompt plus output), given its parent's.
+
+    Memoized on the request: a request's token ids at a position never change (outputs are only appended,
+    and kept through a preemption), so the memo (keyed by block size and index, checked against the
+    parent) is shared by every later version of the request (``Request.replace`` copies it along)."""
+    memo = request.__dict__.get(_MEMO)
+    if memo is None:
+        memo = request.__dict__[_MEMO] = {}
+    key = (block_size, index)
+    found = memo.get(key)
+    if found is not None and found[0] == parent:
+        return found[1]
     start = index * block_size
-    return block_hash(parent, request.token_ids(start, start + block_size))
+    value = block_hash(parent, request.token_ids(start, start + block_size))
+    memo[key] = (parent, value)
+    return value
 
 
 def max_hit_blocks(request: Request, block_size: int) -> int:
@@ -165,10 +181,25 @@ class CacheUpdate:
 
     def __init__(self, cache: PrefixCache, free: Sequence[int]) -> None:
         self.free: list[int] = list(free)
-        self.block_hashes: dict[int, str] = dict(cache.block_hashes)
-        self.hash_to_blocks: dict[str, tuple[int, ...]] = dict(cache.hash_to_blocks)
-        self.ref_counts: dict[int, int] = dict(cache.ref_counts)
+        self.cache = cache
+        # copied on first write (_write_hashes, _write_counts): most steps change no hash
+        self.block_hashes: Mapping[int, str] = cache.block_hashes
+        self.hash_to_blocks: Mapping[str, tuple[int, ...]] = cache.hash_to_blocks
+        self.ref_counts: Mapping[int, int] = cache.ref_counts
+        self._hashes_copied = self._counts_copied = False
         self.evicted: list[int] = []
+
+    def _write_hashes(self) -> tuple[dict[int, str], dict[str, tuple[int, ...]]]:
+        if not self._hashes_copied:
+            self.block_hashes, self.hash_to_blocks = dict(self.block_hashes), dict(self.hash_to_blocks)
+            self._hashes_copied = True
+        return self.block_hashes, self.hash_to_blocks  # type: ignore[return-value]
+
+    def _write_counts(self) -> dict[int, int]:
+        if not self._counts_copied:
+            self.ref_counts = dict(self.ref_counts)
+            self._counts_copied = True
+        return self.ref_counts  # type: ignore[return-value]
 
     def clone(self) -> CacheUpdate:
         """An independent copy (a policy trying a choice out)."""
@@ -193,12 +224,13 @@ class CacheUpdate:
         0 without a hash go to the front of the free queue, those with a hash to the back."""
         front: list[int] = []
         back: list[int] = []
+        counts = self._write_counts() if table else self.ref_counts
         for block_id in reversed(table):
-            count = self.ref_counts.get(block_id, 0) - 1
+            count = counts.get(block_id, 0) - 1
             if count > 0:
-                self.ref_counts[block_id] = count
+                counts[block_id] = count
                 continue
-            self.ref_counts.pop(block_id, None)
+            counts.pop(block_id, None)
             (back if block_id in self.block_hashes else front).append(block_id)
         if front:
             self.free[:0] = front
@@ -206,11 +238,12 @@ class CacheUpdate:
 
     def touch(self, blocks: Sequence[int]) -> None:
         """A hit: each block's count rises by one; an evictable block leaves the free queue."""
+        counts = self._write_counts() if blocks else self.ref_counts
         for block_id in blocks:
-            count = self.ref_counts.get(block_id, 0)
+            count = counts.get(block_id, 0)
             if count == 0 and block_id in self.free:
                 self.free.remove(block_id)
-            self.ref_counts[block_id] = count + 1
+            counts[block_id] = count + 1
 
     def take(self, blocks: Sequence[int]) -> None:
         """Hand out these blocks (a plan's ``new_block_ids``): each leaves the free queue, loses its hash if
@@ -223,9 +256,10 @@ class CacheUpdate:
         else:
             gone = set(blocks)
             self.free = [b for b in self.free if b not in gone]
+        counts = self._write_counts()
         for block_id in blocks:
             self._evict(block_id)
-            self.ref_counts[block_id] = self.ref_counts.get(block_id, 0) + 1
+            counts[block_id] = counts.get(block_id, 0) + 1
 
     def take_front(self, count: int) -> tuple[int, ...]:
         """Hand out the first ``count`` blocks of the free queue (the caller checked :attr:`available`)."""
@@ -234,15 +268,16 @@ class CacheUpdate:
         return blocks
 
     def _evict(self, block_id: int) -> None:
-        old = self.block_hashes.pop(block_id, None)
-        if old is None:
+        if block_id not in self.block_hashes:
             return
+        block_hashes, hash_to_blocks = self._write_hashes()
+        old = block_hashes.pop(block_id)
         self.evicted.append(block_id)
-        rest = tuple(b for b in self.hash_to_blocks.get(old, ()) if b != block_id)
+        rest = tuple(b for b in hash_to_blocks.get(old, ()) if b != block_id)
         if rest:
-            self.hash_to_blocks[old] = rest
+            hash_to_blocks[old] = rest
         else:
-            self.hash_to_blocks.pop(old, None)
+            hash_to_blocks.pop(old, None)
 
     def publish(self, request: Request, table: Sequence[int], num_computed_tokens: int, block_size: int) -> None:
         """Give a hash to every block of ``table`` whose tokens the request has all computed and that has none
@@ -254,13 +289,23 @@ class CacheUpdate:
             known = self.block_hashes.get(block_id)
             if known is None:
                 known = request_block_hash(request, index, parent, block_size)
-                self.block_hashes[block_id] = known
-                self.hash_to_blocks[known] = self.hash_to_blocks.get(known, ()) + (block_id,)
+                block_hashes, hash_to_blocks = self._write_hashes()
+                block_hashes[block_id] = known
+                hash_to_blocks[known] = hash_to_blocks.get(known, ()) + (block_id,)
             parent = known
 
     def freeze_cache(self) -> PrefixCache:
-        return PrefixCache(MappingProxyType(dict(self.block_hashes)), MappingProxyType(dict(self.hash_to_blocks)),
-                           MappingProxyType(dict(self.ref_counts)))
+        """The cache as it is now (the source cache itself when nothing changed). Later edits of this update
+        copy again, so the value returned never changes."""
+        if not (self._hashes_copied or self._counts_copied):
+            return self.cache
+        hashes = MappingProxyType(self.block_hashes) if self._hashes_copied else self.block_hashes
+        by_hash = MappingProxyType(self.hash_to_blocks) if self._hashes_copied else self.hash_to_blocks
+        counts = MappingProxyType(self.ref_counts) if self._counts_copied else self.ref_counts
+        self.cache = PrefixCache(hashes, by_hash, counts)
+        self._hashes_copied = self._counts_copied = False
+        self.block_hashes, self.hash_to_blocks, self.ref_counts = hashes, by_hash, counts
+        return self.cache
 
     def freeze(self) -> tuple[PrefixCache, tuple[int, ...]]:
         """The new cache and free queue."""
