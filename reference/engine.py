@@ -28,6 +28,7 @@ import attrs
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.incremental import IncrementalChecker
 from schedspec.spec.invariants import check_step
+from schedspec.spec.prefix_cache import evicted_blocks
 from schedspec.spec.properties import Monitor, monitors
 from schedspec.spec.rules import Violation, violated_rules
 from schedspec.spec.state import SchedulerState, StepPlan
@@ -92,12 +93,17 @@ def _record(
 ) -> StepRecord:
     scheduled = []
     allocated = {}
+    hits: dict[str, tuple[int, ...]] = {}
+    hit_tokens: dict[str, int] = {}
     for item in plan.scheduled:
         request = before.requests[item.request_id]
         decode = 0 if request.is_prefill else item.num_tokens
         scheduled.append(ScheduledTokens(item.request_id, item.num_computed_tokens, item.num_tokens - decode, decode))
         if item.new_block_ids:
             allocated[item.request_id] = item.new_block_ids
+        if item.cached_block_ids:
+            hits[item.request_id] = item.cached_block_ids
+            hit_tokens[item.request_id] = item.num_computed_tokens - request.num_computed_tokens
     freed = dict(freed_by_abort)
     for request_id in plan.preempted:
         if before.requests[request_id].block_ids:
@@ -106,9 +112,12 @@ def _record(
     for request_id in finished:
         request = after.finished[request_id]
         finished_reasons[request_id] = request.finish_reason or ""
-        blocks = before.requests[request_id].block_ids + allocated.get(request_id, ())
+        blocks = before.requests[request_id].block_ids + hits.get(request_id, ()) + allocated.get(request_id, ())
         if blocks:
             freed[request_id] = blocks
+    evicted: list[int] = []
+    if before.prefix_cache is not None:
+        evicted = evicted_blocks(before.prefix_cache, (b for item in plan.scheduled for b in item.new_block_ids))
     return StepRecord(
         step=before.step,
         start_time=start,
@@ -118,6 +127,9 @@ def _record(
         scheduled=scheduled,
         blocks_allocated=allocated,
         blocks_freed=freed,
+        prefix_hit_tokens=hit_tokens,
+        prefix_hit_blocks=hits,
+        blocks_evicted=evicted,
         preempted=plan.preempted,
         finished=finished_reasons,
         aborted=aborted,

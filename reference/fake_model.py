@@ -8,7 +8,9 @@ samples in it (:func:`schedspec.spec.state.samples_this_step`). The PyTorch back
 :class:`FakeModel` keeps one token id per KV slot (``num_kv_blocks * block_size`` slots). Each step it
 writes every scheduled token's id into the slot its block table gives, then derives each sampled token
 from ids it reads back **through the block table**: a wrong table, a lost or shared block, or a bad
-recompute changes the output, so ``outputs_equal_solo`` catches them. Its step time comes from a
+recompute changes the output, so ``outputs_equal_solo`` catches them. A prefix-cache hit's blocks
+(``cached_block_ids``) are read, never written: their slots still hold what the request that computed
+them wrote, so a hit on the wrong block changes the output too. Its step time comes from a
 :class:`~schedspec.reference.cost_model.CostModel`.
 """
 
@@ -138,7 +140,8 @@ class FakeModel:
         prefill_tokens = decode_tokens = attended = 0
         for item in plan.scheduled:
             request = state.requests[item.request_id]
-            table = request.block_ids + item.new_block_ids if item.new_block_ids else request.block_ids
+            table = request.block_ids + item.cached_block_ids + item.new_block_ids if (
+                item.new_block_ids or item.cached_block_ids) else request.block_ids
             start = item.num_computed_tokens
             stop = start + item.num_tokens
             attended += stop

@@ -23,6 +23,14 @@ Sources: vLLM 0.32 ``vllm/v1/core/sched/scheduler.py`` ``Scheduler.schedule`` (r
 waiting; ``_preempt_request`` takes the last of ``self.running``; no admission after a preemption);
 Sarathi-Serve (OSDI'24) §4.2 stall-free batching (decodes before prefill chunks).
 
+With ``enable_prefix_caching`` (:mod:`schedspec.spec.prefix_cache`) every policy here looks up the
+longest chain of cached blocks when it admits a waiting request (fresh or preempted; vLLM
+``KVCacheManager.get_computed_blocks``), reuses them (``ScheduledRequest.cached_block_ids``, the chunk
+starting after the hit) and reserves blocks for the rest of the sequence only; a hit on an evictable
+block counts against the free blocks (it leaves the free queue). Blocks come from :class:`CachePool`,
+which follows vLLM's free-queue order with caching (released cached blocks at the back, handed out last),
+also for the blocks a preemption releases (without caching those are taken after the free ones).
+
 Where this differs from vLLM 0.32, on purpose:
 - decodes are scheduled before running prefill chunks (vLLM keeps admission order), so a long
   chunked prefill never stalls a decode (``stall-free-decode``);
@@ -38,6 +46,7 @@ from collections.abc import Callable, Sequence
 
 from schedspec.spec.admission import rejection_reason
 from schedspec.spec.config import SchedulerConfig, blocks_for_tokens
+from schedspec.spec.prefix_cache import CacheUpdate
 from schedspec.spec.request import Request
 from schedspec.spec.state import ScheduledRequest, SchedulerState, StepPlan
 
@@ -68,6 +77,64 @@ class _BlockPool:
             return self.free[start:stop]
         return self.free[start:size] + tuple(self.released[max(start - size, 0):stop - size])
 
+    def admission(self, request: Request, config: SchedulerConfig) -> tuple[tuple[int, ...], int, int]:
+        """``(hit blocks, new blocks for the whole current sequence, blocks it costs the free pool)``."""
+        needed = blocks_for_tokens(request.num_tokens, config.block_size)
+        return (), needed, needed
+
+    def admit(self, hit: tuple[int, ...], needed: int) -> tuple[int, ...]:
+        """Reference the hit blocks and take ``needed`` new ones."""
+        return self.take(needed)
+
+    def fits_after(self, released: list[tuple[int, ...]], request: Request, config: SchedulerConfig) -> bool:
+        """Whether ``request`` could be admitted once these block tables are released (not done here)."""
+        return self.admission(request, config)[2] <= self.available + sum(len(t) for t in released)
+
+
+class CachePool:
+    """The free queue with prefix caching, as a plan sees it during one step
+    (:class:`~schedspec.spec.prefix_cache.CacheUpdate`, vLLM's order: released cached blocks stay cached
+    at the back of the queue, allocation from the front evicts). Same interface as the caching-off pools,
+    plus the admission lookup."""
+
+    def __init__(self, state: SchedulerState) -> None:
+        assert state.prefix_cache is not None
+        self.update = CacheUpdate(state.prefix_cache, state.free_block_ids)
+
+    @property
+    def available(self) -> int:
+        return self.update.available
+
+    def release(self, blocks: tuple[int, ...]) -> None:
+        self.update.release(blocks)
+
+    put_back = release
+
+    def take(self, count: int) -> tuple[int, ...]:
+        return self.update.take_front(max(count, 0))
+
+    def admission(self, request: Request, config: SchedulerConfig,
+                  tokens: int | None = None) -> tuple[tuple[int, ...], int, int]:
+        """The longest prefix-cache hit for a waiting request, the new blocks it needs for ``tokens`` tokens
+        (default its whole current sequence) beyond the hit, and what that costs the free queue: the new
+        blocks plus the hit blocks that are evictable now, since referencing them takes them out of it
+        (vLLM ``SingleTypeKVCacheManager.get_num_blocks_to_allocate``)."""
+        hit = self.update.longest_hit(request, config.block_size)
+        total = request.num_tokens if tokens is None else tokens
+        needed = max(blocks_for_tokens(total, config.block_size) - len(hit), 0)
+        return hit, needed, needed + self.update.num_evictable(hit)
+
+    def admit(self, hit: tuple[int, ...], needed: int) -> tuple[int, ...]:
+        self.update.touch(hit)
+        return self.take(needed)
+
+    def fits_after(self, released: list[tuple[int, ...]], request: Request, config: SchedulerConfig) -> bool:
+        trial = CachePool.__new__(CachePool)
+        trial.update = self.update.clone()
+        for table in released:
+            trial.release(table)
+        return trial.admission(request, config)[2] <= trial.available
+
 
 def reject_impossible(state: SchedulerState, config: SchedulerConfig) -> tuple[tuple[str, str], ...]:
     """``(request_id, reason)`` for each waiting, never-admitted request that could never complete alone."""
@@ -81,10 +148,11 @@ def reject_impossible(state: SchedulerState, config: SchedulerConfig) -> tuple[t
     return tuple(rejected)
 
 
-def _chunk(request: Request, budget: int, config: SchedulerConfig) -> int:
-    """Tokens a request may compute with ``budget`` tokens left: its pending tokens, capped by the long
-    prefill threshold (chunked prefill only) and the budget; 0 if chunking is off and it does not fit."""
-    pending = request.num_pending_tokens
+def _chunk(request: Request, budget: int, config: SchedulerConfig, hit_tokens: int = 0) -> int:
+    """Tokens a request may compute with ``budget`` tokens left: its pending tokens (less a prefix-cache hit
+    of ``hit_tokens``), capped by the long prefill threshold (chunked prefill only) and the budget; 0 if
+    chunking is off and it does not fit."""
+    pending = request.num_pending_tokens - hit_tokens
     if not config.enable_chunked_prefill:
         return pending if pending <= budget else 0
     threshold = config.long_prefill_token_threshold
@@ -100,7 +168,7 @@ def _urgency(request: Request) -> tuple[int, int, float]:
 
 
 def _make_room_by_priority(
-    state: SchedulerState, config: SchedulerConfig, order: Sequence[str], skip: set[str], pool: _BlockPool
+    state: SchedulerState, config: SchedulerConfig, order: Sequence[str], skip: set[str], pool: _BlockPool | CachePool
 ) -> tuple[str | None, int, list[str]]:
     """Priority admission gate: if the most urgent waiting request cannot be admitted for want of a
     ``max_num_seqs`` slot or blocks, preempt the least urgent running requests that are strictly less
@@ -116,26 +184,32 @@ def _make_room_by_priority(
     if head is None:
         return None, 0, []
     candidate = state.requests[head]
-    needed = blocks_for_tokens(candidate.num_tokens, config.block_size)
     slots_free = config.max_num_seqs - len(state.running)
-    if slots_free > 0 and needed <= pool.available:
+    if slots_free > 0 and pool.fits_after([], candidate, config):
         return None, 0, []
     less_urgent = sorted(
         (r for r in state.running if _urgency(state.requests[r]) > _urgency(candidate)),
         key=lambda r: _urgency(state.requests[r]), reverse=True,
     )
     victims: list[str] = []
-    freed = 0
+    freed: list[tuple[int, ...]] = []
     for request_id in less_urgent:
-        if slots_free + len(victims) > 0 and needed <= pool.available + freed:
+        if slots_free + len(victims) > 0 and pool.fits_after(freed, candidate, config):
             break
         victims.append(request_id)
-        freed += len(state.requests[request_id].block_ids)
-    if not (slots_free + len(victims) > 0 and needed <= pool.available + freed):
+        freed.append(state.requests[request_id].block_ids)
+    if not (slots_free + len(victims) > 0 and pool.fits_after(freed, candidate, config)):
         return None, 0, []
     gone = set(victims)
     decodes = sum(1 for r in state.running if r not in gone and state.requests[r].num_pending_tokens == 1)
-    chunk = _chunk(candidate, max(config.max_num_batched_tokens - decodes, 0), config)
+    hit_tokens = 0
+    if isinstance(pool, CachePool):
+        trial = CachePool.__new__(CachePool)
+        trial.update = pool.update.clone()
+        for table in freed:
+            trial.release(table)
+        hit_tokens = len(trial.admission(candidate, config)[0]) * config.block_size
+    chunk = _chunk(candidate, max(config.max_num_batched_tokens - decodes, 0), config, hit_tokens)
     if chunk == 0:
         return None, 0, []
     return head, chunk, victims
@@ -167,7 +241,7 @@ def plan_step(
     rejected = reject_impossible(state, config)
     requests = state.requests
     budget = config.max_num_batched_tokens
-    pool = _BlockPool(state.free_block_ids)
+    pool = _BlockPool(state.free_block_ids) if state.prefix_cache is None else CachePool(state)
     scheduled: list[ScheduledRequest] = []
     preempted: list[str] = []
     gone: set[str] = set()  # preempted or scheduled this step: no longer a preemption candidate
@@ -189,8 +263,9 @@ def plan_step(
         # The request the preemptions made room for is admitted first, with blocks for its whole
         # sequence and a chunk that leaves one token per running decode.
         request = requests[urgent]
-        needed = blocks_for_tokens(request.num_tokens, config.block_size)
-        scheduled.append(ScheduledRequest(urgent, request.num_computed_tokens, chunk, pool.take(needed)))
+        hit, needed, _ = pool.admission(request, config)
+        scheduled.append(ScheduledRequest(urgent, request.num_computed_tokens + len(hit) * config.block_size, chunk,
+                                          pool.admit(hit, needed), hit))
         budget -= chunk
         skip.add(urgent)
         admitted = 1
@@ -235,11 +310,13 @@ def plan_step(
             if num_running >= config.max_num_seqs or budget == 0:
                 break
             request = requests[request_id]
-            num_tokens = _chunk(request, budget, config)
-            needed = blocks_for_tokens(request.num_tokens, config.block_size)
-            if num_tokens == 0 or needed > pool.available:
+            hit, needed, cost = pool.admission(request, config)
+            hit_tokens = len(hit) * config.block_size
+            num_tokens = _chunk(request, budget, config, hit_tokens)
+            if num_tokens == 0 or cost > pool.available:
                 break
-            scheduled.append(ScheduledRequest(request_id, request.num_computed_tokens, num_tokens, pool.take(needed)))
+            scheduled.append(ScheduledRequest(request_id, request.num_computed_tokens + hit_tokens, num_tokens,
+                                              pool.admit(hit, needed), hit))
             budget -= num_tokens
             num_running += 1
 

@@ -111,8 +111,8 @@ def state_differences(spec: SchedulerState, own: SchedulerState,
     """Field-by-field differences between the spec's state and a scheduler's own
     :class:`~schedspec.spec.state.SchedulerState` after the same step.
 
-    Compares the step counter, both queues in order, the free queue, the number of requests added, every
-    field of every live request, and the terminal requests listed in ``ended`` (those that ended in the
+    Compares the step counter, both queues in order, the free queue, the prefix cache (hashes and reference
+    counts), the number of requests added, every field of every live request, and the terminal requests listed in ``ended`` (those that ended in the
     step: earlier ones were compared when they ended). Requests that are the same object in both states
     cost one identity test.
 
@@ -123,6 +123,8 @@ def state_differences(spec: SchedulerState, own: SchedulerState,
     for name in ("step", "waiting", "running", "num_requests_added"):
         if getattr(spec, name) != getattr(own, name):
             found.append((None, f"{name}: scheduler {getattr(own, name)!r}, spec {getattr(spec, name)!r}"))
+    if spec.prefix_cache != own.prefix_cache:
+        found.append((None, "prefix_cache: the scheduler's block hashes or reference counts differ from the spec's"))
     if spec.free_block_ids != own.free_block_ids:
         found.append((None, f"free_block_ids: scheduler has {own.num_free_blocks} "
                             f"{list(own.free_block_ids[:8])}..., spec {spec.num_free_blocks} {list(spec.free_block_ids[:8])}..."))
@@ -203,10 +205,6 @@ class ReferenceScheduler:
     transitions, so it refines the spec whenever its plans are allowed."""
 
     def __init__(self, config: SchedulerConfig, plan: PlanFunction, name: str, guarantees: frozenset[str]) -> None:
-        if config.enable_prefix_caching:
-            raise UnsupportedFeature(
-                f"scheduler {name!r} does not implement prefix caching (enable_prefix_caching=true)"
-            )
         self.config = config
         self.plan_function = plan
         self.name = name

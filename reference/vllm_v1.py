@@ -47,6 +47,15 @@ vLLM's source:
    step, so its block ids are vLLM's (spec block ``b`` is vLLM block ``b + 1``, vLLM's null block 0
    left out).
 
+**With prefix caching** (``enable_prefix_caching``): admission first looks up the longest cached prefix
+(``KVCacheManager.get_computed_blocks``, at most ``num_tokens - 1`` tokens), the whole-sequence gate
+counts the blocks beyond the hit plus the hit's evictable blocks (``get_num_blocks_to_allocate``), and
+the first chunk starts after the hit; the free queue is vLLM's with caching (:class:`~.policies.CachePool`:
+released cached blocks go to the back, never-cached ones to the front). One difference remains, from the
+spec (:mod:`schedspec.spec.prefix_cache`): vLLM publishes a block's hash when it schedules the block's
+last token, the spec when that token is computed, so a request admitted later in the same step hits
+in vLLM what it does not hit here.
+
 Where this profile departs from vLLM, on purpose (kept short; docs/engines.md has the same table):
 
 =========================================  =================================================  ===============================================
@@ -84,7 +93,7 @@ from schedspec.spec.config import SchedulerConfig, blocks_for_tokens
 from schedspec.spec.request import Request
 from schedspec.spec.state import ScheduledRequest, SchedulerState, StepPlan
 
-from .policies import reject_impossible
+from .policies import CachePool, reject_impossible
 
 
 class _FreeQueue:
@@ -150,7 +159,7 @@ def plan_vllm_v1(state: SchedulerState, config: SchedulerConfig, by_priority: bo
     rejected = reject_impossible(state, config)
     requests = state.requests
     budget = config.max_num_batched_tokens
-    queue = _FreeQueue(state.free_block_ids)
+    queue = _FreeQueue(state.free_block_ids) if state.prefix_cache is None else CachePool(state)
     running = list(state.running)  # vLLM's self.running: preemption removes from it
     scheduled: dict[str, ScheduledRequest] = {}
     taken: dict[str, tuple[int, ...]] = {}
@@ -202,15 +211,25 @@ def plan_vllm_v1(state: SchedulerState, config: SchedulerConfig, by_priority: bo
             if budget <= 0 or num_running >= config.max_num_seqs:
                 break
             request = requests[request_id]
-            num_tokens = _cap(request, request.num_tokens, config)
+            hit: tuple[int, ...] = ()
+            whole_tokens = min(request.num_tokens, config.max_model_len)
+            if isinstance(queue, CachePool):
+                # KVCacheManager.get_computed_blocks, then allocate_slots(full_sequence_must_fit=True)
+                hit, _, whole = queue.admission(request, config, whole_tokens)
+            else:
+                whole = blocks_for_tokens(whole_tokens, config.block_size)
+            hit_tokens = len(hit) * config.block_size
+            num_tokens = _cap(request, request.num_tokens - hit_tokens, config)
             if not config.enable_chunked_prefill and num_tokens > budget:
                 break
             num_tokens = min(num_tokens, budget)
-            whole = blocks_for_tokens(min(request.num_tokens, config.max_model_len), config.block_size)
             if whole > queue.available:
                 break  # allocate_slots(full_sequence_must_fit=True) returns None
-            blocks = queue.take(blocks_for_tokens(num_tokens, config.block_size))
-            scheduled[request_id] = ScheduledRequest(request_id, 0, num_tokens, blocks)
+            if isinstance(queue, CachePool):
+                blocks = queue.admit(hit, blocks_for_tokens(hit_tokens + num_tokens, config.block_size) - len(hit))
+            else:
+                blocks = queue.take(blocks_for_tokens(num_tokens, config.block_size))
+            scheduled[request_id] = ScheduledRequest(request_id, hit_tokens, num_tokens, blocks, hit)
             budget -= num_tokens
             num_running += 1
 

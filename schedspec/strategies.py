@@ -36,6 +36,7 @@ def scheduler_configs(
     max_num_seqs: int = 8,
     max_batched_tokens: int = 128,
     chunked_prefill: bool | None = None,
+    prefix_caching: bool = False,
 ) -> SchedulerConfig:
     """Valid :class:`SchedulerConfig` values, small enough for fast stateful runs.
 
@@ -43,7 +44,7 @@ def scheduler_configs(
     max_num_seqs``), caches smaller than ``max_model_len``, chunked prefill on and off, and
     ``long_prefill_token_threshold`` off or anywhere up to ``max_model_len + 2`` are all drawn. Every
     value passes :class:`SchedulerConfig` validation by construction (the budget is drawn at or above
-    the cross-field lower bounds). Prefix caching stays off (no reference policy implements it).
+    the cross-field lower bounds). Prefix caching is off unless ``prefix_caching``.
 
     Args:
         max_block_size: largest ``block_size`` drawn (16, vLLM's default, is drawn when allowed).
@@ -53,6 +54,7 @@ def scheduler_configs(
         max_batched_tokens: usual upper end of ``max_num_batched_tokens`` (raised to the lower bound
             when chunked prefill is off and ``max_model_len`` is larger).
         chunked_prefill: force ``enable_chunked_prefill``; ``None`` draws it.
+        prefix_caching: ``enable_prefix_caching`` of every config drawn.
     """
     block_size = draw(
         st.one_of(
@@ -105,6 +107,7 @@ def scheduler_configs(
         max_model_len=model_len,
         enable_chunked_prefill=chunked,
         long_prefill_token_threshold=threshold,
+        enable_prefix_caching=prefix_caching,
     )
 
 

@@ -202,6 +202,17 @@ class SchedulerStateMachine(RuleBasedStateMachine):
         """``(prompt_len, max_tokens, eos_at_output, priority)`` tuples, from the four hooks above."""
         return st.tuples(self.prompt_lengths(), self.max_tokens_values(), self.eos_positions(), self.priorities())
 
+    def prefix_shapes(self) -> st.SearchStrategy[tuple[int, int, int, int, int | None]]:
+        """``(group, prefix_len, suffix_len, max_tokens, eos_at_output)`` for the ``shared_prefix`` rule
+        (prefix caching only): one of three prefix groups, a shared prefix that is mostly a whole number of
+        blocks (so that it can hit) and otherwise anything up to ``max_model_len``, and a suffix of the
+        request's own tokens (0 included: the whole prompt shared, of which the last token is recomputed)."""
+        config = self.config
+        size, limit = config.block_size, config.max_model_len
+        prefix = st.one_of(st.integers(1, max(1, limit // size)).map(lambda k: k * size), st.integers(1, limit))
+        suffix = st.one_of(st.integers(0, 3), st.integers(0, max(0, limit // 2)))
+        return st.tuples(st.integers(0, 2), prefix, suffix, self.max_tokens_values(), self.eos_positions())
+
     def known_divergences(self, state: SchedulerState, plan: StepPlan, found: list[Violation]) -> list[Violation]:
         """Those of ``found`` (the rule violations of ``plan`` from ``state``) that the scheduler under
         test is known and documented to commit; they do not fail the test. Default: none. An engine
@@ -297,6 +308,11 @@ class SchedulerStateMachine(RuleBasedStateMachine):
             self.seen.add("rejection")
         if any(samples_this_step(before.requests[i.request_id], i) is False for i in plan.scheduled):
             self.seen.add("partial prefill chunk")
+        for item in plan.scheduled:
+            if item.cached_block_ids:
+                self.seen.add("prefix-cache hit")
+                if before.requests[item.request_id].num_preemptions:
+                    self.seen.add("prefix-cache hit after preemption")
         return plan
 
     # ---------------------------------------------------------------------------------- rules
@@ -333,14 +349,29 @@ class SchedulerStateMachine(RuleBasedStateMachine):
         for shape in shapes:
             self.add_request(*shape)
 
-    def add_request(self, prompt_len: int, max_tokens: int, eos_at_output: int | None = None, priority: int = 0) -> str:
-        """Add a request of this shape to the scheduler and to the spec state; returns its id."""
+    @precondition(lambda self: self.config is not None and self.config.enable_prefix_caching)
+    @rule(data=st.data())
+    def shared_prefix(self, data: st.DataObject) -> None:
+        """Prefix caching: requests whose prompts start with one of three shared prefixes arrive before the
+        same step (later ones, or re-admissions after a preemption, hit what earlier ones published)."""
+        shapes = data.draw(st.lists(_machine_strategy(self, "prefix_shapes"), min_size=1, max_size=4), label="requests")
+        for group, prefix_len, suffix_len, max_tokens, eos_at_output in shapes:
+            self.add_request(prefix_len + suffix_len, max_tokens, eos_at_output,
+                             prefix_group=f"shared{group}", prefix_len=prefix_len)
+
+    def add_request(self, prompt_len: int, max_tokens: int, eos_at_output: int | None = None, priority: int = 0,
+                    prefix_group: str | None = None, prefix_len: int = 0) -> str:
+        """Add a request of this shape to the scheduler and to the spec state; returns its id. Requests of
+        one ``prefix_group`` share their first ``prefix_len`` prompt token ids
+        (:class:`~schedspec.spec.workload.SyntheticPrompt`)."""
         request_id = f"r{len(self.added)}"
         spec = RequestSpec(request_id, prompt_len, max_tokens, arrival_step=self.shadow.step,
-                           priority=priority, eos_at_output=eos_at_output)
+                           priority=priority, eos_at_output=eos_at_output, prefix_group=prefix_group,
+                           prefix_len=prefix_len)
         request = spec.to_request(self.shadow.step)
         note(f"step {self.shadow.step}: add {request_id} prompt_len={prompt_len} max_tokens={max_tokens} "
-             f"eos_at_output={eos_at_output} priority={priority}")
+             f"eos_at_output={eos_at_output} priority={priority}"
+             + (f" prefix_group={prefix_group} prefix_len={prefix_len}" if prefix_group else ""))
         self.added[request_id] = _Added(spec)
         if eos_at_output is not None:
             self.model.eos_at_output[request_id] = eos_at_output
@@ -486,11 +517,16 @@ class SchedulerStateMachine(RuleBasedStateMachine):
 
 
 @functools.cache
-def machine_for(scheduler_name: str) -> type[SchedulerStateMachine]:
+def machine_for(scheduler_name: str, prefix_caching: bool = False) -> type[SchedulerStateMachine]:
     """The :class:`SchedulerStateMachine` subclass testing the registered scheduler ``scheduler_name``
     (or a ``module:factory``). Its ``.TestCase`` is a ``unittest.TestCase`` pytest collects. The same
-    class is returned for the same name."""
+    class is returned for the same arguments. With ``prefix_caching`` every config has
+    ``enable_prefix_caching`` on and the ``shared_prefix`` rule adds requests with shared prefixes."""
     words = "".join(part.capitalize() for part in scheduler_name.replace(":", "-").replace(".", "-").split("-"))
-    cls = type(f"{words}StateMachine", (SchedulerStateMachine,), {"scheduler_name": scheduler_name})
+    members: dict[str, Any] = {"scheduler_name": scheduler_name}
+    if prefix_caching:
+        words += "PrefixCaching"
+        members["configs"] = classmethod(lambda cls: scheduler_configs(prefix_caching=True))
+    cls = type(f"{words}StateMachine", (SchedulerStateMachine,), members)
     cls.__module__ = __name__
     return cls

@@ -548,6 +548,121 @@ def prefix_hit_without_caching(trace: Trace, i: int) -> Mutant | None:
     return trace.header, records, i
 
 
+# --- prefix caching (traces with enable_prefix_caching) -------------------------------------------
+
+
+def _hit(trace: Trace, i: int) -> tuple[str, list[int]] | None:
+    """The first request (by id) with a prefix-cache hit in record ``i``."""
+    hits = trace.records[i].get("prefix_hit_blocks", {})
+    for request_id in sorted(hits):
+        if hits[request_id]:
+            return request_id, list(hits[request_id])
+    return None
+
+
+def _set_hit(r: Record, request_id: str, blocks: list[int], shift: int, block_size: int) -> None:
+    """Record ``blocks`` as the hit of ``request_id`` with the chunk start moved by ``shift`` blocks (the chunk
+    shrinks by as many tokens, so it still ends where it did)."""
+    r.setdefault("prefix_hit_blocks", {})[request_id] = blocks
+    r["prefix_hit_tokens"][request_id] = len(blocks) * block_size
+    item = _scheduled(r, lambda s: s["request_id"] == request_id)
+    assert item is not None
+    item["num_computed_tokens"] += shift * block_size
+    item["prefill_tokens"] -= shift * block_size
+
+
+def hit_longer_than_cached(trace: Trace, i: int) -> Mutant | None:
+    """The request's first new block is claimed as one more cached block (a hit past the cached chain)."""
+    found = _hit(trace, i)
+    size = trace.config.block_size
+    if found is None:
+        return None
+    request_id, blocks = found
+    new = trace.records[i]["blocks_allocated"].get(request_id, [])
+    item = _scheduled(trace.records[i], lambda s: s["request_id"] == request_id)
+    if not new or item is None or item["prefill_tokens"] <= size:
+        return None
+    records, r = _edit(trace, i)
+    r["blocks_allocated"][request_id] = new[1:]
+    if not r["blocks_allocated"][request_id]:
+        del r["blocks_allocated"][request_id]
+    _set_hit(r, request_id, blocks + [new[0]], 1, size)
+    return trace.header, records, i
+
+
+def hit_shorter_than_cached(trace: Trace, i: int) -> Mutant | None:
+    """The last cached block of a hit is not reused: the engine recomputes tokens it had cached."""
+    found = _hit(trace, i)
+    if found is None:
+        return None
+    request_id, blocks = found
+    records, r = _edit(trace, i)
+    r["blocks_allocated"][request_id] = [blocks[-1]] + list(r["blocks_allocated"].get(request_id, []))
+    _set_hit(r, request_id, blocks[:-1], -1, trace.config.block_size)
+    if not blocks[:-1]:
+        del r["prefix_hit_blocks"][request_id]
+    return trace.header, records, i
+
+
+def _replace_last_hit(trace: Trace, i: int, candidates: list[int]) -> Mutant | None:
+    found = _hit(trace, i)
+    if found is None:
+        return None
+    request_id, blocks = found
+    cache = trace.before[i].prefix_cache
+    used = {b for bs in trace.records[i]["blocks_allocated"].values() for b in bs}
+    used |= {b for bs in trace.records[i].get("prefix_hit_blocks", {}).values() for b in bs}
+    wanted = cache.block_hashes.get(blocks[-1]) if cache is not None else None
+    for block_id in candidates:
+        if block_id not in used and (cache is None or cache.block_hashes.get(block_id) != wanted):
+            records, r = _edit(trace, i)
+            r["prefix_hit_blocks"][request_id] = blocks[:-1] + [block_id]
+            return trace.header, records, i
+    return None
+
+
+def hit_on_uncached_block(trace: Trace, i: int) -> Mutant | None:
+    """A hit's last block replaced by a free block that caches nothing (a stale or wrong hash table)."""
+    cache = trace.before[i].prefix_cache
+    if cache is None:
+        return None
+    return _replace_last_hit(trace, i, [b for b in trace.before[i].free_block_ids if b not in cache.block_hashes])
+
+
+def hit_on_evicted_block(trace: Trace, i: int) -> Mutant | None:
+    """A hit's last block replaced by a block evicted in an earlier step (its hash was dropped then)."""
+    evicted = [b for record in trace.records[:i] for b in record.get("blocks_evicted", [])]
+    return _replace_last_hit(trace, i, list(dict.fromkeys(reversed(evicted))))
+
+
+def cached_block_handed_out_while_referenced(trace: Trace, i: int) -> Mutant | None:
+    """A new block replaced by a cached block another running request still references."""
+    cache = trace.before[i].prefix_cache
+    record = trace.records[i]
+    if cache is None:
+        return None
+    leaving = set(record["preempted"])
+    held = {b for r in trace.before[i].running if r not in leaving for b in trace.before[i].requests[r].block_ids
+            if b in cache.block_hashes}
+    for taker, blocks in sorted(record["blocks_allocated"].items()):
+        mine = set(trace.before[i].requests[taker].block_ids) if taker in trace.before[i].requests else set()
+        for block_id in sorted(held - mine):
+            if blocks:
+                records, r = _edit(trace, i)
+                r["blocks_allocated"][taker][0] = block_id
+                return trace.header, records, i
+    return None
+
+
+def eviction_unreported(trace: Trace, i: int) -> Mutant | None:
+    """A cached block handed out without its eviction in ``blocks_evicted``."""
+    if not trace.records[i].get("blocks_evicted"):
+        return None
+    records, r = _edit(trace, i)
+    del r["blocks_evicted"]
+    return trace.header, records, i
+
+
 def aborted_without_abort(trace: Trace, i: int) -> Mutant | None:
     record = trace.records[i]
     live = [r for r in trace.before[i].running if r not in record["aborts"]]
@@ -644,6 +759,16 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation("rejects-possible-request", "a request that fits is rejected", rejects_possible_request),
     Mutation("prefix-hit-without-caching", "prefix cache hits reported with prefix caching off",
              prefix_hit_without_caching),
+    Mutation("hit-longer-than-cached", "a prefix-cache hit that claims a block past the cached chain",
+             hit_longer_than_cached),
+    Mutation("hit-shorter-than-cached", "a cached prefix recomputed instead of reused (a missed hit)",
+             hit_shorter_than_cached),
+    Mutation("hit-on-uncached-block", "a prefix-cache hit on a block that caches nothing", hit_on_uncached_block),
+    Mutation("hit-on-evicted-block", "a prefix-cache hit on a block evicted in an earlier step", hit_on_evicted_block),
+    Mutation("cached-block-handed-out-while-referenced",
+             "a cached block handed out as a new block while a running request references it",
+             cached_block_handed_out_while_referenced),
+    Mutation("eviction-unreported", "a cached block handed out without reporting its eviction", eviction_unreported),
     Mutation("aborted-without-abort", "a request ended as aborted that the client did not abort", aborted_without_abort),
     Mutation("duplicate-arrival", "a request id added twice", duplicate_arrival),
     Mutation("reorder-blocks-freed", "blocks released in another order", reorder_blocks_freed, semantic=False,
@@ -745,10 +870,38 @@ def lab_trace(label: str, trace_file: str, config: SchedulerConfig, max_requests
     return label, Trace.of(json.loads(header_line(config, scheduler)), records)
 
 
+def prefix_cache_trace(scale: int = 1) -> tuple[str, Trace]:
+    """A correct trace with prefix caching on: ``24 * scale`` requests in 4 prefix groups (shared prefixes
+    of 12 to 40 tokens, prompts of up to 72 tokens, block size 4) arriving over a short time into a KV cache
+    of 60 blocks, so that the run has hits, evictions, shared blocks and preemptions (fcfs)."""
+    import io
+    import random
+
+    from schedspec.reference.lab import run_lab
+    from schedspec.spec.workload import RequestSpec
+
+    rng = random.Random(7)
+    config = SchedulerConfig(block_size=4, num_kv_blocks=60, max_num_batched_tokens=48, max_num_seqs=6,
+                             max_model_len=128, enable_prefix_caching=True)
+    prefixes = {f"g{k}": rng.randrange(12, 41) for k in range(4)}
+    workload = []
+    for k in range(24 * scale):
+        group = rng.choice(sorted(prefixes))
+        prompt = prefixes[group] + rng.randrange(1, 33)
+        workload.append(RequestSpec(f"p{k:03d}", prompt, rng.randrange(2, 24), arrival_time=0.02 * k,
+                                    prefix_group=group, prefix_len=prefixes[group],
+                                    abort_at_time=0.02 * k + 0.05 if k % 9 == 4 else None))
+    out = io.StringIO()
+    run_lab(workload, "fcfs", config, steps_out=out)
+    records = [StepRecord.from_json(line) for line in out.getvalue().splitlines()]
+    return "prefix-cache", Trace.of(json.loads(header_line(config, "fcfs")), records)
+
+
 def standard_traces(scale: int = 1) -> list[tuple[str, Trace]]:
-    """The five trace windows the catalogue is measured on: the Azure conversation and code traces and
+    """The six traces the catalogue is measured on (five real windows and one with prefix caching): the Azure conversation and code traces and
     Mooncake's conversation trace under a roomy KV cache (fcfs), the Azure conversation trace under KV
-    pressure (fcfs, with preemptions), and the Azure code trace under static batching. ``scale``
+    pressure (fcfs, with preemptions), the Azure code trace under static batching, and
+    :func:`prefix_cache_trace` (synthetic shared prefixes, prefix caching on). ``scale``
     multiplies the requests per window (1: CI's sample)."""
     roomy = SchedulerConfig(block_size=16, num_kv_blocks=2048, max_num_batched_tokens=512, max_num_seqs=16,
                             max_model_len=8192)
@@ -762,4 +915,5 @@ def standard_traces(scale: int = 1) -> list[tuple[str, Trace]]:
         lab_trace("mooncake-conv", "mooncake_conversation_trace.jsonl", long_roomy, 6 * scale, 0.05),
         lab_trace("azure-conv-kv-pressure", "AzureLLMInferenceTrace_conv.csv", tight, 24 * scale, 0.001),
         lab_trace("azure-code-static", "AzureLLMInferenceTrace_code.csv", tight, 16 * scale, 0.01, scheduler="static"),
+        prefix_cache_trace(scale),
     ]

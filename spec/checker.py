@@ -19,7 +19,11 @@ record field                compared with
                             defines a decode (:attr:`~schedspec.spec.request.Request.is_prefill`)
 ``blocks_allocated``        the plan's new blocks (rules); only requests in ``scheduled`` get blocks
 ``blocks_freed``            exactly the blocks each preempted, finished or aborted request held
-``prefix_hit_tokens``       0 for every request (prefix caching off)
+``prefix_hit_tokens``       0 with prefix caching off; with it, the hit of each admitted request:
+                            ``len(prefix_hit_blocks[id]) * block_size``
+``prefix_hit_blocks``       the plan's ``cached_block_ids`` (rules ``prefix-hit-*``); only for requests in
+                            ``scheduled``
+``blocks_evicted``          exactly the handed-out blocks that were cached before the step
 ``preempted``/``rejected``  the plan (rules; a rejection's reason by its code)
 ``sampled_token_ids``       exactly the requests whose chunk reached the end of their sequence
 ``finished``                the requests the spec ends after sampling, with the spec's reasons
@@ -45,6 +49,7 @@ import attrs
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.incremental import IncrementalChecker
 from schedspec.spec.invariants import check_step
+from schedspec.spec.prefix_cache import evicted_blocks
 from schedspec.spec.properties import monitors
 from schedspec.spec.request import Request
 from schedspec.spec.rules import Violation, violated_rules
@@ -71,7 +76,8 @@ def plan_from_record(record: StepRecord) -> StepPlan:
     are not part of it: :func:`check_trace` reports them)."""
     return StepPlan(
         scheduled=tuple(
-            ScheduledRequest(s.request_id, s.num_computed_tokens, s.num_tokens, record.blocks_allocated.get(s.request_id, ()))
+            ScheduledRequest(s.request_id, s.num_computed_tokens, s.num_tokens, record.blocks_allocated.get(s.request_id, ()),
+                             record.prefix_hit_blocks.get(s.request_id, ()))
             for s in record.scheduled
         ),
         preempted=record.preempted,
@@ -136,7 +142,8 @@ def _compare_times(record: StepRecord, previous: StepRecord | None, mismatch: _S
 def _compare_split(before: SchedulerState, record: StepRecord, mismatch: _StepComparison) -> None:
     for item in record.scheduled:
         request = before.requests.get(item.request_id)
-        if request is None or item.num_computed_tokens != request.num_computed_tokens:
+        if request is None or (item.num_computed_tokens != request.num_computed_tokens
+                               and item.request_id not in record.prefix_hit_blocks):
             continue  # a rule reports it (known-requests, chunk-continues)
         # A decode: the prompt is computed and exactly the one newest token is pending.
         decode = 0 if request.is_prefill else item.num_tokens
@@ -187,7 +194,7 @@ def _compare_after(before: SchedulerState, plan: StepPlan, after: SchedulerState
         request = before.requests.get(request_id)
         if request is not None and request.block_ids:
             expected_freed[request_id] = request.block_ids
-    new_blocks = {item.request_id: item.new_block_ids for item in plan.scheduled}
+    new_blocks = {item.request_id: item.cached_block_ids + item.new_block_ids for item in plan.scheduled}
     for request_id in finished:
         blocks = before.requests[request_id].block_ids + new_blocks.get(request_id, ())
         if blocks:
@@ -206,6 +213,7 @@ def _compare_after(before: SchedulerState, plan: StepPlan, after: SchedulerState
     for request_id, hit in record.prefix_hit_tokens.items():
         if hit and not config.enable_prefix_caching:
             mismatch(f"prefix_hit_tokens={hit} with prefix caching off", request_id)
+    _compare_prefix_cache(before, plan, record, config, mismatch)
 
     for name, spec_value, trace_value in (
         ("num_free_blocks", len(after.free_block_ids), record.num_free_blocks),
@@ -214,6 +222,27 @@ def _compare_after(before: SchedulerState, plan: StepPlan, after: SchedulerState
     ):
         if spec_value != trace_value:
             mismatch(f"{name} after the step: the trace says {trace_value}, the spec {spec_value}")
+
+
+def _compare_prefix_cache(before: SchedulerState, plan: StepPlan, record: StepRecord, config: SchedulerConfig,
+                          mismatch: _StepComparison) -> None:
+    """``prefix_hit_tokens`` agrees with ``prefix_hit_blocks``, hits belong to scheduled requests, and
+    ``blocks_evicted`` lists exactly the handed-out blocks that were cached before the step."""
+    scheduled = {item.request_id for item in plan.scheduled}
+    for request_id, blocks in record.prefix_hit_blocks.items():
+        if request_id not in scheduled and blocks:
+            mismatch(f"prefix_hit_blocks {list(blocks)} for a request that is not in the step's batch", request_id)
+    if config.enable_prefix_caching:
+        for request_id in scheduled | set(record.prefix_hit_tokens):
+            said = record.prefix_hit_tokens.get(request_id, 0)
+            spec = len(record.prefix_hit_blocks.get(request_id, ())) * config.block_size
+            if said != spec:
+                mismatch(f"prefix_hit_tokens={said}, but its hit blocks {list(record.prefix_hit_blocks.get(request_id, ()))} "
+                         f"hold {spec} tokens", request_id)
+    cache = before.prefix_cache
+    expected = evicted_blocks(cache, (b for item in plan.scheduled for b in item.new_block_ids)) if cache else []
+    if sorted(record.blocks_evicted) != sorted(expected) or len(set(record.blocks_evicted)) != len(record.blocks_evicted):
+        mismatch(f"blocks_evicted {sorted(record.blocks_evicted)}, but the cached blocks handed out were {sorted(expected)}")
 
 
 def _sampled_for_update(samplers: list[str], record: StepRecord, before: SchedulerState) -> dict[str, int]:

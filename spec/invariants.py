@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator, Mapping
 import attrs
 
 from schedspec.spec.config import SchedulerConfig
+from schedspec.spec.prefix_cache import ROOT_HASH, request_block_hash
 from schedspec.spec.request import Request, RequestStatus
 from schedspec.spec.rules import Violation
 from schedspec.spec.state import SchedulerState, StepPlan
@@ -66,8 +67,11 @@ def sequence_cap(state: SchedulerState, config: SchedulerConfig, terminal: Termi
 
 @state_invariant("kv-capacity", "vLLM BlockPool (num_gpu_blocks)")
 def kv_capacity(state: SchedulerState, config: SchedulerConfig, terminal: Terminal = None) -> Breaches:
-    """The blocks held by all requests are at most num_kv_blocks."""
-    held = sum(len(r.block_ids) for r in state.requests.values())
+    """The blocks held by all requests are at most num_kv_blocks (distinct blocks, with prefix caching)."""
+    if state.prefix_cache is not None:
+        held = len({b for r in state.requests.values() for b in r.block_ids})
+    else:
+        held = sum(len(r.block_ids) for r in state.requests.values())
     if held > config.num_kv_blocks:
         yield None, f"{held} blocks held > num_kv_blocks={config.num_kv_blocks}"
 
@@ -75,11 +79,13 @@ def kv_capacity(state: SchedulerState, config: SchedulerConfig, terminal: Termin
 @state_invariant("block-conservation", "vLLM BlockPool: every block is in the free queue or owned")
 def block_conservation(state: SchedulerState, config: SchedulerConfig, terminal: Terminal = None) -> Breaches:
     """free + owned == num_kv_blocks; every block id is in range; no block is owned twice or both free
-    and owned; terminal requests own nothing."""
+    and owned; terminal requests own nothing. With prefix caching a block may be owned by several block
+    tables (shared prefix), so owned counts distinct blocks."""
     owners: dict[int, str] = {}
+    shared = state.prefix_cache is not None
     for request_id, request in state.requests.items():
         for block_id in request.block_ids:
-            if block_id in owners:
+            if block_id in owners and not shared:
                 yield request_id, f"block {block_id} also owned by {owners[block_id]}"
             owners[block_id] = request_id
     free = frozenset(state.free_block_ids)
@@ -94,7 +100,7 @@ def block_conservation(state: SchedulerState, config: SchedulerConfig, terminal:
             for block_id in ids:
                 if not 0 <= block_id < config.num_kv_blocks:
                     yield owners.get(block_id), f"block id {block_id} out of range [0, {config.num_kv_blocks})"
-    owned = sum(len(r.block_ids) for r in state.requests.values())
+    owned = len(owners) if shared else sum(len(r.block_ids) for r in state.requests.values())
     if len(state.free_block_ids) + owned != config.num_kv_blocks:
         yield None, f"free {len(state.free_block_ids)} + owned {owned} != num_kv_blocks={config.num_kv_blocks}"
     for request_id, request in (state.finished if terminal is None else terminal).items():
@@ -190,10 +196,11 @@ def preempted_holds_nothing(state: SchedulerState, config: SchedulerConfig, term
 @step_invariant("chunks-in-order", "Sarathi-Serve §4.1: chunks of a prompt run in order")
 def chunks_in_order(before: SchedulerState, plan: StepPlan, after: SchedulerState, config: SchedulerConfig) -> Breaches:
     """Each scheduled chunk starts at the request's computed tokens before the step and, unless the request
-    ended, its computed tokens after the step are exactly that plus the chunk."""
+    ended, its computed tokens after the step are exactly that plus the chunk (a chunk after a prefix-cache
+    hit: see ``prefix-hit-computed``)."""
     for item in plan.scheduled:
         old = before.requests.get(item.request_id)
-        if old is None:
+        if old is None or item.cached_block_ids:
             continue
         if item.num_computed_tokens != old.num_computed_tokens:
             yield item.request_id, f"chunk starts at {item.num_computed_tokens}, computed was {old.num_computed_tokens}"
@@ -202,6 +209,137 @@ def chunks_in_order(before: SchedulerState, plan: StepPlan, after: SchedulerStat
             yield item.request_id, (
                 f"computed {old.num_computed_tokens} + {item.num_tokens} != {new.num_computed_tokens} after the step"
             )
+
+
+# Prefix caching (schedspec.spec.prefix_cache). Each holds trivially with caching off (prefix_cache None).
+
+
+def _held_tables(state: SchedulerState) -> Counter[int]:
+    return Counter(b for request in state.requests.values() for b in set(request.block_ids))
+
+
+@state_invariant("prefix-ref-counts", "vLLM block_pool.py KVCacheBlock.ref_cnt (touch, get_new_blocks, free_blocks)")
+def prefix_ref_counts(state: SchedulerState, config: SchedulerConfig, terminal: Terminal = None) -> Breaches:
+    """With prefix caching, every block's reference count equals the number of live block tables holding
+    it (0 for a block no table holds), and no table holds a block twice."""
+    cache = state.prefix_cache
+    if cache is None:
+        return
+    held = _held_tables(state)
+    for request_id, request in state.requests.items():
+        if len(set(request.block_ids)) != len(request.block_ids):
+            yield request_id, f"holds a block twice in its table {list(request.block_ids)}"
+    for block_id in sorted(set(held) | set(cache.ref_counts)):
+        if cache.ref_counts.get(block_id, 0) != held.get(block_id, 0):
+            yield None, (f"block {block_id} has reference count {cache.ref_counts.get(block_id, 0)} but "
+                         f"{held.get(block_id, 0)} block tables hold it")
+
+
+@state_invariant("prefix-block-partition", "vLLM block_pool.py FreeKVCacheBlockQueue (free and evictable blocks)")
+def prefix_block_partition(state: SchedulerState, config: SchedulerConfig, terminal: Terminal = None) -> Breaches:
+    """With prefix caching, every block is exactly one of free (in the free queue, no hash), evictable (in
+    the free queue, with a hash, reference count 0) or held (reference count >= 1, not in the free queue),
+    and free + evictable + held == num_kv_blocks; the free queue holds no block twice."""
+    cache = state.prefix_cache
+    if cache is None:
+        return
+    queue = state.free_block_ids
+    in_queue = frozenset(queue)
+    if len(in_queue) != len(queue):
+        for block_id, count in Counter(queue).items():
+            if count > 1:
+                yield None, f"block {block_id} is {count} times in the free queue"
+    held = {b for b, count in cache.ref_counts.items() if count > 0}
+    for block_id in sorted(b for b in held if b in in_queue):
+        yield None, f"block {block_id} is in the free queue with reference count {cache.ref_counts[block_id]}"
+    evictable = sum(1 for b in cache.block_hashes if b in in_queue)
+    free = len(in_queue) - evictable
+    only_held = len(held) - sum(1 for b in held if b in in_queue)
+    if free + evictable + only_held != config.num_kv_blocks:
+        yield None, (f"free {free} + evictable {evictable} + held {only_held} blocks != num_kv_blocks="
+                     f"{config.num_kv_blocks}")
+
+
+@state_invariant("prefix-published-computed", "vLLM block_pool.py BlockPool.cache_full_blocks (full blocks only)")
+def prefix_published_computed(state: SchedulerState, config: SchedulerConfig, terminal: Terminal = None) -> Breaches:
+    """With prefix caching, a published block (one with a hash) held by a live request is fully computed by
+    it: it sits at table index i with (i + 1) * block_size <= the request's num_computed_tokens, the hashed
+    blocks of a table come first, and its hash is the chained hash of the request's tokens of block i. The
+    hash map and the blocks' hashes agree (every block of hash h is listed under h, once)."""
+    cache = state.prefix_cache
+    if cache is None:
+        return
+    listed: Counter[int] = Counter()
+    for hash_value, blocks in cache.hash_to_blocks.items():
+        for block_id in blocks:
+            listed[block_id] += 1
+            if cache.block_hashes.get(block_id) != hash_value:
+                yield None, f"block {block_id} is listed under a hash it does not carry"
+    for block_id in cache.block_hashes:
+        if listed[block_id] != 1:
+            yield None, f"block {block_id} carries a hash but is listed {listed[block_id]} times in the hash map"
+    size = config.block_size
+    for request_id, request in state.requests.items():
+        parent = ROOT_HASH
+        unhashed_seen = False
+        for index, block_id in enumerate(request.block_ids):
+            found = cache.block_hashes.get(block_id)
+            if found is None:
+                unhashed_seen = True
+                continue
+            if unhashed_seen:
+                yield request_id, f"block {block_id} at index {index} is cached after a block that is not"
+                break
+            if (index + 1) * size > request.num_computed_tokens:
+                yield request_id, (f"block {block_id} at index {index} is cached but only "
+                                   f"{request.num_computed_tokens} of its tokens are computed")
+                break
+            parent = request_block_hash(request, index, parent, size)
+            if found != parent:
+                yield request_id, f"block {block_id} at index {index} is cached under the hash of other tokens"
+                break
+
+
+@state_invariant("released-holds-no-reference", "vLLM Scheduler._preempt_request / _free_request (kv_cache_manager.free)")
+def released_holds_no_reference(state: SchedulerState, config: SchedulerConfig, terminal: Terminal = None) -> Breaches:
+    """With prefix caching, only running requests hold references: waiting (fresh or preempted) and terminal
+    requests hold no block, and the reference counts add up to the running requests' block tables."""
+    cache = state.prefix_cache
+    if cache is None:
+        return
+    for request_id in state.waiting:
+        request = state.requests.get(request_id)
+        if request is not None and request.block_ids:
+            yield request_id, f"waiting but holds {len(request.block_ids)} blocks"
+    total = sum(cache.ref_counts.values())
+    running = sum(len(state.requests[r].block_ids) for r in state.running if r in state.requests)
+    if total != running:
+        yield None, f"reference counts add up to {total}, but running requests' tables hold {running} blocks"
+
+
+@step_invariant("prefix-hit-computed", "vLLM Scheduler.schedule (request.num_computed_tokens = num_computed_tokens "
+                "of the hit) and KVCacheManager.allocate_slots")
+def prefix_hit_computed(before: SchedulerState, plan: StepPlan, after: SchedulerState, config: SchedulerConfig) -> Breaches:
+    """A request admitted with a prefix-cache hit starts at the hit length found at allocation
+    (len(cached_block_ids) * block_size), its table starts with the hit blocks, and unless it ended its
+    computed tokens after the step are exactly the hit plus the chunk."""
+    for item in plan.scheduled:
+        if not item.cached_block_ids:
+            continue
+        hit = len(item.cached_block_ids) * config.block_size
+        old = before.requests.get(item.request_id)
+        if old is None:
+            continue
+        if item.num_computed_tokens != old.num_computed_tokens + hit:
+            yield item.request_id, f"chunk starts at {item.num_computed_tokens} after a hit of {hit} tokens"
+        new = after.requests.get(item.request_id)
+        if new is None:
+            continue
+        if new.num_computed_tokens != hit + item.num_tokens:
+            yield item.request_id, (f"computed {new.num_computed_tokens} after a hit of {hit} tokens and a chunk of "
+                                    f"{item.num_tokens}")
+        if new.block_ids[:len(item.cached_block_ids)] != item.cached_block_ids:
+            yield item.request_id, f"block table {list(new.block_ids)} does not start with the hit blocks"
 
 
 INVARIANT_NAMES: tuple[str, ...] = tuple(i.name for i in STATE_INVARIANTS + STEP_INVARIANTS)

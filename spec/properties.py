@@ -128,6 +128,9 @@ class WorkConserving(Monitor):
             return
         rejected = {request_id for request_id, _ in plan.rejected}
         free_at_plan = len(before.free_block_ids) - sum(len(i.new_block_ids) for i in plan.scheduled)
+        if before.prefix_cache is not None:  # a hit on an evictable block takes it out of the free queue
+            free_at_plan -= len({b for i in plan.scheduled for b in i.cached_block_ids
+                                 if before.prefix_cache.is_evictable(b)})
         for request_id in before.waiting:
             if request_id in rejected or request_id in scheduled:
                 continue

@@ -22,6 +22,7 @@ import attrs
 
 from schedspec.spec.admission import rejection_code, rejection_reason, rejection_reasons
 from schedspec.spec.config import SchedulerConfig, blocks_for_tokens
+from schedspec.spec.prefix_cache import ROOT_HASH, max_hit_blocks, request_block_hash
 from schedspec.spec.state import SchedulerState, StepPlan
 
 VIOLATION_KINDS = ("rule", "invariant", "property", "mismatch")
@@ -135,38 +136,47 @@ def _positive_tokens(state: SchedulerState, plan: StepPlan, config: SchedulerCon
 @rule(
     "chunk-continues",
     "A chunk starts where the request's computed tokens end: ScheduledRequest.num_computed_tokens equals "
-    "the request's num_computed_tokens (0 for a waiting request).",
-    "Sarathi-Serve §4.1 chunked prefill; vLLM Request.num_computed_tokens",
+    "the request's num_computed_tokens (0 for a waiting request) plus its prefix-cache hit "
+    "(len(cached_block_ids) * block_size).",
+    "Sarathi-Serve §4.1 chunked prefill; vLLM Request.num_computed_tokens (Scheduler.schedule sets it to the "
+    "hit length at admission)",
     action="schedule",
 )
 def _chunk_continues(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
     for item in plan.scheduled:
         request = state.requests.get(item.request_id)
-        if request is not None and item.num_computed_tokens != request.num_computed_tokens:
+        if request is None:
+            continue
+        hit = len(item.cached_block_ids) * config.block_size
+        if item.num_computed_tokens != request.num_computed_tokens + hit:
+            with_hit = f" plus a prefix-cache hit of {hit}" if hit else ""
             yield item.request_id, (
                 f"chunk starts at {item.num_computed_tokens} but {request.num_computed_tokens} tokens are computed"
+                f"{with_hit}"
             )
 
 
 @rule(
     "no-overcompute",
-    "A request computes at most its pending tokens (prompt plus output minus computed); so a decode "
-    "computes exactly one token.",
+    "A request computes at most its pending tokens (prompt plus output minus computed, minus a prefix-cache "
+    "hit); so a decode computes exactly one token.",
     "vLLM Scheduler.schedule num_new_tokens = num_tokens - num_computed_tokens",
     action="schedule",
 )
 def _no_overcompute(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
     for item in plan.scheduled:
         request = state.requests.get(item.request_id)
-        if request is not None and item.num_tokens > request.num_pending_tokens:
-            yield item.request_id, (
-                f"num_tokens={item.num_tokens} > pending tokens={request.num_pending_tokens}"
-            )
+        if request is None:
+            continue
+        pending = request.num_pending_tokens - len(item.cached_block_ids) * config.block_size
+        if item.num_tokens > pending:
+            yield item.request_id, f"num_tokens={item.num_tokens} > pending tokens={pending}"
 
 
 @rule(
     "whole-prefill-without-chunking",
-    "With enable_chunked_prefill off, a scheduled request computes all its pending tokens at once.",
+    "With enable_chunked_prefill off, a scheduled request computes all its pending tokens (less a prefix-cache "
+    "hit) at once.",
     "vLLM Scheduler.schedule: without chunked prefill a prompt that does not fit the budget waits",
     action="schedule",
 )
@@ -175,10 +185,11 @@ def _whole_prefill(state: SchedulerState, plan: StepPlan, config: SchedulerConfi
         return
     for item in plan.scheduled:
         request = state.requests.get(item.request_id)
-        if request is not None and item.num_tokens != request.num_pending_tokens:
-            yield item.request_id, (
-                f"chunk of {item.num_tokens} tokens of {request.num_pending_tokens} pending with chunked prefill off"
-            )
+        if request is None:
+            continue
+        pending = request.num_pending_tokens - len(item.cached_block_ids) * config.block_size
+        if item.num_tokens != pending:
+            yield item.request_id, f"chunk of {item.num_tokens} tokens of {pending} pending with chunked prefill off"
 
 
 @rule(
@@ -276,8 +287,10 @@ def _preempt_running(state: SchedulerState, plan: StepPlan, config: SchedulerCon
 @rule(
     "blocks-from-free-pool",
     "New blocks come only from the free pool, or from blocks released by this step's preemptions; no block "
-    "is handed out twice.",
-    "vLLM vllm/v1/core/block_pool.py BlockPool.get_new_blocks",
+    "is handed out twice. With prefix caching the free pool includes evictable cached blocks, a released "
+    "block is one whose reference count the preemptions bring to 0, and a block reused by a prefix-cache hit "
+    "in the step is not also handed out.",
+    "vLLM vllm/v1/core/block_pool.py BlockPool.get_new_blocks (assert block.ref_cnt == 0), BlockPool.touch",
     action="schedule",
 )
 def _blocks_from_free_pool(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
@@ -289,15 +302,25 @@ def blocks_not_from_free_pool(state: SchedulerState, plan: StepPlan, free: Abstr
     ``set(state.free_block_ids)``; the incremental checker passes the set it keeps, instead of building
     one per step). Yields ``(request_id, detail)`` per breach."""
     released: set[int] = set()
+    cache = state.prefix_cache
+    counts: dict[int, int] = {}
     for request_id in plan.preempted:
         request = state.requests.get(request_id)
         if request is not None:
-            released.update(request.block_ids)
+            if cache is None:
+                released.update(request.block_ids)
+                continue
+            for block_id in request.block_ids:
+                counts[block_id] = counts.get(block_id, cache.ref_counts.get(block_id, 0)) - 1
+    released.update(b for b, count in counts.items() if count <= 0)
+    hits = {b for item in plan.scheduled for b in item.cached_block_ids}
     handed: set[int] = set()
     for item in plan.scheduled:
         for block_id in item.new_block_ids:
             if block_id in handed:
                 yield item.request_id, f"block {block_id} handed out twice"
+            elif block_id in hits:
+                yield item.request_id, f"block {block_id} is handed out and reused by a prefix-cache hit in the same step"
             elif block_id not in free and block_id not in released:
                 yield item.request_id, f"block {block_id} is not free"
             handed.add(block_id)
@@ -315,7 +338,7 @@ def _block_table_covers(state: SchedulerState, plan: StepPlan, config: Scheduler
         request = state.requests.get(item.request_id)
         if request is None:
             continue
-        blocks = len(request.block_ids) + len(item.new_block_ids)
+        blocks = len(request.block_ids) + len(item.cached_block_ids) + len(item.new_block_ids)
         needed = blocks_for_tokens(item.num_computed_tokens + item.num_tokens, config.block_size)
         if blocks < needed:
             yield item.request_id, f"{blocks} blocks hold fewer than the {needed} needed"
@@ -333,10 +356,91 @@ def _no_excess_blocks(state: SchedulerState, plan: StepPlan, config: SchedulerCo
         request = state.requests.get(item.request_id)
         if request is None:
             continue
-        blocks = len(request.block_ids) + len(item.new_block_ids)
+        blocks = len(request.block_ids) + len(item.cached_block_ids) + len(item.new_block_ids)
         limit = blocks_for_tokens(request.num_tokens, config.block_size)
         if blocks > limit:
             yield item.request_id, f"{blocks} blocks > {limit} for a sequence of {request.num_tokens} tokens"
+
+
+@rule(
+    "prefix-hit-at-admission",
+    "A plan reuses cached blocks (ScheduledRequest.cached_block_ids) only with enable_prefix_caching on, and "
+    "only for a waiting request it admits.",
+    "vLLM Scheduler.schedule: KVCacheManager.get_computed_blocks is called for waiting requests only",
+    action="schedule",
+)
+def _prefix_hit_at_admission(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
+    for item in plan.scheduled:
+        if not item.cached_block_ids:
+            continue
+        if state.prefix_cache is None:
+            yield item.request_id, f"reuses cached blocks {list(item.cached_block_ids)} with prefix caching off"
+        elif item.request_id in state.running:
+            yield item.request_id, f"reuses cached blocks {list(item.cached_block_ids)} while already running"
+
+
+@rule(
+    "prefix-hit-is-cached-chain",
+    "A prefix-cache hit reuses, for each block i of the hit, a block published before the step whose hash is "
+    "the hash of the request's block i (chained over blocks 0..i), not handed out in the same step; and it "
+    "leaves at least one token to compute (at most (num_tokens - 1) // block_size blocks).",
+    "vLLM kv_cache_utils.py hash_block_tokens; kv_cache_manager.py KVCacheManager.get_computed_blocks "
+    "(max_cache_hit_length = num_tokens - 1)",
+    action="schedule",
+)
+def _prefix_hit_chain(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
+    cache = state.prefix_cache
+    if cache is None:
+        return
+    handed = {b for item in plan.scheduled for b in item.new_block_ids}
+    for item in plan.scheduled:
+        request = state.requests.get(item.request_id)
+        if request is None or not item.cached_block_ids:
+            continue
+        limit = max_hit_blocks(request, config.block_size)
+        if len(item.cached_block_ids) > limit:
+            yield item.request_id, (
+                f"hit of {len(item.cached_block_ids)} blocks, but at most {limit} may hit so that one of its "
+                f"{request.num_tokens} tokens is computed")
+            continue
+        parent = ROOT_HASH
+        for index, block_id in enumerate(item.cached_block_ids):
+            parent = request_block_hash(request, index, parent, config.block_size)
+            found = cache.block_hashes.get(block_id)
+            if found is None:
+                yield item.request_id, f"hit block {index} is block {block_id}, which is not cached"
+                break
+            if found != parent:
+                yield item.request_id, f"hit block {index} is block {block_id}, which caches other tokens"
+                break
+            if block_id in handed:
+                yield item.request_id, f"hit block {index} is block {block_id}, handed out in the same step"
+                break
+
+
+@rule(
+    "prefix-hit-longest",
+    "With prefix caching on, a waiting request admitted in the step reuses the longest chain of cached blocks "
+    "that matches its sequence (at most (num_tokens - 1) // block_size blocks), not counting blocks handed "
+    "out to requests earlier in the batch (those are evicted before its lookup).",
+    "vLLM kv_cache_manager.py KVCacheManager.get_computed_blocks -> find_longest_cache_hit, called just before "
+    "the request's allocate_slots in Scheduler.schedule",
+    action="schedule",
+)
+def _prefix_hit_longest(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
+    cache = state.prefix_cache
+    if cache is None or not cache.hash_to_blocks:
+        return
+    handed: set[int] = set()
+    for item in plan.scheduled:
+        request = state.requests.get(item.request_id)
+        if request is not None and item.request_id not in state.running:
+            longest = cache.longest_hit(request, config.block_size, handed)
+            if len(longest) != len(item.cached_block_ids):
+                yield item.request_id, (
+                    f"prefix-cache hit of {len(item.cached_block_ids) * config.block_size} tokens, but "
+                    f"{len(longest) * config.block_size} were cached (blocks {list(longest)})")
+        handed.update(item.new_block_ids)
 
 
 RULE_NAMES: tuple[str, ...] = tuple(r.name for r in RULES)

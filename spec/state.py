@@ -18,6 +18,7 @@ import attrs
 
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.persistent import TerminalRequests, terminal_requests
+from schedspec.spec.prefix_cache import PrefixCache
 from schedspec.spec.request import Request
 
 _EMPTY: Mapping[str, Request] = MappingProxyType({})
@@ -49,8 +50,12 @@ class SchedulerState:
             block table goes to the front, last block first (``BlockPool.free_blocks`` puts blocks
             without a hash at the front, "LIFO reuse"; ``SingleTypeKVCacheManager.free`` passes them
             reversed), so the blocks freed last are handed out first. Any free block may be handed
-            out (rule ``blocks-from-free-pool``); the order only lets a policy pick vLLM's.
+            out (rule ``blocks-from-free-pool``); the order only lets a policy pick vLLM's. With prefix
+            caching the queue also holds the evictable cached blocks, and its order is vLLM's with
+            caching on (:mod:`schedspec.spec.prefix_cache`).
         num_requests_added: how many requests were ever added (for ``no-request-lost``).
+        prefix_cache: block hashes and reference counts (:class:`~schedspec.spec.prefix_cache.PrefixCache`)
+            when ``enable_prefix_caching`` is on, else ``None``.
     """
 
     step: int = 0
@@ -60,11 +65,14 @@ class SchedulerState:
     finished: Mapping[str, Request] = attrs.field(factory=TerminalRequests, converter=terminal_requests)
     free_block_ids: tuple[int, ...] = ()
     num_requests_added: int = 0
+    prefix_cache: PrefixCache | None = None
 
     @classmethod
     def initial(cls, config: SchedulerConfig) -> SchedulerState:
-        """The state before step 0: no requests, every block free in id order."""
-        return cls(free_block_ids=tuple(range(config.num_kv_blocks)))
+        """The state before step 0: no requests, every block free in id order (and an empty prefix cache
+        when ``enable_prefix_caching`` is on)."""
+        cache = PrefixCache() if config.enable_prefix_caching else None
+        return cls(free_block_ids=tuple(range(config.num_kv_blocks)), prefix_cache=cache)
 
     @property
     def num_free_blocks(self) -> int:
@@ -99,14 +107,18 @@ class ScheduledRequest:
             ``num_computed_tokens``). Must equal the request's count: a chunk continues where the
             last one ended.
         num_tokens: tokens computed this step (vLLM ``num_scheduled_tokens``); 1 for a decode.
-        new_block_ids: KV blocks appended to the request's block table this step. The table after
-            the step is ``request.block_ids + new_block_ids``.
+        new_block_ids: KV blocks appended to the request's block table this step, taken from the free
+            queue. The table after the step is ``request.block_ids + cached_block_ids + new_block_ids``.
+        cached_block_ids: prefix caching only, for a waiting request admitted in this step: the cached
+            blocks it reuses (a prefix-cache hit, :mod:`schedspec.spec.prefix_cache`); then
+            ``num_computed_tokens`` is the hit length, ``len(cached_block_ids) * block_size``.
     """
 
     request_id: str
     num_computed_tokens: int
     num_tokens: int
     new_block_ids: tuple[int, ...] = ()
+    cached_block_ids: tuple[int, ...] = ()
 
 
 @attrs.frozen(slots=True)

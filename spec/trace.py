@@ -90,7 +90,12 @@ class StepRecord:
         scheduled: the batch, with each request's tokens split into prefill and decode.
         blocks_allocated: request id -> block ids appended to its table this step.
         blocks_freed: request id -> block ids it released this step (preemption, finish, abort).
-        prefix_hit_tokens: request id -> prompt tokens found in the prefix cache at admission.
+        prefix_hit_tokens: request id -> tokens found in the prefix cache at its admission in this step
+            (prefix caching; absent or 0 = no hit).
+        prefix_hit_blocks: request id -> the cached block ids its hit reuses, in table order (they start its
+            block table; not in ``blocks_allocated``). Omitted from the JSON when empty.
+        blocks_evicted: block ids handed out this step that were cached (evictable) before it: their hash
+            is dropped. Omitted from the JSON when empty.
         preempted: requests preempted this step.
         finished: request id -> finish reason (``stop``, ``length``, ``max_model_len``) for
             requests that ended after this step's sampling.
@@ -111,6 +116,8 @@ class StepRecord:
     blocks_allocated: dict[str, tuple[int, ...]] = attrs.field(factory=dict, converter=_blocks)
     blocks_freed: dict[str, tuple[int, ...]] = attrs.field(factory=dict, converter=_blocks)
     prefix_hit_tokens: dict[str, int] = attrs.field(factory=dict)
+    prefix_hit_blocks: dict[str, tuple[int, ...]] = attrs.field(factory=dict, converter=_blocks)
+    blocks_evicted: tuple[int, ...] = attrs.field(default=(), converter=_to_tuple)
     preempted: tuple[str, ...] = attrs.field(default=(), converter=_to_tuple)
     finished: dict[str, str] = attrs.field(factory=dict)
     aborted: tuple[str, ...] = attrs.field(default=(), converter=_to_tuple)
@@ -138,6 +145,15 @@ class StepRecord:
         data["scheduled"] = [attrs.asdict(s) for s in self.scheduled]
         data["blocks_allocated"] = {k: list(v) for k, v in self.blocks_allocated.items()}
         data["blocks_freed"] = {k: list(v) for k, v in self.blocks_freed.items()}
+        # prefix-caching fields are written only when used, so caching-off traces keep their bytes
+        if self.prefix_hit_blocks:
+            data["prefix_hit_blocks"] = {k: list(v) for k, v in self.prefix_hit_blocks.items()}
+        else:
+            del data["prefix_hit_blocks"]
+        if self.blocks_evicted:
+            data["blocks_evicted"] = list(self.blocks_evicted)
+        else:
+            del data["blocks_evicted"]
         data["aborts"] = list(self.aborts)
         data["preempted"] = list(self.preempted)
         data["aborted"] = list(self.aborted)

@@ -13,7 +13,8 @@ it changes). The client's actions happen between steps: a request **arrives**
   (a decode), taking new blocks; a waiting one is admitted. Guard: ``positive-tokens``,
   ``chunk-continues``, ``no-overcompute``, ``whole-prefill-without-chunking``,
   ``long-prefill-threshold``, ``admit-fits-alone``, ``blocks-from-free-pool``, ``block-table-covers``,
-  ``no-excess-blocks``.
+  ``no-excess-blocks``, ``prefix-hit-at-admission``, ``prefix-hit-is-cached-chain``,
+  ``prefix-hit-longest``.
 - :func:`sample`: a request whose chunk reached the end of its sequence appends the sampled token,
   then stops (:func:`stop_reason`) or goes on. Guard: none (the model chooses the token).
 
@@ -35,6 +36,7 @@ import attrs
 
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.persistent import evolve_request as evolve
+from schedspec.spec.prefix_cache import CacheUpdate
 from schedspec.spec.request import Request, RequestStatus
 from schedspec.spec.state import ScheduledRequest, SchedulerState, StepPlan, samples_this_step
 
@@ -76,7 +78,8 @@ def add_request(state: SchedulerState, request: Request) -> SchedulerState:
 
 def abort_request(state: SchedulerState, request_id: str) -> SchedulerState:
     """The client **aborts** a request: it ends ``FINISHED_ABORTED`` and releases all its blocks at once
-    (to the front of the free queue, last block first: see ``SchedulerState.free_block_ids``).
+    (to the front of the free queue, last block first: see ``SchedulerState.free_block_ids``; with prefix
+    caching its cached blocks stay cached and go to the back: :meth:`CacheUpdate.release`).
 
     Aborting a request that already ended, or an id never added, changes nothing (vLLM
     ``Scheduler.finish_requests`` skips ids it does not know).
@@ -87,13 +90,21 @@ def abort_request(state: SchedulerState, request_id: str) -> SchedulerState:
     requests = dict(state.requests)
     del requests[request_id]
     aborted = evolve(request, status=RequestStatus.FINISHED_ABORTED, finish_reason="abort", block_ids=())
+    cache = state.prefix_cache
+    if cache is None:
+        free = tuple(reversed(request.block_ids)) + state.free_block_ids
+    else:
+        update = CacheUpdate(cache, state.free_block_ids)
+        update.release(request.block_ids)
+        cache, free = update.freeze()
     return attrs.evolve(
         state,
         waiting=tuple(r for r in state.waiting if r != request_id),
         running=tuple(r for r in state.running if r != request_id),
         requests=requests,
         finished=state.finished.with_added({request_id: aborted}),
-        free_block_ids=tuple(reversed(request.block_ids)) + state.free_block_ids,
+        free_block_ids=free,
+        prefix_cache=cache,
     )
 
 
@@ -108,10 +119,13 @@ class StepInProgress:
     queue per step, however many requests move): blocks released by preemptions go to its front,
     then the blocks handed out are taken from it, then the blocks of requests that ended go to its
     front. That is the order of vLLM 0.32, which frees a victim's blocks inside ``Scheduler.schedule``
-    and a finished request's in ``Scheduler.update_from_output``.
+    and a finished request's in ``Scheduler.update_from_output``. With prefix caching every change to
+    the blocks goes through ``cache`` (:class:`~schedspec.spec.prefix_cache.CacheUpdate`: reference
+    counts, hashes and the free queue with evictable blocks), in the same order.
     """
 
     before: SchedulerState
+    config: SchedulerConfig
     requests: dict[str, Request]
     waiting: list[str]
     running: list[str]
@@ -125,10 +139,13 @@ class StepInProgress:
     """Blocks released by requests that stopped, in the order they go to the front of the free queue."""
     sampled: list[str] = attrs.field(factory=list)
     stopped: list[str] = attrs.field(factory=list)
+    cache: CacheUpdate | None = None
+    """With prefix caching: the working copy of the prefix cache and the free queue."""
 
     @classmethod
-    def begin(cls, state: SchedulerState) -> StepInProgress:
-        return cls(state, dict(state.requests), list(state.waiting), list(state.running))
+    def begin(cls, state: SchedulerState, config: SchedulerConfig) -> StepInProgress:
+        cache = CacheUpdate(state.prefix_cache, state.free_block_ids) if state.prefix_cache is not None else None
+        return cls(state, config, dict(state.requests), list(state.waiting), list(state.running), cache=cache)
 
     def live(self, request_id: str) -> Request:
         """The live request with this id. Raises :class:`PlanError` if there is none."""
@@ -139,10 +156,14 @@ class StepInProgress:
 
     def end(self) -> StepResult:
         """The state after the step: the step counter advances by one."""
-        free = self.released + list(self.before.free_block_ids) if self.released else self.before.free_block_ids
-        free = _without(free, self.taken)
-        if self.freed:
-            free = self.freed + list(free)
+        cache = None
+        if self.cache is not None:
+            cache, free = self.cache.freeze()
+        else:
+            free = self.released + list(self.before.free_block_ids) if self.released else self.before.free_block_ids
+            free = _without(free, self.taken)
+            if self.freed:
+                free = self.freed + list(free)
         state = SchedulerState(
             step=self.before.step + 1,
             waiting=tuple(self.waiting),
@@ -151,6 +172,7 @@ class StepInProgress:
             finished=self.before.finished.with_added(self.ended),
             free_block_ids=tuple(free),
             num_requests_added=self.before.num_requests_added,
+            prefix_cache=cache,
         )
         return StepResult(state, tuple(self.stopped), tuple(self.sampled))
 
@@ -173,7 +195,10 @@ def preempt(step: StepInProgress, request_id: str) -> None:
     its computed tokens (``num_computed_tokens = 0``; its outputs are kept and recomputed as a prefill)
     and goes to the front of the waiting queue (vLLM ``Scheduler._preempt_request``)."""
     request = step.live(request_id)
-    step.released[:0] = reversed(request.block_ids)
+    if step.cache is not None:
+        step.cache.release(request.block_ids)
+    else:
+        step.released[:0] = reversed(request.block_ids)
     step.requests[request_id] = evolve(
         request, status=RequestStatus.PREEMPTED, num_computed_tokens=0, block_ids=(),
         num_preemptions=request.num_preemptions + 1)
@@ -194,12 +219,25 @@ def schedule(step: StepInProgress, item: ScheduledRequest) -> None:
     """**Schedule** one request's part of the batch: it computes ``item.num_tokens`` more tokens (a
     prefill chunk, or the one token of a decode) and appends ``item.new_block_ids`` to its block table.
     A waiting request is admitted: it leaves the waiting queue and joins the back of ``running``
-    (vLLM ``Scheduler.schedule``, ``self.running.append(request)``)."""
+    (vLLM ``Scheduler.schedule``, ``self.running.append(request)``).
+
+    With prefix caching, an admitted request's ``item.cached_block_ids`` (a hit) are referenced and start
+    its block table, and count as computed tokens; a new block that carries a hash is evicted (its hash
+    dropped); and the blocks the request has fully computed after the step are published
+    (:meth:`~schedspec.spec.prefix_cache.CacheUpdate.publish`: the same cache as publishing at the end
+    of the step, since a hit may only name blocks published before it)."""
     request = step.live(item.request_id)
-    changes: dict = {"num_computed_tokens": request.num_computed_tokens + item.num_tokens}
-    if item.new_block_ids:
+    table = request.block_ids + item.cached_block_ids + item.new_block_ids
+    computed = request.num_computed_tokens + len(item.cached_block_ids) * step.config.block_size + item.num_tokens
+    changes: dict = {"num_computed_tokens": computed}
+    if table != request.block_ids:
+        changes["block_ids"] = table
+    if step.cache is not None:
+        step.cache.touch(item.cached_block_ids)
+        step.cache.take(item.new_block_ids)
+        step.cache.publish(request, table, computed, step.config.block_size)
+    else:
         step.taken.extend(item.new_block_ids)
-        changes["block_ids"] = request.block_ids + item.new_block_ids
     if request.status is not RequestStatus.RUNNING:
         changes.update(status=RequestStatus.RUNNING, admitted_step=step.before.step)
         step.waiting.remove(item.request_id)
@@ -207,7 +245,7 @@ def schedule(step: StepInProgress, item: ScheduledRequest) -> None:
     step.requests[item.request_id] = evolve(request, **changes)
 
 
-def sample(step: StepInProgress, request_id: str, token_id: int, config: SchedulerConfig) -> None:
+def sample(step: StepInProgress, request_id: str, token_id: int) -> None:
     """**Sample**: the request appends ``token_id`` (its first output token records ``first_token_step``);
     if :func:`stop_reason` says it stops, it ends with that status and releases its blocks to the front
     of the free queue (a request that stops later in the batch goes in front of one that stopped
@@ -218,14 +256,17 @@ def sample(step: StepInProgress, request_id: str, token_id: int, config: Schedul
         changes["first_token_step"] = step.before.step
     request = evolve(request, **changes)
     step.sampled.append(request_id)
-    ending = stop_reason(request, config)
+    ending = stop_reason(request, step.config)
     if ending is None:
         step.requests[request_id] = request
         return
     status, reason = ending
     del step.requests[request_id]
     step.running.remove(request_id)
-    step.freed[:0] = reversed(request.block_ids)
+    if step.cache is not None:
+        step.cache.release(request.block_ids)
+    else:
+        step.freed[:0] = reversed(request.block_ids)
     step.ended[request_id] = evolve(request, status=status, finish_reason=reason, block_ids=())
     step.stopped.append(request_id)
 
@@ -273,7 +314,7 @@ def apply_plan(
     Raises:
         PlanError: a named request is not live, or a sampling request has no sampled token.
     """
-    step = StepInProgress.begin(state)
+    step = StepInProgress.begin(state, config)
     for request_id in plan.preempted:
         preempt(step, request_id)
     for request_id, reason in plan.rejected:
@@ -284,7 +325,7 @@ def apply_plan(
         if samples_this_step(state.requests[item.request_id], item):
             if item.request_id not in sampled_token_ids:
                 raise PlanError(f"no sampled token for request_id={item.request_id!r} at step {state.step}")
-            sample(step, item.request_id, sampled_token_ids[item.request_id], config)
+            sample(step, item.request_id, sampled_token_ids[item.request_id])
     return step.end()
 
 

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import attrs
 import pytest
+from test_prefix_cache import PREFIX_STATE_CASES, PREFIX_STEP_CASES
 
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.invariants import (
@@ -124,6 +125,7 @@ STATE_CASES: dict[str, StateCase] = {
     "computed-bound": case_computed_bound,
     "preempted-holds-nothing": case_preempted_holds_nothing,
 }
+STATE_CASES.update(PREFIX_STATE_CASES)  # the prefix-caching invariants' cases live with the other prefix tests
 
 DECODE_A = ScheduledRequest("a", 6, 1)
 
@@ -147,6 +149,7 @@ def case_chunks_in_order():
 STEP_CASES: dict[str, StepCase] = {
     "chunks-in-order": case_chunks_in_order,
 }
+STEP_CASES.update(PREFIX_STEP_CASES)
 
 
 def test_every_invariant_has_a_case() -> None:

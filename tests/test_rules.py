@@ -13,6 +13,7 @@ import attrs
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_prefix_cache import PREFIX_RULE_CASES
 
 from schedspec.spec.admission import rejection_reason
 from schedspec.spec.config import SchedulerConfig, blocks_for_tokens
@@ -166,6 +167,7 @@ CASES: dict[str, Case] = {
     "block-table-covers": case_block_table_covers,
     "no-excess-blocks": case_no_excess_blocks,
 }
+CASES.update(PREFIX_RULE_CASES)  # the prefix-caching rules' cases live with the other prefix tests
 
 
 def test_every_rule_has_a_case() -> None:

@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from schedspec.cli_common import EXIT_CHECK_FAILED, EXIT_UNSUPPORTED, fail
+from schedspec.cli_common import EXIT_CHECK_FAILED, fail
 from schedspec.spec.checker import DEFAULT_PROPERTIES, CheckReport, check_trace
 from schedspec.spec.properties import PROPERTIES
 from schedspec.spec.state import SchedulerState
@@ -69,15 +69,12 @@ def command(trace: str, properties: tuple[str, ...], keep_going: bool, full: boo
     check every plan against the rules, every state against the invariants and every field of every
     record against what the spec says happened; stop at the first illegal step and show it. Exit 0 if
     legal, 1 naming the first illegal step, 2 on an unreadable or malformed trace (file, line and
-    field named), 3 for a trace of a feature the spec does not judge yet (prefix caching)."""
+    field named). Prefix-caching traces are judged too (hits, evictions, reference counts)."""
     for name in properties:
         if name not in PROPERTIES:
             fail(f"--property {name!r}: unknown; known: {', '.join(sorted(PROPERTIES))}")
     try:
         opened = open_trace(trace)
-        if opened.config.enable_prefix_caching:
-            fail(f"{trace}:1: field config.enable_prefix_caching: true; the spec does not judge prefix caching yet",
-                 EXIT_UNSUPPORTED)
         report = check_trace(opened.config, opened.records(), DEFAULT_PROPERTIES + properties, keep_going,
                              incremental=not full)
     except TraceFormatError as error:

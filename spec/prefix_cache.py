@@ -1,0 +1,318 @@
+"""Prefix caching (automatic prefix caching, vLLM "APC"): cached KV blocks, their hashes and reference
+counts, and the lookup at admission.
+
+With ``enable_prefix_caching`` a full KV block is identified by a **chained hash** of its token ids and
+the hash of the block before it (vLLM 0.32 ``vllm/v1/core/kv_cache_utils.py`` ``hash_block_tokens``),
+so equal hashes mean equal prefixes. A block is **published** (gets its hash) at the end of the step
+that computed its last token; from then on a request admitted with the same prefix may reuse it instead
+of computing it again (a **hit**). Blocks are **shared**: a block's reference count is the number of
+live block tables holding it (vLLM ``KVCacheBlock.ref_cnt``). A block whose count drops to 0 keeps its
+hash and becomes **evictable**: it sits in the free queue and is counted as free, and a hit takes it
+back out (vLLM ``BlockPool.touch``); handing it out as a new block drops its hash (an **eviction**,
+vLLM ``BlockPool.get_new_blocks`` -> ``_maybe_evict_cached_block``).
+
+Every block is in exactly one of: **free** (in the free queue, no hash), **evictable** (in the free
+queue, with a hash), **held** (reference count >= 1, not in the free queue).
+
+The free queue is :attr:`SchedulerState.free_block_ids`; its order with caching on is vLLM's
+(``BlockPool.free_blocks``): a released block table is walked last block first
+(``SingleTypeKVCacheManager.free``); blocks reaching count 0 **without** a hash go to the **front**
+(LIFO, ``prepend_n``), blocks **with** a hash to the **back** (``append_n``, "FIFO reuse of cached
+blocks for LRU eviction behavior"). Allocation takes from the front. So never-cached blocks are handed
+out first, then cached blocks least recently released first, and of one request's cached blocks the
+tail blocks before the head blocks (they are the least likely to be hit). Without any hash this is
+exactly the caching-off order.
+
+Where the spec differs from vLLM 0.32, on purpose:
+
+- **Publication time.** vLLM publishes at scheduling time (``KVCacheManager.allocate_slots`` calls
+  ``cache_blocks`` for the computed plus scheduled tokens before the forward pass), so a request
+  admitted later in the same step can hit blocks that are being computed in that step. The spec
+  publishes at the end of the step (:meth:`CacheUpdate.publish`): a block is reused only once its KV
+  exists. The hash table after each step is the same; only such same-step hits differ.
+- **Hash function.** blake2b (16-byte digest, hex) over the parent hash and the token ids, with a fixed
+  root, so traces are reproducible across processes (vLLM seeds ``NONE_HASH`` at random unless
+  ``PYTHONHASHSEED`` is set, and hashes with sha256 of a pickle or CBOR encoding). No extra keys
+  (LoRA, multimodal, cache salt): the spec has none of them.
+
+Two requests that compute the same new prefix in the same step (or one before the other's blocks are
+published) each compute and publish their own copy: the spec allows **duplicate** cached blocks for one
+hash, as vLLM does (``block_pool.py`` ``BlockHashToBlockMap``, NOTE #1: no de-duplication, so that
+block tables stay append-only). A lookup takes the first published copy (``get_one_block``).
+
+The data here is plain and immutable (:class:`PrefixCache`); :class:`CacheUpdate` is the working copy
+one transition (or a policy planning one step) edits and then freezes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping, Sequence
+from types import MappingProxyType
+
+import attrs
+import numpy as np
+
+from schedspec.spec.request import Request
+from schedspec.spec.workload import token_ids
+
+ROOT_HASH = ""
+"""The parent hash of a request's first block (vLLM ``NONE_HASH``, fixed here)."""
+
+_EMPTY: Mapping = MappingProxyType({})
+
+
+def block_hash(parent: str, token_ids: Sequence[int] | np.ndarray) -> str:
+    """The hash of one full block: blake2b (16-byte digest) over the parent block's hash and the block's
+    token ids as little-endian int64, as a 32-character hex string.
+
+    Args:
+        parent: the hash of the block before it in the request's sequence, :data:`ROOT_HASH` for block 0.
+        token_ids: the block's ``block_size`` token ids.
+
+    Source: vLLM 0.32 ``kv_cache_utils.py`` ``hash_block_tokens(hash_function, parent_block_hash,
+    curr_block_token_ids)`` (chained; differences in the module docstring).
+    """
+    digest = hashlib.blake2b(parent.encode("ascii"), digest_size=16)
+    digest.update(b"|")
+    digest.update(np.asarray(token_ids, dtype="<i8").tobytes())
+    return digest.hexdigest()
+
+
+_MEMO = "_prefix_block_hashes"
+
+
+def request_block_hash(request: Request, index: int, parent: str, block_size: int) -> str:
+    """The hash of block ``index`` of the request's sequence (prompt plus output), given its parent's.
+
+    Memoized on the request: a request's token ids at a position never change (outputs are only appended,
+    and kept through a preemption), so the memo (keyed by block size and index, checked against the
+    parent) is shared by every later version of the request (``Request.replace`` copies it along)."""
+    memo = request.__dict__.get(_MEMO)
+    if memo is None:
+        memo = request.__dict__[_MEMO] = {}
+    key = (block_size, index)
+    found = memo.get(key)
+    if found is not None and found[0] == parent:
+        return found[1]
+    start = index * block_size
+    value = block_hash(parent, token_ids(request, start, start + block_size))
+    memo[key] = (parent, value)
+    return value
+
+
+def max_hit_blocks(request: Request, block_size: int) -> int:
+    """Most blocks a hit may cover: ``(num_tokens - 1) // block_size``, so that at least one token is
+    still computed and the model produces logits to sample from (vLLM 0.32 ``kv_cache_manager.py``
+    ``KVCacheManager.get_computed_blocks``: ``max_cache_hit_length = request.num_tokens - 1``; "when all
+    tokens hit the cache, we must recompute the last token to obtain logits", which with a block-aligned
+    hit recomputes the whole last block)."""
+    return max(request.num_tokens - 1, 0) // block_size
+
+
+@attrs.frozen(slots=True)
+class PrefixCache:
+    """The prefix cache's bookkeeping in a :class:`~schedspec.spec.state.SchedulerState` (caching on).
+
+    Attributes:
+        block_hashes: block id -> its hash, for every published block (held or evictable). A block with
+            no entry has no hash (vLLM ``KVCacheBlock.block_hash``).
+        hash_to_blocks: hash -> the blocks carrying it, in the order they were published (duplicates
+            allowed; vLLM ``BlockPool.cached_block_hash_to_block``).
+        ref_counts: block id -> number of live block tables holding it; a block with no entry has 0
+            (vLLM ``KVCacheBlock.ref_cnt``).
+    """
+
+    block_hashes: Mapping[int, str] = _EMPTY
+    hash_to_blocks: Mapping[str, tuple[int, ...]] = _EMPTY
+    ref_counts: Mapping[int, int] = _EMPTY
+
+    def cached_block(self, hash_value: str, excluded: frozenset[int] | set[int] = frozenset()) -> int | None:
+        """The first published block carrying ``hash_value`` and not in ``excluded``, or ``None``."""
+        for block_id in self.hash_to_blocks.get(hash_value, ()):
+            if block_id not in excluded:
+                return block_id
+        return None
+
+    def longest_hit(self, request: Request, block_size: int,
+                    excluded: frozenset[int] | set[int] = frozenset()) -> tuple[int, ...]:
+        """The longest chain of cached blocks equal to the start of the request's sequence, at most
+        :func:`max_hit_blocks` long: the blocks a request admitted now reuses (vLLM
+        ``KVCacheManager.get_computed_blocks`` -> ``find_longest_cache_hit``).
+
+        Args:
+            request: a waiting request (fresh or preempted).
+            block_size: tokens per block.
+            excluded: blocks not to use (e.g. handed out earlier in the same step, so evicted).
+
+        Returns:
+            Block ids, logical order; ``len(result) * block_size`` tokens are the hit.
+        """
+        if not self.hash_to_blocks:
+            return ()
+        found: list[int] = []
+        parent = ROOT_HASH
+        for index in range(max_hit_blocks(request, block_size)):
+            parent = request_block_hash(request, index, parent, block_size)
+            block_id = self.cached_block(parent, excluded)
+            if block_id is None:
+                break
+            found.append(block_id)
+        return tuple(found)
+
+    def is_evictable(self, block_id: int) -> bool:
+        """Published and held by no block table."""
+        return block_id in self.block_hashes and not self.ref_counts.get(block_id)
+
+
+class CacheUpdate:
+    """A mutable working copy of the free queue and the :class:`PrefixCache` for one transition (or for a
+    policy simulating one step's allocations); :meth:`freeze` returns the new immutable values.
+
+    Operations, each as vLLM 0.32 ``block_pool.py``:
+
+    - :meth:`release`: a block table is given back (``SingleTypeKVCacheManager.free`` ->
+      ``BlockPool.free_blocks``);
+    - :meth:`touch`: a hit's blocks are referenced (``BlockPool.touch``);
+    - :meth:`take` / :meth:`take_front`: new blocks are handed out, evicting their hashes
+      (``BlockPool.get_new_blocks``);
+    - :meth:`publish`: a request's fully computed blocks get their hashes (``BlockPool.cache_full_blocks``,
+      but at the end of the step: module docstring).
+    """
+
+    def __init__(self, cache: PrefixCache, free: Sequence[int]) -> None:
+        self.free: list[int] = list(free)
+        self.cache = cache
+        # copied on first write (_write_hashes, _write_counts): most steps change no hash
+        self.block_hashes: Mapping[int, str] = cache.block_hashes
+        self.hash_to_blocks: Mapping[str, tuple[int, ...]] = cache.hash_to_blocks
+        self.ref_counts: Mapping[int, int] = cache.ref_counts
+        self._hashes_copied = self._counts_copied = False
+        self.evicted: list[int] = []
+
+    def _write_hashes(self) -> tuple[dict[int, str], dict[str, tuple[int, ...]]]:
+        if not self._hashes_copied:
+            self.block_hashes, self.hash_to_blocks = dict(self.block_hashes), dict(self.hash_to_blocks)
+            self._hashes_copied = True
+        return self.block_hashes, self.hash_to_blocks  # type: ignore[return-value]
+
+    def _write_counts(self) -> dict[int, int]:
+        if not self._counts_copied:
+            self.ref_counts = dict(self.ref_counts)
+            self._counts_copied = True
+        return self.ref_counts  # type: ignore[return-value]
+
+    def clone(self) -> CacheUpdate:
+        """An independent copy (a policy trying a choice out)."""
+        return CacheUpdate(self.freeze_cache(), self.free)
+
+    @property
+    def available(self) -> int:
+        """Blocks that could be handed out now: free plus evictable (vLLM ``get_num_free_blocks``)."""
+        return len(self.free)
+
+    def num_evictable(self, blocks: Iterable[int]) -> int:
+        """How many of ``blocks`` are in the free queue now (a hit on them takes them out of it, so they
+        count against the free blocks: vLLM ``get_num_blocks_to_allocate`` ``num_evictable_blocks``)."""
+        return sum(1 for b in blocks if not self.ref_counts.get(b))
+
+    def longest_hit(self, request: Request, block_size: int) -> tuple[int, ...]:
+        """:meth:`PrefixCache.longest_hit` on the cache as it is now (blocks handed out so far are evicted)."""
+        return PrefixCache(self.block_hashes, self.hash_to_blocks, self.ref_counts).longest_hit(request, block_size)
+
+    def release(self, table: Sequence[int]) -> None:
+        """A block table is given back: last block first, each block's count drops by one; blocks reaching
+        0 without a hash go to the front of the free queue, those with a hash to the back."""
+        front: list[int] = []
+        back: list[int] = []
+        counts = self._write_counts() if table else self.ref_counts
+        for block_id in reversed(table):
+            count = counts.get(block_id, 0) - 1
+            if count > 0:
+                counts[block_id] = count
+                continue
+            counts.pop(block_id, None)
+            (back if block_id in self.block_hashes else front).append(block_id)
+        if front:
+            self.free[:0] = front
+        self.free.extend(back)
+
+    def touch(self, blocks: Sequence[int]) -> None:
+        """A hit: each block's count rises by one; an evictable block leaves the free queue."""
+        counts = self._write_counts() if blocks else self.ref_counts
+        for block_id in blocks:
+            count = counts.get(block_id, 0)
+            if count == 0 and block_id in self.free:
+                self.free.remove(block_id)
+            counts[block_id] = count + 1
+
+    def take(self, blocks: Sequence[int]) -> None:
+        """Hand out these blocks (a plan's ``new_block_ids``): each leaves the free queue, loses its hash if
+        it had one (recorded in :attr:`evicted`) and gets count 1."""
+        if not blocks:
+            return
+        count = len(blocks)
+        if self.free[:count] == list(blocks):
+            del self.free[:count]
+        else:
+            gone = set(blocks)
+            self.free = [b for b in self.free if b not in gone]
+        counts = self._write_counts()
+        for block_id in blocks:
+            self._evict(block_id)
+            counts[block_id] = counts.get(block_id, 0) + 1
+
+    def take_front(self, count: int) -> tuple[int, ...]:
+        """Hand out the first ``count`` blocks of the free queue (the caller checked :attr:`available`)."""
+        blocks = tuple(self.free[:count])
+        self.take(blocks)
+        return blocks
+
+    def _evict(self, block_id: int) -> None:
+        if block_id not in self.block_hashes:
+            return
+        block_hashes, hash_to_blocks = self._write_hashes()
+        old = block_hashes.pop(block_id)
+        self.evicted.append(block_id)
+        rest = tuple(b for b in hash_to_blocks.get(old, ()) if b != block_id)
+        if rest:
+            hash_to_blocks[old] = rest
+        else:
+            hash_to_blocks.pop(old, None)
+
+    def publish(self, request: Request, table: Sequence[int], num_computed_tokens: int, block_size: int) -> None:
+        """Give a hash to every block of ``table`` whose tokens the request has all computed and that has none
+        yet (hashes of a table's first blocks are their parents)."""
+        full = min(num_computed_tokens // block_size, len(table))
+        parent = ROOT_HASH
+        for index in range(full):
+            block_id = table[index]
+            known = self.block_hashes.get(block_id)
+            if known is None:
+                known = request_block_hash(request, index, parent, block_size)
+                block_hashes, hash_to_blocks = self._write_hashes()
+                block_hashes[block_id] = known
+                hash_to_blocks[known] = hash_to_blocks.get(known, ()) + (block_id,)
+            parent = known
+
+    def freeze_cache(self) -> PrefixCache:
+        """The cache as it is now (the source cache itself when nothing changed). Later edits of this update
+        copy again, so the value returned never changes."""
+        if not (self._hashes_copied or self._counts_copied):
+            return self.cache
+        hashes = MappingProxyType(self.block_hashes) if self._hashes_copied else self.block_hashes
+        by_hash = MappingProxyType(self.hash_to_blocks) if self._hashes_copied else self.hash_to_blocks
+        counts = MappingProxyType(self.ref_counts) if self._counts_copied else self.ref_counts
+        self.cache = PrefixCache(hashes, by_hash, counts)
+        self._hashes_copied = self._counts_copied = False
+        self.block_hashes, self.hash_to_blocks, self.ref_counts = hashes, by_hash, counts
+        return self.cache
+
+    def freeze(self) -> tuple[PrefixCache, tuple[int, ...]]:
+        """The new cache and free queue."""
+        return self.freeze_cache(), tuple(self.free)
+
+
+def evicted_blocks(before: PrefixCache, new_block_ids: Iterable[int]) -> list[int]:
+    """Of the blocks handed out in a step, those that carried a hash before it (evicted from the cache)."""
+    return [b for b in new_block_ids if b in before.block_hashes]
