@@ -543,8 +543,13 @@ def prefix_hit_without_caching(trace: Trace, i: int) -> Mutant | None:
     record = trace.records[i]
     if trace.config.enable_prefix_caching or not record["scheduled"]:
         return None
+    free = trace.before[i].free_block_ids
+    if not free:
+        return None
     records, r = _edit(trace, i)
-    r["prefix_hit_tokens"][record["scheduled"][0]["request_id"]] = trace.config.block_size
+    request_id = record["scheduled"][0]["request_id"]
+    r["prefix_hit_tokens"][request_id] = trace.config.block_size
+    r.setdefault("prefix_hit_blocks", {})[request_id] = [free[-1]]
     return trace.header, records, i
 
 
