@@ -157,13 +157,14 @@ def test_non_utf8_record_is_unusable_input(tmp_path):
 
 def test_prefix_caching_trace_is_judged(tmp_path):
     """A caching-off run's trace relabelled as caching on is judged, not refused (exit 3 before prefix
-    caching was specified): with caching on, the blocks that run hands out were cached (its prompts were
-    published), so its empty blocks_evicted is reported (tests/test_prefix_cache.py checks legal caching
-    traces)."""
+    caching was specified): with caching on, a request preempted under KV pressure is re-admitted without
+    the hit on its own published blocks (rule prefix-hit-longest), and the cached blocks the run hands out
+    are not reported evicted (tests/test_prefix_cache.py checks legal caching traces)."""
     path, lines = _good_trace(tmp_path)
     lines[0]["config"]["enable_prefix_caching"] = True
     result = check(str(_write(tmp_path, lines)))
-    assert result.returncode in (0, 1), result.stderr
+    assert result.returncode == 1, result.stderr
+    assert "prefix-hit-longest" in result.stdout and "blocks_evicted" in result.stdout, result.stdout
 
 
 def test_stop_conditions_come_from_the_trace(tmp_path):
