@@ -55,8 +55,8 @@ class SchedulerConfig:
         enable_chunked_prefill: a prompt may be computed over several steps (Sarathi-Serve §4).
         long_prefill_token_threshold: with chunked prefill, cap on one prefill chunk in tokens;
             0 means no cap (vLLM ``--long-prefill-token-threshold``).
-        enable_prefix_caching: reuse KV blocks of identical prompt prefixes. Validated here; no
-            reference policy implements it yet, so those refuse configs that enable it.
+        enable_prefix_caching: reuse the KV blocks of identical prompt prefixes (vLLM's automatic
+            prefix caching; the spec's model is :mod:`schedspec.spec.prefix_cache`).
         preemption_mode: how a running request gives up its blocks; only ``"recompute"``.
 
     Raises:
