@@ -1,8 +1,9 @@
 """Containers the spec uses for speed only; nothing here is part of what the spec says.
 
 A reader of the spec can skip this module: :class:`TerminalRequests` behaves as a read-only ``dict``
-of terminal requests, and :func:`evolve_request` as :func:`attrs.evolve` on a
-:class:`~schedspec.spec.request.Request`. Both are tested equal to those plain versions
+of terminal requests, :func:`evolve_request` as :func:`attrs.evolve` on a
+:class:`~schedspec.spec.request.Request`, and :func:`request_memo` is a cache of values derived from a
+request's token ids (never part of its value: not compared, not printed). Both are tested equal to those plain versions
 (``tests/test_state.py``). They exist because the lab replays hours of traffic through the spec's
 transitions: copying the map of ended requests at every step would make a run quadratic, and
 ``attrs.evolve`` re-runs ``Request.__init__`` (about four times slower) for every scheduled request of
@@ -90,3 +91,15 @@ def evolve_request(request: Request, **changes: object) -> Request:
     new.__dict__.update(fields)
     new.__dict__.update(changes)
     return new
+
+
+def request_memo(request: Request, name: str) -> dict:
+    """A memo dict named ``name`` carried by ``request`` and shared by every later version of it made by
+    :func:`evolve_request` (which copies the request's attributes). For values that depend only on token
+    positions the request already has (they never change: outputs are only appended). Not a field:
+    ``==``, ``repr`` and :func:`attrs.evolve` ignore it (a plain copy merely starts a new memo)."""
+    key = "_memo_" + name
+    memo = request.__dict__.get(key)
+    if memo is None:
+        memo = request.__dict__[key] = {}
+    return memo

@@ -53,6 +53,7 @@ from types import MappingProxyType
 import attrs
 import numpy as np
 
+from schedspec.spec.persistent import request_memo
 from schedspec.spec.request import Request
 from schedspec.spec.workload import token_ids
 
@@ -79,18 +80,15 @@ def block_hash(parent: str, token_ids: Sequence[int] | np.ndarray) -> str:
     return digest.hexdigest()
 
 
-_MEMO = "_prefix_block_hashes"
-
-
 def request_block_hash(request: Request, index: int, parent: str, block_size: int) -> str:
-    """The hash of block ``index`` of the request's sequence (prompt plus output), given its parent's.
+    """The hash of block ``index`` of the request's sequence (prompt plus output), given its parent's:
+    ``block_hash(parent, token ids of positions [index * block_size, (index + 1) * block_size))``.
 
-    Memoized on the request: a request's token ids at a position never change (outputs are only appended,
-    and kept through a preemption), so the memo (keyed by block size and index, checked against the
-    parent) is shared by every later version of the request (``Request.replace`` copies it along)."""
-    memo = request.__dict__.get(_MEMO)
-    if memo is None:
-        memo = request.__dict__[_MEMO] = {}
+    Memoized per request (:func:`~schedspec.spec.persistent.request_memo`, speed only): a request's token
+    ids at a position never change (outputs are only appended, and kept through a preemption), so every
+    later version of the request shares the memo (keyed by block size and index, checked against the
+    parent)."""
+    memo = request_memo(request, "prefix_block_hashes")
     key = (block_size, index)
     found = memo.get(key)
     if found is not None and found[0] == parent:

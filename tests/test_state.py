@@ -78,3 +78,15 @@ def test_evolve_request_refuses_the_prompt_and_unknown_names():
     for name in ("prompt_token_ids", "prompt_len", "no_such_field"):
         with pytest.raises(TypeError, match=name):
             evolve_request(request, **{name: 1})
+
+
+def test_request_memo_is_shared_by_later_versions_and_is_not_part_of_the_value():
+    from schedspec.spec.persistent import request_memo
+
+    request = Request("a", 0, (1, 2, 3), 4)
+    request_memo(request, "x")["k"] = 1
+    later = evolve_request(request, num_computed_tokens=2)
+    assert request_memo(later, "x") == {"k": 1}
+    assert request == Request("a", 0, (1, 2, 3), 4)  # the memo is not compared
+    assert "_memo_" not in repr(request)
+    assert request_memo(attrs.evolve(request), "x") == {}  # a plain copy starts a new memo
