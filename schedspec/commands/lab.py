@@ -56,8 +56,8 @@ DEFAULT_DURATION = 120.0
 
 
 def _scale_lengths(window: list, factor: float) -> list:
-    """``--length-scale``: every prompt, shared prefix and output length divided by ``factor``, rounded
-    up (at least one token; a length of 0 stays 0, so the spec still rejects that request); arrival
+    """``--length-scale``: every prompt, shared prefix, hashed prompt block and output length divided by
+    ``factor``, rounded up (at least one token; a length of 0 stays 0, so the spec still rejects that request); arrival
     times, ids and everything else unchanged. Exits 2 if a length would exceed
     :data:`~schedspec.reference.workloads.MAX_TOKEN_COUNT`."""
     if factor == 1:
@@ -73,8 +73,10 @@ def _scale_lengths(window: list, factor: float) -> list:
     scaled = []
     for spec in window:
         prompt = scale(spec.prompt_len)
+        block_tokens = spec.hash_block_tokens
         scaled.append(attrs.evolve(spec, prompt_len=prompt, max_tokens=scale(spec.max_tokens),
-                                   prefix_len=min(prompt, math.ceil(spec.prefix_len / factor))))
+                                   prefix_len=min(prompt, math.ceil(spec.prefix_len / factor)),
+                                   hash_block_tokens=None if block_tokens is None else scale(block_tokens)))
     return scaled
 
 
