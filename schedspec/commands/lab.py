@@ -211,6 +211,17 @@ def _print_summary(console: Console, record: dict[str, Any]) -> None:
         slos = ", ".join(f"{k[:-4]} <= {v:g} s" for k, v in g.items() if k.endswith("_slo") and v is not None)
         table.add_row("goodput", f"{_fmt(g['percent'], '')}% of {g['admitted']:,} admitted requests meet {slos}")
     console.print(table)
+    prefix = details.get("prefix_cache")
+    if prefix:
+        rate = prefix["prefix_hit_rate"]
+        console.print(Text(
+            f"Prefix cache (enable_prefix_caching={str(prefix['enable_prefix_caching']).lower()}, "
+            f"block_size={prefix['block_size']}): hit rate "
+            f"{'n/a' if rate is None else f'{100 * rate:.1f}%'} in tokens, {prefix['prefix_hit_tokens']:,} of "
+            f"{prefix['prefix_query_tokens']:,} prompt tokens at {prefix['prefix_admissions']:,} first admissions; "
+            f"re-admissions after a preemption excluded ({prefix['prefix_hit_tokens_after_preemption']:,} of "
+            f"{prefix['prefix_query_tokens_after_preemption']:,} tokens hit at {prefix['prefix_readmissions']:,})."
+        ))
     console.print(
         f"Checked {figures['steps_checked']:,} of {figures['num_steps']:,} steps against every spec invariant: "
         f"{figures['violations']} violations. Wall time {figures['wall_time_s']:.1f} s."
@@ -255,6 +266,7 @@ def _compare_table(console: Console, records: list[dict[str, Any]]) -> None:
             table.add_row(key, *(_count(v) for v in values))
     if records[0]["figures"]["goodput_percent"] is not None:
         table.add_row("goodput %", *(_fmt(r["figures"]["goodput_percent"], "") for r in records))
+    table.add_row("prefix hit % (tokens)", *(_percent(r["figures"].get("prefix_hit_rate_percent")) for r in records))
     table.add_row("violations", *(str(r["figures"]["violations"]) for r in records))
     console.print(table)
 
