@@ -290,6 +290,26 @@ class BoundedItl(Monitor):
                 return
 
 
+def _table(request_id: str, requests, tables) -> tuple[int, ...]:
+    found = tables.get(request_id)
+    return requests[request_id].block_ids if found is None else found
+
+
+def _held_only_by(group: list[str], running: list[str], requests, tables) -> set[int]:
+    """Blocks held by requests of ``group`` and by no other request of ``running`` (with prefix caching
+    a block may be shared; preempting ``group`` frees only the blocks no one else holds)."""
+    members = set(group)
+    mine = {b for r in group for b in _table(r, requests, tables)}
+    others = {b for r in running if r not in members for b in _table(r, requests, tables)}
+    return mine - others
+
+
+def _released(requests, preempted, running) -> set[int]:
+    """Blocks the preempted requests release: those no request still running holds."""
+    mine = {b for r in preempted for b in requests[r].block_ids}
+    return mine - {b for r in running for b in requests[r].block_ids} if mine else mine
+
+
 class NoPriorityInversion(Monitor):
     """``no-priority-inversion``: after a step's preemptions, no waiting request is kept out only by
     resources that a strictly less urgent running request holds.
@@ -302,8 +322,8 @@ class NoPriorityInversion(Monitor):
 
     - ``running`` = the running requests not preempted, plus the waiting ones the plan admits;
     - ``slots = max_num_seqs - len(running)``;
-    - ``blocks`` = the free blocks before the step, plus the blocks of the preempted requests, minus
-      the blocks the plan hands out;
+    - ``blocks`` = the free blocks before the step, plus the blocks the preempted requests release,
+      minus the blocks the plan hands out (new blocks, and free cached blocks a prefix hit takes);
     - ``tokens = max_num_batched_tokens - scheduled tokens``.
 
     A request ``W`` waiting at plan time (not admitted, not rejected by the plan; preempted ones
@@ -312,8 +332,9 @@ class NoPriorityInversion(Monitor):
     (its whole current sequence, the admission gate of ``work-conserving``) and ``tokens >= 1``
     (chunked prefill) or ``tokens >= W``'s pending tokens (chunked prefill off). With ``L`` = the
     requests of ``running`` whose ``priority`` is greater than ``W``'s, holding ``len(L)`` slots,
-    ``held_blocks`` blocks (their block tables after this step's allocations) and ``held_tokens``
-    tokens of this step's budget, ``W`` is **kept out only by** ``L`` when it does not fit in
+    ``held_blocks`` blocks (the blocks of their tables after this step's allocations that no other
+    running request shares: with prefix caching a shared block is not freed by preempting ``L``) and
+    ``held_tokens`` tokens of this step's budget, ``W`` is **kept out only by** ``L`` when it does not fit in
     ``(slots, blocks, tokens)`` but fits in ``(slots + len(L), blocks + held_blocks, tokens +
     held_tokens)``. The property fails at every step where some ``W`` is kept out only by its ``L``.
 
@@ -341,12 +362,14 @@ class NoPriorityInversion(Monitor):
         preempted = set(plan.preempted)
         rejected = {request_id for request_id, _ in plan.rejected}
         tokens_of = {item.request_id: item.num_tokens for item in plan.scheduled}
-        new_blocks = {item.request_id: len(item.new_block_ids) for item in plan.scheduled}
+        tables: dict[str, tuple[int, ...]] | None = None  # built when first needed
+        touched = sum(1 for item in plan.scheduled for b in getattr(item, "cached_block_ids", ())
+                      if b in before.free_block_set)
         running = [r for r in before.running if r not in preempted]
         running += [item.request_id for item in plan.scheduled if item.request_id not in before.running]
         slots = config.max_num_seqs - len(running)
-        blocks = (len(before.free_block_ids) + sum(len(requests[r].block_ids) for r in preempted)
-                  - sum(new_blocks.values()))
+        blocks = (len(before.free_block_ids) + len(_released(requests, preempted, running))
+                  - sum(len(item.new_block_ids) for item in plan.scheduled) - touched)
         tokens = config.max_num_batched_tokens - plan.num_scheduled_tokens
         waiting = [r for r in before.waiting if r not in tokens_of and r not in rejected] + list(plan.preempted)
         held: dict[int, tuple[list[str], int, int]] = {}  # priority of W -> (L, held_blocks, held_tokens)
@@ -359,10 +382,16 @@ class NoPriorityInversion(Monitor):
             if slots >= 1 and blocks >= needed_blocks and tokens >= needed_tokens:
                 continue  # fits: not kept out by resources at all
             if request.priority not in held:
+                if tables is None:
+                    # block tables after the step's allocations; with prefix caching an admitted
+                    # request's table starts with its hit blocks (``cached_block_ids``)
+                    tables = {item.request_id: (*requests[item.request_id].block_ids,
+                                                *getattr(item, "cached_block_ids", ()), *item.new_block_ids)
+                              for item in plan.scheduled}
                 less_urgent = [r for r in running if requests[r].priority > request.priority]
                 held[request.priority] = (
                     less_urgent,
-                    sum(len(requests[r].block_ids) + new_blocks.get(r, 0) for r in less_urgent),
+                    len(_held_only_by(less_urgent, running, requests, tables)),
                     sum(tokens_of.get(r, 0) for r in less_urgent),
                 )
             less_urgent, held_blocks, held_tokens = held[request.priority]

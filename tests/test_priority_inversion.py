@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import attrs
 import pytest
 
 from schedspec.reference.engine import Engine
@@ -203,3 +204,30 @@ def test_check_property_flags_the_hand_made_inversion(tmp_path):
         (NAME, 1, "H"), (NAME, 2, "H")]
     fair = _check(str(_hand_made_trace(tmp_path / "equal.jsonl", urgent=5)), "--property", NAME)
     assert fair.returncode == 0, fair.stdout + fair.stderr
+
+
+def test_blocks_shared_with_a_more_urgent_request_are_not_counted_as_held():
+    """With prefix caching (tables sharing blocks), preempting the less urgent L frees only the blocks
+    nobody else holds: L shares blocks 0, 1 with the more urgent M and holds block 2 alone; H needs 2."""
+    from schedspec.spec.request import RequestStatus
+
+    config = SchedulerConfig(block_size=4, num_kv_blocks=3, max_num_batched_tokens=16, max_num_seqs=4, max_model_len=12)
+
+    def running(request_id: str, priority: int, blocks: tuple[int, ...], length: int):
+        request = RequestSpec(request_id, length, 1, priority=priority).to_request(0)
+        return request.replace(status=RequestStatus.RUNNING, block_ids=blocks, num_computed_tokens=length - 1,
+                               admitted_step=0)
+
+    requests = {"M": running("M", 0, (0, 1), 8), "L": running("L", 5, (0, 1, 2), 12),
+                "H": RequestSpec("H", 8, 1, priority=1).to_request(1)}
+    state = SchedulerState(step=1, waiting=("H",), running=("M", "L"), requests=requests, free_block_ids=(),
+                           num_requests_added=3)
+    plan = StepPlan((ScheduledRequest("M", 7, 1), ScheduledRequest("L", 11, 1)))
+    monitor = NoPriorityInversion(config)
+    monitor.observe(state, plan, state)  # ``after`` is not read
+    assert monitor.violations == []
+    # the same tables without sharing (L holds 2 blocks alone): H would fit in them, an inversion
+    alone = dict(requests, L=running("L", 5, (1, 2), 8), M=running("M", 0, (0,), 4))
+    monitor.observe(attrs.evolve(state, requests=alone), StepPlan((ScheduledRequest("M", 3, 1),
+                                                                   ScheduledRequest("L", 7, 1))), state)
+    assert [v.request_id for v in monitor.violations] == ["H"]
