@@ -7,7 +7,7 @@ of block ``b``. A request's block table ``[b0, b1, ...]`` puts its position ``p`
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -55,65 +55,123 @@ class PagedKVCache:
             tensor.index_fill_(0, index, value)
 
 
+def _names(requests: set[str]) -> str:
+    """``'a'`` for one request, ``'a', 'b'`` for several (sorted)."""
+    return ", ".join(repr(r) for r in sorted(requests))
+
+
 class BlockLedger:
-    """Debug-mode bookkeeping: which request owns each block and how many of its positions the backend
-    has written, as the backend saw it happen.
+    """Debug-mode bookkeeping: which requests hold each block, how many of each request's positions the
+    backend has written, and which free blocks keep their KV for prefix-cache hits, as the backend saw
+    it happen.
+
+    With prefix caching a block may be held by several requests (a prefix hit shares it, no copy; vLLM
+    ``KVCacheManager.get_computed_blocks`` / ``BlockPool.touch``), and a block whose last holder lets go
+    may stay **cached**: free (in the free queue) but keeping its KV until it is handed out again
+    (vLLM ``BlockPool.free_blocks`` keeps the hash; ``get_new_blocks`` evicts it). Which freed blocks
+    stay cached is the scheduler's decision, passed in as ``kept`` (the spec's published blocks). A
+    freed block that is not kept is poisoned at once; a cached block is poisoned when it is handed out
+    again (as a new block of some request) or when the scheduler stops listing it as kept.
 
     At every step :meth:`check_step` compares the scheduler state against the ledger, finds the blocks
-    freed since the last step, and checks that every block the step writes or reads belongs to the
-    request doing it; :meth:`commit` records the step afterwards.
+    freed since the last step, and checks that every block the step writes or reads is the request's
+    own, a shared block with valid KV or a cached one; :meth:`commit` records the step afterwards.
     """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.owner: dict[int, str] = {}
-        """Block id -> owning request id."""
+        self.owners: dict[int, set[str]] = {}
+        """Block id -> the requests whose block table holds it (several after a prefix hit)."""
         self.tables: dict[str, tuple[int, ...]] = {}
         """Request id -> its block table as the backend wrote it."""
         self.filled: dict[str, int] = {}
         """Request id -> positions ``[0, filled)`` written to its blocks (tokens)."""
+        self.written: dict[int, int] = {}
+        """Block id -> slots ``[0, written)`` of it that hold valid KV (0 or absent once poisoned)."""
+        self.cached: set[int] = set()
+        """Free blocks that keep their KV (not poisoned) for prefix-cache hits."""
 
-    def release(self, request_id: str) -> tuple[int, ...]:
-        """Forget a request's blocks; returns them."""
+    @property
+    def owner(self) -> dict[int, str]:
+        """Block id -> its holder, for blocks held by exactly one request."""
+        return {block: next(iter(held)) for block, held in self.owners.items() if len(held) == 1}
+
+    def release(self, request_id: str, kept: frozenset[int] | set[int] = frozenset()) -> tuple[int, ...]:
+        """Forget a request's blocks. A block no other request holds becomes free: cached (KV kept) if
+        it is in ``kept`` and fully written, else it is returned to be poisoned.
+
+        Returns:
+            the blocks to poison (in table order).
+        """
         table = self.tables.pop(request_id, ())
         self.filled.pop(request_id, None)
+        poison = []
         for block in table:
-            if self.owner.get(block) == request_id:
-                del self.owner[block]
-        return table
+            held = self.owners.get(block)
+            if held is not None:
+                held.discard(request_id)
+                if held:
+                    continue
+                del self.owners[block]
+            if block in kept and self.written.get(block, 0) == self.block_size:
+                self.cached.add(block)
+            else:
+                self.written.pop(block, None)
+                poison.append(block)
+        return tuple(poison)
 
-    def check_step(self, plan: StepPlan, state: SchedulerState) -> tuple[list[int], list[str]]:
+    def _evict(self, block: int) -> None:
+        self.cached.discard(block)
+        self.written.pop(block, None)
+
+    def check_step(self, plan: StepPlan, state: SchedulerState,
+                   hits: Mapping[str, tuple[int, ...]] | None = None,
+                   kept: frozenset[int] | set[int] = frozenset()) -> tuple[list[int], list[str]]:
         """Reconcile with ``state`` (before the step) and check ``plan``.
 
         Releases (in the ledger) the blocks of requests that ended since the last step and of the
         requests ``plan`` preempts.
 
+        Args:
+            plan: the step.
+            state: the scheduler state before it.
+            hits: request id -> the cached blocks that start its block table this step (a prefix hit;
+                its table is ``block_ids + hits + new_block_ids``).
+            kept: the free blocks whose KV the scheduler keeps for hits (the spec's published blocks).
+
         Returns:
-            ``(freed, problems)``: the blocks released now (to poison), and one message per violation
-            (empty when the step only touches blocks its requests own).
+            ``(poison, problems)``: the blocks to poison now (freed and not kept, cached ones the
+            scheduler no longer keeps, cached ones handed out again), and one message per violation
+            (empty when the step only touches blocks it may).
         """
+        hits = hits or {}
         problems: list[str] = []
-        freed: list[int] = []
-        free = set(state.free_block_ids)
+        poison: list[int] = []
+        free = state.free_block_set
         for request_id in list(self.tables):
             request = state.requests.get(request_id)
             if request is None:  # ended (finished or aborted) since the last step
-                released = self.release(request_id)
-                not_free = [b for b in released if b not in free]
+                table = self.tables[request_id]
+                poison.extend(self.release(request_id, kept))
+                not_free = [b for b in table if b not in self.owners and b not in free]
                 if not_free:
                     problems.append(f"request {request_id!r} ended but its blocks {not_free} are not in "
                                     "free_block_ids")
-                freed.extend(released)
             elif request.block_ids != self.tables[request_id]:
                 problems.append(
                     f"request {request_id!r}: state block_ids={list(request.block_ids)} but the backend "
                     f"gave it {list(self.tables[request_id])}")
-        for block in sorted(free & self.owner.keys()):
-            problems.append(f"block {block} is in free_block_ids but request {self.owner[block]!r} still holds it")
+        for block in sorted(free & self.owners.keys()):
+            problems.append(f"block {block} is in free_block_ids but request {_names(self.owners[block])} "
+                            "still holds it")
+        for block in sorted(self.cached - set(kept)):  # the scheduler dropped it from its cache
+            self._evict(block)
+            poison.append(block)
         for request_id in plan.preempted:
-            freed.extend(self.release(request_id))
-        available = free | set(freed)
+            poison.extend(self.release(request_id, kept))
+        available = free | set(poison) | self.cached
+        hit_blocks = {b: r for r, blocks in hits.items() for b in blocks}
         taken: dict[int, str] = {}
         for item in plan.scheduled:
             request = state.requests.get(item.request_id)
@@ -121,37 +179,58 @@ class BlockLedger:
                 problems.append(f"request {item.request_id!r} is not a live request")
                 continue
             for block in request.block_ids:
-                owner = self.owner.get(block)
-                if owner != item.request_id:
+                if item.request_id not in self.owners.get(block, ()):
+                    held = self.owners.get(block)
                     problems.append(
                         f"request {item.request_id!r}: block_ids lists block {block} owned by "
-                        f"{'no request (free)' if owner is None else repr(owner)}; reading it would read "
+                        f"{'no request (free)' if not held else _names(held)}; reading it would read "
                         "another request's KV")
+            hit = tuple(hits.get(item.request_id, ()))
+            if hit and request.block_ids:
+                problems.append(f"request {item.request_id!r}: a prefix hit {list(hit)} for a request that "
+                                f"already holds blocks {list(request.block_ids)}")
+            for block in hit:
+                if self.written.get(block, 0) != self.block_size or not (block in self.cached or self.owners.get(block)):
+                    problems.append(f"request {item.request_id!r}: prefix hit on block {block}, which holds no "
+                                    "valid KV (never fully written, or freed and poisoned)")
             for block in item.new_block_ids:
-                owner = self.owner.get(block)
-                if owner is not None or block not in available:
-                    who = f"owned by request {owner!r}" if owner is not None else "not in free_block_ids"
+                held = self.owners.get(block)
+                if held or block not in available:
+                    who = f"owned by request {_names(held)}" if held else "not in free_block_ids"
                     problems.append(f"request {item.request_id!r}: new_block_ids writes into block {block}, "
                                     f"which is {who}")
                 elif block in taken:
                     problems.append(f"request {item.request_id!r}: new_block_ids block {block} is also given "
                                     f"to request {taken[block]!r} in this step")
+                elif block in hit_blocks:
+                    problems.append(f"request {item.request_id!r}: new_block_ids block {block} is a prefix hit "
+                                    f"of request {hit_blocks[block]!r} in this step")
+                elif block in self.cached:  # handed out again: its cached KV is gone
+                    self._evict(block)
+                    poison.append(block)
                 taken[block] = item.request_id
-            written = self.filled.get(item.request_id, 0)
+            written = self.filled.get(item.request_id, 0) + len(hit) * self.block_size
             if item.num_computed_tokens > written:
                 problems.append(f"request {item.request_id!r}: num_computed_tokens={item.num_computed_tokens} "
                                 f"but only positions [0, {written}) were written to its blocks")
-        return freed, problems
+        return poison, problems
 
-    def commit(self, plan: StepPlan, state: SchedulerState) -> None:
-        """Record the step: new blocks belong to their request; its positions up to the chunk's end are
-        written."""
+    def commit(self, plan: StepPlan, state: SchedulerState, hits: Mapping[str, tuple[int, ...]] | None = None) -> None:
+        """Record the step: hit and new blocks join their request's table (a hit block leaves the cached
+        set: it is held again); its positions up to the chunk's end are written."""
+        hits = hits or {}
+        size = self.block_size
         for item in plan.scheduled:
             request = state.requests.get(item.request_id)
             if request is None:
                 continue
-            table = request.block_ids + item.new_block_ids
+            table = request.block_ids + tuple(hits.get(item.request_id, ())) + item.new_block_ids
             self.tables[item.request_id] = table
-            for block in table:
-                self.owner[block] = item.request_id
-            self.filled[item.request_id] = item.num_computed_tokens + item.num_tokens
+            end = item.num_computed_tokens + item.num_tokens
+            self.filled[item.request_id] = end
+            for index, block in enumerate(table):
+                self.owners.setdefault(block, set()).add(item.request_id)
+                self.cached.discard(block)
+                slots = min(size, end - index * size)
+                if slots > self.written.get(block, 0):
+                    self.written[block] = slots

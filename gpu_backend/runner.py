@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -41,6 +41,22 @@ ROTARY_TABLE_MAX_LEN = 1 << 16
 """Rotary ``cos``/``sin`` are precomputed for positions below ``min(max_model_len, this)``."""
 
 
+def _prefix_hits(plan: StepPlan) -> dict[str, tuple[int, ...]]:
+    """Request id -> hit blocks, from the plan items' ``cached_block_ids`` (absent before prefix caching)."""
+    hits = {}
+    for item in plan.scheduled:
+        blocks = getattr(item, "cached_block_ids", ())
+        if blocks:
+            hits[item.request_id] = tuple(blocks)
+    return hits
+
+
+def _cached_blocks(state: SchedulerState) -> Collection[int]:
+    """The blocks the spec state publishes in its prefix cache (``state.prefix_cache.block_hashes``), or
+    none when the state has no prefix cache."""
+    cache = getattr(state, "prefix_cache", None)
+    hashes = getattr(cache, "block_hashes", None)
+    return () if hashes is None else hashes.keys()
 
 
 class Runner:
@@ -188,14 +204,29 @@ class Runner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def execute(self, plan: StepPlan, state: SchedulerState) -> tuple[dict[str, int], float]:
+    def execute(self, plan: StepPlan, state: SchedulerState, *,
+                prefix_hits: Mapping[str, Sequence[int]] | None = None,
+                cached_blocks: Collection[int] | None = None) -> tuple[dict[str, int], float]:
         """Run one step: one forward pass over every scheduled chunk, then sample.
+
+        Prefix caching shares KV blocks, never copies them: a request admitted with a prefix hit has
+        ``num_computed_tokens`` = the hit length and a block table that starts with the hit blocks,
+        which another request computed (and may still hold); the step computes only the positions
+        after the hit and attends to the shared blocks' keys and values where they are.
 
         Args:
             plan: the step; each scheduled chunk computes positions ``[num_computed_tokens,
                 num_computed_tokens + num_tokens)`` and its block table is ``request.block_ids +
-                new_block_ids``. Blocks of ``plan.preempted`` are released first.
+                prefix_hits[request] + new_block_ids``. Blocks of ``plan.preempted`` are released first.
             state: the scheduler state before the step.
+            prefix_hits: request id -> the cached blocks that start its block table this step (vLLM
+                ``KVCacheManager.get_computed_blocks``). Default: each scheduled item's
+                ``cached_block_ids`` where the plan's items carry one (the prefix-cache design's
+                ``ScheduledRequest`` field), else none.
+            cached_blocks: in debug mode, the free blocks whose KV the scheduler keeps for later hits
+                (published, refcount 0: vLLM's evictable blocks); freed blocks outside it are poisoned
+                at once, cached ones when handed out again. Default: the blocks of
+                ``state.prefix_cache.block_hashes`` when the state has a prefix cache, else none.
 
         Returns:
             ``(sampled, seconds)``: token id for each request that samples this step
@@ -209,8 +240,10 @@ class Runner:
             BackendError: a scheduled request is not live, a chunk is out of the request's range, or a
                 token id is outside the model's vocabulary.
         """
+        hits = _prefix_hits(plan) if prefix_hits is None else {r: tuple(b) for r, b in prefix_hits.items() if b}
         if self.ledger is not None:
-            freed, problems = self.ledger.check_step(plan, state)
+            kept = frozenset(_cached_blocks(state) if cached_blocks is None else cached_blocks)
+            freed, problems = self.ledger.check_step(plan, state, hits, kept)
             self.kv_cache.fill_blocks(freed)
             if problems and self.check_block_tables:
                 raise BlockTableError(f"step {state.step}: " + "; ".join(problems), field="block_ids")
@@ -221,7 +254,7 @@ class Runner:
             return {}, 0.0
         self._sync()
         started = time.perf_counter()
-        batch, spans, samplers, max_position = self._build_batch(plan, state)
+        batch, spans, samplers, max_position = self._build_batch(plan, state, hits)
         logits = self.model.forward(batch, self.kv_cache, max_position)
         self.num_forward_calls += 1
         if self.record_logits == "all":
@@ -239,7 +272,7 @@ class Runner:
                 everything = logits.cpu()
                 self.step_logits = {rid: everything[start:start + n] for rid, (start, n) in spans.items()}
         if self.ledger is not None:
-            self.ledger.commit(plan, state)
+            self.ledger.commit(plan, state, hits)
             bad = torch.isnan(logits).any(dim=-1).cpu()
             if bool(bad.any()):
                 if self.record_logits == "all":
@@ -251,7 +284,7 @@ class Runner:
                     "(NaN-poisoned) KV block", field="block_ids")
         return sampled, self.last_step_seconds
 
-    def _build_batch(self, plan: StepPlan, state: SchedulerState):
+    def _build_batch(self, plan: StepPlan, state: SchedulerState, hits: Mapping[str, tuple[int, ...]]):
         """Pack the plan's chunks. Returns the :class:`PackedBatch`, request id -> (batch offset, tokens),
         ``(request id, batch index of its last token, output index)`` for each sampling request, and the
         largest position in the batch."""
@@ -285,7 +318,7 @@ class Runner:
                 raise BackendError(
                     f"step {state.step}: request {request_id!r}: chunk [{start}, {end}) is outside its "
                     f"{num_tokens} tokens", field="num_tokens")
-            table = request.block_ids + item.new_block_ids
+            table = request.block_ids + hits.get(request_id, ()) + item.new_block_ids
             needed = -(-end // block_size)
             if len(table) < needed:
                 raise BlockTableError(

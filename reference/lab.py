@@ -32,7 +32,7 @@ from schedspec.spec.workload import RequestSpec
 
 from .engine import Engine, RunResult
 from .fake_model import CostOnlyModel, FakeModel, TokenSource
-from .metrics import RequestTimeline, long_prompt_threshold
+from .metrics import PrefixHitCounter, RequestTimeline, long_prompt_threshold
 from .scheduler import make_scheduler
 
 
@@ -79,13 +79,15 @@ class LabStep:
 
 @attrs.define
 class LabResult:
-    """A lab run: its steps, per-request timelines, and the engine's run (checks, final state)."""
+    """A lab run: its steps, per-request timelines, the engine's run (checks, final state) and the
+    prefix cache's hits (:meth:`~schedspec.reference.metrics.PrefixHitCounter.summary`)."""
 
     scheduler: str
     config: SchedulerConfig
     steps: list[LabStep]
     timelines: list[RequestTimeline]
     run: RunResult
+    prefix_hits: dict[str, Any] = attrs.field(factory=dict)
 
 
 class _Collector:
@@ -99,10 +101,12 @@ class _Collector:
         self.finish_time: dict[str, float] = {}
         self.long_prefill_spans: list[tuple[float, float]] = []
         self._span_starts: np.ndarray | None = None
+        self.prefix_hits = PrefixHitCounter()
 
     def __call__(self, record: StepRecord) -> None:
         if self.steps_out is not None:
             self.steps_out.write(record.to_json() + "\n")
+        self.prefix_hits.observe(record)
         end = record.start_time + record.duration
         long_prefill = False
         prefill = decode = chunks = 0
@@ -207,4 +211,5 @@ def run_lab(
             num_preemptions=request.num_preemptions,
             arrived_during_long_prefill=collector.arrived_during_long_prefill(spec.arrival_time),
         ))
-    return LabResult(scheduler_name, config, collector.steps, timelines, run)
+    return LabResult(scheduler_name, config, collector.steps, timelines, run,
+                     collector.prefix_hits.summary(config.enable_prefix_caching, config.block_size))

@@ -325,6 +325,102 @@ def efficiency_summary(
 
 
 # --------------------------------------------------------------------------------------------------
+# Prefix cache hit rate
+
+PREFIX_HIT_KEYS = (
+    "enable_prefix_caching", "block_size", "prefix_hit_rate", "prefix_hit_tokens", "prefix_query_tokens",
+    "prefix_admissions", "prefix_hit_tokens_after_preemption", "prefix_query_tokens_after_preemption",
+    "prefix_readmissions",
+)
+"""Keys of :meth:`PrefixHitCounter.summary`, in display order."""
+
+
+class PrefixHitCounter:
+    """Counts prefix-cache hits in tokens from a run's :class:`~schedspec.spec.trace.StepRecord` s, fed one
+    at a time (:meth:`observe`), so the lab need not keep its records.
+
+    An **admission** is a step that schedules a request that was waiting (arrived, or preempted
+    earlier). Its **query** is the tokens looked up in the cache: the prompt for a first admission;
+    prompt plus the outputs sampled so far for a re-admission after a preemption. Its **hit** is the
+    record's ``prefix_hit_tokens`` for it (0 when absent). The hit rate covers first admissions only:
+    a re-admission mostly finds the blocks it computed itself before its preemption, which measures
+    recomputation saved, not prompts shared, so those are counted apart (as vLLM V1's
+    ``PrefixCacheStats`` keeps preempted requests' queries and hits apart, ``vllm/v1/metrics/stats.py``).
+    """
+
+    def __init__(self) -> None:
+        self.prompt_len: dict[str, int] = {}
+        self.outputs: Counter[str] = Counter()
+        self.waiting: set[str] = set()
+        self.preempted_once: set[str] = set()
+        self.hits = self.queries = self.admissions = 0
+        self.hits_after = self.queries_after = self.readmissions = 0
+
+    def observe(self, record: Any) -> None:
+        """One step, in order: a :class:`StepRecord` or any object with ``arrivals`` (items with
+        ``request_id`` and ``prompt_len``), ``aborts``, ``scheduled`` (items with ``request_id``),
+        ``prefix_hit_tokens``, ``preempted``, ``rejected`` and ``sampled_token_ids``."""
+        for spec in record.arrivals:
+            self.prompt_len[spec.request_id] = spec.prompt_len
+            self.waiting.add(spec.request_id)
+        for request_id in record.aborts:
+            self.waiting.discard(request_id)
+        hits = record.prefix_hit_tokens
+        for item in record.scheduled:
+            request_id = item.request_id
+            if request_id not in self.waiting:
+                continue
+            self.waiting.discard(request_id)
+            query = self.prompt_len.get(request_id, 0) + self.outputs[request_id]
+            hit = int(hits.get(request_id, 0))
+            if request_id in self.preempted_once:
+                self.readmissions += 1
+                self.queries_after += query
+                self.hits_after += hit
+            else:
+                self.admissions += 1
+                self.queries += query
+                self.hits += hit
+        for request_id in record.rejected:
+            self.waiting.discard(request_id)
+        for request_id in record.preempted:
+            self.waiting.add(request_id)
+            self.preempted_once.add(request_id)
+        self.outputs.update(record.sampled_token_ids.keys())
+
+    def summary(self, enable_prefix_caching: bool, block_size: int) -> dict[str, Any]:
+        """The counts with their conditions (keys :data:`PREFIX_HIT_KEYS`).
+
+        Returns:
+            ``enable_prefix_caching`` and ``block_size`` (the conditions: a hit is whole blocks of
+            ``block_size`` tokens, capped so that one prompt token is still computed);
+            ``prefix_hit_rate`` = ``prefix_hit_tokens / prefix_query_tokens`` over first admissions
+            (fraction 0-1; ``None`` without admissions); ``prefix_admissions``; the same counts for
+            re-admissions after a preemption (``*_after_preemption``, ``prefix_readmissions``),
+            left out of the rate.
+        """
+        return {
+            "enable_prefix_caching": enable_prefix_caching,
+            "block_size": block_size,
+            "prefix_hit_rate": self.hits / self.queries if self.queries else None,
+            "prefix_hit_tokens": self.hits,
+            "prefix_query_tokens": self.queries,
+            "prefix_admissions": self.admissions,
+            "prefix_hit_tokens_after_preemption": self.hits_after,
+            "prefix_query_tokens_after_preemption": self.queries_after,
+            "prefix_readmissions": self.readmissions,
+        }
+
+
+def prefix_hit_summary(records: Iterable[Any], enable_prefix_caching: bool, block_size: int) -> dict[str, Any]:
+    """:meth:`PrefixHitCounter.summary` of a whole run's records (in step order)."""
+    counter = PrefixHitCounter()
+    for record in records:
+        counter.observe(record)
+    return counter.summary(enable_prefix_caching, block_size)
+
+
+# --------------------------------------------------------------------------------------------------
 # SLOs and goodput
 
 

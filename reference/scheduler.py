@@ -244,7 +244,9 @@ work-conserving test."""
 VLLM_V1_PRIORITY_GUARANTEES = frozenset({"progress", "stall-free-decode", "rejects-impossible"})
 """``vllm-v1-priority`` starves less urgent requests by design (no ``bounded-wait``), preempts whichever
 running request is least urgent (no ``bounded-preemptions``), and a request that preempts itself ends the
-running phase, leaving more urgent running requests without a token (no ``work-conserving``)."""
+running phase, leaving more urgent running requests without a token (no ``work-conserving``), and a waiting
+request never preempts, so at ``max_num_seqs`` an urgent request waits behind less urgent running ones (no
+``no-priority-inversion``: bundled case ``priority-preempts-at-seq-cap``, tests/test_priority_inversion.py)."""
 
 SCHEDULERS: dict[str, SchedulerFactory] = {
     "fcfs": _reference(policies.fcfs, "fcfs", ALL_PROPERTIES),
@@ -259,6 +261,9 @@ SCHEDULERS: dict[str, SchedulerFactory] = {
         policies.shortest_prompt_first, "shortest-prompt-first",
         frozenset({"progress", "stall-free-decode", "rejects-impossible"}),
     ),
+    # no no-priority-inversion yet: the policy makes room only for the most urgent waiting request,
+    # before admission (case counterexample-priority-inversion-second-urgent), and a less urgent running
+    # prefill takes the budget an urgent waiting request needs (tests/test_priority_inversion.py)
     "priority": _reference(
         policies.priority, "priority",
         frozenset({"progress", "stall-free-decode", "rejects-impossible"}),

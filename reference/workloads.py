@@ -17,8 +17,8 @@ Formats, detected from the first line (:func:`detect_format`; details and statis
   spec rejects them at arrival with the reason.
 - ``mooncake``: Mooncake JSON Lines (``timestamp`` in **milliseconds**, ``input_length``,
   ``output_length``, ``hash_ids``: one id per 512-token prompt block): the conversation, tool/agent
-  and synthetic traces of the FAST'25 release and the arxiv trace. ``hash_ids`` become
-  ``prefix_group``/``prefix_len`` (:func:`load_mooncake_jsonl`).
+  and synthetic traces of the FAST'25 release and the arxiv trace. ``hash_ids`` become the prompt:
+  equal hash ids give equal token ids (:class:`MooncakePrompt`, :func:`load_mooncake_jsonl`).
 
 A row the spec would reject (a token count of 0, a prompt longer than any ``max_model_len``) is kept
 as a request, which the spec rejects at arrival with its reason; only a row that is not a request at
@@ -50,13 +50,44 @@ from pathlib import Path
 import attrs
 import numpy as np
 
-from schedspec.spec.workload import RequestSpec
+from schedspec.spec.workload import BlockHashPrompt, RequestSpec
 
 FORMATS = ("azure", "burstgpt", "mooncake")
 """Trace formats :func:`load_trace` reads."""
 
 MOONCAKE_BLOCK_TOKENS = 512
 """Tokens per Mooncake ``hash_ids`` block."""
+
+MooncakePrompt = BlockHashPrompt
+"""A Mooncake request's prompt (``Sequence[int]`` with ``__len__``, ``__getitem__`` and a vectorised
+``array(start, stop)``): block ``k`` of :data:`MOONCAKE_BLOCK_TOKENS` tokens has ids derived from
+``hash_ids[k]``, so requests with a common hash-id prefix share exactly those tokens and differ after
+(up to id collisions). The class itself is :class:`schedspec.spec.workload.BlockHashPrompt`: the trace
+checker, which imports only the spec, rebuilds prompts from arrival records."""
+
+
+def mooncake_shared_prompt_tokens(requests: Sequence[RequestSpec], block_size: int) -> tuple[int, int]:
+    """``(shared, total)`` prompt tokens of ``requests`` taken in the given (arrival) order: ``shared``
+    counts the full ``block_size``-token blocks of each prompt whose chained ids (the block and every
+    block before it) already appeared in an earlier request, i.e. the prompt tokens an infinite prefix
+    cache of ``block_size``-token blocks would hit, ignoring vLLM's "recompute the last token" cap;
+    ``total`` all prompt tokens. Computed from the token ids, so it measures what the prompts share,
+    not what ``hash_ids`` promise."""
+    seen: set[bytes] = set()
+    shared = total = 0
+    for spec in requests:
+        total += spec.prompt_len
+        full = spec.prompt_len // block_size * block_size
+        ids = spec.prompt_token_ids().array(0, full).tobytes()
+        width = block_size * 8  # int64 ids
+        parent = b""
+        for start in range(0, len(ids), width):
+            key = hashlib.blake2b(parent + ids[start:start + width], digest_size=16).digest()
+            if key in seen:
+                shared += block_size
+            seen.add(key)
+            parent = key
+    return shared, total
 
 DEFAULT_TRACE = "AzureLLMInferenceTrace_conv.csv"
 """File name of the default packaged trace."""
@@ -455,8 +486,12 @@ def load_mooncake_jsonl(path: str | Path, id_prefix: str | None = None, notes: l
     (a list of ``ceil(input_length / 512)`` integers, one per 512-token prompt block; equal ids at
     equal positions mean a reusable prefix). Blank lines are skipped; other keys are ignored.
 
-    Prefix metadata (prefix caching is not implemented by the schedulers; this only shapes the
-    synthetic prompt ids): ``RequestSpec`` can say only "requests of group G share their first
+    The prompt: each request carries its ``hash_ids`` as ``block_hash_ids`` (``hash_block_tokens`` =
+    512), so its ids are a :data:`MooncakePrompt`: equal hash ids give equal token ids, and a prefix
+    cache hits exactly what the trace shares. A request without ``hash_ids`` gets ids of its own.
+
+    Prefix groups (kept for readers of ``prefix_group``; they no longer shape the prompt ids, which
+    ``block_hash_ids`` determine): ``RequestSpec`` can say only "requests of group G share their first
     ``prefix_len`` ids" (the id at position ``p`` is a function of the group and ``p``), while the
     trace's reuse is a tree. The loader keeps the part of the tree a group can state exactly: it
     splits the trie of **full** 512-token blocks into heavy paths (:func:`_prefix_groups`); a
@@ -488,6 +523,7 @@ def load_mooncake_jsonl(path: str | Path, id_prefix: str | None = None, notes: l
     rows: list[tuple[float, int, int, int]] = []  # (ms, prompt, output, row)
     lines: list[int] = []
     blocks: list[list[int]] = []
+    hashes: list[tuple[int, ...] | None] = []
     with _open(path, encoding="utf-8") as handle:
         numbered = enumerate(handle, start=1)
         while True:
@@ -519,6 +555,7 @@ def load_mooncake_jsonl(path: str | Path, id_prefix: str | None = None, notes: l
             output = _json_token_count(data["output_length"], where, "output_length")
             ids = data.get("hash_ids")
             full: list[int] = []
+            hashes.append(None)
             if ids is not None:
                 if not isinstance(ids, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
                     raise WorkloadError(f"{where}: hash_ids: must be a list of integers")
@@ -529,6 +566,7 @@ def load_mooncake_jsonl(path: str | Path, id_prefix: str | None = None, notes: l
                         f"ceil({prompt}/{MOONCAKE_BLOCK_TOKENS}) = {expected}"
                     )
                 full = ids[: prompt // MOONCAKE_BLOCK_TOKENS]
+                hashes[-1] = tuple(ids)
             rows.append((float(stamp), prompt, output, len(rows)))
             lines.append(number)
             blocks.append(full)
@@ -547,6 +585,8 @@ def load_mooncake_jsonl(path: str | Path, id_prefix: str | None = None, notes: l
             arrival_time=(stamp - origin) / 1000.0,
             prefix_group=f"{prefix}-p{group}" if group >= 0 else None,
             prefix_len=min(prompt, num_blocks * MOONCAKE_BLOCK_TOKENS) if group >= 0 else 0,
+            block_hash_ids=hashes[index],
+            hash_block_tokens=MOONCAKE_BLOCK_TOKENS if hashes[index] is not None else None,
         ))
     return requests
 

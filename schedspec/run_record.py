@@ -114,6 +114,8 @@ def figures(result: LabResult, slo: metrics.Slo | None,
     simulated span (:func:`~schedspec.reference.metrics.efficiency_summary`); ``goodput_*`` is
     ``None`` without an SLO; ``rejected_<code>`` counts rejections per
     :data:`~schedspec.spec.admission.REJECTION_CODES` code (``rejected_other``: any other reason);
+    ``prefix_hit_rate_percent`` is the prefix cache's hit rate in tokens over first admissions
+    (:class:`~schedspec.reference.metrics.PrefixHitCounter`; ``None`` without admissions);
     ``wall_time_s`` is the only figure that depends on the machine."""
     latency, efficiency = summaries if summaries is not None else _summaries(result)
     out: dict[str, Any] = {f"requests_{k}": v for k, v in latency["requests"].items()}
@@ -140,6 +142,11 @@ def figures(result: LabResult, slo: metrics.Slo | None,
     for key in ("num_steps", "num_empty_steps", "tokens_per_step_mean", "tokens_per_step_p50",
                 "tokens_per_step_p99", "prefill_tokens", "decode_tokens", "running_mean", "running_max", "span_s"):
         out[key] = efficiency[key]
+    prefix = result.prefix_hits or {}
+    rate = prefix.get("prefix_hit_rate")
+    out["prefix_hit_rate_percent"] = None if rate is None else 100.0 * rate
+    out["prefix_hit_tokens"] = prefix.get("prefix_hit_tokens")
+    out["prefix_query_tokens"] = prefix.get("prefix_query_tokens")
     out["steps_checked"] = result.run.num_steps_checked
     out["violations"] = len(result.run.violations)
     out["wall_time_s"] = result.run.wall_seconds
@@ -174,6 +181,7 @@ def details(result: LabResult, slo: metrics.Slo | None,
         "rejected_by_code": rejected_by_code(result),
         "latency_s": latency,
         "efficiency": efficiency,
+        "prefix_cache": dict(result.prefix_hits),
         "goodput": metrics.goodput(result.timelines, *slo) if slo is not None else None,
     }
 

@@ -289,6 +289,126 @@ class BoundedItl(Monitor):
                 return
 
 
+def _table(request_id: str, requests, tables) -> tuple[int, ...]:
+    found = tables.get(request_id)
+    return requests[request_id].block_ids if found is None else found
+
+
+def _held_only_by(group: list[str], running: list[str], requests, tables) -> set[int]:
+    """Blocks held by requests of ``group`` and by no other request of ``running`` (with prefix caching
+    a block may be shared; preempting ``group`` frees only the blocks no one else holds)."""
+    members = set(group)
+    mine = {b for r in group for b in _table(r, requests, tables)}
+    others = {b for r in running if r not in members for b in _table(r, requests, tables)}
+    return mine - others
+
+
+def _released(requests, preempted, running) -> set[int]:
+    """Blocks the preempted requests release: those no request still running holds."""
+    mine = {b for r in preempted for b in requests[r].block_ids}
+    return mine - {b for r in running for b in requests[r].block_ids} if mine else mine
+
+
+class NoPriorityInversion(Monitor):
+    """``no-priority-inversion``: after a step's preemptions, no waiting request is kept out only by
+    resources that a strictly less urgent running request holds.
+
+    Urgency is vLLM's: a lower ``priority`` value is more urgent; "strictly less urgent" means a
+    strictly greater ``priority`` value (requests of equal priority are ordered by arrival, which is
+    ``bounded-wait``'s concern, not this one's). Everything is computed at plan time, from the state
+    before the step and the plan, i.e. after the plan's preemptions and allocations and before
+    sampling (blocks of requests that finish in the step are not free yet):
+
+    - ``running`` = the running requests not preempted, plus the waiting ones the plan admits;
+    - ``slots = max_num_seqs - len(running)``;
+    - ``blocks`` = the free blocks before the step, plus the blocks the preempted requests release,
+      minus the blocks the plan hands out (new blocks, and free cached blocks a prefix hit takes);
+    - ``tokens = max_num_batched_tokens - scheduled tokens``.
+
+    A request ``W`` waiting at plan time (not admitted, not rejected by the plan; preempted ones
+    included) that could complete alone (``rejection_reason`` is ``None``) *fits* in
+    ``(slots, blocks, tokens)`` when ``slots >= 1``, ``blocks >= ceil(W.num_tokens / block_size)``
+    (its whole current sequence, the admission gate of ``work-conserving``) and ``tokens >= 1``
+    (chunked prefill) or ``tokens >= W``'s pending tokens (chunked prefill off). With ``L`` = the
+    requests of ``running`` whose ``priority`` is greater than ``W``'s, holding ``len(L)`` slots,
+    ``held_blocks`` blocks (the blocks of their tables after this step's allocations that no other
+    running request shares: with prefix caching a shared block is not freed by preempting ``L``) and
+    ``held_tokens`` tokens of this step's budget, ``W`` is **kept out only by** ``L`` when it does not fit in
+    ``(slots, blocks, tokens)`` but fits in ``(slots + len(L), blocks + held_blocks, tokens +
+    held_tokens)``. The property fails at every step where some ``W`` is kept out only by its ``L``.
+
+    A waiting request that fits but is not admitted is not an inversion (the policy's order may stop
+    admission at a more urgent request that does not fit); one that would not fit even with every
+    less urgent request gone waits for more urgent ones, which is no inversion either.
+
+    Source: vLLM 0.32 ``vllm/v1/core/sched/scheduler.py`` ``Scheduler.schedule`` with
+    ``--scheduling-policy priority`` preempts the least urgent running request
+    (``max(self.running, key=lambda r: (r.priority, r.arrival_time))``) only when a *running*
+    request's ``allocate_slots`` fails; a waiting request never preempts, so at ``max_num_seqs`` an
+    urgent request waits behind less urgent running ones (finding
+    ``counterexample-vllm-priority-no-preempt-at-seq-cap``). Priority inversion: Lampson and Redell,
+    "Experience with processes and monitors in Mesa" (CACM 1980).
+    """
+
+    name = "no-priority-inversion"
+
+    def observe(self, before: SchedulerState, plan: StepPlan, after: SchedulerState) -> None:
+        config = self.config
+        requests = before.requests
+        priorities = [requests[r].priority for r in before.requests]
+        if not priorities or min(priorities) == max(priorities):
+            return  # one priority level: nothing can be inverted
+        preempted = set(plan.preempted)
+        rejected = {request_id for request_id, _ in plan.rejected}
+        tokens_of = {item.request_id: item.num_tokens for item in plan.scheduled}
+        tables: dict[str, tuple[int, ...]] | None = None  # built when first needed
+        touched = sum(1 for item in plan.scheduled for b in getattr(item, "cached_block_ids", ())
+                      if b in before.free_block_set)
+        running = [r for r in before.running if r not in preempted]
+        running += [item.request_id for item in plan.scheduled if item.request_id not in before.running]
+        slots = config.max_num_seqs - len(running)
+        blocks = (len(before.free_block_ids) + len(_released(requests, preempted, running))
+                  - sum(len(item.new_block_ids) for item in plan.scheduled) - touched)
+        tokens = config.max_num_batched_tokens - plan.num_scheduled_tokens
+        waiting = [r for r in before.waiting if r not in tokens_of and r not in rejected] + list(plan.preempted)
+        held: dict[int, tuple[list[str], int, int]] = {}  # priority of W -> (L, held_blocks, held_tokens)
+        for request_id in waiting:
+            request = requests[request_id]
+            if rejection_reason(request.prompt_len, request.max_tokens, config) is not None:
+                continue
+            needed_blocks = blocks_for_tokens(request.num_tokens, config.block_size)
+            needed_tokens = 1 if config.enable_chunked_prefill else request.num_tokens - request.num_computed_tokens
+            if slots >= 1 and blocks >= needed_blocks and tokens >= needed_tokens:
+                continue  # fits: not kept out by resources at all
+            if request.priority not in held:
+                if tables is None:
+                    # block tables after the step's allocations; with prefix caching an admitted
+                    # request's table starts with its hit blocks (``cached_block_ids``)
+                    tables = {item.request_id: (*requests[item.request_id].block_ids,
+                                                *getattr(item, "cached_block_ids", ()), *item.new_block_ids)
+                              for item in plan.scheduled}
+                less_urgent = [r for r in running if requests[r].priority > request.priority]
+                held[request.priority] = (
+                    less_urgent,
+                    len(_held_only_by(less_urgent, running, requests, tables)),
+                    sum(tokens_of.get(r, 0) for r in less_urgent),
+                )
+            less_urgent, held_blocks, held_tokens = held[request.priority]
+            if not less_urgent:
+                continue
+            if blocks + held_blocks >= needed_blocks and tokens + held_tokens >= needed_tokens:
+                lacking = [what for what, ok in (("a max_num_seqs slot", slots >= 1),
+                                                 (f"{needed_blocks} blocks ({blocks} free)", blocks >= needed_blocks),
+                                                 (f"{needed_tokens} tokens of budget ({tokens} left)",
+                                                  tokens >= needed_tokens)) if not ok]
+                self.report(
+                    before.step,
+                    f"priority {request.priority} waits for {', '.join(lacking)} held by less urgent running "
+                    f"{', '.join(sorted(less_urgent))}",
+                    request_id,
+                )
+
+
 @attrs.frozen
 class TraceProperty:
     """A registered trace property: name, statement, source and monitor factory."""
@@ -309,6 +429,7 @@ PROPERTIES: dict[str, TraceProperty] = {
         (BoundedPreemptions, "vLLM Scheduler._preempt_request (victim: last of running)"),
         (RejectsImpossible, "this spec, admission"),
         (BoundedItl, "Sarathi-Serve (OSDI'24) §3, generation stalls; this spec"),
+        (NoPriorityInversion, "vLLM 0.32 vllm/v1/core/sched/scheduler.py Scheduler.schedule (priority preemption); this spec"),
     )
 }
 """Every trace property by name."""

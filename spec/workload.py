@@ -93,6 +93,99 @@ class SyntheticPrompt(Sequence[int]):
         return f"SyntheticPrompt(len={self._length}, prefix_len={self._prefix_len})"
 
 
+def _mix_array(seeds: np.ndarray, positions: np.ndarray, vocab_size: int) -> np.ndarray:
+    """:func:`_mix` on uint64 arrays, mapped to ids in ``[1, vocab_size)`` (int64)."""
+    with np.errstate(over="ignore"):
+        z = seeds + np.uint64(0x9E3779B97F4A7C15) * (positions + np.uint64(1))
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    return (np.uint64(1) + z % np.uint64(vocab_size - 1)).astype(np.int64)
+
+
+class BlockHashPrompt(Sequence[int]):
+    """A read-only prompt made of hashed blocks, as the Mooncake traces describe prompts: block ``k``
+    (positions ``[k * block_tokens, (k + 1) * block_tokens)``) has ids ``f(block_hash_ids[k], offset)``,
+    ``offset`` the position inside the block; positions past the last hashed block have ids
+    ``f(request_id, position)``. Equal hash ids therefore give equal token ids (a shared prefix in the
+    trace is a shared prefix of ids, which a prefix cache can hit), different ones different ids (up
+    to collisions of ids in ``[1, vocab_size)``); a last block shorter than ``block_tokens`` shares
+    the ids it has with any other use of its hash id.
+
+    It lives in the spec, beside :class:`SyntheticPrompt`, because the trace checker rebuilds every
+    request from its arrival record (``block_hash_ids``, ``hash_block_tokens``) and imports nothing
+    outside the spec; :mod:`schedspec.reference.workloads` builds it from a Mooncake trace's
+    ``hash_ids`` (512 tokens per block).
+
+    Args:
+        request_id: the request (seeds positions past the hashed blocks).
+        length: prompt tokens.
+        block_hash_ids: one id per block, in order.
+        block_tokens: tokens per hashed block (>= 1).
+        vocab_size: ids lie in ``[1, vocab_size)``.
+
+    Raises:
+        ValueError: ``block_tokens < 1``.
+    """
+
+    __slots__ = ("_length", "_block_tokens", "_block_seeds", "_own_seed", "_vocab", "_hash_ids")
+
+    def __init__(self, request_id: str, length: int, block_hash_ids: Sequence[int], block_tokens: int,
+                 vocab_size: int = DEFAULT_VOCAB_SIZE) -> None:
+        if block_tokens < 1:
+            raise ValueError(f"block_tokens={block_tokens}: must be >= 1")
+        self._length = length
+        self._block_tokens = block_tokens
+        self._hash_ids = tuple(block_hash_ids)
+        self._block_seeds = np.array([_seed(f"block:{h}") for h in self._hash_ids], dtype=np.uint64)
+        self._own_seed = _seed("request:" + request_id)
+        self._vocab = vocab_size
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            start, stop, step = index.indices(self._length)
+            if step == 1:
+                return tuple(int(i) for i in self.array(start, max(start, stop)))
+            return tuple(self[i] for i in range(start, stop, step))
+        if index < 0:
+            index += self._length
+        if not 0 <= index < self._length:
+            raise IndexError(index)
+        block = index // self._block_tokens
+        if block < len(self._block_seeds):
+            return 1 + _mix(int(self._block_seeds[block]), index % self._block_tokens) % (self._vocab - 1)
+        return 1 + _mix(self._own_seed, index) % (self._vocab - 1)
+
+    def array(self, start: int, stop: int) -> np.ndarray:
+        """Ids of positions ``[start, stop)`` as an int64 array of shape ``[stop - start]``, computed
+        vectorised (same values as indexing)."""
+        positions = np.arange(start, stop, dtype=np.uint64)
+        blocks = positions // np.uint64(self._block_tokens)
+        hashed = blocks < np.uint64(len(self._block_seeds))
+        seeds = np.full(positions.shape, np.uint64(self._own_seed), dtype=np.uint64)
+        if hashed.any():
+            seeds[hashed] = self._block_seeds[blocks[hashed].astype(np.int64)]
+        offsets = np.where(hashed, positions % np.uint64(self._block_tokens), positions)
+        return _mix_array(seeds, offsets, self._vocab)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, BlockHashPrompt):
+            return (self._length, self._block_tokens, self._hash_ids, self._own_seed, self._vocab) == (
+                other._length, other._block_tokens, other._hash_ids, other._own_seed, other._vocab)
+        if isinstance(other, Sequence):
+            return len(other) == self._length and all(a == b for a, b in zip(self, other, strict=True))
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash((self._length, self._block_tokens, self._hash_ids, self._own_seed, self._vocab))
+
+    def __repr__(self) -> str:
+        return f"BlockHashPrompt(len={self._length}, blocks={len(self._hash_ids)}x{self._block_tokens})"
+
+
 @attrs.frozen
 class RequestSpec:
     """One arriving request, fully described.
@@ -113,6 +206,10 @@ class RequestSpec:
             ``None``: no EOS stops it (vLLM ``ignore_eos``).
         stop_token_ids: other ids that stop it when sampled.
         min_tokens: outputs before EOS or a stop id may stop it.
+        block_hash_ids: the prompt as hashed blocks (a Mooncake trace's ``hash_ids``): when set, the
+            prompt ids are a :class:`BlockHashPrompt` and ``prefix_group``/``prefix_len`` do not shape
+            them; ``None``: a :class:`SyntheticPrompt`.
+        hash_block_tokens: tokens per block of ``block_hash_ids`` (512 for Mooncake); set with it.
     """
 
     request_id: str
@@ -129,9 +226,16 @@ class RequestSpec:
     eos_token_id: int | None = EOS_TOKEN_ID
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
     min_tokens: int = 0
+    block_hash_ids: tuple[int, ...] | None = attrs.field(
+        default=None, converter=attrs.converters.optional(tuple))
+    hash_block_tokens: int | None = None
 
-    def prompt_token_ids(self, vocab_size: int = DEFAULT_VOCAB_SIZE) -> SyntheticPrompt:
-        """The deterministic prompt ids (see :class:`SyntheticPrompt`)."""
+    def prompt_token_ids(self, vocab_size: int = DEFAULT_VOCAB_SIZE) -> SyntheticPrompt | BlockHashPrompt:
+        """The deterministic prompt ids: a :class:`BlockHashPrompt` when ``block_hash_ids`` is set
+        (``hash_block_tokens`` per block, 512 if unset), else a :class:`SyntheticPrompt`."""
+        if self.block_hash_ids is not None:
+            return BlockHashPrompt(self.request_id, self.prompt_len, self.block_hash_ids,
+                                   self.hash_block_tokens or 512, vocab_size)
         return SyntheticPrompt(self.request_id, self.prompt_len, self.prefix_group, self.prefix_len, vocab_size)
 
     def to_request(self, arrival_step: int, vocab_size: int = DEFAULT_VOCAB_SIZE) -> Request:
@@ -155,6 +259,8 @@ class RequestSpec:
         """JSON-ready fields: optional ones left out when unset, the stop conditions always present."""
         data = attrs.asdict(self)
         data["stop_token_ids"] = list(self.stop_token_ids)
+        if self.block_hash_ids is not None:
+            data["block_hash_ids"] = list(self.block_hash_ids)
         return {k: v for k, v in data.items() if v is not None or k in self.STOP_FIELDS}
 
     @classmethod

@@ -135,3 +135,31 @@ def test_greedy_decode_matches_transformers_argmax(tiny_llama):
         want = want.clone()
         want[0] = -float("inf")
         assert outputs[k] == int(want.argmax())
+
+
+def test_prefix_hit_logits_match_transformers(tiny_llama):
+    """B shares its first 16 prompt tokens (4 blocks) with A. A is prefilled; B is admitted with
+    ``num_computed_tokens`` = 16 and a block table that starts with A's first 4 blocks (shared in place,
+    debug mode on), computes only positions 16..21, and its logits there equal transformers' on B's
+    whole prompt."""
+    from schedspec.spec.state import ScheduledRequest, StepPlan
+    from schedspec.spec.transitions import add_request
+
+    reference = _hf_model(tiny_llama)
+    runner = Runner(CONFIG, tiny_llama, device=device_for_tests(), debug=True, record_logits="all")
+    a = RequestSpec("a", 24, 4, prefix_group="shared", prefix_len=16)
+    b = RequestSpec("b", 22, 4, prefix_group="shared", prefix_len=16)
+    state = state_with(CONFIG, [a], free_block_ids=SCRAMBLED)
+    state, _, _ = run_step(runner, state, CONFIG, plan_step(state, CONFIG))
+    hit = state.requests["a"].block_ids[:4]
+    state = add_request(state, b.to_request(state.step))
+    prompt = list(state.requests["b"].prompt_token_ids)
+    assert prompt[:16] == list(state.requests["a"].prompt_token_ids)[:16]
+    new = tuple(x for x in state.free_block_ids if x not in hit)[:2]
+    plan = StepPlan((ScheduledRequest("b", 16, 6, new),))
+    runner.execute(plan, state, prefix_hits={"b": hit}, cached_blocks=set(hit))
+    got = runner.step_logits["b"]
+    assert got.shape[0] == 6  # only the positions after the hit were computed
+    expected = _hf_logits(reference, prompt)[16:]
+    error = (got - expected).abs().max().item()
+    assert error <= TOLERANCE, f"max abs logit error {error:.3g} > {TOLERANCE}"

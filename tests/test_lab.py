@@ -140,3 +140,17 @@ def test_rejections_are_grouped_by_kind_of_reason():
     assert figures["requests_rejected"] > 1
     assert len(rejected_rows) == 1
     assert f"{figures['requests_rejected']}: prompt-exceeds-max-model-len" in rejected_rows[0]
+
+
+def test_lab_reports_the_prefix_hit_rate_with_its_conditions():
+    """Prefix caching is off in every reference scheduler today: the rate is 0 over the first admissions'
+    prompt tokens, and the line names the conditions."""
+    result = lab("--max-requests", "20", "--steps", "none", "--json")
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    prefix = record["details"]["prefix_cache"]
+    assert prefix["enable_prefix_caching"] is False and prefix["prefix_hit_tokens"] == 0
+    assert prefix["prefix_admissions"] > 0 and prefix["prefix_query_tokens"] > 0
+    assert record["figures"]["prefix_hit_rate_percent"] == 0.0
+    text = lab("--max-requests", "20", "--steps", "none").output
+    assert "Prefix cache (enable_prefix_caching=false, block_size=" in " ".join(text.split())

@@ -215,3 +215,35 @@ def test_timelines_to_csv(tmp_path):
     assert (c["outcome"], c["ttft"], c["first_scheduled_time"]) == ("rejected", "", "")
     with pytest.raises(MetricsError, match="cannot write"):
         timelines_to_csv(example(), tmp_path / "missing" / "x.csv")
+
+
+def test_prefix_hit_counter_hand_records():
+    """Hit rate in tokens over first admissions; a re-admission after a preemption counted apart."""
+    from schedspec.reference.metrics import PREFIX_HIT_KEYS, PrefixHitCounter, prefix_hit_summary
+
+    def item(request_id: str, computed: int, prefill: int, decode: int = 0) -> ScheduledTokens:
+        return ScheduledTokens(request_id, computed, prefill, decode)
+
+    records = [
+        # A (100 tokens) and B (60) arrive; A admitted with no hit; R (8) rejected
+        StepRecord(0, 0.0, 0.1, arrivals=(RequestSpec("A", 100, 5), RequestSpec("B", 60, 5), RequestSpec("R", 8, 0)),
+                   scheduled=(item("A", 0, 100),), sampled_token_ids={"A": 3}, rejected={"R": "no-output: x"}),
+        # B admitted with a 48-token hit (computes 12); A decodes
+        StepRecord(1, 0.1, 0.1, scheduled=(item("A", 100, 0, 1), item("B", 48, 12)), prefix_hit_tokens={"B": 48},
+                   sampled_token_ids={"A": 4, "B": 5}),
+        # B preempted (1 output so far); C arrives, aborted before it is admitted
+        StepRecord(2, 0.2, 0.1, arrivals=(RequestSpec("C", 30, 2),), scheduled=(item("A", 101, 0, 1),),
+                   preempted=("B",), sampled_token_ids={"A": 6}),
+        # B re-admitted: its query is 60 + 1 tokens, 48 hit; not in the rate
+        StepRecord(3, 0.3, 0.1, aborts=("C",), scheduled=(item("B", 48, 13),), prefix_hit_tokens={"B": 48},
+                   sampled_token_ids={"B": 7}),
+    ]
+    summary = prefix_hit_summary(records, True, 16)
+    assert tuple(summary) == PREFIX_HIT_KEYS
+    assert summary == {
+        "enable_prefix_caching": True, "block_size": 16,
+        "prefix_hit_rate": 48 / 160, "prefix_hit_tokens": 48, "prefix_query_tokens": 160, "prefix_admissions": 2,
+        "prefix_hit_tokens_after_preemption": 48, "prefix_query_tokens_after_preemption": 61,
+        "prefix_readmissions": 1,
+    }
+    assert PrefixHitCounter().summary(False, 16)["prefix_hit_rate"] is None  # no admissions: no rate

@@ -150,8 +150,61 @@ def test_mooncake_prefix_groups_hand_example(tmp_path):
     assert (a.prefix_len, b.prefix_len) == (1536, 1536)
     assert (c.prefix_group, c.prefix_len) == (None, 0)
     assert a.prompt_token_ids()[:1536] == b.prompt_token_ids()[:1536]
-    assert a.prompt_token_ids()[:512] != c.prompt_token_ids()[:512]
+    # the prompt ids follow hash_ids, not the groups: C shares A's first block, and only that one
+    assert a.prompt_token_ids()[:512] == c.prompt_token_ids()[:512]
+    assert a.prompt_token_ids()[512:1024] != c.prompt_token_ids()[512:1024]
     assert b.prompt_token_ids()[1536:1600] != tuple(range(64))  # own ids beyond the prefix
+
+
+def test_mooncake_prompts_share_exactly_the_common_hash_id_prefix(tmp_path):
+    path = mooncake(
+        tmp_path,
+        {"timestamp": 0, "input_length": 1300, "output_length": 1, "hash_ids": [7, 8, 9]},
+        {"timestamp": 5, "input_length": 1700, "output_length": 1, "hash_ids": [7, 8, 5, 6]},
+        {"timestamp": 6, "input_length": 300, "output_length": 1},
+    )
+    a, b, c = load_mooncake_jsonl(path, id_prefix="m")
+    assert (a.block_hash_ids, a.hash_block_tokens) == ((7, 8, 9), 512) and c.block_hash_ids is None
+    pa, pb = a.prompt_token_ids(), b.prompt_token_ids()
+    assert isinstance(pa, wl.MooncakePrompt) and len(pa) == 1300 and len(pb) == 1700
+    ids_a, ids_b = pa.array(0, 1300), pb.array(0, 1300)
+    same = ids_a == ids_b
+    assert same[:1024].all()  # hash ids 7, 8: 1,024 tokens in common
+    assert same[1024:].mean() < 0.01  # 9 vs 5: different ids (up to chance collisions in the vocabulary)
+    # indexing, slices and array agree; ids never 0 (EOS) and below the vocabulary
+    assert [pa[i] for i in (0, 511, 512, 1299, -1)] == [int(ids_a[i]) for i in (0, 511, 512, 1299, -1)]
+    assert pa[1000:1010] == tuple(int(x) for x in ids_a[1000:1010]) and pa[::500] == (pa[0], pa[500], pa[1000])
+    assert ids_a.min() >= 1 and ids_a.max() < 4096
+    # a request without hash_ids has ids of its own
+    assert (c.prompt_token_ids().array(0, 300) == ids_a[:300]).mean() < 0.01
+    # the trace format carries it: an arrival record rebuilds the same prompt, and validates
+    from schedspec.spec.trace import record_schema_errors
+
+    arrival = json.loads(json.dumps(a.to_dict()))
+    assert arrival["block_hash_ids"] == [7, 8, 9] and arrival["hash_block_tokens"] == 512
+    assert RequestSpec.from_dict(arrival).prompt_token_ids() == pa
+    assert (RequestSpec.from_dict(arrival).to_request(0).token_ids(0, 1300) == ids_a).all()
+    record = {"step": 0, "start_time": 0.0, "duration": 0.0, "arrivals": [arrival], "aborts": [], "scheduled": [],
+              "blocks_allocated": {}, "blocks_freed": {}, "prefix_hit_tokens": {}, "preempted": [], "finished": {},
+              "aborted": [], "rejected": {}, "sampled_token_ids": {}, "num_free_blocks": 0, "num_running": 0,
+              "num_waiting": 1}
+    assert record_schema_errors(record) is None
+    assert "block_hash_ids" not in RequestSpec("plain", 4, 1).to_dict()
+    record["arrivals"][0]["hash_block_tokens"] = 0
+    assert "hash_block_tokens" in (record_schema_errors(record) or "")
+
+
+def test_mooncake_shared_prompt_tokens_counts_chained_blocks(tmp_path):
+    path = mooncake(
+        tmp_path,
+        {"timestamp": 0, "input_length": 1300, "output_length": 1, "hash_ids": [7, 8, 9]},
+        {"timestamp": 5, "input_length": 1700, "output_length": 1, "hash_ids": [7, 8, 5, 6]},
+        {"timestamp": 9, "input_length": 600, "output_length": 1, "hash_ids": [5, 8]},
+    )
+    requests = load_mooncake_jsonl(path, id_prefix="m")
+    # 16-token blocks: b hits a's first 1,024 tokens; c's block "5" is at another position (another parent)
+    assert wl.mooncake_shared_prompt_tokens(requests, 16) == (1024, 3600)
+    assert wl.mooncake_shared_prompt_tokens(requests, 512) == (1024, 3600)
 
 
 def test_mooncake_packaged_prefix_groups_never_overstate_sharing():

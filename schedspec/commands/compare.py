@@ -34,7 +34,7 @@ LOWER_IS_BETTER_SUFFIXES = ("_s",)
 LOWER_IS_BETTER = ("preemptions", "max_preemptions_per_request", "violations", "requests_rejected",
                    "requests_aborted", "requests_live")
 HIGHER_IS_BETTER_SUFFIXES = ("_tokens_per_s", "requests_per_s")
-HIGHER_IS_BETTER = ("goodput_percent", "goodput_met", "requests_finished")
+HIGHER_IS_BETTER = ("goodput_percent", "goodput_met", "requests_finished", "prefix_hit_rate_percent", "prefix_hit_tokens")
 NEUTRAL = ("span_s",)
 
 

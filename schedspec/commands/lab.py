@@ -56,8 +56,8 @@ DEFAULT_DURATION = 120.0
 
 
 def _scale_lengths(window: list, factor: float) -> list:
-    """``--length-scale``: every prompt, shared prefix and output length divided by ``factor``, rounded
-    up (at least one token; a length of 0 stays 0, so the spec still rejects that request); arrival
+    """``--length-scale``: every prompt, shared prefix, hashed prompt block and output length divided by
+    ``factor``, rounded up (at least one token; a length of 0 stays 0, so the spec still rejects that request); arrival
     times, ids and everything else unchanged. Exits 2 if a length would exceed
     :data:`~schedspec.reference.workloads.MAX_TOKEN_COUNT`."""
     if factor == 1:
@@ -73,8 +73,10 @@ def _scale_lengths(window: list, factor: float) -> list:
     scaled = []
     for spec in window:
         prompt = scale(spec.prompt_len)
+        block_tokens = spec.hash_block_tokens
         scaled.append(attrs.evolve(spec, prompt_len=prompt, max_tokens=scale(spec.max_tokens),
-                                   prefix_len=min(prompt, math.ceil(spec.prefix_len / factor))))
+                                   prefix_len=min(prompt, math.ceil(spec.prefix_len / factor)),
+                                   hash_block_tokens=None if block_tokens is None else scale(block_tokens)))
     return scaled
 
 
@@ -209,6 +211,17 @@ def _print_summary(console: Console, record: dict[str, Any]) -> None:
         slos = ", ".join(f"{k[:-4]} <= {v:g} s" for k, v in g.items() if k.endswith("_slo") and v is not None)
         table.add_row("goodput", f"{_fmt(g['percent'], '')}% of {g['admitted']:,} admitted requests meet {slos}")
     console.print(table)
+    prefix = details.get("prefix_cache")
+    if prefix:
+        rate = prefix["prefix_hit_rate"]
+        console.print(Text(
+            f"Prefix cache (enable_prefix_caching={str(prefix['enable_prefix_caching']).lower()}, "
+            f"block_size={prefix['block_size']}): hit rate "
+            f"{'n/a' if rate is None else f'{100 * rate:.1f}%'} in tokens, {prefix['prefix_hit_tokens']:,} of "
+            f"{prefix['prefix_query_tokens']:,} prompt tokens at {prefix['prefix_admissions']:,} first admissions; "
+            f"re-admissions after a preemption excluded ({prefix['prefix_hit_tokens_after_preemption']:,} of "
+            f"{prefix['prefix_query_tokens_after_preemption']:,} tokens hit at {prefix['prefix_readmissions']:,})."
+        ))
     console.print(
         f"Checked {figures['steps_checked']:,} of {figures['num_steps']:,} steps against every spec invariant: "
         f"{figures['violations']} violations. Wall time {figures['wall_time_s']:.1f} s."
@@ -253,6 +266,7 @@ def _compare_table(console: Console, records: list[dict[str, Any]]) -> None:
             table.add_row(key, *(_count(v) for v in values))
     if records[0]["figures"]["goodput_percent"] is not None:
         table.add_row("goodput %", *(_fmt(r["figures"]["goodput_percent"], "") for r in records))
+    table.add_row("prefix hit % (tokens)", *(_percent(r["figures"].get("prefix_hit_rate_percent")) for r in records))
     table.add_row("violations", *(str(r["figures"]["violations"]) for r in records))
     console.print(table)
 
