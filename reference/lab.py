@@ -7,15 +7,17 @@ and returns them with the run's checks. ``schedspec lab`` prints them.
 
 Named variants (``--compare``) are schedulers with config changes:
 
-==================  =========  ================================================================
-name                scheduler  changes
-==================  =========  ================================================================
-fcfs                fcfs       none
-static              static     none
-fcfs-no-chunking    fcfs       enable_chunked_prefill=false, max_num_batched_tokens raised to at
-                               least max_model_len (vLLM requires it without chunking)
-static-no-chunking  static     same as fcfs-no-chunking
-==================  =========  ================================================================
+====================  =========  ============================================================
+name                  scheduler  changes
+====================  =========  ============================================================
+fcfs                  fcfs       none
+static                static     none
+fcfs-no-chunking      fcfs       enable_chunked_prefill=false, max_num_batched_tokens raised
+                                 to at least max_model_len (vLLM requires it without chunking)
+static-no-chunking    static     same as fcfs-no-chunking
+fcfs-prefix-cache     fcfs       enable_prefix_caching=true
+fcfs-no-prefix-cache  fcfs       enable_prefix_caching=false
+====================  =========  ============================================================
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ def _no_chunking(config: dict[str, Any]) -> dict[str, Any]:
 VARIANTS: dict[str, tuple[str, Callable[[dict[str, Any]], dict[str, Any]]]] = {
     "fcfs-no-chunking": ("fcfs", _no_chunking),
     "static-no-chunking": ("static", _no_chunking),
+    "fcfs-prefix-cache": ("fcfs", lambda config: {"enable_prefix_caching": True}),
+    "fcfs-no-prefix-cache": ("fcfs", lambda config: {"enable_prefix_caching": False}),
 }
 """Variant name -> (scheduler name, function from config dict to the fields it changes)."""
 
