@@ -26,6 +26,7 @@ from typing import Any, TextIO
 import attrs
 import numpy as np
 
+from schedspec.spec.admission import rejection_reason
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.trace import StepRecord
 from schedspec.spec.workload import RequestSpec
@@ -171,7 +172,11 @@ def run_lab(
         ViolationFound: with ``check``, at the first violated rule or invariant.
     """
     scheduler = make_scheduler(scheduler_name, config)
-    collector = _Collector(workload, long_prompt_threshold(s.prompt_len for s in workload), steps_out)
+    # The top decile of the prompts the spec admits (a prompt over max_model_len is rejected at arrival
+    # and must not set the threshold; metrics.latency_summary takes the same decile after the run).
+    long_prompt_len = long_prompt_threshold(s.prompt_len for s in workload
+                                            if rejection_reason(s.prompt_len, s.max_tokens, config) is None)
+    collector = _Collector(workload, long_prompt_len, steps_out)
 
     def observe(record: StepRecord) -> None:
         collector(record)

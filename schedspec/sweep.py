@@ -218,8 +218,13 @@ def write_plots(records: Sequence[dict[str, Any] | None], points: Sequence[Mappi
             front = pareto_front(list(zip(xs, ys, strict=True)))
             axis.plot([xs[i] for i in front], [ys[i] for i in front], color="k", lw=1, ls="-", zorder=2,
                       label="Pareto front")
+            # Configurations at the same point (equal figures) share one label, "A; B", instead of
+            # labels printed over each other.
+            at: dict[tuple[float, float], list[str]] = {}
             for (i, _, _), x, y in zip(shown, xs, ys, strict=True):
-                axis.annotate(_label(short_label(points[i])), (x, y), textcoords="offset points", xytext=(4, 4),
+                at.setdefault((round(x, 9), round(y, 9)), []).append(short_label(points[i]))
+            for (x, y), labels in at.items():
+                axis.annotate(_label("; ".join(labels)), (x, y), textcoords="offset points", xytext=(4, 4),
                               fontsize=7)
         limit = getattr(slo, slo_key) if slo is not None else None
         if limit is not None:

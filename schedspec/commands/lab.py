@@ -47,7 +47,7 @@ from schedspec.reference import metrics, workloads
 from schedspec.reference.engine import ViolationFound
 from schedspec.reference.lab import VARIANTS, LabResult, LabStep, resolve_variant, run_lab
 from schedspec.reference.scheduler import EngineFault, UnknownScheduler, UnsupportedFeature
-from schedspec.spec.admission import rejection_code
+from schedspec.spec.admission import rejection_code, rejection_reason
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.trace import header_line
 
@@ -141,6 +141,46 @@ def _conditions(result: LabResult, profile: costs.CostModel, trace_text: str, wi
     ]
 
 
+def admission_preview(window: list, config: SchedulerConfig) -> dict[str, int]:
+    """How many requests of ``window`` the spec will reject at arrival under ``config``, by
+    :data:`~schedspec.spec.admission.REJECTION_CODES` code (``spec/admission.py``
+    ``rejection_reason``), known before the run because admission depends only on the request's shape
+    and the config."""
+    counts: dict[str, int] = {}
+    for spec in window:
+        reason = rejection_reason(spec.prompt_len, spec.max_tokens, config)
+        if reason is not None:
+            code = rejection_code(reason)
+            counts[code] = counts.get(code, 0) + 1
+    return counts
+
+
+def _print_admission_preview(console: Console, window: list, configs: list[SchedulerConfig]) -> None:
+    """Before the run: how many requests of the window exceed ``max_model_len`` (or the KV cache) and
+    will be rejected, with a hint for long-context traces; one line per distinct config limit."""
+    seen = set()
+    for config in configs:
+        key = (config.max_model_len, config.num_kv_blocks, config.block_size)
+        if key in seen:
+            continue
+        seen.add(key)
+        counts = admission_preview(window, config)
+        over = counts.get("prompt-exceeds-max-model-len", 0)
+        text = (f"Admission: {over:,} of {len(window):,} requests in the window have a prompt longer than "
+                f"max_model_len {config.max_model_len:,} tokens")
+        others = {k: v for k, v in counts.items() if k != "prompt-exceeds-max-model-len"}
+        if others:
+            text += "; also rejected: " + ", ".join(f"{k} {v:,}" for k, v in sorted(others.items()))
+        text += "; the spec rejects them at arrival." if counts else "."
+        if over and len(window) and over / len(window) >= 0.01:
+            longer = sorted(name for name, profile in costs.PROFILES.items()
+                            if profile.model in costs.MODELS
+                            and costs.MODELS[profile.model].max_model_len > config.max_model_len)
+            if longer:
+                text += f" For a long-context trace try --profile {longer[0]} (or --set max_model_len=N)."
+        console.print(Text(text, style="yellow" if over else ""))
+
+
 def _print_conditions(console: Console, rows: list[tuple[str, str]]) -> None:
     table = Table(title="Run conditions", show_header=False, title_justify="left")
     table.add_column(style="bold")
@@ -173,7 +213,12 @@ def _fmt(value: float | None, unit: str = "s") -> str:
     return f"{value:,.2f}"
 
 
-def _print_latency(console: Console, title: str, summary: dict[str, Any]) -> None:
+def _print_latency(console: Console, title: str, summary: dict[str, Any], empty_reason: str = "") -> None:
+    """One latency table; a group with no finished request prints one line saying why instead of a
+    table of dashes."""
+    if all(not isinstance(stats, dict) or not stats.get("count") for stats in summary.values()):
+        console.print(Text(f"{title}: none. {empty_reason}".rstrip(), style="italic"))
+        return
     table = Table(title=title, title_justify="left")
     for column in ("metric", "count", "p50", "p95", "p99", "max", "mean"):
         table.add_column(column, justify="right")
@@ -187,18 +232,24 @@ def _print_latency(console: Console, title: str, summary: dict[str, Any]) -> Non
 def _print_summary(console: Console, record: dict[str, Any]) -> None:
     details, figures = record["details"], record["figures"]
     latency = details["latency_s"]
-    _print_latency(console, "Per-request latency (all requests)", latency["all"])
-    for key, title in (("long_prompts", f"Long prompts (top decile: >= {latency['long_prompt_len']:,} tokens)"),
-                       ("arrived_during_long_prefill", "Requests that arrived while a long prompt was prefilled")):
+    requests = details["requests"]
+    _print_latency(console, "Per-request latency (finished requests)", latency["all"],
+                   f"No request finished in the window ({', '.join(f'{k} {v:,}' for k, v in requests.items())}).")
+    groups = (
+        ("long_prompts", f"Long prompts (top decile of admitted prompts: >= {latency['long_prompt_len']:,} tokens)",
+         "No request with a prompt in the top decile finished in the window."),
+        ("arrived_during_long_prefill", "Requests that arrived while a long prompt was prefilled",
+         "No request arrived during a step that prefilled a long prompt (or none of those finished)."),
+    )
+    for key, title, why in groups:
         if key in latency:
-            _print_latency(console, title, latency[key])
+            _print_latency(console, title, latency[key], why)
     efficiency = details["efficiency"]
     table = Table(title="Batch efficiency", show_header=False, title_justify="left")
     table.add_column(style="bold")
     table.add_column(justify="right")
     for key, value in efficiency.items():
         table.add_row(key, f"{value:,.3f}" if isinstance(value, float) else f"{value:,}" if isinstance(value, int) else str(value))
-    requests = details["requests"]
     table.add_row("requests", ", ".join(f"{k} {v:,}" for k, v in requests.items()))
     for code, count in details["rejected_by_code"].items():
         example = next((reason for reason in details["rejected_reasons"] if rejection_code(reason) == code), "")
@@ -260,7 +311,9 @@ def _compare_table(console: Console, records: list[dict[str, Any]]) -> None:
 @click.command()
 @click.option("--trace", "trace_path", default=None, metavar="PATH",
               help="Trace file: Azure LLM inference 2023 or 2024 CSV, BurstGPT CSV or Mooncake JSONL "
-                   "(detected from the first line). Default: the packaged Azure 2023 conversation trace.")
+                   "(detected from the first line), or a packaged trace by name: "
+                   f"{', '.join(workloads.PACKAGED_TRACES)}. Default: azure-conv (the Azure 2023 "
+                   "conversation trace). Long prompts (mooncake): --profile llama3.1-8b-a100-80gb.")
 @click.option("--trace-format", type=click.Choice(list(workloads.FORMATS)), default=None,
               help="Trace format (default: detected).")
 @click.option("--synthetic", default=None, metavar="SPEC",
@@ -321,12 +374,14 @@ def command(trace_path, trace_format, synthetic, start, duration, max_requests, 
     console = make_console(stderr=as_json, width=max(shutil.get_terminal_size((120, 24)).columns, 100))
 
     # 1. Options, each on its own (no work yet).
+    changes = parse_sets(sets)
     try:
         cost = costs.get_profile(profile)
-        base, derivation = costs.default_scheduler_config(cost)
+        # Fields derived from others (num_kv_blocks from block_size, max_num_batched_tokens from
+        # max_model_len without chunked prefill, ...) are derived from the values --set gives.
+        base, derivation = costs.default_scheduler_config(cost, overrides=changes)
     except costs.CostModelError as error:
         fail(f"--profile: {error}")
-    changes = parse_sets(sets)
     try:
         slo_pair = metrics.parse_slo(slo) if slo is not None else None
     except metrics.MetricsError as error:
@@ -381,7 +436,8 @@ def command(trace_path, trace_format, synthetic, start, duration, max_requests, 
     check_path("--trace", trace_path)
     check_path("--model", model_dir)
     check_path("--save", save_path)
-    path = (Path(trace_path) if trace_path is not None else workloads.default_trace_path()) if spec is None else None
+    path = (workloads.resolve_trace(trace_path) if trace_path is not None else workloads.default_trace_path()) \
+        if spec is None else None
 
     def output_name(base_path: str | None, name: str) -> str | None:
         return None if base_path is None else base_path if len(names) == 1 else f"{base_path}.{name}"
@@ -418,7 +474,10 @@ def command(trace_path, trace_format, synthetic, start, duration, max_requests, 
     for point in points:
         label = sweeping.point_label(point)
         fields_changed = {k: v for k, v in point.items() if k not in sweeping.LOAD_FIELDS and k != "scheduler"}
-        scheduler, raw = resolve_variant(point.get("scheduler", names[0]), {**base, **changes, **fields_changed})
+        point_base = base
+        if fields_changed:
+            point_base, _ = costs.default_scheduler_config(cost, overrides={**changes, **fields_changed})
+        scheduler, raw = resolve_variant(point.get("scheduler", names[0]), {**point_base, **changes, **fields_changed})
         config = build_config(raw, {}, where=f"--sweep {label}")
         check_scheduler(scheduler, config, where=f"--sweep {label}:" if "scheduler" in point else "--scheduler")
         point_configs.append((scheduler, config))
@@ -472,6 +531,10 @@ def command(trace_path, trace_format, synthetic, start, duration, max_requests, 
         return run_record.shared_conditions(workload=workload, window=window_fields, cost=cost,
                                             backend=backend_conditions, model=model, checks=not no_check,
                                             max_steps=max_steps)
+
+    if not as_json:
+        _print_admission_preview(console, window, [config for _, config in
+                                                  (point_configs or list(configs.values()))])
 
     if points:
         _sweep(console, points, point_configs, make_window, window, window_conditions,
