@@ -360,12 +360,16 @@ def _compare_table(console: Console, records: list[dict[str, Any]]) -> None:
                    "configuration; with --slo, mark those that meet it and name the best.")
 @click.option("--jobs", type=Count(minimum=1), default=None,
               help="Worker processes for --sweep (default: all cores); the results do not depend on it.")
+@click.option("--ray", "ray_address", default=None, metavar="ADDRESS",
+              help="Run the --sweep's runs as Ray tasks on an existing Ray cluster (HOST:PORT, ray://HOST:PORT "
+                   "or auto; needs the ray extra, and schedspec installed on the cluster). Results equal "
+                   "local runs.")
 @click.option("--no-check", is_flag=True, help="Skip the spec checks (faster; not recommended).")
 @click.option("--max-steps", type=Count(minimum=1), default=None, help="Stop after this many steps.")
 def command(trace_path, trace_format, synthetic, start, duration, max_requests, time_scale, length_scale,
             scheduler_name, sets,
             profile, backend, device, model_dir, steps_spec, steps_out, requests_out, slo, compare, plot_dir,
-            as_json, save_path, sweeps, jobs, no_check, max_steps) -> None:
+            as_json, save_path, sweeps, jobs, no_check, max_steps, ray_address=None) -> None:
     """Run the scheduler on a real trace and show the run conditions, the steps (by default the first
     40 where a request arrived, was preempted or finished; --steps to choose), the latency each request
     saw and the batch efficiency, with every step checked against the spec. Every option and the trace
@@ -425,8 +429,14 @@ def command(trace_path, trace_format, synthetic, start, duration, max_requests, 
         for field in fields:
             if field in changes:
                 fail(f"--sweep {field} and --set {field}: give one, not both")
+        if ray_address is not None and jobs is not None:
+            fail("--ray and --jobs: give one, not both (the Ray cluster decides how many run at once)")
+        if ray_address is not None and not ray_address.strip():
+            fail("--ray: empty address (HOST:PORT, ray://HOST:PORT or auto)")
     elif jobs is not None:
         fail("--jobs: only with --sweep")
+    elif ray_address is not None:
+        fail("--ray: only with --sweep")
     try:
         spec = workloads.parse_synthetic(synthetic) if synthetic is not None else None
     except workloads.WorkloadError as error:
@@ -539,7 +549,7 @@ def command(trace_path, trace_format, synthetic, start, duration, max_requests, 
     if points:
         _sweep(console, points, point_configs, make_window, window, window_conditions,
                shared(cost_backend, cost.model, window_conditions), cost, slo_pair, no_check, max_steps,
-               jobs, plot_dir, save_names, as_json, trace_text, window_text)
+               jobs, plot_dir, save_names, as_json, trace_text, window_text, ray_address)
         return
 
     # 5. The runs.
@@ -666,7 +676,8 @@ def _save_records(records: list[dict[str, Any]], targets: list[str], console: Co
 def _sweep(console: Console, points: list[dict[str, Any]], point_configs: list[tuple[str, SchedulerConfig]],
            make_window, window: list, window_conditions: dict[str, Any], conditions: dict[str, Any],
            cost, slo, no_check: bool, max_steps: int | None, jobs: int | None, plot_dir: str | None,
-           save_names: list[str], as_json: bool, trace_text: str, window_text: str) -> None:
+           save_names: list[str], as_json: bool, trace_text: str, window_text: str,
+           ray_address: str | None = None) -> None:
     """``--sweep``: every point run (in parallel), one table, the best configuration named."""
     windows: dict[float, list] = {window_conditions["time_scale"]: window}
     natural_rate = None
@@ -691,10 +702,17 @@ def _sweep(console: Console, points: list[dict[str, Any]], point_configs: list[t
                          max_steps, own, slo, point))
     workers = jobs if jobs is not None else sweeping.default_jobs()
     if not as_json:
-        console.print(f"Sweep: {len(points)} configurations of {trace_text.splitlines()[0]}; window {window_text}; "
-                      f"checks {'off' if no_check else 'on'}; {min(workers, len(points))} worker processes")
+        where = f"Ray tasks on the cluster at {ray_address}" if ray_address else \
+            f"{min(workers, len(points))} worker processes"
+        console.print(Text(f"Sweep: {len(points)} configurations of {trace_text.splitlines()[0]}; window "
+                           f"{window_text}; checks {'off' if no_check else 'on'}; {where}"))
     try:
-        results = sweeping.run_points(job_list, workers)
+        if ray_address is not None:
+            results = sweeping.run_points_ray(job_list, ray_address)
+        else:
+            results = sweeping.run_points(job_list, workers)
+    except sweeping.RayUnavailable as error:
+        fail(f"--ray {ray_address}: {error}", status=EXIT_UNSUPPORTED)
     except BrokenProcessPool as error:
         fail(f"--sweep: a worker process died ({error}); try fewer --jobs or a smaller window",
              status=EXIT_CHECK_FAILED)
@@ -771,16 +789,14 @@ def _run_one(name: str, scheduler: str, config: SchedulerConfig, window: list, t
     with progress:
         task = progress.add_task(name, total=len(window))
 
-        def tick(record, _task=task, _progress=progress) -> None:
-            ended = len(record.finished) + len(record.rejected) + len(record.aborted)
-            if ended:
-                _progress.advance(_task, ended)
+        def tick(ended: int, _task=task, _progress=progress) -> None:
+            _progress.advance(_task, ended)
 
         def run(handle) -> LabResult:
             if handle is not None:
                 handle.write(header_line(config, scheduler) + "\n")
             return run_lab(window, scheduler, config, token_source=token_source, cost_model=cost,
-                           check=not no_check, steps_out=handle, on_step=tick, max_steps=max_steps)
+                           check=not no_check, steps_out=handle, on_progress=tick, max_steps=max_steps)
 
         try:
             if steps_out is None:
