@@ -20,6 +20,10 @@ def _save(figure, path: Path) -> None:
     handle.close()
     try:
         figure.savefig(handle.name, dpi=90, bbox_inches="tight", format="png")
+        # NamedTemporaryFile makes the file private (0600); give the plot the mode a plain write would.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(handle.name, 0o666 & ~umask)
         os.replace(handle.name, path)
     except BaseException:
         Path(handle.name).unlink(missing_ok=True)

@@ -284,6 +284,7 @@ def write_plots(records: Sequence[dict[str, Any] | None], points: Sequence[Mappi
         limit = getattr(slo, slo_key) if slo is not None else None
         if limit is not None:
             axis.axvline(limit * 1e3, color="tab:red", ls="--", lw=1, label=f"SLO {name} {_seconds(limit)}")
+        axis.margins(0.1)  # room for the labels of the outermost points
         axis.set_xlabel(f"p99 {name} (ms)")
         axis.set_ylabel("output throughput (tokens/s)")
         axis.set_title(f"Throughput against p99 {name}; labels: {_label('/'.join(fields))}", fontsize=9)
