@@ -69,3 +69,10 @@ def test_an_empty_latency_group_says_why():
     assert result.exit_code == 0, result.output
     assert "Per-request latency (finished requests): none. No request finished" in " ".join(result.output.split())
     assert "│ ttft │" not in result.output and "│     ttft │" not in result.output
+
+
+def test_kv_usage_is_a_percent_in_the_summary_as_in_the_step_table():
+    result = lab("--max-requests", "30", "--no-check", "--steps", "3")
+    assert result.exit_code == 0, result.output
+    rows = [line for line in result.output.splitlines() if "kv_usage_mean" in line]
+    assert len(rows) == 1 and rows[0].rstrip(" │").endswith("%"), rows

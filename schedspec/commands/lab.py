@@ -249,6 +249,9 @@ def _print_summary(console: Console, record: dict[str, Any]) -> None:
     table.add_column(style="bold")
     table.add_column(justify="right")
     for key, value in efficiency.items():
+        if key.startswith("kv_usage") and isinstance(value, float):  # percent, as the step table and plots
+            table.add_row(key + " %", _percent(100 * value))
+            continue
         table.add_row(key, f"{value:,.3f}" if isinstance(value, float) else f"{value:,}" if isinstance(value, int) else str(value))
     table.add_row("requests", ", ".join(f"{k} {v:,}" for k, v in requests.items()))
     for code, count in details["rejected_by_code"].items():
