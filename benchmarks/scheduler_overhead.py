@@ -5,7 +5,8 @@
 The shape is the one vLLM's scheduler is usually timed on: N running requests decoding (prompts of 32
 tokens, block size 16, nothing finishes during the timed steps), N = 256 and 1,024 by default. Each
 side is warmed up (the prefill steps and a few decode steps), then ``--steps`` decode steps are timed
-one call at a time with ``time.perf_counter_ns``; the median and mean per step are printed. Building
+one call at a time with the thread's CPU clock (``--clock wall`` for ``time.perf_counter_ns``); the
+median and mean per step are printed. Building
 the sampled tokens (schedspec) or the ``ModelRunnerOutput`` (vLLM) is outside the timed calls.
 
 vLLM runs in its own environment (``.venv-vllm``, made by ``scripts/engines_setup.sh``; or
@@ -34,6 +35,9 @@ PROMPT_LEN = 32
 BLOCK_SIZE = 16
 MAX_TOKENS = 100_000
 WARMUP_DECODE_STEPS = 5
+CLOCK = time.thread_time_ns
+"""The timer: CPU time of this thread (``--clock cpu``, the default: a shared, loaded machine deschedules
+the process between calls, which wall time would count) or ``time.perf_counter_ns`` (``--clock wall``)."""
 
 
 def config_fields(size: int, steps: int) -> dict:
@@ -70,15 +74,15 @@ def schedspec_side(size: int, steps: int) -> dict:
                                       MAX_TOKENS))
 
     def step(timed: bool) -> tuple[int, int, int]:
-        started = time.perf_counter_ns()
+        started = CLOCK()
         plan = scheduler.schedule()
-        planned = time.perf_counter_ns()
+        planned = CLOCK()
         state = scheduler.state
         sampled = {item.request_id: 7 for item in plan.scheduled
                    if item.num_computed_tokens + item.num_tokens >= state.requests[item.request_id].num_tokens}
-        before_update = time.perf_counter_ns()
+        before_update = CLOCK()
         scheduler.update(plan, sampled)
-        done = time.perf_counter_ns()
+        done = CLOCK()
         decodes = sum(1 for item in plan.scheduled if item.num_tokens == 1)
         return planned - started, done - before_update, decodes
 
@@ -112,9 +116,9 @@ def vllm_side(size: int, steps: int) -> dict:
                     "max_tokens": MAX_TOKENS, "priority": 0, "arrival_time": float(index), "eos": None})
 
     def step() -> tuple[int, int, int]:
-        started = time.perf_counter_ns()
+        started = CLOCK()
         output = scheduler.schedule()
-        planned = time.perf_counter_ns()
+        planned = CLOCK()
         ids = list(output.num_scheduled_tokens)
         sampled = []
         for request_id in ids:
@@ -123,9 +127,9 @@ def vllm_side(size: int, steps: int) -> dict:
             sampled.append([7] if done else [])
         runner_output = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                                           sampled_token_ids=sampled)
-        before_update = time.perf_counter_ns()
+        before_update = CLOCK()
         scheduler.update_from_output(output, runner_output)
-        finished = time.perf_counter_ns()
+        finished = CLOCK()
         decodes = sum(1 for n in output.num_scheduled_tokens.values() if n == 1)
         return planned - started, finished - before_update, decodes
 
@@ -153,8 +157,12 @@ def main() -> None:
     parser.add_argument("--sizes", default="256,1024", help="running decode requests, comma-separated")
     parser.add_argument("--steps", type=int, default=50, help="timed decode steps per size")
     parser.add_argument("--only", choices=["schedspec", "vllm"], default=None)
+    parser.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
+                        help="thread CPU time (default) or wall time per call")
     parser.add_argument("--vllm-side", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    global CLOCK
+    CLOCK = time.thread_time_ns if args.clock == "cpu" else time.perf_counter_ns
     sizes = [int(s) for s in args.sizes.split(",")]
     if args.vllm_side:
         print(json.dumps({str(size): vllm_side(size, args.steps) for size in sizes}))
@@ -162,7 +170,7 @@ def main() -> None:
     print(f"conditions: {os.cpu_count()} cpus, {platform.processor() or platform.machine()}, "
           f"python {platform.python_version()}, load average {os.getloadavg()[0]:.2f}; running decode requests "
           f"with {PROMPT_LEN}-token prompts, block_size {BLOCK_SIZE}, {args.steps} timed steps after "
-          f"{WARMUP_DECODE_STEPS} warm-up decode steps; config per size: {config_fields(sizes[0], args.steps)} "
+          f"{WARMUP_DECODE_STEPS} warm-up decode steps; clock: {args.clock} time; config per size: {config_fields(sizes[0], args.steps)} "
           f"(max_num_seqs = size)")
     results: dict[str, dict] = {}
     if args.only != "vllm":
@@ -173,7 +181,7 @@ def main() -> None:
             print(f"vLLM side skipped: {python} not found (bash scripts/engines_setup.sh)")
         else:
             completed = subprocess.run([str(python), __file__, "--vllm-side", "--sizes", args.sizes,
-                                        "--steps", str(args.steps)], capture_output=True, text=True, check=False)
+                                        "--steps", str(args.steps), "--clock", args.clock], capture_output=True, text=True, check=False)
             if completed.returncode != 0:
                 print("vLLM side failed:\n" + completed.stderr[-3000:])
             else:
