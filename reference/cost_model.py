@@ -143,8 +143,22 @@ MODELS: dict[str, ModelSpec] = {
         kv_bytes_per_elem=2,
         max_model_len=8192,
     ),
+    # Meta Llama-3.1-8B config.json: the same shape as Llama-3-8B (32 layers, 8 KV heads, head dim
+    # 128, 8,030,261,248 parameters) with max_position_embeddings 131,072 (RoPE scaling "llama3").
+    "llama3.1-8b": ModelSpec(
+        name="Meta-Llama-3.1-8B (bf16, 128k context)",
+        num_params=8_030_261_248,
+        bytes_per_param=2,
+        num_layers=32,
+        num_kv_heads=8,
+        head_dim=128,
+        kv_bytes_per_elem=2,
+        max_model_len=131_072,
+    ),
 }
-"""Models by key. Llama-3-8B: 16.06 GB of bf16 weights, 128 KiB of bf16 KV per token."""
+"""Models by key. Llama-3-8B: 16.06 GB of bf16 weights, 128 KiB of bf16 KV per token, 8,192-token
+context; Llama-3.1-8B: the same weights and KV shape, 131,072-token context (for long-context traces
+such as the packaged Mooncake trace, half of whose prompts exceed 8,192 tokens)."""
 
 
 @attrs.frozen
@@ -250,9 +264,10 @@ DEFAULT_PROFILE = "llama3-8b-a100-80gb"
 """The profile used when none is named."""
 
 PROFILES: dict[str, CostModel] = {
-    profile.name: profile for profile in (derive("llama3-8b", "a100-80gb"), derive("llama3-8b", "h100-80gb"))
+    profile.name: profile for profile in (derive(model, gpu) for model in MODELS for gpu in GPUS)
 }
-"""Named profiles: ``llama3-8b-a100-80gb`` (default) and ``llama3-8b-h100-80gb``."""
+"""Named profiles, ``MODEL-GPU`` for every model and GPU: ``llama3-8b-a100-80gb`` (default),
+``llama3-8b-h100-80gb``, and the 128k-context ``llama3.1-8b-a100-80gb`` and ``llama3.1-8b-h100-80gb``."""
 
 
 def get_profile(name: str | CostModel | None = None) -> CostModel:
@@ -277,7 +292,16 @@ BLOCK_SIZE = 16
 """vLLM's default ``--block-size`` on CUDA."""
 
 
-def default_scheduler_config(profile: str | CostModel | None = None) -> tuple[dict[str, int | bool], str]:
+DERIVED_FIELDS = ("num_kv_blocks", "max_num_batched_tokens", "max_num_seqs")
+"""Config fields :func:`default_scheduler_config` derives from others (re-derived after overrides)."""
+
+
+def _int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def default_scheduler_config(profile: str | CostModel | None = None,
+                             overrides: dict[str, object] | None = None) -> tuple[dict[str, int | bool], str]:
     """The :class:`~schedspec.spec.config.SchedulerConfig` keyword arguments vLLM would use by default
     for the profile's model on one of the profile's GPUs, and a text saying how each was derived.
 
@@ -292,12 +316,22 @@ def default_scheduler_config(profile: str | CostModel | None = None) -> tuple[di
       on GPUs that are not H100-class (``EngineArgs.get_batch_defaults`` in vllm/engine/arg_utils.py;
       A100s are excluded from the larger defaults on purpose, vLLM PR #17885). The H100 profile gets
       8192 and 1024.
-    - ``max_model_len = 8192``: Llama-3-8B's context length.
+    - ``max_model_len = 8192``: Llama-3-8B's context length (131,072 for Llama-3.1-8B).
     - ``enable_chunked_prefill = True``: always on in vLLM V1.
 
+    ``overrides`` (``--set``, a sweep point) are applied first and the fields derived from others are
+    derived again from the values actually used, as vLLM's
+    ``EngineArgs._set_default_max_num_seqs_and_batched_tokens_args`` (vllm/engine/arg_utils.py) does:
+    ``num_kv_blocks`` from memory and ``block_size``; ``max_num_batched_tokens`` = the GPU default,
+    raised to ``max_model_len`` when chunked prefill is off, capped at ``max_num_seqs * max_model_len``;
+    ``max_num_seqs`` = ``min(GPU default, max_num_batched_tokens)``. A field given in ``overrides`` is
+    used as given (marked ``(set)`` in the text); a derived field whose value changed is marked
+    ``(re-derived)``. Override values that are not positive integers are left for the config's own
+    validation to reject.
+
     Returns:
-        ``(kwargs, derivation)``: field -> value, ready for ``SchedulerConfig(**kwargs)``, and a
-        multi-line text.
+        ``(kwargs, derivation)``: field -> value (overrides included), ready for
+        ``SchedulerConfig(**kwargs)``, and a multi-line text.
 
     Raises:
         CostModelError: unknown profile, or a profile whose hardware/model is not in
@@ -309,31 +343,60 @@ def default_scheduler_config(profile: str | CostModel | None = None) -> tuple[di
             f"profile {cost.name!r}: hardware={cost.hardware!r} / model={cost.model!r} are not known "
             f"hardware ({', '.join(sorted(GPUS))}) and model ({', '.join(sorted(MODELS))}) keys"
         )
+    given = dict(overrides or {})
     gpu, model = GPUS[cost.hardware], MODELS[cost.model]
     budget = int(gpu.memory_bytes * GPU_MEMORY_UTILIZATION)
     free = budget - model.weight_bytes - ACTIVATION_RESERVE_BYTES
-    block_bytes = BLOCK_SIZE * model.kv_bytes_per_token
-    num_blocks = free // block_bytes
-    if num_blocks < 1:
+    if free // (BLOCK_SIZE * model.kv_bytes_per_token) < 1:
         raise CostModelError(f"profile {cost.name!r}: the weights leave no memory for a KV cache")
+
+    def chosen(field: str, default: int) -> int:
+        return _int(given.get(field)) or default
+
+    block_size = chosen("block_size", BLOCK_SIZE)
+    max_model_len = chosen("max_model_len", model.max_model_len)
+    chunked = given.get("enable_chunked_prefill", True)
+    chunked = chunked if isinstance(chunked, bool) else True
+    block_bytes = block_size * model.kv_bytes_per_token
+    num_blocks = max(1, free // block_bytes)
+    gpu_seqs = gpu.vllm_max_num_seqs
+    batched = gpu.vllm_max_num_batched_tokens
+    if not chunked:
+        batched = max(max_model_len, batched)
+    batched = min(chosen("max_num_seqs", gpu_seqs) * max_model_len, batched)
+    batched = chosen("max_num_batched_tokens", batched)
+    seqs = chosen("max_num_seqs", min(gpu_seqs, batched))
+    defaults = {"block_size": BLOCK_SIZE, "num_kv_blocks": free // (BLOCK_SIZE * model.kv_bytes_per_token),
+                "max_num_batched_tokens": gpu.vllm_max_num_batched_tokens, "max_num_seqs": gpu_seqs,
+                "max_model_len": model.max_model_len, "enable_chunked_prefill": True}
     kwargs: dict[str, int | bool] = {
-        "block_size": BLOCK_SIZE,
-        "num_kv_blocks": int(num_blocks),
-        "max_num_batched_tokens": gpu.vllm_max_num_batched_tokens,
-        "max_num_seqs": gpu.vllm_max_num_seqs,
-        "max_model_len": model.max_model_len,
-        "enable_chunked_prefill": True,
+        "block_size": block_size,
+        "num_kv_blocks": chosen("num_kv_blocks", int(num_blocks)),
+        "max_num_batched_tokens": batched,
+        "max_num_seqs": seqs,
+        "max_model_len": max_model_len,
+        "enable_chunked_prefill": chunked,
     }
+
+    def mark(field: str) -> str:
+        if field in given:
+            return " (set)"
+        if kwargs[field] != defaults[field]:
+            return f" (re-derived; profile default {defaults[field]:,})"
+        return ""
+
     derivation = "\n".join([
-        f"vLLM defaults for {model.name} on one {gpu.name} (vllm serve):",
-        f"  block_size = {BLOCK_SIZE} (vLLM CUDA default)",
+        f"vLLM defaults for {model.name} on one {gpu.name} (vllm serve)" + (", after --set:" if given else ":"),
+        f"  block_size = {block_size}{mark('block_size') or ' (vLLM CUDA default)'}",
         f"  num_kv_blocks = floor(({gpu.memory_bytes / GiB:.0f} GiB * {GPU_MEMORY_UTILIZATION} "
         f"- {model.weight_bytes / GiB:.2f} GiB weights - {ACTIVATION_RESERVE_BYTES / GiB:.0f} GiB activations) "
-        f"/ ({BLOCK_SIZE} tokens * {model.kv_bytes_per_token // KiB} KiB)) = {num_blocks} "
-        f"({num_blocks * BLOCK_SIZE:,} tokens)",
-        f"  max_num_batched_tokens = {gpu.vllm_max_num_batched_tokens}, max_num_seqs = {gpu.vllm_max_num_seqs} "
-        "(vLLM EngineArgs.get_batch_defaults, OpenAI server)",
-        f"  max_model_len = {model.max_model_len} (model context length)",
-        "  enable_chunked_prefill = True (vLLM V1)",
+        f"/ ({block_size} tokens * {model.kv_bytes_per_token // KiB} KiB)) = {num_blocks:,} "
+        f"({num_blocks * block_size:,} tokens)" if "num_kv_blocks" not in given else
+        f"  num_kv_blocks = {kwargs['num_kv_blocks']:,} (set; from memory it would be {num_blocks:,})",
+        f"  max_num_batched_tokens = {batched:,}{mark('max_num_batched_tokens')}, max_num_seqs = {seqs:,}"
+        f"{mark('max_num_seqs')} (vLLM EngineArgs.get_batch_defaults, OpenAI server: "
+        f"{gpu.vllm_max_num_batched_tokens:,} / {gpu_seqs:,}; raised to max_model_len without chunked prefill)",
+        f"  max_model_len = {max_model_len:,}{mark('max_model_len') or ' (model context length)'}",
+        f"  enable_chunked_prefill = {chunked}{mark('enable_chunked_prefill') or ' (vLLM V1)'}",
     ])
     return kwargs, derivation

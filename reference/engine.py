@@ -37,7 +37,7 @@ from schedspec.spec.transitions import PlanError, abort_request, add_request, ap
 from schedspec.spec.workload import RequestSpec
 
 from .fake_model import FakeModel, TokenSource
-from .scheduler import EngineView, Scheduler, state_differences, view_differences
+from .scheduler import EngineView, Scheduler, offer_transition, state_differences, view_differences
 
 
 class ViolationFound(Exception):
@@ -94,7 +94,7 @@ def _record(
     scheduled = []
     allocated = {}
     hits: dict[str, tuple[int, ...]] = {}
-    hit_tokens: dict[str, int] = {}
+    hit_tokens = prefix_hit_tokens(before, plan)
     for item in plan.scheduled:
         request = before.requests[item.request_id]
         decode = 0 if request.is_prefill else item.num_tokens
@@ -103,7 +103,6 @@ def _record(
             allocated[item.request_id] = item.new_block_ids
         if item.cached_block_ids:
             hits[item.request_id] = item.cached_block_ids
-            hit_tokens[item.request_id] = item.num_computed_tokens - request.num_computed_tokens
     freed = dict(freed_by_abort)
     for request_id in plan.preempted:
         if before.requests[request_id].block_ids:
@@ -141,6 +140,41 @@ def _record(
     )
 
 
+def prefix_hit_tokens(before: SchedulerState, plan: StepPlan) -> dict[str, int]:
+    """Request id -> the tokens its prefix-cache hit in this step covers (the record's
+    ``prefix_hit_tokens``): ``ScheduledRequest.num_computed_tokens`` less the request's computed tokens
+    before the step, for each request the plan gives ``cached_block_ids``."""
+    return {item.request_id: item.num_computed_tokens - before.requests[item.request_id].num_computed_tokens
+            for item in plan.scheduled if item.cached_block_ids}
+
+
+@attrs.define(slots=True)
+class StepView:
+    """One step as it happened, without building a :class:`StepRecord` (the lab's statistics read
+    only this; a StepRecord copies every scheduled item into new objects, a fifth of a lab run).
+
+    Attributes:
+        step: the step index.
+        start_time: simulated seconds at the step's start; ``duration``: its length in seconds.
+        before, after: the spec states around the step (immutable; shared, not copied).
+        plan: the scheduler's plan.
+        sampled: request id -> the token sampled this step.
+        finished: ids that finished this step (not aborted or rejected).
+        arrivals: the requests added before the step; ``aborted``: live ids aborted before it.
+    """
+
+    step: int
+    start_time: float
+    duration: float
+    before: SchedulerState
+    after: SchedulerState
+    plan: StepPlan
+    sampled: dict[str, int]
+    finished: tuple[str, ...]
+    arrivals: list[RequestSpec]
+    aborted: list[str]
+
+
 class Engine:
     """Drives a scheduler (module docstring).
 
@@ -158,6 +192,7 @@ class Engine:
             time proportional to what each step changed) instead of the full check.
         stop_on_violation: raise :class:`ViolationFound` at the first violated rule or invariant.
         on_step: called with each record (progress bars, streaming output).
+        on_step_view: called with each step as a :class:`StepView` (no record is built for it).
     """
 
     def __init__(
@@ -172,6 +207,7 @@ class Engine:
         stop_on_violation: bool = False,
         on_step: Callable[[StepRecord], None] | None = None,
         incremental: bool = False,
+        on_step_view: Callable[[StepView], None] | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.config = config
@@ -183,6 +219,7 @@ class Engine:
         self.stop_on_violation = stop_on_violation
         self.on_step = on_step
         self.incremental = incremental
+        self.on_step_view = on_step_view
 
     def run(
         self,
@@ -238,6 +275,10 @@ class Engine:
         watched: list[Monitor] = monitors(self.properties, self.config) + monitors(self.watch, self.config)
         shadow = SchedulerState.initial(self.config)
         has_state = isinstance(getattr(self.scheduler, "state", None), SchedulerState)
+        if has_state and not state_differences(shadow, self.scheduler.state):
+            # An equal immutable start state: the same object, so that the spec transitions the engine
+            # computes can be shared with a reference scheduler (offer_transition).
+            shadow = self.scheduler.state
         # With checks off, a scheduler that keeps a spec state is trusted (the fast path); with checks on,
         # the spec's shadow is always advanced by the spec's own transitions and compared with it.
         trust_state = has_state and not self.check
@@ -273,8 +314,14 @@ class Engine:
                 if not due:
                     break
                 request = spec.to_request(step)
-                self.scheduler.add_request(request)
-                shadow = self.scheduler.state if trust_state else add_request(shadow, request)
+                if trust_state:
+                    self.scheduler.add_request(request)
+                    shadow = self.scheduler.state
+                else:
+                    added = add_request(shadow, request)
+                    offer_transition("add_request", shadow, request, self.config, added)
+                    self.scheduler.add_request(request)
+                    shadow = added
                 arrivals.append(spec)
                 next_arrival += 1
             aborts = list(step_aborts.get(step, ()))
@@ -288,8 +335,14 @@ class Engine:
                     aborted.append(request_id)
                     if live.block_ids:
                         freed_by_abort[request_id] = live.block_ids
-                self.scheduler.abort_request(request_id)
-                shadow = self.scheduler.state if trust_state else abort_request(shadow, request_id)
+                if trust_state:
+                    self.scheduler.abort_request(request_id)
+                    shadow = self.scheduler.state
+                else:
+                    remaining = abort_request(shadow, request_id)
+                    offer_transition("abort_request", shadow, request_id, self.config, remaining)
+                    self.scheduler.abort_request(request_id)
+                    shadow = remaining
             if not shadow.requests and next_arrival >= len(pending):
                 break
 
@@ -312,10 +365,13 @@ class Engine:
                     if self.stop_on_violation:
                         raise ViolationFound(found, before)
             sampled, duration = token_source.execute(plan, before)
-            finished = self.scheduler.update(plan, sampled)
             if trust_state:
+                finished = self.scheduler.update(plan, sampled)
                 after = self.scheduler.state
             else:
+                # The spec's own transition first; a reference scheduler that asks for the very same
+                # transition (same state, plan and samples) gets this result instead of computing it
+                # again (reference.scheduler.offer_transition), so its state is this state.
                 try:
                     result = apply_plan(before, plan, sampled, self.config)
                 except PlanError as error:
@@ -325,6 +381,8 @@ class Engine:
                     if self.stop_on_violation:
                         raise ViolationFound(found, before) from None
                     break
+                offer_transition("apply_plan", before, plan, self.config, result, sampled)
+                finished = self.scheduler.update(plan, sampled)
                 after = result.state
                 if self.check:
                     found = []
@@ -350,7 +408,9 @@ class Engine:
                         raise ViolationFound(found, after)
             for monitor in watched:
                 monitor.observe(before, plan, after)
-            record = None
+            if self.on_step_view is not None:
+                self.on_step_view(StepView(before.step, clock, duration, before, after, plan, sampled,
+                                           tuple(finished), arrivals, aborted))
             if self.record_steps or self.on_step is not None:
                 record = _record(before, after, plan, sampled, finished, clock, duration,
                                  arrivals, aborts, aborted, freed_by_abort)

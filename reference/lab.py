@@ -28,11 +28,12 @@ from typing import Any, TextIO
 import attrs
 import numpy as np
 
+from schedspec.spec.admission import rejection_reason
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.trace import StepRecord
 from schedspec.spec.workload import RequestSpec
 
-from .engine import Engine, RunResult
+from .engine import Engine, RunResult, StepView, prefix_hit_tokens
 from .fake_model import CostOnlyModel, FakeModel, TokenSource
 from .metrics import PrefixHitCounter, RequestTimeline, long_prompt_threshold
 from .scheduler import make_scheduler
@@ -94,6 +95,41 @@ class LabResult:
     prefix_hits: dict[str, Any] = attrs.field(factory=dict)
 
 
+@attrs.frozen
+class _HitView:
+    """A step as :meth:`PrefixHitCounter.observe` reads it (the fields it names), from a StepView."""
+
+    view: StepView
+
+    @property
+    def arrivals(self):
+        return self.view.arrivals
+
+    @property
+    def aborts(self):
+        return self.view.aborted
+
+    @property
+    def scheduled(self):
+        return self.view.plan.scheduled
+
+    @property
+    def prefix_hit_tokens(self) -> dict[str, int]:
+        return prefix_hit_tokens(self.view.before, self.view.plan)
+
+    @property
+    def preempted(self):
+        return self.view.plan.preempted
+
+    @property
+    def rejected(self):
+        return dict(self.view.plan.rejected)
+
+    @property
+    def sampled_token_ids(self):
+        return self.view.sampled
+
+
 class _Collector:
     def __init__(self, workload: Sequence[RequestSpec], long_prompt_len: int, steps_out: TextIO | None) -> None:
         self.specs = {s.request_id: s for s in workload}
@@ -107,35 +143,50 @@ class _Collector:
         self._span_starts: np.ndarray | None = None
         self.prefix_hits = PrefixHitCounter()
 
-    def __call__(self, record: StepRecord) -> None:
-        if self.steps_out is not None:
-            self.steps_out.write(record.to_json() + "\n")
-        self.prefix_hits.observe(record)
-        end = record.start_time + record.duration
+    def __call__(self, view: StepView) -> None:
+        """Take one step's statistics from the states and plan directly (no StepRecord is built; a
+        decode is :attr:`Request.is_decode`, as in the StepRecord)."""
+        start = view.start_time
+        end = start + view.duration
+        self.prefix_hits.observe(_HitView(view))
         long_prefill = False
         prefill = decode = chunks = 0
-        for item in record.scheduled:
-            prefill += item.prefill_tokens
-            decode += item.decode_tokens
-            if item.prefill_tokens:
+        requests = view.before.requests
+        first = self.first_scheduled
+        for item in view.plan.scheduled:
+            request_id = item.request_id
+            request = requests[request_id]
+            if not request.is_decode:
+                prompt_len = request.prompt_len
+                prefill += item.num_tokens
                 chunks += 1
-                if self.specs[item.request_id].prompt_len >= self.long_prompt_len:
+                if prompt_len >= self.long_prompt_len:
                     long_prefill = True
-            self.first_scheduled.setdefault(item.request_id, record.start_time)
+            else:
+                decode += item.num_tokens
+            if request_id not in first:
+                first[request_id] = start
         if long_prefill:
-            self.long_prefill_spans.append((record.start_time, end))
-        for request_id in record.sampled_token_ids:
-            self.token_times.setdefault(request_id, []).append(end)
-        for request_id in record.finished:
-            self.finish_time[request_id] = end
-        for request_id in record.rejected:
-            self.finish_time[request_id] = record.start_time
-        for request_id in record.aborted:
-            self.finish_time[request_id] = record.start_time
+            self.long_prefill_spans.append((start, end))
+        token_times = self.token_times
+        for request_id in view.sampled:
+            times = token_times.get(request_id)
+            if times is None:
+                token_times[request_id] = [end]
+            else:
+                times.append(end)
+        finish_time = self.finish_time
+        for request_id in view.finished:
+            finish_time[request_id] = end
+        for request_id, _ in view.plan.rejected:
+            finish_time[request_id] = start
+        for request_id in view.aborted:
+            finish_time[request_id] = start
+        after = view.after
         self.steps.append(LabStep(
-            record.step, record.start_time, record.duration, prefill, decode, chunks, record.num_running,
-            record.num_waiting, record.num_free_blocks, len(record.preempted), len(record.finished),
-            len(record.arrivals), long_prefill,
+            view.step, start, view.duration, prefill, decode, chunks, len(after.running),
+            len(after.waiting), len(after.free_block_ids), len(view.plan.preempted), len(view.finished),
+            len(view.arrivals), long_prefill,
         ))
 
     def arrived_during_long_prefill(self, arrival: float) -> bool:
@@ -159,6 +210,7 @@ def run_lab(
     steps_out: TextIO | None = None,
     on_step: Callable[[StepRecord], None] | None = None,
     max_steps: int | None = None,
+    on_progress: Callable[[int], None] | None = None,
 ) -> LabResult:
     """Replay a time-stamped workload through a scheduler.
 
@@ -171,7 +223,9 @@ def run_lab(
         cost_model: step-time model for the default token source.
         check: check every plan, invariant and guaranteed property (stops at the first violation).
         steps_out: write every step as a StepRecord JSON line here.
-        on_step: also called with each record (progress bars).
+        on_step: also called with each record (built only when this or ``steps_out`` is given).
+        on_progress: called with the number of requests that ended (finished, rejected, aborted) in
+            each step where some did (progress bars; no record is built for it).
         max_steps: stop after this many steps.
 
     Raises:
@@ -179,12 +233,24 @@ def run_lab(
         ViolationFound: with ``check``, at the first violated rule or invariant.
     """
     scheduler = make_scheduler(scheduler_name, config)
-    collector = _Collector(workload, long_prompt_threshold(s.prompt_len for s in workload), steps_out)
+    # The top decile of the prompts the spec admits (a prompt over max_model_len is rejected at arrival
+    # and must not set the threshold; metrics.latency_summary takes the same decile after the run).
+    long_prompt_len = long_prompt_threshold(s.prompt_len for s in workload
+                                            if rejection_reason(s.prompt_len, s.max_tokens, config) is None)
+    collector = _Collector(workload, long_prompt_len, steps_out)
 
     def observe(record: StepRecord) -> None:
-        collector(record)
+        if steps_out is not None:
+            steps_out.write(record.to_json() + "\n")
         if on_step is not None:
             on_step(record)
+
+    def progress(view: StepView) -> None:
+        collector(view)
+        if on_progress is not None:
+            ended = len(view.finished) + len(view.plan.rejected) + len(view.aborted)
+            if ended:
+                on_progress(ended)
 
     engine = Engine(
         scheduler, config,
@@ -193,7 +259,9 @@ def run_lab(
         properties=None if check else (),
         record_steps=False,
         stop_on_violation=check,
-        on_step=observe,
+        # StepRecords are built only when someone reads them (--steps-out, on_step).
+        on_step=observe if steps_out is not None or on_step is not None else None,
+        on_step_view=progress,
         incremental=True,
     )
     run = engine.run(workload, mode="time", max_steps=max_steps)

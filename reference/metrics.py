@@ -162,7 +162,9 @@ def latency_summary(timelines: Sequence[RequestTimeline], long_prompt_len: int |
     Args:
         timelines: every request of the run (all outcomes).
         long_prompt_len: prompts of at least this many tokens are "long"; default
-            :func:`long_prompt_threshold` over all ``timelines`` (the top decile).
+            :func:`long_prompt_threshold` over the admitted ``timelines`` (the top decile of the
+            requests that were not rejected: a rejected prompt, e.g. one longer than
+            ``max_model_len``, would otherwise set a threshold no admitted prompt reaches).
 
     Returns:
         ``{"requests": {outcome: count, ..., "total": n}, "long_prompt_len": int,
@@ -172,7 +174,8 @@ def latency_summary(timelines: Sequence[RequestTimeline], long_prompt_len: int |
         with >= 2 tokens.
     """
     counts = Counter(t.outcome for t in timelines)
-    threshold = long_prompt_threshold(t.prompt_len for t in timelines) if long_prompt_len is None else long_prompt_len
+    threshold = (long_prompt_threshold(t.prompt_len for t in timelines if t.outcome != "rejected")
+                 if long_prompt_len is None else long_prompt_len)
     finished = [t for t in timelines if t.outcome == "finished"]
     return {
         "requests": {**{outcome: counts.get(outcome, 0) for outcome in OUTCOMES}, "total": len(timelines)},

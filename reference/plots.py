@@ -20,6 +20,10 @@ def _save(figure, path: Path) -> None:
     handle.close()
     try:
         figure.savefig(handle.name, dpi=90, bbox_inches="tight", format="png")
+        # NamedTemporaryFile makes the file private (0600); give the plot the mode a plain write would.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(handle.name, 0o666 & ~umask)
         os.replace(handle.name, path)
     except BaseException:
         Path(handle.name).unlink(missing_ok=True)
@@ -72,15 +76,16 @@ def write_plots(runs: Sequence[tuple[str, LabResult]], folder: str | Path) -> li
                              [s.decode_tokens + s.prefill_tokens for s in steps], step="post", label="prefill", alpha=0.7)
         axes[0].axhline(result.config.max_num_batched_tokens, color="k", lw=0.8, ls="--", label="max_num_batched_tokens")
         axes[0].set_ylabel("tokens per step")
-        axes[0].legend(loc="upper right")
+        axes[0].legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)  # outside: never over the bars
         axes[1].step(time, [s.num_running for s in steps], where="post", label="running")
         axes[1].step(time, [s.num_waiting for s in steps], where="post", label="waiting")
         axes[1].set_ylabel("requests")
-        axes[1].legend(loc="upper right")
-        axes[2].step(time, [1 - s.num_free_blocks / result.config.num_kv_blocks for s in steps], where="post")
-        axes[2].set_ylabel("KV blocks used")
+        axes[1].legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
+        axes[2].step(time, [100 * (1 - s.num_free_blocks / result.config.num_kv_blocks) for s in steps], where="post")
+        axes[2].set_ylabel(f"KV cache used (% of {result.config.num_kv_blocks:,} blocks)")
+        axes[2].set_ylim(0, 100)
         axes[2].set_xlabel("simulated time (s)")
-        figure.suptitle(f"{_label(name)}: steps over time")
+        figure.suptitle(f"{_label(name)}: steps over time ({len(steps):,} steps)")
         path = folder / f"steps-{_file_name(name)}.png"
         _save(figure, path)
         plt.close(figure)
@@ -99,7 +104,10 @@ def write_plots(runs: Sequence[tuple[str, LabResult]], folder: str | Path) -> li
         axis.set_xlabel(label)
         axis.set_ylabel("fraction of requests" if metric == "ttft" else "fraction of gaps")
         axis.grid(True, which="both", alpha=0.3)
-        axis.legend()
+        axis.set_title(f"{'TTFT of finished requests' if metric == 'ttft' else 'Gaps between output tokens (ITL)'}: "
+                       "cumulative distribution", fontsize=10)
+        if axis.get_legend_handles_labels()[0]:
+            axis.legend(loc="lower right")
         path = folder / f"{metric}-cdf.png"
         _save(figure, path)
         plt.close(figure)

@@ -92,6 +92,14 @@ def mooncake_shared_prompt_tokens(requests: Sequence[RequestSpec], block_size: i
 DEFAULT_TRACE = "AzureLLMInferenceTrace_conv.csv"
 """File name of the default packaged trace."""
 
+PACKAGED_TRACES: dict[str, str] = {
+    "azure-conv": "AzureLLMInferenceTrace_conv.csv",
+    "azure-code": "AzureLLMInferenceTrace_code.csv",
+    "mooncake": "mooncake_conversation_trace.jsonl",
+}
+"""Short names of the packaged traces (``schedspec lab --trace mooncake``) -> file in
+``schedspec/data/traces/`` (their sources and licenses: that folder's README.md)."""
+
 AZURE_ATTRIBUTION = (
     "Azure LLM inference trace 2023, Microsoft Azure, https://github.com/Azure/AzurePublicDataset "
     "(AzureLLMInferenceDataset2023.md), licensed CC BY 4.0 (https://creativecommons.org/licenses/by/4.0/). "
@@ -666,6 +674,14 @@ def packaged_trace_path(name: str) -> Path:
     if not resource.is_file():
         raise WorkloadError(f"packaged trace {name!r}: not found in schedspec/data/traces")
     return Path(str(resource))
+
+
+def resolve_trace(text: str) -> Path:
+    """``--trace`` as a path: a short name of :data:`PACKAGED_TRACES` (when no file of that name
+    exists in the working directory) is the packaged file; anything else is a path as given."""
+    if text in PACKAGED_TRACES and not Path(text).exists():
+        return packaged_trace_path(PACKAGED_TRACES[text])
+    return Path(text)
 
 
 def default_trace_path() -> Path:

@@ -7,7 +7,8 @@ parallel, and choose the configuration that meets a latency target.
   inter-arrival gaps multiplied by ``v``, as ``--time-scale``). The points are the cartesian product,
   in the order the options were given (the last field varies fastest).
 - Each point is one :func:`~schedspec.reference.lab.run_lab` with the spec checks on (unless
-  ``--no-check``), run by :class:`concurrent.futures.ProcessPoolExecutor` with ``--jobs`` workers.
+  ``--no-check``), run by :class:`concurrent.futures.ProcessPoolExecutor` with ``--jobs`` workers,
+  or with ``--ray ADDRESS`` as Ray tasks on an existing Ray cluster (:func:`run_points_ray`).
   The simulated clock depends only on the workload, the config and the cost model, so the figures do
   not depend on the number of workers; results are ordered by point, never by completion.
 - A configuration **meets the SLO** when, for every SLO given, the p99 of that latency over the
@@ -102,6 +103,60 @@ def run_points(jobs: Sequence[tuple], workers: int) -> list[tuple[int, dict[str,
         return [run_point(job) for job in jobs]
     with ProcessPoolExecutor(max_workers=min(workers, len(jobs))) as pool:
         results = list(pool.map(run_point, jobs))
+    return sorted(results, key=lambda r: r[0])
+
+
+class RayUnavailable(Exception):
+    """``--ray``: the ``ray`` extra is not installed, or the cluster cannot be reached (the message
+    says which)."""
+
+
+def _run_point_with_window(head: tuple, window: list) -> tuple[int, dict[str, Any] | None, str | None]:
+    """:func:`run_point` with the window passed separately (a Ray object, shipped once per window)."""
+    return run_point((*head[:4], window, *head[4:]))
+
+
+def run_points_ray(jobs: Sequence[tuple], address: str) -> list[tuple[int, dict[str, Any] | None, str | None]]:
+    """Run every job as a Ray task (one CPU each, no retries) on the existing Ray cluster at
+    ``address`` (``ray.init(address=...)``: ``HOST:PORT`` of the head's GCS, ``ray://HOST:PORT`` for
+    Ray Client, or ``auto``); results in job order, equal to :func:`run_points`' whatever the cluster's
+    size, since each run depends only on its job. Each distinct window is put in the object store
+    once (``ray.put``), not once per task. The cluster's workers need schedspec installed (the same
+    version). If this process is already connected to Ray (a test's local instance), that connection
+    is used and left open.
+
+    Raises:
+        RayUnavailable: ray is not installed or the cluster cannot be reached.
+    """
+    try:
+        import ray
+    except ImportError as error:
+        raise RayUnavailable(f"needs the ray extra (pip install 'schedspec[ray]'): {error}") from None
+    connected_here = False
+    if not ray.is_initialized():
+        try:
+            ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+        except Exception as error:  # noqa: BLE001  (ray raises ConnectionError, ValueError, RuntimeError)
+            raise RayUnavailable(f"cannot connect to the Ray cluster at {address!r}: "
+                                 f"{type(error).__name__}: {error}") from None
+        connected_here = True
+    try:
+        task = ray.remote(num_cpus=1, max_retries=0)(_run_point_with_window)
+        windows: dict[int, Any] = {}
+        refs = []
+        for job in jobs:
+            window = job[4]
+            if id(window) not in windows:
+                windows[id(window)] = ray.put(window)
+            refs.append(task.remote(job[:4] + job[5:], windows[id(window)]))
+        try:
+            results = ray.get(refs)
+        except ray.exceptions.RayError as error:  # a task could not run (e.g. schedspec missing there)
+            raise RayUnavailable(f"a Ray task failed: {type(error).__name__}: "
+                                 f"{str(error).strip().splitlines()[-1] if str(error).strip() else ''}") from None
+    finally:
+        if connected_here:
+            ray.shutdown()
     return sorted(results, key=lambda r: r[0])
 
 
@@ -218,12 +273,18 @@ def write_plots(records: Sequence[dict[str, Any] | None], points: Sequence[Mappi
             front = pareto_front(list(zip(xs, ys, strict=True)))
             axis.plot([xs[i] for i in front], [ys[i] for i in front], color="k", lw=1, ls="-", zorder=2,
                       label="Pareto front")
+            # Configurations at the same point (equal figures) share one label, "A; B", instead of
+            # labels printed over each other.
+            at: dict[tuple[float, float], list[str]] = {}
             for (i, _, _), x, y in zip(shown, xs, ys, strict=True):
-                axis.annotate(_label(short_label(points[i])), (x, y), textcoords="offset points", xytext=(4, 4),
+                at.setdefault((round(x, 9), round(y, 9)), []).append(short_label(points[i]))
+            for (x, y), labels in at.items():
+                axis.annotate(_label("; ".join(labels)), (x, y), textcoords="offset points", xytext=(4, 4),
                               fontsize=7)
         limit = getattr(slo, slo_key) if slo is not None else None
         if limit is not None:
             axis.axvline(limit * 1e3, color="tab:red", ls="--", lw=1, label=f"SLO {name} {_seconds(limit)}")
+        axis.margins(0.1)  # room for the labels of the outermost points
         axis.set_xlabel(f"p99 {name} (ms)")
         axis.set_ylabel("output throughput (tokens/s)")
         axis.set_title(f"Throughput against p99 {name}; labels: {_label('/'.join(fields))}", fontsize=9)

@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[dev,torch,hf,docs]' 2>&1 \
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[dev,torch,hf,docs,ray]' 2>&1 \
   | grep -v "is ignored: it is neither a file nor a directory" || true
 # nano-vLLM (engine adapter schedspec.engines.nanovllm): exact pins, --no-deps so that its declared
 # triton/torch requirements are not resolved (see engines/requirements-nanovllm.txt).

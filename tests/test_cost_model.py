@@ -84,7 +84,7 @@ def test_default_scheduler_config_a100():
         "enable_chunked_prefill": True,
     }
     SchedulerConfig(**kwargs)
-    assert "28181" in derivation and "get_batch_defaults" in derivation
+    assert "28,181" in derivation and "get_batch_defaults" in derivation
 
 
 def test_default_scheduler_config_h100_uses_larger_vllm_defaults():
@@ -96,3 +96,37 @@ def test_default_scheduler_config_h100_uses_larger_vllm_defaults():
 def test_default_scheduler_config_needs_known_hardware():
     with pytest.raises(CostModelError, match="hardware"):
         default_scheduler_config(CostModel("fitted", 0.01, 1e-4, 1e-4, 0.0, hardware="my-gpu"))
+
+
+def test_long_context_profile_llama31_128k():
+    # Llama-3.1-8B: Llama-3-8B's weights and KV shape with a 131,072-token context; same memory
+    # arithmetic, so the same 28,181 blocks on an A100-80GB (hand value above).
+    kwargs, derivation = default_scheduler_config("llama3.1-8b-a100-80gb")
+    assert kwargs["max_model_len"] == 131_072
+    assert kwargs["num_kv_blocks"] == 28_181
+    assert (kwargs["max_num_batched_tokens"], kwargs["max_num_seqs"]) == (2048, 256)
+    assert "131,072" in derivation
+    assert MODELS["llama3.1-8b"].max_model_len == 131_072
+    kwargs, _ = default_scheduler_config("llama3.1-8b-h100-80gb")
+    assert (kwargs["max_num_batched_tokens"], kwargs["max_num_seqs"]) == (8192, 1024)
+
+
+def test_derived_fields_follow_overrides():
+    # block_size 32: floor(58,101,405,184 B / (32 * 131,072 B)) = floor(14,090.8) = 14,090 blocks.
+    kwargs, derivation = default_scheduler_config(overrides={"block_size": 32})
+    assert kwargs["block_size"] == 32 and kwargs["num_kv_blocks"] == 14_090
+    assert "re-derived" not in derivation.split("num_kv_blocks")[0]
+    # Chunked prefill off: vLLM raises max_num_batched_tokens to max_model_len (arg_utils.py).
+    kwargs, derivation = default_scheduler_config(overrides={"enable_chunked_prefill": False,
+                                                             "max_model_len": 16_384})
+    assert kwargs["max_num_batched_tokens"] == 16_384
+    assert "re-derived; profile default 2,048" in derivation and "(set)" in derivation
+    # A field given is used as given, never re-derived.
+    kwargs, _ = default_scheduler_config(overrides={"enable_chunked_prefill": False, "max_num_batched_tokens": 9000})
+    assert kwargs["max_num_batched_tokens"] == 9000
+    # max_num_seqs defaults to min(GPU default, max_num_batched_tokens).
+    kwargs, _ = default_scheduler_config(overrides={"max_num_batched_tokens": 128})
+    assert kwargs["max_num_seqs"] == 128
+    # Values that are not positive integers are left to the config's own validation.
+    kwargs, _ = default_scheduler_config(overrides={"block_size": "x"})
+    assert kwargs["block_size"] == 16

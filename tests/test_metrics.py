@@ -67,11 +67,21 @@ def test_latency_summary_hand_values():
     assert everything["e2e"]["mean"] == pytest.approx(1.25) and everything["e2e"]["max"] == 2.0
     assert everything["queueing"] == pytest.approx(
         {"count": 2, "mean": 0.25, "p50": 0.25, "p95": 0.475, "p99": 0.495, "max": 0.5})
-    # Prompts 50, 100, 200, 1000: p90 rank 2.7 -> 200 + 0.7 * 800 = 760; only B is long.
-    assert summary["long_prompt_len"] == 760
+    # The decile is over admitted prompts (C, rejected, is left out): 100, 200, 1000: p90 rank
+    # 0.9 * 2 = 1.8 -> 200 + 0.8 * 800 = 840; only B is long.
+    assert summary["long_prompt_len"] == 840
     assert summary["long_prompts"]["ttft"]["count"] == 1 and summary["long_prompts"]["ttft"]["max"] == 0.5
     assert summary["arrived_during_long_prefill"]["e2e"]["mean"] == pytest.approx(0.5)
     assert latency_summary(example(), long_prompt_len=150)["long_prompts"]["ttft"]["count"] == 1
+
+
+def test_rejected_prompts_do_not_set_the_long_prompt_decile():
+    # Ten rejected prompts far over max_model_len would put the p90 above every admitted prompt (and
+    # leave the long-prompt group empty) if they counted.
+    rejected = [RequestTimeline(f"R{i}", 200_000, 0.1, None, [], 0.1, "rejected", None) for i in range(10)]
+    summary = latency_summary(example() + rejected)
+    assert summary["long_prompt_len"] == 840
+    assert summary["long_prompts"]["ttft"]["count"] == 1
 
 
 def test_stats_empty_and_threshold():

@@ -47,7 +47,7 @@ from schedspec.reference import metrics, workloads
 from schedspec.reference.engine import ViolationFound
 from schedspec.reference.lab import VARIANTS, LabResult, LabStep, resolve_variant, run_lab
 from schedspec.reference.scheduler import EngineFault, UnknownScheduler, UnsupportedFeature
-from schedspec.spec.admission import rejection_code
+from schedspec.spec.admission import rejection_code, rejection_reason
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.trace import header_line
 
@@ -143,6 +143,46 @@ def _conditions(result: LabResult, profile: costs.CostModel, trace_text: str, wi
     ]
 
 
+def admission_preview(window: list, config: SchedulerConfig) -> dict[str, int]:
+    """How many requests of ``window`` the spec will reject at arrival under ``config``, by
+    :data:`~schedspec.spec.admission.REJECTION_CODES` code (``spec/admission.py``
+    ``rejection_reason``), known before the run because admission depends only on the request's shape
+    and the config."""
+    counts: dict[str, int] = {}
+    for spec in window:
+        reason = rejection_reason(spec.prompt_len, spec.max_tokens, config)
+        if reason is not None:
+            code = rejection_code(reason)
+            counts[code] = counts.get(code, 0) + 1
+    return counts
+
+
+def _print_admission_preview(console: Console, window: list, configs: list[SchedulerConfig]) -> None:
+    """Before the run: how many requests of the window exceed ``max_model_len`` (or the KV cache) and
+    will be rejected, with a hint for long-context traces; one line per distinct config limit."""
+    seen = set()
+    for config in configs:
+        key = (config.max_model_len, config.num_kv_blocks, config.block_size)
+        if key in seen:
+            continue
+        seen.add(key)
+        counts = admission_preview(window, config)
+        over = counts.get("prompt-exceeds-max-model-len", 0)
+        text = (f"Admission: {over:,} of {len(window):,} requests in the window have a prompt longer than "
+                f"max_model_len {config.max_model_len:,} tokens")
+        others = {k: v for k, v in counts.items() if k != "prompt-exceeds-max-model-len"}
+        if others:
+            text += "; also rejected: " + ", ".join(f"{k} {v:,}" for k, v in sorted(others.items()))
+        text += "; the spec rejects them at arrival." if counts else "."
+        if over and len(window) and over / len(window) >= 0.01:
+            longer = sorted(name for name, profile in costs.PROFILES.items()
+                            if profile.model in costs.MODELS
+                            and costs.MODELS[profile.model].max_model_len > config.max_model_len)
+            if longer:
+                text += f" For a long-context trace try --profile {longer[0]} (or --set max_model_len=N)."
+        console.print(Text(text, style="yellow" if over else ""))
+
+
 def _print_conditions(console: Console, rows: list[tuple[str, str]]) -> None:
     table = Table(title="Run conditions", show_header=False, title_justify="left")
     table.add_column(style="bold")
@@ -175,7 +215,12 @@ def _fmt(value: float | None, unit: str = "s") -> str:
     return f"{value:,.2f}"
 
 
-def _print_latency(console: Console, title: str, summary: dict[str, Any]) -> None:
+def _print_latency(console: Console, title: str, summary: dict[str, Any], empty_reason: str = "") -> None:
+    """One latency table; a group with no finished request prints one line saying why instead of a
+    table of dashes."""
+    if all(not isinstance(stats, dict) or not stats.get("count") for stats in summary.values()):
+        console.print(Text(f"{title}: none. {empty_reason}".rstrip(), style="italic"))
+        return
     table = Table(title=title, title_justify="left")
     for column in ("metric", "count", "p50", "p95", "p99", "max", "mean"):
         table.add_column(column, justify="right")
@@ -189,18 +234,27 @@ def _print_latency(console: Console, title: str, summary: dict[str, Any]) -> Non
 def _print_summary(console: Console, record: dict[str, Any]) -> None:
     details, figures = record["details"], record["figures"]
     latency = details["latency_s"]
-    _print_latency(console, "Per-request latency (all requests)", latency["all"])
-    for key, title in (("long_prompts", f"Long prompts (top decile: >= {latency['long_prompt_len']:,} tokens)"),
-                       ("arrived_during_long_prefill", "Requests that arrived while a long prompt was prefilled")):
+    requests = details["requests"]
+    _print_latency(console, "Per-request latency (finished requests)", latency["all"],
+                   f"No request finished in the window ({', '.join(f'{k} {v:,}' for k, v in requests.items())}).")
+    groups = (
+        ("long_prompts", f"Long prompts (top decile of admitted prompts: >= {latency['long_prompt_len']:,} tokens)",
+         "No request with a prompt in the top decile finished in the window."),
+        ("arrived_during_long_prefill", "Requests that arrived while a long prompt was prefilled",
+         "No request arrived during a step that prefilled a long prompt (or none of those finished)."),
+    )
+    for key, title, why in groups:
         if key in latency:
-            _print_latency(console, title, latency[key])
+            _print_latency(console, title, latency[key], why)
     efficiency = details["efficiency"]
     table = Table(title="Batch efficiency", show_header=False, title_justify="left")
     table.add_column(style="bold")
     table.add_column(justify="right")
     for key, value in efficiency.items():
+        if key.startswith("kv_usage") and isinstance(value, float):  # percent, as the step table and plots
+            table.add_row(key + " %", _percent(100 * value))
+            continue
         table.add_row(key, f"{value:,.3f}" if isinstance(value, float) else f"{value:,}" if isinstance(value, int) else str(value))
-    requests = details["requests"]
     table.add_row("requests", ", ".join(f"{k} {v:,}" for k, v in requests.items()))
     for code, count in details["rejected_by_code"].items():
         example = next((reason for reason in details["rejected_reasons"] if rejection_code(reason) == code), "")
@@ -274,7 +328,9 @@ def _compare_table(console: Console, records: list[dict[str, Any]]) -> None:
 @click.command()
 @click.option("--trace", "trace_path", default=None, metavar="PATH",
               help="Trace file: Azure LLM inference 2023 or 2024 CSV, BurstGPT CSV or Mooncake JSONL "
-                   "(detected from the first line). Default: the packaged Azure 2023 conversation trace.")
+                   "(detected from the first line), or a packaged trace by name: "
+                   f"{', '.join(workloads.PACKAGED_TRACES)}. Default: azure-conv (the Azure 2023 "
+                   "conversation trace). Long prompts (mooncake): --profile llama3.1-8b-a100-80gb.")
 @click.option("--trace-format", type=click.Choice(list(workloads.FORMATS)), default=None,
               help="Trace format (default: detected).")
 @click.option("--synthetic", default=None, metavar="SPEC",
@@ -321,12 +377,16 @@ def _compare_table(console: Console, records: list[dict[str, Any]]) -> None:
                    "configuration; with --slo, mark those that meet it and name the best.")
 @click.option("--jobs", type=Count(minimum=1), default=None,
               help="Worker processes for --sweep (default: all cores); the results do not depend on it.")
+@click.option("--ray", "ray_address", default=None, metavar="ADDRESS",
+              help="Run the --sweep's runs as Ray tasks on an existing Ray cluster (HOST:PORT, ray://HOST:PORT "
+                   "or auto; needs the ray extra, and schedspec installed on the cluster). Results equal "
+                   "local runs.")
 @click.option("--no-check", is_flag=True, help="Skip the spec checks (faster; not recommended).")
 @click.option("--max-steps", type=Count(minimum=1), default=None, help="Stop after this many steps.")
 def command(trace_path, trace_format, synthetic, start, duration, max_requests, time_scale, length_scale,
             scheduler_name, sets,
             profile, backend, device, model_dir, steps_spec, steps_out, requests_out, slo, compare, plot_dir,
-            as_json, save_path, sweeps, jobs, no_check, max_steps) -> None:
+            as_json, save_path, sweeps, jobs, no_check, max_steps, ray_address=None) -> None:
     """Run the scheduler on a real trace and show the run conditions, the steps (by default the first
     40 where a request arrived, was preempted or finished; --steps to choose), the latency each request
     saw and the batch efficiency, with every step checked against the spec. Every option and the trace
@@ -335,12 +395,14 @@ def command(trace_path, trace_format, synthetic, start, duration, max_requests, 
     console = make_console(stderr=as_json, width=max(shutil.get_terminal_size((120, 24)).columns, 100))
 
     # 1. Options, each on its own (no work yet).
+    changes = parse_sets(sets)
     try:
         cost = costs.get_profile(profile)
-        base, derivation = costs.default_scheduler_config(cost)
+        # Fields derived from others (num_kv_blocks from block_size, max_num_batched_tokens from
+        # max_model_len without chunked prefill, ...) are derived from the values --set gives.
+        base, derivation = costs.default_scheduler_config(cost, overrides=changes)
     except costs.CostModelError as error:
         fail(f"--profile: {error}")
-    changes = parse_sets(sets)
     try:
         slo_pair = metrics.parse_slo(slo) if slo is not None else None
     except metrics.MetricsError as error:
@@ -384,8 +446,14 @@ def command(trace_path, trace_format, synthetic, start, duration, max_requests, 
         for field in fields:
             if field in changes:
                 fail(f"--sweep {field} and --set {field}: give one, not both")
+        if ray_address is not None and jobs is not None:
+            fail("--ray and --jobs: give one, not both (the Ray cluster decides how many run at once)")
+        if ray_address is not None and not ray_address.strip():
+            fail("--ray: empty address (HOST:PORT, ray://HOST:PORT or auto)")
     elif jobs is not None:
         fail("--jobs: only with --sweep")
+    elif ray_address is not None:
+        fail("--ray: only with --sweep")
     try:
         spec = workloads.parse_synthetic(synthetic) if synthetic is not None else None
     except workloads.WorkloadError as error:
@@ -395,7 +463,8 @@ def command(trace_path, trace_format, synthetic, start, duration, max_requests, 
     check_path("--trace", trace_path)
     check_path("--model", model_dir)
     check_path("--save", save_path)
-    path = (Path(trace_path) if trace_path is not None else workloads.default_trace_path()) if spec is None else None
+    path = (workloads.resolve_trace(trace_path) if trace_path is not None else workloads.default_trace_path()) \
+        if spec is None else None
 
     def output_name(base_path: str | None, name: str) -> str | None:
         return None if base_path is None else base_path if len(names) == 1 else f"{base_path}.{name}"
@@ -432,7 +501,10 @@ def command(trace_path, trace_format, synthetic, start, duration, max_requests, 
     for point in points:
         label = sweeping.point_label(point)
         fields_changed = {k: v for k, v in point.items() if k not in sweeping.LOAD_FIELDS and k != "scheduler"}
-        scheduler, raw = resolve_variant(point.get("scheduler", names[0]), {**base, **changes, **fields_changed})
+        point_base = base
+        if fields_changed:
+            point_base, _ = costs.default_scheduler_config(cost, overrides={**changes, **fields_changed})
+        scheduler, raw = resolve_variant(point.get("scheduler", names[0]), {**point_base, **changes, **fields_changed})
         config = build_config(raw, {}, where=f"--sweep {label}")
         check_scheduler(scheduler, config, where=f"--sweep {label}:" if "scheduler" in point else "--scheduler")
         point_configs.append((scheduler, config))
@@ -487,10 +559,14 @@ def command(trace_path, trace_format, synthetic, start, duration, max_requests, 
                                             backend=backend_conditions, model=model, checks=not no_check,
                                             max_steps=max_steps)
 
+    if not as_json:
+        _print_admission_preview(console, window, [config for _, config in
+                                                  (point_configs or list(configs.values()))])
+
     if points:
         _sweep(console, points, point_configs, make_window, window, window_conditions,
                shared(cost_backend, cost.model, window_conditions), cost, slo_pair, no_check, max_steps,
-               jobs, plot_dir, save_names, as_json, trace_text, window_text)
+               jobs, plot_dir, save_names, as_json, trace_text, window_text, ray_address)
         return
 
     # 5. The runs.
@@ -617,7 +693,8 @@ def _save_records(records: list[dict[str, Any]], targets: list[str], console: Co
 def _sweep(console: Console, points: list[dict[str, Any]], point_configs: list[tuple[str, SchedulerConfig]],
            make_window, window: list, window_conditions: dict[str, Any], conditions: dict[str, Any],
            cost, slo, no_check: bool, max_steps: int | None, jobs: int | None, plot_dir: str | None,
-           save_names: list[str], as_json: bool, trace_text: str, window_text: str) -> None:
+           save_names: list[str], as_json: bool, trace_text: str, window_text: str,
+           ray_address: str | None = None) -> None:
     """``--sweep``: every point run (in parallel), one table, the best configuration named."""
     windows: dict[float, list] = {window_conditions["time_scale"]: window}
     natural_rate = None
@@ -642,10 +719,17 @@ def _sweep(console: Console, points: list[dict[str, Any]], point_configs: list[t
                          max_steps, own, slo, point))
     workers = jobs if jobs is not None else sweeping.default_jobs()
     if not as_json:
-        console.print(f"Sweep: {len(points)} configurations of {trace_text.splitlines()[0]}; window {window_text}; "
-                      f"checks {'off' if no_check else 'on'}; {min(workers, len(points))} worker processes")
+        where = f"Ray tasks on the cluster at {ray_address}" if ray_address else \
+            f"{min(workers, len(points))} worker processes"
+        console.print(Text(f"Sweep: {len(points)} configurations of {trace_text.splitlines()[0]}; window "
+                           f"{window_text}; checks {'off' if no_check else 'on'}; {where}"))
     try:
-        results = sweeping.run_points(job_list, workers)
+        if ray_address is not None:
+            results = sweeping.run_points_ray(job_list, ray_address)
+        else:
+            results = sweeping.run_points(job_list, workers)
+    except sweeping.RayUnavailable as error:
+        fail(f"--ray {ray_address}: {error}", status=EXIT_UNSUPPORTED)
     except BrokenProcessPool as error:
         fail(f"--sweep: a worker process died ({error}); try fewer --jobs or a smaller window",
              status=EXIT_CHECK_FAILED)
@@ -722,16 +806,14 @@ def _run_one(name: str, scheduler: str, config: SchedulerConfig, window: list, t
     with progress:
         task = progress.add_task(name, total=len(window))
 
-        def tick(record, _task=task, _progress=progress) -> None:
-            ended = len(record.finished) + len(record.rejected) + len(record.aborted)
-            if ended:
-                _progress.advance(_task, ended)
+        def tick(ended: int, _task=task, _progress=progress) -> None:
+            _progress.advance(_task, ended)
 
         def run(handle) -> LabResult:
             if handle is not None:
                 handle.write(header_line(config, scheduler) + "\n")
             return run_lab(window, scheduler, config, token_source=token_source, cost_model=cost,
-                           check=not no_check, steps_out=handle, on_step=tick, max_steps=max_steps)
+                           check=not no_check, steps_out=handle, on_progress=tick, max_steps=max_steps)
 
         try:
             if steps_out is None:

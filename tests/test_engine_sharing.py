@@ -1,0 +1,61 @@
+"""The engine shares its own spec transitions with a reference scheduler that asks for exactly the
+same transition (reference.scheduler.offer_transition), and still catches a scheduler whose state
+goes its own way."""
+
+from __future__ import annotations
+
+from schedspec.reference import engine as engine_module
+from schedspec.reference import scheduler as scheduler_module
+from schedspec.reference.engine import Engine
+from schedspec.reference.scheduler import ReferenceScheduler, make_scheduler
+from schedspec.spec.config import SchedulerConfig
+from schedspec.spec.request import Request
+from schedspec.spec.workload import RequestSpec
+
+CONFIG = SchedulerConfig(block_size=4, num_kv_blocks=32, max_num_batched_tokens=16, max_num_seqs=4,
+                         max_model_len=64)
+WORKLOAD = [RequestSpec("A", 6, 10, arrival_step=0), RequestSpec("B", 20, 5, arrival_step=1),
+            RequestSpec("C", 9, 7, arrival_step=3, abort_at_step=6)]
+
+
+def test_a_reference_scheduler_reuses_the_engines_transitions(monkeypatch):
+    calls = {"engine": 0, "scheduler": 0}
+    for module, key in ((engine_module, "engine"), (scheduler_module, "scheduler")):
+        original = module.apply_plan
+
+        def counted(*args, _original=original, _key=key, **kwargs):
+            calls[_key] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(module, "apply_plan", counted)
+    run = Engine(make_scheduler("fcfs", CONFIG), CONFIG).run(WORKLOAD)
+    assert run.ok, run.violations
+    assert calls["engine"] == run.num_steps > 0
+    assert calls["scheduler"] == 0, "every update took the engine's transition"
+
+
+class DropsPriority(ReferenceScheduler):
+    """A scheduler with a bug in its own bookkeeping: it records every arrival with priority 7."""
+
+    def add_request(self, request: Request) -> None:
+        super().add_request(request.replace(priority=7))
+
+
+def test_a_scheduler_whose_state_differs_is_still_caught():
+    base = make_scheduler("fcfs", CONFIG)
+    buggy = DropsPriority(CONFIG, base.plan_function, "drops-priority", base.guarantees)
+    run = Engine(buggy, CONFIG).run(WORKLOAD)
+    assert any(v.name == "state-mismatch" and v.request_id == "A" and "priority" in v.detail
+               for v in run.violations), run.violations
+
+
+def test_an_offer_is_used_once_and_only_for_the_same_objects():
+    offered = scheduler_module._OfferedTransition()
+    state, other = object(), object()
+    offered.offer(("add_request", state, "r", None, CONFIG), "result")
+    assert offered.take(("add_request", other, "r", None, CONFIG)) is None  # another state object
+    offered.offer(("add_request", state, "r", None, CONFIG), "result")
+    assert offered.take(("abort_request", state, "r", None, CONFIG)) is None  # another operation
+    offered.offer(("add_request", state, "r", None, CONFIG), "result")
+    assert offered.take(("add_request", state, "r", None, CONFIG)) == "result"
+    assert offered.take(("add_request", state, "r", None, CONFIG)) is None  # used once
