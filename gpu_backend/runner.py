@@ -26,6 +26,7 @@ from schedspec.gpu_backend.weights import (
     tiny_model_weights,
     weight_bytes,
 )
+from schedspec.reference.cost_model import step_shape
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.state import SchedulerState, StepPlan, samples_this_step
 from schedspec.spec.workload import EOS_TOKEN_ID
@@ -79,7 +80,16 @@ class Runner:
             requests that sampled in the last step (``record_logits`` ``"last"`` or ``"all"``).
         step_logits: request id -> ``[num_tokens, vocab_size]`` float32 CPU logits of every position the
             last step computed (``record_logits="all"``).
-        last_step_seconds: wall time of the last step in seconds.
+        last_step_seconds: wall time of the last step in seconds (the step time, defined below).
+        last_step_shape: the :class:`~schedspec.reference.cost_model.StepShape` of the last step (what
+            the cost model charges for), ``None`` before the first step or after an empty one.
+
+    The step time (one definition, shared with the cost model the lab charges and with
+    ``schedspec calibrate``, which fits the cost model to it): the wall time from the plan to the
+    sampled token ids, i.e. packing the batch's inputs, the forward pass and sampling, with CUDA
+    synchronised before and after. It leaves out the scheduler's own time, the debug-mode ledger checks
+    and the copies of ``record_logits``. The lab's cost model charges
+    ``CostModel.shape_seconds(step_shape(plan, state))`` for the same step.
     """
 
     def __init__(
@@ -154,6 +164,7 @@ class Runner:
         self.last_logits: dict[str, torch.Tensor] = {}
         self.step_logits: dict[str, torch.Tensor] = {}
         self.last_step_seconds = 0.0
+        self.last_step_shape = None
 
     @property
     def vocab_size(self) -> int:
@@ -183,6 +194,51 @@ class Runner:
         self.last_logits = {}
         self.step_logits = {}
         self.last_step_seconds = 0.0
+        self.last_step_shape = None
+
+    def warm_up(self, tokens: int = 64, decodes: int = 4) -> float:
+        """Run a few throw-away steps (a prefill of ``tokens`` tokens, then ``decodes`` decode steps of
+        it) so that one-time costs (allocator growth, lazy kernel and library initialisation) fall
+        outside the measured steps, then :meth:`reset`. Uses blocks from the start of the pool, which a
+        run overwrites before reading (in debug mode they are NaN again after the reset). Returns the
+        warm-up's wall time in seconds.
+
+        The prefill is shortened to fit a small KV cache or ``max_model_len``; with room for fewer
+        than two tokens nothing runs (0.0).
+        """
+        from schedspec.spec.state import ScheduledRequest
+        from schedspec.spec.transitions import add_request, apply_plan
+        from schedspec.spec.workload import RequestSpec
+
+        size = self.config.block_size
+        total = tokens + decodes
+        room = min(self.config.num_kv_blocks * size, self.config.max_model_len)
+        if total > room:
+            decodes = min(decodes, max(room - 1, 0) // 2)
+            tokens = room - decodes
+            if tokens < 1 or room < 2:
+                return 0.0
+        started = time.perf_counter()
+        state = add_request(SchedulerState.initial(self.config),
+                            RequestSpec("warm-up", prompt_len=tokens, max_tokens=decodes + 1).to_request(0))
+        saved, self.ledger = self.ledger, None
+        try:
+            for _ in range(decodes + 1):
+                request = state.requests.get("warm-up")
+                if request is None:  # ended early (max_model_len)
+                    break
+                start = request.num_computed_tokens
+                n = request.num_tokens - start
+                have = len(request.block_ids)
+                need = -(-(start + n) // size) - have
+                new = tuple(state.free_block_ids[:need])
+                plan = StepPlan(scheduled=(ScheduledRequest("warm-up", start, n, new),))
+                sampled, _ = self.execute(plan, state)
+                state = apply_plan(state, plan, sampled, self.config).state
+        finally:
+            self.ledger = saved
+        self.reset()
+        return time.perf_counter() - started
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -218,6 +274,7 @@ class Runner:
         self.step_logits = {}
         if not plan.scheduled:
             self.last_step_seconds = 0.0
+            self.last_step_shape = None
             return {}, 0.0
         self._sync()
         started = time.perf_counter()
@@ -231,6 +288,7 @@ class Runner:
         sampled = self._sample(rows, samplers)
         self._sync()
         self.last_step_seconds = time.perf_counter() - started
+        self.last_step_shape = step_shape(plan, state)
 
         if self.record_logits != "none":
             cpu = rows.cpu()

@@ -43,7 +43,11 @@ KiB = 1 << 10
 
 
 class CostModelError(ValueError):
-    """An unknown profile or a negative token count; the message names it."""
+    """An unknown profile, an unusable profile file or a negative token count; the message names it."""
+
+
+PROFILE_KIND = {"derived": "derived, not measured", "measured": "measured (fitted by schedspec calibrate)"}
+"""How a profile's coefficients were found, as the lab labels it."""
 
 
 @attrs.frozen
@@ -160,6 +164,10 @@ class CostModel:
         hardware: key into :data:`GPUS` (or free text for a fitted profile).
         model: key into :data:`MODELS` (or free text).
         source: how the coefficients were obtained (derivation or measurement).
+        measured: ``True`` for a profile fitted to measured step times (``schedspec calibrate``),
+            ``False`` for the packaged profiles, derived on paper from datasheets (:func:`derive`).
+        scheduler_config: ``(field, value)`` pairs a profile file gives for the lab's default
+            :class:`~schedspec.spec.config.SchedulerConfig` (over the default profile's vLLM defaults).
     """
 
     name: str
@@ -170,6 +178,13 @@ class CostModel:
     hardware: str = ""
     model: str = ""
     source: str = ""
+    measured: bool = False
+    scheduler_config: tuple[tuple[str, int | bool], ...] = ()
+
+    @property
+    def kind(self) -> str:
+        """``"measured (fitted by schedspec calibrate)"`` or ``"derived, not measured"``."""
+        return PROFILE_KIND["measured" if self.measured else "derived"]
 
     def step_seconds(self, prefill_tokens: int, decode_tokens: int, kv_tokens_attended: int = 0) -> float:
         """Duration of one step in seconds.
@@ -191,6 +206,15 @@ class CostModel:
             )
         return self.a + self.b * prefill_tokens + self.c * decode_tokens + self.d * kv_tokens_attended
 
+    def shape_seconds(self, shape: StepShape) -> float:
+        """Duration in seconds of a step of this :class:`StepShape` (:meth:`step_seconds` of its counts)."""
+        return self.step_seconds(shape.prefill_tokens, shape.decode_tokens, shape.kv_tokens_attended)
+
+    def plan_seconds(self, plan, state) -> float:
+        """Duration in seconds of ``plan`` run on ``state`` (the state before the step): the time the
+        lab charges for it, ``shape_seconds(step_shape(plan, state))``."""
+        return self.shape_seconds(step_shape(plan, state))
+
     def batch_seconds(self, scheduled: Iterable) -> float:
         """Duration of a step given its batch as :class:`~schedspec.spec.trace.ScheduledTokens`
         (``prefill_tokens``, ``decode_tokens``, ``num_computed_tokens`` per request)."""
@@ -200,6 +224,62 @@ class CostModel:
             decode += item.decode_tokens
             attended += item.num_computed_tokens + item.prefill_tokens + item.decode_tokens
         return self.step_seconds(prefill, decode, attended)
+
+
+@attrs.frozen
+class StepShape:
+    """What one step computes, in the counts the cost model charges (the one definition shared by the
+    lab's token sources, the PyTorch backend's runner and ``schedspec calibrate``).
+
+    Attributes:
+        prefill_tokens: tokens of prefill items (prompt chunks, and recompute after a preemption),
+            all requests together.
+        decode_tokens: decode items, one token each: a request with exactly one pending token that
+            has computed its whole prompt (``not Request.is_prefill``, as the step trace's
+            ``decode_tokens``).
+        kv_tokens_attended: sum over the scheduled items of ``num_computed_tokens + num_tokens``.
+        num_prefill_chunks: prefill items.
+        prefill_attention_pairs: query-key pairs of the prefill chunks' causal attention, sum over
+            chunks of ``n * num_computed_tokens + n * (n + 1) / 2`` for a chunk of ``n`` tokens (the
+            quadratic term the linear model leaves out; reported by calibration, not charged).
+    """
+
+    prefill_tokens: int
+    decode_tokens: int
+    kv_tokens_attended: int
+    num_prefill_chunks: int = 0
+    prefill_attention_pairs: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """All tokens computed in the step."""
+        return self.prefill_tokens + self.decode_tokens
+
+
+def step_shape(plan, state) -> StepShape:
+    """The :class:`StepShape` of ``plan`` (a :class:`~schedspec.spec.state.StepPlan`) on ``state``
+    (the :class:`~schedspec.spec.state.SchedulerState` before the step).
+
+    An item is a decode when its request's only pending token is past the prompt (``not
+    request.is_prefill``, as :func:`schedspec.reference.engine` records ``decode_tokens``); every
+    other item is prefill, recompute included.
+
+    Raises:
+        KeyError: a scheduled request that is not live in ``state``.
+    """
+    prefill = decode = attended = chunks = pairs = 0
+    requests = state.requests
+    for item in plan.scheduled:
+        request = requests[item.request_id]
+        start, n = item.num_computed_tokens, item.num_tokens
+        attended += start + n
+        if n == 1 and start >= request.prompt_len and start + 1 == request.num_tokens:
+            decode += 1
+        else:
+            prefill += n
+            chunks += 1
+            pairs += n * start + n * (n + 1) // 2
+    return StepShape(prefill, decode, attended, chunks, pairs)
 
 
 def derive(model_key: str, gpu_key: str) -> CostModel:
@@ -256,17 +336,88 @@ PROFILES: dict[str, CostModel] = {
 
 
 def get_profile(name: str | CostModel | None = None) -> CostModel:
-    """The profile called ``name`` (``None``: the default); a :class:`CostModel` is returned as is.
+    """The profile called ``name`` (``None``: the default), or the profile file ``name`` when it ends
+    in ``.json`` (:func:`load_profile`); a :class:`CostModel` is returned as is.
 
     Raises:
-        CostModelError: unknown name (the message lists the known ones).
+        CostModelError: unknown name (the message lists the known ones), or an unusable file.
     """
     if isinstance(name, CostModel):
         return name
     key = DEFAULT_PROFILE if name is None else name
+    if key.endswith(".json"):
+        return load_profile(key)
     if key not in PROFILES:
-        raise CostModelError(f"cost profile {key!r}: unknown; known: {', '.join(sorted(PROFILES))}")
+        raise CostModelError(f"cost profile {key!r}: unknown; known: {', '.join(sorted(PROFILES))} "
+                             "(derived, not measured), or a PROFILE.json file written by schedspec calibrate")
     return PROFILES[key]
+
+
+PROFILE_FILE_FIELDS = ("a_s_per_step", "b_s_per_prefill_token", "c_s_per_decode_token", "d_s_per_kv_token")
+PROFILE_CONFIG_FIELDS = ("block_size", "num_kv_blocks", "max_num_batched_tokens", "max_num_seqs", "max_model_len")
+
+
+def load_profile(path) -> CostModel:
+    """Read a profile file written by ``schedspec calibrate`` (``{"record": "schedspec-cost-profile",
+    "schema_version": 1, "name", "coefficients": {a_s_per_step, b_s_per_prefill_token,
+    c_s_per_decode_token, d_s_per_kv_token}, "hardware", "model", "source", "scheduler_config", ...}``;
+    other keys are kept in the file for people and ignored here).
+
+    Raises:
+        CostModelError: the file cannot be read, is not strict JSON, is not a profile, or a field is
+            missing or not a finite number >= 0 (the message names the file, line or field).
+    """
+    import math
+
+    from schedspec.spec.trace import StrictJsonError, strict_json_loads
+
+    where = str(path)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
+    except OSError as error:
+        raise CostModelError(f"profile {where}: cannot read ({error.strerror})") from None
+    except UnicodeDecodeError:
+        raise CostModelError(f"profile {where}: not UTF-8 text") from None
+    try:
+        data = strict_json_loads(text)
+    except StrictJsonError as error:
+        line = f"line {error.lineno}: " if error.lineno else ""
+        raise CostModelError(f"profile {where}: {line}{error}") from None
+    if not isinstance(data, dict) or data.get("record") != "schedspec-cost-profile":
+        raise CostModelError(f"profile {where}: field record: expected \"schedspec-cost-profile\" (a file written "
+                             "by schedspec calibrate)")
+    if data.get("schema_version") != 1:
+        raise CostModelError(f"profile {where}: field schema_version: {data.get('schema_version')!r}, expected 1")
+    coefficients = data.get("coefficients")
+    if not isinstance(coefficients, dict):
+        raise CostModelError(f"profile {where}: field coefficients: expected an object")
+    values = []
+    for key in PROFILE_FILE_FIELDS:
+        value = coefficients.get(key)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+            raise CostModelError(f"profile {where}: field coefficients.{key}: {value!r}, expected a number >= 0 (seconds)")
+        values.append(float(value))
+    texts = []
+    for key in ("name", "hardware", "model", "source"):
+        value = data.get(key, "")
+        if not isinstance(value, str) or (key == "name" and not value):
+            raise CostModelError(f"profile {where}: field {key}: expected a{' non-empty' if key == 'name' else ''} string")
+        texts.append(value)
+    config = data.get("scheduler_config", {})
+    if not isinstance(config, dict):
+        raise CostModelError(f"profile {where}: field scheduler_config: expected an object")
+    pairs = []
+    for key, value in config.items():
+        if key not in PROFILE_CONFIG_FIELDS:
+            raise CostModelError(f"profile {where}: field scheduler_config.{key}: unknown; known: "
+                                 f"{', '.join(PROFILE_CONFIG_FIELDS)}")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise CostModelError(f"profile {where}: field scheduler_config.{key}: {value!r}, expected an integer >= 1")
+        pairs.append((key, value))
+    name, hardware, model, source = texts
+    return CostModel(name=name, a=values[0], b=values[1], c=values[2], d=values[3], hardware=hardware, model=model,
+                     source=source, measured=True, scheduler_config=tuple(pairs))
 
 
 GPU_MEMORY_UTILIZATION = 0.9
@@ -304,6 +455,12 @@ def default_scheduler_config(profile: str | CostModel | None = None) -> tuple[di
             :data:`GPUS`/:data:`MODELS`, or one whose weights leave no room for a KV cache.
     """
     cost = get_profile(profile)
+    if cost.measured:
+        kwargs, derivation = default_scheduler_config(DEFAULT_PROFILE)
+        kwargs = {**kwargs, **dict(cost.scheduler_config)}
+        given = ", ".join(f"{k} = {v}" for k, v in cost.scheduler_config) or "none"
+        return kwargs, (f"profile {cost.name} (measured) gives: {given}; the other fields are the default "
+                        f"profile's:\n{derivation}")
     if cost.hardware not in GPUS or cost.model not in MODELS:
         raise CostModelError(
             f"profile {cost.name!r}: hardware={cost.hardware!r} / model={cost.model!r} are not known "

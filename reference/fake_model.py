@@ -143,7 +143,8 @@ class FakeModel:
             stop = start + item.num_tokens
             attended += stop
             prompt_len = request.prompt_len
-            if item.num_tokens == 1 and start >= prompt_len:
+            if item.num_tokens == 1 and start >= prompt_len and stop == prompt_len + len(request.output_token_ids):
+                # a decode in cost_model.step_shape's sense (the one definition of what a step computes)
                 # a decode: one slot, the last sampled token (batched into one write below)
                 decode_slots.append(table[start // size] * size + start % size)
                 decode_ids.append(request.output_token_ids[start - prompt_len])
@@ -187,7 +188,7 @@ class CostOnlyModel:
             stop = item.num_computed_tokens + item.num_tokens
             attended += stop
             outputs = len(request.output_token_ids)
-            if item.num_tokens == 1 and item.num_computed_tokens >= request.prompt_len:
+            if item.num_tokens == 1 and item.num_computed_tokens >= request.prompt_len and stop == request.prompt_len + outputs:
                 decode_tokens += 1
             else:
                 prefill_tokens += item.num_tokens

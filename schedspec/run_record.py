@@ -83,7 +83,7 @@ def cost_profile(cost: CostModel) -> dict[str, Any]:
     per decode token, per attended KV token), hardware, model and how the coefficients were found."""
     return {"name": cost.name, "a_s_per_step": cost.a, "b_s_per_prefill_token": cost.b,
             "c_s_per_decode_token": cost.c, "d_s_per_kv_token": cost.d, "hardware": cost.hardware,
-            "model": cost.model, "source": cost.source}
+            "model": cost.model, "source": cost.source, "kind": cost.kind}
 
 
 def arrivals(window: Iterable[Any]) -> dict[str, Any]:
