@@ -33,6 +33,12 @@ from schedspec.spec.workload import EOS_TOKEN_ID
 
 RECORD_LOGITS = ("none", "last", "all")
 
+CLOCKS = ("wall", "thread")
+"""How a step's time is measured: ``"wall"`` (``time.perf_counter``; the default, and the only choice on
+CUDA) or ``"thread"`` (``time.thread_time``, the CPU time of the calling thread; CPU device with one torch
+thread only). On a CPU shared with other processes, wall time includes the time the thread waited for a
+core; the thread's CPU time is the step's own work, as on an unshared core."""
+
 DECODE_GROUP_BYTES = 1 << 20
 """On CPU, single-token items are attended in groups of similar length whose gathered keys plus values
 take at most this many bytes per layer (one item at least), so each group's copy is still in the CPU cache
@@ -61,6 +67,7 @@ class Runner:
         seed: seed of the per-request sampling generators (temperature sampling only).
         temperature: 0 for greedy; otherwise sampling temperature.
         top_p: nucleus sampling threshold in (0, 1].
+        clock: ``"wall"`` or ``"thread"`` (:data:`CLOCKS`): how step times are measured.
         record_logits: ``"none"``; ``"last"``: keep the raw logits of each sampled position in
             :attr:`last_logits`; ``"all"``: also keep every computed position's logits in
             :attr:`step_logits` (computes ``lm_head`` on the whole batch).
@@ -85,7 +92,8 @@ class Runner:
             the cost model charges for), ``None`` before the first step or after an empty one.
 
     The step time (one definition, shared with the cost model the lab charges and with
-    ``schedspec calibrate``, which fits the cost model to it): the wall time from the plan to the
+    ``schedspec calibrate``, which fits the cost model to it): the time (wall, or the thread's CPU time
+    with ``clock="thread"``) from the plan to the
     sampled token ids, i.e. packing the batch's inputs, the forward pass and sampling, with CUDA
     synchronised before and after. It leaves out the scheduler's own time, the debug-mode ledger checks
     and the copies of ``record_logits``. The lab's cost model charges
@@ -104,6 +112,7 @@ class Runner:
         temperature: float = 0.0,
         top_p: float = 1.0,
         record_logits: str = "none",
+        clock: str = "wall",
     ) -> None:
         if not isinstance(config, SchedulerConfig):
             raise BackendError(f"config={config!r}: must be a SchedulerConfig", field="config")
@@ -111,6 +120,8 @@ class Runner:
             raise BackendError(f"temperature={temperature!r}: must be a number >= 0", field="temperature")
         if isinstance(top_p, bool) or not isinstance(top_p, int | float) or not 0 < top_p <= 1:
             raise BackendError(f"top_p={top_p!r}: must be in (0, 1]", field="top_p")
+        if clock not in CLOCKS:
+            raise BackendError(f"clock={clock!r}: must be one of {list(CLOCKS)}", field="clock")
         if record_logits not in RECORD_LOGITS:
             raise BackendError(f"record_logits={record_logits!r}: must be one of {list(RECORD_LOGITS)}",
                                field="record_logits")
@@ -160,6 +171,15 @@ class Runner:
         self.temperature = float(temperature)
         self.top_p = float(top_p)
         self.record_logits = record_logits
+        if clock == "thread":
+            if self.device.type != "cpu":
+                raise BackendError(f"clock='thread': only on a CPU device, not {self.device}", field="clock")
+            if torch.get_num_threads() != 1:
+                raise BackendError(f"clock='thread': needs torch.set_num_threads(1) (it has {torch.get_num_threads()} "
+                                   "threads; the others' CPU time would be missed)", field="clock")
+        self.clock = clock
+        """``"wall"`` or ``"thread"`` (:data:`CLOCKS`)."""
+        self._now = time.perf_counter if clock == "wall" else time.thread_time
         self.num_forward_calls = 0
         self.last_logits: dict[str, torch.Tensor] = {}
         self.step_logits: dict[str, torch.Tensor] = {}
@@ -181,8 +201,10 @@ class Runner:
         if self.device.type == "cuda":
             device += f" ({torch.cuda.get_device_name(self.device)})"
         dtype = str(self.dtype).removeprefix("torch.")
+        clock = "" if self.clock == "wall" else ", step times on the thread's CPU clock"
         return (f"{name} ({c.architecture}, {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
-                f"{c.num_attention_heads}/{c.num_key_value_heads} heads, vocab {c.vocab_size}), {dtype} on {device}")
+                f"{c.num_attention_heads}/{c.num_key_value_heads} heads, vocab {c.vocab_size}), {dtype} on {device}"
+                f"{clock}")
 
     def reset(self) -> None:
         """Forget all requests (a new run with the same weights): clears the ledger, counters and
@@ -196,9 +218,10 @@ class Runner:
         self.last_step_seconds = 0.0
         self.last_step_shape = None
 
-    def warm_up(self, tokens: int = 64, decodes: int = 4) -> float:
-        """Run a few throw-away steps (a prefill of ``tokens`` tokens, then ``decodes`` decode steps of
-        it) so that one-time costs (allocator growth, lazy kernel and library initialisation) fall
+    def warm_up(self, tokens: int | None = None, decodes: int = 4) -> float:
+        """Run a few throw-away steps (a prefill of ``tokens`` tokens, default
+        ``max_num_batched_tokens``, then ``decodes`` decode steps of it) so that one-time costs (memory
+        first touched by the largest step's tensors, lazy kernel and library initialisation) fall
         outside the measured steps, then :meth:`reset`. Uses blocks from the start of the pool, which a
         run overwrites before reading (in debug mode they are NaN again after the reset). Returns the
         warm-up's wall time in seconds.
@@ -211,6 +234,8 @@ class Runner:
         from schedspec.spec.workload import RequestSpec
 
         size = self.config.block_size
+        if tokens is None:
+            tokens = self.config.max_num_batched_tokens
         total = tokens + decodes
         room = min(self.config.num_kv_blocks * size, self.config.max_model_len)
         if total > room:
@@ -277,7 +302,7 @@ class Runner:
             self.last_step_shape = None
             return {}, 0.0
         self._sync()
-        started = time.perf_counter()
+        started = self._now()
         batch, spans, samplers, max_position = self._build_batch(plan, state)
         logits = self.model.forward(batch, self.kv_cache, max_position)
         self.num_forward_calls += 1
@@ -287,7 +312,7 @@ class Runner:
             rows = logits
         sampled = self._sample(rows, samplers)
         self._sync()
-        self.last_step_seconds = time.perf_counter() - started
+        self.last_step_seconds = self._now() - started
         self.last_step_shape = step_shape(plan, state)
 
         if self.record_logits != "none":

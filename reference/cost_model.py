@@ -4,8 +4,10 @@ One iteration of an iteration-level scheduler runs one forward pass over the bat
 modelled as
 
     step_seconds = a + b * prefill_tokens + c * decode_tokens + d * kv_tokens_attended
+                   + e * prefill_attention_pairs
 
-with every coefficient in seconds (per step, per token, per token, per attended KV token):
+with every coefficient in seconds (per step, per token, per token, per attended KV token, per
+query-key pair of prefill attention):
 
 - ``a`` (fixed per step): reading every weight once from HBM (a decode step of a small batch is
   memory-bound: the weights are streamed once whatever the batch size), plus kernel-launch, scheduler,
@@ -19,6 +21,10 @@ with every coefficient in seconds (per step, per token, per token, per attended 
   attention reads this step: its ``num_computed_tokens`` before the step plus the tokens it computes
   in the step (for a decode, its whole context; for a prefill chunk, the prefix before the chunk and
   the chunk itself). This is what :class:`~schedspec.reference.fake_model.FakeModel` passes.
+- ``e`` (per prefill attention pair): the causal attention of a prefill chunk of ``n`` tokens after
+  ``k`` computed ones scores ``n * k + n * (n + 1) / 2`` query-key pairs, quadratic in the chunk. The
+  packaged profiles leave it at 0 (the simplification below); ``schedspec calibrate`` fits it when the
+  measured residuals call for it (long chunks on a CPU).
 
 Simplifications (deliberate; the model is for comparing schedulers, not for predicting latency to
 the millisecond): compute and memory time are added, not overlapped (``max`` would not be linear);
@@ -168,6 +174,7 @@ class CostModel:
             ``False`` for the packaged profiles, derived on paper from datasheets (:func:`derive`).
         scheduler_config: ``(field, value)`` pairs a profile file gives for the lab's default
             :class:`~schedspec.spec.config.SchedulerConfig` (over the default profile's vLLM defaults).
+        e: seconds per query-key pair of prefill attention (0 in the packaged profiles).
     """
 
     name: str
@@ -180,19 +187,22 @@ class CostModel:
     source: str = ""
     measured: bool = False
     scheduler_config: tuple[tuple[str, int | bool], ...] = ()
+    e: float = 0.0
 
     @property
     def kind(self) -> str:
         """``"measured (fitted by schedspec calibrate)"`` or ``"derived, not measured"``."""
         return PROFILE_KIND["measured" if self.measured else "derived"]
 
-    def step_seconds(self, prefill_tokens: int, decode_tokens: int, kv_tokens_attended: int = 0) -> float:
+    def step_seconds(self, prefill_tokens: int, decode_tokens: int, kv_tokens_attended: int = 0,
+                     prefill_attention_pairs: int = 0) -> float:
         """Duration of one step in seconds.
 
         Args:
             prefill_tokens: prompt (and recompute) tokens computed in the step, all requests together.
             decode_tokens: decode tokens in the step (one per decoding request).
             kv_tokens_attended: sum over the batch of ``num_computed_tokens + tokens this step``.
+            prefill_attention_pairs: query-key pairs of the prefill chunks (:class:`StepShape`).
 
         Raises:
             CostModelError: a negative count.
@@ -204,11 +214,13 @@ class CostModel:
                 f"step_seconds: token counts must be >= 0 (prefill_tokens={prefill_tokens}, "
                 f"decode_tokens={decode_tokens}, kv_tokens_attended={kv_tokens_attended})"
             )
-        return self.a + self.b * prefill_tokens + self.c * decode_tokens + self.d * kv_tokens_attended
+        return (self.a + self.b * prefill_tokens + self.c * decode_tokens + self.d * kv_tokens_attended
+                + self.e * prefill_attention_pairs)
 
     def shape_seconds(self, shape: StepShape) -> float:
         """Duration in seconds of a step of this :class:`StepShape` (:meth:`step_seconds` of its counts)."""
-        return self.step_seconds(shape.prefill_tokens, shape.decode_tokens, shape.kv_tokens_attended)
+        return self.step_seconds(shape.prefill_tokens, shape.decode_tokens, shape.kv_tokens_attended,
+                                 shape.prefill_attention_pairs)
 
     def plan_seconds(self, plan, state) -> float:
         """Duration in seconds of ``plan`` run on ``state`` (the state before the step): the time the
@@ -218,12 +230,14 @@ class CostModel:
     def batch_seconds(self, scheduled: Iterable) -> float:
         """Duration of a step given its batch as :class:`~schedspec.spec.trace.ScheduledTokens`
         (``prefill_tokens``, ``decode_tokens``, ``num_computed_tokens`` per request)."""
-        prefill = decode = attended = 0
+        prefill = decode = attended = pairs = 0
         for item in scheduled:
-            prefill += item.prefill_tokens
+            n = item.prefill_tokens
+            prefill += n
             decode += item.decode_tokens
-            attended += item.num_computed_tokens + item.prefill_tokens + item.decode_tokens
-        return self.step_seconds(prefill, decode, attended)
+            attended += item.num_computed_tokens + n + item.decode_tokens
+            pairs += n * item.num_computed_tokens + n * (n + 1) // 2
+        return self.step_seconds(prefill, decode, attended, pairs)
 
 
 @attrs.frozen
@@ -240,8 +254,8 @@ class StepShape:
         kv_tokens_attended: sum over the scheduled items of ``num_computed_tokens + num_tokens``.
         num_prefill_chunks: prefill items.
         prefill_attention_pairs: query-key pairs of the prefill chunks' causal attention, sum over
-            chunks of ``n * num_computed_tokens + n * (n + 1) / 2`` for a chunk of ``n`` tokens (the
-            quadratic term the linear model leaves out; reported by calibration, not charged).
+            chunks of ``n * num_computed_tokens + n * (n + 1) / 2`` for a chunk of ``n`` tokens (charged
+            at ``CostModel.e``, 0 in the packaged profiles).
     """
 
     prefill_tokens: int
@@ -354,6 +368,7 @@ def get_profile(name: str | CostModel | None = None) -> CostModel:
 
 
 PROFILE_FILE_FIELDS = ("a_s_per_step", "b_s_per_prefill_token", "c_s_per_decode_token", "d_s_per_kv_token")
+PROFILE_OPTIONAL_FIELD = "e_s_per_prefill_attention_pair"
 PROFILE_CONFIG_FIELDS = ("block_size", "num_kv_blocks", "max_num_batched_tokens", "max_num_seqs", "max_model_len")
 
 
@@ -393,8 +408,8 @@ def load_profile(path) -> CostModel:
     if not isinstance(coefficients, dict):
         raise CostModelError(f"profile {where}: field coefficients: expected an object")
     values = []
-    for key in PROFILE_FILE_FIELDS:
-        value = coefficients.get(key)
+    for key in (*PROFILE_FILE_FIELDS, PROFILE_OPTIONAL_FIELD):
+        value = coefficients.get(key, 0.0 if key == PROFILE_OPTIONAL_FIELD else None)
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
             raise CostModelError(f"profile {where}: field coefficients.{key}: {value!r}, expected a number >= 0 (seconds)")
         values.append(float(value))
@@ -417,7 +432,7 @@ def load_profile(path) -> CostModel:
         pairs.append((key, value))
     name, hardware, model, source = texts
     return CostModel(name=name, a=values[0], b=values[1], c=values[2], d=values[3], hardware=hardware, model=model,
-                     source=source, measured=True, scheduler_config=tuple(pairs))
+                     source=source, measured=True, scheduler_config=tuple(pairs), e=values[4])
 
 
 GPU_MEMORY_UTILIZATION = 0.9

@@ -14,9 +14,9 @@ The grid (:func:`design_grid`) covers the four kinds of step an iteration-level 
 - ``decode``: ``D`` decoding sequences, each with ``L`` tokens of context;
 - ``mixed``: a prefill chunk together with decodes (what chunked prefill batches).
 
-Every point runs ``warmup`` throw-away executions, then ``repeats`` measured ones; the point's time is
-their median (robust to another process taking the core for a moment, which happens on a shared
-machine). The fit (:func:`fit`) minimises the **relative** squared error (each row divided by its
+Every point runs ``warmup`` throw-away executions, then ``repeats`` measured ones, round-robin over
+the grid; the point's time is their median (robust to another process taking the core for a moment,
+which happens on a shared machine). The fit (:func:`fit`) minimises the **relative** squared error (each row divided by its
 measured time, so a 2 ms decode step counts as much as a 200 ms prefill) with every coefficient
 ``>= 0`` (non-negative least squares, solved exactly for four unknowns by trying every set of active
 coefficients with ``numpy.linalg.lstsq``). The error is reported per region.
@@ -44,7 +44,18 @@ from schedspec.spec.transitions import add_request, apply_plan
 from schedspec.spec.workload import RequestSpec
 
 REGIONS = ("prefill", "decode", "mixed")
-FEATURES = ("a_s_per_step", "b_s_per_prefill_token", "c_s_per_decode_token", "d_s_per_kv_token")
+FEATURES = ("a_s_per_step", "b_s_per_prefill_token", "c_s_per_decode_token", "d_s_per_kv_token",
+            "e_s_per_prefill_attention_pair")
+FORMS = {
+    "linear": ("step_seconds = a + b*prefill_tokens + c*decode_tokens + d*kv_tokens_attended", 4),
+    "attention": ("step_seconds = a + b*prefill_tokens + c*decode_tokens + d*kv_tokens_attended "
+                  "+ e*prefill_attention_pairs", 5),
+}
+"""The forms :func:`fit` knows: the cost model's linear form, and the same plus the quadratic prefill
+attention term (``StepShape.prefill_attention_pairs``); name -> (formula, coefficients used)."""
+BETTER_FORM_GAIN = 0.8
+"""``--form auto`` takes the attention form when its relative RMS error is below this fraction of the
+linear form's (the residuals say the quadratic term matters), else the linear form."""
 
 
 @attrs.frozen
@@ -189,27 +200,31 @@ class Measurement:
 def measure(runner, points: Sequence[GridPoint], config: SchedulerConfig, repeats: int = 5, warmup: int = 2,
             progress: Callable[[int, int, GridPoint], None] | None = None) -> list[Measurement]:
     """Measure every point on ``runner`` (a :class:`~schedspec.gpu_backend.runner.Runner` built with
-    ``config``): ``warmup`` throw-away executions, then the median of ``repeats`` step times as the
-    Runner reports them (``Runner.execute``'s seconds)."""
-    results = []
-    for index, point in enumerate(points):
+    ``config``): ``warmup`` throw-away executions of each point, then ``repeats`` rounds that execute
+    every point once each (round-robin, so a slow spell of a shared machine touches every point a
+    little rather than a few points a lot); a point's time is the median of its ``repeats`` step times
+    as the Runner reports them (``Runner.execute``'s seconds)."""
+    prepared = [point_state(point, config) for point in points]
+    for index, (point, (state, plan)) in enumerate(zip(points, prepared, strict=True)):
         if progress is not None:
             progress(index, len(points), point)
-        state, plan = point_state(point, config)
         for _ in range(warmup):
             runner.execute(plan, state)
-        times = []
-        for _ in range(repeats):
-            _, seconds = runner.execute(plan, state)
-            times.append(seconds)
-        median = statistics.median(times)
+    times: list[list[float]] = [[] for _ in points]
+    for _ in range(repeats):
+        for index, (state, plan) in enumerate(prepared):
+            times[index].append(runner.execute(plan, state)[1])
+    results = []
+    for point, (state, plan), samples in zip(points, prepared, times, strict=True):
+        median = statistics.median(samples)
         results.append(Measurement(point, step_shape(plan, state), median,
-                                   (max(times) - min(times)) / median if median > 0 else 0.0))
+                                   (max(samples) - min(samples)) / median if median > 0 else 0.0))
     return results
 
 
 def _design(shapes: Sequence[StepShape]) -> np.ndarray:
-    return np.array([[1.0, s.prefill_tokens, s.decode_tokens, s.kv_tokens_attended] for s in shapes], dtype=float)
+    return np.array([[1.0, s.prefill_tokens, s.decode_tokens, s.kv_tokens_attended, s.prefill_attention_pairs]
+                     for s in shapes], dtype=float)
 
 
 def nonnegative_least_squares(matrix: np.ndarray, target: np.ndarray) -> np.ndarray:
@@ -231,21 +246,43 @@ def nonnegative_least_squares(matrix: np.ndarray, target: np.ndarray) -> np.ndar
     return best
 
 
-def fit(measurements: Sequence[Measurement]) -> dict[str, float]:
-    """The non-negative coefficients of ``a + b*prefill + c*decode + d*kv`` minimising the relative
-    squared error over ``measurements`` (keys :data:`FEATURES`, seconds).
+def fit(measurements: Sequence[Measurement], form: str = "linear") -> dict[str, float]:
+    """The non-negative coefficients of ``form`` (:data:`FORMS`) minimising the relative squared error
+    over ``measurements`` (keys :data:`FEATURES`, seconds; ``e`` is 0 in the linear form).
 
     Raises:
-        ValueError: fewer measurements than coefficients, or a step time that is not > 0.
+        ValueError: an unknown form, fewer measurements than coefficients, or a step time that is not > 0.
     """
-    if len(measurements) < len(FEATURES):
+    if form not in FORMS:
+        raise ValueError(f"fit: form {form!r}: known: {', '.join(FORMS)}")
+    used = FORMS[form][1]
+    if len(measurements) < used:
         raise ValueError(f"fit: {len(measurements)} measurements; at least {len(FEATURES)} are needed")
     times = np.array([m.seconds for m in measurements], dtype=float)
     if not np.all(times > 0):
         raise ValueError("fit: every measured step time must be > 0")
-    matrix = _design([m.shape for m in measurements]) / times[:, None]
-    x = nonnegative_least_squares(matrix, np.ones(len(times)))
+    matrix = _design([m.shape for m in measurements])[:, :used] / times[:, None]
+    x = np.zeros(len(FEATURES))
+    x[:used] = nonnegative_least_squares(matrix, np.ones(len(times)))
     return dict(zip(FEATURES, (float(v) for v in x), strict=True))
+
+
+def relative_rms(coefficients: dict[str, float], measurements: Sequence[Measurement]) -> float:
+    """Root mean square of the relative errors."""
+    return float(np.sqrt(np.mean(relative_errors(coefficients, measurements) ** 2)))
+
+
+def choose_form(measurements: Sequence[Measurement], form: str = "auto") -> tuple[str, dict[str, float], dict[str, float]]:
+    """``(form, coefficients, {form: relative RMS error})``: with ``form="auto"`` every form is fitted and
+    the attention form is taken only when it cuts the relative RMS error below :data:`BETTER_FORM_GAIN`
+    times the linear form's."""
+    forms = list(FORMS) if form == "auto" else [form]
+    fits = {name: fit(measurements, name) for name in forms}
+    rms = {name: relative_rms(c, measurements) for name, c in fits.items()}
+    chosen = form
+    if form == "auto":
+        chosen = "attention" if rms["attention"] < BETTER_FORM_GAIN * rms["linear"] else "linear"
+    return chosen, fits[chosen], rms
 
 
 def relative_errors(coefficients: dict[str, float], measurements: Sequence[Measurement]) -> np.ndarray:
@@ -281,6 +318,7 @@ def run_conditions(runner) -> dict[str, Any]:
                                         if runner.device.type == "cuda" else ""),
         "dtype": str(runner.dtype).removeprefix("torch."),
         "torch_threads": torch.get_num_threads(),
+        "clock": runner.clock,
         "torch_version": torch.__version__,
         "model": runner.describe(),
         "model_shape": {"architecture": c.architecture, "layers": c.num_hidden_layers, "hidden": c.hidden_size,
@@ -298,10 +336,11 @@ PROFILE_SCHEMA_VERSION = 1
 
 
 def profile_document(name: str, coefficients: dict[str, float], measurements: Sequence[Measurement],
-                     conditions: dict[str, Any], grid: dict[str, Any], scheduler_config: dict[str, Any]) -> dict[str, Any]:
+                     conditions: dict[str, Any], grid: dict[str, Any], scheduler_config: dict[str, Any],
+                     form: str = "linear", form_rms: dict[str, float] | None = None) -> dict[str, Any]:
     """The profile file's content (loaded by :func:`schedspec.reference.cost_model.load_profile`)."""
     errors = region_errors(coefficients, measurements)
-    source = (f"measured: schedspec calibrate, {len(measurements)} grid points (median of {grid['repeats']} after "
+    source = (f"measured: schedspec calibrate ({form} form), {len(measurements)} grid points (median of {grid['repeats']} after "
               f"{grid['warmup']} warm-up), non-negative least squares on relative error; fit error median "
               f"{errors['all']['median_abs_percent']:.1f}% / max {errors['all']['max_abs_percent']:.1f}%; "
               f"{conditions['model']}, {conditions['torch_threads']} torch threads, torch {conditions['torch_version']}")
@@ -311,7 +350,9 @@ def profile_document(name: str, coefficients: dict[str, float], measurements: Se
         "schema_version": PROFILE_SCHEMA_VERSION,
         "name": name,
         "kind": PROFILE_KIND["measured"],
-        "form": "step_seconds = a + b*prefill_tokens + c*decode_tokens + d*kv_tokens_attended",
+        "form": form,
+        "formula": FORMS[form][0],
+        "relative_rms_error_percent_by_form": {k: 100 * v for k, v in (form_rms or {}).items()},
         "coefficients": coefficients,
         "hardware": conditions["device"],
         "model": conditions["model"],
@@ -335,7 +376,8 @@ def to_cost_model(document: dict[str, Any]) -> CostModel:
     c = document["coefficients"]
     return CostModel(name=document["name"], a=c["a_s_per_step"], b=c["b_s_per_prefill_token"],
                      c=c["c_s_per_decode_token"], d=c["d_s_per_kv_token"], hardware=document["hardware"],
-                     model=document["model"], source=document["source"], measured=True)
+                     model=document["model"], source=document["source"], measured=True,
+                     e=c.get("e_s_per_prefill_attention_pair", 0.0))
 
 
 def dumps(document: dict[str, Any]) -> str:

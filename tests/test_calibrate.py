@@ -111,10 +111,12 @@ def test_grid_plans_are_legal_and_have_the_designed_shape():
 def _fake_measurements(coefficients, noise=0.0, seed=0):
     rng = np.random.default_rng(seed)
     out = []
+    config = SchedulerConfig(block_size=16, num_kv_blocks=1000, max_num_batched_tokens=4096, max_num_seqs=64,
+                             max_model_len=1024)
     for point in cal.design_grid(512, 16, 512):
-        shape = costs.StepShape(sum(n for _, n in point.chunks), point.decodes, point.kv_tokens)
-        t = coefficients[0] + coefficients[1] * shape.prefill_tokens + coefficients[2] * shape.decode_tokens \
-            + coefficients[3] * shape.kv_tokens_attended
+        shape = costs.step_shape(*reversed(cal.point_state(point, config)))
+        t = costs.CostModel("truth", *coefficients[:4], e=coefficients[4] if len(coefficients) > 4 else 0.0) \
+            .shape_seconds(shape)
         out.append(cal.Measurement(point, shape, t * (1 + noise * rng.standard_normal()), 0.0))
     return out
 
@@ -122,7 +124,7 @@ def _fake_measurements(coefficients, noise=0.0, seed=0):
 def test_fit_recovers_known_coefficients_and_stays_non_negative():
     truth = (2e-3, 5e-5, 0.0, 3e-8)
     fitted = cal.fit(_fake_measurements(truth))
-    assert [fitted[k] for k in cal.FEATURES] == pytest.approx(truth, rel=1e-6, abs=1e-12)
+    assert [fitted[k] for k in cal.FEATURES] == pytest.approx((*truth, 0.0), rel=1e-6, abs=1e-12)
     errors = cal.region_errors(fitted, _fake_measurements(truth))
     assert errors["all"]["max_abs_percent"] < 1e-6
     # Noise that would drive the decode coefficient negative in plain least squares: clamped at 0.
@@ -131,8 +133,9 @@ def test_fit_recovers_known_coefficients_and_stays_non_negative():
     assert all(v >= 0 for v in fitted.values())
     matrix = np.array([[1, m.shape.prefill_tokens, m.shape.decode_tokens, m.shape.kv_tokens_attended] for m in noisy],
                       float) / np.array([m.seconds for m in noisy])[:, None]
+    fitted.pop("e_s_per_prefill_attention_pair")
     plain, *_ = np.linalg.lstsq(matrix, np.ones(len(noisy)), rcond=None)
-    x = np.array([fitted[k] for k in cal.FEATURES])
+    x = np.array([fitted[k] for k in cal.FEATURES[:4]])
     cost = np.sum((matrix @ x - 1) ** 2)
     assert cost >= np.sum((matrix @ plain - 1) ** 2) - 1e-12  # constrained optimum is no better than free
     # ... and no feasible point nearby is better (a local check of optimality).
@@ -140,6 +143,15 @@ def test_fit_recovers_known_coefficients_and_stays_non_negative():
     for _ in range(200):
         y = np.maximum(x * (1 + 0.05 * rng.standard_normal(4)) + 1e-9 * rng.standard_normal(4), 0)
         assert np.sum((matrix @ y - 1) ** 2) >= cost - 1e-12
+
+
+def test_auto_form_takes_the_attention_term_only_when_the_residuals_call_for_it():
+    quadratic = _fake_measurements((2e-3, 5e-5, 1e-4, 3e-8, 2e-8))
+    form, fitted, rms = cal.choose_form(quadratic)
+    assert form == "attention" and rms["attention"] < 1e-6 < rms["linear"]
+    assert fitted["e_s_per_prefill_attention_pair"] == pytest.approx(2e-8, rel=1e-6)
+    form, fitted, _ = cal.choose_form(_fake_measurements((2e-3, 5e-5, 1e-4, 3e-8), noise=0.02, seed=1))
+    assert form == "linear" and fitted["e_s_per_prefill_attention_pair"] == 0.0
 
 
 def test_nnls_against_a_brute_force_grid():
@@ -211,3 +223,23 @@ def test_lab_refuses_a_bad_profile_file(tmp_path, content, expected):
     assert result.exit_code == 2, result.output
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and "--profile" in lines[0] and expected in lines[0], result.output
+
+
+def test_thread_clock_needs_one_torch_thread_on_a_cpu():
+    torch = pytest.importorskip("torch", reason="the torch extra is not installed")
+    from schedspec.gpu_backend import BackendError, Runner
+
+    config = SchedulerConfig(block_size=4, num_kv_blocks=16, max_num_batched_tokens=32, max_num_seqs=4,
+                             max_model_len=64)
+    with pytest.raises(BackendError, match="clock"):
+        Runner(config, device="cpu", clock="cycles")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        with pytest.raises(BackendError, match="set_num_threads"):
+            Runner(config, device="cpu", clock="thread")
+        torch.set_num_threads(1)
+        runner = Runner(config, device="cpu", clock="thread")
+        assert "CPU clock" in runner.describe()
+    finally:
+        torch.set_num_threads(threads)

@@ -44,9 +44,15 @@ QUICK = {"max_prefill": 128, "max_decodes": 8, "max_context": 256, "repeats": 3,
 @click.option("--repeats", type=Count(minimum=1), default=None, help="Measured executions per point (median; default 5).")
 @click.option("--warmup", type=Count(minimum=0), default=None, help="Throw-away executions per point (default 2).")
 @click.option("--block-size", type=Count(minimum=1), default=16, show_default=True)
+@click.option("--form", type=click.Choice(["auto", *cal.FORMS]), default="auto", show_default=True,
+              help="The fitted form: linear (the cost model's a,b,c,d), attention (plus e per prefill attention "
+                   "pair), or auto (attention only when it cuts the relative RMS error by 20 %).")
+@click.option("--clock", type=click.Choice(["wall", "thread"]), default="wall", show_default=True,
+              help="Step times on the wall clock, or on the thread's CPU clock (CPU, --threads 1: a shared "
+                   "machine's waiting left out). Use the same in `lab --backend torch --clock`.")
 @click.option("--json", "as_json", is_flag=True, help="Print the profile document as JSON only.")
 def command(backend, device, model_dir, dtype, threads, out_path, name, quick, max_prefill, max_decodes,
-            max_context, repeats, warmup, block_size, as_json) -> None:
+            max_context, repeats, warmup, block_size, form, clock, as_json) -> None:
     """Measure the backend's step time over a designed grid (prefill chunks, decode batches over growing
     contexts, mixed steps), each point the median of repeated runs after warm-up; fit the cost model
     a + b*prefill_tokens + c*decode_tokens + d*kv_tokens_attended (non-negative least squares on the
@@ -87,7 +93,7 @@ def command(backend, device, model_dir, dtype, threads, out_path, name, quick, m
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        runner = Runner(config, model=model_dir, device=device, dtype=dtype)
+        runner = Runner(config, model=model_dir, device=device, dtype=dtype, clock=clock)
         runner.warm_up()
     except (BackendError, ValueError) as error:
         fail(f"--backend {backend}: {error}")
@@ -105,14 +111,15 @@ def command(backend, device, model_dir, dtype, threads, out_path, name, quick, m
                                progress=progress)
     if progress is not None:
         click.echo("", err=True)
-    coefficients = cal.fit(measurements)
+    chosen, coefficients, form_rms = cal.choose_form(measurements, form)
     conditions["load_average_1m_end"] = cal.os.getloadavg()[0]
     profile_name = name or (f"{'tiny' if model_dir is None else model_config.architecture}-{conditions['dtype']}-"
                             f"{runner.device.type}-{conditions['torch_threads']}t")
     document = cal.profile_document(
         profile_name, coefficients, measurements, conditions,
         {"quick": quick, **limits, "block_size": block_size, "points": len(grid)},
-        {"block_size": block_size, "max_model_len": min(model_config.max_position_embeddings, 8192)})
+        {"block_size": block_size, "max_model_len": min(model_config.max_position_embeddings, 8192)},
+        chosen, form_rms)
     if out_path is not None:
         try:
             with atomic_output(out_path, encoding="utf-8") as handle:
@@ -133,10 +140,16 @@ def print_report(console, document) -> None:
     console.print(f"Profile {document['name']}: a = {c['a_s_per_step'] * 1e3:.3f} ms/step, "
                   f"b = {c['b_s_per_prefill_token'] * 1e6:.2f} us/prefill token, "
                   f"c = {c['c_s_per_decode_token'] * 1e6:.2f} us/decode token, "
-                  f"d = {c['d_s_per_kv_token'] * 1e9:.2f} ns/KV token", markup=False, highlight=False)
+                  f"d = {c['d_s_per_kv_token'] * 1e9:.2f} ns/KV token, "
+                  f"e = {c['e_s_per_prefill_attention_pair'] * 1e12:.1f} ps/prefill attention pair",
+                  markup=False, highlight=False)
+    rms = ", ".join(f"{k} {v:.1f}%" for k, v in document["relative_rms_error_percent_by_form"].items())
+    console.print(f"Form: {document['form']} ({document['formula']}); relative RMS error by form: {rms}",
+                  markup=False, highlight=False)
     conditions = document["conditions"]
     console.print(f"Conditions: device {conditions['device']}, dtype {conditions['dtype']}, "
-                  f"{conditions['torch_threads']} torch threads, torch {conditions['torch_version']}, "
+                  f"{conditions['torch_threads']} torch threads, {conditions['clock']} clock, "
+                  f"torch {conditions['torch_version']}, "
                   f"load average {conditions['load_average_1m']:.2f} -> {conditions['load_average_1m_end']:.2f}",
                   markup=False, highlight=False)
     table = Table(title="Fit error per region (predicted - measured) / measured", title_justify="left")

@@ -134,7 +134,8 @@ def _conditions(result: LabResult, profile: costs.CostModel, trace_text: str, wi
         ("prefix caching", "on" if config.enable_prefix_caching else "off"),
         ("execution", backend),
         ("cost profile", f"{profile.name} ({profile.kind}): a={profile.a * 1e3:.2f} ms, b={profile.b * 1e6:.1f} us/prefill token, "
-                         f"c={profile.c * 1e6:.1f} us/decode token, d={profile.d * 1e9:.1f} ns/KV token"),
+                         f"c={profile.c * 1e6:.1f} us/decode token, d={profile.d * 1e9:.1f} ns/KV token"
+                         + (f", e={profile.e * 1e9:.3f} ns/prefill attention pair" if profile.e else "")),
         ("hardware / model", f"{profile.hardware} / {profile.model}"),
         ("trace", trace_text),
         ("window", window),
@@ -286,6 +287,9 @@ def _compare_table(console: Console, records: list[dict[str, Any]]) -> None:
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", help="Device for --backend torch.")
 @click.option("--model", "model_dir", default=None, metavar="DIR",
               help="Hugging Face model directory for --backend torch (default: the built-in tiny model).")
+@click.option("--clock", type=click.Choice(["wall", "thread"]), default="wall",
+              help="--backend torch: measure step times on the wall clock (default) or on the thread's CPU clock "
+                   "(CPU, one torch thread: leaves out waiting for a shared core; as `schedspec calibrate --clock`).")
 @click.option("--steps", "steps_spec", default=None, metavar="SPEC",
               help="Steps to print: N, A-B, every:K, changed[:N] (default changed:40: the first 40 steps where "
                    "a request arrived, was preempted or finished), all, none.")
@@ -321,7 +325,7 @@ def command(trace_path, trace_format, synthetic, start, duration, max_requests, 
             scheduler_name, sets,
             profile, backend, device, model_dir, steps_spec, steps_out, requests_out, slo, compare, plot_dir,
             as_json, save_path, sweeps, jobs, no_check, max_steps, capacity_search=False,
-            capacity_tolerance=None) -> None:
+            capacity_tolerance=None, clock="wall") -> None:
     """Run the scheduler on a real trace and show the run conditions, the steps (by default the first
     40 where a request arrived, was preempted or finished; --steps to choose), the latency each request
     saw and the batch efficiency, with every step checked against the spec. Every option and the trace
@@ -360,6 +364,8 @@ def command(trace_path, trace_format, synthetic, start, duration, max_requests, 
     else:
         names = [scheduler_name if scheduler_name is not None else "fcfs"]
     sweep_fields = _parse_sweeps(sweeps)
+    if clock != "wall" and backend != "torch":
+        fail("--clock: only with --backend torch (the cost model's step times are not measured)")
     if slo_targets is not None and slo_targets.percentiles and not capacity_search:
         metric, q, _ = slo_targets.percentiles[0]
         fail(f"--slo {metric}_p{q:g}: percentile keys are judged by --capacity; a run or --sweep judges "
@@ -520,7 +526,7 @@ def command(trace_path, trace_format, synthetic, start, duration, max_requests, 
         backend_text = f"cost model ({cost.name})"
         backend_conditions, model = cost_backend, cost.model
         if backend == "torch":
-            config, token_source, backend_text = _torch_backend(config, changes, window, model_dir, device)
+            config, token_source, backend_text = _torch_backend(config, changes, window, model_dir, device, clock)
             backend_conditions = {"kind": "torch", "device": device, "model_dir": model_dir,
                                   "description": backend_text}
             model = model_dir if model_dir is not None else "built-in tiny model (schedspec.gpu_backend)"
@@ -777,7 +783,7 @@ def _run_one(name: str, scheduler: str, config: SchedulerConfig, window: list, t
 
 
 def _torch_backend(config: SchedulerConfig, changes: dict[str, Any], window: list, model_dir: str | None,
-                   device: str):
+                   device: str, clock: str = "wall"):
     """``--backend torch``: the config fitted to the model and window, the runner, and its description."""
     try:
         from schedspec.gpu_backend import BackendError, ModelConfig, Runner, tiny_model_config
@@ -810,7 +816,11 @@ def _torch_backend(config: SchedulerConfig, changes: dict[str, Any], window: lis
     except ConfigError as error:
         fail(f"--backend torch: config fitted to the model: {error}")
     try:
-        token_source = Runner(config, model=model_dir, device=device)
+        if clock == "thread":
+            import torch
+
+            torch.set_num_threads(1)
+        token_source = Runner(config, model=model_dir, device=device, clock=clock)
         token_source.warm_up()  # one-time costs outside the measured steps (as schedspec calibrate)
     except (BackendError, ValueError) as error:
         fail(f"--backend torch: {error}")
