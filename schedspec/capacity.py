@@ -436,8 +436,12 @@ def run_command(console, points: Sequence[Mapping[str, Any]], configurations: Se
             f = r["figures"] or {}
             rate = r["capacity_req_per_s"]
             capacity_text = "-" if rate is None else f"{rate:.3g}" + (" (or more)" if r["status"] == "above-range" else "")
-            bracket = {"found": f"< {r['upper_req_per_s']:.3g}" if r["upper_req_per_s"] else "",
-                       "above-range": "held at the top", "below-range": f"fails at {r['upper_req_per_s']:.3g}"}[r["status"]]
+            if r["status"] == "found":
+                bracket = f"< {r['upper_req_per_s']:.3g}"
+            elif r["status"] == "above-range":
+                bracket = "held at the top of the range"
+            else:
+                bracket = f"fails at {r['upper_req_per_s']:.3g}, the bottom of the range"
             table.add_row(str(i + 1), r["label"], capacity_text, bracket, str(len(r["evaluations"])),
                           "-" if f.get("output_tokens_per_s") is None else f"{f['output_tokens_per_s']:,.0f}",
                           *("-" if f.get(f"{m}_p{_pct(q)}_s") is None else f"{f[f'{m}_p{_pct(q)}_s'] * 1e3:,.1f}"
