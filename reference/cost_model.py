@@ -175,6 +175,11 @@ class CostModel:
         scheduler_config: ``(field, value)`` pairs a profile file gives for the lab's default
             :class:`~schedspec.spec.config.SchedulerConfig` (over the default profile's vLLM defaults).
         e: seconds per query-key pair of prefill attention (0 in the packaged profiles).
+        f: seconds per prefill chunk (0 in the packaged profiles).
+        token_knots: ``(tokens, seconds)`` knots of the piecewise form: when given, they replace
+            ``a + b*prefill + c*decode`` by a piecewise-linear function of the step's tokens
+            (:meth:`batch_base_seconds`; ``schedspec calibrate --form piecewise``). Empty in the packaged
+            profiles.
     """
 
     name: str
@@ -188,6 +193,30 @@ class CostModel:
     measured: bool = False
     scheduler_config: tuple[tuple[str, int | bool], ...] = ()
     e: float = 0.0
+    f: float = 0.0
+    token_knots: tuple[tuple[int, float], ...] = ()
+
+    def __attrs_post_init__(self) -> None:
+        knots = [t for t, _ in self.token_knots]
+        if any(t < 1 for t in knots) or knots != sorted(set(knots)) or any(v < 0 for _, v in self.token_knots):
+            raise CostModelError(f"profile {self.name!r}: token_knots must be (tokens >= 1, seconds >= 0) pairs "
+                                 "with increasing tokens")
+
+    def batch_base_seconds(self, tokens: int, prefill_tokens: int = 0, decode_tokens: int = 0) -> float:
+        """The part of a step's time that depends on its token counts: ``a + b*prefill + c*decode``, or,
+        with ``token_knots`` (the piecewise form), the piecewise-linear interpolation of the knots at
+        ``tokens`` (``prefill + decode``), flat below the first knot and continued with the last
+        segment's slope (at least 0) above the last."""
+        if not self.token_knots:
+            return self.a + self.b * prefill_tokens + self.c * decode_tokens
+        knots = self.token_knots
+        if tokens <= knots[0][0] or len(knots) == 1:
+            return knots[0][1]
+        for (t0, v0), (t1, v1) in zip(knots, knots[1:], strict=False):
+            if tokens <= t1:
+                return v0 + (v1 - v0) * (tokens - t0) / (t1 - t0)
+        (t0, v0), (t1, v1) = knots[-2], knots[-1]
+        return v1 + max(v1 - v0, 0.0) * (tokens - t1) / (t1 - t0)
 
     @property
     def kind(self) -> str:
@@ -195,7 +224,7 @@ class CostModel:
         return PROFILE_KIND["measured" if self.measured else "derived"]
 
     def step_seconds(self, prefill_tokens: int, decode_tokens: int, kv_tokens_attended: int = 0,
-                     prefill_attention_pairs: int = 0) -> float:
+                     prefill_attention_pairs: int = 0, prefill_chunks: int = 0) -> float:
         """Duration of one step in seconds.
 
         Args:
@@ -203,6 +232,7 @@ class CostModel:
             decode_tokens: decode tokens in the step (one per decoding request).
             kv_tokens_attended: sum over the batch of ``num_computed_tokens + tokens this step``.
             prefill_attention_pairs: query-key pairs of the prefill chunks (:class:`StepShape`).
+            prefill_chunks: prefill items in the step.
 
         Raises:
             CostModelError: a negative count.
@@ -214,13 +244,13 @@ class CostModel:
                 f"step_seconds: token counts must be >= 0 (prefill_tokens={prefill_tokens}, "
                 f"decode_tokens={decode_tokens}, kv_tokens_attended={kv_tokens_attended})"
             )
-        return (self.a + self.b * prefill_tokens + self.c * decode_tokens + self.d * kv_tokens_attended
-                + self.e * prefill_attention_pairs)
+        return (self.batch_base_seconds(prefill_tokens + decode_tokens, prefill_tokens, decode_tokens)
+                + self.d * kv_tokens_attended + self.e * prefill_attention_pairs + self.f * prefill_chunks)
 
     def shape_seconds(self, shape: StepShape) -> float:
         """Duration in seconds of a step of this :class:`StepShape` (:meth:`step_seconds` of its counts)."""
         return self.step_seconds(shape.prefill_tokens, shape.decode_tokens, shape.kv_tokens_attended,
-                                 shape.prefill_attention_pairs)
+                                 shape.prefill_attention_pairs, shape.num_prefill_chunks)
 
     def plan_seconds(self, plan, state) -> float:
         """Duration in seconds of ``plan`` run on ``state`` (the state before the step): the time the
@@ -230,14 +260,15 @@ class CostModel:
     def batch_seconds(self, scheduled: Iterable) -> float:
         """Duration of a step given its batch as :class:`~schedspec.spec.trace.ScheduledTokens`
         (``prefill_tokens``, ``decode_tokens``, ``num_computed_tokens`` per request)."""
-        prefill = decode = attended = pairs = 0
+        prefill = decode = attended = pairs = chunks = 0
         for item in scheduled:
             n = item.prefill_tokens
             prefill += n
             decode += item.decode_tokens
             attended += item.num_computed_tokens + n + item.decode_tokens
             pairs += n * item.num_computed_tokens + n * (n + 1) // 2
-        return self.step_seconds(prefill, decode, attended, pairs)
+            chunks += n > 0
+        return self.step_seconds(prefill, decode, attended, pairs, chunks)
 
 
 @attrs.frozen
@@ -368,7 +399,7 @@ def get_profile(name: str | CostModel | None = None) -> CostModel:
 
 
 PROFILE_FILE_FIELDS = ("a_s_per_step", "b_s_per_prefill_token", "c_s_per_decode_token", "d_s_per_kv_token")
-PROFILE_OPTIONAL_FIELD = "e_s_per_prefill_attention_pair"
+PROFILE_OPTIONAL_FIELDS = ("e_s_per_prefill_attention_pair", "f_s_per_prefill_chunk")
 PROFILE_CONFIG_FIELDS = ("block_size", "num_kv_blocks", "max_num_batched_tokens", "max_num_seqs", "max_model_len")
 
 
@@ -408,8 +439,8 @@ def load_profile(path) -> CostModel:
     if not isinstance(coefficients, dict):
         raise CostModelError(f"profile {where}: field coefficients: expected an object")
     values = []
-    for key in (*PROFILE_FILE_FIELDS, PROFILE_OPTIONAL_FIELD):
-        value = coefficients.get(key, 0.0 if key == PROFILE_OPTIONAL_FIELD else None)
+    for key in (*PROFILE_FILE_FIELDS, *PROFILE_OPTIONAL_FIELDS):
+        value = coefficients.get(key, 0.0 if key in PROFILE_OPTIONAL_FIELDS else None)
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
             raise CostModelError(f"profile {where}: field coefficients.{key}: {value!r}, expected a number >= 0 (seconds)")
         values.append(float(value))
@@ -430,9 +461,18 @@ def load_profile(path) -> CostModel:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise CostModelError(f"profile {where}: field scheduler_config.{key}: {value!r}, expected an integer >= 1")
         pairs.append((key, value))
+    knots = data.get("token_knots", [])
+    if not isinstance(knots, list) or not all(
+            isinstance(k, list) and len(k) == 2 and not isinstance(k[0], bool) and isinstance(k[0], int)
+            and not isinstance(k[1], bool) and isinstance(k[1], int | float) and math.isfinite(k[1]) for k in knots):
+        raise CostModelError(f"profile {where}: field token_knots: expected a list of [tokens, seconds] pairs")
     name, hardware, model, source = texts
-    return CostModel(name=name, a=values[0], b=values[1], c=values[2], d=values[3], hardware=hardware, model=model,
-                     source=source, measured=True, scheduler_config=tuple(pairs), e=values[4])
+    try:
+        return CostModel(name=name, a=values[0], b=values[1], c=values[2], d=values[3], hardware=hardware,
+                         model=model, source=source, measured=True, scheduler_config=tuple(pairs), e=values[4],
+                         f=values[5], token_knots=tuple((int(t), float(v)) for t, v in knots))
+    except CostModelError as error:
+        raise CostModelError(f"profile {where}: field token_knots: {error}") from None
 
 
 GPU_MEMORY_UTILIZATION = 0.9

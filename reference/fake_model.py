@@ -135,7 +135,7 @@ class FakeModel:
         decode_slots: list[int] = []
         decode_ids: list[int] = []
         size = self.config.block_size
-        prefill_tokens = decode_tokens = attended = pairs = 0
+        prefill_tokens = decode_tokens = attended = pairs = chunks = 0
         for item in plan.scheduled:
             request = state.requests[item.request_id]
             table = request.block_ids + item.new_block_ids if item.new_block_ids else request.block_ids
@@ -154,6 +154,7 @@ class FakeModel:
                 n = item.num_tokens
                 prefill_tokens += n
                 pairs += n * start + n * (n + 1) // 2
+                chunks += 1
             if stop == prompt_len + len(request.output_token_ids):  # samples_this_step
                 if self.eos_at_output.get(item.request_id) == len(request.output_token_ids) + 1:
                     sampled[item.request_id] = EOS_TOKEN_ID
@@ -162,7 +163,7 @@ class FakeModel:
         if decode_slots:
             self.slots[decode_slots] = decode_ids
         sampled.update(self._sample_all(pending))
-        return sampled, self.cost_model.step_seconds(prefill_tokens, decode_tokens, attended, pairs)
+        return sampled, self.cost_model.step_seconds(prefill_tokens, decode_tokens, attended, pairs, chunks)
 
 
 class CostOnlyModel:
@@ -183,7 +184,7 @@ class CostOnlyModel:
 
     def execute(self, plan: StepPlan, state: SchedulerState) -> tuple[dict[str, int], float]:
         sampled: dict[str, int] = {}
-        prefill_tokens = decode_tokens = attended = pairs = 0
+        prefill_tokens = decode_tokens = attended = pairs = chunks = 0
         eos = self.eos_at_output
         for item in plan.scheduled:
             request = state.requests[item.request_id]
@@ -196,6 +197,7 @@ class CostOnlyModel:
                 n = item.num_tokens
                 prefill_tokens += n
                 pairs += n * item.num_computed_tokens + n * (n + 1) // 2
+                chunks += 1
             if stop == request.prompt_len + outputs:
                 sampled[item.request_id] = EOS_TOKEN_ID if eos.get(item.request_id) == outputs + 1 else 1
-        return sampled, self.cost_model.step_seconds(prefill_tokens, decode_tokens, attended, pairs)
+        return sampled, self.cost_model.step_seconds(prefill_tokens, decode_tokens, attended, pairs, chunks)

@@ -47,15 +47,20 @@ REGIONS = ("prefill", "decode", "mixed")
 FEATURES = ("a_s_per_step", "b_s_per_prefill_token", "c_s_per_decode_token", "d_s_per_kv_token",
             "e_s_per_prefill_attention_pair")
 FORMS = {
-    "linear": ("step_seconds = a + b*prefill_tokens + c*decode_tokens + d*kv_tokens_attended", 4),
-    "attention": ("step_seconds = a + b*prefill_tokens + c*decode_tokens + d*kv_tokens_attended "
-                  "+ e*prefill_attention_pairs", 5),
+    "linear": "step_seconds = a + b*prefill_tokens + c*decode_tokens + d*kv_tokens_attended",
+    "attention": "step_seconds = a + b*prefill_tokens + c*decode_tokens + d*kv_tokens_attended "
+                 "+ e*prefill_attention_pairs",
+    "piecewise": "step_seconds = g(prefill_tokens + decode_tokens) + d*kv_tokens_attended "
+                 "+ e*prefill_attention_pairs + f*prefill_chunks, g piecewise linear between knots",
 }
-"""The forms :func:`fit` knows: the cost model's linear form, and the same plus the quadratic prefill
-attention term (``StepShape.prefill_attention_pairs``); name -> (formula, coefficients used)."""
+"""The forms :func:`fit` knows, simplest first: the cost model's linear form; the same plus the
+quadratic prefill attention term (``StepShape.prefill_attention_pairs``); and a piecewise-linear
+function of the step's tokens (knots at powers of 4 of the grid's token counts, as Vidur and real
+GEMMs are not linear in small batches: a batch of 4 decodes costs far less than 4 of 1) plus the KV,
+attention and per-chunk terms."""
 BETTER_FORM_GAIN = 0.8
-"""``--form auto`` takes the attention form when its relative RMS error is below this fraction of the
-linear form's (the residuals say the quadratic term matters), else the linear form."""
+"""``--form auto`` moves to a more complex form only when its relative RMS error is below this fraction
+of the simpler chosen form's (the residuals say the extra terms matter)."""
 
 
 @attrs.frozen
@@ -227,6 +232,65 @@ def _design(shapes: Sequence[StepShape]) -> np.ndarray:
                      for s in shapes], dtype=float)
 
 
+def knots_for(shapes: Sequence[StepShape]) -> list[int]:
+    """Knots of the piecewise form: 1, then every power of 4 below the largest step's tokens, then that."""
+    largest = max(s.num_tokens for s in shapes)
+    knots, k = [1], 4
+    while k < largest:
+        knots.append(k)
+        k *= 4
+    return sorted({*knots, largest})
+
+
+def _hats(tokens: np.ndarray, knots: Sequence[int]) -> np.ndarray:
+    """``[len(tokens), len(knots)]``: the piecewise-linear interpolation weights (hat functions) of each
+    token count on the knots (flat below the first knot, the last segment continued above the last)."""
+    k = np.asarray(knots, dtype=float)
+    out = np.zeros((len(tokens), len(k)))
+    for row, t in enumerate(tokens):
+        if t <= k[0] or len(k) == 1:
+            out[row, 0] = 1.0
+            continue
+        j = min(int(np.searchsorted(k, t)) - 1, len(k) - 2)
+        w = (t - k[j]) / (k[j + 1] - k[j])
+        out[row, j], out[row, j + 1] = 1 - w, w
+    return out
+
+
+def _piecewise_design(shapes: Sequence[StepShape], knots: Sequence[int]) -> np.ndarray:
+    tokens = np.array([s.num_tokens for s in shapes], dtype=float)
+    rest = np.array([[s.kv_tokens_attended, s.prefill_attention_pairs, s.num_prefill_chunks] for s in shapes],
+                    dtype=float)
+    return np.hstack([_hats(tokens, knots), rest])
+
+
+def lawson_hanson(matrix: np.ndarray, target: np.ndarray, max_iterations: int = 500) -> np.ndarray:
+    """Non-negative least squares by Lawson and Hanson's active-set method ("Solving Least Squares
+    Problems", 1974, ch. 23), with ``numpy.linalg.lstsq`` for the passive-set solves; for the many
+    columns of the piecewise form. Tested equal to :func:`nonnegative_least_squares` on small problems."""
+    rows, columns = matrix.shape
+    x = np.zeros(columns)
+    passive = np.zeros(columns, dtype=bool)
+    scale = max(1.0, float(np.abs(matrix).max()))
+    tolerance = 1e-12 * scale * max(rows, columns)
+    for _ in range(max_iterations):
+        gradient = matrix.T @ (target - matrix @ x)
+        if passive.all() or np.max(np.where(passive, -np.inf, gradient)) <= tolerance:
+            break
+        passive[int(np.argmax(np.where(passive, -np.inf, gradient)))] = True
+        while True:
+            z = np.zeros(columns)
+            z[passive], *_ = np.linalg.lstsq(matrix[:, passive], target, rcond=None)
+            if np.all(z[passive] > 0):
+                x = z
+                break
+            negative = passive & (z <= 0)
+            alpha = np.min(x[negative] / (x[negative] - z[negative]))
+            x = x + alpha * (z - x)
+            passive &= x > tolerance
+            x[~passive] = 0.0
+    return x
+
 def nonnegative_least_squares(matrix: np.ndarray, target: np.ndarray) -> np.ndarray:
     """``argmin ||matrix @ x - target||`` subject to ``x >= 0``, exactly, for a few columns: every subset
     of free columns is solved with ``numpy.linalg.lstsq``; the best feasible solution wins (the NNLS
@@ -255,7 +319,9 @@ def fit(measurements: Sequence[Measurement], form: str = "linear") -> dict[str, 
     """
     if form not in FORMS:
         raise ValueError(f"fit: form {form!r}: known: {', '.join(FORMS)}")
-    used = FORMS[form][1]
+    if form == "piecewise":
+        return _fit_piecewise(measurements)
+    used = 4 if form == "linear" else 5
     if len(measurements) < used:
         raise ValueError(f"fit: {len(measurements)} measurements; at least {len(FEATURES)} are needed")
     times = np.array([m.seconds for m in measurements], dtype=float)
@@ -267,29 +333,55 @@ def fit(measurements: Sequence[Measurement], form: str = "linear") -> dict[str, 
     return dict(zip(FEATURES, (float(v) for v in x), strict=True))
 
 
+def _fit_piecewise(measurements: Sequence[Measurement]) -> dict[str, Any]:
+    shapes = [m.shape for m in measurements]
+    times = np.array([m.seconds for m in measurements], dtype=float)
+    if not np.all(times > 0):
+        raise ValueError("fit: every measured step time must be > 0")
+    knots = knots_for(shapes)
+    matrix = _piecewise_design(shapes, knots) / times[:, None]
+    if len(measurements) < matrix.shape[1]:
+        raise ValueError(f"fit: {len(measurements)} measurements; the piecewise form needs {matrix.shape[1]}")
+    x = lawson_hanson(matrix, np.ones(len(times)))
+    values = x[:len(knots)]
+    return {"a_s_per_step": 0.0, "b_s_per_prefill_token": 0.0, "c_s_per_decode_token": 0.0,
+            "d_s_per_kv_token": float(x[-3]), "e_s_per_prefill_attention_pair": float(x[-2]),
+            "f_s_per_prefill_chunk": float(x[-1]),
+            "token_knots": [[int(t), float(v)] for t, v in zip(knots, values, strict=True)]}
+
+
+def cost_model_of(coefficients: dict[str, Any], name: str = "fit") -> CostModel:
+    """The :class:`CostModel` of fitted coefficients (any form)."""
+    return CostModel(name=name, a=coefficients["a_s_per_step"], b=coefficients["b_s_per_prefill_token"],
+                     c=coefficients["c_s_per_decode_token"], d=coefficients["d_s_per_kv_token"],
+                     e=coefficients.get("e_s_per_prefill_attention_pair", 0.0),
+                     f=coefficients.get("f_s_per_prefill_chunk", 0.0),
+                     token_knots=tuple((t, v) for t, v in coefficients.get("token_knots", ())))
+
+
 def relative_rms(coefficients: dict[str, float], measurements: Sequence[Measurement]) -> float:
     """Root mean square of the relative errors."""
     return float(np.sqrt(np.mean(relative_errors(coefficients, measurements) ** 2)))
 
 
 def choose_form(measurements: Sequence[Measurement], form: str = "auto") -> tuple[str, dict[str, float], dict[str, float]]:
-    """``(form, coefficients, {form: relative RMS error})``: with ``form="auto"`` every form is fitted and
-    the attention form is taken only when it cuts the relative RMS error below :data:`BETTER_FORM_GAIN`
-    times the linear form's."""
+    """``(form, coefficients, {form: relative RMS error})``: with ``form="auto"`` every form is fitted and,
+    going from the simplest, a more complex one is taken only when it cuts the relative RMS error below
+    :data:`BETTER_FORM_GAIN` times the form chosen so far."""
     forms = list(FORMS) if form == "auto" else [form]
     fits = {name: fit(measurements, name) for name in forms}
     rms = {name: relative_rms(c, measurements) for name, c in fits.items()}
-    chosen = form
-    if form == "auto":
-        chosen = "attention" if rms["attention"] < BETTER_FORM_GAIN * rms["linear"] else "linear"
+    chosen = forms[0]
+    for name in forms[1:]:
+        if rms[name] < BETTER_FORM_GAIN * rms[chosen]:
+            chosen = name
     return chosen, fits[chosen], rms
 
 
-def relative_errors(coefficients: dict[str, float], measurements: Sequence[Measurement]) -> np.ndarray:
-    """``(predicted - measured) / measured`` per measurement."""
-    x = np.array([coefficients[k] for k in FEATURES])
-    times = np.array([m.seconds for m in measurements])
-    return (_design([m.shape for m in measurements]) @ x - times) / times
+def relative_errors(coefficients: dict[str, Any], measurements: Sequence[Measurement]) -> np.ndarray:
+    """``(predicted - measured) / measured`` per measurement, predicted by the cost model itself."""
+    cost = cost_model_of(coefficients)
+    return np.array([(cost.shape_seconds(m.shape) - m.seconds) / m.seconds for m in measurements])
 
 
 def region_errors(coefficients: dict[str, float], measurements: Sequence[Measurement]) -> dict[str, dict[str, float]]:
@@ -351,9 +443,10 @@ def profile_document(name: str, coefficients: dict[str, float], measurements: Se
         "name": name,
         "kind": PROFILE_KIND["measured"],
         "form": form,
-        "formula": FORMS[form][0],
+        "formula": FORMS[form],
+        "token_knots": coefficients.get("token_knots", []),
         "relative_rms_error_percent_by_form": {k: 100 * v for k, v in (form_rms or {}).items()},
-        "coefficients": coefficients,
+        "coefficients": {k: v for k, v in coefficients.items() if k != "token_knots"},
         "hardware": conditions["device"],
         "model": conditions["model"],
         "source": source,
@@ -373,11 +466,10 @@ def profile_document(name: str, coefficients: dict[str, float], measurements: Se
 
 def to_cost_model(document: dict[str, Any]) -> CostModel:
     """The :class:`CostModel` of a profile document."""
-    c = document["coefficients"]
-    return CostModel(name=document["name"], a=c["a_s_per_step"], b=c["b_s_per_prefill_token"],
-                     c=c["c_s_per_decode_token"], d=c["d_s_per_kv_token"], hardware=document["hardware"],
-                     model=document["model"], source=document["source"], measured=True,
-                     e=c.get("e_s_per_prefill_attention_pair", 0.0))
+    return attrs.evolve(cost_model_of({**document["coefficients"], "token_knots": document.get("token_knots", [])},
+                                      document["name"]),
+                        hardware=document["hardware"], model=document["model"], source=document["source"],
+                        measured=True)
 
 
 def dumps(document: dict[str, Any]) -> str:

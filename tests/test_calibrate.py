@@ -243,3 +243,49 @@ def test_thread_clock_needs_one_torch_thread_on_a_cpu():
         assert "CPU clock" in runner.describe()
     finally:
         torch.set_num_threads(threads)
+
+
+def test_lawson_hanson_equals_the_exhaustive_nnls():
+    rng = np.random.default_rng(11)
+    for _ in range(30):
+        matrix = rng.random((15, 4))
+        target = matrix @ rng.normal(size=4) + 0.05 * rng.standard_normal(15)
+        assert cal.lawson_hanson(matrix, target) == pytest.approx(cal.nonnegative_least_squares(matrix, target),
+                                                                 abs=1e-9)
+
+
+def test_piecewise_form_recovers_a_concave_batch_curve():
+    """Real small-batch GEMMs are concave in the batch (4 decodes cost far less than 4 of 1): the
+    piecewise form fits that exactly, the linear form cannot, and auto picks the piecewise one."""
+    truth = costs.CostModel("truth", 0, 0, 0, d=2e-7, f=1e-3,
+                            token_knots=((1, 0.010), (4, 0.016), (16, 0.020), (64, 0.030), (256, 0.08), (576, 0.17)))
+    config = SchedulerConfig(block_size=16, num_kv_blocks=3000, max_num_batched_tokens=4096, max_num_seqs=64,
+                             max_model_len=1024)
+    measurements = []
+    for point in cal.design_grid(512, 64, 512):
+        shape = costs.step_shape(*reversed(cal.point_state(point, config)))
+        measurements.append(cal.Measurement(point, shape, truth.shape_seconds(shape), 0.0))
+    form, fitted, rms = cal.choose_form(measurements)
+    assert form == "piecewise" and rms["piecewise"] < 1e-6 < 0.05 < rms["linear"]
+    model = cal.cost_model_of(fitted)
+    for tokens in (1, 3, 16, 100, 576, 2000):
+        shape = costs.StepShape(tokens, 0, tokens, 1, tokens * (tokens + 1) // 2)
+        assert model.shape_seconds(shape) == pytest.approx(truth.shape_seconds(shape), rel=1e-6)
+
+
+def test_a_piecewise_profile_file_round_trips(tmp_path):
+    measurements = _fake_measurements((2e-3, 5e-5, 1e-4, 3e-8))
+    coefficients = cal.fit(measurements, "piecewise")
+    document = cal.profile_document("pw", coefficients, measurements, {"model": "m", "device": "cpu",
+                                    "torch_threads": 1, "torch_version": "x"}, {"repeats": 1, "warmup": 0}, {},
+                                    "piecewise", {"piecewise": 0.0})
+    path = tmp_path / "pw.json"
+    path.write_text(cal.dumps(document))
+    loaded = costs.load_profile(path)
+    assert loaded.token_knots == tuple((t, v) for t, v in coefficients["token_knots"]) and loaded.token_knots
+    shape = measurements[5].shape
+    assert loaded.shape_seconds(shape) == pytest.approx(cal.cost_model_of(coefficients).shape_seconds(shape))
+    document["token_knots"] = [[4, 0.1], [1, 0.2]]
+    path.write_text(cal.dumps(document))
+    with pytest.raises(costs.CostModelError, match="token_knots"):
+        costs.load_profile(path)

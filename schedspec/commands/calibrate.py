@@ -46,7 +46,8 @@ QUICK = {"max_prefill": 128, "max_decodes": 8, "max_context": 256, "repeats": 3,
 @click.option("--block-size", type=Count(minimum=1), default=16, show_default=True)
 @click.option("--form", type=click.Choice(["auto", *cal.FORMS]), default="auto", show_default=True,
               help="The fitted form: linear (the cost model's a,b,c,d), attention (plus e per prefill attention "
-                   "pair), or auto (attention only when it cuts the relative RMS error by 20 %).")
+                   "pair), piecewise (piecewise linear in the step's tokens, plus d, e and f per prefill chunk), or "
+                   "auto (a more complex form only when it cuts the relative RMS error by 20 %).")
 @click.option("--clock", type=click.Choice(["wall", "thread"]), default="wall", show_default=True,
               help="Step times on the wall clock, or on the thread's CPU clock (CPU, --threads 1: a shared "
                    "machine's waiting left out). Use the same in `lab --backend torch --clock`.")
@@ -141,8 +142,12 @@ def print_report(console, document) -> None:
                   f"b = {c['b_s_per_prefill_token'] * 1e6:.2f} us/prefill token, "
                   f"c = {c['c_s_per_decode_token'] * 1e6:.2f} us/decode token, "
                   f"d = {c['d_s_per_kv_token'] * 1e9:.2f} ns/KV token, "
-                  f"e = {c['e_s_per_prefill_attention_pair'] * 1e12:.1f} ps/prefill attention pair",
-                  markup=False, highlight=False)
+                  f"e = {c['e_s_per_prefill_attention_pair'] * 1e12:.1f} ps/prefill attention pair, "
+                  f"f = {c.get('f_s_per_prefill_chunk', 0.0) * 1e3:.3f} ms/prefill chunk", markup=False, highlight=False)
+    if document["token_knots"]:
+        console.print("Piecewise in the step's tokens: " + ", ".join(f"{t} -> {v * 1e3:.2f} ms"
+                                                                      for t, v in document["token_knots"]),
+                      markup=False, highlight=False)
     rms = ", ".join(f"{k} {v:.1f}%" for k, v in document["relative_rms_error_percent_by_form"].items())
     console.print(f"Form: {document['form']} ({document['formula']}); relative RMS error by form: {rms}",
                   markup=False, highlight=False)

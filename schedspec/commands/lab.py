@@ -133,9 +133,13 @@ def _conditions(result: LabResult, profile: costs.CostModel, trace_text: str, wi
                                     if config.long_prefill_token_threshold else "") if config.enable_chunked_prefill else "off"),
         ("prefix caching", "on" if config.enable_prefix_caching else "off"),
         ("execution", backend),
-        ("cost profile", f"{profile.name} ({profile.kind}): a={profile.a * 1e3:.2f} ms, b={profile.b * 1e6:.1f} us/prefill token, "
+        ("cost profile", f"{profile.name} ({profile.kind}): " + (
+            f"piecewise in the step's tokens ({len(profile.token_knots)} knots: "
+            + ", ".join(f"{t} -> {v * 1e3:.2f} ms" for t, v in profile.token_knots) + "), "
+            if profile.token_knots else "") + f"a={profile.a * 1e3:.2f} ms, b={profile.b * 1e6:.1f} us/prefill token, "
                          f"c={profile.c * 1e6:.1f} us/decode token, d={profile.d * 1e9:.1f} ns/KV token"
-                         + (f", e={profile.e * 1e9:.3f} ns/prefill attention pair" if profile.e else "")),
+                         + (f", e={profile.e * 1e9:.3f} ns/prefill attention pair" if profile.e else "")
+                         + (f", f={profile.f * 1e3:.3f} ms/prefill chunk" if profile.f else "")),
         ("hardware / model", f"{profile.hardware} / {profile.model}"),
         ("trace", trace_text),
         ("window", window),
