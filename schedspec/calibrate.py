@@ -55,9 +55,9 @@ FORMS = {
 }
 """The forms :func:`fit` knows, simplest first: the cost model's linear form; the same plus the
 quadratic prefill attention term (``StepShape.prefill_attention_pairs``); and a piecewise-linear
-function of the step's tokens (knots at powers of 4 of the grid's token counts, as Vidur and real
-GEMMs are not linear in small batches: a batch of 4 decodes costs far less than 4 of 1) plus the KV,
-attention and per-chunk terms."""
+function of the step's tokens (knots at the grid's token counts, :func:`knots_for`; real matrix
+products are not linear in small batches: a batch of 4 decodes costs far less than 4 of 1, and the
+kernel chosen changes with the number of rows) plus the KV, attention and per-chunk terms."""
 BETTER_FORM_GAIN = 0.8
 """``--form auto`` moves to a more complex form only when its relative RMS error is below this fraction
 of the simpler chosen form's (the residuals say the extra terms matter)."""
@@ -123,8 +123,11 @@ def design_grid(max_prefill: int = 2048, max_decodes: int = 128, max_context: in
         contexts = sorted({min(16, max_context), min(256, max_context)})
         prefixes = [min(128, max_context)]
     else:
-        prefill_sizes = powers(8, max_prefill, 4) if max_prefill > 8 else [8]
-        decode_counts = powers(1, max_decodes, 4) if max_decodes > 1 else [1]
+        # Dense in the batch where real matrix products are least linear (kernel choice changes with the
+        # number of rows): every power of 2 and the point half-way between, up to the limits.
+        prefill_sizes = powers(8, max_prefill, 2) if max_prefill > 8 else [8]
+        dense = sorted({v for k in range(0, 20) for v in (2 ** k, 3 * 2 ** k) if v <= max_decodes})
+        decode_counts = sorted({*dense, max_decodes})
         contexts = powers(16, max_context, 4) if max_context > 16 else [16]
         prefixes = sorted({min(256, max_context), max_context // 2})
     points: list[GridPoint] = []
@@ -233,13 +236,16 @@ def _design(shapes: Sequence[StepShape]) -> np.ndarray:
 
 
 def knots_for(shapes: Sequence[StepShape]) -> list[int]:
-    """Knots of the piecewise form: 1, then every power of 4 below the largest step's tokens, then that."""
-    largest = max(s.num_tokens for s in shapes)
-    knots, k = [1], 4
-    while k < largest:
-        knots.append(k)
-        k *= 4
-    return sorted({*knots, largest})
+    """Knots of the piecewise form: the token counts of the grid's steps, thinned so that consecutive
+    knots differ by at least 20 % (every knot has a measured step on it), and the largest."""
+    counts = sorted({s.num_tokens for s in shapes})
+    knots = [counts[0]]
+    for t in counts[1:]:
+        if t >= 1.2 * knots[-1]:
+            knots.append(t)
+    if knots[-1] != counts[-1]:
+        knots[-1] = counts[-1]
+    return knots
 
 
 def _hats(tokens: np.ndarray, knots: Sequence[int]) -> np.ndarray:

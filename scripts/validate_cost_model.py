@@ -14,6 +14,8 @@ and then the lab with the fitted profile on the same window and the same config 
 and print, per window, the relative error (simulated - measured) / measured of TTFT, ITL and
 end-to-end latency at p50 / p95 / p99 and of output throughput, plus the per-step error of the profile
 on the torch run's own steps (each measured step against ``CostModel.batch_seconds`` of its batch).
+The measured run is repeated (``--repeats``, default 3): each figure's median is the measured value and
+its spread, (max - min) / median, the run-to-run noise the errors should be read against.
 torch's threads are set with OMP_NUM_THREADS / MKL_NUM_THREADS for both calibration and validation
 (``--threads``). The load average (``uptime``) is printed before and after: on a shared machine the
 measured step times, and so the errors, move with it.
@@ -87,47 +89,66 @@ def step_errors(steps_file: Path, profile_path: str) -> dict[str, float]:
 
 
 def validate(profile: str, model: str | None, device: str, threads: int, max_requests: int, length_scale: float,
-             clock: str = "wall", windows=WINDOWS) -> dict:
+             clock: str = "wall", windows=WINDOWS, repeats: int = 3) -> dict:
+    """Per window: ``repeats`` measured runs (each figure's median is the measured value; its spread,
+    (max - min) / median, is the run-to-run noise) and one simulated run with the profile."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     rows = []
+    keys = [key for _, key in FIGURES] + ["output_tokens_per_s"]
     for trace, start in windows:
         common = ["--trace", str(TRACES / trace), "--start", f"{start:g}", "--max-requests", str(max_requests),
                   "--length-scale", f"{length_scale:g}", "--steps", "none", "--json"]
-        with tempfile.TemporaryDirectory() as folder:
-            steps_file = Path(folder) / "torch-steps.jsonl"
-            before = load()
-            real = schedspec(["lab", "--backend", "torch", "--device", device, "--clock", clock,
-                              *(["--model", model] if model else []),
-                              *common, "--steps-out", str(steps_file)], env)
-            after = load()
-            per_step = step_errors(steps_file, profile)
-        config = real["conditions"]["config"]
+        runs, per_step, loads = [], [], []
+        for _ in range(repeats):
+            with tempfile.TemporaryDirectory() as folder:
+                steps_file = Path(folder) / "torch-steps.jsonl"
+                before = load()
+                runs.append(schedspec(["lab", "--backend", "torch", "--device", device, "--clock", clock,
+                                       *(["--model", model] if model else []), *common, "--steps-out", str(steps_file)],
+                                      env))
+                loads.append(f"{before}-{load()}")
+                per_step.append(step_errors(steps_file, profile))
+        measured = {k: statistics.median(r["figures"][k] for r in runs) if all(r["figures"][k] is not None for r in runs)
+                    else None for k in keys}
+        noise = {k: None if not measured[k] else
+                 100 * (max(r["figures"][k] for r in runs) - min(r["figures"][k] for r in runs)) / measured[k]
+                 for k in keys}
+        config = runs[0]["conditions"]["config"]
         sim = schedspec(["lab", "--profile", profile, *common, "--set", f"num_kv_blocks={config['num_kv_blocks']}",
                          "--set", f"max_model_len={config['max_model_len']}"], env)
-        errors = {}
+        errors, spreads = {}, {}
         for label, key in (*FIGURES, ("output tok/s", "output_tokens_per_s")):
-            r, s = real["figures"][key], sim["figures"][key]
+            r, s = measured[key], sim["figures"][key]
             errors[label] = None if not r or s is None else 100 * (s - r) / r
-        rows.append({"window": f"{trace.removesuffix('.csv')} start {start:g} s, {max_requests} requests, "
-                               f"length scale {length_scale:g}",
-                     "errors_percent": errors, "per_step": per_step, "load_before": before, "load_after": after,
-                     "measured": {k: real["figures"][k] for _, k in FIGURES},
+            spreads[label] = noise[key]
+        rows.append({"window": f"{trace.removesuffix('.csv').removeprefix('AzureLLMInferenceTrace_')} "
+                               f"start {start:g} s, {max_requests} requests, length scale {length_scale:g}",
+                     "errors_percent": errors, "run_to_run_spread_percent": spreads,
+                     "per_step": {k: statistics.median(p[k] for p in per_step) for k in per_step[0]},
+                     "loads": loads, "load_before": loads[0].split("-")[0], "load_after": loads[-1].split("-")[1],
+                     "measured": {k: measured[k] for _, k in FIGURES},
                      "simulated": {k: sim["figures"][k] for _, k in FIGURES},
-                     "wall_time_s": real["figures"]["wall_time_s"]})
+                     "wall_time_s": statistics.median(r["figures"]["wall_time_s"] for r in runs)})
     return {"profile": profile, "model": model or "built-in tiny model", "device": device, "threads": threads,
-            "clock": clock, "rows": rows}
+            "clock": clock, "repeats": repeats, "rows": rows}
 
 
-def markdown(result: dict) -> str:
+def markdown(result: dict, key: str = "errors_percent") -> str:
+    """The table of relative errors (``key="errors_percent"``) or of the measured runs' spread
+    (``"run_to_run_spread_percent"``), in %."""
     labels = [label for label, _ in FIGURES] + ["output tok/s"]
-    lines = ["| window | " + " | ".join(labels) + " | step median abs | busy time | load |",
-             "|---|" + "---:|" * (len(labels) + 3)]
+    extra = " step median abs | busy time | load |" if key == "errors_percent" else ""
+    lines = ["| window | " + " | ".join(labels) + " |" + extra,
+             "|---|" + "---:|" * (len(labels) + (3 if extra else 0))]
     for row in result["rows"]:
-        cells = ["-" if row["errors_percent"][k] is None else f"{row['errors_percent'][k]:+.1f}" for k in labels]
-        step = row["per_step"]
-        lines.append(f"| {row['window']} | " + " | ".join(cells)
-                     + f" | {step['step_median_abs_percent']:.1f} | {step['busy_time_percent']:+.1f} | "
-                       f"{row['load_before']} -> {row['load_after']} |")
+        sign = "+" if key == "errors_percent" else ""
+        cells = ["-" if row[key][k] is None else f"{row[key][k]:{sign}.1f}" for k in labels]
+        line = f"| {row['window']} | " + " | ".join(cells) + " |"
+        if extra:
+            step = row["per_step"]
+            line += (f" {step['step_median_abs_percent']:.1f} | {step['busy_time_percent']:+.1f} | "
+                     f"{row['load_before']} -> {row['load_after']} |")
+        lines.append(line)
     return "\n".join(lines) + "\n"
 
 
@@ -154,6 +175,7 @@ def main() -> None:
                         help="step-time clock for calibrate and lab --backend torch (thread: CPU, 1 thread)")
     parser.add_argument("--max-requests", type=int, default=40)
     parser.add_argument("--length-scale", type=float, default=8.0)
+    parser.add_argument("--repeats", type=int, default=3, help="measured runs per window (median; spread reported)")
     parser.add_argument("--calibrate-args", default="", help="extra arguments for schedspec calibrate")
     parser.add_argument("--json", dest="json_out", default=None)
     parser.add_argument("--markdown", default=None)
@@ -168,9 +190,12 @@ def main() -> None:
                        cwd=ROOT, env=env, check=True)
     elif not args.profile:
         sys.exit("validate_cost_model: give --profile PROFILE.json or --calibrate")
-    result = validate(profile, args.model, args.device, args.threads, args.max_requests, args.length_scale, args.clock)
+    result = validate(profile, args.model, args.device, args.threads, args.max_requests, args.length_scale, args.clock,
+                      repeats=args.repeats)
     result["misses"] = verdict(result)
     print(markdown(result))
+    print(f"run-to-run spread of the {args.repeats} measured runs, (max - min) / median, %:")
+    print(markdown(result, "run_to_run_spread_percent"))
     print("targets: |error| <= 10% at p50, <= 20% at p95/p99 and throughput; "
           + (f"{len(result['misses'])} missed:\n  " + "\n  ".join(result["misses"]) if result["misses"] else "all met"))
     if args.json_out:

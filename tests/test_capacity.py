@@ -121,12 +121,14 @@ def test_percentiles_use_the_metrics_definitions():
 
 CLI = ("lab", "--capacity", "--synthetic", "rate=1,prompt=uniform:32:256,output=uniform:4:32,n=12,seed=5",
        "--set", "max_num_batched_tokens=256", "--set", "block_size=16", "--sweep", "max_num_seqs=2,4",
-       "--slo", "ttft_p90=300ms,itl_p99=60ms", "--profile", "llama3-8b-a100-80gb", "--capacity-tolerance", "0.1")
+       "--slo", "ttft_p90=300ms,itl_p99=60ms", "--profile", "llama3-8b-a100-80gb", "--capacity-tolerance", "0.2")
 
 
 def test_cli_table_is_the_same_whatever_the_jobs(tmp_path):
-    one = CliRunner().invoke(cli, [*CLI, "--jobs", "1", "--json"], catch_exceptions=False)
-    two = CliRunner().invoke(cli, [*CLI, "--jobs", "2", "--json", "--plot", str(tmp_path)], catch_exceptions=False)
+    # Checks off here (the packaged-trace test below runs with them on): the point is the parallel path.
+    one = CliRunner().invoke(cli, [*CLI, "--jobs", "1", "--json", "--no-check"], catch_exceptions=False)
+    two = CliRunner().invoke(cli, [*CLI, "--jobs", "2", "--json", "--no-check", "--plot", str(tmp_path)],
+                             catch_exceptions=False)
     assert one.exit_code == two.exit_code == 0, one.output + two.output
     a, b = json.loads(one.stdout), json.loads(two.stdout)
     assert a["configurations"] == b["configurations"] and a["best"] == b["best"] == 1
@@ -134,13 +136,13 @@ def test_cli_table_is_the_same_whatever_the_jobs(tmp_path):
         assert configuration["status"] == "found"
         assert configuration["figures"]["ttft_p90_s"] <= 0.3 and configuration["figures"]["itl_p99_s"] <= 0.06
         rate, upper = configuration["capacity_req_per_s"], configuration["upper_req_per_s"]
-        assert upper / rate <= 1.1 and math.isfinite(rate)
+        assert upper / rate <= 1.2 and math.isfinite(rate)
     assert (tmp_path / "capacity.png").stat().st_size > 1000
 
 
 def test_capacity_runs_on_a_packaged_trace():
     result = CliRunner().invoke(cli, ["lab", "--capacity", "--max-requests", "12", "--slo", "ttft_p90=300ms,itl_p99=200ms",
-                                      "--capacity-tolerance", "0.1", "--jobs", "1"], catch_exceptions=False)
+                                      "--capacity-tolerance", "0.2", "--jobs", "1"], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     for text in ("Azure", "Best: fcfs", "TTFT p90", "capacity req/s", "< "):
         assert text in result.output
@@ -166,7 +168,8 @@ def test_bad_capacity_input_exits_2_with_one_line(args, expected, tmp_path, monk
 
 
 def test_an_slo_that_holds_at_every_rate_is_reported_as_such():
-    result = CliRunner().invoke(cli, ["lab", "--capacity", "--max-requests", "4", "--slo", "e2e_p50=1000s",
+    result = CliRunner().invoke(cli, ["lab", "--capacity", "--synthetic", "rate=1,prompt=16,output=4,n=3",
+                                      "--no-check", "--slo", "e2e_p50=1000s",
                                       "--capacity-tolerance", "0.5", "--jobs", "1"], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     assert "(or more)" in result.output and "held at the top of the range" in result.output
