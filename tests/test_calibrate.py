@@ -302,3 +302,17 @@ def test_a_piecewise_profile_file_round_trips(tmp_path):
     path.write_text(cal.dumps(document))
     with pytest.raises(costs.CostModelError, match="token_knots"):
         costs.load_profile(path)
+
+
+def test_the_calibration_page_is_rendered_from_its_measurements():
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("gen_calibration_doc", root / "scripts" / "gen_calibration_doc.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert (root / "docs" / "calibration.md").read_text() == module.render(), (
+        "docs/calibration.md is stale: run .venv/bin/python scripts/gen_calibration_doc.py --render-only")
+    for profile in (root / "docs" / "calibration").glob("*-profile.json"):
+        assert costs.load_profile(profile).measured
