@@ -67,6 +67,16 @@ def simulation_size_problem(config: SchedulerConfig) -> str | None:
     return None
 
 
+def _pricer(cost_model):
+    """``(prefill, decode, attended, pairs, chunks) -> seconds`` for ``cost_model``: its ``step_seconds`` with
+    the prefill attention pairs and chunks only when it charges for them (``e`` or ``f`` non-zero), so a
+    duck-typed cost model with the three-count ``step_seconds(prefill, decode, attended)`` still works."""
+    if getattr(cost_model, "e", 0.0) or getattr(cost_model, "f", 0.0):
+        return cost_model.step_seconds
+    step_seconds = cost_model.step_seconds
+    return lambda prefill, decode, attended, pairs, chunks: step_seconds(prefill, decode, attended)
+
+
 class FakeModel:
     """The default token source (module docstring).
 
@@ -90,6 +100,7 @@ class FakeModel:
             cost_model = PROFILES["llama3-8b-a100-80gb"]
         self.config = config
         self.cost_model = cost_model
+        self._price = _pricer(cost_model)
         self.eos_at_output = dict(eos_at_output or {})
         self.vocab_size = vocab_size
         self.slots = np.full(config.num_kv_blocks * config.block_size, -1, dtype=np.int64)
@@ -163,7 +174,7 @@ class FakeModel:
         if decode_slots:
             self.slots[decode_slots] = decode_ids
         sampled.update(self._sample_all(pending))
-        return sampled, self.cost_model.step_seconds(prefill_tokens, decode_tokens, attended, pairs, chunks)
+        return sampled, self._price(prefill_tokens, decode_tokens, attended, pairs, chunks)
 
 
 class CostOnlyModel:
@@ -180,6 +191,7 @@ class CostOnlyModel:
 
             cost_model = PROFILES["llama3-8b-a100-80gb"]
         self.cost_model = cost_model
+        self._price = _pricer(cost_model)
         self.eos_at_output = dict(eos_at_output or {})
 
     def execute(self, plan: StepPlan, state: SchedulerState) -> tuple[dict[str, int], float]:
@@ -200,4 +212,4 @@ class CostOnlyModel:
                 chunks += 1
             if stop == request.prompt_len + outputs:
                 sampled[item.request_id] = EOS_TOKEN_ID if eos.get(item.request_id) == outputs + 1 else 1
-        return sampled, self.cost_model.step_seconds(prefill_tokens, decode_tokens, attended, pairs, chunks)
+        return sampled, self._price(prefill_tokens, decode_tokens, attended, pairs, chunks)

@@ -35,7 +35,7 @@ def test_the_lab_charges_the_cost_of_the_recorded_batch(check):
     """Every step's duration equals the profile's price of the batch as the trace records it, so a step
     trace (e.g. of a torch run) can be priced with the same definition."""
     records = []
-    cost = costs.CostModel("t", a=1e-3, b=1e-4, c=3e-4, d=1e-6)
+    cost = costs.CostModel("t", a=1e-3, b=1e-4, c=3e-4, d=1e-6, e=1e-8, f=2e-4)
     result = run_lab(_workload(), "fcfs", SMALL, cost_model=cost, check=check, on_step=records.append)
     assert result.run.ok and records
     assert sum(len(r.preempted) for r in records) > 0, "the case must preempt, to cover recompute"
