@@ -30,7 +30,7 @@ OUT = ROOT / "docs" / "calibration"
 PAGE = ROOT / "docs" / "calibration.md"
 
 MODELS = {
-    "tiny": {"label": "built-in tiny model (4 layers, hidden 256, 1.6M parameters)", "model": None,
+    "tiny": {"label": "built-in tiny model (4 layers, hidden 256, 4.5M parameters)", "model": None,
              "calibrate": ["--max-prefill", "2048", "--max-decodes", "64", "--max-context", "1024", "--repeats", "7"],
              "max_requests": 40, "length_scale": 8},
     "llama100m": {"label": "Llama shape with random weights, 100M parameters (12 layers, hidden 768, "
