@@ -26,11 +26,18 @@ from schedspec.gpu_backend.weights import (
     tiny_model_weights,
     weight_bytes,
 )
+from schedspec.reference.cost_model import step_shape
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.state import SchedulerState, StepPlan, samples_this_step
 from schedspec.spec.workload import EOS_TOKEN_ID, token_id_at, token_ids
 
 RECORD_LOGITS = ("none", "last", "all")
+
+CLOCKS = ("wall", "thread")
+"""How a step's time is measured: ``"wall"`` (``time.perf_counter``; the default, and the only choice on
+CUDA) or ``"thread"`` (``time.thread_time``, the CPU time of the calling thread; CPU device with one torch
+thread only). On a CPU shared with other processes, wall time includes the time the thread waited for a
+core; the thread's CPU time is the step's own work, as on an unshared core."""
 
 DECODE_GROUP_BYTES = 1 << 20
 """On CPU, single-token items are attended in groups of similar length whose gathered keys plus values
@@ -76,6 +83,7 @@ class Runner:
         seed: seed of the per-request sampling generators (temperature sampling only).
         temperature: 0 for greedy; otherwise sampling temperature.
         top_p: nucleus sampling threshold in (0, 1].
+        clock: ``"wall"`` or ``"thread"`` (:data:`CLOCKS`): how step times are measured.
         record_logits: ``"none"``; ``"last"``: keep the raw logits of each sampled position in
             :attr:`last_logits`; ``"all"``: also keep every computed position's logits in
             :attr:`step_logits` (computes ``lm_head`` on the whole batch).
@@ -95,7 +103,17 @@ class Runner:
             requests that sampled in the last step (``record_logits`` ``"last"`` or ``"all"``).
         step_logits: request id -> ``[num_tokens, vocab_size]`` float32 CPU logits of every position the
             last step computed (``record_logits="all"``).
-        last_step_seconds: wall time of the last step in seconds.
+        last_step_seconds: wall time of the last step in seconds (the step time, defined below).
+        last_step_shape: the :class:`~schedspec.reference.cost_model.StepShape` of the last step (what
+            the cost model charges for), ``None`` before the first step or after an empty one.
+
+    The step time (one definition, shared with the cost model the lab charges and with
+    ``schedspec calibrate``, which fits the cost model to it): the time (wall, or the thread's CPU time
+    with ``clock="thread"``) from the plan to the
+    sampled token ids, i.e. packing the batch's inputs, the forward pass and sampling, with CUDA
+    synchronised before and after. It leaves out the scheduler's own time, the debug-mode ledger checks
+    and the copies of ``record_logits``. The lab's cost model charges
+    ``CostModel.shape_seconds(step_shape(plan, state))`` for the same step.
     """
 
     def __init__(
@@ -110,6 +128,7 @@ class Runner:
         temperature: float = 0.0,
         top_p: float = 1.0,
         record_logits: str = "none",
+        clock: str = "wall",
     ) -> None:
         if not isinstance(config, SchedulerConfig):
             raise BackendError(f"config={config!r}: must be a SchedulerConfig", field="config")
@@ -117,6 +136,8 @@ class Runner:
             raise BackendError(f"temperature={temperature!r}: must be a number >= 0", field="temperature")
         if isinstance(top_p, bool) or not isinstance(top_p, int | float) or not 0 < top_p <= 1:
             raise BackendError(f"top_p={top_p!r}: must be in (0, 1]", field="top_p")
+        if clock not in CLOCKS:
+            raise BackendError(f"clock={clock!r}: must be one of {list(CLOCKS)}", field="clock")
         if record_logits not in RECORD_LOGITS:
             raise BackendError(f"record_logits={record_logits!r}: must be one of {list(RECORD_LOGITS)}",
                                field="record_logits")
@@ -166,10 +187,20 @@ class Runner:
         self.temperature = float(temperature)
         self.top_p = float(top_p)
         self.record_logits = record_logits
+        if clock == "thread":
+            if self.device.type != "cpu":
+                raise BackendError(f"clock='thread': only on a CPU device, not {self.device}", field="clock")
+            if torch.get_num_threads() != 1:
+                raise BackendError(f"clock='thread': needs torch.set_num_threads(1) (it has {torch.get_num_threads()} "
+                                   "threads; the others' CPU time would be missed)", field="clock")
+        self.clock = clock
+        """``"wall"`` or ``"thread"`` (:data:`CLOCKS`)."""
+        self._now = time.perf_counter if clock == "wall" else time.thread_time
         self.num_forward_calls = 0
         self.last_logits: dict[str, torch.Tensor] = {}
         self.step_logits: dict[str, torch.Tensor] = {}
         self.last_step_seconds = 0.0
+        self.last_step_shape = None
 
     @property
     def vocab_size(self) -> int:
@@ -186,8 +217,10 @@ class Runner:
         if self.device.type == "cuda":
             device += f" ({torch.cuda.get_device_name(self.device)})"
         dtype = str(self.dtype).removeprefix("torch.")
+        clock = "" if self.clock == "wall" else ", step times on the thread's CPU clock"
         return (f"{name} ({c.architecture}, {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
-                f"{c.num_attention_heads}/{c.num_key_value_heads} heads, vocab {c.vocab_size}), {dtype} on {device}")
+                f"{c.num_attention_heads}/{c.num_key_value_heads} heads, vocab {c.vocab_size}), {dtype} on {device}"
+                f"{clock}")
 
     def reset(self) -> None:
         """Forget all requests (a new run with the same weights): clears the ledger, counters and
@@ -199,6 +232,54 @@ class Runner:
         self.last_logits = {}
         self.step_logits = {}
         self.last_step_seconds = 0.0
+        self.last_step_shape = None
+
+    def warm_up(self, tokens: int | None = None, decodes: int = 4) -> float:
+        """Run a few throw-away steps (a prefill of ``tokens`` tokens, default
+        ``max_num_batched_tokens``, then ``decodes`` decode steps of it) so that one-time costs (memory
+        first touched by the largest step's tensors, lazy kernel and library initialisation) fall
+        outside the measured steps, then :meth:`reset`. Uses blocks from the start of the pool, which a
+        run overwrites before reading (in debug mode they are NaN again after the reset). Returns the
+        warm-up's wall time in seconds.
+
+        The prefill is shortened to fit a small KV cache or ``max_model_len``; with room for fewer
+        than two tokens nothing runs (0.0).
+        """
+        from schedspec.spec.state import ScheduledRequest
+        from schedspec.spec.transitions import add_request, apply_plan
+        from schedspec.spec.workload import RequestSpec
+
+        size = self.config.block_size
+        if tokens is None:
+            tokens = self.config.max_num_batched_tokens
+        total = tokens + decodes
+        room = min(self.config.num_kv_blocks * size, self.config.max_model_len)
+        if total > room:
+            decodes = min(decodes, max(room - 1, 0) // 2)
+            tokens = room - decodes
+            if tokens < 1 or room < 2:
+                return 0.0
+        started = time.perf_counter()
+        state = add_request(SchedulerState.initial(self.config),
+                            RequestSpec("warm-up", prompt_len=tokens, max_tokens=decodes + 1).to_request(0))
+        saved, self.ledger = self.ledger, None
+        try:
+            for _ in range(decodes + 1):
+                request = state.requests.get("warm-up")
+                if request is None:  # ended early (max_model_len)
+                    break
+                start = request.num_computed_tokens
+                n = request.num_tokens - start
+                have = len(request.block_ids)
+                need = -(-(start + n) // size) - have
+                new = tuple(state.free_block_ids[:need])
+                plan = StepPlan(scheduled=(ScheduledRequest("warm-up", start, n, new),))
+                sampled, _ = self.execute(plan, state)
+                state = apply_plan(state, plan, sampled, self.config).state
+        finally:
+            self.ledger = saved
+        self.reset()
+        return time.perf_counter() - started
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -251,9 +332,10 @@ class Runner:
         self.step_logits = {}
         if not plan.scheduled:
             self.last_step_seconds = 0.0
+            self.last_step_shape = None
             return {}, 0.0
         self._sync()
-        started = time.perf_counter()
+        started = self._now()
         batch, spans, samplers, max_position = self._build_batch(plan, state, hits)
         logits = self.model.forward(batch, self.kv_cache, max_position)
         self.num_forward_calls += 1
@@ -263,7 +345,8 @@ class Runner:
             rows = logits
         sampled = self._sample(rows, samplers)
         self._sync()
-        self.last_step_seconds = time.perf_counter() - started
+        self.last_step_seconds = self._now() - started
+        self.last_step_shape = step_shape(plan, state)
 
         if self.record_logits != "none":
             cpu = rows.cpu()

@@ -4,8 +4,10 @@ One iteration of an iteration-level scheduler runs one forward pass over the bat
 modelled as
 
     step_seconds = a + b * prefill_tokens + c * decode_tokens + d * kv_tokens_attended
+                   + e * prefill_attention_pairs
 
-with every coefficient in seconds (per step, per token, per token, per attended KV token):
+with every coefficient in seconds (per step, per token, per token, per attended KV token, per
+query-key pair of prefill attention):
 
 - ``a`` (fixed per step): reading every weight once from HBM (a decode step of a small batch is
   memory-bound: the weights are streamed once whatever the batch size), plus kernel-launch, scheduler,
@@ -19,6 +21,10 @@ with every coefficient in seconds (per step, per token, per token, per attended 
   attention reads this step: its ``num_computed_tokens`` before the step plus the tokens it computes
   in the step (for a decode, its whole context; for a prefill chunk, the prefix before the chunk and
   the chunk itself). This is what :class:`~schedspec.reference.fake_model.FakeModel` passes.
+- ``e`` (per prefill attention pair): the causal attention of a prefill chunk of ``n`` tokens after
+  ``k`` computed ones scores ``n * k + n * (n + 1) / 2`` query-key pairs, quadratic in the chunk. The
+  packaged profiles leave it at 0 (the simplification below); ``schedspec calibrate`` fits it when the
+  measured residuals call for it (long chunks on a CPU).
 
 Simplifications (deliberate; the model is for comparing schedulers, not for predicting latency to
 the millisecond): compute and memory time are added, not overlapped (``max`` would not be linear);
@@ -43,7 +49,11 @@ KiB = 1 << 10
 
 
 class CostModelError(ValueError):
-    """An unknown profile or a negative token count; the message names it."""
+    """An unknown profile, an unusable profile file or a negative token count; the message names it."""
+
+
+PROFILE_KIND = {"derived": "derived, not measured", "measured": "measured (fitted by schedspec calibrate)"}
+"""How a profile's coefficients were found, as the lab labels it."""
 
 
 @attrs.frozen
@@ -174,6 +184,16 @@ class CostModel:
         hardware: key into :data:`GPUS` (or free text for a fitted profile).
         model: key into :data:`MODELS` (or free text).
         source: how the coefficients were obtained (derivation or measurement).
+        measured: ``True`` for a profile fitted to measured step times (``schedspec calibrate``),
+            ``False`` for the packaged profiles, derived on paper from datasheets (:func:`derive`).
+        scheduler_config: ``(field, value)`` pairs a profile file gives for the lab's default
+            :class:`~schedspec.spec.config.SchedulerConfig` (over the default profile's vLLM defaults).
+        e: seconds per query-key pair of prefill attention (0 in the packaged profiles).
+        f: seconds per prefill chunk (0 in the packaged profiles).
+        token_knots: ``(tokens, seconds)`` knots of the piecewise form: when given, they replace
+            ``a + b*prefill + c*decode`` by a piecewise-linear function of the step's tokens
+            (:meth:`batch_base_seconds`; ``schedspec calibrate --form piecewise``). Empty in the packaged
+            profiles.
     """
 
     name: str
@@ -184,14 +204,49 @@ class CostModel:
     hardware: str = ""
     model: str = ""
     source: str = ""
+    measured: bool = False
+    scheduler_config: tuple[tuple[str, int | bool], ...] = ()
+    e: float = 0.0
+    f: float = 0.0
+    token_knots: tuple[tuple[int, float], ...] = ()
 
-    def step_seconds(self, prefill_tokens: int, decode_tokens: int, kv_tokens_attended: int = 0) -> float:
+    def __attrs_post_init__(self) -> None:
+        knots = [t for t, _ in self.token_knots]
+        if any(t < 1 for t in knots) or knots != sorted(set(knots)) or any(v < 0 for _, v in self.token_knots):
+            raise CostModelError(f"profile {self.name!r}: token_knots must be (tokens >= 1, seconds >= 0) pairs "
+                                 "with increasing tokens")
+
+    def batch_base_seconds(self, tokens: int, prefill_tokens: int = 0, decode_tokens: int = 0) -> float:
+        """The part of a step's time that depends on its token counts: ``a + b*prefill + c*decode``, or,
+        with ``token_knots`` (the piecewise form), the piecewise-linear interpolation of the knots at
+        ``tokens`` (``prefill + decode``), flat below the first knot and continued with the last
+        segment's slope (at least 0) above the last."""
+        if not self.token_knots:
+            return self.a + self.b * prefill_tokens + self.c * decode_tokens
+        knots = self.token_knots
+        if tokens <= knots[0][0] or len(knots) == 1:
+            return knots[0][1]
+        for (t0, v0), (t1, v1) in zip(knots, knots[1:], strict=False):
+            if tokens <= t1:
+                return v0 + (v1 - v0) * (tokens - t0) / (t1 - t0)
+        (t0, v0), (t1, v1) = knots[-2], knots[-1]
+        return v1 + max(v1 - v0, 0.0) * (tokens - t1) / (t1 - t0)
+
+    @property
+    def kind(self) -> str:
+        """``"measured (fitted by schedspec calibrate)"`` or ``"derived, not measured"``."""
+        return PROFILE_KIND["measured" if self.measured else "derived"]
+
+    def step_seconds(self, prefill_tokens: int, decode_tokens: int, kv_tokens_attended: int = 0,
+                     prefill_attention_pairs: int = 0, prefill_chunks: int = 0) -> float:
         """Duration of one step in seconds.
 
         Args:
             prefill_tokens: prompt (and recompute) tokens computed in the step, all requests together.
             decode_tokens: decode tokens in the step (one per decoding request).
             kv_tokens_attended: sum over the batch of ``num_computed_tokens + tokens this step``.
+            prefill_attention_pairs: query-key pairs of the prefill chunks (:class:`StepShape`).
+            prefill_chunks: prefill items in the step.
 
         Raises:
             CostModelError: a negative count.
@@ -203,17 +258,87 @@ class CostModel:
                 f"step_seconds: token counts must be >= 0 (prefill_tokens={prefill_tokens}, "
                 f"decode_tokens={decode_tokens}, kv_tokens_attended={kv_tokens_attended})"
             )
-        return self.a + self.b * prefill_tokens + self.c * decode_tokens + self.d * kv_tokens_attended
+        return (self.batch_base_seconds(prefill_tokens + decode_tokens, prefill_tokens, decode_tokens)
+                + self.d * kv_tokens_attended + self.e * prefill_attention_pairs + self.f * prefill_chunks)
+
+    def shape_seconds(self, shape: StepShape) -> float:
+        """Duration in seconds of a step of this :class:`StepShape` (:meth:`step_seconds` of its counts)."""
+        return self.step_seconds(shape.prefill_tokens, shape.decode_tokens, shape.kv_tokens_attended,
+                                 shape.prefill_attention_pairs, shape.num_prefill_chunks)
+
+    def plan_seconds(self, plan, state) -> float:
+        """Duration in seconds of ``plan`` run on ``state`` (the state before the step): the time the
+        lab charges for it, ``shape_seconds(step_shape(plan, state))``."""
+        return self.shape_seconds(step_shape(plan, state))
 
     def batch_seconds(self, scheduled: Iterable) -> float:
         """Duration of a step given its batch as :class:`~schedspec.spec.trace.ScheduledTokens`
         (``prefill_tokens``, ``decode_tokens``, ``num_computed_tokens`` per request)."""
-        prefill = decode = attended = 0
+        prefill = decode = attended = pairs = chunks = 0
         for item in scheduled:
-            prefill += item.prefill_tokens
+            n = item.prefill_tokens
+            prefill += n
             decode += item.decode_tokens
-            attended += item.num_computed_tokens + item.prefill_tokens + item.decode_tokens
-        return self.step_seconds(prefill, decode, attended)
+            attended += item.num_computed_tokens + n + item.decode_tokens
+            pairs += n * item.num_computed_tokens + n * (n + 1) // 2
+            chunks += n > 0
+        return self.step_seconds(prefill, decode, attended, pairs, chunks)
+
+
+@attrs.frozen
+class StepShape:
+    """What one step computes, in the counts the cost model charges (the one definition shared by the
+    lab's token sources, the PyTorch backend's runner and ``schedspec calibrate``).
+
+    Attributes:
+        prefill_tokens: tokens of prefill items (prompt chunks, and recompute after a preemption),
+            all requests together.
+        decode_tokens: decode items, one token each: a request with exactly one pending token that
+            has computed its whole prompt (``not Request.is_prefill``, as the step trace's
+            ``decode_tokens``).
+        kv_tokens_attended: sum over the scheduled items of ``num_computed_tokens + num_tokens``.
+        num_prefill_chunks: prefill items.
+        prefill_attention_pairs: query-key pairs of the prefill chunks' causal attention, sum over
+            chunks of ``n * num_computed_tokens + n * (n + 1) / 2`` for a chunk of ``n`` tokens (charged
+            at ``CostModel.e``, 0 in the packaged profiles).
+    """
+
+    prefill_tokens: int
+    decode_tokens: int
+    kv_tokens_attended: int
+    num_prefill_chunks: int = 0
+    prefill_attention_pairs: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """All tokens computed in the step."""
+        return self.prefill_tokens + self.decode_tokens
+
+
+def step_shape(plan, state) -> StepShape:
+    """The :class:`StepShape` of ``plan`` (a :class:`~schedspec.spec.state.StepPlan`) on ``state``
+    (the :class:`~schedspec.spec.state.SchedulerState` before the step).
+
+    An item is a decode when its request's only pending token is past the prompt (``not
+    request.is_prefill``, as :func:`schedspec.reference.engine` records ``decode_tokens``); every
+    other item is prefill, recompute included.
+
+    Raises:
+        KeyError: a scheduled request that is not live in ``state``.
+    """
+    prefill = decode = attended = chunks = pairs = 0
+    requests = state.requests
+    for item in plan.scheduled:
+        request = requests[item.request_id]
+        start, n = item.num_computed_tokens, item.num_tokens
+        attended += start + n
+        if n == 1 and start >= request.prompt_len and start + 1 == request.num_tokens:
+            decode += 1
+        else:
+            prefill += n
+            chunks += 1
+            pairs += n * start + n * (n + 1) // 2
+    return StepShape(prefill, decode, attended, chunks, pairs)
 
 
 def derive(model_key: str, gpu_key: str) -> CostModel:
@@ -271,17 +396,98 @@ PROFILES: dict[str, CostModel] = {
 
 
 def get_profile(name: str | CostModel | None = None) -> CostModel:
-    """The profile called ``name`` (``None``: the default); a :class:`CostModel` is returned as is.
+    """The profile called ``name`` (``None``: the default), or the profile file ``name`` when it ends
+    in ``.json`` (:func:`load_profile`); a :class:`CostModel` is returned as is.
 
     Raises:
-        CostModelError: unknown name (the message lists the known ones).
+        CostModelError: unknown name (the message lists the known ones), or an unusable file.
     """
     if isinstance(name, CostModel):
         return name
     key = DEFAULT_PROFILE if name is None else name
+    if key.endswith(".json"):
+        return load_profile(key)
     if key not in PROFILES:
-        raise CostModelError(f"cost profile {key!r}: unknown; known: {', '.join(sorted(PROFILES))}")
+        raise CostModelError(f"cost profile {key!r}: unknown; known: {', '.join(sorted(PROFILES))} "
+                             "(derived, not measured), or a PROFILE.json file written by schedspec calibrate")
     return PROFILES[key]
+
+
+PROFILE_FILE_FIELDS = ("a_s_per_step", "b_s_per_prefill_token", "c_s_per_decode_token", "d_s_per_kv_token")
+PROFILE_OPTIONAL_FIELDS = ("e_s_per_prefill_attention_pair", "f_s_per_prefill_chunk")
+PROFILE_CONFIG_FIELDS = ("block_size", "num_kv_blocks", "max_num_batched_tokens", "max_num_seqs", "max_model_len")
+
+
+def load_profile(path) -> CostModel:
+    """Read a profile file written by ``schedspec calibrate`` (``{"record": "schedspec-cost-profile",
+    "schema_version": 1, "name", "coefficients": {a_s_per_step, b_s_per_prefill_token,
+    c_s_per_decode_token, d_s_per_kv_token}, "hardware", "model", "source", "scheduler_config", ...}``;
+    other keys are kept in the file for people and ignored here).
+
+    Raises:
+        CostModelError: the file cannot be read, is not strict JSON, is not a profile, or a field is
+            missing or not a finite number >= 0 (the message names the file, line or field).
+    """
+    import math
+
+    from schedspec.spec.trace import StrictJsonError, strict_json_loads
+
+    where = str(path)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
+    except OSError as error:
+        raise CostModelError(f"profile {where}: cannot read ({error.strerror})") from None
+    except UnicodeDecodeError:
+        raise CostModelError(f"profile {where}: not UTF-8 text") from None
+    try:
+        data = strict_json_loads(text)
+    except StrictJsonError as error:
+        line = f"line {error.lineno}: " if error.lineno else ""
+        raise CostModelError(f"profile {where}: {line}{error}") from None
+    if not isinstance(data, dict) or data.get("record") != "schedspec-cost-profile":
+        raise CostModelError(f"profile {where}: field record: expected \"schedspec-cost-profile\" (a file written "
+                             "by schedspec calibrate)")
+    if data.get("schema_version") != 1:
+        raise CostModelError(f"profile {where}: field schema_version: {data.get('schema_version')!r}, expected 1")
+    coefficients = data.get("coefficients")
+    if not isinstance(coefficients, dict):
+        raise CostModelError(f"profile {where}: field coefficients: expected an object")
+    values = []
+    for key in (*PROFILE_FILE_FIELDS, *PROFILE_OPTIONAL_FIELDS):
+        value = coefficients.get(key, 0.0 if key in PROFILE_OPTIONAL_FIELDS else None)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+            raise CostModelError(f"profile {where}: field coefficients.{key}: {value!r}, expected a number >= 0 (seconds)")
+        values.append(float(value))
+    texts = []
+    for key in ("name", "hardware", "model", "source"):
+        value = data.get(key, "")
+        if not isinstance(value, str) or (key == "name" and not value):
+            raise CostModelError(f"profile {where}: field {key}: expected a{' non-empty' if key == 'name' else ''} string")
+        texts.append(value)
+    config = data.get("scheduler_config", {})
+    if not isinstance(config, dict):
+        raise CostModelError(f"profile {where}: field scheduler_config: expected an object")
+    pairs = []
+    for key, value in config.items():
+        if key not in PROFILE_CONFIG_FIELDS:
+            raise CostModelError(f"profile {where}: field scheduler_config.{key}: unknown; known: "
+                                 f"{', '.join(PROFILE_CONFIG_FIELDS)}")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise CostModelError(f"profile {where}: field scheduler_config.{key}: {value!r}, expected an integer >= 1")
+        pairs.append((key, value))
+    knots = data.get("token_knots", [])
+    if not isinstance(knots, list) or not all(
+            isinstance(k, list) and len(k) == 2 and not isinstance(k[0], bool) and isinstance(k[0], int)
+            and not isinstance(k[1], bool) and isinstance(k[1], int | float) and math.isfinite(k[1]) for k in knots):
+        raise CostModelError(f"profile {where}: field token_knots: expected a list of [tokens, seconds] pairs")
+    name, hardware, model, source = texts
+    try:
+        return CostModel(name=name, a=values[0], b=values[1], c=values[2], d=values[3], hardware=hardware,
+                         model=model, source=source, measured=True, scheduler_config=tuple(pairs), e=values[4],
+                         f=values[5], token_knots=tuple((int(t), float(v)) for t, v in knots))
+    except CostModelError as error:
+        raise CostModelError(f"profile {where}: field token_knots: {error}") from None
 
 
 GPU_MEMORY_UTILIZATION = 0.9
@@ -338,6 +544,12 @@ def default_scheduler_config(profile: str | CostModel | None = None,
             :data:`GPUS`/:data:`MODELS`, or one whose weights leave no room for a KV cache.
     """
     cost = get_profile(profile)
+    if cost.measured:
+        kwargs, derivation = default_scheduler_config(DEFAULT_PROFILE)
+        kwargs = {**kwargs, **dict(cost.scheduler_config)}
+        given = ", ".join(f"{k} = {v}" for k, v in cost.scheduler_config) or "none"
+        return kwargs, (f"profile {cost.name} (measured) gives: {given}; the other fields are the default "
+                        f"profile's:\n{derivation}")
     if cost.hardware not in GPUS or cost.model not in MODELS:
         raise CostModelError(
             f"profile {cost.name!r}: hardware={cost.hardware!r} / model={cost.model!r} are not known "

@@ -69,6 +69,16 @@ def simulation_size_problem(config: SchedulerConfig) -> str | None:
     return None
 
 
+def _pricer(cost_model):
+    """``(prefill, decode, attended, pairs, chunks) -> seconds`` for ``cost_model``: its ``step_seconds`` with
+    the prefill attention pairs and chunks only when it charges for them (``e`` or ``f`` non-zero), so a
+    duck-typed cost model with the three-count ``step_seconds(prefill, decode, attended)`` still works."""
+    if getattr(cost_model, "e", 0.0) or getattr(cost_model, "f", 0.0):
+        return cost_model.step_seconds
+    step_seconds = cost_model.step_seconds
+    return lambda prefill, decode, attended, pairs, chunks: step_seconds(prefill, decode, attended)
+
+
 class FakeModel:
     """The default token source (module docstring).
 
@@ -92,6 +102,7 @@ class FakeModel:
             cost_model = PROFILES["llama3-8b-a100-80gb"]
         self.config = config
         self.cost_model = cost_model
+        self._price = _pricer(cost_model)
         self.eos_at_output = dict(eos_at_output or {})
         self.vocab_size = vocab_size
         self.slots = np.full(config.num_kv_blocks * config.block_size, -1, dtype=np.int64)
@@ -137,7 +148,7 @@ class FakeModel:
         decode_slots: list[int] = []
         decode_ids: list[int] = []
         size = self.config.block_size
-        prefill_tokens = decode_tokens = attended = 0
+        prefill_tokens = decode_tokens = attended = pairs = chunks = 0
         for item in plan.scheduled:
             request = state.requests[item.request_id]
             table = request.block_ids + item.cached_block_ids + item.new_block_ids if (
@@ -153,7 +164,10 @@ class FakeModel:
                 decode_tokens += 1
             else:
                 self.slots[self._slots(table, start, stop)] = token_ids(request, start, stop)
-                prefill_tokens += item.num_tokens
+                n = item.num_tokens
+                prefill_tokens += n
+                pairs += n * start + n * (n + 1) // 2
+                chunks += 1
             if stop == prompt_len + len(request.output_token_ids):  # samples_this_step
                 if self.eos_at_output.get(item.request_id) == len(request.output_token_ids) + 1:
                     sampled[item.request_id] = EOS_TOKEN_ID
@@ -162,7 +176,7 @@ class FakeModel:
         if decode_slots:
             self.slots[decode_slots] = decode_ids
         sampled.update(self._sample_all(pending))
-        return sampled, self.cost_model.step_seconds(prefill_tokens, decode_tokens, attended)
+        return sampled, self._price(prefill_tokens, decode_tokens, attended, pairs, chunks)
 
 
 class CostOnlyModel:
@@ -179,11 +193,12 @@ class CostOnlyModel:
 
             cost_model = PROFILES["llama3-8b-a100-80gb"]
         self.cost_model = cost_model
+        self._price = _pricer(cost_model)
         self.eos_at_output = dict(eos_at_output or {})
 
     def execute(self, plan: StepPlan, state: SchedulerState) -> tuple[dict[str, int], float]:
         sampled: dict[str, int] = {}
-        prefill_tokens = decode_tokens = attended = 0
+        prefill_tokens = decode_tokens = attended = pairs = chunks = 0
         eos = self.eos_at_output
         for item in plan.scheduled:
             request = state.requests[item.request_id]
@@ -193,7 +208,10 @@ class CostOnlyModel:
             if request.is_decode:
                 decode_tokens += 1
             else:
-                prefill_tokens += item.num_tokens
+                n = item.num_tokens
+                prefill_tokens += n
+                pairs += n * item.num_computed_tokens + n * (n + 1) // 2
+                chunks += 1
             if stop == request.prompt_len + outputs:
                 sampled[item.request_id] = EOS_TOKEN_ID if eos.get(item.request_id) == outputs + 1 else 1
-        return sampled, self.cost_model.step_seconds(prefill_tokens, decode_tokens, attended)
+        return sampled, self._price(prefill_tokens, decode_tokens, attended, pairs, chunks)

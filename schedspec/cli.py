@@ -9,7 +9,7 @@ import click
 
 from schedspec.cli_common import OneLineErrors
 
-COMMANDS = ("replay", "check", "lab", "compare", "diff", "prove")
+COMMANDS = ("replay", "check", "lab", "compare", "diff", "prove", "calibrate")
 """Each is a module ``schedspec.commands.NAME`` defining a click command named ``command``."""
 
 

@@ -82,8 +82,10 @@ def cost_profile(cost: CostModel) -> dict[str, Any]:
     """A cost profile as conditions: its name, coefficients in seconds (per step, per prefill token,
     per decode token, per attended KV token), hardware, model and how the coefficients were found."""
     return {"name": cost.name, "a_s_per_step": cost.a, "b_s_per_prefill_token": cost.b,
-            "c_s_per_decode_token": cost.c, "d_s_per_kv_token": cost.d, "hardware": cost.hardware,
-            "model": cost.model, "source": cost.source}
+            "c_s_per_decode_token": cost.c, "d_s_per_kv_token": cost.d,
+            "e_s_per_prefill_attention_pair": cost.e, "f_s_per_prefill_chunk": cost.f,
+            "token_knots_s": [list(k) for k in cost.token_knots], "hardware": cost.hardware,
+            "model": cost.model, "source": cost.source, "kind": cost.kind}
 
 
 def arrivals(window: Iterable[Any]) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
+from schedspec import capacity as capacities
 from schedspec import run_record
 from schedspec import sweep as sweeping
 from schedspec.cli_common import (
@@ -134,8 +135,13 @@ def _conditions(result: LabResult, profile: costs.CostModel, trace_text: str, wi
                                     if config.long_prefill_token_threshold else "") if config.enable_chunked_prefill else "off"),
         ("prefix caching", "on" if config.enable_prefix_caching else "off"),
         ("execution", backend),
-        ("cost profile", f"{profile.name}: a={profile.a * 1e3:.2f} ms, b={profile.b * 1e6:.1f} us/prefill token, "
-                         f"c={profile.c * 1e6:.1f} us/decode token, d={profile.d * 1e9:.1f} ns/KV token"),
+        ("cost profile", f"{profile.name} ({profile.kind}): " + (
+            f"piecewise in the step's tokens ({len(profile.token_knots)} knots: "
+            + ", ".join(f"{t} -> {v * 1e3:.2f} ms" for t, v in profile.token_knots) + "), "
+            if profile.token_knots else "") + f"a={profile.a * 1e3:.2f} ms, b={profile.b * 1e6:.1f} us/prefill token, "
+                         f"c={profile.c * 1e6:.1f} us/decode token, d={profile.d * 1e9:.1f} ns/KV token"
+                         + (f", e={profile.e * 1e9:.3f} ns/prefill attention pair" if profile.e else "")
+                         + (f", f={profile.f * 1e3:.3f} ms/prefill chunk" if profile.f else "")),
         ("hardware / model", f"{profile.hardware} / {profile.model}"),
         ("trace", trace_text),
         ("window", window),
@@ -347,12 +353,17 @@ def _compare_table(console: Console, records: list[dict[str, Any]]) -> None:
                    "the trace to the tiny model of --backend torch on a CPU.")
 @scheduler_option
 @set_option
-@click.option("--profile", default=costs.DEFAULT_PROFILE, help=f"Cost profile: {', '.join(sorted(costs.PROFILES))}.")
+@click.option("--profile", default=costs.DEFAULT_PROFILE, metavar="NAME|PROFILE.json",
+              help=f"Cost profile: {', '.join(sorted(costs.PROFILES))} (derived on paper, not measured), or a "
+                   "PROFILE.json fitted to measured step times by `schedspec calibrate`.")
 @click.option("--backend", type=click.Choice(["cost-model", "torch"]), default="cost-model",
               help="Step times from the cost model (default) or a real model (schedspec.gpu_backend).")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", help="Device for --backend torch.")
 @click.option("--model", "model_dir", default=None, metavar="DIR",
               help="Hugging Face model directory for --backend torch (default: the built-in tiny model).")
+@click.option("--clock", type=click.Choice(["wall", "thread"]), default="wall",
+              help="--backend torch: measure step times on the wall clock (default) or on the thread's CPU clock "
+                   "(CPU, one torch thread: leaves out waiting for a shared core; as `schedspec calibrate --clock`).")
 @click.option("--steps", "steps_spec", default=None, metavar="SPEC",
               help="Steps to print: N, A-B, every:K, changed[:N] (default changed:40: the first 40 steps where "
                    "a request arrived, was preempted or finished), all, none.")
@@ -383,10 +394,16 @@ def _compare_table(console: Console, records: list[dict[str, Any]]) -> None:
                    "local runs.")
 @click.option("--no-check", is_flag=True, help="Skip the spec checks (faster; not recommended).")
 @click.option("--max-steps", type=Count(minimum=1), default=None, help="Stop after this many steps.")
+@click.option("--capacity", "capacity_search", is_flag=True,
+              help="For each configuration (--sweep), the highest request rate at which --slo holds (arrivals "
+                   "time-scaled; a Poisson rate for --synthetic n=N), found by bisection; a table, the best named.")
+@click.option("--capacity-tolerance", type=Number(minimum=0, strict=True), default=None,
+              help="Relative width of the capacity search's final bracket (default 0.02).")
 def command(trace_path, trace_format, synthetic, start, duration, max_requests, time_scale, length_scale,
             scheduler_name, sets,
             profile, backend, device, model_dir, steps_spec, steps_out, requests_out, slo, compare, plot_dir,
-            as_json, save_path, sweeps, jobs, no_check, max_steps, ray_address=None) -> None:
+            as_json, save_path, sweeps, jobs, no_check, max_steps, ray_address=None, capacity_search=False,
+            capacity_tolerance=None, clock="wall") -> None:
     """Run the scheduler on a real trace and show the run conditions, the steps (by default the first
     40 where a request arrived, was preempted or finished; --steps to choose), the latency each request
     saw and the batch efficiency, with every step checked against the spec. Every option and the trace
@@ -404,7 +421,8 @@ def command(trace_path, trace_format, synthetic, start, duration, max_requests, 
     except costs.CostModelError as error:
         fail(f"--profile: {error}")
     try:
-        slo_pair = metrics.parse_slo(slo) if slo is not None else None
+        slo_targets = capacities.parse_slo(slo) if slo is not None else None
+        slo_pair = slo_targets.goodput if slo_targets is not None else None
     except metrics.MetricsError as error:
         fail(f"--slo: {error}")
     step_filter = parse_steps(steps_spec)
@@ -426,6 +444,14 @@ def command(trace_path, trace_format, synthetic, start, duration, max_requests, 
     else:
         names = [scheduler_name if scheduler_name is not None else "fcfs"]
     sweep_fields = _parse_sweeps(sweeps)
+    if clock != "wall" and backend != "torch":
+        fail("--clock: only with --backend torch (the cost model's step times are not measured)")
+    if slo_targets is not None and slo_targets.percentiles and not capacity_search:
+        metric, q, _ = slo_targets.percentiles[0]
+        fail(f"--slo {metric}_p{q:g}: percentile keys are judged by --capacity; a run or --sweep judges "
+             "ttft, itl, tpot, e2e (goodput, and p99 for --sweep)")
+    if capacity_tolerance is not None and not capacity_search:
+        fail("--capacity-tolerance: only with --capacity")
     points = sweeping.cartesian(sweep_fields) if sweep_fields else []
     if sweep_fields:
         fields = [field for field, _ in sweep_fields]
@@ -450,7 +476,7 @@ def command(trace_path, trace_format, synthetic, start, duration, max_requests, 
             fail("--ray and --jobs: give one, not both (the Ray cluster decides how many run at once)")
         if ray_address is not None and not ray_address.strip():
             fail("--ray: empty address (HOST:PORT, ray://HOST:PORT or auto)")
-    elif jobs is not None:
+    elif jobs is not None and not capacity_search:
         fail("--jobs: only with --sweep")
     elif ray_address is not None:
         fail("--ray: only with --sweep")
@@ -458,6 +484,14 @@ def command(trace_path, trace_format, synthetic, start, duration, max_requests, 
         spec = workloads.parse_synthetic(synthetic) if synthetic is not None else None
     except workloads.WorkloadError as error:
         fail(f"--synthetic: {error}".replace("--synthetic: synthetic: ", "--synthetic: "))
+
+    tolerance = capacities.DEFAULT_TOLERANCE if capacity_tolerance is None else capacity_tolerance
+    if capacity_search:
+        problem = capacities.option_problem(
+            slo_targets, backend, compare, [field for field, _ in sweep_fields], time_scale, spec,
+            {"--save": save_path, "--steps-out": steps_out, "--requests-out": requests_out}, tolerance)
+        if problem is not None:
+            fail(problem)
 
     # 2. Outputs: never an input, never each other, and writable, before anything runs.
     check_path("--trace", trace_path)
@@ -563,6 +597,13 @@ def command(trace_path, trace_format, synthetic, start, duration, max_requests, 
         _print_admission_preview(console, window, [config for _, config in
                                                   (point_configs or list(configs.values()))])
 
+    if capacity_search:
+        status = capacities.run_command(
+            console, points or [{}], point_configs or [configs[names[0]]], window,
+            spec.rate if spec is not None else None, cost, slo_targets, tolerance, not no_check, max_steps,
+            jobs if jobs is not None else sweeping.default_jobs(), plot_dir, as_json,
+            shared(cost_backend, cost.model, window_conditions), f"{trace_text.splitlines()[0]}; window {window_text}")
+        sys.exit(status)
     if points:
         _sweep(console, points, point_configs, make_window, window, window_conditions,
                shared(cost_backend, cost.model, window_conditions), cost, slo_pair, no_check, max_steps,
@@ -579,7 +620,7 @@ def command(trace_path, trace_format, synthetic, start, duration, max_requests, 
         backend_text = f"cost model ({cost.name})"
         backend_conditions, model = cost_backend, cost.model
         if backend == "torch":
-            config, token_source, backend_text = _torch_backend(config, changes, window, model_dir, device)
+            config, token_source, backend_text = _torch_backend(config, changes, window, model_dir, device, clock)
             backend_conditions = {"kind": "torch", "device": device, "model_dir": model_dir,
                                   "description": backend_text}
             model = model_dir if model_dir is not None else "built-in tiny model (schedspec.gpu_backend)"
@@ -842,7 +883,7 @@ def _run_one(name: str, scheduler: str, config: SchedulerConfig, window: list, t
 
 
 def _torch_backend(config: SchedulerConfig, changes: dict[str, Any], window: list, model_dir: str | None,
-                   device: str):
+                   device: str, clock: str = "wall"):
     """``--backend torch``: the config fitted to the model and window, the runner, and its description."""
     try:
         from schedspec.gpu_backend import BackendError, ModelConfig, Runner, tiny_model_config
@@ -875,7 +916,12 @@ def _torch_backend(config: SchedulerConfig, changes: dict[str, Any], window: lis
     except ConfigError as error:
         fail(f"--backend torch: config fitted to the model: {error}")
     try:
-        token_source = Runner(config, model=model_dir, device=device)
+        if clock == "thread":
+            import torch
+
+            torch.set_num_threads(1)
+        token_source = Runner(config, model=model_dir, device=device, clock=clock)
+        token_source.warm_up()  # one-time costs outside the measured steps (as schedspec calibrate)
     except (BackendError, ValueError) as error:
         fail(f"--backend torch: {error}")
     backend_text = f"torch backend, measured step times ({token_source.describe()})"
