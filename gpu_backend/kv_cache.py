@@ -148,7 +148,7 @@ class BlockLedger:
         hits = hits or {}
         problems: list[str] = []
         poison: list[int] = []
-        free = state.free_block_set
+        free = frozenset(state.free_block_ids)
         for request_id in list(self.tables):
             request = state.requests.get(request_id)
             if request is None:  # ended (finished or aborted) since the last step

@@ -362,8 +362,8 @@ class NoPriorityInversion(Monitor):
         rejected = {request_id for request_id, _ in plan.rejected}
         tokens_of = {item.request_id: item.num_tokens for item in plan.scheduled}
         tables: dict[str, tuple[int, ...]] | None = None  # built when first needed
-        touched = sum(1 for item in plan.scheduled for b in getattr(item, "cached_block_ids", ())
-                      if b in before.free_block_set)
+        free = frozenset(before.free_block_ids) if any(item.cached_block_ids for item in plan.scheduled) else frozenset()
+        touched = sum(1 for item in plan.scheduled for b in item.cached_block_ids if b in free)
         running = [r for r in before.running if r not in preempted]
         running += [item.request_id for item in plan.scheduled if item.request_id not in before.running]
         slots = config.max_num_seqs - len(running)

@@ -4,6 +4,8 @@ goes its own way."""
 
 from __future__ import annotations
 
+import attrs
+
 from schedspec.reference import engine as engine_module
 from schedspec.reference import scheduler as scheduler_module
 from schedspec.reference.engine import Engine
@@ -38,7 +40,7 @@ class DropsPriority(ReferenceScheduler):
     """A scheduler with a bug in its own bookkeeping: it records every arrival with priority 7."""
 
     def add_request(self, request: Request) -> None:
-        super().add_request(request.replace(priority=7))
+        super().add_request(attrs.evolve(request, priority=7))
 
 
 def test_a_scheduler_whose_state_differs_is_still_caught():

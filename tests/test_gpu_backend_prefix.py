@@ -28,7 +28,7 @@ from schedspec.spec.config import SchedulerConfig, blocks_for_tokens  # noqa: E4
 from schedspec.spec.request import RequestStatus  # noqa: E402
 from schedspec.spec.state import ScheduledRequest, SchedulerState, StepPlan  # noqa: E402
 from schedspec.spec.transitions import add_request  # noqa: E402
-from schedspec.spec.workload import RequestSpec  # noqa: E402
+from schedspec.spec.workload import RequestSpec, token_id_at, token_ids  # noqa: E402
 
 CONFIG = SchedulerConfig(block_size=4, num_kv_blocks=16, max_num_batched_tokens=64, max_num_seqs=4, max_model_len=48)
 A = RequestSpec("a", 14, 5, prefix_group="p", prefix_len=8)  # shares its first 8 ids (2 blocks) with B
@@ -70,7 +70,7 @@ def _apply(state: SchedulerState, plan: StepPlan, sampled, hits) -> SchedulerSta
             if block in free:
                 free.remove(block)
         outputs = request.output_token_ids + ((sampled[request_id],) if request_id in sampled else ())
-        request = request.replace(block_ids=request.block_ids + hit + item.new_block_ids, output_token_ids=outputs,
+        request = attrs.evolve(request, block_ids=request.block_ids + hit + item.new_block_ids, output_token_ids=outputs,
                                   num_computed_tokens=item.num_computed_tokens + item.num_tokens,
                                   status=RequestStatus.RUNNING)
         if request_id in waiting:
@@ -82,7 +82,7 @@ def _apply(state: SchedulerState, plan: StepPlan, sampled, hits) -> SchedulerSta
         if len(request.output_token_ids) >= request.max_tokens:
             running.remove(request_id)
             del requests[request_id]
-            finished[request_id] = request.replace(block_ids=(), status=RequestStatus.FINISHED_LENGTH,
+            finished[request_id] = attrs.evolve(request, block_ids=(), status=RequestStatus.FINISHED_LENGTH,
                                                    finish_reason="length")
             held = {b for r in requests.values() for b in r.block_ids}
             free.extend(b for b in request.block_ids if b not in held)
@@ -127,7 +127,7 @@ def _nan_blocks(runner: Runner, blocks) -> list[bool]:
 
 def test_the_two_prompts_share_exactly_two_blocks():
     a, b = A.to_request(0), B.to_request(0)
-    assert list(a.token_ids(0, HIT)) == list(b.token_ids(0, HIT)) and a.token_id_at(HIT) != b.token_id_at(HIT)
+    assert list(token_ids(a, 0, HIT)) == list(token_ids(b, 0, HIT)) and token_id_at(a, HIT) != token_id_at(b, HIT)
 
 
 def test_hit_on_blocks_a_running_request_holds_gives_the_solo_tokens(solo):

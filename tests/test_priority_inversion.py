@@ -215,7 +215,7 @@ def test_blocks_shared_with_a_more_urgent_request_are_not_counted_as_held():
 
     def running(request_id: str, priority: int, blocks: tuple[int, ...], length: int):
         request = RequestSpec(request_id, length, 1, priority=priority).to_request(0)
-        return request.replace(status=RequestStatus.RUNNING, block_ids=blocks, num_computed_tokens=length - 1,
+        return attrs.evolve(request, status=RequestStatus.RUNNING, block_ids=blocks, num_computed_tokens=length - 1,
                                admitted_step=0)
 
     requests = {"M": running("M", 0, (0, 1), 8), "L": running("L", 5, (0, 1, 2), 12),
