@@ -275,6 +275,9 @@ KNOWN = {
     "counterexample-vllm-impossible-request-blocks-queue": NEVER_FITS_CRASH,
     "counterexample-vllm-outgrown-request-blocks-queue": NEVER_FITS_CRASH,
     "counterexample-vllm-priority-no-preempt-at-seq-cap": SEQUENCE_CAP,
+    # the priority-inversion cases fill max_num_seqs too
+    "counterexample-fcfs-priority-inversion": SEQUENCE_CAP,
+    "counterexample-priority-inversion-second-urgent": SEQUENCE_CAP,
 }
 SCENARIOS = bundled_scenarios()
 

@@ -184,7 +184,11 @@ EXAMPLES = settings(max_examples=min(settings.default.max_examples, 200))
 
 
 def test_rule_registry_matches_the_encoding():
-    assert tuple(RULE_ORDER) == tuple(RULE_NAMES)
+    # every rule is encoded except the prefix-cache rules (prefix caching is not encoded: `schedspec prove`
+    # refuses enable_prefix_caching with exit 3)
+    not_encoded = tuple(name for name in RULE_NAMES if name.startswith("prefix-hit-"))
+    assert not_encoded == ("prefix-hit-at-admission", "prefix-hit-is-cached-chain", "prefix-hit-longest")
+    assert tuple(RULE_ORDER) == tuple(name for name in RULE_NAMES if name not in not_encoded)
 
 
 @EXAMPLES

@@ -22,7 +22,7 @@ from schedspec.reference.workloads import (
     synthetic,
     trace_info,
 )
-from schedspec.spec.workload import RequestSpec
+from schedspec.spec.workload import RequestSpec, token_ids
 
 HEADER = b"TIMESTAMP,ContextTokens,GeneratedTokens\r\n"
 TRACES = Path(wl.__file__).resolve().parent.parent / "schedspec" / "data" / "traces"
@@ -183,7 +183,7 @@ def test_mooncake_prompts_share_exactly_the_common_hash_id_prefix(tmp_path):
     arrival = json.loads(json.dumps(a.to_dict()))
     assert arrival["block_hash_ids"] == [7, 8, 9] and arrival["hash_block_tokens"] == 512
     assert RequestSpec.from_dict(arrival).prompt_token_ids() == pa
-    assert (RequestSpec.from_dict(arrival).to_request(0).token_ids(0, 1300) == ids_a).all()
+    assert (token_ids(RequestSpec.from_dict(arrival).to_request(0), 0, 1300) == ids_a).all()
     record = {"step": 0, "start_time": 0.0, "duration": 0.0, "arrivals": [arrival], "aborts": [], "scheduled": [],
               "blocks_allocated": {}, "blocks_freed": {}, "prefix_hit_tokens": {}, "preempted": [], "finished": {},
               "aborted": [], "rejected": {}, "sampled_token_ids": {}, "num_free_blocks": 0, "num_running": 0,
