@@ -62,7 +62,8 @@ def configs(draw) -> SchedulerConfig:
 def states(draw, config: SchedulerConfig, max_requests: int = 5, invariant: bool = False) -> SchedulerState:
     """A state; with ``invariant`` one that satisfies the spec's invariants (waiting requests hold
     nothing, running ones hold blocks covering their computed tokens and at most their sequence)."""
-    count = draw(st.integers(0, max_requests))
+    # mostly several requests (an empty state checks little); 0 stays possible
+    count = draw(st.integers(1, max_requests)) if max_requests and draw(st.integers(0, 7)) else 0
     ids = list(range(config.num_kv_blocks))
     ids = draw(st.permutations(ids))
     free = list(ids)
@@ -81,7 +82,10 @@ def states(draw, config: SchedulerConfig, max_requests: int = 5, invariant: bool
             high = blocks_for_tokens(total, config.block_size) + (0 if invariant else 1)
             want = draw(st.integers(min(low, high), high))
             if invariant and want > len(free):
-                continue
+                if low > len(free):  # no room to run: it waits, preempted
+                    kind, computed, want = "preempted", 0, 0
+                else:
+                    want = len(free)
             blocks = tuple(free[:want])
             free = free[want:]
         status = {"fresh": RequestStatus.WAITING, "preempted": RequestStatus.PREEMPTED,

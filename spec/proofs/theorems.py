@@ -325,6 +325,9 @@ def spec_theorems() -> list[Theorem]:
     goal_names = ([f"inv:{k}" for k in STATE_INVARIANT_ORDER] + [f"step:{k}" for k in
                   ("chunks-in-order", "ended-requests")] + [f"sup:{k}" for k in SUPPORT_ORDER])
     out.extend(step_theorem(g) for g in goal_names)
+    from .blocks import block_theorems
+
+    out.extend(block_theorems())
     return out
 
 
