@@ -111,6 +111,11 @@ EXAMPLES = settings(max_examples=min(settings.default.max_examples, 200))
 @EXAMPLES
 @given(cases())
 def test_block_ids_agree_with_the_spec(case):
+    check_block_ids(case)
+
+
+def check_block_ids(case) -> None:
+    """The property (also run against a mutant in ``tests/test_proofs_mutants.py``)."""
     config, state, plan, slot_ids, eos = case
     m = config.num_kv_blocks
     breaches = list(block_conservation(state, config))
