@@ -24,6 +24,7 @@ from schedspec.reference import policies  # noqa: E402
 from schedspec.reference.fake_model import FakeModel  # noqa: E402
 from schedspec.spec.admission import rejection_reason  # noqa: E402
 from schedspec.spec.config import SchedulerConfig, blocks_for_tokens  # noqa: E402
+from schedspec.spec.proofs import encoding  # noqa: E402
 from schedspec.spec.proofs.concrete import (  # noqa: E402
     concrete_ctx,
     decode_state,
@@ -33,7 +34,6 @@ from schedspec.spec.proofs.concrete import (  # noqa: E402
     evaluate,
     slot_assignment,
 )
-from schedspec.spec.proofs import encoding  # noqa: E402
 from schedspec.spec.proofs.encoding import RULE_ORDER, apply_plan  # noqa: E402
 from schedspec.spec.request import Request, RequestStatus  # noqa: E402
 from schedspec.spec.rules import RULE_NAMES, violated_rules  # noqa: E402

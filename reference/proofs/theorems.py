@@ -416,6 +416,73 @@ def bounded_wait(policy: str) -> Theorem:
     return Theorem(name, statement, run)
 
 
+def wait_measure(s: State, i: int, o: int, mml: Any) -> Any:
+    """The measure of request ``i`` when ``o`` is the oldest live request: ``older(i) * max_model_len +
+    (max_model_len - computed(o))``, ``older(i)`` the live requests added before ``i``."""
+    older = _sum_z3([z3.If(z3.And(s.slots[j].live, s.slots[j].seq < s.slots[i].seq), 1, 0)
+                     for j in range(s.n) if j != i])
+    return older * mml + (mml - s.slots[o].nc)
+
+
+def oldest_by_seq(s: State, o: int) -> Any:
+    S = s.slots
+    return z3.And(S[o].live, *[z3.Implies(S[j].live, S[o].seq < S[j].seq) for j in range(s.n) if j != o])
+
+
+def bounded_wait_induction(policy: str) -> Theorem:
+    name = f"{policy}/bounded-wait-induction"
+    statement = ("bounded wait of every request, by induction over the k live requests added before it: "
+                 "M = k * max_model_len + (max_model_len - computed(oldest)) lies in [1, (k+1) * max_model_len], "
+                 "strictly decreases in every step the request does not end, and no arrival or abort raises it; "
+                 "so a request with k older live requests ends within (k+1) * max_model_len steps")
+
+    def run(opts: Options) -> Result:
+        timer = Timer()
+        opts = policy_options(opts)
+        st = Setup.get(opts, policy)
+        ctx, s, n = st.ctx, st.s, opts.slots
+        mml = ctx.cfg.max_model_len
+        eos = [z3.Bool(f"eos{i}") for i in range(n)]
+        out = apply_plan(ctx, s, st.plan, eos)
+        after = out.state
+        statuses: list[tuple[str, str, str]] = []
+        witness = None
+        for i in range(n):
+            for o in range(n):
+                premise = [s.slots[i].live, oldest_by_seq(s, o)]
+                m0 = wait_measure(s, i, o, mml)
+                older = _sum_z3([z3.If(z3.And(s.slots[j].live, s.slots[j].seq < s.slots[i].seq), 1, 0)
+                                 for j in range(n) if j != i])
+                bounds = z3.And(m0 >= 1, m0 <= (older + 1) * mml)
+                decrease = z3.Implies(after.slots[i].live, z3.And([
+                    z3.Implies(oldest_by_seq(after, o2), wait_measure(after, i, o2, mml) < m0) for o2 in range(n)]))
+                for part, goal in (("bounds", bounds), ("decrease", decrease)):
+                    status, w, reason = st.prove(goal, premise)
+                    statuses.append((f"{part}-{i}-{o}", status, reason))
+                    witness = witness or w
+        # arrivals (into an empty slot) and aborts (of another slot) never raise the measure
+        p, mt = z3.Int("new_p"), z3.Int("new_mt")
+        for i in range(n):
+            for o in range(n):
+                m0 = wait_measure(s, i, o, mml)
+                premise = [s.slots[i].live, oldest_by_seq(s, o)]
+                env = []
+                for a in range(n):
+                    if a == i:
+                        continue
+                    env.append((f"arrive-{a}", arrive_precondition(s, a, p, mt), arrive(ctx, s, a, p, mt)))
+                    env.append((f"abort-{a}", s.slots[a].live, abort(ctx, s, a)))
+                for label, pre, later in env:
+                    goal = z3.Implies(pre, z3.And([z3.Implies(oldest_by_seq(later, o2), wait_measure(later, i, o2, mml) <= m0)
+                                                   for o2 in range(n)]))
+                    status, w, reason = st.prove(goal, premise)
+                    statuses.append((f"{label}-{i}-{o}", status, reason))
+        older_waits = z3.Or([z3.And(s.slots[0].live, oldest_by_seq(s, o)) for o in range(1, n)])
+        return _combine(name, statement, statuses, opts, timer, witness, vacuity=st.vacuity([older_waits]))
+
+    return Theorem(name, statement, run)
+
+
 # --- progress: bounded model checking of the window property ----------------------------------------------
 
 
@@ -663,6 +730,7 @@ def policy_theorems(policy: str) -> list[Theorem]:
             out.append(progress_window(policy))
     if "bounded-wait" in guarantees and policy in ORDERED:
         out.append(bounded_wait(policy))
+        out.append(bounded_wait_induction(policy))
     out += EXPECTED_COUNTEREXAMPLES.get(policy, [])
     if policy == "fcfs":
         out.insert(len(out) - 1, itl_chunked(policy))
