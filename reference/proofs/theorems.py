@@ -447,6 +447,20 @@ def bounded_wait_induction(policy: str) -> Theorem:
         after = out.state
         statuses: list[tuple[str, str, str]] = []
         witness = None
+        # lemmas, proved and then assumed: the step makes no slot live; the oldest live request is never
+        # preempted and computes at least one more token if it stays (the ranking of bounded-wait)
+        lemmas = [("no-new-live", z3.And([z3.Implies(after.slots[j].live, s.slots[j].live) for j in range(n)]))]
+        for o in range(n):
+            lemmas.append((f"oldest-advances-{o}", z3.Implies(
+                z3.And(oldest_by_seq(s, o), z3.Not(st.step.rejected[o])),
+                z3.And(z3.Not(st.plan.pre[o]), z3.Implies(after.slots[o].live, after.slots[o].nc > s.slots[o].nc)))))
+        for label, lemma in lemmas:
+            status, w, reason = st.prove(lemma)
+            statuses.append((f"lemma {label}", status, reason))
+            witness = witness or w
+            if status != PROVED:
+                return _combine(name, statement, statuses, opts, timer, witness)
+            st.prover.assume([lemma])
         for i in range(n):
             for o in range(n):
                 premise = [s.slots[i].live, oldest_by_seq(s, o)]
@@ -454,9 +468,13 @@ def bounded_wait_induction(policy: str) -> Theorem:
                 older = _sum_z3([z3.If(z3.And(s.slots[j].live, s.slots[j].seq < s.slots[i].seq), 1, 0)
                                  for j in range(n) if j != i])
                 bounds = z3.And(m0 >= 1, m0 <= (older + 1) * mml)
-                decrease = z3.Implies(after.slots[i].live, z3.And([
-                    z3.Implies(oldest_by_seq(after, o2), wait_measure(after, i, o2, mml) < m0) for o2 in range(n)]))
-                for part, goal in (("bounds", bounds), ("decrease", decrease)):
+                # the oldest stays (and stays the oldest), or it ends and another becomes the oldest
+                stays = z3.Implies(z3.And(after.slots[i].live, after.slots[o].live),
+                                   wait_measure(after, i, o, mml) < m0)
+                ends = [z3.Implies(z3.And(after.slots[i].live, z3.Not(after.slots[o].live), oldest_by_seq(after, o2)),
+                                   wait_measure(after, i, o2, mml) < m0) for o2 in range(n) if o2 != o]
+                for part, goal in [("bounds", bounds), ("decrease", stays)] + [(f"decrease-new-oldest-{o2}", g)
+                                                                                for o2, g in zip([x for x in range(n) if x != o], ends, strict=True)]:
                     status, w, reason = st.prove(goal, premise)
                     statuses.append((f"{part}-{i}-{o}", status, reason))
                     witness = witness or w
