@@ -223,3 +223,34 @@ def test_a_refuted_lemma_is_reported_with_its_witness(monkeypatch):
     assert result.status == "counterexample"
     assert "nothing-runs" in result.detail or "lemma" in result.detail
     assert result.witness is not None and any(slot["st"] == "running" for slot in result.witness["slots"])
+
+
+def test_a_counterexample_is_minimized_and_printed_as_a_table(monkeypatch):
+    """Deliberate break: without the sequence-cap rule the rules allow a step that runs too many
+    requests; the witness has the fewest live requests that show it (one running at max_num_seqs=1,
+    one admitted) and prints as a table, not a JSON dump."""
+    from schedspec.spec.proofs import theorems
+
+    original = theorems.allowed_rules
+
+    def without_cap(ctx, s, plan):
+        import z3
+
+        rules = original(ctx, s, plan)
+        rules["sequence-cap"] = z3.BoolVal(True)
+        return rules
+
+    monkeypatch.setattr(theorems, "allowed_rules", without_cap)
+    theorems._STEP_GOALS.clear()
+    try:
+        as_json = prove("--slots", "4", "--only", "spec/step/running-within", "--json")
+        shown = prove("--slots", "4", "--only", "spec/step/running-within")
+    finally:
+        theorems._STEP_GOALS.clear()
+    assert as_json.exit_code == 1, as_json.output
+    result = results(as_json.stdout)["spec/step/running-within-max-num-seqs"]
+    assert result["status"] == "counterexample"
+    witness = result["witness"]
+    assert witness["config"]["max_num_seqs"] == 1
+    assert len(witness["slots"]) == 2, witness
+    assert "counterexample (minimized)" in shown.output and '"slots"' not in shown.output

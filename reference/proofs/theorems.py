@@ -44,7 +44,7 @@ from schedspec.spec.proofs.encoding import (
 from schedspec.spec.proofs.encoding import (
     PREEMPTED as PREEMPTED_STATUS,
 )
-from schedspec.spec.proofs.solve import Prover, satisfiable, state_values, value
+from schedspec.spec.proofs.solve import Prover, minimize, satisfiable, state_values, value, witness_objectives
 from schedspec.spec.proofs.theorems import inv_parts, recheck_block_size, setup, step_cases
 from schedspec.spec.properties import ITL_TOKEN_BUDGET
 
@@ -145,9 +145,14 @@ class Setup:
         if extra:
             goal = z3.Implies(z3.And(extra), goal)
         answer = self.prover.prove(goal)
-        witness = state_values(answer.model, self.s, self.plan) if answer.model is not None else None
+        model = answer.model
+        if model is not None:  # the reported witness: fewest live requests, smallest numbers
+            lemmas = [lemma for _, lemma in self.all_lemmas]
+            model = minimize(self.ctx, self.hyps + lemmas + [z3.Not(goal)], witness_objectives(self.s, self.plan),
+                             min(self.opts.timeout_s, 10.0)) or model
+        witness = state_values(model, self.s, self.plan) if model is not None else None
         if witness is not None:
-            witness["config"] = self.ctx.cfg.evaluate(answer.model)
+            witness["config"] = self.ctx.cfg.evaluate(model)
         return answer.status, witness, answer.reason
 
 

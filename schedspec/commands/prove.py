@@ -192,7 +192,8 @@ def command(scheduler_name: str | None, sets: tuple[str, ...], slots: int, depth
     --set block_size=16 (default), =symbolic (ceil division is nonlinear; may answer unknown) or
     =uninterpreted (proves for every block size; counterexamples are re-checked with block_size=16);
     --set FIELD=VALUE fixes another config field. Default run: spec at N=16, one-step policy theorems
-    at N=4, bounded model checking at N=4, K=6 with block_size 2 (--bmc-block-size).
+    at N=4, bounded model checking at N=3, K=6 with block_size 2 (--bmc-block-size), block ids at
+    N=4 with num_kv_blocks=6 (--id-blocks).
     """
     check_outputs([], [], folders=[("--save-cases", save_cases)])
     scheduler = scheduler_name or DEFAULT_SCHEDULER
@@ -271,7 +272,36 @@ def _print(console: Console, scheduler: str, opts: Options, results: list[Result
         elif not r.ok:
             console.print(f"[red]{r.name}[/]: {r.status}; {r.detail}")
             if r.witness is not None and r.scenario is None:
-                console.print_json(json.dumps(r.witness, default=str))
+                console.print(witness_table(r.witness))
     failed = sum(not r.ok for r in results)
     console.print(f"{len(results) - failed} as expected, {failed} not"
                   + ("" if not failed else " (exit 1)"))
+
+
+def witness_table(witness: dict[str, Any]) -> Table:
+    """A counterexample state (and plan) as one row per live request: what a person reads first.
+
+    ``witness`` is ``solve.state_values``'s dict (its ``config``, scalars and live ``slots``)."""
+    cfg = witness.get("config", {})
+    title = "counterexample (minimized): " + ", ".join(f"{k}={v}" for k, v in cfg.items())
+    title += f"; free blocks {witness.get('free')}"
+    extra = {k: witness[k] for k in ("owner",) if k in witness}
+    if extra:
+        title += "; " + ", ".join(f"{k} {v}" for k, v in extra.items())
+    table = Table(title=title, title_justify="left")
+    for column in ("slot", "status", "prompt", "outputs", "max_tokens", "computed", "blocks", "queue pos",
+                   "admitted", "plan", "EOS"):
+        table.add_column(column)
+    for row in witness.get("slots", []):
+        if row.get("plan_sched"):
+            plan = f"schedule {row['plan_ntok']} tokens from {row['plan_start']}, +{row['plan_nb']} blocks"
+        elif row.get("plan_pre"):
+            plan = f"preempt (#{row['plan_ppos']})"
+        elif row.get("plan_rej"):
+            plan = "reject"
+        else:
+            plan = "-" if "plan_sched" in row else ""
+        table.add_row(str(row["slot"]), str(row["st"]), str(row["p"]), str(row["o"]), str(row["mt"]), str(row["nc"]),
+                      str(row["b"]), str(row["pos"]), "yes" if row["adm"] else "no", plan,
+                      {True: "yes", False: "no"}.get(row.get("eos"), ""))
+    return table
