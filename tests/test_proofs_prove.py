@@ -254,3 +254,22 @@ def test_a_counterexample_is_minimized_and_printed_as_a_table(monkeypatch):
     assert witness["config"]["max_num_seqs"] == 1
     assert len(witness["slots"]) == 2, witness
     assert "counterexample (minimized)" in shown.output and '"slots"' not in shown.output
+
+
+def test_a_reachable_one_step_counterexample_becomes_a_replayed_scenario(tmp_path):
+    """Deliberate break: static batching is not work-conserving; asked as a one-step theorem (as if it
+    declared it), the counterexample is searched from Init, minimized, written as a scenario and
+    confirmed by the replay; `schedspec replay` runs the file."""
+    from schedspec.reference.proofs import theorems
+    from schedspec.reference.proofs.scenarios import write_scenario
+    from schedspec.spec.proofs.core import Options
+
+    theorems.Setup._cache.clear()
+    result = theorems.work_conserving("static").run(Options(slots=3, policy_slots=3))
+    assert result.status == "counterexample" and not result.ok
+    assert result.scenario is not None and result.replayed is True, result.detail
+    assert result.scenario["expect"] == {"demonstrates": "work-conserving"}
+    assert len(result.scenario["requests"]) == 2  # minimized: one in the batch, one held back
+    path = write_scenario(result.scenario, tmp_path)
+    replay = CliRunner().invoke(cli, ["replay", str(path)])
+    assert replay.exit_code == 0, replay.output

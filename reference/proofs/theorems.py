@@ -334,7 +334,8 @@ def step_lemmas(policy: str) -> Theorem:
 
 def one_step(name: str, statement: str, policy: str, goal: Callable[[Setup], Any],
              extra: Callable[[Setup], list[Any]] | None = None, fixed: dict[str, Any] | None = None,
-             ordered: bool | None = None) -> Theorem:
+             ordered: bool | None = None, monitor: tuple[str, Callable[[Ctx, Any, Any], Any]] | None = None
+             ) -> Theorem:
     """A theorem ``Inv (and Ord) and Step => goal`` checked in one query (re-checked with a fixed block
     size when an uninterpreted ``ceil`` gives a counterexample)."""
 
@@ -348,12 +349,21 @@ def one_step(name: str, statement: str, policy: str, goal: Callable[[Setup], Any
         status, witness, detail = attempt(opts)
         st = Setup.get(opts, policy, ordered, fixed)
         vacuity = st.vacuity(extra(st) if extra else None)
+        scenario, replayed = None, None
         if status == COUNTEREXAMPLE and not detail.startswith("lemma"):  # a refuted lemma keeps its name
             detail = "a state satisfying the hypotheses from which the step breaks it (witness attached)"
             if opts.block == "uninterpreted":
                 status, detail = recheck_block_size(opts, lambda o: attempt(o)[:2])
+        if status == COUNTEREXAMPLE and monitor is not None and not detail.startswith("lemma"):
+            # is it reachable? a run from Init whose monitor reports becomes a scenario replay reproduces
+            prop, violation = monitor
+            found, scenario, replayed, why = search_from_init(
+                opts, policy, prop, f"counterexample-{name.replace('/', '-')}", f"{statement} (found by Z3)",
+                lambda ctx, r: z3.Or([violation(ctx, rec.before, rec.step.plan) for rec in r.steps]), bounds=_small)
+            detail += ("; reached from Init: scenario " + scenario["name"] + f" ({why})" if scenario is not None else
+                       f"; not reached from Init with 3 requests in 3 steps ({found})")
         return Result(name, statement, PROVED, status, opts.slots, opts.block_label, seconds=timer.seconds,
-                      detail=detail, witness=witness, vacuity=vacuity)
+                      detail=detail, witness=witness, vacuity=vacuity, scenario=scenario, replayed=replayed)
 
     return Theorem(name, statement, run)
 
@@ -445,21 +455,24 @@ def work_conserving(policy: str) -> Theorem:
         f"{policy}/work-conserving",
         "work-conserving: with budget left, every running request is scheduled or preempted, and (no preemption, "
         "a sequence slot free) the head of the waiting queue does not fit",
-        policy, lambda st: z3.Not(work_conserving_violation(st.ctx, st.s, st.plan)))
+        policy, lambda st: z3.Not(work_conserving_violation(st.ctx, st.s, st.plan)),
+        monitor=("work-conserving", work_conserving_violation))
 
 
 def stall_free(policy: str) -> Theorem:
     return one_step(
         f"{policy}/stall-free-decode",
         "stall-free-decode: in a step without preemption whose running decodes fit the budget, each gets "
-        "exactly one token", policy, lambda st: z3.Not(stall_free_violation(st.ctx, st.s, st.plan)))
+        "exactly one token", policy, lambda st: z3.Not(stall_free_violation(st.ctx, st.s, st.plan)),
+        monitor=("stall-free-decode", stall_free_violation))
 
 
 def rejects_impossible(policy: str) -> Theorem:
     return one_step(
         f"{policy}/rejects-impossible",
         "rejects-impossible: a waiting, never-admitted request is rejected iff it could never complete alone",
-        policy, lambda st: z3.Not(rejects_impossible_violation(st.ctx, st.s, st.plan)))
+        policy, lambda st: z3.Not(rejects_impossible_violation(st.ctx, st.s, st.plan)),
+        monitor=("rejects-impossible", rejects_impossible_violation))
 
 
 def progress_step(policy: str) -> Theorem:
@@ -780,27 +793,44 @@ def counterexample(name: str, case: str, policy: str, prop: str, statement: str,
 
     def run(opts: Options) -> Result:
         timer = Timer()
-        local = dataclasses.replace(opts, slots=slots, block="fixed", depth=depth, fixed={**opts.fixed, **(fixed or {})})
-        ctx = setup(local)
-        r = run_from_init(ctx, policy, slots, depth)
-        constraints = [ctx.cfg.valid(), violation(ctx, r)] + (bounds(ctx) if bounds else [])
-        # a readable witness: every request that arrives could complete alone (none is rejected)
-        constraints += [z3.Implies(r.arrival[i] < depth, fits_alone(ctx, r.prompt[i], r.max_tokens[i]))
-                        for i in range(slots)]
-        answer = satisfiable(ctx, constraints, local.timeout_s)
-        status = {"sat": COUNTEREXAMPLE, "unsat": PROVED}.get(answer.status, UNKNOWN)
-        result = Result(name, statement, COUNTEREXAMPLE, status, slots, local.block_label, depth, 0.0,
-                        detail=answer.reason)
-        if answer.model is not None:
-            scenario = scenario_from_run(answer.model, ctx, r, policy, prop, case, about)
-            result.scenario = scenario
-            result.replayed, result.detail = confirm(scenario, prop)
-        elif status == PROVED:
-            result.detail = f"no run of {slots} requests and {depth} steps breaks it (search depth too small?)"
+        status, scenario, replayed, detail = search_from_init(opts, policy, prop, case, about, violation, fixed,
+                                                              bounds, slots, depth)
+        result = Result(name, statement, COUNTEREXAMPLE, status, slots, f"fixed {opts.block_size_value}", depth,
+                        0.0, detail=detail, scenario=scenario, replayed=replayed)
         result.seconds = timer.seconds
         return result
 
     return Theorem(name, statement, run, expected=COUNTEREXAMPLE, bmc=True)
+
+
+def search_from_init(opts: Options, policy: str, prop: str, case: str, about: str,
+                     violation: Callable[[Ctx, Any], Any], fixed: dict[str, Any] | None = None,
+                     bounds: Callable[[Ctx], list[Any]] | None = None, slots: int = 3, depth: int = 3
+                     ) -> tuple[str, dict[str, Any] | None, bool | None, str]:
+    """Search a run from Init (``slots`` requests, ``depth`` steps) on which ``violation`` holds; turn it
+    into a scenario (the smallest found: fewest requests, then shortest prompts and outputs) and replay it
+    on the reference. Returns ``(status, scenario, replayed, detail)``: ``counterexample`` with the
+    scenario, ``proved`` (no such run within the bound) or ``unknown``."""
+    local = dataclasses.replace(opts, slots=slots, block="fixed", depth=depth, fixed={**opts.fixed, **(fixed or {})})
+    ctx = setup(local)
+    r = run_from_init(ctx, policy, slots, depth)
+    constraints = [ctx.cfg.valid(), violation(ctx, r)] + (bounds(ctx) if bounds else [])
+    # a readable witness: every request that arrives could complete alone (none is rejected)
+    constraints += [z3.Implies(r.arrival[i] < depth, fits_alone(ctx, r.prompt[i], r.max_tokens[i]))
+                    for i in range(slots)]
+    answer = satisfiable(ctx, constraints, local.timeout_s)
+    status = {"sat": COUNTEREXAMPLE, "unsat": PROVED}.get(answer.status, UNKNOWN)
+    if answer.model is None:
+        detail = answer.reason
+        if status == PROVED:
+            detail = f"no run of {slots} requests and {depth} steps breaks it (search depth too small?)"
+        return status, None, None, detail
+    arrived = _sum_z3([z3.If(r.arrival[i] < depth, 1, 0) for i in range(slots)])
+    sizes = _sum_z3([z3.If(r.arrival[i] < depth, r.prompt[i] + r.max_tokens[i], 0) for i in range(slots)])
+    model = minimize(ctx, constraints, [arrived, sizes], min(local.timeout_s, 10.0)) or answer.model
+    scenario = scenario_from_run(model, ctx, r, policy, prop, case, about)
+    replayed, detail = confirm(scenario, prop)
+    return status, scenario, replayed, detail
 
 
 def _small(ctx: Ctx, limit: int = 16) -> list[Any]:
