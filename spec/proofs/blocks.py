@@ -244,7 +244,7 @@ def _refine(opts: Options) -> Result:
         for i in range(bs.s.n) for j in range(bs.s.n) for k in range(m)])}
     vacuity = prover.coverage(cases)
     return Result("spec/blocks/ids-refine-counts", REFINE_STATEMENT, PROVED, answer.status, bs.s.n,
-                  opts.block_label + f", num_kv_blocks={m}", seconds=timer.seconds, detail=answer.reason,
+                  opts.block_label, seconds=timer.seconds, detail=answer.reason or f"num_kv_blocks={m}",
                   witness=witness, vacuity=vacuity)
 
 
@@ -293,7 +293,7 @@ def _ownership(opts: Options) -> Result:
         for i in range(s.n) for j in range(s.n) if i != j for k in range(m)])
     vacuity = Prover(ctx, hyps, opts.timeout_s).coverage(cases)
     return Result("spec/blocks/ownership", OWNERSHIP_STATEMENT, PROVED, status, s.n,
-                  opts.block_label + f", num_kv_blocks={m}", seconds=timer.seconds, detail=detail,
+                  opts.block_label, seconds=timer.seconds, detail=detail or f"num_kv_blocks={m}",
                   witness=witness, vacuity=vacuity)
 
 
