@@ -403,7 +403,7 @@ def replay_cases(draw):
     return "replay", {"c.json": data}, tuple(args)
 
 
-PROVE_OPTIONS = ["-N", "-K", "--policy-slots", "--bmc-slots", "--timeout", "--scheduler", "--set", "--save-cases"]
+PROVE_OPTIONS = ["-N", "-K", "--policy-slots", "--bmc-slots", "--id-blocks", "--timeout", "--scheduler", "--set", "--save-cases"]
 
 
 @st.composite

@@ -16,12 +16,15 @@ import pytest
 
 z3 = pytest.importorskip("z3")
 
-from hypothesis import given, settings  # noqa: E402
+import attrs  # noqa: E402
+from hypothesis import example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from schedspec.reference import policies  # noqa: E402
+from schedspec.reference.fake_model import FakeModel  # noqa: E402
 from schedspec.spec.admission import rejection_reason  # noqa: E402
 from schedspec.spec.config import SchedulerConfig, blocks_for_tokens  # noqa: E402
+from schedspec.spec.proofs import encoding  # noqa: E402
 from schedspec.spec.proofs.concrete import (  # noqa: E402
     concrete_ctx,
     decode_state,
@@ -31,12 +34,13 @@ from schedspec.spec.proofs.concrete import (  # noqa: E402
     evaluate,
     slot_assignment,
 )
-from schedspec.spec.proofs.encoding import RULE_ORDER, allowed_rules, apply_plan  # noqa: E402
+from schedspec.spec.proofs.encoding import RULE_ORDER, apply_plan  # noqa: E402
 from schedspec.spec.request import Request, RequestStatus  # noqa: E402
 from schedspec.spec.rules import RULE_NAMES, violated_rules  # noqa: E402
 from schedspec.spec.state import ScheduledRequest, SchedulerState, StepPlan, samples_this_step  # noqa: E402
+from schedspec.spec.transitions import add_request  # noqa: E402
 from schedspec.spec.transitions import apply_plan as py_apply_plan  # noqa: E402
-from schedspec.spec.workload import EOS_TOKEN_ID  # noqa: E402
+from schedspec.spec.workload import EOS_TOKEN_ID, RequestSpec  # noqa: E402
 
 
 @st.composite
@@ -62,7 +66,8 @@ def configs(draw) -> SchedulerConfig:
 def states(draw, config: SchedulerConfig, max_requests: int = 5, invariant: bool = False) -> SchedulerState:
     """A state; with ``invariant`` one that satisfies the spec's invariants (waiting requests hold
     nothing, running ones hold blocks covering their computed tokens and at most their sequence)."""
-    count = draw(st.integers(0, max_requests))
+    # mostly several requests (an empty state checks little); 0 stays possible
+    count = draw(st.integers(1, max_requests)) if max_requests and draw(st.integers(0, 7)) else 0
     ids = list(range(config.num_kv_blocks))
     ids = draw(st.permutations(ids))
     free = list(ids)
@@ -81,7 +86,10 @@ def states(draw, config: SchedulerConfig, max_requests: int = 5, invariant: bool
             high = blocks_for_tokens(total, config.block_size) + (0 if invariant else 1)
             want = draw(st.integers(min(low, high), high))
             if invariant and want > len(free):
-                continue
+                if low > len(free):  # no room to run: it waits, preempted
+                    kind, computed, want = "preempted", 0, 0
+                else:
+                    want = len(free)
             blocks = tuple(free[:want])
             free = free[want:]
         status = {"fresh": RequestStatus.WAITING, "preempted": RequestStatus.PREEMPTED,
@@ -166,10 +174,50 @@ def _reason(state: SchedulerState, request_id: str, config: SchedulerConfig) -> 
     return reason or "drawn: can complete alone"
 
 
+PLAN = {"fcfs": policies.fcfs, "static": policies.static, "shortest-prompt-first": policies.shortest_prompt_first}
+
+
+@st.composite
+def reached_states(draw, config, policy: str) -> SchedulerState:
+    """A state reached by running ``policy`` on a drawn workload for a drawn number of steps."""
+    workload = [
+        RequestSpec(f"w{k}", draw(st.integers(0, config.max_model_len + 1)), draw(st.integers(0, 6)),
+                    arrival_step=draw(st.integers(0, 4)))
+        for k in range(draw(st.integers(1, 5)))
+    ]
+    model = FakeModel(config)
+    state = SchedulerState.initial(config)
+    steps = draw(st.integers(0, 12))
+    for step in range(steps):
+        for spec in workload:
+            if spec.arrival_step == step:
+                state = add_request(state, spec.to_request(step))
+        plan = PLAN[policy](state, config)
+        sampled, _ = model.execute(plan, state)
+        state = py_apply_plan(state, plan, sampled, config).state
+    for spec in workload:  # late arrivals join before the step we compare
+        if spec.arrival_step >= steps and draw(st.booleans()):
+            state = add_request(state, spec.to_request(state.step))
+    return state
+
+
+@st.composite
+def pressured(draw, policy: str = "fcfs") -> tuple[SchedulerConfig, SchedulerState]:
+    """A config with few blocks (block_size 1 or 2, 2 to 4 blocks) and a state ``policy`` reaches in it:
+    running requests need blocks the pool lacks, so the policies preempt and hand out released blocks
+    (the case the free-pool mutants get wrong)."""
+    config = attrs.evolve(draw(configs()), block_size=draw(st.sampled_from([1, 2])),
+                          num_kv_blocks=draw(st.integers(2, 4)))
+    return config, draw(reached_states(config, policy))
+
+
 @st.composite
 def cases(draw):
-    config = draw(configs())
-    state = draw(states(config, invariant=draw(st.booleans())))
+    if draw(st.integers(0, 2)) == 0:
+        config, state = draw(pressured())
+    else:
+        config = draw(configs())
+        state = draw(states(config, invariant=draw(st.booleans())))
     plan = draw(plans(state, config))
     n = len(state.requests) + sum(1 for i in plan.scheduled if i.request_id not in state.requests)
     n += draw(st.integers(0, 1))
@@ -191,14 +239,57 @@ def test_rule_registry_matches_the_encoding():
     assert tuple(RULE_ORDER) == tuple(name for name in RULE_NAMES if name not in not_encoded)
 
 
+def pressure_case():
+    """No free block; the running decode A needs one, so it preempts B (admitted after it) and takes B's
+    block. A policy that does not return a victim's blocks to the pool preempts A too."""
+    config = SchedulerConfig(block_size=2, num_kv_blocks=2, max_num_batched_tokens=8, max_num_seqs=2,
+                             max_model_len=16)
+    a = Request("A", 0, (1, 2), 4, status=RequestStatus.RUNNING, num_computed_tokens=2, output_token_ids=(5,),
+                block_ids=(0,), admitted_step=0)
+    b = Request("B", 0, (3, 4), 4, status=RequestStatus.RUNNING, num_computed_tokens=0, block_ids=(1,),
+                admitted_step=1)
+    state = SchedulerState(step=2, running=("A", "B"), requests={"A": a, "B": b}, free_block_ids=(),
+                           num_requests_added=2)
+    return config, state, 2
+
+
+def double_preemption_case():
+    """No free block; running decodes A and B each need one, so fcfs preempts D (the youngest) for A
+    and then C for B: ``preempted == ("D", "C")``, the order a reversed preemption order gets wrong."""
+    config = SchedulerConfig(block_size=1, num_kv_blocks=4, max_num_batched_tokens=8, max_num_seqs=4,
+                             max_model_len=16)
+    running = {}
+    for k, name in enumerate("ABCD"):
+        decode = name in "AB"
+        running[name] = Request(name, 0, (1,), 4, status=RequestStatus.RUNNING, num_computed_tokens=1 if decode else 0,
+                                output_token_ids=(5,) if decode else (), block_ids=(k,), admitted_step=k)
+    state = SchedulerState(step=4, running=tuple("ABCD"), requests=running, free_block_ids=(), num_requests_added=4)
+    return config, state, 4
+
+
+def as_rule_case(case):
+    """A (config, state, slots) case with fcfs's plan, as a case of the rule agreement."""
+    config, state, _ = case
+    plan = policies.fcfs(state, config)
+    slot_ids = slot_assignment(state, plan, len(state.requests))
+    return config, state, plan, slot_ids, dict.fromkeys(state.requests, False)
+
+
 @EXAMPLES
+@example(as_rule_case(pressure_case()))
+@example(as_rule_case(double_preemption_case()))
 @given(cases())
 def test_encoded_rules_and_update_agree_with_the_spec(case):
+    check_rules_and_update(case)
+
+
+def check_rules_and_update(case) -> None:
+    """The property (also run against the mutants in ``tests/test_proofs_mutants.py``)."""
     config, state, plan, slot_ids, eos = case
     ctx = concrete_ctx(config)
     s = encode_state(state, slot_ids)
     p = encode_plan(plan, slot_ids)
-    encoded = {name: evaluate(rule) for name, rule in allowed_rules(ctx, s, p).items()}
+    encoded = {name: evaluate(rule) for name, rule in encoding.allowed_rules(ctx, s, p).items()}  # patchable
     broken_in_z3 = {name for name, holds in encoded.items() if not holds}
     broken_in_python = {v.name for v in violated_rules(state, plan, config)}
     assert broken_in_z3 == broken_in_python

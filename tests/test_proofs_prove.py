@@ -35,7 +35,8 @@ def test_every_fcfs_theorem_holds_at_three_slots():
                  "spec/step/kv-capacity", "spec/step/table-covers-computed", "spec/step/output-bound",
                  "spec/step/queues-disjoint", "spec/step/preempted-holds-nothing", "spec/step/running-within-max-num-seqs",
                  "fcfs/refines", "fcfs/work-conserving", "fcfs/stall-free-decode",
-                 "fcfs/progress-step", "fcfs/bounded-wait", "fcfs/ordering-invariant"):
+                 "fcfs/progress-step", "fcfs/bounded-wait", "fcfs/ordering-invariant", "fcfs/step-total",
+                 "fcfs/bounded-wait-induction", "spec/blocks/ids-refine-counts", "spec/blocks/ownership"):
         assert found[name]["status"] == "proved", name
         assert found[name]["slots"] == 3
     assert found["fcfs/progress"]["depth"] == 4
@@ -177,3 +178,98 @@ def test_a_cover_goal_not_reached_fails_the_run():
     assert result["status"] == "proved" and result["ok"] is False
     covers = {c["case"]: c["status"] for c in result["vacuity"]}
     assert covers["preemption"] == "unsat" and covers["recompute after a preemption"] == "unsat"
+
+
+def test_step_total_fails_on_circular_definitions(monkeypatch):
+    """Deliberate break: two step variables defined by each other make the step not total."""
+
+    from schedspec.reference.proofs import theorems
+    from schedspec.spec.proofs.core import Options
+
+    original = theorems.plan_step
+
+    def circular(ctx, s, policy, *args, **kwargs):
+        step = original(ctx, s, policy, *args, **kwargs)
+        a, b = ctx.fresh("loop_a"), ctx.fresh("loop_b")
+        ctx.facts += [a == b + 1, b == a]
+        return step
+
+    theorem = next(t for t in theorems.policy_theorems("fcfs") if t.name == "fcfs/step-total")
+    assert theorem.run(Options(slots=2)).status == "proved"
+    monkeypatch.setattr(theorems, "plan_step", circular)
+    result = theorem.run(Options(slots=2))
+    assert result.status != "proved" and "circular" in result.detail
+
+
+def test_a_refuted_lemma_is_reported_with_its_witness(monkeypatch):
+    """Deliberate break: a false step lemma gives a counterexample with a witness state, not 'unknown'."""
+    import z3
+
+    from schedspec.reference.proofs import theorems
+    from schedspec.spec.proofs.core import Options
+
+    original = theorems.plan_step
+
+    def false_lemma(ctx, s, policy, *args, **kwargs):
+        step = original(ctx, s, policy, *args, **kwargs)
+        step.lemmas.insert(0, ("nothing-runs", z3.And([z3.Not(sl.running) for sl in s.slots])))
+        return step
+
+    monkeypatch.setattr(theorems, "plan_step", false_lemma)
+    theorems.Setup._cache.clear()
+    theorem = next(t for t in theorems.policy_theorems("fcfs") if t.name == "fcfs/work-conserving")
+    result = theorem.run(Options(slots=2, policy_slots=2))
+    theorems.Setup._cache.clear()
+    assert result.status == "counterexample"
+    assert "nothing-runs" in result.detail or "lemma" in result.detail
+    assert result.witness is not None and any(slot["st"] == "running" for slot in result.witness["slots"])
+
+
+def test_a_counterexample_is_minimized_and_printed_as_a_table(monkeypatch):
+    """Deliberate break: without the sequence-cap rule the rules allow a step that runs too many
+    requests; the witness has the fewest live requests that show it (one running at max_num_seqs=1,
+    one admitted) and prints as a table, not a JSON dump."""
+    from schedspec.spec.proofs import theorems
+
+    original = theorems.allowed_rules
+
+    def without_cap(ctx, s, plan):
+        import z3
+
+        rules = original(ctx, s, plan)
+        rules["sequence-cap"] = z3.BoolVal(True)
+        return rules
+
+    monkeypatch.setattr(theorems, "allowed_rules", without_cap)
+    theorems._STEP_GOALS.clear()
+    try:
+        as_json = prove("--slots", "4", "--only", "spec/step/running-within", "--json")
+        shown = prove("--slots", "4", "--only", "spec/step/running-within")
+    finally:
+        theorems._STEP_GOALS.clear()
+    assert as_json.exit_code == 1, as_json.output
+    result = results(as_json.stdout)["spec/step/running-within-max-num-seqs"]
+    assert result["status"] == "counterexample"
+    witness = result["witness"]
+    assert witness["config"]["max_num_seqs"] == 1
+    assert len(witness["slots"]) == 2, witness
+    assert "counterexample (minimized)" in shown.output and '"slots"' not in shown.output
+
+
+def test_a_reachable_one_step_counterexample_becomes_a_replayed_scenario(tmp_path):
+    """Deliberate break: static batching is not work-conserving; asked as a one-step theorem (as if it
+    declared it), the counterexample is searched from Init, minimized, written as a scenario and
+    confirmed by the replay; `schedspec replay` runs the file."""
+    from schedspec.reference.proofs import theorems
+    from schedspec.reference.proofs.scenarios import write_scenario
+    from schedspec.spec.proofs.core import Options
+
+    theorems.Setup._cache.clear()
+    result = theorems.work_conserving("static").run(Options(slots=3, policy_slots=3))
+    assert result.status == "counterexample" and not result.ok
+    assert result.scenario is not None and result.replayed is True, result.detail
+    assert result.scenario["expect"] == {"demonstrates": "work-conserving"}
+    assert len(result.scenario["requests"]) == 2  # minimized: one in the batch, one held back
+    path = write_scenario(result.scenario, tmp_path)
+    replay = CliRunner().invoke(cli, ["replay", str(path)])
+    assert replay.exit_code == 0, replay.output

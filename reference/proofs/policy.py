@@ -23,7 +23,7 @@ proves them before using them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import z3
@@ -54,6 +54,11 @@ class PolicyStep:
     canonical: list[Any]
     """With ``plan_step(canonical=True)``: the slots are in processing order (a hypothesis on the
     state); empty otherwise."""
+    admission_order: list[list[Any]] = field(default_factory=list)
+    """``admission_order[j][i]``: slot ``j`` comes before slot ``i`` in the admission order (both candidates)."""
+    admission_index: dict[int, int] = field(default_factory=dict)
+    """The admission loop's variables (by z3 id) and the slot each belongs to: their definitions refer to
+    another slot's only under ``admission_order`` (the loop visits the slots in that order)."""
 
 
 def chunk(ctx: Ctx, pending: Any, budget: Any) -> Any:
@@ -271,8 +276,9 @@ def plan_step(ctx: Ctx, s: State, policy: str, name: str = "", canonical: bool =
                 continue
             younger = z3.And(S[u].running, S[u].pos > S[v].pos)
             ordered_lemmas.append((f"victims-are-youngest-{u}-{v}", z3.Implies(z3.And(pre[v], younger), pre[u])))
+    index = {v.get_id(): i for group in (budget_a, nt_a, ok, admit) for i, v in enumerate(group)}
     return PolicyStep(plan, rejected, processed, perm, any_pre, admitting, lemmas, ordered_lemmas,
-                      order_facts if canonical else [])
+                      order_facts if canonical else [], A, index)
 
 
 def processing_order(state: Any, n: int) -> list[str | None]:

@@ -44,7 +44,7 @@ from schedspec.spec.proofs.encoding import (
 from schedspec.spec.proofs.encoding import (
     PREEMPTED as PREEMPTED_STATUS,
 )
-from schedspec.spec.proofs.solve import Prover, satisfiable, state_values, value
+from schedspec.spec.proofs.solve import Prover, minimize, satisfiable, state_values, value, witness_objectives
 from schedspec.spec.proofs.theorems import inv_parts, recheck_block_size, setup, step_cases
 from schedspec.spec.properties import ITL_TOKEN_BUDGET
 
@@ -145,9 +145,14 @@ class Setup:
         if extra:
             goal = z3.Implies(z3.And(extra), goal)
         answer = self.prover.prove(goal)
-        witness = state_values(answer.model, self.s, self.plan) if answer.model is not None else None
+        model = answer.model
+        if model is not None:  # the reported witness: fewest live requests, smallest numbers
+            lemmas = [lemma for _, lemma in self.all_lemmas]
+            model = minimize(self.ctx, self.hyps + lemmas + [z3.Not(goal)], witness_objectives(self.s, self.plan),
+                             min(self.opts.timeout_s, 10.0)) or model
+        witness = state_values(model, self.s, self.plan) if model is not None else None
         if witness is not None:
-            witness["config"] = self.ctx.cfg.evaluate(answer.model)
+            witness["config"] = self.ctx.cfg.evaluate(model)
         return answer.status, witness, answer.reason
 
 
@@ -197,6 +202,119 @@ def step_unique(policy: str) -> Theorem:
     return Theorem(name, statement, run)
 
 
+def _guarded_uses(expr: Any, guards: dict[int, tuple[int, int]], index: dict[int, int], owner: int | None
+                  ) -> tuple[set[int], list[tuple[int, int]]]:
+    """The constants ``expr`` uses outside guarded positions, and the guarded uses ``(j, i)``: a variable
+    of slot ``j`` used only under ``If(order[j][i], ...)`` or ``Implies(order[j][i], ...)`` in the
+    definition of a variable of slot ``i == owner``. A branch under a literal ``False`` is never used."""
+    free: set[int] = set()
+    guarded: list[tuple[int, int]] = []
+    stack: list[tuple[Any, int | None]] = [(expr, None)]
+    seen: set[tuple[int, int | None]] = set()
+    while stack:
+        e, under = stack.pop()
+        key = (e.get_id(), under)
+        if key in seen:
+            continue
+        seen.add(key)
+        if z3.is_const(e) and e.decl().kind() == z3.Z3_OP_UNINTERPRETED:
+            if under is not None and index.get(e.get_id()) == under:
+                guarded.append((under, owner))
+            else:
+                free.add(e.get_id())
+            continue
+        if not z3.is_app(e):
+            continue
+        children = e.children()
+        branching = z3.is_app_of(e, z3.Z3_OP_ITE) or z3.is_app_of(e, z3.Z3_OP_IMPLIES)
+        g = guards.get(children[0].get_id()) if branching else None
+        if branching and z3.is_false(children[0]):
+            stack.extend((c, under) for c in children[2:])
+        elif g is not None and owner is not None and g[1] == owner:
+            stack.append((children[0], under))
+            stack.append((children[1], g[0]))
+            stack.extend((c, under) for c in children[2:])
+        else:
+            stack.extend((c, under) for c in children)
+    return free, guarded
+
+
+def definitional_order(facts: list[Any], known: list[Any], guards: dict[int, tuple[int, int]] | None = None,
+                       index: dict[int, int] | None = None) -> tuple[list[Any], str]:
+    """If ``facts`` are definitions ``v == e``, each variable ``v`` (not in ``known``) defined once, and
+    ordering them so that each ``e`` mentions only ``known`` constants and variables defined before exists,
+    return ``(that order, "")``; else ``([], why not)``. With ``guards`` (z3 id of ``order[j][i]`` ->
+    ``(j, i)``) and ``index`` (variable -> slot), a use of slot ``j``'s variable under ``order[j][i]`` in
+    a definition for slot ``i`` is left out of the order (the caller proves ``order`` a strict order,
+    which makes those uses well founded); the returned order then lists the rest."""
+    guards = guards or {}
+    index = index or {}
+    known_ids = {c.get_id() for c in known}
+    defs: dict[int, Any] = {}
+    for f in facts:
+        if not (z3.is_eq(f) and z3.is_const(f.arg(0)) and f.arg(0).decl().kind() == z3.Z3_OP_UNINTERPRETED):
+            return [], f"not a definition: {str(f)[:80]}"
+        v = f.arg(0)
+        if v.get_id() in known_ids or v.get_id() in defs:
+            return [], f"{v} defined twice or constrained by the premises"
+        defs[v.get_id()] = f
+    uses = {k: _guarded_uses(f.arg(1), guards, index, index.get(k))[0] for k, f in defs.items()}
+    for k, used in uses.items():
+        stray = used - known_ids - set(defs)
+        if stray:
+            return [], f"{defs[k].arg(0)} uses a variable neither known nor defined"
+    order: list[Any] = []
+    done: set[int] = set()
+    pending = dict(uses)
+    while pending:
+        ready = [k for k, used in pending.items() if (used & set(defs)) <= done]
+        if not ready:
+            return [], f"circular definitions among {len(pending)} variables"
+        for k in ready:
+            order.append(defs[k])
+            done.add(k)
+            del pending[k]
+    return order, ""
+
+
+def step_total(policy: str) -> Theorem:
+    name = f"{policy}/step-total"
+    statement = (f"step existence: the encoded {policy} step is total and a function: each of its variables is "
+                 "defined once by an equation over the state, the config and variables defined before (checked on "
+                 "the formulas), so every state has exactly one plan; with refines, every Inv state has an allowed "
+                 "plan, the one the policy returns")
+
+    def run(opts: Options) -> Result:
+        timer = Timer()
+        opts = policy_options(opts)
+        ctx = setup(opts)
+        s = symbolic_state(opts.slots, "s")
+        step = plan_step(ctx, s, policy, canonical=True)
+        premises = [ctx.cfg.valid(), *step.canonical, *inv_parts(ctx, s).values()]
+        n = opts.slots
+        A = step.admission_order
+        guards = {A[j][i].get_id(): (j, i) for j in range(n) for i in range(n) if j != i}
+        order, why = definitional_order(list(ctx.facts), _constants(premises), guards, step.admission_index)
+        prover = Prover(ctx, premises, opts.timeout_s)
+        status, detail = (PROVED, f"{len(order)} definitions, acyclic") if order else (UNKNOWN, why)
+        if order:
+            # the admission loop's definitions use another slot's only under the admission order: it must be
+            # a strict order (irreflexive by construction; transitive), so those uses are well founded
+            transitive = z3.And([z3.Implies(z3.And(A[a][b], A[b][c]), A[a][c])
+                                 for a in range(n) for b in range(n) for c in range(n) if len({a, b, c}) == 3]
+                                + [z3.Not(z3.And(A[a][b], A[b][a])) for a in range(n) for b in range(n) if a < b])
+            answer = prover.prove(transitive)
+            if answer.status != PROVED:
+                status, detail = answer.status, f"admission order not a strict order: {answer.status} {answer.reason}"
+            else:
+                detail += "; the admission order is a strict order"
+        vacuity = prover.coverage({})
+        return Result(name, statement, PROVED, status, opts.slots, opts.block_label, seconds=timer.seconds,
+                      detail=detail, vacuity=vacuity)
+
+    return Theorem(name, statement, run)
+
+
 def step_lemmas(policy: str) -> Theorem:
     name = f"{policy}/step-lemmas"
     statement = (f"lemmas of the encoded {policy} step (used by the theorems below): the free pool never goes "
@@ -216,7 +334,8 @@ def step_lemmas(policy: str) -> Theorem:
 
 def one_step(name: str, statement: str, policy: str, goal: Callable[[Setup], Any],
              extra: Callable[[Setup], list[Any]] | None = None, fixed: dict[str, Any] | None = None,
-             ordered: bool | None = None) -> Theorem:
+             ordered: bool | None = None, monitor: tuple[str, Callable[[Ctx, Any, Any], Any]] | None = None
+             ) -> Theorem:
     """A theorem ``Inv (and Ord) and Step => goal`` checked in one query (re-checked with a fixed block
     size when an uninterpreted ``ceil`` gives a counterexample)."""
 
@@ -230,12 +349,21 @@ def one_step(name: str, statement: str, policy: str, goal: Callable[[Setup], Any
         status, witness, detail = attempt(opts)
         st = Setup.get(opts, policy, ordered, fixed)
         vacuity = st.vacuity(extra(st) if extra else None)
-        if status == COUNTEREXAMPLE:
+        scenario, replayed = None, None
+        if status == COUNTEREXAMPLE and not detail.startswith("lemma"):  # a refuted lemma keeps its name
             detail = "a state satisfying the hypotheses from which the step breaks it (witness attached)"
             if opts.block == "uninterpreted":
                 status, detail = recheck_block_size(opts, lambda o: attempt(o)[:2])
+        if status == COUNTEREXAMPLE and monitor is not None and not detail.startswith("lemma"):
+            # is it reachable? a run from Init whose monitor reports becomes a scenario replay reproduces
+            prop, violation = monitor
+            found, scenario, replayed, why = search_from_init(
+                opts, policy, prop, f"counterexample-{name.replace('/', '-')}", f"{statement} (found by Z3)",
+                lambda ctx, r: z3.Or([violation(ctx, rec.before, rec.step.plan) for rec in r.steps]), bounds=_small)
+            detail += ("; reached from Init: scenario " + scenario["name"] + f" ({why})" if scenario is not None else
+                       f"; not reached from Init with 3 requests in 3 steps ({found})")
         return Result(name, statement, PROVED, status, opts.slots, opts.block_label, seconds=timer.seconds,
-                      detail=detail, witness=witness, vacuity=vacuity)
+                      detail=detail, witness=witness, vacuity=vacuity, scenario=scenario, replayed=replayed)
 
     return Theorem(name, statement, run)
 
@@ -327,21 +455,24 @@ def work_conserving(policy: str) -> Theorem:
         f"{policy}/work-conserving",
         "work-conserving: with budget left, every running request is scheduled or preempted, and (no preemption, "
         "a sequence slot free) the head of the waiting queue does not fit",
-        policy, lambda st: z3.Not(work_conserving_violation(st.ctx, st.s, st.plan)))
+        policy, lambda st: z3.Not(work_conserving_violation(st.ctx, st.s, st.plan)),
+        monitor=("work-conserving", work_conserving_violation))
 
 
 def stall_free(policy: str) -> Theorem:
     return one_step(
         f"{policy}/stall-free-decode",
         "stall-free-decode: in a step without preemption whose running decodes fit the budget, each gets "
-        "exactly one token", policy, lambda st: z3.Not(stall_free_violation(st.ctx, st.s, st.plan)))
+        "exactly one token", policy, lambda st: z3.Not(stall_free_violation(st.ctx, st.s, st.plan)),
+        monitor=("stall-free-decode", stall_free_violation))
 
 
 def rejects_impossible(policy: str) -> Theorem:
     return one_step(
         f"{policy}/rejects-impossible",
         "rejects-impossible: a waiting, never-admitted request is rejected iff it could never complete alone",
-        policy, lambda st: z3.Not(rejects_impossible_violation(st.ctx, st.s, st.plan)))
+        policy, lambda st: z3.Not(rejects_impossible_violation(st.ctx, st.s, st.plan)),
+        monitor=("rejects-impossible", rejects_impossible_violation))
 
 
 def progress_step(policy: str) -> Theorem:
@@ -412,6 +543,91 @@ def bounded_wait(policy: str) -> Theorem:
         witness = witness or w
         oldest_waits = z3.Or([z3.And(oldest(st.s, i), z3.Not(st.step.rejected[i])) for i in range(opts.slots)])
         return _combine(name, statement, statuses, opts, timer, witness, vacuity=st.vacuity([oldest_waits]))
+
+    return Theorem(name, statement, run)
+
+
+def wait_measure(s: State, i: int, o: int, mml: Any) -> Any:
+    """The measure of request ``i`` when ``o`` is the oldest live request: ``older(i) * max_model_len +
+    (max_model_len - computed(o))``, ``older(i)`` the live requests added before ``i``."""
+    older = _sum_z3([z3.If(z3.And(s.slots[j].live, s.slots[j].seq < s.slots[i].seq), 1, 0)
+                     for j in range(s.n) if j != i])
+    return older * mml + (mml - s.slots[o].nc)
+
+
+def oldest_by_seq(s: State, o: int) -> Any:
+    S = s.slots
+    return z3.And(S[o].live, *[z3.Implies(S[j].live, S[o].seq < S[j].seq) for j in range(s.n) if j != o])
+
+
+def bounded_wait_induction(policy: str) -> Theorem:
+    name = f"{policy}/bounded-wait-induction"
+    statement = ("bounded wait of every request, by induction over the k live requests added before it: "
+                 "M = k * max_model_len + (max_model_len - computed(oldest)) lies in [1, (k+1) * max_model_len], "
+                 "strictly decreases in every step the request does not end, and no arrival or abort raises it; "
+                 "so a request with k older live requests ends within (k+1) * max_model_len steps")
+
+    def run(opts: Options) -> Result:
+        timer = Timer()
+        opts = policy_options(opts)
+        st = Setup.get(opts, policy)
+        ctx, s, n = st.ctx, st.s, opts.slots
+        mml = ctx.cfg.max_model_len
+        eos = [z3.Bool(f"eos{i}") for i in range(n)]
+        out = apply_plan(ctx, s, st.plan, eos)
+        after = out.state
+        statuses: list[tuple[str, str, str]] = []
+        witness = None
+        # lemmas, proved and then assumed: the step makes no slot live; the oldest live request is never
+        # preempted and computes at least one more token if it stays (the ranking of bounded-wait)
+        lemmas = [("no-new-live", z3.And([z3.Implies(after.slots[j].live, s.slots[j].live) for j in range(n)]))]
+        for o in range(n):
+            lemmas.append((f"oldest-advances-{o}", z3.Implies(
+                z3.And(oldest_by_seq(s, o), z3.Not(st.step.rejected[o])),
+                z3.And(z3.Not(st.plan.pre[o]), z3.Implies(after.slots[o].live, after.slots[o].nc > s.slots[o].nc)))))
+        for label, lemma in lemmas:
+            status, w, reason = st.prove(lemma)
+            statuses.append((f"lemma {label}", status, reason))
+            witness = witness or w
+            if status != PROVED:
+                return _combine(name, statement, statuses, opts, timer, witness)
+            st.prover.assume([lemma])
+        for i in range(n):
+            for o in range(n):
+                premise = [s.slots[i].live, oldest_by_seq(s, o)]
+                m0 = wait_measure(s, i, o, mml)
+                older = _sum_z3([z3.If(z3.And(s.slots[j].live, s.slots[j].seq < s.slots[i].seq), 1, 0)
+                                 for j in range(n) if j != i])
+                bounds = z3.And(m0 >= 1, m0 <= (older + 1) * mml)
+                # the oldest stays (and stays the oldest), or it ends and another becomes the oldest
+                stays = z3.Implies(z3.And(after.slots[i].live, after.slots[o].live),
+                                   wait_measure(after, i, o, mml) < m0)
+                ends = [z3.Implies(z3.And(after.slots[i].live, z3.Not(after.slots[o].live), oldest_by_seq(after, o2)),
+                                   wait_measure(after, i, o2, mml) < m0) for o2 in range(n) if o2 != o]
+                for part, goal in [("bounds", bounds), ("decrease", stays)] + [(f"decrease-new-oldest-{o2}", g)
+                                                                                for o2, g in zip([x for x in range(n) if x != o], ends, strict=True)]:
+                    status, w, reason = st.prove(goal, premise)
+                    statuses.append((f"{part}-{i}-{o}", status, reason))
+                    witness = witness or w
+        # arrivals (into an empty slot) and aborts (of another slot) never raise the measure
+        p, mt = z3.Int("new_p"), z3.Int("new_mt")
+        for i in range(n):
+            for o in range(n):
+                m0 = wait_measure(s, i, o, mml)
+                premise = [s.slots[i].live, oldest_by_seq(s, o)]
+                env = []
+                for a in range(n):
+                    if a == i:
+                        continue
+                    env.append((f"arrive-{a}", arrive_precondition(s, a, p, mt), arrive(ctx, s, a, p, mt)))
+                    env.append((f"abort-{a}", s.slots[a].live, abort(ctx, s, a)))
+                for label, pre, later in env:
+                    goal = z3.Implies(pre, z3.And([z3.Implies(oldest_by_seq(later, o2), wait_measure(later, i, o2, mml) <= m0)
+                                                   for o2 in range(n)]))
+                    status, w, reason = st.prove(goal, premise)
+                    statuses.append((f"{label}-{i}-{o}", status, reason))
+        older_waits = z3.Or([z3.And(s.slots[0].live, oldest_by_seq(s, o)) for o in range(1, n)])
+        return _combine(name, statement, statuses, opts, timer, witness, vacuity=st.vacuity([older_waits]))
 
     return Theorem(name, statement, run)
 
@@ -577,27 +793,44 @@ def counterexample(name: str, case: str, policy: str, prop: str, statement: str,
 
     def run(opts: Options) -> Result:
         timer = Timer()
-        local = dataclasses.replace(opts, slots=slots, block="fixed", depth=depth, fixed={**opts.fixed, **(fixed or {})})
-        ctx = setup(local)
-        r = run_from_init(ctx, policy, slots, depth)
-        constraints = [ctx.cfg.valid(), violation(ctx, r)] + (bounds(ctx) if bounds else [])
-        # a readable witness: every request that arrives could complete alone (none is rejected)
-        constraints += [z3.Implies(r.arrival[i] < depth, fits_alone(ctx, r.prompt[i], r.max_tokens[i]))
-                        for i in range(slots)]
-        answer = satisfiable(ctx, constraints, local.timeout_s)
-        status = {"sat": COUNTEREXAMPLE, "unsat": PROVED}.get(answer.status, UNKNOWN)
-        result = Result(name, statement, COUNTEREXAMPLE, status, slots, local.block_label, depth, 0.0,
-                        detail=answer.reason)
-        if answer.model is not None:
-            scenario = scenario_from_run(answer.model, ctx, r, policy, prop, case, about)
-            result.scenario = scenario
-            result.replayed, result.detail = confirm(scenario, prop)
-        elif status == PROVED:
-            result.detail = f"no run of {slots} requests and {depth} steps breaks it (search depth too small?)"
+        status, scenario, replayed, detail = search_from_init(opts, policy, prop, case, about, violation, fixed,
+                                                              bounds, slots, depth)
+        result = Result(name, statement, COUNTEREXAMPLE, status, slots, f"fixed {opts.block_size_value}", depth,
+                        0.0, detail=detail, scenario=scenario, replayed=replayed)
         result.seconds = timer.seconds
         return result
 
     return Theorem(name, statement, run, expected=COUNTEREXAMPLE, bmc=True)
+
+
+def search_from_init(opts: Options, policy: str, prop: str, case: str, about: str,
+                     violation: Callable[[Ctx, Any], Any], fixed: dict[str, Any] | None = None,
+                     bounds: Callable[[Ctx], list[Any]] | None = None, slots: int = 3, depth: int = 3
+                     ) -> tuple[str, dict[str, Any] | None, bool | None, str]:
+    """Search a run from Init (``slots`` requests, ``depth`` steps) on which ``violation`` holds; turn it
+    into a scenario (the smallest found: fewest requests, then shortest prompts and outputs) and replay it
+    on the reference. Returns ``(status, scenario, replayed, detail)``: ``counterexample`` with the
+    scenario, ``proved`` (no such run within the bound) or ``unknown``."""
+    local = dataclasses.replace(opts, slots=slots, block="fixed", depth=depth, fixed={**opts.fixed, **(fixed or {})})
+    ctx = setup(local)
+    r = run_from_init(ctx, policy, slots, depth)
+    constraints = [ctx.cfg.valid(), violation(ctx, r)] + (bounds(ctx) if bounds else [])
+    # a readable witness: every request that arrives could complete alone (none is rejected)
+    constraints += [z3.Implies(r.arrival[i] < depth, fits_alone(ctx, r.prompt[i], r.max_tokens[i]))
+                    for i in range(slots)]
+    answer = satisfiable(ctx, constraints, local.timeout_s)
+    status = {"sat": COUNTEREXAMPLE, "unsat": PROVED}.get(answer.status, UNKNOWN)
+    if answer.model is None:
+        detail = answer.reason
+        if status == PROVED:
+            detail = f"no run of {slots} requests and {depth} steps breaks it (search depth too small?)"
+        return status, None, None, detail
+    arrived = _sum_z3([z3.If(r.arrival[i] < depth, 1, 0) for i in range(slots)])
+    sizes = _sum_z3([z3.If(r.arrival[i] < depth, r.prompt[i] + r.max_tokens[i], 0) for i in range(slots)])
+    model = minimize(ctx, constraints, [arrived, sizes], min(local.timeout_s, 10.0)) or answer.model
+    scenario = scenario_from_run(model, ctx, r, policy, prop, case, about)
+    replayed, detail = confirm(scenario, prop)
+    return status, scenario, replayed, detail
 
 
 def _small(ctx: Ctx, limit: int = 16) -> list[Any]:
@@ -648,7 +881,7 @@ def policy_theorems(policy: str) -> list[Theorem]:
     from schedspec.spec.config import SchedulerConfig
 
     guarantees = SCHEDULERS[policy](SchedulerConfig(16, 8, 8, 1, 8)).guarantees
-    out = [step_unique(policy), step_lemmas(policy), refines(policy)]
+    out = [step_total(policy), step_unique(policy), step_lemmas(policy), refines(policy)]
     if policy in ORDERED:
         out.append(order_inductive(policy))
     if "work-conserving" in guarantees:
@@ -663,6 +896,7 @@ def policy_theorems(policy: str) -> list[Theorem]:
             out.append(progress_window(policy))
     if "bounded-wait" in guarantees and policy in ORDERED:
         out.append(bounded_wait(policy))
+        out.append(bounded_wait_induction(policy))
     out += EXPECTED_COUNTEREXAMPLES.get(policy, [])
     if policy == "fcfs":
         out.insert(len(out) - 1, itl_chunked(policy))

@@ -36,6 +36,7 @@ from schedspec.spec.proofs.core import (
     DEFAULT_BMC_BLOCK_SIZE,
     DEFAULT_BMC_SLOTS,
     DEFAULT_DEPTH,
+    DEFAULT_ID_BLOCKS,
     DEFAULT_POLICY_SLOTS,
     DEFAULT_SLOTS,
     DEFAULT_TIMEOUT_S,
@@ -57,7 +58,7 @@ _INT_FIELDS = {"num_kv_blocks", "max_num_batched_tokens", "max_num_seqs", "max_m
 
 
 def _options(sets: tuple[str, ...], slots: int, depth: int, policy_slots: int, bmc_slots: int,
-             timeout: float, bmc_block_size: int = 2) -> Options:
+             timeout: float, bmc_block_size: int = 2, id_blocks: int = DEFAULT_ID_BLOCKS) -> Options:
     changes = parse_sets(sets)
     known = {f.name for f in attrs.fields(SchedulerConfig)}
     fixed: dict[str, Any] = {}
@@ -95,7 +96,8 @@ def _options(sets: tuple[str, ...], slots: int, depth: int, policy_slots: int, b
     if timeout <= 0:
         fail("--timeout must be > 0")
     return Options(slots=slots, block=block, block_size_value=block_size, depth=depth, fixed=fixed,
-                   timeout_s=timeout, bmc_slots=bmc_slots, policy_slots=policy_slots, bmc_block_size=bmc_block_size)
+                   timeout_s=timeout, bmc_slots=bmc_slots, policy_slots=policy_slots, bmc_block_size=bmc_block_size,
+                   id_blocks=id_blocks)
 
 
 def _check_config_space(opts: Options) -> None:
@@ -173,6 +175,9 @@ def _verdict(result: Result) -> str:
               help="Slots for bounded model checking (at most N).")
 @click.option("--bmc-block-size", type=Count(minimum=1, maximum=1024), default=DEFAULT_BMC_BLOCK_SIZE,
               show_default=True, help="Block size of bounded model checking and its cover goals (small: preemptions reachable).")
+@click.option("--id-blocks", type=Count(minimum=1, maximum=MAX_SIZE), default=DEFAULT_ID_BLOCKS, show_default=True,
+              help="num_kv_blocks M of the block-id theorems (spec/blocks/*: one variable per block; N = --policy-slots; "
+                   "--set num_kv_blocks=M overrides it).")
 @click.option("--timeout", type=Number(minimum=0, strict=True, maximum=86_400.0), default=DEFAULT_TIMEOUT_S, show_default=True,
               help="Seconds per solver query; a query that runs out answers unknown.")
 @click.option("--only", "only", multiple=True, metavar="TEXT", help="Run only theorems whose name contains TEXT.")
@@ -181,13 +186,14 @@ def _verdict(result: Result) -> str:
               help="Write each counterexample scenario to DIR/<name>.json.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 def command(scheduler_name: str | None, sets: tuple[str, ...], slots: int, depth: int, policy_slots: int,
-            bmc_slots: int, bmc_block_size: int, timeout: float, only: tuple[str, ...], list_only: bool, save_cases: str | None, as_json: bool) -> None:
+            bmc_slots: int, bmc_block_size: int, id_blocks: int, timeout: float, only: tuple[str, ...], list_only: bool, save_cases: str | None, as_json: bool) -> None:
     """Prove the spec's invariants and a scheduler's trace properties with Z3.
 
     --set block_size=16 (default), =symbolic (ceil division is nonlinear; may answer unknown) or
     =uninterpreted (proves for every block size; counterexamples are re-checked with block_size=16);
     --set FIELD=VALUE fixes another config field. Default run: spec at N=16, one-step policy theorems
-    at N=4, bounded model checking at N=4, K=6 with block_size 2 (--bmc-block-size).
+    at N=4, bounded model checking at N=3, K=6 with block_size 2 (--bmc-block-size), block ids at
+    N=4 with num_kv_blocks=6 (--id-blocks).
     """
     check_outputs([], [], folders=[("--save-cases", save_cases)])
     scheduler = scheduler_name or DEFAULT_SCHEDULER
@@ -199,7 +205,7 @@ def command(scheduler_name: str | None, sets: tuple[str, ...], slots: int, depth
             fail(f"--scheduler {scheduler!r}: unknown; known: {', '.join(sorted(SCHEDULERS))}")
         fail(f"--scheduler {scheduler!r} has no proof encoding (encoded: {', '.join(ENCODED)}); "
              "its plans are checked at run time by replay and check instead", EXIT_UNSUPPORTED)
-    opts = _options(sets, slots, depth, policy_slots, bmc_slots, timeout, bmc_block_size)
+    opts = _options(sets, slots, depth, policy_slots, bmc_slots, timeout, bmc_block_size, id_blocks)
     chosen = [t for t in theorems_for(scheduler) if not only or any(o in t.name for o in only)]
     if not chosen:
         fail(f"--only {list(only)}: no theorem matches")
@@ -266,7 +272,36 @@ def _print(console: Console, scheduler: str, opts: Options, results: list[Result
         elif not r.ok:
             console.print(f"[red]{r.name}[/]: {r.status}; {r.detail}")
             if r.witness is not None and r.scenario is None:
-                console.print_json(json.dumps(r.witness, default=str))
+                console.print(witness_table(r.witness))
     failed = sum(not r.ok for r in results)
     console.print(f"{len(results) - failed} as expected, {failed} not"
                   + ("" if not failed else " (exit 1)"))
+
+
+def witness_table(witness: dict[str, Any]) -> Table:
+    """A counterexample state (and plan) as one row per live request: what a person reads first.
+
+    ``witness`` is ``solve.state_values``'s dict (its ``config``, scalars and live ``slots``)."""
+    cfg = witness.get("config", {})
+    title = "counterexample (minimized): " + ", ".join(f"{k}={v}" for k, v in cfg.items())
+    title += f"; free blocks {witness.get('free')}"
+    extra = {k: witness[k] for k in ("owner",) if k in witness}
+    if extra:
+        title += "; " + ", ".join(f"{k} {v}" for k, v in extra.items())
+    table = Table(title=title, title_justify="left")
+    for column in ("slot", "status", "prompt", "outputs", "max_tokens", "computed", "blocks", "queue pos",
+                   "admitted", "plan", "EOS"):
+        table.add_column(column)
+    for row in witness.get("slots", []):
+        if row.get("plan_sched"):
+            plan = f"schedule {row['plan_ntok']} tokens from {row['plan_start']}, +{row['plan_nb']} blocks"
+        elif row.get("plan_pre"):
+            plan = f"preempt (#{row['plan_ppos']})"
+        elif row.get("plan_rej"):
+            plan = "reject"
+        else:
+            plan = "-" if "plan_sched" in row else ""
+        table.add_row(str(row["slot"]), str(row["st"]), str(row["p"]), str(row["o"]), str(row["mt"]), str(row["nc"]),
+                      str(row["b"]), str(row["pos"]), "yes" if row["adm"] else "no", plan,
+                      {True: "yes", False: "no"}.get(row.get("eos"), ""))
+    return table

@@ -145,3 +145,57 @@ def decode_plan(values: Mapping[str, Any], slot_ids: Sequence[str | None]) -> di
         "preempted": [r for _, r in preempted],
         "rejected": rejected,
     }
+
+
+# --- block ids (:mod:`.blocks`) --------------------------------------------------------------------------
+
+
+def encode_ownership(state: SchedulerState, slot_ids: Sequence[str | None], num_kv_blocks: int) -> list[Any]:
+    """``owner[k]`` for each block ``k`` in ``[0, num_kv_blocks)``: the slot of the live request that owns
+    it, or :data:`.blocks.FREE`. Raises ``ValueError`` naming the block if the state has no such function
+    (a block owned twice, free and owned, out of range, or neither free nor owned): exactly when the
+    Python invariant ``block-conservation`` is broken on the live requests."""
+    from .blocks import FREE
+
+    index = {r: i for i, r in enumerate(slot_ids) if r is not None}
+    owner: dict[int, Any] = {}
+    for block_id in state.free_block_ids:
+        if block_id in owner:
+            raise ValueError(f"block {block_id} is twice in the free queue")
+        owner[block_id] = FREE
+    for request_id, request in state.requests.items():
+        for block_id in request.block_ids:
+            if block_id in owner:
+                raise ValueError(f"block {block_id} owned by {request_id} is also free or owned")
+            owner[block_id] = index[request_id]
+    for block_id in owner:
+        if not 0 <= block_id < num_kv_blocks:
+            raise ValueError(f"block {block_id} out of range")
+    missing = [k for k in range(num_kv_blocks) if k not in owner]
+    if missing:
+        raise ValueError(f"block {missing[0]} is neither free nor owned")
+    return [z3.IntVal(owner[k]) for k in range(num_kv_blocks)]
+
+
+def encode_handout(plan: StepPlan, slot_ids: Sequence[str | None], num_kv_blocks: int) -> Any:
+    """The plan's new block ids per slot (:class:`.blocks.Handout`): copies of each block in range, and
+    the ids out of range."""
+    from .blocks import Handout
+
+    index = {r: i for i, r in enumerate(slot_ids) if r is not None}
+    n = len(slot_ids)
+    hand = [[0] * num_kv_blocks for _ in range(n)]
+    stray = [0] * n
+    for item in plan.scheduled:
+        i = index[item.request_id]
+        for block_id in item.new_block_ids:
+            if 0 <= block_id < num_kv_blocks:
+                hand[i][block_id] += 1
+            else:
+                stray[i] += 1
+    return Handout([[z3.IntVal(x) for x in row] for row in hand], [z3.IntVal(x) for x in stray])
+
+
+def ownership_of(state: SchedulerState, slot_ids: Sequence[str | None], num_kv_blocks: int) -> list[int]:
+    """:func:`encode_ownership` as Python ints (a state after a step, for comparison with the encoding)."""
+    return [py(v) for v in encode_ownership(state, slot_ids, num_kv_blocks)]

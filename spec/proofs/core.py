@@ -23,6 +23,8 @@ DEFAULT_BMC_SLOTS = 3
 DEFAULT_BMC_BLOCK_SIZE = 2
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_TIMEOUT_S = 60.0
+DEFAULT_ID_BLOCKS = 6
+"""M, the ``num_kv_blocks`` of the block-id theorems (:mod:`.blocks`: one variable per block)."""
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,8 @@ class Options:
         bmc_block_size: the block size of bounded model checking and its cover goals (with a fixed
             block size): small, so that decodes need new blocks within K steps and preemptions are
             reachable (with 16 and max_model_len <= K no run from the initial state preempts).
+        id_blocks: M, the ``num_kv_blocks`` of the block-id theorems (:mod:`.blocks`), run at
+            ``policy_n`` slots.
     """
 
     slots: int = DEFAULT_SLOTS
@@ -55,6 +59,7 @@ class Options:
     bmc_slots: int = DEFAULT_BMC_SLOTS
     policy_slots: int = DEFAULT_POLICY_SLOTS
     bmc_block_size: int = DEFAULT_BMC_BLOCK_SIZE
+    id_blocks: int = DEFAULT_ID_BLOCKS
 
     @property
     def bmc_n(self) -> int:

@@ -205,3 +205,44 @@ class Prover:
             if x.get_id() not in self._seen:
                 self._seen.add(x.get_id())
                 self._args.append(x)
+
+
+def minimize(ctx: Ctx, constraints: list[Any], objectives: list[Any], timeout_s: float, rounds: int = 8
+             ) -> z3.ModelRef | None:
+    """A model of ``constraints`` with small ``objectives``, by iterative tightening: each objective in
+    turn (fewest live requests first, then the smallest numbers) is pushed below its value in the last
+    model while the solver finds one (at most ``rounds`` times, ``timeout_s`` per query), then held at
+    its best value. None if the constraints have no model within the time."""
+    solver = z3.Solver()
+    solver.set("timeout", max(1, int(timeout_s * 1000)))
+    asserted = list(constraints) + list(ctx.facts)
+    solver.add(asserted)
+    solver.add(cdiv_facts(ctx, asserted))
+    if solver.check() != z3.sat:
+        return None
+    model = solver.model()
+    for objective in objectives:
+        for _ in range(rounds):
+            best = model.eval(objective, model_completion=True)
+            solver.push()
+            solver.add(objective < best)
+            if solver.check() == z3.sat:
+                model = solver.model()
+                solver.pop()
+                solver.add(objective <= model.eval(objective, model_completion=True))
+                continue
+            solver.pop()
+            break
+        solver.add(objective <= model.eval(objective, model_completion=True))
+    return model
+
+
+def witness_objectives(s: State, plan: Plan | None = None) -> list[Any]:
+    """What a readable witness keeps small: the live requests, then their lengths, blocks and positions."""
+    live = [z3.If(sl.live, 1, 0) for sl in s.slots]
+    sizes = [z3.If(sl.live, sl.p + sl.o + sl.mt + sl.nc + sl.b, 0) for sl in s.slots]
+    spread = [z3.If(sl.live, z3.If(sl.pos >= 0, sl.pos, -sl.pos), 0) for sl in s.slots]
+    out = [z3.Sum(live + [z3.IntVal(0)]), z3.Sum(sizes + [z3.IntVal(0)]), s.free, z3.Sum(spread + [z3.IntVal(0)])]
+    if plan is not None:
+        out.append(z3.Sum([z3.If(plan.sched[i], plan.ntok[i] + plan.nb[i], 0) for i in range(plan.n)] + [z3.IntVal(0)]))
+    return out

@@ -45,7 +45,7 @@ from .encoding import (
     symbolic_plan,
     symbolic_state,
 )
-from .solve import Answer, Prover, check, state_values
+from .solve import Answer, Prover, check, minimize, state_values, witness_objectives
 
 
 def setup(opts: Options, prefix: str = "") -> Ctx:
@@ -207,19 +207,26 @@ def _run_step_goal(goal_name: str, opts: Options, use_slice: bool = True) -> tup
     names = ("cfg",) + STEP_SLICES[goal_name] if use_slice else tuple(hyps)
     hypotheses = [hyps[n] for n in names]
     answer = None
+    failed = None
     if goal_name in LEMMAS:
-        answer = check(ctx, hypotheses, goals["lemma:" + goal_name], opts.timeout_s)
+        failed = goals["lemma:" + goal_name]
+        answer = check(ctx, hypotheses, failed, opts.timeout_s)
         hypotheses.append(goals["lemma:" + goal_name])
     if answer is None or answer.status == PROVED:
-        goal = goals[goal_name]
-        if goal_name in SPLIT_GOALS and z3.is_and(goal):
-            answer = prove_parts(ctx, hypotheses, goal.children(), opts.timeout_s)
+        failed = goals[goal_name]
+        if goal_name in SPLIT_GOALS and z3.is_and(failed):
+            answer = prove_parts(ctx, hypotheses, failed.children(), opts.timeout_s)
         else:
-            answer = check(ctx, hypotheses, goal, opts.timeout_s)
+            answer = check(ctx, hypotheses, failed, opts.timeout_s)
     witness = None
-    if answer.model is not None:
-        witness = state_values(answer.model, s, plan, {"eos": eos})
-        witness["config"] = ctx.cfg.evaluate(answer.model)
+    model = answer.model
+    if model is not None and not use_slice:
+        # the reported witness: fewest live requests, smallest numbers (iterative tightening)
+        model = minimize(ctx, hypotheses + [z3.Not(failed)], witness_objectives(s, plan),
+                         min(opts.timeout_s, 10.0)) or model
+    if model is not None:
+        witness = state_values(model, s, plan, {"eos": eos})
+        witness["config"] = ctx.cfg.evaluate(model)
     return answer.status, (answer.reason, witness)
 
 
@@ -325,6 +332,9 @@ def spec_theorems() -> list[Theorem]:
     goal_names = ([f"inv:{k}" for k in STATE_INVARIANT_ORDER] + [f"step:{k}" for k in
                   ("chunks-in-order", "ended-requests")] + [f"sup:{k}" for k in SUPPORT_ORDER])
     out.extend(step_theorem(g) for g in goal_names)
+    from .blocks import block_theorems
+
+    out.extend(block_theorems())
     return out
 
 
