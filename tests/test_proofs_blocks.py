@@ -14,6 +14,7 @@ waiting request a block a running request owns; the Python rule and the id rule 
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
 z3 = pytest.importorskip("z3")
@@ -56,7 +57,7 @@ def corrupted(draw, state: SchedulerState, config: SchedulerConfig) -> Scheduler
         victim = draw(st.sampled_from(owners))
         other = draw(st.sampled_from(list(requests)))
         block = requests[victim].block_ids[0]
-        requests[other] = requests[other].replace(block_ids=requests[other].block_ids + (block,))
+        requests[other] = attrs.evolve(requests[other], block_ids=requests[other].block_ids + (block,))
         free = tuple(b for b in free if b != block) if other == victim else free
     elif how == "free-and-owned":
         free = free + (requests[draw(st.sampled_from(owners))].block_ids[0],)
