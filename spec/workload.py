@@ -36,7 +36,26 @@ def _mix(seed: int, position: int) -> int:
     return z ^ (z >> 31)
 
 
-class SyntheticPrompt(Sequence[int]):
+class _DerivedPrompt(Sequence[int]):
+    """A prompt whose ids are computed from a few parameters (its ``_key``): equal keys, equal ids."""
+
+    __slots__ = ()
+
+    def _key(self) -> tuple:
+        raise NotImplementedError
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is type(self):
+            return self._key() == other._key()  # type: ignore[attr-defined]
+        if isinstance(other, Sequence):
+            return len(other) == len(self) and all(a == b for a, b in zip(self, other, strict=True))
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+
+class SyntheticPrompt(_DerivedPrompt):
     """A read-only prompt whose ids are computed on access.
 
     Position ``p < prefix_len`` has id ``f(prefix_group, p)``; others ``f(request_id, p)``; each id in
@@ -78,16 +97,8 @@ class SyntheticPrompt(Sequence[int]):
             z = z ^ (z >> np.uint64(31))
         return (np.uint64(1) + z % np.uint64(self._vocab - 1)).astype(np.int64)
 
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, SyntheticPrompt):
-            return (self._length, self._prefix_len, self._prefix_seed, self._own_seed, self._vocab) == (
-                other._length, other._prefix_len, other._prefix_seed, other._own_seed, other._vocab)
-        if isinstance(other, Sequence):
-            return len(other) == self._length and all(a == b for a, b in zip(self, other, strict=True))
-        return NotImplemented
-
-    def __hash__(self) -> int:
-        return hash((self._length, self._prefix_len, self._prefix_seed, self._own_seed, self._vocab))
+    def _key(self) -> tuple:
+        return self._length, self._prefix_len, self._prefix_seed, self._own_seed, self._vocab
 
     def __repr__(self) -> str:
         return f"SyntheticPrompt(len={self._length}, prefix_len={self._prefix_len})"
@@ -103,7 +114,7 @@ def _mix_array(seeds: np.ndarray, positions: np.ndarray, vocab_size: int) -> np.
     return (np.uint64(1) + z % np.uint64(vocab_size - 1)).astype(np.int64)
 
 
-class BlockHashPrompt(Sequence[int]):
+class BlockHashPrompt(_DerivedPrompt):
     """A read-only prompt made of hashed blocks, as the Mooncake traces describe prompts: block ``k``
     (positions ``[k * block_tokens, (k + 1) * block_tokens)``) has ids ``f(block_hash_ids[k], offset)``,
     ``offset`` the position inside the block; positions past the last hashed block have ids
@@ -171,16 +182,8 @@ class BlockHashPrompt(Sequence[int]):
         offsets = np.where(hashed, positions % np.uint64(self._block_tokens), positions)
         return _mix_array(seeds, offsets, self._vocab)
 
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, BlockHashPrompt):
-            return (self._length, self._block_tokens, self._hash_ids, self._own_seed, self._vocab) == (
-                other._length, other._block_tokens, other._hash_ids, other._own_seed, other._vocab)
-        if isinstance(other, Sequence):
-            return len(other) == self._length and all(a == b for a, b in zip(self, other, strict=True))
-        return NotImplemented
-
-    def __hash__(self) -> int:
-        return hash((self._length, self._block_tokens, self._hash_ids, self._own_seed, self._vocab))
+    def _key(self) -> tuple:
+        return self._length, self._block_tokens, self._hash_ids, self._own_seed, self._vocab
 
     def __repr__(self) -> str:
         return f"BlockHashPrompt(len={self._length}, blocks={len(self._hash_ids)}x{self._block_tokens})"
