@@ -240,9 +240,9 @@ class _VllmAdapter:
 
     def __init__(self, config: SchedulerConfig, policy: str = "fcfs") -> None:
         self.name = "vllm" + ("" if policy == "fcfs" else f"-{policy}") + ("-async" if self.async_scheduling else "")
-        if config.enable_prefix_caching:
-            raise UnsupportedFeature(f"scheduler {self.name!r}: prefix caching is not mapped onto the spec yet "
-                                     "(enable_prefix_caching=true)")
+        if config.enable_prefix_caching and self.async_scheduling:
+            raise UnsupportedFeature(f"scheduler {self.name!r}: prefix caching with async scheduling is not "
+                                     "mapped onto the spec yet (enable_prefix_caching=true)")
         if policy not in POLICIES:
             raise UnsupportedFeature(f"scheduler {self.name!r}: policy {policy!r} (vLLM has {list(POLICIES)})")
         self.config = config
@@ -309,9 +309,11 @@ class _VllmAdapter:
         if self.plan is None:
             reply, self.prepared = self.prepared or self._call({"op": "schedule"}), None
             scheduled = []
-            for request_id, computed, count, blocks in reply["scheduled"]:
+            for request_id, computed, count, blocks, num_hit_blocks in reply["scheduled"]:
                 if request_id in self.live:
-                    scheduled.append(ScheduledRequest(request_id, computed, count, tuple(b - 1 for b in blocks)))
+                    ids = tuple(b - 1 for b in blocks)
+                    scheduled.append(ScheduledRequest(request_id, computed, count, ids[num_hit_blocks:],
+                                                      cached_block_ids=ids[:num_hit_blocks]))
                 else:
                     self.num_dropped += 1
             preempted = tuple(r for r in reply["preempted"] if r in self.live)
