@@ -92,9 +92,10 @@ from typing import IO, Any
 
 from schedspec.reference.scheduler import EngineView, UnsupportedFeature
 from schedspec.spec.config import SchedulerConfig
+from schedspec.spec.prefix_cache import ROOT_HASH, max_hit_blocks, request_block_hash
 from schedspec.spec.request import Request
 from schedspec.spec.rules import Violation
-from schedspec.spec.state import ScheduledRequest, StepPlan
+from schedspec.spec.state import ScheduledRequest, SchedulerState, StepPlan
 from schedspec.spec.workload import DEFAULT_VOCAB_SIZE, token_ids
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -232,6 +233,72 @@ def input_processor_rejection(request: Request, config: SchedulerConfig) -> str 
     return None
 
 
+SAME_STEP_HIT_RULES = frozenset({"prefix-hit-is-cached-chain", "prefix-hit-longest", "blocks-from-free-pool"})
+"""The spec's rules a same-step prefix-cache hit breaks (:func:`same_step_hits`)."""
+
+_REUSED_IN_STEP = "is handed out and reused by a prefix-cache hit in the same step"
+"""The words of ``blocks-from-free-pool`` (spec/rules.py) for a block both handed out and hit in one plan."""
+
+
+def same_step_hits(state: SchedulerState, plan: StepPlan, config: SchedulerConfig) -> dict[str, tuple[int, ...]]:
+    """The requests of ``plan`` whose prefix-cache hit uses blocks that vLLM published earlier in the same
+    step, and those blocks (spec ids).
+
+    vLLM 0.32 publishes a block's hash when it schedules the chunk that fills it
+    (``KVCacheManager.allocate_slots`` -> ``coordinator.cache_blocks`` with ``num_computed_tokens +
+    num_new_tokens``, ``vllm/v1/core/kv_cache_manager.py``), before the forward pass; a request looked up
+    later in the same ``Scheduler.schedule`` (``KVCacheManager.get_computed_blocks``) can hit it. The spec
+    publishes at the end of the step (:mod:`schedspec.spec.prefix_cache`), so such a hit breaks
+    ``prefix-hit-is-cached-chain`` and ``prefix-hit-longest`` (the hit is longer than the spec's cache),
+    and, when the earlier request got the block as a new block in the same step, ``blocks-from-free-pool``
+    for that earlier request ("handed out and reused by a prefix-cache hit in the same step").
+
+    The precise condition, per admitted request R with a hit: every hit block ``i`` either carries R's chain
+    hash of block ``i`` before the step, or is block ``i`` of the table of a request scheduled **before** R
+    in the same plan whose chunk computes that whole block in this step (``(i + 1) * block_size <=
+    num_computed_tokens + num_tokens``) and whose chain hash of block ``i`` equals R's (so the spec's
+    end-of-step publication gives it that hash; the KV exists when R's step runs, as the batch computes
+    both); at least one block is of the second kind; and the hit leaves a token to compute
+    (:func:`~schedspec.spec.prefix_cache.max_hit_blocks`). A hit on a hashed block that no earlier
+    request computes in this step (e.g. the priority policy's in-step preemption:
+    ``docs/findings/vllm-priority-preempted-chunk-stays-cached.md``) is not such a hit.
+
+    Returns:
+        request id -> its hit blocks published in the same step (only requests meeting the condition).
+    """
+    cache = state.prefix_cache
+    if cache is None:
+        return {}
+    size = config.block_size
+    computing: dict[int, tuple[int, str]] = {}  # block -> (index in the table, chain hash) being computed
+    found: dict[str, tuple[int, ...]] = {}
+    for item in plan.scheduled:
+        request = state.requests.get(item.request_id)
+        if request is None:
+            continue
+        if item.cached_block_ids and len(item.cached_block_ids) <= max_hit_blocks(request, size):
+            parent, same_step, valid = ROOT_HASH, [], True
+            for index, block_id in enumerate(item.cached_block_ids):
+                parent = request_block_hash(request, index, parent, size)
+                if cache.block_hashes.get(block_id) == parent:
+                    continue
+                if computing.get(block_id) == (index, parent):
+                    same_step.append(block_id)
+                    continue
+                valid = False
+                break
+            if valid and same_step:
+                found[item.request_id] = tuple(same_step)
+        table = request.block_ids + item.cached_block_ids + item.new_block_ids
+        full = min((item.num_computed_tokens + item.num_tokens) // size, len(table))
+        parent = ROOT_HASH
+        for index in range(full):
+            parent = request_block_hash(request, index, parent, size)
+            if table[index] not in cache.block_hashes:
+                computing.setdefault(table[index], (index, parent))
+    return found
+
+
 class _VllmAdapter:
     """What the synchronous and the asynchronous adapter share (module docstring); not registered."""
 
@@ -325,12 +392,41 @@ class _VllmAdapter:
             self.plan_num_requests = reply["num_requests"]
         return self.plan
 
-    def is_known_divergence(self, violation: Violation) -> bool:
-        """Whether ``violation`` (of the plan ``schedule`` returned) is vLLM's documented lifting of
-        ``long_prefill_token_threshold`` for a lone request: a ``long-prefill-threshold`` violation in a
-        step vLLM planned while holding at most one request (running or waiting;
-        ``Scheduler.get_request_counts``, read at the start of ``Scheduler.schedule``)."""
-        return violation.name == "long-prefill-threshold" and self.plan_num_requests <= 1
+    def is_known_divergence(self, violation: Violation, state: SchedulerState | None = None) -> bool:
+        """Whether ``violation`` (of the plan ``schedule`` returned, before ``update``) is one of vLLM's
+        documented differences from the spec:
+
+        - its lifting of ``long_prefill_token_threshold`` for a lone request: a
+          ``long-prefill-threshold`` violation in a step vLLM planned while holding at most one request
+          (running or waiting; ``Scheduler.get_request_counts``, read at the start of ``Scheduler.schedule``);
+        - with prefix caching and ``state`` (the spec's state before the step) given, a same-step hit: a
+          ``prefix-hit-is-cached-chain`` or ``prefix-hit-longest`` violation of a request that
+          :func:`same_step_hits` names (for ``prefix-hit-longest`` only if vLLM's hit is the longer one),
+          or a ``blocks-from-free-pool`` "reused by a prefix-cache hit in the same step" violation of the
+          request that computes such blocks, when every one of its new blocks hit in the plan is one.
+        """
+        if violation.name == "long-prefill-threshold":
+            return self.plan_num_requests <= 1
+        if violation.name not in SAME_STEP_HIT_RULES or state is None or self.plan is None:
+            return False
+        hits = same_step_hits(state, self.plan, self.config)
+        if violation.name == "blocks-from-free-pool":
+            # the earlier request's new block that a later request of the plan hits: known when every
+            # such block of it is a same-step hit block of a request meeting the condition
+            if not violation.detail.endswith(_REUSED_IN_STEP):
+                return False
+            item = next((i for i in self.plan.scheduled if i.request_id == violation.request_id), None)
+            hit = {b for i in self.plan.scheduled for b in i.cached_block_ids}
+            explained = {b for blocks in hits.values() for b in blocks}
+            return item is not None and set(item.new_block_ids) & hit <= explained
+        if violation.request_id not in hits:
+            return False
+        if violation.name == "prefix-hit-longest":
+            request = state.requests[violation.request_id]
+            item = next(i for i in self.plan.scheduled if i.request_id == violation.request_id)
+            assert state.prefix_cache is not None
+            return len(item.cached_block_ids) > len(state.prefix_cache.longest_hit(request, self.config.block_size))
+        return True
 
     def update(self, plan: StepPlan, sampled_token_ids: Mapping[str, int]) -> tuple[str, ...]:
         """Feed the sampled tokens to ``Scheduler.update_from_output``; the ids that finished (stop or
