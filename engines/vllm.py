@@ -254,8 +254,9 @@ def same_step_hits(state: SchedulerState, plan: StepPlan, config: SchedulerConfi
     for that earlier request ("handed out and reused by a prefix-cache hit in the same step").
 
     The precise condition, per admitted request R with a hit: every hit block ``i`` either carries R's chain
-    hash of block ``i`` before the step, or is block ``i`` of the table of a request scheduled **before** R
-    in the same plan whose chunk computes that whole block in this step (``(i + 1) * block_size <=
+    hash of block ``i`` before the step (and is not handed out earlier in the step), or is block ``i`` of
+    the table of a request scheduled **before** R in the same plan, that had no hash before the step or
+    was handed out (evicted) in it, and whose chunk computes that whole block in this step (``(i + 1) * block_size <=
     num_computed_tokens + num_tokens``) and whose chain hash of block ``i`` equals R's (so the spec's
     end-of-step publication gives it that hash; the KV exists when R's step runs, as the batch computes
     both); at least one block is of the second kind; and the hit leaves a token to compute
@@ -280,10 +281,11 @@ def same_step_hits(state: SchedulerState, plan: StepPlan, config: SchedulerConfi
             parent, same_step, valid = ROOT_HASH, [], True
             for index, block_id in enumerate(item.cached_block_ids):
                 parent = request_block_hash(request, index, parent, size)
-                if cache.block_hashes.get(block_id) == parent:
-                    continue
-                if computing.get(block_id) == (index, parent):
-                    same_step.append(block_id)
+                if block_id in computing:  # handed out or filled earlier in this step: its old hash is gone
+                    if computing[block_id] == (index, parent):
+                        same_step.append(block_id)
+                        continue
+                elif cache.block_hashes.get(block_id) == parent:
                     continue
                 valid = False
                 break
@@ -292,9 +294,11 @@ def same_step_hits(state: SchedulerState, plan: StepPlan, config: SchedulerConfi
         table = request.block_ids + item.cached_block_ids + item.new_block_ids
         full = min((item.num_computed_tokens + item.num_tokens) // size, len(table))
         parent = ROOT_HASH
+        new = set(item.new_block_ids)
         for index in range(full):
             parent = request_block_hash(request, index, parent, size)
-            if table[index] not in cache.block_hashes:
+            if table[index] not in cache.block_hashes or table[index] in new:
+                # no hash before the step, or handed out now (vLLM get_new_blocks evicts its old hash)
                 computing.setdefault(table[index], (index, parent))
     return found
 
@@ -494,6 +498,17 @@ class VllmScheduler(_VllmAdapter):
             block_tables={r: tuple(b - 1 for b in blocks) for r, blocks in reply["block_tables"].items()},
             num_computed_tokens=computed,
         )
+
+
+    def cache_view(self) -> tuple[tuple[int, ...], frozenset[int], dict[int, int]]:
+        """vLLM's block pool beyond :class:`EngineView`, in spec ids: the free queue in order
+        (``FreeKVCacheBlockQueue.get_all_free_blocks``: free and evictable blocks, next handed out
+        first), the blocks that carry a hash (``KVCacheBlock.block_hash``, held or evictable) and the
+        reference counts of held blocks (``KVCacheBlock.ref_cnt``). To compare with the spec's
+        ``free_block_ids`` and ``prefix_cache`` (docs/engines.md, *Prefix caching*)."""
+        reply = self._call({"op": "view"})
+        return (tuple(b - 1 for b in reply["free_queue"]), frozenset(b - 1 for b in reply["cached_blocks"]),
+                {int(b) - 1: count for b, count in reply["ref_counts"].items()})
 
 
 class VllmAsyncScheduler(_VllmAdapter):
