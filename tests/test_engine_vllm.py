@@ -56,7 +56,7 @@ FINDINGS = (
     "counterexample-vllm-impossible-request-blocks-queue",
     "counterexample-vllm-outgrown-request-blocks-queue",
     "counterexample-vllm-priority-no-preempt-at-seq-cap",
-    "vllm-priority-preempted-chunk-stays-cached",
+    "counterexample-vllm-priority-preempted-chunk-stays-cached",
 )
 PREFIX_CASES = ("abort-during-chunked-prefill", "preempt-then-prefix-hit")
 """The bundled (and shared) prefix-caching scenarios, fcfs."""
@@ -303,7 +303,7 @@ class VllmMachine(SchedulerStateMachine):
     def build_scheduler(cls, config):
         return VllmScheduler(config, cls.policy)
 
-    def add_request(self, prompt_len, max_tokens, eos_at_output=None, priority=0):
+    def add_request(self, prompt_len, max_tokens, eos_at_output=None, priority=0, prefix_group=None, prefix_len=0):
         config = self.config
         if prompt_len == config.max_model_len:
             prompt_len -= 1
@@ -313,10 +313,11 @@ class VllmMachine(SchedulerStateMachine):
                 max_tokens -= 1
         if prompt_len == 0 or rejection_reason(prompt_len, max_tokens, config) is not None:
             assert input_processor_rejection(RequestSpec("x", prompt_len, max_tokens, 0).to_request(0), config)
-        return super().add_request(prompt_len, max_tokens, eos_at_output, priority)
+        return super().add_request(prompt_len, max_tokens, eos_at_output, priority,
+                                   prefix_group=prefix_group, prefix_len=min(prefix_len, max(prompt_len, 0)))
 
     def known_divergences(self, state, plan, found):
-        return [v for v in found if self.scheduler.is_known_divergence(v)]
+        return [v for v in found if self.scheduler.is_known_divergence(v, state)]
 
     def _check_scheduler_state(self) -> None:
         super()._check_scheduler_state()
@@ -330,6 +331,19 @@ class VllmMachine(SchedulerStateMachine):
 
 class VllmPriorityMachine(VllmMachine):
     policy = "priority"
+
+
+class VllmPrefixCachingMachine(VllmMachine):
+    """The machine on ``vllm`` (fcfs) with prefix caching on in every config and the ``shared_prefix``
+    rule adding requests with shared prefixes (same-step hits are the documented difference,
+    ``is_known_divergence``). Not run with the priority policy: that would find
+    ``vllm-priority-preempted-chunk-stays-cached``, which has its own test."""
+
+    @classmethod
+    def configs(cls):
+        from schedspec.strategies import scheduler_configs
+
+        return scheduler_configs(prefix_caching=True)
 
 
 class VllmAsyncMachine(VllmMachine):
@@ -349,6 +363,15 @@ MACHINE_EXAMPLES = int(os.environ.get("SCHEDSPEC_VLLM_EXAMPLES", "60"))
                          ids=["fcfs", "priority", "fcfs-async"])
 def test_state_machine(machine) -> None:
     run_state_machine_as_test(machine, settings=settings(max_examples=MACHINE_EXAMPLES, stateful_step_count=30))
+
+
+PREFIX_MACHINE_EXAMPLES = int(os.environ.get("SCHEDSPEC_VLLM_PREFIX_EXAMPLES", "30"))
+"""Examples of the prefix-caching machine (CI: derandomized)."""
+
+
+def test_state_machine_with_prefix_caching() -> None:
+    run_state_machine_as_test(VllmPrefixCachingMachine,
+                              settings=settings(max_examples=PREFIX_MACHINE_EXAMPLES, stateful_step_count=30))
 
 
 def test_state_machine_catches_a_broken_adapter(monkeypatch) -> None:
@@ -544,7 +567,7 @@ def test_priority_preemption_leaves_withdrawn_chunk_cached() -> None:
     """The finding vllm-priority-preempted-chunk-stays-cached: after step 2 vLLM holds a hash for block 5,
     whose chunk it withdrew when it preempted L; the spec does not; in step 3 L hits it, breaking
     prefix-hit-is-cached-chain, which is not excused as a same-step hit. With fcfs vLLM does not do it."""
-    path = CASES["vllm-priority-preempted-chunk-stays-cached"]
+    path = CASES["counterexample-vllm-priority-preempted-chunk-stays-cached"]
     scheduler, result = _replay_cache_checked(path, "vllm-priority")
     chain = [v for v in result.violations if v.name == "prefix-hit-is-cached-chain"]
     assert [(v.step, v.request_id) for v in chain] == [(3, "L")]
