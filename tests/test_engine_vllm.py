@@ -336,7 +336,8 @@ class VllmPriorityMachine(VllmMachine):
 class VllmPrefixCachingMachine(VllmMachine):
     """The machine on ``vllm`` (fcfs) with prefix caching on in every config and the ``shared_prefix``
     rule adding requests with shared prefixes (same-step hits are the documented difference,
-    ``is_known_divergence``). Not run with the priority policy: that would find
+    ``is_known_divergence``); after every rule vLLM's free queue (in order), hashed blocks and reference
+    counts (``VllmScheduler.cache_view``) must equal the spec's. Not run with the priority policy: that would find
     ``vllm-priority-preempted-chunk-stays-cached``, which has its own test."""
 
     @classmethod
@@ -344,6 +345,17 @@ class VllmPrefixCachingMachine(VllmMachine):
         from schedspec.strategies import scheduler_configs
 
         return scheduler_configs(prefix_caching=True)
+
+    def _check_scheduler_state(self) -> None:
+        super()._check_scheduler_state()
+        free, hashed, counts = self.scheduler.cache_view()
+        cache = self.shadow.prefix_cache
+        if tuple(self.shadow.free_block_ids) != free:
+            self._fail("free queue order", f"at step {self.shadow.step}: spec {list(self.shadow.free_block_ids)}, "
+                                           f"vLLM {list(free)}")
+        if set(cache.block_hashes) != hashed or dict(cache.ref_counts) != counts:
+            self._fail("prefix cache", f"at step {self.shadow.step}: hashed spec {sorted(cache.block_hashes)} "
+                                       f"vLLM {sorted(hashed)}; ref counts spec {dict(cache.ref_counts)} vLLM {counts}")
 
 
 class VllmAsyncMachine(VllmMachine):
@@ -372,6 +384,20 @@ PREFIX_MACHINE_EXAMPLES = int(os.environ.get("SCHEDSPEC_VLLM_PREFIX_EXAMPLES", "
 def test_state_machine_with_prefix_caching() -> None:
     run_state_machine_as_test(VllmPrefixCachingMachine,
                               settings=settings(max_examples=PREFIX_MACHINE_EXAMPLES, stateful_step_count=30))
+
+
+def test_prefix_caching_machine_catches_a_wrong_free_queue_order(monkeypatch) -> None:
+    """A deliberate break: report vLLM's free queue back to front; the machine's cache check fails."""
+    original = VllmScheduler.cache_view
+
+    def reversed_queue(self):
+        free, hashed, counts = original(self)
+        return tuple(reversed(free)), hashed, counts
+
+    monkeypatch.setattr(VllmScheduler, "cache_view", reversed_queue)
+    with pytest.raises(SpecViolation, match="free queue order"):
+        run_state_machine_as_test(VllmPrefixCachingMachine, settings=settings(
+            max_examples=20, stateful_step_count=10, derandomize=True, database=None))
 
 
 def test_state_machine_catches_a_broken_adapter(monkeypatch) -> None:
