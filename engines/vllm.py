@@ -66,14 +66,24 @@ raises :class:`EngineUnavailable` (an ``UnsupportedFeature``: CLI exit 3) saying
   returns (counted in ``num_dropped``); the rest is the plan as vLLM made it. Arrivals added after step
   n's ``update`` reach vLLM one step later than in synchronous mode, as in the engine. The async adapter
   has no ``engine_view``: between steps vLLM's state already holds step n+1's allocations.
-- Prefix caching on raises ``UnsupportedFeature`` (CLI exit 3); so does a config vLLM's own config
-  classes refuse (the message is vLLM's). A ``long_prefill_token_threshold`` above ``max_model_len``
+- *Prefix caching* (synchronous adapters): the worker enables ``CacheConfig.enable_prefix_caching`` and
+  gives every ``Request`` the block hasher ``EngineCore.__init__`` would (``vllm/v1/engine/core.py``:
+  ``init_none_hash``, ``get_request_block_hasher``). A request admitted from the waiting queue
+  (``NewRequestData``, or ``CachedRequestData.resumed_req_ids``) has ``num_computed_tokens`` equal to
+  its hit (``KVCacheManager.get_computed_blocks``); the first ``num_computed_tokens // block_size`` ids of
+  its block table are the plan's ``cached_block_ids``, the rest its ``new_block_ids``.
+  :meth:`VllmScheduler.cache_view` reports vLLM's free queue (in order), hashed blocks and reference
+  counts. With async scheduling, caching raises ``UnsupportedFeature`` (CLI exit 3); so does a config
+  vLLM's own config classes refuse (the message is vLLM's). A ``long_prefill_token_threshold`` above ``max_model_len``
   (vLLM refuses it) is passed as 0: no chunk is longer than ``max_model_len``, so it caps nothing.
 - *Documented differences* (vLLM's choice, not faults): vLLM lifts ``long_prefill_token_threshold``
   when only one request is running or waiting ("nobody to starve", ``Scheduler.schedule`` and the
   field's docstring in ``vllm/config/scheduler.py``), which breaks the spec's rule
   ``long-prefill-threshold``; and the input processor's refusal of a prompt of exactly
-  ``max_model_len`` tokens (above). :meth:`VllmScheduler.is_known_divergence` recognises the first.
+  ``max_model_len`` tokens (above); with prefix caching, same-step hits: vLLM publishes a block's hash
+  when it schedules the chunk that fills it (``KVCacheManager.allocate_slots`` -> ``cache_blocks``), the
+  spec at the end of the step (:func:`same_step_hits` gives the precise condition).
+  :meth:`VllmScheduler.is_known_divergence` recognises the first and the third.
 
 ``guarantees`` is empty: vLLM promises none of the spec's trace properties (it breaks
 ``rejects-impossible`` and, with an impossible request, ``progress``; see ``docs/findings``).
