@@ -66,14 +66,24 @@ raises :class:`EngineUnavailable` (an ``UnsupportedFeature``: CLI exit 3) saying
   returns (counted in ``num_dropped``); the rest is the plan as vLLM made it. Arrivals added after step
   n's ``update`` reach vLLM one step later than in synchronous mode, as in the engine. The async adapter
   has no ``engine_view``: between steps vLLM's state already holds step n+1's allocations.
-- Prefix caching on raises ``UnsupportedFeature`` (CLI exit 3); so does a config vLLM's own config
-  classes refuse (the message is vLLM's). A ``long_prefill_token_threshold`` above ``max_model_len``
+- *Prefix caching* (synchronous adapters): the worker enables ``CacheConfig.enable_prefix_caching`` and
+  gives every ``Request`` the block hasher ``EngineCore.__init__`` would (``vllm/v1/engine/core.py``:
+  ``init_none_hash``, ``get_request_block_hasher``). A request admitted from the waiting queue
+  (``NewRequestData``, or ``CachedRequestData.resumed_req_ids``) has ``num_computed_tokens`` equal to
+  its hit (``KVCacheManager.get_computed_blocks``); the first ``num_computed_tokens // block_size`` ids of
+  its block table are the plan's ``cached_block_ids``, the rest its ``new_block_ids``.
+  :meth:`VllmScheduler.cache_view` reports vLLM's free queue (in order), hashed blocks and reference
+  counts. With async scheduling, caching raises ``UnsupportedFeature`` (CLI exit 3); so does a config
+  vLLM's own config classes refuse (the message is vLLM's). A ``long_prefill_token_threshold`` above ``max_model_len``
   (vLLM refuses it) is passed as 0: no chunk is longer than ``max_model_len``, so it caps nothing.
 - *Documented differences* (vLLM's choice, not faults): vLLM lifts ``long_prefill_token_threshold``
   when only one request is running or waiting ("nobody to starve", ``Scheduler.schedule`` and the
   field's docstring in ``vllm/config/scheduler.py``), which breaks the spec's rule
   ``long-prefill-threshold``; and the input processor's refusal of a prompt of exactly
-  ``max_model_len`` tokens (above). :meth:`VllmScheduler.is_known_divergence` recognises the first.
+  ``max_model_len`` tokens (above); with prefix caching, same-step hits: vLLM publishes a block's hash
+  when it schedules the chunk that fills it (``KVCacheManager.allocate_slots`` -> ``cache_blocks``), the
+  spec at the end of the step (:func:`same_step_hits` gives the precise condition).
+  :meth:`VllmScheduler.is_known_divergence` recognises the first and the third.
 
 ``guarantees`` is empty: vLLM promises none of the spec's trace properties (it breaks
 ``rejects-impossible`` and, with an impossible request, ``progress``; see ``docs/findings``).
@@ -92,9 +102,10 @@ from typing import IO, Any
 
 from schedspec.reference.scheduler import EngineView, UnsupportedFeature
 from schedspec.spec.config import SchedulerConfig
+from schedspec.spec.prefix_cache import ROOT_HASH, max_hit_blocks, request_block_hash
 from schedspec.spec.request import Request
 from schedspec.spec.rules import Violation
-from schedspec.spec.state import ScheduledRequest, StepPlan
+from schedspec.spec.state import ScheduledRequest, SchedulerState, StepPlan
 from schedspec.spec.workload import DEFAULT_VOCAB_SIZE, token_ids
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -232,6 +243,76 @@ def input_processor_rejection(request: Request, config: SchedulerConfig) -> str 
     return None
 
 
+SAME_STEP_HIT_RULES = frozenset({"prefix-hit-is-cached-chain", "prefix-hit-longest", "blocks-from-free-pool"})
+"""The spec's rules a same-step prefix-cache hit breaks (:func:`same_step_hits`)."""
+
+_REUSED_IN_STEP = "is handed out and reused by a prefix-cache hit in the same step"
+"""The words of ``blocks-from-free-pool`` (spec/rules.py) for a block both handed out and hit in one plan."""
+
+
+def same_step_hits(state: SchedulerState, plan: StepPlan, config: SchedulerConfig) -> dict[str, tuple[int, ...]]:
+    """The requests of ``plan`` whose prefix-cache hit uses blocks that vLLM published earlier in the same
+    step, and those blocks (spec ids).
+
+    vLLM 0.32 publishes a block's hash when it schedules the chunk that fills it
+    (``KVCacheManager.allocate_slots`` -> ``coordinator.cache_blocks`` with ``num_computed_tokens +
+    num_new_tokens``, ``vllm/v1/core/kv_cache_manager.py``), before the forward pass; a request looked up
+    later in the same ``Scheduler.schedule`` (``KVCacheManager.get_computed_blocks``) can hit it. The spec
+    publishes at the end of the step (:mod:`schedspec.spec.prefix_cache`), so such a hit breaks
+    ``prefix-hit-is-cached-chain`` and ``prefix-hit-longest`` (the hit is longer than the spec's cache),
+    and, when the earlier request got the block as a new block in the same step, ``blocks-from-free-pool``
+    for that earlier request ("handed out and reused by a prefix-cache hit in the same step").
+
+    The precise condition, per admitted request R with a hit: every hit block ``i`` either carries R's chain
+    hash of block ``i`` before the step (and is not handed out earlier in the step), or is block ``i`` of
+    the table of a request scheduled **before** R in the same plan, that had no hash before the step or
+    was handed out (evicted) in it, and whose chunk computes that whole block in this step (``(i + 1) * block_size <=
+    num_computed_tokens + num_tokens``) and whose chain hash of block ``i`` equals R's (so the spec's
+    end-of-step publication gives it that hash; the KV exists when R's step runs, as the batch computes
+    both); at least one block is of the second kind; and the hit leaves a token to compute
+    (:func:`~schedspec.spec.prefix_cache.max_hit_blocks`). A hit on a hashed block that no earlier
+    request computes in this step (e.g. the priority policy's in-step preemption:
+    ``docs/findings/vllm-priority-preempted-chunk-stays-cached.md``) is not such a hit.
+
+    Returns:
+        request id -> its hit blocks published in the same step (only requests meeting the condition).
+    """
+    cache = state.prefix_cache
+    if cache is None:
+        return {}
+    size = config.block_size
+    computing: dict[int, tuple[int, str]] = {}  # block -> (index in the table, chain hash) being computed
+    found: dict[str, tuple[int, ...]] = {}
+    for item in plan.scheduled:
+        request = state.requests.get(item.request_id)
+        if request is None:
+            continue
+        if item.cached_block_ids and len(item.cached_block_ids) <= max_hit_blocks(request, size):
+            parent, same_step, valid = ROOT_HASH, [], True
+            for index, block_id in enumerate(item.cached_block_ids):
+                parent = request_block_hash(request, index, parent, size)
+                if block_id in computing:  # handed out or filled earlier in this step: its old hash is gone
+                    if computing[block_id] == (index, parent):
+                        same_step.append(block_id)
+                        continue
+                elif cache.block_hashes.get(block_id) == parent:
+                    continue
+                valid = False
+                break
+            if valid and same_step:
+                found[item.request_id] = tuple(same_step)
+        table = request.block_ids + item.cached_block_ids + item.new_block_ids
+        full = min((item.num_computed_tokens + item.num_tokens) // size, len(table))
+        parent = ROOT_HASH
+        new = set(item.new_block_ids)
+        for index in range(full):
+            parent = request_block_hash(request, index, parent, size)
+            if table[index] not in cache.block_hashes or table[index] in new:
+                # no hash before the step, or handed out now (vLLM get_new_blocks evicts its old hash)
+                computing.setdefault(table[index], (index, parent))
+    return found
+
+
 class _VllmAdapter:
     """What the synchronous and the asynchronous adapter share (module docstring); not registered."""
 
@@ -240,9 +321,9 @@ class _VllmAdapter:
 
     def __init__(self, config: SchedulerConfig, policy: str = "fcfs") -> None:
         self.name = "vllm" + ("" if policy == "fcfs" else f"-{policy}") + ("-async" if self.async_scheduling else "")
-        if config.enable_prefix_caching:
-            raise UnsupportedFeature(f"scheduler {self.name!r}: prefix caching is not mapped onto the spec yet "
-                                     "(enable_prefix_caching=true)")
+        if config.enable_prefix_caching and self.async_scheduling:
+            raise UnsupportedFeature(f"scheduler {self.name!r}: prefix caching with async scheduling is not "
+                                     "mapped onto the spec yet (enable_prefix_caching=true)")
         if policy not in POLICIES:
             raise UnsupportedFeature(f"scheduler {self.name!r}: policy {policy!r} (vLLM has {list(POLICIES)})")
         self.config = config
@@ -309,9 +390,11 @@ class _VllmAdapter:
         if self.plan is None:
             reply, self.prepared = self.prepared or self._call({"op": "schedule"}), None
             scheduled = []
-            for request_id, computed, count, blocks in reply["scheduled"]:
+            for request_id, computed, count, blocks, num_hit_blocks in reply["scheduled"]:
                 if request_id in self.live:
-                    scheduled.append(ScheduledRequest(request_id, computed, count, tuple(b - 1 for b in blocks)))
+                    ids = tuple(b - 1 for b in blocks)
+                    scheduled.append(ScheduledRequest(request_id, computed, count, ids[num_hit_blocks:],
+                                                      cached_block_ids=ids[:num_hit_blocks]))
                 else:
                     self.num_dropped += 1
             preempted = tuple(r for r in reply["preempted"] if r in self.live)
@@ -323,12 +406,41 @@ class _VllmAdapter:
             self.plan_num_requests = reply["num_requests"]
         return self.plan
 
-    def is_known_divergence(self, violation: Violation) -> bool:
-        """Whether ``violation`` (of the plan ``schedule`` returned) is vLLM's documented lifting of
-        ``long_prefill_token_threshold`` for a lone request: a ``long-prefill-threshold`` violation in a
-        step vLLM planned while holding at most one request (running or waiting;
-        ``Scheduler.get_request_counts``, read at the start of ``Scheduler.schedule``)."""
-        return violation.name == "long-prefill-threshold" and self.plan_num_requests <= 1
+    def is_known_divergence(self, violation: Violation, state: SchedulerState | None = None) -> bool:
+        """Whether ``violation`` (of the plan ``schedule`` returned, before ``update``) is one of vLLM's
+        documented differences from the spec:
+
+        - its lifting of ``long_prefill_token_threshold`` for a lone request: a
+          ``long-prefill-threshold`` violation in a step vLLM planned while holding at most one request
+          (running or waiting; ``Scheduler.get_request_counts``, read at the start of ``Scheduler.schedule``);
+        - with prefix caching and ``state`` (the spec's state before the step) given, a same-step hit: a
+          ``prefix-hit-is-cached-chain`` or ``prefix-hit-longest`` violation of a request that
+          :func:`same_step_hits` names (for ``prefix-hit-longest`` only if vLLM's hit is the longer one),
+          or a ``blocks-from-free-pool`` "reused by a prefix-cache hit in the same step" violation of the
+          request that computes such blocks, when every one of its new blocks hit in the plan is one.
+        """
+        if violation.name == "long-prefill-threshold":
+            return self.plan_num_requests <= 1
+        if violation.name not in SAME_STEP_HIT_RULES or state is None or self.plan is None:
+            return False
+        hits = same_step_hits(state, self.plan, self.config)
+        if violation.name == "blocks-from-free-pool":
+            # the earlier request's new block that a later request of the plan hits: known when every
+            # such block of it is a same-step hit block of a request meeting the condition
+            if not violation.detail.endswith(_REUSED_IN_STEP):
+                return False
+            item = next((i for i in self.plan.scheduled if i.request_id == violation.request_id), None)
+            hit = {b for i in self.plan.scheduled for b in i.cached_block_ids}
+            explained = {b for blocks in hits.values() for b in blocks}
+            return item is not None and set(item.new_block_ids) & hit <= explained
+        if violation.request_id not in hits:
+            return False
+        if violation.name == "prefix-hit-longest":
+            request = state.requests[violation.request_id]
+            item = next(i for i in self.plan.scheduled if i.request_id == violation.request_id)
+            assert state.prefix_cache is not None
+            return len(item.cached_block_ids) > len(state.prefix_cache.longest_hit(request, self.config.block_size))
+        return True
 
     def update(self, plan: StepPlan, sampled_token_ids: Mapping[str, int]) -> tuple[str, ...]:
         """Feed the sampled tokens to ``Scheduler.update_from_output``; the ids that finished (stop or
@@ -396,6 +508,17 @@ class VllmScheduler(_VllmAdapter):
             block_tables={r: tuple(b - 1 for b in blocks) for r, blocks in reply["block_tables"].items()},
             num_computed_tokens=computed,
         )
+
+
+    def cache_view(self) -> tuple[tuple[int, ...], frozenset[int], dict[int, int]]:
+        """vLLM's block pool beyond :class:`EngineView`, in spec ids: the free queue in order
+        (``FreeKVCacheBlockQueue.get_all_free_blocks``: free and evictable blocks, next handed out
+        first), the blocks that carry a hash (``KVCacheBlock.block_hash``, held or evictable) and the
+        reference counts of held blocks (``KVCacheBlock.ref_cnt``). To compare with the spec's
+        ``free_block_ids`` and ``prefix_cache`` (docs/engines.md, *Prefix caching*)."""
+        reply = self._call({"op": "view"})
+        return (tuple(b - 1 for b in reply["free_queue"]), frozenset(b - 1 for b in reply["cached_blocks"]),
+                {int(b) - 1: count for b, count in reply["ref_counts"].items()})
 
 
 class VllmAsyncScheduler(_VllmAdapter):

@@ -22,7 +22,8 @@ Commands (``op``):
   reply ``{"finished": [[id, status], ...]}``.
 - ``close``: drop the scheduler; no reply.
 - ``view``: reply the scheduler's own bookkeeping (free blocks of the block pool, waiting and running
-  ids, block tables, ``num_computed_tokens``), vLLM numbering.
+  ids, block tables, ``num_computed_tokens``; the free queue in order, the blocks that carry a hash and
+  the reference counts of held blocks), vLLM numbering.
 
 A command that fails sends ``{"error": traceback}`` as its reply; a failing command that does not
 reply (``add``, ``abort``) makes the next reply an error instead.
@@ -116,7 +117,8 @@ class Worker:
                 async_scheduling=async_scheduling,
                 is_encoder_decoder=False,
             )
-            cache_config = CacheConfig(block_size=self.block_size, enable_prefix_caching=False)
+            self.enable_prefix_caching = bool(config.get("enable_prefix_caching", False))
+            cache_config = CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching)
             cache_config.num_gpu_blocks = self.num_kv_blocks + 1
             vllm_config = VllmConfig(
                 model_config=model_config, scheduler_config=scheduler_config, cache_config=cache_config
@@ -135,6 +137,17 @@ class Worker:
                 )
             ],
         )
+        # What EngineCore.__init__ (vllm/v1/engine/core.py) does with prefix caching on: seed NONE_HASH
+        # and give every Request a block hasher, which fills Request.block_hashes for its full blocks
+        # (prompt and, as they are appended, output tokens); without it no lookup ever hits.
+        self.block_hasher = None
+        if self.enable_prefix_caching:
+            from vllm.utils.hashing import get_hash_fn_by_name
+            from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+            hash_function = get_hash_fn_by_name(cache_config.prefix_caching_hash_algo)
+            init_none_hash(hash_function)
+            self.block_hasher = get_request_block_hasher(self.block_size, hash_function)
         scheduler_class = AsyncScheduler if async_scheduling else Scheduler
         worker = self
 
@@ -176,6 +189,7 @@ class Worker:
             pooling_params=None,
             arrival_time=message["arrival_time"],
             priority=message["priority"],
+            block_hasher=self.block_hasher,
         )
         self.scheduler.add_request(request)
 
@@ -193,16 +207,21 @@ class Worker:
         self.in_flight.append(output)
         blocks: dict[str, list[int]] = {}
         computed: dict[str, int] = {}
+        hits: dict[str, int] = {}  # admitted from waiting: blocks at the front of its table that were a hit
         for new in output.scheduled_new_reqs:
             blocks[new.req_id] = list(new.block_ids[0]) if new.block_ids else []
             computed[new.req_id] = new.num_computed_tokens
+            hits[new.req_id] = new.num_computed_tokens // self.block_size
         cached = output.scheduled_cached_reqs
         for index, request_id in enumerate(cached.req_ids):
             ids = cached.new_block_ids[index]
             blocks[request_id] = list(ids[0]) if ids else []
             computed[request_id] = cached.num_computed_tokens[index]
+            if request_id in cached.resumed_req_ids:
+                # a resumed (preempted) request's new_block_ids is its whole table, hit blocks first
+                hits[request_id] = cached.num_computed_tokens[index] // self.block_size
         scheduled = [
-            [request_id, computed[request_id], count, blocks[request_id]]
+            [request_id, computed[request_id], count, blocks[request_id], hits.get(request_id, 0)]
             for request_id, count in output.num_scheduled_tokens.items()
         ]
         if set(self.preempted) != set(output.preempted_req_ids):
@@ -248,8 +267,14 @@ class Worker:
             ids = manager.get_block_ids(request_id)
             if ids and ids[0]:
                 tables[request_id] = list(ids[0])
+        pool = manager.block_pool
+        free_queue = [block.block_id for block in pool.free_block_queue.get_all_free_blocks()]
+        hashed = sorted(block.block_id for block in pool.blocks if block.block_hash is not None)
         return {
-            "num_free_blocks": manager.block_pool.get_num_free_blocks(),
+            "num_free_blocks": pool.get_num_free_blocks(),
+            "free_queue": free_queue,
+            "cached_blocks": hashed,
+            "ref_counts": {str(b.block_id): b.ref_cnt for b in pool.blocks if b.ref_cnt and not b.is_null},
             "waiting": waiting,
             "running": [request.request_id for request in scheduler.running],
             "block_tables": tables,

@@ -56,7 +56,10 @@ FINDINGS = (
     "counterexample-vllm-impossible-request-blocks-queue",
     "counterexample-vllm-outgrown-request-blocks-queue",
     "counterexample-vllm-priority-no-preempt-at-seq-cap",
+    "counterexample-vllm-priority-preempted-chunk-stays-cached",
 )
+PREFIX_CASES = ("abort-during-chunked-prefill", "preempt-then-prefix-hit")
+"""The bundled (and shared) prefix-caching scenarios, fcfs."""
 
 
 def view_differences(spec: EngineView, engine: EngineView) -> list[str]:
@@ -258,11 +261,11 @@ def test_abort_frees_the_blocks_and_leaves_the_queues() -> None:
     assert "a" not in view.num_computed_tokens
 
 
-def test_prefix_caching_is_unsupported() -> None:
+def test_prefix_caching_with_async_scheduling_is_unsupported() -> None:
     from schedspec.reference.scheduler import UnsupportedFeature
 
     with pytest.raises(UnsupportedFeature, match="prefix caching"):
-        make_scheduler("vllm", CONFIG.with_changes(enable_prefix_caching=True))
+        make_scheduler("vllm-async", CONFIG.with_changes(enable_prefix_caching=True))
 
 
 def test_missing_engine_says_how_to_install_it(monkeypatch, tmp_path) -> None:
@@ -300,7 +303,7 @@ class VllmMachine(SchedulerStateMachine):
     def build_scheduler(cls, config):
         return VllmScheduler(config, cls.policy)
 
-    def add_request(self, prompt_len, max_tokens, eos_at_output=None, priority=0):
+    def add_request(self, prompt_len, max_tokens, eos_at_output=None, priority=0, prefix_group=None, prefix_len=0):
         config = self.config
         if prompt_len == config.max_model_len:
             prompt_len -= 1
@@ -310,10 +313,11 @@ class VllmMachine(SchedulerStateMachine):
                 max_tokens -= 1
         if prompt_len == 0 or rejection_reason(prompt_len, max_tokens, config) is not None:
             assert input_processor_rejection(RequestSpec("x", prompt_len, max_tokens, 0).to_request(0), config)
-        return super().add_request(prompt_len, max_tokens, eos_at_output, priority)
+        return super().add_request(prompt_len, max_tokens, eos_at_output, priority,
+                                   prefix_group=prefix_group, prefix_len=min(prefix_len, max(prompt_len, 0)))
 
     def known_divergences(self, state, plan, found):
-        return [v for v in found if self.scheduler.is_known_divergence(v)]
+        return [v for v in found if self.scheduler.is_known_divergence(v, state)]
 
     def _check_scheduler_state(self) -> None:
         super()._check_scheduler_state()
@@ -327,6 +331,31 @@ class VllmMachine(SchedulerStateMachine):
 
 class VllmPriorityMachine(VllmMachine):
     policy = "priority"
+
+
+class VllmPrefixCachingMachine(VllmMachine):
+    """The machine on ``vllm`` (fcfs) with prefix caching on in every config and the ``shared_prefix``
+    rule adding requests with shared prefixes (same-step hits are the documented difference,
+    ``is_known_divergence``); after every rule vLLM's free queue (in order), hashed blocks and reference
+    counts (``VllmScheduler.cache_view``) must equal the spec's. Not run with the priority policy: that would find
+    ``vllm-priority-preempted-chunk-stays-cached``, which has its own test."""
+
+    @classmethod
+    def configs(cls):
+        from schedspec.strategies import scheduler_configs
+
+        return scheduler_configs(prefix_caching=True)
+
+    def _check_scheduler_state(self) -> None:
+        super()._check_scheduler_state()
+        free, hashed, counts = self.scheduler.cache_view()
+        cache = self.shadow.prefix_cache
+        if tuple(self.shadow.free_block_ids) != free:
+            self._fail("free queue order", f"at step {self.shadow.step}: spec {list(self.shadow.free_block_ids)}, "
+                                           f"vLLM {list(free)}")
+        if set(cache.block_hashes) != hashed or dict(cache.ref_counts) != counts:
+            self._fail("prefix cache", f"at step {self.shadow.step}: hashed spec {sorted(cache.block_hashes)} "
+                                       f"vLLM {sorted(hashed)}; ref counts spec {dict(cache.ref_counts)} vLLM {counts}")
 
 
 class VllmAsyncMachine(VllmMachine):
@@ -346,6 +375,29 @@ MACHINE_EXAMPLES = int(os.environ.get("SCHEDSPEC_VLLM_EXAMPLES", "60"))
                          ids=["fcfs", "priority", "fcfs-async"])
 def test_state_machine(machine) -> None:
     run_state_machine_as_test(machine, settings=settings(max_examples=MACHINE_EXAMPLES, stateful_step_count=30))
+
+
+PREFIX_MACHINE_EXAMPLES = int(os.environ.get("SCHEDSPEC_VLLM_PREFIX_EXAMPLES", "30"))
+"""Examples of the prefix-caching machine (CI: derandomized)."""
+
+
+def test_state_machine_with_prefix_caching() -> None:
+    run_state_machine_as_test(VllmPrefixCachingMachine,
+                              settings=settings(max_examples=PREFIX_MACHINE_EXAMPLES, stateful_step_count=30))
+
+
+def test_prefix_caching_machine_catches_a_wrong_free_queue_order(monkeypatch) -> None:
+    """A deliberate break: report vLLM's free queue back to front; the machine's cache check fails."""
+    original = VllmScheduler.cache_view
+
+    def reversed_queue(self):
+        free, hashed, counts = original(self)
+        return tuple(reversed(free)), hashed, counts
+
+    monkeypatch.setattr(VllmScheduler, "cache_view", reversed_queue)
+    with pytest.raises(SpecViolation, match="free queue order"):
+        run_state_machine_as_test(VllmPrefixCachingMachine, settings=settings(
+            max_examples=20, stateful_step_count=10, derandomize=True, database=None))
 
 
 def test_state_machine_catches_a_broken_adapter(monkeypatch) -> None:
@@ -425,3 +477,142 @@ def test_diff_vllm_against_the_vllm_v1_profile_has_no_unexplained_divergence(pol
     assert result.exit_code == 0, result.output[-3000:]
     assert "1000 examples" in result.output and "0 divergent (unexplained)" in result.output
     assert "0 findings" in result.output
+
+
+# ------------------------------------------------------------------------------ prefix caching
+class CacheChecked(ViewChecked):
+    """:class:`ViewChecked` that also compares vLLM's block pool (``VllmScheduler.cache_view``: the free
+    queue in order, the blocks that carry a hash, the reference counts) with the spec's ``free_block_ids``
+    and ``prefix_cache`` after every arrival, abort and step."""
+
+    def __init__(self, inner: VllmScheduler, config: SchedulerConfig) -> None:
+        super().__init__(inner, config)
+        self.cache_mismatches: list[str] = []
+
+    def is_known_divergence(self, violation, state=None) -> bool:
+        return self.inner.is_known_divergence(violation, state)
+
+    def _compare(self, when: str) -> None:
+        super()._compare(when)
+        free, hashed, counts = self.inner.cache_view()
+        cache = self.shadow.prefix_cache
+        assert cache is not None
+        if tuple(self.shadow.free_block_ids) != free:
+            self.cache_mismatches.append(f"{when}: free queue: spec {list(self.shadow.free_block_ids)}, "
+                                         f"engine {list(free)}")
+        if set(cache.block_hashes) != hashed:
+            self.cache_mismatches.append(f"{when}: hashed blocks: spec {sorted(cache.block_hashes)}, "
+                                         f"engine {sorted(hashed)}")
+        if dict(cache.ref_counts) != counts:
+            self.cache_mismatches.append(f"{when}: reference counts: spec {dict(cache.ref_counts)}, engine {counts}")
+
+
+def _replay_cache_checked(path: Path, name: str):
+    scenario = load_scenario(path)
+    config = SchedulerConfig.from_dict(scenario.config)
+    scheduler = CacheChecked(make_scheduler(name, config), config)
+    result = Engine(scheduler, config, properties=()).run(scenario.requests, mode="steps", max_steps=500)
+    return scheduler, result
+
+
+@pytest.mark.parametrize("stem", PREFIX_CASES)
+def test_prefix_caching_scenario_replays_on_vllm(stem: str) -> None:
+    """The shared prefix-caching scenarios pass on vLLM's own prefix cache: every expectation, every rule
+    (hits included) and invariant, and after every step vLLM's view, free queue order, hashed blocks and
+    reference counts equal the spec's."""
+    result = replay(load_scenario(CASES[stem]), "vllm")
+    failed = [f"{v.name}: {v.detail}" for v in result.verdicts if not v.passed]
+    assert not failed, failed
+    scheduler, result = _replay_cache_checked(CASES[stem], "vllm")
+    assert result.ok, [str(v) for v in result.violations[:5]]
+    assert scheduler.mismatches == [] and scheduler.cache_mismatches == []
+    assert scheduler.compared >= result.num_steps
+    assert any(record.prefix_hit_blocks for record in result.records)  # vLLM really hit its cache
+
+
+def test_cache_check_sees_a_lost_hit(monkeypatch) -> None:
+    """A deliberate break: report vLLM's hit blocks as new blocks (cached_block_ids left empty); the
+    spec's rules reject the plan."""
+    original = VllmScheduler.schedule
+
+    def no_hits(self):
+        plan = original(self)
+        self.plan = attrs.evolve(plan, scheduled=tuple(
+            attrs.evolve(i, new_block_ids=i.cached_block_ids + i.new_block_ids, cached_block_ids=())
+            for i in plan.scheduled))
+        return self.plan
+
+    monkeypatch.setattr(VllmScheduler, "schedule", no_hits)
+    _, result = _replay_cache_checked(CASES["preempt-then-prefix-hit"], "vllm")
+    assert not result.ok
+    assert {v.name for v in result.violations} & {"prefix-hit-longest", "blocks-from-free-pool", "chunk-continues"}
+
+
+SAME_STEP = SchedulerConfig(block_size=4, num_kv_blocks=16, max_num_batched_tokens=32, max_num_seqs=4,
+                            max_model_len=64, enable_chunked_prefill=True, enable_prefix_caching=True)
+
+
+def _first_plan(config: SchedulerConfig, specs: list[RequestSpec], policy: str = "fcfs"):
+    scheduler = VllmScheduler(config, policy)
+    state = SchedulerState.initial(config)
+    for spec in specs:
+        request = spec.to_request(0)
+        scheduler.add_request(request)
+        state = add_request(state, request)
+    return scheduler, state, scheduler.schedule()
+
+
+def test_same_step_hit_is_a_documented_divergence_with_a_precise_condition() -> None:
+    """Two requests with the same 8-token prefix in one step: vLLM publishes A's blocks at schedule time
+    (KVCacheManager.allocate_slots -> cache_blocks) and B hits them in the same step; the spec publishes
+    at the end of the step. The violations are recognised as that documented difference, and
+    only with the spec state (which the condition needs) and B after A in the batch."""
+    from schedspec.engines.vllm import same_step_hits
+    from schedspec.spec.rules import violated_rules
+
+    specs = [RequestSpec(r, 12, 3, arrival_step=0, prefix_group="p", prefix_len=8) for r in ("A", "B")]
+    scheduler, state, plan = _first_plan(SAME_STEP, specs)
+    a, b = plan.scheduled
+    assert (a.request_id, a.cached_block_ids, len(a.new_block_ids)) == ("A", (), 3)
+    assert (b.request_id, b.num_computed_tokens, b.cached_block_ids) == ("B", 8, a.new_block_ids[:2])
+    found = violated_rules(state, plan, SAME_STEP)
+    # (prefix-hit-longest is silent here: the spec's cache is empty before step 0)
+    assert {v.name for v in found} == {"prefix-hit-is-cached-chain", "blocks-from-free-pool"}
+    assert all(scheduler.is_known_divergence(v, state) for v in found)
+    assert not any(scheduler.is_known_divergence(v) for v in found)  # no state: not recognised
+    assert same_step_hits(state, plan, SAME_STEP) == {"B": a.new_block_ids[:2]}
+    # deliberate break: the same plan with B before A (nobody computes B's hit blocks before it)
+    swapped = attrs.evolve(plan, scheduled=(b, a))
+    assert same_step_hits(state, swapped, SAME_STEP) == {}
+    # and a hit on a block that A does not fill in this step (its chunk stops short of block 1)
+    short = attrs.evolve(plan, scheduled=(attrs.evolve(a, num_tokens=7), b))
+    assert same_step_hits(state, short, SAME_STEP) == {}
+
+
+def test_priority_preemption_leaves_withdrawn_chunk_cached() -> None:
+    """The finding vllm-priority-preempted-chunk-stays-cached: after step 2 vLLM holds a hash for block 5,
+    whose chunk it withdrew when it preempted L; the spec does not; in step 3 L hits it, breaking
+    prefix-hit-is-cached-chain, which is not excused as a same-step hit. With fcfs vLLM does not do it."""
+    path = CASES["counterexample-vllm-priority-preempted-chunk-stays-cached"]
+    scheduler, result = _replay_cache_checked(path, "vllm-priority")
+    chain = [v for v in result.violations if v.name == "prefix-hit-is-cached-chain"]
+    assert [(v.step, v.request_id) for v in chain] == [(3, "L")]
+    assert any(line.startswith("after step 2: hashed blocks") for line in scheduler.cache_mismatches)
+    assert result.state.finished["L"].num_preemptions == 1
+    fcfs = replay(load_scenario(path), "vllm")
+    assert next(v for v in fcfs.verdicts if v.name == "invariants").passed
+
+
+def test_diff_vllm_against_the_vllm_v1_profile_with_prefix_caching() -> None:
+    """``schedspec diff`` with caching on and shared prefixes: no unexplained divergence, no finding; the
+    same-step hits are counted as documented differences."""
+    from click.testing import CliRunner
+
+    from schedspec.cli import cli
+
+    result = CliRunner().invoke(cli, ["diff", "--scheduler", "vllm", "--against", "vllm-v1", "--examples", "40",
+                                      "--seed", "1", "--set", "enable_prefix_caching=true"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output[-3000:]
+    assert "0 divergent (unexplained)" in result.output and "0 findings" in result.output
+    assert "published earlier in the same step" in result.output
+

@@ -106,6 +106,8 @@ VLLM_PROFILES = ("vllm-v1", "vllm-v1-priority")
 """The profiles whose documented differences from vLLM :func:`documented_difference` recognizes."""
 
 LONE_REQUEST = "long_prefill_token_threshold lifted for a lone request (vLLM Scheduler.schedule num_eligible_reqs > 1)"
+SAME_STEP_HIT = ("prefix-cache hit on blocks published earlier in the same step (vLLM KVCacheManager.allocate_slots "
+                 "caches blocks at schedule time, the spec at the end of the step)")
 
 
 def _live_before(records: Sequence[StepRecord], index: int) -> int:
@@ -179,6 +181,10 @@ def _run_scheduler(scheduler, name: str, config: SchedulerConfig, requests: Sequ
         if (engine and config.enable_chunked_prefill and len(error.state.requests) == 1
                 and all(v.name == "long-prefill-threshold" for v in error.violations)):
             documented = LONE_REQUEST  # vLLM's SchedulerConfig docstring: not applied to a lone request
+        known = getattr(scheduler, "is_known_divergence", None)
+        if (documented is None and engine and config.enable_prefix_caching and callable(known)
+                and all(known(v, error.state) for v in error.violations)):
+            documented = SAME_STEP_HIT  # engines/vllm.py same_step_hits: the precise condition
         return None, [Finding(name, v.name, str(v), documented) for v in error.violations[:3]]
     except Exception as error:  # an engine that crashes is a finding, not a crash of diff
         return None, [Finding(name, "crash", f"{type(error).__name__}: {error}")]
@@ -223,7 +229,8 @@ def compare(config: SchedulerConfig, requests: Sequence[RequestSpec], scheduler:
 def _possible_requests(config: SchedulerConfig) -> st.SearchStrategy[list[RequestSpec]]:
     """1 to 8 requests that vLLM's input processor accepts (``0 < prompt_len < max_model_len``) and
     that can complete alone (the spec does not reject them), arriving in steps 0..8, sometimes
-    aborted, sometimes stopping early (end-of-sequence), priorities 0..3."""
+    aborted, sometimes stopping early (end-of-sequence), priorities 0..3; with prefix caching on, most
+    share a prefix of 1..prompt_len tokens with others of one of two groups."""
     capacity = config.kv_capacity_tokens
     longest = max(1, min(config.max_model_len - 1, capacity))
 
@@ -234,8 +241,15 @@ def _possible_requests(config: SchedulerConfig) -> st.SearchStrategy[list[Reques
         arrival = draw(st.integers(0, 8))
         abort = draw(st.one_of(st.none(), st.none(), st.integers(arrival, arrival + 12)))
         eos = draw(st.one_of(st.none(), st.none(), st.integers(1, 6)))
+        group, prefix_len = None, 0
+        if config.enable_prefix_caching:
+            # shared prefixes, so that the prefix cache is exercised (drawn only with caching on, so that
+            # caching-off scenarios stay what they were for a given seed)
+            group = draw(st.one_of(st.none(), st.sampled_from(("a", "b"))))
+            prefix_len = draw(st.integers(1, prompt_len)) if group is not None else 0
         return RequestSpec(f"r{index}", prompt_len, max_tokens, arrival_step=arrival,
-                           priority=draw(st.integers(0, 3)), abort_at_step=abort, eos_at_output=eos)
+                           priority=draw(st.integers(0, 3)), abort_at_step=abort, eos_at_output=eos,
+                           prefix_group=group, prefix_len=prefix_len)
 
     # uniform request counts (Hypothesis's integers favour the small end): most scenarios have several
     # requests competing for slots, budget and blocks
@@ -274,11 +288,16 @@ def _candidates(requests: list[RequestSpec]) -> list[list[RequestSpec]]:
             simpler.append(attrs.evolve(r, abort_at_step=None))
         if r.eos_at_output is not None:
             simpler.append(attrs.evolve(r, eos_at_output=None))
+        if r.prefix_group is not None:
+            simpler.append(attrs.evolve(r, prefix_group=None, prefix_len=0))
         for field in ("prompt_len", "max_tokens"):
             value = getattr(r, field)
             for smaller in sorted({1, value // 2, value - 1}):
                 if 1 <= smaller < value:
-                    simpler.append(attrs.evolve(r, **{field: smaller}))
+                    variant = attrs.evolve(r, **{field: smaller})
+                    if variant.prefix_len > variant.prompt_len:
+                        variant = attrs.evolve(variant, prefix_len=variant.prompt_len)
+                    simpler.append(variant)
         if r.arrival_step:
             simpler.append(attrs.evolve(r, arrival_step=0))
             simpler.append(attrs.evolve(r, arrival_step=r.arrival_step - 1))
@@ -328,6 +347,8 @@ def case_dict(name: str, about: str, config: SchedulerConfig, requests: Sequence
             row["abort_at_step"] = r.abort_at_step
         if r.eos_at_output is not None:
             row["eos_at_output"] = r.eos_at_output
+        if r.prefix_group is not None and r.prefix_len:
+            row["prefix"] = {"group": r.prefix_group, "len": r.prefix_len}
         rows.append(row)
         outcome[r.request_id] = ["finished", "aborted"] if r.abort_at_step is not None else "finished"
     data: dict[str, Any] = {"name": name, "about": about, "config": config.to_dict(), "requests": rows,
