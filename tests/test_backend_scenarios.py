@@ -59,7 +59,7 @@ def _shape(run) -> dict[str, tuple]:
     return {rid: (r.status.outcome, r.finish_reason, r.num_output_tokens) for rid, r in everything.items()}
 
 
-KV_NEVER_WRITTEN = {"counterexample-vllm-priority-preempted-chunk-stays-cached": "request 'L': num_computed_tokens=16"}
+KV_NEVER_WRITTEN = {"counterexample-vllm-priority-preempted-chunk-stays-cached": "request 'L': prefix hit on block 5, which holds no valid KV"}
 """Engine findings whose plans make a request read KV that was never written: the backend's debug ledger
 refuses the step (docs/findings/vllm-priority-preempted-chunk-stays-cached.md)."""
 
