@@ -5,7 +5,10 @@ Each policy refines the spec: every plan it returns is allowed by
 Hypothesis suite, and for fcfs proved by ``schedspec.reference.proofs``). Each declares in
 ``GUARANTEES`` the trace properties of :mod:`schedspec.spec.properties` it promises.
 
-The shared mechanism, one step in three phases:
+The shared mechanism of fcfs, static and shortest-prompt-first (:func:`plan_step`), one step in three
+phases (the priority policy visits running and waiting requests in one pass in urgency order instead, so
+that no urgent request waits behind less urgent ones: :func:`plan_by_priority`; it reuses the phases'
+rejection, chunking and block pools):
 
 1. **Reject** every waiting request that was never admitted and could never complete alone
    (``rejects-impossible``).
@@ -194,8 +197,9 @@ def plan_by_priority(state: SchedulerState, config: SchedulerConfig) -> StepPlan
 
     1. **Reject** as every policy (:func:`reject_impossible`).
     2. **One pass in urgency order** (:func:`_urgency`, running before waiting on ties) over the running
-       requests and the waiting ones. One token per running decode not yet visited is reserved, so a more
-       urgent prefill never takes a decode's token (``stall-free-decode``):
+       requests and the waiting ones. One token per running decode not yet visited is reserved (when the
+       running decodes number at most ``max_num_batched_tokens``), so a more urgent prefill never takes a
+       decode's token (``stall-free-decode``):
 
        - a running decode gets one token, a running prefill a chunk (:func:`_chunk`) of the budget left
          above the reserve; one that needs a new block when none is free preempts the least urgent running
@@ -207,8 +211,9 @@ def plan_by_priority(state: SchedulerState, config: SchedulerConfig) -> StepPlan
          its slot, the blocks no one else holds and, for a decode, its reserved token); then it is
          admitted in the same step, so no preemption is wasted. One that cannot fit even so is skipped,
          not a stop: it waits for more urgent requests only, and a less urgent one may still fit.
-       - no waiting request is admitted while a more urgent request preempted in this step waits (it
-         would take what that one needs).
+       - no waiting request is admitted while a more urgent request (by ``(priority, arrival)``, so also
+         an older one of equal priority) preempted in this step waits: it would take what that one needs
+         (and with equal priorities it would be preempted for it in the next step).
 
        Every victim comes later in the pass than the request it makes room for, so no victim has been
        scheduled yet: nothing is taken back, and with prefix caching the plan's allocations, in plan
@@ -243,7 +248,11 @@ def plan_by_priority(state: SchedulerState, config: SchedulerConfig) -> StepPlan
     pool = _pool(state)
     budget = config.max_num_batched_tokens
     running = list(state.running)  # the running set as the pass goes: less the preempted, plus the admitted
-    reserve = sum(1 for r in running if requests[r].num_pending_tokens == 1)  # a token per decode not visited
+    decodes = sum(1 for r in running if requests[r].num_pending_tokens == 1)
+    # a token per running decode not visited yet, when all of them fit the budget (stall-free-decode asks
+    # for no more: with more decodes than budget each request just takes its turn)
+    reserving = decodes <= budget
+    reserve = decodes if reserving else 0
     scheduled: list[ScheduledRequest] = []
     preempted: list[str] = []
     visited: set[str] = set()
@@ -253,7 +262,7 @@ def plan_by_priority(state: SchedulerState, config: SchedulerConfig) -> StepPlan
         return _urgency(requests[request_id])
 
     def is_reserved_decode(request_id: str) -> bool:
-        return request_id not in visited and requests[request_id].num_pending_tokens == 1
+        return reserving and request_id not in visited and requests[request_id].num_pending_tokens == 1
 
     def preempt(victim: str) -> None:
         nonlocal reserve
@@ -276,7 +285,7 @@ def plan_by_priority(state: SchedulerState, config: SchedulerConfig) -> StepPlan
         request = requests[request_id]
         if request_id in state.running:
             is_decode = request.num_pending_tokens == 1
-            reserve -= is_decode
+            reserve -= is_reserved_decode(request_id)
             visited.add(request_id)
             num_tokens = min(budget, 1) if is_decode else _chunk(request, max(budget - reserve, 0), config)
             if num_tokens == 0:
@@ -297,7 +306,7 @@ def plan_by_priority(state: SchedulerState, config: SchedulerConfig) -> StepPlan
             budget -= num_tokens
             continue
         visited.add(request_id)
-        if any(requests[p].priority < request.priority for p in preempted):
+        if any(key(p) < key(request_id) for p in preempted):
             continue  # a more urgent request preempted in this step waits: take nothing it needs
         less_urgent = sorted((r for r in running if r not in visited and key(r) > key(request_id)),
                              key=key, reverse=True)
