@@ -68,13 +68,19 @@ def test_priority_policy_keeps_and_declares_no_priority_inversion():
     blocks or budget (policies.plan_by_priority), and declares the property; vLLM's priority profile,
     which never preempts for a waiting request, shows the inversion on the same workloads (the check can
     fail)."""
-    # two urgent requests at max_num_seqs: the second preempts the less urgent L in the same step
-    assert _run("priority-second-urgent-preempts", "priority") == []
-    verdicts = {v.name: v for v in replay(load_scenario(CASES["priority-second-urgent-preempts"])).verdicts}
-    assert all(v.passed for v in verdicts.values()), [v for v in verdicts.values() if not v.passed]
-    late = replay(load_scenario(CASES["priority-second-urgent-preempts"]), "vllm-v1-priority")
-    assert not {v.name: v for v in late.verdicts}["first_token_by_step[H2]"].passed
-    assert any(v.request_id == "H2" for v in _run("priority-second-urgent-preempts", "vllm-v1-priority"))
+    # two urgent requests at max_num_seqs (the case that showed the policy's old gap, now a counterexample
+    # for fcfs): the second preempts the less urgent L in the same step, both prefill in step 2
+    case = "counterexample-priority-inversion-second-urgent"
+    assert _run(case, "priority") == []
+    scenario = load_scenario(CASES[case])
+    config = SchedulerConfig.from_dict(scenario.config)
+    run = Engine(make_scheduler("priority", config), config).run(list(scenario.requests))
+    assert run.ok and run.records[2].preempted == ("L",)
+    assert run.records[2].sampled_token_ids.keys() == {"H1", "H2"}
+    verdicts = {v.name: v for v in replay(scenario, "priority").verdicts}
+    assert verdicts["invariants"].passed and not verdicts["demonstrates"].passed
+    assert [v.request_id for v in _run(case, "vllm-v1-priority")] == ["H2"] * 5  # steps 2..6, until H1 ends
+    assert {v.request_id for v in _run(case, "fcfs")} == {"H2"}
     # budget: a less urgent running prefill (L, 320 tokens, chunks of the 16-token budget) no longer takes
     # it all; H (8 tokens, arrives before step 2) is visited first and prefills in step 2
     config = SchedulerConfig(16, 64, 16, 4, 512)
