@@ -272,11 +272,13 @@ def plan_by_priority(state: SchedulerState, config: SchedulerConfig) -> StepPlan
         pool.release(requests[victim].block_ids)
 
     def fits(request: Request, victims: list[str]) -> bool:
-        """Whether the waiting ``request`` gets a slot, blocks and a chunk once ``victims`` are preempted."""
-        hit, _, cost, available = pool.admission_after([requests[v].block_ids for v in victims], request, config)
+        """Whether the waiting ``request`` gets a slot, blocks and a chunk once ``victims`` are preempted
+        (slot and budget first: the prefix-cache lookup is the costly part)."""
         tokens = budget - reserve + sum(map(is_reserved_decode, victims))
-        return (config.max_num_seqs - len(running) + len(victims) >= 1 and cost <= available
-                and _chunk(request, tokens, config, len(hit) * config.block_size) > 0)
+        if config.max_num_seqs - len(running) + len(victims) < 1 or tokens < 1:
+            return False
+        hit, _, cost, available = pool.admission_after([requests[v].block_ids for v in victims], request, config)
+        return cost <= available and _chunk(request, tokens, config, len(hit) * config.block_size) > 0
 
     waiting = [r for r in _priority_order(state) if r not in skip]
     for request_id in sorted([*state.running, *waiting], key=key):
