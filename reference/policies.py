@@ -5,7 +5,10 @@ Each policy refines the spec: every plan it returns is allowed by
 Hypothesis suite, and for fcfs proved by ``schedspec.reference.proofs``). Each declares in
 ``GUARANTEES`` the trace properties of :mod:`schedspec.spec.properties` it promises.
 
-The shared mechanism, one step in three phases:
+The shared mechanism of fcfs, static and shortest-prompt-first (:func:`plan_step`), one step in three
+phases (the priority policy visits running and waiting requests in one pass in urgency order instead, so
+that no urgent request waits behind less urgent ones: :func:`plan_by_priority`; it reuses the phases'
+rejection, chunking and block pools):
 
 1. **Reject** every waiting request that was never admitted and could never complete alone
    (``rejects-impossible``).
@@ -86,9 +89,16 @@ class _BlockPool:
         """Reference the hit blocks and take ``needed`` new ones."""
         return self.take(needed)
 
+    def admission_after(self, released: Sequence[tuple[int, ...]], request: Request,
+                        config: SchedulerConfig) -> tuple[tuple[int, ...], int, int, int]:
+        """:meth:`admission` as it would be once these block tables are released (not done here), and the
+        blocks then available: ``(hit blocks, new blocks, cost, available)``."""
+        return (*self.admission(request, config), self.available + sum(len(t) for t in released))
+
     def fits_after(self, released: list[tuple[int, ...]], request: Request, config: SchedulerConfig) -> bool:
         """Whether ``request`` could be admitted once these block tables are released (not done here)."""
-        return self.admission(request, config)[2] <= self.available + sum(len(t) for t in released)
+        _, _, cost, available = self.admission_after(released, request, config)
+        return cost <= available
 
 
 class CachePool:
@@ -128,12 +138,21 @@ class CachePool:
         self.update.touch(hit)
         return self.take(needed)
 
-    def fits_after(self, released: list[tuple[int, ...]], request: Request, config: SchedulerConfig) -> bool:
+    def admission_after(self, released: Sequence[tuple[int, ...]], request: Request,
+                        config: SchedulerConfig) -> tuple[tuple[int, ...], int, int, int]:
+        """On a copy of the pool with these block tables released (shared blocks stay held, released cached
+        blocks can be hit): ``(hit blocks, new blocks, cost, available)``."""
+        if not released:
+            return (*self.admission(request, config), self.available)
         trial = CachePool.__new__(CachePool)
         trial.update = self.update.clone()
         for table in released:
             trial.release(table)
-        return trial.admission(request, config)[2] <= trial.available
+        return (*trial.admission(request, config), trial.available)
+
+    def fits_after(self, released: list[tuple[int, ...]], request: Request, config: SchedulerConfig) -> bool:
+        _, _, cost, available = self.admission_after(released, request, config)
+        return cost <= available
 
 
 def reject_impossible(state: SchedulerState, config: SchedulerConfig) -> tuple[tuple[str, str], ...]:
@@ -167,52 +186,146 @@ def _urgency(request: Request) -> tuple[int, int, float]:
     return (request.priority, request.arrival_step, request.arrival_time)
 
 
-def _make_room_by_priority(
-    state: SchedulerState, config: SchedulerConfig, order: Sequence[str], skip: set[str], pool: _BlockPool | CachePool
-) -> tuple[str | None, int, list[str]]:
-    """Priority admission gate: if the most urgent waiting request cannot be admitted for want of a
-    ``max_num_seqs`` slot or blocks, preempt the least urgent running requests that are strictly less
-    urgent than it, if (and only if) that makes room **and** the request then gets a chunk of this step's
-    budget next to the running decodes (else the preemption would be wasted: the victim loses its KV
-    cache and the urgent request still waits; shared case ``priority-preemption-must-admit``).
+def _pool(state: SchedulerState) -> _BlockPool | CachePool:
+    """This step's free queue: :class:`CachePool` with prefix caching, :class:`_BlockPool` without."""
+    return _BlockPool(state.free_block_ids) if state.prefix_cache is None else CachePool(state)
+
+
+def plan_by_priority(state: SchedulerState, config: SchedulerConfig) -> StepPlan:
+    """One step of the priority policy, which keeps ``no-priority-inversion``: no waiting request is kept
+    out only by a ``max_num_seqs`` slot, blocks or budget that a strictly less urgent running request holds.
+
+    1. **Reject** as every policy (:func:`reject_impossible`).
+    2. **One pass in urgency order** (:func:`_urgency`, running before waiting on ties) over the running
+       requests and the waiting ones. One token per running decode not yet visited is reserved (when the
+       running decodes number at most ``max_num_batched_tokens``), so a more urgent prefill never takes a
+       decode's token (``stall-free-decode``):
+
+       - a running decode gets one token, a running prefill a chunk (:func:`_chunk`) of the budget left
+         above the reserve; one that needs a new block when none is free preempts the least urgent running
+         request not yet visited, possibly itself (recompute);
+       - a waiting request is admitted (blocks for its whole current sequence beyond its prefix-cache
+         hit, a chunk of the budget above the reserve) if it gets a slot, blocks and at least one token
+         (its whole pending prompt without chunked prefill). If it does not fit, the strictly less
+         urgent running requests are preempted, least urgent first, only if that makes it fit (each frees
+         its slot, the blocks no one else holds and, for a decode, its reserved token); then it is
+         admitted in the same step, so no preemption is wasted. One that cannot fit even so is skipped,
+         not a stop: it waits for more urgent requests only, and a less urgent one may still fit.
+       - no waiting request is admitted while a more urgent request (by ``(priority, arrival)``, so also
+         an older one of equal priority) preempted in this step waits: it would take what that one needs
+         (and with equal priorities it would be preempted for it in the next step).
+
+       Every victim comes later in the pass than the request it makes room for, so no victim has been
+       scheduled yet: nothing is taken back, and with prefix caching the plan's allocations, in plan
+       order, are the pool's (``prefix-hit-longest`` sees the evictions this pass made).
+
+    Source: vLLM 0.32 ``vllm/v1/core/sched/scheduler.py`` ``Scheduler.schedule`` with
+    ``--scheduling-policy priority``: waiting requests in a heap by ``(priority, arrival_time)``, and when a
+    running request's ``allocate_slots`` fails the victim is ``max(self.running, key=lambda r:
+    (r.priority, r.arrival_time))``, possibly the request itself. Where this differs from vLLM, on purpose:
+
+    - a waiting request preempts strictly less urgent running requests for a slot, blocks or budget
+      (vLLM never preempts for a waiting request, so at ``max_num_seqs`` an urgent request waits: finding
+      ``counterexample-vllm-priority-no-preempt-at-seq-cap``);
+    - running and waiting requests share one pass in urgency order (vLLM schedules every running request
+      first, so a less urgent running prefill takes the budget an urgent waiting one needs), with one token
+      reserved per running decode;
+    - a victim is never a request already scheduled in the step (vLLM takes back such a victim's tokens
+      and blocks); visiting in urgency order makes the least urgent request one not visited yet;
+    - admission continues after a preemption and skips a request that does not fit (vLLM stops at the
+      first waiting request that does not fit and admits nothing after a preemption);
+    - admission reserves the whole current sequence, as the other policies here.
+
+    Args:
+        state: the state before the step.
+        config: the limits.
 
     Returns:
-        ``(request to admit first, its chunk in tokens, requests to preempt)``; ``(None, 0, [])`` when
-        no preemption is needed or none would admit it.
+        A plan allowed by the spec from ``state``.
     """
-    head = next((r for r in order if r not in skip), None)
-    if head is None:
-        return None, 0, []
-    candidate = state.requests[head]
-    slots_free = config.max_num_seqs - len(state.running)
-    if slots_free > 0 and pool.fits_after([], candidate, config):
-        return None, 0, []
-    less_urgent = sorted(
-        (r for r in state.running if _urgency(state.requests[r]) > _urgency(candidate)),
-        key=lambda r: _urgency(state.requests[r]), reverse=True,
-    )
-    victims: list[str] = []
-    freed: list[tuple[int, ...]] = []
-    for request_id in less_urgent:
-        if slots_free + len(victims) > 0 and pool.fits_after(freed, candidate, config):
-            break
-        victims.append(request_id)
-        freed.append(state.requests[request_id].block_ids)
-    if not (slots_free + len(victims) > 0 and pool.fits_after(freed, candidate, config)):
-        return None, 0, []
-    gone = set(victims)
-    decodes = sum(1 for r in state.running if r not in gone and state.requests[r].num_pending_tokens == 1)
-    hit_tokens = 0
-    if isinstance(pool, CachePool):
-        trial = CachePool.__new__(CachePool)
-        trial.update = pool.update.clone()
-        for table in freed:
-            trial.release(table)
-        hit_tokens = len(trial.admission(candidate, config)[0]) * config.block_size
-    chunk = _chunk(candidate, max(config.max_num_batched_tokens - decodes, 0), config, hit_tokens)
-    if chunk == 0:
-        return None, 0, []
-    return head, chunk, victims
+    rejected = reject_impossible(state, config)
+    requests = state.requests
+    pool = _pool(state)
+    budget = config.max_num_batched_tokens
+    running = list(state.running)  # the running set as the pass goes: less the preempted, plus the admitted
+    decodes = sum(1 for r in running if requests[r].num_pending_tokens == 1)
+    # a token per running decode not visited yet, when all of them fit the budget (stall-free-decode asks
+    # for no more: with more decodes than budget each request just takes its turn)
+    reserving = decodes <= budget
+    reserve = decodes if reserving else 0
+    scheduled: list[ScheduledRequest] = []
+    preempted: list[str] = []
+    visited: set[str] = set()
+    skip = {request_id for request_id, _ in rejected}
+
+    def key(request_id: str) -> tuple[int, int, float]:
+        return _urgency(requests[request_id])
+
+    def is_reserved_decode(request_id: str) -> bool:
+        return reserving and request_id not in visited and requests[request_id].num_pending_tokens == 1
+
+    def preempt(victim: str) -> None:
+        nonlocal reserve
+        reserve -= is_reserved_decode(victim)
+        running.remove(victim)
+        preempted.append(victim)
+        pool.release(requests[victim].block_ids)
+
+    def fits(request: Request, victims: list[str]) -> bool:
+        """Whether the waiting ``request`` gets a slot, blocks and a chunk once ``victims`` are preempted
+        (slot and budget first: the prefix-cache lookup is the costly part)."""
+        tokens = budget - reserve + sum(map(is_reserved_decode, victims))
+        if config.max_num_seqs - len(running) + len(victims) < 1 or tokens < 1:
+            return False
+        hit, _, cost, available = pool.admission_after([requests[v].block_ids for v in victims], request, config)
+        return cost <= available and _chunk(request, tokens, config, len(hit) * config.block_size) > 0
+
+    waiting = [r for r in _priority_order(state) if r not in skip]
+    for request_id in sorted([*state.running, *waiting], key=key):
+        if request_id in preempted:
+            continue
+        request = requests[request_id]
+        if request_id in state.running:
+            is_decode = request.num_pending_tokens == 1
+            reserve -= is_reserved_decode(request_id)
+            visited.add(request_id)
+            num_tokens = min(budget, 1) if is_decode else _chunk(request, max(budget - reserve, 0), config)
+            if num_tokens == 0:
+                continue
+            needed = blocks_for_tokens(request.num_computed_tokens + num_tokens, config.block_size) - len(request.block_ids)
+            while needed > pool.available:
+                # the least urgent running request not yet visited, or this one (every other visited one is
+                # more urgent, or as urgent and earlier in the pass)
+                victim = max((r for r in running if r not in visited or r == request_id), key=key)
+                preempt(victim)
+                if victim == request_id:
+                    break
+            if request_id in preempted:
+                continue
+            scheduled.append(
+                ScheduledRequest(request_id, request.num_computed_tokens, num_tokens, pool.take(max(needed, 0)))
+            )
+            budget -= num_tokens
+            continue
+        visited.add(request_id)
+        if any(key(p) < key(request_id) for p in preempted):
+            continue  # a more urgent request preempted in this step waits: take nothing it needs
+        less_urgent = sorted((r for r in running if r not in visited and key(r) > key(request_id)),
+                             key=key, reverse=True)
+        if not fits(request, []):
+            if not less_urgent or not fits(request, less_urgent):
+                continue  # kept out by more urgent requests only
+            count = next(n for n in range(1, len(less_urgent) + 1) if fits(request, less_urgent[:n]))
+            for victim in less_urgent[:count]:
+                preempt(victim)
+        hit, needed, _ = pool.admission(request, config)
+        hit_tokens = len(hit) * config.block_size
+        num_tokens = _chunk(request, budget - reserve, config, hit_tokens)
+        scheduled.append(ScheduledRequest(request_id, request.num_computed_tokens + hit_tokens, num_tokens,
+                                          pool.admit(hit, needed), hit))
+        budget -= num_tokens
+        running.append(request_id)
+    return StepPlan(scheduled=tuple(scheduled), preempted=tuple(preempted), rejected=rejected)
 
 
 def plan_step(
@@ -220,7 +333,6 @@ def plan_step(
     config: SchedulerConfig,
     admission_order: AdmissionOrder,
     admit_only_when_idle: bool = False,
-    by_priority: bool = False,
 ) -> StepPlan:
     """The shared three-phase step (module docstring) with a policy's admission order.
 
@@ -229,11 +341,6 @@ def plan_step(
         config: the limits.
         admission_order: waiting request ids in the order the policy admits them.
         admit_only_when_idle: admit only when nothing is running (static batching).
-        by_priority: the priority policy: preemption victims are the least urgent running requests
-            (not the most recently admitted), and before the running phase the most urgent waiting
-            request may preempt less urgent running ones to get a slot and blocks
-            (:func:`_make_room_by_priority`); it is then admitted first, before running prefills can
-            take the budget, and further admission still happens in that step.
 
     Returns:
         A plan allowed by the spec from ``state``.
@@ -241,34 +348,12 @@ def plan_step(
     rejected = reject_impossible(state, config)
     requests = state.requests
     budget = config.max_num_batched_tokens
-    pool = _BlockPool(state.free_block_ids) if state.prefix_cache is None else CachePool(state)
+    pool = _pool(state)
     scheduled: list[ScheduledRequest] = []
     preempted: list[str] = []
     gone: set[str] = set()  # preempted or scheduled this step: no longer a preemption candidate
     skip = {request_id for request_id, _ in rejected}
-    if by_priority:
-        # candidates, least urgent last
-        victims = sorted(state.running, key=lambda r: _urgency(requests[r]))
-        urgent, chunk, made_room = _make_room_by_priority(state, config, admission_order(state), skip, pool)
-        for victim in made_room:
-            gone.add(victim)
-            preempted.append(victim)
-            pool.release(requests[victim].block_ids)
-    else:
-        victims = list(state.running)  # candidates, most recently admitted last
-        urgent, chunk = None, 0
-    preempted_for_admission = len(preempted)
-    admitted = 0
-    if urgent is not None:
-        # The request the preemptions made room for is admitted first, with blocks for its whole
-        # sequence and a chunk that leaves one token per running decode.
-        request = requests[urgent]
-        hit, needed, _ = pool.admission(request, config)
-        scheduled.append(ScheduledRequest(urgent, request.num_computed_tokens + len(hit) * config.block_size, chunk,
-                                          pool.admit(hit, needed), hit))
-        budget -= chunk
-        skip.add(urgent)
-        admitted = 1
+    victims = list(state.running)  # candidates, most recently admitted last
 
     decodes, prefills = [], []
     for request_id in state.running:
@@ -302,8 +387,8 @@ def plan_step(
         )
         budget -= num_tokens
 
-    if len(preempted) == preempted_for_admission and not (admit_only_when_idle and state.running):
-        num_running = len(state.running) - len(preempted) + admitted
+    if not preempted and not (admit_only_when_idle and state.running):
+        num_running = len(state.running)
         for request_id in admission_order(state):
             if request_id in skip:
                 continue
@@ -338,14 +423,14 @@ def _priority_order(state: SchedulerState) -> Sequence[str]:
 
 
 def priority(state: SchedulerState, config: SchedulerConfig) -> StepPlan:
-    """Priority scheduling (vLLM ``--scheduling-policy priority``): admission in order of urgency
+    """Priority scheduling (vLLM ``--scheduling-policy priority``): requests in order of urgency
     (lower ``priority`` value, then earlier arrival); when blocks run out the least urgent running
     request is preempted. Beyond vLLM 0.32 (which preempts only when a running request lacks a block),
-    a waiting request may preempt strictly less urgent running requests to get a ``max_num_seqs`` slot
-    and blocks, so an urgent request never waits behind less urgent ones
-    (scenario ``priority-preempts-at-seq-cap``). Starves less urgent requests by design: no
-    ``bounded-wait``."""
-    return plan_step(state, config, _priority_order, by_priority=True)
+    a waiting request may preempt strictly less urgent running requests to get a ``max_num_seqs`` slot,
+    blocks or budget, so an urgent request never waits behind less urgent ones: the policy keeps the
+    trace property ``no-priority-inversion`` (:func:`plan_by_priority`). Starves less urgent requests by
+    design: no ``bounded-wait``."""
+    return plan_by_priority(state, config)
 
 
 def fcfs(state: SchedulerState, config: SchedulerConfig) -> StepPlan:

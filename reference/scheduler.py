@@ -304,12 +304,12 @@ SCHEDULERS: dict[str, SchedulerFactory] = {
         policies.shortest_prompt_first, "shortest-prompt-first",
         frozenset({"progress", "stall-free-decode", "rejects-impossible"}),
     ),
-    # no no-priority-inversion yet: the policy makes room only for the most urgent waiting request,
-    # before admission (case counterexample-priority-inversion-second-urgent), and a less urgent running
-    # prefill takes the budget an urgent waiting request needs (tests/test_priority_inversion.py)
+    # starves less urgent requests by design (no bounded-wait); preempts the least urgent, not the most
+    # recently admitted, request (no bounded-preemptions); a waiting request preempts strictly less urgent
+    # running ones for a slot, blocks or budget (no-priority-inversion, policies.plan_by_priority)
     "priority": _reference(
         policies.priority, "priority",
-        frozenset({"progress", "stall-free-decode", "rejects-impossible"}),
+        frozenset({"progress", "stall-free-decode", "rejects-impossible", "no-priority-inversion"}),
     ),
     "vllm-v1": _reference(vllm_v1.vllm_v1, "vllm-v1", VLLM_V1_GUARANTEES),
     "vllm-v1-priority": _reference(vllm_v1.vllm_v1_priority, "vllm-v1-priority", VLLM_V1_PRIORITY_GUARANTEES),

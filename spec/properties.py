@@ -309,6 +309,17 @@ def _released(requests, preempted, running) -> set[int]:
     return mine - {b for r in running for b in requests[r].block_ids} if mine else mine
 
 
+def _hits_on_free_blocks(before: SchedulerState, plan: StepPlan, released: set[int]) -> int:
+    """Free blocks the plan's prefix-cache hits take out of the free queue: distinct hit blocks that were
+    evictable before the step (reference count 0) or that this step's preemptions released (vLLM
+    ``BlockPool.touch`` removes a block from the free queue when its count rises from 0, once)."""
+    cache = before.prefix_cache
+    hits = {b for item in plan.scheduled for b in getattr(item, "cached_block_ids", ())}
+    if cache is None or not hits:
+        return 0
+    return sum(1 for b in hits if b in released or not cache.ref_counts.get(b))
+
+
 class NoPriorityInversion(Monitor):
     """``no-priority-inversion``: after a step's preemptions, no waiting request is kept out only by
     resources that a strictly less urgent running request holds.
@@ -322,7 +333,8 @@ class NoPriorityInversion(Monitor):
     - ``running`` = the running requests not preempted, plus the waiting ones the plan admits;
     - ``slots = max_num_seqs - len(running)``;
     - ``blocks`` = the free blocks before the step, plus the blocks the preempted requests release,
-      minus the blocks the plan hands out (new blocks, and free cached blocks a prefix hit takes);
+      minus the blocks the plan hands out (new blocks, and each free cached block a prefix hit takes:
+      evictable before the step or released by its preemptions);
     - ``tokens = max_num_batched_tokens - scheduled tokens``.
 
     A request ``W`` waiting at plan time (not admitted, not rejected by the plan; preempted ones
@@ -362,13 +374,13 @@ class NoPriorityInversion(Monitor):
         rejected = {request_id for request_id, _ in plan.rejected}
         tokens_of = {item.request_id: item.num_tokens for item in plan.scheduled}
         tables: dict[str, tuple[int, ...]] | None = None  # built when first needed
-        free = frozenset(before.free_block_ids) if any(item.cached_block_ids for item in plan.scheduled) else frozenset()
-        touched = sum(1 for item in plan.scheduled for b in item.cached_block_ids if b in free)
         running = [r for r in before.running if r not in preempted]
         running += [item.request_id for item in plan.scheduled if item.request_id not in before.running]
         slots = config.max_num_seqs - len(running)
-        blocks = (len(before.free_block_ids) + len(_released(requests, preempted, running))
-                  - sum(len(item.new_block_ids) for item in plan.scheduled) - touched)
+        released = _released(requests, preempted, running)
+        blocks = (len(before.free_block_ids) + len(released)
+                  - sum(len(item.new_block_ids) for item in plan.scheduled)
+                  - _hits_on_free_blocks(before, plan, released))
         tokens = config.max_num_batched_tokens - plan.num_scheduled_tokens
         waiting = [r for r in before.waiting if r not in tokens_of and r not in rejected] + list(plan.preempted)
         held: dict[int, tuple[list[str], int, int]] = {}  # priority of W -> (L, held_blocks, held_tokens)

@@ -19,7 +19,7 @@ EXPECTED = {
     "counterexample-static-work-conserving": ("static", "work-conserving"),
     "counterexample-shortest-prompt-first-bounded-wait": ("shortest-prompt-first", "bounded-wait"),
     "counterexample-fcfs-priority-inversion": ("fcfs", "no-priority-inversion"),
-    "counterexample-priority-inversion-second-urgent": ("priority", "no-priority-inversion"),
+    "counterexample-priority-inversion-second-urgent": ("fcfs", "no-priority-inversion"),
 }
 
 
