@@ -12,9 +12,11 @@ Read it in this order; each module is short and cites where its rules come from:
 6. :mod:`~schedspec.spec.rules`: each action's guard, the rules that say which plans are **allowed**.
 7. :mod:`~schedspec.spec.invariants`: what must hold of every state and step.
 8. :mod:`~schedspec.spec.properties`: claims about whole runs (progress, no starvation, ...).
-9. :mod:`~schedspec.spec.trace` and :mod:`~schedspec.spec.checker`: the step-trace format any engine
-   can write (a JSON Schema, ``trace-schema.json``), and the checker that replays it on the spec and
-   judges every field.
+9. :mod:`~schedspec.spec.prefix_cache`: prefix caching (chained block hashes, reference counts,
+   evictable blocks, hits at admission), which the actions use when ``enable_prefix_caching`` is on.
+10. :mod:`~schedspec.spec.trace` and :mod:`~schedspec.spec.checker`: the step-trace format any engine
+    can write (a JSON Schema, ``trace-schema.json``), and the checker that replays it on the spec and
+    judges every field.
 
 Where a name differs from vLLM's, ``docs/vllm-names.md`` says so and why.
 
