@@ -22,6 +22,7 @@ from __future__ import annotations
 import gc
 import time as wallclock
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import attrs
 
@@ -221,6 +222,21 @@ class Engine:
         self.incremental = incremental
         self.on_step_view = on_step_view
 
+    def _client_action(self, name: str, transition: Callable[[SchedulerState, Any], SchedulerState],
+                       shadow: SchedulerState, argument: Any, trust_state: bool) -> SchedulerState:
+        """Apply a client action (``add_request`` or ``abort_request``, with its spec ``transition``) to the
+        scheduler and return the spec state after it. With ``trust_state`` (unchecked runs of a scheduler
+        that keeps a spec state) that is the scheduler's own state; otherwise the spec's transition of
+        ``shadow``, offered to the scheduler first (:func:`offer_transition`) so a reference scheduler
+        asking for the same one reuses it instead of computing it again."""
+        if trust_state:
+            getattr(self.scheduler, name)(argument)
+            return self.scheduler.state
+        after = transition(shadow, argument)
+        offer_transition(name, shadow, argument, self.config, after)
+        getattr(self.scheduler, name)(argument)
+        return after
+
     def run(
         self,
         workload: Sequence[RequestSpec],
@@ -313,15 +329,7 @@ class Engine:
                 due = spec.arrival_step <= step if mode == "steps" else spec.arrival_time <= clock
                 if not due:
                     break
-                request = spec.to_request(step)
-                if trust_state:
-                    self.scheduler.add_request(request)
-                    shadow = self.scheduler.state
-                else:
-                    added = add_request(shadow, request)
-                    offer_transition("add_request", shadow, request, self.config, added)
-                    self.scheduler.add_request(request)
-                    shadow = added
+                shadow = self._client_action("add_request", add_request, shadow, spec.to_request(step), trust_state)
                 arrivals.append(spec)
                 next_arrival += 1
             aborts = list(step_aborts.get(step, ()))
@@ -335,14 +343,7 @@ class Engine:
                     aborted.append(request_id)
                     if live.block_ids:
                         freed_by_abort[request_id] = live.block_ids
-                if trust_state:
-                    self.scheduler.abort_request(request_id)
-                    shadow = self.scheduler.state
-                else:
-                    remaining = abort_request(shadow, request_id)
-                    offer_transition("abort_request", shadow, request_id, self.config, remaining)
-                    self.scheduler.abort_request(request_id)
-                    shadow = remaining
+                shadow = self._client_action("abort_request", abort_request, shadow, request_id, trust_state)
             if not shadow.requests and next_arrival >= len(pending):
                 break
 
