@@ -67,6 +67,22 @@ def fail(message: str, status: int = EXIT_BAD_INPUT) -> NoReturn:
     sys.exit(status)
 
 
+def torch_backend_model(model_dir: str | None, what: str) -> tuple[Any, Any]:
+    """``(schedspec.gpu_backend, its ModelConfig for model_dir)`` (the built-in tiny model for ``None``), for
+    the commands that run the torch backend. Exits 3 without the torch extra (``what`` names the option
+    that asked for it) and 2 on an unusable ``--model`` directory."""
+    try:
+        from schedspec import gpu_backend
+    except ImportError as error:
+        fail(f"{what} needs the torch extra (pip install 'schedspec[torch]'): {error}", status=EXIT_UNSUPPORTED)
+    try:
+        config = gpu_backend.tiny_model_config() if model_dir is None else \
+            gpu_backend.ModelConfig.from_model_dir(model_dir)
+    except gpu_backend.BackendError as error:
+        fail(f"--model: {error}")
+    return gpu_backend, config
+
+
 def note(message: str) -> None:
     """Print ``schedspec: note: message`` (one line, plain text) to stderr: something the user should
     know about the input that did not stop the run (e.g. a trace that had to be sorted)."""

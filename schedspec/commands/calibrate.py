@@ -10,12 +10,12 @@ from rich.table import Table
 
 from schedspec import calibrate as cal
 from schedspec.cli_common import (
-    EXIT_UNSUPPORTED,
     Count,
     atomic_output,
     check_outputs,
     check_path,
     fail,
+    torch_backend_model,
 )
 from schedspec.cli_common import console as make_console
 from schedspec.spec.config import ConfigError, SchedulerConfig, blocks_for_tokens
@@ -67,17 +67,10 @@ def command(backend, device, model_dir, dtype, threads, out_path, name, quick, m
     defaults = QUICK if quick else {"max_prefill": 2048, "max_decodes": 128, "max_context": 2048, "repeats": 5,
                                     "warmup": 2}
     limits = {k: (defaults[k] if v is None else v) for k, v in limits.items()}
-    try:
-        import torch
+    backend_module, model_config = torch_backend_model(model_dir, f"--backend {backend}:")
+    import torch
 
-        from schedspec.gpu_backend import BackendError, ModelConfig, Runner, tiny_model_config
-    except ImportError as error:
-        fail(f"--backend {backend}: needs the torch extra (pip install 'schedspec[torch]'): {error}",
-             status=EXIT_UNSUPPORTED)
-    try:
-        model_config = tiny_model_config() if model_dir is None else ModelConfig.from_model_dir(model_dir)
-    except BackendError as error:
-        fail(f"--model: {error}")
+    BackendError, Runner = backend_module.BackendError, backend_module.Runner
     grid = cal.design_grid(limits["max_prefill"], limits["max_decodes"], limits["max_context"], quick=quick)
     longest = max(p.longest for p in grid)
     if longest + 1 > model_config.max_position_embeddings:

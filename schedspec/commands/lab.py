@@ -39,6 +39,7 @@ from schedspec.cli_common import (
     parse_value,
     scheduler_option,
     set_option,
+    torch_backend_model,
 )
 from schedspec.cli_common import (
     console as make_console,
@@ -885,21 +886,14 @@ def _run_one(name: str, scheduler: str, config: SchedulerConfig, window: list, t
 def _torch_backend(config: SchedulerConfig, changes: dict[str, Any], window: list, model_dir: str | None,
                    device: str, clock: str = "wall"):
     """``--backend torch``: the config fitted to the model and window, the runner, and its description."""
-    try:
-        from schedspec.gpu_backend import BackendError, ModelConfig, Runner, tiny_model_config
-    except ImportError as error:
-        fail(f"--backend torch needs the torch extra (pip install 'schedspec[torch]'): {error}",
-             status=EXIT_UNSUPPORTED)
+    backend_module, model_config = torch_backend_model(model_dir, "--backend torch")
+    BackendError, Runner = backend_module.BackendError, backend_module.Runner
     from schedspec.spec.config import ConfigError, blocks_for_tokens
 
     # Fit the profile's config to the model, unless --set gave the field: max_model_len at most
     # the model's max_position_embeddings; num_kv_blocks at most what the whole window needs at
     # once (every request at its full length), which changes no scheduling decision (no request
     # can run short of blocks with either size) but keeps the cache as small as it can be.
-    try:
-        model_config = tiny_model_config() if model_dir is None else ModelConfig.from_model_dir(model_dir)
-    except BackendError as error:
-        fail(f"--model: {error}")
     fitted: dict[str, int] = {}
     if "max_model_len" not in changes:
         fitted["max_model_len"] = min(config.max_model_len, model_config.max_position_embeddings)
