@@ -36,13 +36,61 @@ def _mix(seed: int, position: int) -> int:
     return z ^ (z >> 31)
 
 
-class _DerivedPrompt(Sequence[int]):
-    """A prompt whose ids are computed from a few parameters (its ``_key``): equal keys, equal ids."""
+def _mix_array(seeds: np.ndarray, positions: np.ndarray, vocab_size: int) -> np.ndarray:
+    """:func:`_mix` on uint64 arrays, mapped to ids in ``[1, vocab_size)`` (int64)."""
+    with np.errstate(over="ignore"):
+        z = seeds + np.uint64(0x9E3779B97F4A7C15) * (positions + np.uint64(1))
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    return (np.uint64(1) + z % np.uint64(vocab_size - 1)).astype(np.int64)
 
-    __slots__ = ()
+
+class _DerivedPrompt(Sequence[int]):
+    """A prompt of ``length`` ids computed from a few parameters (its ``_key``): equal keys, equal ids.
+
+    Position ``p`` has id ``1 + mix(seed, offset) % (vocab_size - 1)``, where a subclass says which
+    ``(seed, offset)`` a position uses (:meth:`_seed_at`, and :meth:`_seeds_at` for arrays); positions
+    that belong to no shared part use the request's own seed and their position.
+    """
+
+    __slots__ = ("_length", "_own_seed", "_vocab")
+
+    def __init__(self, request_id: str, length: int, vocab_size: int) -> None:
+        self._length = length
+        self._own_seed = _seed("request:" + request_id)
+        self._vocab = vocab_size
+
+    def _seed_at(self, index: int) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def _seeds_at(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        raise NotImplementedError
 
     def _key(self) -> tuple:
         raise NotImplementedError
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            start, stop, step = index.indices(self._length)
+            if step == 1:
+                return tuple(int(i) for i in self.array(start, max(start, stop)))
+            return tuple(self[i] for i in range(start, stop, step))
+        if index < 0:
+            index += self._length
+        if not 0 <= index < self._length:
+            raise IndexError(index)
+        seed, offset = self._seed_at(index)
+        return 1 + _mix(seed, offset) % (self._vocab - 1)
+
+    def array(self, start: int, stop: int) -> np.ndarray:
+        """Ids of positions ``[start, stop)`` as an int64 array of shape ``[stop - start]``, computed
+        vectorised (same values as indexing)."""
+        seeds, offsets = self._seeds_at(np.arange(start, stop, dtype=np.uint64))
+        return _mix_array(seeds, offsets, self._vocab)
 
     def __eq__(self, other: object) -> bool:
         if type(other) is type(self):
@@ -62,56 +110,26 @@ class SyntheticPrompt(_DerivedPrompt):
     ``[1, vocab_size)``.
     """
 
-    __slots__ = ("_length", "_prefix_len", "_prefix_seed", "_own_seed", "_vocab")
+    __slots__ = ("_prefix_len", "_prefix_seed")
 
     def __init__(self, request_id: str, length: int, prefix_group: str | None = None,
                  prefix_len: int = 0, vocab_size: int = DEFAULT_VOCAB_SIZE) -> None:
-        self._length = length
+        super().__init__(request_id, length, vocab_size)
         self._prefix_len = min(prefix_len, length) if prefix_group is not None else 0
         self._prefix_seed = _seed("prefix:" + (prefix_group or ""))
-        self._own_seed = _seed("request:" + request_id)
-        self._vocab = vocab_size
 
-    def __len__(self) -> int:
-        return self._length
+    def _seed_at(self, index: int) -> tuple[int, int]:
+        return (self._prefix_seed if index < self._prefix_len else self._own_seed), index
 
-    def __getitem__(self, index):  # type: ignore[override]
-        if isinstance(index, slice):
-            return tuple(self[i] for i in range(*index.indices(self._length)))
-        if index < 0:
-            index += self._length
-        if not 0 <= index < self._length:
-            raise IndexError(index)
-        seed = self._prefix_seed if index < self._prefix_len else self._own_seed
-        return 1 + _mix(seed, index) % (self._vocab - 1)
-
-    def array(self, start: int, stop: int) -> np.ndarray:
-        """Ids of positions ``[start, stop)`` as an int64 array, computed vectorised (same values as
-        indexing)."""
-        positions = np.arange(start, stop, dtype=np.uint64)
+    def _seeds_at(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         seeds = np.where(positions < self._prefix_len, np.uint64(self._prefix_seed), np.uint64(self._own_seed))
-        with np.errstate(over="ignore"):
-            z = seeds + np.uint64(0x9E3779B97F4A7C15) * (positions + np.uint64(1))
-            z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-            z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-            z = z ^ (z >> np.uint64(31))
-        return (np.uint64(1) + z % np.uint64(self._vocab - 1)).astype(np.int64)
+        return seeds, positions
 
     def _key(self) -> tuple:
         return self._length, self._prefix_len, self._prefix_seed, self._own_seed, self._vocab
 
     def __repr__(self) -> str:
         return f"SyntheticPrompt(len={self._length}, prefix_len={self._prefix_len})"
-
-
-def _mix_array(seeds: np.ndarray, positions: np.ndarray, vocab_size: int) -> np.ndarray:
-    """:func:`_mix` on uint64 arrays, mapped to ids in ``[1, vocab_size)`` (int64)."""
-    with np.errstate(over="ignore"):
-        z = seeds + np.uint64(0x9E3779B97F4A7C15) * (positions + np.uint64(1))
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        z = z ^ (z >> np.uint64(31))
-    return (np.uint64(1) + z % np.uint64(vocab_size - 1)).astype(np.int64)
 
 
 class BlockHashPrompt(_DerivedPrompt):
@@ -139,48 +157,30 @@ class BlockHashPrompt(_DerivedPrompt):
         ValueError: ``block_tokens < 1``.
     """
 
-    __slots__ = ("_length", "_block_tokens", "_block_seeds", "_own_seed", "_vocab", "_hash_ids")
+    __slots__ = ("_block_tokens", "_block_seeds", "_hash_ids")
 
     def __init__(self, request_id: str, length: int, block_hash_ids: Sequence[int], block_tokens: int,
                  vocab_size: int = DEFAULT_VOCAB_SIZE) -> None:
         if block_tokens < 1:
             raise ValueError(f"block_tokens={block_tokens}: must be >= 1")
-        self._length = length
+        super().__init__(request_id, length, vocab_size)
         self._block_tokens = block_tokens
         self._hash_ids = tuple(block_hash_ids)
         self._block_seeds = np.array([_seed(f"block:{h}") for h in self._hash_ids], dtype=np.uint64)
-        self._own_seed = _seed("request:" + request_id)
-        self._vocab = vocab_size
 
-    def __len__(self) -> int:
-        return self._length
-
-    def __getitem__(self, index):  # type: ignore[override]
-        if isinstance(index, slice):
-            start, stop, step = index.indices(self._length)
-            if step == 1:
-                return tuple(int(i) for i in self.array(start, max(start, stop)))
-            return tuple(self[i] for i in range(start, stop, step))
-        if index < 0:
-            index += self._length
-        if not 0 <= index < self._length:
-            raise IndexError(index)
+    def _seed_at(self, index: int) -> tuple[int, int]:
         block = index // self._block_tokens
         if block < len(self._block_seeds):
-            return 1 + _mix(int(self._block_seeds[block]), index % self._block_tokens) % (self._vocab - 1)
-        return 1 + _mix(self._own_seed, index) % (self._vocab - 1)
+            return int(self._block_seeds[block]), index % self._block_tokens
+        return self._own_seed, index
 
-    def array(self, start: int, stop: int) -> np.ndarray:
-        """Ids of positions ``[start, stop)`` as an int64 array of shape ``[stop - start]``, computed
-        vectorised (same values as indexing)."""
-        positions = np.arange(start, stop, dtype=np.uint64)
+    def _seeds_at(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         blocks = positions // np.uint64(self._block_tokens)
         hashed = blocks < np.uint64(len(self._block_seeds))
         seeds = np.full(positions.shape, np.uint64(self._own_seed), dtype=np.uint64)
         if hashed.any():
             seeds[hashed] = self._block_seeds[blocks[hashed].astype(np.int64)]
-        offsets = np.where(hashed, positions % np.uint64(self._block_tokens), positions)
-        return _mix_array(seeds, offsets, self._vocab)
+        return seeds, np.where(hashed, positions % np.uint64(self._block_tokens), positions)
 
     def _key(self) -> tuple:
         return self._length, self._block_tokens, self._hash_ids, self._own_seed, self._vocab
