@@ -87,7 +87,7 @@ def timed(function, repeat: int):
 
 
 def make_workload(max_requests: int, prompt_scale: int, max_output: int):
-    from schedspec.reference import workloads
+    from schedspec.lab import workloads
 
     window = workloads.select_window(workloads.load_trace(workloads.default_trace_path()),
                                      max_requests=max_requests)

@@ -22,8 +22,9 @@ import random
 import time
 from collections import defaultdict
 
-from schedspec.reference import cost_model, workloads
-from schedspec.reference.lab import run_lab
+from schedspec.lab import workloads
+from schedspec.lab.run import run_lab
+from schedspec.reference import cost_model
 from schedspec.spec.checker import check_trace
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.trace import StepRecord

@@ -15,8 +15,9 @@ import platform
 import resource
 import time
 
-from schedspec.reference import cost_model, workloads
-from schedspec.reference.lab import run_lab
+from schedspec.lab import workloads
+from schedspec.lab.run import run_lab
+from schedspec.reference import cost_model
 from schedspec.spec.config import SchedulerConfig
 
 

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from schedspec.cli import cli
-from schedspec.reference import workloads
+from schedspec.lab import workloads
 from schedspec.reference.scenarios import bundled_scenarios
 
 SCENARIO = next(p for p in bundled_scenarios() if p.stem == "slot-freed-is-reused").read_bytes()

@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from schedspec.cli import cli
-from schedspec.reference import workloads
+from schedspec.lab import workloads
 
 
 def lab(*args: str):

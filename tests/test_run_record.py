@@ -15,8 +15,8 @@ import pytest
 from click.testing import CliRunner
 
 from schedspec.cli import cli
-from schedspec.reference import workloads
-from schedspec.run_record import validate_record
+from schedspec.lab import workloads
+from schedspec.lab.run_record import validate_record
 from schedspec.spec.config import SchedulerConfig
 
 

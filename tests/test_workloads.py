@@ -1,4 +1,4 @@
-"""Trace loaders, window selection and synthetic workloads (schedspec.reference.workloads)."""
+"""Trace loaders, window selection and synthetic workloads (schedspec.lab.workloads)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from schedspec.reference import workloads as wl
-from schedspec.reference.workloads import (
+from schedspec.lab import workloads as wl
+from schedspec.lab.workloads import (
     WorkloadError,
     default_trace_path,
     detect_format,

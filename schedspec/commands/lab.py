@@ -19,9 +19,6 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
-from schedspec import capacity as capacities
-from schedspec import run_record
-from schedspec import sweep as sweeping
 from schedspec.cli_common import (
     EXIT_CHECK_FAILED,
     EXIT_UNSUPPORTED,
@@ -44,10 +41,12 @@ from schedspec.cli_common import (
 from schedspec.cli_common import (
     console as make_console,
 )
+from schedspec.lab import capacity as capacities
+from schedspec.lab import metrics, run_record, workloads
+from schedspec.lab import sweep as sweeping
+from schedspec.lab.run import VARIANTS, LabResult, LabStep, resolve_variant, run_lab
 from schedspec.reference import cost_model as costs
-from schedspec.reference import metrics, workloads
 from schedspec.reference.engine import ViolationFound
-from schedspec.reference.lab import VARIANTS, LabResult, LabStep, resolve_variant, run_lab
 from schedspec.reference.scheduler import EngineFault, UnknownScheduler, UnsupportedFeature
 from schedspec.spec.admission import rejection_code, rejection_reason
 from schedspec.spec.config import SchedulerConfig
@@ -61,7 +60,7 @@ def _scale_lengths(window: list, factor: float) -> list:
     """``--length-scale``: every prompt, shared prefix, hashed prompt block and output length divided by
     ``factor``, rounded up (at least one token; a length of 0 stays 0, so the spec still rejects that request); arrival
     times, ids and everything else unchanged. Exits 2 if a length would exceed
-    :data:`~schedspec.reference.workloads.MAX_TOKEN_COUNT`."""
+    :data:`~schedspec.lab.workloads.MAX_TOKEN_COUNT`."""
     if factor == 1:
         return window
 
@@ -514,7 +513,7 @@ def command(trace_path, trace_format, synthetic, start, duration, max_requests, 
         folders=[("--plot", plot_dir)],
     )
     if plot_dir is not None and path is not None:
-        from schedspec.reference.plots import plot_files
+        from schedspec.lab.plots import plot_files
 
         planned = sweeping.plot_files(plot_dir) if points else plot_files(names, plot_dir)
         for plot in planned:
@@ -648,7 +647,7 @@ def command(trace_path, trace_format, synthetic, start, duration, max_requests, 
                 fail(f"--requests-out {target}: cannot write ({error.strerror})")
     _save_records(records, save_names, console, quiet=as_json)
     if plot_dir:
-        from schedspec.reference.plots import write_plots
+        from schedspec.lab.plots import write_plots
 
         try:
             for written in write_plots([(name, result) for name, result in runs], plot_dir):

@@ -13,7 +13,7 @@ before its latency percentiles break the target?
 - **SLO.** ``--slo`` keys ``METRIC_pNN`` (``ttft_p90=2s``, ``itl_p99=200ms``, ``e2e_p95=...``;
   metrics ``ttft``, ``itl``, ``tpot``, ``e2e``, ``queueing``; any percentile in (0, 100]) are
   percentiles over the finished requests, with the definitions of
-  :mod:`schedspec.reference.metrics` (ITL pools every gap of every finished request). Today's goodput
+  :mod:`schedspec.lab.metrics` (ITL pools every gap of every finished request). Today's goodput
   keys (``ttft``, ``itl``, ``tpot``, ``e2e``) mean their p99 here, as ``--sweep`` judges them. The SLO
   **holds** at a rate when the run completes without a spec violation, at least one request finishes,
   and every target holds.
@@ -28,7 +28,7 @@ before its latency percentiles break the target?
   seen. Rates are searched within ``natural_rate * 2**±MAX_DOUBLINGS``;
   an SLO that holds at the top (or fails at the bottom) is reported as such, never extrapolated.
 - **Parallel, deterministic.** One job per configuration (the bisection inside a configuration is
-  sequential), run by :func:`schedspec.sweep.run_points`' process pool pattern; the simulated clock
+  sequential), run by :func:`schedspec.lab.sweep.run_points`' process pool pattern; the simulated clock
   depends only on the window, the config and the cost model, so the result does not depend on
   ``--jobs``.
 """
@@ -45,9 +45,9 @@ from typing import Any
 import attrs
 import numpy as np
 
-from schedspec.reference import metrics
+from schedspec.lab import metrics
+from schedspec.lab.run import run_lab
 from schedspec.reference.engine import ViolationFound
-from schedspec.reference.lab import run_lab
 from schedspec.reference.scheduler import EngineFault
 
 PERCENTILE_METRICS = ("ttft", "itl", "tpot", "e2e", "queueing")
@@ -86,7 +86,7 @@ class SloTargets:
 
 
 def parse_slo(text: str) -> SloTargets:
-    """Parse ``--slo``: goodput keys (``ttft=2s``; :func:`schedspec.reference.metrics.parse_slo`) and
+    """Parse ``--slo``: goodput keys (``ttft=2s``; :func:`schedspec.lab.metrics.parse_slo`) and
     percentile keys (``ttft_p90=2s``, ``itl_p99=200ms``), in any mix.
 
     Raises:
@@ -322,7 +322,7 @@ def write_plot(results: Sequence[Mapping[str, Any]], best: int | None, targets: 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from schedspec.reference.plots import _label, _save
+    from schedspec.lab.plots import _label, _save
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -395,7 +395,7 @@ def run_command(console, points: Sequence[Mapping[str, Any]], configurations: Se
     from rich.table import Table
 
     from schedspec.cli_common import console as make_console
-    from schedspec.sweep import point_label
+    from schedspec.lab.sweep import point_label
 
     if synthetic_rate is not None:
         natural = synthetic_rate
