@@ -22,7 +22,7 @@ import random
 import time
 from collections import defaultdict
 
-from schedspec.lab import workloads
+from schedspec.lab import trace_formats, windows
 from schedspec.lab.run import run_lab
 from schedspec.reference import cost_model
 from schedspec.spec.checker import check_trace
@@ -82,7 +82,7 @@ def catalogue(scale: int, per_trace: int, seed: int) -> bool:
 
 
 def speed() -> None:
-    requests = workloads.select_window(workloads.load_trace(workloads.default_trace_path()), duration=120.0)
+    requests = windows.select_window(trace_formats.load_trace(trace_formats.default_trace_path()), duration=120.0)
     kwargs, _ = cost_model.default_scheduler_config()
     config = SchedulerConfig(**kwargs)
     out = io.StringIO()

@@ -1,7 +1,10 @@
 """The lab: replay real traces through a scheduler and measure what it did (imported as ``schedspec.lab``).
 
-- :mod:`~schedspec.lab.workloads`: real traces (Azure, BurstGPT, Mooncake), window selection and
-  synthetic arrivals, turned into :class:`~schedspec.spec.workload.RequestSpec` lists.
+- Workloads, each turned into a list of :class:`~schedspec.spec.workload.RequestSpec`:
+  :mod:`~schedspec.lab.trace_formats` (real traces: Azure 2023/2024, BurstGPT, Mooncake, the packaged
+  traces and their attribution), :mod:`~schedspec.lab.windows` (``select_window``),
+  :mod:`~schedspec.lab.synthetic` (synthetic arrival processes and the ``--synthetic`` form), and
+  :mod:`~schedspec.lab.workload_checks` (``WorkloadError`` and the limits all three check).
 - :mod:`~schedspec.lab.run`: :func:`~schedspec.lab.run.run_lab`, one scheduler on one window through
   the reference engine loop, in time mode, and the ``--compare`` variants.
 - :mod:`~schedspec.lab.metrics`: per-request timelines, TTFT / ITL / TPOT / E2E, efficiency, goodput.

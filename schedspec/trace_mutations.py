@@ -859,7 +859,8 @@ def lab_trace(label: str, trace_file: str, config: SchedulerConfig, max_requests
     import io
 
     from schedspec.lab.run import run_lab
-    from schedspec.lab.workloads import load_trace, packaged_trace_path, select_window
+    from schedspec.lab.trace_formats import load_trace, packaged_trace_path
+    from schedspec.lab.windows import select_window
 
     workload = select_window(load_trace(packaged_trace_path(trace_file)), max_requests=max_requests,
                              time_scale=time_scale)

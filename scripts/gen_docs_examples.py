@@ -19,7 +19,8 @@ from pathlib import Path
 
 import schedspec.spec
 from schedspec.lab.run import run_lab
-from schedspec.lab.workloads import default_trace_path, load_trace, select_window
+from schedspec.lab.trace_formats import default_trace_path, load_trace
+from schedspec.lab.windows import select_window
 from schedspec.reference.cost_model import DEFAULT_PROFILE
 from schedspec.spec.config import SchedulerConfig, blocks_for_tokens
 from schedspec.spec.trace import StepRecord

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from schedspec.cli import cli
 from schedspec.lab import calibrate as cal
 from schedspec.lab.run import run_lab
-from schedspec.lab.workloads import synthetic
+from schedspec.lab.synthetic import synthetic
 from schedspec.reference import cost_model as costs
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.rules import violated_rules

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from schedspec.cli import cli
 from schedspec.lab import capacity
 from schedspec.lab.metrics import MetricsError, RequestTimeline, Slo
-from schedspec.lab.workloads import synthetic
+from schedspec.lab.synthetic import synthetic
 from schedspec.reference.cost_model import get_profile
 from schedspec.spec.config import SchedulerConfig
 

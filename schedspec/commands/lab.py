@@ -42,9 +42,12 @@ from schedspec.cli_common import (
     console as make_console,
 )
 from schedspec.lab import capacity as capacities
-from schedspec.lab import metrics, run_record, workloads
+from schedspec.lab import metrics, run_record, trace_formats
 from schedspec.lab import sweep as sweeping
 from schedspec.lab.run import VARIANTS, LabResult, LabStep, resolve_variant, run_lab
+from schedspec.lab.synthetic import parse_synthetic
+from schedspec.lab.windows import select_window
+from schedspec.lab.workload_checks import MAX_TOKEN_COUNT, WorkloadError
 from schedspec.reference import cost_model as costs
 from schedspec.reference.engine import ViolationFound
 from schedspec.reference.scheduler import EngineFault, UnknownScheduler, UnsupportedFeature
@@ -60,7 +63,7 @@ def _scale_lengths(window: list, factor: float) -> list:
     """``--length-scale``: every prompt, shared prefix, hashed prompt block and output length divided by
     ``factor``, rounded up (at least one token; a length of 0 stays 0, so the spec still rejects that request); arrival
     times, ids and everything else unchanged. Exits 2 if a length would exceed
-    :data:`~schedspec.lab.workloads.MAX_TOKEN_COUNT`."""
+    :data:`~schedspec.lab.workload_checks.MAX_TOKEN_COUNT`."""
     if factor == 1:
         return window
 
@@ -68,9 +71,9 @@ def _scale_lengths(window: list, factor: float) -> list:
         return 0 if length == 0 else max(1, math.ceil(length / factor))
 
     longest = max(max(s.prompt_len, s.max_tokens) for s in window)
-    if longest / factor > workloads.MAX_TOKEN_COUNT:
+    if longest / factor > MAX_TOKEN_COUNT:
         fail(f"--length-scale {factor:g}: makes a length of {longest:,} tokens {longest / factor:.3g}, more than "
-             f"{workloads.MAX_TOKEN_COUNT:,}")
+             f"{MAX_TOKEN_COUNT:,}")
     scaled = []
     for spec in window:
         prompt = scale(spec.prompt_len)
@@ -335,9 +338,9 @@ def _compare_table(console: Console, records: list[dict[str, Any]]) -> None:
 @click.option("--trace", "trace_path", default=None, metavar="PATH",
               help="Trace file: Azure LLM inference 2023 or 2024 CSV, BurstGPT CSV or Mooncake JSONL "
                    "(detected from the first line), or a packaged trace by name: "
-                   f"{', '.join(workloads.PACKAGED_TRACES)}. Default: azure-conv (the Azure 2023 "
+                   f"{', '.join(trace_formats.PACKAGED_TRACES)}. Default: azure-conv (the Azure 2023 "
                    "conversation trace). Long prompts (mooncake): --profile llama3.1-8b-a100-80gb.")
-@click.option("--trace-format", type=click.Choice(list(workloads.FORMATS)), default=None,
+@click.option("--trace-format", type=click.Choice(list(trace_formats.FORMATS)), default=None,
               help="Trace format (default: detected).")
 @click.option("--synthetic", default=None, metavar="SPEC",
               help="Synthetic arrivals instead of a trace: rate=R,cv=C,prompt=P,output=O[,n=N|,duration=S][,seed=K].")
@@ -481,8 +484,8 @@ def command(trace_path, trace_format, synthetic, start, duration, max_requests, 
     elif ray_address is not None:
         fail("--ray: only with --sweep")
     try:
-        spec = workloads.parse_synthetic(synthetic) if synthetic is not None else None
-    except workloads.WorkloadError as error:
+        spec = parse_synthetic(synthetic) if synthetic is not None else None
+    except WorkloadError as error:
         fail(f"--synthetic: {error}".replace("--synthetic: synthetic: ", "--synthetic: "))
 
     tolerance = capacities.DEFAULT_TOLERANCE if capacity_tolerance is None else capacity_tolerance
@@ -497,7 +500,7 @@ def command(trace_path, trace_format, synthetic, start, duration, max_requests, 
     check_path("--trace", trace_path)
     check_path("--model", model_dir)
     check_path("--save", save_path)
-    path = (workloads.resolve_trace(trace_path) if trace_path is not None else workloads.default_trace_path()) \
+    path = (trace_formats.resolve_trace(trace_path) if trace_path is not None else trace_formats.default_trace_path()) \
         if spec is None else None
 
     def output_name(base_path: str | None, name: str) -> str | None:
@@ -555,12 +558,12 @@ def command(trace_path, trace_format, synthetic, start, duration, max_requests, 
                         "synthetic": str(spec), "description": trace_text}
         else:
             assert path is not None
-            requests = workloads.load_trace(path, trace_format, notes=notes)
-            info = workloads.trace_info(path, trace_format, requests)
+            requests = trace_formats.load_trace(path, trace_format, notes=notes)
+            info = trace_formats.trace_info(path, trace_format, requests)
             trace_text = str(info)
             workload = {"kind": "trace", "trace_path": str(path), "trace_sha256": run_record.file_sha256(path),
                         "trace_format": info.format, "synthetic": None, "description": trace_text}
-    except workloads.WorkloadError as error:
+    except WorkloadError as error:
         fail(f"--trace: {error}" if spec is None else f"--synthetic: {error}")
     except OSError as error:
         fail(f"--trace {path}: cannot read ({error.strerror})")
@@ -569,9 +572,9 @@ def command(trace_path, trace_format, synthetic, start, duration, max_requests, 
 
     def make_window(scale: float, option: str = "--time-scale ") -> list:
         try:
-            chosen = workloads.select_window(requests, start=start, duration=duration, max_requests=max_requests,
+            chosen = select_window(requests, start=start, duration=duration, max_requests=max_requests,
                                              time_scale=scale)
-        except workloads.WorkloadError as error:
+        except WorkloadError as error:
             message = str(error)
             for key, replacement in (("start=", "--start "), ("duration=", "--duration "), ("time_scale=", option)):
                 message = message.replace(key, replacement)
