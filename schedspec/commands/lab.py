@@ -6,7 +6,7 @@ import json
 import math
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
@@ -601,7 +601,7 @@ def command(trace_path, trace_format, synthetic, start, duration, max_requests, 
                                                   (point_configs or list(configs.values()))])
 
     if capacity_search:
-        status = capacities.run_command(
+        status = _capacity(
             console, points or [{}], point_configs or [configs[names[0]]], window,
             spec.rate if spec is not None else None, cost, slo_targets, tolerance, not no_check, max_steps,
             jobs if jobs is not None else sweeping.default_jobs(), plot_dir, as_json,
@@ -732,6 +732,70 @@ def _save_records(records: list[dict[str, Any]], targets: list[str], console: Co
             fail(f"--save {target}: cannot write ({error.strerror})")
         if not quiet:
             console.print(f"wrote {target}")
+
+
+def _capacity(console, points: Sequence[Mapping[str, Any]], configurations: Sequence[tuple[str, Any]],
+              window: Sequence[Any], synthetic_rate: float | None, cost, targets: capacities.SloTargets,
+              tolerance: float, check: bool, max_steps: int | None, workers: int, plot_dir: str | None,
+              as_json: bool, conditions: Mapping[str, Any], heading: str) -> int:
+    """``--capacity``: run every configuration's search (:func:`schedspec.lab.capacity.run_all`) and print
+    the table (or the JSON). Returns the exit status: 0, or 1 when a run broke the spec or the engine
+    crashed."""
+    if synthetic_rate is not None:
+        natural = synthetic_rate
+    else:
+        span = window[-1].arrival_time - window[0].arrival_time
+        if span <= 0:
+            fail("--capacity: every request of the window arrives at the same time; no rate to scale")
+        natural = len(window) / span
+    jobs = [(i, sweeping.point_label(point) if point else scheduler, scheduler, config, list(window), natural, natural, cost,
+             check, max_steps, targets, tolerance)
+            for i, (point, (scheduler, config)) in enumerate(zip(points, configurations, strict=True))]
+    if not as_json:
+        console.print(f"Capacity search: {len(jobs)} configuration(s); {heading}; SLO {targets}; natural rate "
+                      f"{natural:.3g} requests/s; bisection to a relative tolerance of {tolerance:g}; "
+                      f"{min(workers, len(jobs))} worker processes", markup=False, highlight=False)
+    results = capacities.run_all(jobs, workers)
+    best, reason = capacities.choose_best(results)
+    if plot_dir is not None:
+        written = capacities.write_plot(results, best, targets, plot_dir)
+        if not as_json:
+            console.print(f"wrote {written}", markup=False, highlight=False)
+    if as_json:
+        click.echo(json.dumps({"conditions": dict(conditions), "slo": str(targets), "tolerance": tolerance,
+                               "natural_rate_req_per_s": natural, "best": best, "reason": reason,
+                               "configurations": results}, indent=2, default=str))
+    else:
+        shown = [(m, q) for m, q in capacities.REPORTED]
+        for m, q, _ in targets.targets():
+            if (m, q) not in shown:
+                shown.append((m, q))
+        table = Table(title=f"Capacity under {targets} (latency in ms at the capacity rate)", title_justify="left")
+        for column in ("#", "configuration", "capacity req/s", "bracket", "runs", "output tok/s",
+                       *(f"{m.upper()} p{capacities.percentile_label(q)}" for m, q in shown)):
+            table.add_column(column, justify="right", no_wrap=True)
+        for i, r in enumerate(results):
+            f = r["figures"] or {}
+            rate = r["capacity_req_per_s"]
+            capacity_text = "-" if rate is None else f"{rate:.3g}" + (" (or more)" if r["status"] == "above-range" else "")
+            if r["status"] == "found":
+                bracket = f"< {r['upper_req_per_s']:.3g}"
+            elif r["status"] == "above-range":
+                bracket = "held at the top of the range"
+            else:
+                bracket = f"fails at {r['upper_req_per_s']:.3g}, the bottom of the range"
+            table.add_row(str(i + 1), r["label"], capacity_text, bracket, str(len(r["evaluations"])),
+                          "-" if f.get("output_tokens_per_s") is None else f"{f['output_tokens_per_s']:,.0f}",
+                          *("-" if f.get(f"{m}_p{capacities.percentile_label(q)}_s") is None else f"{f[f'{m}_p{capacities.percentile_label(q)}_s'] * 1e3:,.1f}"
+                            for m, q in shown),
+                          style="bold" if i == best else None)
+        make_console(width=1000).print(table)
+        for r in results:
+            if r["problem"] is not None:
+                console.print(f"FAILED {r['label']}: {r['problem']}", markup=False, highlight=False)
+        console.print(f"Best: {'none' if best is None else results[best]['label']}: {reason}", markup=False,
+                      highlight=False)
+    return 1 if any(r["problem"] for r in results) else 0
 
 
 def _sweep(console: Console, points: list[dict[str, Any]], point_configs: list[tuple[str, SchedulerConfig]],
