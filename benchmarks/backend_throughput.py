@@ -87,9 +87,9 @@ def timed(function, repeat: int):
 
 
 def make_workload(max_requests: int, prompt_scale: int, max_output: int):
-    from schedspec.reference import workloads
+    from schedspec.lab import trace_formats, windows
 
-    window = workloads.select_window(workloads.load_trace(workloads.default_trace_path()),
+    window = windows.select_window(trace_formats.load_trace(trace_formats.default_trace_path()),
                                      max_requests=max_requests)
     return [attrs.evolve(spec, prompt_len=max(1, spec.prompt_len // prompt_scale),
                          max_tokens=max(1, min(spec.max_tokens, max_output)), arrival_step=0,

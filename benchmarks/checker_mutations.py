@@ -22,8 +22,9 @@ import random
 import time
 from collections import defaultdict
 
-from schedspec.reference import cost_model, workloads
-from schedspec.reference.lab import run_lab
+from schedspec.lab import trace_formats, windows
+from schedspec.lab.run import run_lab
+from schedspec.reference import cost_model
 from schedspec.spec.checker import check_trace
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.trace import StepRecord
@@ -81,7 +82,7 @@ def catalogue(scale: int, per_trace: int, seed: int) -> bool:
 
 
 def speed() -> None:
-    requests = workloads.select_window(workloads.load_trace(workloads.default_trace_path()), duration=120.0)
+    requests = windows.select_window(trace_formats.load_trace(trace_formats.default_trace_path()), duration=120.0)
     kwargs, _ = cost_model.default_scheduler_config()
     config = SchedulerConfig(**kwargs)
     out = io.StringIO()

@@ -15,8 +15,9 @@ import platform
 import resource
 import time
 
-from schedspec.reference import cost_model, workloads
-from schedspec.reference.lab import run_lab
+from schedspec.lab import trace_formats, windows
+from schedspec.lab.run import run_lab
+from schedspec.reference import cost_model
 from schedspec.spec.config import SchedulerConfig
 
 
@@ -25,7 +26,7 @@ def main() -> None:
     parser.add_argument("--max-requests", type=int, default=None)
     parser.add_argument("--only", choices=["on", "off"], default=None)
     args = parser.parse_args()
-    requests = workloads.select_window(workloads.load_trace(workloads.default_trace_path()),
+    requests = windows.select_window(trace_formats.load_trace(trace_formats.default_trace_path()),
                                        max_requests=args.max_requests)
     kwargs, _ = cost_model.default_scheduler_config()
     config = SchedulerConfig(**kwargs)

@@ -858,8 +858,9 @@ def lab_trace(label: str, trace_file: str, config: SchedulerConfig, max_requests
     """
     import io
 
-    from schedspec.reference.lab import run_lab
-    from schedspec.reference.workloads import load_trace, packaged_trace_path, select_window
+    from schedspec.lab.run import run_lab
+    from schedspec.lab.trace_formats import load_trace, packaged_trace_path
+    from schedspec.lab.windows import select_window
 
     workload = select_window(load_trace(packaged_trace_path(trace_file)), max_requests=max_requests,
                              time_scale=time_scale)
@@ -882,7 +883,7 @@ def prefix_cache_trace(scale: int = 1) -> tuple[str, Trace]:
     import io
     import random
 
-    from schedspec.reference.lab import run_lab
+    from schedspec.lab.run import run_lab
     from schedspec.spec.workload import RequestSpec
 
     rng = random.Random(7)

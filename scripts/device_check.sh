@@ -37,7 +37,7 @@ if ! "$PY" -c "import schedspec.gpu_backend.testing, schedspec.spec.state" 2>/de
         shadow=$(mktemp -d)
         mkdir "$shadow/schedspec"
         for entry in schedspec/*; do ln -s "$PWD/$entry" "$shadow/schedspec/"; done
-        for package in spec reference gpu_backend engines; do
+        for package in spec reference gpu_backend engines lab; do
             [ -d "$package" ] && ln -s "$PWD/$package" "$shadow/schedspec/$package"
         done
         export PYTHONPATH="$shadow${PYTHONPATH:+:$PYTHONPATH}"

@@ -23,8 +23,8 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from schedspec.cli import cli
-from schedspec.reference.metrics import parse_slo
-from schedspec.sweep import choose_best, value_text
+from schedspec.lab.metrics import parse_slo
+from schedspec.lab.sweep import choose_best, value_text
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "choosing-a-configuration.md"
@@ -146,7 +146,7 @@ def conditions(records: list[dict], elapsed: float) -> str:
 
 
 def verdict(records: list[dict]) -> str:
-    """The lab's own verdict on the sweep (``schedspec.sweep.choose_best``, as the CLI prints it)."""
+    """The lab's own verdict on the sweep (``schedspec.lab.sweep.choose_best``, as the CLI prints it)."""
     best, reason = choose_best(records, parse_slo(SLO))
     if best is None:
         return f"**The lab's verdict:** none: {reason}."

@@ -1,7 +1,7 @@
 """Write the generated parts of the documentation site, so that they cannot drift from the code:
 
 - ``docs/generated/step-example.md``: the worked example of "How one step works", produced by running
-  the lab (:func:`schedspec.reference.lab.run_lab`) on a small window of the real Azure conversation
+  the lab (:func:`schedspec.lab.run.run_lab`) on a small window of the real Azure conversation
   trace with a small KV cache, so that the steps show prefill and decode tokens together, a long
   prompt computed in chunks, and a preemption.
 - ``docs/api/spec.md``: the API reference of ``schedspec.spec``, one mkdocstrings section per module
@@ -18,9 +18,10 @@ import re
 from pathlib import Path
 
 import schedspec.spec
+from schedspec.lab.run import run_lab
+from schedspec.lab.trace_formats import default_trace_path, load_trace
+from schedspec.lab.windows import select_window
 from schedspec.reference.cost_model import DEFAULT_PROFILE
-from schedspec.reference.lab import run_lab
-from schedspec.reference.workloads import default_trace_path, load_trace, select_window
 from schedspec.spec.config import SchedulerConfig, blocks_for_tokens
 from schedspec.spec.trace import StepRecord
 

@@ -40,7 +40,7 @@ if [ "${MUTMUT_RESUME:-0}" != 1 ] || [ ! -d "$STAGE" ]; then
   rm -rf "$STAGE"
   mkdir -p "$STAGE/schedspec"
   cp -r "$ROOT"/schedspec/. "$STAGE/schedspec/"
-  for pair in spec:spec reference:reference engines:engines gpu_backend:gpu_backend; do
+  for pair in spec:spec reference:reference engines:engines gpu_backend:gpu_backend lab:lab; do
     cp -r "$ROOT/${pair%%:*}" "$STAGE/schedspec/${pair##*:}"
   done
   cp -r "$ROOT/tests" "$STAGE/tests"

@@ -143,7 +143,7 @@ class BlockHashPrompt(_DerivedPrompt):
 
     It lives in the spec, beside :class:`SyntheticPrompt`, because the trace checker rebuilds every
     request from its arrival record (``block_hash_ids``, ``hash_block_tokens``) and imports nothing
-    outside the spec; :mod:`schedspec.reference.workloads` builds it from a Mooncake trace's
+    outside the spec; :mod:`schedspec.lab.trace_formats` builds it from a Mooncake trace's
     ``hash_ids`` (512 tokens per block).
 
     Args:

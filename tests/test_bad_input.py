@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from schedspec.cli import cli
-from schedspec.reference import workloads
+from schedspec.lab import trace_formats
 from schedspec.reference.scenarios import bundled_scenarios
 
 SCENARIO = next(p for p in bundled_scenarios() if p.stem == "slot-freed-is-reused").read_bytes()
@@ -281,8 +281,8 @@ def test_backwards_timestamps_are_sorted_with_a_note(tmp_path):
 def test_trace_formats_are_detected_and_read(tmp_path, name, data, fmt, expected):
     path = tmp_path / name
     path.write_bytes(data)
-    assert workloads.detect_format(path) == fmt
-    requests = workloads.load_trace(path)
+    assert trace_formats.detect_format(path) == fmt
+    requests = trace_formats.load_trace(path)
     assert [(r.prompt_len, r.max_tokens) for r in requests] == [e[:2] for e in expected]
     assert [r.arrival_time for r in requests] == pytest.approx([e[2] for e in expected], abs=1e-9)
     result = invoke("lab", {name: data}, ("--trace", "{" + name + "}", "--json"), tmp_path)
@@ -299,7 +299,7 @@ def test_trace_formats_are_detected_and_read(tmp_path, name, data, fmt, expected
 @pytest.mark.parametrize("name", ["AzureLLMInferenceTrace_code.csv", "mooncake_conversation_trace.jsonl"])
 def test_lab_runs_on_the_packaged_traces(tmp_path, name):
     """The other two real formats (Azure 2023 conversation is the default, run by test_lab.py)."""
-    path = workloads.packaged_trace_path(name)
+    path = trace_formats.packaged_trace_path(name)
     result = invoke("lab", {}, ("--trace", str(path), "--max-requests", "5", "--json"), tmp_path)
     assert result.exit_code == 0, result.stderr
     record = json.loads(result.stdout)
@@ -311,7 +311,7 @@ def test_azure_2024_offsets_are_applied(tmp_path):
     path = tmp_path / "t.csv"
     path.write_bytes(b"TIMESTAMP,ContextTokens,GeneratedTokens\n2024-05-12 02:00:00.5+02:00,1,1\n"
                      b"2024-05-12 00:00:01.000000+00:00,2,2\n")
-    assert [r.arrival_time for r in workloads.load_trace(path)] == [0.0, pytest.approx(0.5)]
+    assert [r.arrival_time for r in trace_formats.load_trace(path)] == [0.0, pytest.approx(0.5)]
 
 
 def test_shared_samples_when_present():
@@ -319,7 +319,7 @@ def test_shared_samples_when_present():
     if not folder.is_dir():
         pytest.skip("the shared trace samples are not on this machine (the rows are also inline above)")
     for path in folder.iterdir():
-        assert workloads.load_trace(path), path
+        assert trace_formats.load_trace(path), path
 
 
 # --------------------------------------------------------------------------------------------------

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from schedspec import calibrate as cal
 from schedspec.cli import cli
+from schedspec.lab import calibrate as cal
+from schedspec.lab.run import run_lab
+from schedspec.lab.synthetic import synthetic
 from schedspec.reference import cost_model as costs
-from schedspec.reference.lab import run_lab
-from schedspec.reference.workloads import synthetic
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.rules import violated_rules
 

@@ -13,11 +13,11 @@ import math
 import pytest
 from click.testing import CliRunner
 
-from schedspec import capacity
 from schedspec.cli import cli
+from schedspec.lab import capacity
+from schedspec.lab.metrics import MetricsError, RequestTimeline, Slo
+from schedspec.lab.synthetic import synthetic
 from schedspec.reference.cost_model import get_profile
-from schedspec.reference.metrics import MetricsError, RequestTimeline, Slo
-from schedspec.reference.workloads import synthetic
 from schedspec.spec.config import SchedulerConfig
 
 CONFIG = SchedulerConfig(block_size=16, num_kv_blocks=256, max_num_batched_tokens=256, max_num_seqs=4,

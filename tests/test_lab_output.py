@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from schedspec.cli import cli
-from schedspec.reference import workloads
+from schedspec.lab import trace_formats
 
 
 def lab(*args: str):
@@ -29,7 +29,7 @@ def test_every_packaged_trace_by_name_shows_source_license_and_summary(name, tit
     text = " ".join(result.output.replace("│", " ").split())  # the table's wrapping undone
     assert title in text and license_text in text and "Source:" in text
     assert re.search(r"[\d,]+ requests over [\d,.]+ s", text), text
-    assert name in workloads.PACKAGED_TRACES
+    assert name in trace_formats.PACKAGED_TRACES
 
 
 def test_admission_count_is_printed_before_the_run_and_matches_the_rejections():

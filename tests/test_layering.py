@@ -1,5 +1,11 @@
-"""The layering of the folders holds: spec imports nothing from reference, gpu_backend or engines;
-reference does not import engines or gpu_backend; spec and gpu_backend import without z3."""
+"""The layering of the folders holds: spec imports nothing from reference, gpu_backend, engines or the lab;
+reference does not import engines, gpu_backend or the lab; engines and gpu_backend do not import the lab;
+the lab imports nothing of the CLI or of schedspec.testing; spec and gpu_backend import without z3.
+
+Relative imports (``from .x import y``, ``from .. import z``) are resolved against the folder's import
+name (pyproject's package-dir), so they are checked too. Cost: well under a second (AST parsing only),
+plus one interpreter start for the z3 check.
+"""
 
 from __future__ import annotations
 
@@ -11,41 +17,84 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+CLI = ("schedspec.cli", "schedspec.commands")  # "schedspec.cli" also covers schedspec.cli_common
 FORBIDDEN = {
-    "spec": ("schedspec.reference", "schedspec.gpu_backend", "schedspec.engines", "schedspec.cli",
-             "schedspec.commands", "schedspec.testing", "schedspec.strategies", "schedspec.run_record",
-             "schedspec.sweep"),
-    "reference": ("schedspec.engines", "schedspec.gpu_backend", "schedspec.run_record", "schedspec.sweep",
-                  "schedspec.cli", "schedspec.commands"),
+    "spec": ("schedspec.reference", "schedspec.gpu_backend", "schedspec.engines", "schedspec.lab", *CLI,
+             "schedspec.testing", "schedspec.strategies"),
+    "reference": ("schedspec.engines", "schedspec.gpu_backend", "schedspec.lab", *CLI),
+    "engines": ("schedspec.lab", *CLI),
+    "gpu_backend": ("schedspec.lab", *CLI),
+    "lab": (*CLI, "schedspec.testing"),
 }
 
 
-def _imports(path: Path) -> list[str]:
+def _imports(path: Path, package: str | None = None) -> list[str]:
+    """Every module ``path`` imports, at any depth of the file (lazy imports inside functions too).
+    A relative import is resolved against ``package`` (the file's own package, e.g.
+    ``schedspec.reference``) and left out when ``package`` is not given."""
     names = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names.extend(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names.append(node.module)
+        elif isinstance(node, ast.ImportFrom) and node.level > 0 and package is not None:
+            parts = package.split(".")
+            base = ".".join(parts[: len(parts) - (node.level - 1)])
+            if node.module:
+                names.append(f"{base}.{node.module}")
+            else:  # from .. import lab
+                names.extend(f"{base}.{alias.name}" for alias in node.names)
     return names
+
+
+def _offenders(root: Path, folder: str) -> list[str]:
+    """``"FILE imports NAME"`` for every import under ``root / folder`` that ``FORBIDDEN[folder]`` forbids."""
+    offenders = []
+    for path in sorted((root / folder).rglob("*.py")):
+        if "proofs" in path.parts and folder == "reference":
+            continue
+        package = ".".join(("schedspec", folder, *path.relative_to(root / folder).parent.parts))
+        offenders.extend(f"{path.relative_to(root)} imports {name}"
+                         for name in _imports(path, package) if name.startswith(FORBIDDEN[folder]))
+    return offenders
 
 
 @pytest.mark.parametrize("folder", sorted(FORBIDDEN))
 def test_folder_does_not_import_layers_above_it(folder):
-    offenders = [
-        f"{path.relative_to(ROOT)} imports {name}"
-        for path in (ROOT / folder).rglob("*.py")
-        if "proofs" not in path.parts or folder != "reference"
-        for name in _imports(path)
-        if name.startswith(FORBIDDEN[folder])
-    ]
-    assert offenders == []
+    assert (ROOT / folder).is_dir()
+    assert _offenders(ROOT, folder) == []
 
 
 def test_the_layering_check_would_see_a_violation(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("from schedspec.reference.engine import Engine\n")
     assert "schedspec.reference.engine" in _imports(bad)
+
+
+def test_the_layering_check_sees_the_lab_rows_broken(tmp_path):
+    """A deliberate break of each new row: reference, engines and gpu_backend importing the lab (absolute,
+    relative and lazily inside a function), and the lab importing the CLI."""
+    (tmp_path / "reference").mkdir()
+    (tmp_path / "reference" / "engine.py").write_text(
+        "from ..lab import metrics\n"
+        "def run():\n"
+        "    from schedspec.lab.run import run_lab\n")
+    (tmp_path / "engines").mkdir()
+    (tmp_path / "engines" / "vllm.py").write_text("import schedspec.lab.trace_formats\n")
+    (tmp_path / "gpu_backend").mkdir()
+    (tmp_path / "gpu_backend" / "runner.py").write_text("from schedspec.lab import calibrate\n")
+    (tmp_path / "lab").mkdir()
+    (tmp_path / "lab" / "capacity.py").write_text(
+        "def command():\n"
+        "    from schedspec.cli_common import fail\n"
+        "    from schedspec.testing import machine_for\n")
+    assert _offenders(tmp_path, "reference") == ["reference/engine.py imports schedspec.lab",
+                                                 "reference/engine.py imports schedspec.lab.run"]
+    assert _offenders(tmp_path, "engines") == ["engines/vllm.py imports schedspec.lab.trace_formats"]
+    assert _offenders(tmp_path, "gpu_backend") == ["gpu_backend/runner.py imports schedspec.lab"]
+    assert _offenders(tmp_path, "lab") == ["lab/capacity.py imports schedspec.cli_common",
+                                           "lab/capacity.py imports schedspec.testing"]
 
 
 def test_spec_and_backend_import_without_z3():

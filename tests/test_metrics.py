@@ -1,4 +1,4 @@
-"""Latency and efficiency metrics, goodput (schedspec.reference.metrics), on hand-built runs whose
+"""Latency and efficiency metrics, goodput (schedspec.lab.metrics), on hand-built runs whose
 expected values are worked out by hand in the comments."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import csv
 import attrs
 import pytest
 
-from schedspec.reference.metrics import (
+from schedspec.lab.metrics import (
     CSV_COLUMNS,
     EFFICIENCY_KEYS,
     MetricsError,
@@ -229,7 +229,7 @@ def test_timelines_to_csv(tmp_path):
 
 def test_prefix_hit_counter_hand_records():
     """Hit rate in tokens over first admissions; a re-admission after a preemption counted apart."""
-    from schedspec.reference.metrics import PREFIX_HIT_KEYS, PrefixHitCounter, prefix_hit_summary
+    from schedspec.lab.metrics import PREFIX_HIT_KEYS, PrefixHitCounter, prefix_hit_summary
 
     def item(request_id: str, computed: int, prefill: int, decode: int = 0) -> ScheduledTokens:
         return ScheduledTokens(request_id, computed, prefill, decode)

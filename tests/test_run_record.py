@@ -15,8 +15,8 @@ import pytest
 from click.testing import CliRunner
 
 from schedspec.cli import cli
-from schedspec.reference import workloads
-from schedspec.run_record import validate_record
+from schedspec.lab import trace_formats
+from schedspec.lab.run_record import validate_record
 from schedspec.spec.config import SchedulerConfig
 
 
@@ -40,7 +40,7 @@ def test_the_record_carries_every_condition(saved):
     assert record == printed  # --json and --save: one builder
     assert validate_record(record) is None
     conditions = record["conditions"]
-    trace = workloads.default_trace_path()
+    trace = trace_formats.default_trace_path()
     assert conditions["workload"]["trace_path"] == str(trace)
     assert conditions["workload"]["trace_sha256"] == hashlib.sha256(trace.read_bytes()).hexdigest()
     assert conditions["window"] == {"start_s": None, "duration_s": None, "max_requests": 20, "time_scale": 1.0,
@@ -78,7 +78,7 @@ def test_the_schema_check_can_fail(saved):
 
 def test_save_never_overwrites_an_input(tmp_path):
     trace = tmp_path / "trace.csv"
-    trace.write_bytes(workloads.default_trace_path().read_bytes()[:2000].rsplit(b"\n", 1)[0] + b"\n")
+    trace.write_bytes(trace_formats.default_trace_path().read_bytes()[:2000].rsplit(b"\n", 1)[0] + b"\n")
     before = trace.read_bytes()
     result = run("lab", "--trace", str(trace), "--save", str(trace))
     assert result.exit_code == 2

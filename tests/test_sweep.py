@@ -11,8 +11,8 @@ import pytest
 from click.testing import CliRunner
 
 from schedspec.cli import cli
+from schedspec.lab.sweep import pareto_front
 from schedspec.reference.scheduler import make_scheduler
-from schedspec.sweep import pareto_front
 
 SWEEP = ("--max-requests", "20", "--time-scale", "0.1", "--sweep", "max_num_batched_tokens=512,2048",
          "--sweep", "max_num_seqs=4,16", "--slo", "ttft=2s,itl=200ms")

@@ -1,4 +1,4 @@
-"""Trace loaders, window selection and synthetic workloads (schedspec.reference.workloads)."""
+"""Trace loaders, window selection and synthetic workloads (schedspec.lab.trace_formats, windows, synthetic)."""
 
 from __future__ import annotations
 
@@ -9,23 +9,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from schedspec.reference import workloads as wl
-from schedspec.reference.workloads import (
-    WorkloadError,
+from schedspec.lab import trace_formats as formats
+from schedspec.lab.synthetic import parse_synthetic, synthetic
+from schedspec.lab.trace_formats import (
     default_trace_path,
     detect_format,
     load_azure_csv,
     load_mooncake_jsonl,
     load_trace,
-    parse_synthetic,
-    select_window,
-    synthetic,
     trace_info,
 )
+from schedspec.lab.windows import select_window
+from schedspec.lab.workload_checks import WorkloadError
 from schedspec.spec.workload import RequestSpec, token_ids
 
 HEADER = b"TIMESTAMP,ContextTokens,GeneratedTokens\r\n"
-TRACES = Path(wl.__file__).resolve().parent.parent / "schedspec" / "data" / "traces"
+TRACES = Path(formats.__file__).resolve().parent.parent / "schedspec" / "data" / "traces"
 
 
 def write(tmp_path: Path, name: str, data: bytes) -> Path:
@@ -166,7 +165,7 @@ def test_mooncake_prompts_share_exactly_the_common_hash_id_prefix(tmp_path):
     a, b, c = load_mooncake_jsonl(path, id_prefix="m")
     assert (a.block_hash_ids, a.hash_block_tokens) == ((7, 8, 9), 512) and c.block_hash_ids is None
     pa, pb = a.prompt_token_ids(), b.prompt_token_ids()
-    assert isinstance(pa, wl.MooncakePrompt) and len(pa) == 1300 and len(pb) == 1700
+    assert isinstance(pa, formats.MooncakePrompt) and len(pa) == 1300 and len(pb) == 1700
     ids_a, ids_b = pa.array(0, 1300), pb.array(0, 1300)
     same = ids_a == ids_b
     assert same[:1024].all()  # hash ids 7, 8: 1,024 tokens in common
@@ -203,8 +202,8 @@ def test_mooncake_shared_prompt_tokens_counts_chained_blocks(tmp_path):
     )
     requests = load_mooncake_jsonl(path, id_prefix="m")
     # 16-token blocks: b hits a's first 1,024 tokens; c's block "5" is at another position (another parent)
-    assert wl.mooncake_shared_prompt_tokens(requests, 16) == (1024, 3600)
-    assert wl.mooncake_shared_prompt_tokens(requests, 512) == (1024, 3600)
+    assert formats.mooncake_shared_prompt_tokens(requests, 16) == (1024, 3600)
+    assert formats.mooncake_shared_prompt_tokens(requests, 512) == (1024, 3600)
 
 
 def test_mooncake_packaged_prefix_groups_never_overstate_sharing():
@@ -282,12 +281,12 @@ def test_packaged_traces_are_unmodified_copies_with_licenses():
     import hashlib
 
     assert default_trace_path().name == "AzureLLMInferenceTrace_conv.csv" and default_trace_path().is_file()
-    for digest, (name, _, _) in wl._KNOWN_TRACES.items():
+    for digest, (name, _, _) in formats._KNOWN_TRACES.items():
         assert hashlib.sha256((TRACES / name).read_bytes()).hexdigest() == digest
     assert (TRACES / "LICENSES" / "CC-BY-4.0_AzurePublicDataset_LICENSE.txt").is_file()
     assert (TRACES / "LICENSES" / "Apache-2.0_Mooncake_LICENSE-APACHE.txt").is_file()
     attribution = (TRACES / "ATTRIBUTION.md").read_text()
-    assert wl.AZURE_ATTRIBUTION.split(",")[0] in attribution and "Mooncake FAST'25" in attribution
+    assert formats.AZURE_ATTRIBUTION.split(",")[0] in attribution and "Mooncake FAST'25" in attribution
 
 
 # Totals from schedspec/data/traces/README.md (computed there independently of this loader).

@@ -1,5 +1,5 @@
 """``schedspec calibrate``: measure the PyTorch backend's step times over a designed grid and fit the lab's
-cost model to them (see :mod:`schedspec.calibrate`)."""
+cost model to them (see :mod:`schedspec.lab.calibrate`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import sys
 import click
 from rich.table import Table
 
-from schedspec import calibrate as cal
 from schedspec.cli_common import (
     Count,
     atomic_output,
@@ -18,6 +17,7 @@ from schedspec.cli_common import (
     torch_backend_model,
 )
 from schedspec.cli_common import console as make_console
+from schedspec.lab import calibrate as cal
 from schedspec.spec.config import ConfigError, SchedulerConfig, blocks_for_tokens
 
 QUICK = {"max_prefill": 128, "max_decodes": 8, "max_context": 256, "repeats": 3, "warmup": 1}

@@ -1,6 +1,6 @@
 """``schedspec compare BEFORE.json AFTER.json``: did a change help, under the same conditions?
 
-Reads two run records (``schedspec lab --save``; :mod:`schedspec.run_record`), each validated
+Reads two run records (``schedspec lab --save``; :mod:`schedspec.lab.run_record`), each validated
 against the run record JSON Schema, and prints first the conditions that differ, then every figure
 side by side with the change and its sign.
 
@@ -26,9 +26,9 @@ import click
 from rich.table import Table
 from rich.text import Text
 
-from schedspec import run_record
 from schedspec.cli_common import EXIT_CHECK_FAILED, check_path, fail, one_line
 from schedspec.cli_common import console as make_console
+from schedspec.lab import run_record
 
 LOWER_IS_BETTER_SUFFIXES = ("_s",)
 LOWER_IS_BETTER = ("preemptions", "max_preemptions_per_request", "violations", "requests_rejected",

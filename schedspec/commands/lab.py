@@ -6,7 +6,7 @@ import json
 import math
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
@@ -19,9 +19,6 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
-from schedspec import capacity as capacities
-from schedspec import run_record
-from schedspec import sweep as sweeping
 from schedspec.cli_common import (
     EXIT_CHECK_FAILED,
     EXIT_UNSUPPORTED,
@@ -44,10 +41,15 @@ from schedspec.cli_common import (
 from schedspec.cli_common import (
     console as make_console,
 )
+from schedspec.lab import capacity as capacities
+from schedspec.lab import metrics, run_record, trace_formats
+from schedspec.lab import sweep as sweeping
+from schedspec.lab.run import VARIANTS, LabResult, LabStep, resolve_variant, run_lab
+from schedspec.lab.synthetic import parse_synthetic
+from schedspec.lab.windows import select_window
+from schedspec.lab.workload_checks import MAX_TOKEN_COUNT, WorkloadError
 from schedspec.reference import cost_model as costs
-from schedspec.reference import metrics, workloads
 from schedspec.reference.engine import ViolationFound
-from schedspec.reference.lab import VARIANTS, LabResult, LabStep, resolve_variant, run_lab
 from schedspec.reference.scheduler import EngineFault, UnknownScheduler, UnsupportedFeature
 from schedspec.spec.admission import rejection_code, rejection_reason
 from schedspec.spec.config import SchedulerConfig
@@ -61,7 +63,7 @@ def _scale_lengths(window: list, factor: float) -> list:
     """``--length-scale``: every prompt, shared prefix, hashed prompt block and output length divided by
     ``factor``, rounded up (at least one token; a length of 0 stays 0, so the spec still rejects that request); arrival
     times, ids and everything else unchanged. Exits 2 if a length would exceed
-    :data:`~schedspec.reference.workloads.MAX_TOKEN_COUNT`."""
+    :data:`~schedspec.lab.workload_checks.MAX_TOKEN_COUNT`."""
     if factor == 1:
         return window
 
@@ -69,9 +71,9 @@ def _scale_lengths(window: list, factor: float) -> list:
         return 0 if length == 0 else max(1, math.ceil(length / factor))
 
     longest = max(max(s.prompt_len, s.max_tokens) for s in window)
-    if longest / factor > workloads.MAX_TOKEN_COUNT:
+    if longest / factor > MAX_TOKEN_COUNT:
         fail(f"--length-scale {factor:g}: makes a length of {longest:,} tokens {longest / factor:.3g}, more than "
-             f"{workloads.MAX_TOKEN_COUNT:,}")
+             f"{MAX_TOKEN_COUNT:,}")
     scaled = []
     for spec in window:
         prompt = scale(spec.prompt_len)
@@ -336,9 +338,9 @@ def _compare_table(console: Console, records: list[dict[str, Any]]) -> None:
 @click.option("--trace", "trace_path", default=None, metavar="PATH",
               help="Trace file: Azure LLM inference 2023 or 2024 CSV, BurstGPT CSV or Mooncake JSONL "
                    "(detected from the first line), or a packaged trace by name: "
-                   f"{', '.join(workloads.PACKAGED_TRACES)}. Default: azure-conv (the Azure 2023 "
+                   f"{', '.join(trace_formats.PACKAGED_TRACES)}. Default: azure-conv (the Azure 2023 "
                    "conversation trace). Long prompts (mooncake): --profile llama3.1-8b-a100-80gb.")
-@click.option("--trace-format", type=click.Choice(list(workloads.FORMATS)), default=None,
+@click.option("--trace-format", type=click.Choice(list(trace_formats.FORMATS)), default=None,
               help="Trace format (default: detected).")
 @click.option("--synthetic", default=None, metavar="SPEC",
               help="Synthetic arrivals instead of a trace: rate=R,cv=C,prompt=P,output=O[,n=N|,duration=S][,seed=K].")
@@ -482,8 +484,8 @@ def command(trace_path, trace_format, synthetic, start, duration, max_requests, 
     elif ray_address is not None:
         fail("--ray: only with --sweep")
     try:
-        spec = workloads.parse_synthetic(synthetic) if synthetic is not None else None
-    except workloads.WorkloadError as error:
+        spec = parse_synthetic(synthetic) if synthetic is not None else None
+    except WorkloadError as error:
         fail(f"--synthetic: {error}".replace("--synthetic: synthetic: ", "--synthetic: "))
 
     tolerance = capacities.DEFAULT_TOLERANCE if capacity_tolerance is None else capacity_tolerance
@@ -498,7 +500,7 @@ def command(trace_path, trace_format, synthetic, start, duration, max_requests, 
     check_path("--trace", trace_path)
     check_path("--model", model_dir)
     check_path("--save", save_path)
-    path = (workloads.resolve_trace(trace_path) if trace_path is not None else workloads.default_trace_path()) \
+    path = (trace_formats.resolve_trace(trace_path) if trace_path is not None else trace_formats.default_trace_path()) \
         if spec is None else None
 
     def output_name(base_path: str | None, name: str) -> str | None:
@@ -514,7 +516,7 @@ def command(trace_path, trace_format, synthetic, start, duration, max_requests, 
         folders=[("--plot", plot_dir)],
     )
     if plot_dir is not None and path is not None:
-        from schedspec.reference.plots import plot_files
+        from schedspec.lab.plots import plot_files
 
         planned = sweeping.plot_files(plot_dir) if points else plot_files(names, plot_dir)
         for plot in planned:
@@ -556,12 +558,12 @@ def command(trace_path, trace_format, synthetic, start, duration, max_requests, 
                         "synthetic": str(spec), "description": trace_text}
         else:
             assert path is not None
-            requests = workloads.load_trace(path, trace_format, notes=notes)
-            info = workloads.trace_info(path, trace_format, requests)
+            requests = trace_formats.load_trace(path, trace_format, notes=notes)
+            info = trace_formats.trace_info(path, trace_format, requests)
             trace_text = str(info)
             workload = {"kind": "trace", "trace_path": str(path), "trace_sha256": run_record.file_sha256(path),
                         "trace_format": info.format, "synthetic": None, "description": trace_text}
-    except workloads.WorkloadError as error:
+    except WorkloadError as error:
         fail(f"--trace: {error}" if spec is None else f"--synthetic: {error}")
     except OSError as error:
         fail(f"--trace {path}: cannot read ({error.strerror})")
@@ -570,9 +572,9 @@ def command(trace_path, trace_format, synthetic, start, duration, max_requests, 
 
     def make_window(scale: float, option: str = "--time-scale ") -> list:
         try:
-            chosen = workloads.select_window(requests, start=start, duration=duration, max_requests=max_requests,
+            chosen = select_window(requests, start=start, duration=duration, max_requests=max_requests,
                                              time_scale=scale)
-        except workloads.WorkloadError as error:
+        except WorkloadError as error:
             message = str(error)
             for key, replacement in (("start=", "--start "), ("duration=", "--duration "), ("time_scale=", option)):
                 message = message.replace(key, replacement)
@@ -599,7 +601,7 @@ def command(trace_path, trace_format, synthetic, start, duration, max_requests, 
                                                   (point_configs or list(configs.values()))])
 
     if capacity_search:
-        status = capacities.run_command(
+        status = _capacity(
             console, points or [{}], point_configs or [configs[names[0]]], window,
             spec.rate if spec is not None else None, cost, slo_targets, tolerance, not no_check, max_steps,
             jobs if jobs is not None else sweeping.default_jobs(), plot_dir, as_json,
@@ -648,7 +650,7 @@ def command(trace_path, trace_format, synthetic, start, duration, max_requests, 
                 fail(f"--requests-out {target}: cannot write ({error.strerror})")
     _save_records(records, save_names, console, quiet=as_json)
     if plot_dir:
-        from schedspec.reference.plots import write_plots
+        from schedspec.lab.plots import write_plots
 
         try:
             for written in write_plots([(name, result) for name, result in runs], plot_dir):
@@ -730,6 +732,70 @@ def _save_records(records: list[dict[str, Any]], targets: list[str], console: Co
             fail(f"--save {target}: cannot write ({error.strerror})")
         if not quiet:
             console.print(f"wrote {target}")
+
+
+def _capacity(console, points: Sequence[Mapping[str, Any]], configurations: Sequence[tuple[str, Any]],
+              window: Sequence[Any], synthetic_rate: float | None, cost, targets: capacities.SloTargets,
+              tolerance: float, check: bool, max_steps: int | None, workers: int, plot_dir: str | None,
+              as_json: bool, conditions: Mapping[str, Any], heading: str) -> int:
+    """``--capacity``: run every configuration's search (:func:`schedspec.lab.capacity.run_all`) and print
+    the table (or the JSON). Returns the exit status: 0, or 1 when a run broke the spec or the engine
+    crashed."""
+    if synthetic_rate is not None:
+        natural = synthetic_rate
+    else:
+        span = window[-1].arrival_time - window[0].arrival_time
+        if span <= 0:
+            fail("--capacity: every request of the window arrives at the same time; no rate to scale")
+        natural = len(window) / span
+    jobs = [(i, sweeping.point_label(point) if point else scheduler, scheduler, config, list(window), natural, natural, cost,
+             check, max_steps, targets, tolerance)
+            for i, (point, (scheduler, config)) in enumerate(zip(points, configurations, strict=True))]
+    if not as_json:
+        console.print(f"Capacity search: {len(jobs)} configuration(s); {heading}; SLO {targets}; natural rate "
+                      f"{natural:.3g} requests/s; bisection to a relative tolerance of {tolerance:g}; "
+                      f"{min(workers, len(jobs))} worker processes", markup=False, highlight=False)
+    results = capacities.run_all(jobs, workers)
+    best, reason = capacities.choose_best(results)
+    if plot_dir is not None:
+        written = capacities.write_plot(results, best, targets, plot_dir)
+        if not as_json:
+            console.print(f"wrote {written}", markup=False, highlight=False)
+    if as_json:
+        click.echo(json.dumps({"conditions": dict(conditions), "slo": str(targets), "tolerance": tolerance,
+                               "natural_rate_req_per_s": natural, "best": best, "reason": reason,
+                               "configurations": results}, indent=2, default=str))
+    else:
+        shown = [(m, q) for m, q in capacities.REPORTED]
+        for m, q, _ in targets.targets():
+            if (m, q) not in shown:
+                shown.append((m, q))
+        table = Table(title=f"Capacity under {targets} (latency in ms at the capacity rate)", title_justify="left")
+        for column in ("#", "configuration", "capacity req/s", "bracket", "runs", "output tok/s",
+                       *(f"{m.upper()} p{capacities.percentile_label(q)}" for m, q in shown)):
+            table.add_column(column, justify="right", no_wrap=True)
+        for i, r in enumerate(results):
+            f = r["figures"] or {}
+            rate = r["capacity_req_per_s"]
+            capacity_text = "-" if rate is None else f"{rate:.3g}" + (" (or more)" if r["status"] == "above-range" else "")
+            if r["status"] == "found":
+                bracket = f"< {r['upper_req_per_s']:.3g}"
+            elif r["status"] == "above-range":
+                bracket = "held at the top of the range"
+            else:
+                bracket = f"fails at {r['upper_req_per_s']:.3g}, the bottom of the range"
+            table.add_row(str(i + 1), r["label"], capacity_text, bracket, str(len(r["evaluations"])),
+                          "-" if f.get("output_tokens_per_s") is None else f"{f['output_tokens_per_s']:,.0f}",
+                          *("-" if f.get(f"{m}_p{capacities.percentile_label(q)}_s") is None else f"{f[f'{m}_p{capacities.percentile_label(q)}_s'] * 1e3:,.1f}"
+                            for m, q in shown),
+                          style="bold" if i == best else None)
+        make_console(width=1000).print(table)
+        for r in results:
+            if r["problem"] is not None:
+                console.print(f"FAILED {r['label']}: {r['problem']}", markup=False, highlight=False)
+        console.print(f"Best: {'none' if best is None else results[best]['label']}: {reason}", markup=False,
+                      highlight=False)
+    return 1 if any(r["problem"] for r in results) else 0
 
 
 def _sweep(console: Console, points: list[dict[str, Any]], point_configs: list[tuple[str, SchedulerConfig]],

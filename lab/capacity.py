@@ -13,7 +13,7 @@ before its latency percentiles break the target?
 - **SLO.** ``--slo`` keys ``METRIC_pNN`` (``ttft_p90=2s``, ``itl_p99=200ms``, ``e2e_p95=...``;
   metrics ``ttft``, ``itl``, ``tpot``, ``e2e``, ``queueing``; any percentile in (0, 100]) are
   percentiles over the finished requests, with the definitions of
-  :mod:`schedspec.reference.metrics` (ITL pools every gap of every finished request). Today's goodput
+  :mod:`schedspec.lab.metrics` (ITL pools every gap of every finished request). Today's goodput
   keys (``ttft``, ``itl``, ``tpot``, ``e2e``) mean their p99 here, as ``--sweep`` judges them. The SLO
   **holds** at a rate when the run completes without a spec violation, at least one request finishes,
   and every target holds.
@@ -28,7 +28,7 @@ before its latency percentiles break the target?
   seen. Rates are searched within ``natural_rate * 2**±MAX_DOUBLINGS``;
   an SLO that holds at the top (or fails at the bottom) is reported as such, never extrapolated.
 - **Parallel, deterministic.** One job per configuration (the bisection inside a configuration is
-  sequential), run by :func:`schedspec.sweep.run_points`' process pool pattern; the simulated clock
+  sequential), run by :func:`schedspec.lab.sweep.run_points`' process pool pattern; the simulated clock
   depends only on the window, the config and the cost model, so the result does not depend on
   ``--jobs``.
 """
@@ -45,9 +45,9 @@ from typing import Any
 import attrs
 import numpy as np
 
-from schedspec.reference import metrics
+from schedspec.lab import metrics
+from schedspec.lab.run import run_lab
 from schedspec.reference.engine import ViolationFound
-from schedspec.reference.lab import run_lab
 from schedspec.reference.scheduler import EngineFault
 
 PERCENTILE_METRICS = ("ttft", "itl", "tpot", "e2e", "queueing")
@@ -82,11 +82,11 @@ class SloTargets:
         return self.percentiles + extra
 
     def __str__(self) -> str:
-        return ", ".join(f"{m}_p{_pct(p)} <= {_seconds(v)}" for m, p, v in self.targets())
+        return ", ".join(f"{m}_p{percentile_label(p)} <= {_seconds(v)}" for m, p, v in self.targets())
 
 
 def parse_slo(text: str) -> SloTargets:
-    """Parse ``--slo``: goodput keys (``ttft=2s``; :func:`schedspec.reference.metrics.parse_slo`) and
+    """Parse ``--slo``: goodput keys (``ttft=2s``; :func:`schedspec.lab.metrics.parse_slo`) and
     percentile keys (``ttft_p90=2s``, ``itl_p99=200ms``), in any mix.
 
     Raises:
@@ -239,12 +239,12 @@ def evaluate(window: Sequence[Any], natural_rate: float, rate: float, scheduler:
         return {"rate_req_per_s": rate, "holds": False, "figures": {}, "problem": f"ENGINE CRASH {error}"}
     figures: dict[str, Any] = {}
     for metric, q in (*REPORTED, *((m, p) for m, p, _ in targets.targets())):
-        figures[f"{metric}_p{_pct(q)}_s"] = percentile(result.timelines, metric, q)
+        figures[f"{metric}_p{percentile_label(q)}_s"] = percentile(result.timelines, metric, q)
     efficiency = metrics.efficiency_summary(result.steps, config.num_kv_blocks, result.timelines)
     figures["output_tokens_per_s"] = efficiency["output_tokens_per_s"]
     figures["requests_finished"] = sum(1 for t in result.timelines if t.outcome == "finished")
     holds = figures["requests_finished"] > 0 and all(
-        (value := figures[f"{m}_p{_pct(q)}_s"]) is not None and value <= limit for m, q, limit in targets.targets())
+        (value := figures[f"{m}_p{percentile_label(q)}_s"]) is not None and value <= limit for m, q, limit in targets.targets())
     return {"rate_req_per_s": rate, "holds": holds, "figures": figures, "problem": None}
 
 
@@ -322,7 +322,7 @@ def write_plot(results: Sequence[Mapping[str, Any]], best: int | None, targets: 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from schedspec.reference.plots import _label, _save
+    from schedspec.lab.plots import _label, _save
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -346,7 +346,8 @@ def write_plot(results: Sequence[Mapping[str, Any]], best: int | None, targets: 
     return path
 
 
-def _pct(q: float) -> str:
+def percentile_label(q: float) -> str:
+    """``q`` as it appears in figure and SLO keys: ``99`` -> ``"99"``, ``99.9`` -> ``"99_9"``."""
     return f"{q:g}".replace(".", "_") if q != int(q) else str(int(q))
 
 
@@ -355,7 +356,8 @@ def _seconds(value: float) -> str:
 
 
 # --------------------------------------------------------------------------------------------------
-# The command's part (``schedspec lab --capacity``)
+# Checking the command's options (``schedspec lab --capacity``; the command itself is in
+# schedspec/commands/lab.py)
 
 
 def option_problem(targets: SloTargets | None, backend: str, compare: str | None, sweep_fields: Sequence[str],
@@ -381,76 +383,3 @@ def option_problem(targets: SloTargets | None, backend: str, compare: str | None
     if not (math.isfinite(tolerance) and 0 < tolerance <= 1):
         return f"--capacity-tolerance {tolerance:g}: must be in (0, 1]"
     return None
-
-
-def run_command(console, points: Sequence[Mapping[str, Any]], configurations: Sequence[tuple[str, Any]],
-                window: Sequence[Any], synthetic_rate: float | None, cost, targets: SloTargets, tolerance: float,
-                check: bool, max_steps: int | None, workers: int, plot_dir: str | None, as_json: bool,
-                conditions: Mapping[str, Any], heading: str) -> int:
-    """Run every configuration's search and print the table (or the JSON). Returns the exit status:
-    0, or 1 when a run broke the spec or the engine crashed."""
-    import json
-
-    import click
-    from rich.table import Table
-
-    from schedspec.cli_common import console as make_console
-    from schedspec.sweep import point_label
-
-    if synthetic_rate is not None:
-        natural = synthetic_rate
-    else:
-        span = window[-1].arrival_time - window[0].arrival_time
-        if span <= 0:
-            from schedspec.cli_common import fail
-
-            fail("--capacity: every request of the window arrives at the same time; no rate to scale")
-        natural = len(window) / span
-    jobs = [(i, point_label(point) if point else scheduler, scheduler, config, list(window), natural, natural, cost,
-             check, max_steps, targets, tolerance)
-            for i, (point, (scheduler, config)) in enumerate(zip(points, configurations, strict=True))]
-    if not as_json:
-        console.print(f"Capacity search: {len(jobs)} configuration(s); {heading}; SLO {targets}; natural rate "
-                      f"{natural:.3g} requests/s; bisection to a relative tolerance of {tolerance:g}; "
-                      f"{min(workers, len(jobs))} worker processes", markup=False, highlight=False)
-    results = run_all(jobs, workers)
-    best, reason = choose_best(results)
-    if plot_dir is not None:
-        written = write_plot(results, best, targets, plot_dir)
-        if not as_json:
-            console.print(f"wrote {written}", markup=False, highlight=False)
-    if as_json:
-        click.echo(json.dumps({"conditions": dict(conditions), "slo": str(targets), "tolerance": tolerance,
-                               "natural_rate_req_per_s": natural, "best": best, "reason": reason,
-                               "configurations": results}, indent=2, default=str))
-    else:
-        shown = [(m, q) for m, q in REPORTED]
-        for m, q, _ in targets.targets():
-            if (m, q) not in shown:
-                shown.append((m, q))
-        table = Table(title=f"Capacity under {targets} (latency in ms at the capacity rate)", title_justify="left")
-        for column in ("#", "configuration", "capacity req/s", "bracket", "runs", "output tok/s",
-                       *(f"{m.upper()} p{_pct(q)}" for m, q in shown)):
-            table.add_column(column, justify="right", no_wrap=True)
-        for i, r in enumerate(results):
-            f = r["figures"] or {}
-            rate = r["capacity_req_per_s"]
-            capacity_text = "-" if rate is None else f"{rate:.3g}" + (" (or more)" if r["status"] == "above-range" else "")
-            if r["status"] == "found":
-                bracket = f"< {r['upper_req_per_s']:.3g}"
-            elif r["status"] == "above-range":
-                bracket = "held at the top of the range"
-            else:
-                bracket = f"fails at {r['upper_req_per_s']:.3g}, the bottom of the range"
-            table.add_row(str(i + 1), r["label"], capacity_text, bracket, str(len(r["evaluations"])),
-                          "-" if f.get("output_tokens_per_s") is None else f"{f['output_tokens_per_s']:,.0f}",
-                          *("-" if f.get(f"{m}_p{_pct(q)}_s") is None else f"{f[f'{m}_p{_pct(q)}_s'] * 1e3:,.1f}"
-                            for m, q in shown),
-                          style="bold" if i == best else None)
-        make_console(width=1000).print(table)
-        for r in results:
-            if r["problem"] is not None:
-                console.print(f"FAILED {r['label']}: {r['problem']}", markup=False, highlight=False)
-        console.print(f"Best: {'none' if best is None else results[best]['label']}: {reason}", markup=False,
-                      highlight=False)
-    return 1 if any(r["problem"] for r in results) else 0

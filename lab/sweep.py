@@ -6,7 +6,7 @@ parallel, and choose the configuration that meets a latency target.
   so that the window's mean rate, requests / span, is ``v`` requests/s) or ``time_scale`` (the
   inter-arrival gaps multiplied by ``v``, as ``--time-scale``). The points are the cartesian product,
   in the order the options were given (the last field varies fastest).
-- Each point is one :func:`~schedspec.reference.lab.run_lab` with the spec checks on (unless
+- Each point is one :func:`~schedspec.lab.run.run_lab` with the spec checks on (unless
   ``--no-check``), run by :class:`concurrent.futures.ProcessPoolExecutor` with ``--jobs`` workers,
   or with ``--ray ADDRESS`` as Ray tasks on an existing Ray cluster (:func:`run_points_ray`).
   The simulated clock depends only on the workload, the config and the cost model, so the figures do
@@ -27,9 +27,9 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from schedspec.reference import metrics
+from schedspec.lab import metrics
+from schedspec.lab.run import run_lab
 from schedspec.reference.engine import ViolationFound
-from schedspec.reference.lab import run_lab
 from schedspec.reference.scheduler import EngineFault
 
 from . import run_record
@@ -248,7 +248,7 @@ def write_plots(records: Sequence[dict[str, Any] | None], points: Sequence[Mappi
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from schedspec.reference.plots import _label, _save
+    from schedspec.lab.plots import _label, _save
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

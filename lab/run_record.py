@@ -32,9 +32,9 @@ from typing import Any
 
 import jsonschema
 
-from schedspec.reference import metrics
+from schedspec.lab import metrics
+from schedspec.lab.run import LabResult
 from schedspec.reference.cost_model import CostModel
-from schedspec.reference.lab import LabResult
 from schedspec.spec.admission import REJECTION_CODES, rejection_code
 from schedspec.spec.trace import StrictJsonError, strict_json_loads
 
@@ -112,12 +112,12 @@ def figures(result: LabResult, slo: metrics.Slo | None,
     """Every figure of a run as a flat dict of numbers (or ``None``), the unit in each name.
 
     Latency figures (``{ttft,itl,tpot,e2e,queueing}_{p50,p95,p99,max,mean}_s``) cover finished
-    requests (:func:`~schedspec.reference.metrics.latency_summary`); throughput is per second of the
-    simulated span (:func:`~schedspec.reference.metrics.efficiency_summary`); ``goodput_*`` is
+    requests (:func:`~schedspec.lab.metrics.latency_summary`); throughput is per second of the
+    simulated span (:func:`~schedspec.lab.metrics.efficiency_summary`); ``goodput_*`` is
     ``None`` without an SLO; ``rejected_<code>`` counts rejections per
     :data:`~schedspec.spec.admission.REJECTION_CODES` code (``rejected_other``: any other reason);
     ``prefix_hit_rate_percent`` is the prefix cache's hit rate in tokens over first admissions
-    (:class:`~schedspec.reference.metrics.PrefixHitCounter`; ``None`` without admissions);
+    (:class:`~schedspec.lab.metrics.PrefixHitCounter`; ``None`` without admissions);
     ``wall_time_s`` is the only figure that depends on the machine."""
     latency, efficiency = summaries if summaries is not None else _summaries(result)
     out: dict[str, Any] = {f"requests_{k}": v for k, v in latency["requests"].items()}
@@ -169,7 +169,7 @@ def details(result: LabResult, slo: metrics.Slo | None,
             summaries: tuple[dict[str, Any], dict[str, Any]] | None = None) -> dict[str, Any]:
     """The nested summaries the lab prints: requests by outcome, rejections by full reason, the
     latency blocks (seconds: all, long prompts, arrived during a long prefill), batch efficiency
-    (``kv_usage_*`` as fractions 0-1, as :func:`~schedspec.reference.metrics.efficiency_summary`)
+    (``kv_usage_*`` as fractions 0-1, as :func:`~schedspec.lab.metrics.efficiency_summary`)
     and the goodput."""
     latency, efficiency = summaries if summaries is not None else _summaries(result)
     latency = dict(latency)

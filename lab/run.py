@@ -2,7 +2,7 @@
 
 :func:`run_lab` drives :class:`~schedspec.reference.engine.Engine` in time mode (a simulated clock
 advanced by each step's duration from the cost model, or measured by a real backend), collects one
-:class:`LabStep` per step and one :class:`~schedspec.reference.metrics.RequestTimeline` per request,
+:class:`LabStep` per step and one :class:`~schedspec.lab.metrics.RequestTimeline` per request,
 and returns them with the run's checks. ``schedspec lab`` prints them.
 
 Named variants (``--compare``) are schedulers with config changes:
@@ -28,15 +28,15 @@ from typing import Any, TextIO
 import attrs
 import numpy as np
 
+from schedspec.reference.engine import Engine, RunResult, StepView, prefix_hit_tokens
+from schedspec.reference.fake_model import CostOnlyModel, FakeModel, TokenSource
+from schedspec.reference.scheduler import make_scheduler
 from schedspec.spec.admission import rejection_reason
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.trace import StepRecord
 from schedspec.spec.workload import RequestSpec
 
-from .engine import Engine, RunResult, StepView, prefix_hit_tokens
-from .fake_model import CostOnlyModel, FakeModel, TokenSource
 from .metrics import PrefixHitCounter, RequestTimeline, long_prompt_threshold
-from .scheduler import make_scheduler
 
 
 def _no_chunking(config: dict[str, Any]) -> dict[str, Any]:
@@ -85,7 +85,7 @@ class LabStep:
 @attrs.define
 class LabResult:
     """A lab run: its steps, per-request timelines, the engine's run (checks, final state) and the
-    prefix cache's hits (:meth:`~schedspec.reference.metrics.PrefixHitCounter.summary`)."""
+    prefix cache's hits (:meth:`~schedspec.lab.metrics.PrefixHitCounter.summary`)."""
 
     scheduler: str
     config: SchedulerConfig

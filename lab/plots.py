@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .lab import LabResult
+from .run import LabResult
 
 
 def _save(figure, path: Path) -> None:
