@@ -36,7 +36,7 @@ from schedspec.spec.workload import RequestSpec
 from .engine import Engine, RunResult, StepView, prefix_hit_tokens
 from .fake_model import CostOnlyModel, FakeModel, TokenSource
 from .metrics import PrefixHitCounter, RequestTimeline, long_prompt_threshold
-from .scheduler import make_scheduler
+from .scheduler import UNCHECKED_IMPLEMENTATIONS, make_scheduler
 
 
 def _no_chunking(config: dict[str, Any]) -> dict[str, Any]:
@@ -232,7 +232,9 @@ def run_lab(
         UnknownScheduler, UnsupportedFeature: from :func:`make_scheduler`.
         ViolationFound: with ``check``, at the first violated rule or invariant.
     """
-    scheduler = make_scheduler(scheduler_name, config)
+    # unchecked: the same plans from a faster implementation where one exists (fcfs -> fcfs-fast)
+    scheduler = make_scheduler(scheduler_name if check else UNCHECKED_IMPLEMENTATIONS.get(scheduler_name, scheduler_name),
+                               config)
     # The top decile of the prompts the spec admits (a prompt over max_model_len is rejected at arrival
     # and must not set the threshold; metrics.latency_summary takes the same decile after the run).
     long_prompt_len = long_prompt_threshold(s.prompt_len for s in workload

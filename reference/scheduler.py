@@ -327,6 +327,11 @@ SCHEDULERS: dict[str, SchedulerFactory] = {
 """Registered schedulers by ``--scheduler`` name. ``module:factory`` names a user's own factory, a
 callable taking a :class:`SchedulerConfig` and returning a :class:`Scheduler`."""
 
+UNCHECKED_IMPLEMENTATIONS: dict[str, str] = {"fcfs": "fcfs-fast"}
+"""Registered scheduler -> a faster implementation of the same plans (tested step for step equal to it) that
+unchecked runs (the lab with checks off) use instead: with checks on the plain policy runs, sharing the
+spec's transition with the engine (:func:`offer_transition`)."""
+
 PLAN_FUNCTIONS: dict[str, PlanFunction] = {
     "fcfs": policies.fcfs,
     "static": policies.static,
