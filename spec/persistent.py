@@ -74,16 +74,17 @@ def terminal_requests(mapping: Mapping[str, Request]) -> TerminalRequests:
     return mapping if isinstance(mapping, TerminalRequests) else TerminalRequests(mapping)
 
 
-_FIXED = frozenset({"prompt_token_ids", "prompt_len"})
+_FIXED = frozenset({"prompt_token_ids", "prompt_len", "num_tokens"})
 
 
 def evolve_request(request: Request, **changes: object) -> Request:
     """``attrs.evolve(request, **changes)`` without re-running ``Request.__init__``: a copy of the
     request's fields with ``changes`` applied. The prompt cannot be changed this way (its derived
-    ``prompt_len`` would go stale); nor does a request's prompt ever change.
+    ``prompt_len`` would go stale); nor does a request's prompt ever change. The derived ``num_tokens``
+    follows ``output_token_ids``.
 
     Raises:
-        TypeError: a name that is not a field, or ``prompt_token_ids``/``prompt_len``.
+        TypeError: a name that is not a field, or ``prompt_token_ids``/``prompt_len``/``num_tokens``.
     """
     fields = request.__dict__
     for name in changes:
@@ -92,6 +93,8 @@ def evolve_request(request: Request, **changes: object) -> Request:
     new = object.__new__(Request)
     new.__dict__.update(fields)
     new.__dict__.update(changes)
+    if "output_token_ids" in changes:
+        new.__dict__["num_tokens"] = fields["prompt_len"] + len(changes["output_token_ids"])
     return new
 
 

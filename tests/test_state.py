@@ -146,3 +146,16 @@ def test_free_queue_compares_unequal_when_it_differs() -> None:
     queue = FreeQueue(range(10)).without([0, 1]).pushed_front((1,))
     assert queue != tuple(range(10)) and queue != (1, *range(3, 10)) and queue == (1, *range(2, 10))
     assert queue.shares_suffix_with(FreeQueue(range(10))) is None
+
+
+def test_num_tokens_follows_the_outputs() -> None:
+    """``Request.num_tokens`` is kept, not computed: it must follow ``output_token_ids`` through
+    ``attrs.evolve`` and ``evolve_request`` (spec.persistent) alike."""
+    request = Request("a", 0, [1, 2, 3], 10)
+    assert request.num_tokens == 3
+    for evolve in (attrs.evolve, evolve_request):
+        grown = evolve(request, output_token_ids=(4, 5))
+        assert grown.num_tokens == 5 == grown.prompt_len + len(grown.output_token_ids)
+        assert evolve(grown, num_computed_tokens=4).num_tokens == 5
+    with pytest.raises(TypeError):
+        evolve_request(request, num_tokens=7)
