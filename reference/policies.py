@@ -75,6 +75,8 @@ class _BlockPool:
         self.released.extend(reversed(blocks))
 
     def take(self, count: int) -> tuple[int, ...]:
+        if count <= 0:
+            return ()
         start, stop, size = self.next, self.next + count, self.size
         self.next = stop
         if stop <= size:
