@@ -1,5 +1,5 @@
 """Benchmark: scheduler overhead per step, ``schedule()`` plus the update, of schedspec's reference
-``fcfs`` scheduler side by side with vLLM 0.32's own ``Scheduler`` (``vllm/v1/core/sched/scheduler.py``:
+``fcfs`` scheduler (and ``fcfs-fast``, the same plans on mutable tables) side by side with vLLM 0.32's own ``Scheduler`` (``vllm/v1/core/sched/scheduler.py``:
 ``schedule`` and ``update_from_output``) on the same workload, in the same run.
 
 The shape is the one vLLM's scheduler is usually timed on: N running requests decoding (prompts of 32
@@ -61,14 +61,14 @@ def summary(schedule_ns: list[int], update_ns: list[int]) -> dict:
             for key, values in (("schedule", schedule_ns), ("update", update_ns), ("total", total))}
 
 
-def schedspec_side(size: int, steps: int) -> dict:
+def schedspec_side(size: int, steps: int, name: str = "fcfs") -> dict:
     from schedspec.reference.scheduler import make_scheduler
     from schedspec.spec.config import SchedulerConfig
     from schedspec.spec.request import Request
 
     fields = config_fields(size, steps)
     config = SchedulerConfig(**fields)
-    scheduler = make_scheduler("fcfs", config)
+    scheduler = make_scheduler(name, config)
     for index in range(size):
         scheduler.add_request(Request(f"r{index}", 0, [1 + (index + k) % 1000 for k in range(PROMPT_LEN)],
                                       MAX_TOKENS))
@@ -77,9 +77,9 @@ def schedspec_side(size: int, steps: int) -> dict:
         started = CLOCK()
         plan = scheduler.schedule()
         planned = CLOCK()
-        state = scheduler.state
+        requests = scheduler.live if hasattr(scheduler, "live") else scheduler.state.requests  # fcfs-fast: its records
         sampled = {item.request_id: 7 for item in plan.scheduled
-                   if item.num_computed_tokens + item.num_tokens >= state.requests[item.request_id].num_tokens}
+                   if item.num_computed_tokens + item.num_tokens >= requests[item.request_id].num_tokens}
         before_update = CLOCK()
         scheduler.update(plan, sampled)
         done = CLOCK()
@@ -157,6 +157,8 @@ def main() -> None:
     parser.add_argument("--sizes", default="256,1024", help="running decode requests, comma-separated")
     parser.add_argument("--steps", type=int, default=50, help="timed decode steps per size")
     parser.add_argument("--only", choices=["schedspec", "vllm"], default=None)
+    parser.add_argument("--schedulers", default="fcfs,fcfs-fast",
+                        help="schedspec schedulers to time, comma-separated (fcfs-fast: the same plans on mutable tables)")
     parser.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
                         help="thread CPU time (default) or wall time per call")
     parser.add_argument("--vllm-side", action="store_true", help=argparse.SUPPRESS)
@@ -174,7 +176,8 @@ def main() -> None:
           f"(max_num_seqs = size)")
     results: dict[str, dict] = {}
     if args.only != "vllm":
-        results["schedspec fcfs"] = {str(size): schedspec_side(size, args.steps) for size in sizes}
+        for name in args.schedulers.split(","):
+            results[f"schedspec {name}"] = {str(size): schedspec_side(size, args.steps, name) for size in sizes}
     if args.only != "schedspec":
         python = vllm_python()
         if not python.exists():

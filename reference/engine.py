@@ -37,7 +37,7 @@ from schedspec.spec.trace import ScheduledTokens, StepRecord
 from schedspec.spec.transitions import PlanError, abort_request, add_request, apply_plan
 from schedspec.spec.workload import RequestSpec
 
-from .fake_model import FakeModel, TokenSource
+from .fake_model import CostOnlyModel, FakeModel, TokenSource
 from .scheduler import EngineView, Scheduler, offer_transition, state_differences, view_differences
 
 
@@ -289,6 +289,9 @@ class Engine:
 
     def _run(self, pending, specs, mode, max_steps, token_source, step_aborts, time_aborts, ledger) -> RunResult:
         watched: list[Monitor] = monitors(self.properties, self.config) + monitors(self.watch, self.config)
+        if (not self.check and not watched and not self.record_steps and self.on_step is None
+                and callable(getattr(self.scheduler, "step_views", None)) and type(token_source) is CostOnlyModel):
+            return self._run_light(pending, specs, mode, max_steps, token_source, step_aborts, time_aborts)
         shadow = SchedulerState.initial(self.config)
         has_state = isinstance(getattr(self.scheduler, "state", None), SchedulerState)
         if has_state and not state_differences(shadow, self.scheduler.state):
@@ -438,3 +441,55 @@ class Engine:
             wall_seconds=wallclock.perf_counter() - started,
             specs=specs,
         )
+
+    def _run_light(self, pending, specs, mode, max_steps, token_source, step_aborts, time_aborts) -> RunResult:
+        """The unchecked loop for a scheduler that keeps its own mutable tables and offers light views of
+        them (``has_live_requests``, ``is_live``, ``live_view()``, ``step_views()``:
+        :class:`~schedspec.reference.fast_fcfs.FastFcfsScheduler`): no spec state is built during the run
+        (the :class:`StepView`'s ``before`` and ``after`` are the scheduler's light views), only once at
+        the end. The same steps, arrivals, aborts and durations as :meth:`_run` with checks off
+        (``tests/test_fast_fcfs.py``); used only with :class:`CostOnlyModel`, no monitors and no records."""
+        scheduler = self.scheduler
+        on_step_view = self.on_step_view
+        next_arrival = 0
+        next_time_abort = 0
+        clock = 0.0
+        step = 0
+        started = wallclock.perf_counter()
+        while True:
+            if max_steps is not None and step >= max_steps:
+                break
+            if mode == "time" and not scheduler.has_live_requests and next_arrival < len(pending):
+                clock = max(clock, pending[next_arrival].arrival_time)
+            arrivals: list[RequestSpec] = []
+            while next_arrival < len(pending):
+                spec = pending[next_arrival]
+                due = spec.arrival_step <= step if mode == "steps" else spec.arrival_time <= clock
+                if not due:
+                    break
+                scheduler.add_request(spec.to_request(step))
+                arrivals.append(spec)
+                next_arrival += 1
+            aborts = list(step_aborts.get(step, ()))
+            while next_time_abort < len(time_aborts) and time_aborts[next_time_abort][0] <= clock:
+                aborts.append(time_aborts[next_time_abort][1])
+                next_time_abort += 1
+            aborted = []
+            for request_id in aborts:
+                if scheduler.is_live(request_id):
+                    aborted.append(request_id)
+                scheduler.abort_request(request_id)
+            if not scheduler.has_live_requests and next_arrival >= len(pending):
+                break
+            plan = scheduler.schedule()
+            sampled, duration = token_source.execute(plan, scheduler.live_view())
+            finished = scheduler.update(plan, sampled)
+            if on_step_view is not None:
+                before, after = scheduler.step_views()
+                on_step_view(StepView(step, clock, duration, before, after, plan, sampled, tuple(finished),
+                                      arrivals, aborted))
+            clock += duration
+            step += 1
+        return RunResult(records=[], state=scheduler.state, violations=[], property_violations={},
+                         num_steps=step, num_steps_checked=0, wall_seconds=wallclock.perf_counter() - started,
+                         specs=specs)

@@ -16,6 +16,7 @@ them wrote, so a hit on the wrong block changes the output too. Its step time co
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Protocol, runtime_checkable
 
@@ -79,6 +80,12 @@ def _pricer(cost_model):
     return lambda prefill, decode, attended, pairs, chunks: step_seconds(prefill, decode, attended)
 
 
+@functools.lru_cache(maxsize=65536)
+def _read_positions(length: int) -> tuple[int, ...]:
+    """:meth:`FakeModel.read_positions`, remembered (a run asks for the same lengths again and again)."""
+    return tuple(FakeModel.read_positions(length))
+
+
 class FakeModel:
     """The default token source (module docstring).
 
@@ -131,7 +138,7 @@ class FakeModel:
         slot_ids: list[int] = []
         bounds: list[int] = []
         for _, table, length in pending:
-            slot_ids.extend(table[p // size] * size + p % size for p in self.read_positions(length))
+            slot_ids.extend(table[p // size] * size + p % size for p in _read_positions(length))
             bounds.append(len(slot_ids))
         values = self.slots.take(slot_ids).tolist() if slot_ids else []
         sampled = {}

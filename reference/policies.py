@@ -63,18 +63,21 @@ class _BlockPool:
 
     def __init__(self, free: tuple[int, ...]) -> None:
         self.free = free  # not copied: the pool only reads it
+        self.size = len(free)
         self.released: list[int] = []
         self.next = 0
 
     @property
     def available(self) -> int:
-        return len(self.free) + len(self.released) - self.next
+        return self.size + len(self.released) - self.next
 
     def release(self, blocks: tuple[int, ...]) -> None:
         self.released.extend(reversed(blocks))
 
     def take(self, count: int) -> tuple[int, ...]:
-        start, stop, size = self.next, self.next + count, len(self.free)
+        if count <= 0:
+            return ()
+        start, stop, size = self.next, self.next + count, self.size
         self.next = stop
         if stop <= size:
             return self.free[start:stop]

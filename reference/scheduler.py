@@ -280,6 +280,14 @@ def _reference(plan: PlanFunction, name: str, guarantees: frozenset[str]) -> Sch
     return factory
 
 
+def _fast_fcfs(config: SchedulerConfig) -> Scheduler:
+    """``fcfs-fast``: :func:`schedspec.reference.fast_fcfs.fcfs_fast` (imported here: that module builds
+    on this one)."""
+    from .fast_fcfs import fcfs_fast
+
+    return fcfs_fast(config)
+
+
 VLLM_V1_GUARANTEES = ALL_PROPERTIES
 """``vllm-v1`` keeps every property (measured with the stateful suite, docs/engines.md): under FCFS a
 request that preempts itself is the last running one, and admission's whole-sequence gate is the
@@ -311,11 +319,18 @@ SCHEDULERS: dict[str, SchedulerFactory] = {
         policies.priority, "priority",
         frozenset({"progress", "stall-free-decode", "rejects-impossible", "no-priority-inversion"}),
     ),
+    # the fcfs policy on mutable tables, tested equal to fcfs step for step (reference/fast_fcfs.py)
+    "fcfs-fast": lambda config: _fast_fcfs(config),
     "vllm-v1": _reference(vllm_v1.vllm_v1, "vllm-v1", VLLM_V1_GUARANTEES),
     "vllm-v1-priority": _reference(vllm_v1.vllm_v1_priority, "vllm-v1-priority", VLLM_V1_PRIORITY_GUARANTEES),
 }
 """Registered schedulers by ``--scheduler`` name. ``module:factory`` names a user's own factory, a
 callable taking a :class:`SchedulerConfig` and returning a :class:`Scheduler`."""
+
+UNCHECKED_IMPLEMENTATIONS: dict[str, str] = {"fcfs": "fcfs-fast"}
+"""Registered scheduler -> a faster implementation of the same plans (tested step for step equal to it) that
+unchecked runs (the lab with checks off) use instead: with checks on the plain policy runs, sharing the
+spec's transition with the engine (:func:`offer_transition`)."""
 
 PLAN_FUNCTIONS: dict[str, PlanFunction] = {
     "fcfs": policies.fcfs,

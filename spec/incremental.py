@@ -34,6 +34,7 @@ from collections.abc import Mapping
 
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.invariants import block_conservation, check_step
+from schedspec.spec.persistent import FreeQueue
 from schedspec.spec.request import Request
 from schedspec.spec.rules import Violation, blocks_not_from_free_pool, violated_rules
 from schedspec.spec.state import SchedulerState, StepPlan
@@ -170,19 +171,27 @@ class IncrementalChecker:
         back)."""
         owner = self.owner
         size, length = len(previous), len(queue)
-        front = 0  # blocks added in front: a leading run of released blocks
-        while front < length and queue[front] in released:
-            front += 1
-        if front < length:
-            try:
-                start = previous.index(queue[front])
-            except ValueError:
-                start = size
+        shared = (queue.shares_suffix_with(previous)
+                  if isinstance(queue, FreeQueue) and isinstance(previous, FreeQueue) else None)
+        if shared is not None:
+            # queue == queue[:front] + previous[start:] by shared structure (spec.persistent.FreeQueue): the
+            # same decomposition the search below finds, without comparing the kept blocks one by one
+            front, start = shared
+            kept = size - start
         else:
-            start = size
-        kept = size - start
-        if front + kept > length or queue[front:front + kept] != previous[start:]:
-            return False
+            front = 0  # blocks added in front: a leading run of released blocks
+            while front < length and queue[front] in released:
+                front += 1
+            if front < length:
+                try:
+                    start = previous.index(queue[front])
+                except ValueError:
+                    start = size
+            else:
+                start = size
+            kept = size - start
+            if front + kept > length or queue[front:front + kept] != previous[start:]:
+                return False
         removed = set(previous[:start])
         added = queue[:front] + queue[front + kept:]
         if len(set(added)) != len(added):

@@ -3,16 +3,18 @@
 A reader of the spec can skip this module: :class:`TerminalRequests` behaves as a read-only ``dict``
 of terminal requests, :func:`evolve_request` as :func:`attrs.evolve` on a
 :class:`~schedspec.spec.request.Request`, and :func:`request_memo` is a cache of values derived from a
-request's token ids (never part of its value: not compared, not printed). Both are tested equal to those plain versions
+request's token ids (never part of its value: not compared, not printed), and :class:`FreeQueue` as the
+``tuple`` of free block ids it stands for. Each is tested equal to its plain version
 (``tests/test_state.py``). They exist because the lab replays hours of traffic through the spec's
-transitions: copying the map of ended requests at every step would make a run quadratic, and
+transitions: copying the map of ended requests at every step would make a run quadratic,
 ``attrs.evolve`` re-runs ``Request.__init__`` (about four times slower) for every scheduled request of
-every step.
+every step, and copying a free queue of tens of thousands of blocks at every step costs more than the
+rest of the step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from schedspec.spec.request import Request
 
@@ -72,16 +74,17 @@ def terminal_requests(mapping: Mapping[str, Request]) -> TerminalRequests:
     return mapping if isinstance(mapping, TerminalRequests) else TerminalRequests(mapping)
 
 
-_FIXED = frozenset({"prompt_token_ids", "prompt_len"})
+_FIXED = frozenset({"prompt_token_ids", "prompt_len", "num_tokens"})
 
 
 def evolve_request(request: Request, **changes: object) -> Request:
     """``attrs.evolve(request, **changes)`` without re-running ``Request.__init__``: a copy of the
     request's fields with ``changes`` applied. The prompt cannot be changed this way (its derived
-    ``prompt_len`` would go stale); nor does a request's prompt ever change.
+    ``prompt_len`` would go stale); nor does a request's prompt ever change. The derived ``num_tokens``
+    follows ``output_token_ids``.
 
     Raises:
-        TypeError: a name that is not a field, or ``prompt_token_ids``/``prompt_len``.
+        TypeError: a name that is not a field, or ``prompt_token_ids``/``prompt_len``/``num_tokens``.
     """
     fields = request.__dict__
     for name in changes:
@@ -90,6 +93,8 @@ def evolve_request(request: Request, **changes: object) -> Request:
     new = object.__new__(Request)
     new.__dict__.update(fields)
     new.__dict__.update(changes)
+    if "output_token_ids" in changes:
+        new.__dict__["num_tokens"] = fields["prompt_len"] + len(changes["output_token_ids"])
     return new
 
 
@@ -103,3 +108,160 @@ def request_memo(request: Request, name: str) -> dict:
     if memo is None:
         memo = request.__dict__[key] = {}
     return memo
+
+
+class FreeQueue(Sequence[int]):
+    """The free queue of a state without prefix caching: an immutable sequence of block ids that behaves
+    as the ``tuple`` it stands for (``==`` and ``hash`` as that tuple, slices return tuples, ``repr`` is
+    the tuple's) and shares structure with the queue it was made from.
+
+    A step takes blocks from the front of the free queue and puts released blocks back at its front;
+    copying a queue of tens of thousands of blocks at every step (``tuple(...)``) would cost more than the
+    rest of the step. A ``FreeQueue`` is ``front + base[offset:]``: a short tuple of blocks put back,
+    then a long tuple shared with the earlier queues. Taking ``k`` blocks from the front moves ``offset``
+    (O(1) once ``front`` is used up), putting ``k`` blocks back copies ``front`` only; ``front`` is merged
+    into a new base when it grows past the square root of the queue (O(sqrt(n)) amortized per block), and
+    the base is cut when more than half of it is used up (O(1) amortized).
+    """
+
+    __slots__ = ("_front", "_base", "_offset")
+
+    def __init__(self, blocks: Iterable[int] = ()) -> None:
+        self._front: tuple[int, ...] = ()
+        self._base: tuple[int, ...] = tuple(blocks)
+        self._offset = 0
+
+    @classmethod
+    def _make(cls, front: tuple[int, ...], base: tuple[int, ...], offset: int) -> FreeQueue:
+        size = len(front) + len(base) - offset
+        if offset and offset * 2 > len(base):
+            front, base, offset = (), front + base[offset:], 0
+        elif len(front) > 64 and len(front) ** 2 > size:
+            front, base, offset = (), front + base[offset:], 0
+        queue = object.__new__(cls)
+        queue._front, queue._base, queue._offset = front, base, offset
+        return queue
+
+    @classmethod
+    def of(cls, blocks: Sequence[int]) -> FreeQueue:
+        """``blocks`` as a ``FreeQueue`` (itself if it already is one)."""
+        return blocks if isinstance(blocks, FreeQueue) else cls(blocks)
+
+    def pushed_front(self, blocks: Sequence[int]) -> FreeQueue:
+        """``tuple(blocks) + self``."""
+        if not blocks:
+            return self
+        return FreeQueue._make(tuple(blocks) + self._front, self._base, self._offset)
+
+    def without(self, taken: Sequence[int]) -> FreeQueue:
+        """This queue less the blocks in ``taken`` (usually its first ``len(taken)`` blocks, as allocation
+        takes from the front: then nothing is copied but the front)."""
+        if not taken:
+            return self
+        count = len(taken)
+        if self[:count] == tuple(taken):
+            front = self._front
+            if count <= len(front):
+                return FreeQueue._make(front[count:], self._base, self._offset)
+            return FreeQueue._make((), self._base, self._offset + count - len(front))
+        gone = set(taken)
+        return FreeQueue(block_id for block_id in self if block_id not in gone)
+
+    def shares_suffix_with(self, previous: FreeQueue) -> tuple[int, int] | None:
+        """``(n, start)`` such that ``self == self[:n] + previous[start:]`` by shared structure (the same
+        base, no element compared), or ``None`` when the two share no base this way."""
+        if self._base is not previous._base or self._offset < previous._offset:
+            return None
+        return len(self._front), len(previous._front) + self._offset - previous._offset
+
+    def __len__(self) -> int:
+        return len(self._front) + len(self._base) - self._offset
+
+    def __iter__(self) -> Iterator[int]:
+        yield from self._front
+        base = self._base
+        for index in range(self._offset, len(base)):
+            yield base[index]
+
+    def __getitem__(self, index):
+        front, base, offset = self._front, self._base, self._offset
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step != 1:
+                return tuple(self)[index]
+            if stop <= start:
+                return ()
+            split = len(front)
+            if stop <= split:
+                return front[start:stop]
+            if start >= split:
+                return base[offset + start - split:offset + stop - split]
+            return front[start:] + base[offset:offset + stop - split]
+        if index < 0:
+            index += len(self)
+            if index < 0:
+                raise IndexError("FreeQueue index out of range")
+        if index < len(front):
+            return front[index]
+        position = offset + index - len(front)
+        if position >= len(base):
+            raise IndexError("FreeQueue index out of range")
+        return base[position]
+
+    def index(self, value: object, start: int = 0, stop: int | None = None) -> int:
+        if start or stop is not None:
+            return tuple(self).index(value, start, *(() if stop is None else (stop,)))
+        front = self._front
+        if value in front:
+            return front.index(value)
+        try:
+            return self._base.index(value, self._offset) - self._offset + len(front)
+        except ValueError:
+            raise ValueError(f"{value!r} is not in the free queue") from None
+
+    def __contains__(self, value: object) -> bool:
+        try:
+            self.index(value)
+        except ValueError:
+            return False
+        return True
+
+    def count(self, value: object) -> int:
+        return self._front.count(value) + (self._base[self._offset:].count(value) if self._offset else self._base.count(value))
+
+    def _as_tuple(self) -> tuple[int, ...]:
+        if not self._front and not self._offset:
+            return self._base
+        return self._front + self._base[self._offset:]
+
+    def __eq__(self, other: object) -> bool:
+        if other is self:
+            return True
+        if isinstance(other, FreeQueue):
+            if len(other) != len(self):
+                return False
+            if other._base is self._base and other._offset == self._offset and other._front == self._front:
+                return True
+            return self._as_tuple() == other._as_tuple()
+        if isinstance(other, tuple):
+            return len(other) == len(self) and self._as_tuple() == other
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._as_tuple())
+
+    def __add__(self, other: object):
+        if isinstance(other, (tuple, FreeQueue)):
+            return self._as_tuple() + tuple(other)
+        return NotImplemented
+
+    def __radd__(self, other: object):
+        if isinstance(other, tuple):
+            return self.pushed_front(other)
+        return NotImplemented
+
+    def __reduce__(self):
+        return (FreeQueue, (self._as_tuple(),))
+
+    def __repr__(self) -> str:
+        return repr(self._as_tuple())

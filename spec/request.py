@@ -115,18 +115,17 @@ class Request:
     min_tokens: int = 0
     prompt_len: int = attrs.field(init=False, eq=False, repr=False)
     """Prompt length in tokens (``len(prompt_token_ids)``, kept because it is read every step)."""
+    num_tokens: int = attrs.field(init=False, eq=False, repr=False)
+    """Prompt plus output tokens so far: the sequence whose KV the request needs
+    (``prompt_len + len(output_token_ids)``, kept because it is read many times every step)."""
 
     def __attrs_post_init__(self) -> None:
         object.__setattr__(self, "prompt_len", len(self.prompt_token_ids))
+        object.__setattr__(self, "num_tokens", self.prompt_len + len(self.output_token_ids))
 
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        """Prompt plus output tokens so far: the sequence whose KV the request needs."""
-        return self.prompt_len + len(self.output_token_ids)
 
     @property
     def num_pending_tokens(self) -> int:

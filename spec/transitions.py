@@ -35,6 +35,7 @@ from types import MappingProxyType
 import attrs
 
 from schedspec.spec.config import SchedulerConfig
+from schedspec.spec.persistent import FreeQueue
 from schedspec.spec.persistent import evolve_request as evolve
 from schedspec.spec.prefix_cache import CacheUpdate
 from schedspec.spec.request import Request, RequestStatus
@@ -92,7 +93,7 @@ def abort_request(state: SchedulerState, request_id: str) -> SchedulerState:
     aborted = evolve(request, status=RequestStatus.FINISHED_ABORTED, finish_reason="abort", block_ids=())
     cache = state.prefix_cache
     if cache is None:
-        free = tuple(reversed(request.block_ids)) + state.free_block_ids
+        free = FreeQueue.of(state.free_block_ids).pushed_front(tuple(reversed(request.block_ids)))
     else:
         update = CacheUpdate(cache, state.free_block_ids)
         update.release(request.block_ids)
@@ -159,18 +160,16 @@ class StepInProgress:
         cache = None
         if self.cache is not None:
             cache, free = self.cache.freeze()
-        else:
-            free = self.released + list(self.before.free_block_ids) if self.released else self.before.free_block_ids
-            free = _without(free, self.taken)
-            if self.freed:
-                free = self.freed + list(free)
+        else:  # a FreeQueue: the tuple of free blocks, sharing structure with the one before
+            free = FreeQueue.of(self.before.free_block_ids).pushed_front(self.released)
+            free = free.without(self.taken).pushed_front(self.freed)
         state = SchedulerState(
             step=self.before.step + 1,
             waiting=tuple(self.waiting),
             running=tuple(self.running),
             requests=MappingProxyType(self.requests),
             finished=self.before.finished.with_added(self.ended),
-            free_block_ids=tuple(free),
+            free_block_ids=free if cache is None else tuple(free),
             num_requests_added=self.before.num_requests_added,
             prefix_cache=cache,
         )
@@ -328,14 +327,3 @@ def apply_plan(
             sample(step, item.request_id, sampled_token_ids[item.request_id])
     return step.end()
 
-
-def _without(queue, taken: list[int]):
-    """``queue`` less the blocks in ``taken`` (usually its first ``len(taken)`` blocks, as allocation
-    takes from the front)."""
-    if not taken:
-        return queue
-    count = len(taken)
-    if list(queue[:count]) == taken:
-        return queue[count:]
-    gone = set(taken)
-    return [block_id for block_id in queue if block_id not in gone]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import attrs
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from schedspec.spec.persistent import TerminalRequests, evolve_request
@@ -90,3 +90,72 @@ def test_request_memo_is_shared_by_later_versions_and_is_not_part_of_the_value()
     assert request == Request("a", 0, (1, 2, 3), 4)  # the memo is not compared
     assert "_memo_" not in repr(request)
     assert request_memo(attrs.evolve(request), "x") == {}  # a plain copy starts a new memo
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 300), st.lists(st.tuples(st.sampled_from(["push", "take", "without", "flat"]),
+                                               st.integers(0, 80)), max_size=40), st.randoms())
+def test_free_queue_behaves_as_its_tuple(size: int, operations, rng) -> None:
+    """FreeQueue (spec.persistent) is the tuple it stands for under every operation a step applies, and
+    for every read (len, items, slices, index, membership, ==, hash, repr, +, pickle)."""
+    import pickle
+
+    from schedspec.spec.persistent import FreeQueue
+
+    plain = tuple(range(size))
+    queue = FreeQueue(plain)
+    next_block = size
+    earlier = []
+    for name, amount in operations:
+        if name == "push":
+            blocks = tuple(range(next_block, next_block + amount))
+            next_block += amount
+            plain, queue = blocks + plain, queue.pushed_front(blocks)
+        elif name == "take":
+            taken = plain[:amount]
+            plain, queue = plain[len(taken):], queue.without(list(taken))
+        elif name == "without":
+            taken = rng.sample(plain, min(amount, len(plain)))
+            plain, queue = tuple(b for b in plain if b not in set(taken)), queue.without(taken)
+        else:
+            plain, queue = plain, FreeQueue.of(tuple(queue))
+        earlier.append((plain, queue))
+        assert queue == plain and plain == queue and not (queue != plain)
+        assert len(queue) == len(plain) and tuple(queue) == plain and list(queue) == list(plain)
+        assert hash(queue) == hash(plain) and repr(queue) == repr(plain)
+        for start in (0, 1, amount, len(plain) // 2, -3):
+            for stop in (None, start + amount, len(plain), -1):
+                assert queue[start:stop] == plain[start:stop]
+        assert queue[::2] == plain[::2]
+        if plain:
+            index = amount % len(plain)
+            assert queue[index] == plain[index] and queue[-1 - index] == plain[-1 - index]
+            assert queue.index(plain[index]) == index and plain[index] in queue
+        assert -1 not in queue and queue.count(0) == plain.count(0)
+        assert (7, 8) + queue == (7, 8) + plain and queue + (7,) == plain + (7,)
+        assert pickle.loads(pickle.dumps(queue)) == plain
+    for plain, queue in earlier:  # older versions are unchanged by later operations
+        assert queue == plain
+    with pytest.raises(IndexError):
+        FreeQueue(range(3))[3]
+
+
+def test_free_queue_compares_unequal_when_it_differs() -> None:
+    from schedspec.spec.persistent import FreeQueue
+
+    queue = FreeQueue(range(10)).without([0, 1]).pushed_front((1,))
+    assert queue != tuple(range(10)) and queue != (1, *range(3, 10)) and queue == (1, *range(2, 10))
+    assert queue.shares_suffix_with(FreeQueue(range(10))) is None
+
+
+def test_num_tokens_follows_the_outputs() -> None:
+    """``Request.num_tokens`` is kept, not computed: it must follow ``output_token_ids`` through
+    ``attrs.evolve`` and ``evolve_request`` (spec.persistent) alike."""
+    request = Request("a", 0, [1, 2, 3], 10)
+    assert request.num_tokens == 3
+    for evolve in (attrs.evolve, evolve_request):
+        grown = evolve(request, output_token_ids=(4, 5))
+        assert grown.num_tokens == 5 == grown.prompt_len + len(grown.output_token_ids)
+        assert evolve(grown, num_computed_tokens=4).num_tokens == 5
+    with pytest.raises(TypeError):
+        evolve_request(request, num_tokens=7)
