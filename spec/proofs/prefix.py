@@ -721,6 +721,94 @@ def prefix_theorems() -> list[Theorem]:
     return out
 
 
-__all__ = ["Cache", "Hits", "PREFIX_RULE_ORDER", "Terms", "prefix_apply", "prefix_invariant_parts", "prefix_rules",
+# --- concrete values (the agreement test, tests/test_proofs_prefix.py) ------------------------------
+
+
+class ConcreteCache:
+    """Numerals for a Python state with prefix caching: hashes as content classes (one integer per
+    distinct hash, shared across states through ``classes``), request slots as :mod:`.concrete` lays
+    them out, tables padded to ``length`` entries."""
+
+    def __init__(self, config: Any, length: int) -> None:
+        self.config = config
+        self.length = length
+        self.classes: dict[str, int] = {}
+
+    def cls(self, hash_value: str) -> int:
+        return self.classes.setdefault(hash_value, len(self.classes) + 1)
+
+    def encode(self, state: Any, slot_ids: list[str | None]) -> tuple[State, Cache]:
+        """The state and its cache layer; raises ``ValueError`` if a table is longer than ``length``."""
+        from schedspec.spec.prefix_cache import ROOT_HASH, request_block_hash
+
+        from .concrete import encode_state
+
+        cache = state.prefix_cache
+        m, length, bs = self.config.num_kv_blocks, self.length, self.config.block_size
+        V = z3.IntVal
+        tab, pc = [], []
+        for i, request_id in enumerate(slot_ids):
+            request = state.requests.get(request_id) if request_id is not None else None
+            table = list(request.block_ids) if request is not None else []
+            if len(table) > length:
+                raise ValueError(f"table of {len(table)} blocks > {length}")
+            tab.append([V(table[j] if j < len(table) else 0) for j in range(length)])
+            row, parent = [], ROOT_HASH
+            known = request.num_tokens // bs if request is not None else 0
+            for j in range(length):
+                if j < known:
+                    parent = request_block_hash(request, j, parent, bs)
+                    row.append(V(self.cls(parent)))
+                else:  # tokens not sampled yet: a class no hash has
+                    row.append(V(-(1 + i * length + j)))
+            pc.append(row)
+        rc = [V(cache.ref_counts.get(k, 0)) for k in range(m)]
+        hashed = [z3.BoolVal(k in cache.block_hashes) for k in range(m)]
+        cls = [V(self.cls(cache.block_hashes[k]) if k in cache.block_hashes else 0) for k in range(m)]
+        return encode_state(state, slot_ids), Cache(rc, hashed, cls, tab, pc)
+
+    def encode_plan(self, state: Any, plan: Any, slot_ids: list[str | None]) -> tuple[Plan, Hits]:
+        """The plan and its hits; raises ``ValueError`` if a table would be longer than ``length``."""
+        from .concrete import encode_plan
+
+        V = z3.IntVal
+        n, length = len(slot_ids), self.length
+        index = {r: i for i, r in enumerate(slot_ids) if r is not None}
+        hit = [V(0)] * n
+        ids = [[V(0)] * length for _ in range(n)]
+        for item in plan.scheduled:
+            i = index[item.request_id]
+            request = state.requests.get(item.request_id)
+            b = len(request.block_ids) if request is not None else 0
+            entries = list(item.cached_block_ids) + list(item.new_block_ids)
+            if b + len(entries) > length:
+                raise ValueError(f"table of {b + len(entries)} blocks > {length}")
+            hit[i] = V(len(item.cached_block_ids))
+            for j, block_id in enumerate(entries):
+                ids[i][b + j] = V(block_id)
+        return encode_plan(plan, slot_ids), Hits(hit, ids)
+
+    def decode(self, s: State, c: Cache, slot_ids: list[str | None]) -> dict[str, Any]:
+        """What the encoding says about a ground state's cache: counts, hashes (as classes), live tables."""
+        from .concrete import evaluate
+
+        m = self.config.num_kv_blocks
+        tables = {}
+        for i, request_id in enumerate(slot_ids):
+            if evaluate(s.slots[i].st) != EMPTY:
+                tables[request_id] = [evaluate(x) for x in c.tab[i][:evaluate(s.slots[i].b)]]
+        hashes = {k: evaluate(c.cls[k]) for k in range(m) if evaluate(c.hashed[k])}
+        return {"ref_counts": [evaluate(c.rc[k]) for k in range(m)], "hashes": hashes, "tables": tables}
+
+    def describe(self, state: Any) -> dict[str, Any]:
+        """The same view of a Python state."""
+        cache = state.prefix_cache
+        m = self.config.num_kv_blocks
+        return {"ref_counts": [cache.ref_counts.get(k, 0) for k in range(m)],
+                "hashes": {k: self.cls(h) for k, h in sorted(cache.block_hashes.items())},
+                "tables": {r: list(q.block_ids) for r, q in state.requests.items()}}
+
+
+__all__ = ["Cache", "ConcreteCache", "Hits", "PREFIX_RULE_ORDER", "Terms", "prefix_apply", "prefix_invariant_parts", "prefix_rules",
            "prefix_theorems"]
 _ = WAITING
