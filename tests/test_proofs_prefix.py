@@ -273,3 +273,73 @@ def test_encoded_rules_and_update_agree_on_every_reached_state_and_plan():
 def test_each_mutant_of_the_update_is_caught(mutant):
     reached_states()
     assert disagreement(mutant=mutant) is not None, f"mutant {mutant!r} escaped the exhaustive agreement"
+
+
+# --- the theorems (`schedspec prove --set enable_prefix_caching=true`) -------------------------------
+
+
+def _prove(*args: str):
+    from click.testing import CliRunner
+
+    from schedspec.cli import cli
+
+    return CliRunner().invoke(cli, ["prove", "--set", "enable_prefix_caching=true", *args])
+
+
+def test_prove_with_prefix_caching_runs_the_prefix_theorems():
+    """With caching on, `prove` runs the spec/prefix/* theorems (at 2 slots, 3 blocks here: a few seconds)
+    and each is proved with every vacuity case satisfiable (a hit, a shared block, an eviction, a
+    release to the evictable pool, a publication, a preemption, a stop)."""
+    import json
+
+    run = _prove("--policy-slots", "2", "--id-blocks", "3", "--json")
+    assert run.exit_code == 0, run.output
+    found = {r["name"]: r for r in json.loads(run.stdout)["results"]}
+    assert set(found) == {t.name for t in prefix.prefix_theorems()}
+    for name, result in found.items():
+        assert result["status"] == "proved" and result["ok"], (name, result["detail"])
+        assert result["slots"] == 2 and result["block_size"] == "fixed 16"
+        assert all(c["status"] == "sat" for c in result["vacuity"]), (name, result["vacuity"])
+    cases = {c["case"] for c in found["spec/prefix/step/ref-counts"]["vacuity"]}
+    assert {"premises", "premises + a hit", "premises + an eviction",
+            "premises + a release to the evictable pool"} <= cases
+
+
+def test_prove_list_shows_the_prefix_theorems():
+    from click.testing import CliRunner
+
+    from schedspec.cli import cli
+
+    plain = CliRunner().invoke(cli, ["prove", "--list"])
+    assert plain.exit_code == 0 and "enable_prefix_caching=true" in plain.output
+    assert "spec/prefix/step/ref-counts" in plain.output and "spec/step/block-conservation" in plain.output
+    listed = _prove("--list")
+    assert listed.exit_code == 0 and "spec/prefix/step/ref-counts" in listed.output
+    assert "spec/step/block-conservation" not in listed.output and "fcfs/" not in listed.output
+
+
+def _run_broken(mutant: str, theorem: str, monkeypatch):
+    import functools
+
+    from schedspec.spec.proofs.core import Options
+
+    monkeypatch.setattr(prefix, "prefix_apply", functools.partial(prefix.prefix_apply, mutant=mutant))
+    monkeypatch.setattr(prefix, "_SETUP", {})
+    monkeypatch.setattr(prefix, "_VACUITY", {})
+    chosen = next(t for t in prefix.prefix_theorems() if t.name == theorem)
+    return chosen.run(Options(policy_slots=2, id_blocks=3))
+
+
+def test_a_hit_that_adds_no_reference_breaks_ref_counts(monkeypatch):
+    """Deliberate break of the update: the reference counts no longer match the tables."""
+    result = _run_broken("hit-not-referenced", "spec/prefix/step/ref-counts", monkeypatch)
+    assert result.status == "counterexample" and not result.ok, (result.status, result.detail)
+
+
+def test_a_release_that_drops_the_hash_is_caught_by_the_vacuity_check(monkeypatch):
+    """Deliberate break: a released block losing its hash keeps every safety invariant (an evictable block
+    is in no table), but no step then releases a block to the evictable pool: that vacuity case is
+    unsatisfiable and the theorem is not as expected."""
+    result = _run_broken("release-drops-hash", "spec/prefix/step/block-partition", monkeypatch)
+    assert result.status == "proved" and not result.ok
+    assert [c.case for c in result.vacuous] == ["premises + a release to the evictable pool"], result.vacuity

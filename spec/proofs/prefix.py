@@ -55,7 +55,7 @@ from typing import Any
 
 import z3
 
-from .core import PROVED, Coverage, Options, Result, Theorem, Timer
+from .core import PROVED, UNKNOWN, Coverage, Options, Result, Theorem, Timer
 from .encoding import (
     EMPTY,
     PREEMPTED,
@@ -73,7 +73,6 @@ from .encoding import (
     support,
     symbolic_plan,
     symbolic_state,
-    zmax,
 )
 
 
@@ -149,8 +148,12 @@ class Terms:
     """The per-slot, per-block terms of one step, built once (z3 hash-conses equal terms, so the rules,
     the update and the lemmas share atoms and the lemmas add up by linear arithmetic)."""
 
-    def __init__(self, ctx: Ctx, s: State, c: Cache, plan: Plan, h: Hits) -> None:
+    def __init__(self, ctx: Ctx, s: State, c: Cache, plan: Plan, h: Hits, named: str | None = None) -> None:
         n, m, length = s.n, c.m, c.length
+        self.named = named
+        self.defs: list[Any] = []
+        """With ``named``: the per-slot, per-block counts are variables, defined here (hypotheses): sums
+        of them are then linear in variables, and Z3 adds them up without splitting cases per slot."""
         self.n, self.m, self.length = n, m, length
         bs = _bs(ctx)
         self.live_sched = [z3.And(plan.sched[i], s.slots[i].live) for i in range(n)]
@@ -161,13 +164,15 @@ class Terms:
                         for j in range(length)] for i in range(n)]
         self.in_old = [[z3.And(s.slots[i].live, j < s.slots[i].b) for j in range(length)] for i in range(n)]
         # per slot and block: how often the old table, the hit and the new blocks hold it
-        self.old = [[held_count(s, c, i, k) for k in range(m)] for i in range(n)]
-        self.hitc = [[count([z3.And(self.is_hit[i][j], h.ids[i][j] == k) for j in range(length)]) for k in range(m)]
-                     for i in range(n)]
-        self.newc = [[count([z3.And(self.is_new[i][j], h.ids[i][j] == k) for j in range(length)]) for k in range(m)]
-                     for i in range(n)]
+        self.old = [[self.name(f"old{i}_{k}", held_count(s, c, i, k)) for k in range(m)] for i in range(n)]
+        self.hitc = [[self.name(f"hitc{i}_{k}", count([z3.And(self.is_hit[i][j], h.ids[i][j] == k)
+                                                        for j in range(length)])) for k in range(m)] for i in range(n)]
+        self.newc = [[self.name(f"newc{i}_{k}", count([z3.And(self.is_new[i][j], h.ids[i][j] == k)
+                                                        for j in range(length)])) for k in range(m)] for i in range(n)]
         self.pre_live = [z3.And(plan.pre[i], s.slots[i].live) for i in range(n)]
-        self.preempted_refs = [_sum([z3.If(self.pre_live[i], self.old[i][k], 0) for i in range(n)]) for k in range(m)]
+        self.pre_ref = [[self.name(f"preref{i}_{k}", z3.If(self.pre_live[i], self.old[i][k], 0)) for k in range(m)]
+                        for i in range(n)]
+        self.preempted_refs = [_sum([self.pre_ref[i][k] for i in range(n)]) for k in range(m)]
         self.hits_of = [_sum([self.hitc[i][k] for i in range(n)]) for k in range(m)]
         self.new_of = [_sum([self.newc[i][k] for i in range(n)]) for k in range(m)]
         # count 0 now, or brought to 0 by this plan's preemptions (rules._blocks_from_free_pool)
@@ -184,6 +189,18 @@ class Terms:
         self.publishes = [[z3.And(self.live_sched[i], j < self.full[i], j < self.len1[i]) for j in range(length)]
                           for i in range(n)]
         self.bs = bs
+
+
+def _name(self: Terms, label: str, expr: Any) -> Any:
+    """``expr``, or with ``named`` a variable defined equal to it."""
+    if self.named is None:
+        return expr
+    var = z3.Int(f"{self.named}_{label}")
+    self.defs.append(var == expr)
+    return var
+
+
+Terms.name = _name  # type: ignore[attr-defined]
 
 
 def prefix_rules(ctx: Ctx, s: State, c: Cache, plan: Plan, h: Hits, t: Terms | None = None) -> dict[str, Any]:
@@ -326,10 +343,11 @@ def prefix_apply(ctx: Ctx, s: State, c: Cache, plan: Plan, h: Hits, eos: list[An
         final_o.append(o1)
     released = []
     rc2, hashed2, cls2 = [], [], []
+    t.stop_ref = [[t.name(f"stopref{i}_{k}", z3.If(stops[i], t.old[i][k] + t.hitc[i][k] + t.newc[i][k], 0))
+                   for k in range(m)] for i in range(n)]
     for k in range(m):
         # a stopping request releases its whole table (old entries, hit and new blocks)
-        rel = t.preempted_refs[k] + _sum([z3.If(stops[i], t.old[i][k] + t.hitc[i][k] + t.newc[i][k], 0)
-                                         for i in range(n)])
+        rel = t.preempted_refs[k] + _sum([t.stop_ref[i][k] for i in range(n)])
         released.append(rel)
         hits = 0 if mutant == "hit-not-referenced" else t.hits_of[k]
         rc2.append(c.rc[k] + hits + t.new_of[k] - rel)
@@ -484,7 +502,7 @@ def step_setup(opts: Options) -> StepSetup:
     c = symbolic_cache(n, m, length, "c")
     plan = symbolic_plan(n, "pl")
     h = symbolic_hits(n, length, "ph")
-    t = Terms(ctx, s, c, plan, h)
+    t = Terms(ctx, s, c, plan, h, named="t")
     eos = [z3.Bool(f"eos{i}") for i in range(n)]
     inv, defs = prefix_invariant_parts(ctx, s, c, "v")
     hyps: dict[str, Any] = {"cfg": ctx.cfg.valid(), "wf": z3.And(plan_well_formed(plan), hits_well_formed(s, plan, h)),
@@ -511,6 +529,7 @@ def step_setup(opts: Options) -> StepSetup:
     inv2, defs2 = prefix_invariant_parts(ctx, s2, c2, "w")
     hyps["views after"] = z3.And(defs2)
     lemmas = step_lemmas(s, c, plan, h, t, out, s2, c2)
+    hyps["named counts"] = z3.And(t.defs)
     goals: list[tuple[str, str, Any]] = []
     goals += [("ref-counts", name, lemma) for name, lemma in lemmas]
     for name in PREFIX_PARTS:
@@ -533,34 +552,46 @@ def step_lemmas(s: State, c: Cache, plan: Plan, h: Hits, t: Terms, out: PrefixOu
     """Lemmas per slot and block, in the update's atoms, from which ``prefix-ref-counts`` after the step
     adds up by linear arithmetic: slot ``i``'s table after the step holds block ``k`` as often as before
     (if it keeps its table), plus its hit and new blocks, less what it releases."""
-    n, m, length = s.n, c.m, c.length
+    n, m, _length = s.n, c.m, c.length
     per = []
     for i in range(n):
         keeps = z3.And(s2.slots[i].live, z3.Not(plan.pre[i]))
         for k in range(m):
             after = held_count(s2, c2, i, k)
-            per.append(after == z3.If(keeps, t.old[i][k] + t.hitc[i][k] + t.newc[i][k], 0))
-            per.append(t.old[i][k] + t.hitc[i][k] + t.newc[i][k] - z3.If(t.pre_live[i], t.old[i][k], 0)
-                       - z3.If(out.stops[i], t.old[i][k] + t.hitc[i][k] + t.newc[i][k], 0)
-                       == z3.If(keeps, t.old[i][k] + t.hitc[i][k] + t.newc[i][k], 0))
+            kept = t.name(f"kept{i}_{k}", z3.If(keeps, t.old[i][k] + t.hitc[i][k] + t.newc[i][k], 0))
+            per.append(after == kept)
+            per.append(t.old[i][k] + t.hitc[i][k] + t.newc[i][k] - t.pre_ref[i][k] - t.stop_ref[i][k] == kept)
     return [("lemma: per slot and block", z3.And(per))]
+
+
+FIRST_TRY_S = 5.0
+"""Seconds a part gets on the incremental solver before it is asked again on a fresh one."""
 
 
 def _prove_goals(opts: Options, theorem: str) -> tuple[str, str, dict[str, Any] | None]:
     """Prove the step's goals in their fixed order up to the last of ``theorem``'s (the earlier ones are
-    proved again here, not assumed: each theorem stands alone), each part then assumed."""
-    from .solve import Prover, state_values
+    proved again here, not assumed: each theorem stands alone), part by part, each part then assumed.
+
+    A part is first asked on one incremental solver (fast for the many small per-entry parts) with
+    :data:`FIRST_TRY_S`; if unknown, again on a fresh solver with the same hypotheses (the sums over
+    slots: an incremental solver does not preprocess, and ``rc'[k] == sum of held'`` is unknown after
+    60 s there at N=8, M=4, proved in 2 s on a fresh one)."""
+    from .solve import Prover, check, state_values
 
     bs = step_setup(opts)
     last = max(k for k, (owner, _, _) in enumerate(bs.goals) if owner == theorem)
-    prover = Prover(bs.ctx, list(bs.hyps.values()), opts.timeout_s)
+    hypotheses = list(bs.hyps.values())
+    prover = Prover(bs.ctx, hypotheses, min(FIRST_TRY_S, opts.timeout_s))
     for _, name, goal in bs.goals[:last + 1]:
         for part in goal.children() if z3.is_and(goal) else [goal]:
             answer = prover.prove(part)
+            if answer.status == UNKNOWN:
+                answer = check(bs.ctx, hypotheses, part, opts.timeout_s)
             if answer.status != PROVED:
                 witness = state_values(answer.model, bs.s, bs.plan) if answer.model is not None else None
                 return answer.status, f"{name}: {answer.status} {answer.reason}".strip(), witness
             prover.assume([part])
+            hypotheses.append(part)
     return PROVED, "", None
 
 
@@ -667,7 +698,7 @@ def prefix_parts_premise(c: Cache) -> Any:
 
 
 def _env(name: str, statement: str, action: str, opts: Options) -> Result:
-    from .solve import Prover, check, state_values
+    from .solve import Prover, state_values
     from .theorems import setup
 
     timer = Timer()
