@@ -412,6 +412,8 @@ def prefix_parts(ctx: Ctx, s: State, c: Cache, th: list[list[Any]], tc: list[lis
     for k in range(m):
         held = _sum([held_count(s, c, i, k) for i in range(n)])
         parts["prefix-ref-counts"].append(c.rc[k] == held)
+        # no table holds a block twice (entries are in range: below)
+        parts["prefix-ref-counts"].append(z3.And([held_count(s, c, i, k) <= 1 for i in range(n)]))
         parts["shared-blocks-cached"].append(z3.Implies(c.rc[k] >= 2, c.hashed[k]))
     for i in range(n):
         sl = s.slots[i]
@@ -419,8 +421,6 @@ def prefix_parts(ctx: Ctx, s: State, c: Cache, th: list[list[Any]], tc: list[lis
         for j in range(length):
             entry = z3.And(sl.live, j < sl.b)
             parts["prefix-ref-counts"].append(z3.Implies(entry, z3.And(c.tab[i][j] >= 0, c.tab[i][j] < m)))
-            for j2 in range(j + 1, length):
-                parts["prefix-ref-counts"].append(z3.Implies(z3.And(sl.live, j2 < sl.b), c.tab[i][j] != c.tab[i][j2]))
             published = [tc[i][j] == c.pc[i][j], (j + 1) * bs <= sl.nc]
             if j:
                 published.append(th[i][j - 1])
@@ -522,9 +522,12 @@ def step_setup(opts: Options) -> StepSetup:
         for j in range(length):
             after_defs.append(c2.tab[i][j] == out.cache.tab[i][j])
     s2 = out.state
-    b2 = [z3.Int(f"s2_b{i}") for i in range(n)]
-    after_defs += [b2[i] == s2.slots[i].b for i in range(n)]
-    s2 = dataclasses.replace(s2, slots=[dataclasses.replace(sl, b=b2[i]) for i, sl in enumerate(s2.slots)])
+    named_slots = []
+    for i, sl in enumerate(s2.slots):
+        fields_ = {f: z3.Int(f"s2_{f}{i}") for f in ("st", "b", "nc", "o")}
+        after_defs += [v == getattr(sl, f) for f, v in fields_.items()]
+        named_slots.append(dataclasses.replace(sl, **fields_))
+    s2 = dataclasses.replace(s2, slots=named_slots)
     hyps["after"] = z3.And(after_defs)
     inv2, defs2 = prefix_invariant_parts(ctx, s2, c2, "w")
     hyps["views after"] = z3.And(defs2)
@@ -552,7 +555,14 @@ def step_lemmas(s: State, c: Cache, plan: Plan, h: Hits, t: Terms, out: PrefixOu
     """Lemmas per slot and block, in the update's atoms, from which ``prefix-ref-counts`` after the step
     adds up by linear arithmetic: slot ``i``'s table after the step holds block ``k`` as often as before
     (if it keeps its table), plus its hit and new blocks, less what it releases."""
-    n, m, _length = s.n, c.m, c.length
+    n, m = s.n, c.m
+    pool, hits = [], []
+    for i in range(n):
+        for k in range(m):
+            # a block handed out new is in no table that keeps its blocks
+            pool.append(z3.Implies(z3.And(z3.Not(t.pre_live[i]), t.poolable[k]), t.old[i][k] == 0))
+            # a hit takes a block once (its blocks have the classes of distinct indices)
+            hits.append(t.hitc[i][k] <= 1)
     per = []
     for i in range(n):
         keeps = z3.And(s2.slots[i].live, z3.Not(plan.pre[i]))
@@ -561,7 +571,8 @@ def step_lemmas(s: State, c: Cache, plan: Plan, h: Hits, t: Terms, out: PrefixOu
             kept = t.name(f"kept{i}_{k}", z3.If(keeps, t.old[i][k] + t.hitc[i][k] + t.newc[i][k], 0))
             per.append(after == kept)
             per.append(t.old[i][k] + t.hitc[i][k] + t.newc[i][k] - t.pre_ref[i][k] - t.stop_ref[i][k] == kept)
-    return [("lemma: per slot and block", z3.And(per))]
+    return [("lemma: new blocks come from no kept table", z3.And(pool)), ("lemma: a hit takes a block once", z3.And(hits)),
+            ("lemma: per slot and block", z3.And(per))]
 
 
 FIRST_TRY_S = 5.0
