@@ -326,6 +326,7 @@ def _run_broken(mutant: str, theorem: str, monkeypatch):
     monkeypatch.setattr(prefix, "prefix_apply", functools.partial(prefix.prefix_apply, mutant=mutant))
     monkeypatch.setattr(prefix, "_SETUP", {})
     monkeypatch.setattr(prefix, "_VACUITY", {})
+    monkeypatch.setattr(prefix, "_PROVED", {})
     chosen = next(t for t in prefix.prefix_theorems() if t.name == theorem)
     return chosen.run(Options(policy_slots=2, id_blocks=3))
 

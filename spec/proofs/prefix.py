@@ -532,15 +532,19 @@ def step_setup(opts: Options) -> StepSetup:
     inv2, defs2 = prefix_invariant_parts(ctx, s2, c2, "w")
     hyps["views after"] = z3.And(defs2)
     lemmas = step_lemmas(s, c, plan, h, t, out, s2, c2)
-    hyps["named counts"] = z3.And(t.defs)
     goals: list[tuple[str, str, Any]] = []
     goals += [("ref-counts", name, lemma) for name, lemma in lemmas]
     for name in PREFIX_PARTS:
+        if name == "prefix-published-computed":
+            goals += [("published-computed", lname, lemma)
+                      for lname, lemma in publication_lemmas(s, c, plan, h, t, s2, c2)]
         goals.append((THEOREM_OF_PART[name], name, inv2[f"prefix:{name}"]))
     for name in [k for k in inv2 if not k.startswith("prefix:")]:
         goals.append(("request-invariants", name, inv2[name]))
+    hyps["named counts"] = z3.And(t.defs)  # after every lemma: the lemmas name counts too
     built = StepSetup(ctx, s, c, plan, h, t, out, hyps, goals)
     _SETUP.clear()
+    _PROVED.clear()
     _SETUP[key] = built
     return built
 
@@ -575,13 +579,53 @@ def step_lemmas(s: State, c: Cache, plan: Plan, h: Hits, t: Terms, out: PrefixOu
             ("lemma: per slot and block", z3.And(per))]
 
 
+def publication_lemmas(s: State, c: Cache, plan: Plan, h: Hits, t: Terms, s2: State, c2: Cache
+                       ) -> list[tuple[str, Any]]:
+    """Lemmas for ``prefix-published-computed`` after the step: a block with no hash, or handed out new,
+    sits at most at one entry of the tables that keep their blocks (so no other entry publishes it with
+    another class); then, entry by entry of a table kept after the step, it carries a hash iff it did
+    before, is a hit block, or is published now, and then has the request's class at its index."""
+    n, m, length = s.n, c.m, c.length
+    occ = [[t.name(f"occ{i}_{k}", z3.If(t.pre_live[i], 0, t.old[i][k] + t.hitc[i][k] + t.newc[i][k]))
+            for k in range(m)] for i in range(n)]
+    unique = [z3.Implies(z3.Or(z3.Not(c.hashed[k]), t.new_of[k] >= 1), _sum([occ[i][k] for i in range(n)]) <= 1)
+              for k in range(m)]
+    where = []
+    for i in range(n):
+        for j in range(length):
+            at = z3.And(s.slots[i].live, z3.Not(t.pre_live[i]), j < t.len1[i])
+            where += [z3.Implies(z3.And(at, t.tab1[i][j] == k), occ[i][k] >= 1) for k in range(m)]
+    th = [[z3.Bool(f"v_th{i}_{j}") for j in range(length)] for i in range(n)]
+    th2 = [[z3.Bool(f"w_th{i}_{j}") for j in range(length)] for i in range(n)]
+    tc2 = [[z3.Int(f"w_tc{i}_{j}") for j in range(length)] for i in range(n)]
+    entries = []
+    for i in range(n):
+        sl, sl2 = s.slots[i], s2.slots[i]
+        for j in range(length):
+            kept_entry = z3.And(sl2.live, z3.Not(plan.pre[i]), j < sl2.b)
+            was = z3.Or(z3.And(j < sl.b, th[i][j]), t.is_hit[i][j], t.publishes[i][j])
+            for k in range(m):
+                here = z3.And(kept_entry, c2.tab[i][j] == k)
+                entries.append(z3.Implies(here, th2[i][j] == was))
+                entries.append(z3.Implies(z3.And(here, th2[i][j]), tc2[i][j] == c.pc[i][j]))
+    return [("lemma: an uncached or new block sits at one kept entry", z3.And(unique)),
+            ("lemma: an entry of a table kept or scheduled counts", z3.And(where)),
+            ("lemma: entries kept after the step", z3.And(entries))]
+
+
 FIRST_TRY_S = 5.0
 """Seconds a part gets on the incremental solver before it is asked again on a fresh one."""
 
 
+_PROVED: dict[str, int] = {}
+"""Per options: how many of the step's goals (in their fixed order) are proved in this process."""
+
+
 def _prove_goals(opts: Options, theorem: str) -> tuple[str, str, dict[str, Any] | None]:
-    """Prove the step's goals in their fixed order up to the last of ``theorem``'s (the earlier ones are
-    proved again here, not assumed: each theorem stands alone), part by part, each part then assumed.
+    """Prove the step's goals in their fixed order up to the last of ``theorem``'s, part by part, each
+    part then assumed. The goals before it are assumed only if an earlier theorem proved them in this
+    process with the same options (a full run proves each goal once); else they are proved here too, so
+    a theorem run alone (``--only``) stands alone.
 
     A part is first asked on one incremental solver (fast for the many small per-entry parts) with
     :data:`FIRST_TRY_S`; if unknown, again on a fresh solver with the same hypotheses (the sums over
@@ -590,10 +634,13 @@ def _prove_goals(opts: Options, theorem: str) -> tuple[str, str, dict[str, Any] 
     from .solve import Prover, check, state_values
 
     bs = step_setup(opts)
+    key = repr(prefix_options(opts))
     last = max(k for k, (owner, _, _) in enumerate(bs.goals) if owner == theorem)
-    hypotheses = list(bs.hyps.values())
+    done = min(_PROVED.get(key, 0), last + 1)
+    hypotheses = list(bs.hyps.values()) + [goal for _, _, goal in bs.goals[:done]]
     prover = Prover(bs.ctx, hypotheses, min(FIRST_TRY_S, opts.timeout_s))
-    for _, name, goal in bs.goals[:last + 1]:
+    for index in range(done, last + 1):
+        _, name, goal = bs.goals[index]
         for part in goal.children() if z3.is_and(goal) else [goal]:
             answer = prover.prove(part)
             if answer.status == UNKNOWN:
@@ -603,6 +650,8 @@ def _prove_goals(opts: Options, theorem: str) -> tuple[str, str, dict[str, Any] 
                 return answer.status, f"{name}: {answer.status} {answer.reason}".strip(), witness
             prover.assume([part])
             hypotheses.append(part)
+        if _PROVED.get(key, 0) == index:
+            _PROVED[key] = index + 1
     return PROVED, "", None
 
 
