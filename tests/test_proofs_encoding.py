@@ -232,8 +232,8 @@ EXAMPLES = settings(max_examples=min(settings.default.max_examples, 200))
 
 
 def test_rule_registry_matches_the_encoding():
-    # every rule is encoded except the prefix-cache rules (prefix caching is not encoded: `schedspec prove`
-    # refuses enable_prefix_caching with exit 3)
+    # the count encoding has every rule except the prefix-cache rules, which only constrain plans with
+    # caching on: spec/proofs/prefix.py encodes all 17 (tests/test_proofs_prefix.py)
     not_encoded = tuple(name for name in RULE_NAMES if name.startswith("prefix-hit-"))
     assert not_encoded == ("prefix-hit-at-admission", "prefix-hit-is-cached-chain", "prefix-hit-longest")
     assert tuple(RULE_ORDER) == tuple(name for name in RULE_NAMES if name not in not_encoded)

@@ -86,8 +86,10 @@ def _options(sets: tuple[str, ...], slots: int, depth: int, policy_slots: int, b
                 fail(f"--set {key}={val!r}: must be true or false")
             fixed[key] = val
         elif key == "enable_prefix_caching":
-            if val is not False:
-                fail("--set enable_prefix_caching: the proofs do not encode prefix caching", EXIT_UNSUPPORTED)
+            if not isinstance(val, bool):
+                fail(f"--set {key}={val!r}: must be true or false")
+            if val:
+                fixed[key] = True
         elif key == "preemption_mode":
             if val != "recompute":
                 fail(f"--set preemption_mode={val!r}: must be 'recompute' (the only mode the spec defines)")
@@ -113,7 +115,13 @@ def _check_config_space(opts: Options) -> None:
         fail(f"--set {opts.fixed}: no valid SchedulerConfig has these values (config validation refuses them)")
 
 
-def theorems_for(scheduler: str) -> list[Theorem]:
+def theorems_for(scheduler: str, prefix_caching: bool = False) -> list[Theorem]:
+    """The theorems a run proves: with prefix caching on, the prefix-cache theorems
+    (``schedspec.spec.proofs.prefix``; the count encoding and the policy encodings model caching off)."""
+    if prefix_caching:
+        from schedspec.spec.proofs.prefix import prefix_theorems
+
+        return prefix_theorems()
     from schedspec.reference.proofs.theorems import policy_theorems
     from schedspec.spec.proofs.theorems import spec_theorems
 
@@ -193,7 +201,8 @@ def command(scheduler_name: str | None, sets: tuple[str, ...], slots: int, depth
     =uninterpreted (proves for every block size; counterexamples are re-checked with block_size=16);
     --set FIELD=VALUE fixes another config field. Default run: spec at N=16, one-step policy theorems
     at N=4, bounded model checking at N=3, K=6 with block_size 2 (--bmc-block-size), block ids at
-    N=4 with num_kv_blocks=6 (--id-blocks).
+    N=4 with num_kv_blocks=6 (--id-blocks). With --set enable_prefix_caching=true only the
+    prefix-cache theorems run (spec/prefix/*, at --policy-slots slots and --id-blocks blocks).
     """
     check_outputs([], [], folders=[("--save-cases", save_cases)])
     scheduler = scheduler_name or DEFAULT_SCHEDULER
@@ -206,13 +215,26 @@ def command(scheduler_name: str | None, sets: tuple[str, ...], slots: int, depth
         fail(f"--scheduler {scheduler!r} has no proof encoding (encoded: {', '.join(ENCODED)}); "
              "its plans are checked at run time by replay and check instead", EXIT_UNSUPPORTED)
     opts = _options(sets, slots, depth, policy_slots, bmc_slots, timeout, bmc_block_size, id_blocks)
-    chosen = [t for t in theorems_for(scheduler) if not only or any(o in t.name for o in only)]
+    caching = bool(opts.fixed.get("enable_prefix_caching"))
+
+    def matching(theorems: list[Theorem]) -> list[Theorem]:
+        return [t for t in theorems if not only or any(o in t.name for o in only)]
+
+    chosen = matching(theorems_for(scheduler, caching))
+    if list_only:
+        # without the flag, also the theorems --set enable_prefix_caching=true runs instead
+        listed = [("", chosen)] + ([] if caching else [
+            ("with --set enable_prefix_caching=true (instead of the above):", matching(theorems_for(scheduler, True)))])
+        if not any(theorems for _, theorems in listed):
+            fail(f"--only {list(only)}: no theorem matches")
+        for heading, theorems in listed:
+            if heading and theorems:
+                click.echo(heading)
+            for theorem in theorems:
+                click.echo(f"{theorem.name}  [{'expect ' + theorem.expected}]  {theorem.statement}")
+        return
     if not chosen:
         fail(f"--only {list(only)}: no theorem matches")
-    if list_only:
-        for theorem in chosen:
-            click.echo(f"{theorem.name}  [{'expect ' + theorem.expected}]  {theorem.statement}")
-        return
     _check_config_space(opts)
     console = Console(width=None if sys.stdout.isatty() else 160)
     progress = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
