@@ -20,6 +20,7 @@ simulated clock that advances by each step's duration and jumps over idle gaps (
 from __future__ import annotations
 
 import gc
+import traceback
 import time as wallclock
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -30,7 +31,7 @@ from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.incremental import IncrementalChecker
 from schedspec.spec.invariants import check_step
 from schedspec.spec.prefix_cache import evicted_blocks
-from schedspec.spec.properties import Monitor, monitors
+from schedspec.spec.properties import Monitor, Progress, monitors
 from schedspec.spec.rules import Violation, violated_rules
 from schedspec.spec.state import SchedulerState, StepPlan
 from schedspec.spec.trace import ScheduledTokens, StepRecord
@@ -38,7 +39,24 @@ from schedspec.spec.transitions import PlanError, abort_request, add_request, ap
 from schedspec.spec.workload import RequestSpec
 
 from .fake_model import CostOnlyModel, FakeModel, TokenSource
-from .scheduler import EngineView, Scheduler, offer_transition, state_differences, view_differences
+from .scheduler import (
+    EngineFault,
+    EngineView,
+    Scheduler,
+    UnsupportedFeature,
+    offer_transition,
+    state_differences,
+    view_differences,
+)
+
+
+def _innermost(error: BaseException) -> str:
+    """``file:line in function`` of the innermost frame of ``error``'s traceback."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return "unknown location"
+    frame = frames[-1]
+    return f"{frame.filename}:{frame.lineno} in {frame.name}"
 
 
 class ViolationFound(Exception):
@@ -230,12 +248,42 @@ class Engine:
         ``shadow``, offered to the scheduler first (:func:`offer_transition`) so a reference scheduler
         asking for the same one reuses it instead of computing it again."""
         if trust_state:
-            getattr(self.scheduler, name)(argument)
+            self._call(name, shadow.step, getattr(self.scheduler, name), argument)
             return self.scheduler.state
         after = transition(shadow, argument)
         offer_transition(name, shadow, argument, self.config, after)
-        getattr(self.scheduler, name)(argument)
+        self._call(name, shadow.step, getattr(self.scheduler, name), argument)
         return after
+
+    def _call(self, operation: str, step: int, method: Callable[..., Any], *args: Any) -> Any:
+        """Call a method of the scheduler under test. What it raises (other than the protocol's own
+        :class:`UnsupportedFeature` and :class:`EngineFault`) becomes an :class:`EngineFault`: a crash of
+        the scheduler under test is a finding about it (the CLI reports it in one line, exit 1), not a
+        traceback of schedspec."""
+        try:
+            return method(*args)
+        except (UnsupportedFeature, EngineFault, ViolationFound):
+            raise
+        except Exception as error:
+            name = getattr(self.scheduler, "name", None) or type(self.scheduler).__name__
+            raise EngineFault(str(name), operation, step, _innermost(error),
+                              f"{type(error).__name__}: {error}") from error
+
+    def _schedule(self, step: int) -> StepPlan:
+        plan = self._call("schedule", step, self.scheduler.schedule)
+        if not isinstance(plan, StepPlan):
+            name = getattr(self.scheduler, "name", None) or type(self.scheduler).__name__
+            raise EngineFault(str(name), "schedule", step, "its return value",
+                              f"schedule() returned a {type(plan).__name__}, not a StepPlan")
+        return plan
+
+    def _update(self, step: int, plan: StepPlan, sampled: dict[str, int]) -> tuple[str, ...]:
+        finished = self._call("update", step, self.scheduler.update, plan, sampled)
+        if not isinstance(finished, (tuple, list)) or not all(isinstance(r, str) for r in finished):
+            name = getattr(self.scheduler, "name", None) or type(self.scheduler).__name__
+            raise EngineFault(str(name), "update", step, "its return value",
+                              f"update() returned {type(finished).__name__}, not a tuple of request ids")
+        return tuple(finished)
 
     def run(
         self,
@@ -243,7 +291,8 @@ class Engine:
         mode: str = "steps",
         max_steps: int | None = None,
     ) -> RunResult:
-        """Run the workload until every request has ended (or ``max_steps`` steps).
+        """Run the workload until every request has ended (or ``max_steps`` steps, or the scheduler hangs:
+        ``max_model_len`` steps with live requests and no progress, a ``progress`` violation).
 
         Args:
             workload: request descriptors; ``arrival_step`` (mode ``steps``) or ``arrival_time``
@@ -289,6 +338,11 @@ class Engine:
 
     def _run(self, pending, specs, mode, max_steps, token_source, step_aborts, time_aborts, ledger) -> RunResult:
         watched: list[Monitor] = monitors(self.properties, self.config) + monitors(self.watch, self.config)
+        # A hung scheduler (no new token position and no request ended for max_model_len steps with live
+        # requests) would keep a run going forever: the run stops there with a progress violation, which
+        # every scheduler owes (spec.checker.DEFAULT_PROPERTIES), whether or not it was asked to monitor it.
+        hang_guard = next((m for m in watched if m.name == "progress"), None) or Progress(self.config)
+        counted = "progress" in self.properties
         if (not self.check and not watched and not self.record_steps and self.on_step is None
                 and callable(getattr(self.scheduler, "step_views", None)) and type(token_source) is CostOnlyModel):
             return self._run_light(pending, specs, mode, max_steps, token_source, step_aborts, time_aborts)
@@ -357,7 +411,7 @@ class Engine:
                     violations.extend(found)
                     if self.stop_on_violation:
                         raise ViolationFound(found, before)
-            plan = self.scheduler.schedule()
+            plan = self._schedule(before.step)
             if self.check:
                 if ledger is not None:
                     ledger.sync(before)
@@ -370,7 +424,7 @@ class Engine:
                         raise ViolationFound(found, before)
             sampled, duration = token_source.execute(plan, before)
             if trust_state:
-                finished = self.scheduler.update(plan, sampled)
+                finished = self._update(before.step, plan, sampled)
                 after = self.scheduler.state
             else:
                 # The spec's own transition first; a reference scheduler that asks for the very same
@@ -386,7 +440,7 @@ class Engine:
                         raise ViolationFound(found, before) from None
                     break
                 offer_transition("apply_plan", before, plan, self.config, result, sampled)
-                finished = self.scheduler.update(plan, sampled)
+                finished = self._update(before.step, plan, sampled)
                 after = result.state
                 if self.check:
                     found = []
@@ -412,6 +466,13 @@ class Engine:
                         raise ViolationFound(found, after)
             for monitor in watched:
                 monitor.observe(before, plan, after)
+            hung = False
+            if hang_guard not in watched:
+                hang_guard.observe(before, plan, after)
+            if hang_guard.violations:
+                hung = True
+                if not counted:
+                    violations.extend(hang_guard.violations)
             if self.on_step_view is not None:
                 self.on_step_view(StepView(before.step, clock, duration, before, after, plan, sampled,
                                            tuple(finished), arrivals, aborted))
@@ -425,6 +486,8 @@ class Engine:
             shadow = after
             clock += duration
             step += 1
+            if hung:
+                break
 
         property_violations: dict[str, list[Violation]] = {}
         for monitor in watched:

@@ -36,6 +36,13 @@ state before it, the plan, every violation found in it, and the longest valid pr
 it). ``keep_going`` continues past illegal steps, applying the recorded plan where the spec can
 (later violations may then be consequences of the first).
 
+**Every request ends.** A trace is the whole life of its requests: at its end every request that
+arrived has ended (finished, aborted or rejected with a reason), or the check reports each one still
+live as an ``unfinished-request`` mismatch, with where it is (running, holding blocks, or waiting) and
+the last step that scheduled it. An engine that starves a running request, or that crashed mid-run,
+so cannot pass by its log ending early. A window cut from a running engine's log is judged with
+``allow_unfinished`` (``schedspec check --allow-unfinished``).
+
 Trace properties (:mod:`schedspec.spec.properties`) are checked on the valid prefix.
 :data:`DEFAULT_PROPERTIES` are owed by every correct scheduler and checked unless told otherwise.
 """
@@ -69,6 +76,8 @@ TIME_TOLERANCE = 1e-9
 """Relative tolerance when comparing a step's start with the previous step's end (float sums)."""
 
 MISMATCH = "trace-mismatch"
+UNFINISHED = "unfinished-request"
+"""The name of the violation for a request still live at the end of a trace (module docstring)."""
 
 
 def plan_from_record(record: StepRecord) -> StepPlan:
@@ -269,6 +278,7 @@ def check_trace(
     properties: Iterable[str] = DEFAULT_PROPERTIES,
     keep_going: bool = False,
     incremental: bool = False,
+    allow_unfinished: bool = False,
 ) -> CheckReport:
     """Replay a trace on the spec and judge every field of every record (module docstring).
 
@@ -282,6 +292,8 @@ def check_trace(
         incremental: check invariants with :class:`~schedspec.spec.incremental.IncrementalChecker`
             (the same violations, at a cost that does not grow with the run) instead of
             :func:`~schedspec.spec.invariants.check_step`.
+        allow_unfinished: do not report requests still live at the end of the trace (a window cut from
+            a running engine's log); by default each is an ``unfinished-request`` mismatch.
 
     Returns:
         A :class:`CheckReport`.
@@ -295,6 +307,7 @@ def check_trace(
     state = SchedulerState.initial(config)
     previous: StepRecord | None = None
     ledger = IncrementalChecker(config) if incremental else None
+    last_scheduled: dict[str, int] = {}
 
     for record in records:
         mismatch = _StepComparison(state.step)
@@ -355,6 +368,8 @@ def check_trace(
                 break
         elif report.first_bad_step is None:
             report.valid_prefix += 1
+            for item in plan.scheduled:
+                last_scheduled[item.request_id] = before.step
             for monitor in watched:
                 monitor.observe(before, plan, after)
         if report.first_bad_step is None or keep_going:
@@ -363,7 +378,27 @@ def check_trace(
     if report.first_bad_step is None or keep_going:
         for monitor in watched:
             report.violations.extend(monitor.finish(state))
+    if report.first_bad_step is None and not allow_unfinished:
+        report.violations.extend(_unfinished(state, last_scheduled))
     return report
+
+
+def _unfinished(state: SchedulerState, last_scheduled: dict[str, int]) -> list[Violation]:
+    """One ``unfinished-request`` mismatch per request live in ``state`` (the end of a legal trace)."""
+    found = []
+    for queue, ids in (("running", state.running), ("waiting", state.waiting)):
+        for request_id in ids:
+            request = state.requests[request_id]
+            last = last_scheduled.get(request_id)
+            when = f"last scheduled at step {last}" if last is not None else "never scheduled"
+            found.append(Violation(
+                UNFINISHED,
+                f"still {queue} when the trace ends after step {state.step - 1} ({when}; computed "
+                f"{request.num_computed_tokens} of {request.num_tokens} tokens, {len(request.block_ids)} blocks "
+                f"held): every request must end finished, aborted or rejected; a log window cut from a running "
+                f"engine is checked with --allow-unfinished",
+                state.step - 1, request_id, kind="mismatch"))
+    return found
 
 
 def _fail(report: CheckReport, found: list[Violation], before: SchedulerState, plan: StepPlan | None,

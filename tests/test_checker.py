@@ -78,8 +78,11 @@ def test_engine_traces_give_their_verdict(name):
 def test_idle_engine_fails_by_default_and_names_progress():
     verdict = json.loads(check(str(BUNDLED_TRACES / "t11-idle-engine.jsonl"), "--json").stdout)
     assert "progress" in verdict["properties"]
-    assert [v["name"] for v in verdict["violations"]] == ["progress"]
+    names = [v["name"] for v in verdict["violations"]]
+    assert names[0] == "progress" and set(names) == {"progress", "unfinished-request"}, names
     assert verdict["notes"], "a version-1 trace says which convention it was read with"
+    window = json.loads(check(str(BUNDLED_TRACES / "t11-idle-engine.jsonl"), "--json", "--allow-unfinished").stdout)
+    assert [v["name"] for v in window["violations"]] == ["progress"]
 
 
 def _good_trace(tmp_path: Path) -> tuple[Path, list[dict]]:
@@ -113,6 +116,22 @@ def test_tampered_step_is_the_first_illegal_step_and_nothing_cascades(tmp_path):
     assert "token-budget" in {v["name"] for v in verdict["violations"]}
     assert {v["kind"] for v in verdict["violations"]} <= {"rule", "invariant", "property", "mismatch"}
     assert "FIRST ILLEGAL STEP 2" in check(str(_write(tmp_path, lines))).stdout
+
+
+def test_a_trace_that_ends_with_live_requests_fails_unless_it_is_a_window(tmp_path):
+    """An engine that crashed (or starves a request) cannot pass by its log ending early: the last steps
+    cut off, the requests still live are each an unfinished-request mismatch; --allow-unfinished judges
+    the same lines as a window of a running engine's log (the header is line 0)."""
+    path, lines = _good_trace(tmp_path)
+    assert check(str(path)).returncode == 0
+    cut = _write(tmp_path, lines[:6])
+    result = check(str(cut), "--json")
+    assert result.returncode == 1
+    verdict = json.loads(result.stdout)
+    assert verdict["first_bad_step"] is None and verdict["violations"]
+    assert {v["name"] for v in verdict["violations"]} == {"unfinished-request"}
+    assert all(v["step"] == 4 and v["request_id"] for v in verdict["violations"])
+    assert check(str(cut), "--allow-unfinished").returncode == 0
 
 
 @pytest.mark.parametrize("edit, field", [

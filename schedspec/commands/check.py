@@ -60,14 +60,18 @@ def _print_report(report: CheckReport, limit: int) -> None:
 @click.option("--full", is_flag=True,
               help="Check invariants with the full definition (check_step) instead of the incremental checker "
                    "(the same verdicts, tested; the incremental one is faster on long traces).")
+@click.option("--allow-unfinished", is_flag=True,
+              help="The trace is a window cut from a running engine's log: requests still live at its end are "
+                   "not reported (by default each is an unfinished-request violation).")
 @click.option("--json", "as_json", is_flag=True, help="Print the verdict as one JSON object.")
 @click.option("--max-violations", default=20, show_default=True, type=click.IntRange(min=1),
               help="Violations printed (all are counted).")
-def command(trace: str, properties: tuple[str, ...], keep_going: bool, full: bool, as_json: bool,
-            max_violations: int) -> None:
+def command(trace: str, properties: tuple[str, ...], keep_going: bool, full: bool, allow_unfinished: bool,
+            as_json: bool, max_violations: int) -> None:
     """Judge a StepRecord JSON Lines trace (schema: docs/trace-schema.json) against the spec: replay it,
     check every plan against the rules, every state against the invariants and every field of every
-    record against what the spec says happened; stop at the first illegal step and show it. Exit 0 if
+    record against what the spec says happened; stop at the first illegal step and show it; at the end
+    every request must have ended (finished, aborted or rejected), unless --allow-unfinished. Exit 0 if
     legal, 1 naming the first illegal step, 2 on an unreadable or malformed trace (file, line and
     field named). Prefix-caching traces are judged too (hits, evictions, reference counts)."""
     for name in properties:
@@ -76,7 +80,7 @@ def command(trace: str, properties: tuple[str, ...], keep_going: bool, full: boo
     try:
         opened = open_trace(trace)
         report = check_trace(opened.config, opened.records(), DEFAULT_PROPERTIES + properties, keep_going,
-                             incremental=not full)
+                             incremental=not full, allow_unfinished=allow_unfinished)
     except TraceFormatError as error:
         fail(str(error))
     if as_json:
