@@ -20,8 +20,8 @@ simulated clock that advances by each step's duration and jumps over idle gaps (
 from __future__ import annotations
 
 import gc
-import traceback
 import time as wallclock
+import traceback
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
