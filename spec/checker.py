@@ -13,7 +13,11 @@ record field                compared with
 ==========================  ==========================================================================
 ``step``                    the spec's step counter (steps are numbered from 0, none skipped)
 ``start_time``/``duration`` a step lasts ``>= 0`` s and starts no earlier than the last one ended
-``arrivals``                a fresh id (never added before)
+``arrivals``                a fresh id (never added before); its ``arrival_step`` (if given) is this
+                            step, its ``arrival_time`` no later than the step's start; the workload's
+                            own events happen: ``abort_at_step`` (aborted in that step if still live;
+                            ``abort_at_time`` is not judged: a client's abort reaches an engine after
+                            some delay), ``eos_at_output`` (output k sampled as its ``eos_token_id``)
 ``aborts``/``aborted``      ``aborted`` is exactly the ids of ``aborts`` that were live
 ``scheduled``               the plan (rules); ``prefill_tokens``/``decode_tokens`` split as the spec
                             defines a decode (:attr:`~schedspec.spec.request.Request.is_prefill`)
@@ -63,6 +67,7 @@ from schedspec.spec.rules import Violation, violated_rules
 from schedspec.spec.state import ScheduledRequest, SchedulerState, StepPlan, samples_this_step
 from schedspec.spec.trace import StepRecord
 from schedspec.spec.transitions import PlanError, abort_request, add_request, apply_plan
+from schedspec.spec.workload import RequestSpec
 
 DEFAULT_PROPERTIES: tuple[str, ...] = ("progress", "rejects-impossible")
 """Properties :func:`check_trace` checks unless told otherwise, because every correct scheduler owes
@@ -146,6 +151,44 @@ def _compare_times(record: StepRecord, previous: StepRecord | None, mismatch: _S
         if record.start_time < end - TIME_TOLERANCE * max(1.0, abs(end)):
             mismatch(f"starts at {record.start_time} s, before step {previous.step} ended at {end} s "
                      "(time runs backwards or steps overlap)")
+
+
+def _compare_arrival(spec: RequestSpec, record: StepRecord, mismatch: _StepComparison) -> None:
+    """An arrival's own step and time agree with the step that records it."""
+    if spec.arrival_step is not None and spec.arrival_step != record.step:
+        mismatch(f"arrival_step {spec.arrival_step}, but the trace adds it before step {record.step}",
+                 spec.request_id)
+    if spec.arrival_time > record.start_time + TIME_TOLERANCE * max(1.0, abs(record.start_time)):
+        mismatch(f"arrival_time {spec.arrival_time} s is after the start of step {record.step} "
+                 f"({record.start_time} s), which already admits it", spec.request_id)
+
+
+def _compare_driven_aborts(driven: dict[str, RequestSpec], state: SchedulerState, record: StepRecord,
+                           mismatch: _StepComparison) -> None:
+    """A live request whose arrival says ``abort_at_step <= this step`` is aborted in this step (the engine
+    applies the workload's aborts before planning the step)."""
+    for request_id, spec in list(driven.items()):
+        if request_id not in state.requests and request_id not in record.aborts:
+            del driven[request_id]  # ended
+            continue
+        due = spec.abort_at_step is not None and spec.abort_at_step <= record.step
+        if due and request_id not in record.aborts and request_id in state.requests:
+            mismatch(f"its arrival says abort_at_step {spec.abort_at_step}, but it is still live and not aborted "
+                     f"in step {record.step}", request_id)
+
+
+def _compare_driven_eos(driven: dict[str, RequestSpec], before: SchedulerState, record: StepRecord,
+                        mismatch: _StepComparison) -> None:
+    """A request whose arrival says ``eos_at_output = k`` samples its ``eos_token_id`` as output ``k``."""
+    for request_id, token in record.sampled_token_ids.items():
+        spec = driven.get(request_id)
+        request = before.requests.get(request_id)
+        if (spec is None or request is None or not spec.eos_at_output or spec.eos_token_id is None
+                or request.num_output_tokens + 1 != spec.eos_at_output):
+            continue
+        if token != spec.eos_token_id:
+            mismatch(f"its arrival says eos_at_output {spec.eos_at_output}, but output {spec.eos_at_output} was "
+                     f"sampled as {token}, not its eos_token_id {spec.eos_token_id}", request_id)
 
 
 def _compare_split(before: SchedulerState, record: StepRecord, mismatch: _StepComparison) -> None:
@@ -308,6 +351,7 @@ def check_trace(
     previous: StepRecord | None = None
     ledger = IncrementalChecker(config) if incremental else None
     last_scheduled: dict[str, int] = {}
+    driven: dict[str, RequestSpec] = {}  # live requests whose arrival names an abort or an EOS position
 
     for record in records:
         mismatch = _StepComparison(state.step)
@@ -321,11 +365,16 @@ def check_trace(
 
         stuck = False
         for spec in record.arrivals:
+            _compare_arrival(spec, record, mismatch)
             try:
                 state = add_request(state, spec.to_request(record.step))
             except PlanError as error:
                 mismatch(f"arrival: {error}", spec.request_id)
                 stuck = True
+            else:
+                if spec.abort_at_step is not None or spec.eos_at_output:
+                    driven[spec.request_id] = spec
+        _compare_driven_aborts(driven, state, record, mismatch)
         freed_by_abort: dict[str, tuple[int, ...]] = {}
         expected_aborted = []
         for request_id in record.aborts:
@@ -349,6 +398,7 @@ def check_trace(
         _compare_split(before, record, mismatch)
         samplers = _expected_samplers(before, plan)
         _compare_sampled(samplers, record, mismatch)
+        _compare_driven_eos(driven, before, record, mismatch)
         after = None
         try:
             result = apply_plan(before, plan, _sampled_for_update(samplers, record, before), config)

@@ -134,6 +134,25 @@ def test_a_trace_that_ends_with_live_requests_fails_unless_it_is_a_window(tmp_pa
     assert check(str(cut), "--allow-unfinished").returncode == 0
 
 
+@pytest.mark.parametrize("field, value, says", [
+    ("arrival_step", 5, "arrival_step 5, but the trace adds it before step 0"),
+    ("arrival_time", 1e6, "is after the start of step 0"),
+    ("abort_at_step", 1, "abort_at_step 1, but it is still live and not aborted in step 1"),
+    ("eos_at_output", 1, "eos_at_output 1, but output 1 was sampled as"),
+])
+def test_an_arrival_whose_own_fields_disagree_with_the_trace_fails(tmp_path, field, value, says):
+    """The fields of an arrival are judged, not only read: its step and time, and the workload's events
+    it names (an abort at a step, an EOS at an output) must be what the trace shows happening."""
+    path, lines = _good_trace(tmp_path)
+    arrival = lines[1]["arrivals"][0]
+    assert lines[1]["step"] == 0 and arrival.get(field) in (None, 0, 0.0)
+    arrival[field] = value
+    result = check(str(_write(tmp_path, lines)), "--json")
+    assert result.returncode == 1, result.stdout
+    details = [v["detail"] for v in json.loads(result.stdout)["violations"]]
+    assert any(says in d for d in details), details
+
+
 @pytest.mark.parametrize("edit, field", [
     (lambda r: r.pop("scheduled"), "scheduled"),
     (lambda r: r.__setitem__("step", "one"), "step"),
