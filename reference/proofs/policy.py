@@ -59,6 +59,10 @@ class PolicyStep:
     admission_index: dict[int, int] = field(default_factory=dict)
     """The admission loop's variables (by z3 id) and the slot each belongs to: their definitions refer to
     another slot's only under ``admission_order`` (the loop visits the slots in that order)."""
+    loop: dict[str, Any] = field(default_factory=dict)
+    """The running phase's carried values, for the cutoff argument (:mod:`.cutoff`): ``budget[k]`` and
+    ``avail[k]`` (tokens and blocks left before rank ``k``), ``after[k][v]`` (blocks of the preemption
+    candidates younger than slot ``v`` at rank ``k``), ``preby[k][v]`` (rank ``k`` preempts slot ``v``)."""
 
 
 def chunk(ctx: Ctx, pending: Any, budget: Any) -> Any:
@@ -136,7 +140,7 @@ def plan_step(ctx: Ctx, s: State, policy: str, name: str = "", canonical: bool =
     budget = [c.max_num_batched_tokens]
     avail = [s.free]
     gone = [[z3.BoolVal(False)] * n]
-    sched_k, nt_k, nbk_k, tok_k, rel_k, needed_k, preby = [], [], [], [], [], [], []
+    sched_k, nt_k, nbk_k, tok_k, rel_k, needed_k, preby, after_k = [], [], [], [], [], [], [], []
     for k in range(n):
         is_slot = [perm[k] == i for i in range(n)]
         nt = ctx.define(f"{p}nt{k}", chunk(ctx, pick(pending, k), budget[k]))
@@ -145,8 +149,10 @@ def plan_step(ctx: Ctx, s: State, policy: str, name: str = "", canonical: bool =
         cand = [z3.And(S[v].running, z3.Not(gone[k][v])) for v in range(n)]
         me = pick(pos, k)
         row = []
+        after_k.append([])
         for v in range(n):
             after_v = _sum([z3.If(z3.And(cand[u], S[u].pos > S[v].pos), S[u].b, 0) for u in range(n) if u != v])
+            after_k[k].append(after_v)
             row.append(ctx.define(f"{p}preby{k}_{v}",
                                   z3.And(act, cand[v], S[v].pos >= me, avail[k] + after_v < needed), "bool"))
         self_pre = z3.Or([z3.And(is_slot[v], row[v]) for v in range(n)])
@@ -277,8 +283,9 @@ def plan_step(ctx: Ctx, s: State, policy: str, name: str = "", canonical: bool =
             younger = z3.And(S[u].running, S[u].pos > S[v].pos)
             ordered_lemmas.append((f"victims-are-youngest-{u}-{v}", z3.Implies(z3.And(pre[v], younger), pre[u])))
     index = {v.get_id(): i for group in (budget_a, nt_a, ok, admit) for i, v in enumerate(group)}
+    loop = {"budget": budget, "avail": avail, "after": after_k, "preby": preby}
     return PolicyStep(plan, rejected, processed, perm, any_pre, admitting, lemmas, ordered_lemmas,
-                      order_facts if canonical else [], A, index)
+                      order_facts if canonical else [], A, index, loop)
 
 
 def processing_order(state: Any, n: int) -> list[str | None]:

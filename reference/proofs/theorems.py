@@ -897,6 +897,9 @@ def policy_theorems(policy: str) -> list[Theorem]:
     if "bounded-wait" in guarantees and policy in ORDERED:
         out.append(bounded_wait(policy))
         out.append(bounded_wait_induction(policy))
+        from .cutoff import bounded_wait_every_n
+
+        out.append(bounded_wait_every_n(policy))
     out += EXPECTED_COUNTEREXAMPLES.get(policy, [])
     if policy == "fcfs":
         out.insert(len(out) - 1, itl_chunked(policy))
