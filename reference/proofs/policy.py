@@ -384,6 +384,12 @@ def urgency_equal(S: list[Any], t: list[Any], a: int, b: int) -> Any:
     return z3.And(S[a].prio == S[b].prio, S[a].arr == S[b].arr, t[a] == t[b])
 
 
+def preempted_before(less: list[list[Any]], equal: list[list[Any]], u: int, v: int) -> Any:
+    """Slot ``u`` is preempted before slot ``v`` (both candidates): ``u`` is less urgent, or as urgent and
+    earlier in the running queue (``max(running, key=urgency)`` takes the first of the least urgent)."""
+    return z3.Or(less[v][u], z3.And(equal[u][v], z3.BoolVal(u < v)))
+
+
 def plan_priority(ctx: Ctx, s: State, name: str = "", canonical: bool = True, tkey: list[Any] | None = None
                   ) -> PolicyStep:
     """The step of :func:`schedspec.reference.policies.plan_by_priority` (prefix caching off) from ``s``,
@@ -428,8 +434,7 @@ def plan_priority(ctx: Ctx, s: State, name: str = "", canonical: bool = True, tk
             order_facts.append(z3.Implies(z3.And(in_pass[j], in_pass[k]), z3.Or(less[j][k], z3.And(equal[j][k], tie))))
 
     def victim_before(u: int, v: int) -> Any:
-        """``u`` comes before ``v`` in the order of preemption: less urgent, or as urgent and earlier."""
-        return z3.Or(less[v][u], z3.And(equal[u][v], z3.BoolVal(u < v)))
+        return preempted_before(less, equal, u, v)
 
     n_dec = count(decode)
     reserving = define("reserving", n_dec <= c.max_num_batched_tokens, "bool")
