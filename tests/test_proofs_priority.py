@@ -137,3 +137,26 @@ def test_most_urgent_victim_mutant_is_caught(monkeypatch):
     if not failures:
         with pytest.raises(AssertionError):
             run()
+
+
+@FEW
+@example(preempt_for_waiting_case(), "vllm-v1-priority")
+@given(cases(), st.sampled_from(["priority", "priority", "fcfs", "vllm-v1-priority"]))
+def test_inversion_predicate_is_the_monitor(case, planner):
+    """The Z3 predicate of ``no-priority-inversion`` (``reference/proofs/priority.py``) is true exactly when
+    the Python monitor reports, on the priority plan and on plans of policies that invert priorities (fcfs,
+    vLLM's priority policy, which never preempts for a waiting request)."""
+    from schedspec.reference.policies import fcfs
+    from schedspec.reference.proofs.priority import priority_inversion_violation
+    from schedspec.reference.vllm_v1 import vllm_v1_priority
+    from schedspec.spec.proofs.concrete import concrete_ctx, encode_plan, encode_state, slot_assignment
+    from schedspec.spec.properties import NoPriorityInversion
+
+    config, state, slots = case
+    plan = {"priority": policies.priority, "fcfs": fcfs, "vllm-v1-priority": vllm_v1_priority}[planner](state, config)
+    monitor = NoPriorityInversion(config)
+    monitor.observe(state, plan, state)
+    slot_ids = slot_assignment(state, plan, slots)
+    predicate = priority_inversion_violation(concrete_ctx(config), encode_state(state, slot_ids),
+                                             encode_plan(plan, slot_ids))
+    assert z3.is_true(z3.simplify(predicate)) == bool(monitor.violations), (monitor.violations, plan)
