@@ -15,8 +15,11 @@ import pytest
 
 z3 = pytest.importorskip("z3")
 
+import itertools  # noqa: E402
+from functools import cache  # noqa: E402
+
 import attrs  # noqa: E402
-from hypothesis import HealthCheck, Phase, example, given, settings  # noqa: E402
+from hypothesis import example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from test_proofs_encoding import configs, states  # noqa: E402
 
@@ -53,9 +56,10 @@ def run_workload(config: SchedulerConfig, workload: list[RequestSpec], steps: in
 
 @st.composite
 def reached(draw) -> tuple[SchedulerConfig, SchedulerState]:
-    config = attrs.evolve(draw(configs()), block_size=draw(st.sampled_from([1, 2])),
-                          num_kv_blocks=draw(st.integers(2, 4)), max_num_seqs=draw(st.integers(1, 2)))
-    config = attrs.evolve(config, max_num_batched_tokens=max(config.max_num_batched_tokens, config.max_num_seqs))
+    config = draw(configs())
+    seqs = draw(st.integers(1, 2))
+    config = attrs.evolve(config, block_size=draw(st.sampled_from([1, 2])), num_kv_blocks=draw(st.integers(2, 4)),
+                          max_num_seqs=seqs, max_num_batched_tokens=max(config.max_num_batched_tokens, seqs))
     workload = [RequestSpec(f"w{k}", draw(st.integers(1, config.max_model_len)), draw(st.integers(1, 6)),
                             arrival_step=draw(st.integers(0, 6)), priority=draw(st.integers(0, 2)))
                 for k in range(draw(st.integers(2, 5)))]
@@ -101,6 +105,58 @@ def decode_preempts_case():
     raise AssertionError("no preemption in this workload")
 
 
+GRID_CONFIGS = (
+    SchedulerConfig(block_size=1, num_kv_blocks=3, max_num_batched_tokens=4, max_num_seqs=2, max_model_len=4),
+    SchedulerConfig(block_size=1, num_kv_blocks=3, max_num_batched_tokens=4, max_num_seqs=1, max_model_len=4,
+                    enable_chunked_prefill=False),
+    SchedulerConfig(block_size=2, num_kv_blocks=2, max_num_batched_tokens=2, max_num_seqs=2, max_model_len=4),
+    SchedulerConfig(block_size=1, num_kv_blocks=3, max_num_batched_tokens=4, max_num_seqs=3, max_model_len=4),
+)
+
+
+@cache
+def preemption_states() -> tuple[tuple[SchedulerConfig, SchedulerState], ...]:
+    """Every state the priority policy reaches, in at most 6 steps, from every workload of a grid (2 or 3
+    requests, prompt length 1 or 3, ``max_tokens`` 2, arriving at step 0 or 1, priority 0 or 1) under
+    :data:`GRID_CONFIGS`, in which its plan preempts (duplicates of what the encoding sees removed)."""
+    found: dict[tuple, tuple[SchedulerConfig, SchedulerState]] = {}
+    for config in GRID_CONFIGS:
+        for n in (2, 3):
+            for drawn_requests in itertools.product(itertools.product((1, 3), (0, 1), (0, 1)), repeat=n):
+                workload = [RequestSpec(f"r{k}", p, 2, arrival_step=a, priority=pr)
+                            for k, (p, a, pr) in enumerate(drawn_requests)]
+                model = FakeModel(config)
+                state = SchedulerState.initial(config)
+                for step in range(6):
+                    for spec in workload:
+                        if spec.arrival_step == step:
+                            state = add_request(state, spec.to_request(step))
+                    plan = policies.priority(state, config)
+                    if plan.preempted:
+                        def seen(r, state=state):
+                            q = state.requests[r]
+                            return (q.status, q.priority, q.arrival_step, q.prompt_len, q.num_output_tokens,
+                                    q.num_computed_tokens, len(q.block_ids), q.admitted_step is None)
+                        key = (config, tuple(map(seen, state.running)), tuple(map(seen, state.waiting)),
+                               len(state.free_block_ids))
+                        found.setdefault(key, (config, state))
+                    sampled, _ = model.execute(plan, state)
+                    state = py_apply_plan(state, plan, sampled, config).state
+    return tuple(found.values())
+
+
+def test_exhaustive_preemption_states():
+    """Every grid state whose priority plan preempts (for a running request's blocks or for a waiting
+    request: both occur): the encoded step's solution is the Python plan."""
+    cases = preemption_states()
+    plans = [policies.priority(state, config) for config, state in cases]
+    assert len(cases) >= 50
+    assert any(any(item.request_id in state.waiting for item in plan.scheduled) for (_, state), plan in zip(cases, plans, strict=True))
+    assert any(not any(item.request_id in state.waiting for item in plan.scheduled) for (_, state), plan in zip(cases, plans, strict=True))
+    for (config, state), plan in zip(cases, plans, strict=True):
+        assert concrete_step(state, config, "priority", len(state.requests), unique=False) == describe_plan(plan)
+
+
 def check_priority_step(case) -> None:
     config, state, slots = case
     assert concrete_step(state, config, "priority", slots) == describe_plan(policies.priority(state, config))
@@ -116,27 +172,17 @@ def test_encoded_priority_step_is_the_priority_plan(case):
 
 def test_most_urgent_victim_mutant_is_caught(monkeypatch):
     """Deliberate break: the encoding preempts the most urgent candidate first instead of the least
-    urgent one. The explicit examples, or the drawn cases within the ``ci`` budget, catch it."""
+    urgent one. The grid's preemption states and the explicit example catch it."""
     def most_urgent_first(less, equal, u, v):
         return z3.Or(less[u][v], z3.And(equal[u][v], z3.BoolVal(u < v)))
 
     monkeypatch.setattr(encoded, "preempted_before", most_urgent_first)
-    failures = []
-    for case in (preempt_for_waiting_case(), decode_preempts_case()):
-        try:
-            check_priority_step(case)
-        except AssertionError as error:
-            failures.append(str(error))
-
-    @settings(max_examples=60, derandomize=True, database=None, phases=[Phase.generate], deadline=None,
-              suppress_health_check=list(HealthCheck))
-    @given(cases())
-    def run(case):
-        check_priority_step(case)
-
-    if not failures:
-        with pytest.raises(AssertionError):
-            run()
+    caught = next((state for config, state in preemption_states()
+                   if concrete_step(state, config, "priority", len(state.requests), unique=False)
+                   != describe_plan(policies.priority(state, config))), None)
+    assert caught is not None
+    with pytest.raises(AssertionError):
+        check_priority_step(decode_preempts_case())
 
 
 @FEW
