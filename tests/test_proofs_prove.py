@@ -36,7 +36,8 @@ def test_every_fcfs_theorem_holds_at_three_slots():
                  "spec/step/queues-disjoint", "spec/step/preempted-holds-nothing", "spec/step/running-within-max-num-seqs",
                  "fcfs/refines", "fcfs/work-conserving", "fcfs/stall-free-decode",
                  "fcfs/progress-step", "fcfs/bounded-wait", "fcfs/ordering-invariant", "fcfs/step-total",
-                 "fcfs/bounded-wait-induction", "spec/blocks/ids-refine-counts", "spec/blocks/ownership"):
+                 "fcfs/bounded-wait-induction", "spec/blocks/ids-refine-counts", "spec/blocks/ownership",
+                 "fcfs/bounded-wait-every-n"):
         assert found[name]["status"] == "proved", name
         assert found[name]["slots"] == 3
     assert found["fcfs/progress"]["depth"] == 4
@@ -71,6 +72,15 @@ def test_static_keeps_its_declared_one_step_properties():
     assert run.exit_code == 0, run.output
 
 
+def test_priority_keeps_its_declared_one_step_properties():
+    run = prove("--scheduler", "priority", "--slots", "3", "--only", "priority/", "--json")
+    assert run.exit_code == 0, run.output
+    found = results(run.stdout)
+    for name in ("priority/step-total", "priority/step-unique", "priority/refines", "priority/no-priority-inversion"):
+        assert found[name]["status"] == "proved" and found[name]["slots"] == 3, name
+        assert all(c["status"] == "sat" for c in found[name]["vacuity"]), found[name]["vacuity"]
+
+
 def test_block_size_modes():
     for mode in ("uninterpreted", "symbolic"):
         run = prove("--slots", "2", "--set", f"block_size={mode}", "--only", "spec/", "--json")
@@ -87,7 +97,7 @@ def test_a_theorem_not_proved_exits_1():
 
 
 def test_scheduler_without_an_encoding_exits_3():
-    run = prove("--scheduler", "priority")
+    run = prove("--scheduler", "vllm-v1")
     assert run.exit_code == 3
     assert "no proof encoding" in run.output
     assert prove("--scheduler", "os:getcwd").exit_code == 3

@@ -34,6 +34,7 @@ POLICIES = {
     "fcfs": {"order": "queue", "idle_only": False},
     "static": {"order": "queue", "idle_only": True},
     "shortest-prompt-first": {"order": "shortest_prompt", "idle_only": False},
+    "priority": {"order": "priority", "idle_only": False},
 }
 """The reference policies that have a proof encoding: each is ``plan_step`` with an admission order
 and whether it admits only when nothing runs."""
@@ -59,6 +60,10 @@ class PolicyStep:
     admission_index: dict[int, int] = field(default_factory=dict)
     """The admission loop's variables (by z3 id) and the slot each belongs to: their definitions refer to
     another slot's only under ``admission_order`` (the loop visits the slots in that order)."""
+    loop: dict[str, Any] = field(default_factory=dict)
+    """The running phase's carried values, for the cutoff argument (:mod:`.cutoff`): ``budget[k]`` and
+    ``avail[k]`` (tokens and blocks left before rank ``k``), ``after[k][v]`` (blocks of the preemption
+    candidates younger than slot ``v`` at rank ``k``), ``preby[k][v]`` (rank ``k`` preempts slot ``v``)."""
 
 
 def chunk(ctx: Ctx, pending: Any, budget: Any) -> Any:
@@ -81,6 +86,8 @@ def plan_step(ctx: Ctx, s: State, policy: str, name: str = "", canonical: bool =
     several steps (bounded model checking) cannot order every state at once and keep the permutation.
     """
     params = POLICIES[policy]
+    if params["order"] == "priority":
+        return plan_priority(ctx, s, name, canonical)
     c = ctx.cfg
     n = s.n
     S = s.slots
@@ -136,7 +143,7 @@ def plan_step(ctx: Ctx, s: State, policy: str, name: str = "", canonical: bool =
     budget = [c.max_num_batched_tokens]
     avail = [s.free]
     gone = [[z3.BoolVal(False)] * n]
-    sched_k, nt_k, nbk_k, tok_k, rel_k, needed_k, preby = [], [], [], [], [], [], []
+    sched_k, nt_k, nbk_k, tok_k, rel_k, needed_k, preby, after_k = [], [], [], [], [], [], [], []
     for k in range(n):
         is_slot = [perm[k] == i for i in range(n)]
         nt = ctx.define(f"{p}nt{k}", chunk(ctx, pick(pending, k), budget[k]))
@@ -145,8 +152,10 @@ def plan_step(ctx: Ctx, s: State, policy: str, name: str = "", canonical: bool =
         cand = [z3.And(S[v].running, z3.Not(gone[k][v])) for v in range(n)]
         me = pick(pos, k)
         row = []
+        after_k.append([])
         for v in range(n):
             after_v = _sum([z3.If(z3.And(cand[u], S[u].pos > S[v].pos), S[u].b, 0) for u in range(n) if u != v])
+            after_k[k].append(after_v)
             row.append(ctx.define(f"{p}preby{k}_{v}",
                                   z3.And(act, cand[v], S[v].pos >= me, avail[k] + after_v < needed), "bool"))
         self_pre = z3.Or([z3.And(is_slot[v], row[v]) for v in range(n)])
@@ -277,8 +286,9 @@ def plan_step(ctx: Ctx, s: State, policy: str, name: str = "", canonical: bool =
             younger = z3.And(S[u].running, S[u].pos > S[v].pos)
             ordered_lemmas.append((f"victims-are-youngest-{u}-{v}", z3.Implies(z3.And(pre[v], younger), pre[u])))
     index = {v.get_id(): i for group in (budget_a, nt_a, ok, admit) for i, v in enumerate(group)}
+    loop = {"budget": budget, "avail": avail, "after": after_k, "preby": preby}
     return PolicyStep(plan, rejected, processed, perm, any_pre, admitting, lemmas, ordered_lemmas,
-                      order_facts if canonical else [], A, index)
+                      order_facts if canonical else [], A, index, loop)
 
 
 def processing_order(state: Any, n: int) -> list[str | None]:
@@ -289,6 +299,21 @@ def processing_order(state: Any, n: int) -> list[str | None]:
     decodes = [r for r in running if state.requests[r].num_pending_tokens == 1]
     ids: list[str | None] = decodes + [r for r in running if r not in decodes]
     ids += [r for r in list(state.running) + list(state.waiting) if r not in ids]
+    if len(ids) > n:
+        raise ValueError(f"{len(ids)} requests need more than {n} slots")
+    return ids + [None] * (n - len(ids))
+
+
+def pass_order(state: Any, config: Any, n: int) -> list[str | None]:
+    """Slot ids in ``plan_by_priority``'s pass order (running and waiting requests not rejected, by
+    urgency, running first on ties), then the rejected ones, then empty slots: the order
+    :func:`plan_priority` assumes."""
+    from schedspec.reference.policies import _priority_order, _urgency, reject_impossible
+
+    rejected = {r for r, _ in reject_impossible(state, config)}
+    waiting = [r for r in _priority_order(state) if r not in rejected]
+    ids: list[str | None] = sorted([*state.running, *waiting], key=lambda r: _urgency(state.requests[r]))
+    ids += [r for r in state.waiting if r in rejected]
     if len(ids) > n:
         raise ValueError(f"{len(ids)} requests need more than {n} slots")
     return ids + [None] * (n - len(ids))
@@ -310,10 +335,18 @@ def concrete_step(state: Any, config: Any, policy: str, slots: int | None = None
     from schedspec.spec.proofs.encoding import PLAN_FIELDS
 
     n = slots if slots is not None else max(1, len(state.requests))
-    slot_ids = processing_order(state, n) if canonical else slot_assignment(state, None, n)
+    if POLICIES[policy]["order"] == "priority":
+        slot_ids = pass_order(state, config, n)
+    else:
+        slot_ids = processing_order(state, n) if canonical else slot_assignment(state, None, n)
     ctx = concrete_ctx(config)
     s = encode_state(state, slot_ids)
-    step = plan_step(ctx, s, policy, canonical=canonical)
+    if POLICIES[policy]["order"] == "priority":
+        times = sorted({r.arrival_time for r in state.requests.values()})
+        tkey = [z3.IntVal(times.index(state.requests[r].arrival_time) if r is not None else 0) for r in slot_ids]
+        step = plan_priority(ctx, s, canonical=True, tkey=tkey)
+    else:
+        step = plan_step(ctx, s, policy, canonical=canonical)
     solver = z3.Solver()
     solver.add(ctx.facts)
     solver.add(step.canonical)
@@ -328,3 +361,167 @@ def concrete_step(state: Any, config: Any, policy: str, slots: int | None = None
         assert again == z3.unsat, f"the encoding of {policy} allows a second plan from this state ({again})"
     py_values = {name: [z3.is_true(v) if z3.is_bool(v) else v.as_long() for v in vals] for name, vals in values.items()}
     return decode_plan(py_values, slot_ids)
+
+
+# --- the priority policy (policies.plan_by_priority) ---------------------------------------------------
+
+
+def arrival_ranks(s: State, name: str = "") -> list[Any]:
+    """The third component of the urgency key (``arrival_time``) as an integer per slot: symbolic here
+    (any order); :func:`concrete_step` passes the ranks of the requests' arrival times."""
+    return [z3.Int(f"{name}_tkey{i}" if name else f"tkey{i}") for i in range(s.n)]
+
+
+def urgency_less(S: list[Any], t: list[Any], a: int, b: int) -> Any:
+    """Slot ``a`` is strictly more urgent than slot ``b``: ``(priority, arrival_step, arrival_time)``
+    lexicographically smaller (``policies._urgency``)."""
+    A, B = S[a], S[b]
+    return z3.Or(A.prio < B.prio, z3.And(A.prio == B.prio, z3.Or(
+        A.arr < B.arr, z3.And(A.arr == B.arr, t[a] < t[b]))))
+
+
+def urgency_equal(S: list[Any], t: list[Any], a: int, b: int) -> Any:
+    return z3.And(S[a].prio == S[b].prio, S[a].arr == S[b].arr, t[a] == t[b])
+
+
+def preempted_before(less: list[list[Any]], equal: list[list[Any]], u: int, v: int) -> Any:
+    """Slot ``u`` is preempted before slot ``v`` (both candidates): ``u`` is less urgent, or as urgent and
+    earlier in the running queue (``max(running, key=urgency)`` takes the first of the least urgent)."""
+    return z3.Or(less[v][u], z3.And(equal[u][v], z3.BoolVal(u < v)))
+
+
+def plan_priority(ctx: Ctx, s: State, name: str = "", canonical: bool = True, tkey: list[Any] | None = None
+                  ) -> PolicyStep:
+    """The step of :func:`schedspec.reference.policies.plan_by_priority` (prefix caching off) from ``s``,
+    with the slots in its pass order (``canonical``, the only form encoded: a hypothesis on the state,
+    returned in :attr:`PolicyStep.canonical`): the running requests and the waiting ones not rejected,
+    sorted by urgency (running first on ties, then queue position), then the rest.
+
+    The pass is unrolled over the slots, each rank ``k`` carrying the budget, the reserve (one token per
+    running decode not yet visited, when they all fit the budget), the pool's free blocks, the running
+    count and which requests are preempted so far. A running request that lacks blocks preempts, in
+    order of least urgency (ties: the earlier in the running queue first), the running requests after it
+    in the pass, down to itself; slot ``v`` is preempted at rank ``k`` iff the blocks of those ahead of
+    it in that order do not suffice (as in :func:`plan_step`). A waiting request (none more urgent
+    preempted in this step) is admitted if it fits, or if it fits once every strictly less urgent
+    running request after it is preempted; then exactly the shortest prefix of them (least urgent
+    first) that makes it fit is preempted: ``v`` iff the prefix before it does not suffice (fitting is
+    monotone in the prefix).
+    """
+    if not canonical:
+        raise NotImplementedError("the priority step is encoded with the slots in pass order only")
+    c = ctx.cfg
+    n = s.n
+    S = s.slots
+    p = name + "_" if name else ""
+    t = tkey if tkey is not None else arrival_ranks(s, name)
+
+    def define(label: str, expr: Any, sort: str = "int") -> Any:
+        return ctx.define(f"{p}{label}", expr, sort)
+
+    rejected = [z3.And(sl.waiting, z3.Not(sl.adm), z3.Not(fits_alone(ctx, sl.p, sl.mt))) for sl in S]
+    in_pass = [z3.Or(sl.running, z3.And(sl.waiting, z3.Not(rejected[i]))) for i, sl in enumerate(S)]
+    decode = [z3.And(sl.running, sl.pending == 1) for sl in S]
+    less = [[urgency_less(S, t, a, b) if a != b else z3.BoolVal(False) for b in range(n)] for a in range(n)]
+    equal = [[urgency_equal(S, t, a, b) for b in range(n)] for a in range(n)]
+    # the pass order, stated for every pair (it is a sort): running first on equal urgency, then position
+    order_facts: list[Any] = []
+    for j in range(n):
+        for k in range(j + 1, n):
+            tie = z3.Or(z3.And(S[j].running, z3.Not(S[k].running)),
+                        z3.And(S[j].running == S[k].running, S[j].pos < S[k].pos))
+            order_facts.append(z3.Implies(in_pass[k], in_pass[j]))
+            order_facts.append(z3.Implies(z3.And(in_pass[j], in_pass[k]), z3.Or(less[j][k], z3.And(equal[j][k], tie))))
+
+    def victim_before(u: int, v: int) -> Any:
+        return preempted_before(less, equal, u, v)
+
+    n_dec = count(decode)
+    reserving = define("reserving", n_dec <= c.max_num_batched_tokens, "bool")
+    budget = [c.max_num_batched_tokens]
+    reserve = [define("reserve0", z3.If(reserving, n_dec, 0))]
+    avail = [s.free]
+    nrun = [count([sl.running for sl in S])]
+    pre_so_far = [[z3.BoolVal(False)] * n]
+    sched, ntok, nblocks, preby, after = [], [], [], [], []
+    for k in range(n):
+        me = S[k]
+        gone = pre_so_far[k]
+        live_run = [z3.And(S[v].running, z3.Not(gone[v])) for v in range(n)]
+        here = define(f"here{k}", z3.And(in_pass[k], z3.Not(gone[k])), "bool")
+        is_run = z3.And(here, me.running)
+        is_wait = z3.And(here, z3.Not(me.running))
+        reserved = [z3.And(reserving, decode[v]) for v in range(n)]
+        # a running request
+        reserve_me = define(f"reserve_me{k}", reserve[k] - z3.If(z3.And(is_run, reserved[k]), 1, 0))
+        nt_run = define(f"nt_run{k}", z3.If(decode[k], zmin(budget[k], 1),
+                                            chunk(ctx, me.pending, zmax(budget[k] - reserve_me, 0))))
+        act = define(f"act{k}", z3.And(is_run, nt_run > 0), "bool")
+        needed = define(f"needed{k}", ctx.cdiv(me.nc + nt_run) - me.b)
+        later = [v for v in range(k + 1, n)]
+        row_run: list[Any] = [z3.BoolVal(False)] * n
+        after_k: list[Any] = [z3.IntVal(0)] * n
+        for v in later:
+            ahead = _sum([z3.If(z3.And(live_run[u], victim_before(u, v)), S[u].b, 0) for u in later if u != v])
+            after_k[v] = ahead
+            row_run[v] = define(f"prer{k}_{v}", z3.And(act, live_run[v], less[k][v], avail[k] + ahead < needed), "bool")
+        ahead_me = _sum([z3.If(z3.And(live_run[u], less[k][u]), S[u].b, 0) for u in later])
+        after_k[k] = ahead_me
+        self_pre = define(f"self_pre{k}", z3.And(act, avail[k] + ahead_me < needed), "bool")
+        sched_run = z3.And(act, z3.Not(self_pre))
+        # a waiting request
+        blocked = z3.Or([z3.And(gone[v], less[v][k]) for v in range(n) if v != k] or [z3.BoolVal(False)])
+        lu = [z3.And(live_run[v], less[k][v]) if v > k else z3.BoolVal(False) for v in range(n)]
+        whole = ctx.cdiv(me.p + me.o)
+
+        def fits(members: list[Any], k: int = k, reserved: list[Any] = reserved, whole: Any = whole,
+                 me: Any = me) -> Any:
+            tokens = budget[k] - reserve[k] + count([z3.And(members[v], reserved[v]) for v in range(n)])
+            return z3.And(c.max_num_seqs - nrun[k] + count(members) >= 1, tokens >= 1,
+                          whole <= avail[k] + _sum([z3.If(members[v], S[v].b, 0) for v in range(n)]),
+                          chunk(ctx, me.pending, tokens) > 0)
+
+        none = [z3.BoolVal(False)] * n
+        fits_now = define(f"fits_now{k}", fits(none), "bool")
+        fits_all = define(f"fits_all{k}", fits(lu), "bool")
+        try_w = z3.And(is_wait, z3.Not(blocked))
+        row_wait: list[Any] = [z3.BoolVal(False)] * n
+        for v in later:
+            before_v = [z3.And(lu[u], victim_before(u, v)) if u > k and u != v else z3.BoolVal(False) for u in range(n)]
+            row_wait[v] = define(f"prew{k}_{v}", z3.And(try_w, lu[v], z3.Not(fits_now), fits_all,
+                                                        z3.Not(fits(before_v))), "bool")
+        admit = define(f"admit{k}", z3.And(try_w, z3.Or(fits_now, fits_all)), "bool")
+        reserve_w = reserve[k] - count([z3.And(row_wait[v], reserved[v]) for v in range(n)])
+        nt_adm = chunk(ctx, me.pending, budget[k] - reserve_w)
+        # carried to the next rank
+        row = [z3.Or(row_run[v], row_wait[v]) for v in range(n)]
+        row[k] = self_pre
+        released = _sum([z3.If(row[v], S[v].b, 0) for v in range(n)])
+        sched_k = define(f"sched{k}", z3.Or(sched_run, admit), "bool")
+        ntok_k = define(f"ntok{k}", z3.If(sched_run, nt_run, z3.If(admit, nt_adm, 0)))
+        nb_k = define(f"nb{k}", z3.If(sched_run, zmax(needed, 0), z3.If(admit, whole, 0)))
+        reserved_gone = count([z3.And(row[v], reserved[v]) for v in later])
+        reserve.append(define(f"reserve{k + 1}", z3.If(is_run, reserve_me, reserve[k]) - reserved_gone))
+        budget.append(define(f"budget{k + 1}", budget[k] - ntok_k))
+        avail.append(define(f"avail{k + 1}", avail[k] + released - nb_k))
+        nrun.append(define(f"nrun{k + 1}", nrun[k] - count(row) + z3.If(admit, 1, 0)))
+        pre_so_far.append([define(f"pre{k + 1}_{v}", z3.Or(gone[v], row[v]), "bool") for v in range(n)])
+        sched.append(sched_k)
+        ntok.append(ntok_k)
+        nblocks.append(nb_k)
+        preby.append(row)
+        after.append(after_k)
+
+    pre = pre_so_far[n]
+    # the order of preemption: by the rank that preempts, then in the order of preemption within it
+    by_rank = [_sum([z3.If(preby[k][v], k, 0) for k in range(n)]) for v in range(n)]
+    ppos = [count([z3.And(pre[u], z3.Or(by_rank[u] < by_rank[v], z3.And(by_rank[u] == by_rank[v], victim_before(u, v))))
+                   for u in range(n) if u != v]) for v in range(n)]
+    plan = Plan(sched=sched, start=[sl.nc for sl in S], ntok=ntok, nb=nblocks, bpos=[z3.IntVal(i) for i in range(n)],
+                pre=pre, ppos=ppos, rej=rejected)
+    admitted = [z3.And(sched[i], z3.Not(S[i].running)) for i in range(n)]
+    none = [[z3.BoolVal(False)] * n for _ in range(n)]
+    loop = {"budget": budget, "avail": avail, "after": after, "preby": preby, "reserve": reserve, "nrun": nrun,
+            "tkey": t, "admitted": admitted}
+    return PolicyStep(plan, rejected, [sl.running for sl in S], [z3.IntVal(k) for k in range(n)], z3.Or(pre),
+                      z3.BoolVal(True), [], [], order_facts, none, {}, loop)

@@ -334,8 +334,8 @@ def step_lemmas(policy: str) -> Theorem:
 
 def one_step(name: str, statement: str, policy: str, goal: Callable[[Setup], Any],
              extra: Callable[[Setup], list[Any]] | None = None, fixed: dict[str, Any] | None = None,
-             ordered: bool | None = None, monitor: tuple[str, Callable[[Ctx, Any, Any], Any]] | None = None
-             ) -> Theorem:
+             ordered: bool | None = None, monitor: tuple[str, Callable[[Ctx, Any, Any], Any]] | None = None,
+             vacuity_extra: Callable[[Setup], list[Any]] | None = None) -> Theorem:
     """A theorem ``Inv (and Ord) and Step => goal`` checked in one query (re-checked with a fixed block
     size when an uninterpreted ``ceil`` gives a counterexample)."""
 
@@ -348,7 +348,7 @@ def one_step(name: str, statement: str, policy: str, goal: Callable[[Setup], Any
         opts = policy_options(opts)
         status, witness, detail = attempt(opts)
         st = Setup.get(opts, policy, ordered, fixed)
-        vacuity = st.vacuity(extra(st) if extra else None)
+        vacuity = st.vacuity((extra(st) if extra else []) + (vacuity_extra(st) if vacuity_extra else []) or None)
         scenario, replayed = None, None
         if status == COUNTEREXAMPLE and not detail.startswith("lemma"):  # a refuted lemma keeps its name
             detail = "a state satisfying the hypotheses from which the step breaks it (witness attached)"
@@ -882,6 +882,8 @@ def policy_theorems(policy: str) -> list[Theorem]:
 
     guarantees = SCHEDULERS[policy](SchedulerConfig(16, 8, 8, 1, 8)).guarantees
     out = [step_total(policy), step_unique(policy), step_lemmas(policy), refines(policy)]
+    if POLICIES[policy]["order"] == "priority":  # its encoding needs no lemmas
+        out.remove(out[2])
     if policy in ORDERED:
         out.append(order_inductive(policy))
     if "work-conserving" in guarantees:
@@ -894,9 +896,16 @@ def policy_theorems(policy: str) -> list[Theorem]:
         out.append(progress_step(policy))
         if policy in ORDERED:
             out.append(progress_window(policy))
+    if "no-priority-inversion" in guarantees:
+        from .priority import no_priority_inversion
+
+        out.append(no_priority_inversion(policy))
     if "bounded-wait" in guarantees and policy in ORDERED:
         out.append(bounded_wait(policy))
         out.append(bounded_wait_induction(policy))
+        from .cutoff import bounded_wait_every_n
+
+        out.append(bounded_wait_every_n(policy))
     out += EXPECTED_COUNTEREXAMPLES.get(policy, [])
     if policy == "fcfs":
         out.insert(len(out) - 1, itl_chunked(policy))

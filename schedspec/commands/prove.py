@@ -51,7 +51,7 @@ MAX_SIZE = 64
 solver's work grows exponentially, so a larger model is a typo, not a proof anyone waits for)."""
 
 DEFAULT_SCHEDULER = "fcfs"
-ENCODED = ("fcfs", "static", "shortest-prompt-first")
+ENCODED = ("fcfs", "static", "shortest-prompt-first", "priority")
 """Schedulers with a proof encoding (``schedspec.reference.proofs.policy.POLICIES``)."""
 
 _INT_FIELDS = {"num_kv_blocks", "max_num_batched_tokens", "max_num_seqs", "max_model_len"}
