@@ -66,9 +66,9 @@ class LiveRequest:
 
     __slots__ = ("request", "request_id", "prompt_len", "num_tokens", "num_computed_tokens", "output_token_ids",
                  "block_ids", "status", "num_preemptions", "admitted_step", "first_token_step", "cached",
-                 "phases")
+                 "phases", "stop_ids", "end_tokens")
 
-    def __init__(self, request: Request) -> None:
+    def __init__(self, request: Request, max_model_len: int) -> None:
         self.request = request
         self.request_id = request.request_id
         self.prompt_len = request.prompt_len
@@ -84,6 +84,13 @@ class LiveRequest:
         """The equal immutable ``Request``, or ``None`` after a change (built again on demand)."""
         self.phases = (RequestPhase(False, self.prompt_len), RequestPhase(True, self.prompt_len))
         """Its phases as a step's statistics read them, prefill then decode (shared between steps)."""
+        stop_ids = set(request.stop_token_ids)
+        if request.eos_token_id is not None:
+            stop_ids.add(request.eos_token_id)
+        self.stop_ids = frozenset(stop_ids)
+        """Sampled ids that stop it (its EOS and stop ids; after ``min_tokens`` outputs)."""
+        self.end_tokens = min(max_model_len, self.prompt_len + request.max_tokens)
+        """At this many tokens it ends by length (``max_model_len`` or ``max_tokens``)."""
 
     @property
     def is_decode(self) -> bool:
@@ -195,7 +202,7 @@ class FastFcfsScheduler:
         if (request.status is not _WAITING or request.num_computed_tokens or request.output_token_ids
                 or request.block_ids):
             raise PlanError(f"request_id={request_id!r} is not a fresh request (status={request.status.value})")
-        self.live[request_id] = LiveRequest(request)
+        self.live[request_id] = LiveRequest(request, self.config.max_model_len)
         self.waiting.append(request_id)
         self.num_requests_added += 1
         if request.admitted_step is None:
@@ -253,15 +260,19 @@ class FastFcfsScheduler:
                 break
             computed = record.num_computed_tokens
             pending = record.num_tokens - computed
-            is_decode = pending == 1 and computed >= record.prompt_len
-            if not chunked:
-                num_tokens = pending if pending <= budget else 0
+            if pending == 1:  # budget > 0 here: _chunk gives 1 token whatever the threshold and chunking
+                is_decode = computed >= record.prompt_len
+                num_tokens = 1
             else:
-                if threshold and pending > threshold:
-                    pending = threshold
-                num_tokens = pending if pending < budget else budget
-            if num_tokens == 0:
-                continue
+                is_decode = False
+                if not chunked:
+                    num_tokens = pending if pending <= budget else 0
+                else:
+                    if threshold and pending > threshold:
+                        pending = threshold
+                    num_tokens = pending if pending < budget else budget
+                if num_tokens == 0:
+                    continue
             end = computed + num_tokens
             needed = -(-end // block_size) - len(record.block_ids)  # end > 0: num_tokens > 0
             item = _new_item(_ScheduledRequest)
@@ -414,16 +425,18 @@ class FastFcfsScheduler:
                 raise PlanError(f"no sampled token for request_id={request_id!r} at step {step}") from None
             outputs = record.output_token_ids
             outputs.append(token_id)
-            record.num_tokens += 1
+            num_tokens = record.num_tokens = record.num_tokens + 1
             if record.first_token_step is None:
                 record.first_token_step = step
+            if num_tokens < record.end_tokens and token_id not in record.stop_ids:
+                continue  # none of the reasons below holds
             request = record.request
             # spec.transitions.stop_reason
             if len(outputs) >= request.min_tokens and (
                     (request.eos_token_id is not None and token_id == request.eos_token_id)
                     or token_id in request.stop_token_ids):
                 status, reason = RequestStatus.FINISHED_STOPPED, "stop"
-            elif record.num_tokens >= max_model_len:
+            elif num_tokens >= max_model_len:
                 status, reason = RequestStatus.FINISHED_LENGTH, "max_model_len"
             elif len(outputs) >= request.max_tokens:
                 status, reason = RequestStatus.FINISHED_LENGTH, "length"
