@@ -138,7 +138,7 @@ class FakeModel:
         slot_ids: list[int] = []
         bounds: list[int] = []
         for _, table, length in pending:
-            slot_ids.extend(table[p // size] * size + p % size for p in _read_positions(length))
+            slot_ids.extend([table[p // size] * size + p % size for p in _read_positions(length)])
             bounds.append(len(slot_ids))
         values = self.slots.take(slot_ids).tolist() if slot_ids else []
         sampled = {}
