@@ -246,10 +246,10 @@ class FastFcfsScheduler:
         phases: dict[str, RequestPhase] = {}
         running = self.running
 
-        decodes, prefills = [], []
-        for request_id in running:
-            record = live[request_id]
-            (decodes if record.num_tokens - record.num_computed_tokens == 1 else prefills).append(record)
+        records = [live[request_id] for request_id in running]
+        decodes = [record for record in records if record.num_tokens - record.num_computed_tokens == 1]
+        prefills = ([record for record in records if record.num_tokens - record.num_computed_tokens != 1]
+                    if len(decodes) < len(records) else [])
         preempted_ids: set[str] = set()
         victims = running  # candidates, most recently admitted last (copied at the first preemption)
         for record in decodes + prefills if prefills else decodes:
