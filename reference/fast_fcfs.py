@@ -188,7 +188,8 @@ class FastFcfsScheduler:
         """Waiting never-admitted requests that can never complete, in queue order, with the reason: the
         next plan rejects them (:func:`~schedspec.reference.policies.reject_impossible`)."""
         self._state: SchedulerState | None = None
-        self._phases: dict[str, RequestPhase] = {}
+        self._last: tuple[StepPlan, list[LiveRequest]] = (StepPlan(), [])
+        """The last plan applied and the records that sampled in it (for :meth:`step_views`)."""
 
     # --- the protocol -------------------------------------------------------------------------------
 
@@ -243,7 +244,6 @@ class FastFcfsScheduler:
         scheduled: list[ScheduledRequest] = []
         append = scheduled.append
         preempted: list[str] = []
-        phases: dict[str, RequestPhase] = {}
         running = self.running
 
         records = [live[request_id] for request_id in running]
@@ -261,10 +261,8 @@ class FastFcfsScheduler:
             computed = record.num_computed_tokens
             pending = record.num_tokens - computed
             if pending == 1:  # budget > 0 here: _chunk gives 1 token whatever the threshold and chunking
-                is_decode = computed >= record.prompt_len
                 num_tokens = 1
             else:
-                is_decode = False
                 if not chunked:
                     num_tokens = pending if pending <= budget else 0
                 else:
@@ -307,7 +305,6 @@ class FastFcfsScheduler:
             else:
                 _set_blocks(item, ())
             append(item)
-            phases[request_id] = record.phases[is_decode]
             budget -= num_tokens
 
         impossible = self.impossible
@@ -323,7 +320,6 @@ class FastFcfsScheduler:
                 computed = record.num_computed_tokens
                 needed = -(-record.num_tokens // block_size) if record.num_tokens > 0 else 0
                 pending = record.num_tokens - computed
-                is_decode = pending == 1 and computed >= record.prompt_len
                 if not chunked:
                     num_tokens = pending if pending <= budget else 0
                 else:
@@ -340,10 +336,8 @@ class FastFcfsScheduler:
                         released[max(taken - top, 0):stop - top])
                 taken = stop
                 scheduled.append(ScheduledRequest(request_id, computed, num_tokens, new_blocks))
-                phases[request_id] = record.phases[is_decode]
                 budget -= num_tokens
                 num_running += 1
-        self._phases = phases
         return StepPlan(scheduled=tuple(scheduled), preempted=tuple(preempted), rejected=tuple(impossible.items()))
 
     def update(self, plan: StepPlan, sampled_token_ids: Mapping[str, int]) -> tuple[str, ...]:
@@ -450,6 +444,7 @@ class FastFcfsScheduler:
         if ended:
             self.finished = self.finished.with_added(ended)
         self.step = step + 1
+        self._last = (plan, samplers)
         return tuple(finished)
 
     def _live(self, request_id: str) -> LiveRequest:
@@ -492,7 +487,21 @@ class FastFcfsScheduler:
         """``(before, after)`` of the step just updated, for the lab's statistics: ``before.requests``
         maps each request the last plan scheduled to its :class:`RequestPhase` before the step;
         ``after`` has the queues and the free queue's length after it."""
-        before = LightState(self.step - 1, self._phases, (), (), _Sized(0))
+        plan, samplers = self._last
+        sampled = {record.request_id for record in samplers}
+        phases: dict[str, RequestPhase] = {}
+        for item in plan.scheduled:
+            request_id = item.request_id
+            record = self.live.get(request_id)
+            if record is None:  # it ended in the step
+                ended = self.finished[request_id]
+                record = LiveRequest(ended, self.config.max_model_len)
+            # Request.is_decode before the step: one token pending (the chunk is that token and it sampled),
+            # past the prompt
+            is_decode = (item.num_tokens == 1 and item.num_computed_tokens >= record.prompt_len
+                         and request_id in sampled)
+            phases[request_id] = record.phases[is_decode]
+        before = LightState(self.step - 1, phases, (), (), _Sized(0))
         after = LightState(self.step, self.live, tuple(self.running), tuple(self.waiting), _Sized(len(self.free)))
         return before, after
 

@@ -179,3 +179,24 @@ def test_engine_fast_path_same_run_as_checked(monkeypatch: pytest.MonkeyPatch) -
     assert views == plain_views
     assert fast_run.num_steps == plain_run.num_steps
     assert_same_state(plain_run.state, fast_run.state, "end of run")
+
+
+def test_lab_statistics_same_as_plain_fcfs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unchecked lab run (fcfs as fcfs-fast, no spec states) gives the same per-step statistics and
+    request timelines as the plain fcfs, on the first 300 requests of the bundled Azure trace with a
+    small KV cache (preemptions) and a small budget (chunked prefills)."""
+    from schedspec.reference import cost_model, workloads
+    from schedspec.reference import scheduler as registry
+    from schedspec.reference.lab import run_lab
+
+    requests = workloads.select_window(workloads.load_trace(workloads.default_trace_path()), max_requests=300)
+    kwargs, _ = cost_model.default_scheduler_config()
+    config = SchedulerConfig(**{**kwargs, "num_kv_blocks": 2000, "max_num_batched_tokens": 512})
+    fast = run_lab(requests, "fcfs", config, check=False)
+    monkeypatch.setattr(registry, "UNCHECKED_IMPLEMENTATIONS", {})
+    monkeypatch.setattr("schedspec.reference.lab.UNCHECKED_IMPLEMENTATIONS", {})
+    plain = run_lab(requests, "fcfs", config, check=False)
+    assert sum(step.num_preempted for step in plain.steps) > 0
+    assert fast.steps == plain.steps
+    assert fast.timelines == plain.timelines
+    assert_same_state(plain.run.state, fast.run.state, "end of the lab run")
