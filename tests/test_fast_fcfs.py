@@ -84,6 +84,13 @@ def test_same_plans_and_states_as_fcfs(config: SchedulerConfig, actions: list[tu
                            for item in plan.scheduled
                            if samples_this_step(before.requests[item.request_id], item)}
                 assert fast.update(plan, sampled) == plain.update(plan, sampled), where
+                view_before, view_after = fast.step_views()  # what the lab's statistics read
+                for item in plan.scheduled:
+                    request = before.requests[item.request_id]
+                    phase = view_before.requests[item.request_id]
+                    assert (phase.is_decode, phase.prompt_len) == (request.is_decode, request.prompt_len), where
+                assert (len(view_after.running), len(view_after.waiting), len(view_after.free_block_ids)) == (
+                    len(plain.state.running), len(plain.state.waiting), len(plain.state.free_block_ids)), where
                 assert_same_state(plain.state, fast.state, where)
         assert_same_state(plain.state, fast.state, where)
         assert fast.has_live_requests == bool(plain.state.requests)
