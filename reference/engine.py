@@ -175,7 +175,11 @@ class StepView:
     Attributes:
         step: the step index.
         start_time: simulated seconds at the step's start; ``duration``: its length in seconds.
-        before, after: the spec states around the step (immutable; shared, not copied).
+        before, after: the spec states around the step (immutable; shared, not copied). In an unchecked
+            run of a scheduler with light views (:meth:`Engine._run_light`, ``fcfs-fast``) they are its
+            :class:`~schedspec.reference.fast_fcfs.LightState` views instead: ``before.requests`` has the
+            scheduled requests' ``is_decode`` and ``prompt_len``, ``after`` the queues and
+            ``len(after.free_block_ids)``.
         plan: the scheduler's plan.
         sampled: request id -> the token sampled this step.
         finished: ids that finished this step (not aborted or rejected).

@@ -138,7 +138,7 @@ class FakeModel:
         slot_ids: list[int] = []
         bounds: list[int] = []
         for _, table, length in pending:
-            slot_ids.extend(table[p // size] * size + p % size for p in _read_positions(length))
+            slot_ids.extend([table[p // size] * size + p % size for p in _read_positions(length)])
             bounds.append(len(slot_ids))
         values = self.slots.take(slot_ids).tolist() if slot_ids else []
         sampled = {}
@@ -156,15 +156,19 @@ class FakeModel:
         decode_ids: list[int] = []
         size = self.config.block_size
         prefill_tokens = decode_tokens = attended = pairs = chunks = 0
+        requests = state.requests
+        eos_at_output = self.eos_at_output
         for item in plan.scheduled:
-            request = state.requests[item.request_id]
+            request = requests[item.request_id]
             table = request.block_ids + item.cached_block_ids + item.new_block_ids if (
                 item.new_block_ids or item.cached_block_ids) else request.block_ids
             start = item.num_computed_tokens
             stop = start + item.num_tokens
             attended += stop
             prompt_len = request.prompt_len
-            if request.is_decode:
+            num_tokens = request.num_tokens
+            # request.is_decode, inlined: one token pending, past the prompt
+            if num_tokens - request.num_computed_tokens == 1 and request.num_computed_tokens >= prompt_len:
                 # one slot, the last sampled token (batched into one write below)
                 decode_slots.append(table[start // size] * size + start % size)
                 decode_ids.append(request.output_token_ids[start - prompt_len])
@@ -175,8 +179,8 @@ class FakeModel:
                 prefill_tokens += n
                 pairs += n * start + n * (n + 1) // 2
                 chunks += 1
-            if stop == prompt_len + len(request.output_token_ids):  # samples_this_step
-                if self.eos_at_output.get(item.request_id) == len(request.output_token_ids) + 1:
+            if stop == num_tokens:  # samples_this_step
+                if eos_at_output and eos_at_output.get(item.request_id) == num_tokens - prompt_len + 1:
                     sampled[item.request_id] = EOS_TOKEN_ID
                 else:
                     pending.append((item.request_id, table, stop))
@@ -207,18 +211,20 @@ class CostOnlyModel:
         sampled: dict[str, int] = {}
         prefill_tokens = decode_tokens = attended = pairs = chunks = 0
         eos = self.eos_at_output
+        requests = state.requests
         for item in plan.scheduled:
-            request = state.requests[item.request_id]
+            request = requests[item.request_id]
             stop = item.num_computed_tokens + item.num_tokens
             attended += stop
-            outputs = len(request.output_token_ids)
-            if request.is_decode:
+            num_tokens, computed, prompt_len = request.num_tokens, request.num_computed_tokens, request.prompt_len
+            outputs = num_tokens - prompt_len
+            if num_tokens - computed == 1 and computed >= prompt_len:  # request.is_decode, inlined
                 decode_tokens += 1
             else:
                 n = item.num_tokens
                 prefill_tokens += n
                 pairs += n * item.num_computed_tokens + n * (n + 1) // 2
                 chunks += 1
-            if stop == request.prompt_len + outputs:
-                sampled[item.request_id] = EOS_TOKEN_ID if eos.get(item.request_id) == outputs + 1 else 1
+            if stop == num_tokens:
+                sampled[item.request_id] = EOS_TOKEN_ID if eos and eos.get(item.request_id) == outputs + 1 else 1
         return sampled, self._price(prefill_tokens, decode_tokens, attended, pairs, chunks)

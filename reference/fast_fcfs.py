@@ -66,9 +66,9 @@ class LiveRequest:
 
     __slots__ = ("request", "request_id", "prompt_len", "num_tokens", "num_computed_tokens", "output_token_ids",
                  "block_ids", "status", "num_preemptions", "admitted_step", "first_token_step", "cached",
-                 "phases")
+                 "phases", "stop_ids", "end_tokens")
 
-    def __init__(self, request: Request) -> None:
+    def __init__(self, request: Request, max_model_len: int) -> None:
         self.request = request
         self.request_id = request.request_id
         self.prompt_len = request.prompt_len
@@ -84,6 +84,13 @@ class LiveRequest:
         """The equal immutable ``Request``, or ``None`` after a change (built again on demand)."""
         self.phases = (RequestPhase(False, self.prompt_len), RequestPhase(True, self.prompt_len))
         """Its phases as a step's statistics read them, prefill then decode (shared between steps)."""
+        stop_ids = set(request.stop_token_ids)
+        if request.eos_token_id is not None:
+            stop_ids.add(request.eos_token_id)
+        self.stop_ids = frozenset(stop_ids)
+        """Sampled ids that stop it (its EOS and stop ids; after ``min_tokens`` outputs)."""
+        self.end_tokens = min(max_model_len, self.prompt_len + request.max_tokens)
+        """At this many tokens it ends by length (``max_model_len`` or ``max_tokens``)."""
 
     @property
     def is_decode(self) -> bool:
@@ -181,7 +188,8 @@ class FastFcfsScheduler:
         """Waiting never-admitted requests that can never complete, in queue order, with the reason: the
         next plan rejects them (:func:`~schedspec.reference.policies.reject_impossible`)."""
         self._state: SchedulerState | None = None
-        self._phases: dict[str, RequestPhase] = {}
+        self._last: tuple[StepPlan, list[LiveRequest]] = (StepPlan(), [])
+        """The last plan applied and the records that sampled in it (for :meth:`step_views`)."""
 
     # --- the protocol -------------------------------------------------------------------------------
 
@@ -195,7 +203,7 @@ class FastFcfsScheduler:
         if (request.status is not _WAITING or request.num_computed_tokens or request.output_token_ids
                 or request.block_ids):
             raise PlanError(f"request_id={request_id!r} is not a fresh request (status={request.status.value})")
-        self.live[request_id] = LiveRequest(request)
+        self.live[request_id] = LiveRequest(request, self.config.max_model_len)
         self.waiting.append(request_id)
         self.num_requests_added += 1
         if request.admitted_step is None:
@@ -236,13 +244,12 @@ class FastFcfsScheduler:
         scheduled: list[ScheduledRequest] = []
         append = scheduled.append
         preempted: list[str] = []
-        phases: dict[str, RequestPhase] = {}
         running = self.running
 
-        decodes, prefills = [], []
-        for request_id in running:
-            record = live[request_id]
-            (decodes if record.num_tokens - record.num_computed_tokens == 1 else prefills).append(record)
+        records = [live[request_id] for request_id in running]
+        decodes = [record for record in records if record.num_tokens - record.num_computed_tokens == 1]
+        prefills = ([record for record in records if record.num_tokens - record.num_computed_tokens != 1]
+                    if len(decodes) < len(records) else [])
         preempted_ids: set[str] = set()
         victims = running  # candidates, most recently admitted last (copied at the first preemption)
         for record in decodes + prefills if prefills else decodes:
@@ -253,15 +260,17 @@ class FastFcfsScheduler:
                 break
             computed = record.num_computed_tokens
             pending = record.num_tokens - computed
-            is_decode = pending == 1 and computed >= record.prompt_len
-            if not chunked:
-                num_tokens = pending if pending <= budget else 0
+            if pending == 1:  # budget > 0 here: _chunk gives 1 token whatever the threshold and chunking
+                num_tokens = 1
             else:
-                if threshold and pending > threshold:
-                    pending = threshold
-                num_tokens = pending if pending < budget else budget
-            if num_tokens == 0:
-                continue
+                if not chunked:
+                    num_tokens = pending if pending <= budget else 0
+                else:
+                    if threshold and pending > threshold:
+                        pending = threshold
+                    num_tokens = pending if pending < budget else budget
+                if num_tokens == 0:
+                    continue
             end = computed + num_tokens
             needed = -(-end // block_size) - len(record.block_ids)  # end > 0: num_tokens > 0
             item = _new_item(_ScheduledRequest)
@@ -296,7 +305,6 @@ class FastFcfsScheduler:
             else:
                 _set_blocks(item, ())
             append(item)
-            phases[request_id] = record.phases[is_decode]
             budget -= num_tokens
 
         impossible = self.impossible
@@ -312,7 +320,6 @@ class FastFcfsScheduler:
                 computed = record.num_computed_tokens
                 needed = -(-record.num_tokens // block_size) if record.num_tokens > 0 else 0
                 pending = record.num_tokens - computed
-                is_decode = pending == 1 and computed >= record.prompt_len
                 if not chunked:
                     num_tokens = pending if pending <= budget else 0
                 else:
@@ -329,10 +336,8 @@ class FastFcfsScheduler:
                         released[max(taken - top, 0):stop - top])
                 taken = stop
                 scheduled.append(ScheduledRequest(request_id, computed, num_tokens, new_blocks))
-                phases[request_id] = record.phases[is_decode]
                 budget -= num_tokens
                 num_running += 1
-        self._phases = phases
         return StepPlan(scheduled=tuple(scheduled), preempted=tuple(preempted), rejected=tuple(impossible.items()))
 
     def update(self, plan: StepPlan, sampled_token_ids: Mapping[str, int]) -> tuple[str, ...]:
@@ -414,16 +419,18 @@ class FastFcfsScheduler:
                 raise PlanError(f"no sampled token for request_id={request_id!r} at step {step}") from None
             outputs = record.output_token_ids
             outputs.append(token_id)
-            record.num_tokens += 1
+            num_tokens = record.num_tokens = record.num_tokens + 1
             if record.first_token_step is None:
                 record.first_token_step = step
+            if num_tokens < record.end_tokens and token_id not in record.stop_ids:
+                continue  # none of the reasons below holds
             request = record.request
             # spec.transitions.stop_reason
             if len(outputs) >= request.min_tokens and (
                     (request.eos_token_id is not None and token_id == request.eos_token_id)
                     or token_id in request.stop_token_ids):
                 status, reason = RequestStatus.FINISHED_STOPPED, "stop"
-            elif record.num_tokens >= max_model_len:
+            elif num_tokens >= max_model_len:
                 status, reason = RequestStatus.FINISHED_LENGTH, "max_model_len"
             elif len(outputs) >= request.max_tokens:
                 status, reason = RequestStatus.FINISHED_LENGTH, "length"
@@ -437,6 +444,7 @@ class FastFcfsScheduler:
         if ended:
             self.finished = self.finished.with_added(ended)
         self.step = step + 1
+        self._last = (plan, samplers)
         return tuple(finished)
 
     def _live(self, request_id: str) -> LiveRequest:
@@ -479,7 +487,21 @@ class FastFcfsScheduler:
         """``(before, after)`` of the step just updated, for the lab's statistics: ``before.requests``
         maps each request the last plan scheduled to its :class:`RequestPhase` before the step;
         ``after`` has the queues and the free queue's length after it."""
-        before = LightState(self.step - 1, self._phases, (), (), _Sized(0))
+        plan, samplers = self._last
+        sampled = {record.request_id for record in samplers}
+        phases: dict[str, RequestPhase] = {}
+        for item in plan.scheduled:
+            request_id = item.request_id
+            record = self.live.get(request_id)
+            if record is None:  # it ended in the step
+                ended = self.finished[request_id]
+                record = LiveRequest(ended, self.config.max_model_len)
+            # Request.is_decode before the step: one token pending (the chunk is that token and it sampled),
+            # past the prompt
+            is_decode = (item.num_tokens == 1 and item.num_computed_tokens >= record.prompt_len
+                         and request_id in sampled)
+            phases[request_id] = record.phases[is_decode]
+        before = LightState(self.step - 1, phases, (), (), _Sized(0))
         after = LightState(self.step, self.live, tuple(self.running), tuple(self.waiting), _Sized(len(self.free)))
         return before, after
 

@@ -11,6 +11,8 @@ admitted here and ends ``max_model_len`` after its first output token; see ``doc
 
 from __future__ import annotations
 
+import functools
+
 from schedspec.spec.config import SchedulerConfig, blocks_for_tokens
 
 
@@ -64,9 +66,11 @@ def rejection_reasons(prompt_len: int, max_tokens: int, config: SchedulerConfig)
     return reasons
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def rejection_reason(prompt_len: int, max_tokens: int, config: SchedulerConfig) -> str | None:
     """Why a request of this shape can never complete alone (the first of :func:`rejection_reasons`),
-    or ``None`` if it can.
+    or ``None`` if it can. Remembered (a pure function of immutable arguments): policies and monitors ask
+    it for every waiting request at every step.
 
     Returns:
         ``"CODE: detail"``, ``CODE`` one of :data:`REJECTION_CODES`; or ``None``.

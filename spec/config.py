@@ -42,7 +42,7 @@ def _bool(name: str, value: Any) -> None:
         raise ConfigError(name, value, "must be true or false")
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)  # hashed once: it keys remembered results (admission.rejection_reason)
 class SchedulerConfig:
     """The limits a scheduler works under. Units are given per field.
 

@@ -32,7 +32,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from schedspec.spec.config import SchedulerConfig
+from schedspec.spec.admission import rejection_reason
+from schedspec.spec.config import SchedulerConfig, blocks_for_tokens
 from schedspec.spec.invariants import block_conservation, check_step
 from schedspec.spec.persistent import FreeQueue
 from schedspec.spec.request import Request
@@ -43,6 +44,69 @@ NAME = "block-conservation"
 FREE_POOL_RULE = "blocks-from-free-pool"
 FREE_POOL = frozenset({FREE_POOL_RULE})
 TERMINAL_OWNS = "terminal request still owns"
+
+
+SCREENED = frozenset({
+    "known-requests", "token-budget", "positive-tokens", "chunk-continues", "no-overcompute",
+    "whole-prefill-without-chunking", "long-prefill-threshold", "sequence-cap", "admit-fits-alone",
+    "preempt-running-only", "block-table-covers", "no-excess-blocks", "prefix-hit-at-admission",
+})
+"""The rules :func:`screened_rules_hold` screens (every rule of :mod:`~schedspec.spec.rules` but
+``reject-only-impossible``, ``blocks-from-free-pool`` and the prefix-cache hit rules)."""
+SCREENED_AND_FREE_POOL = SCREENED | FREE_POOL
+
+
+def screened_rules_hold(state: SchedulerState, plan: StepPlan, config: SchedulerConfig) -> bool:
+    """True only if none of the rules in :data:`SCREENED` finds anything in ``plan`` from ``state``
+    (without prefix caching): their conditions, as :mod:`~schedspec.spec.rules` states them, checked in
+    one pass over the plan instead of one pass per rule. False means "run the rules" (a rule may or may
+    not be broken); so a screen that is too strict costs time, never a verdict
+    (``tests/test_incremental.py`` compares the checker's verdicts with the rules' on broken plans)."""
+    requests = state.requests
+    running = set(state.running)
+    block_size = config.block_size
+    chunked = config.enable_chunked_prefill
+    threshold = config.long_prefill_token_threshold if chunked else 0
+    named: set[str] = set()
+    total = admitted = 0
+    for item in plan.scheduled:
+        request_id = item.request_id
+        request = requests.get(request_id)
+        if request is None or request_id in named or item.cached_block_ids:  # known-requests, prefix-hit-at-admission
+            return False
+        named.add(request_id)
+        num_tokens = item.num_tokens
+        computed = request.num_computed_tokens
+        pending = request.num_tokens - computed
+        if (num_tokens < 1  # positive-tokens
+                or item.num_computed_tokens != computed  # chunk-continues
+                or num_tokens > pending  # no-overcompute
+                or (not chunked and num_tokens != pending)  # whole-prefill-without-chunking
+                or (threshold and num_tokens > threshold)):  # long-prefill-threshold
+            return False
+        blocks = len(request.block_ids) + len(item.new_block_ids)
+        if blocks < blocks_for_tokens(computed + num_tokens, block_size):  # block-table-covers
+            return False
+        if blocks > blocks_for_tokens(request.num_tokens, block_size):  # no-excess-blocks
+            return False
+        if request_id not in running:
+            admitted += 1
+            if rejection_reason(request.prompt_len, request.max_tokens, config) is not None:  # admit-fits-alone
+                return False
+        total += num_tokens
+    if total > config.max_num_batched_tokens:  # token-budget
+        return False
+    preempted = 0
+    for request_id in plan.preempted:  # preempt-running-only, known-requests
+        if request_id not in requests or request_id in named or request_id not in running:
+            return False
+        named.add(request_id)
+        preempted += 1
+    for request_id, _ in plan.rejected:  # known-requests
+        if request_id not in requests or request_id in named:
+            return False
+        named.add(request_id)
+    return len(running) - preempted + admitted <= config.max_num_seqs  # sequence-cap
 
 
 class IncrementalChecker:
@@ -213,11 +277,14 @@ class IncrementalChecker:
     def violated_rules(self, before: SchedulerState, plan: StepPlan) -> list[Violation]:
         """:func:`schedspec.spec.rules.violated_rules` for ``before`` (after :meth:`sync`), with
         ``blocks-from-free-pool`` checked against the ledger's free set instead of a set built from
-        the free queue (the same check: :func:`~schedspec.spec.rules.blocks_not_from_free_pool`).
-        The same violations as a multiset; the free-pool ones come last."""
+        the free queue (the same check: :func:`~schedspec.spec.rules.blocks_not_from_free_pool`), and the
+        rules in :data:`SCREENED` first screened in one pass over the plan (:func:`screened_rules_hold`):
+        when the screen holds they find nothing and are not run. The same violations as a multiset; the
+        free-pool ones come last."""
         if self.full or not self.sound:
             return violated_rules(before, plan, self.config)
-        found = violated_rules(before, plan, self.config, skip=FREE_POOL)
+        skip = SCREENED_AND_FREE_POOL if screened_rules_hold(before, plan, self.config) else FREE_POOL
+        found = violated_rules(before, plan, self.config, skip=skip)
         found += [Violation(FREE_POOL_RULE, detail, before.step, request_id, kind="rule")
                   for request_id, detail in blocks_not_from_free_pool(before, plan, self.free)]
         return found

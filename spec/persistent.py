@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
+import attrs
+
 from schedspec.spec.request import Request
 
 
@@ -75,6 +77,7 @@ def terminal_requests(mapping: Mapping[str, Request]) -> TerminalRequests:
 
 
 _FIXED = frozenset({"prompt_token_ids", "prompt_len", "num_tokens"})
+_SETTABLE = frozenset(field.name for field in attrs.fields(Request)) - _FIXED
 
 
 def evolve_request(request: Request, **changes: object) -> Request:
@@ -86,15 +89,16 @@ def evolve_request(request: Request, **changes: object) -> Request:
     Raises:
         TypeError: a name that is not a field, or ``prompt_token_ids``/``prompt_len``/``num_tokens``.
     """
+    if not _SETTABLE.issuperset(changes):
+        name = next(name for name in changes if name not in _SETTABLE)
+        raise TypeError(f"evolve_request: cannot set {name!r}")
     fields = request.__dict__
-    for name in changes:
-        if name not in fields or name in _FIXED:
-            raise TypeError(f"evolve_request: cannot set {name!r}")
     new = object.__new__(Request)
-    new.__dict__.update(fields)
-    new.__dict__.update(changes)
+    values = new.__dict__
+    values.update(fields)
+    values.update(changes)
     if "output_token_ids" in changes:
-        new.__dict__["num_tokens"] = fields["prompt_len"] + len(changes["output_token_ids"])
+        values["num_tokens"] = fields["prompt_len"] + len(changes["output_token_ids"])
     return new
 
 

@@ -3,8 +3,9 @@ call, step for step.
 
 The two are driven in lockstep by Hypothesis (arrivals, bursts, aborts of waiting and running requests,
 steps that preempt, chunk, stop on EOS, a stop id, ``max_tokens`` or ``max_model_len``, and requests
-rejected as impossible), and on every bundled scenario through the engine with every check on. Cost:
-about 10 s on a 2-core machine (``HYPOTHESIS_PROFILE=ci``: 300 examples of up to 60 actions).
+rejected as impossible), and on every bundled scenario through the engine with every check on. Cost
+on a 2-core machine: a few seconds by default, about 20 s with ``HYPOTHESIS_PROFILE=ci`` (500 derandomized
+examples of up to 60 actions).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ actions = st.lists(
 )
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(deadline=None, suppress_health_check=list(HealthCheck))  # examples: the active profile's
 @given(config=st.one_of(scheduler_configs(), scheduler_configs(max_block_size=2, max_kv_blocks=12, max_model_len=40)),
        actions=actions, seed=st.integers(0, 2**16))
 def test_same_plans_and_states_as_fcfs(config: SchedulerConfig, actions: list[tuple], seed: int) -> None:
@@ -83,6 +84,13 @@ def test_same_plans_and_states_as_fcfs(config: SchedulerConfig, actions: list[tu
                            for item in plan.scheduled
                            if samples_this_step(before.requests[item.request_id], item)}
                 assert fast.update(plan, sampled) == plain.update(plan, sampled), where
+                view_before, view_after = fast.step_views()  # what the lab's statistics read
+                for item in plan.scheduled:
+                    request = before.requests[item.request_id]
+                    phase = view_before.requests[item.request_id]
+                    assert (phase.is_decode, phase.prompt_len) == (request.is_decode, request.prompt_len), where
+                assert (len(view_after.running), len(view_after.waiting), len(view_after.free_block_ids)) == (
+                    len(plain.state.running), len(plain.state.waiting), len(plain.state.free_block_ids)), where
                 assert_same_state(plain.state, fast.state, where)
         assert_same_state(plain.state, fast.state, where)
         assert fast.has_live_requests == bool(plain.state.requests)
@@ -178,3 +186,24 @@ def test_engine_fast_path_same_run_as_checked(monkeypatch: pytest.MonkeyPatch) -
     assert views == plain_views
     assert fast_run.num_steps == plain_run.num_steps
     assert_same_state(plain_run.state, fast_run.state, "end of run")
+
+
+def test_lab_statistics_same_as_plain_fcfs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unchecked lab run (fcfs as fcfs-fast, no spec states) gives the same per-step statistics and
+    request timelines as the plain fcfs, on the first 300 requests of the bundled Azure trace with a
+    small KV cache (preemptions) and a small budget (chunked prefills)."""
+    from schedspec.reference import cost_model, workloads
+    from schedspec.reference import scheduler as registry
+    from schedspec.reference.lab import run_lab
+
+    requests = workloads.select_window(workloads.load_trace(workloads.default_trace_path()), max_requests=300)
+    kwargs, _ = cost_model.default_scheduler_config()
+    config = SchedulerConfig(**{**kwargs, "num_kv_blocks": 2000, "max_num_batched_tokens": 512})
+    fast = run_lab(requests, "fcfs", config, check=False)
+    monkeypatch.setattr(registry, "UNCHECKED_IMPLEMENTATIONS", {})
+    monkeypatch.setattr("schedspec.reference.lab.UNCHECKED_IMPLEMENTATIONS", {})
+    plain = run_lab(requests, "fcfs", config, check=False)
+    assert sum(step.num_preempted for step in plain.steps) > 0
+    assert fast.steps == plain.steps
+    assert fast.timelines == plain.timelines
+    assert_same_state(plain.run.state, fast.run.state, "end of the lab run")

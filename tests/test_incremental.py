@@ -16,6 +16,7 @@ from schedspec.spec.incremental import IncrementalChecker
 from schedspec.spec.invariants import check_step
 from schedspec.spec.request import RequestStatus
 from schedspec.spec.rules import violated_rules
+from schedspec.spec.state import ScheduledRequest
 from schedspec.spec.transitions import abort_request
 from schedspec.spec.workload import RequestSpec
 
@@ -198,3 +199,124 @@ def test_arrival_aborted_before_its_first_step_and_broken_then_is_reported():
     specs = SPECS[:2] + [RequestSpec("gone", 3, 2, arrival_step=1, abort_at_step=1)]
     full = _drive(CONFIG, specs, "fcfs", fault="aborted request not terminal", fault_step=1)
     assert full is not None and "gone" in {v.request_id for v in full}
+
+
+def _mutate_item(plan, index, **changes):
+    items = list(plan.scheduled)
+    items[index % len(items)] = attrs.evolve(items[index % len(items)], **changes)
+    return attrs.evolve(plan, scheduled=tuple(items))
+
+
+def _waiting_not_scheduled(state, plan):
+    scheduled = {item.request_id for item in plan.scheduled} | {r for r, _ in plan.rejected}
+    return [r for r in state.waiting if r not in scheduled]
+
+
+PLAN_FAULTS = {
+    "one token more": lambda s, p, i: p.scheduled and _mutate_item(p, i, num_tokens=p.scheduled[i % len(p.scheduled)].num_tokens + 1),
+    "one token less": lambda s, p, i: p.scheduled and _mutate_item(p, i, num_tokens=p.scheduled[i % len(p.scheduled)].num_tokens - 1),
+    "many tokens": lambda s, p, i: p.scheduled and _mutate_item(p, i, num_tokens=10**4),
+    "chunk starts early": lambda s, p, i: p.scheduled and _mutate_item(
+        p, i, num_computed_tokens=p.scheduled[i % len(p.scheduled)].num_computed_tokens - 1),
+    "scheduled twice": lambda s, p, i: p.scheduled and attrs.evolve(p, scheduled=p.scheduled + p.scheduled[:1]),
+    "block missing": lambda s, p, i: any(x.new_block_ids for x in p.scheduled) and _mutate_item(
+        p, next(k for k, x in enumerate(p.scheduled) if x.new_block_ids), new_block_ids=()),
+    "block too many": lambda s, p, i: p.scheduled and s.free_block_ids and _mutate_item(
+        p, i, new_block_ids=p.scheduled[i % len(p.scheduled)].new_block_ids + (s.free_block_ids[-1],)),
+    "unknown request": lambda s, p, i: attrs.evolve(p, scheduled=p.scheduled + (ScheduledRequest("nobody", 0, 1),)),
+    "prefix hit without caching": lambda s, p, i: p.scheduled and _mutate_item(p, i, cached_block_ids=(0,)),
+    "preempt a waiting request": lambda s, p, i: s.waiting and attrs.evolve(p, preempted=p.preempted + (s.waiting[0],)),
+    "preempt a scheduled request": lambda s, p, i: p.scheduled and attrs.evolve(
+        p, preempted=p.preempted + (p.scheduled[i % len(p.scheduled)].request_id,)),
+    "reject a running request": lambda s, p, i: s.running and attrs.evolve(p, rejected=p.rejected + ((s.running[0], "x: y"),)),
+    "admit a rejected request": lambda s, p, i: p.rejected and attrs.evolve(
+        p, rejected=p.rejected[1:], scheduled=p.scheduled + (_admission(s, p, p.rejected[0][0]),)),
+    "admit one more": lambda s, p, i: _waiting_not_scheduled(s, p) and attrs.evolve(
+        p, scheduled=p.scheduled + (_admission(s, p, _waiting_not_scheduled(s, p)[0]),)),
+}
+
+
+def _admission(state, plan, request_id):
+    """An admission of one token (its whole prompt without chunking) with the blocks it needs: breaks no
+    rule but the one the fault aims at (admit-fits-alone, sequence-cap, or the budget)."""
+    from schedspec.spec.config import blocks_for_tokens
+
+    request = state.requests[request_id]
+    num_tokens = request.num_pending_tokens if not CHUNKED[0] else 1
+    handed = {b for item in plan.scheduled for b in item.new_block_ids}
+    spare = [b for b in state.free_block_ids if b not in handed]
+    return ScheduledRequest(request_id, 0, num_tokens, tuple(spare[:blocks_for_tokens(num_tokens, BLOCK_SIZE[0])]))
+
+
+CHUNKED, BLOCK_SIZE = [True], [16]
+
+
+@settings(deadline=None)  # examples: the active profile's (500 derandomized in CI)
+@given(runs(), st.sampled_from(sorted(PLAN_FAULTS)), st.integers(0, 12), st.integers(0, 7))
+def test_incremental_rules_equal_the_rules_on_broken_plans(run, fault, fault_step, index):
+    """The checker's rule verdicts (its screen of SCREENED and its ledger's free pool) are the rules'
+    verdicts, on every plan of random runs and on plans broken on purpose."""
+    config, specs, name = run
+    CHUNKED[0], BLOCK_SIZE[0] = config.enable_chunked_prefill, config.block_size
+    scheduler = make_scheduler(name, config)
+    model = FakeModel(config, cost_model=_Flat())
+    checker = IncrementalChecker(config)
+    for step in range(200):
+        for spec in specs:
+            if spec.arrival_step == step:
+                scheduler.add_request(spec.to_request(step))
+        before = scheduler.state
+        if not before.requests and step > max((s.arrival_step for s in specs), default=0):
+            break
+        checker.sync(before)
+        plan = scheduler.schedule()
+        broken = PLAN_FAULTS[fault](before, plan, index) if step >= fault_step else None
+        for candidate in ([plan, broken] if broken else [plan]):
+            full = violated_rules(before, candidate, config)
+            assert _verdict(checker.violated_rules(before, candidate)) == _verdict(full), (fault, step)
+        if broken:
+            return
+        sampled, _ = model.execute(plan, before)
+        scheduler.update(plan, sampled)
+        checker.check(before, plan, scheduler.state)
+
+
+def test_screened_rules_are_rules() -> None:
+    from schedspec.spec.incremental import SCREENED
+    from schedspec.spec.rules import RULE_NAMES
+
+    assert SCREENED <= set(RULE_NAMES) and "reject-only-impossible" not in SCREENED
+
+
+def test_the_screen_holds_for_an_allowed_plan_only() -> None:
+    config = SchedulerConfig(block_size=4, num_kv_blocks=12, max_num_batched_tokens=16, max_num_seqs=3,
+                             max_model_len=32)
+    from schedspec.spec.incremental import screened_rules_hold
+
+    scheduler = make_scheduler("fcfs", config)
+    scheduler.add_request(RequestSpec("a", 6, 3, arrival_step=0).to_request(0))
+    plan = scheduler.schedule()
+    assert screened_rules_hold(scheduler.state, plan, config)
+    for broken in (_mutate_item(plan, 0, num_tokens=17), _mutate_item(plan, 0, new_block_ids=()),
+                   attrs.evolve(plan, scheduled=plan.scheduled * 2)):
+        assert violated_rules(scheduler.state, broken, config)
+        assert not screened_rules_hold(scheduler.state, broken, config)
+
+
+def test_the_screen_sees_a_sequence_cap_breach_alone() -> None:
+    """A plan that breaks sequence-cap and nothing else: the screen must not hold."""
+    from schedspec.spec.incremental import screened_rules_hold
+
+    config = SchedulerConfig(block_size=4, num_kv_blocks=12, max_num_batched_tokens=16, max_num_seqs=1,
+                             max_model_len=32)
+    scheduler = make_scheduler("fcfs", config)
+    for name in ("a", "b"):
+        scheduler.add_request(RequestSpec(name, 4, 3, arrival_step=0).to_request(0))
+    plan = scheduler.schedule()
+    assert [item.request_id for item in plan.scheduled] == ["a"]
+    taken = plan.scheduled[0].new_block_ids
+    spare = [b for b in scheduler.state.free_block_ids if b not in taken]
+    broken = attrs.evolve(plan, scheduled=plan.scheduled + (ScheduledRequest("b", 0, 4, tuple(spare[:1])),))
+    assert [v.name for v in violated_rules(scheduler.state, broken, config)] == ["sequence-cap"]
+    assert screened_rules_hold(scheduler.state, plan, config)
+    assert not screened_rules_hold(scheduler.state, broken, config)
