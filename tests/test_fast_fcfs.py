@@ -192,16 +192,17 @@ def test_lab_statistics_same_as_plain_fcfs(monkeypatch: pytest.MonkeyPatch) -> N
     """An unchecked lab run (fcfs as fcfs-fast, no spec states) gives the same per-step statistics and
     request timelines as the plain fcfs, on the first 300 requests of the bundled Azure trace with a
     small KV cache (preemptions) and a small budget (chunked prefills)."""
-    from schedspec.reference import cost_model, workloads
+    from schedspec.lab import trace_formats, windows
+    from schedspec.lab.run import run_lab
+    from schedspec.reference import cost_model
     from schedspec.reference import scheduler as registry
-    from schedspec.reference.lab import run_lab
 
-    requests = workloads.select_window(workloads.load_trace(workloads.default_trace_path()), max_requests=300)
+    requests = windows.select_window(trace_formats.load_trace(trace_formats.default_trace_path()), max_requests=300)
     kwargs, _ = cost_model.default_scheduler_config()
     config = SchedulerConfig(**{**kwargs, "num_kv_blocks": 2000, "max_num_batched_tokens": 512})
     fast = run_lab(requests, "fcfs", config, check=False)
     monkeypatch.setattr(registry, "UNCHECKED_IMPLEMENTATIONS", {})
-    monkeypatch.setattr("schedspec.reference.lab.UNCHECKED_IMPLEMENTATIONS", {})
+    monkeypatch.setattr("schedspec.lab.run.UNCHECKED_IMPLEMENTATIONS", {})
     plain = run_lab(requests, "fcfs", config, check=False)
     assert sum(step.num_preempted for step in plain.steps) > 0
     assert fast.steps == plain.steps
