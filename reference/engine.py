@@ -59,6 +59,51 @@ def _innermost(error: BaseException) -> str:
     return f"{frame.filename}:{frame.lineno} in {frame.name}"
 
 
+class _ClientEvents:
+    """The workload's client events in the order a run meets them: arrivals (by ``arrival_step`` in
+    steps mode, ``arrival_time`` in time mode) and aborts (``abort_at_step``, ``abort_at_time``).
+    Both engine loops take their events from here, so they cannot disagree on when one is due."""
+
+    def __init__(self, workload: Sequence[RequestSpec], mode: str) -> None:
+        key = (lambda s: (s.arrival_step, 0.0)) if mode == "steps" else (lambda s: (0, s.arrival_time))
+        self.pending = sorted(workload, key=key)
+        self.by_step = mode == "steps"
+        self.next_arrival = 0
+        self.step_aborts: dict[int, list[str]] = {}
+        for spec in workload:
+            if spec.abort_at_step is not None:
+                self.step_aborts.setdefault(spec.abort_at_step, []).append(spec.request_id)
+        self.time_aborts = sorted((s.abort_at_time, s.request_id) for s in workload if s.abort_at_time is not None)
+        self.next_time_abort = 0
+
+    @property
+    def arrivals_left(self) -> bool:
+        return self.next_arrival < len(self.pending)
+
+    def idle_clock(self, clock: float) -> float:
+        """The clock of an idle engine in time mode: moved on to the next arrival."""
+        return max(clock, self.pending[self.next_arrival].arrival_time) if self.arrivals_left else clock
+
+    def arrivals(self, step: int, clock: float) -> list[RequestSpec]:
+        """The arrivals due before ``step`` (steps mode) or by ``clock`` seconds (time mode), in order."""
+        start = end = self.next_arrival
+        while end < len(self.pending):
+            spec = self.pending[end]
+            if not (spec.arrival_step <= step if self.by_step else spec.arrival_time <= clock):
+                break
+            end += 1
+        self.next_arrival = end
+        return self.pending[start:end]
+
+    def aborts(self, step: int, clock: float) -> list[str]:
+        """The ids the client aborts before ``step`` is planned: by step, then those due by ``clock``."""
+        due = list(self.step_aborts.get(step, ()))
+        while self.next_time_abort < len(self.time_aborts) and self.time_aborts[self.next_time_abort][0] <= clock:
+            due.append(self.time_aborts[self.next_time_abort][1])
+            self.next_time_abort += 1
+        return due
+
+
 class ViolationFound(Exception):
     """A rule, invariant or guaranteed property was violated and the run was asked to stop."""
 
@@ -318,16 +363,10 @@ class Engine:
             if mode == "steps" and spec.arrival_step is None:
                 raise ValueError(f"request_id={spec.request_id!r}: arrival_step is required in steps mode")
             specs[spec.request_id] = spec
-        key = (lambda s: (s.arrival_step, 0.0)) if mode == "steps" else (lambda s: (0, s.arrival_time))
-        pending = sorted(workload, key=key)
+        events = _ClientEvents(workload, mode)
         token_source = self.token_source or FakeModel(
             self.config, eos_at_output={s.request_id: s.eos_at_output for s in workload if s.eos_at_output}
         )
-        step_aborts: dict[int, list[str]] = {}
-        time_aborts = sorted((s.abort_at_time, s.request_id) for s in workload if s.abort_at_time is not None)
-        for spec in workload:
-            if spec.abort_at_step is not None:
-                step_aborts.setdefault(spec.abort_at_step, []).append(spec.request_id)
 
         ledger = IncrementalChecker(self.config) if self.check and self.incremental else None
         # A run allocates millions of short-lived tuples while holding every finished request: the
@@ -336,11 +375,11 @@ class Engine:
         gc_thresholds = gc.get_threshold()
         gc.set_threshold(200_000, 50, 100)
         try:
-            return self._run(pending, specs, mode, max_steps, token_source, step_aborts, time_aborts, ledger)
+            return self._run(events, specs, mode, max_steps, token_source, ledger)
         finally:
             gc.set_threshold(*gc_thresholds)
 
-    def _run(self, pending, specs, mode, max_steps, token_source, step_aborts, time_aborts, ledger) -> RunResult:
+    def _run(self, events, specs, mode, max_steps, token_source, ledger) -> RunResult:
         watched: list[Monitor] = monitors(self.properties, self.config) + monitors(self.watch, self.config)
         # A hung scheduler (no new token position and no request ended for max_model_len steps with live
         # requests) would keep a run going forever: the run stops there with a progress violation, which
@@ -349,7 +388,7 @@ class Engine:
         counted = "progress" in self.properties
         if (not self.check and not watched and not self.record_steps and self.on_step is None
                 and callable(getattr(self.scheduler, "step_views", None)) and type(token_source) is CostOnlyModel):
-            return self._run_light(pending, specs, mode, max_steps, token_source, step_aborts, time_aborts)
+            return self._run_light(events, specs, mode, max_steps, token_source)
         shadow = SchedulerState.initial(self.config)
         has_state = isinstance(getattr(self.scheduler, "state", None), SchedulerState)
         if has_state and not state_differences(shadow, self.scheduler.state):
@@ -362,8 +401,6 @@ class Engine:
         has_view = self.check and not has_state and callable(getattr(self.scheduler, "engine_view", None))
         records: list[StepRecord] = []
         violations: list[Violation] = []
-        next_arrival = 0
-        next_time_abort = 0
         clock = 0.0
         step = 0
         checked = 0
@@ -382,21 +419,12 @@ class Engine:
         while True:
             if max_steps is not None and step >= max_steps:
                 break
-            if mode == "time" and not shadow.requests and next_arrival < len(pending):
-                clock = max(clock, pending[next_arrival].arrival_time)
-            arrivals: list[RequestSpec] = []
-            while next_arrival < len(pending):
-                spec = pending[next_arrival]
-                due = spec.arrival_step <= step if mode == "steps" else spec.arrival_time <= clock
-                if not due:
-                    break
+            if mode == "time" and not shadow.requests:
+                clock = events.idle_clock(clock)
+            arrivals = events.arrivals(step, clock)
+            for spec in arrivals:
                 shadow = self._client_action("add_request", add_request, shadow, spec.to_request(step), trust_state)
-                arrivals.append(spec)
-                next_arrival += 1
-            aborts = list(step_aborts.get(step, ()))
-            while next_time_abort < len(time_aborts) and time_aborts[next_time_abort][0] <= clock:
-                aborts.append(time_aborts[next_time_abort][1])
-                next_time_abort += 1
+            aborts = events.aborts(step, clock)
             aborted, freed_by_abort = [], {}
             for request_id in aborts:
                 live = shadow.requests.get(request_id)
@@ -405,7 +433,7 @@ class Engine:
                     if live.block_ids:
                         freed_by_abort[request_id] = live.block_ids
                 shadow = self._client_action("abort_request", abort_request, shadow, request_id, trust_state)
-            if not shadow.requests and next_arrival >= len(pending):
+            if not shadow.requests and not events.arrivals_left:
                 break
 
             before = shadow
@@ -509,7 +537,7 @@ class Engine:
             specs=specs,
         )
 
-    def _run_light(self, pending, specs, mode, max_steps, token_source, step_aborts, time_aborts) -> RunResult:
+    def _run_light(self, events, specs, mode, max_steps, token_source) -> RunResult:
         """The unchecked loop for a scheduler that keeps its own mutable tables and offers light views of
         them (``has_live_requests``, ``is_live``, ``live_view()``, ``step_views()``:
         :class:`~schedspec.reference.fast_fcfs.FastFcfsScheduler`): no spec state is built during the run
@@ -518,35 +546,24 @@ class Engine:
         (``tests/test_fast_fcfs.py``); used only with :class:`CostOnlyModel`, no monitors and no records."""
         scheduler = self.scheduler
         on_step_view = self.on_step_view
-        next_arrival = 0
-        next_time_abort = 0
         clock = 0.0
         step = 0
         started = wallclock.perf_counter()
         while True:
             if max_steps is not None and step >= max_steps:
                 break
-            if mode == "time" and not scheduler.has_live_requests and next_arrival < len(pending):
-                clock = max(clock, pending[next_arrival].arrival_time)
-            arrivals: list[RequestSpec] = []
-            while next_arrival < len(pending):
-                spec = pending[next_arrival]
-                due = spec.arrival_step <= step if mode == "steps" else spec.arrival_time <= clock
-                if not due:
-                    break
+            if mode == "time" and not scheduler.has_live_requests:
+                clock = events.idle_clock(clock)
+            arrivals = events.arrivals(step, clock)
+            for spec in arrivals:
                 scheduler.add_request(spec.to_request(step))
-                arrivals.append(spec)
-                next_arrival += 1
-            aborts = list(step_aborts.get(step, ()))
-            while next_time_abort < len(time_aborts) and time_aborts[next_time_abort][0] <= clock:
-                aborts.append(time_aborts[next_time_abort][1])
-                next_time_abort += 1
+            aborts = events.aborts(step, clock)
             aborted = []
             for request_id in aborts:
                 if scheduler.is_live(request_id):
                     aborted.append(request_id)
                 scheduler.abort_request(request_id)
-            if not scheduler.has_live_requests and next_arrival >= len(pending):
+            if not scheduler.has_live_requests and not events.arrivals_left:
                 break
             plan = scheduler.schedule()
             sampled, duration = token_source.execute(plan, scheduler.live_view())
