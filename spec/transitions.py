@@ -54,14 +54,20 @@ def add_request(state: SchedulerState, request: Request) -> SchedulerState:
 
     Raises:
         PlanError: the id was already added, the request is not fresh (status WAITING, nothing
-            computed, no output, no blocks), or its ``max_tokens`` is negative (vLLM's
-            ``SamplingParams`` refuses it; ``max_tokens == 0`` is a rejection at the next step).
+            computed, no output, no blocks), its ``max_tokens`` is negative (vLLM's
+            ``SamplingParams`` refuses it; ``max_tokens == 0`` is a rejection at the next step), or its
+            ``arrival_step`` is not this state's ``step`` (it is added before that step is planned: the
+            order of arrivals, which ``bounded-wait`` and the proofs' encoding rely on, is the order of
+            addition).
     """
     request_id = request.request_id
     if request_id in state.requests or request_id in state.finished:
         raise PlanError(f"request_id={request_id!r} was already added")
     if request.max_tokens < 0:
         raise PlanError(f"request_id={request_id!r}: max_tokens={request.max_tokens} < 0")
+    if request.arrival_step != state.step:
+        raise PlanError(f"request_id={request_id!r}: arrival_step={request.arrival_step}, but it is added before "
+                        f"step {state.step}")
     if (
         request.status is not RequestStatus.WAITING
         or request.num_computed_tokens

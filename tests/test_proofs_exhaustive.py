@@ -52,12 +52,16 @@ from schedspec.spec.workload import EOS_TOKEN_ID, RequestSpec  # noqa: E402
 
 CONFIGS = [
     SchedulerConfig(block_size=bs, num_kv_blocks=blocks, max_num_batched_tokens=3 if chunked else 4,
-                    max_num_seqs=seqs, max_model_len=4, enable_chunked_prefill=chunked)
-    for bs, blocks, seqs, chunked in [(1, 4, 3, True), (1, 3, 2, False), (1, 2, 1, True), (2, 2, 2, True),
-                                      (2, 2, 1, False), (2, 4, 2, False)]
+                    max_num_seqs=seqs, max_model_len=4, enable_chunked_prefill=chunked,
+                    long_prefill_token_threshold=threshold)
+    for bs, blocks, seqs, chunked, threshold in [
+        (1, 4, 3, True, 0), (1, 3, 2, False, 0), (1, 2, 1, True, 0), (2, 2, 2, True, 0), (2, 2, 1, False, 0),
+        (2, 4, 2, False, 0), (2, 6, 3, True, 2)]
 ]
-"""block_size 1 and 2, 2 to 4 KV blocks, max_num_seqs 1 to 3, chunked prefill on (budget 3) and off
-(budget 4), max_model_len 4: every rule binds in some of them (preemptions need few blocks per token)."""
+"""block_size 1 and 2, 2 to 6 KV blocks, max_num_seqs 1 to 3, chunked prefill on (budget 3) and off
+(budget 4), max_model_len 4, one config with a long-prefill threshold of 2: every rule binds in some of
+them (preemptions need few blocks per token); the last one has room for two decodes beside a running
+prefill, where the order of the running phase (decodes first) decides who gets the budget."""
 SHAPES = [(1, 3), (2, 2), (3, 1), (4, 3), (5, 1)]
 """(prompt_len, max_tokens) of a request; 5 > max_model_len is rejected."""
 MAX_REQUESTS = 3
@@ -99,12 +103,14 @@ def reached_states() -> tuple[tuple[SchedulerConfig, SchedulerState], ...]:
     return tuple(found.values())
 
 
-def policy_disagreement(limit: int | None = None) -> str | None:
-    """The first reached state where the encoded fcfs step is not ``policies.fcfs``'s plan, or None."""
+def policy_disagreement(limit: int | None = None, layout: str = "canonical") -> str | None:
+    """The first reached state where the encoded fcfs step (in ``layout``) is not ``policies.fcfs``'s plan,
+    or None."""
     for config, state in reached_states()[:limit]:
         expected = describe_plan(policies.fcfs(state, config))
         try:
-            got = policy_encoding.concrete_step(state, config, "fcfs", max(1, len(state.requests)), canonical=True)
+            got = policy_encoding.concrete_step(state, config, "fcfs", max(1, len(state.requests)),
+                                                layout=layout)
         except AssertionError as error:
             return f"{config} {state}: {error}"
         if got != expected:
@@ -203,6 +209,12 @@ def test_encoded_fcfs_step_is_the_fcfs_plan_on_every_reached_state():
     assert policy_disagreement() is None
 
 
+def test_slot_order_step_is_the_fcfs_plan_on_every_reached_state():
+    """The layout bounded model checking unrolls (requests in the slots in the order of addition, each
+    queue in slot order, no permutation) gives fcfs's plan too."""
+    assert policy_disagreement(layout="slot-order") is None
+
+
 def test_encoded_rules_and_update_agree_on_every_reached_state_and_plan():
     assert rule_disagreement() is None
 
@@ -269,7 +281,7 @@ def _released_not_returned_in_the_policy_encoding(monkeypatch):
     """The policy encoding's pool after rank k is ``avail[k] + released - nbk``: drop ``released``."""
     source = policy_encoding.plan_step
 
-    def patched(ctx, s, policy, name="", canonical=False):
+    def patched(ctx, s, policy, name="", canonical=False, layout=None):
         real_define = ctx.define
 
         def define(label, expr, sort="int"):
@@ -280,12 +292,24 @@ def _released_not_returned_in_the_policy_encoding(monkeypatch):
 
         ctx.define = define
         try:
-            return source(ctx, s, policy, name, canonical)
+            return source(ctx, s, policy, name, canonical, layout)
         finally:
             ctx.define = real_define
 
     monkeypatch.setattr(policy_encoding, "plan_step", patched)
     return policy_disagreement
+
+
+def _prefills_before_decodes_in_slot_order(monkeypatch):
+    """The slot-order layout visits the running prefills before the decodes (the two passes swapped)."""
+    original = policy_encoding._plan_step_slot_order
+
+    def mutant(ctx, s, params, p, rejected, pending, decode, processed):
+        prefill = [z3.And(processed[i], z3.Not(decode[i])) for i in range(s.n)]
+        return original(ctx, s, params, p, rejected, pending, prefill, processed)
+
+    monkeypatch.setattr(policy_encoding, "_plan_step_slot_order", mutant)
+    return lambda: policy_disagreement(layout="slot-order")
 
 
 MUTANTS = {
@@ -294,7 +318,11 @@ MUTANTS = {
     "reversed preemption order": _reversed_preemption_order,
     "Python admits past max_num_seqs": _python_admits_past_max_num_seqs,
     "released blocks not returned in the policy encoding": _released_not_returned_in_the_policy_encoding,
+    "slot order: prefills visited before decodes": _prefills_before_decodes_in_slot_order,
 }
+SLOT_ORDER_TOO = ("reversed preemption order", "Python admits past max_num_seqs",
+                  "released blocks not returned in the policy encoding")
+"""Policy mutants that apply to the slot-order layout as well (checked there too)."""
 
 
 @pytest.mark.parametrize("mutant", sorted(MUTANTS))
@@ -302,3 +330,10 @@ def test_each_mutant_is_caught(mutant, monkeypatch):
     reached_states()  # enumerated with the real policy before any break
     check = MUTANTS[mutant](monkeypatch)
     assert check() is not None, f"mutant {mutant!r} escaped the exhaustive agreement"
+
+
+@pytest.mark.parametrize("mutant", SLOT_ORDER_TOO)
+def test_each_policy_mutant_is_caught_in_slot_order(mutant, monkeypatch):
+    reached_states()
+    MUTANTS[mutant](monkeypatch)
+    assert policy_disagreement(layout="slot-order") is not None, f"mutant {mutant!r} escaped in slot order"

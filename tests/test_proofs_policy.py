@@ -65,3 +65,20 @@ def check_fcfs_step(case) -> None:
 def test_encoded_step_of_the_other_policies(policy, data):
     config, state, slots = data.draw(cases(policy))
     assert concrete_step(state, config, policy, slots) == describe_plan(PLAN[policy](state, config))
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "static"])
+@FEW
+@given(data=st.data())
+def test_slot_order_step_is_the_policy_plan_on_reached_states(policy, data):
+    """The layout bounded model checking unrolls (each queue in slot order: requests in the order of
+    addition) gives the policy's plan on the states the policy reaches (where ``Ord`` holds)."""
+    kind = data.draw(st.integers(0, 1))
+    if kind == 0:
+        config, state = data.draw(pressured(policy))
+    else:
+        config = data.draw(configs())
+        state = data.draw(reached_states(config, policy))
+    slots = len(state.requests) + data.draw(st.integers(0, 1))
+    got = concrete_step(state, config, policy, max(1, slots), layout="slot-order")
+    assert got == describe_plan(PLAN[policy](state, config))

@@ -40,12 +40,16 @@ def test_every_fcfs_theorem_holds_at_three_slots():
                  "fcfs/bounded-wait-every-n"):
         assert found[name]["status"] == "proved", name
         assert found[name]["slots"] == 3
-    assert found["fcfs/progress"]["depth"] == 4
-    assert found["fcfs/progress"]["block_size"] == "fixed 2"
-    covers = {c["case"]: (c["status"], c["depth"]) for c in found["fcfs/progress"]["vacuity"]}
-    assert set(covers) == {"preemption", "recompute after a preemption", "admission at max_num_seqs",
-                           "abort mid-prefill"}
-    assert all(status == "sat" and 1 <= depth <= 4 for status, depth in covers.values()), covers
+    for name, goals in (("fcfs/progress", {"preemption", "recompute after a preemption", "admission at max_num_seqs",
+                                           "abort mid-prefill"}),
+                        ("fcfs/bounded-preemptions", {"preemption after the last arrival", "recompute after a preemption",
+                                                      "a request preempted twice after the last arrival"})):
+        assert found[name]["status"] == "proved" and found[name]["depth"] == 4, name
+        assert found[name]["block_size"] == "fixed 2"
+        covers = {c["case"]: (c["status"], c["depth"]) for c in found[name]["vacuity"]}
+        assert set(covers) == goals
+        # reached (and reproduced by the reference's replay of the same run) within K steps
+        assert all(status == "sat" and 1 <= depth <= 4 for status, depth in covers.values()), covers
     itl = found["fcfs/bounded-itl-without-chunking"]
     assert itl["status"] == "counterexample" and itl["replayed"] is True
     assert itl["scenario"]["expect"] == {"demonstrates": "bounded-itl"}
@@ -190,8 +194,10 @@ def test_a_cover_goal_not_reached_fails_the_run():
     assert covers["preemption"] == "unsat" and covers["recompute after a preemption"] == "unsat"
 
 
-def test_step_total_fails_on_circular_definitions(monkeypatch):
-    """Deliberate break: two step variables defined by each other make the step not total."""
+@pytest.mark.parametrize("theorem_name", ["fcfs/step-total", "fcfs/step-unique"])
+def test_step_total_and_unique_fail_on_circular_definitions(theorem_name, monkeypatch):
+    """Deliberate break: two step variables defined by each other make the step neither total nor
+    (provably) unique."""
 
     from schedspec.reference.proofs import theorems
     from schedspec.spec.proofs.core import Options
@@ -204,7 +210,7 @@ def test_step_total_fails_on_circular_definitions(monkeypatch):
         ctx.facts += [a == b + 1, b == a]
         return step
 
-    theorem = next(t for t in theorems.policy_theorems("fcfs") if t.name == "fcfs/step-total")
+    theorem = next(t for t in theorems.policy_theorems("fcfs") if t.name == theorem_name)
     assert theorem.run(Options(slots=2)).status == "proved"
     monkeypatch.setattr(theorems, "plan_step", circular)
     result = theorem.run(Options(slots=2))
@@ -283,3 +289,44 @@ def test_a_reachable_one_step_counterexample_becomes_a_replayed_scenario(tmp_pat
     path = write_scenario(result.scenario, tmp_path)
     replay = CliRunner().invoke(cli, ["replay", str(path)])
     assert replay.exit_code == 0, replay.output
+
+
+def test_bounded_wait_induction_fails_with_a_measure_an_arrival_raises(monkeypatch):
+    """Deliberate break: a first component counting the live requests added *after* ``i`` is raised by an
+    arrival (and does not drop when the oldest ends), so the induction must fail, naming the part."""
+    import z3
+
+    from schedspec.reference.proofs import theorems
+    from schedspec.spec.proofs.core import Options
+
+    def younger(s, i):
+        return z3.Sum([z3.If(z3.And(s.slots[j].live, s.slots[j].seq > s.slots[i].seq), 1, 0)
+                       for j in range(s.n) if j != i] + [z3.IntVal(0)])
+
+    theorem = theorems.bounded_wait_induction("fcfs")
+    theorems.Setup._cache.clear()
+    assert theorem.run(Options(slots=3, policy_slots=3)).status == "proved"
+    monkeypatch.setattr(theorems, "older_count", younger)
+    theorems.Setup._cache.clear()
+    result = theorem.run(Options(slots=3, policy_slots=3))
+    theorems.Setup._cache.clear()
+    assert result.status == "counterexample", result.detail
+    assert "client-" in result.detail and "decrease-" in result.detail
+
+
+def test_the_measure_glue_needs_a_positive_rank():
+    """The arithmetic glue of bounded-wait-induction is a real obligation: without ``r >= 1`` (the oldest
+    request could have computed all max_model_len positions) a drop of the first component need not lower
+    the measure."""
+    import z3
+
+    from schedspec.reference.proofs.theorems import measure_glue
+
+    solver = z3.Solver()
+    solver.add(z3.Not(measure_glue()))
+    assert solver.check() == z3.unsat
+    glue = measure_glue()
+    weakened = z3.substitute(glue, (z3.Int("glue_r") >= 1, z3.BoolVal(True)))
+    solver = z3.Solver()
+    solver.add(z3.Not(weakened))
+    assert solver.check() == z3.sat

@@ -75,17 +75,47 @@ def chunk(ctx: Ctx, pending: Any, budget: Any) -> Any:
     return z3.If(c.enable_chunked_prefill, zmin(capped, budget), z3.If(pending <= budget, pending, 0))
 
 
-def plan_step(ctx: Ctx, s: State, policy: str, name: str = "", canonical: bool = False) -> PolicyStep:
+LAYOUTS = ("permuted", "canonical", "slot-order")
+"""How :func:`plan_step` relates slots to the order it processes them in.
+
+- ``permuted``: any slot may hold any request; the processing order is a symbolic permutation.
+- ``canonical``: the slots are in processing order (running decodes, then running prefills, each by
+  queue position, then the rest): a hypothesis on one state, which every state satisfies up to a
+  permutation of its slots. The one-step theorems use it.
+- ``slot-order``: the live requests sit in the slots in the order of addition, so that (under the
+  ordering invariant ``Ord``) each queue's order is the slot order. The running phase is then two passes
+  over the slots, decodes first, then prefills, and the admission order is the slot order: no
+  permutation, and the hypothesis holds on every state of a run that puts each arrival after every live
+  request (bounded model checking: :func:`.properties.run_from_init` and the progress and
+  preemption runs). Queue order (fcfs, static) only.
+"""
+
+
+def plan_step(ctx: Ctx, s: State, policy: str, name: str = "", canonical: bool = False,
+              layout: str | None = None) -> PolicyStep:
     """The step of ``policy`` from ``s`` (definitions go to ``ctx.facts``).
 
-    With ``canonical``, the slots are taken to be in processing order already (``perm`` is the
-    identity): the constraints that say so are returned in :attr:`PolicyStep.canonical`, a hypothesis
-    about the state, not a definition. The one-step theorems use it: their hypotheses and goals are
-    symmetric in the slots, so every state has a slot permutation satisfying it, and the ``pick``
-    chains over a symbolic order vanish (the step is then linear in N instead of quadratic). Runs of
-    several steps (bounded model checking) cannot order every state at once and keep the permutation.
+    ``layout`` (one of :data:`LAYOUTS`; ``canonical=True`` is ``layout="canonical"``, the default
+    ``"permuted"``) says how slots map to the processing order. With ``canonical``, the slots are taken to
+    be in processing order already (``perm`` is the identity): the constraints that say so are returned in
+    :attr:`PolicyStep.canonical`, a hypothesis about the state, not a definition. The one-step theorems
+    use it: their hypotheses and goals are symmetric in the slots, so every state has a slot permutation
+    satisfying it, and the ``pick`` chains over a symbolic order vanish (the step is then linear in N
+    instead of quadratic). Runs of several steps cannot order every state in processing order at once;
+    they keep the permutation or, for the queue-order policies, use ``slot-order`` (the hypothesis that
+    each queue is in slot order, returned in :attr:`PolicyStep.canonical` too).
+
+    Raises:
+        ValueError: an unknown layout, or ``slot-order`` for a policy that does not admit in queue order.
     """
+    layout = layout or ("canonical" if canonical else "permuted")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r}: expected one of {LAYOUTS}")
+    canonical = layout == "canonical"
+    slot_order = layout == "slot-order"
     params = POLICIES[policy]
+    if slot_order and params["order"] != "queue":
+        raise ValueError(f"layout 'slot-order' needs a policy admitting in queue order, not {policy!r}")
     if params["order"] == "priority":
         return plan_priority(ctx, s, name, canonical)
     c = ctx.cfg
@@ -107,6 +137,8 @@ def plan_step(ctx: Ctx, s: State, policy: str, name: str = "", canonical: bool =
     # the processed slots (decodes first, each group by queue position); the others follow in slot order.
     n_proc = count(processed)
     order_facts: list[Any] = []
+    if slot_order:
+        return _plan_step_slot_order(ctx, s, params, p, rejected, pending, decode, processed)
     if canonical:
         perm = [z3.IntVal(k) for k in range(n)]
         rank = [z3.IntVal(i) for i in range(n)]
@@ -291,6 +323,116 @@ def plan_step(ctx: Ctx, s: State, policy: str, name: str = "", canonical: bool =
                       order_facts if canonical else [], A, index, loop)
 
 
+def slot_order_hypothesis(s: State) -> list[Any]:
+    """What ``layout="slot-order"`` assumes of ``s``: within each queue, positions grow with the slot index
+    (the ordering invariant's sorted queues, with the live requests in the slots in the order of
+    addition)."""
+    S = s.slots
+    out = []
+    for i in range(s.n):
+        for j in range(i + 1, s.n):
+            out.append(z3.Implies(z3.And(S[i].running, S[j].running), S[i].pos < S[j].pos))
+            out.append(z3.Implies(z3.And(S[i].waiting, S[j].waiting), S[i].pos < S[j].pos))
+    return out
+
+
+def _plan_step_slot_order(ctx: Ctx, s: State, params: dict[str, Any], p: str, rejected: list[Any],
+                          pending: list[Any], decode: list[Any], processed: list[Any]) -> PolicyStep:
+    """:func:`plan_step` with ``layout="slot-order"``: the same loop as the other layouts, visiting slot
+    ``i``'s decode at visit ``i`` and its prefill at visit ``n + i`` (each queue in slot order, so queue
+    position comparisons become slot index comparisons); admission in slot order.
+
+    Its :attr:`PolicyStep.ordered_lemmas` (consequences under ``Inv`` and ``Ord``, proved by
+    :func:`.bmc.layout_lemmas` and then assumed at every step of a run, which prunes the search): the
+    pool never goes negative, a running prefill never preempts (it holds blocks for its whole sequence),
+    a decode needs at most one new block."""
+    c = ctx.cfg
+    n = s.n
+    S = s.slots
+    visits = [(i, decode[i]) for i in range(n)] + [(i, z3.And(processed[i], z3.Not(decode[i]))) for i in range(n)]
+    budget = [c.max_num_batched_tokens]
+    avail = [s.free]
+    gone = [[z3.BoolVal(False)] * n]
+    sched_v, nt_v, nbk_v, preby = [], [], [], []
+    lemmas: list[tuple[str, Any]] = []
+    for k, (i, in_group) in enumerate(visits):
+        nt = ctx.define(f"{p}nt{k}", chunk(ctx, pending[i], budget[k]))
+        act = ctx.define(f"{p}act{k}", z3.And(in_group, z3.Not(gone[k][i]), budget[k] > 0, nt > 0), "bool")
+        needed = ctx.define(f"{p}needed{k}", ctx.cdiv(S[i].nc + nt) - S[i].b)
+        cand = [z3.And(S[v].running, z3.Not(gone[k][v])) for v in range(n)]
+        row = []
+        for v in range(n):
+            if v < i:  # ahead of the requester in the running queue: never its victim
+                row.append(z3.BoolVal(False))
+                continue
+            after_v = _sum([z3.If(cand[u], S[u].b, 0) for u in range(v + 1, n)])
+            row.append(ctx.define(f"{p}preby{k}_{v}", z3.And(act, cand[v], avail[k] + after_v < needed), "bool"))
+        sched = ctx.define(f"{p}sched{k}", z3.And(act, z3.Not(row[i])), "bool")
+        tok = z3.If(sched, nt, 0)
+        nbk = ctx.define(f"{p}nbk{k}", z3.If(sched, zmax(needed, 0), 0))
+        released = _sum([z3.If(row[v], S[v].b, 0) for v in range(n)])
+        budget.append(ctx.define(f"{p}budget{k + 1}", budget[k] - tok))
+        avail.append(ctx.define(f"{p}avail{k + 1}", avail[k] + released - nbk))
+        gone.append([ctx.define(f"{p}gone{k + 1}_{v}", z3.Or(gone[k][v], row[v], z3.And(v == i, sched)), "bool")
+                     for v in range(n)])
+        if k < n:
+            lemmas.append((f"decode-needs-one-{k}", z3.Implies(act, needed <= 1)))
+        else:
+            lemmas.append((f"prefill-never-preempts-{k}", z3.Not(z3.Or(row))))
+        lemmas.append((f"pool-nonnegative-{k + 1}", avail[k + 1] >= 0))
+        sched_v.append(sched)
+        nt_v.append(nt)
+        nbk_v.append(nbk)
+        preby.append(row)
+
+    def at_slot(values: list[Any], i: int) -> Any:
+        return z3.If(decode[i], values[i], values[n + i])
+
+    sched = [at_slot(sched_v, i) for i in range(n)]
+    nt = [at_slot(nt_v, i) for i in range(n)]
+    nbk = [at_slot(nbk_v, i) for i in range(n)]
+    pre = [z3.Or([row[v] for row in preby]) for v in range(n)]
+    any_pre = z3.Or(pre)
+    admitting = z3.And(z3.Not(any_pre), z3.Not(z3.And(params["idle_only"], z3.Or([sl.running for sl in S]))))
+    budget_r, free_r = budget[-1], avail[-1]
+    n_run = count([sl.running for sl in S])
+    candidate = [z3.And(sl.waiting, z3.Not(rejected[i])) for i, sl in enumerate(S)]
+    A = [[z3.And(candidate[j], candidate[i]) if j < i else z3.BoolVal(False) for i in range(n)] for j in range(n)]
+    whole = [ctx.cdiv(sl.p + sl.o) for sl in S]
+    nt_a, admit = [], []
+    tokens_before, blocks_before, admitted_before = z3.IntVal(0), z3.IntVal(0), z3.IntVal(0)
+    all_ok = z3.BoolVal(True)
+    for i in range(n):
+        # admission stops at the first candidate that does not fit: slot i is admitted iff every candidate
+        # before it was, and it fits in what they left
+        budget_a = budget_r - tokens_before
+        nt_i = ctx.define(f"{p}nt_adm{i}", chunk(ctx, pending[i], budget_a))
+        ok = z3.And(n_run + admitted_before < c.max_num_seqs, budget_a > 0, nt_i > 0,
+                    whole[i] <= free_r - blocks_before)
+        adm_i = ctx.define(f"{p}admit{i}", z3.And(admitting, candidate[i], ok, all_ok), "bool")
+        all_ok = ctx.define(f"{p}all_ok{i}", z3.And(all_ok, z3.Implies(candidate[i], ok)), "bool")
+        tokens_before = ctx.define(f"{p}adm_tokens{i}", tokens_before + z3.If(candidate[i], nt_i, 0))
+        blocks_before = ctx.define(f"{p}adm_blocks{i}", blocks_before + z3.If(candidate[i], whole[i], 0))
+        admitted_before = admitted_before + z3.If(candidate[i], 1, 0)
+        nt_a.append(nt_i)
+        admit.append(adm_i)
+    scheduled = [z3.Or(sched[i], admit[i]) for i in range(n)]
+    ntok = [z3.If(sched[i], nt[i], z3.If(admit[i], nt_a[i], 0)) for i in range(n)]
+    nb = [z3.If(sched[i], nbk[i], z3.If(admit[i], whole[i], 0)) for i in range(n)]
+
+    def processed_before(j: int, i: int) -> Any:
+        return z3.And(processed[j], z3.Or(z3.And(decode[j], z3.Not(decode[i])), z3.And(decode[j] == decode[i], j < i)))
+
+    # batch order: running requests in processing order, then admissions in slot order (indices < 2n)
+    bpos = [z3.If(sched[i], count([processed_before(j, i) for j in range(n) if j != i]),
+                  n + count([A[j][i] for j in range(n)])) for i in range(n)]
+    ppos = [count([pre[u] for u in range(v + 1, n)]) for v in range(n)]
+    plan = Plan(sched=scheduled, start=[sl.nc for sl in S], ntok=ntok, nb=nb, bpos=bpos, pre=pre, ppos=ppos,
+                rej=rejected)
+    return PolicyStep(plan, rejected, processed, [z3.IntVal(k) for k in range(n)], any_pre, admitting, [], lemmas,
+                      slot_order_hypothesis(s), A, {}, {"budget": budget, "avail": avail, "preby": preby})
+
+
 def processing_order(state: Any, n: int) -> list[str | None]:
     """Slot ids in the order the policy's running phase processes them (running decodes, then running
     prefills, each in queue order), then the other requests, then empty slots: the order
@@ -320,13 +462,14 @@ def pass_order(state: Any, config: Any, n: int) -> list[str | None]:
 
 
 def concrete_step(state: Any, config: Any, policy: str, slots: int | None = None, unique: bool = True,
-                  canonical: bool = False) -> dict[str, Any]:
+                  layout: str = "permuted") -> dict[str, Any]:
     """The encoded step of ``policy`` on a concrete state, solved by Z3, as
     :func:`schedspec.spec.proofs.concrete.describe_plan` would show it.
 
-    With ``unique``, also checks that no other plan satisfies the encoding from this state. With
-    ``canonical``, the encoding the one-step proofs use: slots in :func:`processing_order`, whose
-    constraints must hold.
+    With ``unique``, also checks that no other plan satisfies the encoding from this state. ``layout``
+    (:data:`LAYOUTS`): ``canonical``, the encoding the one-step proofs use, puts the requests in the slots
+    in :func:`processing_order`; ``slot-order`` (bounded model checking) in queue order, running then
+    waiting (the order of addition under fcfs's ordering invariant); the layout's hypothesis must hold.
 
     Raises:
         AssertionError: the encoding has no solution, or (``unique``) more than one.
@@ -338,7 +481,7 @@ def concrete_step(state: Any, config: Any, policy: str, slots: int | None = None
     if POLICIES[policy]["order"] == "priority":
         slot_ids = pass_order(state, config, n)
     else:
-        slot_ids = processing_order(state, n) if canonical else slot_assignment(state, None, n)
+        slot_ids = processing_order(state, n) if layout == "canonical" else slot_assignment(state, None, n)
     ctx = concrete_ctx(config)
     s = encode_state(state, slot_ids)
     if POLICIES[policy]["order"] == "priority":
@@ -346,7 +489,7 @@ def concrete_step(state: Any, config: Any, policy: str, slots: int | None = None
         tkey = [z3.IntVal(times.index(state.requests[r].arrival_time) if r is not None else 0) for r in slot_ids]
         step = plan_priority(ctx, s, canonical=True, tkey=tkey)
     else:
-        step = plan_step(ctx, s, policy, canonical=canonical)
+        step = plan_step(ctx, s, policy, layout=layout)
     solver = z3.Solver()
     solver.add(ctx.facts)
     solver.add(step.canonical)

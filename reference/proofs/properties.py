@@ -196,16 +196,39 @@ def abort_where(s: State, flags: Sequence[Any]) -> State:
     return replace(s, slots=slots, free=s.free + freed)
 
 
-def run_from_init(ctx: Ctx, policy: str, n: int, depth: int, eos: bool = False, aborts: bool = False) -> Run:
+def seq_sorted(s: State) -> Any:
+    """The live requests sit in the slots in the order of addition (what ``layout="slot-order"`` builds
+    on): ``i < j``, both live => ``seq[i] < seq[j]``."""
+    S = s.slots
+    return z3.And([z3.Implies(z3.And(S[i].live, S[j].live), S[i].seq < S[j].seq)
+                   for i in range(s.n) for j in range(i + 1, s.n)])
+
+
+def arrival_after_live(s: State, flags: Sequence[Any]) -> list[Any]:
+    """Arrivals keep :func:`seq_sorted`: a request arrives only in a slot after every live one (the
+    arrivals of one step are added in slot order)."""
+    return [z3.Implies(flags[i], z3.And([s.slots[j].st == EMPTY for j in range(i, s.n)])) for i in range(s.n)]
+
+
+def run_from_init(ctx: Ctx, policy: str, n: int, depth: int, eos: bool = False, aborts: bool = False,
+                  layout: str = "permuted") -> Run:
     """``depth`` steps from the initial state; slot ``i`` receives one request before step
     ``arrival[i]`` (``arrival[i] == depth``: never), requests of one step added in slot order. With
     ``eos``, each sampled token may be EOS; with ``aborts``, the client may abort any live request
-    before each step (after that step's arrivals)."""
+    before each step (after that step's arrivals).
+
+    With ``layout="slot-order"`` (queue-order policies) the slots receive their requests in arrival
+    order (``arrival[i] <= arrival[i + 1]``: no loss, the slots are alike), so the live requests are in
+    the order of addition at every step and the policy's step needs no permutation; its hypothesis
+    (each queue in slot order) and its lemmas, implied on every reachable state by ``Inv`` and ``Ord``
+    (:func:`.bmc.layout_lemmas` proves so), are added to ``ctx.facts``."""
     arrival = [z3.Int(f"arrival{i}") for i in range(n)]
     prompt = [z3.Int(f"prompt{i}") for i in range(n)]
     max_tokens = [z3.Int(f"max_tokens{i}") for i in range(n)]
     for i in range(n):
         ctx.facts.append(z3.And(arrival[i] >= 0, arrival[i] <= depth, prompt[i] >= 0, max_tokens[i] >= 0))
+        if layout == "slot-order" and i + 1 < n:
+            ctx.facts.append(arrival[i] <= arrival[i + 1])
     s = initial_state(ctx, n)
     steps = []
     eos_vars = []
@@ -220,7 +243,10 @@ def run_from_init(ctx: Ctx, policy: str, n: int, depth: int, eos: bool = False, 
         abort_vars.append(cut)
         if aborts:
             before = materialize(ctx, abort_where(before, cut), f"t{t}b")
-        step = plan_step(ctx, before, policy, name=f"t{t}")
+        step = plan_step(ctx, before, policy, name=f"t{t}", layout=layout)
+        ctx.facts.extend(step.canonical)
+        if layout == "slot-order":  # consequences of Inv and Ord (reachable states keep both)
+            ctx.facts.extend(lemma for _, lemma in step.ordered_lemmas)
         e = [z3.Bool(f"t{t}_eos{i}") if eos else z3.BoolVal(False) for i in range(n)]
         out = apply_plan(ctx, before, step.plan, e)
         steps.append(StepRecord(before, step, out))

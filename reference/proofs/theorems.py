@@ -31,6 +31,7 @@ from schedspec.spec.proofs.encoding import (
     RULE_ORDER,
     Ctx,
     State,
+    _sum,
     abort,
     allowed_rules,
     apply_plan,
@@ -38,22 +39,17 @@ from schedspec.spec.proofs.encoding import (
     arrive_precondition,
     fits_alone,
     plan_well_formed,
-    rule_atoms,
     symbolic_state,
 )
-from schedspec.spec.proofs.encoding import (
-    PREEMPTED as PREEMPTED_STATUS,
-)
-from schedspec.spec.proofs.solve import Prover, minimize, satisfiable, state_values, value, witness_objectives
+from schedspec.spec.proofs.solve import Prover, minimize, satisfiable, state_values, witness_objectives
 from schedspec.spec.proofs.theorems import inv_parts, recheck_block_size, setup, step_cases
 from schedspec.spec.properties import ITL_TOKEN_BUDGET
 
+from .bmc import bounded_preemptions, progress_window
 from .policy import POLICIES, plan_step
 from .properties import (
     ORDER_INVARIANT_NAMES,
-    arrivals,
     bounded_itl_violation,
-    materialize,
     monitor_key_less,
     monitor_oldest,
     order_invariant,
@@ -176,7 +172,9 @@ def _constants(exprs: list[Any]) -> list[Any]:
 def step_unique(policy: str) -> Theorem:
     name = f"{policy}/step-unique"
     statement = (f"the encoded {policy} step is a function of the state: from every state satisfying the premises "
-                 "(Inv, Ord, slots in processing order), two solutions of its constraints give the same plan")
+                 "(Inv, Ord, slots in processing order), two solutions of its constraints give the same plan; "
+                 "proved by induction: layer by layer along the definitions' order, then slot by slot along the "
+                 "admission order (the one recursion), each step a solver query")
 
     def run(opts: Options) -> Result:
         timer = Timer()
@@ -187,17 +185,71 @@ def step_unique(policy: str) -> Theorem:
         premises = [ctx.cfg.valid(), *step.canonical, *inv_parts(ctx, s).values()]
         if policy in ORDERED:
             premises += list(order_invariant(ctx, s).values())
-        known = {c.get_id() for c in _constants(premises)}
-        free = [c for c in _constants(ctx.facts) if c.get_id() not in known]
-        primed = [(c, z3.Const(c.decl().name() + "'", c.sort())) for c in free]
-        facts = z3.And(ctx.facts)
-        differs = [t != z3.substitute(t, *primed) for f in PLAN_FIELDS for t in getattr(step.plan, f)]
-        answer = satisfiable(ctx, premises + [z3.substitute(facts, *primed), z3.Or(differs)], opts.timeout_s,
-                             negate=True)
-        witness = state_values(answer.model, s) if answer.model is not None else None
-        vacuity = Prover(ctx, premises, opts.timeout_s).coverage({})
-        return Result(name, statement, PROVED, answer.status, opts.slots, opts.block_label, seconds=timer.seconds,
-                      detail=answer.reason or f"{len(free)} step variables", witness=witness, vacuity=vacuity)
+        n = opts.slots
+        A = step.admission_order
+        guards = {A[j][i].get_id(): (j, i) for j in range(n) for i in range(n) if j != i and A}
+        order, why = definitional_order(list(ctx.facts), _constants(premises), guards, step.admission_index)
+        prover = Prover(ctx, premises, opts.timeout_s)
+        vacuity = prover.coverage({})
+        if not order:
+            return Result(name, statement, PROVED, UNKNOWN, opts.slots, opts.block_label, seconds=timer.seconds,
+                          detail=why, vacuity=vacuity)
+        defined = [f.arg(0) for f in order]
+        primed = [(v, z3.Const(v.decl().name() + "'", v.sort())) for v in defined]
+        prover.assume([z3.substitute(z3.And(ctx.facts), *primed)])
+
+        def same(variables: list[Any]) -> Any:
+            return z3.And([v == z3.substitute(v, *primed) for v in variables])
+
+        # the layers: a variable's depth is one more than the deepest variable its definition uses outside
+        # the admission order's guards; the admission loop's variables (guarded uses) come last, by slot
+        index = step.admission_index
+        depth: dict[int, int] = {}
+        for f in order:
+            v = f.arg(0)
+            if v.get_id() in index:
+                continue
+            used = _guarded_uses(f.arg(1), guards, index, None)[0]
+            depth[v.get_id()] = 1 + max((depth[u] for u in used if u in depth), default=0)
+        layers: dict[int, list[Any]] = {}
+        for v in defined:
+            if v.get_id() in depth:
+                layers.setdefault(depth[v.get_id()], []).append(v)
+        by_slot: dict[int, list[Any]] = {}
+        for v in defined:
+            if v.get_id() in index:
+                by_slot.setdefault(index[v.get_id()], []).append(v)
+        status, detail, witness = PROVED, "", None
+        steps: list[tuple[str, Any, Any]] = []
+        if by_slot:  # the induction along the admission order needs it well founded
+            steps.append(("admission order a strict order", strict_order(A, n), True))
+        steps += [(f"layer {d}", layers[d], None) for d in sorted(layers)]
+        steps += [(f"admission slot {i}", by_slot[i],
+                   z3.And([z3.Implies(A[j][i], same(by_slot.get(j, []))) for j in range(n) if j != i]))
+                  for i in sorted(by_slot)]
+        for label, variables, hypothesis in steps:
+            if hypothesis is True:  # a plain goal
+                goal = variables
+            else:
+                goal = same(variables) if hypothesis is None else z3.Implies(hypothesis, same(variables))
+            answer = prover.prove(goal)
+            if answer.status != PROVED:
+                status, detail = answer.status, f"{label}: {answer.status} {answer.reason}".strip()
+                witness = state_values(answer.model, s) if answer.model is not None else None
+                break
+            if hypothesis is None:
+                prover.assume([same(variables)])
+        if status == PROVED:
+            # every slot's admission variables agree (well-founded induction along the strict admission
+            # order, step-total), so the plan, a term over the state and the variables, is one plan
+            prover.assume([same(v) for v in by_slot.values()])
+            differs = [t != z3.substitute(t, *primed) for f in PLAN_FIELDS for t in getattr(step.plan, f)]
+            answer = prover.prove(z3.Not(z3.Or(differs)))
+            status = answer.status
+            detail = (f"{len(defined)} step variables in {len(layers)} layers and {len(by_slot)} admission slots"
+                      if status == PROVED else f"plan: {answer.status} {answer.reason}".strip())
+        return Result(name, statement, PROVED, status, opts.slots, opts.block_label, seconds=timer.seconds,
+                      detail=detail, witness=witness, vacuity=vacuity)
 
     return Theorem(name, statement, run)
 
@@ -277,6 +329,15 @@ def definitional_order(facts: list[Any], known: list[Any], guards: dict[int, tup
     return order, ""
 
 
+def strict_order(A: list[list[Any]], n: int) -> Any:
+    """``A[j][i]`` (slot ``j`` before slot ``i``) is a strict order: asymmetric and transitive (irreflexive by
+    construction, ``A[i][i]`` is false); on finitely many slots it is then well founded, so an induction
+    along it (or a recursion guarded by it) is sound."""
+    return z3.And([z3.Implies(z3.And(A[a][b], A[b][c]), A[a][c])
+                   for a in range(n) for b in range(n) for c in range(n) if len({a, b, c}) == 3]
+                  + [z3.Not(z3.And(A[a][b], A[b][a])) for a in range(n) for b in range(n) if a < b])
+
+
 def step_total(policy: str) -> Theorem:
     name = f"{policy}/step-total"
     statement = (f"step existence: the encoded {policy} step is total and a function: each of its variables is "
@@ -300,10 +361,7 @@ def step_total(policy: str) -> Theorem:
         if order:
             # the admission loop's definitions use another slot's only under the admission order: it must be
             # a strict order (irreflexive by construction; transitive), so those uses are well founded
-            transitive = z3.And([z3.Implies(z3.And(A[a][b], A[b][c]), A[a][c])
-                                 for a in range(n) for b in range(n) for c in range(n) if len({a, b, c}) == 3]
-                                + [z3.Not(z3.And(A[a][b], A[b][a])) for a in range(n) for b in range(n) if a < b])
-            answer = prover.prove(transitive)
+            answer = prover.prove(strict_order(A, n))
             if answer.status != PROVED:
                 status, detail = answer.status, f"admission order not a strict order: {answer.status} {answer.reason}"
             else:
@@ -547,12 +605,10 @@ def bounded_wait(policy: str) -> Theorem:
     return Theorem(name, statement, run)
 
 
-def wait_measure(s: State, i: int, o: int, mml: Any) -> Any:
-    """The measure of request ``i`` when ``o`` is the oldest live request: ``older(i) * max_model_len +
-    (max_model_len - computed(o))``, ``older(i)`` the live requests added before ``i``."""
-    older = _sum_z3([z3.If(z3.And(s.slots[j].live, s.slots[j].seq < s.slots[i].seq), 1, 0)
-                     for j in range(s.n) if j != i])
-    return older * mml + (mml - s.slots[o].nc)
+def older_count(s: State, i: int) -> Any:
+    """``older(i)``: the live requests added before request ``i`` (the first component of the measure)."""
+    return _sum([z3.If(z3.And(s.slots[j].live, s.slots[j].seq < s.slots[i].seq), 1, 0)
+                    for j in range(s.n) if j != i])
 
 
 def oldest_by_seq(s: State, o: int) -> Any:
@@ -560,12 +616,28 @@ def oldest_by_seq(s: State, o: int) -> Any:
     return z3.And(S[o].live, *[z3.Implies(S[j].live, S[o].seq < S[j].seq) for j in range(s.n) if j != o])
 
 
+def measure_glue() -> Any:
+    """The arithmetic that turns the lexicographic decrease into the step bound, for all integers (no state):
+    with ``0 <= q' <= q <= k`` (older requests), ``1 <= r, r' <= m`` (``m = max_model_len``, ``r =
+    max_model_len - computed(oldest)``), ``M = q * m + r`` lies in ``[1, (k + 1) * m]``, a lexicographic
+    decrease of ``(q, r)`` makes ``M`` drop by at least 1 and a lexicographic non-increase never raises it."""
+    q, q2, r, r2, m, k = z3.Ints("glue_q glue_q2 glue_r glue_r2 glue_m glue_k")
+    ranges = z3.And(m >= 1, q2 >= 0, q2 <= q, q <= k, r >= 1, r <= m, r2 >= 1, r2 <= m)
+    big, big2 = q * m + r, q2 * m + r2
+    return z3.Implies(ranges, z3.And(
+        big >= 1, big <= (k + 1) * m,
+        z3.Implies(z3.Or(q2 < q, z3.And(q2 == q, r2 < r)), big2 <= big - 1),
+        z3.Implies(z3.Or(q2 < q, z3.And(q2 == q, r2 <= r)), big2 <= big)))
+
+
 def bounded_wait_induction(policy: str) -> Theorem:
     name = f"{policy}/bounded-wait-induction"
-    statement = ("bounded wait of every request, by induction over the k live requests added before it: "
-                 "M = k * max_model_len + (max_model_len - computed(oldest)) lies in [1, (k+1) * max_model_len], "
-                 "strictly decreases in every step the request does not end, and no arrival or abort raises it; "
-                 "so a request with k older live requests ends within (k+1) * max_model_len steps")
+    statement = ("bounded wait of every request i, by induction over the k live requests added before it: the "
+                 "measure (older(i), max_model_len - computed(oldest)) decreases lexicographically in every step "
+                 "i does not end, and no arrival or abort raises it; its first part never grows from k, its "
+                 "second lies in [1, max_model_len], so M = older(i) * max_model_len + (max_model_len - "
+                 "computed(oldest)) lies in [1, (k+1) * max_model_len] and drops by at least 1 per step: i ends "
+                 "within (k+1) * max_model_len steps")
 
     def run(opts: Options) -> Result:
         timer = Timer()
@@ -574,212 +646,72 @@ def bounded_wait_induction(policy: str) -> Theorem:
         ctx, s, n = st.ctx, st.s, opts.slots
         mml = ctx.cfg.max_model_len
         eos = [z3.Bool(f"eos{i}") for i in range(n)]
-        out = apply_plan(ctx, s, st.plan, eos)
-        after = out.state
+        after = apply_plan(ctx, s, st.plan, eos).state
         statuses: list[tuple[str, str, str]] = []
         witness = None
-        # lemmas, proved and then assumed: the step makes no slot live; the oldest live request is never
-        # preempted and computes at least one more token if it stays (the ranking of bounded-wait)
+
+        def ask(prover: Any, label: str, goal: Any, premise: list[Any] | None = None) -> bool:
+            nonlocal witness
+            if prover is st:
+                status, w, reason = st.prove(goal, premise)
+            else:
+                answer = prover.prove(z3.Implies(z3.And(premise), goal) if premise else goal)
+                status, reason = answer.status, answer.reason
+                w = state_values(answer.model, s) if answer.model is not None else None
+            statuses.append((label, status, reason))
+            witness = witness or w
+            return status == PROVED
+
+        # a context without the step's definitions, for the queries about no step: the arithmetic glue and
+        # the client's actions
+        env_ctx = setup(opts)
+        # (0) the arithmetic glue, for all integers (nonlinear, no state)
+        ask(Prover(env_ctx, [], opts.timeout_s), "glue", measure_glue())
+        # (1) lemmas, proved and then assumed: the step makes no slot live; the oldest live request is never
+        # preempted and computes at least one more token if it stays (the ranking of bounded-wait); and its
+        # rank max_model_len - computed lies in [1, max_model_len]
         lemmas = [("no-new-live", z3.And([z3.Implies(after.slots[j].live, s.slots[j].live) for j in range(n)]))]
         for o in range(n):
             lemmas.append((f"oldest-advances-{o}", z3.Implies(
                 z3.And(oldest_by_seq(s, o), z3.Not(st.step.rejected[o])),
                 z3.And(z3.Not(st.plan.pre[o]), z3.Implies(after.slots[o].live, after.slots[o].nc > s.slots[o].nc)))))
+        lemmas.append(("rank-bounds", z3.And([z3.Implies(sl.live, z3.And(sl.nc >= 0, sl.nc <= mml - 1))
+                                              for sl in s.slots])))
         for label, lemma in lemmas:
-            status, w, reason = st.prove(lemma)
-            statuses.append((f"lemma {label}", status, reason))
-            witness = witness or w
-            if status != PROVED:
+            if not ask(st, f"lemma {label}", lemma):
                 return _combine(name, statement, statuses, opts, timer, witness)
             st.prover.assume([lemma])
+        # (2) the step: for each request i and oldest o (o == i allowed), lexicographic decrease while i lives
         for i in range(n):
             for o in range(n):
-                premise = [s.slots[i].live, oldest_by_seq(s, o)]
-                m0 = wait_measure(s, i, o, mml)
-                older = _sum_z3([z3.If(z3.And(s.slots[j].live, s.slots[j].seq < s.slots[i].seq), 1, 0)
-                                 for j in range(n) if j != i])
-                bounds = z3.And(m0 >= 1, m0 <= (older + 1) * mml)
-                # the oldest stays (and stays the oldest), or it ends and another becomes the oldest
-                stays = z3.Implies(z3.And(after.slots[i].live, after.slots[o].live),
-                                   wait_measure(after, i, o, mml) < m0)
-                ends = [z3.Implies(z3.And(after.slots[i].live, z3.Not(after.slots[o].live), oldest_by_seq(after, o2)),
-                                   wait_measure(after, i, o2, mml) < m0) for o2 in range(n) if o2 != o]
-                for part, goal in [("bounds", bounds), ("decrease", stays)] + [(f"decrease-new-oldest-{o2}", g)
-                                                                                for o2, g in zip([x for x in range(n) if x != o], ends, strict=True)]:
-                    status, w, reason = st.prove(goal, premise)
-                    statuses.append((f"{part}-{i}-{o}", status, reason))
-                    witness = witness or w
-        # arrivals (into an empty slot) and aborts (of another slot) never raise the measure
+                q, q2 = older_count(s, i), older_count(after, i)
+                keeps = z3.And(q2 == q, oldest_by_seq(after, o), after.slots[o].nc > s.slots[o].nc)
+                ask(st, f"decrease-{i}-{o}", z3.Implies(after.slots[i].live, z3.Or(q2 < q, keeps)),
+                    [s.slots[i].live, oldest_by_seq(s, o)])
+        # (3) the client: an arrival (into an empty slot) or an abort (of another request) never raises the
+        # measure
+        env_hyps = [env_ctx.cfg.valid(), *inv_parts(env_ctx, s).values()]
+        if policy in ORDERED:
+            env_hyps += list(order_invariant(env_ctx, s).values())
+        env = Prover(env_ctx, env_hyps, opts.timeout_s)
         p, mt = z3.Int("new_p"), z3.Int("new_mt")
         for i in range(n):
             for o in range(n):
-                m0 = wait_measure(s, i, o, mml)
-                premise = [s.slots[i].live, oldest_by_seq(s, o)]
-                env = []
+                q = older_count(s, i)
+                goals = []
                 for a in range(n):
                     if a == i:
                         continue
-                    env.append((f"arrive-{a}", arrive_precondition(s, a, p, mt), arrive(ctx, s, a, p, mt)))
-                    env.append((f"abort-{a}", s.slots[a].live, abort(ctx, s, a)))
-                for label, pre, later in env:
-                    goal = z3.Implies(pre, z3.And([z3.Implies(oldest_by_seq(later, o2), wait_measure(later, i, o2, mml) <= m0)
-                                                   for o2 in range(n)]))
-                    status, w, reason = st.prove(goal, premise)
-                    statuses.append((f"{label}-{i}-{o}", status, reason))
+                    for pre, later in ((arrive_precondition(s, a, p, mt), arrive(env_ctx, s, a, p, mt)),
+                                       (s.slots[a].live, abort(env_ctx, s, a))):
+                        q2 = older_count(later, i)
+                        same = z3.And(q2 == q, oldest_by_seq(later, o), later.slots[o].nc >= s.slots[o].nc)
+                        goals.append(z3.Implies(pre, z3.Or(q2 < q, same)))
+                ask(env, f"client-{i}-{o}", z3.And(goals), [s.slots[i].live, oldest_by_seq(s, o)])
         older_waits = z3.Or([z3.And(s.slots[0].live, oldest_by_seq(s, o)) for o in range(1, n)])
         return _combine(name, statement, statuses, opts, timer, witness, vacuity=st.vacuity([older_waits]))
 
     return Theorem(name, statement, run)
-
-
-# --- progress: bounded model checking of the window property ----------------------------------------------
-
-
-def progress_window(policy: str) -> Theorem:
-    name = f"{policy}/progress"
-    statement = ("progress (window): from any state satisfying Inv and Ord, with any arrivals, no "
-                 "max_model_len consecutive steps with live requests pass without a request ending or computing a "
-                 "position it never computed; checked for every config with max_model_len <= K")
-
-    def run(opts: Options) -> Result:
-        timer = Timer()
-        depth = opts.depth
-        local = bmc_options(opts)
-        status, witness, reason = _progress_bmc(local, policy, depth)
-        if status == COUNTEREXAMPLE and opts.block == "uninterpreted":
-            status, reason = recheck_block_size(local, lambda o: _progress_bmc(o, policy, depth)[:2])
-        covers = cover_goals(bmc_options(opts, fixed_block=True), policy, depth)
-        return Result(name, statement, PROVED, status, local.slots, local.block_label, depth, timer.seconds,
-                      detail=reason, witness=witness, vacuity=covers)
-
-    return Theorem(name, statement, run, bmc=True)
-
-
-def bmc_options(opts: Options, fixed_block: bool = False) -> Options:
-    """Bounded model checking runs at ``bmc_n`` slots with the small ``bmc_block_size`` (unless the
-    block size is symbolic or uninterpreted and ``fixed_block`` is not asked)."""
-    local = dataclasses.replace(opts, slots=opts.bmc_n)
-    if local.block == "fixed" or fixed_block:
-        local = dataclasses.replace(local, block="fixed", block_size_value=opts.bmc_block_size)
-    return local
-
-
-COVER_GOALS = ("preemption", "recompute after a preemption", "admission at max_num_seqs", "abort mid-prefill")
-"""What bounded model checking must reach from the initial state for its bound to mean something."""
-
-
-COVER_FIRST_DEPTH = 4
-"""Cover goals are searched first in runs of this many steps (every goal is reached within 4 with the
-default block size), then, for those not reached, in runs of K: a shorter run is a much smaller query."""
-
-
-def cover_goals(opts: Options, policy: str, depth: int) -> list[Coverage]:
-    """Each of :data:`COVER_GOALS`, searched from ``Init`` (requests arriving at any step, EOS and client
-    aborts free, ``max_model_len <= K`` as in the bounded proof) within K steps; reports the step of the
-    run found at which it is reached (``unsat``: not within K). A run of K steps that can never
-    preempt, say, checks progress only for runs without preemption."""
-    found: dict[str, Coverage] = {}
-    for d in sorted({min(COVER_FIRST_DEPTH, depth), depth}):
-        missing = [goal for goal in COVER_GOALS if goal not in found or not found[goal].reached]
-        if not missing:
-            break
-        for cover in _cover_run(opts, policy, d, depth, missing):
-            if cover.case in found:
-                cover.seconds += found[cover.case].seconds
-            found[cover.case] = cover
-    return [found[goal] for goal in COVER_GOALS]
-
-
-def _cover_run(opts: Options, policy: str, steps: int, depth: int, goals: list[str]) -> list[Coverage]:
-    ctx = setup(opts)
-    n = opts.slots
-    r = run_from_init(ctx, policy, n, steps, eos=True, aborts=True)
-    c = ctx.cfg
-    per_step: dict[str, list[Any]] = {goal: [] for goal in COVER_GOALS}
-    for t, rec in enumerate(r.steps):
-        S, plan = rec.before.slots, rec.step.plan
-        atoms = [rule_atoms(rec.before, plan, i) for i in range(n)]
-        after = _sum_z3([a.running - a.preempted + a.admitted for a in atoms])
-        per_step["preemption"].append(rec.step.any_preempted)
-        per_step["recompute after a preemption"].append(
-            z3.Or([z3.And(sl.st == PREEMPTED_STATUS, plan.sched[i]) for i, sl in enumerate(S)]))
-        per_step["admission at max_num_seqs"].append(
-            z3.And(_sum_z3([a.admitted for a in atoms]) >= 1, after == c.max_num_seqs))
-        arrived = r.arrived[t].slots
-        per_step["abort mid-prefill"].append(z3.Or([z3.And(r.aborted[t][i], arrived[i].running, arrived[i].nc >= 1,
-                                                           arrived[i].nc < arrived[i].p) for i in range(n)]))
-    solver = z3.Solver()
-    solver.set("timeout", max(1, int(opts.timeout_s * 1000)))
-    # the configs the bounded proof covers (max_model_len <= K): a cover reached only with a longer
-    # max_model_len would say nothing about them
-    solver.add(c.valid(), c.max_model_len <= depth, *ctx.facts)
-    out = []
-    for goal in goals:
-        timer = Timer()
-        solver.push()
-        solver.add(z3.Or(per_step[goal]))
-        answer = solver.check()
-        reached = None
-        if answer == z3.sat:
-            model = solver.model()
-            reached = next(t + 1 for t, g in enumerate(per_step[goal]) if z3.is_true(model.eval(g, model_completion=True)))
-        solver.pop()
-        status = "sat" if answer == z3.sat else "unsat" if answer == z3.unsat else UNKNOWN
-        out.append(Coverage(goal, status, reached if reached is not None else steps, timer.seconds))
-    return out
-
-
-def _sum_z3(terms: list[Any]) -> Any:
-    return z3.Sum(terms + [z3.IntVal(0)])
-
-
-def _progress_bmc(opts: Options, policy: str, depth: int) -> tuple[str, Any, str]:
-    ctx = setup(opts)
-    n = opts.slots
-    c = ctx.cfg
-    s = symbolic_state(n, "s")
-    hw = [z3.Int(f"hw{i}") for i in range(n)]
-    hyps = [c.valid(), c.max_model_len <= depth] + list(inv_parts(ctx, s).values())
-    hyps += list(order_invariant(ctx, s).values())
-    # symmetry: the encoding treats slots alike, so the live requests may be taken to fill the first
-    # slots in arrival order
-    for i in range(1, n):
-        prev, sl = s.slots[i - 1], s.slots[i]
-        hyps.append(z3.Implies(sl.live, z3.And(prev.live, prev.seq < sl.seq)))
-    for i, sl in enumerate(s.slots):
-        hyps.append(z3.Implies(sl.live, z3.And(hw[i] >= sl.nc, hw[i] <= sl.p + sl.o)))
-        hyps.append(z3.Implies(sl.st == 1, hw[i] == 0))
-    stalled = []
-    state = s
-    for t in range(depth):
-        flags = [z3.Bool(f"t{t}_arrives{i}") for i in range(n)]
-        prompts = [z3.Int(f"t{t}_p{i}") for i in range(n)]
-        mts = [z3.Int(f"t{t}_mt{i}") for i in range(n)]
-        for i in range(n):
-            hyps.append(z3.Implies(flags[i], z3.And(state.slots[i].st == 0, prompts[i] >= 0, mts[i] >= 0)))
-        before = materialize(ctx, arrivals(state, flags, prompts, mts), f"t{t}b")
-        hw = [z3.If(flags[i], 0, hw[i]) for i in range(n)]
-        step = plan_step(ctx, before, policy, name=f"t{t}")
-        plan = step.plan
-        eos = [z3.Bool(f"t{t}_eos{i}") for i in range(n)]
-        out = apply_plan(ctx, before, plan, eos)
-        reach = [plan.start[i] + plan.ntok[i] for i in range(n)]
-        advanced = z3.Or([z3.Or(out.stops[i], plan.rej[i], z3.And(plan.sched[i], reach[i] > hw[i])) for i in range(n)])
-        live = z3.Or([sl.live for sl in before.slots])
-        stalled.append(z3.Implies(t < c.max_model_len, z3.And(live, z3.Not(advanced))))
-        hw = [ctx.define(f"t{t + 1}_hw{i}", z3.If(z3.And(plan.sched[i], reach[i] > hw[i]), reach[i], hw[i]))
-              for i in range(n)]
-        state = materialize(ctx, out.state, f"t{t + 1}")
-        if t + 1 < depth:
-            # Inv and Ord are inductive (spec/step/*, fcfs/refines, <policy>/ordering-invariant): assuming
-            # them at every state of the run prunes the search without losing a real run
-            hyps += list(inv_parts(ctx, state).values()) + list(order_invariant(ctx, state).values())
-    answer = satisfiable(ctx, hyps + stalled, opts.timeout_s, negate=True)
-    witness = state_values(answer.model, s) if answer.model is not None else None
-    detail = answer.reason
-    if answer.model is not None:
-        detail = f"a stall of max_model_len={value(answer.model, c.max_model_len)} steps (witness: starting state)"
-    return answer.status, witness, detail
 
 
 # --- counterexamples from the initial state ------------------------------------------------------------------
@@ -825,8 +757,8 @@ def search_from_init(opts: Options, policy: str, prop: str, case: str, about: st
         if status == PROVED:
             detail = f"no run of {slots} requests and {depth} steps breaks it (search depth too small?)"
         return status, None, None, detail
-    arrived = _sum_z3([z3.If(r.arrival[i] < depth, 1, 0) for i in range(slots)])
-    sizes = _sum_z3([z3.If(r.arrival[i] < depth, r.prompt[i] + r.max_tokens[i], 0) for i in range(slots)])
+    arrived = _sum([z3.If(r.arrival[i] < depth, 1, 0) for i in range(slots)])
+    sizes = _sum([z3.If(r.arrival[i] < depth, r.prompt[i] + r.max_tokens[i], 0) for i in range(slots)])
     model = minimize(ctx, constraints, [arrived, sizes], min(local.timeout_s, 10.0)) or answer.model
     scenario = scenario_from_run(model, ctx, r, policy, prop, case, about)
     replayed, detail = confirm(scenario, prop)
@@ -896,6 +828,8 @@ def policy_theorems(policy: str) -> list[Theorem]:
         out.append(progress_step(policy))
         if policy in ORDERED:
             out.append(progress_window(policy))
+    if "bounded-preemptions" in guarantees and policy in ORDERED:
+        out.append(bounded_preemptions(policy))
     if "no-priority-inversion" in guarantees:
         from .priority import no_priority_inversion
 

@@ -200,7 +200,8 @@ def command(scheduler_name: str | None, sets: tuple[str, ...], slots: int, depth
     --set block_size=16 (default), =symbolic (ceil division is nonlinear; may answer unknown) or
     =uninterpreted (proves for every block size; counterexamples are re-checked with block_size=16);
     --set FIELD=VALUE fixes another config field. Default run: spec at N=16, one-step policy theorems
-    at N=4, bounded model checking at N=3, K=6 with block_size 2 (--bmc-block-size), block ids at
+    at N=4, bounded model checking (progress, bounded-preemptions) at N=4, K=6 with block_size 2
+    (--bmc-block-size) and its cover goals, block ids at
     N=4 with num_kv_blocks=6 (--id-blocks). With --set enable_prefix_caching=true only the
     prefix-cache theorems run (spec/prefix/*, at --policy-slots slots and --id-blocks blocks).
     """

@@ -19,7 +19,7 @@ UNKNOWN = "unknown"
 DEFAULT_SLOTS = 16
 DEFAULT_DEPTH = 6
 DEFAULT_POLICY_SLOTS = 4
-DEFAULT_BMC_SLOTS = 3
+DEFAULT_BMC_SLOTS = 4
 DEFAULT_BMC_BLOCK_SIZE = 2
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_TIMEOUT_S = 60.0
@@ -85,31 +85,42 @@ class Options:
 
 SAT = "sat"
 UNSAT = "unsat"
+UNCONFIRMED = "unconfirmed"
+"""A cover goal the encoding reaches but the reference's replay of the same run does not: the encoding
+and the code disagree."""
 
 
 @dataclass
 class Coverage:
     """One vacuity or cover check: ``case`` (``premises``, ``premises + preemption``, or a cover goal),
     ``status`` (``sat``: satisfiable / reached; ``unsat``: vacuous / unreachable within the depth;
-    ``unknown``), the depth it was reached at (cover goals), its time."""
+    ``unconfirmed``: reached by the encoding, not by the reference's replay; ``unknown``), the depth it was
+    reached at and the requests of that run (cover goals), its time."""
 
     case: str
     status: str
     depth: int | None = None
     seconds: float = 0.0
+    slots: int | None = None
+    """For a cover goal: the requests of the run that reached it (the search starts small)."""
 
     @property
     def reached(self) -> bool:
         return self.status == SAT
 
     def to_dict(self) -> dict[str, Any]:
-        return {"case": self.case, "status": self.status, "depth": self.depth, "seconds": round(self.seconds, 3)}
+        return {"case": self.case, "status": self.status, "depth": self.depth, "slots": self.slots,
+                "seconds": round(self.seconds, 3)}
 
     def __str__(self) -> str:
         at = f" at depth {self.depth}" if self.depth is not None else ""
+        if self.slots is not None and self.status == SAT:
+            at += f" ({self.slots} requests, replayed on the reference)"
         word = {SAT: "satisfiable" if self.depth is None else "reached"}.get(self.status, self.status)
         if self.status == UNSAT:
             word = "UNSATISFIABLE (vacuous)" if self.depth is None else "NOT REACHED"
+        if self.status == UNCONFIRMED:
+            word = "NOT REPRODUCED by the reference"
         return f"{self.case}: {word}{at}"
 
 
