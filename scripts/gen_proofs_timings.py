@@ -4,7 +4,7 @@ Two steps, so that the site builds without running Z3:
 
 - ``--run`` runs each command of :data:`RUNS` (``schedspec prove ... --json``), with the machine's load
   (``os.getloadavg``) before and after and the wall and CPU time of the whole command, and writes every
-  result to ``docs/generated/proofs-runs.json`` (takes about 10 minutes on the 2-core machine);
+  result to ``docs/generated/proofs-runs.json`` (takes about 20 minutes on the 2-core machine);
 - without ``--run`` it renders that file to ``docs/generated/proofs-timings.md``, which
   ``docs/proofs.md`` includes (``--8<--``). ``tests/test_proofs_timings.py`` fails when the page is not
   the rendering of the runs file, or when a run lists a theorem ``prove --list`` no longer has.
@@ -35,10 +35,16 @@ PAGE = ROOT / "docs" / "generated" / "proofs-timings.md"
 RUNS: list[tuple[str, list[str]]] = [
     ("the default run (spec N=16, policy N=4, BMC N=4, K=6)", ["--timeout", "300"]),
     ("spec theorems at N=32", ["--slots", "32", "--only", "spec/", "--timeout", "300"]),
-    ("bounded model checking at N=4, K=6", ["--bmc-slots", "4", "--depth", "6", "--only", "fcfs/progress",
-                                            "--timeout", "300"]),
+    ("fcfs one-step theorems at N=8", ["--policy-slots", "8", "--only", "fcfs/", "--timeout", "300"]),
+    ("bounded model checking at N=5, K=6", ["--bmc-slots", "5", "--depth", "6", "--only", "fcfs/progress",
+                                            "--only", "fcfs/bounded-preemptions", "--timeout", "300"]),
+    ("bounded model checking at N=4, K=8", ["--bmc-slots", "4", "--depth", "8", "--only", "fcfs/progress",
+                                            "--only", "fcfs/bounded-preemptions", "--timeout", "300"]),
     ("block ids at N=6, num_kv_blocks=8", ["--policy-slots", "6", "--id-blocks", "8", "--only", "spec/blocks",
                                            "--timeout", "300"]),
+    ("the priority policy at N=6", ["--scheduler", "priority", "--policy-slots", "6", "--only", "priority/",
+                                    "--timeout", "300"]),
+    ("static batching (default sizes)", ["--scheduler", "static", "--only", "static/", "--timeout", "300"]),
 ]
 """(what it measures, ``schedspec prove`` arguments); each run adds ``--json``. ``--timeout 300``: Z3's
 timeout is wall time, and on the shared 2-core machine (load 5-10) a query gets a fifth of a core, so

@@ -51,7 +51,13 @@ def test_victims_oldest_first_break_bounded_preemptions(monkeypatch):
     _victims_oldest_first(monkeypatch)
     result = bmc.bounded_preemptions("fcfs").run(SMALL)
     assert result.status == "counterexample", result.detail
+    # the minimized run, step by step, with each slot's count and bound
     assert result.witness is not None and "preemptions" in result.witness["slots"][0]
+    assert result.witness["steps"] and all("slots" in step for step in result.witness["steps"])
+    # a run from Init on which the (mutated) encoding breaks the bound becomes a scenario; the reference
+    # (not mutated) does not reproduce it, and says so
+    assert result.scenario is not None and result.scenario["expect"] == {"demonstrates": "bounded-preemptions"}
+    assert result.replayed is False and "did not confirm" in result.detail
 
 
 def test_a_cover_run_the_reference_does_not_reproduce_is_unconfirmed(monkeypatch):

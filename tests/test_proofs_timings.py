@@ -30,9 +30,9 @@ def test_the_timings_page_renders_the_recorded_runs(generator):
 
 def test_the_recorded_runs_name_existing_theorems(generator):
     pytest.importorskip("z3")
-    from schedspec.commands.prove import theorems_for
+    from schedspec.commands.prove import ENCODED, theorems_for
 
-    known = {t.name for t in theorems_for("fcfs")}
+    known = {t.name for scheduler in ENCODED for t in theorems_for(scheduler)}
     data = json.loads(generator.RUNS_FILE.read_text(encoding="utf-8"))
     named = {r["name"] for run in data["runs"] for r in run["results"]}
     assert named <= known, sorted(named - known)

@@ -50,7 +50,7 @@ from schedspec.spec.proofs.encoding import (
     rule_atoms,
     symbolic_state,
 )
-from schedspec.spec.proofs.solve import Prover, satisfiable, state_values, value
+from schedspec.spec.proofs.solve import Prover, minimize, satisfiable, state_values, value, witness_objectives
 from schedspec.spec.proofs.theorems import inv_parts, recheck_block_size, setup
 
 from .policy import POLICIES, PolicyStep, plan_step, slot_order_hypothesis
@@ -193,7 +193,8 @@ def progress_query(opts: Options, policy: str, depth: int) -> tuple[str, Any, st
         hyps.append(z3.Implies(sl.live, z3.And(hw[i] >= sl.nc, hw[i] <= sl.p + sl.o)))
         hyps.append(z3.Implies(sl.st == 1, hw[i] == 0))
     stalled = []
-    for t, rec in enumerate(unroll(ctx, policy, s, depth, hyps, arrive=True, abort=False)):
+    steps = unroll(ctx, policy, s, depth, hyps, arrive=True, abort=False)
+    for t, rec in enumerate(steps):
         plan = rec.step.plan
         hw = [z3.If(rec.arrived[i], 0, hw[i]) for i in range(n)]
         reach = [plan.start[i] + plan.ntok[i] for i in range(n)]
@@ -204,17 +205,31 @@ def progress_query(opts: Options, policy: str, depth: int) -> tuple[str, Any, st
         hw = [ctx.define(f"t{t + 1}_hw{i}", z3.If(z3.And(plan.sched[i], reach[i] > hw[i]), reach[i], hw[i]))
               for i in range(n)]
     answer = satisfiable(ctx, hyps + stalled, opts.timeout_s, negate=True)
-    witness = state_values(answer.model, s) if answer.model is not None else None
-    detail = answer.reason
-    if answer.model is not None:
-        detail = f"a stall of max_model_len={value(answer.model, c.max_model_len)} steps (witness: starting state)"
-    return answer.status, witness, detail
+    if answer.model is None:
+        return answer.status, None, answer.reason
+    model = minimize(ctx, hyps + stalled, witness_objectives(s), min(opts.timeout_s, 10.0)) or answer.model
+    mml = value(model, c.max_model_len)
+    return answer.status, run_witness(model, ctx, s, steps[:mml]), f"a stall of max_model_len={mml} steps (the run below)"
+
+
+def run_witness(model: z3.ModelRef, ctx: Ctx, s: State, steps: list[BmcStep], extra: dict[str, list[Any]] | None = None
+                ) -> dict[str, Any]:
+    """A counterexample run, readable: the config, the starting state (``slots``, with ``extra`` per slot)
+    and, per step, the state the step was planned on (after the client's arrivals and aborts) with its
+    plan and whether each request ends in it (``steps``)."""
+    out = state_values(model, s, extra=extra)
+    out["config"] = ctx.cfg.evaluate(model)
+    out["steps"] = []
+    for rec in steps:
+        row = state_values(model, rec.before, rec.step.plan, extra={"ends": rec.out.stops})
+        out["steps"].append({"step": len(out["steps"]), "free": row["free"], "slots": row["slots"]})
+    return out
 
 
 # --- bounded preemptions -------------------------------------------------------------------------------------
 
 
-def preemption_bounds(ctx: Ctx, s: State, cap: int) -> list[Any]:
+def preemption_bounds(ctx: Ctx, s: State, cap: int, name: str = "") -> list[Any]:
     """``BoundedPreemptions``' bound ``P`` per slot, capped at ``cap``: the live requests ranked by age
     (slot order: the order of addition, as the monitor's stable sort by arrival step and time),
     ``P(1) = 0``, ``P(i + 1) = P(i) + (P(i) + 1) * max_blocks(i)``. Capped at ``cap`` (a run of ``cap``
@@ -226,7 +241,7 @@ def preemption_bounds(ctx: Ctx, s: State, cap: int) -> list[Any]:
         out.append(total)
         blocks = max_blocks_needed(ctx, sl.p, sl.mt)
         grown = total + _sum([z3.If(total == k, (k + 1) * blocks, 0) for k in range(cap + 1)])
-        total = ctx.define(f"pbound{i + 1}", z3.If(sl.live, z3.If(grown >= cap, cap, grown), total))
+        total = ctx.define(f"{name}pbound{i + 1}", z3.If(sl.live, z3.If(grown >= cap, cap, grown), total))
     return out
 
 
@@ -242,12 +257,13 @@ def bounded_preemptions_query(opts: Options, policy: str, depth: int) -> tuple[s
     counts = [_sum([z3.If(rec.step.plan.pre[i], 1, 0) for rec in steps]) for i in range(n)]
     over = z3.Or([z3.And(s.slots[i].live, counts[i] > bounds[i]) for i in range(n)])
     answer = satisfiable(ctx, hyps + [over], opts.timeout_s, negate=True)
-    witness = None
-    detail = answer.reason
-    if answer.model is not None:
-        witness = state_values(answer.model, s, extra={"preemptions": counts, "bound": bounds})
-        detail = "a request preempted more often than its bound (witness: starting state)"
-    return answer.status, witness, detail
+    if answer.model is None:
+        return answer.status, None, answer.reason
+    model = minimize(ctx, hyps + [over], witness_objectives(s), min(opts.timeout_s, 10.0)) or answer.model
+    witness = run_witness(model, ctx, s, steps, extra={"preemptions": counts, "bound": bounds})
+    over_by = [f"slot {i}: {value(model, counts[i])} > {value(model, bounds[i])}" for i in range(n)
+               if z3.is_true(model.eval(z3.And(s.slots[i].live, counts[i] > bounds[i]), model_completion=True))]
+    return answer.status, witness, "preempted more often than the bound (" + "; ".join(over_by) + "; the run below)"
 
 
 # --- cover goals ----------------------------------------------------------------------------------------------
@@ -434,23 +450,76 @@ def _reached(goal: str, config: Any, before_abort: Any, aborted: list[str], stat
     raise KeyError(goal)
 
 
+# --- the same properties on runs from Init (a counterexample found above becomes a scenario) ---------------------
+
+
+def progress_from_init(ctx: Ctx, r: Run) -> Any:
+    """``Progress`` reports on the run from Init: ``max_model_len`` consecutive steps with live requests in
+    which no request ends and none computes a position past its high-water mark (0 at its arrival)."""
+    c = ctx.cfg
+    n = len(r.arrival)
+    depth = len(r.steps)
+    hw: list[Any] = [z3.IntVal(0)] * n
+    stalled = []
+    for t, rec in enumerate(r.steps):
+        plan = rec.step.plan
+        reach = [plan.start[i] + plan.ntok[i] for i in range(n)]
+        advanced = z3.Or([z3.Or(rec.out.stops[i], plan.rej[i], z3.And(plan.sched[i], reach[i] > hw[i]))
+                          for i in range(n)])
+        stalled.append(z3.And(z3.Or([sl.live for sl in rec.before.slots]), z3.Not(advanced)))
+        hw = [ctx.define(f"init_hw{t + 1}_{i}", z3.If(z3.And(plan.sched[i], reach[i] > hw[i]), reach[i], hw[i]))
+              for i in range(n)]
+    return z3.Or([z3.And(start + c.max_model_len <= depth,
+                         *[z3.Implies(t < start + c.max_model_len, stalled[t]) for t in range(start, depth)])
+                  for start in range(depth)])
+
+
+def bounded_preemptions_from_init(ctx: Ctx, r: Run) -> Any:
+    """``BoundedPreemptions`` reports on the run from Init: with ``L`` the step of the last arrival, some
+    request live at ``L`` is preempted in steps ``L, L + 1, ...`` more often than its bound from the state
+    at ``L`` (the monitor's reset at each arrival)."""
+    n = len(r.arrival)
+    depth = len(r.steps)
+    options = []
+    for last in range(depth):
+        is_last = z3.And(z3.Or([a == last for a in r.arrival]), *[z3.Or(a <= last, a >= depth) for a in r.arrival])
+        before = r.steps[last].before
+        bounds = preemption_bounds(ctx, before, depth, name=f"init{last}_")
+        counts = [_sum([z3.If(r.steps[t].step.plan.pre[i], 1, 0) for t in range(last, depth)]) for i in range(n)]
+        options.append(z3.And(is_last, z3.Or([z3.And(before.slots[i].live, counts[i] > bounds[i]) for i in range(n)])))
+    return z3.Or(options)
+
+
 # --- the theorems ---------------------------------------------------------------------------------------------
 
 
 def _bmc_theorem(name: str, statement: str, policy: str, query: Callable[[Options, str, int], tuple[str, Any, str]],
-                 covers: dict[str, CoverGoal], bounded_len: bool) -> Theorem:
+                 covers: dict[str, CoverGoal], bounded_len: bool, prop: str, from_init: Callable[[Ctx, Run], Any]
+                 ) -> Theorem:
     def run(opts: Options) -> Result:
         timer = Timer()
         depth = opts.depth
         local = bmc_options(opts)
         status, detail, witness = layout_lemmas(local, policy)
+        scenario, replayed = None, None
         if status == PROVED:
             status, witness, detail = query(local, policy, depth)
             if status == COUNTEREXAMPLE and opts.block == "uninterpreted":
                 status, detail = recheck_block_size(local, lambda o: query(o, policy, depth)[:2])
-        found = cover_goals(bmc_options(opts, fixed_block=True), policy, depth, covers, bounded_len)
+            if status == COUNTEREXAMPLE:
+                # the run above starts from a state satisfying Inv and Ord, which need not be reachable: is
+                # there a run from Init on which the monitor reports? it becomes a scenario replay reproduces
+                from .theorems import search_from_init
+
+                fixed = bmc_options(opts, fixed_block=True)
+                found, scenario, replayed, why = search_from_init(
+                    fixed, policy, prop, f"counterexample-{name.replace('/', '-')}", f"{statement} (found by Z3)",
+                    from_init, slots=local.slots, depth=depth, layout=bmc_layout(policy))
+                detail += (f"; reached from Init: scenario {scenario['name']} ({why})" if scenario is not None else
+                           f"; not reached from Init with {local.slots} requests in {depth} steps ({found})")
+        found_covers = cover_goals(bmc_options(opts, fixed_block=True), policy, depth, covers, bounded_len)
         return Result(name, statement, PROVED, status, local.slots, local.block_label, depth, timer.seconds,
-                      detail=detail, witness=witness, vacuity=found)
+                      detail=detail, witness=witness, vacuity=found_covers, scenario=scenario, replayed=replayed)
 
     return Theorem(name, statement, run, bmc=True)
 
@@ -461,7 +530,7 @@ def progress_window(policy: str) -> Theorem:
         "progress (window): from any state satisfying Inv and Ord, with any arrivals, no max_model_len "
         "consecutive steps with live requests pass without a request ending or computing a position it never "
         "computed; checked for every config with max_model_len <= K", policy, progress_query, PROGRESS_COVERS,
-        bounded_len=True)
+        bounded_len=True, prop="progress", from_init=progress_from_init)
 
 
 def bounded_preemptions(policy: str) -> Theorem:
@@ -470,7 +539,8 @@ def bounded_preemptions(policy: str) -> Theorem:
         "bounded-preemptions: from any state satisfying Inv and Ord (after the last arrival), in every run of K "
         "steps with any EOS and client aborts, the i-th oldest live request is preempted at most P(i) times "
         "(P(1) = 0, P(i+1) = P(i) + (P(i) + 1) * max_blocks(i)); checked for every config",
-        policy, bounded_preemptions_query, PREEMPTION_COVERS, bounded_len=False)
+        policy, bounded_preemptions_query, PREEMPTION_COVERS, bounded_len=False, prop="bounded-preemptions",
+        from_init=bounded_preemptions_from_init)
 
 
 __all__ = ["bounded_preemptions", "bmc_options", "cover_goals", "layout_lemmas", "progress_window", "replay_cover",

@@ -737,15 +737,15 @@ def counterexample(name: str, case: str, policy: str, prop: str, statement: str,
 
 def search_from_init(opts: Options, policy: str, prop: str, case: str, about: str,
                      violation: Callable[[Ctx, Any], Any], fixed: dict[str, Any] | None = None,
-                     bounds: Callable[[Ctx], list[Any]] | None = None, slots: int = 3, depth: int = 3
-                     ) -> tuple[str, dict[str, Any] | None, bool | None, str]:
-    """Search a run from Init (``slots`` requests, ``depth`` steps) on which ``violation`` holds; turn it
-    into a scenario (the smallest found: fewest requests, then shortest prompts and outputs) and replay it
-    on the reference. Returns ``(status, scenario, replayed, detail)``: ``counterexample`` with the
-    scenario, ``proved`` (no such run within the bound) or ``unknown``."""
+                     bounds: Callable[[Ctx], list[Any]] | None = None, slots: int = 3, depth: int = 3,
+                     layout: str = "permuted") -> tuple[str, dict[str, Any] | None, bool | None, str]:
+    """Search a run from Init (``slots`` requests, ``depth`` steps, the policy step in ``layout``) on which
+    ``violation`` holds; turn it into a scenario (the smallest found: fewest requests, then shortest prompts
+    and outputs) and replay it on the reference. Returns ``(status, scenario, replayed, detail)``:
+    ``counterexample`` with the scenario, ``proved`` (no such run within the bound) or ``unknown``."""
     local = dataclasses.replace(opts, slots=slots, block="fixed", depth=depth, fixed={**opts.fixed, **(fixed or {})})
     ctx = setup(local)
-    r = run_from_init(ctx, policy, slots, depth)
+    r = run_from_init(ctx, policy, slots, depth, layout=layout)
     constraints = [ctx.cfg.valid(), violation(ctx, r)] + (bounds(ctx) if bounds else [])
     # a readable witness: every request that arrives could complete alone (none is rejected)
     constraints += [z3.Implies(r.arrival[i] < depth, fits_alone(ctx, r.prompt[i], r.max_tokens[i]))

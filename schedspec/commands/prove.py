@@ -294,37 +294,61 @@ def _print(console: Console, scheduler: str, opts: Options, results: list[Result
                           + "; ".join(str(c) for c in r.vacuous), highlight=False)
         elif not r.ok:
             console.print(f"[red]{r.name}[/]: {r.status}; {r.detail}")
-            if r.witness is not None and r.scenario is None:
+            if r.witness is not None and (r.scenario is None or "steps" in r.witness):
                 console.print(witness_table(r.witness))
     failed = sum(not r.ok for r in results)
     console.print(f"{len(results) - failed} as expected, {failed} not"
                   + ("" if not failed else " (exit 1)"))
 
 
-def witness_table(witness: dict[str, Any]) -> Table:
-    """A counterexample state (and plan) as one row per live request: what a person reads first.
+def _plan_cell(row: dict[str, Any]) -> str:
+    if row.get("plan_sched"):
+        return f"schedule {row['plan_ntok']} tokens from {row['plan_start']}, +{row['plan_nb']} blocks"
+    if row.get("plan_pre"):
+        return f"preempt (#{row['plan_ppos']})"
+    if row.get("plan_rej"):
+        return "reject"
+    return "-" if "plan_sched" in row else ""
 
-    ``witness`` is ``solve.state_values``'s dict (its ``config``, scalars and live ``slots``)."""
+
+def _yes_no(value: Any) -> str:
+    return {True: "yes", False: "no"}.get(value, "")
+
+
+def witness_table(witness: dict[str, Any]) -> Table:
+    """A counterexample state (and plan) as one row per live request: what a person reads first; a
+    counterexample run of bounded model checking (``witness["steps"]``) as one row per step and live
+    request.
+
+    ``witness`` is ``solve.state_values``'s dict (its ``config``, scalars and live ``slots``), or
+    ``bmc.run_witness``'s (with ``steps``)."""
     cfg = witness.get("config", {})
     title = "counterexample (minimized): " + ", ".join(f"{k}={v}" for k, v in cfg.items())
+    if "steps" in witness:
+        extra = [k for k in ("preemptions", "bound") if any(k in row for row in witness.get("slots", []))]
+        if extra:
+            title += "; per slot at the start: " + ", ".join(
+                f"slot {row['slot']} " + " ".join(f"{k} {row[k]}" for k in extra) for row in witness["slots"])
+        table = Table(title=title, title_justify="left")
+        for column in ("step", "free blocks", "slot", "status", "prompt", "outputs", "max_tokens", "computed",
+                       "blocks", "plan", "ends"):
+            table.add_column(column)
+        for step in witness["steps"]:
+            for row in step["slots"]:
+                table.add_row(str(step["step"]), str(step["free"]), str(row["slot"]), str(row["st"]), str(row["p"]),
+                              str(row["o"]), str(row["mt"]), str(row["nc"]), str(row["b"]), _plan_cell(row),
+                              _yes_no(row.get("ends")))
+        return table
     title += f"; free blocks {witness.get('free')}"
-    extra = {k: witness[k] for k in ("owner",) if k in witness}
-    if extra:
-        title += "; " + ", ".join(f"{k} {v}" for k, v in extra.items())
+    extra_fields = {k: witness[k] for k in ("owner",) if k in witness}
+    if extra_fields:
+        title += "; " + ", ".join(f"{k} {v}" for k, v in extra_fields.items())
     table = Table(title=title, title_justify="left")
     for column in ("slot", "status", "prompt", "outputs", "max_tokens", "computed", "blocks", "queue pos",
                    "admitted", "plan", "EOS"):
         table.add_column(column)
     for row in witness.get("slots", []):
-        if row.get("plan_sched"):
-            plan = f"schedule {row['plan_ntok']} tokens from {row['plan_start']}, +{row['plan_nb']} blocks"
-        elif row.get("plan_pre"):
-            plan = f"preempt (#{row['plan_ppos']})"
-        elif row.get("plan_rej"):
-            plan = "reject"
-        else:
-            plan = "-" if "plan_sched" in row else ""
         table.add_row(str(row["slot"]), str(row["st"]), str(row["p"]), str(row["o"]), str(row["mt"]), str(row["nc"]),
-                      str(row["b"]), str(row["pos"]), "yes" if row["adm"] else "no", plan,
-                      {True: "yes", False: "no"}.get(row.get("eos"), ""))
+                      str(row["b"]), str(row["pos"]), "yes" if row["adm"] else "no", _plan_cell(row),
+                      _yes_no(row.get("eos")))
     return table
