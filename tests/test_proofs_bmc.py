@@ -16,6 +16,8 @@ import pytest
 
 z3 = pytest.importorskip("z3")
 
+from test_proofs_exhaustive import released_not_returned  # noqa: E402
+
 from schedspec.reference.proofs import bmc  # noqa: E402
 from schedspec.reference.proofs import policy as policy_encoding  # noqa: E402
 from schedspec.spec.proofs.core import Options  # noqa: E402
@@ -91,24 +93,7 @@ def test_a_cover_run_the_reference_does_not_reproduce_is_unconfirmed(monkeypatch
 def test_a_layout_lemma_refuted_fails_the_run(monkeypatch):
     """An encoding that does not return a victim's blocks to the pool breaks the slot-order step's lemma
     that the pool never goes negative; the run reports the lemma, not a proof."""
-    original = policy_encoding.plan_step
-
-    def patched(ctx, s, policy, name="", canonical=False, layout=None):
-        real_define = ctx.define
-
-        def define(label, expr, sort="int"):
-            if "avail" in label:
-                plus, nbk = expr.children()
-                expr = plus.children()[0] - nbk
-            return real_define(label, expr, sort)
-
-        ctx.define = define
-        try:
-            return original(ctx, s, policy, name, canonical, layout)
-        finally:
-            ctx.define = real_define
-
-    monkeypatch.setattr(bmc, "plan_step", patched)
+    monkeypatch.setattr(bmc, "plan_step", released_not_returned(policy_encoding.plan_step))
     result = bmc.bounded_preemptions("fcfs").run(SMALL)
     assert result.status == "counterexample" and "lemma pool-nonnegative" in result.detail, result.detail
 

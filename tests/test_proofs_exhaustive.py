@@ -277,9 +277,9 @@ def _python_admits_past_max_num_seqs(monkeypatch):
     return policy_disagreement
 
 
-def _released_not_returned_in_the_policy_encoding(monkeypatch):
-    """The policy encoding's pool after rank k is ``avail[k] + released - nbk``: drop ``released``."""
-    source = policy_encoding.plan_step
+def released_not_returned(source):
+    """``source`` (the policy encoding's ``plan_step``) with the pool after rank k ``avail[k] - nbk``
+    instead of ``avail[k] + released - nbk``: a victim's blocks are not returned."""
 
     def patched(ctx, s, policy, name="", canonical=False, layout=None):
         real_define = ctx.define
@@ -296,7 +296,12 @@ def _released_not_returned_in_the_policy_encoding(monkeypatch):
         finally:
             ctx.define = real_define
 
-    monkeypatch.setattr(policy_encoding, "plan_step", patched)
+    return patched
+
+
+def _released_not_returned_in_the_policy_encoding(monkeypatch):
+    """The policy encoding's pool after rank k is ``avail[k] + released - nbk``: drop ``released``."""
+    monkeypatch.setattr(policy_encoding, "plan_step", released_not_returned(policy_encoding.plan_step))
     return policy_disagreement
 
 

@@ -83,8 +83,8 @@ def bmc_options(opts: Options, fixed_block: bool = False) -> Options:
 def layout_lemmas(opts: Options, policy: str) -> tuple[str, str, Any]:
     """Prove what the slot-order unrolling assumes, at the run's N: (1) ``Inv``, ``Ord`` and
     :func:`.properties.seq_sorted` imply :func:`.policy.slot_order_hypothesis`; (2) arrivals placed after
-    every live request (:func:`.properties.arrival_after_live`) keep ``seq_sorted``; (3) so does the
-    policy's slot-order step; (4) the step's lemmas (``PolicyStep.ordered_lemmas``: the pool never goes
+    every live request (:func:`.properties.arrival_after_live`) keep ``seq_sorted``, and so do aborts;
+    (3) so does the policy's slot-order step; (4) the step's lemmas (``PolicyStep.ordered_lemmas``: the pool never goes
     negative, prefills never preempt, a decode needs at most one block), each from the ones before, which
     :func:`unroll` then assumes at every step. Returns ``(status, detail, witness)``; ``proved`` without
     work for a permuted layout."""
@@ -101,9 +101,11 @@ def layout_lemmas(opts: Options, policy: str) -> tuple[str, str, Any]:
     arrived = arrivals(s, flags, p, mt)
     step = plan_step(ctx, s, policy, name="lay", layout="slot-order")
     after = apply_plan(ctx, s, step.plan, [z3.Bool(f"lay_eos{i}") for i in range(n)]).state
+    cut = [z3.And(z3.Bool(f"lay_abort{i}"), s.slots[i].live) for i in range(n)]
     goals = [
         ("the layout's hypothesis", z3.And(slot_order_hypothesis(s))),
         ("arrivals keep the slot order", z3.Implies(z3.And(arrival_after_live(s, flags)), seq_sorted(arrived))),
+        ("aborts keep the slot order", seq_sorted(abort_where(s, cut))),
         ("the step keeps the slot order", z3.Implies(z3.And(step.canonical), seq_sorted(after))),
     ]
     goals += [(f"lemma {label}", z3.Implies(z3.And(step.canonical), lemma)) for label, lemma in step.ordered_lemmas]
@@ -130,8 +132,10 @@ class BmcStep:
 def unroll(ctx: Ctx, policy: str, s: State, depth: int, hyps: list[Any], arrive: bool, abort: bool
            ) -> list[BmcStep]:
     """``depth`` steps of ``policy`` from ``s``: before each, requests may arrive (``arrive``: in empty
-    slots after every live one, for the slot-order layout) and the client may abort any live request
-    (``abort``); each sampled token may be EOS. ``Inv`` and ``Ord`` are assumed at every later state (they
+    slots after every live one, for the slot-order layout) and, before each step after the first, the
+    client may abort any live request (``abort``; aborts before the first step give another start state
+    satisfying the same invariants, and bounded-preemptions ranks the requests live at that step); each
+    sampled token may be EOS. ``Inv`` and ``Ord`` are assumed at every later state (they
     are inductive: ``spec/step/*``, ``<policy>/ordering-invariant``), which prunes the search without
     losing a real run; the layout's hypothesis and the step's lemmas are assumed at each state
     (:func:`layout_lemmas` proves they follow). The assumptions go to ``hyps``."""
@@ -150,7 +154,7 @@ def unroll(ctx: Ctx, policy: str, s: State, depth: int, hyps: list[Any], arrive:
             if layout == "slot-order":
                 hyps.extend(arrival_after_live(state, flags))
             before = materialize(ctx, arrivals(state, flags, prompts, mts), f"t{t}b")
-        if abort:
+        if abort and t > 0:
             cut = [z3.And(z3.Bool(f"t{t}_abort{i}"), before.slots[i].live) for i in range(n)]
             before = materialize(ctx, abort_where(before, cut), f"t{t}c")
         step = plan_step(ctx, before, policy, name=f"t{t}", layout=layout)
@@ -247,8 +251,9 @@ def preemption_bounds(ctx: Ctx, s: State, cap: int, name: str = "") -> list[Any]
 
 def bounded_preemptions_query(opts: Options, policy: str, depth: int) -> tuple[str, Any, str]:
     """Is there a run of ``depth`` steps without arrivals (the monitor counts after the last one), EOS
-    and client aborts free, from a state satisfying ``Inv`` and ``Ord``, in which a request is preempted
-    more often than its bound? (``proved``: none.)"""
+    and client aborts free, from a state satisfying ``Inv`` and ``Ord`` (the state the first counted step
+    is planned on, whose live requests the monitor ranks), in which a request is preempted more often than
+    its bound? (``proved``: none.)"""
     ctx = setup(opts)
     n = opts.slots
     s, hyps = start_state(ctx, n)
