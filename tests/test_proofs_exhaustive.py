@@ -281,7 +281,7 @@ def released_not_returned(source):
     """``source`` (the policy encoding's ``plan_step``) with the pool after rank k ``avail[k] - nbk``
     instead of ``avail[k] + released - nbk``: a victim's blocks are not returned."""
 
-    def patched(ctx, s, policy, name="", canonical=False, layout=None):
+    def patched(ctx, s, policy, name="", layout="permuted"):
         real_define = ctx.define
 
         def define(label, expr, sort="int"):
@@ -292,7 +292,7 @@ def released_not_returned(source):
 
         ctx.define = define
         try:
-            return source(ctx, s, policy, name, canonical, layout)
+            return source(ctx, s, policy, name, layout)
         finally:
             ctx.define = real_define
 

@@ -106,9 +106,9 @@ def layout_lemmas(opts: Options, policy: str) -> tuple[str, str, Any]:
         ("the layout's hypothesis", z3.And(slot_order_hypothesis(s))),
         ("arrivals keep the slot order", z3.Implies(z3.And(arrival_after_live(s, flags)), seq_sorted(arrived))),
         ("aborts keep the slot order", seq_sorted(abort_where(s, cut))),
-        ("the step keeps the slot order", z3.Implies(z3.And(step.canonical), seq_sorted(after))),
+        ("the step keeps the slot order", z3.Implies(z3.And(step.layout_hypothesis), seq_sorted(after))),
     ]
-    goals += [(f"lemma {label}", z3.Implies(z3.And(step.canonical), lemma)) for label, lemma in step.ordered_lemmas]
+    goals += [(f"lemma {label}", z3.Implies(z3.And(step.layout_hypothesis), lemma)) for label, lemma in step.ordered_lemmas]
     for label, goal in goals:
         answer = prover.prove(goal)
         if answer.status != PROVED:
@@ -158,7 +158,7 @@ def unroll(ctx: Ctx, policy: str, s: State, depth: int, hyps: list[Any], arrive:
             cut = [z3.And(z3.Bool(f"t{t}_abort{i}"), before.slots[i].live) for i in range(n)]
             before = materialize(ctx, abort_where(before, cut), f"t{t}c")
         step = plan_step(ctx, before, policy, name=f"t{t}", layout=layout)
-        hyps.extend(step.canonical)
+        hyps.extend(step.layout_hypothesis)
         hyps.extend(lemma for _, lemma in step.ordered_lemmas)
         eos = [z3.Bool(f"t{t}_eos{i}") for i in range(n)]
         out = apply_plan(ctx, before, step.plan, eos)

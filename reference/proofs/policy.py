@@ -52,9 +52,9 @@ class PolicyStep:
     admitting: Any
     lemmas: list[tuple[str, Any]]
     ordered_lemmas: list[tuple[str, Any]]
-    canonical: list[Any]
-    """With ``plan_step(canonical=True)``: the slots are in processing order (a hypothesis on the
-    state); empty otherwise."""
+    layout_hypothesis: list[Any]
+    """What the layout assumes of the state (:data:`LAYOUTS`): with ``canonical``, the slots are in
+    processing order; with ``slot-order``, each queue is in slot order; empty for ``permuted``."""
     admission_order: list[list[Any]] = field(default_factory=list)
     """``admission_order[j][i]``: slot ``j`` comes before slot ``i`` in the admission order (both candidates)."""
     admission_index: dict[int, int] = field(default_factory=dict)
@@ -91,24 +91,21 @@ LAYOUTS = ("permuted", "canonical", "slot-order")
 """
 
 
-def plan_step(ctx: Ctx, s: State, policy: str, name: str = "", canonical: bool = False,
-              layout: str | None = None) -> PolicyStep:
+def plan_step(ctx: Ctx, s: State, policy: str, name: str = "", layout: str = "permuted") -> PolicyStep:
     """The step of ``policy`` from ``s`` (definitions go to ``ctx.facts``).
 
-    ``layout`` (one of :data:`LAYOUTS`; ``canonical=True`` is ``layout="canonical"``, the default
-    ``"permuted"``) says how slots map to the processing order. With ``canonical``, the slots are taken to
-    be in processing order already (``perm`` is the identity): the constraints that say so are returned in
-    :attr:`PolicyStep.canonical`, a hypothesis about the state, not a definition. The one-step theorems
-    use it: their hypotheses and goals are symmetric in the slots, so every state has a slot permutation
-    satisfying it, and the ``pick`` chains over a symbolic order vanish (the step is then linear in N
-    instead of quadratic). Runs of several steps cannot order every state in processing order at once;
+    ``layout`` (one of :data:`LAYOUTS`) says how slots map to the processing order. With ``canonical``, the
+    slots are taken to be in processing order already (``perm`` is the identity): the constraints that
+    say so are returned in :attr:`PolicyStep.layout_hypothesis`, a hypothesis about the state, not a definition.
+    The one-step theorems use it: their hypotheses and goals are symmetric in the slots, so every state
+    has a slot permutation satisfying it, and the ``pick`` chains over a symbolic order vanish (the step
+    is then linear in N instead of quadratic). Runs of several steps cannot order every state in processing order at once;
     they keep the permutation or, for the queue-order policies, use ``slot-order`` (the hypothesis that
-    each queue is in slot order, returned in :attr:`PolicyStep.canonical` too).
+    each queue is in slot order, returned in :attr:`PolicyStep.layout_hypothesis` too).
 
     Raises:
         ValueError: an unknown layout, or ``slot-order`` for a policy that does not admit in queue order.
     """
-    layout = layout or ("canonical" if canonical else "permuted")
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r}: expected one of {LAYOUTS}")
     canonical = layout == "canonical"
@@ -436,7 +433,7 @@ def _plan_step_slot_order(ctx: Ctx, s: State, params: dict[str, Any], p: str, re
 def processing_order(state: Any, n: int) -> list[str | None]:
     """Slot ids in the order the policy's running phase processes them (running decodes, then running
     prefills, each in queue order), then the other requests, then empty slots: the order
-    ``plan_step(canonical=True)`` assumes."""
+    ``plan_step(layout="canonical")`` assumes."""
     running = [r for r in state.running if state.requests[r].num_pending_tokens >= 1]
     decodes = [r for r in running if state.requests[r].num_pending_tokens == 1]
     ids: list[str | None] = decodes + [r for r in running if r not in decodes]
@@ -492,7 +489,7 @@ def concrete_step(state: Any, config: Any, policy: str, slots: int | None = None
         step = plan_step(ctx, s, policy, layout=layout)
     solver = z3.Solver()
     solver.add(ctx.facts)
-    solver.add(step.canonical)
+    solver.add(step.layout_hypothesis)
     result = solver.check()
     assert result == z3.sat, f"the encoding of {policy} has no solution from this state ({result})"
     model = solver.model()
@@ -537,7 +534,7 @@ def plan_priority(ctx: Ctx, s: State, name: str = "", canonical: bool = True, tk
                   ) -> PolicyStep:
     """The step of :func:`schedspec.reference.policies.plan_by_priority` (prefix caching off) from ``s``,
     with the slots in its pass order (``canonical``, the only form encoded: a hypothesis on the state,
-    returned in :attr:`PolicyStep.canonical`): the running requests and the waiting ones not rejected,
+    returned in :attr:`PolicyStep.layout_hypothesis`): the running requests and the waiting ones not rejected,
     sorted by urgency (running first on ties, then queue position), then the rest.
 
     The pass is unrolled over the slots, each rank ``k`` carrying the budget, the reserve (one token per

@@ -244,7 +244,7 @@ def run_from_init(ctx: Ctx, policy: str, n: int, depth: int, eos: bool = False, 
         if aborts:
             before = materialize(ctx, abort_where(before, cut), f"t{t}b")
         step = plan_step(ctx, before, policy, name=f"t{t}", layout=layout)
-        ctx.facts.extend(step.canonical)
+        ctx.facts.extend(step.layout_hypothesis)
         if layout == "slot-order":  # consequences of Inv and Ord (reachable states keep both)
             ctx.facts.extend(lemma for _, lemma in step.ordered_lemmas)
         e = [z3.Bool(f"t{t}_eos{i}") if eos else z3.BoolVal(False) for i in range(n)]

@@ -75,11 +75,11 @@ class Setup:
         self.policy = policy
         self.ctx: Ctx = setup(opts)
         self.s: State = symbolic_state(opts.slots, "s")
-        self.step = plan_step(self.ctx, self.s, policy, canonical=True)
+        self.step = plan_step(self.ctx, self.s, policy, layout="canonical")
         self.plan = self.step.plan
         # the slots in processing order: every state has such a slot permutation, and every hypothesis and
         # goal below is symmetric in the slots (goals about one slot are stated for each slot)
-        self.hyps = [self.ctx.cfg.valid()] + list(self.step.canonical) + list(inv_parts(self.ctx, self.s).values())
+        self.hyps = [self.ctx.cfg.valid()] + list(self.step.layout_hypothesis) + list(inv_parts(self.ctx, self.s).values())
         if ordered:
             self.hyps += list(order_invariant(self.ctx, self.s).values())
         self.prover = Prover(self.ctx, self.hyps, opts.timeout_s)
@@ -181,8 +181,8 @@ def step_unique(policy: str) -> Theorem:
         opts = policy_options(opts)
         ctx = setup(opts)
         s = symbolic_state(opts.slots, "s")
-        step = plan_step(ctx, s, policy, canonical=True)
-        premises = [ctx.cfg.valid(), *step.canonical, *inv_parts(ctx, s).values()]
+        step = plan_step(ctx, s, policy, layout="canonical")
+        premises = [ctx.cfg.valid(), *step.layout_hypothesis, *inv_parts(ctx, s).values()]
         if policy in ORDERED:
             premises += list(order_invariant(ctx, s).values())
         n = opts.slots
@@ -350,8 +350,8 @@ def step_total(policy: str) -> Theorem:
         opts = policy_options(opts)
         ctx = setup(opts)
         s = symbolic_state(opts.slots, "s")
-        step = plan_step(ctx, s, policy, canonical=True)
-        premises = [ctx.cfg.valid(), *step.canonical, *inv_parts(ctx, s).values()]
+        step = plan_step(ctx, s, policy, layout="canonical")
+        premises = [ctx.cfg.valid(), *step.layout_hypothesis, *inv_parts(ctx, s).values()]
         n = opts.slots
         A = step.admission_order
         guards = {A[j][i].get_id(): (j, i) for j in range(n) for i in range(n) if j != i}
