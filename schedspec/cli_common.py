@@ -314,15 +314,17 @@ def check_outputs(outputs: Sequence[tuple[str, str | None]], inputs: Sequence[st
             continue
         check_path(option, text)
         folder = Path(text)
-        if folder.exists() and not folder.is_dir():
-            fail(f"{option} {one_line(text)}: is a file, expected a folder")
+        if os.path.lexists(folder) and not folder.is_dir():
+            what = "a symbolic link to nothing" if folder.is_symlink() and not folder.exists() else "a file"
+            fail(f"{option} {one_line(text)}: is {what}, expected a folder")
         existing = folder
-        while not existing.exists():
+        while not os.path.lexists(existing):
             if existing.parent == existing:
                 break
             existing = existing.parent
-        if existing.exists() and not existing.is_dir():
-            fail(f"{option} {one_line(text)}: {one_line(existing)} is a file, cannot create a folder under it")
+        if os.path.lexists(existing) and not existing.is_dir():
+            what = "a symbolic link to nothing" if existing.is_symlink() and not existing.exists() else "a file"
+            fail(f"{option} {one_line(text)}: {one_line(existing)} is {what}, cannot create a folder under it")
         if not os.access(existing, os.W_OK | os.X_OK):
             fail(f"{option} {one_line(text)}: not writable")
 

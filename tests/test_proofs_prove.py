@@ -53,7 +53,10 @@ def test_every_fcfs_theorem_holds_at_three_slots():
     itl = found["fcfs/bounded-itl-without-chunking"]
     assert itl["status"] == "counterexample" and itl["replayed"] is True
     assert itl["scenario"]["expect"] == {"demonstrates": "bounded-itl"}
-    assert itl["scenario_file"].endswith("counterexample-bounded-itl.json")
+    if itl["scenario_file"] is not None:  # named only when it is that very scenario
+        assert itl["scenario_file"].endswith("counterexample-bounded-itl.json")
+        with open(itl["scenario_file"], encoding="utf-8") as handle:
+            assert json.load(handle) == itl["scenario"]
 
 
 @pytest.mark.parametrize(("scheduler", "theorem", "prop"), [
@@ -104,7 +107,10 @@ def test_scheduler_without_an_encoding_exits_3():
     run = prove("--scheduler", "vllm-v1")
     assert run.exit_code == 3
     assert "no proof encoding" in run.output
-    assert prove("--scheduler", "os:getcwd").exit_code == 3
+    # a module:factory that is a scheduler factory has no encoding either (3); one that is no scheduler at
+    # all is unusable input (2), as in every other command
+    assert prove("--scheduler", "schedspec.reference.scheduler:ReferenceScheduler").exit_code == 3
+    assert prove("--scheduler", "os:getcwd").exit_code == 2
 
 
 @pytest.mark.parametrize("args", [
@@ -115,6 +121,11 @@ def test_scheduler_without_an_encoding_exits_3():
     ["--set", "enable_chunked_prefill=false", "--set", "max_num_batched_tokens=4", "--set", "max_model_len=8"],
     ["--slots", "0"],
     ["--only", "no-such-theorem"],
+    ["--only", ""],
+    ["--scheduler", ""],
+    ["--scheduler", "no_such_module_zz:factory"],
+    ["--set", "num_kv_blocks=1000000000000"],
+    ["--set", "enable_prefix_caching=true", "--set", "block_size=uninterpreted"],
 ])
 def test_bad_options_exit_2(args):
     run = prove(*args)
@@ -330,3 +341,59 @@ def test_the_measure_glue_needs_a_positive_rank():
     solver = z3.Solver()
     solver.add(z3.Not(weakened))
     assert solver.check() == z3.sat
+
+
+def test_list_as_json():
+    run = prove("--list", "--json")
+    assert run.exit_code == 0, run.output
+    listed = json.loads(run.stdout)
+    names = {t["name"] for t in listed}
+    assert {"fcfs/progress", "fcfs/bounded-preemptions", "spec/prefix/init"} <= names
+    assert all(t["bounded"] for t in listed if t["name"] in ("fcfs/progress", "fcfs/bounded-preemptions"))
+
+
+SMALL_CASE = ["--slots", "2", "--only", "fcfs/bounded-itl-without", "--timeout", "30"]
+
+
+def test_save_cases_prints_its_path_as_text(tmp_path):
+    """A folder name that looks like rich markup is printed as it is, and a stray closing tag does not
+    crash the run."""
+    for name in ("[red]x[/red]", "a[/red]b"):
+        folder = tmp_path / name
+        run = prove(*SMALL_CASE, "--save-cases", str(folder))
+        assert run.exit_code == 0, run.output
+        assert (folder / "counterexample-bounded-itl.json").is_file()
+        assert name in "".join(run.output.split()), run.output  # shown with its brackets (wrapping aside)
+
+
+def test_save_cases_refuses_a_dangling_link_and_a_folder_in_the_way(tmp_path):
+    dangling = tmp_path / "dangling"
+    dangling.symlink_to(tmp_path / "nowhere")
+    run = prove(*SMALL_CASE, "--save-cases", str(dangling))
+    assert run.exit_code == 2 and "symbolic link to nothing" in run.output, run.output
+    (tmp_path / "d1" / "counterexample-bounded-itl.json").mkdir(parents=True)
+    run = prove(*SMALL_CASE, "--save-cases", str(tmp_path / "d1"))
+    assert run.exit_code == 2 and "is a folder" in run.output, run.output
+
+
+def test_save_cases_replaces_a_link_and_never_writes_through_it(tmp_path):
+    precious = tmp_path / "precious.txt"
+    precious.write_text("keep me", encoding="utf-8")
+    folder = tmp_path / "d2"
+    folder.mkdir()
+    (folder / "counterexample-bounded-itl.json").symlink_to(precious)
+    run = prove(*SMALL_CASE, "--save-cases", str(folder))
+    assert run.exit_code == 0, run.output
+    assert precious.read_text(encoding="utf-8") == "keep me"
+    written = folder / "counterexample-bounded-itl.json"
+    assert not written.is_symlink() and json.loads(written.read_text(encoding="utf-8"))["name"] == "counterexample-bounded-itl"
+
+
+def test_a_set_value_wins_over_a_counterexample_theorems_own_config():
+    """The expected counterexample's search runs under the user's --set values (not silently its own): with
+    chunked prefill and a 64-token budget no step carries more than 512 tokens, so none is found and the
+    run says so (exit 1), and the bundled scenario is not named as if it were the one found."""
+    run = prove(*SMALL_CASE, "--set", "enable_chunked_prefill=true", "--set", "max_num_batched_tokens=64", "--json")
+    assert run.exit_code == 1, run.output
+    result = results(run.stdout)["fcfs/bounded-itl-without-chunking"]
+    assert result["status"] == "proved" and not result["ok"] and result["scenario_file"] is None

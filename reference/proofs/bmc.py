@@ -333,6 +333,11 @@ PREEMPTION_COVERS: dict[str, CoverGoal] = {
 """What the bounded-preemptions check must reach: preemptions where the monitor counts them, and a count
 above one (so the bound is exercised beyond ``P = 0``)."""
 
+REPLAY_LIMIT = 64
+"""The largest ``num_kv_blocks``, prompt and ``max_tokens`` of a run the reference replays (cover goals, and
+counterexamples searched from Init): small numbers reach every goal, and an integer a model leaves
+unbounded could otherwise be a prompt of billions of tokens to simulate."""
+
 COVER_FIRST_DEPTH = 4
 COVER_FIRST_SLOTS = 2
 """Cover goals are searched first with 2 requests in runs of 4 steps, then in runs of K, then with N
@@ -370,7 +375,8 @@ def _cover_run(opts: Options, policy: str, steps: int, depth: int, goals: dict[s
     solver.set("timeout", max(1, int(opts.timeout_s * 1000)))
     # the configs the bounded check covers (progress: max_model_len <= K): a cover reached only with a
     # longer max_model_len would say nothing about them
-    solver.add(c.valid(), *ctx.facts)
+    solver.add(c.valid(), *ctx.facts, c.num_kv_blocks <= REPLAY_LIMIT)
+    solver.add(*[z3.And(p <= REPLAY_LIMIT, mt <= REPLAY_LIMIT) for p, mt in zip(r.prompt, r.max_tokens, strict=True)])
     if bounded_len:
         solver.add(c.max_model_len <= depth)
     out = []
@@ -519,7 +525,8 @@ def _bmc_theorem(name: str, statement: str, policy: str, query: Callable[[Option
                 fixed = bmc_options(opts, fixed_block=True)
                 found, scenario, replayed, why = search_from_init(
                     fixed, policy, prop, f"counterexample-{name.replace('/', '-')}", f"{statement} (found by Z3)",
-                    from_init, slots=local.slots, depth=depth, layout=bmc_layout(policy))
+                    from_init, bounds=lambda ctx: [ctx.cfg.num_kv_blocks <= REPLAY_LIMIT], slots=local.slots,
+                    depth=depth, layout=bmc_layout(policy))
                 detail += (f"; reached from Init: scenario {scenario['name']} ({why})" if scenario is not None else
                            f"; not reached from Init with {local.slots} requests in {depth} steps ({found})")
         found_covers = cover_goals(bmc_options(opts, fixed_block=True), policy, depth, covers, bounded_len)

@@ -743,7 +743,9 @@ def search_from_init(opts: Options, policy: str, prop: str, case: str, about: st
     ``violation`` holds; turn it into a scenario (the smallest found: fewest requests, then shortest prompts
     and outputs) and replay it on the reference. Returns ``(status, scenario, replayed, detail)``:
     ``counterexample`` with the scenario, ``proved`` (no such run within the bound) or ``unknown``."""
-    local = dataclasses.replace(opts, slots=slots, block="fixed", depth=depth, fixed={**opts.fixed, **(fixed or {})})
+    # the user's --set values win over the theorem's own config: with them no counterexample may exist, and
+    # the result then says so (not as expected) instead of showing one for another config
+    local = dataclasses.replace(opts, slots=slots, block="fixed", depth=depth, fixed={**(fixed or {}), **opts.fixed})
     ctx = setup(local)
     r = run_from_init(ctx, policy, slots, depth, layout=layout)
     constraints = [ctx.cfg.valid(), violation(ctx, r)] + (bounds(ctx) if bounds else [])

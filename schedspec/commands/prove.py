@@ -17,6 +17,7 @@ from typing import Any
 import attrs
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from schedspec.cli_common import (
@@ -24,8 +25,11 @@ from schedspec.cli_common import (
     EXIT_UNSUPPORTED,
     Count,
     Number,
+    atomic_output,
     check_outputs,
+    check_scheduler,
     fail,
+    one_line,
     parse_sets,
     scheduler_option,
     set_option,
@@ -76,6 +80,10 @@ def _options(sets: tuple[str, ...], slots: int, depth: int, policy_slots: int, b
         elif key in _INT_FIELDS:
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
                 fail(f"--set {key}={val!r}: must be an integer >= 1")
+            if key == "num_kv_blocks" and val > MAX_SIZE:
+                fail(f"--set num_kv_blocks={val}: at most {MAX_SIZE} in prove (the block-id and prefix-cache "
+                     "theorems have one variable per block, and cover goals and counterexamples are replayed on "
+                     "the reference); leave it unset and the count theorems hold for every num_kv_blocks")
             fixed[key] = val
         elif key == "long_prefill_token_threshold":
             if isinstance(val, bool) or not isinstance(val, int) or val < 0:
@@ -128,11 +136,32 @@ def theorems_for(scheduler: str, prefix_caching: bool = False) -> list[Theorem]:
     return spec_theorems() + policy_theorems(scheduler)
 
 
-def _bundled(name: str) -> str | None:
+def _bundled(scenario: dict[str, Any]) -> str | None:
+    """The bundled scenario file this counterexample is, if one is (same name and same content)."""
     from importlib import resources
 
-    path = resources.files("schedspec") / "data" / "cases" / f"{name}.json"
-    return str(path) if path.is_file() else None
+    path = resources.files("schedspec") / "data" / "cases" / f"{scenario['name']}.json"
+    if not path.is_file():
+        return None
+    try:
+        same = json.loads(path.read_text(encoding="utf-8")) == json.loads(json.dumps(scenario))
+    except (OSError, ValueError):
+        return None
+    return str(path) if same else None
+
+
+def _save_scenario(scenario: dict[str, Any], folder: str) -> str:
+    """Write ``FOLDER/<name>.json`` whole or not at all (a temporary file renamed over it: a symlink there is
+    replaced, not written through); exit 2 if that path is a folder."""
+    from schedspec.reference.proofs.scenarios import render
+
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    path = Path(folder) / f"{scenario['name']}.json"
+    if path.is_dir():
+        fail(f"--save-cases {one_line(folder)}: {one_line(path.name)} there is a folder, cannot write the scenario")
+    with atomic_output(path, encoding="utf-8") as handle:
+        handle.write(render(scenario))
+    return str(path)
 
 
 def _size(result: Result) -> str:
@@ -178,9 +207,9 @@ def _verdict(result: Result) -> str:
 @click.option("--depth", "-K", "depth", type=Count(minimum=1, maximum=MAX_SIZE), default=DEFAULT_DEPTH, show_default=True,
               help="Depth K of bounded model checking (progress holds for every max_model_len <= K).")
 @click.option("--policy-slots", type=Count(minimum=1, maximum=MAX_SIZE), default=DEFAULT_POLICY_SLOTS, show_default=True,
-              help="Slots for the one-step policy theorems (at most N).")
+              help="Slots for the one-step policy theorems (capped at --slots).")
 @click.option("--bmc-slots", type=Count(minimum=1, maximum=MAX_SIZE), default=DEFAULT_BMC_SLOTS, show_default=True,
-              help="Slots for bounded model checking (at most N).")
+              help="Slots for bounded model checking (capped at --slots).")
 @click.option("--bmc-block-size", type=Count(minimum=1, maximum=1024), default=DEFAULT_BMC_BLOCK_SIZE,
               show_default=True, help="Block size of bounded model checking and its cover goals (small: preemptions reachable).")
 @click.option("--id-blocks", type=Count(minimum=1, maximum=MAX_SIZE), default=DEFAULT_ID_BLOCKS, show_default=True,
@@ -206,17 +235,19 @@ def command(scheduler_name: str | None, sets: tuple[str, ...], slots: int, depth
     prefix-cache theorems run (spec/prefix/*, at --policy-slots slots and --id-blocks blocks).
     """
     check_outputs([], [], folders=[("--save-cases", save_cases)])
-    scheduler = scheduler_name or DEFAULT_SCHEDULER
+    for text in only:
+        if not text.strip():
+            fail("--only: empty text (it would match every theorem; leave --only out to run them all)")
+    scheduler = DEFAULT_SCHEDULER if scheduler_name is None else scheduler_name
     if scheduler not in ENCODED:
-        from schedspec.reference.scheduler import ENGINE_ADAPTERS, SCHEDULERS
-
-        known = scheduler in SCHEDULERS or scheduler in ENGINE_ADAPTERS or ":" in scheduler
-        if not known:
-            fail(f"--scheduler {scheduler!r}: unknown; known: {', '.join(sorted(SCHEDULERS))}")
-        fail(f"--scheduler {scheduler!r} has no proof encoding (encoded: {', '.join(ENCODED)}); "
+        check_scheduler(scheduler, None)  # exit 2 if it is no scheduler at all
+        fail(f"--scheduler {one_line(scheduler)!r} has no proof encoding (encoded: {', '.join(ENCODED)}); "
              "its plans are checked at run time by replay and check instead", EXIT_UNSUPPORTED)
     opts = _options(sets, slots, depth, policy_slots, bmc_slots, timeout, bmc_block_size, id_blocks)
     caching = bool(opts.fixed.get("enable_prefix_caching"))
+    if caching and opts.block != "fixed":
+        fail(f"--set block_size={opts.block} with --set enable_prefix_caching=true: the prefix-cache encoding "
+             "needs a fixed block size (a hit of k blocks is k * block_size tokens: linear only then)")
 
     def matching(theorems: list[Theorem]) -> list[Theorem]:
         return [t for t in theorems if not only or any(o in t.name for o in only)]
@@ -228,6 +259,11 @@ def command(scheduler_name: str | None, sets: tuple[str, ...], slots: int, depth
             ("with --set enable_prefix_caching=true (instead of the above):", matching(theorems_for(scheduler, True)))])
         if not any(theorems for _, theorems in listed):
             fail(f"--only {list(only)}: no theorem matches")
+        if as_json:
+            click.echo(json.dumps([{"name": t.name, "expected": t.expected, "statement": t.statement,
+                                    "prefix_caching": bool(heading) or caching, "bounded": t.bmc}
+                                   for heading, theorems in listed for t in theorems], indent=2))
+            return
         for heading, theorems in listed:
             if heading and theorems:
                 click.echo(heading)
@@ -244,12 +280,9 @@ def command(scheduler_name: str | None, sets: tuple[str, ...], slots: int, depth
         with progress.status(f"{theorem.name} ..."):
             result = theorem.run(opts)
         if result.scenario is not None:
-            result.scenario_file = _bundled(result.scenario["name"])
+            result.scenario_file = _bundled(result.scenario)
             if save_cases:
-                from schedspec.reference.proofs.scenarios import write_scenario
-
-                Path(save_cases).mkdir(parents=True, exist_ok=True)
-                result.scenario_file = str(write_scenario(result.scenario, save_cases))
+                result.scenario_file = _save_scenario(result.scenario, save_cases)
         results.append(result)
         mark = "[green]ok[/]" if result.ok else "[red]not as expected[/]"
         progress.print(f"{mark} {result.name}: {result.status} ({result.seconds:.1f} s)", highlight=False)
@@ -288,12 +321,13 @@ def _print(console: Console, scheduler: str, opts: Options, results: list[Result
     for r in results:
         if r.scenario is not None:
             where = r.scenario_file or "not saved (use --save-cases DIR)"
-            console.print(f"[bold]{r.name}[/]: counterexample scenario {r.scenario['name']} ({where}); {r.detail}")
+            console.print(f"[bold]{r.name}[/]: counterexample scenario {escape(r.scenario['name'])} "
+                          f"({escape(where)}); {escape(r.detail)}", highlight=False)
         if not r.ok and r.vacuous and r.status == PROVED:
             console.print(f"[red]{r.name}[/]: proved, but vacuously: "
                           + "; ".join(str(c) for c in r.vacuous), highlight=False)
         elif not r.ok:
-            console.print(f"[red]{r.name}[/]: {r.status}; {r.detail}")
+            console.print(f"[red]{r.name}[/]: {r.status}; {escape(r.detail)}", highlight=False)
             if r.witness is not None and (r.scenario is None or "steps" in r.witness):
                 console.print(witness_table(r.witness))
     failed = sum(not r.ok for r in results)

@@ -176,7 +176,8 @@ class Result:
         return {
             "name": self.name, "statement": self.statement, "expected": self.expected, "status": self.status,
             "ok": self.ok, "slots": self.slots, "block_size": self.block, "depth": self.depth,
-            "seconds": round(self.seconds, 3), "detail": self.detail, "scenario_file": self.scenario_file,
+            "seconds": round(self.seconds, 3), "scenario_file": self.scenario_file,
+            "detail": self.detail or ("vacuous: " + "; ".join(str(c) for c in self.vacuous) if self.vacuous else ""),
             "replayed": self.replayed, "scenario": self.scenario, "witness": self.witness,
             "vacuity": [c.to_dict() for c in self.vacuity],
         }
