@@ -25,6 +25,7 @@ the target only when complete), so no input is ever overwritten and a failed run
 from __future__ import annotations
 
 import contextlib
+import errno
 import inspect
 import json
 import math
@@ -372,6 +373,14 @@ class OneLineErrors(click.Group):
         except click.exceptions.Abort:
             click.echo("Aborted!", err=True)
             sys.exit(1)
+        except OSError as error:
+            # standard output full (`> /dev/full`): one line on stderr, not a traceback (a closed pipe,
+            # `| head`, click itself ends quietly)
+            if error.errno != errno.ENOSPC:
+                raise
+            with contextlib.suppress(OSError):  # nothing more goes to the closed stream at exit
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            fail(f"cannot write the output: {error.strerror or error}")
         sys.exit(result if isinstance(result, int) else 0)
 
 

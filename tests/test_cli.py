@@ -103,3 +103,12 @@ def test_check_malformed_line_names_file_and_line(tmp_path):
 
 def test_package_main_module_exists():
     assert (Path(__file__).resolve().parents[1] / "schedspec" / "__main__.py").is_file()
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (a device whose writes fail: disk full)")
+def test_a_full_standard_output_is_one_line_not_a_traceback():
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "schedspec", "prove", "--list"], stdout=full,
+                              stderr=subprocess.PIPE, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == ["schedspec: error: cannot write the output: No space left on device"]
