@@ -608,7 +608,7 @@ def bounded_wait(policy: str) -> Theorem:
 def older_count(s: State, i: int) -> Any:
     """``older(i)``: the live requests added before request ``i`` (the first component of the measure)."""
     return _sum([z3.If(z3.And(s.slots[j].live, s.slots[j].seq < s.slots[i].seq), 1, 0)
-                    for j in range(s.n) if j != i])
+                 for j in range(s.n) if j != i])
 
 
 def oldest_by_seq(s: State, o: int) -> Any:
