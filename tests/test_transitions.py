@@ -5,6 +5,7 @@ in the comments from the documented semantics (vLLM ``_preempt_request``, ``chec
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
 from schedspec.spec.config import SchedulerConfig
@@ -263,6 +264,18 @@ def test_add_request_refuses_negative_max_tokens() -> None:
     assert add_request(state, fresh("zero", 3, max_tokens=0)).waiting == ("zero",)
     with pytest.raises(PlanError, match="max_tokens=-1 < 0"):
         add_request(state, fresh("negative", 3, max_tokens=-1))
+
+
+def test_add_request_refuses_an_arrival_step_other_than_the_states_step() -> None:
+    """The proofs' arrival sets arrival_step to the state's step (encoding.arrive), and bounded-wait ranks
+    requests by it: a request is added before the step it names, not before an earlier or later one."""
+    state = SchedulerState.initial(CONFIG)
+    assert add_request(state, fresh("now", 3, arrival_step=0)).waiting == ("now",)
+    later = attrs.evolve(state, step=2)
+    assert add_request(later, fresh("now2", 3, arrival_step=2)).waiting == ("now2",)
+    for step in (0, 1, 3):
+        with pytest.raises(PlanError, match=f"arrival_step={step}, but it is added before step 2"):
+            add_request(later, fresh(f"off{step}", 3, arrival_step=step))
 
 
 def test_each_action_docstring_names_exactly_its_guard_rules() -> None:
