@@ -196,24 +196,34 @@ def progress_query(opts: Options, policy: str, depth: int) -> tuple[str, Any, st
     for i, sl in enumerate(s.slots):
         hyps.append(z3.Implies(sl.live, z3.And(hw[i] >= sl.nc, hw[i] <= sl.p + sl.o)))
         hyps.append(z3.Implies(sl.st == 1, hw[i] == 0))
-    stalled = []
     steps = unroll(ctx, policy, s, depth, hyps, arrive=True, abort=False)
-    for t, rec in enumerate(steps):
-        plan = rec.step.plan
-        hw = [z3.If(rec.arrived[i], 0, hw[i]) for i in range(n)]
-        reach = [plan.start[i] + plan.ntok[i] for i in range(n)]
-        advanced = z3.Or([z3.Or(rec.out.stops[i], plan.rej[i], z3.And(plan.sched[i], reach[i] > hw[i]))
-                          for i in range(n)])
-        live = z3.Or([sl.live for sl in rec.before.slots])
-        stalled.append(z3.Implies(t < c.max_model_len, z3.And(live, z3.Not(advanced))))
-        hw = [ctx.define(f"t{t + 1}_hw{i}", z3.If(z3.And(plan.sched[i], reach[i] > hw[i]), reach[i], hw[i]))
-              for i in range(n)]
+    stalled = [z3.Implies(t < c.max_model_len, stall) for t, stall in enumerate(stalls(ctx, steps, hw, "t"))]
     answer = satisfiable(ctx, hyps + stalled, opts.timeout_s, negate=True)
     if answer.model is None:
         return answer.status, None, answer.reason
     model = minimize(ctx, hyps + stalled, witness_objectives(s), min(opts.timeout_s, 10.0)) or answer.model
     mml = value(model, c.max_model_len)
     return answer.status, run_witness(model, ctx, s, steps[:mml]), f"a stall of max_model_len={mml} steps (the run below)"
+
+
+def stalls(ctx: Ctx, steps: list[Any], hw: list[Any], name: str) -> list[Any]:
+    """Per step of ``steps`` (each with ``before``, ``step`` and ``out``): it is a stall as ``Progress``
+    sees it (live requests, and none ends or computes a position past its high-water mark). ``hw``: each
+    slot's high-water mark before the first step; a slot that receives an arrival before a step
+    (``arrived``, where the steps have it) starts again at 0."""
+    n = len(hw)
+    out = []
+    for t, rec in enumerate(steps):
+        plan = rec.step.plan
+        if getattr(rec, "arrived", None) is not None:
+            hw = [z3.If(rec.arrived[i], 0, hw[i]) for i in range(n)]
+        reach = [plan.start[i] + plan.ntok[i] for i in range(n)]
+        advanced = z3.Or([z3.Or(rec.out.stops[i], plan.rej[i], z3.And(plan.sched[i], reach[i] > hw[i]))
+                          for i in range(n)])
+        out.append(z3.And(z3.Or([sl.live for sl in rec.before.slots]), z3.Not(advanced)))
+        hw = [ctx.define(f"{name}{t + 1}_hw{i}", z3.If(z3.And(plan.sched[i], reach[i] > hw[i]), reach[i], hw[i]))
+              for i in range(n)]
+    return out
 
 
 def run_witness(model: z3.ModelRef, ctx: Ctx, s: State, steps: list[BmcStep], extra: dict[str, list[Any]] | None = None
@@ -468,18 +478,9 @@ def progress_from_init(ctx: Ctx, r: Run) -> Any:
     """``Progress`` reports on the run from Init: ``max_model_len`` consecutive steps with live requests in
     which no request ends and none computes a position past its high-water mark (0 at its arrival)."""
     c = ctx.cfg
-    n = len(r.arrival)
     depth = len(r.steps)
-    hw: list[Any] = [z3.IntVal(0)] * n
-    stalled = []
-    for t, rec in enumerate(r.steps):
-        plan = rec.step.plan
-        reach = [plan.start[i] + plan.ntok[i] for i in range(n)]
-        advanced = z3.Or([z3.Or(rec.out.stops[i], plan.rej[i], z3.And(plan.sched[i], reach[i] > hw[i]))
-                          for i in range(n)])
-        stalled.append(z3.And(z3.Or([sl.live for sl in rec.before.slots]), z3.Not(advanced)))
-        hw = [ctx.define(f"init_hw{t + 1}_{i}", z3.If(z3.And(plan.sched[i], reach[i] > hw[i]), reach[i], hw[i]))
-              for i in range(n)]
+    # each slot receives one request in the run, so its high-water mark starts (and stays until then) at 0
+    stalled = stalls(ctx, r.steps, [z3.IntVal(0)] * len(r.arrival), "init_")
     return z3.Or([z3.And(start + c.max_model_len <= depth,
                          *[z3.Implies(t < start + c.max_model_len, stalled[t]) for t in range(start, depth)])
                   for start in range(depth)])
