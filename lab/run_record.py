@@ -34,9 +34,10 @@ import jsonschema
 
 from schedspec.lab import metrics
 from schedspec.lab.run import LabResult
-from schedspec.reference.cost_model import CostModel
+from schedspec.reference.cost_model import CostModel, profile_schema
 from schedspec.spec.admission import REJECTION_CODES, rejection_code
-from schedspec.spec.trace import StrictJsonError, strict_json_loads
+from schedspec.spec.config import ConfigError, SchedulerConfig
+from schedspec.spec.trace import StrictJsonError, json_line, schema_problem, strict_json_loads
 
 RECORD_KIND = "schedspec-run-record"
 SCHEMA_VERSION = 1
@@ -260,16 +261,34 @@ def record_schema() -> dict[str, Any]:
     return json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))
 
 
-def validate_record(data: Any) -> str | None:
-    """The first schema error of ``data`` as ``"field PATH: message"``, or ``None`` if it is a valid
-    run record."""
-    validator = jsonschema.Draft202012Validator(record_schema())
-    error = jsonschema.exceptions.best_match(validator.iter_errors(data))
-    if error is None:
+@cache
+def _validator() -> jsonschema.Draft202012Validator:
+    """The run record validator; the cost profile's coefficients are ``$ref``s into the cost profile
+    schema (:func:`schedspec.reference.cost_model.profile_schema`, one definition of their bounds)."""
+    from referencing import Registry, Resource
+
+    profile = profile_schema()
+    registry = Registry().with_resource(profile["$id"], Resource.from_contents(profile))
+    return jsonschema.Draft202012Validator(record_schema(), registry=registry)
+
+
+def validate_record(data: Any, text: str | None = None) -> str | None:
+    """The first problem of ``data`` as a run record, ``"field PATH: message"`` (``"LINE: field PATH:
+    message"`` with the file's ``text``, the line of the field), or ``None`` if it is a valid run record:
+    the JSON Schema (every figure a number in its unit's range, every count an integer >= 0, typed
+    conditions), then the config's own rules (``SchedulerConfig.from_dict``: ``max_num_seqs`` >= 1,
+    a budget that fits ``max_model_len``, ...)."""
+    problem = schema_problem(_validator(), data, text)
+    if problem is None:
+        try:
+            SchedulerConfig.from_dict(data["conditions"]["config"])
+        except (ConfigError, TypeError, ValueError) as error:
+            line = json_line(text, ["conditions", "config"]) if text is not None else None
+            problem = line, f"field conditions.config: {error}"
+    if problem is None:
         return None
-    path = ".".join(str(part) for part in error.absolute_path) or "(the record)"
-    message = error.message if len(error.message) <= 200 else error.message[:200] + "..."
-    return f"field {path}: {message}"
+    line, message = problem
+    return f"{line}: {message}" if line is not None else message
 
 
 MAX_RECORD_BYTES = 64 * 1024 * 1024
@@ -299,9 +318,9 @@ def load_record(path: str | Path) -> dict[str, Any]:
     except StrictJsonError as error:
         where = f"{path}:{error.lineno}" if error.lineno is not None else f"{path}"
         raise RunRecordError(f"{where}: {error}, not a run record") from None
-    problem = validate_record(data)
+    problem = validate_record(data, text)
     if problem is not None:
-        raise RunRecordError(f"{path}: {problem}")
+        raise RunRecordError(f"{path}:{problem}" if problem[:1].isdigit() else f"{path}: {problem}")
     return data
 
 

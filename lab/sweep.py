@@ -107,8 +107,12 @@ def run_points(jobs: Sequence[tuple], workers: int) -> list[tuple[int, dict[str,
 
 
 class RayUnavailable(Exception):
-    """``--ray``: the ``ray`` extra is not installed, or the cluster cannot be reached (the message
-    says which)."""
+    """``--ray``: the cluster cannot be reached, or a task could not run on it (unusable input or
+    environment: CLI exit 2; the message says which)."""
+
+
+class RayNotInstalled(RayUnavailable):
+    """``--ray``: the ``ray`` extra is not installed (a feature this installation lacks: CLI exit 3)."""
 
 
 def _run_point_with_window(head: tuple, window: list) -> tuple[int, dict[str, Any] | None, str | None]:
@@ -126,12 +130,13 @@ def run_points_ray(jobs: Sequence[tuple], address: str) -> list[tuple[int, dict[
     is used and left open.
 
     Raises:
-        RayUnavailable: ray is not installed or the cluster cannot be reached.
+        RayNotInstalled: ray is not installed.
+        RayUnavailable: the cluster cannot be reached, or a task failed there.
     """
     try:
         import ray
     except ImportError as error:
-        raise RayUnavailable(f"needs the ray extra (pip install 'schedspec[ray]'): {error}") from None
+        raise RayNotInstalled(f"needs the ray extra (pip install 'schedspec[ray]'): {error}") from None
     connected_here = False
     if not ray.is_initialized():
         try:
@@ -181,7 +186,13 @@ def meets_slo(figures: Mapping[str, Any], slo: metrics.Slo | None) -> bool | Non
 
 def choose_best(records: Sequence[dict[str, Any] | None], slo: metrics.Slo | None) -> tuple[int | None, str]:
     """``(index of the best record, the reason in words)``; ``None`` when no run completed or none
-    meets the SLO (the reason then says which came closest)."""
+    meets the SLO (the reason then says which came closest).
+
+    Without an SLO: the highest output throughput, then the lowest p99 ITL. With one, among the
+    configurations whose p99 latencies meet it (:func:`meets_slo`): the highest **goodput** (the share of
+    admitted requests that meet the SLO each, what a user of the service sees), then the highest output
+    throughput, then the lowest p99 ITL; so a configuration whose p99 passes but that serves fewer
+    requests within the SLO never wins over one that serves more at the same throughput."""
 
     def throughput(i: int) -> float:
         return records[i]["figures"]["output_tokens_per_s"] or 0.0  # type: ignore[index]
@@ -204,9 +215,15 @@ def choose_best(records: Sequence[dict[str, Any] | None], slo: metrics.Slo | Non
         closest = max(done, key=lambda i: (records[i]["figures"]["goodput_percent"] or 0.0, -i))  # type: ignore[index]
         return None, (f"no configuration meets {limits}; the highest goodput is point {closest + 1} "
                       f"({records[closest]['figures']['goodput_percent'] or 0:.1f}% of admitted requests)")  # type: ignore[index]
-    best = min(meeting, key=key)
-    return best, (f"highest output throughput ({throughput(best):,.1f} tokens/s) of the {len(meeting)} of "
-                  f"{len(records)} configurations that meet {limits}")
+    def goodput(i: int) -> float:
+        return records[i]["figures"]["goodput_percent"] or 0.0  # type: ignore[index]
+
+    best = min(meeting, key=lambda i: (-goodput(i), *key(i)))
+    tied = [i for i in meeting if i != best and goodput(i) == goodput(best)]
+    return best, (f"highest goodput ({goodput(best):.1f}% of admitted requests meet the SLO) of the {len(meeting)} of "
+                  f"{len(records)} configurations that meet {limits}"
+                  + (f", then highest output throughput ({throughput(best):,.1f} tokens/s)" if tied else
+                     f"; output throughput {throughput(best):,.1f} tokens/s"))
 
 
 def _seconds(value: float) -> str:

@@ -40,7 +40,10 @@ Meta Llama-3-8B ``config.json`` (32 layers, 8 KV heads, head dim 128, 8,030,261,
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
+from functools import cache
+from pathlib import Path
 
 import attrs
 
@@ -194,6 +197,9 @@ class CostModel:
             ``a + b*prefill + c*decode`` by a piecewise-linear function of the step's tokens
             (:meth:`batch_base_seconds`; ``schedspec calibrate --form piecewise``). Empty in the packaged
             profiles.
+        fitted_range: for a measured profile, the largest step its measurements cover, ``(field,
+            tokens)`` pairs of :data:`FITTED_RANGE_FIELDS`; a step beyond them is extrapolated
+            (:meth:`outside_fitted_range`). Empty for the packaged profiles (derived, not fitted).
     """
 
     name: str
@@ -209,6 +215,7 @@ class CostModel:
     e: float = 0.0
     f: float = 0.0
     token_knots: tuple[tuple[int, float], ...] = ()
+    fitted_range: tuple[tuple[str, int], ...] = ()
 
     def __attrs_post_init__(self) -> None:
         knots = [t for t, _ in self.token_knots]
@@ -231,6 +238,17 @@ class CostModel:
                 return v0 + (v1 - v0) * (tokens - t0) / (t1 - t0)
         (t0, v0), (t1, v1) = knots[-2], knots[-1]
         return v1 + max(v1 - v0, 0.0) * (tokens - t1) / (t1 - t0)
+
+    def outside_fitted_range(self, largest: dict[str, int], factor: float = 2.0) -> list[str]:
+        """Where a run's largest step (``largest``: :data:`FITTED_RANGE_FIELDS` -> tokens) goes beyond
+        ``factor`` times the largest step the profile was fitted on, in words (``"prefill_tokens 2,048 per
+        step, fitted up to 128"``); empty when within range or when the profile has no fitted range."""
+        out = []
+        for field, fitted in self.fitted_range:
+            value = largest.get(field)
+            if value is not None and value > factor * fitted:
+                out.append(f"{field} {value:,} per step, fitted up to {fitted:,}")
+        return out
 
     @property
     def kind(self) -> str:
@@ -418,22 +436,58 @@ PROFILE_OPTIONAL_FIELDS = ("e_s_per_prefill_attention_pair", "f_s_per_prefill_ch
 PROFILE_CONFIG_FIELDS = ("block_size", "num_kv_blocks", "max_num_batched_tokens", "max_num_seqs", "max_model_len")
 
 
+PROFILE_SCHEMA_PATH = Path(__file__).with_name("cost-profile-schema.json")
+"""The JSON Schema of a profile file (``cost-profile-schema.json`` beside this module)."""
+
+MAX_PROFILE_BYTES = 64 * 1024 * 1024
+"""Largest profile file read (64 MiB)."""
+
+FITTED_RANGE_FIELDS = ("prefill_tokens", "decode_tokens", "tokens")
+"""What :attr:`CostModel.fitted_range` bounds: a step's prefill tokens, decode tokens and all its tokens."""
+
+
+@cache
+def profile_schema() -> dict:
+    """The JSON Schema of a profile file (:data:`PROFILE_SCHEMA_PATH`)."""
+    return json.loads(PROFILE_SCHEMA_PATH.read_text(encoding="utf-8"))
+
+
+def _fitted_range(data: dict) -> tuple[tuple[str, int], ...]:
+    """The largest step the profile's measurements cover, from its ``points`` (or else its ``grid``)."""
+    points = data.get("points") or []
+    if points and all("prefill_tokens" in p and "decode_tokens" in p for p in points):
+        prefill = max(p["prefill_tokens"] for p in points)
+        decode = max(p["decode_tokens"] for p in points)
+        tokens = max(p["prefill_tokens"] + p["decode_tokens"] for p in points)
+        return (("prefill_tokens", prefill), ("decode_tokens", decode), ("tokens", tokens))
+    grid = data.get("grid") or {}
+    if "max_prefill" in grid and "max_decodes" in grid:
+        return (("prefill_tokens", grid["max_prefill"]), ("decode_tokens", grid["max_decodes"]),
+                ("tokens", grid["max_prefill"] + grid["max_decodes"]))
+    return ()
+
+
 def load_profile(path) -> CostModel:
     """Read a profile file written by ``schedspec calibrate`` (``{"record": "schedspec-cost-profile",
-    "schema_version": 1, "name", "coefficients": {a_s_per_step, b_s_per_prefill_token,
-    c_s_per_decode_token, d_s_per_kv_token}, "hardware", "model", "source", "scheduler_config", ...}``;
-    other keys are kept in the file for people and ignored here).
+    "schema_version": 1, "name", "form", "coefficients": {a_s_per_step, b_s_per_prefill_token,
+    c_s_per_decode_token, d_s_per_kv_token, e_s_per_prefill_attention_pair, f_s_per_prefill_chunk},
+    "token_knots", "hardware", "model", "source", "scheduler_config", "grid", "points", ...}``), validated
+    against its JSON Schema (:data:`PROFILE_SCHEMA_PATH`, ``jsonschema``): every key is known (a misspelt
+    coefficient is refused, not ignored), every coefficient a number of seconds within bounds no engine
+    exceeds, ``form`` one of the fitted forms and consistent with ``token_knots``.
 
     Raises:
-        CostModelError: the file cannot be read, is not strict JSON, is not a profile, or a field is
-            missing or not a finite number >= 0 (the message names the file, line or field).
+        CostModelError: the file cannot be read, is not strict JSON, or breaks the schema (the message
+            names the file, the line and the field: ``profile p.json:7: field coefficients.x: ...``).
     """
-    import math
+    import jsonschema
 
-    from schedspec.spec.trace import StrictJsonError, strict_json_loads
+    from schedspec.spec.trace import StrictJsonError, json_line, schema_problem, strict_json_loads
 
     where = str(path)
     try:
+        if Path(path).is_file() and Path(path).stat().st_size > MAX_PROFILE_BYTES:
+            raise CostModelError(f"profile {where}: larger than {MAX_PROFILE_BYTES >> 20} MiB, not a profile")
         with open(path, encoding="utf-8") as handle:
             text = handle.read()
     except OSError as error:
@@ -443,51 +497,27 @@ def load_profile(path) -> CostModel:
     try:
         data = strict_json_loads(text)
     except StrictJsonError as error:
-        line = f"line {error.lineno}: " if error.lineno else ""
-        raise CostModelError(f"profile {where}: {line}{error}") from None
+        line = f":{error.lineno}" if error.lineno else ""
+        raise CostModelError(f"profile {where}{line}: {error}") from None
     if not isinstance(data, dict) or data.get("record") != "schedspec-cost-profile":
         raise CostModelError(f"profile {where}: field record: expected \"schedspec-cost-profile\" (a file written "
                              "by schedspec calibrate)")
-    if data.get("schema_version") != 1:
-        raise CostModelError(f"profile {where}: field schema_version: {data.get('schema_version')!r}, expected 1")
-    coefficients = data.get("coefficients")
-    if not isinstance(coefficients, dict):
-        raise CostModelError(f"profile {where}: field coefficients: expected an object")
-    values = []
-    for key in (*PROFILE_FILE_FIELDS, *PROFILE_OPTIONAL_FIELDS):
-        value = coefficients.get(key, 0.0 if key in PROFILE_OPTIONAL_FIELDS else None)
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
-            raise CostModelError(f"profile {where}: field coefficients.{key}: {value!r}, expected a number >= 0 (seconds)")
-        values.append(float(value))
-    texts = []
-    for key in ("name", "hardware", "model", "source"):
-        value = data.get(key, "")
-        if not isinstance(value, str) or (key == "name" and not value):
-            raise CostModelError(f"profile {where}: field {key}: expected a{' non-empty' if key == 'name' else ''} string")
-        texts.append(value)
-    config = data.get("scheduler_config", {})
-    if not isinstance(config, dict):
-        raise CostModelError(f"profile {where}: field scheduler_config: expected an object")
-    pairs = []
-    for key, value in config.items():
-        if key not in PROFILE_CONFIG_FIELDS:
-            raise CostModelError(f"profile {where}: field scheduler_config.{key}: unknown; known: "
-                                 f"{', '.join(PROFILE_CONFIG_FIELDS)}")
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise CostModelError(f"profile {where}: field scheduler_config.{key}: {value!r}, expected an integer >= 1")
-        pairs.append((key, value))
-    knots = data.get("token_knots", [])
-    if not isinstance(knots, list) or not all(
-            isinstance(k, list) and len(k) == 2 and not isinstance(k[0], bool) and isinstance(k[0], int)
-            and not isinstance(k[1], bool) and isinstance(k[1], int | float) and math.isfinite(k[1]) for k in knots):
-        raise CostModelError(f"profile {where}: field token_knots: expected a list of [tokens, seconds] pairs")
-    name, hardware, model, source = texts
+    problem = schema_problem(jsonschema.Draft202012Validator(profile_schema()), data, text)
+    if problem is not None:
+        line, message = problem
+        raise CostModelError(f"profile {where}{f':{line}' if line else ''}: {message}")
+    coefficients = data["coefficients"]
+    values = [float(coefficients.get(key, 0.0)) for key in (*PROFILE_FILE_FIELDS, *PROFILE_OPTIONAL_FIELDS)]
     try:
-        return CostModel(name=name, a=values[0], b=values[1], c=values[2], d=values[3], hardware=hardware,
-                         model=model, source=source, measured=True, scheduler_config=tuple(pairs), e=values[4],
-                         f=values[5], token_knots=tuple((int(t), float(v)) for t, v in knots))
+        return CostModel(name=data["name"], a=values[0], b=values[1], c=values[2], d=values[3],
+                         hardware=data.get("hardware", ""), model=data.get("model", ""),
+                         source=data.get("source", ""), measured=True,
+                         scheduler_config=tuple(data.get("scheduler_config", {}).items()), e=values[4],
+                         f=values[5], token_knots=tuple((int(t), float(v)) for t, v in data.get("token_knots", [])),
+                         fitted_range=_fitted_range(data))
     except CostModelError as error:
-        raise CostModelError(f"profile {where}: field token_knots: {error}") from None
+        line = json_line(text, ["token_knots"])
+        raise CostModelError(f"profile {where}{f':{line}' if line else ''}: field token_knots: {error}") from None
 
 
 GPU_MEMORY_UTILIZATION = 0.9

@@ -151,6 +151,13 @@ class UnsupportedFeature(Exception):
     """The chosen scheduler cannot express this config or scenario (CLI exit status 3)."""
 
 
+class EngineEnvironmentError(Exception):
+    """The environment an engine adapter needs is unusable: an environment variable names an interpreter
+    that does not exist, or the engine's worker process cannot start or dies before its first reply. Unusable
+    input (CLI exit status 2, one line naming the variable), unlike an engine that is simply not installed
+    (:class:`UnsupportedFeature`, exit 3) or one that crashes while it runs (:class:`EngineFault`, a finding)."""
+
+
 class EngineFault(Exception):
     """A third-party engine raised an exception inside its own code while an adapter drove it: a crash of
     the engine under test, which is a finding about that engine, not an error of schedspec.

@@ -16,10 +16,22 @@ scenario fields) is printed as plain text: every Rich console of the CLI is made
 which interprets neither markup (``[red]``) nor emoji codes (``:100:``); :func:`one_line` escapes
 control characters so a message stays on one line.
 
-Output files (``--steps-out``, ``--requests-out``, ``--plot``) are checked before the run by
-:func:`check_outputs` (refused if equal to an input or another output, a directory, or not
-writable) and written by :func:`atomic_output` (a temporary file in the same folder, renamed over
-the target only when complete), so no input is ever overwritten and a failed run leaves no half file.
+Outputs (files such as ``--steps-out``, ``--save``, ``calibrate --out``; folders such as ``--plot``,
+``diff --out``, ``prove --save-cases``) are all checked before any work by :func:`check_outputs`, with
+one rule: **what you name is created, the folder it goes in must exist** (a missing folder is
+created only when it is the output itself, never its parents: ``--plot new`` yes,
+``--plot missing/new`` and ``--save missing/run.json`` no). A file output is refused if it is an
+input (any file the command reads: a trace, a cost profile, a model folder's files; also through a
+symbolic link) or another output, a directory, or not writable; a folder output if it is a file or not
+writable. Files are written by :func:`atomic_output` (a temporary file in the same folder, renamed
+over the target only when complete), so no input is ever overwritten and a failed run leaves no half
+file; a new file gets the usual ``0666`` less the umask (an existing one keeps its mode), as any Unix
+tool's output.
+
+Several outputs of one option (``lab --compare`` or ``--sweep``) follow one naming rule,
+:func:`numbered_output`: ``FILE.EXT`` becomes ``FILE-LABEL.EXT``, the label being the run's name
+(``--compare``) or the sweep point's number, zero-padded to the width of the largest
+(``run-01.json`` .. ``run-12.json``).
 """
 
 from __future__ import annotations
@@ -207,7 +219,9 @@ def check_scheduler(name: str, config: SchedulerConfig | None, where: str = "--s
                     unsupported_ok: bool = False) -> None:
     """Exit 2 (naming ``where``) unless ``name`` is a scheduler; with a ``config``, also build it
     for that config, exiting 3 if the scheduler cannot run it (:class:`UnsupportedFeature`; or
-    return, with ``unsupported_ok``).
+    return, with ``unsupported_ok``) and 2 if its engine's environment is unusable
+    (:class:`~schedspec.reference.scheduler.EngineEnvironmentError`: a variable naming a missing
+    interpreter, a worker that dies at start).
 
     A ``module:factory`` must name a Python function or class (not a built-in such as
     ``os:system`` or ``builtins:print``), and calling it with the config must return an object
@@ -217,6 +231,7 @@ def check_scheduler(name: str, config: SchedulerConfig | None, where: str = "--s
         ENGINE_ADAPTERS,
         NOT_YET_IMPLEMENTED,
         SCHEDULERS,
+        EngineEnvironmentError,
         UnknownScheduler,
         UnsupportedFeature,
         make_scheduler,
@@ -249,6 +264,8 @@ def check_scheduler(name: str, config: SchedulerConfig | None, where: str = "--s
         fail(str(error), status=EXIT_UNSUPPORTED)
     except UnknownScheduler as error:
         fail(f"{where}: {error}".replace(f"{where}: --scheduler ", f"{where} "))
+    except EngineEnvironmentError as error:  # the engine's environment is unusable (names the variable)
+        fail(f"{where} {shown}: {error}")
     except Exception as error:  # noqa: BLE001 - a user factory that fails is unusable input
         fail(f"{where} {shown!r}: the factory failed ({type(error).__name__}: {error})")
     missing = [m for m in ("add_request", "abort_request", "schedule", "update") if not callable(getattr(scheduler, m, None))]
@@ -280,34 +297,83 @@ def _same_file(a: Path, b: Path) -> bool:
     return a.resolve() == b.resolve()
 
 
-def check_outputs(outputs: Sequence[tuple[str, str | None]], inputs: Sequence[str | Path],
+def input_files(paths: Sequence[str | Path | None]) -> list[Path]:
+    """The files a command reads, for :func:`check_outputs`: each path given, and for a folder (a
+    ``--model`` directory) every file in it (``None`` and missing paths are left out)."""
+    files: list[Path] = []
+    for text in paths:
+        if text is None:
+            continue
+        path = Path(text)
+        if path.is_dir():
+            try:
+                files.extend(sorted(entry for entry in path.rglob("*") if entry.is_file()))
+            except OSError:
+                continue
+        elif os.path.lexists(path):
+            files.append(path)
+    return files
+
+
+def numbered_output(path: str, label: str) -> str:
+    """The output of one of several runs (:mod:`module docstring <schedspec.cli_common>`):
+    ``run.json`` -> ``run-LABEL.json``, ``steps`` -> ``steps-LABEL``, ``a.b/c.jsonl`` -> ``a.b/c-LABEL.jsonl``."""
+    target = Path(path)
+    if target.suffix:
+        return str(target.with_name(f"{target.stem}-{label}{target.suffix}"))
+    return str(target.with_name(f"{target.name}-{label}"))
+
+
+def run_labels(count: int) -> list[str]:
+    """``count`` sweep point labels, 1-based and zero-padded to the width of the largest (``01`` .. ``12``)."""
+    width = len(str(count))
+    return [f"{i + 1:0{width}d}" for i in range(count)]
+
+
+def _folder_problem(text: str, folder: Path) -> str | None:
+    """Why ``folder`` cannot be the folder an output is created in (``None``: it can)."""
+    shown = one_line(folder if str(folder) else ".")
+    if os.path.lexists(folder) and not folder.is_dir():
+        what = "a symbolic link to nothing" if folder.is_symlink() and not folder.exists() else "a file"
+        return f"{shown} is {what}, not a folder"
+    if not folder.is_dir():
+        return f"folder {shown} does not exist (create it first)"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"folder {shown} is not writable"
+    return None
+
+
+def check_outputs(outputs: Sequence[tuple[str, str | None]], inputs: Sequence[str | Path | None],
                   folders: Sequence[tuple[str, str | None]] = ()) -> None:
-    """Refuse (exit 2, naming the option) output files that would overwrite an input or each other,
-    are directories, or cannot be written; and output folders under a regular file or not writable.
+    """Refuse (exit 2, naming the option) before any work: output files that would overwrite an input
+    or each other (also through a symbolic link), are directories, are not writable or whose folder does
+    not exist; output folders that are files, not writable, or whose parent folder does not exist
+    (the module docstring's one rule).
 
     Args:
         outputs: ``(option, path)`` pairs of files to be written (``None``: not asked for).
-        inputs: every file the command reads.
+        inputs: every file the command reads (a folder stands for every file in it: :func:`input_files`).
         folders: ``(option, path)`` pairs of folders to be created or filled.
     """
+    sources = input_files(inputs)
     seen: list[tuple[str, Path]] = []
     for option, text in outputs:
         if text is None:
             continue
         check_path(option, text)
         path = Path(text)
-        for source in inputs:
-            if _same_file(path, Path(source)):
-                fail(f"{option} {one_line(text)}: is an input file; refusing to overwrite it")
+        for source in sources:
+            if _same_file(path, source):
+                fail(f"{option} {one_line(text)}: is an input file ({one_line(source)}); refusing to overwrite it")
         for other_option, other in seen:
             if _same_file(path, other):
                 fail(f"{option} {one_line(text)}: same file as {other_option}")
         if path.is_dir():
             fail(f"{option} {one_line(text)}: is a directory, expected a file path")
-        parent = path.parent if str(path.parent) else Path(".")
-        if not parent.is_dir():
-            fail(f"{option} {one_line(text)}: folder {one_line(parent)} does not exist")
-        if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        problem = _folder_problem(text, path.parent if str(path.parent) else Path("."))
+        if problem is not None:
+            fail(f"{option} {one_line(text)}: {problem}")
+        if path.exists() and not os.access(path, os.W_OK):
             fail(f"{option} {one_line(text)}: not writable")
         seen.append((option, path))
     for option, text in folders:
@@ -315,31 +381,38 @@ def check_outputs(outputs: Sequence[tuple[str, str | None]], inputs: Sequence[st
             continue
         check_path(option, text)
         folder = Path(text)
-        if os.path.lexists(folder) and not folder.is_dir():
-            what = "a symbolic link to nothing" if folder.is_symlink() and not folder.exists() else "a file"
-            fail(f"{option} {one_line(text)}: is {what}, expected a folder")
-        existing = folder
-        while not os.path.lexists(existing):
-            if existing.parent == existing:
-                break
-            existing = existing.parent
-        if os.path.lexists(existing) and not existing.is_dir():
-            what = "a symbolic link to nothing" if existing.is_symlink() and not existing.exists() else "a file"
-            fail(f"{option} {one_line(text)}: {one_line(existing)} is {what}, cannot create a folder under it")
-        if not os.access(existing, os.W_OK | os.X_OK):
-            fail(f"{option} {one_line(text)}: not writable")
+        if os.path.lexists(folder):
+            problem = _folder_problem(text, folder)
+        else:
+            problem = _folder_problem(text, folder.parent if str(folder.parent) else Path("."))
+        if problem is not None:
+            fail(f"{option} {one_line(text)}: {problem}")
+
+
+def _new_file_mode() -> int:
+    """``0o666`` less the process's umask: the mode ``open(path, "w")`` gives a new file."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
 
 
 @contextlib.contextmanager
 def atomic_output(path: str | Path, mode: str = "w", **kwargs: Any) -> Iterator[IO]:
     """Open a temporary file next to ``path`` for writing; on normal exit it replaces ``path``
-    (``os.replace``, atomic on one filesystem), on any exception it is deleted and ``path`` is left
-    as it was."""
+    (``os.replace``, atomic on one filesystem; a symbolic link at ``path`` is replaced, never written
+    through), on any exception it is deleted and ``path`` is left as it was. The file gets the mode of
+    the regular file it replaces, or ``0666`` less the umask (not ``tempfile``'s ``0600``)."""
     path = Path(path)
+    try:  # an existing regular file keeps its mode; a new one gets 0666 less the umask, as open() gives
+        existing = os.stat(path, follow_symlinks=False)
+        file_mode = existing.st_mode & 0o7777 if os.path.isfile(path) and not path.is_symlink() else _new_file_mode()
+    except OSError:
+        file_mode = _new_file_mode()
     handle = tempfile.NamedTemporaryFile(mode, dir=path.parent if str(path.parent) else ".",  # noqa: SIM115
                                          prefix=f".{path.name}.", suffix=".tmp", delete=False, **kwargs)
     try:
         with handle:
+            os.chmod(handle.fileno(), file_mode)
             yield handle
         os.replace(handle.name, path)
     except BaseException:

@@ -16,7 +16,7 @@ version-1 convention ``eos_token_id = 0``, said in :attr:`TraceFile.notes`.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from functools import cache
 from pathlib import Path
 from typing import IO, Any
@@ -247,19 +247,126 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return data
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value != value or value in (float("inf"), float("-inf")):
+        raise StrictJsonError(f"{text[:40]} is out of range for a number (at most about 1.8e308)")
+    return value
+
+
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_JSON_INT_DIGITS:
+        raise StrictJsonError(f"an integer of {len(text.lstrip('-')):,} digits ({text[:20]}...) is out of range")
+    return int(text)
+
+
+MAX_JSON_INT_DIGITS = 100
+"""The longest integer (in digits) :func:`strict_json_loads` reads; no field of ours needs more (the
+standard library's own limit, 4,300 digits, raises a bare ``ValueError``)."""
+
+
 def strict_json_loads(text: str) -> Any:
-    """``json.loads`` that refuses NaN, Infinity and repeated keys, with every failure one exception.
+    """``json.loads`` that refuses NaN, Infinity, numbers out of a float's range (``1e400``), integers
+    longer than :data:`MAX_JSON_INT_DIGITS` digits and repeated keys, with every failure one exception.
 
     Raises:
         StrictJsonError: the message says why ("not JSON (... at column N)", "nested too deeply", "NaN is
             not a finite number", "key 'x' appears twice in one object"); ``lineno`` where known.
     """
     try:
-        return json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_no_duplicate_keys)
+        return json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_no_duplicate_keys,
+                          parse_float=_finite_float, parse_int=_bounded_int)
     except json.JSONDecodeError as error:
         raise StrictJsonError(f"not JSON ({error.msg} at column {error.colno})", error.lineno) from None
     except RecursionError:
         raise StrictJsonError("nested too deeply") from None
+    except StrictJsonError as error:
+        if error.lineno is None:  # a number refused by a hook: find its line by parsing up to it
+            error.lineno = _line_of_refused_number(text)
+        raise
+
+
+def _line_of_refused_number(text: str) -> int | None:
+    """The line of the first number :func:`strict_json_loads` refuses (for its message)."""
+    import re
+
+    refused: list[int] = []
+    for match in re.finditer(r"-?\d+(\.\d+)?([eE][-+]?\d+)?", text):
+        token = match.group(0)
+        try:
+            (_finite_float if match.group(1) or match.group(2) else _bounded_int)(token)
+        except (StrictJsonError, ValueError):
+            refused.append(match.start())
+            break
+    return text.count("\n", 0, refused[0]) + 1 if refused else None
+
+
+def json_line(text: str, path: Sequence[str | int]) -> int | None:
+    """The line (1-based) in the JSON ``text`` where the value at ``path`` (keys and list indexes, as a
+    ``jsonschema`` error's ``absolute_path``) starts; ``None`` if the text does not hold that path. For
+    messages that name the file, line and field of a value a schema refuses."""
+    decoder = json.JSONDecoder()
+    whitespace = " \t\n\r"
+
+    def skip(i: int) -> int:
+        while i < len(text) and text[i] in whitespace:
+            i += 1
+        return i
+
+    position = skip(0)
+    try:
+        for part in path:
+            if text[position] == "{" and isinstance(part, str):
+                i = skip(position + 1)
+                while text[i] != "}":
+                    key, i = json.decoder.scanstring(text, i + 1)
+                    i = skip(skip(i) + 1)  # the colon
+                    if key == part:
+                        break
+                    i = skip(decoder.raw_decode(text, i)[1])
+                    i = skip(i + 1) if text[i] == "," else i
+                else:
+                    return None
+            elif text[position] == "[" and isinstance(part, int):
+                i = skip(position + 1)
+                for _ in range(part):
+                    if text[i] == "]":
+                        return None
+                    i = skip(decoder.raw_decode(text, i)[1])
+                    i = skip(i + 1) if text[i] == "," else i
+                if text[i] == "]":
+                    return None
+            else:
+                return None
+            position = i
+    except (IndexError, ValueError):
+        return None
+    return text.count("\n", 0, position) + 1
+
+
+def schema_problem(validator: jsonschema.protocols.Validator, data: Any, text: str | None = None,
+                   ) -> tuple[int | None, str] | None:
+    """The most relevant error of ``data`` against ``validator`` (``jsonschema.exceptions.best_match``) as
+    ``(line, "field PATH: message")``, or ``None`` when it is valid. An unknown key (``additionalProperties``)
+    is named as the field itself ("field coefficients.f_s_per_prefill_chunks: unknown; known: ...").
+    ``line`` is where the field is in ``text`` (:func:`json_line`), ``None`` without ``text``."""
+    error = jsonschema.exceptions.best_match(validator.iter_errors(data))
+    if error is None:
+        return None
+    path = list(error.absolute_path)
+    message = error.message
+    if error.validator == "additionalProperties" and isinstance(error.instance, dict):
+        import re
+
+        known = list(error.schema.get("properties", {}))
+        patterns = list(error.schema.get("patternProperties", {}))
+        extra = [k for k in error.instance if k not in known and not any(re.search(p, k) for p in patterns)]
+        if extra:
+            path.append(extra[0])
+            message = f"unknown field; known: {', '.join(known)}" if known else "unknown field"
+    if len(message) > 200:
+        message = message[:200] + "..."
+    return (json_line(text, path) if text is not None else None), f"field {_field_path(path)}: {message}"
 
 
 def _parse(line: bytes, where: str) -> Any:

@@ -19,6 +19,7 @@ file and the field).
 from __future__ import annotations
 
 import json
+import math
 import sys
 from typing import Any
 
@@ -82,6 +83,50 @@ def figure_rows(before: dict[str, Any], after: dict[str, Any]) -> list[dict[str,
     return rows
 
 
+def _plain(value: float) -> str:
+    """A number as people read it: thousands separated, three significant digits below 1,000, never an
+    exponent (``1,234``, ``137.7``, ``2.28``, ``0.0153``)."""
+    size = abs(value)
+    if size >= 1000:
+        return f"{value:,.0f}"
+    if size >= 100:
+        return f"{value:.1f}"
+    if size >= 1 or size == 0:
+        return f"{value:.2f}".rstrip("0").rstrip(".") if size else "0"
+    digits = 2 - math.floor(math.log10(size))
+    return f"{value:.{digits}f}"
+
+
+SECOND_UNITS = ((1.0, "s"), (1e-3, "ms"), (1e-6, "µs"), (1e-9, "ns"))
+
+
+def figure_text(figure: str, value: Any, signed: bool = False) -> str:
+    """A figure's value (or, ``signed``, a change of it) readable, with its unit (the run record's unit
+    suffixes): seconds in s, ms, µs or ns (``2.28 µs``, not ``2.27837e-06``); ``_percent`` in percent
+    (a change in percentage points, ``pp``); ``_per_s`` as a rate; a count as an integer with
+    separators. ``None`` is ``-``."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if not isinstance(value, int | float):
+        return _value(value)
+    sign = "+" if signed and value > 0 else ""
+    if signed and value == 0:
+        return "0"
+    if figure.endswith("_percent"):
+        return f"{sign}{value:,.1f}{' pp' if signed else '%'}"
+    if figure.endswith("_per_s"):
+        return f"{sign}{_plain(value)}/s"
+    if figure.endswith("_s"):
+        for scale, unit in SECOND_UNITS:
+            if abs(value) >= scale or unit == "ns":
+                return f"{sign}{_plain(value / scale)} {unit}" if value else "0 s"
+    if isinstance(value, int):
+        return f"{sign}{value:,}"
+    return f"{sign}{_plain(value)}"
+
+
 def _signed(value: float | int | None, percent: bool = False) -> str:
     if value is None:
         return "-"
@@ -89,7 +134,7 @@ def _signed(value: float | int | None, percent: bool = False) -> str:
         return "0"
     if percent:
         return f"{value:+,.1f}%"
-    return f"{value:+,}" if isinstance(value, int) else f"{value:+,.6g}"
+    return f"{value:+,}" if isinstance(value, int) else f"{'+' if value > 0 else ''}{_plain(value)}"
 
 
 @click.command()
@@ -148,14 +193,15 @@ def command(before_path: str, after_path: str, allowed: tuple[str, ...], as_json
     else:
         console.print("Conditions: all the same (every field of both records' conditions is equal).")
 
-    table = Table(title="Figures (units in the names: _s seconds, _percent 0-100, _tokens_per_s; no suffix: a count)",
-                  title_justify="left")
+    table = Table(title="Figures (units in the names: _s seconds, _percent 0-100 (a change in percentage points, pp), "
+                        "_per_s per second; no suffix: a count)", title_justify="left")
     for column, justify in (("figure", "left"), ("before", "right"), ("after", "right"), ("change", "right"),
                             ("change %", "right"), ("", "left")):
         table.add_column(column, justify=justify)  # type: ignore[arg-type]
     for row in rows:
         style = "green" if row["verdict"] == "better" else "red" if row["verdict"] == "worse" else ""
-        table.add_row(row["figure"], _value(row["before"]), _value(row["after"]), _signed(row["change"]),
+        table.add_row(row["figure"], figure_text(row["figure"], row["before"]),
+                      figure_text(row["figure"], row["after"]), figure_text(row["figure"], row["change"], signed=True),
                       _signed(row["change_percent"], percent=True), Text(row["verdict"], style=style))
     console.print(table)
     if refused:

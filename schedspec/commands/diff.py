@@ -39,9 +39,18 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 
-from schedspec.cli_common import EXIT_CHECK_FAILED, EXIT_UNSUPPORTED, check_scheduler, fail, parse_sets
+from schedspec.cli_common import (
+    EXIT_CHECK_FAILED,
+    EXIT_UNSUPPORTED,
+    check_outputs,
+    check_scheduler,
+    fail,
+    parse_sets,
+)
 from schedspec.reference.engine import Engine, RunResult, ViolationFound
 from schedspec.reference.scheduler import (
+    EngineEnvironmentError,
+    UnknownScheduler,
     UnsupportedFeature,
     make_scheduler,
 )
@@ -164,7 +173,12 @@ def _run(name: str, config: SchedulerConfig, requests: Sequence[RequestSpec], ma
          ) -> tuple[RunResult | None, list[Finding], bool]:
     """Run one scheduler (raises UnsupportedFeature / UnknownScheduler from ``make_scheduler``); the
     flag says whether it is an engine adapter (no spec ``state`` of its own)."""
-    scheduler = make_scheduler(name, config)
+    try:
+        scheduler = make_scheduler(name, config)
+    except (UnsupportedFeature, UnknownScheduler, EngineEnvironmentError):
+        raise
+    except Exception as error:  # a factory that crashes on this config is a finding, as a crash in a run
+        return None, [Finding(name, "crash", f"building the scheduler: {type(error).__name__}: {error}")], False
     engine = getattr(scheduler, "state", None) is None
     result, findings = _run_scheduler(scheduler, name, config, requests, max_steps, engine)
     return result, findings, engine
@@ -461,7 +475,7 @@ def run_diff(scheduler: str, against: str, examples: int, seed: int, changes: di
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Generation seed.")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
               help="Fix a SchedulerConfig field in every scenario (repeatable).")
-@click.option("--out", "out", type=click.Path(file_okay=False), default=None, metavar="DIR",
+@click.option("--out", "out", default=None, metavar="DIR",
               help="Write each shrunk divergence here as a case file (never overwrites).")
 @click.option("--exact-blocks", is_flag=True, help="Compare block ids, not only block counts.")
 @click.option("--max-steps", type=click.IntRange(min=1), default=DEFAULT_MAX_STEPS, show_default=True,
@@ -486,13 +500,16 @@ def command(scheduler_name: str, against: str, examples: int, seed: int, sets: t
         # The name only: a scheduler that refuses some configs is counted per scenario.
         check_scheduler(name, None, where=option)
     folder = Path(out) if out is not None else None
-    if folder is not None and folder.exists() and not folder.is_dir():
-        fail(f"--out {out!r}: not a directory")
+    check_outputs([], [], folders=[("--out", out)])  # before any work (cli_common: one rule for outputs)
     try:
         report = run_diff(scheduler_name, against, examples, seed, changes, folder, exact_blocks, max_steps,
                           echo=click.echo)
     except Unsatisfiable:
         fail(f"--set {' '.join(sets)}: no generated config satisfies it")
+    except EngineEnvironmentError as error:  # e.g. a vLLM worker that dies at start: one line, exit 2
+        fail(str(error))
+    except OSError as error:  # the --out folder became unwritable during the run
+        fail(f"--out {out}: cannot write ({error.strerror or error})")
     click.echo(
         f"{report.examples} examples, {report.steps_compared} steps compared, "
         f"{report.divergent} divergent (unexplained), {report.documented} documented differences, "

@@ -8,7 +8,6 @@ import shutil
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures.process import BrokenProcessPool
-from pathlib import Path
 from typing import Any
 
 import attrs
@@ -30,10 +29,13 @@ from schedspec.cli_common import (
     check_path,
     check_scheduler,
     fail,
+    input_files,
     note,
+    numbered_output,
     one_line,
     parse_sets,
     parse_value,
+    run_labels,
     scheduler_option,
     set_option,
     torch_backend_model,
@@ -372,9 +374,9 @@ def _compare_table(console: Console, records: list[dict[str, Any]]) -> None:
                    "a request arrived, was preempted or finished), all, none.")
 @click.option("--steps-out", default=None, metavar="FILE",
               help="Write every step as StepRecord JSON Lines (trace format) to this file (with --compare: "
-                   "FILE.NAME per scheduler). Never an input file; written only when the run completes.")
+                   "FILE-NAME.jsonl per scheduler). Never an input file; written only when the run completes.")
 @click.option("--requests-out", default=None, metavar="FILE",
-              help="Write one CSV row per request (with --compare: FILE.NAME per scheduler).")
+              help="Write one CSV row per request (with --compare: FILE-NAME.csv per scheduler).")
 @click.option("--slo", default=None, metavar="ttft=..,itl=..", help="SLOs for goodput, e.g. ttft=2s,itl=200ms.")
 @click.option("--compare", default=None, metavar="A,B,..",
               help=f"Run each scheduler or variant ({', '.join(sorted(VARIANTS))}) on the same window and compare.")
@@ -384,7 +386,8 @@ def _compare_table(console: Console, records: list[dict[str, Any]]) -> None:
                    "and every figure, units in the key names.")
 @click.option("--save", "save_path", default=None, metavar="FILE.json",
               help="Write the run record (conditions and figures) to this file; with --compare or --sweep, one "
-                   "file per run: FILE-NAME.json / FILE-NN.json. Read back by `schedspec compare`.")
+                   "file per run: FILE-NAME.json (--compare) or FILE-N.json, N the point's number in the table, zero-padded "
+                   "to the width of the largest (FILE-01.json .. FILE-12.json). Read back by `schedspec compare`.")
 @click.option("--sweep", "sweeps", multiple=True, metavar="FIELD=V1,V2,..",
               help="Run every combination (cartesian product, repeatable) of SchedulerConfig fields, "
                    "`scheduler`, or the load (`rate` in req/s, `time_scale`) and print one row per "
@@ -504,24 +507,28 @@ def command(trace_path, trace_format, synthetic, start, duration, max_requests, 
         if spec is None else None
 
     def output_name(base_path: str | None, name: str) -> str | None:
-        return None if base_path is None else base_path if len(names) == 1 else f"{base_path}.{name}"
+        return None if base_path is None else base_path if len(names) == 1 else numbered_output(base_path, name)
 
-    run_labels = [f"{i + 1:0{len(str(len(points)))}d}" for i in range(len(points))] if points else names
-    save_names = [_save_name(save_path, label, len(run_labels) > 1) for label in run_labels] if save_path else []
+    labels = run_labels(len(points)) if points else names
+    save_names = [save_path if len(labels) == 1 else numbered_output(save_path, label) for label in labels] \
+        if save_path else []
+    # every file the command reads is an input: the trace, a profile file, the model's files
+    read = [path, profile if profile.endswith(".json") else None, model_dir if backend == "torch" else None]
     check_outputs(
         [(option, output_name(base_path, name)) for option, base_path in (("--steps-out", steps_out),
                                                                             ("--requests-out", requests_out))
          for name in names] + [("--save", target) for target in save_names],
-        inputs=[path] if path is not None else [],
+        inputs=read,
         folders=[("--plot", plot_dir)],
     )
-    if plot_dir is not None and path is not None:
+    if plot_dir is not None:
         from schedspec.lab.plots import plot_files
 
         planned = sweeping.plot_files(plot_dir) if points else plot_files(names, plot_dir)
         for plot in planned:
-            if plot.exists() and path.exists() and plot.samefile(path):
-                fail(f"--plot {plot_dir}: would overwrite the input file {plot}")
+            for source in input_files(read):
+                if plot.exists() and source.exists() and plot.samefile(source):
+                    fail(f"--plot {plot_dir}: would overwrite the input file {plot}")
     if len(names) > 1 and any("/" in n or n.startswith(".") for n in names) and (steps_out or requests_out or save_path):
         fail(f"--compare {compare!r}: a name with '/' or a leading '.' cannot name an output file")
 
@@ -631,6 +638,8 @@ def command(trace_path, trace_format, synthetic, start, duration, max_requests, 
         result = _run_one(name, scheduler, config, window, token_source, cost, no_check, max_steps, as_json,
                           target, console)
         result.scheduler = name
+        if backend == "cost-model":
+            _warn_outside_fitted_range(cost, result.steps, name if compare else None)
         runs.append((name, result))
         records.append(run_record.build_record(name, result, shared(backend_conditions, model, window_conditions),
                                                slo_pair))
@@ -710,15 +719,6 @@ def _parse_sweeps(items: tuple[str, ...]) -> list[tuple[str, list[Any]]]:
             fail(f"--sweep: more than {MAX_SWEEP_POINTS:,} configurations")
         out.append((field, values))
     return out
-
-
-def _save_name(save_path: str, label: str, several: bool) -> str:
-    """``run.json`` -> ``run-LABEL.json`` when several runs are saved."""
-    if not several:
-        return save_path
-    target = Path(save_path)
-    suffix = target.suffix or ".json"
-    return str(target.with_name(f"{target.stem if target.suffix else target.name}-{label}{suffix}"))
 
 
 def _save_records(records: list[dict[str, Any]], targets: list[str], console: Console, quiet: bool) -> None:
@@ -836,8 +836,10 @@ def _sweep(console: Console, points: list[dict[str, Any]], point_configs: list[t
             results = sweeping.run_points_ray(job_list, ray_address)
         else:
             results = sweeping.run_points(job_list, workers)
-    except sweeping.RayUnavailable as error:
+    except sweeping.RayNotInstalled as error:
         fail(f"--ray {ray_address}: {error}", status=EXIT_UNSUPPORTED)
+    except sweeping.RayUnavailable as error:  # no cluster there, or a task failed on it: unusable input (2)
+        fail(f"--ray {ray_address}: {error}")
     except BrokenProcessPool as error:
         fail(f"--sweep: a worker process died ({error}); try fewer --jobs or a smaller window",
              status=EXIT_CHECK_FAILED)
@@ -890,6 +892,22 @@ def _print_sweep_table(console: Console, points: list[dict[str, Any]], records: 
             f"{_percent(f['kv_usage_mean_percent'])[:-1]} / {_percent(f['kv_usage_max_percent'])[:-1]}", mark,
             style="bold" if index == best else None)
     make_console(width=1000).print(table)  # its natural width: one line per configuration, nothing cut
+
+
+def _warn_outside_fitted_range(cost: costs.CostModel, steps: Sequence[LabStep], run: str | None = None) -> None:
+    """A note (stderr) when a measured profile was applied to steps far larger than those it was fitted on
+    (:meth:`~schedspec.reference.cost_model.CostModel.outside_fitted_range`): their times are extrapolated."""
+    if not cost.fitted_range or not steps:
+        return
+    largest = {"prefill_tokens": max(s.prefill_tokens for s in steps),
+               "decode_tokens": max(s.decode_tokens for s in steps),
+               "tokens": max(s.prefill_tokens + s.decode_tokens for s in steps)}
+    beyond = cost.outside_fitted_range(largest)
+    if beyond:
+        grid = ", ".join(f"{field} <= {value:,}" for field, value in cost.fitted_range)
+        note(f"--profile {cost.name}: {'run ' + run + ': ' if run else ''}steps far outside the grid the profile "
+             f"was fitted on ({grid} per step): {'; '.join(beyond)}; their step times are extrapolated "
+             "(calibrate with a larger --max-prefill / --max-decodes)")
 
 
 def _ms(seconds: float | None) -> str:
