@@ -340,6 +340,11 @@ def _folder_problem(text: str, folder: Path) -> str | None:
         return f"folder {shown} does not exist (create it first)"
     if not os.access(folder, os.W_OK | os.X_OK):
         return f"folder {shown} is not writable"
+    try:  # the permission bits do not tell everything (a read-only mount, /proc, root): try it
+        with tempfile.TemporaryFile(dir=folder, prefix=".schedspec-probe-"):
+            pass
+    except OSError as error:
+        return f"folder {shown} is not writable ({error.strerror or error})"
     return None
 
 

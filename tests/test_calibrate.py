@@ -220,7 +220,7 @@ def test_calibrate_bad_input_exits_2_with_one_line(args, expected):
 
 
 @pytest.mark.parametrize(("content", "expected"), [
-    ("{", "line 1"),
+    ("{", "bad.json:1: not JSON"),
     ('{"record": "other"}', "field record"),
     ('{"record": "schedspec-cost-profile", "schema_version": 1, "name": "x", "coefficients": '
      '{"a_s_per_step": -1, "b_s_per_prefill_token": 0, "c_s_per_decode_token": 0, "d_s_per_kv_token": 0}}',
