@@ -291,8 +291,10 @@ def _line_of_refused_number(text: str) -> int | None:
     import re
 
     refused: list[int] = []
-    for match in re.finditer(r"-?\d+(\.\d+)?([eE][-+]?\d+)?", text):
+    for match in re.finditer(r'"(?:[^"\\]|\\.)*"|-?\d+(\.\d+)?([eE][-+]?\d+)?', text):
         token = match.group(0)
+        if token.startswith('"'):  # a string: its digits are no number
+            continue
         try:
             (_finite_float if match.group(1) or match.group(2) else _bounded_int)(token)
         except (StrictJsonError, ValueError):

@@ -61,7 +61,7 @@ def command(backend, device, model_dir, dtype, threads, out_path, name, quick, m
     Exit 0, or 2 on bad input, 3 without torch."""
     console = make_console(stderr=as_json)
     check_path("--model", model_dir)
-    check_outputs([("--out", out_path)], inputs=[])
+    check_outputs([("--out", out_path)], inputs=[model_dir])  # never over a file of the model it reads
     limits = {"max_prefill": max_prefill, "max_decodes": max_decodes, "max_context": max_context,
               "repeats": repeats, "warmup": warmup}
     defaults = QUICK if quick else {"max_prefill": 2048, "max_decodes": 128, "max_context": 2048, "repeats": 5,

@@ -49,6 +49,7 @@ from schedspec.cli_common import (
 )
 from schedspec.reference.engine import Engine, RunResult, ViolationFound
 from schedspec.reference.scheduler import (
+    ENGINE_ADAPTERS,
     EngineEnvironmentError,
     UnknownScheduler,
     UnsupportedFeature,
@@ -468,6 +469,30 @@ def run_diff(scheduler: str, against: str, examples: int, seed: int, changes: di
     return report
 
 
+PREFLIGHT_CONFIG = SchedulerConfig(block_size=16, num_kv_blocks=64, max_num_batched_tokens=64, max_num_seqs=4,
+                                   max_model_len=64)
+"""A small config every engine adapter is built for once before the scenarios, to find an unusable engine
+environment before any work (:func:`_check_environment`)."""
+
+
+def _check_environment(option: str, name: str) -> None:
+    """Exit 2 (one line naming the variable) if ``name``'s engine environment is unusable (a vLLM worker
+    that cannot start: :class:`~schedspec.reference.scheduler.EngineEnvironmentError`), before any scenario
+    is generated. Any other failure to build it for :data:`PREFLIGHT_CONFIG` is left to the scenarios (a
+    scheduler may refuse some configs, a factory may crash on some: counted or reported per scenario)."""
+    if name not in ENGINE_ADAPTERS:  # only an engine adapter needs an environment of its own
+        return
+    try:
+        scheduler = make_scheduler(name, PREFLIGHT_CONFIG)
+    except EngineEnvironmentError as error:
+        fail(f"{option} {name}: {error}")
+    except Exception:  # noqa: BLE001 - judged per scenario
+        return
+    close = getattr(scheduler, "close", None)
+    if callable(close):
+        close()
+
+
 @click.command()
 @click.option("--scheduler", "scheduler_name", required=True, metavar="NAME", help="The scheduler under test.")
 @click.option("--against", "against", required=True, metavar="NAME", help="The scheduler it is compared with.")
@@ -499,6 +524,8 @@ def command(scheduler_name: str, against: str, examples: int, seed: int, sets: t
     for option, name in (("--scheduler", scheduler_name), ("--against", against)):
         # The name only: a scheduler that refuses some configs is counted per scenario.
         check_scheduler(name, None, where=option)
+    for option, name in (("--scheduler", scheduler_name), ("--against", against)):
+        _check_environment(option, name)
     folder = Path(out) if out is not None else None
     check_outputs([], [], folders=[("--out", out)])  # before any work (cli_common: one rule for outputs)
     try:
