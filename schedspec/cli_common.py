@@ -102,6 +102,27 @@ def note(message: str) -> None:
     click.echo(f"schedspec: note: {one_line(message)}", err=True)
 
 
+MIN_TABLE_WIDTH = 100
+"""The width rule of every table the CLI prints (``lab``, ``compare``, ``calibrate``): the terminal's width
+(``$COLUMNS`` when set; 120 when not a terminal), but at least this many columns, cells wrapping inside
+it; except the tables with one row per configuration (``lab --sweep``, ``--capacity``), printed at their
+natural width, never cut or wrapped, so that each configuration stays one line (their width grows with
+the number of swept fields: about 150 columns for two). :func:`table_width`, :func:`wide_console`."""
+
+
+def table_width() -> int:
+    """The width tables are printed at (:data:`MIN_TABLE_WIDTH`'s rule)."""
+    import shutil
+
+    return max(shutil.get_terminal_size((120, 24)).columns, MIN_TABLE_WIDTH)
+
+
+def wide_console() -> Console:
+    """A console for the tables with one row per configuration: their natural width, never cut
+    (:data:`MIN_TABLE_WIDTH`)."""
+    return console(width=1000)
+
+
 def console(**kwargs: Any) -> Console:
     """A Rich console that prints text as text: no markup, no emoji codes, no highlighting.
 
@@ -316,7 +337,7 @@ def input_files(paths: Sequence[str | Path | None]) -> list[Path]:
 
 
 def numbered_output(path: str, label: str) -> str:
-    """The output of one of several runs (:mod:`module docstring <schedspec.cli_common>`):
+    """The output of one of several runs (the module docstring's naming rule):
     ``run.json`` -> ``run-LABEL.json``, ``steps`` -> ``steps-LABEL``, ``a.b/c.jsonl`` -> ``a.b/c-LABEL.jsonl``."""
     target = Path(path)
     if target.suffix:

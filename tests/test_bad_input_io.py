@@ -551,3 +551,23 @@ def test_cli_fuzz_files_and_environment(tmp_path_factory, record_text, data):
     if env:  # no vLLM environment there: never a pass, never "the scheduler lacks a feature"
         assert result.exit_code == 2, (args, env, result.stdout, result.stderr)
         assert "SCHEDSPEC_VLLM_PYTHON" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("columns", ["80", "100", "190"])
+def test_tables_follow_one_width_rule(tmp_path, record, columns):
+    """lab and compare: the terminal's width, at least 100 columns (cli_common.MIN_TABLE_WIDTH); before,
+    lab printed at least 100 and compare at least 120 columns."""
+    from click.testing import CliRunner
+
+    from schedspec.cli import cli
+    from schedspec.cli_common import MIN_TABLE_WIDTH
+
+    width = max(int(columns), MIN_TABLE_WIDTH)
+    path = tmp_path / "r.json"
+    path.write_bytes(record_bytes(record))
+    for argv in (["lab", "--max-requests", "6", "--steps", "5"], ["compare", str(path), str(path)]):
+        result = CliRunner().invoke(cli, argv, env={"COLUMNS": columns})
+        assert result.exit_code == 0, result.output
+        lines = result.stdout.splitlines()
+        assert max(len(line) for line in lines) <= width, (argv, max(lines, key=len))
+        assert any(len(line) > 80 for line in lines)  # the width is used, not Rich's default 80

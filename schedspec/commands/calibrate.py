@@ -14,6 +14,7 @@ from schedspec.cli_common import (
     check_outputs,
     check_path,
     fail,
+    table_width,
     torch_backend_model,
 )
 from schedspec.cli_common import console as make_console
@@ -59,7 +60,7 @@ def command(backend, device, model_dir, dtype, threads, out_path, name, quick, m
     a + b*prefill_tokens + c*decode_tokens + d*kv_tokens_attended (non-negative least squares on the
     relative error); print the fit error per region with the run conditions; write the profile.
     Exit 0, or 2 on bad input, 3 without torch."""
-    console = make_console(stderr=as_json)
+    console = make_console(stderr=as_json, width=table_width())
     check_path("--model", model_dir)
     check_outputs([("--out", out_path)], inputs=[model_dir])  # never over a file of the model it reads
     limits = {"max_prefill": max_prefill, "max_decodes": max_decodes, "max_context": max_context,

@@ -27,7 +27,7 @@ import click
 from rich.table import Table
 from rich.text import Text
 
-from schedspec.cli_common import EXIT_CHECK_FAILED, check_path, fail, one_line
+from schedspec.cli_common import EXIT_CHECK_FAILED, check_path, fail, one_line, table_width
 from schedspec.cli_common import console as make_console
 from schedspec.lab import run_record
 
@@ -180,7 +180,7 @@ def command(before_path: str, after_path: str, allowed: tuple[str, ...], as_json
                                "differing_conditions": differences, "figures": rows}, indent=2, default=str))
         sys.exit(EXIT_CHECK_FAILED if refused else 0)
 
-    console = make_console(width=max(make_console().width, 120))
+    console = make_console(width=table_width())  # the CLI's width rule (cli_common.MIN_TABLE_WIDTH)
     console.print(Text(f"before: {before['name']} ({before_path})\nafter:  {after['name']} ({after_path})"))
     if differences:
         table = Table(title="Conditions that differ", title_justify="left")

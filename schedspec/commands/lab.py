@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures.process import BrokenProcessPool
@@ -38,7 +37,9 @@ from schedspec.cli_common import (
     run_labels,
     scheduler_option,
     set_option,
+    table_width,
     torch_backend_model,
+    wide_console,
 )
 from schedspec.cli_common import (
     console as make_console,
@@ -415,7 +416,7 @@ def command(trace_path, trace_format, synthetic, start, duration, max_requests, 
     saw and the batch efficiency, with every step checked against the spec. Every option and the trace
     are validated before the run. Exit 0 clean, 1 on a spec violation, 2 on bad input, 3 if the
     scheduler lacks a feature the config needs."""
-    console = make_console(stderr=as_json, width=max(shutil.get_terminal_size((120, 24)).columns, 100))
+    console = make_console(stderr=as_json, width=table_width())
 
     # 1. Options, each on its own (no work yet).
     changes = parse_sets(sets)
@@ -789,7 +790,7 @@ def _capacity(console, points: Sequence[Mapping[str, Any]], configurations: Sequ
                           *("-" if f.get(f"{m}_p{capacities.percentile_label(q)}_s") is None else f"{f[f'{m}_p{capacities.percentile_label(q)}_s'] * 1e3:,.1f}"
                             for m, q in shown),
                           style="bold" if i == best else None)
-        make_console(width=1000).print(table)
+        wide_console().print(table)
         for r in results:
             if r["problem"] is not None:
                 console.print(f"FAILED {r['label']}: {r['problem']}", markup=False, highlight=False)
@@ -891,7 +892,7 @@ def _print_sweep_table(console: Console, points: list[dict[str, Any]], records: 
             "-" if f["goodput_percent"] is None else f"{f['goodput_percent']:.1f}", f"{f['preemptions']:,}",
             f"{_percent(f['kv_usage_mean_percent'])[:-1]} / {_percent(f['kv_usage_max_percent'])[:-1]}", mark,
             style="bold" if index == best else None)
-    make_console(width=1000).print(table)  # its natural width: one line per configuration, nothing cut
+    wide_console().print(table)  # its natural width: one line per configuration, nothing cut (MIN_TABLE_WIDTH)
 
 
 def _warn_outside_fitted_range(cost: costs.CostModel, steps: Sequence[LabStep], run: str | None = None) -> None:
