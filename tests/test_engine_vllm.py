@@ -269,19 +269,29 @@ def test_prefix_caching_with_async_scheduling_is_unsupported() -> None:
 
 
 def test_missing_engine_says_how_to_install_it(monkeypatch, tmp_path) -> None:
-    monkeypatch.setenv("SCHEDSPEC_VLLM_PYTHON", str(tmp_path / "no-python"))
+    """Not installed (no variable, no default environment): EngineUnavailable, a missing feature. A variable
+    naming a path that does not exist is an unusable environment instead (EngineStartError, CLI exit 2)."""
+    from schedspec.engines import vllm as vllm_adapter
+
+    monkeypatch.delenv("SCHEDSPEC_VLLM_PYTHON", raising=False)
+    monkeypatch.setattr(vllm_adapter, "DEFAULT_PYTHON", tmp_path / "no-venv" / "bin" / "python")
     with pytest.raises(EngineUnavailable, match="scripts/engines_setup.sh"):
+        VllmScheduler(CONFIG)
+    monkeypatch.setenv("SCHEDSPEC_VLLM_PYTHON", str(tmp_path / "no-python"))
+    with pytest.raises(vllm_adapter.EngineStartError, match="SCHEDSPEC_VLLM_PYTHON=.*no such file"):
         VllmScheduler(CONFIG)
 
 
-def test_cli_replay_exits_3_without_the_engine(tmp_path) -> None:
+def test_cli_replay_exits_2_with_a_missing_vllm_python(tmp_path) -> None:
+    """Issue 28: a SCHEDSPEC_VLLM_PYTHON naming nothing is unusable input (2, naming the variable), not a
+    feature the scheduler lacks (3, what a missing installation still gives: the test above)."""
     env = dict(os.environ, SCHEDSPEC_VLLM_PYTHON=str(tmp_path / "no-python"))
     result = subprocess.run(
         [sys.executable, "-m", "schedspec", "replay", "--scheduler", "vllm", str(CASES["slot-freed-is-reused"])],
         capture_output=True, text=True, env=env, timeout=120,
     )
-    assert result.returncode == 3, result.stderr
-    assert "engines_setup.sh" in result.stdout + result.stderr
+    assert result.returncode == 2, result.stderr
+    assert "SCHEDSPEC_VLLM_PYTHON=" in result.stderr and len(result.stderr.splitlines()) == 1, result.stderr
 
 
 # ------------------------------------------------------------------------ the state machine
