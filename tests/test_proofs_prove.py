@@ -360,6 +360,7 @@ def test_save_cases_prints_its_path_as_text(tmp_path):
     crash the run."""
     for name in ("[red]x[/red]", "a[/red]b"):
         folder = tmp_path / name
+        folder.parent.mkdir(exist_ok=True)  # "[red]x[/red]" is a folder "red]" in "[red]x[": the folder it goes in must exist
         run = prove(*SMALL_CASE, "--save-cases", str(folder))
         assert run.exit_code == 0, run.output
         assert (folder / "counterexample-bounded-itl.json").is_file()
