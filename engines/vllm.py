@@ -527,6 +527,7 @@ class VllmScheduler(_VllmAdapter):
     Raises:
         UnsupportedFeature: prefix caching on, an unknown policy, or a config vLLM refuses.
         EngineUnavailable: no vLLM environment (how to install it is in the message).
+        EngineStartError: ``$SCHEDSPEC_VLLM_PYTHON`` names no file, or the worker died before its first reply.
         EngineError: the worker failed.
     """
 
