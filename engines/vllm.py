@@ -107,7 +107,7 @@ from schedspec.reference.scheduler import EngineEnvironmentError, EngineView, Un
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.prefix_cache import ROOT_HASH, max_hit_blocks, request_block_hash
 from schedspec.spec.request import Request
-from schedspec.spec.rules import Violation
+from schedspec.spec.rules import REUSED_BY_HIT_IN_STEP, Violation, coded
 from schedspec.spec.state import ScheduledRequest, SchedulerState, StepPlan
 from schedspec.spec.workload import DEFAULT_VOCAB_SIZE, token_ids
 
@@ -284,8 +284,8 @@ def input_processor_rejection(request: Request, config: SchedulerConfig) -> str 
 SAME_STEP_HIT_RULES = frozenset({"prefix-hit-is-cached-chain", "prefix-hit-longest", "blocks-from-free-pool"})
 """The spec's rules a same-step prefix-cache hit breaks (:func:`same_step_hits`)."""
 
-_REUSED_IN_STEP = "is handed out and reused by a prefix-cache hit in the same step"
-"""The words of ``blocks-from-free-pool`` (spec/rules.py) for a block both handed out and hit in one plan."""
+_REUSED_IN_STEP = coded("blocks-from-free-pool", REUSED_BY_HIT_IN_STEP)
+"""The code of ``blocks-from-free-pool`` (spec/rules.py) for a block both handed out and hit in one plan."""
 
 
 def same_step_hits(state: SchedulerState, plan: StepPlan, config: SchedulerConfig) -> dict[str, tuple[int, ...]]:
@@ -465,7 +465,7 @@ class _VllmAdapter:
         if violation.name == "blocks-from-free-pool":
             # the earlier request's new block that a later request of the plan hits: known when every
             # such block of it is a same-step hit block of a request meeting the condition
-            if not violation.detail.endswith(_REUSED_IN_STEP):
+            if violation.code != _REUSED_IN_STEP:
                 return False
             item = next((i for i in self.plan.scheduled if i.request_id == violation.request_id), None)
             hit = {b for i in self.plan.scheduled for b in i.cached_block_ids}

@@ -28,11 +28,12 @@ from typing import Any, TextIO
 import attrs
 import numpy as np
 
-from schedspec.reference.engine import Engine, RunResult, StepView, prefix_hit_tokens
+from schedspec.reference.engine import Engine, RunResult, StepView
 from schedspec.reference.fake_model import CostOnlyModel, FakeModel, TokenSource
 from schedspec.reference.scheduler import UNCHECKED_IMPLEMENTATIONS, make_scheduler
 from schedspec.spec.admission import rejection_reason
 from schedspec.spec.config import SchedulerConfig
+from schedspec.spec.stepper import prefix_hit_tokens
 from schedspec.spec.trace import StepRecord
 from schedspec.spec.workload import RequestSpec
 
@@ -100,6 +101,7 @@ class _HitView:
     """A step as :meth:`PrefixHitCounter.observe` reads it (the fields it names), from a StepView."""
 
     view: StepView
+    block_size: int
 
     @property
     def arrivals(self):
@@ -115,7 +117,7 @@ class _HitView:
 
     @property
     def prefix_hit_tokens(self) -> dict[str, int]:
-        return prefix_hit_tokens(self.view.before, self.view.plan)
+        return prefix_hit_tokens(self.view.plan, self.block_size)
 
     @property
     def preempted(self):
@@ -131,7 +133,9 @@ class _HitView:
 
 
 class _Collector:
-    def __init__(self, workload: Sequence[RequestSpec], long_prompt_len: int, steps_out: TextIO | None) -> None:
+    def __init__(self, workload: Sequence[RequestSpec], long_prompt_len: int, steps_out: TextIO | None,
+                 block_size: int) -> None:
+        self.block_size = block_size
         self.specs = {s.request_id: s for s in workload}
         self.long_prompt_len = long_prompt_len
         self.steps_out = steps_out
@@ -148,7 +152,7 @@ class _Collector:
         decode is :attr:`Request.is_decode`, as in the StepRecord)."""
         start = view.start_time
         end = start + view.duration
-        self.prefix_hits.observe(_HitView(view))
+        self.prefix_hits.observe(_HitView(view, self.block_size))
         long_prefill = False
         prefill = decode = chunks = 0
         requests = view.before.requests
@@ -239,7 +243,7 @@ def run_lab(
     # and must not set the threshold; metrics.latency_summary takes the same decile after the run).
     long_prompt_len = long_prompt_threshold(s.prompt_len for s in workload
                                             if rejection_reason(s.prompt_len, s.max_tokens, config) is None)
-    collector = _Collector(workload, long_prompt_len, steps_out)
+    collector = _Collector(workload, long_prompt_len, steps_out, config.block_size)
 
     def observe(record: StepRecord) -> None:
         if steps_out is not None:

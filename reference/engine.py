@@ -28,14 +28,12 @@ from typing import Any
 import attrs
 
 from schedspec.spec.config import SchedulerConfig
-from schedspec.spec.incremental import IncrementalChecker
-from schedspec.spec.invariants import check_step
-from schedspec.spec.prefix_cache import evicted_blocks
 from schedspec.spec.properties import Monitor, Progress, monitors
-from schedspec.spec.rules import Violation, violated_rules
+from schedspec.spec.rules import Violation
 from schedspec.spec.state import SchedulerState, StepPlan
-from schedspec.spec.trace import ScheduledTokens, StepRecord
-from schedspec.spec.transitions import PlanError, abort_request, add_request, apply_plan
+from schedspec.spec.stepper import Stepper, Transition, step_checker
+from schedspec.spec.trace import StepRecord
+from schedspec.spec.transitions import StepResult
 from schedspec.spec.workload import RequestSpec
 
 from .fake_model import CostOnlyModel, FakeModel, TokenSource
@@ -44,7 +42,6 @@ from .scheduler import (
     EngineView,
     Scheduler,
     UnsupportedFeature,
-    offer_transition,
     state_differences,
     view_differences,
 )
@@ -142,76 +139,6 @@ class RunResult:
         return not self.violations
 
 
-def _record(
-    before: SchedulerState,
-    after: SchedulerState,
-    plan: StepPlan,
-    sampled: dict[str, int],
-    finished: Iterable[str],
-    start: float,
-    duration: float,
-    arrivals: list[RequestSpec],
-    aborts: list[str],
-    aborted: list[str],
-    freed_by_abort: dict[str, tuple[int, ...]],
-) -> StepRecord:
-    scheduled = []
-    allocated = {}
-    hits: dict[str, tuple[int, ...]] = {}
-    hit_tokens = prefix_hit_tokens(before, plan)
-    for item in plan.scheduled:
-        request = before.requests[item.request_id]
-        decode = 0 if request.is_prefill else item.num_tokens
-        scheduled.append(ScheduledTokens(item.request_id, item.num_computed_tokens, item.num_tokens - decode, decode))
-        if item.new_block_ids:
-            allocated[item.request_id] = item.new_block_ids
-        if item.cached_block_ids:
-            hits[item.request_id] = item.cached_block_ids
-    freed = dict(freed_by_abort)
-    for request_id in plan.preempted:
-        if before.requests[request_id].block_ids:
-            freed[request_id] = before.requests[request_id].block_ids
-    finished_reasons = {}
-    for request_id in finished:
-        request = after.finished[request_id]
-        finished_reasons[request_id] = request.finish_reason or ""
-        blocks = before.requests[request_id].block_ids + hits.get(request_id, ()) + allocated.get(request_id, ())
-        if blocks:
-            freed[request_id] = blocks
-    evicted: list[int] = []
-    if before.prefix_cache is not None:
-        evicted = evicted_blocks(before.prefix_cache, (b for item in plan.scheduled for b in item.new_block_ids))
-    return StepRecord(
-        step=before.step,
-        start_time=start,
-        duration=duration,
-        arrivals=arrivals,
-        aborts=aborts,
-        scheduled=scheduled,
-        blocks_allocated=allocated,
-        blocks_freed=freed,
-        prefix_hit_tokens=hit_tokens,
-        prefix_hit_blocks=hits,
-        blocks_evicted=evicted,
-        preempted=plan.preempted,
-        finished=finished_reasons,
-        aborted=aborted,
-        rejected=dict(plan.rejected),
-        sampled_token_ids=sampled,
-        num_free_blocks=len(after.free_block_ids),
-        num_running=len(after.running),
-        num_waiting=len(after.waiting),
-    )
-
-
-def prefix_hit_tokens(before: SchedulerState, plan: StepPlan) -> dict[str, int]:
-    """Request id -> the tokens its prefix-cache hit in this step covers (the record's
-    ``prefix_hit_tokens``): ``ScheduledRequest.num_computed_tokens`` less the request's computed tokens
-    before the step, for each request the plan gives ``cached_block_ids``."""
-    return {item.request_id: item.num_computed_tokens - before.requests[item.request_id].num_computed_tokens
-            for item in plan.scheduled if item.cached_block_ids}
-
-
 @attrs.define(slots=True)
 class StepView:
     """One step as it happened, without building a :class:`StepRecord` (the lab's statistics read
@@ -289,20 +216,13 @@ class Engine:
         self.incremental = incremental
         self.on_step_view = on_step_view
 
-    def _client_action(self, name: str, transition: Callable[[SchedulerState, Any], SchedulerState],
-                       shadow: SchedulerState, argument: Any, trust_state: bool) -> SchedulerState:
-        """Apply a client action (``add_request`` or ``abort_request``, with its spec ``transition``) to the
-        scheduler and return the spec state after it. With ``trust_state`` (unchecked runs of a scheduler
-        that keeps a spec state) that is the scheduler's own state; otherwise the spec's transition of
-        ``shadow``, offered to the scheduler first (:func:`offer_transition`) so a reference scheduler
-        asking for the same one reuses it instead of computing it again."""
-        if trust_state:
-            self._call(name, shadow.step, getattr(self.scheduler, name), argument)
-            return self.scheduler.state
-        after = transition(shadow, argument)
-        offer_transition(name, shadow, argument, self.config, after)
-        self._call(name, shadow.step, getattr(self.scheduler, name), argument)
-        return after
+    def _hand(self, transition: Transition | None) -> None:
+        """Hand the spec's ``transition`` to a scheduler that accepts one (``accept_transition``:
+        :class:`~schedspec.reference.scheduler.ReferenceScheduler`) before calling it for the same
+        action, so it need not compute the transition again."""
+        accept = getattr(self.scheduler, "accept_transition", None)
+        if accept is not None and transition is not None:
+            accept(transition)
 
     def _call(self, operation: str, step: int, method: Callable[..., Any], *args: Any) -> Any:
         """Call a method of the scheduler under test. What it raises (other than the protocol's own
@@ -368,18 +288,18 @@ class Engine:
             self.config, eos_at_output={s.request_id: s.eos_at_output for s in workload if s.eos_at_output}
         )
 
-        ledger = IncrementalChecker(self.config) if self.check and self.incremental else None
+        checker = step_checker(self.config, self.incremental) if self.check else None
         # A run allocates millions of short-lived tuples while holding every finished request: the
         # default thresholds make the cyclic garbage collector rescan that growing heap thousands of
         # times. Nothing here builds reference cycles, so collect rarely during the run.
         gc_thresholds = gc.get_threshold()
         gc.set_threshold(200_000, 50, 100)
         try:
-            return self._run(events, specs, mode, max_steps, token_source, ledger)
+            return self._run(events, specs, mode, max_steps, token_source, checker)
         finally:
             gc.set_threshold(*gc_thresholds)
 
-    def _run(self, events, specs, mode, max_steps, token_source, ledger) -> RunResult:
+    def _run(self, events, specs, mode, max_steps, token_source, checker) -> RunResult:
         watched: list[Monitor] = monitors(self.properties, self.config) + monitors(self.watch, self.config)
         # A hung scheduler (no new token position and no request ended for max_model_len steps with live
         # requests) would keep a run going forever: the run stops there with a progress violation, which
@@ -389,16 +309,17 @@ class Engine:
         if (not self.check and not watched and not self.record_steps and self.on_step is None
                 and callable(getattr(self.scheduler, "step_views", None)) and type(token_source) is CostOnlyModel):
             return self._run_light(events, specs, mode, max_steps, token_source)
-        shadow = SchedulerState.initial(self.config)
+        initial = SchedulerState.initial(self.config)
         has_state = isinstance(getattr(self.scheduler, "state", None), SchedulerState)
-        if has_state and not state_differences(shadow, self.scheduler.state):
+        if has_state and not state_differences(initial, self.scheduler.state):
             # An equal immutable start state: the same object, so that the spec transitions the engine
-            # computes can be shared with a reference scheduler (offer_transition).
-            shadow = self.scheduler.state
+            # computes can be handed to a reference scheduler (accept_transition).
+            initial = self.scheduler.state
         # With checks off, a scheduler that keeps a spec state is trusted (the fast path); with checks on,
         # the spec's shadow is always advanced by the spec's own transitions and compared with it.
         trust_state = has_state and not self.check
         has_view = self.check and not has_state and callable(getattr(self.scheduler, "engine_view", None))
+        stepper = Stepper(self.config, checker, watched, initial)
         records: list[StepRecord] = []
         violations: list[Violation] = []
         clock = 0.0
@@ -419,85 +340,78 @@ class Engine:
         while True:
             if max_steps is not None and step >= max_steps:
                 break
-            if mode == "time" and not shadow.requests:
+            if mode == "time" and not stepper.state.requests:
                 clock = events.idle_clock(clock)
             arrivals = events.arrivals(step, clock)
             for spec in arrivals:
-                shadow = self._client_action("add_request", add_request, shadow, spec.to_request(step), trust_state)
+                request = spec.to_request(step)
+                if trust_state:
+                    self._call("add_request", step, self.scheduler.add_request, request)
+                    stepper.arrive(request, spec, after=self.scheduler.state)
+                else:
+                    self._hand(stepper.arrive(request, spec))
+                    self._call("add_request", step, self.scheduler.add_request, request)
             aborts = events.aborts(step, clock)
-            aborted, freed_by_abort = [], {}
             for request_id in aborts:
-                live = shadow.requests.get(request_id)
-                if live is not None:
-                    aborted.append(request_id)
-                    if live.block_ids:
-                        freed_by_abort[request_id] = live.block_ids
-                shadow = self._client_action("abort_request", abort_request, shadow, request_id, trust_state)
-            if not shadow.requests and not events.arrivals_left:
+                if trust_state:
+                    self._call("abort_request", step, self.scheduler.abort_request, request_id)
+                    stepper.abort(request_id, after=self.scheduler.state)
+                else:
+                    self._hand(stepper.abort(request_id).transition)
+                    self._call("abort_request", step, self.scheduler.abort_request, request_id)
+            if not stepper.state.requests and not events.arrivals_left:
                 break
 
-            before = shadow
+            before = stepper.state
             if self.check and (arrivals or aborts):
-                found = compare_own(before, tuple(aborted), step)
+                found = compare_own(before, tuple(a.request_id for a in stepper.aborted if a.live), step)
                 if found:
                     violations.extend(found)
                     if self.stop_on_violation:
                         raise ViolationFound(found, before)
             plan = self._schedule(before.step)
-            if self.check:
-                if ledger is not None:
-                    ledger.sync(before)
-                    found = ledger.violated_rules(before, plan)
-                else:
-                    found = violated_rules(before, plan, self.config)
-                if found:
-                    violations.extend(found)
-                    if self.stop_on_violation:
-                        raise ViolationFound(found, before)
+            found = stepper.check_plan(plan)
+            if found:
+                violations.extend(found)
+                if self.stop_on_violation:
+                    raise ViolationFound(found, before)
             sampled, duration = token_source.execute(plan, before)
             if trust_state:
                 finished = self._update(before.step, plan, sampled)
-                after = self.scheduler.state
+                outcome = stepper.step(plan, sampled, StepResult(self.scheduler.state, finished, ()))
             else:
-                # The spec's own transition first; a reference scheduler that asks for the very same
-                # transition (same state, plan and samples) gets this result instead of computing it
-                # again (reference.scheduler.offer_transition), so its state is this state.
-                try:
-                    result = apply_plan(before, plan, sampled, self.config)
-                except PlanError as error:
-                    found = [Violation("refinement", f"the spec cannot apply the scheduler's plan: {error}",
+                # The spec's own transition first, handed to a reference scheduler that keeps the same spec
+                # state (accept_transition), so its state is this state.
+                outcome = stepper.step(plan, sampled)
+                if outcome.error is not None:
+                    found = [Violation("refinement", f"the spec cannot apply the scheduler's plan: {outcome.error}",
                                        before.step, kind="mismatch")]
                     violations.extend(found)
                     if self.stop_on_violation:
                         raise ViolationFound(found, before) from None
                     break
-                offer_transition("apply_plan", before, plan, self.config, result, sampled)
+                self._hand(outcome.transition)
                 finished = self._update(before.step, plan, sampled)
-                after = result.state
                 if self.check:
                     found = []
-                    if set(finished) != set(result.finished):
+                    if set(finished) != set(outcome.finished):
                         found.append(Violation(
                             "refinement", f"scheduler says finished {sorted(finished)}, spec says "
-                            f"{sorted(result.finished)}", before.step, kind="mismatch"))
-                    found += compare_own(after, result.finished, before.step)
+                            f"{sorted(outcome.finished)}", before.step, kind="mismatch"))
+                    found += compare_own(outcome.after, outcome.finished, before.step)
                     if found:
                         violations.extend(found)
                         if self.stop_on_violation:
-                            raise ViolationFound(found, after)
-                finished = result.finished
+                            raise ViolationFound(found, outcome.after)
+            after = outcome.after
             if self.check:
-                if ledger is not None:
-                    found = ledger.check(before, plan, after)
-                else:
-                    found = check_step(before, plan, after, self.config)
+                found = outcome.invariant_violations
                 checked += 1
                 if found:
                     violations.extend(found)
                     if self.stop_on_violation:
                         raise ViolationFound(found, after)
-            for monitor in watched:
-                monitor.observe(before, plan, after)
+            stepper.observe(outcome)
             hung = False
             if hang_guard not in watched:
                 hang_guard.observe(before, plan, after)
@@ -507,28 +421,25 @@ class Engine:
                     violations.extend(hang_guard.violations)
             if self.on_step_view is not None:
                 self.on_step_view(StepView(before.step, clock, duration, before, after, plan, sampled,
-                                           tuple(finished), arrivals, aborted))
+                                           outcome.finished, outcome.arrivals, outcome.aborted_ids))
             if self.record_steps or self.on_step is not None:
-                record = _record(before, after, plan, sampled, finished, clock, duration,
-                                 arrivals, aborts, aborted, freed_by_abort)
+                record = stepper.record(outcome, clock, duration)
                 if self.record_steps:
                     records.append(record)
                 if self.on_step is not None:
                     self.on_step(record)
-            shadow = after
             clock += duration
             step += 1
             if hung:
                 break
 
-        property_violations: dict[str, list[Violation]] = {}
+        property_violations = stepper.finish()
         for monitor in watched:
-            property_violations[monitor.name] = monitor.finish(shadow)
             if monitor.name in self.properties:
                 violations.extend(property_violations[monitor.name])
         return RunResult(
             records=records,
-            state=shadow,
+            state=stepper.state,
             violations=violations,
             property_violations=property_violations,
             num_steps=step,

@@ -15,6 +15,10 @@ The protocol (engine adapters implement the same one):
   last ``update`` (or arrival/abort), in the spec's terms; the engine loop compares it field by field
   with the spec's shadow state and reports ``state-mismatch``.
 - ``name`` and ``guarantees``: the registry name and the trace properties it promises.
+- ``accept_transition(transition)`` (optional; reference schedulers): the hand-off of the spec
+  transition the engine loop computed for the call it makes next
+  (:class:`~schedspec.spec.stepper.Transition`), which a scheduler keeping the same spec state may use
+  instead of computing it again (:class:`ReferenceScheduler`).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import attrs
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.request import Request
 from schedspec.spec.state import SchedulerState, StepPlan
+from schedspec.spec.stepper import Transition
 from schedspec.spec.transitions import abort_request, add_request, apply_plan
 
 from . import policies, vllm_v1
@@ -211,7 +216,13 @@ ALL_PROPERTIES = frozenset(
 
 class ReferenceScheduler:
     """A pure policy wrapped as a stateful :class:`Scheduler`; its state changes only by the spec's
-    transitions, so it refines the spec whenever its plans are allowed."""
+    transitions, so it refines the spec whenever its plans are allowed.
+
+    It accepts the hand-off of a transition (:meth:`accept_transition`): the engine loop, which computes
+    the spec's own transition of the same state to check the scheduler, hands it over before it calls
+    the scheduler, and the scheduler uses it instead of computing it again when its call is exactly that
+    transition (:meth:`~schedspec.spec.stepper.Transition.matches`). Sharing it halves the transitions of a
+    checked lab run and makes the engine's comparison of the two states an identity test."""
 
     def __init__(self, config: SchedulerConfig, plan: PlanFunction, name: str, guarantees: frozenset[str]) -> None:
         self.config = config
@@ -219,61 +230,36 @@ class ReferenceScheduler:
         self.name = name
         self.guarantees = guarantees
         self.state = SchedulerState.initial(config)
+        self._handed: Transition | None = None
+
+    def accept_transition(self, transition: Transition) -> None:
+        """The spec transition the engine computed for the call it makes next (module docstring of
+        :mod:`schedspec.spec.stepper`); used at most once, by that call if it is exactly this transition."""
+        self._handed = transition
+
+    def _take(self, operation: str, argument: object, sampled: Mapping[str, int] | None = None) -> object | None:
+        handed, self._handed = self._handed, None
+        if handed is not None and handed.matches(operation, self.state, argument, self.config, sampled):
+            return handed.result
+        return None
 
     def add_request(self, request: Request) -> None:
-        offered = _OFFERED.take(("add_request", self.state, request, None, self.config))
-        self.state = offered if offered is not None else add_request(self.state, request)
+        handed = self._take("add_request", request)
+        self.state = handed if handed is not None else add_request(self.state, request)
 
     def abort_request(self, request_id: str) -> None:
-        offered = _OFFERED.take(("abort_request", self.state, request_id, None, self.config))
-        self.state = offered if offered is not None else abort_request(self.state, request_id)
+        handed = self._take("abort_request", request_id)
+        self.state = handed if handed is not None else abort_request(self.state, request_id)
 
     def schedule(self) -> StepPlan:
         return self.plan_function(self.state, self.config)
 
     def update(self, plan: StepPlan, sampled_token_ids: Mapping[str, int]) -> tuple[str, ...]:
-        result = _OFFERED.take(("apply_plan", self.state, plan, sampled_token_ids, self.config))
+        result = self._take("apply_plan", plan, sampled_token_ids)
         if result is None:
             result = apply_plan(self.state, plan, sampled_token_ids, self.config)
         self.state = result.state
         return result.finished
-
-
-class _OfferedTransition:
-    """The one spec transition the engine has just computed (:meth:`offer`), handed to a
-    :class:`ReferenceScheduler` that asks for the very same transition: the same operation on the same
-    state object with the same argument objects (identity, not equality; none is changed by either
-    side) and an equal config. The spec's transitions are pure functions, so the result is the one
-    the scheduler would compute itself; sharing it halves the transitions of a checked lab run and
-    makes the engine's comparison of the two states an identity test. An offer is used at most once."""
-
-    def __init__(self) -> None:
-        self._key: tuple = ()
-        self._result = None
-
-    def offer(self, key: tuple, result) -> None:
-        self._key, self._result = key, result
-
-    def take(self, key: tuple):
-        offered, result = self._key, self._result
-        self._key, self._result = (), None
-        if len(offered) != len(key) or offered[0] != key[0] or offered[-1] != key[-1]:
-            return None
-        if any(a is not b for a, b in zip(offered[1:-1], key[1:-1], strict=True)):
-            return None
-        return result
-
-
-_OFFERED = _OfferedTransition()
-
-
-def offer_transition(operation: str, state: SchedulerState, argument: object, config: SchedulerConfig,
-                     result: object, sampled: Mapping[str, int] | None = None) -> None:
-    """Offer the engine's own spec transition to the next :class:`ReferenceScheduler` call that asks
-    for exactly it: ``"apply_plan"`` (``argument`` the plan, with ``sampled``; ``result`` the
-    ``apply_plan`` result), ``"add_request"`` (the request; the new state) or ``"abort_request"``
-    (the id; the new state)."""
-    _OFFERED.offer((operation, state, argument, sampled, config), result)
 
 
 SchedulerFactory = Callable[[SchedulerConfig], Scheduler]
@@ -337,7 +323,7 @@ callable taking a :class:`SchedulerConfig` and returning a :class:`Scheduler`.""
 UNCHECKED_IMPLEMENTATIONS: dict[str, str] = {"fcfs": "fcfs-fast"}
 """Registered scheduler -> a faster implementation of the same plans (tested step for step equal to it) that
 unchecked runs (the lab with checks off) use instead: with checks on the plain policy runs, sharing the
-spec's transition with the engine (:func:`offer_transition`)."""
+spec's transition with the engine (:meth:`ReferenceScheduler.accept_transition`)."""
 
 PLAN_FUNCTIONS: dict[str, PlanFunction] = {
     "fcfs": policies.fcfs,

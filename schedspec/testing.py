@@ -60,12 +60,12 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from schedspec import strategies
 from schedspec.spec.admission import max_sequence_len, rejection_reason
 from schedspec.spec.config import SchedulerConfig
-from schedspec.spec.invariants import check_state, check_step
+from schedspec.spec.invariants import check_state
 from schedspec.spec.properties import Monitor, monitors
 from schedspec.spec.request import RequestStatus
-from schedspec.spec.rules import Violation, violated_rules
+from schedspec.spec.rules import Violation
 from schedspec.spec.state import SchedulerState, StepPlan, samples_this_step
-from schedspec.spec.transitions import abort_request, add_request, apply_plan
+from schedspec.spec.stepper import FullChecker, Stepper
 from schedspec.spec.workload import EOS_TOKEN_ID, RequestSpec
 from schedspec.strategies import scheduler_configs
 
@@ -114,6 +114,9 @@ def _lines(violations: Iterable[Violation], limit: int = 8) -> str:
 
 ABORT_TARGETS = ("waiting", "running", "finished", "unknown")
 
+_NO_STATE = SchedulerState()
+"""The machine's spec state before ``setup`` draws a config."""
+
 _STRATEGIES: dict[tuple[type, str, SchedulerConfig | None], st.SearchStrategy[Any]] = {}
 
 
@@ -159,8 +162,10 @@ class SchedulerStateMachine(RuleBasedStateMachine):
     Subclasses may add rules; :meth:`advance` runs one fully checked step and :meth:`add_request`
     adds a request to the scheduler and the shadow state.
 
-    Attributes set by ``setup``: ``config``, ``scheduler``, ``shadow`` (the spec state),
-    ``model`` (the fake model), ``monitors``, ``added`` (request id -> what was added).
+    Attributes set by ``setup``: ``config``, ``scheduler``, ``stepper`` (the spec's
+    :class:`~schedspec.spec.stepper.Stepper`, with the full checker and the guaranteed properties'
+    monitors), ``shadow`` (its spec state), ``model`` (the fake model), ``monitors``, ``added`` (request
+    id -> what was added).
     """
 
     scheduler_name: ClassVar[str] = "fcfs"
@@ -238,13 +243,27 @@ class SchedulerStateMachine(RuleBasedStateMachine):
         super().__init__()
         self.config: SchedulerConfig | None = None
         self.scheduler: Any = None
-        self.shadow = SchedulerState()
+        self.stepper: Stepper | None = None
         self.model: Any = None
-        self.monitors: list[Monitor] = []
         self.added: dict[str, _Added] = {}
         self.steps_run = 0
         self.seen: set[str] = set()
         self._checked: SchedulerState | None = None  # the latest spec state every check passed on
+
+    @property
+    def shadow(self) -> SchedulerState:
+        """The spec state (the stepper's), advanced only by the spec's transitions (empty before ``setup``)."""
+        return self.stepper.state if self.stepper is not None else _NO_STATE
+
+    @shadow.setter
+    def shadow(self, state: SchedulerState) -> None:
+        assert self.stepper is not None, "the spec state is set up by setup()"
+        self.stepper.state = state
+
+    @property
+    def monitors(self) -> list[Monitor]:
+        """The monitors of the guaranteed trace properties (the stepper's)."""
+        return self.stepper.monitors if self.stepper is not None else []
 
     def _fail(self, check: str, message: str, violations: Iterable[Violation] = ()) -> None:
         raise SpecViolation(check, f"[scheduler {self._label()}] {message}", violations)
@@ -273,33 +292,36 @@ class SchedulerStateMachine(RuleBasedStateMachine):
             self._fail("guaranteed property", _lines(found), found)
 
     def advance(self) -> StepPlan:
-        """One step with every check: plan, refinement check (before anything runs), fake-model
-        execution, update, finished-set agreement, step and state invariants, property monitors."""
+        """One step with every check (:class:`~schedspec.spec.stepper.Stepper`): plan, refinement check
+        (before anything runs), fake-model execution, the spec's transition, update, finished-set
+        agreement, step and state invariants, property monitors."""
         assert self.config is not None
         before = self.shadow
         plan = self.scheduler.schedule()
         note(f"step {before.step}: {_plan_line(plan)}")
-        found = violated_rules(before, plan, self.config)
+        assert self.stepper is not None
+        found = self.stepper.check_plan(plan)
         if found:
             known = self.known_divergences(before, plan, found)
             found = [v for v in found if v not in known]
         if found:
             self._fail("refinement check (spec rules)", f"plan {plan} breaks: {_lines(found)}", found)
         sampled, _ = self.model.execute(plan, before)
+        outcome = self.stepper.step(plan, sampled)
         reported = self.scheduler.update(plan, sampled)
-        result = apply_plan(before, plan, sampled, self.config)
-        if set(reported) != set(result.finished):
+        if outcome.error is not None:
+            raise outcome.error
+        if set(reported) != set(outcome.finished):
             self._fail(
                 "refinement",
-                f"step {before.step}: scheduler says finished {sorted(reported)}, spec says {sorted(result.finished)}",
+                f"step {before.step}: scheduler says finished {sorted(reported)}, spec says {sorted(outcome.finished)}",
             )
-        found = check_step(before, plan, result.state, self.config)
+        found = outcome.invariant_violations
         if found:
             self._fail("invariant", f"after plan {plan}: {_lines(found)}", found)
-        self.shadow = self._checked = result.state
+        self._checked = outcome.after
         self._check_scheduler_state()
-        for monitor in self.monitors:
-            monitor.observe(before, plan, result.state)
+        self.stepper.observe(outcome)
         self._check_monitors()
         self.steps_run += 1
         if plan.preempted:
@@ -330,9 +352,8 @@ class SchedulerStateMachine(RuleBasedStateMachine):
             assume(False)
         self.config = config
         self.scheduler = scheduler
-        self.shadow = SchedulerState.initial(config)
+        self.stepper = Stepper(config, FullChecker(config), monitors(list(self.guaranteed_properties(scheduler)), config))
         self.model = FakeModel(config, _NoCost(), {})
-        self.monitors = monitors(list(self.guaranteed_properties(scheduler)), config)
         self._check_scheduler_state()
 
     @rule(data=st.data())
@@ -376,7 +397,7 @@ class SchedulerStateMachine(RuleBasedStateMachine):
         if eos_at_output is not None:
             self.model.eos_at_output[request_id] = eos_at_output
         self.scheduler.add_request(request)
-        self.shadow = add_request(self.shadow, request)
+        self.stepper.arrive(request, spec)
         return request_id
 
     @rule()
@@ -400,9 +421,8 @@ class SchedulerStateMachine(RuleBasedStateMachine):
         pool = pools.get(which, ())
         request_id = pool[index % len(pool)] if pool else f"unknown-{index}"
         note(f"step {state.step}: abort {request_id} ({which})")
-        live = request_id in state.requests
         self.scheduler.abort_request(request_id)
-        self.shadow = abort_request(state, request_id)
+        live = self.stepper.abort(request_id).live
         if live:
             self.added[request_id].aborted_live = True
             self.seen.add(f"abort of a {which} request")

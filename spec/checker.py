@@ -58,15 +58,13 @@ from collections.abc import Iterable
 import attrs
 
 from schedspec.spec.config import SchedulerConfig
-from schedspec.spec.incremental import IncrementalChecker
-from schedspec.spec.invariants import check_step
-from schedspec.spec.prefix_cache import evicted_blocks
 from schedspec.spec.properties import monitors
 from schedspec.spec.request import Request
-from schedspec.spec.rules import Violation, violated_rules
+from schedspec.spec.rules import Violation
 from schedspec.spec.state import ScheduledRequest, SchedulerState, StepPlan, samples_this_step
+from schedspec.spec.stepper import Stepper, split_tokens, step_checker
 from schedspec.spec.trace import StepRecord
-from schedspec.spec.transitions import PlanError, abort_request, add_request, apply_plan
+from schedspec.spec.transitions import PlanError
 from schedspec.spec.workload import RequestSpec
 
 DEFAULT_PROPERTIES: tuple[str, ...] = ("progress", "rejects-impossible")
@@ -197,12 +195,11 @@ def _compare_split(before: SchedulerState, record: StepRecord, mismatch: _StepCo
         if request is None or (item.num_computed_tokens != request.num_computed_tokens
                                and item.request_id not in record.prefix_hit_blocks):
             continue  # a rule reports it (known-requests, chunk-continues)
-        # A decode: the prompt is computed and exactly the one newest token is pending.
-        decode = 0 if request.is_prefill else item.num_tokens
-        if (item.prefill_tokens, item.decode_tokens) != (item.num_tokens - decode, decode):
+        prefill, decode = split_tokens(request, item.num_tokens)
+        if (item.prefill_tokens, item.decode_tokens) != (prefill, decode):
             kind = "a prefill (or recompute) chunk" if request.is_prefill else "a decode"
             mismatch(f"prefill_tokens={item.prefill_tokens}, decode_tokens={item.decode_tokens}, but the step is "
-                     f"{kind} of {item.num_tokens} tokens: the spec says prefill_tokens={item.num_tokens - decode}, "
+                     f"{kind} of {item.num_tokens} tokens: the spec says prefill_tokens={prefill}, "
                      f"decode_tokens={decode}", item.request_id)
 
 
@@ -227,37 +224,29 @@ def _compare_sampled(samplers: list[str], record: StepRecord, mismatch: _StepCom
                      request_id)
 
 
-def _compare_after(before: SchedulerState, plan: StepPlan, after: SchedulerState, finished: tuple[str, ...],
-                   record: StepRecord, freed_by_abort: dict[str, tuple[int, ...]], config: SchedulerConfig,
-                   mismatch: _StepComparison) -> None:
-    expected_finished = {r: after.finished[r].finish_reason for r in finished}
+def _compare_record(record: StepRecord, expected: StepRecord, config: SchedulerConfig,
+                    mismatch: _StepComparison) -> None:
+    """The fields of the recorded step that the spec derives after the step (``finished``,
+    ``blocks_freed``, ``blocks_allocated``, ``prefix_hit_tokens``, ``prefix_hit_blocks``,
+    ``blocks_evicted``, the counters) compared with the spec's :func:`~schedspec.spec.stepper.expected_record`
+    of the same step, field by field."""
     for request_id, reason in record.finished.items():
-        if request_id not in expected_finished:
+        if request_id not in expected.finished:
             mismatch(f"finished ({reason!r}) but the spec does not end it in this step", request_id)
-        elif expected_finished[request_id] != reason:
-            mismatch(f"finished with reason {reason!r}, the spec's reason is {expected_finished[request_id]!r}",
+        elif expected.finished[request_id] != reason:
+            mismatch(f"finished with reason {reason!r}, the spec's reason is {expected.finished[request_id]!r}",
                      request_id)
-    for request_id, reason in expected_finished.items():
+    for request_id, reason in expected.finished.items():
         if request_id not in record.finished:
             mismatch(f"not reported finished, but the spec ends it in this step ({reason!r})", request_id)
 
-    expected_freed: dict[str, tuple[int, ...]] = dict(freed_by_abort)
-    for request_id in plan.preempted:
-        request = before.requests.get(request_id)
-        if request is not None and request.block_ids:
-            expected_freed[request_id] = request.block_ids
-    new_blocks = {item.request_id: item.cached_block_ids + item.new_block_ids for item in plan.scheduled}
-    for request_id in finished:
-        blocks = before.requests[request_id].block_ids + new_blocks.get(request_id, ())
-        if blocks:
-            expected_freed[request_id] = blocks
-    for request_id in sorted(set(record.blocks_freed) | set(expected_freed)):
+    for request_id in sorted(set(record.blocks_freed) | set(expected.blocks_freed)):
         said = _sorted_blocks(record.blocks_freed.get(request_id, ()))
-        spec = _sorted_blocks(expected_freed.get(request_id, ()))
+        spec = _sorted_blocks(expected.blocks_freed.get(request_id, ()))
         if said != spec:
             mismatch(f"blocks_freed {said}, but it released {spec}", request_id)
 
-    scheduled = {item.request_id for item in plan.scheduled}
+    scheduled = {item.request_id for item in expected.scheduled}
     for request_id, blocks in record.blocks_allocated.items():
         if request_id not in scheduled and blocks:
             mismatch(f"blocks_allocated {list(blocks)} to a request that is not in the step's batch", request_id)
@@ -265,36 +254,29 @@ def _compare_after(before: SchedulerState, plan: StepPlan, after: SchedulerState
     for request_id, hit in record.prefix_hit_tokens.items():
         if hit and not config.enable_prefix_caching:
             mismatch(f"prefix_hit_tokens={hit} with prefix caching off", request_id)
-    _compare_prefix_cache(before, plan, record, config, mismatch)
-
-    for name, spec_value, trace_value in (
-        ("num_free_blocks", len(after.free_block_ids), record.num_free_blocks),
-        ("num_running", len(after.running), record.num_running),
-        ("num_waiting", len(after.waiting), record.num_waiting),
-    ):
-        if spec_value != trace_value:
-            mismatch(f"{name} after the step: the trace says {trace_value}, the spec {spec_value}")
-
-
-def _compare_prefix_cache(before: SchedulerState, plan: StepPlan, record: StepRecord, config: SchedulerConfig,
-                          mismatch: _StepComparison) -> None:
-    """``prefix_hit_tokens`` agrees with ``prefix_hit_blocks``, hits belong to scheduled requests, and
-    ``blocks_evicted`` lists exactly the handed-out blocks that were cached before the step."""
-    scheduled = {item.request_id for item in plan.scheduled}
     for request_id, blocks in record.prefix_hit_blocks.items():
         if request_id not in scheduled and blocks:
             mismatch(f"prefix_hit_blocks {list(blocks)} for a request that is not in the step's batch", request_id)
     if config.enable_prefix_caching:
         for request_id in scheduled | set(record.prefix_hit_tokens):
             said = record.prefix_hit_tokens.get(request_id, 0)
-            spec = len(record.prefix_hit_blocks.get(request_id, ())) * config.block_size
-            if said != spec:
-                mismatch(f"prefix_hit_tokens={said}, but its hit blocks {list(record.prefix_hit_blocks.get(request_id, ()))} "
+            spec = expected.prefix_hit_tokens.get(request_id, 0)
+            if said == spec:
+                continue
+            if request_id in scheduled:
+                mismatch(f"prefix_hit_tokens={said}, but its hit blocks {list(expected.prefix_hit_blocks.get(request_id, ()))} "
                          f"hold {spec} tokens", request_id)
-    cache = before.prefix_cache
-    expected = evicted_blocks(cache, (b for item in plan.scheduled for b in item.new_block_ids)) if cache else []
-    if sorted(record.blocks_evicted) != sorted(expected) or len(set(record.blocks_evicted)) != len(record.blocks_evicted):
-        mismatch(f"blocks_evicted {sorted(record.blocks_evicted)}, but the cached blocks handed out were {sorted(expected)}")
+            else:
+                mismatch(f"prefix_hit_tokens={said} for a request that is not in the step's batch", request_id)
+    if (sorted(record.blocks_evicted) != sorted(expected.blocks_evicted)
+            or len(set(record.blocks_evicted)) != len(record.blocks_evicted)):
+        mismatch(f"blocks_evicted {sorted(record.blocks_evicted)}, but the cached blocks handed out were "
+                 f"{sorted(expected.blocks_evicted)}")
+
+    for name in ("num_free_blocks", "num_running", "num_waiting"):
+        spec_value, trace_value = getattr(expected, name), getattr(record, name)
+        if spec_value != trace_value:
+            mismatch(f"{name} after the step: the trace says {trace_value}, the spec {spec_value}")
 
 
 def _sampled_for_update(samplers: list[str], record: StepRecord, before: SchedulerState) -> dict[str, int]:
@@ -345,15 +327,14 @@ def check_trace(
         KeyError: an unknown property name.
     """
     names = tuple(dict.fromkeys(properties))
-    watched = monitors(names, config)
+    stepper = Stepper(config, step_checker(config, incremental), monitors(names, config))
     report = CheckReport(properties=names)
-    state = SchedulerState.initial(config)
     previous: StepRecord | None = None
-    ledger = IncrementalChecker(config) if incremental else None
     last_scheduled: dict[str, int] = {}
     driven: dict[str, RequestSpec] = {}  # live requests whose arrival names an abort or an EOS position
 
     for record in records:
+        state = stepper.state
         mismatch = _StepComparison(state.step)
         if record.step != state.step:
             mismatch(f"expected step {state.step} (steps are numbered from 0, none skipped), the record says "
@@ -367,69 +348,52 @@ def check_trace(
         for spec in record.arrivals:
             _compare_arrival(spec, record, mismatch)
             try:
-                state = add_request(state, spec.to_request(record.step))
+                stepper.arrive(spec.to_request(record.step), spec)
             except PlanError as error:
                 mismatch(f"arrival: {error}", spec.request_id)
                 stuck = True
             else:
                 if spec.abort_at_step is not None or spec.eos_at_output:
                     driven[spec.request_id] = spec
-        _compare_driven_aborts(driven, state, record, mismatch)
-        freed_by_abort: dict[str, tuple[int, ...]] = {}
-        expected_aborted = []
+        _compare_driven_aborts(driven, stepper.state, record, mismatch)
         for request_id in record.aborts:
-            live = state.requests.get(request_id)
-            if live is not None:
-                expected_aborted.append(request_id)
-                if live.block_ids:
-                    freed_by_abort[request_id] = live.block_ids
-            state = abort_request(state, request_id)
+            stepper.abort(request_id)
+        expected_aborted = [a.request_id for a in stepper.aborted if a.live]
         if sorted(set(record.aborted)) != sorted(expected_aborted) or len(record.aborted) != len(set(record.aborted)):
             mismatch(f"aborted {sorted(record.aborted)}, but of aborts {list(record.aborts)} the live ones were "
                      f"{sorted(expected_aborted)}")
 
-        before = state
+        before = stepper.state
         plan = plan_from_record(record)
-        if ledger is not None:
-            ledger.sync(before)
-            found = ledger.violated_rules(before, plan)
-        else:
-            found = violated_rules(before, plan, config)
         _compare_split(before, record, mismatch)
         samplers = _expected_samplers(before, plan)
         _compare_sampled(samplers, record, mismatch)
         _compare_driven_eos(driven, before, record, mismatch)
-        after = None
-        try:
-            result = apply_plan(before, plan, _sampled_for_update(samplers, record, before), config)
-        except PlanError as error:
+        outcome = stepper.step(plan, _sampled_for_update(samplers, record, before))
+        found = outcome.rule_violations + outcome.invariant_violations
+        if outcome.error is not None:
             if not found:
-                mismatch(f"the spec cannot apply the recorded step: {error}")
+                mismatch(f"the spec cannot apply the recorded step: {outcome.error}")
             stuck = True
         else:
-            after = result.state
-            found += ledger.check(before, plan, after) if ledger is not None else check_step(before, plan, after, config)
-            _compare_after(before, plan, after, result.finished, record, freed_by_abort, config, mismatch)
+            _compare_record(record, stepper.record(outcome, record.start_time, record.duration), config, mismatch)
         report.steps_checked += 1
         found += mismatch.found
         if found:
             _fail(report, found, before, plan, record, before.step)
-            if not keep_going or after is None or stuck:
+            if not keep_going or outcome.error is not None or stuck:
                 break
         elif report.first_bad_step is None:
             report.valid_prefix += 1
             for item in plan.scheduled:
                 last_scheduled[item.request_id] = before.step
-            for monitor in watched:
-                monitor.observe(before, plan, after)
-        if report.first_bad_step is None or keep_going:
-            state = after if after is not None else state
+            stepper.observe(outcome)
 
     if report.first_bad_step is None or keep_going:
-        for monitor in watched:
-            report.violations.extend(monitor.finish(state))
+        for violations in stepper.finish().values():
+            report.violations.extend(violations)
     if report.first_bad_step is None and not allow_unfinished:
-        report.violations.extend(_unfinished(state, last_scheduled))
+        report.violations.extend(_unfinished(stepper.state, last_scheduled))
     return report
 
 

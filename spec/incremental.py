@@ -34,16 +34,16 @@ from collections.abc import Mapping
 
 from schedspec.spec.admission import rejection_reason
 from schedspec.spec.config import SchedulerConfig, blocks_for_tokens
-from schedspec.spec.invariants import block_conservation, check_step
+from schedspec.spec.invariants import TERMINAL_OWNS_BLOCKS, block_conservation, check_step, terminal_owns
 from schedspec.spec.persistent import FreeQueue
 from schedspec.spec.request import Request
-from schedspec.spec.rules import Violation, blocks_not_from_free_pool, violated_rules
+from schedspec.spec.rules import Violation, blocks_not_from_free_pool, coded, violated_rules
 from schedspec.spec.state import SchedulerState, StepPlan
 
 NAME = "block-conservation"
 FREE_POOL_RULE = "blocks-from-free-pool"
 FREE_POOL = frozenset({FREE_POOL_RULE})
-TERMINAL_OWNS = "terminal request still owns"
+TERMINAL_OWNS_CODE = coded(NAME, TERMINAL_OWNS_BLOCKS)
 
 
 SCREENED = frozenset({
@@ -112,10 +112,11 @@ def screened_rules_hold(state: SchedulerState, plan: StepPlan, config: Scheduler
 class IncrementalChecker:
     """Checks steps incrementally (module docstring). Feed it every state in order.
 
-    Usage per step: ``checker.sync(before)`` (after arrivals and aborts), then
-    ``checker.violated_rules(before, plan)``, which returns what
+    Usage per step (the :class:`~schedspec.spec.stepper.StepChecker` interface, which
+    :class:`~schedspec.spec.stepper.Stepper` follows): ``checker.sync(before)`` (after arrivals and
+    aborts), then ``checker.rules(before, plan)``, which returns what
     :func:`schedspec.spec.rules.violated_rules` returns (as a multiset), then
-    ``checker.check(before, plan, after)``, which returns what ``check_step(before, plan, after)``
+    ``checker.invariants(before, plan, after)``, which returns what ``check_step(before, plan, after)``
     returns.
     """
 
@@ -265,16 +266,15 @@ class IncrementalChecker:
                 return False
         return all(block_id in removed for block_id in fresh_from_queue)
 
-    def sync(self, before: SchedulerState) -> list[Violation]:
+    def sync(self, before: SchedulerState) -> None:
         """Follow the arrivals and aborts applied since the last step. Reports nothing (the next
-        :meth:`check` does); returns an empty list."""
+        :meth:`invariants` does)."""
         if self.full:
-            return []
+            return
         if not self._follow(before):
             self.sound = False
-        return []
 
-    def violated_rules(self, before: SchedulerState, plan: StepPlan) -> list[Violation]:
+    def rules(self, before: SchedulerState, plan: StepPlan) -> list[Violation]:
         """:func:`schedspec.spec.rules.violated_rules` for ``before`` (after :meth:`sync`), with
         ``blocks-from-free-pool`` checked against the ledger's free set instead of a set built from
         the free queue (the same check: :func:`~schedspec.spec.rules.blocks_not_from_free_pool`), and the
@@ -285,11 +285,12 @@ class IncrementalChecker:
             return violated_rules(before, plan, self.config)
         skip = SCREENED_AND_FREE_POOL if screened_rules_hold(before, plan, self.config) else FREE_POOL
         found = violated_rules(before, plan, self.config, skip=skip)
-        found += [Violation(FREE_POOL_RULE, detail, before.step, request_id, kind="rule")
-                  for request_id, detail in blocks_not_from_free_pool(before, plan, self.free)]
+        found += [Violation(FREE_POOL_RULE, detail, before.step, request_id, kind="rule",
+                            code=coded(FREE_POOL_RULE, case[0] if case else None))
+                  for request_id, detail, *case in blocks_not_from_free_pool(before, plan, self.free)]
         return found
 
-    def check(self, before: SchedulerState, plan: StepPlan, after: SchedulerState) -> list[Violation]:
+    def invariants(self, before: SchedulerState, plan: StepPlan, after: SchedulerState) -> list[Violation]:
         """The violations of the step ``before -> after``: what :func:`check_step` returns (as a multiset;
         the order may differ)."""
         if self.full:
@@ -303,18 +304,20 @@ class IncrementalChecker:
         found = check_step(before, plan, after, self.config, terminal=terminal, skip=frozenset({NAME}))
         if proved:
             found += [
-                Violation(NAME, f"{TERMINAL_OWNS} {len(r.block_ids)} blocks", before.step, rid,
-                          kind="invariant")
+                Violation(NAME, terminal_owns(r), before.step, rid,
+                          kind="invariant", code=TERMINAL_OWNS_CODE)
                 for rid, r in terminal.items() if r.block_ids
             ]
         else:
             self.fallbacks += 1
-            breaches = list(block_conservation(after, self.config, terminal))
-            found += [Violation(NAME, detail, before.step, rid, kind="invariant") for rid, detail in breaches]
+            breached = [Violation(NAME, detail, before.step, rid, kind="invariant",
+                                  code=coded(NAME, case[0] if case else None))
+                        for rid, detail, *case in block_conservation(after, self.config, terminal)]
+            found += breached
             self._rebuild(after)
             # Sound again once nothing but terminal requests' blocks is wrong: the ledger then matches the
             # live tables and the free queue exactly.
-            self.sound = all(rid in terminal and detail.startswith(TERMINAL_OWNS) for rid, detail in breaches)
+            self.sound = all(v.request_id in terminal and v.code == TERMINAL_OWNS_CODE for v in breached)
         for violation in found:
             if violation.request_id in terminal:
                 self.broken_terminal[violation.request_id] = terminal[violation.request_id]

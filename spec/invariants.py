@@ -1,7 +1,9 @@
 """Named invariants: what must hold of every state, and of every step.
 
 State invariants take ``(state, config)``; step invariants take ``(before, plan, after, config)``.
-Each yields ``(request_id or None, detail)`` for every breach it finds. :func:`check_state` and
+Each yields ``(request_id or None, detail)`` for every breach it finds (or ``(request_id or None, detail,
+case)`` for a named case, whose violation's ``code`` is ``name:case``: :func:`~schedspec.spec.rules.coded`,
+e.g. :data:`TERMINAL_OWNS_BLOCKS`). :func:`check_state` and
 :func:`check_step` run them all and return :class:`~schedspec.spec.rules.Violation` values naming
 the invariant; an empty list means all hold.
 """
@@ -16,10 +18,10 @@ import attrs
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.prefix_cache import ROOT_HASH, request_block_hash
 from schedspec.spec.request import Request, RequestStatus
-from schedspec.spec.rules import Violation
+from schedspec.spec.rules import Violation, coded
 from schedspec.spec.state import SchedulerState, StepPlan
 
-Breaches = Iterator[tuple[str | None, str]]
+Breaches = Iterator[tuple[str | None, str] | tuple[str | None, str, str]]
 Terminal = Mapping[str, Request] | None
 """State invariants look at the terminal requests given here; ``None`` means all of ``state.finished``.
 Terminal requests never change, so an incremental checker passes only the newly terminal ones."""
@@ -105,7 +107,17 @@ def block_conservation(state: SchedulerState, config: SchedulerConfig, terminal:
         yield None, f"free {len(state.free_block_ids)} + owned {owned} != num_kv_blocks={config.num_kv_blocks}"
     for request_id, request in (state.finished if terminal is None else terminal).items():
         if request.block_ids:
-            yield request_id, f"terminal request still owns {len(request.block_ids)} blocks"
+            yield request_id, terminal_owns(request), TERMINAL_OWNS_BLOCKS
+
+
+def terminal_owns(request: Request) -> str:
+    """The detail of a ``block-conservation`` breach by a terminal ``request`` that still owns blocks."""
+    return f"terminal request still owns {len(request.block_ids)} blocks"
+
+
+TERMINAL_OWNS_BLOCKS = "terminal-owns-blocks"
+"""The case of ``block-conservation`` where a terminal request still owns blocks (code
+``block-conservation:terminal-owns-blocks``; the incremental checker tests it)."""
 
 
 @state_invariant("table-covers-computed", "vLLM KVCacheManager.allocate_slots")
@@ -359,10 +371,10 @@ def check_state(
     """
     blamed = state.step if step is None else step
     return [
-        Violation(inv.name, detail, blamed, request_id, kind="invariant")
+        Violation(inv.name, detail, blamed, request_id, kind="invariant", code=coded(inv.name, case[0] if case else None))
         for inv in STATE_INVARIANTS
         if inv.name not in skip
-        for request_id, detail in inv.check(state, config, terminal)
+        for request_id, detail, *case in inv.check(state, config, terminal)
     ]
 
 
@@ -378,8 +390,8 @@ def check_step(
     (``terminal`` and ``skip`` as in :func:`check_state`). Every violation is blamed on ``before.step``,
     the step that caused it."""
     found = [
-        Violation(inv.name, detail, before.step, request_id, kind="invariant")
+        Violation(inv.name, detail, before.step, request_id, kind="invariant", code=coded(inv.name, case[0] if case else None))
         for inv in STEP_INVARIANTS
-        for request_id, detail in inv.check(before, plan, after, config)
+        for request_id, detail, *case in inv.check(before, plan, after, config)
     ]
     return found + check_state(after, config, terminal, skip, step=before.step)

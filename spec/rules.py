@@ -43,6 +43,9 @@ class Violation:
         step: the step that caused it (the step whose plan or update broke it).
         request_id: the request concerned, if one is.
         kind: one of :data:`VIOLATION_KINDS`.
+        code: a stable machine-readable code for what was found, for programs to test instead of the
+            wording of ``detail``: the ``name``, or ``name:case`` for a named case of it (:func:`coded`),
+            e.g. ``block-conservation:terminal-owns-blocks``. Default: the ``name``.
     """
 
     name: str
@@ -50,12 +53,25 @@ class Violation:
     step: int | None = None
     request_id: str | None = None
     kind: str = attrs.field(kw_only=True, validator=attrs.validators.in_(VIOLATION_KINDS))
+    code: str = attrs.field(kw_only=True, default=attrs.Factory(lambda self: self.name, takes_self=True))
 
     def __str__(self) -> str:
         where = f"step {self.step}: " if self.step is not None else ""
         who = f" (request {self.request_id})" if self.request_id is not None else ""
         kind = "" if self.kind == "mismatch" else f"{self.kind} "
         return f"{where}{kind}{self.name}{who}: {self.detail}"
+
+
+def coded(name: str, case: str | None) -> str:
+    """The :attr:`Violation.code` of a breach of ``name``: ``name``, or ``name:case`` when the check
+    names the case (a breach yielded as ``(request_id, detail, case)``)."""
+    return name if case is None else f"{name}:{case}"
+
+
+REUSED_BY_HIT_IN_STEP = "reused-by-hit-in-step"
+"""The case of ``blocks-from-free-pool`` where a block is both handed out and hit by a prefix-cache hit in the
+same plan (code ``blocks-from-free-pool:reused-by-hit-in-step``; vLLM's same-step hits commit it:
+``schedspec.engines.vllm``)."""
 
 
 RuleCheck = Callable[[SchedulerState, StepPlan, SchedulerConfig], Iterator[tuple[str | None, str]]]
@@ -71,7 +87,7 @@ ACTIONS = ("step", "preempt", "reject", "schedule")
 class Rule:
     """A local rule on plans: a name, what it says, where it comes from, the action it guards (one of
     :data:`ACTIONS`), and its check (``check(state, plan, config)`` yields ``(request_id or None,
-    detail)`` per breach)."""
+    detail)`` per breach, or ``(request_id or None, detail, case)`` for a named case: :func:`coded`)."""
 
     name: str
     statement: str
@@ -300,7 +316,8 @@ def _blocks_from_free_pool(state: SchedulerState, plan: StepPlan, config: Schedu
 def blocks_not_from_free_pool(state: SchedulerState, plan: StepPlan, free: AbstractSet[int]):
     """The check of ``blocks-from-free-pool`` given the free queue as a set (``free`` must equal
     ``set(state.free_block_ids)``; the incremental checker passes the set it keeps, instead of building
-    one per step). Yields ``(request_id, detail)`` per breach."""
+    one per step). Yields ``(request_id, detail)`` per breach (``(request_id, detail, case)`` for
+    :data:`REUSED_BY_HIT_IN_STEP`)."""
     released: set[int] = set()
     cache = state.prefix_cache
     counts: dict[int, int] = {}
@@ -320,7 +337,8 @@ def blocks_not_from_free_pool(state: SchedulerState, plan: StepPlan, free: Abstr
             if block_id in handed:
                 yield item.request_id, f"block {block_id} handed out twice"
             elif block_id in hits:
-                yield item.request_id, f"block {block_id} is handed out and reused by a prefix-cache hit in the same step"
+                yield (item.request_id, f"block {block_id} is handed out and reused by a prefix-cache hit in the same step",
+                       REUSED_BY_HIT_IN_STEP)
             elif block_id not in free and block_id not in released:
                 yield item.request_id, f"block {block_id} is not free"
             handed.add(block_id)
@@ -464,8 +482,9 @@ def violated_rules(state: SchedulerState, plan: StepPlan, config: SchedulerConfi
     for r in RULES:
         if r.name in skip:
             continue
-        for request_id, detail in r.check(state, plan, config):
-            found.append(Violation(r.name, detail, state.step, request_id, kind="rule"))
+        for request_id, detail, *case in r.check(state, plan, config):
+            found.append(Violation(r.name, detail, state.step, request_id, kind="rule",
+                                   code=coded(r.name, case[0] if case else None)))
     return found
 
 

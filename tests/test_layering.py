@@ -1,6 +1,8 @@
 """The layering of the folders holds: spec imports nothing from reference, gpu_backend, engines or the lab;
 reference does not import engines, gpu_backend or the lab; engines and gpu_backend do not import the lab;
 the lab imports nothing of the CLI or of schedspec.testing; spec and gpu_backend import without z3.
+The engine loop, the trace checker and the Hypothesis machine take their checked step from the one
+stepper in spec (spec/stepper.py), not from the transitions, rules and invariants directly.
 
 Relative imports (``from .x import y``, ``from .. import z``) are resolved against the folder's import
 name (pyproject's package-dir), so they are checked too. Cost: well under a second (AST parsing only),
@@ -97,10 +99,55 @@ def test_the_layering_check_sees_the_lab_rows_broken(tmp_path):
                                            "lab/capacity.py imports schedspec.testing"]
 
 
+STEPPER = "schedspec.spec.stepper"
+STEPPER_USERS = ("reference/engine.py", "spec/checker.py", "schedspec/testing.py")
+"""The three places that run a checked step: the engine loop, the trace checker, the Hypothesis machine."""
+STEP_PARTS = {
+    "schedspec.spec.transitions": {"add_request", "abort_request", "apply_plan"},
+    "schedspec.spec.rules": {"violated_rules"},
+    "schedspec.spec.invariants": {"check_step"},
+    "schedspec.spec.incremental": {"IncrementalChecker"},
+}
+"""What the stepper composes: a user that imports one of these steps on its own (a second copy of the step)."""
+
+
+def _step_offenders(root: Path, relative: str) -> list[str]:
+    """``"FILE ..."`` for a stepper user that does not import the stepper or imports a part of the step."""
+    path = root / relative
+    found = [] if STEPPER in _imports(path) else [f"{relative} does not use {STEPPER}"]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module in STEP_PARTS:
+            found.extend(f"{relative} imports {node.module}.{alias.name}"
+                         for alias in node.names if alias.name in STEP_PARTS[node.module])
+    return found
+
+
+@pytest.mark.parametrize("relative", STEPPER_USERS)
+def test_the_engine_checker_and_machine_step_through_the_one_stepper(relative):
+    assert _step_offenders(ROOT, relative) == []
+
+
+def test_the_stepper_check_would_see_a_second_copy_of_the_step(tmp_path):
+    (tmp_path / "spec").mkdir()
+    (tmp_path / "spec" / "checker.py").write_text(
+        "from schedspec.spec.stepper import Stepper\n"
+        "from schedspec.spec.transitions import PlanError, apply_plan\n"
+        "def f():\n"
+        "    from schedspec.spec.rules import Violation, violated_rules\n")
+    (tmp_path / "reference").mkdir()
+    (tmp_path / "reference" / "engine.py").write_text("from schedspec.spec.invariants import check_step\n")
+    assert _step_offenders(tmp_path, "spec/checker.py") == [
+        "spec/checker.py imports schedspec.spec.transitions.apply_plan",
+        "spec/checker.py imports schedspec.spec.rules.violated_rules"]
+    assert _step_offenders(tmp_path, "reference/engine.py") == [
+        "reference/engine.py does not use schedspec.spec.stepper",
+        "reference/engine.py imports schedspec.spec.invariants.check_step"]
+
+
 def test_spec_and_backend_import_without_z3():
     code = (
         "import sys; sys.modules['z3'] = None\n"
-        "import schedspec.spec, schedspec.spec.checker, schedspec.gpu_backend\n"
+        "import schedspec.spec, schedspec.spec.checker, schedspec.spec.stepper, schedspec.gpu_backend\n"
         "print('ok')"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
