@@ -70,6 +70,7 @@ from schedspec.spec.workload import EOS_TOKEN_ID, ArrivalClock, RequestSpec
 from schedspec.strategies import scheduler_configs
 
 __all__ = [
+    "MACHINE_STEP_SECONDS",
     "SchedulerStateMachine",
     "SpecViolation",
     "machine_for",
