@@ -14,11 +14,12 @@ With checking off, a scheduler's own spec state is trusted (the lab's fast path)
 
 Two clocks: ``mode="steps"`` adds a request before step ``arrival_step`` and runs empty steps while
 waiting for arrivals (scenarios); ``mode="time"`` adds requests whose ``arrival_time`` has passed on a
-simulated clock that advances by each step's duration and jumps over idle gaps (traces). Either way
-the simulated clock advances by each step's duration, and every arrival is stamped with its
-``arrival_time`` on it (:class:`~schedspec.spec.workload.ArrivalClock`): the start of its arrival step
-in steps mode, the trace's time in time mode, strictly increasing in the order of addition. The stamped
-descriptor is what the scheduler receives and what the step's record lists.
+simulated clock that advances by each step's duration and jumps over idle gaps (traces). In both
+modes every arrival is stamped with its ``arrival_time`` on the engine's clock, as a serving engine
+stamps a request on receipt (:class:`~schedspec.spec.workload.ArrivalClock`): the start of its arrival
+step on the simulated clock in steps mode, the trace's time in time mode, strictly increasing in the
+order of addition. The stamped descriptor is what the scheduler receives and what the step's record
+lists.
 """
 
 from __future__ import annotations

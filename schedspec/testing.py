@@ -93,8 +93,9 @@ MACHINE_STEP_SECONDS = 0.01
 """How long every step of :class:`SchedulerStateMachine` lasts on its simulated clock (seconds). The
 machine counts steps, not seconds; its clock exists to stamp arrivals as an engine does
 (:class:`~schedspec.spec.workload.ArrivalClock`): a request added before step ``n`` arrives at
-``n * MACHINE_STEP_SECONDS`` (several added before one step: in the order added, each the next float
-after the one before), so arrival times follow the order of addition, never the id."""
+``n * MACHINE_STEP_SECONDS`` (the sum of ``n`` steps; several added before one step: in the order
+added, each the next float after the one before), so arrival times follow the order of addition,
+never the id. Before issue 24 the machine's steps took 0 s and every arrival had 0 s."""
 
 
 class _FixedStep:
