@@ -625,13 +625,14 @@ def test_priority_preemption_leaves_withdrawn_chunk_cached() -> None:
 
 def test_diff_vllm_against_the_vllm_v1_profile_with_prefix_caching() -> None:
     """``schedspec diff`` with caching on and shared prefixes: no unexplained divergence, no finding; the
-    same-step hits are counted as documented differences."""
+    same-step hits are counted as documented differences (seed 0: one of its 40 scenarios has a same-step
+    hit with the generator of issue 24; seed 1 no longer has one)."""
     from click.testing import CliRunner
 
     from schedspec.cli import cli
 
     result = CliRunner().invoke(cli, ["diff", "--scheduler", "vllm", "--against", "vllm-v1", "--examples", "40",
-                                      "--seed", "1", "--set", "enable_prefix_caching=true"], catch_exceptions=False)
+                                      "--seed", "0", "--set", "enable_prefix_caching=true"], catch_exceptions=False)
     assert result.exit_code == 0, result.output[-3000:]
     assert "0 divergent (unexplained)" in result.output and "0 findings" in result.output
     assert "published earlier in the same step" in result.output
