@@ -11,7 +11,9 @@ vllm --against vllm-v1`` do this; it needs no adapter. Two halves, two environme
    throw-away tiny Llama ``config.json`` (``skip_tokenizer_init``), a ``KVCacheConfig`` of
    ``num_kv_blocks + 1`` blocks (vLLM keeps block 0 as its null block), requests with
    ``ignore_eos`` and end-of-sequence as stop token 0, sampled tokens fed back through
-   ``ModelRunnerOutput`` (none for a request in a middle prefill chunk), aborts through
+   ``ModelRunnerOutput`` (none for a request in a middle prefill chunk), each request's
+   ``arrival_time`` the one the engine loop stamped in ``generate`` (the start of its arrival step on
+   the simulated clock, as a whole engine stamps it from its clock), aborts through
    ``finish_requests``, one call per request (given several ids, it frees them in set order); and compares per step the scheduled requests (``num_computed_tokens``,
    ``num_tokens``, number of new blocks), the preempted and the finished ones.
 
@@ -64,7 +66,11 @@ def generate(examples: int, seed: int, policy: str, out: str, exact_blocks: bool
             view = StepView.of(record, exact_blocks=exact_blocks)
             views.append({"scheduled": {k: list(v) for k, v in view.scheduled.items()},
                           "preempted": sorted(view.preempted), "finished": sorted(view.finished)})
-        found.append({"config": config.to_dict(), "requests": [r.to_dict() for r in requests], "views": views})
+        # the arrivals as the engine loop stamped them (arrival_time: the step's start on its simulated
+        # clock, spec.workload.ArrivalClock), so that vLLM orders them by the same clock
+        stamped = {a.request_id: a for record in result.records for a in record.arrivals}
+        found.append({"config": config.to_dict(), "requests": [stamped.get(r.request_id, r).to_dict() for r in requests],
+                      "views": views})
 
     run()
     Path(out).write_text(json.dumps({"policy": policy, "seed": seed, "exact_blocks": exact_blocks,

@@ -14,7 +14,12 @@ With checking off, a scheduler's own spec state is trusted (the lab's fast path)
 
 Two clocks: ``mode="steps"`` adds a request before step ``arrival_step`` and runs empty steps while
 waiting for arrivals (scenarios); ``mode="time"`` adds requests whose ``arrival_time`` has passed on a
-simulated clock that advances by each step's duration and jumps over idle gaps (traces).
+simulated clock that advances by each step's duration and jumps over idle gaps (traces). In both
+modes every arrival is stamped with its ``arrival_time`` on the engine's clock, as a serving engine
+stamps a request on receipt (:class:`~schedspec.spec.workload.ArrivalClock`): the start of its arrival
+step on the simulated clock in steps mode, the trace's time in time mode, strictly increasing in the
+order of addition. The stamped descriptor is what the scheduler receives and what the step's record
+lists.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from schedspec.spec.state import SchedulerState, StepPlan
 from schedspec.spec.stepper import Stepper, Transition, step_checker
 from schedspec.spec.trace import StepRecord
 from schedspec.spec.transitions import StepResult
-from schedspec.spec.workload import RequestSpec
+from schedspec.spec.workload import ArrivalClock, RequestSpec
 
 from .fake_model import CostOnlyModel, FakeModel, TokenSource
 from .scheduler import (
@@ -59,7 +64,8 @@ def _innermost(error: BaseException) -> str:
 class _ClientEvents:
     """The workload's client events in the order a run meets them: arrivals (by ``arrival_step`` in
     steps mode, ``arrival_time`` in time mode) and aborts (``abort_at_step``, ``abort_at_time``).
-    Both engine loops take their events from here, so they cannot disagree on when one is due."""
+    Both engine loops take their events from here, so they cannot disagree on when one is due, nor on
+    an arrival's ``arrival_time`` (stamped by :class:`ArrivalClock` in :meth:`arrivals`)."""
 
     def __init__(self, workload: Sequence[RequestSpec], mode: str) -> None:
         key = (lambda s: (s.arrival_step, 0.0)) if mode == "steps" else (lambda s: (0, s.arrival_time))
@@ -72,6 +78,7 @@ class _ClientEvents:
                 self.step_aborts.setdefault(spec.abort_at_step, []).append(spec.request_id)
         self.time_aborts = sorted((s.abort_at_time, s.request_id) for s in workload if s.abort_at_time is not None)
         self.next_time_abort = 0
+        self.arrival_clock = ArrivalClock()
 
     @property
     def arrivals_left(self) -> bool:
@@ -82,7 +89,9 @@ class _ClientEvents:
         return max(clock, self.pending[self.next_arrival].arrival_time) if self.arrivals_left else clock
 
     def arrivals(self, step: int, clock: float) -> list[RequestSpec]:
-        """The arrivals due before ``step`` (steps mode) or by ``clock`` seconds (time mode), in order."""
+        """The arrivals due before ``step`` (steps mode) or by ``clock`` seconds (time mode), in order,
+        each stamped with its ``arrival_time``: ``clock``, the step's start (steps mode), or its own
+        time (time mode), made strictly increasing by :meth:`ArrivalClock.stamp`."""
         start = end = self.next_arrival
         while end < len(self.pending):
             spec = self.pending[end]
@@ -90,7 +99,8 @@ class _ClientEvents:
                 break
             end += 1
         self.next_arrival = end
-        return self.pending[start:end]
+        stamped = self.arrival_clock.stamped
+        return [stamped(spec, clock if self.by_step else spec.arrival_time) for spec in self.pending[start:end]]
 
     def aborts(self, step: int, clock: float) -> list[str]:
         """The ids the client aborts before ``step`` is planned: by step, then those due by ``clock``."""

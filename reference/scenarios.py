@@ -3,6 +3,9 @@
 Format: ``cases/README.md`` (shipped copies under ``schedspec/data/cases``). :func:`load_scenario`
 validates a file and raises :class:`ScenarioError` naming the file and the field; :func:`replay`
 runs it on a scheduler with every invariant checked at every step and judges each ``expect`` key.
+A scenario gives arrival steps only; the engine loop stamps each arrival's ``arrival_time`` with the
+start of its step on the simulated clock (:class:`~schedspec.spec.workload.ArrivalClock`), as an
+engine stamps requests on receipt.
 """
 
 from __future__ import annotations

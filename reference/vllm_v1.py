@@ -83,6 +83,15 @@ under pressure can still preempt others halfway through its prompt; freed blocks
 (rule 6), although ``FreeKVCacheBlockQueue``'s own docstring says freed blocks are appended; priority ties between
 requests of equal ``(priority, arrival_time)`` are broken by ``request_id`` in the waiting heap but by
 running order (the first one) when choosing a victim.
+
+**Arrival times.** Both orders read ``Request.arrival_time``, which vLLM's engine stamps from its clock
+when it receives a request, so in a serving engine they follow the order of arrival, and the id breaks
+no tie. The profile reads the spec request's ``arrival_time``; the engine loop, the Hypothesis machine
+and ``schedspec diff`` stamp it as an engine does (:class:`schedspec.spec.workload.ArrivalClock`: the
+start of the arrival step on the simulated clock, or the trace's time, strictly increasing in the order
+of addition), and the ``vllm`` adapters pass the same value to vLLM's ``Request``. Before that (issue
+24) every scenario request had ``arrival_time = 0.0``, so both orders fell back to the id and to
+running order, on a clock no engine has (``benchmarks/arrival_clock_divergence.py``, docs/engines.md).
 """
 
 from __future__ import annotations

@@ -153,8 +153,10 @@ def eos_positions() -> st.SearchStrategy[int | None]:
 
 
 def priorities() -> st.SearchStrategy[int]:
-    """Request priorities (lower is more urgent, vLLM's convention)."""
-    return st.integers(0, 3)
+    """Request priorities 0..3 (lower is more urgent, vLLM's convention), 0 about half the time: two
+    requests often share a priority, where a priority scheduler's order falls back to arrival
+    (vLLM's ``(priority, arrival_time, request_id)``)."""
+    return st.one_of(st.just(0), st.integers(0, 3))
 
 
 def request_shapes(config: SchedulerConfig) -> st.SearchStrategy[tuple[int, int, int | None, int]]:

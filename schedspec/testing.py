@@ -66,10 +66,11 @@ from schedspec.spec.request import RequestStatus
 from schedspec.spec.rules import Violation
 from schedspec.spec.state import SchedulerState, StepPlan, samples_this_step
 from schedspec.spec.stepper import FullChecker, Stepper
-from schedspec.spec.workload import EOS_TOKEN_ID, RequestSpec
+from schedspec.spec.workload import EOS_TOKEN_ID, ArrivalClock, RequestSpec
 from schedspec.strategies import scheduler_configs
 
 __all__ = [
+    "MACHINE_STEP_SECONDS",
     "SchedulerStateMachine",
     "SpecViolation",
     "machine_for",
@@ -88,12 +89,21 @@ class SpecViolation(AssertionError):
         super().__init__(f"{check}: {message}")
 
 
-class _NoCost:
-    """A cost model for :class:`~schedspec.reference.fake_model.FakeModel`: every step takes 0 s (the
-    machine counts steps, not seconds)."""
+MACHINE_STEP_SECONDS = 0.01
+"""How long every step of :class:`SchedulerStateMachine` lasts on its simulated clock (seconds). The
+machine counts steps, not seconds; its clock exists to stamp arrivals as an engine does
+(:class:`~schedspec.spec.workload.ArrivalClock`): a request added before step ``n`` arrives at
+``n * MACHINE_STEP_SECONDS`` (the sum of ``n`` steps; several added before one step: in the order
+added, each the next float after the one before), so arrival times follow the order of addition,
+never the id. Before issue 24 the machine's steps took 0 s and every arrival had 0 s."""
+
+
+class _FixedStep:
+    """A cost model for :class:`~schedspec.reference.fake_model.FakeModel`: every step takes
+    :data:`MACHINE_STEP_SECONDS`, whatever it computes."""
 
     def step_seconds(self, prefill_tokens: int, decode_tokens: int, kv_tokens: int) -> float:
-        return 0.0
+        return MACHINE_STEP_SECONDS
 
 
 @attrs.define
@@ -165,7 +175,8 @@ class SchedulerStateMachine(RuleBasedStateMachine):
     Attributes set by ``setup``: ``config``, ``scheduler``, ``stepper`` (the spec's
     :class:`~schedspec.spec.stepper.Stepper`, with the full checker and the guaranteed properties'
     monitors), ``shadow`` (its spec state), ``model`` (the fake model), ``monitors``, ``added`` (request
-    id -> what was added).
+    id -> what was added). ``clock``: the simulated clock (seconds,
+    :data:`MACHINE_STEP_SECONDS` per step) that stamps arrivals.
     """
 
     scheduler_name: ClassVar[str] = "fcfs"
@@ -248,6 +259,8 @@ class SchedulerStateMachine(RuleBasedStateMachine):
         self.added: dict[str, _Added] = {}
         self.steps_run = 0
         self.seen: set[str] = set()
+        self.clock = 0.0
+        self._arrival_clock = ArrivalClock()
         self._checked: SchedulerState | None = None  # the latest spec state every check passed on
 
     @property
@@ -306,7 +319,8 @@ class SchedulerStateMachine(RuleBasedStateMachine):
             found = [v for v in found if v not in known]
         if found:
             self._fail("refinement check (spec rules)", f"plan {plan} breaks: {_lines(found)}", found)
-        sampled, _ = self.model.execute(plan, before)
+        sampled, duration = self.model.execute(plan, before)
+        self.clock += duration
         outcome = self.stepper.step(plan, sampled)
         reported = self.scheduler.update(plan, sampled)
         if outcome.error is not None:
@@ -353,7 +367,7 @@ class SchedulerStateMachine(RuleBasedStateMachine):
         self.config = config
         self.scheduler = scheduler
         self.stepper = Stepper(config, FullChecker(config), monitors(list(self.guaranteed_properties(scheduler)), config))
-        self.model = FakeModel(config, _NoCost(), {})
+        self.model = FakeModel(config, _FixedStep(), {})
         self._check_scheduler_state()
 
     @rule(data=st.data())
@@ -384,11 +398,13 @@ class SchedulerStateMachine(RuleBasedStateMachine):
                     prefix_group: str | None = None, prefix_len: int = 0) -> str:
         """Add a request of this shape to the scheduler and to the spec state; returns its id. Requests of
         one ``prefix_group`` share their first ``prefix_len`` prompt token ids
-        (:class:`~schedspec.spec.workload.SyntheticPrompt`)."""
+        (:class:`~schedspec.spec.workload.SyntheticPrompt`). Its ``arrival_time`` is the machine's
+        ``clock`` (:data:`MACHINE_STEP_SECONDS`), stamped by an :class:`ArrivalClock`."""
         request_id = f"r{len(self.added)}"
-        spec = RequestSpec(request_id, prompt_len, max_tokens, arrival_step=self.shadow.step,
-                           priority=priority, eos_at_output=eos_at_output, prefix_group=prefix_group,
-                           prefix_len=prefix_len)
+        spec = self._arrival_clock.stamped(
+            RequestSpec(request_id, prompt_len, max_tokens, arrival_step=self.shadow.step, priority=priority,
+                        eos_at_output=eos_at_output, prefix_group=prefix_group, prefix_len=prefix_len),
+            self.clock)
         request = spec.to_request(self.shadow.step)
         note(f"step {self.shadow.step}: add {request_id} prompt_len={prompt_len} max_tokens={max_tokens} "
              f"eos_at_output={eos_at_output} priority={priority}"

@@ -10,6 +10,7 @@ common to the whole group, every other position ids unique to the request (scena
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Sequence
 
 import attrs
@@ -198,7 +199,9 @@ class RequestSpec:
         prompt_len: prompt tokens.
         max_tokens: most output tokens.
         arrival_step: step before which it is added (scenarios); ``None`` when arrival is by time.
-        arrival_time: arrival in seconds (traces); scenarios use ``arrival_step`` only.
+        arrival_time: arrival in seconds on the engine's clock: a trace's time (time-driven runs); in a
+            step-driven run the engine loop replaces it with the start of the arrival step on its
+            simulated clock (:class:`ArrivalClock`), so a scenario need not give it.
         priority: lower is more urgent (vLLM).
         prefix_group: requests of one group share their first ``prefix_len`` prompt ids.
         prefix_len: tokens of shared prefix.
@@ -242,7 +245,8 @@ class RequestSpec:
         return SyntheticPrompt(self.request_id, self.prompt_len, self.prefix_group, self.prefix_len, vocab_size)
 
     def to_request(self, arrival_step: int, vocab_size: int = DEFAULT_VOCAB_SIZE) -> Request:
-        """The fresh :class:`Request` the scheduler receives when this arrives at ``arrival_step``."""
+        """The fresh :class:`Request` the scheduler receives when this arrives at ``arrival_step``, with
+        this descriptor's ``arrival_time`` (an engine loop stamps it first: :class:`ArrivalClock`)."""
         return Request(
             request_id=self.request_id,
             arrival_step=arrival_step,
@@ -269,6 +273,43 @@ class RequestSpec:
     @classmethod
     def from_dict(cls, data: dict) -> RequestSpec:
         return cls(**data)
+
+
+class ArrivalClock:
+    """Stamps each arrival with its ``arrival_time`` on the engine's clock, as a serving engine does.
+
+    vLLM's engine stamps a request with ``time.time()`` when it receives it
+    (``vllm/v1/engine/input_processor.py`` ``InputProcessor.process_inputs``), so no two requests share
+    an arrival time and the one received first is the older. Its priority queue orders by
+    ``(priority, arrival_time, request_id)`` (``vllm/v1/request.py`` ``Request.__lt__``, used by
+    ``vllm/v1/core/sched/request_queue.py`` ``PriorityRequestQueue``) and picks a priority victim by
+    ``(priority, arrival_time)`` (``vllm/v1/core/sched/scheduler.py`` ``Scheduler.schedule``), so with
+    real arrival times those orders follow arrival, never the id. The reference engine loop, the
+    Hypothesis machine and ``schedspec diff`` stamp every arrival here, so the vLLM adapters and the
+    ``vllm-v1`` profiles see the clock a whole engine would.
+
+    :meth:`stamp` returns ``now`` (seconds: the start of the arrival step on the simulated clock, or
+    the trace's arrival time), unless that is not later than the previous stamp (several arrivals
+    before the same step, equal trace times, steps that took 0 s): then the next float after the
+    previous stamp (``math.nextafter``). So stamps strictly increase in the **order of addition**, which
+    alone decides ties (the order of a step's arrivals is the workload's, sorted by arrival and stable),
+    and a stamp exceeds ``now`` by at most as many units in the last place as requests arrived with it
+    (within :data:`schedspec.spec.checker.TIME_TOLERANCE`).
+    """
+
+    def __init__(self) -> None:
+        self.last = -math.inf
+        """The latest stamp given (seconds; ``-inf`` before the first)."""
+
+    def stamp(self, now: float) -> float:
+        """The arrival time of a request added when the clock reads ``now`` seconds (class docstring)."""
+        self.last = now if now > self.last else math.nextafter(self.last, math.inf)
+        return self.last
+
+    def stamped(self, spec: RequestSpec, now: float) -> RequestSpec:
+        """``spec`` with ``arrival_time`` set to :meth:`stamp` of ``now`` (the same object if unchanged)."""
+        time = self.stamp(now)
+        return spec if time == spec.arrival_time else attrs.evolve(spec, arrival_time=time)
 
 
 def token_ids(request: Request, start: int, stop: int) -> np.ndarray:

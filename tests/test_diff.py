@@ -6,6 +6,7 @@ Cost: about 10 s on one core (a few hundred small generated scenarios in all).
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -199,3 +200,55 @@ def test_documented_vllm_behaviour_is_not_a_failure_only_for_an_engine(monkeypat
         assert result.exit_code == 0, result.output
         assert "documented difference: like-vllm long-prefill-threshold" in result.output
         assert " 0 documented differences" not in result.output
+
+
+@functools.cache
+def _drawn_scenarios(count: int = 200) -> list:
+    """``count`` scenarios of ``schedspec diff``'s strategy, seeded (issue 24's generator checks)."""
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import seed as hypothesis_seed
+
+    from schedspec.commands.diff import scenarios
+
+    drawn = []
+
+    @hypothesis_seed(24)
+    @settings(max_examples=count, database=None, deadline=None, phases=(Phase.generate,),
+              suppress_health_check=list(HealthCheck))
+    @given(scenarios({}))
+    def collect(scenario) -> None:
+        drawn.append(scenario[1])
+
+    collect()
+    return drawn
+
+
+def test_generated_ids_are_independent_of_arrival_and_workload_order() -> None:
+    """Issue 24: the ids are a random permutation, so an order that falls back to the id where it should
+    follow the arrival shows up: often a request that arrives later (or, in one step, is added later)
+    has the smaller id. Ids in workload order (``r0``, ``r1`` ...), as before, fail both counts."""
+    later_smaller = added_later_smaller = 0
+    for requests in _drawn_scenarios():
+        ids = [r.request_id for r in requests]
+        assert sorted(ids) == sorted(f"r{k}" for k in range(len(requests)))  # still r0 .. r{n-1}
+        for k, first in enumerate(requests):
+            for second in requests[k + 1:]:
+                if second.request_id < first.request_id:
+                    if second.arrival_step == first.arrival_step:
+                        added_later_smaller += 1
+                    later = second if second.arrival_step > first.arrival_step else first
+                    earlier = first if later is second else second
+                    later_smaller += later.request_id < earlier.request_id
+    assert later_smaller > 100 and added_later_smaller > 10, (later_smaller, added_later_smaller)
+
+
+def test_generated_priorities_are_often_equal() -> None:
+    """Two requests of one scenario share a priority in well over a quarter of the pairs (what 0..3
+    drawn uniformly gives): where they do, vLLM's priority order falls back to the arrival time."""
+    pairs = equal = 0
+    for requests in _drawn_scenarios():
+        for k, first in enumerate(requests):
+            for second in requests[k + 1:]:
+                pairs += 1
+                equal += first.priority == second.priority
+    assert pairs > 500 and equal / pairs > 0.35, (equal, pairs)

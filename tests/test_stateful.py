@@ -9,6 +9,7 @@ fails (with a :class:`~schedspec.testing.SpecViolation`) on schedulers that brea
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import attrs
@@ -21,7 +22,7 @@ from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.request import Request
 from schedspec.spec.state import StepPlan
 from schedspec.strategies import scheduler_configs
-from schedspec.testing import SchedulerStateMachine, SpecViolation, machine_for
+from schedspec.testing import MACHINE_STEP_SECONDS, SchedulerStateMachine, SpecViolation, machine_for
 
 
 @pytest.mark.parametrize("scheduler_name", sorted(SCHEDULERS))
@@ -75,6 +76,35 @@ def test_machine_works_for_an_adapter_without_state() -> None:
             return _Adapter(config)
 
     run_state_machine_as_test(AdapterMachine, settings=settings(QUICK, max_examples=25))
+
+
+def test_machine_stamps_arrivals_on_its_clock_in_order_of_addition() -> None:
+    """Issue 24: a request added before step ``n`` arrives at ``n * MACHINE_STEP_SECONDS`` on the machine's
+    clock, several before one step each the next float after the one before, so the times strictly
+    increase in the order of addition (before the fix every arrival had 0 s)."""
+    examples: list[list[Request]] = []
+
+    class Recording(_Adapter):
+        def add_request(self, request: Request) -> None:
+            examples[-1].append(request)
+            super().add_request(request)
+
+    class ClockMachine(SchedulerStateMachine):
+        @classmethod
+        def build_scheduler(cls, config):
+            examples.append([])
+            return Recording(config)
+
+    run_state_machine_as_test(ClockMachine, settings=settings(QUICK, max_examples=40))
+    steps_apart = 0
+    for added in examples:
+        times = [r.arrival_time for r in added]
+        assert times == sorted(times) and len(set(times)) == len(times), times
+        for request in added:
+            expected = request.arrival_step * MACHINE_STEP_SECONDS
+            assert math.isclose(request.arrival_time, expected, rel_tol=1e-9, abs_tol=1e-12), (request, expected)
+        steps_apart += len({r.arrival_step for r in added}) > 1
+    assert steps_apart, "no example added requests before two different steps"
 
 
 def _two_token_decodes(state, plan: StepPlan) -> StepPlan:

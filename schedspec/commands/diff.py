@@ -58,7 +58,7 @@ from schedspec.reference.scheduler import (
 from schedspec.spec.config import ConfigError, SchedulerConfig
 from schedspec.spec.trace import StepRecord
 from schedspec.spec.workload import RequestSpec
-from schedspec.strategies import scheduler_configs
+from schedspec.strategies import priorities, scheduler_configs
 
 DEFAULT_MAX_STEPS = 2_000
 
@@ -244,13 +244,17 @@ def compare(config: SchedulerConfig, requests: Sequence[RequestSpec], scheduler:
 def _possible_requests(config: SchedulerConfig) -> st.SearchStrategy[list[RequestSpec]]:
     """1 to 8 requests that vLLM's input processor accepts (``0 < prompt_len < max_model_len``) and
     that can complete alone (the spec does not reject them), arriving in steps 0..8, sometimes
-    aborted, sometimes stopping early (end-of-sequence), priorities 0..3; with prefix caching on, most
-    share a prefix of 1..prompt_len tokens with others of one of two groups."""
+    aborted, sometimes stopping early (end-of-sequence), priorities from
+    :func:`schedspec.strategies.priorities` (often equal); with prefix caching on, most share a prefix
+    of 1..prompt_len tokens with others of one of two groups. The ids ``r0`` .. ``r{n-1}`` are a random
+    permutation, independent of the order of arrival and of the workload's order (which orders the
+    arrivals of one step), so that an order that falls back to the id where it should follow the
+    arrival shows up (vLLM's ``(priority, arrival_time, request_id)``)."""
     capacity = config.kv_capacity_tokens
     longest = max(1, min(config.max_model_len - 1, capacity))
 
     @st.composite
-    def one(draw: st.DrawFn, index: int) -> RequestSpec:
+    def one(draw: st.DrawFn, request_id: str) -> RequestSpec:
         prompt_len = draw(st.integers(1, longest))
         max_tokens = draw(st.integers(1, max(1, min(config.max_model_len, capacity + 1 - prompt_len))))
         arrival = draw(st.integers(0, 8))
@@ -262,13 +266,14 @@ def _possible_requests(config: SchedulerConfig) -> st.SearchStrategy[list[Reques
             # caching-off scenarios stay what they were for a given seed)
             group = draw(st.one_of(st.none(), st.sampled_from(("a", "b"))))
             prefix_len = draw(st.integers(1, prompt_len)) if group is not None else 0
-        return RequestSpec(f"r{index}", prompt_len, max_tokens, arrival_step=arrival,
-                           priority=draw(st.integers(0, 3)), abort_at_step=abort, eos_at_output=eos,
+        return RequestSpec(request_id, prompt_len, max_tokens, arrival_step=arrival,
+                           priority=draw(priorities()), abort_at_step=abort, eos_at_output=eos,
                            prefix_group=group, prefix_len=prefix_len)
 
     # uniform request counts (Hypothesis's integers favour the small end): most scenarios have several
-    # requests competing for slots, budget and blocks
-    return st.sampled_from(range(1, 9)).flatmap(lambda n: st.tuples(*(one(i) for i in range(n)))).map(list)
+    # requests competing for slots, budget and blocks; ids in a random order
+    return (st.sampled_from(range(1, 9)).flatmap(lambda n: st.permutations(range(n)))
+            .flatmap(lambda ids: st.tuples(*(one(f"r{i}") for i in ids))).map(list))
 
 
 def scenarios(changes: dict[str, Any]) -> st.SearchStrategy[tuple[SchedulerConfig, list[RequestSpec]]]:
