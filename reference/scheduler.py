@@ -352,6 +352,14 @@ ENGINE_ADAPTERS: dict[str, str] = {
     "vllm-priority": "schedspec.engines.vllm:priority",
     "vllm-async": "schedspec.engines.vllm:fcfs_async",
     "vllm-priority-async": "schedspec.engines.vllm:priority_async",
+    "vllm@0.32": "schedspec.engines.vllm:fcfs",
+    "vllm-priority@0.32": "schedspec.engines.vllm:priority",
+    "vllm-async@0.32": "schedspec.engines.vllm:fcfs_async",
+    "vllm-priority-async@0.32": "schedspec.engines.vllm:priority_async",
+    "vllm@0.33": "schedspec.engines.vllm:fcfs_033",
+    "vllm-priority@0.33": "schedspec.engines.vllm:priority_033",
+    "vllm-async@0.33": "schedspec.engines.vllm:fcfs_async_033",
+    "vllm-priority-async@0.33": "schedspec.engines.vllm:priority_async_033",
     "nanovllm": "schedspec.engines.nanovllm:NanoVllmScheduler",
 }
 """Adapters of real engines' schedulers by ``--scheduler`` name, as ``module:factory``. They live in
