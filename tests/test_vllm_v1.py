@@ -13,7 +13,13 @@ import pytest
 
 from schedspec.reference import policies
 from schedspec.reference.scenarios import bundled_scenarios, load_scenario, replay
-from schedspec.reference.vllm_v1 import plan_vllm_v1, vllm_v1, vllm_v1_033, vllm_v1_priority, vllm_v1_priority_033
+from schedspec.reference.vllm_v1 import (
+    plan_vllm_v1,
+    vllm_v1,
+    vllm_v1_033,
+    vllm_v1_priority,
+    vllm_v1_priority_033,
+)
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.request import Request, RequestStatus
 from schedspec.spec.rules import violated_rules
