@@ -139,7 +139,8 @@ class Vllm033AsyncMachine(VllmAsyncMachine):
         return VllmAsyncScheduler(config, cls.policy, "0.33")
 
 
-MACHINE_EXAMPLES = int(os.environ.get("SCHEDSPEC_VLLM_EXAMPLES", "60"))
+MACHINE_EXAMPLES = int(os.environ.get("SCHEDSPEC_VLLM_EXAMPLES", "30"))
+"""Examples per machine (half the 0.32 file's default: the 0.32 machines cover the shared mapping)."""
 
 
 @pytest.mark.parametrize("machine", [Vllm033Machine, Vllm033PriorityMachine, Vllm033AsyncMachine],
@@ -156,9 +157,9 @@ def test_diff_vllm_033_against_its_profile_has_no_unexplained_divergence(policy:
 
     against = "vllm-v1@0.33" if policy == "vllm" else "vllm-v1-priority@0.33"
     result = CliRunner().invoke(cli, ["diff", "--scheduler", f"{policy}@0.33", "--against", against,
-                                      "--examples", "300", "--seed", "20261202"], catch_exceptions=False)
+                                      "--examples", "150", "--seed", "20261202"], catch_exceptions=False)
     assert result.exit_code == 0, result.output[-3000:]
-    assert "300 examples" in result.output and "0 divergent (unexplained)" in result.output
+    assert "150 examples" in result.output and "0 divergent (unexplained)" in result.output
     assert "0 findings" in result.output
 
 
