@@ -19,6 +19,17 @@ engine is not installed) saying how to install it; if it is set to a path that d
 worker it starts cannot start or dies before its first reply, :class:`EngineStartError` (an
 ``EngineEnvironmentError``: CLI exit 2, unusable environment, the message naming the variable).
 
+**Versions** (:data:`VERSIONS`). ``vllm``, ``vllm-priority``, ``vllm-async`` and ``vllm-priority-async``
+drive vLLM 0.32.0 (also named ``...@0.32``); the same names with ``@0.33`` drive vLLM 0.33.0. The 0.33
+scheduler is pure Python: ``scripts/engines_setup.sh`` unpacks the Python files of the ``vllm==0.33.0``
+wheel (pinned by sha256 in ``engines/requirements-vllm033.txt``) into ``<repository>/.vllm033`` (or
+``$SCHEDSPEC_VLLM033_PATH``), and the worker runs with the 0.32 environment's Python and that folder
+first on ``sys.path`` (its compiled kernels are never called: no model runs). The worker reports the
+``vllm.__version__`` it imported and the adapter refuses to run if it is not the version asked for
+(:class:`EngineUnavailable`); the adapter's :attr:`~_VllmAdapter.engine` (``{"name": "vllm", "version":
+"0.33.0"}``) is in every run's conditions (``RunResult.engine``, the lab's run records, ``replay``'s
+header). The two versions' scheduling decisions differ as docs/engines.md, *vLLM 0.32 and 0.33*, lists.
+
 **Mapping onto the spec.**
 
 - *Blocks*: the worker gives vLLM ``num_kv_blocks + 1`` blocks because vLLM's ``BlockPool``
@@ -117,6 +128,14 @@ DEFAULT_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 PYTHON_VARIABLE = "SCHEDSPEC_VLLM_PYTHON"
 VLLM_VERSION = "0.32.0"
 POLICIES = ("fcfs", "priority")
+VERSIONS: dict[str, str] = {"0.32": "0.32.0", "0.33": "0.33.0"}
+"""The vLLM releases the adapter drives, by the suffix of their registry names (``vllm@0.33``) ->
+the exact ``vllm.__version__`` the worker must import."""
+DEFAULT_VERSION = "0.32"
+"""The version of the plain names (``vllm``, ``vllm-priority``, ...)."""
+PATH_AHEAD: dict[str, tuple[str, Path]] = {"0.33": ("SCHEDSPEC_VLLM033_PATH", ROOT / ".vllm033")}
+"""Versions run by the 0.32 environment's Python with a folder of the version's Python files first on
+``sys.path``: version -> (environment variable naming the folder, default folder)."""
 
 
 class EngineUnavailable(UnsupportedFeature):
@@ -161,18 +180,42 @@ def _python_text(python: Path) -> str:
     return f"environment variable {PYTHON_VARIABLE}={named}" if named else f"the vLLM environment {python}"
 
 
-class _WorkerProcess:
-    """One ``vllm_worker.py`` process and its pipes (module docstring)."""
+def vllm_path_ahead(version: str) -> Path | None:
+    """The folder put first on the worker's ``sys.path`` for ``version`` (:data:`PATH_AHEAD`), or
+    ``None`` for a version installed in the environment itself (0.32).
 
-    def __init__(self, python: Path) -> None:
+    Raises:
+        EngineUnavailable: the folder does not hold a ``vllm`` package.
+    """
+    if version not in PATH_AHEAD:
+        return None
+    variable, default = PATH_AHEAD[version]
+    named = os.environ.get(variable)
+    folder = Path(named) if named else default
+    if not (folder / "vllm" / "__init__.py").exists():
+        where = f"{variable}={named}" if named else str(folder)
+        raise EngineUnavailable(
+            f"scheduler 'vllm@{version}': no vLLM {VERSIONS[version]} at {where}; run `bash scripts/engines_setup.sh` "
+            f"(unpacks the pinned wheel of engines/requirements-vllm{version.replace('.', '')}.txt) or set {variable}"
+        )
+    return folder.resolve()
+
+
+class _WorkerProcess:
+    """One ``vllm_worker.py`` process and its pipes (module docstring); ``path_ahead`` is put first on
+    its ``sys.path`` (:func:`vllm_path_ahead`)."""
+
+    def __init__(self, python: Path, path_ahead: Path | None = None) -> None:
         self.python = python
+        self.path_ahead = path_ahead
         self.log: IO[bytes] = tempfile.TemporaryFile()
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
         env.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         env.pop("PYTHONPATH", None)  # the worker must not see the project's packages
         try:
             self.process = subprocess.Popen(
-                [str(python), str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+                [str(python), str(WORKER), *(["--path-ahead", str(path_ahead)] if path_ahead else [])],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
                 env=env, text=True, bufsize=1,
             )
         except OSError as error:
@@ -238,13 +281,13 @@ class _WorkerProcess:
         self.log.close()
 
 
-_WORKERS: dict[Path, _WorkerProcess] = {}
+_WORKERS: dict[tuple[Path, Path | None], _WorkerProcess] = {}
 
 
-def _worker(python: Path) -> _WorkerProcess:
-    found = _WORKERS.get(python)
+def _worker(python: Path, path_ahead: Path | None = None) -> _WorkerProcess:
+    found = _WORKERS.get((python, path_ahead))
     if found is None or not found.alive():
-        found = _WORKERS[python] = _WorkerProcess(python)
+        found = _WORKERS[python, path_ahead] = _WorkerProcess(python, path_ahead)
     return found
 
 
@@ -357,8 +400,12 @@ class _VllmAdapter:
     state = None
     async_scheduling = False
 
-    def __init__(self, config: SchedulerConfig, policy: str = "fcfs") -> None:
-        self.name = "vllm" + ("" if policy == "fcfs" else f"-{policy}") + ("-async" if self.async_scheduling else "")
+    def __init__(self, config: SchedulerConfig, policy: str = "fcfs", version: str = DEFAULT_VERSION) -> None:
+        self.name = ("vllm" + ("" if policy == "fcfs" else f"-{policy}") + ("-async" if self.async_scheduling else "")
+                     + ("" if version == DEFAULT_VERSION else f"@{version}"))
+        if version not in VERSIONS:
+            raise UnsupportedFeature(f"scheduler {self.name!r}: vLLM version {version!r} (the adapter drives "
+                                     f"{', '.join(VERSIONS)})")
         if config.enable_prefix_caching and self.async_scheduling:
             raise UnsupportedFeature(f"scheduler {self.name!r}: prefix caching with async scheduling is not "
                                      "mapped onto the spec yet (enable_prefix_caching=true)")
@@ -367,7 +414,8 @@ class _VllmAdapter:
         self.config = config
         self.policy = policy
         self.guarantees: frozenset[str] = frozenset()
-        self.worker = _worker(vllm_python())
+        self.version = version
+        self.worker = _worker(vllm_python(), vllm_path_ahead(version))
         self.handle = self.worker.next_handle
         self.worker.next_handle += 1
         settings = config.to_dict()
@@ -382,6 +430,12 @@ class _VllmAdapter:
         if "refused" in reply:
             raise UnsupportedFeature(f"scheduler {self.name!r}: vLLM refuses this config: {reply['refused']}")
         self.vllm_version: str = reply["vllm_version"]
+        if self.vllm_version != VERSIONS[version]:
+            raise EngineUnavailable(
+                f"scheduler {self.name!r}: the worker imported vllm {self.vllm_version} from "
+                f"{reply.get('vllm_file', '?')}, expected {VERSIONS[version]}; run `bash scripts/engines_setup.sh`")
+        self.engine: dict[str, str] = {"name": "vllm", "version": self.vllm_version}
+        """What the run's conditions record of the engine (``RunResult.engine``)."""
         self.refused: dict[str, str] = {}  # refused by the input processor, reported in the next plan
         self.refused_requests: dict[str, Request] = {}
         self.live: set[str] = set()  # ids given to vLLM that have not ended (as the spec sees them)
@@ -574,6 +628,26 @@ class VllmAsyncScheduler(_VllmAdapter):
 def fcfs(config: SchedulerConfig) -> VllmScheduler:
     """vLLM V1's scheduler with ``policy="fcfs"`` (registry name ``vllm``)."""
     return VllmScheduler(config, "fcfs")
+
+
+def fcfs_033(config: SchedulerConfig) -> VllmScheduler:
+    """vLLM 0.33's V1 scheduler with ``policy="fcfs"`` (registry name ``vllm@0.33``)."""
+    return VllmScheduler(config, "fcfs", "0.33")
+
+
+def priority_033(config: SchedulerConfig) -> VllmScheduler:
+    """vLLM 0.33's V1 scheduler with ``policy="priority"`` (registry name ``vllm-priority@0.33``)."""
+    return VllmScheduler(config, "priority", "0.33")
+
+
+def fcfs_async_033(config: SchedulerConfig) -> VllmAsyncScheduler:
+    """vLLM 0.33's ``AsyncScheduler`` with ``policy="fcfs"`` (registry name ``vllm-async@0.33``)."""
+    return VllmAsyncScheduler(config, "fcfs", "0.33")
+
+
+def priority_async_033(config: SchedulerConfig) -> VllmAsyncScheduler:
+    """vLLM 0.33's ``AsyncScheduler`` with ``policy="priority"`` (registry name ``vllm-priority-async@0.33``)."""
+    return VllmAsyncScheduler(config, "priority", "0.33")
 
 
 def priority(config: SchedulerConfig) -> VllmScheduler:

@@ -10,7 +10,9 @@ client chose at ``init``), so one process serves many schedulers.
 
 Commands (``op``):
 
-- ``init`` ``{config, policy, async_scheduling}``: build the scheduler; reply ``{"vllm_version"}``.
+- ``init`` ``{config, policy, async_scheduling}``: build the scheduler; reply ``{"vllm_version",
+  "vllm_file"}`` (the ``vllm`` package imported, which ``--path-ahead DIR`` can change: DIR is put first
+  on ``sys.path``).
 - ``add`` ``{id, prompt, max_tokens, priority, arrival_time, eos}``: no reply.
 - ``abort`` ``{id}``: ``Scheduler.finish_requests(id, RequestStatus.FINISHED_ABORTED)``; no reply.
 - ``schedule``: ``Scheduler.schedule()``; reply ``{"scheduled": [[id, num_computed_tokens,
@@ -53,6 +55,12 @@ from collections import deque
 # ``import vllm`` would find the adapter instead of the engine.
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+# ``--path-ahead DIR``: another vLLM's Python files (vLLM 0.33's, unpacked by scripts/engines_setup.sh)
+# come first, ahead of the environment's own vllm package.
+if len(sys.argv) == 3 and sys.argv[1] == "--path-ahead":
+    sys.path.insert(0, os.path.abspath(sys.argv[2]))
+elif len(sys.argv) != 1:
+    sys.exit(f"usage: {sys.argv[0]} [--path-ahead DIR]")
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -310,7 +318,7 @@ def main() -> None:
                                          message["vocab_size"])
                 import vllm
 
-                result: dict | None = {"vllm_version": vllm.__version__}
+                result: dict | None = {"vllm_version": vllm.__version__, "vllm_file": vllm.__file__}
             elif op == "close":
                 workers.pop(handle, None)
                 result = None

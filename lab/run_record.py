@@ -9,9 +9,14 @@ Layout (schema version 1)::
 
     {"record": "schedspec-run-record", "schema_version": 1, "name": "fcfs",
      "conditions": {workload, window, arrivals, scheduler, config, cost_profile, backend, model,
-                    checks, max_steps, slo, sweep_point, schedspec_version, python_version, machine},
+                    checks, max_steps, slo, sweep_point, schedspec_version, python_version, machine,
+                    engine},
      "figures": {flat: name -> number or null, the unit in the name},
      "details": {requests, rejected_reasons, latency_s, efficiency, goodput}}
+
+``engine`` is the real engine behind an adapter scheduler and its exact version (``{"name": "vllm",
+"version": "0.33.0"}``, ``RunResult.engine``), ``null`` for a reference scheduler; a record without it
+(written before it existed) is still valid.
 
 Units are in the key names: ``_s`` seconds, ``_percent`` percent (0-100), ``_tokens_per_s``,
 ``_req_per_s``; a key without a unit suffix is a count (requests, steps, tokens). A figure that
@@ -210,6 +215,7 @@ def build_record(name: str, result: LabResult, conditions: Mapping[str, Any], sl
     own["slo"] = slo_conditions(slo)
     own["sweep_point"] = dict(sweep_point) if sweep_point is not None else None
     own["arrivals"] = arrivals(result.timelines)
+    own["engine"] = result.run.engine
     summaries = _summaries(result)
     return {
         "record": RECORD_KIND,

@@ -111,6 +111,13 @@ class _ClientEvents:
         return due
 
 
+def engine_identity(scheduler: object) -> dict[str, str] | None:
+    """The real engine behind ``scheduler`` (an adapter's ``engine`` attribute: ``name`` and the exact
+    ``version``, e.g. ``{"name": "vllm", "version": "0.33.0"}``), or ``None`` (a reference scheduler)."""
+    engine = getattr(scheduler, "engine", None)
+    return dict(engine) if isinstance(engine, dict) else None
+
+
 class ViolationFound(Exception):
     """A rule, invariant or guaranteed property was violated and the run was asked to stop."""
 
@@ -133,6 +140,8 @@ class RunResult:
         num_steps_checked: steps whose plan and invariants were checked.
         wall_seconds: wall-clock time of the run.
         specs: the workload's request descriptors by id.
+        engine: the real engine behind an adapter, as the adapter's ``engine`` attribute gives it
+            (``{"name": "vllm", "version": "0.33.0"}``), or ``None`` for a reference scheduler.
     """
 
     records: list[StepRecord]
@@ -143,6 +152,7 @@ class RunResult:
     num_steps_checked: int
     wall_seconds: float
     specs: dict[str, RequestSpec]
+    engine: dict[str, str] | None = None
 
     @property
     def ok(self) -> bool:
@@ -456,6 +466,7 @@ class Engine:
             num_steps_checked=checked,
             wall_seconds=wallclock.perf_counter() - started,
             specs=specs,
+            engine=engine_identity(self.scheduler),
         )
 
     def _run_light(self, events, specs, mode, max_steps, token_source) -> RunResult:
@@ -497,4 +508,4 @@ class Engine:
             step += 1
         return RunResult(records=[], state=scheduler.state, violations=[], property_violations={},
                          num_steps=step, num_steps_checked=0, wall_seconds=wallclock.perf_counter() - started,
-                         specs=specs)
+                         specs=specs, engine=engine_identity(self.scheduler))

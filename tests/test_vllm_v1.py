@@ -13,7 +13,13 @@ import pytest
 
 from schedspec.reference import policies
 from schedspec.reference.scenarios import bundled_scenarios, load_scenario, replay
-from schedspec.reference.vllm_v1 import vllm_v1, vllm_v1_priority
+from schedspec.reference.vllm_v1 import (
+    plan_vllm_v1,
+    vllm_v1,
+    vllm_v1_033,
+    vllm_v1_priority,
+    vllm_v1_priority_033,
+)
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.request import Request, RequestStatus
 from schedspec.spec.rules import violated_rules
@@ -173,6 +179,64 @@ def test_priority_self_preemption_skips_the_more_urgent_requests_after_it() -> N
     assert plan == StepPlan(preempted=("a",))
 
 
+# ------------------------------------------------------------ vLLM 0.33: ``continue``, not ``break``
+def test_033_priority_self_preemption_goes_on_to_the_requests_after_it() -> None:
+    """vLLM 0.33 (``if new_blocks is None``: ``self.policy == PRIORITY and request.status == PREEMPTED``
+    -> ``continue``): the same state as the 0.32 surprise above; ``a`` preempts itself, then ``b``, next
+    in ``self.running`` (``req_index`` unchanged, ``a`` left the list), is scheduled: 3 computed + 1
+    token fits its one block."""
+    a = running("a", 7, 8, [0, 1], outputs=2, priority=3)
+    b = decode("b", 3, [2], priority=0)
+    before = state([a, b], free=[])
+    assert planned(vllm_v1_priority_033, before) == StepPlan(scheduled=(ScheduledRequest("b", 3, 1),),
+                                                            preempted=("a",))
+    assert planned(vllm_v1_priority, before) == StepPlan(preempted=("a",))  # 0.32: ``break``
+
+
+def test_033_the_request_after_a_self_preemption_gets_the_freed_blocks() -> None:
+    """``b`` needs a 3rd block (8 computed + 1 = 9 tokens) and none was free before ``a`` preempted
+    itself; ``a``'s blocks went to the front of the free queue last block first (``reversed([0, 1])``),
+    so ``b`` gets block 1. ``w`` would fit but is not admitted: the step preempted (``if not
+    preempted_reqs``, unchanged in 0.33)."""
+    a = running("a", 7, 8, [0, 1], outputs=2, priority=3)
+    b = running("b", 7, 8, [2, 3], outputs=2, priority=0)
+    before = state([a, b], [waiting("w", 1, priority=0)], free=[])
+    assert planned(vllm_v1_priority_033, before) == StepPlan(scheduled=(ScheduledRequest("b", 8, 1, (1,)),),
+                                                            preempted=("a",))
+    assert planned(vllm_v1_priority, before) == StepPlan(preempted=("a",))
+
+
+def test_033_a_later_request_may_preempt_again_after_a_self_preemption() -> None:
+    """After ``a`` (priority 3) preempts itself the loop goes on: ``b`` (priority 2, 12 tokens computed
+    of 13, 3 blocks) needs a 4th block; ``a``'s one block (0) is free now, so ``b`` takes it. ``c``
+    (priority 0, 8 of 9, 2 blocks) then needs a 3rd, none is free: the least urgent running request is
+    ``b``, already scheduled, so its token is taken back and its 4 blocks freed (``reversed([1, 2, 3,
+    0])``: 0 first); ``c`` gets block 0."""
+    a = running("a", 3, 4, [0], outputs=2, priority=3)  # 5 tokens, 4 computed: needs a 2nd block
+    b = running("b", 11, 12, [1, 2, 3], outputs=2, priority=2)
+    c = running("c", 7, 8, [4, 5], outputs=2, priority=0)
+    config = CONFIG.with_changes(num_kv_blocks=6)
+    before = state([a, b, c], free=[], config=config)
+    assert planned(vllm_v1_priority_033, before, config) == StepPlan(
+        scheduled=(ScheduledRequest("c", 8, 1, (0,)),), preempted=("a", "b"))
+    assert planned(vllm_v1_priority, before, config) == StepPlan(preempted=("a",))
+
+
+def test_033_fcfs_is_unchanged() -> None:
+    """Under FCFS a request that preempts itself is ``self.running[-1]``: nothing is after it, so 0.33's
+    ``continue`` (priority only) and 0.32's ``break`` plan the same."""
+    a = decode("a", 3, [0])
+    b = running("b", 7, 8, [1, 2], outputs=2)
+    before = state([a, b], free=[])
+    assert planned(vllm_v1_033, before) == planned(vllm_v1, before) == StepPlan(
+        scheduled=(ScheduledRequest("a", 3, 1),), preempted=("b",))
+
+
+def test_an_unknown_version_is_refused() -> None:
+    with pytest.raises(ValueError, match="0.31"):
+        plan_vllm_v1(state([]), CONFIG, version="0.31")
+
+
 def test_priority_admission_order_is_priority_arrival_time_then_request_id() -> None:
     """``PriorityRequestQueue`` pops by ``Request.__lt__``: (priority, arrival_time, request_id); with
     ``max_num_seqs`` 2 only the first two are admitted: ``x1`` then ``x2`` (same priority and time,
@@ -207,9 +271,10 @@ SUPPORTED = ["abort-during-chunked-prefill-no-cache", "eos-frees-slot-early", "k
              "counterexample-bounded-itl"]
 
 
+@pytest.mark.parametrize("profile", ["vllm-v1", "vllm-v1@0.33"])
 @pytest.mark.parametrize("name", SUPPORTED)
-def test_bundled_scenario_replays_on_vllm_v1(name: str) -> None:
-    result = replay(load_scenario(next(p for p in bundled_scenarios() if p.stem == name)), "vllm-v1")
+def test_bundled_scenario_replays_on_vllm_v1(name: str, profile: str) -> None:
+    result = replay(load_scenario(next(p for p in bundled_scenarios() if p.stem == name)), profile)
     failed = [f"{v.name}: {v.detail}" for v in result.verdicts if not v.passed]
     assert not failed, failed
 
@@ -218,5 +283,6 @@ def test_priority_scenario_fails_only_on_the_seq_cap_preemption_vllm_lacks() -> 
     """priority-preempts-at-seq-cap asks for what vLLM 0.32 does not do (rule above): on
     vllm-v1-priority exactly the first-token bound of the urgent request fails."""
     scenario = load_scenario(next(p for p in bundled_scenarios() if p.stem == "priority-preempts-at-seq-cap"))
-    result = replay(scenario, "vllm-v1-priority")
-    assert [v.name for v in result.verdicts if not v.passed] == ["first_token_by_step[H]"]
+    for profile in ("vllm-v1-priority", "vllm-v1-priority@0.33"):  # 0.33 does not preempt at the cap either
+        result = replay(scenario, profile)
+        assert [v.name for v in result.verdicts if not v.passed] == ["first_token_by_step[H]"], profile

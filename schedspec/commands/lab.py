@@ -132,6 +132,7 @@ def _conditions(result: LabResult, profile: costs.CostModel, trace_text: str, wi
     rate = f"{len(arrivals) / span:.2f} req/s" if span > 0 else "n/a"
     return [
         ("policy", result.scheduler),
+        *([("engine", f"{result.run.engine['name']} {result.run.engine['version']}")] if result.run.engine else []),
         ("block_size", f"{config.block_size} tokens"),
         ("num_kv_blocks", f"{config.num_kv_blocks:,} ({config.kv_capacity_tokens:,} tokens of KV)"),
         ("max_num_batched_tokens", f"{config.max_num_batched_tokens:,}"),

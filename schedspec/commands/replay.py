@@ -79,7 +79,9 @@ def command(cases: tuple[str, ...], scheduler_name: str | None, sets: tuple[str,
             continue
         except UnknownScheduler as error:
             fail(str(error))
-        console.print(Text.assemble((scenario.name, "bold"), " on ", (result.scheduler, "cyan"), f": {scenario.about}"))
+        engine = result.run.engine if result.run is not None else None
+        console.print(Text.assemble((scenario.name, "bold"), " on ", (result.scheduler, "cyan"),
+                                    f" ({engine['name']} {engine['version']})" if engine else "", f": {scenario.about}"))
         if result.run is not None and not quiet:
             table = Table("step", "scheduled (id:prefill+decode)", "preempted", "finished", "rejected", "free", "run", "wait")
             for record in result.run.records:
