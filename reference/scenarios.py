@@ -146,16 +146,21 @@ def parse_scenario(data: Any, path: str = "<scenario>") -> Scenario:
         if prefix is not None and (not isinstance(prefix, dict) or set(prefix) != {"group", "len"}):
             raise ScenarioError(f"{where}.prefix: expected {{\"group\": name, \"len\": tokens}}")
         prompt_len = _int(raw["prompt_len"], f"{where}.prompt_len")
+        arrival = _int(raw["arrival_step"], f"{where}.arrival_step", maximum=MAX_STEP)
+        if "abort_at_step" in raw:
+            abort = _int(raw["abort_at_step"], f"{where}.abort_at_step", maximum=MAX_STEP)
+            if abort < arrival:  # the engine would meet the abort before the request exists, and drop it
+                raise ScenarioError(f"{where}.abort_at_step: {abort} is before arrival_step {arrival} "
+                                    "(a request can be aborted only once it has arrived)")
         requests.append(RequestSpec(
             request_id=request_id,
-            arrival_step=_int(raw["arrival_step"], f"{where}.arrival_step", maximum=MAX_STEP),
+            arrival_step=arrival,
             prompt_len=prompt_len,
             max_tokens=_int(raw["max_tokens"], f"{where}.max_tokens"),
             priority=_int(raw.get("priority", 0), f"{where}.priority", minimum=-(2**31)),
             prefix_group=_str(prefix["group"], f"{where}.prefix.group") if prefix else None,
             prefix_len=_int(prefix["len"], f"{where}.prefix.len", maximum=prompt_len) if prefix else 0,
-            abort_at_step=(_int(raw["abort_at_step"], f"{where}.abort_at_step", maximum=MAX_STEP)
-                           if "abort_at_step" in raw else None),
+            abort_at_step=abort if "abort_at_step" in raw else None,
             eos_at_output=_int(raw["eos_at_output"], f"{where}.eos_at_output", 1) if "eos_at_output" in raw else None,
         ))
     expect = data.get("expect", {})
@@ -298,6 +303,39 @@ class ReplayResult:
 def choose_scheduler(scenario: Scenario, override: str | None = None) -> str:
     """``--scheduler`` if given, else the scenario's ``scheduler``, else its ``config.policy``, else fcfs."""
     return override or scenario.scheduler or scenario.policy or "fcfs"
+
+
+ALWAYS_JUDGED = frozenset({"config_error", "config_error_mentions", "outcome", "no_tokens_after_abort",
+                           "outputs_equal_solo", "free_blocks_at_end"})
+"""``expect`` keys every scheduler is judged on (the implicit ``invariants`` verdict always is): what any
+correct scheduler owes on the scenario's workload."""
+OWN_SCHEDULER_ONLY = frozenset({"first_token_by_step", "all_terminal_by_step", "max_preemptions_per_request"})
+"""``expect`` keys judged only on the scenario's own scheduler (:func:`choose_scheduler` without an override):
+latency and preemption bounds, which differ between correct policies (static batching holds a slot that
+continuous batching reuses)."""
+FAULT_RECORDS = frozenset({"demonstrates", "finding"})
+"""``expect`` keys that record how the scenario's own scheduler fails: judged on it by ``schedspec replay``
+(they pass while the fault is there), on no other scheduler, and never by the conformance suite (the
+scheduler under test must not fail)."""
+
+
+def judged_on(scenario: Scenario, scheduler_name: str, *,
+              fault_records: bool = True) -> tuple[Scenario, tuple[str, ...]]:
+    """The scenario as it is judged on ``scheduler_name``, and the ``expect`` keys left out (sorted).
+
+    On its own scheduler (:func:`choose_scheduler` with no override): :data:`ALWAYS_JUDGED`,
+    :data:`OWN_SCHEDULER_ONLY` and, with ``fault_records``, :data:`FAULT_RECORDS`; on any other, only
+    :data:`ALWAYS_JUDGED`. The ``invariants`` verdict is always judged. ``schedspec replay --scheduler``
+    (``fault_records=True``) and the conformance suite (:mod:`schedspec.conformance`, ``False``) both
+    judge this way, so that a scenario written for another scheduler never fails the one under test for
+    what that one does not promise.
+    """
+    own = scheduler_name == choose_scheduler(scenario)
+    keep = ALWAYS_JUDGED | (OWN_SCHEDULER_ONLY if own else frozenset()) | (
+        FAULT_RECORDS if own and fault_records else frozenset())
+    kept = {k: v for k, v in scenario.expect.items() if k in keep}
+    left_out = tuple(sorted(set(scenario.expect) - set(kept)))
+    return (attrs.evolve(scenario, expect=kept) if left_out else scenario), left_out
 
 
 def _run(scenario: Scenario, scheduler_name: str, config: SchedulerConfig, requests: Sequence[RequestSpec],
@@ -450,5 +488,6 @@ def _finding_verdict(finding: dict[str, Any], seen: list[tuple[str, int | None, 
 
 __all__ = [
     "Scenario", "ScenarioError", "ReplayResult", "TokenSourceFactory", "Verdict", "UnsupportedFeature",
-    "load_scenario", "parse_scenario", "replay", "bundled_scenarios", "choose_scheduler",
+    "load_scenario", "parse_scenario", "replay", "bundled_scenarios", "choose_scheduler", "judged_on",
+    "ALWAYS_JUDGED", "OWN_SCHEDULER_ONLY", "FAULT_RECORDS",
 ]

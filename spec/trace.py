@@ -247,15 +247,19 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return data
 
 
-def strict_json_loads(text: str) -> Any:
+def strict_json_loads(text: str, *, constants: bool = False) -> Any:
     """``json.loads`` that refuses NaN, Infinity and repeated keys, with every failure one exception.
+
+    With ``constants`` the literals ``NaN``, ``Infinity`` and ``-Infinity`` are read as floats (for a reader
+    whose range check of each field refuses them, naming the field); repeated keys are still refused.
 
     Raises:
         StrictJsonError: the message says why ("not JSON (... at column N)", "nested too deeply", "NaN is
             not a finite number", "key 'x' appears twice in one object"); ``lineno`` where known.
     """
     try:
-        return json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_no_duplicate_keys)
+        return json.loads(text, parse_constant=float if constants else _reject_constant,
+                          object_pairs_hook=_no_duplicate_keys)
     except json.JSONDecodeError as error:
         raise StrictJsonError(f"not JSON ({error.msg} at column {error.colno})", error.lineno) from None
     except RecursionError:
