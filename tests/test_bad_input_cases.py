@@ -18,7 +18,6 @@ from hypothesis import strategies as st
 from schedspec.lab import trace_formats
 from schedspec.lab.workload_checks import WorkloadError
 from schedspec.reference.scenarios import (
-    ScenarioError,
     bundled_scenarios,
     judged_on,
     load_scenario,
