@@ -70,6 +70,13 @@ times ``all_terminal_by_step``)."""
 MAX_COUNT = 2**31 - 1
 """Largest token or block count a scenario may carry (int32)."""
 
+MAX_REQUESTS = 1_000_000
+"""Most requests a scenario may list (``benchmarks/size.py`` replays 100,000 in well under a minute; a
+replay keeps every request's state, about 1 KB each)."""
+
+MAX_SCENARIO_BYTES = 256 * 1024 * 1024
+"""Largest scenario file read (256 MiB; a million requests take about 80 MB of JSON)."""
+
 
 def _int(value: Any, where: str, minimum: int = 0, maximum: int = MAX_COUNT) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
@@ -98,7 +105,8 @@ def parse_scenario(data: Any, path: str = "<scenario>") -> Scenario:
     """Validate a decoded scenario; raises :class:`ScenarioError` naming ``path`` and the field.
 
     Every field is checked for type and range (counts in ``[0, 2**31-1]``, steps in
-    ``[0, MAX_STEP]``, flags ``true``/``false``), and ``config`` is validated as a
+    ``[0, MAX_STEP]``, flags ``true``/``false``, at most :data:`MAX_REQUESTS` requests, no abort before
+    its arrival), and ``config`` is validated as a
     :class:`SchedulerConfig` unless ``expect.config_error`` says it must be refused, so a wrong
     config is unusable input (naming ``config.FIELD``), never a failed check.
     """
@@ -126,6 +134,9 @@ def parse_scenario(data: Any, path: str = "<scenario>") -> Scenario:
         _str(policy, f"{path}: config.policy")
     if not isinstance(data["requests"], list):
         raise ScenarioError(f"{path}: field 'requests' must be a list")
+    if len(data["requests"]) > MAX_REQUESTS:
+        raise ScenarioError(f"{path}: requests: {len(data['requests']):,} requests, more than the {MAX_REQUESTS:,} "
+                            "a scenario may list")
     requests = []
     seen = set()
     for index, raw in enumerate(data["requests"]):
@@ -245,12 +256,15 @@ def _check_expect(expect: dict[str, Any], ids: set[str], path: str) -> None:
 
 def load_scenario(path: str | Path) -> Scenario:
     """Read and validate a scenario file. Raises :class:`ScenarioError` (file, line or field named):
-    unreadable file, bytes that are not UTF-8, invalid JSON (also ``NaN``, ``Infinity`` and a key
+    unreadable file, a file over :data:`MAX_SCENARIO_BYTES`, bytes that are not UTF-8, invalid JSON (also ``NaN``, ``Infinity`` and a key
     given twice in one object), or any field :func:`parse_scenario` refuses."""
     path = Path(path)
     try:
         if path.exists() and not path.is_dir() and not stat.S_ISREG(path.stat().st_mode):
             raise ScenarioError(f"{path}: not a regular file (a device or pipe cannot be read as a scenario)")
+        if path.is_file() and path.stat().st_size > MAX_SCENARIO_BYTES:
+            raise ScenarioError(f"{path}: {path.stat().st_size:,} bytes, larger than the {MAX_SCENARIO_BYTES:,} "
+                                "a scenario file may have")
         raw = path.read_bytes()
     except OSError as error:
         raise ScenarioError(f"{path}: cannot read ({error.strerror})") from None
@@ -343,7 +357,7 @@ def _run(scenario: Scenario, scheduler_name: str, config: SchedulerConfig, reque
     scheduler = make_scheduler(scheduler_name, config)
     properties = [p for p in sorted(scheduler.guarantees) if p not in watch]
     token_source = token_source_factory(config, requests) if token_source_factory is not None else None
-    engine = Engine(scheduler, config, token_source=token_source, properties=properties, watch=watch)
+    engine = Engine(scheduler, config, token_source=token_source, properties=properties, watch=watch, incremental=True)
     limit = scenario.expect.get("all_terminal_by_step")
     max_steps = DEFAULT_MAX_STEPS if limit is None else max(limit + 1, 1) * 4 + 100
     if scenario.max_steps is not None:

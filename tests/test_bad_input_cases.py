@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from schedspec.lab import trace_formats
 from schedspec.lab.workload_checks import WorkloadError
 from schedspec.reference.scenarios import (
+    ScenarioError,
     bundled_scenarios,
     judged_on,
     load_scenario,
@@ -162,3 +163,48 @@ def test_cli_fuzz_second_round(tmp_path_factory, case):
     result = invoke(command, files, args, tmp_path_factory.mktemp("fuzz"))
     if command == "replay" and "--all" in args and result.exit_code != 2:
         assert " 0 failed" in result.stdout, result.stdout[-2000:]  # no scheduler fails what it does not promise
+
+
+# --------------------------------------------------------------------------------------------------
+# Size
+
+
+def test_arrivals_share_the_live_map_and_equal_the_plain_copy():
+    """``add_request`` extended the live map by copying it (a burst of n arrivals cost O(n^2)); now a large
+    map is shared (:func:`~schedspec.spec.persistent.with_arrival`). Tested equal to the plain definition
+    ``{**requests, id: request}`` across the size where sharing starts, and through a step and an abort."""
+    from schedspec.spec.config import SchedulerConfig
+    from schedspec.spec.persistent import SHARED_FROM, ArrivedRequests
+    from schedspec.spec.state import SchedulerState
+    from schedspec.spec.transitions import abort_request, add_request
+
+    config = SchedulerConfig(block_size=4, num_kv_blocks=64, max_num_batched_tokens=64, max_num_seqs=4, max_model_len=64)
+    state, plain = SchedulerState.initial(config), {}
+    for index in range(SHARED_FROM + 300):
+        request = RequestSpec(f"r{index}", 3, 2, arrival_step=0).to_request(0)
+        state = add_request(state, request)
+        plain = {**plain, request.request_id: request}
+        if index in (0, SHARED_FROM - 1, SHARED_FROM, SHARED_FROM + 299):
+            assert dict(state.requests) == plain and list(state.requests) == list(plain)
+            assert len(state.requests) == len(plain) and state.waiting == tuple(plain)
+    assert isinstance(state.requests, ArrivedRequests)  # shared (the fast path is exercised)
+    with pytest.raises(TypeError):
+        state.requests["x"] = None  # read-only, as the MappingProxyType it stands for
+    aborted = abort_request(state, "r7")
+    assert "r7" not in aborted.requests and aborted.finished["r7"].status.outcome == "aborted"
+    assert dict(aborted.requests) == {k: v for k, v in plain.items() if k != "r7"}
+    assert state == SchedulerState(requests=plain, waiting=tuple(plain), free_block_ids=state.free_block_ids,
+                                   num_requests_added=len(plain))
+
+
+def test_a_scenario_has_a_size_limit(tmp_path, monkeypatch):
+    from schedspec.reference import scenarios
+
+    monkeypatch.setattr(scenarios, "MAX_REQUESTS", 2)
+    with pytest.raises(ScenarioError, match=r"requests: 3 requests, more than the 2 a scenario may list"):
+        parse_scenario(json.loads(scenario()))
+    monkeypatch.setattr(scenarios, "MAX_SCENARIO_BYTES", 100)
+    path = tmp_path / "c.json"
+    path.write_bytes(scenario())
+    with pytest.raises(ScenarioError, match=r"larger than the 100 a scenario file may have"):
+        load_scenario(path)
