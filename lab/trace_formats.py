@@ -363,6 +363,10 @@ BURSTGPT_COLUMNS = ("Timestamp", "Model", "Request tokens", "Response tokens", "
 """The BurstGPT trace header (HPMLL/BurstGPT ``data/BurstGPT_*.csv``)."""
 
 
+MAX_BURSTGPT_TIMESTAMP = 1e12
+"""Largest BurstGPT ``Timestamp`` accepted, seconds (about 31,700 years)."""
+
+
 def load_burstgpt_csv(path: str | Path, id_prefix: str | None = None, notes: list[str] | None = None) -> list[RequestSpec]:
     """Load a BurstGPT trace CSV (HPMLL/BurstGPT, ``BurstGPT_1.csv`` etc.).
 
@@ -397,9 +401,9 @@ def load_burstgpt_csv(path: str | Path, id_prefix: str | None = None, notes: lis
             stamp = float(text) if re.fullmatch(r"[0-9]+(\.[0-9]*)?([eE][+-]?[0-9]+)?", text) else None
         except ValueError:
             stamp = None
-        if stamp is None or not math.isfinite(stamp) or stamp > 1e12:
+        if stamp is None or not math.isfinite(stamp) or stamp > MAX_BURSTGPT_TIMESTAMP:
             raise WorkloadError(f"{where}: Timestamp={text[:80]!r}: expected seconds since the trace start, "
-                                f"a number >= 0")
+                                f"a number in [0, {MAX_BURSTGPT_TIMESTAMP:g}] (about 31,700 years)")
         prompt = _token_count(request, path, line, "Request tokens")
         output = _token_count(response, path, line, "Response tokens")
         rows.append((stamp, prompt, output, len(rows)))

@@ -114,7 +114,7 @@ def parse_scenario(data: Any, path: str = "<scenario>") -> Scenario:
         raise ScenarioError(f"{path}: the top level must be a JSON object")
     unknown = set(data) - TOP_KEYS
     if unknown:
-        raise ScenarioError(f"{path}: unknown field {sorted(unknown)[0]!r} (known: {sorted(TOP_KEYS)})")
+        raise ScenarioError(f"{path}: unknown field {sorted(unknown)[0]!r} (known: {', '.join(sorted(TOP_KEYS))})")
     for key in ("name", "config", "requests"):
         if key not in data:
             raise ScenarioError(f"{path}: missing field {key!r}")
@@ -214,7 +214,7 @@ def _check_expect(expect: dict[str, Any], ids: set[str], path: str) -> None:
         if request_id not in ids:
             raise ScenarioError(f"{where}.outcome: unknown request {request_id!r}")
         if not allowed or any(not isinstance(o, str) or o not in OUTCOMES for o in allowed):
-            raise ScenarioError(f"{where}.outcome.{request_id}: {_show(wanted)} (allowed: {sorted(OUTCOMES)})")
+            raise ScenarioError(f"{where}.outcome.{request_id}: {_show(wanted)} (allowed: {', '.join(sorted(OUTCOMES))})")
     if "all_terminal_by_step" in expect:
         _int(expect["all_terminal_by_step"], f"{where}.all_terminal_by_step", maximum=MAX_STEP)
     first = expect.get("first_token_by_step", {})
@@ -235,7 +235,7 @@ def _check_expect(expect: dict[str, Any], ids: set[str], path: str) -> None:
         if not names or any(not isinstance(n, str) or n not in known for n in names):
             raise ScenarioError(
                 f"{where}.demonstrates: {_show(named)} is not a property or rule name or a list of them "
-                f"(properties: {sorted(PROPERTIES)}; rules: {sorted(r.name for r in RULES)})"
+                f"(properties: {', '.join(sorted(PROPERTIES))}; rules: {', '.join(sorted(r.name for r in RULES))})"
             )
     finding = expect.get("finding")
     if finding is not None:

@@ -40,6 +40,7 @@ import click
 from rich.console import Console
 
 from schedspec.spec.config import ConfigError, SchedulerConfig
+from schedspec.spec.request import printable
 
 EXIT_OK = 0
 EXIT_CHECK_FAILED = 1
@@ -53,13 +54,15 @@ MAX_MESSAGE_CHARS = 2000
 def one_line(text: object) -> str:
     """``text`` as one printable line: newlines, tabs and other control characters are written as
     escapes (``\\n``, ``\\x1b``), and anything past :data:`MAX_MESSAGE_CHARS` characters is cut."""
-    out = []
-    for char in str(text):
-        out.append(char if char.isprintable() else repr(char)[1:-1])
-    line = "".join(out)
+    line = printable(text)
     if len(line) > MAX_MESSAGE_CHARS:
         line = line[:MAX_MESSAGE_CHARS] + f"... ({len(line) - MAX_MESSAGE_CHARS} more characters)"
     return line
+
+
+def plural(count: int, noun: str, many: str | None = None) -> str:
+    """``"1 violation"``, ``"2 violations"``, ``"1,000 steps"``: a count and its noun, in the singular for one."""
+    return f"{count:,} {noun if count == 1 else many or noun + 's'}"
 
 
 def fail(message: str, status: int = EXIT_BAD_INPUT) -> NoReturn:

@@ -200,7 +200,9 @@ def _schema_error(where: str, validator: jsonschema.Draft202012Validator, data: 
     error = jsonschema.exceptions.best_match(validator.iter_errors(data))
     if error is None:
         return None
-    message = error.message if len(error.message) <= 200 else error.message[:200] + "..."
+    # jsonschema's message starts with the offending value and ends with what is wrong with it: a long
+    # one is cut in the middle, so the part that says what is wrong is kept
+    message = error.message if len(error.message) <= 200 else error.message[:60] + " ... " + error.message[-140:]
     return TraceFormatError(f"{where}: field {_field_path(error.absolute_path)}: {message}")
 
 
@@ -352,7 +354,7 @@ def open_trace(path: str | Path) -> TraceFile:
     except OSError as error:
         raise TraceFormatError(f"{path}: cannot read ({error.strerror})") from None
     except ValueError as error:  # a NUL character in the path
-        raise TraceFormatError(f"{path!r}: cannot read ({error})") from None
+        raise TraceFormatError(f"{path}: cannot read ({error})") from None
     where = f"{path}:1"
     if not first.strip():
         raise TraceFormatError(f"{where}: empty; expected the header line")

@@ -208,3 +208,97 @@ def test_a_scenario_has_a_size_limit(tmp_path, monkeypatch):
     path.write_bytes(scenario())
     with pytest.raises(ScenarioError, match=r"larger than the 100 a scenario file may have"):
         load_scenario(path)
+
+
+# --------------------------------------------------------------------------------------------------
+# Messages
+
+
+def test_messages_carry_no_python_reprs(tmp_path):
+    from schedspec.spec.config import ConfigError, SchedulerConfig
+    from schedspec.spec.trace import TraceFormatError, open_trace
+
+    config = SchedulerConfig(block_size=4, num_kv_blocks=16, max_num_batched_tokens=64, max_num_seqs=4, max_model_len=32)
+    with pytest.raises(ConfigError, match="colour='blue': is not a SchedulerConfig field"):  # was attrs' TypeError
+        config.with_changes(colour="blue")
+    result = invoke("diff", {}, ("--scheduler", "fcfs", "--against", "static", "--set", "colour=blue"), tmp_path)
+    assert result.exit_code == 2 and "__init__()" not in result.stderr and "colour" in result.stderr
+    with pytest.raises(TraceFormatError) as error:
+        open_trace(tmp_path / "s\x00t")
+    assert "PosixPath" not in str(error.value)
+    result = invoke("prove", {}, ("--only", "no-such-theorem", "--list"), tmp_path)
+    assert result.exit_code == 2 and "--only no-such-theorem: no theorem matches" in result.stderr
+
+
+def test_a_long_schema_error_keeps_what_is_wrong(tmp_path):
+    from tests.test_bad_input import step_trace
+
+    data = step_trace(1, lambda r: r.__setitem__("scheduled", [{"request_id": "A" * 300, "prefill_tokens": "x"}]))
+    result = invoke("check", {"s.jsonl": data}, ("{s.jsonl}",), tmp_path)
+    assert result.exit_code == 2
+    assert re.search(r"is not of type|is a required property|not valid", result.stderr), result.stderr
+
+
+def test_limits_are_stated(tmp_path):
+    data = b"Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n1e300,ChatGPT,4,4,8,Conversation log\n"
+    result = invoke("lab", {"b.csv": data}, ("--trace", "{b.csv}"), tmp_path)
+    assert result.exit_code == 2 and "a number in [0, 1e+12] (about 31,700 years)" in result.stderr
+    # a trace spanning 10,000 years at time scale 1: the trace's span is the problem, not --time-scale
+    far = b"Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n0,ChatGPT,4,4,8,x\n" \
+          b"315576000000,ChatGPT,4,4,8,x\n"
+    path = tmp_path / "far.csv"
+    path.write_bytes(far)
+    from schedspec.lab.windows import select_window
+
+    with pytest.raises(WorkloadError, match=r"its arrivals span 3.16e\+11 s \(1e\+04 years\).*shorter window") as error:
+        select_window(trace_formats.load_trace(path))
+    assert "time_scale" not in str(error.value)
+    result = invoke("lab", {}, ("--slo", "queueing=1s"), tmp_path)
+    assert result.exit_code == 2 and "queueing" in result.stderr.split("known:")[1]
+
+
+def test_a_request_id_with_a_newline_stays_on_its_line(tmp_path):
+    data = scenario().replace(b'"C"', b'"C\\nFAKE PASS"')
+    result = invoke("replay", {"c.json": data}, ("{c.json}",), tmp_path)
+    assert result.exit_code == 0, result.stdout
+    assert not any(line.startswith("FAKE PASS") for line in result.stdout.splitlines())
+    assert "C\\nFAKE PASS" in result.stdout
+
+
+def test_plural_and_one_line_violations(tmp_path):
+    from schedspec.cli_common import plural
+    from tests.test_bad_input import step_trace
+
+    assert (plural(1, "violation"), plural(2, "violation"), plural(1000, "step")) == ("1 violation", "2 violations",
+                                                                                      "1,000 steps")
+    data = step_trace(1, lambda r: r.__setitem__("num_free_blocks", r["num_free_blocks"] + 1))
+    result = invoke("check", {"s.jsonl": data}, ("{s.jsonl}", "--max-violations", "1"), tmp_path)
+    assert result.exit_code == 1 and " 1 violation " in result.stdout
+
+
+def _fake_interpreter(tmp_path, stderr: str) -> str:
+    (tmp_path / "stderr.txt").write_text(stderr)
+    script = tmp_path / "python"
+    script.write_text(f"#!/bin/sh\ncat '{tmp_path / 'stderr.txt'}' >&2\nexit 1\n")
+    script.chmod(0o755)
+    return str(script)
+
+
+@pytest.mark.parametrize("stderr", ["", "Traceback (most recent call last):\n  File \"w.py\", line 3, in <module>\n"
+                                        "ModuleNotFoundError: No module named vllm\n"])
+def test_a_dead_vllm_worker_message(tmp_path, monkeypatch, stderr):
+    """Before: ``vLLM worker died (exit 1): `` (empty), or the traceback folded into one long line."""
+    from schedspec.engines import vllm
+
+    python = _fake_interpreter(tmp_path, stderr)
+    monkeypatch.setenv(vllm.PYTHON_VARIABLE, python)
+    worker = vllm._WorkerProcess(vllm.vllm_python())
+    try:
+        with pytest.raises(vllm.EngineError) as error:
+            worker.call({"op": "ping"})
+    finally:
+        worker.close()
+    message = str(error.value)
+    assert "\n" not in message and vllm.PYTHON_VARIABLE in message and python in message
+    assert ("ModuleNotFoundError: No module named vllm" in message and "File " not in message) if stderr \
+        else "printed nothing" in message

@@ -39,7 +39,15 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 
-from schedspec.cli_common import EXIT_CHECK_FAILED, EXIT_UNSUPPORTED, check_scheduler, fail, parse_sets
+from schedspec.cli_common import (
+    EXIT_CHECK_FAILED,
+    EXIT_UNSUPPORTED,
+    check_scheduler,
+    fail,
+    one_line,
+    parse_sets,
+    plural,
+)
 from schedspec.reference.engine import Engine, RunResult, ViolationFound
 from schedspec.reference.scheduler import (
     UnsupportedFeature,
@@ -487,16 +495,16 @@ def command(scheduler_name: str, against: str, examples: int, seed: int, sets: t
         check_scheduler(name, None, where=option)
     folder = Path(out) if out is not None else None
     if folder is not None and folder.exists() and not folder.is_dir():
-        fail(f"--out {out!r}: not a directory")
+        fail(f"--out {one_line(out)}: not a directory")
     try:
         report = run_diff(scheduler_name, against, examples, seed, changes, folder, exact_blocks, max_steps,
                           echo=click.echo)
     except Unsatisfiable:
         fail(f"--set {' '.join(sets)}: no generated config satisfies it")
     click.echo(
-        f"{report.examples} examples, {report.steps_compared} steps compared, "
-        f"{report.divergent} divergent (unexplained), {report.documented} documented differences, "
-        f"{len(report.findings)} findings, {len(report.unsupported)} unsupported"
+        f"{plural(report.examples, 'example')}, {plural(report.steps_compared, 'step')} compared, "
+        f"{report.divergent} divergent (unexplained), {plural(report.documented, 'documented difference')}, "
+        f"{plural(len(report.findings), 'finding')}, {len(report.unsupported)} unsupported"
     )
     if report.unsupported:
         click.echo(f"unsupported (first): {report.unsupported[0]}")

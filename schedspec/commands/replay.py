@@ -14,6 +14,7 @@ from schedspec.cli_common import (
     check_path,
     check_scheduler,
     fail,
+    one_line,
     parse_sets,
     scheduler_option,
     set_option,
@@ -81,12 +82,14 @@ def command(cases: tuple[str, ...], scheduler_name: str | None, sets: tuple[str,
         try:
             result = replay(judged, scheduler_name, changes)
         except UnsupportedFeature as error:
-            console.print(Text.assemble(("UNSUPPORTED", "yellow"), f" {scenario.name}: {error}"))
+            console.print(Text.assemble(("UNSUPPORTED", "yellow"), f" {one_line(scenario.name)}: {one_line(error)}"))
             unsupported += 1
             continue
         except UnknownScheduler as error:
             fail(str(error))
-        console.print(Text.assemble((scenario.name, "bold"), " on ", (result.scheduler, "cyan"), f": {scenario.about}"))
+        # user text (names, ids, details naming ids) is printed escaped: a newline cannot split a line
+        console.print(Text.assemble((one_line(scenario.name), "bold"), " on ", (one_line(result.scheduler), "cyan"),
+                                    f": {one_line(scenario.about)}"))
         if left_out:
             console.print(f"  not judged on {result.scheduler} (written for {choose_scheduler(scenario)}): "
                           f"{', '.join(left_out)}")
@@ -95,16 +98,16 @@ def command(cases: tuple[str, ...], scheduler_name: str | None, sets: tuple[str,
             for record in result.run.records:
                 table.add_row(
                     str(record.step),
-                    " ".join(f"{s.request_id}:{s.prefill_tokens}+{s.decode_tokens}" for s in record.scheduled),
-                    " ".join(record.preempted),
-                    " ".join(f"{k}({v})" for k, v in record.finished.items()),
-                    " ".join(record.rejected),
+                    " ".join(f"{one_line(s.request_id)}:{s.prefill_tokens}+{s.decode_tokens}" for s in record.scheduled),
+                    " ".join(map(one_line, record.preempted)),
+                    " ".join(f"{one_line(k)}({v})" for k, v in record.finished.items()),
+                    " ".join(map(one_line, record.rejected)),
                     str(record.num_free_blocks), str(record.num_running), str(record.num_waiting),
                 )
             console.print(table)
         for verdict in result.verdicts:
             mark = ("PASS", "green") if verdict.passed else ("FAIL", "red")
-            console.print(Text.assemble("  ", mark, f" {verdict.name}: {verdict.detail}"))
+            console.print(Text.assemble("  ", mark, f" {one_line(verdict.name)}: {one_line(verdict.detail)}"))
         failed += not result.passed
     total = len(scenarios)
     console.print(f"{total - failed - unsupported} passed, {failed} failed, {unsupported} unsupported")
