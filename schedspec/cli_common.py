@@ -387,10 +387,16 @@ class OneLineErrors(click.Group):
         sys.exit(result if isinstance(result, int) else 0)
 
 
+def scheduler_names_help() -> str:
+    """The ``--scheduler`` help, generated from the registry (every registered scheduler and engine adapter)."""
+    from schedspec.reference.scheduler import ENGINE_ADAPTERS, SCHEDULERS
+
+    return (f"Scheduler: {', '.join(SCHEDULERS)}; engine adapters: {', '.join(ENGINE_ADAPTERS)}; "
+            "or module:factory.")
+
+
 scheduler_option = click.option(
-    "--scheduler", "scheduler_name", default=None, metavar="NAME",
-    help="Scheduler: fcfs, static, shortest-prompt-first, priority, vllm-v1, vllm-v1-priority, nanovllm "
-         "(engine adapter), or module:factory.",
+    "--scheduler", "scheduler_name", default=None, metavar="NAME", help=scheduler_names_help(),
 )
 set_option = click.option(
     "--set", "sets", multiple=True, metavar="KEY=VALUE",
