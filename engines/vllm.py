@@ -143,7 +143,23 @@ class EngineUnavailable(UnsupportedFeature):
 
 
 class EngineError(RuntimeError):
-    """The vLLM worker failed (its traceback is in the message) or died."""
+    """The vLLM worker failed or died. The message is one line: what failed, the worker's last error line
+    (``ModuleNotFoundError: ...``) and the interpreter, naming ``SCHEDSPEC_VLLM_PYTHON``; ``details`` holds
+    the worker's whole traceback or standard-error tail (printed on its own lines, never folded into one)."""
+
+    def __init__(self, message: str, details: str = "") -> None:
+        super().__init__(message)
+        self.details = details
+
+
+def last_error_line(text: str) -> str:
+    """The line of a traceback or log that says what went wrong: its last non-blank line that is not a
+    frame (``File ...``) or a caret line; ``""`` for empty text."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if not line.startswith(("File ", "^", "~", "Traceback ")):
+            return line
+    return lines[-1] if lines else ""
 
 
 class EngineStartError(EngineError, EngineEnvironmentError):
@@ -228,20 +244,12 @@ class _WorkerProcess:
     def alive(self) -> bool:
         return self.process.poll() is None
 
-    def died(self, what: str) -> EngineError:
-        """The error for a worker found dead: :class:`EngineStartError` before its first reply."""
-        if not self.replied:
-            tail = self.stderr_tail().strip()
-            return EngineStartError(f"{_python_text(self.python)}: the vLLM worker {what} before its first reply"
-                                    + (f": {tail.splitlines()[-1]}" if tail else " (it wrote nothing)"))
-        return EngineError(f"vLLM worker {what}: {self.stderr_tail()}")
-
     def send(self, message: dict[str, Any]) -> None:
         assert self.process.stdin is not None
         try:
             self.process.stdin.write(json.dumps(message, separators=(",", ":")) + "\n")
         except BrokenPipeError:
-            raise self.died("died") from None
+            raise self.died() from None
 
     def call(self, message: dict[str, Any]) -> dict[str, Any]:
         self.send(message)
@@ -249,18 +257,36 @@ class _WorkerProcess:
         try:
             self.process.stdin.flush()
         except BrokenPipeError:
-            raise self.died("died") from None
+            raise self.died() from None
         line = self.process.stdout.readline()
         if not line:
-            raise self.died(f"died (exit {self.process.wait()})")
+            raise self.died(f"exit {self.process.wait()}")
         try:
             reply = json.loads(line)
         except json.JSONDecodeError:
-            raise self.died(f"wrote a line that is not JSON ({line[:80]!r})") from None
+            raise self.died(f"wrote a line that is not JSON: {line[:80]!r}") from None
         self.replied = True
         if "error" in reply:
-            raise EngineError(f"vLLM worker: {reply['error']}")
+            raise EngineError(f"vLLM worker failed: {last_error_line(reply['error']) or 'no message'} "
+                              f"({self.interpreter()})", reply["error"])
         return reply
+
+    def interpreter(self) -> str:
+        """Which interpreter runs the worker, and what chose it."""
+        named = os.environ.get(PYTHON_VARIABLE)
+        return (f"interpreter {self.python}, from {PYTHON_VARIABLE}" if named
+                else f"interpreter {self.python}; set {PYTHON_VARIABLE} to use another")
+
+    def died(self, how: str = "") -> EngineError:
+        """The error for a worker that died: its last error line (or that it printed nothing) and the
+        interpreter, with the standard-error tail as ``details``. Before its first reply the death is the
+        environment's: :class:`EngineStartError` (CLI exit 2), naming how the interpreter was chosen."""
+        tail = self.stderr_tail()
+        said = last_error_line(tail) or "it printed nothing on standard error"
+        if not self.replied:
+            return EngineStartError(f"{_python_text(self.python)}: the vLLM worker died before its first reply"
+                                    f"{f' ({how})' if how else ''}: {said}")
+        return EngineError(f"vLLM worker died{f' ({how})' if how else ''}: {said} ({self.interpreter()})", tail)
 
     def stderr_tail(self, limit: int = 4000) -> str:
         self.log.flush()

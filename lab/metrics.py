@@ -526,7 +526,9 @@ def parse_slo(text: str) -> Slo:
         if not sep:
             raise MetricsError(f"SLO {item.strip()!r}: expected key=value (e.g. ttft=2s,itl=100ms)")
         if key not in Slo._fields:
-            raise MetricsError(f"SLO key {key!r}: unknown; known: {', '.join(Slo._fields)}")
+            raise MetricsError(f"SLO key {key!r}: unknown; known: {', '.join(Slo._fields)} (goodput), or "
+                               f"METRIC_pN for a percentile (e.g. ttft_p90), METRIC one of "
+                               f"{', '.join(LATENCY_METRICS)}")
         if key in result:
             raise MetricsError(f"SLO key {key!r}: given twice")
         match = _SLO_VALUE.fullmatch(value)

@@ -42,7 +42,6 @@ import csv
 import datetime
 import functools
 import hashlib
-import json
 import math
 import re
 import stat
@@ -53,6 +52,7 @@ from pathlib import Path
 import attrs
 import numpy as np
 
+from schedspec.spec.trace import StrictJsonError, strict_json_loads
 from schedspec.spec.workload import BlockHashPrompt, RequestSpec
 
 from .workload_checks import DIGITS, MAX_TOKEN_COUNT, WorkloadError
@@ -285,6 +285,8 @@ def _read_csv(path: Path, required: Sequence[str], expected_header: str):
         for field in required:
             if field not in names:
                 raise WorkloadError(f"{path}:1: header: missing column {field!r} (found {','.join(names)!r})")
+            if names.count(field) > 1:  # which one is meant is not known: refused, never a silent pick
+                raise WorkloadError(f"{path}:1: header: column {field!r} appears {names.count(field)} times")
         columns = [names.index(field) for field in required]
         width = len(names)
         try:
@@ -361,6 +363,10 @@ BURSTGPT_COLUMNS = ("Timestamp", "Model", "Request tokens", "Response tokens", "
 """The BurstGPT trace header (HPMLL/BurstGPT ``data/BurstGPT_*.csv``)."""
 
 
+MAX_BURSTGPT_TIMESTAMP = 1e12
+"""Largest BurstGPT ``Timestamp`` accepted, seconds (about 31,700 years)."""
+
+
 def load_burstgpt_csv(path: str | Path, id_prefix: str | None = None, notes: list[str] | None = None) -> list[RequestSpec]:
     """Load a BurstGPT trace CSV (HPMLL/BurstGPT, ``BurstGPT_1.csv`` etc.).
 
@@ -395,9 +401,9 @@ def load_burstgpt_csv(path: str | Path, id_prefix: str | None = None, notes: lis
             stamp = float(text) if re.fullmatch(r"[0-9]+(\.[0-9]*)?([eE][+-]?[0-9]+)?", text) else None
         except ValueError:
             stamp = None
-        if stamp is None or not math.isfinite(stamp) or stamp > 1e12:
+        if stamp is None or not math.isfinite(stamp) or stamp > MAX_BURSTGPT_TIMESTAMP:
             raise WorkloadError(f"{where}: Timestamp={text[:80]!r}: expected seconds since the trace start, "
-                                f"a number >= 0")
+                                f"a number in [0, {MAX_BURSTGPT_TIMESTAMP:g}] (about 31,700 years)")
         prompt = _token_count(request, path, line, "Request tokens")
         output = _token_count(response, path, line, "Response tokens")
         rows.append((stamp, prompt, output, len(rows)))
@@ -515,7 +521,8 @@ def load_mooncake_jsonl(path: str | Path, id_prefix: str | None = None, notes: l
         (ties in file order).
 
     Raises:
-        WorkloadError: missing file, a line that is not a JSON object, a missing key, a bad timestamp,
+        WorkloadError: missing file, a line that is not a JSON object (or gives one key twice:
+            :func:`~schedspec.spec.trace.strict_json_loads`), a missing key, a bad timestamp,
             a token count that is not an integer in ``[0, 2**31-1]``, ``hash_ids`` of the wrong type or
             length, a byte that is not UTF-8, or no rows.
     """
@@ -537,12 +544,10 @@ def load_mooncake_jsonl(path: str | Path, id_prefix: str | None = None, notes: l
             if not line.strip():
                 continue
             where = f"{path}:{number}"
-            try:
-                data = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise WorkloadError(f"{where}: not valid JSON ({error.msg} at column {error.colno})") from None
-            except RecursionError:
-                raise WorkloadError(f"{where}: not valid JSON (nested too deeply)") from None
+            try:  # a key given twice is refused (json.loads keeps the last); NaN: refused below, by field
+                data = strict_json_loads(line, constants=True)
+            except StrictJsonError as error:
+                raise WorkloadError(f"{where}: not valid JSON: {error}") from None
             if not isinstance(data, dict):
                 raise WorkloadError(f"{where}: expected a JSON object, found {type(data).__name__}")
             for key in ("timestamp", "input_length", "output_length"):

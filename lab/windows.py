@@ -21,6 +21,7 @@ def _sorted(requests: list[RequestSpec]) -> list[RequestSpec]:
 
 
 MAX_WINDOW_SECONDS = 1e9
+YEAR_SECONDS = 365.25 * 24 * 3600
 """Longest simulated window, seconds (about 31 years). Float seconds keep a resolution under a
 microsecond up to here, so millisecond step times still add up; beyond it they would vanish
 (a TTFT of 0.0 ms)."""
@@ -44,7 +45,7 @@ def select_window(
     Raises:
         WorkloadError: no requests given, ``start`` negative or not finite, ``duration <= 0``,
             ``max_requests < 1`` or not an integer, ``time_scale <= 0``, a window with no requests,
-            or a window that ``time_scale`` stretches beyond :data:`MAX_WINDOW_SECONDS`.
+            or a window longer than :data:`MAX_WINDOW_SECONDS` (its arrivals' span times ``time_scale``).
     """
     ordered = _sorted(list(requests))
     if not ordered:
@@ -71,11 +72,15 @@ def select_window(
     origin = kept[0].arrival_time
     span = (kept[-1].arrival_time - origin) * time_scale
     if span > MAX_WINDOW_SECONDS:
-        raise WorkloadError(
-            f"time_scale={time_scale:g}: the window would span {span:.3g} s of simulated time (trace span "
-            f"times time scale), more than "
-            f"{MAX_WINDOW_SECONDS:g} s (step times of milliseconds would be lost in the clock's rounding)"
-        )
+        limit = f"more than the {MAX_WINDOW_SECONDS:g} s (about 31 years) a run can time (step times of " \
+                "milliseconds would be lost in the clock's rounding)"
+        arrivals = (f"its arrivals span {kept[-1].arrival_time - origin:.3g} s "
+                    f"({(kept[-1].arrival_time - origin) / YEAR_SECONDS:,.3g} years)")
+        if time_scale == 1:  # the trace itself: its timestamps, not the time scale, are the problem
+            raise WorkloadError(f"the window is too long: {arrivals}, {limit}; choose a shorter window "
+                                "(start, duration, max_requests) or check the trace's timestamps")
+        raise WorkloadError(f"time_scale={time_scale:g}: the window would span {span:.3g} s of simulated time "
+                            f"({arrivals}, times the time scale), {limit}")
     return [
         attrs.evolve(
             r,

@@ -73,6 +73,13 @@ times ``all_terminal_by_step``)."""
 MAX_COUNT = 2**31 - 1
 """Largest token or block count a scenario may carry (int32)."""
 
+MAX_REQUESTS = 1_000_000
+"""Most requests a scenario may list (``benchmarks/size.py`` replays 100,000 in well under a minute; a
+replay keeps every request's state, about 1 KB each)."""
+
+MAX_SCENARIO_BYTES = 256 * 1024 * 1024
+"""Largest scenario file read (256 MiB; a million requests take about 80 MB of JSON)."""
+
 
 def _int(value: Any, where: str, minimum: int = 0, maximum: int = MAX_COUNT) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
@@ -101,7 +108,8 @@ def parse_scenario(data: Any, path: str = "<scenario>") -> Scenario:
     """Validate a decoded scenario; raises :class:`ScenarioError` naming ``path`` and the field.
 
     Every field is checked for type and range (counts in ``[0, 2**31-1]``, steps in
-    ``[0, MAX_STEP]``, flags ``true``/``false``), and ``config`` is validated as a
+    ``[0, MAX_STEP]``, flags ``true``/``false``, at most :data:`MAX_REQUESTS` requests, no abort before
+    its arrival), and ``config`` is validated as a
     :class:`SchedulerConfig` unless ``expect.config_error`` says it must be refused, so a wrong
     config is unusable input (naming ``config.FIELD``), never a failed check.
     """
@@ -109,7 +117,7 @@ def parse_scenario(data: Any, path: str = "<scenario>") -> Scenario:
         raise ScenarioError(f"{path}: the top level must be a JSON object")
     unknown = set(data) - TOP_KEYS
     if unknown:
-        raise ScenarioError(f"{path}: unknown field {sorted(unknown)[0]!r} (known: {sorted(TOP_KEYS)})")
+        raise ScenarioError(f"{path}: unknown field {sorted(unknown)[0]!r} (known: {', '.join(sorted(TOP_KEYS))})")
     for key in ("name", "config", "requests"):
         if key not in data:
             raise ScenarioError(f"{path}: missing field {key!r}")
@@ -129,6 +137,9 @@ def parse_scenario(data: Any, path: str = "<scenario>") -> Scenario:
         _str(policy, f"{path}: config.policy")
     if not isinstance(data["requests"], list):
         raise ScenarioError(f"{path}: field 'requests' must be a list")
+    if len(data["requests"]) > MAX_REQUESTS:
+        raise ScenarioError(f"{path}: requests: {len(data['requests']):,} requests, more than the {MAX_REQUESTS:,} "
+                            "a scenario may list")
     requests = []
     seen = set()
     for index, raw in enumerate(data["requests"]):
@@ -149,16 +160,21 @@ def parse_scenario(data: Any, path: str = "<scenario>") -> Scenario:
         if prefix is not None and (not isinstance(prefix, dict) or set(prefix) != {"group", "len"}):
             raise ScenarioError(f"{where}.prefix: expected {{\"group\": name, \"len\": tokens}}")
         prompt_len = _int(raw["prompt_len"], f"{where}.prompt_len")
+        arrival = _int(raw["arrival_step"], f"{where}.arrival_step", maximum=MAX_STEP)
+        if "abort_at_step" in raw:
+            abort = _int(raw["abort_at_step"], f"{where}.abort_at_step", maximum=MAX_STEP)
+            if abort < arrival:  # the engine would meet the abort before the request exists, and drop it
+                raise ScenarioError(f"{where}.abort_at_step: {abort} is before arrival_step {arrival} "
+                                    "(a request can be aborted only once it has arrived)")
         requests.append(RequestSpec(
             request_id=request_id,
-            arrival_step=_int(raw["arrival_step"], f"{where}.arrival_step", maximum=MAX_STEP),
+            arrival_step=arrival,
             prompt_len=prompt_len,
             max_tokens=_int(raw["max_tokens"], f"{where}.max_tokens"),
             priority=_int(raw.get("priority", 0), f"{where}.priority", minimum=-(2**31)),
             prefix_group=_str(prefix["group"], f"{where}.prefix.group") if prefix else None,
             prefix_len=_int(prefix["len"], f"{where}.prefix.len", maximum=prompt_len) if prefix else 0,
-            abort_at_step=(_int(raw["abort_at_step"], f"{where}.abort_at_step", maximum=MAX_STEP)
-                           if "abort_at_step" in raw else None),
+            abort_at_step=abort if "abort_at_step" in raw else None,
             eos_at_output=_int(raw["eos_at_output"], f"{where}.eos_at_output", 1) if "eos_at_output" in raw else None,
         ))
     expect = data.get("expect", {})
@@ -201,7 +217,7 @@ def _check_expect(expect: dict[str, Any], ids: set[str], path: str) -> None:
         if request_id not in ids:
             raise ScenarioError(f"{where}.outcome: unknown request {request_id!r}")
         if not allowed or any(not isinstance(o, str) or o not in OUTCOMES for o in allowed):
-            raise ScenarioError(f"{where}.outcome.{request_id}: {_show(wanted)} (allowed: {sorted(OUTCOMES)})")
+            raise ScenarioError(f"{where}.outcome.{request_id}: {_show(wanted)} (allowed: {', '.join(sorted(OUTCOMES))})")
     if "all_terminal_by_step" in expect:
         _int(expect["all_terminal_by_step"], f"{where}.all_terminal_by_step", maximum=MAX_STEP)
     first = expect.get("first_token_by_step", {})
@@ -222,7 +238,7 @@ def _check_expect(expect: dict[str, Any], ids: set[str], path: str) -> None:
         if not names or any(not isinstance(n, str) or n not in known for n in names):
             raise ScenarioError(
                 f"{where}.demonstrates: {_show(named)} is not a property or rule name or a list of them "
-                f"(properties: {sorted(PROPERTIES)}; rules: {sorted(r.name for r in RULES)})"
+                f"(properties: {', '.join(sorted(PROPERTIES))}; rules: {', '.join(sorted(r.name for r in RULES))})"
             )
     finding = expect.get("finding")
     if finding is not None:
@@ -243,12 +259,15 @@ def _check_expect(expect: dict[str, Any], ids: set[str], path: str) -> None:
 
 def load_scenario(path: str | Path) -> Scenario:
     """Read and validate a scenario file. Raises :class:`ScenarioError` (file, line or field named):
-    unreadable file, bytes that are not UTF-8, invalid JSON (also ``NaN``, ``Infinity`` and a key
+    unreadable file, a file over :data:`MAX_SCENARIO_BYTES`, bytes that are not UTF-8, invalid JSON (also ``NaN``, ``Infinity`` and a key
     given twice in one object), or any field :func:`parse_scenario` refuses."""
     path = Path(path)
     try:
         if path.exists() and not path.is_dir() and not stat.S_ISREG(path.stat().st_mode):
             raise ScenarioError(f"{path}: not a regular file (a device or pipe cannot be read as a scenario)")
+        if path.is_file() and path.stat().st_size > MAX_SCENARIO_BYTES:
+            raise ScenarioError(f"{path}: {path.stat().st_size:,} bytes, larger than the {MAX_SCENARIO_BYTES:,} "
+                                "a scenario file may have")
         raw = path.read_bytes()
     except OSError as error:
         raise ScenarioError(f"{path}: cannot read ({error.strerror})") from None
@@ -303,12 +322,45 @@ def choose_scheduler(scenario: Scenario, override: str | None = None) -> str:
     return override or scenario.scheduler or scenario.policy or "fcfs"
 
 
+ALWAYS_JUDGED = frozenset({"config_error", "config_error_mentions", "outcome", "no_tokens_after_abort",
+                           "outputs_equal_solo", "free_blocks_at_end"})
+"""``expect`` keys every scheduler is judged on (the implicit ``invariants`` verdict always is): what any
+correct scheduler owes on the scenario's workload."""
+OWN_SCHEDULER_ONLY = frozenset({"first_token_by_step", "all_terminal_by_step", "max_preemptions_per_request"})
+"""``expect`` keys judged only on the scenario's own scheduler (:func:`choose_scheduler` without an override):
+latency and preemption bounds, which differ between correct policies (static batching holds a slot that
+continuous batching reuses)."""
+FAULT_RECORDS = frozenset({"demonstrates", "finding"})
+"""``expect`` keys that record how the scenario's own scheduler fails: judged on it by ``schedspec replay``
+(they pass while the fault is there), on no other scheduler, and never by the conformance suite (the
+scheduler under test must not fail)."""
+
+
+def judged_on(scenario: Scenario, scheduler_name: str, *,
+              fault_records: bool = True) -> tuple[Scenario, tuple[str, ...]]:
+    """The scenario as it is judged on ``scheduler_name``, and the ``expect`` keys left out (sorted).
+
+    On its own scheduler (:func:`choose_scheduler` with no override): :data:`ALWAYS_JUDGED`,
+    :data:`OWN_SCHEDULER_ONLY` and, with ``fault_records``, :data:`FAULT_RECORDS`; on any other, only
+    :data:`ALWAYS_JUDGED`. The ``invariants`` verdict is always judged. ``schedspec replay --scheduler``
+    (``fault_records=True``) and the conformance suite (:mod:`schedspec.conformance`, ``False``) both
+    judge this way, so that a scenario written for another scheduler never fails the one under test for
+    what that one does not promise.
+    """
+    own = scheduler_name == choose_scheduler(scenario)
+    keep = ALWAYS_JUDGED | (OWN_SCHEDULER_ONLY if own else frozenset()) | (
+        FAULT_RECORDS if own and fault_records else frozenset())
+    kept = {k: v for k, v in scenario.expect.items() if k in keep}
+    left_out = tuple(sorted(set(scenario.expect) - set(kept)))
+    return (attrs.evolve(scenario, expect=kept) if left_out else scenario), left_out
+
+
 def _run(scenario: Scenario, scheduler_name: str, config: SchedulerConfig, requests: Sequence[RequestSpec],
          watch: tuple[str, ...] = (), token_source_factory: TokenSourceFactory | None = None) -> RunResult:
     scheduler = make_scheduler(scheduler_name, config)
     properties = [p for p in sorted(scheduler.guarantees) if p not in watch]
     token_source = token_source_factory(config, requests) if token_source_factory is not None else None
-    engine = Engine(scheduler, config, token_source=token_source, properties=properties, watch=watch)
+    engine = Engine(scheduler, config, token_source=token_source, properties=properties, watch=watch, incremental=True)
     limit = scenario.expect.get("all_terminal_by_step")
     max_steps = DEFAULT_MAX_STEPS if limit is None else max(limit + 1, 1) * 4 + 100
     if scenario.max_steps is not None:
@@ -453,5 +505,6 @@ def _finding_verdict(finding: dict[str, Any], seen: list[tuple[str, int | None, 
 
 __all__ = [
     "Scenario", "ScenarioError", "ReplayResult", "TokenSourceFactory", "Verdict", "UnsupportedFeature",
-    "load_scenario", "parse_scenario", "replay", "bundled_scenarios", "choose_scheduler",
+    "load_scenario", "parse_scenario", "replay", "bundled_scenarios", "choose_scheduler", "judged_on",
+    "ALWAYS_JUDGED", "OWN_SCHEDULER_ONLY", "FAULT_RECORDS",
 ]

@@ -133,8 +133,20 @@ def state_differences(spec: SchedulerState, own: SchedulerState,
     if spec.prefix_cache != own.prefix_cache:
         found.append((None, "prefix_cache: the scheduler's block hashes or reference counts differ from the spec's"))
     if spec.free_block_ids != own.free_block_ids:
-        found.append((None, f"free_block_ids: scheduler has {own.num_free_blocks} "
-                            f"{list(own.free_block_ids[:8])}..., spec {spec.num_free_blocks} {list(spec.free_block_ids[:8])}..."))
+        # name the blocks that differ, not the whole queues
+        only_own = sorted(set(own.free_block_ids) - set(spec.free_block_ids))
+        only_spec = sorted(set(spec.free_block_ids) - set(own.free_block_ids))
+        if only_own or only_spec:
+            what = "; ".join(part for part in (
+                f"free only in the scheduler's: {only_own[:8]}{'...' if len(only_own) > 8 else ''}" if only_own else "",
+                f"free only in the spec's: {only_spec[:8]}{'...' if len(only_spec) > 8 else ''}" if only_spec else "",
+            ) if part)
+        else:
+            at = next((i for i, (a, b) in enumerate(zip(own.free_block_ids, spec.free_block_ids, strict=False))
+                       if a != b), min(own.num_free_blocks, spec.num_free_blocks))
+            what = (f"the same blocks in another order: from position {at}, scheduler "
+                    f"{list(own.free_block_ids[at:at + 4])}..., spec {list(spec.free_block_ids[at:at + 4])}...")
+        found.append((None, f"free_block_ids: scheduler has {own.num_free_blocks}, spec {spec.num_free_blocks}; {what}"))
     for table, label in ((spec.requests, "live"), ({r: spec.finished[r] for r in ended if r in spec.finished}, "ended")):
         other = own.requests if label == "live" else own.finished
         for request_id, request in table.items():

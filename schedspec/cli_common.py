@@ -52,6 +52,7 @@ import click
 from rich.console import Console
 
 from schedspec.spec.config import ConfigError, SchedulerConfig
+from schedspec.spec.request import printable
 
 EXIT_OK = 0
 EXIT_CHECK_FAILED = 1
@@ -65,13 +66,15 @@ MAX_MESSAGE_CHARS = 2000
 def one_line(text: object) -> str:
     """``text`` as one printable line: newlines, tabs and other control characters are written as
     escapes (``\\n``, ``\\x1b``), and anything past :data:`MAX_MESSAGE_CHARS` characters is cut."""
-    out = []
-    for char in str(text):
-        out.append(char if char.isprintable() else repr(char)[1:-1])
-    line = "".join(out)
+    line = printable(text)
     if len(line) > MAX_MESSAGE_CHARS:
         line = line[:MAX_MESSAGE_CHARS] + f"... ({len(line) - MAX_MESSAGE_CHARS} more characters)"
     return line
+
+
+def plural(count: int, noun: str, many: str | None = None) -> str:
+    """``"1 violation"``, ``"2 violations"``, ``"1,000 steps"``: a count and its noun, in the singular for one."""
+    return f"{count:,} {noun if count == 1 else many or noun + 's'}"
 
 
 def fail(message: str, status: int = EXIT_BAD_INPUT) -> NoReturn:
@@ -483,10 +486,16 @@ class OneLineErrors(click.Group):
         sys.exit(result if isinstance(result, int) else 0)
 
 
+def scheduler_names_help() -> str:
+    """The ``--scheduler`` help, generated from the registry (every registered scheduler and engine adapter)."""
+    from schedspec.reference.scheduler import ENGINE_ADAPTERS, SCHEDULERS
+
+    return (f"Scheduler: {', '.join(SCHEDULERS)}; engine adapters: {', '.join(ENGINE_ADAPTERS)}; "
+            "or module:factory.")
+
+
 scheduler_option = click.option(
-    "--scheduler", "scheduler_name", default=None, metavar="NAME",
-    help="Scheduler: fcfs, static, shortest-prompt-first, priority, vllm-v1, vllm-v1-priority, nanovllm "
-         "(engine adapter), or module:factory.",
+    "--scheduler", "scheduler_name", default=None, metavar="NAME", help=scheduler_names_help(),
 )
 set_option = click.option(
     "--set", "sets", multiple=True, metavar="KEY=VALUE",

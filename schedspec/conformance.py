@@ -6,8 +6,8 @@ Run it from any project where schedspec is installed::
     pytest --pyargs schedspec.conformance --schedspec-scheduler=mypkg.adapter:make_scheduler \\
         --schedspec-examples 200 --schedspec-seed 1
 
-(``pytest --schedspec-scheduler=...`` alone runs it too, next to the project's own tests.) Without a
-scheduler every test here is skipped, saying so.
+(``pytest --schedspec-scheduler=...`` alone runs it too, next to the project's own tests.) Naming the
+suite without a scheduler is a usage error (exit status 4), not a run where every test is skipped.
 
 What it checks:
 
@@ -24,7 +24,8 @@ What it checks:
   always: every rule and invariant at every step and the properties the scheduler guarantees (the
   ``invariants`` verdict), a config that must be refused, each request's outcome, no token after an
   abort, outputs equal to solo runs, the free blocks at the end. Judged only when the scenario was
-  written for this scheduler (its ``scheduler`` or ``config.policy`` names it): the latency and
+  written for this scheduler (its ``scheduler`` or ``config.policy`` names it, or it names neither and
+  this is ``fcfs``: :func:`schedspec.reference.scenarios.judged_on`, as ``schedspec replay``): the latency and
   preemption bounds (``first_token_by_step``, ``all_terminal_by_step``,
   ``max_preemptions_per_request``), which differ between correct policies (static batching holds a
   slot that continuous batching reuses). Never judged: ``demonstrates`` and ``finding``, which record
@@ -37,24 +38,25 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-import attrs
 import pytest
 from hypothesis import seed as hypothesis_seed
 from hypothesis import settings as Settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from schedspec.reference.scenarios import bundled_scenarios, load_scenario, replay
+from schedspec.reference.scenarios import (  # noqa: F401 - ALWAYS_JUDGED, OWN_SCHEDULER_ONLY: re-exported
+    ALWAYS_JUDGED,
+    OWN_SCHEDULER_ONLY,
+    bundled_scenarios,
+    judged_on,
+    load_scenario,
+    replay,
+)
 from schedspec.reference.scheduler import UnsupportedFeature
 from schedspec.spec.checker import DEFAULT_PROPERTIES
 from schedspec.testing import SchedulerStateMachine, machine_for
 
 SCENARIO_PATHS = bundled_scenarios()
 
-ALWAYS_JUDGED = frozenset({"config_error", "config_error_mentions", "outcome", "no_tokens_after_abort",
-                           "outputs_equal_solo", "free_blocks_at_end"})
-"""``expect`` keys every scheduler is judged on (the implicit ``invariants`` verdict always is)."""
-OWN_SCHEDULER_ONLY = frozenset({"first_token_by_step", "all_terminal_by_step", "max_preemptions_per_request"})
-"""``expect`` keys judged only on the scheduler the scenario names (``scheduler`` or ``config.policy``)."""
 
 
 def conformance_machine(scheduler_name: str, seed: int | None = None) -> type[SchedulerStateMachine]:
@@ -82,10 +84,7 @@ def test_state_machine(schedspec_scheduler_name: str, schedspec_settings: Settin
 def test_scenario(path: Any, schedspec_scheduler_name: str) -> None:
     """One bundled scenario, judged as the module docstring says."""
     scenario = load_scenario(path)
-    # A scenario about one scheduler (``scheduler``) is that scheduler's own; otherwise its ``policy``'s.
-    own = schedspec_scheduler_name == (scenario.scheduler or scenario.policy)
-    keep = ALWAYS_JUDGED | (OWN_SCHEDULER_ONLY if own else frozenset())
-    judged = attrs.evolve(scenario, expect={k: v for k, v in scenario.expect.items() if k in keep})
+    judged, _ = judged_on(scenario, schedspec_scheduler_name, fault_records=False)
     try:
         result = replay(judged, schedspec_scheduler_name)
     except UnsupportedFeature as error:

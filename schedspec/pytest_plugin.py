@@ -31,7 +31,9 @@ or put it in your project's configuration and run ``pytest`` as usual (the suite
     schedspec_examples = "200"
 
 A bad option value (an unknown scheduler, a factory that cannot be imported, a count below 1) is a
-usage error (pytest exit status 4) naming the option, before anything is collected. The fixtures
+usage error (pytest exit status 4) naming the option, before anything is collected; so is naming the
+suite (``--pyargs schedspec.conformance``) without a scheduler, where every test would be skipped and the
+run would pass. The fixtures
 ``schedspec_scheduler_name`` and ``schedspec_settings`` are available to your own tests too (e.g. to
 run :class:`schedspec.testing.SchedulerStateMachine` subclasses with the same settings).
 """
@@ -122,17 +124,26 @@ def _suite_path() -> Path:
     return Path(found.origin)
 
 
+def _suite_named(config: pytest.Config, suite: Path) -> bool:
+    """Whether the command line names the suite (as a path, or a module with ``--pyargs``)."""
+    named = {str(Path(a.split("::")[0]).resolve()) for a in config.args} | set(config.args)
+    return SUITE_MODULE in named or str(suite) in named or any(a.startswith(SUITE_MODULE + "::") for a in config.args)
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_configure(config: pytest.Config) -> None:
     name = scheduler_name(config)
     _examples(config)  # a bad ini value is a usage error now
+    suite = _suite_path()
     if name is None:
+        if _suite_named(config, suite):
+            # every test would skip and the run pass: a CI with a misspelt option would stay green
+            raise pytest.UsageError(
+                f"{SUITE_MODULE}: no scheduler given: pass --schedspec-scheduler=NAME (or set the "
+                "schedspec_scheduler ini key); without one every conformance test would be skipped")
         return
     _check_scheduler(name)
-    suite = _suite_path()
-    # Add the suite unless it was named on the command line (as a path or with --pyargs).
-    named = {str(Path(a.split("::")[0]).resolve()) for a in config.args} | set(config.args)
-    if SUITE_MODULE not in named and str(suite) not in named and not any(a.startswith(SUITE_MODULE + "::") for a in config.args):
+    if not _suite_named(config, suite):  # add the suite unless it was named on the command line
         config.args.append(str(suite))
 
 

@@ -114,17 +114,23 @@ class SchedulerConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SchedulerConfig:
         """Build from a dict; unknown keys raise :class:`ConfigError` naming the key."""
-        known = {f.name for f in attrs.fields(cls)}
-        for key in data:
-            if key not in known:
-                raise ConfigError(key, data[key], f"is not a SchedulerConfig field (known: {sorted(known)})")
+        cls._known_fields(data)
         missing = [f.name for f in attrs.fields(cls) if f.default is attrs.NOTHING and f.name not in data]
         if missing:
             raise ConfigError(missing[0], None, "is required")
         return cls(**data)
 
+    @classmethod
+    def _known_fields(cls, data: dict[str, Any]) -> None:
+        known = [f.name for f in attrs.fields(cls)]
+        for key in data:
+            if key not in known:
+                raise ConfigError(key, data[key], f"is not a SchedulerConfig field (known: {', '.join(known)})")
+
     def with_changes(self, **changes: Any) -> SchedulerConfig:
-        """A copy with some fields changed, validated again."""
+        """A copy with some fields changed, validated again; an unknown field raises :class:`ConfigError`
+        naming it (as :meth:`from_dict`), not ``attrs.evolve``'s ``TypeError``."""
+        self._known_fields(changes)
         return attrs.evolve(self, **changes)
 
 

@@ -78,6 +78,12 @@ def kv_capacity(state: SchedulerState, config: SchedulerConfig, terminal: Termin
         yield None, f"{held} blocks held > num_kv_blocks={config.num_kv_blocks}"
 
 
+def _some(block_ids: list[int], limit: int = 8) -> str:
+    """``"block 3"``, ``"blocks 3, 7"``, or the first ``limit`` of them and how many more."""
+    shown = ", ".join(map(str, block_ids[:limit])) + (f" and {len(block_ids) - limit} more" if len(block_ids) > limit else "")
+    return f"block{'s' if len(block_ids) > 1 else ''} {shown}"
+
+
 @state_invariant("block-conservation", "vLLM BlockPool: every block is in the free queue or owned")
 def block_conservation(state: SchedulerState, config: SchedulerConfig, terminal: Terminal = None) -> Breaches:
     """free + owned == num_kv_blocks; every block id is in range; no block is owned twice or both free
@@ -104,7 +110,10 @@ def block_conservation(state: SchedulerState, config: SchedulerConfig, terminal:
                     yield owners.get(block_id), f"block id {block_id} out of range [0, {config.num_kv_blocks})"
     owned = len(owners) if shared else sum(len(r.block_ids) for r in state.requests.values())
     if len(state.free_block_ids) + owned != config.num_kv_blocks:
-        yield None, f"free {len(state.free_block_ids)} + owned {owned} != num_kv_blocks={config.num_kv_blocks}"
+        # name the blocks: those neither free nor owned (leaked), not the whole free queue
+        leaked = sorted(set(range(config.num_kv_blocks)) - free - set(owners))
+        named = f"; neither free nor owned: {_some(leaked)}" if leaked else ""
+        yield None, f"free {len(state.free_block_ids)} + owned {owned} != num_kv_blocks={config.num_kv_blocks}{named}"
     for request_id, request in (state.finished if terminal is None else terminal).items():
         if request.block_ids:
             yield request_id, terminal_owns(request), TERMINAL_OWNS_BLOCKS

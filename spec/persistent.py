@@ -1,7 +1,7 @@
 """Containers the spec uses for speed only; nothing here is part of what the spec says.
 
 A reader of the spec can skip this module: :class:`TerminalRequests` behaves as a read-only ``dict``
-of terminal requests, :func:`evolve_request` as :func:`attrs.evolve` on a
+of terminal requests (and :class:`ArrivedRequests` of live ones after arrivals), :func:`evolve_request` as :func:`attrs.evolve` on a
 :class:`~schedspec.spec.request.Request`, and :func:`request_memo` is a cache of values derived from a
 request's token ids (never part of its value: not compared, not printed), and :class:`FreeQueue` as the
 ``tuple`` of free block ids it stands for. Each is tested equal to its plain version
@@ -15,6 +15,7 @@ rest of the step.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from types import MappingProxyType
 
 import attrs
 
@@ -46,8 +47,8 @@ class TerminalRequests(Mapping[str, Request]):
         size = self._len + sum(1 for r in entries if r not in self)
         recent = {**self._recent, **entries}
         if len(recent) ** 2 > len(self._base) + 256:
-            return TerminalRequests(_base={**self._base, **recent}, _len=size)
-        return TerminalRequests(_base=self._base, _recent=recent, _len=size)
+            return type(self)(_base={**self._base, **recent}, _len=size)
+        return type(self)(_base=self._base, _recent=recent, _len=size)
 
     def __getitem__(self, request_id: str) -> Request:
         found = self._recent.get(request_id)
@@ -68,7 +69,39 @@ class TerminalRequests(Mapping[str, Request]):
         return self._len
 
     def __repr__(self) -> str:
-        return f"TerminalRequests({dict(self.items())!r})"
+        return f"{type(self).__name__}({dict(self.items())!r})"
+
+    def as_dict(self) -> dict[str, Request]:
+        """A new plain ``dict`` of the same entries, in the same order."""
+        return {**self._base, **self._recent}
+
+
+class ArrivedRequests(TerminalRequests):
+    """The read-only map of live requests after arrivals, shared with the map before them.
+
+    :func:`~schedspec.spec.transitions.add_request` adds one request to the live map; copying the map
+    at every arrival would make a burst of ``n`` arrivals cost O(n^2) (a scenario whose requests all
+    arrive at step 0). Arrivals only add, so the map is a :class:`TerminalRequests`; a step or an abort,
+    which also change and remove requests, build a plain map again.
+    """
+
+    __slots__ = ()
+
+
+SHARED_FROM = 512
+"""Live maps of at least this many requests are extended by sharing (:func:`with_arrival`); smaller
+ones are copied (a copy of a few hundred entries is cheaper than a shared map's slower lookups)."""
+
+
+def with_arrival(requests: Mapping[str, Request], request: Request) -> Mapping[str, Request]:
+    """``{**requests, request.request_id: request}``, read-only: a new ``MappingProxyType`` for a small
+    map, an :class:`ArrivedRequests` sharing ``requests``' entries for a large one (O(sqrt(n))
+    amortized per arrival instead of O(n))."""
+    if isinstance(requests, ArrivedRequests):
+        return requests.with_added({request.request_id: request})
+    if len(requests) < SHARED_FROM:
+        return MappingProxyType({**requests, request.request_id: request})
+    return ArrivedRequests(requests).with_added({request.request_id: request})
 
 
 def terminal_requests(mapping: Mapping[str, Request]) -> TerminalRequests:

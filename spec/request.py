@@ -13,6 +13,16 @@ from collections.abc import Sequence
 import attrs
 
 
+def printable(text: object) -> str:
+    """``text`` with every character that is not printable (a newline, a tab, an escape) written as its
+    escape (``\\n``, ``\\x1b``): a request id shown in a message or a verdict line stays on its line and
+    cannot drive the terminal. Printable text, the usual request ids among it, is returned unchanged."""
+    text = str(text)
+    if text.isprintable():
+        return text
+    return "".join(char if char.isprintable() else repr(char)[1:-1] for char in text)
+
+
 class RequestStatus(enum.Enum):
     """Where a request is. The first three are live; the rest are terminal."""
 

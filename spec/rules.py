@@ -23,6 +23,7 @@ import attrs
 from schedspec.spec.admission import rejection_code, rejection_reason, rejection_reasons
 from schedspec.spec.config import SchedulerConfig, blocks_for_tokens
 from schedspec.spec.prefix_cache import ROOT_HASH, max_hit_blocks, request_block_hash
+from schedspec.spec.request import printable
 from schedspec.spec.state import SchedulerState, StepPlan
 
 VIOLATION_KINDS = ("rule", "invariant", "property", "mismatch")
@@ -57,7 +58,7 @@ class Violation:
 
     def __str__(self) -> str:
         where = f"step {self.step}: " if self.step is not None else ""
-        who = f" (request {self.request_id})" if self.request_id is not None else ""
+        who = f" (request {printable(self.request_id)})" if self.request_id is not None else ""
         kind = "" if self.kind == "mismatch" else f"{self.kind} "
         return f"{where}{kind}{self.name}{who}: {self.detail}"
 

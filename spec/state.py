@@ -17,7 +17,7 @@ from types import MappingProxyType
 import attrs
 
 from schedspec.spec.config import SchedulerConfig
-from schedspec.spec.persistent import TerminalRequests, terminal_requests
+from schedspec.spec.persistent import ArrivedRequests, TerminalRequests, terminal_requests
 from schedspec.spec.prefix_cache import PrefixCache
 from schedspec.spec.request import Request
 
@@ -30,7 +30,7 @@ unusable input (far beyond any GPU's cache) instead of exhausting memory."""
 
 
 def _readonly(mapping: Mapping[str, Request]) -> Mapping[str, Request]:
-    return mapping if isinstance(mapping, MappingProxyType) else MappingProxyType(dict(mapping))
+    return mapping if isinstance(mapping, MappingProxyType | ArrivedRequests) else MappingProxyType(dict(mapping))
 
 
 @attrs.frozen(slots=True)
@@ -42,7 +42,8 @@ class SchedulerState:
         waiting: ids of waiting requests, front of the queue first. Fresh requests join the back;
             preempted ones go to the front (vLLM ``Scheduler._preempt_request`` ``prepend_request``).
         running: ids of running requests in admission order (vLLM ``Scheduler.running``).
-        requests: every live request (waiting or running) by id.
+        requests: every live request (waiting or running) by id (a read-only mapping; after arrivals an
+            :class:`~schedspec.spec.persistent.ArrivedRequests`, shared with the map before them, for speed).
         finished: every terminal request (finished, aborted or rejected) by id (a read-only mapping;
             :class:`~schedspec.spec.persistent.TerminalRequests` shares it between states, for speed).
         free_block_ids: the free KV blocks, in the order they will be handed out. As vLLM 0.32 without

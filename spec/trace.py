@@ -200,7 +200,9 @@ def _schema_error(where: str, validator: jsonschema.Draft202012Validator, data: 
     error = jsonschema.exceptions.best_match(validator.iter_errors(data))
     if error is None:
         return None
-    message = error.message if len(error.message) <= 200 else error.message[:200] + "..."
+    # jsonschema's message starts with the offending value and ends with what is wrong with it: a long
+    # one is cut in the middle, so the part that says what is wrong is kept
+    message = error.message if len(error.message) <= 200 else error.message[:60] + " ... " + error.message[-140:]
     return TraceFormatError(f"{where}: field {_field_path(error.absolute_path)}: {message}")
 
 
@@ -265,17 +267,20 @@ MAX_JSON_INT_DIGITS = 100
 standard library's own limit, 4,300 digits, raises a bare ``ValueError``)."""
 
 
-def strict_json_loads(text: str) -> Any:
+def strict_json_loads(text: str, *, constants: bool = False) -> Any:
     """``json.loads`` that refuses NaN, Infinity, numbers out of a float's range (``1e400``), integers
     longer than :data:`MAX_JSON_INT_DIGITS` digits and repeated keys, with every failure one exception.
+
+    With ``constants`` the literals ``NaN``, ``Infinity`` and ``-Infinity`` are read as floats (for a reader
+    whose range check of each field refuses them, naming the field); repeated keys are still refused.
 
     Raises:
         StrictJsonError: the message says why ("not JSON (... at column N)", "nested too deeply", "NaN is
             not a finite number", "key 'x' appears twice in one object"); ``lineno`` where known.
     """
     try:
-        return json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_no_duplicate_keys,
-                          parse_float=_finite_float, parse_int=_bounded_int)
+        return json.loads(text, parse_constant=float if constants else _reject_constant,
+                          object_pairs_hook=_no_duplicate_keys, parse_float=_finite_float, parse_int=_bounded_int)
     except json.JSONDecodeError as error:
         raise StrictJsonError(f"not JSON ({error.msg} at column {error.colno})", error.lineno) from None
     except RecursionError:
@@ -457,7 +462,7 @@ def open_trace(path: str | Path) -> TraceFile:
     except OSError as error:
         raise TraceFormatError(f"{path}: cannot read ({error.strerror})") from None
     except ValueError as error:  # a NUL character in the path
-        raise TraceFormatError(f"{path!r}: cannot read ({error})") from None
+        raise TraceFormatError(f"{path}: cannot read ({error})") from None
     where = f"{path}:1"
     if not first.strip():
         raise TraceFormatError(f"{where}: empty; expected the header line")

@@ -205,9 +205,11 @@ class RequestSpec:
         priority: lower is more urgent (vLLM).
         prefix_group: requests of one group share their first ``prefix_len`` prompt ids.
         prefix_len: tokens of shared prefix.
-        abort_at_step: the client aborts it before this step is planned.
+        abort_at_step: the client aborts it before this step is planned (after the arrivals of that
+            step); not before ``arrival_step`` (``ValueError``: the abort would be dropped).
         eos_at_output: the model emits end-of-sequence as output token k (1-based).
-        abort_at_time: the client aborts it at this time in seconds (time-driven runs).
+        abort_at_time: the client aborts it at this time in seconds (time-driven runs); not before
+            ``arrival_time`` (``ValueError``).
         eos_token_id: its end-of-sequence id (:data:`EOS_TOKEN_ID` for every workload of this project);
             ``None``: no EOS stops it (vLLM ``ignore_eos``).
         stop_token_ids: other ids that stop it when sampled.
@@ -235,6 +237,16 @@ class RequestSpec:
     block_hash_ids: tuple[int, ...] | None = attrs.field(
         default=None, converter=attrs.converters.optional(tuple))
     hash_block_tokens: int | None = None
+
+    def __attrs_post_init__(self) -> None:
+        # An abort due before the arrival would be met while the request does not exist yet, and dropped
+        # silently (abort_request ignores unknown ids): such a request is refused.
+        if self.abort_at_step is not None and self.arrival_step is not None and self.abort_at_step < self.arrival_step:
+            raise ValueError(f"request_id={self.request_id!r}: abort_at_step={self.abort_at_step} is before "
+                             f"arrival_step={self.arrival_step}")
+        if self.abort_at_time is not None and self.abort_at_time < self.arrival_time:
+            raise ValueError(f"request_id={self.request_id!r}: abort_at_time={self.abort_at_time:g} s is before "
+                             f"arrival_time={self.arrival_time:g} s")
 
     def prompt_token_ids(self, vocab_size: int = DEFAULT_VOCAB_SIZE) -> SyntheticPrompt | BlockHashPrompt:
         """The deterministic prompt ids: a :class:`BlockHashPrompt` when ``block_hash_ids`` is set

@@ -252,13 +252,15 @@ def cases(draw, policy: str) -> tuple[SchedulerConfig, list[RequestSpec]]:
     degenerate one."""
     specs = []
     for index in range(draw(st.integers(2, 6))):
+        prompt_len, max_tokens, arrival = (draw(st.integers(1, MAX_PROMPT)), draw(st.integers(1, MAX_OUT)),
+                                           draw(st.integers(0, 3)))
         specs.append(RequestSpec(
             request_id=f"r{index}",
-            prompt_len=draw(st.integers(1, MAX_PROMPT)),
-            max_tokens=draw(st.integers(1, MAX_OUT)),
-            arrival_step=draw(st.integers(0, 3)),
+            prompt_len=prompt_len,
+            max_tokens=max_tokens,
+            arrival_step=arrival,
             priority=draw(st.integers(0, 3)) if policy == "priority" else 0,
-            abort_at_step=draw(st.integers(0, 20)) if draw(st.integers(0, 4)) == 4 else None,
+            abort_at_step=draw(st.integers(arrival, 20)) if draw(st.integers(0, 4)) == 4 else None,
             eos_at_output=draw(st.integers(1, MAX_OUT)) if draw(st.integers(0, 3)) == 3 else None,
         ))
     cache = draw(st.sampled_from(["tight", "half", "tight", "ample", "tiny"]))

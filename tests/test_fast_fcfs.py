@@ -170,7 +170,7 @@ def test_engine_fast_path_same_run_as_checked(monkeypatch: pytest.MonkeyPatch) -
     rng = random.Random(7)
     workload = [RequestSpec(f"r{i}", prompt_len=rng.randint(1, 60), max_tokens=rng.randint(1, 30),
                             arrival_time=i * 0.01, eos_token_id=EOS,
-                            abort_at_time=0.05 if i % 11 == 5 else None) for i in range(60)]
+                            abort_at_time=i * 0.01 + 0.05 if i % 11 == 5 else None) for i in range(60)]
     views = []
     fast = Engine(make_scheduler("fcfs-fast", config), config, token_source=CostOnlyModel(config), check=False,
                   properties=(), record_steps=False, on_step_view=lambda v: views.append(

@@ -39,7 +39,8 @@ def runs(draw):
     )
     requests = draw(st.lists(st.tuples(st.integers(0, 12), st.integers(1, 100), st.integers(1, 20),
                                        st.one_of(st.none(), st.integers(0, 30))), max_size=10))
-    specs = [RequestSpec(f"r{i}", prompt, out, arrival_step=arrive, abort_at_step=abort)
+    specs = [RequestSpec(f"r{i}", prompt, out, arrival_step=arrive,  # an abort is due at or after arrival
+                         abort_at_step=None if abort is None else max(abort, arrive))
              for i, (arrive, prompt, out, abort) in enumerate(requests)]
     return config, specs, draw(st.sampled_from(["fcfs", "static", "shortest-prompt-first"]))
 

@@ -96,8 +96,14 @@ def test_ini_key_chooses_the_scheduler(pytester: pytest.Pytester) -> None:
     assert result.ret == 0
 
 
-def test_without_a_scheduler_the_suite_skips_saying_why(pytester: pytest.Pytester) -> None:
-    result = pytester.runpytest(*SUITE, "-rs", "-k", "state_machine")
+def test_without_a_scheduler_the_suite_is_a_usage_error_and_own_tests_skip(pytester: pytest.Pytester) -> None:
+    """Naming the suite without a scheduler would skip every test and pass (issue 28): a usage error. A
+    project's own test that uses the fixture skips, saying why."""
+    result = pytester.runpytest(*SUITE, "-k", "state_machine")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*no scheduler given: pass --schedspec-scheduler=NAME*"])
+    pytester.makepyfile(test_own="def test_own(schedspec_scheduler_name):\n    pass\n")
+    result = pytester.runpytest("-p", "no:cacheprovider", "-rs")
     result.stdout.fnmatch_lines(["*no scheduler given: pass --schedspec-scheduler=NAME*"])
     assert result.parseoutcomes().get("skipped") == 1
 

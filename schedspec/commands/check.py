@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from schedspec.cli_common import EXIT_CHECK_FAILED, fail
+from schedspec.cli_common import EXIT_CHECK_FAILED, fail, one_line, plural
 from schedspec.spec.checker import DEFAULT_PROPERTIES, CheckReport, check_trace
 from schedspec.spec.properties import PROPERTIES
 from schedspec.spec.state import SchedulerState
@@ -45,9 +45,9 @@ def _print_report(report: CheckReport, limit: int) -> None:
                 if value:
                     click.echo(f"  {name}: {json.dumps(value if not isinstance(value, tuple) else list(value))}")
     for violation in report.violations[:limit]:
-        click.echo(f"VIOLATION {violation}")
+        click.echo(f"VIOLATION {one_line(violation)}")
     if len(report.violations) > limit:
-        click.echo(f"... {len(report.violations) - limit} more violations (--max-violations)")
+        click.echo(f"... {plural(len(report.violations) - limit, 'more violation')} (--max-violations)")
 
 
 @click.command()
@@ -101,7 +101,7 @@ def command(trace: str, properties: tuple[str, ...], keep_going: bool, full: boo
         for note in opened.notes:
             click.echo(f"note: {note}")
         _print_report(report, max_violations)
-        click.echo(f"{report.steps_checked} steps checked, {len(report.violations)} violations "
+        click.echo(f"{plural(report.steps_checked, 'step')} checked, {plural(len(report.violations), 'violation')} "
                    f"(properties: {', '.join(report.properties)})")
     if report.violations:
         sys.exit(EXIT_CHECK_FAILED)

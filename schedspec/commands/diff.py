@@ -46,6 +46,7 @@ from schedspec.cli_common import (
     check_scheduler,
     fail,
     parse_sets,
+    plural,
 )
 from schedspec.reference.engine import Engine, RunResult, ViolationFound
 from schedspec.reference.scheduler import (
@@ -543,9 +544,9 @@ def command(scheduler_name: str, against: str, examples: int, seed: int, sets: t
     except OSError as error:  # the --out folder became unwritable during the run
         fail(f"--out {out}: cannot write ({error.strerror or error})")
     click.echo(
-        f"{report.examples} examples, {report.steps_compared} steps compared, "
-        f"{report.divergent} divergent (unexplained), {report.documented} documented differences, "
-        f"{len(report.findings)} findings, {len(report.unsupported)} unsupported"
+        f"{plural(report.examples, 'example')}, {plural(report.steps_compared, 'step')} compared, "
+        f"{report.divergent} divergent (unexplained), {plural(report.documented, 'documented difference')}, "
+        f"{plural(len(report.findings), 'finding')}, {len(report.unsupported)} unsupported"
     )
     if report.unsupported:
         click.echo(f"unsupported (first): {report.unsupported[0]}")

@@ -34,6 +34,7 @@ from schedspec.cli_common import (
     one_line,
     parse_sets,
     parse_value,
+    plural,
     run_labels,
     scheduler_option,
     set_option,
@@ -291,7 +292,7 @@ def _print_summary(console: Console, record: dict[str, Any]) -> None:
         ))
     console.print(
         f"Checked {figures['steps_checked']:,} of {figures['num_steps']:,} steps against every spec invariant: "
-        f"{figures['violations']} violations. Wall time {figures['wall_time_s']:.1f} s."
+        f"{plural(figures['violations'], 'violation')}. Wall time {figures['wall_time_s']:.1f} s."
     )
 
 

@@ -69,7 +69,7 @@ def _options(sets: tuple[str, ...], slots: int, depth: int, policy_slots: int, b
     block, block_size = "fixed", 16
     for key, val in changes.items():
         if key not in known:
-            fail(f"--set {key}: not a SchedulerConfig field (known: {sorted(known)})")
+            fail(f"--set {one_line(key)}: not a SchedulerConfig field (known: {', '.join(sorted(known))})")
         if key == "block_size":
             if val in ("symbolic", "uninterpreted"):
                 block = val
@@ -258,7 +258,7 @@ def command(scheduler_name: str | None, sets: tuple[str, ...], slots: int, depth
         listed = [("", chosen)] + ([] if caching else [
             ("with --set enable_prefix_caching=true (instead of the above):", matching(theorems_for(scheduler, True)))])
         if not any(theorems for _, theorems in listed):
-            fail(f"--only {list(only)}: no theorem matches")
+            fail(f"--only {', '.join(one_line(o) for o in only)}: no theorem matches")
         if as_json:
             click.echo(json.dumps([{"name": t.name, "expected": t.expected, "statement": t.statement,
                                     "prefix_caching": bool(heading) or caching, "bounded": t.bmc}
@@ -271,7 +271,7 @@ def command(scheduler_name: str | None, sets: tuple[str, ...], slots: int, depth
                 click.echo(f"{theorem.name}  [{'expect ' + theorem.expected}]  {theorem.statement}")
         return
     if not chosen:
-        fail(f"--only {list(only)}: no theorem matches")
+        fail(f"--only {', '.join(one_line(o) for o in only)}: no theorem matches")
     _check_config_space(opts)
     console = Console(width=None if sys.stdout.isatty() else 160)
     progress = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
