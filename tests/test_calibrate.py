@@ -181,8 +181,12 @@ def invoke(*args):
     return CliRunner().invoke(cli, list(args), catch_exceptions=False)
 
 
-def test_calibrate_quick_writes_a_profile_the_lab_loads(tmp_path):
-    pytest.importorskip("torch", reason="the torch extra is not installed")
+def test_calibrate_quick_writes_a_profile_the_lab_loads(tmp_path, request):
+    torch = pytest.importorskip("torch", reason="the torch extra is not installed")
+    # `calibrate --threads 1` sets torch's threads for the whole process; restored after the test so
+    # that the tests run after it in the same process (xdist worker) see the threads they saw before.
+    threads = torch.get_num_threads()
+    request.addfinalizer(lambda: torch.set_num_threads(threads))
     out = tmp_path / "tiny.json"
     result = invoke("calibrate", "--quick", "--device", "cpu", "--threads", "1", "--out", str(out))
     assert result.exit_code == 0, result.output

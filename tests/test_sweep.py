@@ -24,8 +24,13 @@ def lab(*args: str):
 
 
 def _table(output: str) -> str:
-    """The output without the header line, which names the number of worker processes."""
-    return "\n".join(line for line in output.splitlines() if "worker processes" not in line)
+    """The output without the header (``Sweep: ...; N worker processes``), which names the number of
+    worker processes. Rich wraps the header at the console's width (80 columns without a terminal, e.g.
+    under pytest-xdist), so every line from ``Sweep:`` to the one naming the workers is dropped."""
+    lines = output.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("Sweep:"))
+    end = next(i for i in range(start, len(lines)) if "worker processes" in lines[i])
+    return "\n".join(lines[:start] + lines[end + 1:])
 
 
 def test_one_and_two_jobs_give_the_same_table():
