@@ -505,7 +505,7 @@ def test_diff_vllm_against_the_vllm_v1_profile_has_no_unexplained_divergence(pol
     result = CliRunner().invoke(cli, ["diff", "--scheduler", policy, "--against", against, "--examples", "1000",
                                       "--seed", "20261201"], catch_exceptions=False)
     assert result.exit_code == 0, result.output[-3000:]
-    assert "1000 examples" in result.output and "0 divergent (unexplained)" in result.output
+    assert "1,000 examples" in result.output and "0 divergent (unexplained)" in result.output
     assert "0 findings" in result.output
 
 
