@@ -41,6 +41,21 @@ if [[ -z "${PYTHON:-}" ]]; then
     if command -v python3.11 >/dev/null 2>&1; then PYTHON=python3.11; else PYTHON=python3; fi
 fi
 
+# pip_or_fail ARGS...: run the venv's pip quietly (its find-links warnings filtered out); stop the set-up with
+# one FAIL line naming the command when pip fails.
+pip_or_fail() {
+    local status
+    set +e
+    "$VENV/bin/python" -m pip "$1" --quiet --disable-pip-version-check "${@:2}" 2>&1 \
+        | grep -v "is ignored: it is neither a file nor a directory"
+    status=${PIPESTATUS[0]}
+    set -e
+    if [[ $status -ne 0 ]]; then
+        echo "ENGINES SETUP: FAIL: pip $* exited $status" >&2
+        exit 1
+    fi
+}
+
 if [[ "${1:-}" == "--force" ]]; then
     rm -rf "$VENV"
 fi
@@ -52,15 +67,7 @@ if [[ ! -x "$VENV/bin/python" ]]; then
     echo '*' >"$VENV/.gitignore"   # keep the venv out of git wherever it is made
 fi
 rm -f "$STAMP"
-set +e
-"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps -r "$REQUIREMENTS" 2>&1 \
-    | grep -v "is ignored: it is neither a file nor a directory"
-status=${PIPESTATUS[0]}
-set -e
-if [[ $status -ne 0 ]]; then
-    echo "ENGINES SETUP: FAIL: pip install --no-deps -r $REQUIREMENTS exited $status" >&2
-    exit 1
-fi
+pip_or_fail install --no-deps -r "$REQUIREMENTS"
 # A venv made before this list changed may still hold packages that break vllm: take them out.
 "$VENV/bin/python" -m pip uninstall --disable-pip-version-check -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 
@@ -107,16 +114,7 @@ fi
 rm -rf "$V033"
 download=$(mktemp -d)
 trap 'rm -rf "$download"' EXIT
-set +e
-"$VENV/bin/python" -m pip download --quiet --disable-pip-version-check --no-deps --require-hashes \
-    --only-binary=:all: -d "$download" -r "$REQUIREMENTS033" 2>&1 \
-    | grep -v "is ignored: it is neither a file nor a directory"
-status=${PIPESTATUS[0]}
-set -e
-if [[ $status -ne 0 ]]; then
-    echo "ENGINES SETUP: FAIL: pip download --require-hashes -r $REQUIREMENTS033 exited $status" >&2
-    exit 1
-fi
+pip_or_fail download --no-deps --require-hashes --only-binary=:all: -d "$download" -r "$REQUIREMENTS033"
 "$VENV/bin/python" - "$download" "$V033" <<'EOF'
 import pathlib, sys, zipfile
 # The wheel's Python package without what the scheduler never loads: compiled libraries, C/CUDA
