@@ -35,7 +35,7 @@ from types import MappingProxyType
 import attrs
 
 from schedspec.spec.config import SchedulerConfig
-from schedspec.spec.persistent import ArrivedRequests, FreeQueue, with_arrival
+from schedspec.spec.persistent import FreeQueue, live_copy, with_arrival
 from schedspec.spec.persistent import evolve_request as evolve
 from schedspec.spec.prefix_cache import CacheUpdate
 from schedspec.spec.request import Request, RequestStatus
@@ -94,7 +94,7 @@ def abort_request(state: SchedulerState, request_id: str) -> SchedulerState:
     request = state.requests.get(request_id)
     if request is None:
         return state
-    requests = state.requests.as_dict() if isinstance(state.requests, ArrivedRequests) else dict(state.requests)
+    requests = live_copy(state.requests)
     del requests[request_id]
     aborted = evolve(request, status=RequestStatus.FINISHED_ABORTED, finish_reason="abort", block_ids=())
     cache = state.prefix_cache
@@ -152,8 +152,7 @@ class StepInProgress:
     @classmethod
     def begin(cls, state: SchedulerState, config: SchedulerConfig) -> StepInProgress:
         cache = CacheUpdate(state.prefix_cache, state.free_block_ids) if state.prefix_cache is not None else None
-        requests = state.requests.as_dict() if isinstance(state.requests, ArrivedRequests) else dict(state.requests)
-        return cls(state, config, requests, list(state.waiting), list(state.running), cache=cache)
+        return cls(state, config, live_copy(state.requests), list(state.waiting), list(state.running), cache=cache)
 
     def live(self, request_id: str) -> Request:
         """The live request with this id. Raises :class:`PlanError` if there is none."""
