@@ -3,6 +3,6 @@
 
 - :mod:`schedspec.engines.nanovllm`: ``nano-vllm-fork==20260210`` (``--scheduler nanovllm``).
 
-Adapters are imported only when chosen (``reference.scheduler.ENGINE_ADAPTERS``); this package imports
+Adapters are imported only when chosen (``reference.scheduler.REGISTRY``); this package imports
 none of them.
 """

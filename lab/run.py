@@ -30,7 +30,7 @@ import numpy as np
 
 from schedspec.reference.engine import Engine, RunResult, StepView
 from schedspec.reference.fake_model import CostOnlyModel, FakeModel, TokenSource
-from schedspec.reference.scheduler import UNCHECKED_IMPLEMENTATIONS, make_scheduler
+from schedspec.reference.scheduler import make_scheduler, unchecked_implementation
 from schedspec.spec.admission import rejection_reason
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.stepper import prefix_hit_tokens
@@ -237,7 +237,7 @@ def run_lab(
         ViolationFound: with ``check``, at the first violated rule or invariant.
     """
     # unchecked: the same plans from a faster implementation where one exists (fcfs -> fcfs-fast)
-    scheduler = make_scheduler(scheduler_name if check else UNCHECKED_IMPLEMENTATIONS.get(scheduler_name, scheduler_name),
+    scheduler = make_scheduler(scheduler_name if check else unchecked_implementation(scheduler_name),
                                config)
     # The top decile of the prompts the spec admits (a prompt over max_model_len is rejected at arrival
     # and must not set the threshold; metrics.latency_summary takes the same decile after the run).

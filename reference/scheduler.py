@@ -24,6 +24,7 @@ The protocol (engine adapters implement the same one):
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Protocol, runtime_checkable
@@ -202,7 +203,18 @@ class EngineFault(Exception):
 
 
 class UnknownScheduler(ValueError):
-    """``--scheduler`` names no registered scheduler and no importable ``module:factory``."""
+    """``--scheduler`` names no registered scheduler and no importable ``module:factory``.
+
+    Attributes:
+        name: the name given.
+        detail: what is wrong with it (``"unknown; known: ..."``, ``"cannot load (...)"``); the message
+            is ``--scheduler 'NAME': DETAIL``.
+    """
+
+    def __init__(self, name: str, detail: str) -> None:
+        self.name = name
+        self.detail = detail
+        super().__init__(f"--scheduler {name!r}: {detail}")
 
 
 @runtime_checkable
@@ -304,102 +316,182 @@ running phase, leaving more urgent running requests without a token (no ``work-c
 request never preempts, so at ``max_num_seqs`` an urgent request waits behind less urgent running ones (no
 ``no-priority-inversion``: bundled case ``priority-preempts-at-seq-cap``, tests/test_priority_inversion.py)."""
 
-SCHEDULERS: dict[str, SchedulerFactory] = {
-    "fcfs": _reference(policies.fcfs, "fcfs", ALL_PROPERTIES),
-    "static": _reference(
-        policies.static, "static",
-        frozenset({"progress", "stall-free-decode", "bounded-wait", "rejects-impossible", "bounded-preemptions"}),
-    ),
-    # no work-conserving: Z3 finds a one-step counterexample from a state satisfying the spec's
-    # invariant (docs/proofs.md: the shorter prompt tried first does not fit, admission stops, the
-    # head of the queue would have fit)
-    "shortest-prompt-first": _reference(
-        policies.shortest_prompt_first, "shortest-prompt-first",
-        frozenset({"progress", "stall-free-decode", "rejects-impossible"}),
-    ),
-    # starves less urgent requests by design (no bounded-wait); preempts the least urgent, not the most
-    # recently admitted, request (no bounded-preemptions); a waiting request preempts strictly less urgent
-    # running ones for a slot, blocks or budget (no-priority-inversion, policies.plan_by_priority)
-    "priority": _reference(
-        policies.priority, "priority",
-        frozenset({"progress", "stall-free-decode", "rejects-impossible", "no-priority-inversion"}),
-    ),
-    # the fcfs policy on mutable tables, tested equal to fcfs step for step (reference/fast_fcfs.py)
-    "fcfs-fast": lambda config: _fast_fcfs(config),
-    "vllm-v1": _reference(vllm_v1.vllm_v1, "vllm-v1", VLLM_V1_GUARANTEES),
-    "vllm-v1-priority": _reference(vllm_v1.vllm_v1_priority, "vllm-v1-priority", VLLM_V1_PRIORITY_GUARANTEES),
-    # vLLM 0.33's decisions (reference/vllm_v1.py: they differ from 0.32's only under priority)
-    "vllm-v1@0.33": _reference(vllm_v1.vllm_v1_033, "vllm-v1@0.33", VLLM_V1_GUARANTEES),
-    "vllm-v1-priority@0.33": _reference(vllm_v1.vllm_v1_priority_033, "vllm-v1-priority@0.33",
-                                        VLLM_V1_PRIORITY_GUARANTEES),
+@attrs.frozen
+class RegisteredScheduler:
+    """One entry of the scheduler registry (:data:`REGISTRY`), the one table every ``--scheduler NAME``
+    (the CLI's commands, ``schedspec lab --compare`` and ``--sweep scheduler=``, the pytest plugin, the
+    help text and the generated docs) reads.
+
+    Attributes:
+        name: the ``--scheduler`` name.
+        kind: ``"reference"`` (a reference scheduler every test suite runs: ``factory`` and ``plan``
+            set), ``"engine-adapter"`` (a real engine's scheduler, ``target`` set: it lives in
+            ``schedspec.engines``, which ``reference`` must not import, ``tests/test_layering.py``, so
+            it is imported by name on first use; it needs its engine installed and promises less) or
+            ``"reserved"`` (a name kept for a scheduler not written yet: choosing it is a missing
+            feature, exit 3, not a typo, exit 2; ``reason`` says why).
+        factory: ``SchedulerConfig -> Scheduler`` (reference schedulers).
+        target: ``"module:factory"`` (engine adapters), resolved by :func:`resolve_factory`.
+        plan: the pure plan function of a reference scheduler built on :class:`ReferenceScheduler`
+            (``None`` for another implementation such as ``fcfs-fast``).
+        unchecked: the registered name of a faster implementation of the same plans (tested step for
+            step equal to this one) that unchecked runs (the lab with checks off) use instead; with
+            checks on the plain policy runs, sharing the spec's transition with the engine
+            (:meth:`ReferenceScheduler.accept_transition`).
+        reason: why a reserved name is not implemented yet.
+    """
+
+    name: str
+    kind: str = attrs.field(validator=attrs.validators.in_(("reference", "engine-adapter", "reserved")))
+    factory: SchedulerFactory | None = None
+    target: str | None = None
+    plan: PlanFunction | None = None
+    unchecked: str | None = None
+    reason: str | None = None
+
+    @classmethod
+    def reference(cls, name: str, plan: PlanFunction, guarantees: frozenset[str],
+                  unchecked: str | None = None) -> RegisteredScheduler:
+        """A :class:`ReferenceScheduler` running ``plan``, promising ``guarantees``."""
+        return cls(name, "reference", factory=_reference(plan, name, guarantees), plan=plan, unchecked=unchecked)
+
+
+def _reference_entries() -> list[RegisteredScheduler]:
+    return [
+        RegisteredScheduler.reference("fcfs", policies.fcfs, ALL_PROPERTIES, unchecked="fcfs-fast"),
+        RegisteredScheduler.reference(
+            "static", policies.static,
+            frozenset({"progress", "stall-free-decode", "bounded-wait", "rejects-impossible", "bounded-preemptions"}),
+        ),
+        # no work-conserving: Z3 finds a one-step counterexample from a state satisfying the spec's
+        # invariant (docs/proofs.md: the shorter prompt tried first does not fit, admission stops, the
+        # head of the queue would have fit)
+        RegisteredScheduler.reference(
+            "shortest-prompt-first", policies.shortest_prompt_first,
+            frozenset({"progress", "stall-free-decode", "rejects-impossible"}),
+        ),
+        # starves less urgent requests by design (no bounded-wait); preempts the least urgent, not the most
+        # recently admitted, request (no bounded-preemptions); a waiting request preempts strictly less urgent
+        # running ones for a slot, blocks or budget (no-priority-inversion, policies.plan_by_priority)
+        RegisteredScheduler.reference(
+            "priority", policies.priority,
+            frozenset({"progress", "stall-free-decode", "rejects-impossible", "no-priority-inversion"}),
+        ),
+        # the fcfs policy on mutable tables, tested equal to fcfs step for step (reference/fast_fcfs.py)
+        RegisteredScheduler("fcfs-fast", "reference", factory=_fast_fcfs),
+        RegisteredScheduler.reference("vllm-v1", vllm_v1.vllm_v1, VLLM_V1_GUARANTEES),
+        RegisteredScheduler.reference("vllm-v1-priority", vllm_v1.vllm_v1_priority, VLLM_V1_PRIORITY_GUARANTEES),
+        # vLLM 0.33's decisions (reference/vllm_v1.py: they differ from 0.32's only under priority)
+        RegisteredScheduler.reference("vllm-v1@0.33", vllm_v1.vllm_v1_033, VLLM_V1_GUARANTEES),
+        RegisteredScheduler.reference("vllm-v1-priority@0.33", vllm_v1.vllm_v1_priority_033,
+                                      VLLM_V1_PRIORITY_GUARANTEES),
+    ]
+
+
+def _engine_adapter_entries() -> list[RegisteredScheduler]:
+    adapters = {
+        "vllm": "schedspec.engines.vllm:fcfs",
+        "vllm-priority": "schedspec.engines.vllm:priority",
+        "vllm-async": "schedspec.engines.vllm:fcfs_async",
+        "vllm-priority-async": "schedspec.engines.vllm:priority_async",
+        "vllm@0.32": "schedspec.engines.vllm:fcfs",
+        "vllm-priority@0.32": "schedspec.engines.vllm:priority",
+        "vllm-async@0.32": "schedspec.engines.vllm:fcfs_async",
+        "vllm-priority-async@0.32": "schedspec.engines.vllm:priority_async",
+        "vllm@0.33": "schedspec.engines.vllm:fcfs_033",
+        "vllm-priority@0.33": "schedspec.engines.vllm:priority_033",
+        "vllm-async@0.33": "schedspec.engines.vllm:fcfs_async_033",
+        "vllm-priority-async@0.33": "schedspec.engines.vllm:priority_async_033",
+        "nanovllm": "schedspec.engines.nanovllm:NanoVllmScheduler",
+    }
+    return [RegisteredScheduler(name, "engine-adapter", target=target) for name, target in adapters.items()]
+
+
+REGISTRY: dict[str, RegisteredScheduler] = {
+    entry.name: entry for entry in [*_reference_entries(), *_engine_adapter_entries()]
 }
-"""Registered schedulers by ``--scheduler`` name. ``module:factory`` names a user's own factory, a
-callable taking a :class:`SchedulerConfig` and returning a :class:`Scheduler`."""
-
-UNCHECKED_IMPLEMENTATIONS: dict[str, str] = {"fcfs": "fcfs-fast"}
-"""Registered scheduler -> a faster implementation of the same plans (tested step for step equal to it) that
-unchecked runs (the lab with checks off) use instead: with checks on the plain policy runs, sharing the
-spec's transition with the engine (:meth:`ReferenceScheduler.accept_transition`)."""
-
-PLAN_FUNCTIONS: dict[str, PlanFunction] = {
-    "fcfs": policies.fcfs,
-    "static": policies.static,
-    "shortest-prompt-first": policies.shortest_prompt_first,
-    "priority": policies.priority,
-    "vllm-v1": vllm_v1.vllm_v1,
-    "vllm-v1-priority": vllm_v1.vllm_v1_priority,
-    "vllm-v1@0.33": vllm_v1.vllm_v1_033,
-    "vllm-v1-priority@0.33": vllm_v1.vllm_v1_priority_033,
-}
+"""Every ``--scheduler`` name -> its :class:`RegisteredScheduler`, reference schedulers first, then the
+engine adapters, then names reserved for schedulers not written yet (none today). A name not here may
+still be a user's ``module:factory`` (:func:`resolve_factory`)."""
 
 
-NOT_YET_IMPLEMENTED: dict[str, str] = {}
-"""Names the CLI reserves for schedulers not written yet; choosing one is a missing feature (exit 3),
-not a typo (exit 2)."""
+class _Names(Mapping[str, SchedulerFactory]):
+    """A live read-only view of :data:`REGISTRY`'s reference schedulers, name -> factory."""
+
+    def __getitem__(self, name: str) -> SchedulerFactory:
+        entry = REGISTRY.get(name)
+        if entry is None or entry.kind != "reference":
+            raise KeyError(name)
+        assert entry.factory is not None
+        return entry.factory
+
+    def __iter__(self):
+        return (name for name, entry in REGISTRY.items() if entry.kind == "reference")
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 
-ENGINE_ADAPTERS: dict[str, str] = {
-    "vllm": "schedspec.engines.vllm:fcfs",
-    "vllm-priority": "schedspec.engines.vllm:priority",
-    "vllm-async": "schedspec.engines.vllm:fcfs_async",
-    "vllm-priority-async": "schedspec.engines.vllm:priority_async",
-    "vllm@0.32": "schedspec.engines.vllm:fcfs",
-    "vllm-priority@0.32": "schedspec.engines.vllm:priority",
-    "vllm-async@0.32": "schedspec.engines.vllm:fcfs_async",
-    "vllm-priority-async@0.32": "schedspec.engines.vllm:priority_async",
-    "vllm@0.33": "schedspec.engines.vllm:fcfs_033",
-    "vllm-priority@0.33": "schedspec.engines.vllm:priority_033",
-    "vllm-async@0.33": "schedspec.engines.vllm:fcfs_async_033",
-    "vllm-priority-async@0.33": "schedspec.engines.vllm:priority_async_033",
-    "nanovllm": "schedspec.engines.nanovllm:NanoVllmScheduler",
-}
-"""Adapters of real engines' schedulers by ``--scheduler`` name, as ``module:factory``. They live in
-``schedspec.engines``, which ``reference`` must not import (``tests/test_layering.py``), so the module is
-imported by name only when one is chosen. They are not in :data:`SCHEDULERS`, whose entries are the
-reference schedulers every test suite runs (an adapter needs its engine installed and promises less)."""
+SCHEDULERS: Mapping[str, SchedulerFactory] = _Names()
+"""The reference schedulers (every test suite runs them) by ``--scheduler`` name -> factory: a view of
+:data:`REGISTRY`; register a scheduler there."""
+
+
+def names(kind: str) -> list[str]:
+    """The registered names of one ``kind`` (:class:`RegisteredScheduler`), in registry order."""
+    return [name for name, entry in REGISTRY.items() if entry.kind == kind]
+
+
+def unchecked_implementation(name: str) -> str:
+    """The registered scheduler that unchecked runs use for ``name``: its
+    :attr:`RegisteredScheduler.unchecked`, else ``name`` itself."""
+    entry = REGISTRY.get(name)
+    return entry.unchecked if entry is not None and entry.unchecked is not None else name
+
+
+def unknown_scheduler_detail() -> str:
+    """The end of the message for a name that is neither registered nor ``module:factory``."""
+    known = sorted(n for n, entry in REGISTRY.items() if entry.kind != "reserved")
+    return f"unknown; known: {', '.join(known)}, or module:factory"
+
+
+def resolve_factory(name: str) -> SchedulerFactory:
+    """The factory for ``name``: a registered reference scheduler's, an engine adapter's (imported here, on
+    first use) or a user's ``module:factory``, which must name a Python function or class (not a
+    built-in such as ``os:system`` or ``builtins:print``). The one place a ``module:factory`` is imported.
+
+    Raises:
+        UnknownScheduler: no such scheduler, or one that cannot be loaded; its ``detail`` is the message
+            without the leading ``--scheduler NAME:``.
+        UnsupportedFeature: the name is reserved for a scheduler not written yet.
+    """
+    entry = REGISTRY.get(name)
+    if entry is not None and entry.kind == "reserved":
+        raise UnsupportedFeature(f"scheduler {name!r}: {entry.reason}")
+    if entry is not None and entry.factory is not None:
+        return entry.factory
+    target = entry.target if entry is not None and entry.target is not None else name
+    module_name, colon, attribute = target.partition(":")
+    if not colon:
+        raise UnknownScheduler(name, unknown_scheduler_detail())
+    if not module_name.strip() or not attribute.strip():
+        raise UnknownScheduler(name, "expected module:factory")
+    try:
+        factory = getattr(importlib.import_module(module_name), attribute)
+    except Exception as error:  # noqa: BLE001 - any import failure is the user's input
+        raise UnknownScheduler(name, f"cannot load ({type(error).__name__}: {error})") from None
+    if inspect.isbuiltin(factory) or not (inspect.isfunction(factory) or inspect.isclass(factory)):
+        raise UnknownScheduler(name, "not a scheduler factory (a Python function or class taking a "
+                                     f"SchedulerConfig), found {type(factory).__name__}")
+    return factory
 
 
 def make_scheduler(name: str, config: SchedulerConfig) -> Scheduler:
     """Build the scheduler ``name`` (registry name, engine adapter name or ``module:factory``) for
-    ``config``.
-
-    Engine adapters (:data:`ENGINE_ADAPTERS`) are imported here, on first use.
+    ``config`` (:func:`resolve_factory`).
 
     Raises:
         UnknownScheduler: no such scheduler (the message lists the known names).
         UnsupportedFeature: the scheduler cannot run this config (or its engine is not installed).
     """
-    if name in NOT_YET_IMPLEMENTED:
-        raise UnsupportedFeature(f"scheduler {name!r}: {NOT_YET_IMPLEMENTED[name]}")
-    factory = SCHEDULERS.get(name)
-    if factory is None:
-        target = ENGINE_ADAPTERS.get(name, name)
-        if ":" not in target:
-            known = sorted(SCHEDULERS) + sorted(ENGINE_ADAPTERS)
-            raise UnknownScheduler(f"--scheduler {name!r}: unknown; known: {', '.join(known)}, or module:factory")
-        module_name, _, attribute = target.partition(":")
-        try:
-            factory = getattr(importlib.import_module(module_name), attribute)
-        except (ImportError, AttributeError) as error:
-            raise UnknownScheduler(f"--scheduler {name!r}: cannot load ({error})") from None
-    return factory(config)
+    return resolve_factory(name)(config)

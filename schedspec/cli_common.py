@@ -1,6 +1,6 @@
 """Conventions shared by every ``schedspec`` command, and the one validation layer at the edge.
 
-- ``--scheduler NAME``: a registered scheduler (``schedspec.reference.scheduler.SCHEDULERS``) or
+- ``--scheduler NAME``: a registered scheduler (``schedspec.reference.scheduler.REGISTRY``) or
   ``module:factory`` (a Python function or class that takes a ``SchedulerConfig`` and returns a
   scheduler; built-in functions such as ``os:system`` are refused).
 - ``--set key=value`` (repeatable): change a :class:`~schedspec.spec.config.SchedulerConfig` field.
@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import inspect
 import json
 import math
 import os
@@ -252,32 +251,20 @@ def check_scheduler(name: str, config: SchedulerConfig | None, where: str = "--s
     with ``add_request``, ``abort_request``, ``schedule`` and ``update``.
     """
     from schedspec.reference.scheduler import (
-        ENGINE_ADAPTERS,
-        NOT_YET_IMPLEMENTED,
-        SCHEDULERS,
+        REGISTRY,
         EngineEnvironmentError,
         UnknownScheduler,
         UnsupportedFeature,
         make_scheduler,
+        resolve_factory,
     )
 
     shown = one_line(name)
-    if name not in SCHEDULERS and name not in ENGINE_ADAPTERS and name not in NOT_YET_IMPLEMENTED:
-        module_name, colon, attribute = name.partition(":")
-        if not colon:
-            fail(f"{where} {shown!r}: unknown; known: {', '.join(sorted([*SCHEDULERS, *ENGINE_ADAPTERS]))}, "
-                 "or module:factory")
-        if not module_name.strip() or not attribute.strip():
-            fail(f"{where} {shown!r}: expected module:factory")
-        import importlib
-
+    if name not in REGISTRY:  # a module:factory: imported now (a registered adapter only when built)
         try:
-            factory = getattr(importlib.import_module(module_name), attribute)
-        except Exception as error:  # noqa: BLE001 - any import failure is the user's input
-            fail(f"{where} {shown!r}: cannot load ({type(error).__name__}: {error})")
-        if inspect.isbuiltin(factory) or not (inspect.isfunction(factory) or inspect.isclass(factory)):
-            fail(f"{where} {shown!r}: not a scheduler factory (a Python function or class taking a "
-                 f"SchedulerConfig), found {type(factory).__name__}")
+            resolve_factory(name)
+        except UnknownScheduler as error:
+            fail(f"{where} {shown!r}: {error.detail}")
     if config is None:
         return
     try:
@@ -287,7 +274,7 @@ def check_scheduler(name: str, config: SchedulerConfig | None, where: str = "--s
             return
         fail(str(error), status=EXIT_UNSUPPORTED)
     except UnknownScheduler as error:
-        fail(f"{where}: {error}".replace(f"{where}: --scheduler ", f"{where} "))
+        fail(f"{where} {shown!r}: {error.detail}")
     except EngineEnvironmentError as error:  # the engine's environment is unusable (names the variable)
         fail(f"{where} {shown}: {error}")
     except Exception as error:  # noqa: BLE001 - a user factory that fails is unusable input
@@ -488,9 +475,9 @@ class OneLineErrors(click.Group):
 
 def scheduler_names_help() -> str:
     """The ``--scheduler`` help, generated from the registry (every registered scheduler and engine adapter)."""
-    from schedspec.reference.scheduler import ENGINE_ADAPTERS, SCHEDULERS
+    from schedspec.reference.scheduler import names
 
-    return (f"Scheduler: {', '.join(SCHEDULERS)}; engine adapters: {', '.join(ENGINE_ADAPTERS)}; "
+    return (f"Scheduler: {', '.join(names('reference'))}; engine adapters: {', '.join(names('engine-adapter'))}; "
             "or module:factory.")
 
 

@@ -18,7 +18,13 @@ from schedspec.cli import cli
 from schedspec.commands.diff import compare, run_diff
 from schedspec.reference import vllm_v1
 from schedspec.reference.scenarios import load_scenario, replay
-from schedspec.reference.scheduler import SCHEDULERS, ReferenceScheduler, UnsupportedFeature
+from schedspec.reference.scheduler import (
+    REGISTRY,
+    SCHEDULERS,
+    ReferenceScheduler,
+    RegisteredScheduler,
+    UnsupportedFeature,
+)
 from schedspec.spec.state import StepPlan
 
 
@@ -70,8 +76,12 @@ def test_shrinking_keeps_the_divergence_and_makes_it_small(tmp_path: Path) -> No
     assert min(sizes) == 1  # a fcfs/vllm-v1 difference needs one long prompt only
 
 
+def _register_factory(monkeypatch, name: str, factory) -> None:
+    monkeypatch.setitem(REGISTRY, name, RegisteredScheduler(name, "reference", factory=factory))
+
+
 def _register(monkeypatch, name: str, plan, guarantees=frozenset()) -> None:
-    monkeypatch.setitem(SCHEDULERS, name, lambda config: ReferenceScheduler(config, plan, name, guarantees))
+    _register_factory(monkeypatch, name, lambda config: ReferenceScheduler(config, plan, name, guarantees))
 
 
 def test_a_scheduler_that_breaks_the_spec_is_a_finding(monkeypatch) -> None:
@@ -104,15 +114,15 @@ def test_a_scheduler_that_cannot_express_the_scenarios_exits_3(monkeypatch) -> N
     def refuse(config):
         raise UnsupportedFeature("refuses every config")
 
-    monkeypatch.setitem(SCHEDULERS, "refuses", refuse)
+    _register_factory(monkeypatch, "refuses", refuse)
     result = invoke("--scheduler", "refuses", "--against", "vllm-v1", "--examples", "5")
     assert result.exit_code == 3
     assert "5 unsupported" in result.output
 
 
 def test_a_reserved_scheduler_not_implemented_exits_3(monkeypatch) -> None:
-    monkeypatch.setitem(__import__("schedspec.reference.scheduler", fromlist=["x"]).NOT_YET_IMPLEMENTED,
-                        "future-engine", "not written yet")
+    monkeypatch.setitem(REGISTRY, "future-engine",
+                        RegisteredScheduler("future-engine", "reserved", reason="not written yet"))
     result = CliRunner().invoke(cli, ["diff", "--scheduler", "future-engine", "--against", "vllm-v1"])
     assert result.exit_code == 3
     assert "not written yet" in result.output
@@ -142,7 +152,7 @@ def test_set_fixes_a_field_in_every_scenario(monkeypatch) -> None:
         seen.append(config)
         return original(config)
 
-    monkeypatch.setitem(SCHEDULERS, "vllm-v1", recording)
+    _register_factory(monkeypatch, "vllm-v1", recording)
     result = invoke("--scheduler", "vllm-v1", "--against", "vllm-v1", "--examples", "10",
                     "--set", "enable_chunked_prefill=false")
     assert result.exit_code == 0, result.output
@@ -191,7 +201,7 @@ def test_documented_vllm_behaviour_is_not_a_failure_only_for_an_engine(monkeypat
     """vLLM lifts the long-prefill threshold for a lone request (its documented behaviour; the spec rule
     long-prefill-threshold forbids it): from an engine adapter that is a documented difference (exit 0);
     from a reference scheduler, a finding (exit 1)."""
-    monkeypatch.setitem(SCHEDULERS, "like-vllm", lambda config: _LiftsThresholdWhenAlone(config, expose_state))
+    _register_factory(monkeypatch, "like-vllm", lambda config: _LiftsThresholdWhenAlone(config, expose_state))
     result = invoke("--scheduler", "like-vllm", "--against", "vllm-v1", "--examples", "20", "--seed", "0",
                     "--set", "long_prefill_token_threshold=1", "--set", "enable_chunked_prefill=true")
     if expose_state:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 
+import attrs
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -201,8 +202,7 @@ def test_lab_statistics_same_as_plain_fcfs(monkeypatch: pytest.MonkeyPatch) -> N
     kwargs, _ = cost_model.default_scheduler_config()
     config = SchedulerConfig(**{**kwargs, "num_kv_blocks": 2000, "max_num_batched_tokens": 512})
     fast = run_lab(requests, "fcfs", config, check=False)
-    monkeypatch.setattr(registry, "UNCHECKED_IMPLEMENTATIONS", {})
-    monkeypatch.setattr("schedspec.lab.run.UNCHECKED_IMPLEMENTATIONS", {})
+    monkeypatch.setitem(registry.REGISTRY, "fcfs", attrs.evolve(registry.REGISTRY["fcfs"], unchecked=None))
     plain = run_lab(requests, "fcfs", config, check=False)
     assert sum(step.num_preempted for step in plain.steps) > 0
     assert fast.steps == plain.steps

@@ -83,8 +83,9 @@ def test_a_cover_run_the_reference_does_not_reproduce_is_unconfirmed(monkeypatch
     step = next(t for t in range(4) if z3.is_true(model.eval(r.steps[t].step.any_preempted, model_completion=True)))
     assert bmc.replay_cover(model, ctx, r, "fcfs", "preemption", step)
     original = registry.SCHEDULERS["fcfs"]
-    monkeypatch.setitem(registry.SCHEDULERS, "fcfs",
-                        lambda config: original(attrs.evolve(config, num_kv_blocks=config.num_kv_blocks + 100)))
+    monkeypatch.setitem(registry.REGISTRY, "fcfs", attrs.evolve(
+        registry.REGISTRY["fcfs"],
+        factory=lambda config: original(attrs.evolve(config, num_kv_blocks=config.num_kv_blocks + 100))))
     assert not bmc.replay_cover(model, ctx, r, "fcfs", "preemption", step)
     result = Result("x", "", "proved", "proved", 2, "fixed 2", 4, vacuity=[Coverage("preemption", UNCONFIRMED, step)])
     assert not result.ok

@@ -50,7 +50,7 @@ from schedspec.cli_common import (
 )
 from schedspec.reference.engine import Engine, RunResult, ViolationFound
 from schedspec.reference.scheduler import (
-    ENGINE_ADAPTERS,
+    REGISTRY,
     EngineEnvironmentError,
     UnknownScheduler,
     UnsupportedFeature,
@@ -486,7 +486,7 @@ def _check_environment(option: str, name: str) -> None:
     that cannot start: :class:`~schedspec.reference.scheduler.EngineEnvironmentError`), before any scenario
     is generated. Any other failure to build it for :data:`PREFLIGHT_CONFIG` is left to the scenarios (a
     scheduler may refuse some configs, a factory may crash on some: counted or reported per scenario)."""
-    if name not in ENGINE_ADAPTERS:  # only an engine adapter needs an environment of its own
+    if name not in REGISTRY or REGISTRY[name].kind != "engine-adapter":  # only an engine adapter needs an environment of its own
         return
     try:
         scheduler = make_scheduler(name, PREFLIGHT_CONFIG)
