@@ -276,14 +276,14 @@ def main() -> None:
     from safetensors.torch import load_file
 
     from schedspec.gpu_backend import save_tiny_model
-    from schedspec.spec.config import SchedulerConfig
+    from schedspec.spec.config import SchedulerConfig, blocks_for_tokens
 
     torch.set_num_threads(args.threads)
     specs = make_workload(args.max_requests, args.prompt_scale, args.max_output)
     longest = max(s.prompt_len + s.max_tokens for s in specs)
     if longest > args.max_model_len:
         parser.error(f"--max-model-len {args.max_model_len}: the workload needs {longest}")
-    blocks_per_seq = -(-args.max_model_len // args.block_size)
+    blocks_per_seq = blocks_for_tokens(args.max_model_len, args.block_size)
     config = SchedulerConfig(
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks or args.max_num_seqs * blocks_per_seq,

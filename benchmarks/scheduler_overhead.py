@@ -46,6 +46,8 @@ def config_fields(size: int, steps: int) -> dict:
     longest = PROMPT_LEN + steps + WARMUP_DECODE_STEPS + 64
     return {
         "block_size": BLOCK_SIZE,
+        # ceil(longest / BLOCK_SIZE), spec.config.blocks_for_tokens written out: this function also runs in
+        # vLLM's interpreter (--vllm-side), where schedspec is not installed
         "num_kv_blocks": size * -(-longest // BLOCK_SIZE) + 16,
         "max_num_batched_tokens": max(8192, size),
         "max_num_seqs": size,

@@ -27,7 +27,7 @@ from schedspec.gpu_backend.weights import (
     weight_bytes,
 )
 from schedspec.reference.cost_model import step_shape
-from schedspec.spec.config import SchedulerConfig
+from schedspec.spec.config import SchedulerConfig, blocks_for_tokens
 from schedspec.spec.state import SchedulerState, StepPlan, samples_this_step
 from schedspec.spec.workload import EOS_TOKEN_ID, token_id_at, token_ids
 
@@ -271,7 +271,7 @@ class Runner:
                 start = request.num_computed_tokens
                 n = request.num_tokens - start
                 have = len(request.block_ids)
-                need = -(-(start + n) // size) - have
+                need = blocks_for_tokens(start + n, size) - have
                 new = tuple(state.free_block_ids[:need])
                 plan = StepPlan(scheduled=(ScheduledRequest("warm-up", start, n, new),))
                 sampled, _ = self.execute(plan, state)
@@ -402,7 +402,7 @@ class Runner:
                     f"step {state.step}: request {request_id!r}: chunk [{start}, {end}) is outside its "
                     f"{num_tokens} tokens", field="num_tokens")
             table = request.block_ids + hits.get(request_id, ()) + item.new_block_ids
-            needed = -(-end // block_size)
+            needed = blocks_for_tokens(end, block_size)
             if len(table) < needed:
                 raise BlockTableError(
                     f"step {state.step}: request {request_id!r}: block table {list(table)} holds "

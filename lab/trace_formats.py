@@ -52,6 +52,7 @@ from pathlib import Path
 import attrs
 import numpy as np
 
+from schedspec.spec.config import blocks_for_tokens
 from schedspec.spec.trace import StrictJsonError, strict_json_loads
 from schedspec.spec.workload import BlockHashPrompt, RequestSpec
 
@@ -565,7 +566,7 @@ def load_mooncake_jsonl(path: str | Path, id_prefix: str | None = None, notes: l
             if ids is not None:
                 if not isinstance(ids, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
                     raise WorkloadError(f"{where}: hash_ids: must be a list of integers")
-                expected = -(-prompt // MOONCAKE_BLOCK_TOKENS)
+                expected = blocks_for_tokens(prompt, MOONCAKE_BLOCK_TOKENS)
                 if len(ids) != expected:
                     raise WorkloadError(
                         f"{where}: hash_ids: {len(ids)} ids for input_length={prompt}, expected "
