@@ -33,8 +33,11 @@ The engine's limits and how the adapter handles each:
   only ``max_num_seqs``, ``max_num_batched_tokens``, ``eos``, ``num_kvcache_blocks`` and
   ``kvcache_block_size``, so the adapter passes an object with just those.
 - Prefix caching is always on (``BlockManager.allocate`` looks every full block up by the hash of its
-  tokens and prefix). The spec has no prefix caching yet, so configs with
-  ``enable_prefix_caching=true`` are refused (:class:`UnsupportedFeature`), and the adapter gives the
+  tokens and prefix). Its cache differs from the one the spec models (:mod:`schedspec.spec.prefix_cache`,
+  vLLM's): ``BlockManager.can_allocate`` asks for a free block for every block of the sequence, hits
+  included, and ``deallocate`` drops a freed block's hash, so a block is shared only between requests
+  live at once (nano-vllm-fork 20260210 ``nanovllm/engine/block_manager.py``). The adapter does not map
+  that cache onto the spec's, so configs with ``enable_prefix_caching=true`` are refused (:class:`UnsupportedFeature`), and the adapter gives the
   engine its own prompt ids, unique to each request and position (request index * 2**32 + position +
   1), so no two requests ever have an equal block and no block is shared. Prefix groups of a workload
   are thereby remapped to distinct ids, which is exactly the spec's view with prefix caching off. The
@@ -157,7 +160,8 @@ def check_config(config: SchedulerConfig) -> None:
     """
     if config.enable_prefix_caching:
         raise UnsupportedFeature(
-            "scheduler 'nanovllm': its prefix caching is always on, but the spec has no prefix caching yet; "
+            "scheduler 'nanovllm': its prefix caching is always on and is not the spec's (hits need free blocks, "
+            "freed blocks leave the cache); "
             "the adapter runs it with distinct prompt ids per request, so set enable_prefix_caching=false"
         )
     if config.block_size < 2:

@@ -2,8 +2,9 @@
 
 Each policy refines the spec: every plan it returns is allowed by
 :func:`schedspec.spec.rules.violated_rules` (checked at every step by the engine loop and the
-Hypothesis suite, and for fcfs proved by ``schedspec.reference.proofs``). Each declares in
-``GUARANTEES`` the trace properties of :mod:`schedspec.spec.properties` it promises.
+Hypothesis suite, and for fcfs proved by ``schedspec.reference.proofs``). The trace properties of
+:mod:`schedspec.spec.properties` each promises are its scheduler's ``guarantees``, given where it is
+registered (``schedspec.reference.scheduler.REGISTRY``).
 
 The shared mechanism of fcfs, static and shortest-prompt-first (:func:`plan_step`), one step in three
 phases (the priority policy visits running and waiting requests in one pass in urgency order instead, so
@@ -12,7 +13,7 @@ rejection, chunking and block pools):
 
 1. **Reject** every waiting request that was never admitted and could never complete alone
    (``rejects-impossible``).
-2. **Running requests**: those with one pending token first (every decode,
+2. **Running requests**: those with one pending token first (:func:`one_token_pending`: every decode,
    :attr:`~schedspec.spec.request.Request.is_decode`, and a prefill with one token left), then the other
    partial prefills, each group in admission order. A decode gets one token; a prefill chunk gets its pending tokens capped by ``long_prefill_token_threshold``
    and by the budget left. A request that needs a new block when none is free preempts the most
@@ -170,6 +171,14 @@ def reject_impossible(state: SchedulerState, config: SchedulerConfig) -> tuple[t
     return tuple(rejected)
 
 
+def one_token_pending(request: Request) -> bool:
+    """Whether ``request`` has exactly one token pending (``num_pending_tokens == 1``): the group the
+    policies schedule first, one token each. Wider than the spec's decode
+    (:attr:`~schedspec.spec.request.Request.is_decode`, which also asks that the prompt is computed): it
+    also holds a prefill with only its prompt's last token left, which is as cheap to schedule."""
+    return request.num_pending_tokens == 1
+
+
 def _chunk(request: Request, budget: int, config: SchedulerConfig, hit_tokens: int = 0) -> int:
     """Tokens a request may compute with ``budget`` tokens left: its pending tokens (less a prefix-cache hit
     of ``hit_tokens``), capped by the long prefill threshold (chunked prefill only) and the budget; 0 if
@@ -251,7 +260,7 @@ def plan_by_priority(state: SchedulerState, config: SchedulerConfig) -> StepPlan
     pool = _pool(state)
     budget = config.max_num_batched_tokens
     running = list(state.running)  # the running set as the pass goes: less the preempted, plus the admitted
-    decodes = sum(1 for r in running if requests[r].num_pending_tokens == 1)
+    decodes = sum(1 for r in running if one_token_pending(requests[r]))
     # a token per running decode not visited yet, when all of them fit the budget (stall-free-decode asks
     # for no more: with more decodes than budget each request just takes its turn)
     reserving = decodes <= budget
@@ -265,7 +274,7 @@ def plan_by_priority(state: SchedulerState, config: SchedulerConfig) -> StepPlan
         return _urgency(requests[request_id])
 
     def is_reserved_decode(request_id: str) -> bool:
-        return reserving and request_id not in visited and requests[request_id].num_pending_tokens == 1
+        return reserving and request_id not in visited and one_token_pending(requests[request_id])
 
     def preempt(victim: str) -> None:
         nonlocal reserve
@@ -289,10 +298,10 @@ def plan_by_priority(state: SchedulerState, config: SchedulerConfig) -> StepPlan
             continue
         request = requests[request_id]
         if request_id in state.running:
-            is_decode = request.num_pending_tokens == 1
+            single = one_token_pending(request)
             reserve -= is_reserved_decode(request_id)
             visited.add(request_id)
-            num_tokens = min(budget, 1) if is_decode else _chunk(request, max(budget - reserve, 0), config)
+            num_tokens = min(budget, 1) if single else _chunk(request, max(budget - reserve, 0), config)
             if num_tokens == 0:
                 continue
             needed = blocks_for_tokens(request.num_computed_tokens + num_tokens, config.block_size) - len(request.block_ids)
@@ -361,8 +370,7 @@ def plan_step(
     decodes, prefills = [], []
     for request_id in state.running:
         request = requests[request_id]
-        pending = request.prompt_len + len(request.output_token_ids) - request.num_computed_tokens
-        (decodes if pending == 1 else prefills).append(request_id)
+        (decodes if one_token_pending(request) else prefills).append(request_id)
     for request_id in decodes + prefills:
         if request_id in gone:
             continue

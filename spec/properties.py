@@ -2,8 +2,9 @@
 
 Each property has a registered name that the proofs, the scenarios (``demonstrates``) and the docs
 cite. A property is checked by a monitor that watches every step ``(before, plan, after)`` and
-reports :class:`~schedspec.spec.rules.Violation` values. Each policy declares which properties it
-guarantees (``GUARANTEES`` on the policy); a violation of a guaranteed property is a bug, a
+reports :class:`~schedspec.spec.rules.Violation` values. Each scheduler declares which properties it
+guarantees (its ``guarantees``, set where it is registered: ``schedspec.reference.scheduler.REGISTRY``);
+a violation of a guaranteed property is a bug, a
 violation of another one is a fact about the policy (for example head-of-line blocking under
 static batching).
 """
