@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 from schedspec.spec.admission import rejection_reason
-from schedspec.spec.config import SchedulerConfig
+from schedspec.spec.config import SchedulerConfig, blocks_for_tokens
 from schedspec.spec.persistent import TerminalRequests, evolve_request
 from schedspec.spec.request import Request, RequestStatus
 from schedspec.spec.state import ScheduledRequest, SchedulerState, StepPlan
@@ -272,7 +272,7 @@ class FastFcfsScheduler:
                 if num_tokens == 0:
                     continue
             end = computed + num_tokens
-            needed = -(-end // block_size) - len(record.block_ids)  # end > 0: num_tokens > 0
+            needed = blocks_for_tokens(end, block_size) - len(record.block_ids)
             item = _new_item(_ScheduledRequest)
             _set_id(item, request_id)
             _set_computed(item, computed)
@@ -318,7 +318,7 @@ class FastFcfsScheduler:
                     break
                 record = live[request_id]
                 computed = record.num_computed_tokens
-                needed = -(-record.num_tokens // block_size) if record.num_tokens > 0 else 0
+                needed = blocks_for_tokens(record.num_tokens, block_size)
                 pending = record.num_tokens - computed
                 if not chunked:
                     num_tokens = pending if pending <= budget else 0
