@@ -38,7 +38,6 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +45,7 @@ import attrs
 import numpy as np
 
 from schedspec.lab import metrics
+from schedspec.lab.executor import execute
 from schedspec.lab.run import run_lab
 from schedspec.reference.engine import ViolationFound
 from schedspec.reference.scheduler import EngineFault
@@ -248,46 +248,74 @@ def evaluate(window: Sequence[Any], natural_rate: float, rate: float, scheduler:
     return {"rate_req_per_s": rate, "holds": holds, "figures": figures, "problem": None}
 
 
-def run_configuration(job: tuple) -> dict[str, Any]:
-    """One configuration's search (in a worker process). ``job`` is ``(index, label, scheduler, config,
-    window, natural_rate, start_rate, cost, check, max_steps, targets, tolerance)``; returns
-    ``{"index", "label", "scheduler", "capacity_req_per_s", "upper_req_per_s", "status", "evaluations",
-    "figures", "problem"}``."""
-    (index, label, scheduler, config, window, natural_rate, start_rate, cost, check, max_steps, targets,
-     tolerance) = job
+@attrs.frozen
+class CapacityRun:
+    """One configuration's capacity search: a run specification, everything picklable (a worker process
+    runs it: :func:`run_configuration` through :func:`schedspec.lab.executor.execute`).
+
+    Attributes:
+        index: the configuration's place in the table (0-based).
+        label: its name in the table (the sweep point's label, or the scheduler).
+        scheduler: the registered scheduler (or ``module:factory``) it runs.
+        config: its :class:`~schedspec.spec.config.SchedulerConfig`.
+        window: the requests at the natural rate (:func:`scaled_window` rescales them).
+        natural_rate: the window's own rate (requests/s).
+        start_rate: the rate the search starts from (requests/s).
+        cost: the cost model.
+        check: whether every step is checked against the spec.
+        max_steps: stop each run after this many steps (``None``: run to the end).
+        targets: the SLO (:class:`SloTargets`).
+        tolerance: the relative width of the final bracket.
+    """
+
+    index: int
+    label: str
+    scheduler: str
+    config: Any
+    window: Any
+    natural_rate: float
+    start_rate: float
+    cost: Any
+    check: bool
+    max_steps: int | None
+    targets: SloTargets
+    tolerance: float
+
+
+def run_configuration(job: CapacityRun) -> dict[str, Any]:
+    """One configuration's search (in a worker process); returns ``{"index", "label", "scheduler",
+    "capacity_req_per_s", "upper_req_per_s", "status", "evaluations", "figures", "problem"}``."""
     runs: dict[float, dict[str, Any]] = {}
     problem: list[str] = []
 
     def holds(rate: float) -> bool:
-        outcome = evaluate(window, natural_rate, rate, scheduler, config, cost, check, max_steps, targets)
+        outcome = evaluate(job.window, job.natural_rate, rate, job.scheduler, job.config, job.cost, job.check,
+                           job.max_steps, job.targets)
         runs[rate] = outcome
         if outcome["problem"] is not None and not problem:
             problem.append(outcome["problem"])
         return outcome["holds"]
 
-    found = search(holds, start_rate, tolerance)
+    found = search(holds, job.start_rate, job.tolerance)
     at = runs[found.rate] if found.rate is not None else None
     return {
-        "index": index, "label": label, "scheduler": scheduler, "config": attrs.asdict(config),
+        "index": job.index, "label": job.label, "scheduler": job.scheduler, "config": attrs.asdict(job.config),
         "capacity_req_per_s": found.rate, "upper_req_per_s": found.upper, "status": found.status,
-        "time_scale": None if found.rate is None else natural_rate / found.rate,
+        "time_scale": None if found.rate is None else job.natural_rate / found.rate,
         "evaluations": [{"rate_req_per_s": r, "holds": h} for r, h in found.evaluations],
         "figures": None if at is None else at["figures"],
         "problem": problem[0] if problem else None,
     }
 
 
-def run_all(jobs: Sequence[tuple], workers: int) -> list[dict[str, Any]]:
-    """Every configuration's search, ``workers`` processes at a time (1: in this process), in job order.
+def run_all(jobs: Sequence[CapacityRun], workers: int) -> list[dict[str, Any]]:
+    """Every configuration's search through :func:`schedspec.lab.executor.execute`, ``workers`` processes
+    at a time (1: in this process), in job order.
 
     Raises:
         concurrent.futures.process.BrokenProcessPool: a worker process died.
     """
-    if workers <= 1 or len(jobs) <= 1:
-        return [run_configuration(job) for job in jobs]
-    with ProcessPoolExecutor(max_workers=min(workers, len(jobs))) as pool:
-        results = list(pool.map(run_configuration, jobs))
-    return sorted(results, key=lambda r: r["index"])
+    return execute(run_configuration, jobs, workers)
 
 
 def choose_best(results: Sequence[Mapping[str, Any]]) -> tuple[int | None, str]:

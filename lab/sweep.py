@@ -8,7 +8,7 @@ parallel, and choose the configuration that meets a latency target.
   in the order the options were given (the last field varies fastest).
 - Each point is one :func:`~schedspec.lab.run.run_lab` with the spec checks on (unless
   ``--no-check``), run by :class:`concurrent.futures.ProcessPoolExecutor` with ``--jobs`` workers,
-  or with ``--ray ADDRESS`` as Ray tasks on an existing Ray cluster (:func:`run_points_ray`).
+  or with ``--ray ADDRESS`` as Ray tasks on an existing Ray cluster (:mod:`schedspec.lab.executor`).
   The simulated clock depends only on the workload, the config and the cost model, so the figures do
   not depend on the number of workers; results are ordered by point, never by completion.
 - A configuration **meets the SLO** when, for every SLO given, the p99 of that latency over the
@@ -23,11 +23,13 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from schedspec.lab import metrics
+from schedspec.lab.executor import execute
 from schedspec.lab.run import run_lab
 from schedspec.reference.engine import ViolationFound
 from schedspec.reference.scheduler import EngineFault
@@ -75,94 +77,63 @@ def short_label(point: Mapping[str, Any]) -> str:
 # Running the points
 
 
-def run_point(job: tuple) -> tuple[int, dict[str, Any] | None, str | None]:
-    """Run one point (in a worker process): ``(index, run record, None)``, or ``(index, None, why)``
-    when the run broke the spec or the engine under test crashed.
+@attrs.frozen
+class SweepRun:
+    """One point of a ``--sweep``: a run specification, everything picklable (a worker process or a Ray
+    task runs it: :func:`run_point` through :func:`schedspec.lab.executor.execute`).
 
-    ``job`` is ``(index, name, scheduler, config, window, cost, check, max_steps, shared conditions,
-    slo, point)``, everything picklable."""
-    index, name, scheduler, config, window, cost, check, max_steps, shared, slo, point = job
+    Attributes:
+        index: the point's place in the sweep (0-based; the table shows ``index + 1``).
+        name: the run record's name (:func:`point_label`).
+        scheduler: the registered scheduler (or ``module:factory``) it runs.
+        config: its :class:`~schedspec.spec.config.SchedulerConfig`.
+        window: the requests it replays (the window at the point's time scale).
+        cost: the cost model (:class:`~schedspec.reference.cost_model.CostModel`).
+        check: whether every step is checked against the spec.
+        max_steps: stop after this many steps (``None``: run to the end).
+        conditions: the run record's shared conditions (:func:`run_record.shared_conditions`).
+        slo: the goodput SLO (:class:`~schedspec.lab.metrics.Slo`) or ``None``.
+        point: ``{field: value}`` of the point.
+    """
+
+    index: int
+    name: str
+    scheduler: str
+    config: Any
+    window: Any
+    cost: Any
+    check: bool
+    max_steps: int | None
+    conditions: Mapping[str, Any]
+    slo: metrics.Slo | None
+    point: Mapping[str, Any]
+
+
+def run_point(job: SweepRun) -> tuple[int, dict[str, Any] | None, str | None]:
+    """Run one point (in a worker process): ``(index, run record, None)``, or ``(index, None, why)``
+    when the run broke the spec or the engine under test crashed."""
     try:
-        result = run_lab(window, scheduler, config, cost_model=cost, check=check, max_steps=max_steps)
+        result = run_lab(job.window, job.scheduler, job.config, cost_model=job.cost, check=job.check,
+                         max_steps=job.max_steps)
     except ViolationFound as error:
         first = error.violations[0] if error.violations else error
-        return index, None, f"VIOLATION {first} (stopped at step {error.state.step})"
+        return job.index, None, f"VIOLATION {first} (stopped at step {error.state.step})"
     except EngineFault as error:
-        return index, None, f"ENGINE CRASH {error}"
-    result.scheduler = scheduler
-    return index, run_record.build_record(name, result, shared, slo, sweep_point=point), None
+        return job.index, None, f"ENGINE CRASH {error}"
+    result.scheduler = job.scheduler
+    return job.index, run_record.build_record(job.name, result, job.conditions, job.slo, sweep_point=job.point), None
 
 
-def run_points(jobs: Sequence[tuple], workers: int) -> list[tuple[int, dict[str, Any] | None, str | None]]:
-    """Run every job, ``workers`` at a time (1: in this process); results in job order.
+def run_points(jobs: Sequence[SweepRun], workers: int = 1,
+               ray_address: str | None = None) -> list[tuple[int, dict[str, Any] | None, str | None]]:
+    """Run every point through :func:`schedspec.lab.executor.execute` (``workers`` local processes, or
+    Ray tasks on the cluster at ``ray_address``); results in point order.
 
     Raises:
         concurrent.futures.process.BrokenProcessPool: a worker process died (killed, out of memory).
+        RayNotInstalled, RayUnavailable: with ``ray_address``.
     """
-    if workers <= 1 or len(jobs) <= 1:
-        return [run_point(job) for job in jobs]
-    with ProcessPoolExecutor(max_workers=min(workers, len(jobs))) as pool:
-        results = list(pool.map(run_point, jobs))
-    return sorted(results, key=lambda r: r[0])
-
-
-class RayUnavailable(Exception):
-    """``--ray``: the cluster cannot be reached, or a task could not run on it (unusable input or
-    environment: CLI exit 2; the message says which)."""
-
-
-class RayNotInstalled(RayUnavailable):
-    """``--ray``: the ``ray`` extra is not installed (a feature this installation lacks: CLI exit 3)."""
-
-
-def _run_point_with_window(head: tuple, window: list) -> tuple[int, dict[str, Any] | None, str | None]:
-    """:func:`run_point` with the window passed separately (a Ray object, shipped once per window)."""
-    return run_point((*head[:4], window, *head[4:]))
-
-
-def run_points_ray(jobs: Sequence[tuple], address: str) -> list[tuple[int, dict[str, Any] | None, str | None]]:
-    """Run every job as a Ray task (one CPU each, no retries) on the existing Ray cluster at
-    ``address`` (``ray.init(address=...)``: ``HOST:PORT`` of the head's GCS, ``ray://HOST:PORT`` for
-    Ray Client, or ``auto``); results in job order, equal to :func:`run_points`' whatever the cluster's
-    size, since each run depends only on its job. Each distinct window is put in the object store
-    once (``ray.put``), not once per task. The cluster's workers need schedspec installed (the same
-    version). If this process is already connected to Ray (a test's local instance), that connection
-    is used and left open.
-
-    Raises:
-        RayNotInstalled: ray is not installed.
-        RayUnavailable: the cluster cannot be reached, or a task failed there.
-    """
-    try:
-        import ray
-    except ImportError as error:
-        raise RayNotInstalled(f"needs the ray extra (pip install 'schedspec[ray]'): {error}") from None
-    connected_here = False
-    if not ray.is_initialized():
-        try:
-            ray.init(address=address, log_to_driver=False, logging_level="ERROR")
-        except Exception as error:  # noqa: BLE001  (ray raises ConnectionError, ValueError, RuntimeError)
-            raise RayUnavailable(f"cannot connect to the Ray cluster at {address!r}: "
-                                 f"{type(error).__name__}: {error}") from None
-        connected_here = True
-    try:
-        task = ray.remote(num_cpus=1, max_retries=0)(_run_point_with_window)
-        windows: dict[int, Any] = {}
-        refs = []
-        for job in jobs:
-            window = job[4]
-            if id(window) not in windows:
-                windows[id(window)] = ray.put(window)
-            refs.append(task.remote(job[:4] + job[5:], windows[id(window)]))
-        try:
-            results = ray.get(refs)
-        except ray.exceptions.RayError as error:  # a task could not run (e.g. schedspec missing there)
-            raise RayUnavailable(f"a Ray task failed: {type(error).__name__}: "
-                                 f"{str(error).strip().splitlines()[-1] if str(error).strip() else ''}") from None
-    finally:
-        if connected_here:
-            ray.shutdown()
-    return sorted(results, key=lambda r: r[0])
+    return execute(run_point, jobs, workers, ray_address)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import sys
@@ -48,6 +49,7 @@ from schedspec.cli_common import (
 from schedspec.lab import capacity as capacities
 from schedspec.lab import metrics, run_record, trace_formats
 from schedspec.lab import sweep as sweeping
+from schedspec.lab.executor import RayNotInstalled, RayUnavailable, execute
 from schedspec.lab.run import VARIANTS, LabResult, LabStep, resolve_variant, run_lab
 from schedspec.lab.synthetic import parse_synthetic
 from schedspec.lab.windows import select_window
@@ -339,6 +341,368 @@ def _compare_table(console: Console, records: list[dict[str, Any]]) -> None:
     console.print(table)
 
 
+@attrs.frozen(kw_only=True)
+class LabOptions:
+    """``schedspec lab``'s command line, one typed value per option (click has parsed each one:
+    numbers, counts, choices); :func:`_parse` checks how they combine and parses the structured ones.
+    Field names are click's parameter names; every default is the option's."""
+
+    trace_path: str | None = None
+    trace_format: str | None = None
+    synthetic: str | None = None
+    start: float | None = None
+    duration: float | None = None
+    max_requests: int | None = None
+    time_scale: float = 1.0
+    length_scale: float = 1.0
+    scheduler_name: str | None = None
+    sets: tuple[str, ...] = ()
+    profile: str = costs.DEFAULT_PROFILE
+    backend: str = "cost-model"
+    device: str = "auto"
+    model_dir: str | None = None
+    clock: str = "wall"
+    steps_spec: str | None = None
+    steps_out: str | None = None
+    requests_out: str | None = None
+    slo: str | None = None
+    compare: str | None = None
+    plot_dir: str | None = None
+    as_json: bool = False
+    save_path: str | None = None
+    sweeps: tuple[str, ...] = ()
+    jobs: int | None = None
+    ray_address: str | None = None
+    no_check: bool = False
+    max_steps: int | None = None
+    capacity_search: bool = False
+    capacity_tolerance: float | None = None
+
+
+@attrs.frozen(kw_only=True)
+class ParsedOptions:
+    """The options :func:`_parse` accepted, parsed: each structured option as the value it stands for."""
+
+    changes: dict[str, Any]
+    """``--set`` fields."""
+    cost: costs.CostModel
+    base: dict[str, Any]
+    """The profile's config fields (derived fields derived again from ``changes``)."""
+    derivation: Any
+    slo_targets: capacities.SloTargets | None
+    slo_pair: metrics.Slo | None
+    step_filter: StepFilter
+    names: list[str]
+    """The schedulers or variants of a run or ``--compare`` (one for a run)."""
+    sweep_fields: list[tuple[str, list[Any]]]
+    points: list[dict[str, Any]]
+    """The ``--sweep`` points (empty without ``--sweep``)."""
+    synthetic: Any
+    """The ``--synthetic`` spec, or ``None``."""
+    tolerance: float
+
+
+@attrs.frozen
+class LabRun:
+    """One run of a plain ``schedspec lab`` or of ``--compare``: a run specification (it runs in this
+    process: it streams its progress and ``--steps-out``, and ``--backend torch`` holds the device).
+
+    Attributes:
+        index: its place in the comparison.
+        name: the scheduler or variant name shown (the run record's name).
+        scheduler: the registered scheduler it runs.
+        config: its :class:`SchedulerConfig`.
+        window: the requests it replays.
+        steps_out: the ``--steps-out`` file, or ``None``.
+        requests_out: the ``--requests-out`` file, or ``None``.
+    """
+
+    index: int
+    name: str
+    scheduler: str
+    config: SchedulerConfig
+    window: Any
+    steps_out: str | None
+    requests_out: str | None
+
+
+@attrs.frozen(kw_only=True)
+class LabPlan:
+    """Everything a ``schedspec lab`` command runs, validated before the first run: the mode and one
+    list of typed run specifications (:class:`LabRun`, :class:`~schedspec.lab.sweep.SweepRun` or
+    :class:`~schedspec.lab.capacity.CapacityRun`), with what the renderers print around them."""
+
+    mode: str
+    """``"run"``, ``"compare"``, ``"sweep"`` or ``"capacity"``."""
+    runs: list[Any]
+    save_names: list[str]
+    trace_text: str
+    window_text: str
+    conditions: dict[str, Any]
+    """The run records' shared conditions with the cost model as the backend."""
+    window_conditions: dict[str, Any]
+    workload: dict[str, Any]
+    natural_rate: float | None = None
+    """``--capacity``: the window's own rate (requests/s)."""
+
+
+def _parse(o: LabOptions) -> ParsedOptions:
+    """Every option on its own and in combination (no work yet); exits 2 naming the option."""
+    changes = parse_sets(o.sets)
+    try:
+        cost = costs.get_profile(o.profile)
+        # Fields derived from others (num_kv_blocks from block_size, max_num_batched_tokens from
+        # max_model_len without chunked prefill, ...) are derived from the values --set gives.
+        base, derivation = costs.default_scheduler_config(cost, overrides=changes)
+    except costs.CostModelError as error:
+        fail(f"--profile: {error}")
+    try:
+        slo_targets = capacities.parse_slo(o.slo) if o.slo is not None else None
+        slo_pair = slo_targets.goodput if slo_targets is not None else None
+    except metrics.MetricsError as error:
+        fail(f"--slo: {error}")
+    step_filter = parse_steps(o.steps_spec)
+    if o.synthetic is not None and o.trace_path is not None:
+        fail("--trace and --synthetic: give one, not both")
+    if o.synthetic is not None and o.trace_format is not None:
+        fail("--trace-format and --synthetic: --trace-format describes a --trace file")
+    if o.compare is not None and o.scheduler_name is not None:
+        fail("--compare and --scheduler: give one, not both")
+    if o.compare is not None:
+        names = [n.strip() for n in o.compare.split(",")]
+        if not any(names):
+            fail(f"--compare {o.compare!r}: no scheduler named (expected A,B,.. e.g. static,fcfs)")
+        if not all(names):
+            fail(f"--compare {o.compare!r}: an empty name between commas")
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            fail(f"--compare {o.compare!r}: {repeated[0]!r} given twice")
+    else:
+        names = [o.scheduler_name if o.scheduler_name is not None else "fcfs"]
+    sweep_fields = _parse_sweeps(o.sweeps)
+    if o.clock != "wall" and o.backend != "torch":
+        fail("--clock: only with --backend torch (the cost model's step times are not measured)")
+    if slo_targets is not None and slo_targets.percentiles and not o.capacity_search:
+        metric, q, _ = slo_targets.percentiles[0]
+        fail(f"--slo {metric}_p{q:g}: percentile keys are judged by --capacity; a run or --sweep judges "
+             "ttft, itl, tpot, e2e (goodput, and p99 for --sweep)")
+    if o.capacity_tolerance is not None and not o.capacity_search:
+        fail("--capacity-tolerance: only with --capacity")
+    points = sweeping.cartesian(sweep_fields) if sweep_fields else []
+    if sweep_fields:
+        fields = [field for field, _ in sweep_fields]
+        if o.compare is not None:
+            fail("--sweep and --compare: give one, not both (--sweep scheduler=A,B runs several schedulers)")
+        if o.backend != "cost-model":
+            fail("--sweep: only with --backend cost-model (measured step times of parallel runs on one device "
+                 "would disturb each other)")
+        for option, value in (("--steps-out", o.steps_out), ("--requests-out", o.requests_out)):
+            if value is not None:
+                fail(f"{option}: not with --sweep (--save writes one run record per configuration)")
+        if "time_scale" in fields and o.time_scale != 1:
+            fail("--sweep time_scale and --time-scale: give one, not both")
+        if "rate" in fields and (o.time_scale != 1 or "time_scale" in fields):
+            fail("--sweep rate: sets the time scale itself; give neither --time-scale nor --sweep time_scale")
+        if "scheduler" in fields and o.scheduler_name is not None:
+            fail("--sweep scheduler and --scheduler: give one, not both")
+        for field in fields:
+            if field in changes:
+                fail(f"--sweep {field} and --set {field}: give one, not both")
+        if o.ray_address is not None and o.jobs is not None:
+            fail("--ray and --jobs: give one, not both (the Ray cluster decides how many run at once)")
+        if o.ray_address is not None and not o.ray_address.strip():
+            fail("--ray: empty address (HOST:PORT, ray://HOST:PORT or auto)")
+    elif o.jobs is not None and not o.capacity_search:
+        fail("--jobs: only with --sweep")
+    elif o.ray_address is not None:
+        fail("--ray: only with --sweep")
+    try:
+        spec = parse_synthetic(o.synthetic) if o.synthetic is not None else None
+    except WorkloadError as error:
+        fail(f"--synthetic: {error}".replace("--synthetic: synthetic: ", "--synthetic: "))
+
+    tolerance = capacities.DEFAULT_TOLERANCE if o.capacity_tolerance is None else o.capacity_tolerance
+    if o.capacity_search:
+        problem = capacities.option_problem(
+            slo_targets, o.backend, o.compare, [field for field, _ in sweep_fields], o.time_scale, spec,
+            {"--save": o.save_path, "--steps-out": o.steps_out, "--requests-out": o.requests_out}, tolerance)
+        if problem is not None:
+            fail(problem)
+    return ParsedOptions(changes=changes, cost=cost, base=base, derivation=derivation, slo_targets=slo_targets,
+                         slo_pair=slo_pair, step_filter=step_filter, names=names, sweep_fields=sweep_fields,
+                         points=points, synthetic=spec, tolerance=tolerance)
+
+
+def _plan(o: LabOptions, p: ParsedOptions, console: Console) -> LabPlan:
+    """The outputs checked, the configs and schedulers built, the workload read and every run's window
+    chosen: one list of run specifications, before the first run (exit 2 naming the option, 3 for a
+    missing feature)."""
+    names, points, spec, cost, changes, base = p.names, p.points, p.synthetic, p.cost, p.changes, p.base
+    mode = "capacity" if o.capacity_search else "sweep" if points else "compare" if o.compare is not None else "run"
+
+    # Outputs: never an input, never each other, and writable, before anything runs.
+    check_path("--trace", o.trace_path)
+    check_path("--model", o.model_dir)
+    check_path("--save", o.save_path)
+    path = (trace_formats.resolve_trace(o.trace_path) if o.trace_path is not None
+            else trace_formats.default_trace_path()) if spec is None else None
+
+    def output_name(base_path: str | None, name: str) -> str | None:
+        return None if base_path is None else base_path if len(names) == 1 else numbered_output(base_path, name)
+
+    labels = run_labels(len(points)) if points else names
+    save_names = [o.save_path if len(labels) == 1 else numbered_output(o.save_path, label) for label in labels] \
+        if o.save_path else []
+    # every file the command reads is an input: the trace, a profile file, the model's files
+    read = [path, o.profile if o.profile.endswith(".json") else None, o.model_dir if o.backend == "torch" else None]
+    check_outputs(
+        [(option, output_name(base_path, name)) for option, base_path in (("--steps-out", o.steps_out),
+                                                                            ("--requests-out", o.requests_out))
+         for name in names] + [("--save", target) for target in save_names],
+        inputs=read,
+        folders=[("--plot", o.plot_dir)],
+    )
+    if o.plot_dir is not None:
+        from schedspec.lab.plots import plot_files
+
+        planned = sweeping.plot_files(o.plot_dir) if points else plot_files(names, o.plot_dir)
+        for plot in planned:
+            for source in input_files(read):
+                if plot.exists() and source.exists() and plot.samefile(source):
+                    fail(f"--plot {o.plot_dir}: would overwrite the input file {plot}")
+    if len(names) > 1 and any("/" in n or n.startswith(".") for n in names) and (
+            o.steps_out or o.requests_out or o.save_path):
+        fail(f"--compare {o.compare!r}: a name with '/' or a leading '.' cannot name an output file")
+
+    # The configs and schedulers.
+    where = "--set" if changes else f"--profile {cost.name}"
+    build_config(base, changes, where=where)
+    configs: dict[str, tuple[str, SchedulerConfig]] = {}
+    for name in names:
+        scheduler, raw = resolve_variant(name, {**base, **changes})
+        config = build_config(raw, {}, where=f"--compare {name} (with {where})" if o.compare else where)
+        check_scheduler(scheduler, config, where="--compare" if o.compare else "--scheduler")
+        configs[name] = (scheduler, config)
+    point_configs: list[tuple[str, SchedulerConfig]] = []
+    for point in points:
+        label = sweeping.point_label(point)
+        fields_changed = {k: v for k, v in point.items() if k not in sweeping.LOAD_FIELDS and k != "scheduler"}
+        point_base = base
+        if fields_changed:
+            point_base, _ = costs.default_scheduler_config(cost, overrides={**changes, **fields_changed})
+        scheduler, raw = resolve_variant(point.get("scheduler", names[0]), {**point_base, **changes, **fields_changed})
+        config = build_config(raw, {}, where=f"--sweep {label}")
+        check_scheduler(scheduler, config, where=f"--sweep {label}:" if "scheduler" in point else "--scheduler")
+        point_configs.append((scheduler, config))
+
+    # The workload.
+    duration = o.duration
+    if duration is None and o.max_requests is None and spec is None:
+        duration = DEFAULT_DURATION
+    notes: list[str] = []
+    try:
+        if spec is not None:
+            requests = spec.generate()
+            trace_text = f"synthetic {spec}"
+            workload = {"kind": "synthetic", "trace_path": None, "trace_sha256": None, "trace_format": None,
+                        "synthetic": str(spec), "description": trace_text}
+        else:
+            assert path is not None
+            requests = trace_formats.load_trace(path, o.trace_format, notes=notes)
+            info = trace_formats.trace_info(path, o.trace_format, requests)
+            trace_text = str(info)
+            workload = {"kind": "trace", "trace_path": str(path), "trace_sha256": run_record.file_sha256(path),
+                        "trace_format": info.format, "synthetic": None, "description": trace_text}
+    except WorkloadError as error:
+        fail(f"--trace: {error}" if spec is None else f"--synthetic: {error}")
+    except OSError as error:
+        fail(f"--trace {path}: cannot read ({error.strerror})")
+    for line in notes:
+        note(line)
+
+    def make_window(scale: float, option: str = "--time-scale ") -> list:
+        try:
+            chosen = select_window(requests, start=o.start, duration=duration, max_requests=o.max_requests,
+                                   time_scale=scale)
+        except WorkloadError as error:
+            message = str(error)
+            for key, replacement in (("start=", "--start "), ("duration=", "--duration "), ("time_scale=", option)):
+                message = message.replace(key, replacement)
+            fail(message)
+        return _scale_lengths(chosen, o.length_scale)
+
+    window = make_window(o.time_scale)
+    window_text = (f"start {o.start if o.start is not None else 'first arrival'}, duration "
+                   f"{f'{duration:g} s' if duration else 'to the end'}, max requests {o.max_requests or 'all'}, "
+                   f"time scale {o.time_scale:g}")
+    if o.length_scale != 1:
+        window_text += (f", length scale {o.length_scale:g} (prompt and output lengths divided by "
+                        f"{o.length_scale:g})")
+    window_conditions = {"start_s": o.start, "duration_s": duration, "max_requests": o.max_requests,
+                         "time_scale": o.time_scale, "length_scale": o.length_scale}
+    conditions = _shared(o, workload, p.cost, _cost_backend(cost), cost.model, window_conditions)
+
+    if not o.as_json:
+        _print_admission_preview(console, window, [config for _, config in
+                                                  (point_configs or list(configs.values()))])
+
+    plan = functools.partial(LabPlan, save_names=save_names, trace_text=trace_text, window_text=window_text,
+                             conditions=conditions, window_conditions=window_conditions, workload=workload)
+    if mode == "capacity":
+        natural = _natural_rate(window, spec.rate if spec is not None else None, "--capacity")
+        runs: list[Any] = [
+            capacities.CapacityRun(i, sweeping.point_label(point) if point else scheduler, scheduler, config,
+                                   list(window), natural, natural, cost, not o.no_check, o.max_steps,
+                                   p.slo_targets, p.tolerance)
+            for i, (point, (scheduler, config)) in enumerate(zip(points or [{}], point_configs or [configs[names[0]]],
+                                                                 strict=True))]
+        return plan(mode=mode, runs=runs, natural_rate=natural)
+    if mode == "sweep":
+        windows: dict[float, list] = {o.time_scale: window}
+        natural_rate = None
+        runs = []
+        for index, (point, (scheduler, config)) in enumerate(zip(points, point_configs, strict=True)):
+            scale = o.time_scale
+            if "time_scale" in point:
+                scale = point["time_scale"]
+            elif "rate" in point:
+                if natural_rate is None:
+                    natural_rate = _natural_rate(window, None, "--sweep rate")
+                scale = natural_rate / point["rate"]
+            if scale not in windows:
+                windows[scale] = make_window(scale, option=f"--sweep {sweeping.point_label(point)}: time_scale=")
+            own = dict(conditions)
+            own["window"] = {**window_conditions, "time_scale": scale}
+            runs.append(sweeping.SweepRun(index, sweeping.point_label(point), scheduler, config, windows[scale], cost,
+                                          not o.no_check, o.max_steps, own, p.slo_pair, point))
+        return plan(mode=mode, runs=runs)
+    runs = [LabRun(i, name, *configs[name], window, output_name(o.steps_out, name), output_name(o.requests_out, name))
+            for i, name in enumerate(names)]
+    return plan(mode=mode, runs=runs)
+
+
+def _cost_backend(cost: costs.CostModel) -> dict[str, Any]:
+    """The run record's backend conditions for the cost model."""
+    return {"kind": "cost-model", "device": None, "model_dir": None, "description": f"cost model ({cost.name})"}
+
+
+def _shared(o: LabOptions, workload: dict[str, Any], cost: costs.CostModel, backend: dict[str, Any], model: str,
+            window: dict[str, Any]) -> dict[str, Any]:
+    return run_record.shared_conditions(workload=workload, window=window, cost=cost, backend=backend, model=model,
+                                        checks=not o.no_check, max_steps=o.max_steps)
+
+
+def _natural_rate(window: Sequence[Any], synthetic_rate: float | None, option: str) -> float:
+    """The window's own rate, requests / span (requests/s), or ``--synthetic``'s rate; exits 2 when every
+    request arrives at once."""
+    if synthetic_rate is not None:
+        return synthetic_rate
+    span = window[-1].arrival_time - window[0].arrival_time
+    if span <= 0:
+        fail(f"{option}: every request of the window arrives at the same time; no rate to scale")
+    return len(window) / span
+
+
 @click.command()
 @click.option("--trace", "trace_path", default=None, metavar="PATH",
               help="Trace file: Azure LLM inference 2023 or 2024 CSV, BurstGPT CSV or Mooncake JSONL "
@@ -408,271 +772,80 @@ def _compare_table(console: Console, records: list[dict[str, Any]]) -> None:
                    "time-scaled; a Poisson rate for --synthetic n=N), found by bisection; a table, the best named.")
 @click.option("--capacity-tolerance", type=Number(minimum=0, strict=True), default=None,
               help="Relative width of the capacity search's final bracket (default 0.02).")
-def command(trace_path, trace_format, synthetic, start, duration, max_requests, time_scale, length_scale,
-            scheduler_name, sets,
-            profile, backend, device, model_dir, steps_spec, steps_out, requests_out, slo, compare, plot_dir,
-            as_json, save_path, sweeps, jobs, no_check, max_steps, ray_address=None, capacity_search=False,
-            capacity_tolerance=None, clock="wall") -> None:
+def command(**options: Any) -> None:
     """Run the scheduler on a real trace and show the run conditions, the steps (by default the first
     40 where a request arrived, was preempted or finished; --steps to choose), the latency each request
     saw and the batch efficiency, with every step checked against the spec. Every option and the trace
     are validated before the run. Exit 0 clean, 1 on a spec violation, 2 on bad input, 3 if the
     scheduler lacks a feature the config needs."""
-    console = make_console(stderr=as_json, width=table_width())
-
-    # 1. Options, each on its own (no work yet).
-    changes = parse_sets(sets)
-    try:
-        cost = costs.get_profile(profile)
-        # Fields derived from others (num_kv_blocks from block_size, max_num_batched_tokens from
-        # max_model_len without chunked prefill, ...) are derived from the values --set gives.
-        base, derivation = costs.default_scheduler_config(cost, overrides=changes)
-    except costs.CostModelError as error:
-        fail(f"--profile: {error}")
-    try:
-        slo_targets = capacities.parse_slo(slo) if slo is not None else None
-        slo_pair = slo_targets.goodput if slo_targets is not None else None
-    except metrics.MetricsError as error:
-        fail(f"--slo: {error}")
-    step_filter = parse_steps(steps_spec)
-    if synthetic is not None and trace_path is not None:
-        fail("--trace and --synthetic: give one, not both")
-    if synthetic is not None and trace_format is not None:
-        fail("--trace-format and --synthetic: --trace-format describes a --trace file")
-    if compare is not None and scheduler_name is not None:
-        fail("--compare and --scheduler: give one, not both")
-    if compare is not None:
-        names = [n.strip() for n in compare.split(",")]
-        if not any(names):
-            fail(f"--compare {compare!r}: no scheduler named (expected A,B,.. e.g. static,fcfs)")
-        if not all(names):
-            fail(f"--compare {compare!r}: an empty name between commas")
-        repeated = sorted({n for n in names if names.count(n) > 1})
-        if repeated:
-            fail(f"--compare {compare!r}: {repeated[0]!r} given twice")
-    else:
-        names = [scheduler_name if scheduler_name is not None else "fcfs"]
-    sweep_fields = _parse_sweeps(sweeps)
-    if clock != "wall" and backend != "torch":
-        fail("--clock: only with --backend torch (the cost model's step times are not measured)")
-    if slo_targets is not None and slo_targets.percentiles and not capacity_search:
-        metric, q, _ = slo_targets.percentiles[0]
-        fail(f"--slo {metric}_p{q:g}: percentile keys are judged by --capacity; a run or --sweep judges "
-             "ttft, itl, tpot, e2e (goodput, and p99 for --sweep)")
-    if capacity_tolerance is not None and not capacity_search:
-        fail("--capacity-tolerance: only with --capacity")
-    points = sweeping.cartesian(sweep_fields) if sweep_fields else []
-    if sweep_fields:
-        fields = [field for field, _ in sweep_fields]
-        if compare is not None:
-            fail("--sweep and --compare: give one, not both (--sweep scheduler=A,B runs several schedulers)")
-        if backend != "cost-model":
-            fail("--sweep: only with --backend cost-model (measured step times of parallel runs on one device "
-                 "would disturb each other)")
-        for option, value in (("--steps-out", steps_out), ("--requests-out", requests_out)):
-            if value is not None:
-                fail(f"{option}: not with --sweep (--save writes one run record per configuration)")
-        if "time_scale" in fields and time_scale != 1:
-            fail("--sweep time_scale and --time-scale: give one, not both")
-        if "rate" in fields and (time_scale != 1 or "time_scale" in fields):
-            fail("--sweep rate: sets the time scale itself; give neither --time-scale nor --sweep time_scale")
-        if "scheduler" in fields and scheduler_name is not None:
-            fail("--sweep scheduler and --scheduler: give one, not both")
-        for field in fields:
-            if field in changes:
-                fail(f"--sweep {field} and --set {field}: give one, not both")
-        if ray_address is not None and jobs is not None:
-            fail("--ray and --jobs: give one, not both (the Ray cluster decides how many run at once)")
-        if ray_address is not None and not ray_address.strip():
-            fail("--ray: empty address (HOST:PORT, ray://HOST:PORT or auto)")
-    elif jobs is not None and not capacity_search:
-        fail("--jobs: only with --sweep")
-    elif ray_address is not None:
-        fail("--ray: only with --sweep")
-    try:
-        spec = parse_synthetic(synthetic) if synthetic is not None else None
-    except WorkloadError as error:
-        fail(f"--synthetic: {error}".replace("--synthetic: synthetic: ", "--synthetic: "))
-
-    tolerance = capacities.DEFAULT_TOLERANCE if capacity_tolerance is None else capacity_tolerance
-    if capacity_search:
-        problem = capacities.option_problem(
-            slo_targets, backend, compare, [field for field, _ in sweep_fields], time_scale, spec,
-            {"--save": save_path, "--steps-out": steps_out, "--requests-out": requests_out}, tolerance)
-        if problem is not None:
-            fail(problem)
-
-    # 2. Outputs: never an input, never each other, and writable, before anything runs.
-    check_path("--trace", trace_path)
-    check_path("--model", model_dir)
-    check_path("--save", save_path)
-    path = (trace_formats.resolve_trace(trace_path) if trace_path is not None else trace_formats.default_trace_path()) \
-        if spec is None else None
-
-    def output_name(base_path: str | None, name: str) -> str | None:
-        return None if base_path is None else base_path if len(names) == 1 else numbered_output(base_path, name)
-
-    labels = run_labels(len(points)) if points else names
-    save_names = [save_path if len(labels) == 1 else numbered_output(save_path, label) for label in labels] \
-        if save_path else []
-    # every file the command reads is an input: the trace, a profile file, the model's files
-    read = [path, profile if profile.endswith(".json") else None, model_dir if backend == "torch" else None]
-    check_outputs(
-        [(option, output_name(base_path, name)) for option, base_path in (("--steps-out", steps_out),
-                                                                            ("--requests-out", requests_out))
-         for name in names] + [("--save", target) for target in save_names],
-        inputs=read,
-        folders=[("--plot", plot_dir)],
-    )
-    if plot_dir is not None:
-        from schedspec.lab.plots import plot_files
-
-        planned = sweeping.plot_files(plot_dir) if points else plot_files(names, plot_dir)
-        for plot in planned:
-            for source in input_files(read):
-                if plot.exists() and source.exists() and plot.samefile(source):
-                    fail(f"--plot {plot_dir}: would overwrite the input file {plot}")
-    if len(names) > 1 and any("/" in n or n.startswith(".") for n in names) and (steps_out or requests_out or save_path):
-        fail(f"--compare {compare!r}: a name with '/' or a leading '.' cannot name an output file")
-
-    # 3. The configs and schedulers (exit 2 naming the option, or 3 for a missing feature).
-    where = "--set" if changes else f"--profile {cost.name}"
-    build_config(base, changes, where=where)
-    configs: dict[str, tuple[str, SchedulerConfig]] = {}
-    for name in names:
-        scheduler, raw = resolve_variant(name, {**base, **changes})
-        config = build_config(raw, {}, where=f"--compare {name} (with {where})" if compare else where)
-        check_scheduler(scheduler, config, where="--compare" if compare else "--scheduler")
-        configs[name] = (scheduler, config)
-    point_configs: list[tuple[str, SchedulerConfig]] = []
-    for point in points:
-        label = sweeping.point_label(point)
-        fields_changed = {k: v for k, v in point.items() if k not in sweeping.LOAD_FIELDS and k != "scheduler"}
-        point_base = base
-        if fields_changed:
-            point_base, _ = costs.default_scheduler_config(cost, overrides={**changes, **fields_changed})
-        scheduler, raw = resolve_variant(point.get("scheduler", names[0]), {**point_base, **changes, **fields_changed})
-        config = build_config(raw, {}, where=f"--sweep {label}")
-        check_scheduler(scheduler, config, where=f"--sweep {label}:" if "scheduler" in point else "--scheduler")
-        point_configs.append((scheduler, config))
-
-    # 4. The workload.
-    if duration is None and max_requests is None and spec is None:
-        duration = DEFAULT_DURATION
-    notes: list[str] = []
-    try:
-        if spec is not None:
-            requests = spec.generate()
-            trace_text = f"synthetic {spec}"
-            workload = {"kind": "synthetic", "trace_path": None, "trace_sha256": None, "trace_format": None,
-                        "synthetic": str(spec), "description": trace_text}
-        else:
-            assert path is not None
-            requests = trace_formats.load_trace(path, trace_format, notes=notes)
-            info = trace_formats.trace_info(path, trace_format, requests)
-            trace_text = str(info)
-            workload = {"kind": "trace", "trace_path": str(path), "trace_sha256": run_record.file_sha256(path),
-                        "trace_format": info.format, "synthetic": None, "description": trace_text}
-    except WorkloadError as error:
-        fail(f"--trace: {error}" if spec is None else f"--synthetic: {error}")
-    except OSError as error:
-        fail(f"--trace {path}: cannot read ({error.strerror})")
-    for line in notes:
-        note(line)
-
-    def make_window(scale: float, option: str = "--time-scale ") -> list:
-        try:
-            chosen = select_window(requests, start=start, duration=duration, max_requests=max_requests,
-                                             time_scale=scale)
-        except WorkloadError as error:
-            message = str(error)
-            for key, replacement in (("start=", "--start "), ("duration=", "--duration "), ("time_scale=", option)):
-                message = message.replace(key, replacement)
-            fail(message)
-        return _scale_lengths(chosen, length_scale)
-
-    window = make_window(time_scale)
-    window_text = (f"start {start if start is not None else 'first arrival'}, duration "
-                   f"{f'{duration:g} s' if duration else 'to the end'}, max requests {max_requests or 'all'}, "
-                   f"time scale {time_scale:g}")
-    if length_scale != 1:
-        window_text += f", length scale {length_scale:g} (prompt and output lengths divided by {length_scale:g})"
-    window_conditions = {"start_s": start, "duration_s": duration, "max_requests": max_requests,
-                         "time_scale": time_scale, "length_scale": length_scale}
-    cost_backend = {"kind": "cost-model", "device": None, "model_dir": None, "description": f"cost model ({cost.name})"}
-
-    def shared(backend_conditions: dict[str, Any], model: str, window_fields: dict[str, Any]) -> dict[str, Any]:
-        return run_record.shared_conditions(workload=workload, window=window_fields, cost=cost,
-                                            backend=backend_conditions, model=model, checks=not no_check,
-                                            max_steps=max_steps)
-
-    if not as_json:
-        _print_admission_preview(console, window, [config for _, config in
-                                                  (point_configs or list(configs.values()))])
-
-    if capacity_search:
-        status = _capacity(
-            console, points or [{}], point_configs or [configs[names[0]]], window,
-            spec.rate if spec is not None else None, cost, slo_targets, tolerance, not no_check, max_steps,
-            jobs if jobs is not None else sweeping.default_jobs(), plot_dir, as_json,
-            shared(cost_backend, cost.model, window_conditions), f"{trace_text.splitlines()[0]}; window {window_text}")
-        sys.exit(status)
-    if points:
-        _sweep(console, points, point_configs, make_window, window, window_conditions,
-               shared(cost_backend, cost.model, window_conditions), cost, slo_pair, no_check, max_steps,
-               jobs, plot_dir, save_names, as_json, trace_text, window_text, ray_address)
+    o = LabOptions(**options)
+    console = make_console(stderr=o.as_json, width=table_width())
+    parsed = _parse(o)
+    plan = _plan(o, parsed, console)
+    if plan.mode == "capacity":
+        sys.exit(_run_capacity(console, o, parsed, plan))
+    if plan.mode == "sweep":
+        _run_sweep(console, o, parsed, plan)
         return
+    _run_plain(console, o, parsed, plan)
 
-    # 5. The runs.
-    runs: list[tuple[str, LabResult]] = []
-    records: list[dict[str, Any]] = []
-    run_conditions: list[list[tuple[str, str]]] = []
-    for name in names:
-        scheduler, config = configs[name]
-        token_source = None
+
+def _run_plain(console: Console, o: LabOptions, p: ParsedOptions, plan: LabPlan) -> None:
+    """A run or ``--compare``: every :class:`LabRun` in this process, then its outputs and tables."""
+    cost = p.cost
+    compare = plan.mode == "compare"
+
+    def run(spec: LabRun) -> tuple[LabResult, dict[str, Any], str, SchedulerConfig]:
+        config, token_source = spec.config, None
         backend_text = f"cost model ({cost.name})"
-        backend_conditions, model = cost_backend, cost.model
-        if backend == "torch":
-            config, token_source, backend_text = _torch_backend(config, changes, window, model_dir, device, clock)
-            backend_conditions = {"kind": "torch", "device": device, "model_dir": model_dir,
+        backend_conditions, model = _cost_backend(cost), cost.model
+        if o.backend == "torch":
+            config, token_source, backend_text = _torch_backend(config, p.changes, spec.window, o.model_dir, o.device,
+                                                                o.clock)
+            backend_conditions = {"kind": "torch", "device": o.device, "model_dir": o.model_dir,
                                   "description": backend_text}
-            model = model_dir if model_dir is not None else "built-in tiny model (schedspec.gpu_backend)"
-        target = output_name(steps_out, name)
-        result = _run_one(name, scheduler, config, window, token_source, cost, no_check, max_steps, as_json,
-                          target, console)
-        result.scheduler = name
-        if backend == "cost-model":
-            _warn_outside_fitted_range(cost, result.steps, name if compare else None)
-        runs.append((name, result))
-        records.append(run_record.build_record(name, result, shared(backend_conditions, model, window_conditions),
-                                               slo_pair))
-        run_conditions.append(_conditions(result, cost, trace_text, window_text, backend_text))
-        if not as_json and not compare:
-            _print_conditions(console, run_conditions[-1])
-            console.print(Text(f"Config derivation: {derivation}", style="dim"))
-            _print_steps(console, result.steps, config, step_filter(result.steps))
+            model = o.model_dir if o.model_dir is not None else "built-in tiny model (schedspec.gpu_backend)"
+        result = _run_one(spec.name, spec.scheduler, config, spec.window, token_source, cost, o.no_check, o.max_steps,
+                          o.as_json, spec.steps_out, console)
+        result.scheduler = spec.name
+        if o.backend == "cost-model":
+            _warn_outside_fitted_range(cost, result.steps, spec.name if compare else None)
+        shared = _shared(o, plan.workload, cost, backend_conditions, model, plan.window_conditions)
+        record = run_record.build_record(spec.name, result, shared, p.slo_pair)
+        return result, record, backend_text, config  # config: fitted to the model with --backend torch
 
-    for name, result in runs:
-        target = output_name(requests_out, name)
-        if target is not None:
+    # in this process, one after the other: each streams its progress and --steps-out
+    outcomes = execute(run, plan.runs)
+    runs = [(spec.name, outcome[0]) for spec, outcome in zip(plan.runs, outcomes, strict=True)]
+    records = [outcome[1] for outcome in outcomes]
+    run_conditions = [_conditions(result, cost, plan.trace_text, plan.window_text, backend_text)
+                      for result, _, backend_text, _ in outcomes]
+    if not o.as_json and not compare:
+        ((result, _, _, config),) = outcomes
+        _print_conditions(console, run_conditions[0])
+        console.print(Text(f"Config derivation: {p.derivation}", style="dim"))
+        _print_steps(console, result.steps, config, p.step_filter(result.steps))
+
+    for spec, (_, result) in zip(plan.runs, runs, strict=True):
+        if spec.requests_out is not None:
             try:
-                with atomic_output(target, encoding="utf-8", newline="") as handle:
+                with atomic_output(spec.requests_out, encoding="utf-8", newline="") as handle:
                     metrics.write_timelines_csv(result.timelines, handle)
             except OSError as error:
-                fail(f"--requests-out {target}: cannot write ({error.strerror})")
-    _save_records(records, save_names, console, quiet=as_json)
-    if plot_dir:
+                fail(f"--requests-out {spec.requests_out}: cannot write ({error.strerror})")
+    _save_records(records, plan.save_names, console, quiet=o.as_json)
+    if o.plot_dir:
         from schedspec.lab.plots import write_plots
 
         try:
-            for written in write_plots([(name, result) for name, result in runs], plot_dir):
+            for written in write_plots(runs, o.plot_dir):
                 console.print(f"wrote {written}")
         except OSError as error:
-            fail(f"--plot {plot_dir}: cannot write ({error.strerror})")
-    if as_json:
+            fail(f"--plot {o.plot_dir}: cannot write ({error.strerror})")
+    if o.as_json:
         click.echo(json.dumps(records if compare else records[0], indent=2, default=str))
     elif compare:
-        _print_compare_conditions(console, names, run_conditions)
+        _print_compare_conditions(console, [spec.name for spec in plan.runs], run_conditions)
         _compare_table(console, records)
     else:
         _print_summary(console, records[0])
@@ -737,130 +910,99 @@ def _save_records(records: list[dict[str, Any]], targets: list[str], console: Co
             console.print(f"wrote {target}")
 
 
-def _capacity(console, points: Sequence[Mapping[str, Any]], configurations: Sequence[tuple[str, Any]],
-              window: Sequence[Any], synthetic_rate: float | None, cost, targets: capacities.SloTargets,
-              tolerance: float, check: bool, max_steps: int | None, workers: int, plot_dir: str | None,
-              as_json: bool, conditions: Mapping[str, Any], heading: str) -> int:
-    """``--capacity``: run every configuration's search (:func:`schedspec.lab.capacity.run_all`) and print
-    the table (or the JSON). Returns the exit status: 0, or 1 when a run broke the spec or the engine
-    crashed."""
-    if synthetic_rate is not None:
-        natural = synthetic_rate
-    else:
-        span = window[-1].arrival_time - window[0].arrival_time
-        if span <= 0:
-            fail("--capacity: every request of the window arrives at the same time; no rate to scale")
-        natural = len(window) / span
-    jobs = [(i, sweeping.point_label(point) if point else scheduler, scheduler, config, list(window), natural, natural, cost,
-             check, max_steps, targets, tolerance)
-            for i, (point, (scheduler, config)) in enumerate(zip(points, configurations, strict=True))]
-    if not as_json:
-        console.print(f"Capacity search: {len(jobs)} configuration(s); {heading}; SLO {targets}; natural rate "
-                      f"{natural:.3g} requests/s; bisection to a relative tolerance of {tolerance:g}; "
-                      f"{min(workers, len(jobs))} worker processes", markup=False, highlight=False)
-    results = capacities.run_all(jobs, workers)
+def _run_capacity(console: Console, o: LabOptions, p: ParsedOptions, plan: LabPlan) -> int:
+    """``--capacity``: every configuration's search (:func:`schedspec.lab.capacity.run_all`), then the table
+    (or the JSON). Returns the exit status: 0, or 1 when a run broke the spec or the engine crashed."""
+    targets, natural = p.slo_targets, plan.natural_rate
+    assert targets is not None and natural is not None
+    workers = o.jobs if o.jobs is not None else sweeping.default_jobs()
+    if not o.as_json:
+        heading = f"{plan.trace_text.splitlines()[0]}; window {plan.window_text}"
+        console.print(f"Capacity search: {len(plan.runs)} configuration(s); {heading}; SLO {targets}; natural rate "
+                      f"{natural:.3g} requests/s; bisection to a relative tolerance of {p.tolerance:g}; "
+                      f"{min(workers, len(plan.runs))} worker processes", markup=False, highlight=False)
+    results = capacities.run_all(plan.runs, workers)
     best, reason = capacities.choose_best(results)
-    if plot_dir is not None:
-        written = capacities.write_plot(results, best, targets, plot_dir)
-        if not as_json:
+    if o.plot_dir is not None:
+        written = capacities.write_plot(results, best, targets, o.plot_dir)
+        if not o.as_json:
             console.print(f"wrote {written}", markup=False, highlight=False)
-    if as_json:
-        click.echo(json.dumps({"conditions": dict(conditions), "slo": str(targets), "tolerance": tolerance,
+    if o.as_json:
+        click.echo(json.dumps({"conditions": dict(plan.conditions), "slo": str(targets), "tolerance": p.tolerance,
                                "natural_rate_req_per_s": natural, "best": best, "reason": reason,
                                "configurations": results}, indent=2, default=str))
     else:
-        shown = [(m, q) for m, q in capacities.REPORTED]
-        for m, q, _ in targets.targets():
-            if (m, q) not in shown:
-                shown.append((m, q))
-        table = Table(title=f"Capacity under {targets} (latency in ms at the capacity rate)", title_justify="left")
-        for column in ("#", "configuration", "capacity req/s", "bracket", "runs", "output tok/s",
-                       *(f"{m.upper()} p{capacities.percentile_label(q)}" for m, q in shown)):
-            table.add_column(column, justify="right", no_wrap=True)
-        for i, r in enumerate(results):
-            f = r["figures"] or {}
-            rate = r["capacity_req_per_s"]
-            capacity_text = "-" if rate is None else f"{rate:.3g}" + (" (or more)" if r["status"] == "above-range" else "")
-            if r["status"] == "found":
-                bracket = f"< {r['upper_req_per_s']:.3g}"
-            elif r["status"] == "above-range":
-                bracket = "held at the top of the range"
-            else:
-                bracket = f"fails at {r['upper_req_per_s']:.3g}, the bottom of the range"
-            table.add_row(str(i + 1), r["label"], capacity_text, bracket, str(len(r["evaluations"])),
-                          "-" if f.get("output_tokens_per_s") is None else f"{f['output_tokens_per_s']:,.0f}",
-                          *("-" if f.get(f"{m}_p{capacities.percentile_label(q)}_s") is None else f"{f[f'{m}_p{capacities.percentile_label(q)}_s'] * 1e3:,.1f}"
-                            for m, q in shown),
-                          style="bold" if i == best else None)
-        wide_console().print(table)
-        for r in results:
-            if r["problem"] is not None:
-                console.print(f"FAILED {r['label']}: {r['problem']}", markup=False, highlight=False)
-        console.print(f"Best: {'none' if best is None else results[best]['label']}: {reason}", markup=False,
-                      highlight=False)
+        _print_capacity_table(console, results, targets, best, reason)
     return 1 if any(r["problem"] for r in results) else 0
 
 
-def _sweep(console: Console, points: list[dict[str, Any]], point_configs: list[tuple[str, SchedulerConfig]],
-           make_window, window: list, window_conditions: dict[str, Any], conditions: dict[str, Any],
-           cost, slo, no_check: bool, max_steps: int | None, jobs: int | None, plot_dir: str | None,
-           save_names: list[str], as_json: bool, trace_text: str, window_text: str,
-           ray_address: str | None = None) -> None:
-    """``--sweep``: every point run (in parallel), one table, the best configuration named."""
-    windows: dict[float, list] = {window_conditions["time_scale"]: window}
-    natural_rate = None
-    job_list = []
-    for index, (point, (scheduler, config)) in enumerate(zip(points, point_configs, strict=True)):
-        scale = window_conditions["time_scale"]
-        if "time_scale" in point:
-            scale = point["time_scale"]
-        elif "rate" in point:
-            if natural_rate is None:
-                base = windows[window_conditions["time_scale"]]
-                span = base[-1].arrival_time - base[0].arrival_time
-                if span <= 0:
-                    fail("--sweep rate: every request of the window arrives at the same time; no rate to scale")
-                natural_rate = len(base) / span
-            scale = natural_rate / point["rate"]
-        if scale not in windows:
-            windows[scale] = make_window(scale, option=f"--sweep {sweeping.point_label(point)}: time_scale=")
-        own = dict(conditions)
-        own["window"] = {**window_conditions, "time_scale": scale}
-        job_list.append((index, sweeping.point_label(point), scheduler, config, windows[scale], cost, not no_check,
-                         max_steps, own, slo, point))
-    workers = jobs if jobs is not None else sweeping.default_jobs()
-    if not as_json:
-        where = f"Ray tasks on the cluster at {ray_address}" if ray_address else \
-            f"{min(workers, len(points))} worker processes"
-        console.print(Text(f"Sweep: {len(points)} configurations of {trace_text.splitlines()[0]}; window "
-                           f"{window_text}; checks {'off' if no_check else 'on'}; {where}"))
-    try:
-        if ray_address is not None:
-            results = sweeping.run_points_ray(job_list, ray_address)
+def _print_capacity_table(console: Console, results: Sequence[Mapping[str, Any]], targets: capacities.SloTargets,
+                          best: int | None, reason: str) -> None:
+    shown = [(m, q) for m, q in capacities.REPORTED]
+    for m, q, _ in targets.targets():
+        if (m, q) not in shown:
+            shown.append((m, q))
+    table = Table(title=f"Capacity under {targets} (latency in ms at the capacity rate)", title_justify="left")
+    for column in ("#", "configuration", "capacity req/s", "bracket", "runs", "output tok/s",
+                   *(f"{m.upper()} p{capacities.percentile_label(q)}" for m, q in shown)):
+        table.add_column(column, justify="right", no_wrap=True)
+    for i, r in enumerate(results):
+        f = r["figures"] or {}
+        rate = r["capacity_req_per_s"]
+        capacity_text = "-" if rate is None else f"{rate:.3g}" + (" (or more)" if r["status"] == "above-range" else "")
+        if r["status"] == "found":
+            bracket = f"< {r['upper_req_per_s']:.3g}"
+        elif r["status"] == "above-range":
+            bracket = "held at the top of the range"
         else:
-            results = sweeping.run_points(job_list, workers)
-    except sweeping.RayNotInstalled as error:
-        fail(f"--ray {ray_address}: {error}", status=EXIT_UNSUPPORTED)
-    except sweeping.RayUnavailable as error:  # no cluster there, or a task failed on it: unusable input (2)
-        fail(f"--ray {ray_address}: {error}")
+            bracket = f"fails at {r['upper_req_per_s']:.3g}, the bottom of the range"
+        table.add_row(str(i + 1), r["label"], capacity_text, bracket, str(len(r["evaluations"])),
+                      "-" if f.get("output_tokens_per_s") is None else f"{f['output_tokens_per_s']:,.0f}",
+                      *("-" if f.get(f"{m}_p{capacities.percentile_label(q)}_s") is None else f"{f[f'{m}_p{capacities.percentile_label(q)}_s'] * 1e3:,.1f}"
+                        for m, q in shown),
+                      style="bold" if i == best else None)
+    wide_console().print(table)
+    for r in results:
+        if r["problem"] is not None:
+            console.print(f"FAILED {r['label']}: {r['problem']}", markup=False, highlight=False)
+    console.print(f"Best: {'none' if best is None else results[best]['label']}: {reason}", markup=False,
+                  highlight=False)
+
+
+def _run_sweep(console: Console, o: LabOptions, p: ParsedOptions, plan: LabPlan) -> None:
+    """``--sweep``: every point run (in parallel: local processes or Ray), one table, the best configuration
+    named."""
+    points = [run.point for run in plan.runs]
+    workers = o.jobs if o.jobs is not None else sweeping.default_jobs()
+    if not o.as_json:
+        where = f"Ray tasks on the cluster at {o.ray_address}" if o.ray_address else \
+            f"{min(workers, len(points))} worker processes"
+        console.print(Text(f"Sweep: {len(points)} configurations of {plan.trace_text.splitlines()[0]}; window "
+                           f"{plan.window_text}; checks {'off' if o.no_check else 'on'}; {where}"))
+    try:
+        results = sweeping.run_points(plan.runs, workers, o.ray_address)
+    except RayNotInstalled as error:
+        fail(f"--ray {o.ray_address}: {error}", status=EXIT_UNSUPPORTED)
+    except RayUnavailable as error:  # no cluster there, or a task failed on it: unusable input (2)
+        fail(f"--ray {o.ray_address}: {error}")
     except BrokenProcessPool as error:
         fail(f"--sweep: a worker process died ({error}); try fewer --jobs or a smaller window",
              status=EXIT_CHECK_FAILED)
     records = [record for _, record, _ in results]
     problems = [(i, why) for i, _, why in results if why is not None]
-    best, reason = sweeping.choose_best(records, slo)
-    _save_records(records, save_names, console, quiet=as_json)  # type: ignore[arg-type]
-    if plot_dir is not None:
+    best, reason = sweeping.choose_best(records, p.slo_pair)
+    _save_records(records, plan.save_names, console, quiet=o.as_json)  # type: ignore[arg-type]
+    if o.plot_dir is not None:
         try:
-            for written in sweeping.write_plots(records, points, slo, plot_dir):
-                if not as_json:
+            for written in sweeping.write_plots(records, points, p.slo_pair, o.plot_dir):
+                if not o.as_json:
                     console.print(f"wrote {written}")
         except OSError as error:
-            fail(f"--plot {plot_dir}: cannot write ({error.strerror})")
-    if as_json:
+            fail(f"--plot {o.plot_dir}: cannot write ({error.strerror})")
+    if o.as_json:
         click.echo(json.dumps([r for r in records if r is not None], indent=2, default=str))
     else:
-        _print_sweep_table(console, points, records, slo, best)
+        _print_sweep_table(console, points, records, p.slo_pair, best)
         for index, why in problems:
             console.print(Text.assemble(("FAILED", "red"), f" point {index + 1} ({sweeping.point_label(points[index])}): ",
                                         one_line(why)))
