@@ -66,7 +66,10 @@ def resolve_variant(name: str, config: dict[str, Any]) -> tuple[str, dict[str, A
 
 @attrs.frozen(slots=True)
 class LabStep:
-    """One step, in the units the step table shows (seconds, tokens, blocks)."""
+    """One step, in the units the step table shows (seconds, tokens, blocks): a row derived once from
+    the engine's :class:`~schedspec.reference.engine.StepView` and kept for the whole run (the step
+    table, the plots, the efficiency figures). Apart from the view because a view holds the two spec
+    states around the step, which a run of 10,000s of steps must not keep."""
 
     step: int
     start_time: float
@@ -98,7 +101,10 @@ class LabResult:
 
 @attrs.frozen
 class _HitView:
-    """A step as :meth:`PrefixHitCounter.observe` reads it (the fields it names), from a StepView."""
+    """A step as :meth:`PrefixHitCounter.observe` reads it (the fields it names), from a StepView: an
+    adapter, not a step type of its own. The counter reads :class:`~schedspec.spec.trace.StepRecord`
+    values of a recorded trace (``metrics.prefix_hit_summary``) and, through this, the lab's views, so
+    that a lab run builds no StepRecord per step."""
 
     view: StepView
     block_size: int

@@ -164,6 +164,11 @@ class StepView:
     """One step as it happened, without building a :class:`StepRecord` (the lab's statistics read
     only this; a StepRecord copies every scheduled item into new objects, a fifth of a lab run).
 
+    Not merged with :class:`~schedspec.spec.trace.StepRecord`: a StepRecord is the trace's unit (what an
+    engine's log says, judged by the checker, written as JSON), built from a view only when a trace is
+    written; a view is the engine's in-memory step, holding the states around it, alive during the
+    step only. The lab keeps :class:`~schedspec.lab.run.LabStep` rows from it.
+
     Attributes:
         step: the step index.
         start_time: simulated seconds at the step's start; ``duration``: its length in seconds.

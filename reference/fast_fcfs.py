@@ -148,7 +148,9 @@ class LightState:
     """What a step view of :class:`FastFcfsScheduler` offers in place of a
     :class:`~schedspec.spec.state.SchedulerState`: ``step``, ``requests`` (request id -> a record that
     reads like a ``Request`` for the fields it names), ``running`` and ``waiting`` (ids) and
-    ``free_block_ids`` (only its ``len`` is guaranteed)."""
+    ``free_block_ids`` (only its ``len`` is guaranteed). Not a step summary: it stands for the state
+    in :class:`~schedspec.reference.engine.StepView`'s ``before`` and ``after`` in an unchecked
+    ``fcfs-fast`` run, where building the spec state per step is what ``fcfs-fast`` saves."""
 
     __slots__ = ("step", "requests", "running", "waiting", "free_block_ids")
 

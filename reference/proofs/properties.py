@@ -166,7 +166,10 @@ def arrivals(s: State, flags: Sequence[Any], prompts: Sequence[Any], max_tokens:
 
 
 @dataclass
-class StepRecord:
+class SymbolicStep:
+    """One unrolled step of a :class:`Run` in Z3 terms (the state after arrivals, the policy's step and
+    its outcome): symbolic, so not the trace's :class:`~schedspec.spec.trace.StepRecord`."""
+
     before: State
     step: PolicyStep
     out: StepOutcome
@@ -177,7 +180,7 @@ class Run:
     """An unrolled run: per step the state after arrivals (``before``), the policy's step and the
     outcome; the per-slot arrival step, prompt and max_tokens when the run starts from ``Init``."""
 
-    steps: list[StepRecord]
+    steps: list[SymbolicStep]
     arrival: list[Any]
     prompt: list[Any]
     max_tokens: list[Any]
@@ -249,7 +252,7 @@ def run_from_init(ctx: Ctx, policy: str, n: int, depth: int, eos: bool = False, 
             ctx.facts.extend(lemma for _, lemma in step.ordered_lemmas)
         e = [z3.Bool(f"t{t}_eos{i}") if eos else z3.BoolVal(False) for i in range(n)]
         out = apply_plan(ctx, before, step.plan, e)
-        steps.append(StepRecord(before, step, out))
+        steps.append(SymbolicStep(before, step, out))
         eos_vars.append(e)
         s = materialize(ctx, out.state, f"t{t + 1}")
     return Run(steps, arrival, prompt, max_tokens, eos_vars, abort_vars, arrived_states)

@@ -65,8 +65,10 @@ DEFAULT_MAX_STEPS = 2_000
 
 
 @attrs.frozen
-class StepView:
-    """What two schedulers are compared on in one step (sets where an engine need not keep an order).
+class ComparedStep:
+    """What two schedulers are compared on in one step (sets where an engine need not keep an order): a
+    projection of each one's :class:`~schedspec.spec.trace.StepRecord` (not the engine's
+    :class:`~schedspec.reference.engine.StepView`, which holds the states around a step).
 
     ``scheduled`` maps request id -> ``(num_computed_tokens, num_tokens, blocks)`` where ``blocks`` is
     the number of new blocks, or their ids with exact block comparison.
@@ -78,7 +80,7 @@ class StepView:
     finished: frozenset[str]
 
     @classmethod
-    def of(cls, record: StepRecord, exact_blocks: bool) -> StepView:
+    def of(cls, record: StepRecord, exact_blocks: bool) -> ComparedStep:
         scheduled = {}
         for item in record.scheduled:
             blocks = tuple(record.blocks_allocated.get(item.request_id, ()))
@@ -128,7 +130,7 @@ def _live_before(records: Sequence[StepRecord], index: int) -> int:
 
 
 def documented_difference(config: SchedulerConfig, records: Sequence[StepRecord], index: int,
-                          mine: StepView, other: StepView) -> str | None:
+                          mine: ComparedStep, other: ComparedStep) -> str | None:
     """Whether the divergence at ``records[index]`` between an engine and a ``vllm-v1`` profile is one of
     the profile's documented differences from vLLM (docs/engines.md), and which. Only the one that
     ``schedspec diff``'s scenarios can show is recognized: vLLM lifts ``long_prefill_token_threshold``
@@ -229,7 +231,7 @@ def compare(config: SchedulerConfig, requests: Sequence[RequestSpec], scheduler:
     compared = 0
     for index, (mine, other) in enumerate(zip(ours.records, theirs.records, strict=False)):
         compared += 1
-        a, b = StepView.of(mine, exact_blocks), StepView.of(other, exact_blocks)
+        a, b = ComparedStep.of(mine, exact_blocks), ComparedStep.of(other, exact_blocks)
         if a != b:
             documented = documented_difference(config, ours.records, index, a, b) if profile_pair else None
             return Comparison(compared, Divergence(mine.step, a.describe(), b.describe(), documented),
