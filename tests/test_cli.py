@@ -115,3 +115,26 @@ def test_a_full_standard_output_is_one_line_not_a_traceback():
                               stderr=subprocess.PIPE, text=True, timeout=120)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == ["schedspec: error: cannot write the output: No space left on device"]
+
+
+def test_one_scheduler_registry_feeds_the_help_the_known_names_and_every_command(monkeypatch):
+    """An entry added to the registry is in the --scheduler help's source, in the list an unknown name
+    prints, and runs in `schedspec lab` and `schedspec replay` (no second table to add it to)."""
+    from click.testing import CliRunner
+
+    from schedspec.cli import cli
+    from schedspec.cli_common import scheduler_names_help
+    from schedspec.reference.scheduler import REGISTRY, SCHEDULERS, RegisteredScheduler, names
+
+    assert list(SCHEDULERS) == names("reference") and set(REGISTRY) == {*names("reference"), *names("engine-adapter")}
+    monkeypatch.setitem(REGISTRY, "fcfs-again", RegisteredScheduler("fcfs-again", "reference", factory=SCHEDULERS["fcfs"]))
+    assert "fcfs-again" in scheduler_names_help() and "fcfs-again" in SCHEDULERS
+    runner = CliRunner()
+    lab = runner.invoke(cli, ["lab", "--scheduler", "fcfs-again", "--max-requests", "5", "--steps", "none", "--json"])
+    assert lab.exit_code == 0, lab.output
+    assert json.loads(lab.stdout)["figures"]["requests_finished"] == 5
+    scenario = str(next(iter(bundled_scenarios())))
+    replay = runner.invoke(cli, ["replay", scenario, "--scheduler", "fcfs-again"])
+    assert replay.exit_code in (0, 1, 3), replay.output  # judged, not refused as an unknown name
+    unknown = runner.invoke(cli, ["lab", "--scheduler", "no-such", "--max-requests", "5"])
+    assert unknown.exit_code == 2 and "fcfs-again" in unknown.output
