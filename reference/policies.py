@@ -47,6 +47,7 @@ Where this differs from vLLM 0.32, on purpose:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from schedspec.spec.admission import rejection_reason
 from schedspec.spec.config import SchedulerConfig, blocks_for_tokens
@@ -55,6 +56,45 @@ from schedspec.spec.request import Request
 from schedspec.spec.state import ScheduledRequest, SchedulerState, StepPlan
 
 AdmissionOrder = Callable[[SchedulerState], Sequence[str]]
+
+
+class BlockPool(Protocol):
+    """The one interface of the free queue as a reference policy's plan sees it during one step (blocks
+    are not taken from the state: the plan names them, the spec's transition applies it). Three
+    implementations, differing only in where a released block goes: :class:`_BlockPool` (caching off,
+    after the blocks already free: fcfs, static, shortest-prompt-first, priority),
+    ``vllm_v1._FreeQueue`` (caching off, at the front, as vLLM 0.32 ``BlockPool.free_blocks``) and
+    :class:`CachePool` (prefix caching: at the back, cached, as :class:`~schedspec.spec.prefix_cache.CacheUpdate`).
+    """
+
+    @property
+    def available(self) -> int:
+        """Blocks that could be handed out now (blocks)."""
+        ...
+
+    def take(self, count: int) -> tuple[int, ...]:
+        """The next ``count`` block ids (the caller checked :attr:`available`); ``()`` for ``count <= 0``."""
+        ...
+
+    def release(self, blocks: tuple[int, ...]) -> None:
+        """A block table given back (a preemption in this step)."""
+        ...
+
+    def admission(self, request: Request, config: SchedulerConfig,
+                  tokens: int | None = None) -> tuple[tuple[int, ...], int, int]:
+        """``(hit blocks, new blocks for tokens tokens, blocks it costs the free queue)`` for a waiting
+        request; ``tokens`` defaults to its whole current sequence."""
+        ...
+
+    def admit(self, hit: tuple[int, ...], needed: int) -> tuple[int, ...]:
+        """Reference the hit blocks and take ``needed`` new ones."""
+        ...
+
+    def admission_after(self, released: Sequence[tuple[int, ...]], request: Request,
+                        config: SchedulerConfig) -> tuple[tuple[int, ...], int, int, int]:
+        """:meth:`admission` once these block tables are released (not done here), and the blocks then
+        available: ``(hit blocks, new blocks, cost, available)``."""
+        ...
 
 
 class _BlockPool:
@@ -84,9 +124,11 @@ class _BlockPool:
             return self.free[start:stop]
         return self.free[start:size] + tuple(self.released[max(start - size, 0):stop - size])
 
-    def admission(self, request: Request, config: SchedulerConfig) -> tuple[tuple[int, ...], int, int]:
-        """``(hit blocks, new blocks for the whole current sequence, blocks it costs the free pool)``."""
-        needed = blocks_for_tokens(request.num_tokens, config.block_size)
+    def admission(self, request: Request, config: SchedulerConfig,
+                  tokens: int | None = None) -> tuple[tuple[int, ...], int, int]:
+        """``(hit blocks, new blocks for tokens tokens, blocks it costs the free pool)``: no hit without
+        caching; ``tokens`` defaults to the whole current sequence."""
+        needed = blocks_for_tokens(request.num_tokens if tokens is None else tokens, config.block_size)
         return (), needed, needed
 
     def admit(self, hit: tuple[int, ...], needed: int) -> tuple[int, ...]:
@@ -121,8 +163,6 @@ class CachePool:
 
     def release(self, blocks: tuple[int, ...]) -> None:
         self.update.release(blocks)
-
-    put_back = release
 
     def take(self, count: int) -> tuple[int, ...]:
         return self.update.take_front(max(count, 0))
@@ -198,7 +238,7 @@ def _urgency(request: Request) -> tuple[int, int, float]:
     return (request.priority, request.arrival_step, request.arrival_time)
 
 
-def _pool(state: SchedulerState) -> _BlockPool | CachePool:
+def _pool(state: SchedulerState) -> BlockPool:
     """This step's free queue: :class:`CachePool` with prefix caching, :class:`_BlockPool` without."""
     return _BlockPool(state.free_block_ids) if state.prefix_cache is None else CachePool(state)
 

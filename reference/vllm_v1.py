@@ -114,15 +114,17 @@ from schedspec.spec.config import SchedulerConfig, blocks_for_tokens
 from schedspec.spec.request import Request
 from schedspec.spec.state import ScheduledRequest, SchedulerState, StepPlan
 
-from .policies import CachePool, reject_impossible
+from .policies import BlockPool, CachePool, _BlockPool, reject_impossible
 
 
-class _FreeQueue:
+class _FreeQueue(_BlockPool):
     """vLLM's ``FreeKVCacheBlockQueue`` during one step, as far as the spec state tells it: blocks are
     taken from the front (``popleft_n``) and a preempted request's blocks are put back at the front in
     ``reversed(block table)`` order (``BlockPool.free_blocks`` ``prepend_n``, no prefix caching).
 
-    Starts from the spec state's ``free_block_ids``; copies nothing until a block is put back.
+    Starts from the spec state's ``free_block_ids``; copies nothing until a block is put back. The
+    policies' :class:`~schedspec.reference.policies.BlockPool` interface; only :meth:`release`'s order
+    (the front) differs from the policies' caching-off pool.
     """
 
     def __init__(self, free: tuple[int, ...]) -> None:
@@ -147,7 +149,7 @@ class _FreeQueue:
         self.next += rest
         return tuple(taken)
 
-    def put_back(self, blocks: Sequence[int]) -> None:
+    def release(self, blocks: Sequence[int]) -> None:
         """A request's block table freed: its blocks go to the front, last block first."""
         self.front[:0] = list(reversed(blocks))
 
@@ -195,7 +197,7 @@ def plan_vllm_v1(state: SchedulerState, config: SchedulerConfig, by_priority: bo
     rejected = reject_impossible(state, config)
     requests = state.requests
     budget = config.max_num_batched_tokens
-    queue = _FreeQueue(state.free_block_ids) if state.prefix_cache is None else CachePool(state)
+    queue: BlockPool = _FreeQueue(state.free_block_ids) if state.prefix_cache is None else CachePool(state)
     running = list(state.running)  # vLLM's self.running: preemption removes from it
     scheduled: dict[str, ScheduledRequest] = {}
     taken: dict[str, tuple[int, ...]] = {}
@@ -220,12 +222,12 @@ def plan_vllm_v1(state: SchedulerState, config: SchedulerConfig, by_priority: bo
                     index -= 1
                 if victim in scheduled:
                     budget += scheduled.pop(victim).num_tokens
-                    queue.put_back(requests[victim].block_ids + taken.pop(victim))
+                    queue.release(requests[victim].block_ids + taken.pop(victim))
                 else:
-                    queue.put_back(requests[victim].block_ids)
+                    queue.release(requests[victim].block_ids)
             else:
                 victim = running.pop()
-                queue.put_back(requests[victim].block_ids)
+                queue.release(requests[victim].block_ids)
             preempted.append(victim)
             if victim == request_id:
                 granted = False
@@ -252,11 +254,9 @@ def plan_vllm_v1(state: SchedulerState, config: SchedulerConfig, by_priority: bo
             request = requests[request_id]
             hit: tuple[int, ...] = ()
             whole_tokens = min(request.num_tokens, config.max_model_len)
-            if isinstance(queue, CachePool):
-                # KVCacheManager.get_computed_blocks, then allocate_slots(full_sequence_must_fit=True)
-                hit, _, whole = queue.admission(request, config, whole_tokens)
-            else:
-                whole = blocks_for_tokens(whole_tokens, config.block_size)
+            # KVCacheManager.get_computed_blocks (no hit without caching), then
+            # allocate_slots(full_sequence_must_fit=True)
+            hit, _, whole = queue.admission(request, config, whole_tokens)
             hit_tokens = len(hit) * config.block_size
             num_tokens = _cap(request, request.num_tokens - hit_tokens, config)
             if not config.enable_chunked_prefill and num_tokens > budget:
@@ -264,10 +264,7 @@ def plan_vllm_v1(state: SchedulerState, config: SchedulerConfig, by_priority: bo
             num_tokens = min(num_tokens, budget)
             if whole > queue.available:
                 break  # allocate_slots(full_sequence_must_fit=True) returns None
-            if isinstance(queue, CachePool):
-                blocks = queue.admit(hit, blocks_for_tokens(hit_tokens + num_tokens, config.block_size) - len(hit))
-            else:
-                blocks = queue.take(blocks_for_tokens(num_tokens, config.block_size))
+            blocks = queue.admit(hit, blocks_for_tokens(hit_tokens + num_tokens, config.block_size) - len(hit))
             scheduled[request_id] = ScheduledRequest(request_id, hit_tokens, num_tokens, blocks, hit)
             budget -= num_tokens
             num_running += 1
