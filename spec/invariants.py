@@ -44,8 +44,17 @@ STATE_INVARIANTS: list[Invariant] = []
 STEP_INVARIANTS: list[Invariant] = []
 
 
+def _unique(name: str) -> None:
+    if any(i.name == name for i in STATE_INVARIANTS + STEP_INVARIANTS):
+        raise ValueError(f"invariant {name!r} registered twice")
+
+
 def state_invariant(name: str, source: str) -> Callable[[StateCheck], StateCheck]:
+    """Register the decorated check as the state invariant ``name`` (its statement: the docstring), the
+    same form as :func:`~schedspec.spec.rules.rule`. Raises ``ValueError`` for a name registered already."""
+
     def register(check: StateCheck) -> StateCheck:
+        _unique(name)
         STATE_INVARIANTS.append(Invariant(name, (check.__doc__ or "").strip(), source, check, "state"))
         return check
 
@@ -53,7 +62,10 @@ def state_invariant(name: str, source: str) -> Callable[[StateCheck], StateCheck
 
 
 def step_invariant(name: str, source: str) -> Callable[[StepCheck], StepCheck]:
+    """Register the decorated check as the step invariant ``name``, as :func:`state_invariant`."""
+
     def register(check: StepCheck) -> StepCheck:
+        _unique(name)
         STEP_INVARIANTS.append(Invariant(name, (check.__doc__ or "").strip(), source, check, "step"))
         return check
 

@@ -60,6 +60,39 @@ def _oldest_live(state: SchedulerState) -> str | None:
     return min(candidates)[3] if candidates else None
 
 
+@attrs.frozen
+class TraceProperty:
+    """A registered trace property: name, statement, source and monitor factory."""
+
+    name: str
+    statement: str
+    source: str
+    monitor: Callable[[SchedulerConfig], Monitor]
+
+
+PROPERTIES: dict[str, TraceProperty] = {}
+"""Every trace property by name, in the order they are defined here."""
+
+
+def trace_property(source: str) -> Callable[[type[Monitor]], type[Monitor]]:
+    """Register the decorated :class:`Monitor` subclass as the trace property ``cls.name``: its statement
+    is the class docstring. The same form as :func:`~schedspec.spec.rules.rule` and
+    :func:`~schedspec.spec.invariants.state_invariant` (a decorator on the check naming its source).
+
+    Raises:
+        ValueError: a property of that name is registered already.
+    """
+
+    def register(cls: type[Monitor]) -> type[Monitor]:
+        if cls.name in PROPERTIES:
+            raise ValueError(f"trace property {cls.name!r} registered twice")
+        PROPERTIES[cls.name] = TraceProperty(cls.name, (cls.__doc__ or "").strip(), source, cls)
+        return cls
+
+    return register
+
+
+@trace_property("Orca (OSDI'22) iteration-level scheduling; this spec")
 class Progress(Monitor):
     """``progress``: over any window of ``window`` steps that start with live work, some request ends or
     some request computes a token position it never computed before.
@@ -95,6 +128,7 @@ class Progress(Monitor):
             self.stalled_since = None
 
 
+@trace_property('vLLM Scheduler.schedule; Orca §3')
 class WorkConserving(Monitor):
     """``work-conserving``: no step leaves budget unused while a running request could use it, and no step
     without preemption leaves budget, a sequence slot and blocks unused while the head of the waiting
@@ -148,6 +182,7 @@ class WorkConserving(Monitor):
             break
 
 
+@trace_property("Sarathi-Serve (OSDI'24) §4.2")
 class StallFreeDecode(Monitor):
     """``stall-free-decode`` (Sarathi-Serve §4.2, stall-free batching): in a step without preemption, if the
     running requests in decode (one pending token) number at most ``max_num_batched_tokens``, each of them
@@ -167,6 +202,7 @@ class StallFreeDecode(Monitor):
                 self.report(before.step, "running decode got no token", request_id)
 
 
+@trace_property('this spec (FCFS starvation bound)')
 class BoundedWait(Monitor):
     """``bounded-wait`` (no starvation): a request that becomes the oldest live request (by arrival) ends
     within ``max_model_len`` steps.
@@ -197,6 +233,7 @@ class BoundedWait(Monitor):
             self.oldest = None
 
 
+@trace_property('vLLM Scheduler._preempt_request (victim: last of running)')
 class BoundedPreemptions(Monitor):
     """``bounded-preemptions``: after the last arrival, no request is preempted more than ``P(i)`` times,
     where requests live at the last arrival are ranked by age ``i = 1..n`` and ``P(1) = 0``,
@@ -236,6 +273,7 @@ class BoundedPreemptions(Monitor):
                 self.report(before.step, f"preempted {self.counts[request_id]} times after the last arrival > bound {bound}", request_id)
 
 
+@trace_property('this spec, admission')
 class RejectsImpossible(Monitor):
     """``rejects-impossible``: a request that could never complete alone (see ``admission``) is rejected,
     with its reason, in the first step after its arrival; no other request is rejected."""
@@ -260,6 +298,7 @@ ITL_TOKEN_BUDGET = 512
 token budget for a strict inter-token-latency target)."""
 
 
+@trace_property("Sarathi-Serve (OSDI'24) §3, generation stalls; this spec")
 class BoundedItl(Monitor):
     """``bounded-itl`` (Sarathi-Serve §3, generation stalls): a step that carries a running decode (one
     pending token, prompt computed) computes at most ``ITL_TOKEN_BUDGET`` (512) tokens, prefill and
@@ -321,6 +360,7 @@ def _hits_on_free_blocks(before: SchedulerState, plan: StepPlan, released: set[i
     return sum(1 for b in hits if b in released or not cache.ref_counts.get(b))
 
 
+@trace_property('vLLM 0.32 vllm/v1/core/sched/scheduler.py Scheduler.schedule (priority preemption); this spec')
 class NoPriorityInversion(Monitor):
     """``no-priority-inversion``: after a step's preemptions, no waiting request is kept out only by
     resources that a strictly less urgent running request holds.
@@ -422,30 +462,6 @@ class NoPriorityInversion(Monitor):
                 )
 
 
-@attrs.frozen
-class TraceProperty:
-    """A registered trace property: name, statement, source and monitor factory."""
-
-    name: str
-    statement: str
-    source: str
-    monitor: Callable[[SchedulerConfig], Monitor]
-
-
-PROPERTIES: dict[str, TraceProperty] = {
-    cls.name: TraceProperty(cls.name, (cls.__doc__ or "").strip(), source, cls)
-    for cls, source in (
-        (Progress, "Orca (OSDI'22) iteration-level scheduling; this spec"),
-        (WorkConserving, "vLLM Scheduler.schedule; Orca §3"),
-        (StallFreeDecode, "Sarathi-Serve (OSDI'24) §4.2"),
-        (BoundedWait, "this spec (FCFS starvation bound)"),
-        (BoundedPreemptions, "vLLM Scheduler._preempt_request (victim: last of running)"),
-        (RejectsImpossible, "this spec, admission"),
-        (BoundedItl, "Sarathi-Serve (OSDI'24) §3, generation stalls; this spec"),
-        (NoPriorityInversion, "vLLM 0.32 vllm/v1/core/sched/scheduler.py Scheduler.schedule (priority preemption); this spec"),
-    )
-}
-"""Every trace property by name."""
 
 
 def monitors(names: list[str] | tuple[str, ...] | frozenset[str], config: SchedulerConfig) -> list[Monitor]:

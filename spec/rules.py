@@ -101,9 +101,17 @@ RULES: list[Rule] = []
 
 
 def rule(name: str, statement: str, source: str, *, action: str) -> Callable[[RuleCheck], RuleCheck]:
-    """Register the decorated check as the rule ``name`` guarding ``action``."""
+    """Register the decorated check as the rule ``name`` guarding ``action`` (the one form of registering a
+    check: a decorator on it naming its source, as :func:`~schedspec.spec.invariants.state_invariant` and
+    :func:`~schedspec.spec.properties.trace_property`).
+
+    Raises:
+        ValueError: a rule of that name is registered already.
+    """
 
     def register(check: RuleCheck) -> RuleCheck:
+        if any(r.name == name for r in RULES):
+            raise ValueError(f"rule {name!r} registered twice")
         RULES.append(Rule(name, statement, source, check, action))
         return check
 

@@ -399,3 +399,28 @@ def test_rule_decorator_registers_the_check_unchanged() -> None:
         assert RULES[count:] == [Rule("probe-rule", "A statement.", "a source", probe, "step")]
     finally:
         del RULES[count:]
+
+
+def test_rules_invariants_and_properties_register_one_way_and_refuse_a_name_twice():
+    """The three registries take the same form (a decorator on the check naming its source) and each
+    refuses a name it holds already, leaving the registry as it was."""
+    from schedspec.spec import invariants, properties
+    from schedspec.spec.rules import rule
+
+    def check(*args):
+        yield from ()
+
+    taken_rule, taken_invariant = RULES[0].name, invariants.STATE_INVARIANTS[0].name
+    before = (len(RULES), len(invariants.STATE_INVARIANTS), len(invariants.STEP_INVARIANTS), dict(properties.PROPERTIES))
+    with pytest.raises(ValueError, match="registered twice"):
+        rule(taken_rule, "again", "a test", action=RULES[0].action)(check)
+    with pytest.raises(ValueError, match="registered twice"):
+        invariants.step_invariant(taken_invariant, "a test")(check)
+
+    class Again(properties.Monitor):
+        name = "progress"
+
+    with pytest.raises(ValueError, match="registered twice"):
+        properties.trace_property("a test")(Again)
+    assert before == (len(RULES), len(invariants.STATE_INVARIANTS), len(invariants.STEP_INVARIANTS),
+                      dict(properties.PROPERTIES))
