@@ -299,7 +299,7 @@ def run_configuration(job: CapacityRun) -> dict[str, Any]:
     found = search(holds, job.start_rate, job.tolerance)
     at = runs[found.rate] if found.rate is not None else None
     return {
-        "index": job.index, "label": job.label, "scheduler": job.scheduler, "config": attrs.asdict(job.config),
+        "index": job.index, "label": job.label, "scheduler": job.scheduler, "config": job.config.to_dict(),
         "capacity_req_per_s": found.rate, "upper_req_per_s": found.upper, "status": found.status,
         "time_scale": None if found.rate is None else job.natural_rate / found.rate,
         "evaluations": [{"rate_req_per_s": r, "holds": h} for r, h in found.evaluations],

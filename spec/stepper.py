@@ -38,7 +38,7 @@ from schedspec.spec.prefix_cache import evicted_blocks
 from schedspec.spec.properties import Monitor
 from schedspec.spec.request import Request
 from schedspec.spec.rules import Violation, violated_rules
-from schedspec.spec.state import SchedulerState, StepPlan
+from schedspec.spec.state import NO_SPECULATION, SchedulerState, SpeculativeOutput, StepPlan
 from schedspec.spec.trace import ScheduledTokens, StepRecord
 from schedspec.spec.transitions import PlanError, StepResult, abort_request, add_request, apply_plan
 from schedspec.spec.workload import RequestSpec
@@ -100,14 +100,16 @@ class Transition:
     config: SchedulerConfig
     result: object
     sampled: Mapping[str, int] | None = None
+    speculative: SpeculativeOutput = NO_SPECULATION
 
     def matches(self, operation: str, state: SchedulerState, argument: object, config: SchedulerConfig,
-                sampled: Mapping[str, int] | None = None) -> bool:
+                sampled: Mapping[str, int] | None = None,
+                speculative: SpeculativeOutput = NO_SPECULATION) -> bool:
         """Whether this is ``operation`` of the very ``state`` object with the very ``argument`` (and
-        ``sampled``) objects (identity, not equality: none is changed by either side) under an equal
-        ``config``."""
+        ``sampled`` and ``speculative``) objects (identity, not equality: none is changed by either side)
+        under an equal ``config``."""
         return (operation == self.operation and state is self.before and argument is self.argument
-                and sampled is self.sampled and config == self.config)
+                and sampled is self.sampled and speculative is self.speculative and config == self.config)
 
 
 @attrs.frozen
@@ -136,6 +138,7 @@ class StepOutcome:
         arrivals: the requests added before the step; ``aborts``: the ids the client aborted before it;
             ``aborted``: what each of those aborts did.
         transition: the step as a :class:`Transition` (``None`` when not applied or given by the caller).
+        speculative: speculative decoding's inputs to the step (accepted drafts, drafts proposed after it).
     """
 
     before: SchedulerState
@@ -149,6 +152,7 @@ class StepOutcome:
     aborts: list[str]
     aborted: list[Aborted]
     transition: Transition | None = None
+    speculative: SpeculativeOutput = NO_SPECULATION
 
     @property
     def after(self) -> SchedulerState:
@@ -185,10 +189,11 @@ def split_tokens(request: Request, num_tokens: int) -> tuple[int, int]:
 
 
 def scheduled_tokens(before: SchedulerState, plan: StepPlan) -> list[ScheduledTokens]:
-    """The plan's batch as a record's ``scheduled``, each item's tokens split by :func:`split_tokens`.
-    Every scheduled id must be live in ``before``."""
+    """The plan's batch as a record's ``scheduled``, each item's tokens split by :func:`split_tokens` (a
+    decode's drafts are decode tokens), with the drafts it verifies. Every scheduled id must be live in
+    ``before``."""
     return [ScheduledTokens(item.request_id, item.num_computed_tokens,
-                            *split_tokens(before.requests[item.request_id], item.num_tokens))
+                            *split_tokens(before.requests[item.request_id], item.num_tokens), item.spec_token_ids)
             for item in plan.scheduled]
 
 
@@ -196,6 +201,9 @@ def expected_record(outcome: StepOutcome, config: SchedulerConfig, start_time: f
     """The :class:`~schedspec.spec.trace.StepRecord` of an applied step: what the spec says happened in
     it, every field derived from the state before, the plan, the spec's result, the client's events
     before the step and the step's times (``start_time``, ``duration``: seconds).
+
+    ``num_accepted_tokens`` holds, with speculative decoding, the accepted drafts of every request that
+    verified drafts and sampled (0 included); ``draft_token_ids`` the drafts proposed after the step.
 
     ``blocks_freed`` holds, per request, the blocks an abort before the step freed, those a preempted
     request held, and those a finished request held after the step (its table before, its hit blocks and
@@ -217,6 +225,12 @@ def expected_record(outcome: StepOutcome, config: SchedulerConfig, start_time: f
         blocks = before.requests[request_id].block_ids + hits.get(request_id, ()) + allocated.get(request_id, ())
         if blocks:
             freed[request_id] = blocks
+    accepted: dict[str, int] = {}
+    if outcome.speculative is not NO_SPECULATION or any(item.spec_token_ids for item in plan.scheduled):
+        sampled = outcome.sampled
+        given = outcome.speculative.num_accepted_tokens
+        accepted = {item.request_id: given.get(item.request_id, 0) for item in plan.scheduled
+                    if item.spec_token_ids and item.request_id in sampled}
     evicted: list[int] = []
     if before.prefix_cache is not None:
         evicted = evicted_blocks(before.prefix_cache, (b for item in plan.scheduled for b in item.new_block_ids))
@@ -240,6 +254,8 @@ def expected_record(outcome: StepOutcome, config: SchedulerConfig, start_time: f
         num_free_blocks=len(after.free_block_ids),
         num_running=len(after.running),
         num_waiting=len(after.waiting),
+        num_accepted_tokens=accepted,
+        draft_token_ids=dict(outcome.speculative.draft_token_ids),
     )
 
 
@@ -312,8 +328,10 @@ class Stepper:
         self._checked = (plan, found)
         return found
 
-    def step(self, plan: StepPlan, sampled: Mapping[str, int], result: StepResult | None = None) -> StepOutcome:
-        """Apply ``plan`` with the ``sampled`` tokens (request id -> token id), check the invariants on the
+    def step(self, plan: StepPlan, sampled: Mapping[str, int], result: StepResult | None = None,
+             speculative: SpeculativeOutput = NO_SPECULATION) -> StepOutcome:
+        """Apply ``plan`` with the ``sampled`` tokens (request id -> token id) and speculative decoding's
+        inputs (``speculative``: accepted drafts, drafts proposed), check the invariants on the
         step, and advance the state. The rules are those :meth:`check_plan` found for this plan (checked
         now if it was not called for it). With ``result``, that step (a trusted scheduler's own, in an
         unchecked run) is taken instead of the spec's transition.
@@ -328,18 +346,18 @@ class Stepper:
         transition = None
         if result is None:
             try:
-                result = apply_plan(before, plan, sampled, self.config)
+                result = apply_plan(before, plan, sampled, self.config, speculative)
             except PlanError as raised:
                 error = raised
             else:
-                transition = Transition("apply_plan", before, plan, self.config, result, sampled)
+                transition = Transition("apply_plan", before, plan, self.config, result, sampled, speculative)
         invariants: list[Violation] = []
         if result is not None:
             if self.checker is not None:
                 invariants = self.checker.invariants(before, plan, result.state)
             self.state = result.state
         outcome = StepOutcome(before, plan, sampled, result, error, rules, invariants,
-                              self._arrivals, self._aborts, self._aborted, transition)
+                              self._arrivals, self._aborts, self._aborted, transition, speculative)
         self._arrivals, self._aborts, self._aborted = [], [], []
         return outcome
 
