@@ -58,23 +58,12 @@ def _prefix_hits(plan: StepPlan) -> dict[str, tuple[int, ...]]:
     return hits
 
 
-def _scheduled_drafts(plan: StepPlan) -> dict[str, tuple[int, ...]]:
-    """Request id -> the draft token ids its item verifies this step, from the plan items'
-    ``draft_token_ids`` (absent before speculative decoding; vLLM ``SchedulerOutput.scheduled_spec_decode_tokens``)."""
-    drafts = {}
-    for item in plan.scheduled:
-        ids = getattr(item, "draft_token_ids", ())
-        if ids:
-            drafts[item.request_id] = tuple(ids)
-    return drafts
-
-
 def accepted_prefix(draft_token_ids: Sequence[int], target_token_ids: Sequence[int]) -> int:
     """Greedy verification: how many drafts are accepted, the length ``a`` of the longest prefix of
     ``draft_token_ids`` (``d`` ids) equal to ``target_token_ids`` (the ``d + 1`` greedy tokens of the
-    verified positions). The request keeps ``target_token_ids[:a + 1]``: the accepted drafts plus one
-    token of the target model (the bonus token after ``d`` accepted drafts, else the correction at the first
-    rejected one). vLLM 0.32 ``vllm/v1/sample/rejection_sampler.py`` ``rejection_greedy_sample_kernel``.
+    verified positions). The request keeps the ``a`` accepted drafts, then samples ``target_token_ids[a]``
+    (the bonus token after ``d`` accepted drafts, else the correction of the first rejected one).
+    vLLM 0.32 ``vllm/v1/sample/rejection_sampler.py`` ``rejection_greedy_sample_kernel``.
     """
     accepted = 0
     for draft, target in zip(draft_token_ids, target_token_ids, strict=False):
@@ -129,7 +118,7 @@ class Runner:
             requests that sampled in the last step (``record_logits`` ``"last"`` or ``"all"``); for an item
             with ``d`` drafts, ``[d + 1, vocab_size]``, the logits of every verified position.
         last_num_accepted_tokens: request id -> accepted drafts ``a`` (``0 <= a <= d``) of each item that
-            carried ``d >= 1`` drafts in the last step.
+            verified ``d >= 1`` drafts in the last step: the spec's ``SpeculativeOutput.num_accepted_tokens``.
         step_logits: request id -> ``[num_tokens, vocab_size]`` float32 CPU logits of every position the
             last step computed (``record_logits="all"``).
         last_step_seconds: wall time of the last step in seconds (the step time, defined below).
@@ -318,22 +307,22 @@ class Runner:
 
     def execute(self, plan: StepPlan, state: SchedulerState, *,
                 prefix_hits: Mapping[str, Sequence[int]] | None = None,
-                cached_blocks: Collection[int] | None = None,
-                draft_token_ids: Mapping[str, Sequence[int]] | None = None,
-                ) -> tuple[dict[str, int | tuple[int, ...]], float]:
+                cached_blocks: Collection[int] | None = None) -> tuple[dict[str, int], float]:
         """Run one step: one forward pass over every scheduled chunk, then sample.
 
-        Speculative decoding (greedy verification): a decode item that carries ``d >= 1`` draft token ids
-        computes ``1 + d`` tokens, positions ``[c, c + 1 + d)`` for ``c = num_computed_tokens =
-        request.num_tokens - 1``: its last known token then the drafts, in the same forward pass as the
-        rest of the batch (vLLM 0.32 ``GPUModelRunner._calc_spec_decode_metadata``: ``num_scheduled_tokens``
-        includes the drafts). The ``d + 1`` greedy tokens ``g`` of those positions decide: ``a`` =
-        :func:`accepted_prefix` ``(drafts, g)`` drafts are accepted and the request gets ``g[:a + 1]``;
-        only positions ``[c, c + 1 + a)`` stay computed, the KV of the ``d - a`` rejected positions is
-        stale (in debug mode it is overwritten with NaN at once, and the ledger counts the request's
-        written positions up to ``c + 1 + a`` only, so a later step that treats them as computed reads
-        NaN and is caught). Stop conditions inside ``g[:a + 1]`` are the scheduler's to apply (vLLM
-        ``Scheduler.update_from_output`` checks each token), so all ``a + 1`` are returned.
+        Speculative decoding (greedy verification): a decode item with ``d >= 1`` drafts
+        (``item.spec_token_ids``) computes ``1 + d`` tokens, positions ``[c, c + 1 + d)`` for ``c =
+        num_computed_tokens = request.num_tokens - 1``: its pending token then the drafts, in the same
+        forward pass as the rest of the batch (vLLM 0.32 ``GPUModelRunner._prepare_inputs``:
+        ``num_scheduled_tokens`` includes the drafts). The ``d + 1`` greedy tokens ``g`` of those
+        positions decide: ``a =`` :func:`accepted_prefix` ``(drafts, g)`` drafts are accepted
+        (:attr:`last_num_accepted_tokens`) and ``g[a]`` is the request's sampled token, which is what the
+        spec's ``apply_plan`` takes (``sampled_token_ids`` and ``SpeculativeOutput.num_accepted_tokens``).
+        Only positions ``[c, c + 1 + a)`` stay computed; in debug mode the KV of the ``d - a`` rejected
+        positions is overwritten with NaN at once and the ledger counts the request's written positions up
+        to ``c + 1 + a`` only, so a later step that reads them (kept as computed, or published to the
+        prefix cache) is caught. Stops among the accepted tokens are the scheduler's to apply (vLLM
+        ``Scheduler.update_from_output`` checks each token).
 
         Prefix caching shares KV blocks, never copies them: a request admitted with a prefix hit has
         ``num_computed_tokens`` = the hit length and a block table that starts with the hit blocks,
@@ -353,32 +342,28 @@ class Runner:
                 (published, refcount 0: vLLM's evictable blocks); freed blocks outside it are poisoned
                 at once, cached ones when handed out again. Default: the blocks of
                 ``state.prefix_cache.block_hashes`` when the state has a prefix cache, else none.
-            draft_token_ids: request id -> the draft ids its decode item verifies this step (``d`` ids,
-                the item's ``num_tokens`` must be ``1 + d``). Default: each scheduled item's
-                ``draft_token_ids`` where the plan's items carry one, else none (no speculation).
 
         Returns:
-            ``(sampled, seconds)``: for each request that samples this step
-            (:func:`~schedspec.spec.state.samples_this_step`) without drafts, its token id, in
-            ``[1, vocab_size)`` or ``EOS_TOKEN_ID`` where ``eos_at_output`` says so; for each item with
-            drafts, the tuple of its ``a + 1`` kept token ids (accepted drafts, then the target's token;
-            :attr:`last_num_accepted_tokens` has ``a``); and the step's wall time in seconds
-            (input preparation, forward, sampling and verification; 0.0 for a step with nothing scheduled).
+            ``(sampled, seconds)``: token id for each request that samples this step
+            (:func:`~schedspec.spec.state.samples_this_step`; after its accepted drafts for an item with
+            drafts), in ``[1, vocab_size)`` or ``EOS_TOKEN_ID`` where ``eos_at_output`` says so; and the
+            step's wall time in seconds (input preparation, forward, sampling and verification; 0.0 for a
+            step with nothing scheduled).
 
         Raises:
             BlockTableError: a block table too short for its chunk or naming a block outside the pool;
                 in debug mode also any write or read of a block the request does not own, or NaN logits.
             BackendError: a scheduled request is not live, a chunk is out of the request's range, a token
                 id is outside the model's vocabulary, drafts on an item that is not a decode of ``1 + d``
-                tokens, or drafts with ``temperature > 0`` (only greedy verification is implemented).
+                tokens, or drafts with ``temperature > 0`` (only greedy verification is implemented: vLLM's
+                rejection sampling of ``rejection_sampler.py`` is not).
         """
         hits = _prefix_hits(plan) if prefix_hits is None else {r: tuple(b) for r, b in prefix_hits.items() if b}
-        drafts = (_scheduled_drafts(plan) if draft_token_ids is None
-                  else {r: tuple(ids) for r, ids in draft_token_ids.items() if len(ids)})
+        drafts = {item.request_id: item.spec_token_ids for item in plan.scheduled if item.spec_token_ids}
         if drafts and self.temperature > 0:
             raise BackendError(f"step {state.step}: draft tokens for {sorted(drafts)} with temperature="
                                f"{self.temperature}: only greedy verification (temperature 0) is implemented",
-                               field="draft_token_ids")
+                               field="spec_token_ids")
         if self.ledger is not None:
             kept = frozenset(_cached_blocks(state) if cached_blocks is None else cached_blocks)
             freed, problems = self.ledger.check_step(plan, state, hits, kept)
@@ -402,21 +387,21 @@ class Runner:
         else:
             rows = logits
         tokens = self._sample(rows, samplers)
-        sampled: dict[str, int | tuple[int, ...]] = {}
+        sampled: dict[str, int] = {}
+        targets: dict[str, list[int]] = {}
         first_row: dict[str, int] = {}
         for row, ((request_id, _, _), token) in enumerate(zip(samplers, tokens, strict=True)):
             if request_id in drafts:
                 first_row.setdefault(request_id, row)
-                sampled[request_id] = (*sampled.get(request_id, ()), token)
+                targets.setdefault(request_id, []).append(token)
             else:
                 sampled[request_id] = token
         rejected_slots: list[int] = []
         computed_ends: dict[str, int] = {}
         starts = {item.request_id: item.num_computed_tokens for item in plan.scheduled}
         for request_id, ids in drafts.items():
-            targets = sampled[request_id]
-            accepted = accepted_prefix(ids, targets)
-            sampled[request_id] = targets[:accepted + 1]
+            accepted = accepted_prefix(ids, targets[request_id])
+            sampled[request_id] = targets[request_id][accepted]
             self.last_num_accepted_tokens[request_id] = accepted
             offset, n = spans[request_id]
             rejected_slots.extend(slots[offset + 1 + accepted:offset + n].tolist())
@@ -488,7 +473,7 @@ class Runner:
                     f"step {state.step}: request {request_id!r}: {len(draft)} draft token(s) on a chunk "
                     f"[{start}, {end}) of a request with {num_tokens} tokens; drafts ride only on a decode "
                     f"item of 1 + {len(draft)} tokens starting at position {num_tokens - 1}",
-                    field="draft_token_ids")
+                    field="spec_token_ids")
             if n < 1 or start < 0 or end - len(draft) > num_tokens:
                 raise BackendError(
                     f"step {state.step}: request {request_id!r}: chunk [{start}, {end}) is outside its "

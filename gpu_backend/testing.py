@@ -8,24 +8,11 @@ free queue, no budget); it exists to build valid plans of a chosen shape, not to
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping, Sequence
-
-import attrs
+from collections.abc import Iterable, Mapping
 
 from schedspec.spec.config import SchedulerConfig, blocks_for_tokens
-from schedspec.spec.persistent import evolve_request as evolve
-from schedspec.spec.state import ScheduledRequest, SchedulerState, StepPlan, samples_this_step
-from schedspec.spec.transitions import (
-    StepInProgress,
-    StepResult,
-    add_request,
-    apply_plan,
-    preempt,
-    reject,
-    sample,
-    schedule,
-    stop_reason,
-)
+from schedspec.spec.state import NO_SPECULATION, ScheduledRequest, SchedulerState, SpeculativeOutput, StepPlan
+from schedspec.spec.transitions import add_request, apply_plan
 from schedspec.spec.workload import RequestSpec
 
 DEVICE_ENV = "SCHEDSPEC_DEVICE"
@@ -49,14 +36,13 @@ def state_with(config: SchedulerConfig, specs: Iterable[RequestSpec],
 
 
 def plan_step(state: SchedulerState, config: SchedulerConfig, chunk: int | Mapping[str, int] | None = None,
-              only: Iterable[str] | None = None, preempt: Iterable[str] = (),
-              num_drafts: Mapping[str, int] | None = None, prefix_hits: bool = False) -> StepPlan:
+              only: Iterable[str] | None = None, preempt: Iterable[str] = (), prefix_hits: bool = False) -> StepPlan:
     """A plan that runs every live request (or those in ``only``), running ones first.
 
     Each computes ``min(pending, chunk)`` tokens (``chunk`` per request id if a mapping; ``None``: all
     pending) and takes the blocks it needs from the front of the free queue (after ``preempt``'s
-    blocks join its back). A decode (one pending token) of a request in ``num_drafts`` computes
-    ``1 + num_drafts[request]`` tokens (its drafts; blocks are allocated for them too). With
+    blocks join its back). A decode (one pending token) of a request with drafts (``spec_token_ids``)
+    verifies all of them: ``1 + d`` tokens, blocks allocated for the drafts too. With
     ``prefix_hits`` and a state with a prefix cache, a request without blocks starts with its longest
     hit (``cached_block_ids``; ``num_computed_tokens`` = the hit length), and hit blocks are not handed
     out as new ones.
@@ -89,62 +75,30 @@ def plan_step(state: SchedulerState, config: SchedulerConfig, chunk: int | Mappi
         n = pending if limit is None else min(pending, limit)
         if n <= 0:
             continue
-        if pending == 1 and num_drafts and request_id in num_drafts:
-            n += num_drafts[request_id]
+        drafts = request.spec_token_ids if pending == 1 else ()
+        n += len(drafts)
         need = blocks_for_tokens(computed + n, config.block_size) - len(request.block_ids) - len(hit)
         new, free = tuple(free[:max(need, 0)]), free[max(need, 0):]
-        scheduled.append(ScheduledRequest(request_id, computed, n, new, cached_block_ids=hit))
+        scheduled.append(ScheduledRequest(request_id, computed, n, new, cached_block_ids=hit, spec_token_ids=drafts))
     return StepPlan(scheduled=tuple(scheduled), preempted=preempted)
 
 
-def apply_with_drafts(state: SchedulerState, plan: StepPlan, sampled: Mapping[str, int | Sequence[int]],
-                      config: SchedulerConfig) -> StepResult:
-    """:func:`~schedspec.spec.transitions.apply_plan` for a plan whose decode items may carry drafts: a
-    stand-in for the spec's speculative ``schedule``/``sample`` until that lands (branch ``specdec-spec``),
-    built from the spec's own actions.
-
-    An item whose ``sampled`` entry is a sequence ``t`` (the backend's accepted drafts plus one token,
-    :meth:`~schedspec.gpu_backend.runner.Runner.execute`) keeps ``t[:m + 1]``, where ``m`` is the first
-    index at which :func:`~schedspec.spec.transitions.stop_reason` stops the request (else ``len(t) - 1``),
-    as vLLM 0.32 ``Scheduler.update_from_output`` / ``_update_request_with_output`` drops the tokens
-    after a stop; ``num_computed_tokens`` becomes ``num_computed_tokens + 1 + m`` (the rejected and
-    dropped positions are not computed), the blocks allocated for the drafts stay in the table, and with
-    prefix caching only blocks fully inside the kept positions are published.
-    """
-    step = StepInProgress.begin(state, config)
-    for request_id in plan.preempted:
-        preempt(step, request_id)
-    for request_id, reason in plan.rejected:
-        reject(step, request_id, reason)
-    last: dict[str, int] = {}
-    for item in plan.scheduled:
-        tokens = sampled.get(item.request_id)
-        if isinstance(tokens, int) or tokens is None:
-            schedule(step, item)
-            continue
-        request = step.live(item.request_id)
-        keep = len(tokens) - 1
-        probe = request
-        for index, token in enumerate(tokens[:-1]):
-            probe = evolve(probe, output_token_ids=probe.output_token_ids + (token,))
-            if stop_reason(probe, config) is not None:
-                keep = index
-                break
-        step.requests[item.request_id] = evolve(request, output_token_ids=request.output_token_ids + tuple(tokens[:keep]))
-        schedule(step, attrs.evolve(item, num_tokens=1 + keep))
-        last[item.request_id] = tokens[keep]
-    for item in plan.scheduled:
-        if item.request_id in last:
-            sample(step, item.request_id, last[item.request_id])
-        elif samples_this_step(state.requests[item.request_id], item):
-            sample(step, item.request_id, sampled[item.request_id])
-    return step.end()
-
 
 def run_step(runner, state: SchedulerState, config: SchedulerConfig, plan: StepPlan):
-    """Execute ``plan`` on ``runner`` and apply it. Returns ``(new_state, sampled, seconds)``."""
+    """Execute ``plan`` on ``runner`` and apply it (with the runner's accepted drafts, when the plan verifies
+    any). Returns ``(new_state, sampled, seconds)``."""
     sampled, seconds = runner.execute(plan, state)
-    return apply_plan(state, plan, sampled, config).state, sampled, seconds
+    return apply_plan(state, plan, sampled, config, speculative_output(runner)).state, sampled, seconds
+
+
+def speculative_output(runner, draft_token_ids: Mapping[str, tuple[int, ...]] | None = None) -> SpeculativeOutput:
+    """The spec's :class:`~schedspec.spec.state.SpeculativeOutput` of the runner's last step: its accepted
+    drafts (``runner.last_num_accepted_tokens``) and the drafts proposed after it; ``NO_SPECULATION``
+    when there are neither."""
+    accepted = dict(getattr(runner, "last_num_accepted_tokens", {}))
+    if not accepted and not draft_token_ids:
+        return NO_SPECULATION
+    return SpeculativeOutput(num_accepted_tokens=accepted, draft_token_ids=dict(draft_token_ids or {}))
 
 
 def run_to_end(runner, state: SchedulerState, config: SchedulerConfig,

@@ -18,9 +18,10 @@ scheduler that kept it computed, a cache that published it) gets NaN logits and 
 The negative tests at the end show such a fault caught, and a verifier that accepts wrong drafts
 failing the differential check.
 
-The spec's speculative transitions are being built on branch ``specdec-spec``; until they are merged,
-states are advanced by :func:`schedspec.gpu_backend.testing.apply_with_drafts`, a stand-in made of the
-spec's own actions. Sizes follow ``HYPOTHESIS_PROFILE`` (:data:`WORKLOADS`); ``default`` takes about
+States are advanced by the spec's own transition (``apply_plan`` with the runner's accepted counts and
+the drafter's proposals as its ``SpeculativeOutput``); the plans come from the naive planner of
+:mod:`schedspec.gpu_backend.testing` (the reference schedulers' drafting is branch ``specdec-vllm``'s).
+Sizes follow ``HYPOTHESIS_PROFILE`` (:data:`WORKLOADS`); ``default`` takes about
 20 s on one CPU core.
 """
 
@@ -40,13 +41,13 @@ from schedspec.gpu_backend import BlockTableError, Runner  # noqa: E402
 from schedspec.gpu_backend import runner as runner_module  # noqa: E402
 from schedspec.gpu_backend.errors import BackendError  # noqa: E402
 from schedspec.gpu_backend.runner import accepted_prefix  # noqa: E402
-from schedspec.gpu_backend.testing import apply_with_drafts, device_for_tests, plan_step, state_with  # noqa: E402
+from schedspec.gpu_backend.testing import device_for_tests, plan_step, speculative_output, state_with  # noqa: E402
 from schedspec.spec.config import SchedulerConfig, blocks_for_tokens  # noqa: E402
 from schedspec.spec.prefix_cache import CacheUpdate  # noqa: E402
 from schedspec.spec.request import Request  # noqa: E402
 from schedspec.spec.state import ScheduledRequest, SchedulerState, StepPlan  # noqa: E402
-from schedspec.spec.transitions import add_request  # noqa: E402
-from schedspec.spec.workload import EOS_TOKEN_ID, RequestSpec, token_ids  # noqa: E402
+from schedspec.spec.transitions import add_request, apply_plan  # noqa: E402
+from schedspec.spec.workload import DEFAULT_VOCAB_SIZE, EOS_TOKEN_ID, RequestSpec, token_ids  # noqa: E402
 
 EPSILON = 1e-4
 """A mismatch is excused only where the baseline's top-2 logit margin (EOS masked) is below this."""
@@ -55,7 +56,8 @@ MAX_MODEL_LEN = 48
 K = 4
 """``num_speculative_tokens`` of the drafter: each decode carries 0..K drafts."""
 
-BASE = dict(block_size=4, max_num_batched_tokens=256, max_num_seqs=8, max_model_len=MAX_MODEL_LEN)
+BASE = dict(block_size=4, max_num_batched_tokens=256, max_num_seqs=8, max_model_len=MAX_MODEL_LEN,
+            num_speculative_tokens=K)
 CONFIGS = {
     # name: (scheduler config, prefill chunk cap, random preemption probability, prefix hits)
     "plain": (SchedulerConfig(num_kv_blocks=96, **BASE), None, 0.0, False),
@@ -103,10 +105,10 @@ def workload(rng: random.Random) -> tuple[list[RequestSpec], dict[str, int]]:
 
 
 class Drafter:
-    """Proposes up to :data:`K` drafts per decode from the true greedy continuation (``truth``), with
-    seeded errors: each proposal is all right, all wrong, or right up to a random point; where the
-    continuation has ended it proposes arbitrary ids. Trimmed so no draft lies at or past
-    ``max_model_len``. Counts what it proposed in ``stats``."""
+    """Proposes up to :data:`K` drafts after each step for every request that sampled and still runs,
+    from the true greedy continuation (``truth``), with seeded errors: each proposal is all right, all
+    wrong, or right up to a random point; where the continuation has ended it proposes arbitrary ids.
+    Trimmed so no draft lies at or past ``max_model_len``. Counts what it proposed in ``stats``."""
 
     def __init__(self, truth: dict[str, tuple[int, ...]], rng: random.Random, vocab: int, stats: Counter) -> None:
         self.truth, self.rng, self.vocab, self.stats = truth, rng, vocab, stats
@@ -114,11 +116,11 @@ class Drafter:
     def wrong(self, token: int) -> int:
         return token % (self.vocab - 1) + 1  # != token, never EOS
 
-    def propose(self, state: SchedulerState) -> dict[str, tuple[int, ...]]:
+    def propose(self, after: SchedulerState, sampled) -> dict[str, tuple[int, ...]]:
         drafts = {}
-        for request_id in state.running:
-            request = state.requests[request_id]
-            if request.num_tokens - request.num_computed_tokens != 1 or request.num_output_tokens == 0:
+        for request_id in sampled:
+            request = after.requests.get(request_id)
+            if request is None:
                 continue
             d = min(self.rng.randint(0, K), MAX_MODEL_LEN - 1 - request.num_computed_tokens)
             if d <= 0:
@@ -127,7 +129,7 @@ class Drafter:
             true = list(self.truth[request_id][done:done + d])
             true += [self.rng.randrange(1, self.vocab) for _ in range(d - len(true))]
             mode = self.rng.choice(("right", "wrong", "partial"))
-            cut = {"right": d, "wrong": 0, "partial": self.rng.randint(1, d)}[mode] if d else 0
+            cut = {"right": d, "wrong": 0, "partial": self.rng.randint(1, d)}[mode]
             ids = true[:cut] + [self.wrong(t) for t in true[cut:cut + 1]] + true[cut + 1:]
             drafts[request_id] = tuple(ids[:d])
             self.stats[f"proposals {mode}"] += 1
@@ -162,8 +164,18 @@ def check_memory(runner: Runner, state: SchedulerState) -> None:
                     f"{request.num_computed_tokens}")
 
 
+def apply_speculative(state, plan, sampled, config, runner, drafter):
+    """The spec's step with the runner's accepted drafts and, when there is a drafter, its proposals for the
+    requests that sampled and still run (found by applying the step once without them)."""
+    result = apply_plan(state, plan, sampled, config, speculative_output(runner))
+    if drafter is None:
+        return result
+    drafts = drafter.propose(result.state, result.sampled)
+    return apply_plan(state, plan, sampled, config, speculative_output(runner, drafts))
+
+
 def drive(runner: Runner, config: SchedulerConfig, specs, chunk, preempt_probability: float, prefix_hits: bool,
-          rng: random.Random, stats: Counter, drafter: Drafter | None = None, apply=apply_with_drafts,
+          rng: random.Random, stats: Counter, drafter: Drafter | None = None, apply=apply_speculative,
           memory_check: bool = True):
     """Run the workload to the end; returns ``(outputs, margins)``: request id -> its output ids, and the
     top-2 margin at each output (baseline runs, ``record_logits="last"``)."""
@@ -173,14 +185,12 @@ def drive(runner: Runner, config: SchedulerConfig, specs, chunk, preempt_probabi
     for _ in range(2_000):
         if not state.requests:
             break
-        drafts = drafter.propose(state) if drafter else {}
         preempted = []
         if state.running and rng.random() < preempt_probability:
             preempted.append(rng.choice(state.running))
         only = [r for r in state.running if r not in preempted] + list(state.waiting)
         while True:
-            plan = plan_step(state, config, chunk, only=only, preempt=preempted,
-                             num_drafts={r: len(d) for r, d in drafts.items()}, prefix_hits=prefix_hits)
+            plan = plan_step(state, config, chunk, only=only, preempt=preempted, prefix_hits=prefix_hits)
             if _fits(plan, state, config):
                 break
             waiting = [r for r in only if r in state.waiting]
@@ -188,15 +198,14 @@ def drive(runner: Runner, config: SchedulerConfig, specs, chunk, preempt_probabi
                 only.remove(waiting[-1])
             else:
                 preempted.append(only.pop())
-        scheduled = {item.request_id: item for item in plan.scheduled}
-        step_drafts = {r: d for r, d in drafts.items() if r in scheduled and scheduled[r].num_tokens == 1 + len(d)}
+        step_drafts = {item.request_id: item.spec_token_ids for item in plan.scheduled if item.spec_token_ids}
         stats["preemptions"] += len(plan.preempted)
         stats["prefix hits"] += sum(1 for item in plan.scheduled if item.cached_block_ids)
         stats["chunked prefill items"] += sum(
             1 for item in plan.scheduled
             if item.num_computed_tokens + item.num_tokens < state.requests[item.request_id].num_tokens)
         before = runner.num_forward_calls
-        sampled, _ = runner.execute(plan, state, draft_token_ids=step_drafts)
+        sampled, _ = runner.execute(plan, state)
         assert runner.num_forward_calls == before + bool(plan.scheduled)
         for request_id, ids in step_drafts.items():
             accepted = runner.last_num_accepted_tokens[request_id]
@@ -208,11 +217,11 @@ def drive(runner: Runner, config: SchedulerConfig, specs, chunk, preempt_probabi
         if runner.record_logits != "none":
             for request_id in sampled:
                 margins[request_id].append(top2_margin(runner.last_logits[request_id]))
-        after = apply(state, plan, sampled, config).state
+        after = apply(state, plan, sampled, config, runner, drafter).state
         for request_id in step_drafts:
             if request_id in after.finished and request_id not in state.finished:
                 kept = after.finished[request_id].num_output_tokens - state.requests[request_id].num_output_tokens
-                if kept < len(sampled[request_id]):
+                if kept < 1 + runner.last_num_accepted_tokens[request_id]:
                     stats["stops inside the kept tokens (rest dropped)"] += 1
         state = after
         if memory_check:
@@ -288,50 +297,54 @@ def test_accepted_prefix():
 
 
 SMALL = SchedulerConfig(block_size=4, num_kv_blocks=16, max_num_batched_tokens=64, max_num_seqs=4,
-                        max_model_len=MAX_MODEL_LEN)
+                        max_model_len=MAX_MODEL_LEN, num_speculative_tokens=K)
 
 
-def _decoding(runner: Runner, config: SchedulerConfig = SMALL) -> SchedulerState:
-    """Request ``a`` (prompt 6) after its prefill and first token."""
+def _truth(config: SchedulerConfig, spec: RequestSpec) -> tuple[int, ...]:
+    """The request's greedy outputs, alone, without drafts."""
+    outputs, _ = drive(Runner(config, device=device_for_tests()), config, [spec], None, 0.0, False,
+                       random.Random(0), Counter(), memory_check=False)
+    return outputs[spec.request_id]
+
+
+def _decoding(runner: Runner, drafts: tuple[int, ...], config: SchedulerConfig = SMALL) -> SchedulerState:
+    """Request ``a`` (prompt 6) after its prefill, which sampled its first token; the drafter proposed
+    ``drafts`` after it."""
     state = state_with(config, [RequestSpec("a", 6, 10)])
     plan = plan_step(state, config)
     sampled, _ = runner.execute(plan, state)
-    return apply_with_drafts(state, plan, sampled, config).state
+    return apply_plan(state, plan, sampled, config, speculative_output(runner, {"a": drafts})).state
+
+
+def test_the_plan_items_drafts_are_verified():
+    """``a``'s item verifies drafts ``[t1, t2, wrong]`` (``t`` the true continuation): 2 are accepted and the
+    sampled token is ``t3``, the target's token at the rejected draft; the spec's step keeps ``t1 t2 t3``."""
+    truth = _truth(SMALL, RequestSpec("a", 6, 10))
+    runner = Runner(SMALL, device=device_for_tests(), debug=True)
+    wrong = truth[3] % (runner.vocab_size - 1) + 1
+    state = _decoding(runner, (truth[1], truth[2], wrong))
+    plan = plan_step(state, SMALL)
+    assert plan.scheduled[0].spec_token_ids == (truth[1], truth[2], wrong) and plan.scheduled[0].num_tokens == 4
+    sampled, _ = runner.execute(plan, state)
+    assert sampled == {"a": truth[3]} and runner.last_num_accepted_tokens == {"a": 2}
+    after = apply_plan(state, plan, sampled, SMALL, speculative_output(runner)).state
+    assert after.requests["a"].output_token_ids == truth[:4] and after.requests["a"].num_computed_tokens == 9
+    check_memory(runner, after)
 
 
 def test_drafts_on_a_prefill_chunk_are_refused():
     runner = Runner(SMALL, device=device_for_tests(), debug=True)
     state = state_with(SMALL, [RequestSpec("a", 6, 10)])
-    plan = StepPlan(scheduled=(ScheduledRequest("a", 0, 3, (0,)),))
+    plan = StepPlan(scheduled=(ScheduledRequest("a", 0, 3, (0,), spec_token_ids=(5, 6)),))
     with pytest.raises(BackendError, match="draft token"):
-        runner.execute(plan, state, draft_token_ids={"a": (5, 6)})
+        runner.execute(plan, state)
 
 
 def test_drafts_with_temperature_sampling_are_refused():
     runner = Runner(SMALL, device=device_for_tests(), debug=True, temperature=0.8)
-    state = _decoding(runner)
-    plan = plan_step(state, SMALL, num_drafts={"a": 2})
+    state = _decoding(runner, (5, 6))
     with pytest.raises(BackendError, match="greedy"):
-        runner.execute(plan, state, draft_token_ids={"a": (5, 6)})
-
-
-def test_the_defaults_read_the_plan_items_draft_token_ids():
-    """An item carrying ``draft_token_ids`` (as the spec's plan items will) is verified without the keyword."""
-
-    @attrs.frozen
-    class DraftItem(ScheduledRequest):
-        draft_token_ids: tuple[int, ...] = ()
-
-    runner = Runner(SMALL, device=device_for_tests(), debug=True)
-    state = _decoding(runner)
-    item = plan_step(state, SMALL, num_drafts={"a": 2}).scheduled[0]
-    explicit, _ = runner.execute(StepPlan(scheduled=(item,)), state, draft_token_ids={"a": (7, 8)})
-    runner.reset()
-    state = _decoding(runner)
-    plan = StepPlan(scheduled=(DraftItem(item.request_id, item.num_computed_tokens, item.num_tokens,
-                                         item.new_block_ids, draft_token_ids=(7, 8)),))
-    default, _ = runner.execute(plan, state)
-    assert isinstance(default["a"], tuple) and default == explicit
+        runner.execute(plan_step(state, SMALL), state)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -339,25 +352,25 @@ def test_the_defaults_read_the_plan_items_draft_token_ids():
 # --------------------------------------------------------------------------------------------------
 
 
-def _publish_up_to_num_tokens(state, plan, sampled, config):
+def _publish_up_to_num_tokens(state, plan, sampled, config, runner, drafter):
     """A faulty transition: after verification the prefix cache publishes the blocks full up to
-    ``min(num_computed_tokens + num_tokens, request.num_tokens)`` (drafts counted, capped at the known
-    tokens, whose ids are right) instead of the kept computed positions: a block whose last slot holds a
-    rejected draft's KV gets a hash. vLLM 0.32 avoids it: ``KVCacheManager.allocate_slots`` caches
-    ``num_computed_tokens + num_new_tokens - len(request.spec_token_ids)`` tokens."""
-    result = apply_with_drafts(state, plan, sampled, config)
+    ``min(num_computed_tokens + num_tokens, request.num_tokens)`` with ``num_tokens`` counted *after* the
+    step (drafts included, capped at the tokens now known, whose ids are right) instead of the kept
+    computed positions: a block whose last slot holds a rejected draft's KV gets a hash. vLLM 0.32 caches
+    ``min(num_computed_tokens + num_new_tokens, request.num_tokens)`` at allocation, before the step's
+    tokens exist (``KVCacheManager.allocate_slots``: "only finalized tokens are cached")."""
+    result = apply_speculative(state, plan, sampled, config, runner, drafter)
     update = CacheUpdate(result.state.prefix_cache, result.state.free_block_ids)
     for item in plan.scheduled:
         request = result.state.requests.get(item.request_id)
-        if isinstance(sampled.get(item.request_id), tuple) and request is not None:
+        if item.spec_token_ids and request is not None:
             update.publish(request, request.block_ids, min(item.num_computed_tokens + item.num_tokens,
                                                            request.num_tokens), config.block_size)
     cache, free = update.freeze()
     return attrs.evolve(result, state=attrs.evolve(result.state, prefix_cache=cache, free_block_ids=free))
 
 
-PREFIX = SchedulerConfig(block_size=4, num_kv_blocks=16, max_num_batched_tokens=64, max_num_seqs=4,
-                         max_model_len=MAX_MODEL_LEN, enable_prefix_caching=True)
+PREFIX = attrs.evolve(SMALL, enable_prefix_caching=True)
 
 
 def _hit_after_a_rejection(apply, check_block_tables: bool) -> tuple[int, ...]:
@@ -365,22 +378,19 @@ def _hit_after_a_rejection(apply, check_block_tables: bool) -> tuple[int, ...]:
     has 8 tokens and 7 computed, slot 7 holding a rejected draft (poisoned). Then ``b``, whose prompt is
     ``a``'s 8 tokens plus one, is admitted alone with its longest prefix hit. Returns ``b``'s hit."""
     config = PREFIX
+    wrong = _truth(config, RequestSpec("a", 5, 10))[2] % (DEFAULT_VOCAB_SIZE - 1) + 1
     runner = Runner(config, device=device_for_tests(), debug=True)
     runner.check_block_tables = check_block_tables
     state = state_with(config, [RequestSpec("a", 5, 10)])
-    for _ in range(2):  # prefill (samples output 1), one decode (output 2)
+    for drafts in ((), (wrong, wrong, wrong)):  # prefill (samples output 1), one decode (output 2)
         plan = plan_step(state, config, prefix_hits=True)
         sampled, _ = runner.execute(plan, state)
-        state = apply(state, plan, sampled, config).state
-    probe = Runner(config, device=device_for_tests())
-    truth, _ = drive(probe, config, [RequestSpec("a", 5, 10)], None, 0.0, False, random.Random(0), Counter(),
-                     memory_check=False)
-    wrong = truth["a"][2] % (runner.vocab_size - 1) + 1
-    plan = plan_step(state, config, num_drafts={"a": 3}, prefix_hits=True)
+        state = apply_plan(state, plan, sampled, config, speculative_output(runner, {"a": drafts})).state
+    plan = plan_step(state, config, prefix_hits=True)
     assert plan.scheduled[0].num_computed_tokens == 6 and plan.scheduled[0].num_tokens == 4
-    sampled, _ = runner.execute(plan, state, draft_token_ids={"a": (wrong, wrong, wrong)})
+    sampled, _ = runner.execute(plan, state)
     assert runner.last_num_accepted_tokens == {"a": 0}
-    state = apply(state, plan, sampled, config).state
+    state = apply(state, plan, sampled, config, runner, None).state
     a = state.requests["a"]
     assert (a.num_tokens, a.num_computed_tokens) == (8, 7)
     prompt = tuple(int(t) for t in token_ids(a, 0, 8)) + (7,)
@@ -400,9 +410,9 @@ def test_a_hit_on_a_block_published_with_a_rejected_draft_is_caught(check_block_
         _hit_after_a_rejection(_publish_up_to_num_tokens, check_block_tables)
 
 
-def test_the_correct_transition_publishes_only_the_kept_positions():
-    """The control: with the kept positions only, ``b`` hits one block and runs cleanly."""
-    assert len(_hit_after_a_rejection(apply_with_drafts, True)) == 1
+def test_the_spec_publishes_only_the_kept_positions():
+    """The control: with the spec's own transition ``b`` hits one block and runs cleanly."""
+    assert len(_hit_after_a_rejection(apply_speculative, True)) == 1
 
 
 def test_rejected_slots_left_unpoisoned_fail_the_memory_check():
@@ -414,7 +424,8 @@ def test_rejected_slots_left_unpoisoned_fail_the_memory_check():
     truth, _ = drive(Runner(config, device=device_for_tests(), debug=True), config, specs, chunk, 0.0, False, rng,
                      Counter())
     drafter = Drafter(truth, rng, runner.vocab_size, Counter())
-    drafter.propose = lambda state, inner=drafter.propose: {r: (1,) * len(d) for r, d in inner(state).items()}
+    drafter.propose = lambda after, sampled, inner=drafter.propose: {
+        r: (1,) * len(d) for r, d in inner(after, sampled).items()}
     with pytest.raises(AssertionError, match="is finite; num_computed_tokens"):
         drive(runner, config, specs, chunk, 0.0, False, rng, Counter(), drafter)
 
