@@ -20,6 +20,12 @@ stamps a request on receipt (:class:`~schedspec.spec.workload.ArrivalClock`): th
 step on the simulated clock in steps mode, the trace's time in time mode, strictly increasing in the
 order of addition. The stamped descriptor is what the scheduler receives and what the step's record
 lists.
+
+Speculative decoding (``num_speculative_tokens > 0``): the token source's ``execute_speculative`` also
+returns what it accepted and the drafts proposed after the step (default: :class:`FakeModel` with its
+seeded :class:`~schedspec.reference.fake_model.AcceptanceModel`), which the spec's transition and the
+scheduler's ``update`` take as their third input; a scheduler or token source without it is refused
+(:class:`UnsupportedFeature`, exit 3).
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ import attrs
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.properties import Monitor, Progress, monitors
 from schedspec.spec.rules import Violation
-from schedspec.spec.state import SchedulerState, StepPlan
+from schedspec.spec.state import NO_SPECULATION, SchedulerState, SpeculativeOutput, StepPlan
 from schedspec.spec.stepper import Stepper, Transition, step_checker
 from schedspec.spec.trace import StepRecord
 from schedspec.spec.transitions import StepResult
@@ -48,6 +54,7 @@ from .scheduler import (
     Scheduler,
     UnsupportedFeature,
     state_differences,
+    supports_speculative,
     view_differences,
 )
 
@@ -266,8 +273,12 @@ class Engine:
                               f"schedule() returned a {type(plan).__name__}, not a StepPlan")
         return plan
 
-    def _update(self, step: int, plan: StepPlan, sampled: dict[str, int]) -> tuple[str, ...]:
-        finished = self._call("update", step, self.scheduler.update, plan, sampled)
+    def _update(self, step: int, plan: StepPlan, sampled: dict[str, int],
+                speculative: SpeculativeOutput = NO_SPECULATION) -> tuple[str, ...]:
+        if self.config.speculative:
+            finished = self._call("update", step, self.scheduler.update, plan, sampled, speculative)
+        else:
+            finished = self._call("update", step, self.scheduler.update, plan, sampled)
         if not isinstance(finished, (tuple, list)) or not all(isinstance(r, str) for r in finished):
             name = getattr(self.scheduler, "name", None) or type(self.scheduler).__name__
             raise EngineFault(str(name), "update", step, "its return value",
@@ -307,6 +318,15 @@ class Engine:
         token_source = self.token_source or FakeModel(
             self.config, eos_at_output={s.request_id: s.eos_at_output for s in workload if s.eos_at_output}
         )
+        if self.config.speculative:
+            name = getattr(self.scheduler, "name", None) or type(self.scheduler).__name__
+            if not supports_speculative(self.scheduler):
+                raise UnsupportedFeature(f"scheduler {name!r} does not support speculative decoding "
+                                         f"(num_speculative_tokens={self.config.num_speculative_tokens}): its update "
+                                         "takes no drafts")
+            if not callable(getattr(token_source, "execute_speculative", None)):
+                raise UnsupportedFeature(f"token source {type(token_source).__name__} does not support speculative "
+                                         f"decoding (num_speculative_tokens={self.config.num_speculative_tokens})")
 
         checker = step_checker(self.config, self.incremental) if self.check else None
         # A run allocates millions of short-lived tuples while holding every finished request: the
@@ -342,6 +362,8 @@ class Engine:
         stepper = Stepper(self.config, checker, watched, initial)
         records: list[StepRecord] = []
         violations: list[Violation] = []
+        speculative_on = self.config.speculative
+        speculative = NO_SPECULATION
         clock = 0.0
         step = 0
         checked = 0
@@ -395,14 +417,18 @@ class Engine:
                 violations.extend(found)
                 if self.stop_on_violation:
                     raise ViolationFound(found, before)
-            sampled, duration = token_source.execute(plan, before)
+            if speculative_on:
+                sampled, duration, speculative = token_source.execute_speculative(plan, before)
+            else:
+                sampled, duration = token_source.execute(plan, before)
             if trust_state:
-                finished = self._update(before.step, plan, sampled)
-                outcome = stepper.step(plan, sampled, StepResult(self.scheduler.state, finished, ()))
+                finished = self._update(before.step, plan, sampled, speculative)
+                outcome = stepper.step(plan, sampled, StepResult(self.scheduler.state, finished, ()),
+                                       speculative=speculative)
             else:
                 # The spec's own transition first, handed to a reference scheduler that keeps the same spec
                 # state (accept_transition), so its state is this state.
-                outcome = stepper.step(plan, sampled)
+                outcome = stepper.step(plan, sampled, speculative=speculative)
                 if outcome.error is not None:
                     found = [Violation("refinement", f"the spec cannot apply the scheduler's plan: {outcome.error}",
                                        before.step, kind="mismatch")]
@@ -411,7 +437,7 @@ class Engine:
                         raise ViolationFound(found, before) from None
                     break
                 self._hand(outcome.transition)
-                finished = self._update(before.step, plan, sampled)
+                finished = self._update(before.step, plan, sampled, speculative)
                 if self.check:
                     found = []
                     if set(finished) != set(outcome.finished):

@@ -8,7 +8,11 @@ The protocol (engine adapters implement the same one):
 - ``schedule() -> StepPlan``: plan the next step. Must not change the scheduler's state.
 - ``update(plan, sampled_token_ids) -> tuple[str, ...]``: apply the plan just returned and the tokens
   the model sampled (request id -> token id for each request that samples); returns the ids of the
-  requests that finished (stop or length) in this step.
+  requests that finished (stop or length) in this step. With speculative decoding on
+  (``num_speculative_tokens > 0``) the engine loop calls ``update(plan, sampled_token_ids, speculative)``,
+  ``speculative`` the step's :class:`~schedspec.spec.state.SpeculativeOutput` (drafts accepted, drafts
+  proposed); a scheduler whose ``update`` takes no third argument lacks speculative decoding
+  (:func:`supports_speculative`, exit 3).
 - ``state``: the scheduler's :class:`~schedspec.spec.state.SchedulerState` (reference schedulers), or
   ``None`` for an engine adapter, whose state the engine loop shadows with the spec.
 - ``engine_view() -> EngineView`` (engine adapters, optional): the engine's own bookkeeping after the
@@ -32,7 +36,7 @@ import attrs
 
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.request import Request
-from schedspec.spec.state import SchedulerState, StepPlan
+from schedspec.spec.state import NO_SPECULATION, SchedulerState, SpeculativeOutput, StepPlan
 from schedspec.spec.stepper import Transition
 from schedspec.spec.transitions import abort_request, add_request, apply_plan
 
@@ -221,6 +225,18 @@ class Scheduler(Protocol):
     def update(self, plan: StepPlan, sampled_token_ids: Mapping[str, int]) -> tuple[str, ...]: ...
 
 
+def supports_speculative(scheduler: object) -> bool:
+    """Whether ``scheduler.update`` takes the third argument of speculative decoding (module docstring)."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(scheduler.update).parameters.values()
+    except (AttributeError, TypeError, ValueError):
+        return False
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 3 or any(p.kind is p.VAR_POSITIONAL for p in parameters)
+
+
 ALL_PROPERTIES = frozenset(
     {"progress", "work-conserving", "stall-free-decode", "bounded-wait", "bounded-preemptions", "rejects-impossible"}
 )
@@ -249,9 +265,10 @@ class ReferenceScheduler:
         :mod:`schedspec.spec.stepper`); used at most once, by that call if it is exactly this transition."""
         self._handed = transition
 
-    def _take(self, operation: str, argument: object, sampled: Mapping[str, int] | None = None) -> object | None:
+    def _take(self, operation: str, argument: object, sampled: Mapping[str, int] | None = None,
+              speculative: SpeculativeOutput = NO_SPECULATION) -> object | None:
         handed, self._handed = self._handed, None
-        if handed is not None and handed.matches(operation, self.state, argument, self.config, sampled):
+        if handed is not None and handed.matches(operation, self.state, argument, self.config, sampled, speculative):
             return handed.result
         return None
 
@@ -266,10 +283,11 @@ class ReferenceScheduler:
     def schedule(self) -> StepPlan:
         return self.plan_function(self.state, self.config)
 
-    def update(self, plan: StepPlan, sampled_token_ids: Mapping[str, int]) -> tuple[str, ...]:
-        result = self._take("apply_plan", plan, sampled_token_ids)
+    def update(self, plan: StepPlan, sampled_token_ids: Mapping[str, int],
+               speculative: SpeculativeOutput = NO_SPECULATION) -> tuple[str, ...]:
+        result = self._take("apply_plan", plan, sampled_token_ids, speculative)
         if result is None:
-            result = apply_plan(self.state, plan, sampled_token_ids, self.config)
+            result = apply_plan(self.state, plan, sampled_token_ids, self.config, speculative)
         self.state = result.state
         return result.finished
 
