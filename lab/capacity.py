@@ -224,13 +224,13 @@ def scaled_window(window: Sequence[Any], natural_rate: float, rate: float) -> li
 
 
 def evaluate(window: Sequence[Any], natural_rate: float, rate: float, scheduler: str, config, cost, check: bool,
-             max_steps: int | None, targets: SloTargets) -> dict[str, Any]:
+             max_steps: int | None, targets: SloTargets, acceptance=None) -> dict[str, Any]:
     """One lab run at ``rate``: ``{"rate_req_per_s", "holds", "problem", "figures"}``; ``figures``
     maps ``METRIC_pNN_s`` (every target and :data:`REPORTED`) and ``output_tokens_per_s``,
     ``requests_finished`` to numbers (``None`` when not computable)."""
     try:
         result = run_lab(scaled_window(window, natural_rate, rate), scheduler, config, cost_model=cost, check=check,
-                         max_steps=max_steps)
+                         max_steps=max_steps, acceptance=acceptance)
     except ViolationFound as error:
         first = error.violations[0] if error.violations else error
         return {"rate_req_per_s": rate, "holds": False, "figures": {},
@@ -250,16 +250,17 @@ def evaluate(window: Sequence[Any], natural_rate: float, rate: float, scheduler:
 
 def run_configuration(job: tuple) -> dict[str, Any]:
     """One configuration's search (in a worker process). ``job`` is ``(index, label, scheduler, config,
-    window, natural_rate, start_rate, cost, check, max_steps, targets, tolerance)``; returns
+    window, natural_rate, start_rate, cost, check, max_steps, targets, tolerance[, acceptance model])``; returns
     ``{"index", "label", "scheduler", "capacity_req_per_s", "upper_req_per_s", "status", "evaluations",
     "figures", "problem"}``."""
     (index, label, scheduler, config, window, natural_rate, start_rate, cost, check, max_steps, targets,
-     tolerance) = job
+     tolerance, *rest) = job
+    acceptance = rest[0] if rest else None
     runs: dict[float, dict[str, Any]] = {}
     problem: list[str] = []
 
     def holds(rate: float) -> bool:
-        outcome = evaluate(window, natural_rate, rate, scheduler, config, cost, check, max_steps, targets)
+        outcome = evaluate(window, natural_rate, rate, scheduler, config, cost, check, max_steps, targets, acceptance)
         runs[rate] = outcome
         if outcome["problem"] is not None and not problem:
             problem.append(outcome["problem"])

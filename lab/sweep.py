@@ -80,10 +80,11 @@ def run_point(job: tuple) -> tuple[int, dict[str, Any] | None, str | None]:
     when the run broke the spec or the engine under test crashed.
 
     ``job`` is ``(index, name, scheduler, config, window, cost, check, max_steps, shared conditions,
-    slo, point)``, everything picklable."""
-    index, name, scheduler, config, window, cost, check, max_steps, shared, slo, point = job
+    slo, point[, acceptance model])``, everything picklable."""
+    index, name, scheduler, config, window, cost, check, max_steps, shared, slo, point, *rest = job
     try:
-        result = run_lab(window, scheduler, config, cost_model=cost, check=check, max_steps=max_steps)
+        result = run_lab(window, scheduler, config, cost_model=cost, check=check, max_steps=max_steps,
+                         acceptance=rest[0] if rest else None)
     except ViolationFound as error:
         first = error.violations[0] if error.violations else error
         return index, None, f"VIOLATION {first} (stopped at step {error.state.step})"

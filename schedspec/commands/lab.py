@@ -54,6 +54,7 @@ from schedspec.lab.windows import select_window
 from schedspec.lab.workload_checks import MAX_TOKEN_COUNT, WorkloadError
 from schedspec.reference import cost_model as costs
 from schedspec.reference.engine import ViolationFound
+from schedspec.reference.fake_model import AcceptanceModel
 from schedspec.reference.scheduler import EngineFault, UnknownScheduler, UnsupportedFeature
 from schedspec.spec.admission import rejection_code, rejection_reason
 from schedspec.spec.config import SchedulerConfig
@@ -406,13 +407,16 @@ def _compare_table(console: Console, records: list[dict[str, Any]]) -> None:
 @click.option("--capacity", "capacity_search", is_flag=True,
               help="For each configuration (--sweep), the highest request rate at which --slo holds (arrivals "
                    "time-scaled; a Poisson rate for --synthetic n=N), found by bisection; a table, the best named.")
+@click.option("--acceptance-rate", type=Number(minimum=0, maximum=1), default=None,
+              help="Speculative decoding (--set num_speculative_tokens=K): probability that the drafter is right "
+                   "at an output position, each draw seeded by request and position (default 0.7).")
 @click.option("--capacity-tolerance", type=Number(minimum=0, strict=True), default=None,
               help="Relative width of the capacity search's final bracket (default 0.02).")
 def command(trace_path, trace_format, synthetic, start, duration, max_requests, time_scale, length_scale,
             scheduler_name, sets,
             profile, backend, device, model_dir, steps_spec, steps_out, requests_out, slo, compare, plot_dir,
             as_json, save_path, sweeps, jobs, no_check, max_steps, ray_address=None, capacity_search=False,
-            capacity_tolerance=None, clock="wall") -> None:
+            capacity_tolerance=None, clock="wall", acceptance_rate=None) -> None:
     """Run the scheduler on a real trace and show the run conditions, the steps (by default the first
     40 where a request arrived, was preempted or finished; --steps to choose), the latency each request
     saw and the batch efficiency, with every step checked against the spec. Every option and the trace
@@ -461,6 +465,9 @@ def command(trace_path, trace_format, synthetic, start, duration, max_requests, 
              "ttft, itl, tpot, e2e (goodput, and p99 for --sweep)")
     if capacity_tolerance is not None and not capacity_search:
         fail("--capacity-tolerance: only with --capacity")
+    acceptance = None if acceptance_rate is None else AcceptanceModel(rate=float(acceptance_rate))
+    if acceptance is not None and backend != "cost-model":
+        fail("--acceptance-rate: only with --backend cost-model (the torch backend verifies drafts on its model)")
     points = sweeping.cartesian(sweep_fields) if sweep_fields else []
     if sweep_fields:
         fields = [field for field, _ in sweep_fields]
@@ -615,12 +622,13 @@ def command(trace_path, trace_format, synthetic, start, duration, max_requests, 
             console, points or [{}], point_configs or [configs[names[0]]], window,
             spec.rate if spec is not None else None, cost, slo_targets, tolerance, not no_check, max_steps,
             jobs if jobs is not None else sweeping.default_jobs(), plot_dir, as_json,
-            shared(cost_backend, cost.model, window_conditions), f"{trace_text.splitlines()[0]}; window {window_text}")
+            shared(cost_backend, cost.model, window_conditions), f"{trace_text.splitlines()[0]}; window {window_text}",
+            acceptance)
         sys.exit(status)
     if points:
         _sweep(console, points, point_configs, make_window, window, window_conditions,
                shared(cost_backend, cost.model, window_conditions), cost, slo_pair, no_check, max_steps,
-               jobs, plot_dir, save_names, as_json, trace_text, window_text, ray_address)
+               jobs, plot_dir, save_names, as_json, trace_text, window_text, ray_address, acceptance)
         return
 
     # 5. The runs.
@@ -639,7 +647,7 @@ def command(trace_path, trace_format, synthetic, start, duration, max_requests, 
             model = model_dir if model_dir is not None else "built-in tiny model (schedspec.gpu_backend)"
         target = output_name(steps_out, name)
         result = _run_one(name, scheduler, config, window, token_source, cost, no_check, max_steps, as_json,
-                          target, console)
+                          target, console, acceptance)
         result.scheduler = name
         if backend == "cost-model":
             _warn_outside_fitted_range(cost, result.steps, name if compare else None)
@@ -740,7 +748,7 @@ def _save_records(records: list[dict[str, Any]], targets: list[str], console: Co
 def _capacity(console, points: Sequence[Mapping[str, Any]], configurations: Sequence[tuple[str, Any]],
               window: Sequence[Any], synthetic_rate: float | None, cost, targets: capacities.SloTargets,
               tolerance: float, check: bool, max_steps: int | None, workers: int, plot_dir: str | None,
-              as_json: bool, conditions: Mapping[str, Any], heading: str) -> int:
+              as_json: bool, conditions: Mapping[str, Any], heading: str, acceptance=None) -> int:
     """``--capacity``: run every configuration's search (:func:`schedspec.lab.capacity.run_all`) and print
     the table (or the JSON). Returns the exit status: 0, or 1 when a run broke the spec or the engine
     crashed."""
@@ -752,7 +760,7 @@ def _capacity(console, points: Sequence[Mapping[str, Any]], configurations: Sequ
             fail("--capacity: every request of the window arrives at the same time; no rate to scale")
         natural = len(window) / span
     jobs = [(i, sweeping.point_label(point) if point else scheduler, scheduler, config, list(window), natural, natural, cost,
-             check, max_steps, targets, tolerance)
+             check, max_steps, targets, tolerance, acceptance)
             for i, (point, (scheduler, config)) in enumerate(zip(points, configurations, strict=True))]
     if not as_json:
         console.print(f"Capacity search: {len(jobs)} configuration(s); {heading}; SLO {targets}; natural rate "
@@ -805,7 +813,7 @@ def _sweep(console: Console, points: list[dict[str, Any]], point_configs: list[t
            make_window, window: list, window_conditions: dict[str, Any], conditions: dict[str, Any],
            cost, slo, no_check: bool, max_steps: int | None, jobs: int | None, plot_dir: str | None,
            save_names: list[str], as_json: bool, trace_text: str, window_text: str,
-           ray_address: str | None = None) -> None:
+           ray_address: str | None = None, acceptance=None) -> None:
     """``--sweep``: every point run (in parallel), one table, the best configuration named."""
     windows: dict[float, list] = {window_conditions["time_scale"]: window}
     natural_rate = None
@@ -827,7 +835,7 @@ def _sweep(console: Console, points: list[dict[str, Any]], point_configs: list[t
         own = dict(conditions)
         own["window"] = {**window_conditions, "time_scale": scale}
         job_list.append((index, sweeping.point_label(point), scheduler, config, windows[scale], cost, not no_check,
-                         max_steps, own, slo, point))
+                         max_steps, own, slo, point, acceptance))
     workers = jobs if jobs is not None else sweeping.default_jobs()
     if not as_json:
         where = f"Ray tasks on the cluster at {ray_address}" if ray_address else \
@@ -925,7 +933,8 @@ def _percent(value: float | None) -> str:
 
 
 def _run_one(name: str, scheduler: str, config: SchedulerConfig, window: list, token_source, cost, no_check: bool,
-             max_steps: int | None, as_json: bool, steps_out: str | None, console: Console) -> LabResult:
+             max_steps: int | None, as_json: bool, steps_out: str | None, console: Console,
+             acceptance=None) -> LabResult:
     """One run; the step trace goes to a temporary file renamed to ``steps_out`` only when the run
     completes (a violation or an error leaves no half file)."""
     progress = Progress(TextColumn("{task.description}", markup=False, style="bold"), BarColumn(),
@@ -942,7 +951,8 @@ def _run_one(name: str, scheduler: str, config: SchedulerConfig, window: list, t
             if handle is not None:
                 handle.write(header_line(config, scheduler) + "\n")
             return run_lab(window, scheduler, config, token_source=token_source, cost_model=cost,
-                           check=not no_check, steps_out=handle, on_progress=tick, max_steps=max_steps)
+                           check=not no_check, steps_out=handle, on_progress=tick, max_steps=max_steps,
+                           acceptance=acceptance)
 
         try:
             if steps_out is None:
