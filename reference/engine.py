@@ -183,8 +183,8 @@ class StepView:
         sampled: request id -> the token sampled this step.
         finished: ids that finished this step (not aborted or rejected).
         arrivals: the requests added before the step; ``aborted``: live ids aborted before it.
-        speculative: speculative decoding's inputs to the step (drafts accepted, drafts proposed after it;
-            ``NO_SPECULATION`` without).
+        speculative: speculative decoding's inputs to the step (drafts accepted per request that verified
+            drafts, drafts proposed); with them a sampler may append ``1 + accepted`` tokens in one step.
     """
 
     step: int

@@ -13,8 +13,9 @@ Theorems ``spec/speculative/<name>``: ``init``, ``arrive``, ``abort`` and ``step
 invariant (``kv-capacity``, ``block-conservation``, ``table-covers-computed`` ... and
 ``drafts-on-running-decodes``), every support fact and the step invariants (``chunks-in-order``,
 ``rejected-drafts-uncomputed``, ``accepted-drafts-prefix``, ``ended-requests``), each from ``Inv`` and every
-rule (the token budget counts the drafts: ``token-budget`` is one of the hypotheses, and the budget,
-sequence-cap and block-accounting lemmas are proved as without drafts). The vacuity checks ask the premises
+rule (each obligation first from a slice of them, :data:`SLICES`, then, if that does not prove it, from
+all; the sequence-cap and block-accounting lemmas are proved as without drafts, and the drafts count in
+``token-budget`` since an item's ``ntok`` includes them). The vacuity checks ask the premises
 to allow a step that rejects drafts, one that accepts them all, a stop inside the accepted drafts, a
 preemption of a request holding drafts, an admission at ``max_num_seqs`` and a rejection.
 
@@ -50,7 +51,7 @@ from .encoding import (
     symbolic_state,
 )
 from .solve import Prover, check, state_values
-from .theorems import GOAL_STATEMENTS, LEMMAS, inv_parts
+from .theorems import GOAL_STATEMENTS, LEMMAS, STEP_SLICES, inv_parts
 
 SPECULATIVE_GOALS = {
     **GOAL_STATEMENTS,
@@ -133,9 +134,33 @@ def step_vacuity(opts: Options) -> list:
     return _VACUITY[key]
 
 
+DRAFT_HYPOTHESES = ("inputs", "rule:drafts-only-in-decodes", "rule:drafts-are-proposed", "inv:drafts-on-running-decodes")
+"""Added to every slice of :data:`.theorems.STEP_SLICES`: what the drafts bring to each obligation."""
+
+SLICES = {
+    **{goal: ("cfg",) + names + DRAFT_HYPOTHESES for goal, names in STEP_SLICES.items()},
+    "inv:drafts-on-running-decodes": ("cfg", "wf", "sup:ranges", "rule:known-requests", "rule:chunk-continues",
+                                      "rule:preempt-running-only", "rule:no-overcompute", "inv:computed-bound",
+                                      "sup:running-has-pending") + DRAFT_HYPOTHESES,
+    "step:rejected-drafts-uncomputed": ("cfg", "rule:chunk-continues", "rule:known-requests", "sup:ranges")
+                                       + DRAFT_HYPOTHESES,
+    "step:accepted-drafts-prefix": ("cfg", "rule:chunk-continues", "rule:known-requests", "sup:ranges",
+                                    "sup:live-below-limits") + DRAFT_HYPOTHESES,
+}
+"""Each obligation's hypotheses, asked first (a slice); an obligation a slice does not prove is asked again
+with every hypothesis, so a slice only saves time, never changes a verdict."""
+
+
 def _run_step_goal(goal_name: str, opts: Options) -> tuple[str, str, Any]:
+    status, reason, model = _ask(goal_name, opts, SLICES[goal_name])
+    if status != PROVED:
+        status, reason, model = _ask(goal_name, opts, None)
+    return status, reason, model
+
+
+def _ask(goal_name: str, opts: Options, names: tuple[str, ...] | None) -> tuple[str, str, Any]:
     ctx, hyps, goals, s, plan, inputs, _ = _step_goals(opts)
-    hypotheses = list(hyps.values())
+    hypotheses = list(hyps.values()) if names is None else [hyps[n] for n in dict.fromkeys(names)]
     if goal_name in LEMMAS:
         answer = check(ctx, hypotheses, goals["lemma:" + goal_name], opts.timeout_s)
         if answer.status != PROVED:
