@@ -54,6 +54,17 @@ class PagedKVCache:
         for tensor in (*self.key, *self.value):
             tensor.index_fill_(0, index, value)
 
+    def fill_slots(self, slots: Iterable[int], value: float = float("nan")) -> None:
+        """Overwrite single token slots (``block * block_size + offset``) in every layer (debug mode
+        poisons the slots of rejected draft positions with NaN)."""
+        ids = sorted(set(slots))
+        if not ids:
+            return
+        index = torch.tensor(ids, dtype=torch.int64, device=self.key[0].device)
+        width = self.num_kv_heads * self.head_dim
+        for tensor in (*self.key, *self.value):
+            tensor.view(-1, width).index_fill_(0, index, value)
+
 
 def _names(requests: set[str]) -> str:
     """``'a'`` for one request, ``'a', 'b'`` for several (sorted)."""
@@ -215,10 +226,14 @@ class BlockLedger:
                                 f"but only positions [0, {written}) were written to its blocks")
         return poison, problems
 
-    def commit(self, plan: StepPlan, state: SchedulerState, hits: Mapping[str, tuple[int, ...]] | None = None) -> None:
+    def commit(self, plan: StepPlan, state: SchedulerState, hits: Mapping[str, tuple[int, ...]] | None = None,
+               computed_ends: Mapping[str, int] | None = None) -> None:
         """Record the step: hit and new blocks join their request's table (a hit block leaves the cached
-        set: it is held again); its positions up to the chunk's end are written."""
+        set: it is held again); its positions up to the chunk's end are written, or up to
+        ``computed_ends[request]`` for an item with drafts (the position after its last accepted draft: the
+        rejected positions' slots were poisoned)."""
         hits = hits or {}
+        computed_ends = computed_ends or {}
         size = self.block_size
         for item in plan.scheduled:
             request = state.requests.get(item.request_id)
@@ -226,7 +241,7 @@ class BlockLedger:
                 continue
             table = request.block_ids + tuple(hits.get(item.request_id, ())) + item.new_block_ids
             self.tables[item.request_id] = table
-            end = item.num_computed_tokens + item.num_tokens
+            end = computed_ends.get(item.request_id, item.num_computed_tokens + item.num_tokens)
             self.filled[item.request_id] = end
             for index, block in enumerate(table):
                 self.owners.setdefault(block, set()).add(item.request_id)

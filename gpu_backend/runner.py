@@ -58,6 +58,21 @@ def _prefix_hits(plan: StepPlan) -> dict[str, tuple[int, ...]]:
     return hits
 
 
+def accepted_prefix(draft_token_ids: Sequence[int], target_token_ids: Sequence[int]) -> int:
+    """Greedy verification: how many drafts are accepted, the length ``a`` of the longest prefix of
+    ``draft_token_ids`` (``d`` ids) equal to ``target_token_ids`` (the ``d + 1`` greedy tokens of the
+    verified positions). The request keeps the ``a`` accepted drafts, then samples ``target_token_ids[a]``
+    (the bonus token after ``d`` accepted drafts, else the correction of the first rejected one).
+    vLLM 0.32 ``vllm/v1/sample/rejection_sampler.py`` ``rejection_greedy_sample_kernel``.
+    """
+    accepted = 0
+    for draft, target in zip(draft_token_ids, target_token_ids, strict=False):
+        if draft != target:
+            break
+        accepted += 1
+    return accepted
+
+
 def _cached_blocks(state: SchedulerState) -> Collection[int]:
     """The blocks the spec state publishes in its prefix cache (``state.prefix_cache.block_hashes``), or
     none when the state has no prefix cache."""
@@ -100,7 +115,10 @@ class Runner:
         kv_cache: the :class:`PagedKVCache`.
         num_forward_calls: forward passes so far (one per non-empty step).
         last_logits: request id -> ``[vocab_size]`` float32 CPU logits (before EOS masking) of the
-            requests that sampled in the last step (``record_logits`` ``"last"`` or ``"all"``).
+            requests that sampled in the last step (``record_logits`` ``"last"`` or ``"all"``); for an item
+            with ``d`` drafts, ``[d + 1, vocab_size]``, the logits of every verified position.
+        last_num_accepted_tokens: request id -> accepted drafts ``a`` (``0 <= a <= d``) of each item that
+            verified ``d >= 1`` drafts in the last step: the spec's ``SpeculativeOutput.num_accepted_tokens``.
         step_logits: request id -> ``[num_tokens, vocab_size]`` float32 CPU logits of every position the
             last step computed (``record_logits="all"``).
         last_step_seconds: wall time of the last step in seconds (the step time, defined below).
@@ -201,6 +219,7 @@ class Runner:
         self.step_logits: dict[str, torch.Tensor] = {}
         self.last_step_seconds = 0.0
         self.last_step_shape = None
+        self.last_num_accepted_tokens: dict[str, int] = {}
 
     @property
     def vocab_size(self) -> int:
@@ -231,6 +250,7 @@ class Runner:
         self.num_forward_calls = 0
         self.last_logits = {}
         self.step_logits = {}
+        self.last_num_accepted_tokens = {}
         self.last_step_seconds = 0.0
         self.last_step_shape = None
 
@@ -290,6 +310,20 @@ class Runner:
                 cached_blocks: Collection[int] | None = None) -> tuple[dict[str, int], float]:
         """Run one step: one forward pass over every scheduled chunk, then sample.
 
+        Speculative decoding (greedy verification): a decode item with ``d >= 1`` drafts
+        (``item.spec_token_ids``) computes ``1 + d`` tokens, positions ``[c, c + 1 + d)`` for ``c =
+        num_computed_tokens = request.num_tokens - 1``: its pending token then the drafts, in the same
+        forward pass as the rest of the batch (vLLM 0.32 ``GPUModelRunner._prepare_inputs``:
+        ``num_scheduled_tokens`` includes the drafts). The ``d + 1`` greedy tokens ``g`` of those
+        positions decide: ``a =`` :func:`accepted_prefix` ``(drafts, g)`` drafts are accepted
+        (:attr:`last_num_accepted_tokens`) and ``g[a]`` is the request's sampled token, which is what the
+        spec's ``apply_plan`` takes (``sampled_token_ids`` and ``SpeculativeOutput.num_accepted_tokens``).
+        Only positions ``[c, c + 1 + a)`` stay computed; in debug mode the KV of the ``d - a`` rejected
+        positions is overwritten with NaN at once and the ledger counts the request's written positions up
+        to ``c + 1 + a`` only, so a later step that reads them (kept as computed, or published to the
+        prefix cache) is caught. Stops among the accepted tokens are the scheduler's to apply (vLLM
+        ``Scheduler.update_from_output`` checks each token).
+
         Prefix caching shares KV blocks, never copies them: a request admitted with a prefix hit has
         ``num_computed_tokens`` = the hit length and a block table that starts with the hit blocks,
         which another request computed (and may still hold); the step computes only the positions
@@ -311,17 +345,25 @@ class Runner:
 
         Returns:
             ``(sampled, seconds)``: token id for each request that samples this step
-            (:func:`~schedspec.spec.state.samples_this_step`), in ``[1, vocab_size)`` or
-            ``EOS_TOKEN_ID`` where ``eos_at_output`` says so; and the step's wall time in seconds
-            (input preparation, forward, sampling; 0.0 for a step with nothing scheduled).
+            (:func:`~schedspec.spec.state.samples_this_step`; after its accepted drafts for an item with
+            drafts), in ``[1, vocab_size)`` or ``EOS_TOKEN_ID`` where ``eos_at_output`` says so; and the
+            step's wall time in seconds (input preparation, forward, sampling and verification; 0.0 for a
+            step with nothing scheduled).
 
         Raises:
             BlockTableError: a block table too short for its chunk or naming a block outside the pool;
                 in debug mode also any write or read of a block the request does not own, or NaN logits.
-            BackendError: a scheduled request is not live, a chunk is out of the request's range, or a
-                token id is outside the model's vocabulary.
+            BackendError: a scheduled request is not live, a chunk is out of the request's range, a token
+                id is outside the model's vocabulary, drafts on an item that is not a decode of ``1 + d``
+                tokens, or drafts with ``temperature > 0`` (only greedy verification is implemented: vLLM's
+                rejection sampling of ``rejection_sampler.py`` is not).
         """
         hits = _prefix_hits(plan) if prefix_hits is None else {r: tuple(b) for r, b in prefix_hits.items() if b}
+        drafts = {item.request_id: item.spec_token_ids for item in plan.scheduled if item.spec_token_ids}
+        if drafts and self.temperature > 0:
+            raise BackendError(f"step {state.step}: draft tokens for {sorted(drafts)} with temperature="
+                               f"{self.temperature}: only greedy verification (temperature 0) is implemented",
+                               field="spec_token_ids")
         if self.ledger is not None:
             kept = frozenset(_cached_blocks(state) if cached_blocks is None else cached_blocks)
             freed, problems = self.ledger.check_step(plan, state, hits, kept)
@@ -330,32 +372,58 @@ class Runner:
                 raise BlockTableError(f"step {state.step}: " + "; ".join(problems), field="block_ids")
         self.last_logits = {}
         self.step_logits = {}
+        self.last_num_accepted_tokens = {}
         if not plan.scheduled:
             self.last_step_seconds = 0.0
             self.last_step_shape = None
             return {}, 0.0
         self._sync()
         started = self._now()
-        batch, spans, samplers, max_position = self._build_batch(plan, state, hits)
+        batch, spans, samplers, max_position, slots = self._build_batch(plan, state, hits, drafts)
         logits = self.model.forward(batch, self.kv_cache, max_position)
         self.num_forward_calls += 1
         if self.record_logits == "all":
             rows = logits[[index for _, index, _ in samplers]] if samplers else logits[:0]
         else:
             rows = logits
-        sampled = self._sample(rows, samplers)
+        tokens = self._sample(rows, samplers)
+        sampled: dict[str, int] = {}
+        targets: dict[str, list[int]] = {}
+        first_row: dict[str, int] = {}
+        for row, ((request_id, _, _), token) in enumerate(zip(samplers, tokens, strict=True)):
+            if request_id in drafts:
+                first_row.setdefault(request_id, row)
+                targets.setdefault(request_id, []).append(token)
+            else:
+                sampled[request_id] = token
+        rejected_slots: list[int] = []
+        computed_ends: dict[str, int] = {}
+        starts = {item.request_id: item.num_computed_tokens for item in plan.scheduled}
+        for request_id, ids in drafts.items():
+            accepted = accepted_prefix(ids, targets[request_id])
+            sampled[request_id] = targets[request_id][accepted]
+            self.last_num_accepted_tokens[request_id] = accepted
+            offset, n = spans[request_id]
+            rejected_slots.extend(slots[offset + 1 + accepted:offset + n].tolist())
+            computed_ends[request_id] = starts[request_id] + 1 + accepted
         self._sync()
         self.last_step_seconds = self._now() - started
         self.last_step_shape = step_shape(plan, state)
 
         if self.record_logits != "none":
             cpu = rows.cpu()
-            self.last_logits = {request_id: cpu[i] for i, (request_id, _, _) in enumerate(samplers)}
+            self.last_logits = {request_id: cpu[i] for i, (request_id, _, _) in enumerate(samplers)
+                                if request_id not in drafts}
+            for request_id, ids in drafts.items():
+                row = first_row[request_id]
+                self.last_logits[request_id] = cpu[row:row + len(ids) + 1]
             if self.record_logits == "all":
                 everything = logits.cpu()
                 self.step_logits = {rid: everything[start:start + n] for rid, (start, n) in spans.items()}
         if self.ledger is not None:
-            self.ledger.commit(plan, state, hits)
+            if rejected_slots:
+                self.kv_cache.fill_slots(rejected_slots)
+            self.ledger.commit(plan, state, hits, computed_ends)
             bad = torch.isnan(logits).any(dim=-1).cpu()
             if bool(bad.any()):
                 if self.record_logits == "all":
@@ -367,10 +435,12 @@ class Runner:
                     "(NaN-poisoned) KV block", field="block_ids")
         return sampled, self.last_step_seconds
 
-    def _build_batch(self, plan: StepPlan, state: SchedulerState, hits: Mapping[str, tuple[int, ...]]):
+    def _build_batch(self, plan: StepPlan, state: SchedulerState, hits: Mapping[str, tuple[int, ...]],
+                     drafts: Mapping[str, tuple[int, ...]]):
         """Pack the plan's chunks. Returns the :class:`PackedBatch`, request id -> (batch offset, tokens),
-        ``(request id, batch index of its last token, output index)`` for each sampling request, and the
-        largest position in the batch."""
+        ``(request id, batch index, output index)`` for each sampled position (the last token of each
+        sampling request; every position of an item with drafts, in order), the largest position in the
+        batch, and the ``[T]`` int64 slot of each batch token."""
         block_size = self.config.block_size
         num_blocks = self.config.num_kv_blocks
         groups = self.model_config.num_queries_per_kv
@@ -397,7 +467,14 @@ class Runner:
             start, n = item.num_computed_tokens, item.num_tokens
             end = start + n
             num_tokens = request.num_tokens
-            if n < 1 or start < 0 or end > num_tokens:
+            draft = drafts.get(request_id, ())
+            if draft and (start + 1 != num_tokens or n != 1 + len(draft)):
+                raise BackendError(
+                    f"step {state.step}: request {request_id!r}: {len(draft)} draft token(s) on a chunk "
+                    f"[{start}, {end}) of a request with {num_tokens} tokens; drafts ride only on a decode "
+                    f"item of 1 + {len(draft)} tokens starting at position {num_tokens - 1}",
+                    field="spec_token_ids")
+            if n < 1 or start < 0 or end - len(draft) > num_tokens:
                 raise BackendError(
                     f"step {state.step}: request {request_id!r}: chunk [{start}, {end}) is outside its "
                     f"{num_tokens} tokens", field="num_tokens")
@@ -424,11 +501,18 @@ class Runner:
             else:
                 block_array = np.asarray(blocks, dtype=np.int64)
                 pos = np.arange(start, end, dtype=np.int64)
-                input_ids[offset:offset + n] = token_ids(request, start, end)
+                if draft:
+                    input_ids[offset] = token_id_at(request, start)
+                    input_ids[offset + 1:offset + n] = draft
+                else:
+                    input_ids[offset:offset + n] = token_ids(request, start, end)
                 positions[offset:offset + n] = pos
                 slots[offset:offset + n] = block_array[pos // block_size] * block_size + pos % block_size
                 prefills.append((offset, n, end, block_array))
-            if samples_this_step(request, item):
+            if draft:
+                first_output = request.num_output_tokens + 1
+                samplers.extend((request_id, offset + i, first_output + i) for i in range(n))
+            elif samples_this_step(request, item):
                 samplers.append((request_id, offset + n - 1, request.num_output_tokens + 1))
             offset += n
         if decode_index:
@@ -471,7 +555,7 @@ class Runner:
             prefills=chunks,
             logits_index=tensor(logits_index),
         )
-        return batch, spans, samplers, max_end - 1
+        return batch, spans, samplers, max_end - 1, slots
 
     def _decode_groups(self, index: list[int], tables: list[tuple[int, ...]], lengths: list[int]) -> list[DecodeGroup]:
         """Split the single-token items into :class:`DecodeGroup` s: sorted by length, each group as large as
@@ -521,11 +605,11 @@ class Runner:
             start = stop
         return result
 
-    def _sample(self, rows: torch.Tensor, samplers: list[tuple[str, int, int]]) -> dict[str, int]:
+    def _sample(self, rows: torch.Tensor, samplers: list[tuple[str, int, int]]) -> list[int]:
         """Sample from ``rows`` ``[S, vocab]`` (one per entry of ``samplers``), EOS masked except where
-        ``eos_at_output`` forces it."""
+        ``eos_at_output`` forces it. Returns one token id per entry of ``samplers``."""
         if not samplers:
-            return {}
+            return []
         u = None
         if self.temperature > 0:
             u = uniforms(self.seed, [rid for rid, _, _ in samplers], [k for _, _, k in samplers])
@@ -534,8 +618,5 @@ class Runner:
             masked = rows.clone() if self.record_logits != "none" else rows
             masked[:, EOS_TOKEN_ID] = -math.inf
             tokens = sample(masked, self.temperature, self.top_p, u).tolist()
-        result = {}
-        for (request_id, _, output_index), token in zip(samplers, tokens, strict=True):
-            forced = self.eos_at_output.get(request_id) == output_index
-            result[request_id] = EOS_TOKEN_ID if forced else int(token)
-        return result
+        return [EOS_TOKEN_ID if self.eos_at_output.get(request_id) == output_index else int(token)
+                for (request_id, _, output_index), token in zip(samplers, tokens, strict=True)]

@@ -224,13 +224,13 @@ def scaled_window(window: Sequence[Any], natural_rate: float, rate: float) -> li
 
 
 def evaluate(window: Sequence[Any], natural_rate: float, rate: float, scheduler: str, config, cost, check: bool,
-             max_steps: int | None, targets: SloTargets) -> dict[str, Any]:
+             max_steps: int | None, targets: SloTargets, acceptance=None) -> dict[str, Any]:
     """One lab run at ``rate``: ``{"rate_req_per_s", "holds", "problem", "figures"}``; ``figures``
     maps ``METRIC_pNN_s`` (every target and :data:`REPORTED`) and ``output_tokens_per_s``,
     ``requests_finished`` to numbers (``None`` when not computable)."""
     try:
         result = run_lab(scaled_window(window, natural_rate, rate), scheduler, config, cost_model=cost, check=check,
-                         max_steps=max_steps)
+                         max_steps=max_steps, acceptance=acceptance)
     except ViolationFound as error:
         first = error.violations[0] if error.violations else error
         return {"rate_req_per_s": rate, "holds": False, "figures": {},
@@ -266,6 +266,8 @@ class CapacityRun:
         max_steps: stop each run after this many steps (``None``: run to the end).
         targets: the SLO (:class:`SloTargets`).
         tolerance: the relative width of the final bracket.
+        acceptance: the drafts' acceptance model (:class:`~schedspec.reference.fake_model.AcceptanceModel`)
+            with speculative decoding, else ``None``.
     """
 
     index: int
@@ -280,6 +282,7 @@ class CapacityRun:
     max_steps: int | None
     targets: SloTargets
     tolerance: float
+    acceptance: Any = None
 
 
 def run_configuration(job: CapacityRun) -> dict[str, Any]:
@@ -290,7 +293,7 @@ def run_configuration(job: CapacityRun) -> dict[str, Any]:
 
     def holds(rate: float) -> bool:
         outcome = evaluate(job.window, job.natural_rate, rate, job.scheduler, job.config, job.cost, job.check,
-                           job.max_steps, job.targets)
+                           job.max_steps, job.targets, job.acceptance)
         runs[rate] = outcome
         if outcome["problem"] is not None and not problem:
             problem.append(outcome["problem"])

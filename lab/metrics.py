@@ -5,7 +5,11 @@ Definitions follow vLLM's serving benchmark (``benchmarks/benchmark_serving.py``
 
 - **TTFT** (time to first token) = time of the first output token - arrival time.
 - **ITL** (inter-token latency) = each gap between consecutive output token times of one request;
-  a request with ``n`` tokens has ``n - 1`` ITLs. Summaries pool the ITLs of all requests.
+  a request with ``n`` tokens has ``n - 1`` ITLs. Summaries pool the ITLs of all requests. With
+  speculative decoding a step can give a request several tokens at once (its accepted drafts and the
+  sampled token): they arrive together, so they count as one arrival and one ITL, as vLLM's benchmark
+  measures ITL per streamed chunk (``benchmarks/lib/endpoint_request_func.py``: one ``itl`` entry per
+  chunk); TPOT stays per token, so it is the figure speculation improves.
 - **TPOT** (time per output token) = (last token time - first token time) / (n - 1), for requests
   with ``n >= 2`` tokens (vLLM: ``(latency - ttft) / (output_len - 1)``; the same thing, since a
   request finishes at its last token).
@@ -56,8 +60,9 @@ class RequestTimeline:
         arrival_time: when it arrived.
         first_scheduled_time: start of the first step that computed any of its tokens; ``None`` if it
             never ran.
-        token_times: end time of every step in which it sampled an output token, in order (after a
-            recompute preemption the recomputed step that samples the next token counts once).
+        token_times: the time of every output token, in order: the end of the step that sampled it
+            (after a recompute preemption the recomputed step that samples the next token counts once;
+            tokens a speculative step kept share its end time).
         finish_time: when it ended (finished: end of its last step; aborted/rejected: start of the step
             before which that happened); ``None`` while live.
         outcome: ``finished``, ``aborted``, ``rejected`` or ``live``.
@@ -78,6 +83,9 @@ class RequestTimeline:
     finish_reason: str | None = None
     num_preemptions: int = 0
     arrived_during_long_prefill: bool = False
+    speculative: bool = False
+    """Set by the caller when some step gave the request several tokens at once (speculative decoding):
+    ITLs then count tokens of equal times once."""
 
     @property
     def num_output_tokens(self) -> int:
@@ -94,14 +102,17 @@ class RequestTimeline:
 
     @property
     def itls(self) -> list[float]:
-        """Gaps between consecutive token times (``n - 1`` values)."""
+        """Gaps between consecutive token arrivals: ``n - 1`` values for ``n`` tokens from ``n`` steps;
+        tokens of one speculative step (equal times) arrive once (module docstring)."""
         times = self.token_times
-        return [times[i + 1] - times[i] for i in range(len(times) - 1)]
+        gaps = [times[i + 1] - times[i] for i in range(len(times) - 1)]
+        return [gap for gap in gaps if gap > 0] if self.speculative else gaps
 
     @property
     def max_itl(self) -> float | None:
-        """Largest ITL; ``None`` with fewer than 2 tokens."""
-        return max(self.itls) if len(self.token_times) >= 2 else None
+        """Largest ITL; ``None`` with fewer than 2 tokens (or, speculative, fewer than 2 arrivals)."""
+        itls = self.itls
+        return max(itls) if len(self.token_times) >= 2 and itls else None
 
     @property
     def tpot(self) -> float | None:
@@ -198,6 +209,26 @@ EFFICIENCY_KEYS = (
 )
 """Keys of :func:`efficiency_summary`, in display order."""
 
+SPECULATIVE_KEYS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "draft_acceptance_rate",
+                    "mean_acceptance_length")
+"""Keys :func:`efficiency_summary` adds after ``tokens_per_step_p99`` when some step verified drafts
+(speculative decoding), vLLM 0.32 ``vllm/v1/spec_decode/metrics.py`` (``SpecDecodingStats``,
+``SpecDecodingLogging.log``): ``num_drafts`` decodes that verified at least one draft,
+``num_draft_tokens`` drafts verified, ``num_accepted_tokens`` of them accepted, ``draft_acceptance_rate``
+= accepted / drafted (a fraction 0-1; vLLM logs it as a percent), ``mean_acceptance_length`` = 1 +
+accepted / ``num_drafts`` (tokens a verifying decode yields, the sampled token included)."""
+
+
+def draft_counts(record: Any) -> tuple[int, int, int]:
+    """``(num_drafts, num_draft_tokens, num_accepted_tokens)`` of one step: a ``LabStep``'s counts, or a
+    :class:`StepRecord`'s scheduled items' ``spec_token_ids`` and its ``num_accepted_tokens``; zeros for a
+    step without speculative decoding."""
+    if hasattr(record, "num_draft_tokens"):
+        return record.num_drafts, record.num_draft_tokens, record.num_accepted_tokens
+    drafts = [len(ids) for item in getattr(record, "scheduled", ()) if (ids := getattr(item, "spec_token_ids", ()))]
+    accepted = getattr(record, "num_accepted_tokens", None) or {}
+    return len(drafts), sum(drafts), sum(accepted.values())
+
 
 def efficiency_summary(
     records: Sequence[Any], num_kv_blocks: int, timelines: Sequence[RequestTimeline] | None = None
@@ -215,7 +246,9 @@ def efficiency_summary(
 
     Returns:
         - ``num_steps``; ``num_empty_steps``: steps that scheduled no token.
-        - ``tokens_per_step_mean/p50/p99``: prefill + decode tokens per non-empty step.
+        - ``tokens_per_step_mean/p50/p99``: prefill + decode tokens per non-empty step (a decode's
+          drafts are decode tokens).
+        - with speculative decoding only (some step verified drafts), :data:`SPECULATIVE_KEYS` next.
         - ``prefill_tokens``, ``decode_tokens``: totals (recompute counts as prefill).
         - ``running_mean/max``: ``num_running`` after each non-empty step.
         - ``preemptions``: total; ``max_preemptions_per_request``: the most any request had.
@@ -247,8 +280,13 @@ def efficiency_summary(
     usage: list[float] = []
     weights: list[float] = []
     prefill_total = decode_total = 0
+    num_drafts = num_draft_tokens = num_accepted = 0
     start = end = None
     for record in records:
+        drafts, drafted, accepted = draft_counts(record)
+        num_drafts += drafts
+        num_draft_tokens += drafted
+        num_accepted += accepted
         for spec in getattr(record, "arrivals", ()):
             prompt_len[spec.request_id] = spec.prompt_len
         prefill, decode = record.prefill_tokens, record.decode_tokens
@@ -305,12 +343,22 @@ def efficiency_summary(
         usage_mean = float(np.average(usage_array, weights=weight_array) if weight_array.sum() > 0
                            else usage_array.mean())
         usage_max = float(usage_array.max())
+    speculative: dict[str, float | int | None] = {}
+    if num_drafts:
+        speculative = {
+            "num_drafts": num_drafts,
+            "num_draft_tokens": num_draft_tokens,
+            "num_accepted_tokens": num_accepted,
+            "draft_acceptance_rate": num_accepted / num_draft_tokens,
+            "mean_acceptance_length": 1.0 + num_accepted / num_drafts,
+        }
     return {
         "num_steps": len(usage),
         "num_empty_steps": len(usage) - len(tokens),
         "tokens_per_step_mean": float(token_array.mean()) if tokens else None,
         "tokens_per_step_p50": float(np.percentile(token_array, 50)) if tokens else None,
         "tokens_per_step_p99": float(np.percentile(token_array, 99)) if tokens else None,
+        **speculative,
         "prefill_tokens": prefill_total,
         "decode_tokens": decode_total,
         "running_mean": float(np.mean(running)) if running else None,

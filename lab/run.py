@@ -29,7 +29,7 @@ import attrs
 import numpy as np
 
 from schedspec.reference.engine import Engine, RunResult, StepView
-from schedspec.reference.fake_model import CostOnlyModel, FakeModel, TokenSource
+from schedspec.reference.fake_model import AcceptanceModel, CostOnlyModel, FakeModel, TokenSource
 from schedspec.reference.scheduler import make_scheduler, unchecked_implementation
 from schedspec.spec.admission import rejection_reason
 from schedspec.spec.config import SchedulerConfig
@@ -84,6 +84,11 @@ class LabStep:
     num_finished: int
     num_arrivals: int
     long_prefill: bool
+    num_drafts: int = 0
+    """Speculative decoding: decodes that verified drafts (``num_draft_tokens`` drafts, of which
+    ``num_accepted_tokens`` were accepted); 0 without."""
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @attrs.define
@@ -97,6 +102,8 @@ class LabResult:
     timelines: list[RequestTimeline]
     run: RunResult
     prefix_hits: dict[str, Any] = attrs.field(factory=dict)
+    acceptance: AcceptanceModel | None = None
+    """Speculative decoding: the token source's acceptance model (``None`` without, or when it has none)."""
 
 
 @attrs.frozen
@@ -152,6 +159,8 @@ class _Collector:
         self.long_prefill_spans: list[tuple[float, float]] = []
         self._span_starts: np.ndarray | None = None
         self.prefix_hits = PrefixHitCounter()
+        self.speculative: set[str] = set()
+        """Requests that got several tokens in one step (speculative decoding)."""
 
     def __call__(self, view: StepView) -> None:
         """Take one step's statistics from the states and plan directly (no StepRecord is built; a
@@ -185,6 +194,21 @@ class _Collector:
                 token_times[request_id] = [end]
             else:
                 times.append(end)
+        num_drafts = num_draft_tokens = num_accepted = 0
+        if view.speculative.num_accepted_tokens:  # speculative decoding: the tokens each decode kept
+            after_requests, after_finished = view.after.requests, view.after.finished
+            for item in view.plan.scheduled:
+                if not item.spec_token_ids or item.request_id not in view.sampled:
+                    continue
+                request_id = item.request_id
+                accepted = view.speculative.num_accepted_tokens.get(request_id, 0)
+                num_drafts += 1
+                num_draft_tokens += len(item.spec_token_ids)
+                num_accepted += accepted
+                now = after_requests.get(request_id) or after_finished.get(request_id)
+                kept = now.num_output_tokens - requests[request_id].num_output_tokens
+                token_times[request_id].extend([end] * (kept - 1))  # a stop may drop some accepted
+                self.speculative.add(request_id)
         finish_time = self.finish_time
         for request_id in view.finished:
             finish_time[request_id] = end
@@ -196,7 +220,7 @@ class _Collector:
         self.steps.append(LabStep(
             view.step, start, view.duration, prefill, decode, chunks, len(after.running),
             len(after.waiting), len(after.free_block_ids), len(view.plan.preempted), len(view.finished),
-            len(view.arrivals), long_prefill,
+            len(view.arrivals), long_prefill, num_drafts, num_draft_tokens, num_accepted,
         ))
 
     def arrived_during_long_prefill(self, arrival: float) -> bool:
@@ -221,6 +245,7 @@ def run_lab(
     on_step: Callable[[StepRecord], None] | None = None,
     max_steps: int | None = None,
     on_progress: Callable[[int], None] | None = None,
+    acceptance: AcceptanceModel | None = None,
 ) -> LabResult:
     """Replay a time-stamped workload through a scheduler.
 
@@ -237,6 +262,8 @@ def run_lab(
         on_progress: called with the number of requests that ended (finished, rejected, aborted) in
             each step where some did (progress bars; no record is built for it).
         max_steps: stop after this many steps.
+        acceptance: speculative decoding (``config.num_speculative_tokens > 0``): the default token source's
+            :class:`~schedspec.reference.fake_model.AcceptanceModel` (default: its defaults).
 
     Raises:
         UnknownScheduler, UnsupportedFeature: from :func:`make_scheduler`.
@@ -264,9 +291,15 @@ def run_lab(
             if ended:
                 on_progress(ended)
 
+    if token_source is not None:
+        source = token_source
+    elif acceptance is not None:
+        source = (FakeModel if check else CostOnlyModel)(config, cost_model=cost_model, acceptance=acceptance)
+    else:
+        source = (FakeModel if check else CostOnlyModel)(config, cost_model=cost_model)
     engine = Engine(
         scheduler, config,
-        token_source=token_source or (FakeModel if check else CostOnlyModel)(config, cost_model=cost_model),
+        token_source=source,
         check=check,
         properties=None if check else (),
         record_steps=False,
@@ -294,6 +327,8 @@ def run_lab(
             finish_reason=request.finish_reason,
             num_preemptions=request.num_preemptions,
             arrived_during_long_prefill=collector.arrived_during_long_prefill(spec.arrival_time),
+            speculative=spec.request_id in collector.speculative,
         ))
     return LabResult(scheduler_name, config, collector.steps, timelines, run,
-                     collector.prefix_hits.summary(config.enable_prefix_caching, config.block_size))
+                     collector.prefix_hits.summary(config.enable_prefix_caching, config.block_size),
+                     getattr(source, "acceptance", None) if config.speculative else None)

@@ -123,7 +123,10 @@ def figures(result: LabResult, slo: metrics.Slo | None,
     ``None`` without an SLO; ``rejected_<code>`` counts rejections per
     :data:`~schedspec.spec.admission.REJECTION_CODES` code (``rejected_other``: any other reason);
     ``prefix_hit_rate_percent`` is the prefix cache's hit rate in tokens over first admissions
-    (:class:`~schedspec.lab.metrics.PrefixHitCounter`; ``None`` without admissions);
+    (:class:`~schedspec.lab.metrics.PrefixHitCounter`; ``None`` without admissions); with speculative
+    decoding (some step verified drafts) ``num_drafts``, ``num_draft_tokens``, ``num_accepted_tokens``,
+    ``draft_acceptance_rate_percent`` and ``mean_acceptance_length`` (tokens per verifying decode,
+    :data:`~schedspec.lab.metrics.SPECULATIVE_KEYS`);
     ``wall_time_s`` is the only figure that depends on the machine."""
     latency, efficiency = summaries if summaries is not None else _summaries(result)
     out: dict[str, Any] = {f"requests_{k}": v for k, v in latency["requests"].items()}
@@ -150,6 +153,10 @@ def figures(result: LabResult, slo: metrics.Slo | None,
     for key in ("num_steps", "num_empty_steps", "tokens_per_step_mean", "tokens_per_step_p50",
                 "tokens_per_step_p99", "prefill_tokens", "decode_tokens", "running_mean", "running_max", "span_s"):
         out[key] = efficiency[key]
+    if "num_drafts" in efficiency:  # speculative decoding: only when some step verified drafts
+        for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "mean_acceptance_length"):
+            out[key] = efficiency[key]
+        out["draft_acceptance_rate_percent"] = 100.0 * efficiency["draft_acceptance_rate"]
     prefix = result.prefix_hits or {}
     rate = prefix.get("prefix_hit_rate")
     out["prefix_hit_rate_percent"] = None if rate is None else 100.0 * rate
@@ -216,6 +223,8 @@ def build_record(name: str, result: LabResult, conditions: Mapping[str, Any], sl
     own["sweep_point"] = dict(sweep_point) if sweep_point is not None else None
     own["arrivals"] = arrivals(result.timelines)
     own["engine"] = result.run.engine
+    if result.config.speculative and result.acceptance is not None:  # absent without speculative decoding
+        own["acceptance"] = result.acceptance.to_dict()
     summaries = _summaries(result)
     return {
         "record": RECORD_KIND,

@@ -94,6 +94,8 @@ class SweepRun:
         conditions: the run record's shared conditions (:func:`run_record.shared_conditions`).
         slo: the goodput SLO (:class:`~schedspec.lab.metrics.Slo`) or ``None``.
         point: ``{field: value}`` of the point.
+        acceptance: the drafts' acceptance model (:class:`~schedspec.reference.fake_model.AcceptanceModel`)
+            with speculative decoding, else ``None``.
     """
 
     index: int
@@ -107,6 +109,7 @@ class SweepRun:
     conditions: Mapping[str, Any]
     slo: metrics.Slo | None
     point: Mapping[str, Any]
+    acceptance: Any = None
 
 
 def run_point(job: SweepRun) -> tuple[int, dict[str, Any] | None, str | None]:
@@ -114,7 +117,7 @@ def run_point(job: SweepRun) -> tuple[int, dict[str, Any] | None, str | None]:
     when the run broke the spec or the engine under test crashed."""
     try:
         result = run_lab(job.window, job.scheduler, job.config, cost_model=job.cost, check=job.check,
-                         max_steps=job.max_steps)
+                         max_steps=job.max_steps, acceptance=job.acceptance)
     except ViolationFound as error:
         first = error.violations[0] if error.violations else error
         return job.index, None, f"VIOLATION {first} (stopped at step {error.state.step})"

@@ -261,7 +261,7 @@ class CostModel:
 
         Args:
             prefill_tokens: prompt (and recompute) tokens computed in the step, all requests together.
-            decode_tokens: decode tokens in the step (one per decoding request).
+            decode_tokens: decode tokens in the step (one per decoding request, plus the drafts it verifies).
             kv_tokens_attended: sum over the batch of ``num_computed_tokens + tokens this step``.
             prefill_attention_pairs: query-key pairs of the prefill chunks (:class:`StepShape`).
             prefill_chunks: prefill items in the step.
@@ -311,9 +311,11 @@ class StepShape:
     Attributes:
         prefill_tokens: tokens of prefill items (prompt chunks, and recompute after a preemption),
             all requests together.
-        decode_tokens: decode items, one token each: a request with exactly one pending token that
-            has computed its whole prompt (``not Request.is_prefill``, as the step trace's
-            ``decode_tokens``).
+        decode_tokens: tokens of decode items: a request with exactly one pending token that has
+            computed its whole prompt (``not Request.is_prefill``, as the step trace's ``decode_tokens``)
+            computes one, plus the ``d`` drafts it verifies with speculative decoding (charged at the
+            decode rate: vLLM runs the verification in the same forward pass, ``num_scheduled_tokens``
+            includes the drafts).
         kv_tokens_attended: sum over the scheduled items of ``num_computed_tokens + num_tokens``.
         num_prefill_chunks: prefill items.
         prefill_attention_pairs: query-key pairs of the prefill chunks' causal attention, sum over
@@ -326,6 +328,8 @@ class StepShape:
     kv_tokens_attended: int
     num_prefill_chunks: int = 0
     prefill_attention_pairs: int = 0
+    num_draft_tokens: int = 0
+    """Of ``decode_tokens``, the drafts verified (speculative decoding; 0 without)."""
 
     @property
     def num_tokens(self) -> int:
@@ -338,25 +342,28 @@ def step_shape(plan, state) -> StepShape:
     (the :class:`~schedspec.spec.state.SchedulerState` before the step).
 
     An item is a decode when its request's only pending token is past the prompt (``not
-    request.is_prefill``, as :func:`schedspec.reference.engine` records ``decode_tokens``); every
-    other item is prefill, recompute included.
+    request.is_prefill``, as :func:`schedspec.reference.engine` records ``decode_tokens``); a decode
+    that verifies ``d`` drafts (``item.spec_token_ids``) counts ``1 + d`` decode tokens; every other item
+    is prefill, recompute included.
 
     Raises:
         KeyError: a scheduled request that is not live in ``state``.
     """
-    prefill = decode = attended = chunks = pairs = 0
+    prefill = decode = attended = chunks = pairs = drafts = 0
     requests = state.requests
     for item in plan.scheduled:
         request = requests[item.request_id]
         start, n = item.num_computed_tokens, item.num_tokens
         attended += start + n
-        if n == 1 and start >= request.prompt_len and start + 1 == request.num_tokens:
-            decode += 1
+        d = len(item.spec_token_ids)
+        if n == 1 + d and start >= request.prompt_len and start + 1 == request.num_tokens:
+            decode += n
+            drafts += d
         else:
             prefill += n
             chunks += 1
             pairs += n * start + n * (n + 1) // 2
-    return StepShape(prefill, decode, attended, chunks, pairs)
+    return StepShape(prefill, decode, attended, chunks, pairs, drafts)
 
 
 def derive(model_key: str, gpu_key: str) -> CostModel:

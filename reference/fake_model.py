@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -107,6 +107,16 @@ class AcceptanceModel:
             pass
         raise ValueError(f"acceptance pattern {pattern!r} of request {request_id!r}: expected one of "
                          f"{', '.join(ACCEPTANCE_PATTERNS)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"rate", "seed"}`` and, when set, ``patterns`` (request id -> pattern text): what a run record's
+        ``conditions.acceptance`` holds."""
+        data: dict[str, Any] = {"rate": self.rate, "seed": self.seed}
+        if self.patterns:
+            data["patterns"] = {request_id: kind if kind in ("all", "none") else
+                                f"{kind}:{int(value) if kind == 'upto' else value:g}"
+                                for request_id, (kind, value) in self.patterns.items()}
+        return data
 
     def right(self, request_id: str, output: int) -> bool:
         """Whether the drafter's draft for output number ``output`` (1-based) of the request is right."""
@@ -367,101 +377,61 @@ class CostOnlyModel:
     table change the output, which only matters when something checks the output.
     """
 
-    def __init__(self, config: SchedulerConfig, cost_model=None, eos_at_output: Mapping[str, int] | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, cost_model=None, eos_at_output: Mapping[str, int] | None = None,
+                 acceptance: AcceptanceModel | None = None) -> None:
         if cost_model is None:
             from schedspec.reference.cost_model import PROFILES
 
             cost_model = PROFILES["llama3-8b-a100-80gb"]
+        self.config = config
         self.cost_model = cost_model
         self._price = _pricer(cost_model)
         self.eos_at_output = dict(eos_at_output or {})
-
-    def _token_at(self, values: list[int], length: int) -> int:
-        """The token sampled after a sequence of ``length`` tokens whose :meth:`read_positions` hold
-        ``values`` (the one definition of :meth:`_sample_all`'s token)."""
-        return 1 + (hash((length, *values)) & 0xFFFFFFFFFFFFFFFF) % (self.vocab_size - 1)
-
-    def _read(self, table: tuple[int, ...], length: int) -> list[int]:
-        size = self.config.block_size
-        return self.slots.take([table[p // size] * size + p % size for p in _read_positions(length)]).tolist()
+        self.acceptance = acceptance or AcceptanceModel()
+        """Speculative decoding's acceptance model (:meth:`execute_speculative`)."""
 
     def execute_speculative(self, plan: StepPlan, state: SchedulerState) -> SpeculativeResult:
-        """:meth:`execute` with speculative decoding (:data:`SpeculativeResult`), verified greedily over the
-        fake KV cache: a decode's drafts are written into the slots after its pending token; the model's
-        token at each of those positions is read back **through the block table** (the EOS at the output
-        ``eos_at_output`` names); drafts are accepted while they equal it, and the token sampled is the
-        model's at the first mismatch (or after the last draft). Then, for each request that sampled, the
-        drafts of its next step: ``min(k, max_model_len - num_tokens)`` (vLLM's n-gram drafter trims so:
-        ``ngram_proposer.py``, ``k = min(k, max_model_len - total_token)``), each the model's token at its
-        position computed from the request's tokens (not the cache) where the :class:`AcceptanceModel`
-        says the drafter is right, another token where it is wrong. A wrong block table, a rejected
-        position kept as computed or an accepted one lost makes the model's tokens differ from the
-        drafter's and from a solo run's."""
+        """:meth:`execute` with speculative decoding (:data:`SpeculativeResult`), without KV: the model's
+        token at every output is ``1`` (``EOS_TOKEN_ID`` where ``eos_at_output`` says), a draft is that
+        token where the :class:`AcceptanceModel` says the drafter is right and ``2`` where it is wrong, and
+        verification accepts drafts while they equal the model's tokens; so a request accepts exactly what
+        :class:`FakeModel` accepts for the same acceptance model. Drafts proposed after the step:
+        ``min(k, max_model_len - num_tokens)`` for each request that sampled, as :class:`FakeModel`."""
         sampled, seconds = self.execute(plan, state)
         requests = state.requests
         accepted: dict[str, int] = {}
-        eos_at_output = self.eos_at_output
+        proposals: dict[str, tuple[int, ...]] = {}
+        config = self.config
         for item in plan.scheduled:
-            drafts = item.spec_token_ids
-            if not drafts or item.request_id not in sampled:
+            request_id = item.request_id
+            if request_id not in sampled:
                 continue
-            request = requests[item.request_id]
-            table = request.block_ids + item.new_block_ids
-            a = 0
-            while True:
-                length = request.num_tokens + a
-                if eos_at_output.get(item.request_id) == request.num_output_tokens + 1 + a:
-                    token = EOS_TOKEN_ID
-                else:
-                    token = self._token_at(self._read(table, length), length)
-                if a < len(drafts) and drafts[a] == token:
-                    a += 1
-                    continue
-                break
-            accepted[item.request_id] = a
-            sampled[item.request_id] = token
-        proposals = {}
-        for request_id, token in sampled.items():
             request = requests[request_id]
-            item_drafts = next((i.spec_token_ids for i in plan.scheduled if i.request_id == request_id), ())
-            extra = (*item_drafts[:accepted.get(request_id, 0)], token)
-            drafts = self._drafts(request, extra)
+            outputs = request.num_output_tokens
+            drafts = item.spec_token_ids
+            a = 0
+            while a < len(drafts) and drafts[a] == self._model_token(request_id, outputs + 1 + a):
+                a += 1
             if drafts:
-                proposals[request_id] = drafts
+                accepted[request_id] = a
+                sampled[request_id] = self._model_token(request_id, outputs + 1 + a)
+            done = outputs + a + 1  # outputs after the step
+            count = min(config.num_speculative_tokens, config.max_model_len - (request.num_tokens + a + 1))
+            if count > 0:
+                proposals[request_id] = tuple(
+                    self._model_token(request_id, done + i) if self.acceptance.right(request_id, done + i) else 2
+                    for i in range(1, count + 1))
         return sampled, seconds, SpeculativeOutput(accepted, proposals)
 
-    def _drafts(self, request: Request, extra: tuple[int, ...]) -> tuple[int, ...]:
-        """The drafts proposed for ``request`` (as before the step) after it appends ``extra`` (its accepted
-        drafts and the token sampled): :meth:`execute_speculative`."""
-        length = request.num_tokens + len(extra)
-        count = min(self.config.num_speculative_tokens, self.config.max_model_len - length)
-        if count <= 0:
-            return ()
-        outputs = request.num_output_tokens + len(extra)
-        known = request.num_tokens
-        sequence = list(extra)
-
-        def value(position: int) -> int:
-            if position < known:
-                return int(token_ids(request, position, position + 1)[0])
-            return sequence[position - known]
-
-        eos = self.eos_at_output.get(request.request_id)
-        drafts = []
-        for index in range(count):
-            output = outputs + 1 + index
-            position = length + index
-            token = EOS_TOKEN_ID if eos == output else self._token_at(
-                [value(p) for p in _read_positions(position)], position)
-            if not self.acceptance.right(request.request_id, output):
-                token = 1 + token % (self.vocab_size - 1)  # another id (a wrong draft)
-            drafts.append(token)
-            sequence.append(token)
-        return tuple(drafts)
+    def _model_token(self, request_id: str, output: int) -> int:
+        """The model's token at output number ``output`` (1-based) of the request: ``EOS_TOKEN_ID`` where
+        ``eos_at_output`` says, else ``1``."""
+        eos = self.eos_at_output
+        return EOS_TOKEN_ID if eos and eos.get(request_id) == output else 1
 
     def execute(self, plan: StepPlan, state: SchedulerState) -> tuple[dict[str, int], float]:
-        """Run the step (module docstring). A decode's drafts are written after its pending token and its
-        token is sampled as if it had none (:meth:`execute_speculative` verifies them)."""
+        """Run the step: its cost, and token ``1`` for each request that samples (a decode's drafts are
+        decode tokens; its token is sampled as if it had none: :meth:`execute_speculative` verifies them)."""
         sampled: dict[str, int] = {}
         prefill_tokens = decode_tokens = attended = pairs = chunks = 0
         eos = self.eos_at_output
@@ -473,7 +443,8 @@ class CostOnlyModel:
             num_tokens, computed, prompt_len = request.num_tokens, request.num_computed_tokens, request.prompt_len
             outputs = num_tokens - prompt_len
             if num_tokens - computed == 1 and computed >= prompt_len:  # request.is_decode, inlined
-                decode_tokens += 1
+                decode_tokens += item.num_tokens  # 1, plus the drafts it verifies
+                stop -= len(item.spec_token_ids)  # the sequence ends here; the drafts are past it
             else:
                 n = item.num_tokens
                 prefill_tokens += n

@@ -56,6 +56,7 @@ from schedspec.lab.windows import select_window
 from schedspec.lab.workload_checks import MAX_TOKEN_COUNT, WorkloadError
 from schedspec.reference import cost_model as costs
 from schedspec.reference.engine import ViolationFound
+from schedspec.reference.fake_model import AcceptanceModel
 from schedspec.reference.scheduler import EngineFault, UnknownScheduler, UnsupportedFeature
 from schedspec.spec.admission import rejection_code, rejection_reason
 from schedspec.spec.config import SchedulerConfig
@@ -377,6 +378,7 @@ class LabOptions:
     max_steps: int | None = None
     capacity_search: bool = False
     capacity_tolerance: float | None = None
+    acceptance_rate: float | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -400,6 +402,8 @@ class ParsedOptions:
     synthetic: Any
     """The ``--synthetic`` spec, or ``None``."""
     tolerance: float
+    acceptance: AcceptanceModel | None = None
+    """``--acceptance-rate``: the drafts' acceptance model, or ``None`` (the engine loop's default)."""
 
 
 @attrs.frozen
@@ -488,6 +492,9 @@ def _parse(o: LabOptions) -> ParsedOptions:
              "ttft, itl, tpot, e2e (goodput, and p99 for --sweep)")
     if o.capacity_tolerance is not None and not o.capacity_search:
         fail("--capacity-tolerance: only with --capacity")
+    acceptance = None if o.acceptance_rate is None else AcceptanceModel(rate=float(o.acceptance_rate))
+    if acceptance is not None and o.backend != "cost-model":
+        fail("--acceptance-rate: only with --backend cost-model (the torch backend verifies drafts on its model)")
     points = sweeping.cartesian(sweep_fields) if sweep_fields else []
     if sweep_fields:
         fields = [field for field, _ in sweep_fields]
@@ -530,7 +537,7 @@ def _parse(o: LabOptions) -> ParsedOptions:
             fail(problem)
     return ParsedOptions(changes=changes, cost=cost, base=base, derivation=derivation, slo_targets=slo_targets,
                          slo_pair=slo_pair, step_filter=step_filter, names=names, sweep_fields=sweep_fields,
-                         points=points, synthetic=spec, tolerance=tolerance)
+                         points=points, synthetic=spec, tolerance=tolerance, acceptance=acceptance)
 
 
 def _plan(o: LabOptions, p: ParsedOptions, console: Console) -> LabPlan:
@@ -653,7 +660,7 @@ def _plan(o: LabOptions, p: ParsedOptions, console: Console) -> LabPlan:
         runs: list[Any] = [
             capacities.CapacityRun(i, sweeping.point_label(point) if point else scheduler, scheduler, config,
                                    list(window), natural, natural, cost, not o.no_check, o.max_steps,
-                                   p.slo_targets, p.tolerance)
+                                   p.slo_targets, p.tolerance, p.acceptance)
             for i, (point, (scheduler, config)) in enumerate(zip(points or [{}], point_configs or [configs[names[0]]],
                                                                  strict=True))]
         return plan(mode=mode, runs=runs, natural_rate=natural)
@@ -674,7 +681,7 @@ def _plan(o: LabOptions, p: ParsedOptions, console: Console) -> LabPlan:
             own = dict(conditions)
             own["window"] = {**window_conditions, "time_scale": scale}
             runs.append(sweeping.SweepRun(index, sweeping.point_label(point), scheduler, config, windows[scale], cost,
-                                          not o.no_check, o.max_steps, own, p.slo_pair, point))
+                                          not o.no_check, o.max_steps, own, p.slo_pair, point, p.acceptance))
         return plan(mode=mode, runs=runs)
     runs = [LabRun(i, name, *configs[name], window, output_name(o.steps_out, name), output_name(o.requests_out, name))
             for i, name in enumerate(names)]
@@ -770,6 +777,9 @@ def _natural_rate(window: Sequence[Any], synthetic_rate: float | None, option: s
 @click.option("--capacity", "capacity_search", is_flag=True,
               help="For each configuration (--sweep), the highest request rate at which --slo holds (arrivals "
                    "time-scaled; a Poisson rate for --synthetic n=N), found by bisection; a table, the best named.")
+@click.option("--acceptance-rate", type=Number(minimum=0, maximum=1), default=None,
+              help="Speculative decoding (--set num_speculative_tokens=K): probability that the drafter is right "
+                   "at an output position, each draw seeded by request and position (default 0.7).")
 @click.option("--capacity-tolerance", type=Number(minimum=0, strict=True), default=None,
               help="Relative width of the capacity search's final bracket (default 0.02).")
 def command(**options: Any) -> None:
@@ -806,7 +816,7 @@ def _run_plain(console: Console, o: LabOptions, p: ParsedOptions, plan: LabPlan)
                                   "description": backend_text}
             model = o.model_dir if o.model_dir is not None else "built-in tiny model (schedspec.gpu_backend)"
         result = _run_one(spec.name, spec.scheduler, config, spec.window, token_source, cost, o.no_check, o.max_steps,
-                          o.as_json, spec.steps_out, console)
+                          o.as_json, spec.steps_out, console, p.acceptance)
         result.scheduler = spec.name
         if o.backend == "cost-model":
             _warn_outside_fitted_range(cost, result.steps, spec.name if compare else None)
@@ -1067,7 +1077,8 @@ def _percent(value: float | None) -> str:
 
 
 def _run_one(name: str, scheduler: str, config: SchedulerConfig, window: list, token_source, cost, no_check: bool,
-             max_steps: int | None, as_json: bool, steps_out: str | None, console: Console) -> LabResult:
+             max_steps: int | None, as_json: bool, steps_out: str | None, console: Console,
+             acceptance: AcceptanceModel | None = None) -> LabResult:
     """One run; the step trace goes to a temporary file renamed to ``steps_out`` only when the run
     completes (a violation or an error leaves no half file)."""
     progress = Progress(TextColumn("{task.description}", markup=False, style="bold"), BarColumn(),
@@ -1084,7 +1095,8 @@ def _run_one(name: str, scheduler: str, config: SchedulerConfig, window: list, t
             if handle is not None:
                 handle.write(header_line(config, scheduler) + "\n")
             return run_lab(window, scheduler, config, token_source=token_source, cost_model=cost,
-                           check=not no_check, steps_out=handle, on_progress=tick, max_steps=max_steps)
+                           check=not no_check, steps_out=handle, on_progress=tick, max_steps=max_steps,
+                           acceptance=acceptance)
 
         try:
             if steps_out is None:
