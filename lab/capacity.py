@@ -46,7 +46,7 @@ import attrs
 import numpy as np
 
 from schedspec.lab import metrics
-from schedspec.lab.run import run_lab
+from schedspec.lab.run import largest_step, run_lab
 from schedspec.reference.engine import ViolationFound
 from schedspec.reference.scheduler import EngineFault
 
@@ -245,14 +245,16 @@ def evaluate(window: Sequence[Any], natural_rate: float, rate: float, scheduler:
     figures["requests_finished"] = sum(1 for t in result.timelines if t.outcome == "finished")
     holds = figures["requests_finished"] > 0 and all(
         (value := figures[f"{m}_p{percentile_label(q)}_s"]) is not None and value <= limit for m, q, limit in targets.targets())
-    return {"rate_req_per_s": rate, "holds": holds, "figures": figures, "problem": None}
+    return {"rate_req_per_s": rate, "holds": holds, "figures": figures, "problem": None,
+            "largest_step": largest_step(result.steps)}
 
 
 def run_configuration(job: tuple) -> dict[str, Any]:
     """One configuration's search (in a worker process). ``job`` is ``(index, label, scheduler, config,
     window, natural_rate, start_rate, cost, check, max_steps, targets, tolerance)``; returns
     ``{"index", "label", "scheduler", "capacity_req_per_s", "upper_req_per_s", "status", "evaluations",
-    "figures", "problem"}``."""
+    "figures", "problem", "largest_step"}`` (``largest_step``: the most tokens of one step over every run of
+    the search, :func:`~schedspec.lab.run.largest_step`)."""
     (index, label, scheduler, config, window, natural_rate, start_rate, cost, check, max_steps, targets,
      tolerance) = job
     runs: dict[float, dict[str, Any]] = {}
@@ -274,6 +276,8 @@ def run_configuration(job: tuple) -> dict[str, Any]:
         "evaluations": [{"rate_req_per_s": r, "holds": h} for r, h in found.evaluations],
         "figures": None if at is None else at["figures"],
         "problem": problem[0] if problem else None,
+        "largest_step": {key: max(run.get("largest_step", {}).get(key, 0) for run in runs.values())
+                         for key in ("prefill_tokens", "decode_tokens", "tokens")} if runs else {},
     }
 
 

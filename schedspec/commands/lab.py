@@ -48,7 +48,7 @@ from schedspec.cli_common import (
 from schedspec.lab import capacity as capacities
 from schedspec.lab import metrics, run_record, trace_formats
 from schedspec.lab import sweep as sweeping
-from schedspec.lab.run import VARIANTS, LabResult, LabStep, resolve_variant, run_lab
+from schedspec.lab.run import VARIANTS, LabResult, LabStep, largest_step, resolve_variant, run_lab
 from schedspec.lab.synthetic import parse_synthetic
 from schedspec.lab.windows import select_window
 from schedspec.lab.workload_checks import MAX_TOKEN_COUNT, WorkloadError
@@ -642,7 +642,7 @@ def command(trace_path, trace_format, synthetic, start, duration, max_requests, 
                           target, console)
         result.scheduler = name
         if backend == "cost-model":
-            _warn_outside_fitted_range(cost, result.steps, name if compare else None)
+            _warn_outside_fitted_range(cost, largest_step(result.steps), name if compare else None)
         runs.append((name, result))
         records.append(run_record.build_record(name, result, shared(backend_conditions, model, window_conditions),
                                                slo_pair))
@@ -759,6 +759,8 @@ def _capacity(console, points: Sequence[Mapping[str, Any]], configurations: Sequ
                       f"{natural:.3g} requests/s; bisection to a relative tolerance of {tolerance:g}; "
                       f"{min(workers, len(jobs))} worker processes", markup=False, highlight=False)
     results = capacities.run_all(jobs, workers)
+    for r in results:
+        _warn_outside_fitted_range(cost, r["largest_step"], r["label"])
     best, reason = capacities.choose_best(results)
     if plot_dir is not None:
         written = capacities.write_plot(results, best, targets, plot_dir)
@@ -847,6 +849,9 @@ def _sweep(console: Console, points: list[dict[str, Any]], point_configs: list[t
         fail(f"--sweep: a worker process died ({error}); try fewer --jobs or a smaller window",
              status=EXIT_CHECK_FAILED)
     records = [record for _, record, _ in results]
+    for record in records:
+        if record is not None:
+            _warn_outside_fitted_range(cost, record["details"]["largest_step"], record["name"])
     problems = [(i, why) for i, _, why in results if why is not None]
     best, reason = sweeping.choose_best(records, slo)
     _save_records(records, save_names, console, quiet=as_json)  # type: ignore[arg-type]
@@ -897,15 +902,14 @@ def _print_sweep_table(console: Console, points: list[dict[str, Any]], records: 
     wide_console().print(table)  # its natural width: one line per configuration, nothing cut (MIN_TABLE_WIDTH)
 
 
-def _warn_outside_fitted_range(cost: costs.CostModel, steps: Sequence[LabStep], run: str | None = None) -> None:
+def _warn_outside_fitted_range(cost: costs.CostModel, largest: Mapping[str, int], run: str | None = None) -> None:
     """A note (stderr) when a measured profile was applied to steps far larger than those it was fitted on
-    (:meth:`~schedspec.reference.cost_model.CostModel.outside_fitted_range`): their times are extrapolated."""
-    if not cost.fitted_range or not steps:
+    (:meth:`~schedspec.reference.cost_model.CostModel.outside_fitted_range` of the run's
+    :func:`~schedspec.lab.run.largest_step`): their times are extrapolated. ``run`` names the run (compare,
+    sweep point, capacity configuration)."""
+    if not cost.fitted_range or not largest:
         return
-    largest = {"prefill_tokens": max(s.prefill_tokens for s in steps),
-               "decode_tokens": max(s.decode_tokens for s in steps),
-               "tokens": max(s.prefill_tokens + s.decode_tokens for s in steps)}
-    beyond = cost.outside_fitted_range(largest)
+    beyond = cost.outside_fitted_range(dict(largest))
     if beyond:
         grid = ", ".join(f"{field} <= {value:,}" for field, value in cost.fitted_range)
         note(f"--profile {cost.name}: {'run ' + run + ': ' if run else ''}steps far outside the grid the profile "
