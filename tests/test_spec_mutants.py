@@ -1,0 +1,120 @@
+"""Tests that kill the mutants mutmut found surviving in the spec (issue 28, docs/testing.md "Mutation
+score"): each asserts a behaviour of the spec that a surviving mutant changed and no other test pinned.
+Grouped by module; each test names the mutants it was written for (``scripts/mutmut.sh`` names)."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+from test_rules import CASES, CONFIG, DECODE_A, base_state
+
+from schedspec.spec.request import Request
+from schedspec.spec.rules import RULES, coded, violated_rules
+from schedspec.spec.state import ScheduledRequest, SchedulerState, StepPlan
+
+# --- spec/rules.py ----------------------------------------------------------------------------------
+
+
+def _breaches(name: str, state: SchedulerState, plan: StepPlan, config) -> set:
+    return {(v.request_id, v.detail) for v in violated_rules(state, plan, config) if v.name == name}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_rule_judges_every_item_after_one_it_skips(name):
+    """Each rule goes on past an item it has nothing to say about (an unknown id, a live request without a
+    prefix-cache hit): the breach of the case is still found with such an item first in the batch, the
+    preempted and the rejected lists (``continue`` made ``break``: ``_chunk_continues#4``,
+    ``_no_overcompute#4``, ``_whole_prefill#4``, ``_prefix_hit_at_admission#2``, ``_prefix_hit_chain#9,
+    #16``, ``_reject_impossible``, ``blocks_not_from_free_pool#9``)."""
+    state, bad, _, config = CASES[name]()
+    alone = {r for r, _ in _breaches(name, state, bad, config)}
+    assert alone
+    named = {item.request_id for item in bad.scheduled} | set(bad.preempted) | {r for r, _ in bad.rejected}
+    others = [r for r in state.requests if r not in named]
+    fillers = [ScheduledRequest("ghost", 0, 1)] + [
+        ScheduledRequest(r, state.requests[r].num_computed_tokens, 1) for r in others[:1]]
+    for filler in fillers:
+        padded = attrs.evolve(bad, scheduled=(filler, *bad.scheduled), preempted=("ghost", *bad.preempted),
+                              rejected=(("ghost", "x"), *bad.rejected))
+        assert alone <= {r for r, _ in _breaches(name, state, padded, config)}, (name, filler)
+
+
+def test_codes_name_the_rule_and_the_case():
+    """``coded`` (``#1-#3``) and the code ``violated_rules`` gives each breach (``violated_rules#16, #22,
+    #25, #26, #29, #31``): the rule's name, and ``name:case`` for a named case."""
+    assert coded("token-budget", None) == "token-budget"
+    assert coded("blocks-from-free-pool", "reused-by-hit-in-step") == "blocks-from-free-pool:reused-by-hit-in-step"
+    state = base_state()
+    # block 2 is handed to b and reused by a's (made-up) hit in the same step: the named case
+    plan = StepPlan(scheduled=(ScheduledRequest("a", 6, 1, (), (2,)), ScheduledRequest("b", 0, 5, (2, 3))))
+    codes = {v.code for v in violated_rules(state, plan, CONFIG) if v.name == "blocks-from-free-pool"}
+    assert codes == {"blocks-from-free-pool:reused-by-hit-in-step"}
+    found = violated_rules(state, StepPlan(scheduled=(ScheduledRequest("ghost", 0, 1),)), CONFIG)
+    assert [v.code for v in found if v.name == "known-requests"] == ["known-requests"]
+
+
+def test_skipping_one_rule_checks_the_others():
+    """``violated_rules(skip=...)`` leaves out only the rules named (``violated_rules#3``: ``continue`` made
+    ``break`` stopped at the first skipped rule)."""
+    state, bad, _, config = CASES["token-budget"]()
+    first = RULES[0].name
+    assert first != "token-budget"
+    assert "token-budget" in {v.name for v in violated_rules(state, bad, config, skip={first})}
+
+
+@pytest.mark.parametrize("name, words", [
+    ("preempt-running-only", "preempted but not running"),
+    ("reject-only-impossible", "rejected although it can complete alone"),
+])
+def test_rule_details_say_what_is_wrong(name, words):
+    """The detail names the breach (``_preempt_running#5, #6``, ``_reject_impossible#19``)."""
+    state, bad, _, config = CASES[name]()
+    assert any(words in detail for _, detail in _breaches(name, state, bad, config))
+
+
+def test_preempted_and_scheduled_and_rejected_while_running_are_named():
+    """``_preempt_running#8, #9``, ``_reject_impossible#8``."""
+    state = base_state()
+    both = StepPlan(scheduled=(DECODE_A,), preempted=("a",))
+    assert any("preempted and scheduled in the same step" in d for _, d in _breaches("preempt-running-only", state, both, CONFIG))
+    running = StepPlan(rejected=(("a", "made up"),))
+    assert any("rejected while running (only waiting requests can be rejected)" in d
+               for _, d in _breaches("reject-only-impossible", state, running, CONFIG))
+
+
+def test_a_wrong_rejection_reason_lists_the_limits_it_breaks():
+    """``_reject_impossible#25``: the limits broken, separated by "; "."""
+    huge = Request("c", 1, tuple(range(1, 34)), max_tokens=40)  # prompt and prompt+max_tokens past 32
+    state = base_state(huge)
+    found = _breaches("reject-only-impossible", state, StepPlan(rejected=(("c", "made up"),)), CONFIG)
+    (detail,) = [d for r, d in found if r == "c"]
+    assert "which names no limit it breaks; it breaks '" in detail
+    assert "'; '" in detail or detail.count("'") == 2
+
+
+def _hit_state(chunked: bool = True) -> tuple[SchedulerState, object]:
+    """A waiting request of a 6-token prompt whose first block (4 tokens) is a prefix-cache hit: 2 tokens
+    pending after the hit."""
+    config = CONFIG.with_changes(enable_chunked_prefill=chunked, max_num_batched_tokens=32)
+    request = Request("h", 1, (41, 42, 43, 44, 45, 46), max_tokens=3)
+    state = SchedulerState(step=1, waiting=("h",), requests={"h": request}, free_block_ids=(2, 3, 4, 5, 6, 7),
+                           num_requests_added=1)
+    return state, config
+
+
+def test_pending_tokens_count_the_prefix_hit_off():
+    """``no-overcompute`` and ``whole-prefill-without-chunking`` count the pending tokens less the hit
+    (``_no_overcompute#6, #7``, ``_whole_prefill#6, #7``: ``-`` made ``+``, ``*`` made ``/``); and
+    ``no-excess-blocks`` counts the hit blocks in the table (``_no_excess_blocks#7``)."""
+    state, config = _hit_state()
+    over = StepPlan(scheduled=(ScheduledRequest("h", 4, 3, (2,), (0,)),))  # 3 > the 2 pending after the hit
+    assert _breaches("no-overcompute", state, over, config)
+    exact = StepPlan(scheduled=(ScheduledRequest("h", 4, 2, (2,), (0,)),))
+    assert not _breaches("no-overcompute", state, exact, config)
+    state, whole = _hit_state(chunked=False)
+    assert not _breaches("whole-prefill-without-chunking", state, exact, whole)
+    part = StepPlan(scheduled=(ScheduledRequest("h", 4, 1, (2,), (0,)),))
+    assert _breaches("whole-prefill-without-chunking", state, part, whole)
+    excess = StepPlan(scheduled=(ScheduledRequest("h", 4, 2, (2, 3), (0,)),))  # 1 hit + 2 new > 2 blocks
+    assert _breaches("no-excess-blocks", state, excess, config)
+    assert not _breaches("no-excess-blocks", state, exact, config)
