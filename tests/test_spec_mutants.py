@@ -118,3 +118,27 @@ def test_pending_tokens_count_the_prefix_hit_off():
     excess = StepPlan(scheduled=(ScheduledRequest("h", 4, 2, (2, 3), (0,)),))  # 1 hit + 2 new > 2 blocks
     assert _breaches("no-excess-blocks", state, excess, config)
     assert not _breaches("no-excess-blocks", state, exact, config)
+
+
+# --- spec/transitions.py ----------------------------------------------------------------------------
+
+
+def test_requests_finishing_in_the_same_step_free_every_block():
+    """Two requests that end in one step both release their tables, the last one's blocks at the front
+    (``_sample#28``: ``freed[:0] =`` made ``freed[:1] =`` dropped the first request's first block)."""
+    from schedspec.spec.request import RequestStatus
+    from schedspec.spec.transitions import apply_plan
+
+    def running(request_id: str, blocks: tuple[int, ...]) -> Request:
+        return Request(request_id, 0, (11, 12, 13, 14, 15, 16), max_tokens=2, status=RequestStatus.RUNNING,
+                       num_computed_tokens=6, output_token_ids=(21,), block_ids=blocks, admitted_step=0,
+                       first_token_step=0)
+
+    state = SchedulerState(step=1, running=("a", "b"), requests={"a": running("a", (0, 1)), "b": running("b", (2, 3))},
+                           free_block_ids=(4, 5, 6, 7), num_requests_added=2)
+    plan = StepPlan(scheduled=(ScheduledRequest("a", 6, 1), ScheduledRequest("b", 6, 1)))
+    result = apply_plan(state, plan, {"a": 30, "b": 31}, CONFIG)
+    assert set(result.finished) == {"a", "b"}
+    after = result.state
+    assert sorted(after.free_block_ids) == list(range(8)) and len(after.free_block_ids) == 8
+    assert tuple(after.free_block_ids)[:4] == (3, 2, 1, 0)  # b's table (last first), then a's, then the old queue
