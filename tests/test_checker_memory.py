@@ -96,3 +96,13 @@ def test_forgetting_leaves_the_spec_state_of_the_definition_unchanged_but_for_he
                                           tuple(plain.free_block_ids), plain.num_requests_added)
     assert len(state.finished) == len(plain.finished) == 300 and state.finished.num_held == 0
     assert all(request_id in state.finished for request_id in plain.finished)
+
+
+@pytest.mark.parametrize("incremental", [False, True], ids=["full", "incremental"])
+def test_a_request_left_live_at_the_end_of_a_long_trace_is_named_with_its_last_step(incremental):
+    """What check_trace keeps per live request survives the pruning of what it kept per ended one: the
+    last request, prefilled at step STEPS - 2 and never finished, is reported with that step."""
+    report = check_trace(CONFIG, records()[:-1], incremental=incremental)
+    (unfinished,) = [v for v in report.violations if v.name == "unfinished-request"]
+    assert unfinished.request_id == f"r{(STEPS - 2) // 2}"
+    assert f"last scheduled at step {STEPS - 2}" in unfinished.detail, unfinished.detail
