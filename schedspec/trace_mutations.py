@@ -693,7 +693,7 @@ REUSED_AFTER = 20
 """Steps after a request ended before :func:`reused_id_after_end` reuses its id: the trace checker has long
 forgotten the ended request and kept only its id (``Stepper.forget_ended``, after the step it ended). The
 standard traces' last arrivals come about 30 steps after their first ends; ``tests/test_checker_memory.py``
-reuses an id 4,000 steps later."""
+reuses an id about 400 steps later."""
 
 
 def reused_id_after_end(trace: Trace, i: int) -> Mutant | None:
