@@ -142,3 +142,52 @@ def test_requests_finishing_in_the_same_step_free_every_block():
     after = result.state
     assert sorted(after.free_block_ids) == list(range(8)) and len(after.free_block_ids) == 8
     assert tuple(after.free_block_ids)[:4] == (3, 2, 1, 0)  # b's table (last first), then a's, then the old queue
+
+
+# --- spec/properties.py -----------------------------------------------------------------------------
+
+
+def _progress_run(prune: bool) -> list:
+    """A live request ``a`` that reached position 6 and is then preempted and recomputed from 0 in chunks of
+    one token for ``window`` steps (never past its high-water mark: no progress), with, when ``prune``,
+    100 ended requests known to the monitor and ``forget_ended`` called between steps."""
+    from schedspec.spec.properties import Progress
+
+    config = CONFIG.with_changes(max_model_len=32)
+    monitor = Progress(config, window=4)
+    a = Request("a", 0, (1, 2, 3, 4, 5, 6, 7, 8), max_tokens=2)
+    state = SchedulerState(step=0, waiting=("a",), requests={"a": a}, free_block_ids=tuple(range(8)),
+                           num_requests_added=1)
+    monitor.observe(state, StepPlan(scheduled=(ScheduledRequest("a", 0, 6),)), state)
+    if prune:
+        for k in range(100):
+            monitor.high_water[f"gone{k}"] = 3
+    for step in range(1, 6):
+        before = attrs.evolve(state, step=step)
+        if prune:
+            monitor.forget_ended(before)
+        monitor.observe(before, StepPlan(scheduled=(ScheduledRequest("a", step - 1, 1),)), before)
+    return monitor.violations
+
+
+@pytest.mark.parametrize("prune", [False, True], ids=["kept", "pruned"])
+def test_progress_counts_recomputation_as_no_progress_even_after_pruning(prune):
+    """Recomputing positions already computed is not progress (``progress``), also after ``forget_ended``
+    dropped the ended requests' marks: it keeps the live request's (``Progress.forget_ended``: ``in`` made
+    ``not in`` dropped it, and the recomputation looked like progress)."""
+    found = _progress_run(prune)
+    assert [v.name for v in found] == ["progress"] and found[0].step == 4, found
+
+
+def test_progress_forgets_only_ended_requests():
+    from schedspec.spec.properties import Progress
+
+    monitor = Progress(CONFIG)
+    monitor.high_water = {f"r{k}": 1 for k in range(70)} | {"live": 5}
+    state = SchedulerState(requests={"live": Request("live", 0, (1, 2), max_tokens=1)}, waiting=("live",))
+    monitor.forget_ended(state)
+    assert monitor.high_water == {"live": 5}
+    few = Progress(CONFIG)
+    few.high_water = {f"r{k}": 1 for k in range(10)}
+    few.forget_ended(state)
+    assert len(few.high_water) == 10  # pruned only when the ended outnumber the live (amortized O(1))
