@@ -191,3 +191,28 @@ def test_progress_forgets_only_ended_requests():
     few.high_water = {f"r{k}": 1 for k in range(10)}
     few.forget_ended(state)
     assert len(few.high_water) == 10  # pruned only when the ended outnumber the live (amortized O(1))
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"max_tokens": -1}, "max_tokens=-1 < 0"),
+    ({"arrival_step": 0}, "arrival_step=0, but it is added before step 1"),
+    ({"status": "RUNNING"}, "is not a fresh request"),
+    ({"num_computed_tokens": 2}, "is not a fresh request"),
+    ({"output_token_ids": (9,)}, "is not a fresh request"),
+    ({"block_ids": (4,)}, "is not a fresh request"),
+    ({"request_id": "a"}, "request_id='a' was already added"),
+], ids=["negative-max-tokens", "arrival-step", "status", "computed-only", "outputs-only", "blocks-only", "live-id"])
+def test_add_request_refuses_each_unfresh_field_alone(change, words):
+    """``add_request`` refuses a request whose one field says it is not fresh, each alone (the and/or of its
+    check: ``add_request#11-#13``)."""
+    from schedspec.spec.request import RequestStatus
+    from schedspec.spec.transitions import PlanError, add_request
+
+    if change.get("status") == "RUNNING":
+        change = {"status": RequestStatus.RUNNING}
+    fresh = Request("n", 1, (1, 2, 3), max_tokens=2)
+    state = base_state()
+    add_request(state, fresh)  # the fresh one is accepted
+    with pytest.raises(PlanError, match=None) as raised:
+        add_request(state, attrs.evolve(fresh, **change))
+    assert words in str(raised.value), str(raised.value)
