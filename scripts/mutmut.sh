@@ -45,8 +45,10 @@ tests_for() {
     rules) echo "${spec[@]}" "${checker[@]}" tests/test_prefix_cache.py tests/test_spec_mutants.py ;;
     transitions) echo "${spec[@]}" "${checker[@]}" tests/test_prefix_cache.py tests/test_spec_mutants.py ;;
     invariants) echo "${spec[@]}" "${checker[@]}" tests/test_spec_mutants.py ;;
-    checker|incremental) echo "${checker[@]}" tests/test_checker_memory.py tests/test_invariants.py tests/test_state.py \
-                              tests/test_spec_mutants.py ;;
+    checker) echo "${checker[@]}" tests/test_checker_memory.py tests/test_invariants.py tests/test_state.py \
+                  tests/test_spec_mutants.py ;;
+    incremental) echo tests/test_incremental.py tests/test_checker_memory.py tests/test_invariants.py \
+                      tests/test_spec_mutants.py ;;
     prefix_cache) echo tests/test_prefix_cache.py tests/test_rules.py tests/test_invariants.py tests/test_checker.py \
                        tests/test_spec_mutants.py ;;
     properties) echo tests/test_priority_inversion.py tests/test_proofs_counterexamples.py tests/test_checker.py tests/test_transitions.py ;;
