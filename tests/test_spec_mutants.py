@@ -216,3 +216,74 @@ def test_add_request_refuses_each_unfresh_field_alone(change, words):
     with pytest.raises(PlanError, match=None) as raised:
         add_request(state, attrs.evolve(fresh, **change))
     assert words in str(raised.value), str(raised.value)
+
+
+# --- spec/invariants.py -----------------------------------------------------------------------------
+
+
+def _running(request_id: str, blocks: tuple[int, ...], computed: int = 6) -> Request:
+    from schedspec.spec.request import RequestStatus
+
+    return Request(request_id, 0, (11, 12, 13, 14, 15, 16), max_tokens=4, status=RequestStatus.RUNNING,
+                   num_computed_tokens=computed, output_token_ids=(21,), block_ids=blocks, admitted_step=0,
+                   first_token_step=0)
+
+
+def _invariant(state: SchedulerState, name: str) -> list:
+    from schedspec.spec.invariants import check_state
+
+    return [(v.request_id, v.detail) for v in check_state(state, CONFIG) if v.name == name]
+
+
+def test_block_conservation_names_the_request_of_each_fault():
+    """A block owned twice is blamed on the second owner and names the first; an out-of-range block on its
+    owner; block 0 and the blocks owned once are never reported (``block_conservation``: the owner named,
+    the range check, what is reported when another fault is present)."""
+    twice = SchedulerState(running=("a", "b"), requests={"a": _running("a", (0, 1)), "b": _running("b", (1, 2))},
+                           free_block_ids=(3, 4, 5, 6, 7), num_requests_added=2)
+    found = _invariant(twice, "block-conservation")
+    assert [(r, d) for r, d in found if r is not None] == [("b", "block 1 also owned by a")], found
+    assert [r for r, _ in found if r is None] == [None]  # free 5 + owned 4 != 8
+    out = SchedulerState(running=("a",), requests={"a": _running("a", (0, 9))}, free_block_ids=(1, 2, 3, 4, 5, 6, 7),
+                         num_requests_added=1)
+    found = _invariant(out, "block-conservation")
+    named = [(r, d) for r, d in found if r is not None]
+    assert named == [("a", "block id 9 out of range [0, 8)")], found
+    assert not any("block 0 " in d or d.endswith("block 0") for _, d in found), found
+    free_out = SchedulerState(running=("a",), requests={"a": _running("a", (0, 1))},
+                              free_block_ids=(2, 3, 4, 5, 6, 7, -1), num_requests_added=1)
+    found = _invariant(free_out, "block-conservation")
+    assert [(r, d) for r, d in found if "out of range" in d] == [(None, "block id -1 out of range [0, 8)")], found
+
+
+def test_queues_disjoint_checks_each_queue_entrys_status():
+    """A waiting entry whose request is running, a running entry whose request is waiting (``queues_disjoint``)."""
+    waiting_running = SchedulerState(waiting=("a",), requests={"a": _running("a", (0, 1))},
+                                     free_block_ids=(2, 3, 4, 5, 6, 7), num_requests_added=1)
+    assert _invariant(waiting_running, "queues-disjoint") == [("a", "in waiting with status running")]
+    b = Request("b", 0, (1, 2), max_tokens=1)
+    running_waiting = SchedulerState(running=("b",), requests={"b": b}, free_block_ids=tuple(range(8)),
+                                     num_requests_added=1)
+    assert _invariant(running_waiting, "queues-disjoint") == [("b", "in running with status waiting")]
+
+
+@pytest.mark.parametrize("computed, broken", [(7, False), (8, True), (-1, True), (0, False)])
+def test_computed_bound_allows_exactly_the_known_tokens(computed, broken):
+    """``0 <= num_computed_tokens <= num_tokens`` (7 here: a prompt of 6 and one output), both ends allowed."""
+    state = SchedulerState(running=("a",), requests={"a": _running("a", (0, 1), computed)},
+                           free_block_ids=(2, 3, 4, 5, 6, 7), num_requests_added=1)
+    assert bool(_invariant(state, "computed-bound")) == broken
+
+
+def test_a_step_invariant_reports_after_a_skipped_item_with_its_step_and_request():
+    """``chunks-in-order`` goes on past an unknown id (``continue`` made ``break``) and its violation carries
+    the name, detail, request, the step that caused it and its code (``check_step``)."""
+    from schedspec.spec.invariants import check_step
+
+    before = SchedulerState(step=5, running=("a",), requests={"a": _running("a", (0, 1))},
+                            free_block_ids=(2, 3, 4, 5, 6, 7), num_requests_added=1)
+    after = attrs.evolve(before, step=6)  # a's computed tokens did not move: the chunk is not applied
+    plan = StepPlan(scheduled=(ScheduledRequest("ghost", 0, 1), ScheduledRequest("a", 6, 1)))
+    found = [v for v in check_step(before, plan, after, CONFIG) if v.name == "chunks-in-order"]
+    assert [(v.request_id, v.step, v.kind, v.code) for v in found] == [("a", 5, "invariant", "chunks-in-order")]
+    assert "computed 6 + 1 != 6 after the step" in found[0].detail
