@@ -287,3 +287,38 @@ def test_a_step_invariant_reports_after_a_skipped_item_with_its_step_and_request
     found = [v for v in check_step(before, plan, after, CONFIG) if v.name == "chunks-in-order"]
     assert [(v.request_id, v.step, v.kind, v.code) for v in found] == [("a", 5, "invariant", "chunks-in-order")]
     assert "computed 6 + 1 != 6 after the step" in found[0].detail
+
+
+# --- spec/incremental.py ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_screen_never_holds_for_a_plan_a_screened_rule_refuses(name):
+    """``screened_rules_hold`` is False for the bad plan of every screened rule's case (a screen that holds
+    there skips the rules and loses the violation: the loosened conditions of ``screened_rules_hold``), and
+    True for a legal twin without a prefix hit (too strict costs only time, but the screen must pass
+    correct steps, or the incremental checker is the full one: ``screened_rules_hold`` made stricter)."""
+    from schedspec.spec.incremental import SCREENED, screened_rules_hold
+
+    state, bad, good, config = CASES[name]()
+    if name in SCREENED and not config.enable_prefix_caching:
+        assert not screened_rules_hold(state, bad, config)
+    if not violated_rules(state, good, config) and not any(i.cached_block_ids for i in good.scheduled):
+        assert screened_rules_hold(state, good, config), name
+
+
+@pytest.mark.parametrize("change, plan", [
+    ({"long_prefill_token_threshold": 4}, StepPlan(scheduled=(DECODE_A, ScheduledRequest("b", 0, 4, (2,))))),
+    ({"max_num_batched_tokens": 5}, StepPlan(scheduled=(DECODE_A, ScheduledRequest("b", 0, 4, (2,))))),
+    ({}, StepPlan(scheduled=(ScheduledRequest("a", 6, 1),), preempted=())),
+    ({"enable_chunked_prefill": False, "max_num_batched_tokens": 32}, StepPlan(scheduled=(DECODE_A, ScheduledRequest("b", 0, 5, (2, 3))))),
+], ids=["chunk-at-the-threshold", "budget-exactly-used", "one-token-decode", "whole-prefill"])
+def test_the_screen_holds_at_every_limit_exactly_met(change, plan):
+    """Each screened limit met exactly (a chunk of exactly the threshold, the budget used to the token, a
+    decode of one token, a whole prompt without chunking) is legal, and the screen passes it."""
+    from schedspec.spec.incremental import screened_rules_hold
+
+    config = CONFIG.with_changes(**change)
+    state = base_state()
+    assert not violated_rules(state, plan, config)
+    assert screened_rules_hold(state, plan, config)
