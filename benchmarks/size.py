@@ -8,8 +8,9 @@ each prints its run conditions and its target beside its figure.
   a burst (``--burst N`` requests all arriving at step 0, default 6,000): before the fix ``add_request``
   copied the live map per arrival (O(n^2)); a burst's steps still cost O(live requests) each.
 - ``check``: ``schedspec check`` of a generated correct trace of ``--steps`` steps (default 10^6, one
-  request every two steps), and of a tenth of it, side by side: peak RSS of each (``ru_maxrss``).
-  Target: bounded memory (the larger trace's peak no larger than the smaller's).
+  request every two steps), and of a tenth and a hundredth of it, side by side: peak RSS of each
+  (``ru_maxrss``). Target: bounded memory (the larger traces' peaks no larger than the smallest's: the
+  check forgets ended requests, ``Stepper.forget_ended``).
 - ``mooncake``: ``schedspec lab`` on the whole Mooncake conversation trace (12,031 requests, ``--max-requests``
   all of them: lab's default window is the first 120 s), checks on: time and peak RSS.
 - ``burstgpt``: a BurstGPT-format file of 10^6 generated rows: loading it (time, peak RSS), then ``lab``
@@ -88,30 +89,13 @@ def part_replay(args: argparse.Namespace, folder: Path) -> None:
 
 
 def trace_file(path: Path, steps: int) -> None:
-    """A correct step trace: request k arrives at step 2k (prompt 3, max_tokens 2), prefills, decodes, ends."""
-    config = {"block_size": 4, "num_kv_blocks": 8, "max_num_batched_tokens": 16, "max_num_seqs": 2,
-              "max_model_len": 32, "enable_chunked_prefill": True, "long_prefill_token_threshold": 0,
-              "enable_prefix_caching": False, "preemption_mode": "recompute"}
-    empty = {"arrivals": [], "aborts": [], "blocks_allocated": {}, "blocks_freed": {}, "prefix_hit_tokens": {},
-             "preempted": [], "finished": {}, "aborted": [], "rejected": {}}
+    """A correct step trace (``schedspec.trace_mutations.long_trace``): request k arrives at step 2k
+    (prompt 3, max_tokens 2), prefills, decodes, ends."""
+    from schedspec.trace_mutations import LONG_TRACE_CONFIG, long_trace
+
     with path.open("w") as out:
-        out.write(json.dumps({"schema_version": 2, "config": config, "scheduler": "fcfs"}) + "\n")
-        for step in range(steps):
-            rid = f"r{step // 2}"
-            record = {"step": step, "start_time": step * 0.01, "duration": 0.01, **empty}
-            if step % 2 == 0:
-                record.update(arrivals=[{"request_id": rid, "prompt_len": 3, "max_tokens": 2, "arrival_step": step,
-                                         "arrival_time": 0.0, "priority": 0, "prefix_len": 0, "eos_token_id": 0,
-                                         "stop_token_ids": [], "min_tokens": 0}],
-                              scheduled=[{"request_id": rid, "num_computed_tokens": 0, "prefill_tokens": 3,
-                                          "decode_tokens": 0}],
-                              blocks_allocated={rid: [0]}, sampled_token_ids={rid: 700}, num_free_blocks=7,
-                              num_running=1, num_waiting=0)
-            else:
-                record.update(scheduled=[{"request_id": rid, "num_computed_tokens": 3, "prefill_tokens": 0,
-                                          "decode_tokens": 1}],
-                              blocks_freed={rid: [0]}, finished={rid: "length"}, sampled_token_ids={rid: 958},
-                              num_free_blocks=8, num_running=0, num_waiting=0)
+        out.write(json.dumps({"schema_version": 2, "config": LONG_TRACE_CONFIG, "scheduler": "fcfs"}) + "\n")
+        for record in long_trace(steps):
             out.write(json.dumps(record, separators=(",", ":")) + "\n")
 
 
@@ -126,7 +110,7 @@ def part_check(args: argparse.Namespace, folder: Path) -> None:
         status, out = cli("check", str(path))
         return f"exit {status}; " + " ".join(line.strip() for line in out.splitlines()[-2:])[:200]
 
-    timed(f"check {steps:,} steps", "bounded memory: peak RSS no larger than the 1/10 trace's", run)
+    timed(f"check {steps:,} steps", "bounded memory: peak RSS no larger than the smaller traces'", run)
     path.unlink()
 
 
@@ -190,7 +174,7 @@ def main() -> None:
     forwarded = [f"--requests={args.requests}", f"--burst={args.burst}",
                  f"--burstgpt-requests={args.burstgpt_requests}"]
     for part in parts:
-        runs = [args.steps // 10, args.steps] if part == "check" else [args.steps]
+        runs = [args.steps // 100, args.steps // 10, args.steps] if part == "check" else [args.steps]
         for steps in runs:  # one process per figure: its peak RSS is its own
             subprocess.run([sys.executable, __file__, "--child", "--part", part, f"--steps={steps}", *forwarded],
                            check=False)

@@ -46,7 +46,7 @@ import numpy as np
 
 from schedspec.lab import metrics
 from schedspec.lab.executor import execute
-from schedspec.lab.run import run_lab
+from schedspec.lab.run import largest_step, run_lab
 from schedspec.reference.engine import ViolationFound
 from schedspec.reference.scheduler import EngineFault
 
@@ -245,7 +245,8 @@ def evaluate(window: Sequence[Any], natural_rate: float, rate: float, scheduler:
     figures["requests_finished"] = sum(1 for t in result.timelines if t.outcome == "finished")
     holds = figures["requests_finished"] > 0 and all(
         (value := figures[f"{m}_p{percentile_label(q)}_s"]) is not None and value <= limit for m, q, limit in targets.targets())
-    return {"rate_req_per_s": rate, "holds": holds, "figures": figures, "problem": None}
+    return {"rate_req_per_s": rate, "holds": holds, "figures": figures, "problem": None,
+            "largest_step": largest_step(result.steps)}
 
 
 @attrs.frozen
@@ -287,7 +288,9 @@ class CapacityRun:
 
 def run_configuration(job: CapacityRun) -> dict[str, Any]:
     """One configuration's search (in a worker process); returns ``{"index", "label", "scheduler",
-    "capacity_req_per_s", "upper_req_per_s", "status", "evaluations", "figures", "problem"}``."""
+    "capacity_req_per_s", "upper_req_per_s", "status", "evaluations", "figures", "problem", "largest_step"}``
+    (``largest_step``: the most tokens of one step over every run of the search,
+    :func:`~schedspec.lab.run.largest_step`)."""
     runs: dict[float, dict[str, Any]] = {}
     problem: list[str] = []
 
@@ -308,6 +311,8 @@ def run_configuration(job: CapacityRun) -> dict[str, Any]:
         "evaluations": [{"rate_req_per_s": r, "holds": h} for r, h in found.evaluations],
         "figures": None if at is None else at["figures"],
         "problem": problem[0] if problem else None,
+        "largest_step": {key: max(run.get("largest_step", {}).get(key, 0) for run in runs.values())
+                         for key in ("prefill_tokens", "decode_tokens", "tokens")} if runs else {},
     }
 
 

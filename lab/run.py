@@ -91,6 +91,18 @@ class LabStep:
     num_accepted_tokens: int = 0
 
 
+def largest_step(steps: Sequence[LabStep]) -> dict[str, int]:
+    """The largest step of a run in tokens: ``{"prefill_tokens", "decode_tokens", "tokens"}`` (each the
+    most any one step computed; ``tokens`` prefill and decode together), ``{}`` without steps. What a
+    measured profile's fitted range is compared with
+    (:meth:`~schedspec.reference.cost_model.CostModel.outside_fitted_range`)."""
+    if not steps:
+        return {}
+    return {"prefill_tokens": max(s.prefill_tokens for s in steps),
+            "decode_tokens": max(s.decode_tokens for s in steps),
+            "tokens": max(s.prefill_tokens + s.decode_tokens for s in steps)}
+
+
 @attrs.define
 class LabResult:
     """A lab run: its steps, per-request timelines, the engine's run (checks, final state) and the

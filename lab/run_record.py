@@ -38,7 +38,7 @@ from typing import Any
 import jsonschema
 
 from schedspec.lab import metrics
-from schedspec.lab.run import LabResult
+from schedspec.lab.run import LabResult, largest_step
 from schedspec.reference.cost_model import CostModel, profile_schema
 from schedspec.spec.admission import REJECTION_CODES, rejection_code
 from schedspec.spec.config import ConfigError, SchedulerConfig
@@ -182,8 +182,9 @@ def details(result: LabResult, slo: metrics.Slo | None,
             summaries: tuple[dict[str, Any], dict[str, Any]] | None = None) -> dict[str, Any]:
     """The nested summaries the lab prints: requests by outcome, rejections by full reason, the
     latency blocks (seconds: all, long prompts, arrived during a long prefill), batch efficiency
-    (``kv_usage_*`` as fractions 0-1, as :func:`~schedspec.lab.metrics.efficiency_summary`)
-    and the goodput."""
+    (``kv_usage_*`` as fractions 0-1, as :func:`~schedspec.lab.metrics.efficiency_summary`),
+    the goodput, and the largest step in tokens (:func:`~schedspec.lab.run.largest_step`: what a measured
+    cost profile's fitted grid is compared with)."""
     latency, efficiency = summaries if summaries is not None else _summaries(result)
     latency = dict(latency)
     reasons: dict[str, int] = {}
@@ -198,6 +199,7 @@ def details(result: LabResult, slo: metrics.Slo | None,
         "efficiency": efficiency,
         "prefix_cache": dict(result.prefix_hits),
         "goodput": metrics.goodput(result.timelines, *slo) if slo is not None else None,
+        "largest_step": largest_step(result.steps),
     }
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -690,6 +690,28 @@ def duplicate_arrival(trace: Trace, i: int) -> Mutant | None:
     return trace.header, records, i
 
 
+REUSED_AFTER = 20
+"""Steps after a request ended before :func:`reused_id_after_end` reuses its id: the trace checker has long
+forgotten the ended request and kept only its id (``Stepper.forget_ended``, after the step it ended). The
+standard traces' last arrivals come about 30 steps after their first ends; ``tests/test_checker_memory.py``
+reuses an id about 400 steps later."""
+
+
+def reused_id_after_end(trace: Trace, i: int) -> Mutant | None:
+    """A fresh arrival at step ``i`` under the id of a request that ended at least :data:`REUSED_AFTER`
+    steps before (an engine that recycles request ids)."""
+    if not trace.records[i]["arrivals"]:
+        return None
+    ended = next((request_id for k in range(i - REUSED_AFTER + 1) for request_id in
+                  sorted({*trace.records[k]["finished"], *trace.records[k]["aborted"], *trace.records[k]["rejected"]})),
+                 None)
+    if ended is None:
+        return None
+    records, r = _edit(trace, i)
+    r["arrivals"][0]["request_id"] = ended
+    return trace.header, records, i
+
+
 # --- mutants that change nothing observable ------------------------------------------------------------
 
 
@@ -992,6 +1014,8 @@ MUTATIONS: tuple[Mutation, ...] = (
              drafts_kept_after_preemption),
     Mutation("aborted-without-abort", "a request ended as aborted that the client did not abort", aborted_without_abort),
     Mutation("duplicate-arrival", "a request id added twice", duplicate_arrival),
+    Mutation("reused-id-after-end", f"a fresh request under the id of one that ended {REUSED_AFTER}+ steps before",
+             reused_id_after_end),
     Mutation("reorder-blocks-freed", "blocks released in another order", reorder_blocks_freed, semantic=False,
              why_not_semantic="the spec constrains which blocks are released, not the order an engine lists them"),
     Mutation("idle-gap", "the engine idles between two steps", idle_gap, semantic=False, applies=lambda t, i: True,
@@ -1147,6 +1171,38 @@ def speculative_trace(scale: int = 1, lookahead: bool = False) -> tuple[str, Tra
     result = Engine(SCHEDULERS["fcfs"](config), config, stop_on_violation=True).run(workload)
     label = "speculative-lookahead" if lookahead else "speculative-prefix-cache"
     return label, Trace.of(json.loads(header_line(config, "fcfs")), result.records)
+
+
+LONG_TRACE_CONFIG = {"block_size": 4, "num_kv_blocks": 8, "max_num_batched_tokens": 16, "max_num_seqs": 2,
+                     "max_model_len": 32, "enable_chunked_prefill": True, "long_prefill_token_threshold": 0,
+                     "enable_prefix_caching": False, "preemption_mode": "recompute"}
+
+
+def long_trace(steps: int) -> Iterator[Record]:
+    """The records of a correct fcfs trace of ``steps`` steps, made as they are needed (any length, little
+    memory): request ``r{k}`` arrives at step ``2k`` (prompt 3 tokens, ``max_tokens`` 2), is prefilled in
+    that step and decoded and finished (``length``) in the next, holding block 0. Its header's config is
+    :data:`LONG_TRACE_CONFIG`. For the size benchmark (``benchmarks/size.py``) and the tests that a check
+    of a long trace forgets ended requests yet still refuses a reused id."""
+    empty = {"arrivals": [], "aborts": [], "blocks_allocated": {}, "blocks_freed": {}, "prefix_hit_tokens": {},
+             "preempted": [], "finished": {}, "aborted": [], "rejected": {}}
+    for step in range(steps):
+        request_id = f"r{step // 2}"
+        record = {"step": step, "start_time": step * 0.01, "duration": 0.01, **empty}
+        if step % 2 == 0:
+            record.update(
+                arrivals=[{"request_id": request_id, "prompt_len": 3, "max_tokens": 2, "arrival_step": step,
+                           "arrival_time": 0.0, "priority": 0, "prefix_len": 0, "eos_token_id": 0,
+                           "stop_token_ids": [], "min_tokens": 0}],
+                scheduled=[{"request_id": request_id, "num_computed_tokens": 0, "prefill_tokens": 3, "decode_tokens": 0}],
+                blocks_allocated={request_id: [0]}, sampled_token_ids={request_id: 700}, num_free_blocks=7,
+                num_running=1, num_waiting=0)
+        else:
+            record.update(
+                scheduled=[{"request_id": request_id, "num_computed_tokens": 3, "prefill_tokens": 0, "decode_tokens": 1}],
+                blocks_freed={request_id: [0]}, finished={request_id: "length"}, sampled_token_ids={request_id: 958},
+                num_free_blocks=8, num_running=0, num_waiting=0)
+        yield record
 
 
 def standard_traces(scale: int = 1) -> list[tuple[str, Trace]]:

@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # Mutation score of the spec and the checker with mutmut 3 (issue 9). Not run in CI: slow on 2 cores.
 #
-#   scripts/mutmut.sh                 # all five modules
+#   scripts/mutmut.sh                 # all seven modules, one after the other, each with its own tests
 #   scripts/mutmut.sh rules checker   # only the mutants of spec/rules.py and spec/checker.py
 #   MUTMUT_CHILDREN=2 scripts/mutmut.sh rules       # parallel workers (default 1)
 #   MUTMUT_RESUME=1 scripts/mutmut.sh rules         # keep build/mutmut and its results from a previous run
 #   scripts/mutmut.sh 'schedspec.spec.checker.x__compare_after__mutmut_*'   # mutant names or patterns
-#   MUTMUT_STAGE=/tmp/mm scripts/mutmut.sh checker  # another staging folder (default build/mutmut)
+#   MUTMUT_STAGE=/tmp/mm scripts/mutmut.sh checker  # another staging folder (default build/mutmut-MODULE)
+#   MUTMUT_TESTS="tests/test_rules.py" scripts/mutmut.sh rules   # another test selection
 #
-# Mutated: spec/{rules,transitions,invariants,checker,incremental}.py. Tests: the fast selection below
-# (about 45 s in all on one core; mutmut runs, for each mutant, only the tests that called its function).
+# Mutated: spec/{rules,transitions,invariants,checker,incremental,prefix_cache,properties}.py. Each module
+# named runs in its own staging folder with its own focused test selection (tests_for below; mutmut runs,
+# for each mutant, only the tests of that selection that called its function), so a module's run does not
+# pay for the others' tests. A pattern of mutant names runs in the stage of its module.
 #
 # Why a staging tree (1): mutmut 3 does not mutate decorated functions, and the spec's rules and
 # invariants are registered by decorators; scripts/mutmut_undecorate.py rewrites `@d def f` as
@@ -27,14 +30,37 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 PY="${PYTHON:-$ROOT/.venv/bin/python}"
-STAGE="${MUTMUT_STAGE:-$ROOT/build/mutmut}"
 CHILDREN="${MUTMUT_CHILDREN:-1}"
-MODULES=("$@")
-[ ${#MODULES[@]} -eq 0 ] && MODULES=(rules transitions invariants checker incremental)
-TESTS=(tests/test_rules.py tests/test_invariants.py tests/test_transitions.py tests/test_state.py
-       tests/test_incremental.py tests/test_checker.py tests/test_checker_report.py)
+ALL=(rules transitions invariants checker incremental prefix_cache properties)
+[ $# -eq 0 ] && set -- "${ALL[@]}"
 
 "$PY" -c "import mutmut" 2>/dev/null || { echo "mutmut is not installed: pip install -e '.[dev]'" >&2; exit 2; }
+
+# The focused test selection of each module: the test files that exercise it directly (timed per file on
+# an idle core with `pytest --durations`; the slow end-to-end files are left out, docs/testing.md says which).
+tests_for() {
+  local spec=(tests/test_rules.py tests/test_invariants.py tests/test_transitions.py tests/test_state.py)
+  local checker=(tests/test_incremental.py tests/test_checker.py tests/test_checker_report.py)
+  case "$1" in
+    rules) echo "${spec[@]}" "${checker[@]}" tests/test_prefix_cache.py tests/test_spec_mutants.py ;;
+    transitions) echo "${spec[@]}" "${checker[@]}" tests/test_prefix_cache.py tests/test_spec_mutants.py ;;
+    invariants) echo "${spec[@]}" "${checker[@]}" tests/test_spec_mutants.py ;;
+    checker) echo "${checker[@]}" tests/test_checker_memory.py tests/test_invariants.py tests/test_state.py \
+                  tests/test_spec_mutants.py ;;
+    incremental) echo tests/test_incremental.py tests/test_checker_memory.py tests/test_invariants.py \
+                      tests/test_spec_mutants.py ;;
+    prefix_cache) echo tests/test_prefix_cache.py tests/test_rules.py tests/test_invariants.py tests/test_checker.py \
+                       tests/test_spec_mutants.py ;;
+    properties) echo tests/test_priority_inversion.py tests/test_proofs_counterexamples.py tests/test_checker.py tests/test_transitions.py ;;
+    *) echo "unknown module $1 (one of: ${ALL[*]})" >&2; exit 2 ;;
+  esac
+}
+
+run_module() {  # run_module MODULE [PATTERN...]: mutmut on one module's mutants in its own stage
+local MODULE=$1; shift
+local STAGE="${MUTMUT_STAGE:-$ROOT/build/mutmut-$MODULE}"
+local TESTS
+read -r -a TESTS <<< "${MUTMUT_TESTS:-$(tests_for "$MODULE")}"
 
 if [ "${MUTMUT_RESUME:-0}" != 1 ] || [ ! -d "$STAGE" ]; then
   rm -rf "$STAGE"
@@ -45,7 +71,7 @@ if [ "${MUTMUT_RESUME:-0}" != 1 ] || [ ! -d "$STAGE" ]; then
   done
   cp -r "$ROOT/tests" "$STAGE/tests"
   # mutmut 3 skips decorated functions: the rules and invariants are registered with decorators.
-  "$PY" "$ROOT/scripts/mutmut_undecorate.py" "$STAGE"/schedspec/spec/{rules,transitions,invariants,checker,incremental}.py
+  "$PY" "$ROOT/scripts/mutmut_undecorate.py" "$STAGE/schedspec/spec/$MODULE.py"
   find "$STAGE" -name __pycache__ -prune -exec rm -rf {} +
   rm -rf "$STAGE/tests/.hypothesis"
   # tests/test_checker.py compares the bundled engine traces with ROOT.parent/shared, ROOT being mutants/.
@@ -58,8 +84,7 @@ if [ "${MUTMUT_RESUME:-0}" != 1 ] || [ ! -d "$STAGE" ]; then
 
 [tool.mutmut]
 source_paths = ["schedspec/spec"]
-only_mutate = ["schedspec/spec/rules.py", "schedspec/spec/transitions.py", "schedspec/spec/invariants.py",
-               "schedspec/spec/checker.py", "schedspec/spec/incremental.py"]
+only_mutate = ["schedspec/spec/$MODULE.py"]
 also_copy = [${ALSO%, }]
 pytest_add_cli_args = ["-p", "no:cacheprovider"]
 pytest_add_cli_args_test_selection = [${SEL%, }]
@@ -67,48 +92,40 @@ EOF
 fi
 
 cd "$STAGE"
-PATTERNS=()
-SUMMARY=()
-for m in "${MODULES[@]}"; do
-  case "$m" in
-    *.*) PATTERNS+=("$m"); m="${m#schedspec.spec.}"; m="${m%%.*}" ;;
-    *) PATTERNS+=("schedspec.spec.$m.*") ;;
-  esac
-  case " ${SUMMARY[*]:-} " in *" $m "*) ;; *) SUMMARY+=("$m") ;; esac
-done
-start=$(date +%s)
+local PATTERNS=("$@")
+[ ${#PATTERNS[@]} -eq 0 ] && PATTERNS=("schedspec.spec.$MODULE.*")
+local start=$(date +%s)
 # mutants/ must exist before Python starts: a PYTHONPATH entry that does not exist yet is cached as
 # "no finder" and the tests would silently import the unmutated package through the editable install.
 mkdir -p mutants
-export HYPOTHESIS_PROFILE=mutmut PYTHONPATH="$STAGE/mutants" SCHEDSPEC_TESTS_IN_PROCESS=1
-"$PY" -m mutmut run --max-children "$CHILDREN" "${PATTERNS[@]}"
-echo "mutmut took $(( $(date +%s) - start )) s with $CHILDREN worker(s) on $(nproc) core(s)"
-"$PY" - "${SUMMARY[@]}" <<'EOF'
-import collections
-import subprocess
-import sys
+HYPOTHESIS_PROFILE=mutmut PYTHONPATH="$STAGE/mutants" SCHEDSPEC_TESTS_IN_PROCESS=1 \
+  "$PY" -m mutmut run --max-children "$CHILDREN" "${PATTERNS[@]}"
+local took=$(( $(date +%s) - start ))
+echo "mutmut on spec/$MODULE.py took $took s with $CHILDREN worker(s) on $(nproc) core(s), load average $(cut -d' ' -f1 /proc/loadavg)"
+# Every mutant's status, for the table in docs/testing.md (scripts/gen_mutmut_table.py reads these files): a
+# whole module's run in MODULE.txt; a run of some of its mutants (names or patterns: the survivors again,
+# after new tests) in MODULE.rerun-DATE.txt, whose statuses replace those of the mutants it ran.
+mkdir -p "$ROOT/build/mutmut-results"
+local out="$ROOT/build/mutmut-results/$MODULE.txt"
+[ $# -gt 0 ] && out="$ROOT/build/mutmut-results/$MODULE.rerun-$(date -u +%Y%m%dT%H%M%S).txt"
+{ echo "# spec/$MODULE.py: tests ${TESTS[*]}; $took s; $CHILDREN worker(s); $(date -u +%FT%TZ)"
+  "$PY" -m mutmut results --all true; } > "$out"
+"$PY" "$ROOT/scripts/gen_mutmut_table.py" --summary "$ROOT/build/mutmut-results/$MODULE.txt"
+}
 
-out = subprocess.run([sys.executable, "-m", "mutmut", "results", "--all", "true"],
-                     capture_output=True, text=True).stdout
-counts = collections.defaultdict(collections.Counter)
-for line in out.splitlines():
-    name, _, status = line.strip().rpartition(": ")
-    if not name.startswith("schedspec.spec."):
-        continue
-    module = name.split(".")[2]
-    if module in sys.argv[1:]:
-        counts[module][status] += 1
-print(f"{'file':<22}{'mutants':>8}{'killed':>8}{'survived':>9}{'timeout':>8}{'other':>7}{'score':>8}")
-total = collections.Counter()
-for module in sys.argv[1:]:
-    c = counts[module]
-    total.update(c)
-    n = sum(c.values())
-    other = n - c["killed"] - c["survived"] - c["timeout"]
-    score = 100 * (c["killed"] + c["timeout"]) / n if n else 0.0
-    print(f"spec/{module + '.py':<17}{n:>8}{c['killed']:>8}{c['survived']:>9}{c['timeout']:>8}{other:>7}{score:>7.1f}%")
-n = sum(total.values())
-score = 100 * (total["killed"] + total["timeout"]) / n if n else 0.0
-print(f"{'all':<22}{n:>8}{total['killed']:>8}{total['survived']:>9}{total['timeout']:>8}"
-      f"{n - total['killed'] - total['survived'] - total['timeout']:>7}{score:>7.1f}%")
-EOF
+# Arguments: module names, or mutant names/patterns (run in the stage of their module).
+declare -A WANTED=()
+ORDER=()
+for m in "$@"; do
+  case "$m" in
+    *.*) module="${m#schedspec.spec.}"; module="${module%%.*}" ;;
+    *) module="$m"; m="" ;;
+  esac
+  tests_for "$module" > /dev/null
+  [ -z "${WANTED[$module]+x}" ] && ORDER+=("$module") && WANTED[$module]=""
+  [ -n "$m" ] && WANTED[$module]+="$m "
+done
+for module in "${ORDER[@]}"; do
+  read -r -a patterns <<< "${WANTED[$module]}"
+  ( run_module "$module" "${patterns[@]}" )
+done

@@ -430,6 +430,12 @@ def check_trace(
             for item in plan.scheduled:
                 last_scheduled[item.request_id] = before.step
             stepper.observe(outcome)
+            # Bounded memory: forget the requests ended so far (checked in the step they ended; their ids
+            # stay for no-request-lost and reused ids), while every step so far is legal, so that the
+            # states the report keeps are exact (Stepper.forget_ended).
+            stepper.forget_ended()
+            if len(last_scheduled) > 2 * len(stepper.state.requests) + 64:
+                last_scheduled = {r: s for r, s in last_scheduled.items() if r in stepper.state.requests}
 
     if report.first_bad_step is None or keep_going:
         for violations in stepper.finish().values():

@@ -325,3 +325,9 @@ class IncrementalChecker:
             if violation.request_id in terminal:
                 self.broken_terminal[violation.request_id] = terminal[violation.request_id]
         return found
+
+    def forget_ended(self) -> None:
+        """The state forgot its ended requests (:meth:`~schedspec.spec.stepper.Stepper.forget_ended`): they
+        are no longer listed by iterating ``state.finished``, so the ids of those already collected
+        (:meth:`_collect_terminal`'s scan skips them) need not be kept."""
+        self.terminal_ids.clear()

@@ -14,12 +14,85 @@ rest of the step.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from types import MappingProxyType
 
 import attrs
 
 from schedspec.spec.request import Request
+
+_NUMBERED = re.compile(r"(.*?)(0|[1-9][0-9]{0,17})")
+"""An id as a prefix and a decimal number without leading zeros (``r12`` is ``("r", 12)``, ``r012`` is
+``("r0", 12)``): ``prefix + str(number) == id``, so the pair names exactly one id."""
+
+
+class EndedIds:
+    """A set of request ids that only grows, in little memory: the ids of the requests a trace check has
+    forgotten (:meth:`TerminalRequests.forgetting`), for ``in`` (the spec refuses a reused id,
+    :func:`~schedspec.spec.transitions.add_request`).
+
+    An id that is a prefix and a decimal number (``r17``, ``cmpl-42``: engines and generators number
+    their requests) is one bit of a bitmap of :data:`CHUNK` numbers per prefix, so a run of numbered ids
+    costs about one bit each (a chunk of 1,024 bits is 128 bytes plus its dict entry); any other id is
+    kept as its string. Exact: no id is ever reported present that was not added.
+    """
+
+    __slots__ = ("_chunks", "_other", "_len")
+
+    CHUNK = 1024
+    """Numbers per bitmap (bits)."""
+
+    def __init__(self, ids: Iterable[str] = ()) -> None:
+        self._chunks: dict[tuple[str, int], bytearray] = {}
+        self._other: set[str] = set()
+        self._len = 0
+        for request_id in ids:
+            self.add(request_id)
+
+    def _where(self, request_id: str) -> tuple[tuple[str, int], int] | None:
+        found = _NUMBERED.fullmatch(request_id)
+        if found is None:
+            return None
+        number = int(found.group(2))
+        return (found.group(1), number // self.CHUNK), number % self.CHUNK
+
+    def add(self, request_id: str) -> None:
+        """Add ``request_id`` (a ``str``; adding one twice keeps one)."""
+        where = self._where(request_id)
+        if where is None:
+            if request_id not in self._other:
+                self._other.add(request_id)
+                self._len += 1
+            return
+        key, bit = where
+        chunk = self._chunks.get(key)
+        if chunk is None:
+            chunk = self._chunks[key] = bytearray(self.CHUNK // 8)
+        if not chunk[bit >> 3] & (1 << (bit & 7)):
+            chunk[bit >> 3] |= 1 << (bit & 7)
+            self._len += 1
+
+    def __contains__(self, request_id: object) -> bool:
+        if not isinstance(request_id, str):
+            return False
+        where = self._where(request_id)
+        if where is None:
+            return request_id in self._other
+        key, bit = where
+        chunk = self._chunks.get(key)
+        return chunk is not None and bool(chunk[bit >> 3] & (1 << (bit & 7)))
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[str]:
+        """The ids, numbered ones by prefix and number, then the others (for tests; a check never lists them)."""
+        for (prefix, index), chunk in sorted(self._chunks.items()):
+            for bit in range(self.CHUNK):
+                if chunk[bit >> 3] & (1 << (bit & 7)):
+                    yield f"{prefix}{index * self.CHUNK + bit}"
+        yield from sorted(self._other)
 
 
 class TerminalRequests(Mapping[str, Request]):
@@ -29,16 +102,24 @@ class TerminalRequests(Mapping[str, Request]):
     ends would make a run quadratic. :meth:`with_added` returns a new map that shares the old one's
     large base dict (never mutated) and copies only a small dict of recent additions, merged into a new
     base when it grows past the square root of the base: O(sqrt(n)) amortized per addition.
+
+    A trace check of millions of steps cannot hold every ended request either: :meth:`forgetting` gives
+    the map with the requests ended so far **forgotten**, their ids kept in an :class:`EndedIds`. Then
+    ``len`` and ``in`` count every request that ever ended (``no-request-lost`` counts them, a reused id
+    is refused), while indexing and iteration see the requests held, those ended since (the invariants
+    look at those; a forgotten request was checked in the step it ended, and no transition of the spec
+    changes a terminal request).
     """
 
-    __slots__ = ("_base", "_recent", "_len")
+    __slots__ = ("_base", "_recent", "_len", "_ended")
 
     def __init__(self, entries: Mapping[str, Request] | None = None, *,
                  _base: dict[str, Request] | None = None, _recent: dict[str, Request] | None = None,
-                 _len: int | None = None) -> None:
+                 _len: int | None = None, _ended: EndedIds | None = None) -> None:
         self._base = dict(entries) if entries is not None else (_base if _base is not None else {})
         self._recent = _recent if _recent is not None else {}
         self._len = _len if _len is not None else len(self._base) + sum(1 for r in self._recent if r not in self._base)
+        self._ended = _ended
 
     def with_added(self, entries: Mapping[str, Request]) -> TerminalRequests:
         """A new map with ``entries`` added (ids already present are replaced)."""
@@ -47,8 +128,26 @@ class TerminalRequests(Mapping[str, Request]):
         size = self._len + sum(1 for r in entries if r not in self)
         recent = {**self._recent, **entries}
         if len(recent) ** 2 > len(self._base) + 256:
-            return type(self)(_base={**self._base, **recent}, _len=size)
-        return type(self)(_base=self._base, _recent=recent, _len=size)
+            return type(self)(_base={**self._base, **recent}, _len=size, _ended=self._ended)
+        return type(self)(_base=self._base, _recent=recent, _len=size, _ended=self._ended)
+
+    def forgetting(self) -> TerminalRequests:
+        """This map with every request it holds forgotten (class docstring): the same ``len`` and ``in``,
+        nothing held. O(held requests). The :class:`EndedIds` is shared with this map and every map made
+        from the result, and only grows: ``in`` on a map made before a later :meth:`forgetting` also
+        answers ``True`` for ids forgotten after it (:func:`~schedspec.spec.checker.check_trace` forgets
+        only while no step has failed, so the states its report keeps are never asked)."""
+        if not self._base and not self._recent:
+            return self
+        ended = self._ended if self._ended is not None else EndedIds()
+        for request_id in self:
+            ended.add(request_id)
+        return TerminalRequests(_len=self._len, _ended=ended)
+
+    @property
+    def num_held(self) -> int:
+        """The requests held (those iteration and indexing see): ``len`` less those forgotten."""
+        return self._len - (len(self._ended) if self._ended is not None else 0)
 
     def __getitem__(self, request_id: str) -> Request:
         found = self._recent.get(request_id)
@@ -57,7 +156,8 @@ class TerminalRequests(Mapping[str, Request]):
         return found
 
     def __contains__(self, request_id: object) -> bool:
-        return request_id in self._recent or request_id in self._base
+        return (request_id in self._recent or request_id in self._base
+                or (self._ended is not None and request_id in self._ended))
 
     def __iter__(self):
         yield from self._base
@@ -69,7 +169,8 @@ class TerminalRequests(Mapping[str, Request]):
         return self._len
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({dict(self.items())!r})"
+        forgotten = f", forgotten={len(self._ended)}" if self._ended is not None else ""
+        return f"{type(self).__name__}({dict(self.items())!r}{forgotten})"
 
     def as_dict(self) -> dict[str, Request]:
         """A new plain ``dict`` of the same entries, in the same order."""

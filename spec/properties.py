@@ -37,6 +37,11 @@ class Monitor:
         """Called once at the end; returns every violation found."""
         return self.violations
 
+    def forget_ended(self, state: SchedulerState) -> None:
+        """Between two steps (:meth:`~schedspec.spec.stepper.Stepper.forget_ended`): drop what the monitor
+        keeps of requests that are no longer live in ``state`` (an ended request is never scheduled
+        again: a rule would stop the check first). Most monitors keep nothing per request."""
+
     def report(self, step: int, detail: str, request_id: str | None = None) -> None:
         self.violations.append(Violation(self.name, detail, step, request_id, kind="property"))
 
@@ -126,6 +131,11 @@ class Progress(Monitor):
         if before.step - self.stalled_since + 1 >= self.window:
             self.report(before.step, f"no new token position and no request ended for {self.window} steps")
             self.stalled_since = None
+
+    def forget_ended(self, state: SchedulerState) -> None:
+        """Drop the high-water marks of ended requests (when they outnumber the live ones: O(1) amortized)."""
+        if len(self.high_water) > 2 * len(state.requests) + 64:
+            self.high_water = {r: reach for r, reach in self.high_water.items() if r in state.requests}
 
 
 @trace_property('vLLM Scheduler.schedule; Orca §3')

@@ -45,7 +45,9 @@ class SchedulerState:
         requests: every live request (waiting or running) by id (a read-only mapping; after arrivals an
             :class:`~schedspec.spec.persistent.ArrivedRequests`, shared with the map before them, for speed).
         finished: every terminal request (finished, aborted or rejected) by id (a read-only mapping;
-            :class:`~schedspec.spec.persistent.TerminalRequests` shares it between states, for speed).
+            :class:`~schedspec.spec.persistent.TerminalRequests` shares it between states, for speed). A trace
+            check forgets the requests ended in earlier steps and keeps their ids and count
+            (:meth:`~schedspec.spec.stepper.Stepper.forget_ended`): ``len`` and ``in`` see every one.
         free_block_ids: the free KV blocks, in the order they will be handed out. As vLLM 0.32 without
             prefix caching: allocation takes from the front (``BlockPool.get_new_blocks``) and a freed
             block table goes to the front, last block first (``BlockPool.free_blocks`` puts blocks

@@ -58,6 +58,10 @@ class StepChecker(Protocol):
 
     def invariants(self, before: SchedulerState, plan: StepPlan, after: SchedulerState) -> list[Violation]: ...
 
+    def forget_ended(self) -> None:
+        """The run's state has forgotten its ended requests (:meth:`Stepper.forget_ended`): drop what the
+        checker keeps of them."""
+
 
 class FullChecker:
     """The :class:`StepChecker` of the definitions: every rule and every invariant on every step."""
@@ -75,6 +79,9 @@ class FullChecker:
     def invariants(self, before: SchedulerState, plan: StepPlan, after: SchedulerState) -> list[Violation]:
         """:func:`~schedspec.spec.invariants.check_step`."""
         return check_step(before, plan, after, self.config)
+
+    def forget_ended(self) -> None:
+        """Nothing kept: each check looks at the state."""
 
 
 def step_checker(config: SchedulerConfig, incremental: bool = False) -> StepChecker:
@@ -370,6 +377,25 @@ class Stepper:
     def record(self, outcome: StepOutcome, start_time: float, duration: float) -> StepRecord:
         """The step's :func:`expected_record`."""
         return expected_record(outcome, self.config, start_time, duration)
+
+    def forget_ended(self) -> None:
+        """Forget the requests that have ended so far: the state keeps their ids and their count, not the
+        requests (:meth:`~schedspec.spec.persistent.TerminalRequests.forgetting`), and the checker and the
+        monitors drop what they keep of them, so that a check of millions of steps runs in memory bounded
+        by the live requests (plus about one bit per numbered id: :class:`~schedspec.spec.persistent.EndedIds`).
+
+        Only between steps of a checked run whose steps so far were legal: every invariant looked at each
+        ended request in the step it ended (and found nothing), and no transition of the spec changes a
+        terminal request, so no later check would find anything in it; ``no-request-lost`` and a reused
+        id still see every one (``len`` and ``in``). The engine loop and the lab, which read the ended
+        requests' times for their metrics, never call it."""
+        finished = self.state.finished
+        if finished.num_held:
+            self.state = attrs.evolve(self.state, finished=finished.forgetting())
+        if self.checker is not None:
+            self.checker.forget_ended()
+        for monitor in self.monitors:
+            monitor.forget_ended(self.state)
 
     def finish(self) -> dict[str, list[Violation]]:
         """Every monitor's violations at the end of the run (``Monitor.finish`` on the current state), by

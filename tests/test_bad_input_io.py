@@ -440,6 +440,26 @@ def test_a_profile_applied_far_outside_its_grid_warns(tmp_path):
     assert result.exit_code == 0 and "schedspec: note: " not in result.stderr, result.stderr
 
 
+@pytest.mark.parametrize("mode", [("--sweep", "max_num_batched_tokens=1024,2048"),
+                                  ("--capacity", "--slo", "ttft_p99=100s", "--sweep", "max_num_batched_tokens=1024,2048")],
+                         ids=["sweep", "capacity"])
+def test_a_profile_applied_far_outside_its_grid_warns_in_sweeps_and_capacity_searches(tmp_path, mode):
+    """As single runs and --compare: one note per configuration whose steps go far beyond the grid (named by
+    its point), none within it (a budget of 128 tokens and 8 sequences keep every step inside the grid's 128
+    prefill tokens and 8 decodes); before, --sweep and --capacity said nothing."""
+    result = invoke("lab", {"p.json": PROFILE}, ("--profile", "{p.json}", "--max-requests", "6", "--jobs", "1",
+                                                 *mode), tmp_path)
+    assert result.exit_code == 0, result.stderr
+    notes = [line for line in result.stderr.splitlines() if line.startswith("schedspec: note: ")]
+    assert len(notes) == 2, result.stderr
+    for note, point in zip(notes, ("max_num_batched_tokens=1024", "max_num_batched_tokens=2048"), strict=True):
+        assert f"run {point}: " in note and "prefill_tokens <= 128" in note and "fitted up to 128" in note, note
+    result = invoke("lab", {"p.json": PROFILE}, ("--profile", "{p.json}", "--max-requests", "6", "--jobs", "1",
+                                                 "--set", "max_num_seqs=8", *mode[:-1], "max_num_batched_tokens=64,128"),
+                    tmp_path)
+    assert result.exit_code == 0 and "schedspec: note: " not in result.stderr, result.stderr
+
+
 def test_compare_prints_readable_numbers_with_units(tmp_path, record):
     after = record_bytes(record, _set("figures.ttft_p50_s", record["figures"]["ttft_p50_s"] - 2.27837e-06))
     result = invoke("compare", {"a.json": record_bytes(record), "b.json": after}, ("{a.json}", "{b.json}"), tmp_path)

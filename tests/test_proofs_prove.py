@@ -146,6 +146,21 @@ def test_human_output_is_a_table():
     assert "spec/init" in run.output and "counterexample-bounded-itl" in run.output and "N=2" in run.output
 
 
+@pytest.mark.parametrize("columns", ["80", "100", "190"])
+def test_the_table_follows_the_one_width_rule(columns):
+    """prove's table as lab's and compare's (cli_common.MIN_TABLE_WIDTH): the terminal's width, at least 100
+    columns; before, 160 columns whatever the terminal when not a terminal."""
+    from schedspec.cli_common import MIN_TABLE_WIDTH
+
+    width = max(int(columns), MIN_TABLE_WIDTH)
+    run = CliRunner().invoke(cli, ["prove", "--slots", "2", "--only", "spec/init", "--only", "without-chunking"],
+                             env={"COLUMNS": columns})
+    assert run.exit_code == 0, run.output
+    lines = run.stdout.splitlines()
+    assert max(len(line) for line in lines) <= width, max(lines, key=len)
+    assert any(len(line) > 80 for line in lines)  # the width is used, not Rich's default 80
+
+
 def test_cli_and_proof_core_import_without_z3():
     code = ("import sys; sys.modules['z3'] = None\n"
             "import schedspec.cli, schedspec.commands.prove, schedspec.spec.proofs, schedspec.spec.proofs.core\n"

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from schedspec.spec.persistent import TerminalRequests, evolve_request
+from schedspec.spec.persistent import EndedIds, TerminalRequests, evolve_request
 from schedspec.spec.request import Request, RequestStatus
 from schedspec.spec.state import SchedulerState
 
@@ -35,6 +35,46 @@ def test_with_added_matches_a_dict(batches):
     for snapshot, older in history:
         # later additions never change an older map (states share structure)
         assert dict(older.items()) == snapshot
+
+
+_IDS = st.one_of(
+    st.builds(lambda p, n: f"{p}{n}", st.sampled_from(["r", "r0", "cmpl-", "", "x-1-"]), st.integers(0, 5000)),
+    st.builds(lambda p, n: f"{p}{n:04d}", st.sampled_from(["r", ""]), st.integers(0, 99)),  # leading zeros
+    st.text(max_size=6),
+)
+
+
+@given(st.lists(_IDS, max_size=80), st.lists(_IDS, max_size=40))
+def test_ended_ids_are_exactly_a_set(added, probes):
+    """EndedIds stores numbered ids as bits: it answers ``in`` exactly as a set of the same strings (never a
+    false present: a reused id would be reported for a fresh one), counts each id once, lists them all."""
+    ids, mirror = EndedIds(), set()
+    for request_id in added:
+        ids.add(request_id)
+        mirror.add(request_id)
+        assert len(ids) == len(mirror)
+    for request_id in [*added, *probes, "r01", "r1", "r001", "1", "01", "", "r", 7]:
+        assert (request_id in ids) == (request_id in mirror), request_id
+    assert sorted(ids) == sorted(mirror)
+
+
+def test_ended_ids_keep_a_run_of_numbered_ids_in_bits():
+    ids = EndedIds(f"r{n}" for n in range(100_000))
+    assert len(ids) == 100_000 and "r99999" in ids and "r100000" not in ids and "r099" not in ids
+    assert len(ids._chunks) == 98 and not ids._other  # 100,000 / 1,024 bitmaps of 128 bytes, no strings
+
+
+def test_forgetting_keeps_len_and_membership_and_holds_nothing():
+    terminal = TerminalRequests().with_added({"r1": _request("r1"), "a": _request("a")})
+    forgot = terminal.forgetting()
+    assert len(forgot) == 2 and forgot.num_held == 0 and list(forgot) == [] and "r1" in forgot and "a" in forgot
+    assert "r2" not in forgot and forgot.get("r1") is None
+    later = forgot.with_added({"r2": _request("r2")})
+    assert len(later) == 3 and later.num_held == 1 and list(later) == ["r2"] and "r1" in later
+    again = later.forgetting()
+    assert len(again) == 3 and again.num_held == 0 and all(r in again for r in ("r1", "r2", "a"))
+    assert dict(terminal.items()) == {"r1": _request("r1"), "a": _request("a")}  # the map forgotten is unchanged
+    assert forgot.forgetting() is forgot  # nothing held: nothing to do
 
 
 def test_older_states_keep_their_map():

@@ -50,7 +50,7 @@ from schedspec.lab import capacity as capacities
 from schedspec.lab import metrics, run_record, trace_formats
 from schedspec.lab import sweep as sweeping
 from schedspec.lab.executor import RayNotInstalled, RayUnavailable, execute
-from schedspec.lab.run import VARIANTS, LabResult, LabStep, resolve_variant, run_lab
+from schedspec.lab.run import VARIANTS, LabResult, LabStep, largest_step, resolve_variant, run_lab
 from schedspec.lab.synthetic import parse_synthetic
 from schedspec.lab.windows import select_window
 from schedspec.lab.workload_checks import MAX_TOKEN_COUNT, WorkloadError
@@ -819,7 +819,7 @@ def _run_plain(console: Console, o: LabOptions, p: ParsedOptions, plan: LabPlan)
                           o.as_json, spec.steps_out, console, p.acceptance)
         result.scheduler = spec.name
         if o.backend == "cost-model":
-            _warn_outside_fitted_range(cost, result.steps, spec.name if compare else None)
+            _warn_outside_fitted_range(cost, largest_step(result.steps), spec.name if compare else None)
         shared = _shared(o, plan.workload, cost, backend_conditions, model, plan.window_conditions)
         record = run_record.build_record(spec.name, result, shared, p.slo_pair)
         return result, record, backend_text, config  # config: fitted to the model with --backend torch
@@ -932,6 +932,8 @@ def _run_capacity(console: Console, o: LabOptions, p: ParsedOptions, plan: LabPl
                       f"{natural:.3g} requests/s; bisection to a relative tolerance of {p.tolerance:g}; "
                       f"{min(workers, len(plan.runs))} worker processes", markup=False, highlight=False)
     results = capacities.run_all(plan.runs, workers)
+    for r in results:
+        _warn_outside_fitted_range(p.cost, r["largest_step"], r["label"])
     best, reason = capacities.choose_best(results)
     if o.plot_dir is not None:
         written = capacities.write_plot(results, best, targets, o.plot_dir)
@@ -999,6 +1001,9 @@ def _run_sweep(console: Console, o: LabOptions, p: ParsedOptions, plan: LabPlan)
         fail(f"--sweep: a worker process died ({error}); try fewer --jobs or a smaller window",
              status=EXIT_CHECK_FAILED)
     records = [record for _, record, _ in results]
+    for record in records:
+        if record is not None:
+            _warn_outside_fitted_range(p.cost, record["details"]["largest_step"], record["name"])
     problems = [(i, why) for i, _, why in results if why is not None]
     best, reason = sweeping.choose_best(records, p.slo_pair)
     _save_records(records, plan.save_names, console, quiet=o.as_json)  # type: ignore[arg-type]
@@ -1049,15 +1054,14 @@ def _print_sweep_table(console: Console, points: list[dict[str, Any]], records: 
     wide_console().print(table)  # its natural width: one line per configuration, nothing cut (MIN_TABLE_WIDTH)
 
 
-def _warn_outside_fitted_range(cost: costs.CostModel, steps: Sequence[LabStep], run: str | None = None) -> None:
+def _warn_outside_fitted_range(cost: costs.CostModel, largest: Mapping[str, int], run: str | None = None) -> None:
     """A note (stderr) when a measured profile was applied to steps far larger than those it was fitted on
-    (:meth:`~schedspec.reference.cost_model.CostModel.outside_fitted_range`): their times are extrapolated."""
-    if not cost.fitted_range or not steps:
+    (:meth:`~schedspec.reference.cost_model.CostModel.outside_fitted_range` of the run's
+    :func:`~schedspec.lab.run.largest_step`): their times are extrapolated. ``run`` names the run (compare,
+    sweep point, capacity configuration)."""
+    if not cost.fitted_range or not largest:
         return
-    largest = {"prefill_tokens": max(s.prefill_tokens for s in steps),
-               "decode_tokens": max(s.decode_tokens for s in steps),
-               "tokens": max(s.prefill_tokens + s.decode_tokens for s in steps)}
-    beyond = cost.outside_fitted_range(largest)
+    beyond = cost.outside_fitted_range(dict(largest))
     if beyond:
         grid = ", ".join(f"{field} <= {value:,}" for field, value in cost.fitted_range)
         note(f"--profile {cost.name}: {'run ' + run + ': ' if run else ''}steps far outside the grid the profile "

@@ -33,6 +33,7 @@ from schedspec.cli_common import (
     parse_sets,
     scheduler_option,
     set_option,
+    table_width,
 )
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.proofs.core import (
@@ -273,7 +274,7 @@ def command(scheduler_name: str | None, sets: tuple[str, ...], slots: int, depth
     if not chosen:
         fail(f"--only {', '.join(one_line(o) for o in only)}: no theorem matches")
     _check_config_space(opts)
-    console = Console(width=None if sys.stdout.isatty() else 160)
+    console = Console(width=table_width())  # the CLI's width rule (cli_common.MIN_TABLE_WIDTH)
     progress = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
     results: list[Result] = []
     for theorem in chosen:
