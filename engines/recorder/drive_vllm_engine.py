@@ -8,22 +8,22 @@ and the recorder beside it. Usage::
     python drive_vllm_engine.py RUNS.json
 
 ``RUNS.json`` is a list of runs, each ``{"trace": PATH, "mode": "llm" | "async", "engine": {EngineArgs
-fields}, "faulty": null | "double-free-on-abort", "requests": [{"id", "prompt": [token ids],
+fields}, "faulty": null | "leak-block-on-abort", "requests": [{"id", "prompt": [token ids],
 "max_tokens", "priority", "ignore_eos", "arrive_step" (llm) / "arrive_time" (async, seconds),
-"abort_step" (llm) / "abort_after_tokens" (async) or null}]}``; every run writes its trace to ``PATH``
+"abort_step" (llm only), "abort_after_tokens" (either), each null or absent for none}]}``; every run writes its trace to ``PATH``
 (which must not exist) with ``SCHEDSPEC_TRACE``, one after the other in this process.
 
 - ``llm``: ``LLMEngine`` with the engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
   stepped by hand: before step ``k`` it adds the requests whose ``arrive_step`` is ``k`` and aborts
-  those whose ``abort_step`` is ``k`` (``LLMEngine.abort_request``: between steps).
+  those whose ``abort_step`` is ``k``, or whose output has reached ``abort_after_tokens`` tokens
+  (``LLMEngine.abort_request``: between steps).
 - ``async``: ``AsyncLLM`` with the engine core in its own process (the server's engine): each request
   is a client task that starts at its ``arrive_time`` and, if ``abort_after_tokens`` is set, cancels its
   stream after that many tokens, as a client that disconnects (vLLM aborts it; the abort reaches the
   engine core through its aborts queue while a step is usually in flight).
 
 ``faulty``: the engine runs a deliberately faulty scheduler instead of the recorder alone:
-``double-free-on-abort`` (:class:`DoubleFreeOnAbort`) returns one block of every aborted request that
-held blocks to the free queue a second time.
+``leak-block-on-abort`` (:class:`LeakBlockOnAbort`) never returns the last block of an aborted request.
 
 Prints one line per run: ``RUN <trace> steps=<n> recorder_seconds=<s> wall=<s>``.
 """
@@ -44,22 +44,22 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 import schedspec_vllm_recorder as recorder  # noqa: E402
 
 
-class DoubleFreeOnAbort(recorder.RecordingScheduler):  # type: ignore[misc, valid-type]
-    """A faulty scheduler: when it frees an aborted request's blocks, it returns the request's last block
-    to the block pool's free queue a second time (a double free), so the pool counts one free block too
-    many and may hand that block to two requests. Recorded like the correct one."""
+class LeakBlockOnAbort(recorder.RecordingScheduler):  # type: ignore[misc, valid-type]
+    """A faulty scheduler: when it frees an aborted request's blocks, it keeps the last one (its reference
+    count is not released), so the block never returns to the pool: a leak on the abort path. vLLM's own
+    assertions do not notice (the pool just has one block fewer); recorded like the correct one."""
 
     def _free_request_blocks(self, request):  # noqa: ANN001
         from vllm.v1.request import RequestStatus
 
-        blocks = self.kv_cache_manager.get_blocks(request.request_id).blocks[0]
-        last = blocks[-1] if blocks and request.status == RequestStatus.FINISHED_ABORTED else None
+        if request.status == RequestStatus.FINISHED_ABORTED:
+            blocks = self.kv_cache_manager.get_blocks(request.request_id).blocks[0]
+            if blocks:
+                blocks[-1].ref_cnt += 1  # the fault: this reference is never dropped
         super()._free_request_blocks(request)
-        if last is not None and last.ref_cnt == 0:
-            self.kv_cache_manager.block_pool.free_block_queue.append(last)
 
 
-FAULTS = {"double-free-on-abort": DoubleFreeOnAbort}
+FAULTS = {"leak-block-on-abort": LeakBlockOnAbort}
 
 
 def _params(spec: dict):
@@ -83,18 +83,28 @@ def run_llm(run: dict, cls: type) -> object:
     requests = run["requests"]
     step = 0
     internal: dict[str, str] = {}
+    limits = {spec["id"]: spec.get("abort_after_tokens") for spec in requests}
+    produced: dict[str, int] = {}  # live request -> output tokens so far
+    aborted: set[str] = set()
     while True:
         for spec in requests:
             if spec["arrive_step"] == step:
                 internal[spec["id"]] = engine.add_request(spec["id"], TokensPrompt(prompt_token_ids=spec["prompt"]),
                                                           _params(spec), priority=spec["priority"]) or spec["id"]
         aborts = [spec["id"] for spec in requests if spec.get("abort_step") == step]
+        aborts += [request_id for request_id, count in produced.items()
+                   if count >= (limits.get(request_id) or 1 << 30) and request_id not in aborted]
         if aborts:
             engine.abort_request(aborts)
+            aborted.update(aborts)
         pending = any(spec["arrive_step"] > step for spec in requests)
         if not engine.has_unfinished_requests() and not pending:
             break
-        engine.step()
+        for output in engine.step():
+            if not output.finished:
+                produced[output.request_id] = len(output.outputs[0].token_ids)
+            else:
+                produced.pop(output.request_id, None)
         step += 1
     scheduler = engine.engine_core.engine_core.scheduler
     engine.engine_core.shutdown()
@@ -106,7 +116,10 @@ async def _run_async(run: dict, cls: type) -> None:
     from vllm.inputs import TokensPrompt
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**_engine_args(run, cls)))
+    # the engine core runs in its own process, which imports the scheduler class by name
+    here = os.path.dirname(os.path.abspath(__file__))
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**_engine_args(run, f"{cls.__module__}.{cls.__name__}")))
     begin = time.monotonic()
 
     async def client(spec: dict) -> None:
@@ -140,8 +153,10 @@ def main() -> None:
             extra = f"steps={scheduler.recorder_steps} recorder_seconds={scheduler.recorder_seconds:.4f}"
         else:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+            # fork: the engine core process starts with vLLM imported (spawn imports it again, ~20 s)
+            os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "fork")
             asyncio.run(_run_async(run, cls))
-            extra = "steps=? recorder_seconds=?"
+            extra = "steps=(engine core process) recorder_seconds=(engine core process)"
         print(f"RUN {run['trace']} {extra} wall={time.perf_counter() - began:.1f}", flush=True)
 
 

@@ -413,7 +413,9 @@ def _make_recording_class(base: type) -> type:
                 record["prefix_hit_blocks"] = flight["hit_blocks"]
             if self._evicted:
                 record["blocks_evicted"] = self._evicted
-            self._trace.write(json.dumps(record, separators=(",", ":")) + "\n")
+            trace = self._trace
+            trace.write(json.dumps(record, separators=(",", ":")) + "\n")
+            trace.flush()  # an engine core that is killed or crashes keeps every step it finished
             self._step += 1
             self._arrivals = []
             self._aborts = deferred
