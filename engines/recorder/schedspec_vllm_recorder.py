@@ -140,8 +140,7 @@ def _make_recording_class(base: type) -> type:
         def _recorder_init(self) -> None:
             config = self.vllm_config
             scheduler_config = config.scheduler_config
-            if getattr(scheduler_config, "async_scheduling", False) and not getattr(
-                    type(self), "_records_async", False):
+            if getattr(scheduler_config, "async_scheduling", False):
                 raise RecorderError(
                     "schedspec recorder: async_scheduling is on; the recorder records the synchronous "
                     "Scheduler only (start vLLM with --no-async-scheduling / async_scheduling=False)")
