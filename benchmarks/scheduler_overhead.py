@@ -33,6 +33,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -115,7 +116,12 @@ def vllm_side(size: int, steps: int, recorded: bool = False) -> dict:
 
     spec = importlib.util.spec_from_file_location("vllm_worker", ROOT / "engines" / "vllm_worker.py")
     worker_module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(worker_module)
+    # the worker reads its own command line (``--path-ahead DIR`` or nothing) when imported
+    saved_argv, sys.argv = sys.argv, [str(ROOT / "engines" / "vllm_worker.py")]
+    try:
+        spec.loader.exec_module(worker_module)
+    finally:
+        sys.argv = saved_argv
     from vllm.v1.outputs import ModelRunnerOutput
 
     base = None
