@@ -126,6 +126,13 @@ def recorded(tmp_path_factory):
     done = subprocess.run([str(vllm_python()), str(DRIVER), str(folder / "runs.json")], capture_output=True,
                           text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
+    keep = os.environ.get("SCHEDSPEC_RECORDER_TRACES")  # a folder to keep the traces in, for diagnosis
+    if keep:
+        import shutil
+
+        Path(keep).mkdir(parents=True, exist_ok=True)
+        for path in traces.values():
+            shutil.copy(path, Path(keep) / path.name)
     return traces, done.stdout
 
 
