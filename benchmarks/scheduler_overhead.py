@@ -15,6 +15,12 @@ the ``vllm`` adapter's worker does (``engines/vllm_worker.py`` ``Worker``, no mo
 vLLM directly, not through the adapter's pipe.
 
     .venv/bin/python benchmarks/scheduler_overhead.py [--sizes 256,1024] [--steps 50] [--only schedspec]
+    .venv/bin/python benchmarks/scheduler_overhead.py --only vllm --recorder --sizes 256   # the recorder's cost
+
+``--recorder`` adds vLLM's Scheduler with the whole-engine recorder
+(``engines/recorder/schedspec_vllm_recorder.py``) beside the plain one, with the recorder's own time per
+step (the time it spends outside vLLM's calls: mapping the plan, the arrivals, one JSON line written and
+flushed).
 
 Not part of the test suite. Prints the run conditions first.
 """
@@ -27,6 +33,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -101,18 +108,34 @@ def schedspec_side(size: int, steps: int, name: str = "fcfs") -> dict:
     return summary(schedule_ns, update_ns)
 
 
-def vllm_side(size: int, steps: int) -> dict:
+def vllm_side(size: int, steps: int, recorded: bool = False) -> dict:
     """Run in the vLLM environment (``--vllm-side``): vLLM's Scheduler built as the adapter's worker
-    builds it, called directly."""
+    builds it, called directly. ``recorded``: the whole-engine recorder's subclass
+    (``engines/recorder/schedspec_vllm_recorder.py`` ``RecordingScheduler``, writing its trace to a
+    temporary file), whose own time per step (``recorder_seconds``) is reported as ``recorder``."""
     import importlib.util
+    import tempfile
 
     spec = importlib.util.spec_from_file_location("vllm_worker", ROOT / "engines" / "vllm_worker.py")
     worker_module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(worker_module)
+    # the worker reads its own command line (``--path-ahead DIR`` or nothing) when imported
+    saved_argv, sys.argv = sys.argv, [str(ROOT / "engines" / "vllm_worker.py")]
+    try:
+        spec.loader.exec_module(worker_module)
+    finally:
+        sys.argv = saved_argv
     from vllm.v1.outputs import ModelRunnerOutput
 
-    worker = worker_module.Worker(config_fields(size, steps), "fcfs", False, 32_000)
+    base = None
+    folder = tempfile.TemporaryDirectory(prefix="schedspec-recorder-bench-")
+    if recorded:
+        import schedspec_vllm_recorder  # on sys.path: the worker module put its folder there
+
+        os.environ[schedspec_vllm_recorder.TRACE_VARIABLE] = os.path.join(folder.name, f"trace-{size}.jsonl")
+        base = schedspec_vllm_recorder.RecordingScheduler
+    worker = worker_module.Worker(config_fields(size, steps), "fcfs", False, 32_000, base=base)
     scheduler = worker.scheduler
+    recorder_ns: list[int] = []
     for index in range(size):
         worker.add({"id": f"r{index}", "prompt": [1 + (index + k) % 1000 for k in range(PROMPT_LEN)],
                     "max_tokens": MAX_TOKENS, "priority": 0, "arrival_time": float(index), "eos": None})
@@ -141,13 +164,21 @@ def vllm_side(size: int, steps: int) -> dict:
         step()
     schedule_ns, update_ns = [], []
     for _ in range(steps):
+        spent = getattr(scheduler, "recorder_seconds", 0.0)
         a, b, decodes = step()
         assert decodes == size, f"{decodes} decodes, expected {size}"
         schedule_ns.append(a)
         update_ns.append(b)
+        recorder_ns.append(round((getattr(scheduler, "recorder_seconds", 0.0) - spent) * 1e9))
     import vllm
 
-    return {"vllm_version": vllm.__version__, **summary(schedule_ns, update_ns)}
+    result = {"vllm_version": vllm.__version__, **summary(schedule_ns, update_ns)}
+    if recorded:
+        result["recorder"] = {"median_us": statistics.median(recorder_ns) / 1e3,
+                              "mean_us": statistics.fmean(recorder_ns) / 1e3}
+    scheduler.shutdown()
+    folder.cleanup()
+    return result
 
 
 def vllm_python() -> Path:
@@ -163,13 +194,16 @@ def main() -> None:
                         help="schedspec schedulers to time, comma-separated (fcfs-fast: the same plans on mutable tables)")
     parser.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
                         help="thread CPU time (default) or wall time per call")
+    parser.add_argument("--recorder", action="store_true",
+                        help="also time vLLM's Scheduler with the whole-engine recorder (schedspec_vllm_recorder), "
+                             "and the recorder's own time per step")
     parser.add_argument("--vllm-side", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     global CLOCK
     CLOCK = time.thread_time_ns if args.clock == "cpu" else time.perf_counter_ns
     sizes = [int(s) for s in args.sizes.split(",")]
     if args.vllm_side:
-        print(json.dumps({str(size): vllm_side(size, args.steps) for size in sizes}))
+        print(json.dumps({str(size): vllm_side(size, args.steps, args.recorder) for size in sizes}))
         return
     print(f"conditions: {os.cpu_count()} cpus, {platform.processor() or platform.machine()}, "
           f"python {platform.python_version()}, load average {os.getloadavg()[0]:.2f}; running decode requests "
@@ -185,22 +219,27 @@ def main() -> None:
         if not python.exists():
             print(f"vLLM side skipped: {python} not found (bash scripts/engines_setup.sh)")
         else:
-            completed = subprocess.run([str(python), __file__, "--vllm-side", "--sizes", args.sizes,
-                                        "--steps", str(args.steps), "--clock", args.clock], capture_output=True, text=True, check=False)
-            if completed.returncode != 0:
-                print("vLLM side failed:\n" + completed.stderr[-3000:])
-            else:
+            for recorded in (False, True) if args.recorder else (False,):
+                completed = subprocess.run([str(python), __file__, "--vllm-side", "--sizes", args.sizes,
+                                            "--steps", str(args.steps), "--clock", args.clock]
+                                           + (["--recorder"] if recorded else []),
+                                           capture_output=True, text=True, check=False)
+                if completed.returncode != 0:
+                    print("vLLM side failed:\n" + completed.stderr[-3000:])
+                    continue
                 payload = json.loads(completed.stdout.strip().splitlines()[-1])
                 version = next(iter(payload.values())).pop("vllm_version", "?")
                 for value in payload.values():
                     value.pop("vllm_version", None)
-                results[f"vLLM {version} Scheduler"] = payload
-    print(f"{'scheduler':<26} {'running':>8} {'schedule us':>16} {'update us':>16} {'total us':>16}"
+                results[f"vLLM {version} Scheduler" + (" + recorder" if recorded else "")] = payload
+    print(f"{'scheduler':<36} {'running':>8} {'schedule us':>16} {'update us':>16} {'total us':>16}"
           "   (median / mean per step)")
     for name, by_size in results.items():
         for size, figures in by_size.items():
             cells = [f"{figures[k]['median_us']:7.0f} /{figures[k]['mean_us']:7.0f}" for k in ("schedule", "update", "total")]
-            print(f"{name:<26} {size:>8} {cells[0]:>16} {cells[1]:>16} {cells[2]:>16}")
+            mine = figures.get("recorder")
+            extra = f"   of which the recorder's own {mine['median_us']:.0f} / {mine['mean_us']:.0f}" if mine else ""
+            print(f"{name:<36} {size:>8} {cells[0]:>16} {cells[1]:>16} {cells[2]:>16}{extra}")
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 

@@ -2,7 +2,9 @@
 ``vllm`` adapter (:mod:`schedspec.engines.vllm` is the other half).
 
 This file is run as a script by the Python of the vLLM environment (``.venv-vllm``, made by
-``scripts/engines_setup.sh``); it imports only the standard library and ``vllm``, never ``schedspec``
+``scripts/engines_setup.sh``); it imports only the standard library, ``vllm`` and the whole-engine
+recorder's module (``recorder/schedspec_vllm_recorder.py``, which maps a ``SchedulerOutput`` for both;
+it imports only those two itself), never ``schedspec``
 (whose dependencies that environment does not pin). It speaks JSON Lines over stdin/stdout: one
 command per line in, one reply per line out for the commands that reply. vLLM's own logging goes to
 stderr. Every command but ``init`` names the scheduler it is for with ``handle`` (an integer the
@@ -61,6 +63,9 @@ if len(sys.argv) == 3 and sys.argv[1] == "--path-ahead":
     sys.path.insert(0, os.path.abspath(sys.argv[2]))
 elif len(sys.argv) != 1:
     sys.exit(f"usage: {sys.argv[0]} [--path-ahead DIR]")
+# The whole-engine recorder's folder (no ``vllm`` module in it): its ``scheduled_items`` maps a
+# SchedulerOutput onto the spec for both.
+sys.path.append(os.path.join(_HERE, "recorder"))
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -84,14 +89,20 @@ TINY_LLAMA = {
 length limits and whether it is a plain decoder (no multimodal, no mamba, no sliding window)."""
 
 
+from schedspec_vllm_recorder import scheduled_items  # noqa: E402  (after the path set-up above)
+
+
 class ConfigRefused(Exception):
     """vLLM's config classes refuse the configuration (the message is vLLM's)."""
 
 
 class Worker:
-    """One vLLM scheduler and the bookkeeping to answer the commands (module docstring)."""
+    """One vLLM scheduler and the bookkeeping to answer the commands (module docstring). ``base``: the
+    scheduler class to build instead of vLLM's ``Scheduler``/``AsyncScheduler`` (a subclass of one, e.g.
+    the recorder's; ``benchmarks/scheduler_overhead.py --recorder``)."""
 
-    def __init__(self, config: dict, policy: str, async_scheduling: bool, vocab_size: int) -> None:
+    def __init__(self, config: dict, policy: str, async_scheduling: bool, vocab_size: int,
+                 base: type | None = None) -> None:
         import torch
         from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -156,7 +167,7 @@ class Worker:
             hash_function = get_hash_fn_by_name(cache_config.prefix_caching_hash_algo)
             init_none_hash(hash_function)
             self.block_hasher = get_request_block_hasher(self.block_size, hash_function)
-        scheduler_class = AsyncScheduler if async_scheduling else Scheduler
+        scheduler_class = base or (AsyncScheduler if async_scheduling else Scheduler)
         worker = self
 
         class RecordingScheduler(scheduler_class):  # type: ignore[misc, valid-type]
@@ -213,25 +224,7 @@ class Worker:
         num_running, num_waiting = self.scheduler.get_request_counts()  # what schedule() reads first
         output = self.scheduler.schedule()
         self.in_flight.append(output)
-        blocks: dict[str, list[int]] = {}
-        computed: dict[str, int] = {}
-        hits: dict[str, int] = {}  # admitted from waiting: blocks at the front of its table that were a hit
-        for new in output.scheduled_new_reqs:
-            blocks[new.req_id] = list(new.block_ids[0]) if new.block_ids else []
-            computed[new.req_id] = new.num_computed_tokens
-            hits[new.req_id] = new.num_computed_tokens // self.block_size
-        cached = output.scheduled_cached_reqs
-        for index, request_id in enumerate(cached.req_ids):
-            ids = cached.new_block_ids[index]
-            blocks[request_id] = list(ids[0]) if ids else []
-            computed[request_id] = cached.num_computed_tokens[index]
-            if request_id in cached.resumed_req_ids:
-                # a resumed (preempted) request's new_block_ids is its whole table, hit blocks first
-                hits[request_id] = cached.num_computed_tokens[index] // self.block_size
-        scheduled = [
-            [request_id, computed[request_id], count, blocks[request_id], hits.get(request_id, 0)]
-            for request_id, count in output.num_scheduled_tokens.items()
-        ]
+        scheduled = scheduled_items(output, self.block_size)  # the recorder's mapping, shared
         if set(self.preempted) != set(output.preempted_req_ids):
             raise RuntimeError(f"recorded preemptions {self.preempted} != {sorted(output.preempted_req_ids)}")
         return {"scheduled": scheduled, "preempted": list(self.preempted), "num_requests": num_running + num_waiting}

@@ -1,0 +1,166 @@
+"""Drive a whole vLLM engine (model runner included) on a workload, recording it with
+:mod:`schedspec_vllm_recorder`: the engine half of ``tests/test_engine_recorder.py`` and of the
+docs' example (docs/check-your-running-vllm.md).
+
+Run by the Python of the vLLM environment (``.venv-vllm``); imports only the standard library, ``vllm``
+and the recorder beside it. Usage::
+
+    python drive_vllm_engine.py RUNS.json
+
+``RUNS.json`` is a list of runs, each ``{"trace": PATH, "mode": "llm" | "async", "engine": {EngineArgs
+fields}, "faulty": null | "leak-block-on-abort", "requests": [{"id", "prompt": [token ids],
+"max_tokens", "priority", "ignore_eos", "arrive_step" (llm) / "arrive_time" (async, seconds),
+"abort_step" (llm only), "abort_after_tokens" (either), each null or absent for none}]}``; every run writes its trace to ``PATH``
+(which must not exist) with ``SCHEDSPEC_TRACE``, one after the other in this process.
+
+- ``llm``: ``LLMEngine`` with the engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
+  stepped by hand: before step ``k`` it adds the requests whose ``arrive_step`` is ``k`` and aborts
+  those whose ``abort_step`` is ``k``, or whose output has reached ``abort_after_tokens`` tokens
+  (``LLMEngine.abort_request``: between steps); it stops after ``max_steps`` steps if the run sets it
+  (requests may then still be live: the trace is a window).
+- ``async``: ``AsyncLLM`` with the engine core in its own process (the server's engine): each request
+  is a client task that starts at its ``arrive_time`` and, if ``abort_after_tokens`` is set, cancels its
+  stream after that many tokens, as a client that disconnects (vLLM aborts it; the abort reaches the
+  engine core through its aborts queue while a step is usually in flight).
+
+``faulty``: the engine runs a deliberately faulty scheduler instead of the recorder alone:
+``leak-block-on-abort`` (:class:`LeakBlockOnAbort`) never returns the last block of an aborted request.
+
+Prints one line per run: ``RUN <trace> steps=<n> recorder_seconds=<s> wall=<s>``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+import schedspec_vllm_recorder as recorder  # noqa: E402
+
+
+class LeakBlockOnAbort(recorder.RecordingScheduler):  # type: ignore[misc, valid-type]
+    """A faulty scheduler: when it frees an aborted request's blocks, it keeps the last one (its reference
+    count is not released), so the block never returns to the pool: a leak on the abort path. vLLM's own
+    assertions do not notice (the pool just has one block fewer); recorded like the correct one."""
+
+    def _free_request_blocks(self, request):  # noqa: ANN001
+        from vllm.v1.request import RequestStatus
+
+        if request.status == RequestStatus.FINISHED_ABORTED:
+            blocks = self.kv_cache_manager.get_blocks(request.request_id).blocks[0]
+            if blocks:
+                blocks[-1].ref_cnt += 1  # the fault: this reference is never dropped
+        super()._free_request_blocks(request)
+
+
+FAULTS = {"leak-block-on-abort": LeakBlockOnAbort}
+
+
+def _params(spec: dict):
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=spec["max_tokens"], ignore_eos=spec["ignore_eos"], temperature=0.0)
+
+
+def _engine_args(run: dict, cls: type):
+    return dict(run["engine"], skip_tokenizer_init=True, enforce_eager=True, scheduler_cls=cls,
+                async_scheduling=False)
+
+
+def run_llm(run: dict, cls: type) -> object:
+    """One ``llm`` run (module docstring); returns the recording scheduler."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.inputs import TokensPrompt
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_engine_args(EngineArgs(**_engine_args(run, cls)))
+    requests = run["requests"]
+    step = 0
+    internal: dict[str, str] = {}
+    limits = {spec["id"]: spec.get("abort_after_tokens") for spec in requests}
+    produced: dict[str, int] = {}  # live request -> output tokens so far
+    aborted: set[str] = set()
+    while True:
+        for spec in requests:
+            if spec["arrive_step"] == step:
+                internal[spec["id"]] = engine.add_request(spec["id"], TokensPrompt(prompt_token_ids=spec["prompt"]),
+                                                          _params(spec), priority=spec["priority"]) or spec["id"]
+        aborts = [spec["id"] for spec in requests if spec.get("abort_step") == step]
+        aborts += [request_id for request_id, count in produced.items()
+                   if count >= (limits.get(request_id) or 1 << 30) and request_id not in aborted]
+        if aborts:
+            engine.abort_request(aborts)
+            aborted.update(aborts)
+        pending = any(spec["arrive_step"] > step for spec in requests)
+        if (not engine.has_unfinished_requests() and not pending) or step == run.get("max_steps"):
+            break
+        for output in engine.step():
+            if not output.finished:
+                produced[output.request_id] = len(output.outputs[0].token_ids)
+            else:
+                produced.pop(output.request_id, None)
+        step += 1
+    scheduler = engine.engine_core.engine_core.scheduler
+    engine.engine_core.shutdown()
+    return scheduler
+
+
+async def _run_async(run: dict, cls: type) -> None:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.inputs import TokensPrompt
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    # the engine core runs in its own process, which imports the scheduler class by name
+    here = os.path.dirname(os.path.abspath(__file__))
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+    # the model runner in the engine core's process ("uni"): one process fewer to start (~20 s on CPU,
+    # where vLLM always spawns)
+    arguments = dict(_engine_args(run, f"{cls.__module__}.{cls.__name__}"), distributed_executor_backend="uni")
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**arguments))
+    begin = time.monotonic()
+
+    async def client(spec: dict) -> None:
+        await asyncio.sleep(max(0.0, spec["arrive_time"] - (time.monotonic() - begin)))
+        stream = engine.generate(TokensPrompt(prompt_token_ids=spec["prompt"]), _params(spec), spec["id"],
+                                 priority=spec["priority"])
+        count = 0
+        async for output in stream:
+            count = len(output.outputs[0].token_ids)
+            limit = spec.get("abort_after_tokens")
+            if limit is not None and count >= limit:
+                await stream.aclose()  # the client goes away: AsyncLLM aborts the request
+                break
+
+    try:
+        await asyncio.gather(*(client(spec) for spec in run["requests"]))
+        await asyncio.sleep(0.5)  # let the engine core finish the aborts' last step
+    finally:
+        engine.shutdown()
+
+
+def main() -> None:
+    runs = json.load(open(sys.argv[1], encoding="utf-8"))
+    for run in runs:
+        os.environ[recorder.TRACE_VARIABLE] = run["trace"]
+        cls = FAULTS[run["faulty"]] if run.get("faulty") else recorder.RecordingScheduler
+        began = time.perf_counter()
+        if run["mode"] == "llm":
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            scheduler = run_llm(run, cls)
+            extra = f"steps={scheduler.recorder_steps} recorder_seconds={scheduler.recorder_seconds:.4f}"
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+            asyncio.run(_run_async(run, cls))
+            extra = "steps=(engine core process) recorder_seconds=(engine core process)"
+        print(f"RUN {run['trace']} {extra} wall={time.perf_counter() - began:.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
