@@ -104,8 +104,8 @@ fi
 # (its header says why it is not sglang's own list, why triton is in and torchvision out), verified by the
 # worker's own import check (engines/sglang_worker.py --check, which installs the torchvision stub as the
 # adapter's worker does). Reused when its recorded list is unchanged. Cost of a fresh build, measured on the
-# dev machine (2 shared cores, pip cache warm): about 1 min for torch + sglang and 2-3 min for the rest,
-# 2.4 GB on disk (triton 1.0 GB, torch 0.75 GB, sglang 0.22 GB). SCHEDSPEC_SKIP_SGLANG=1 skips it (the
+# dev machine (2 shared cores, nice 10, pip cache warm): 5 min 42 s wall with the 47 s import check,
+# 2.4 GB on disk (triton 1.0 GB, torch 0.75 GB, sglang 0.22 GB); docs/engines.md, SGLang 0.5.23. SCHEDSPEC_SKIP_SGLANG=1 skips it (the
 # sglang tests then skip, saying why). --force rebuilds it too.
 SGLANG_VENV="${SGLANG_VENV:-.venv-sglang}"
 REQUIREMENTS_SGLANG=engines/requirements-sglang.txt
