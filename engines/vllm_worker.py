@@ -50,7 +50,6 @@ import json
 import os
 import sys
 import tempfile
-import traceback
 from collections import deque
 
 # This file sits beside the adapter ``vllm.py``; as a script its folder is sys.path[0], where
@@ -283,56 +282,22 @@ class Worker:
         }
 
 
+def _build(message: dict) -> tuple[Worker, dict]:
+    worker = Worker(message["config"], message["policy"], message["async_scheduling"], message["vocab_size"])
+    import vllm
+
+    return worker, {"vllm_version": vllm.__version__, "vllm_file": vllm.__file__}
+
+
 def main() -> None:
-    """Serve commands from stdin until it closes."""
-    out = sys.stdout
-    sys.stdout = sys.stderr  # anything vLLM prints goes to stderr, not into the protocol
-    workers: dict[int, Worker] = {}
-    pending_error: str | None = None
+    """Serve commands from stdin until it closes (the loop is ``worker_pipe.serve``, beside this file,
+    shared with the other engine workers; loaded by path since this folder is off ``sys.path``)."""
+    import importlib.util
 
-    def reply(payload: dict) -> None:
-        out.write(json.dumps(payload, separators=(",", ":")) + "\n")
-        out.flush()
-
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        message = json.loads(line)
-        op = message.get("op")
-        replies = op not in ("add", "abort", "close")
-        if pending_error is not None and replies:
-            reply({"error": pending_error})
-            pending_error = None
-            continue
-        try:
-            handle = message.get("handle")
-            if op == "init":
-                workers[handle] = Worker(message["config"], message["policy"], message["async_scheduling"],
-                                         message["vocab_size"])
-                import vllm
-
-                result: dict | None = {"vllm_version": vllm.__version__, "vllm_file": vllm.__file__}
-            elif op == "close":
-                workers.pop(handle, None)
-                result = None
-            elif handle not in workers:
-                raise RuntimeError(f"{op!r} for scheduler {handle!r}, which was never built")
-            elif op in ("add", "abort", "schedule", "update", "view"):
-                result = getattr(workers[handle], op)(message)
-            else:
-                raise RuntimeError(f"unknown op {op!r}")
-        except ConfigRefused as error:
-            reply({"refused": str(error)})
-            continue
-        except Exception:  # noqa: BLE001  (every failure goes back to the adapter as text)
-            text = traceback.format_exc()
-            if replies:
-                reply({"error": text})
-            elif pending_error is None:
-                pending_error = f"{op} {message.get('id')!r} failed: {text}"
-            continue
-        if replies:
-            reply(result or {})
+    spec = importlib.util.spec_from_file_location("worker_pipe", os.path.join(_HERE, "worker_pipe.py"))
+    pipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pipe)
+    pipe.serve(_build, ("add", "abort", "schedule", "update", "view"), ConfigRefused)
 
 
 if __name__ == "__main__":

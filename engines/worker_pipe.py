@@ -1,0 +1,81 @@
+"""The worker half of the process pipe that every engine worker speaks (``vllm_worker.py``,
+``sglang_worker.py``): JSON Lines over stdin/stdout, one command per line in, one reply per line out
+for the commands that reply. Standard library only: it runs in the engines' own environments, which do
+not pin schedspec's dependencies, and is imported by the worker scripts by file name (their folder is
+``sys.path[0]`` when they run as scripts).
+
+Protocol (the adapter side is ``schedspec.engines.vllm._WorkerProcess``):
+
+- Every command but ``init`` names the scheduler it is for with ``handle`` (an integer the client chose
+  at ``init``), so one process serves many schedulers.
+- ``init`` builds one (the worker's ``build`` callable); its reply is what ``build`` returns beside the
+  scheduler (the engine's version, where it was imported from).
+- ``close`` drops one; no reply. The commands in ``no_reply`` (``add``, ``abort``) do not reply either.
+- Any other command ``op`` in ``ops`` calls the scheduler's method of that name with the message.
+- A command that fails sends ``{"error": traceback}`` as its reply; a failing command that does not
+  reply makes the next reply an error instead. ``refused`` (an exception type) raised by ``build``
+  replies ``{"refused": message}``: the engine's own config refused the configuration.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+
+def serve(
+    build: Callable[[dict], tuple[Any, dict]],
+    ops: tuple[str, ...],
+    refused: type[Exception],
+    no_reply: tuple[str, ...] = ("add", "abort"),
+) -> None:
+    """Serve commands from stdin until it closes (module docstring). Anything the engine prints goes to
+    stderr, never into the protocol."""
+    out = sys.stdout
+    sys.stdout = sys.stderr
+    workers: dict[int, Any] = {}
+    pending_error: str | None = None
+    silent = (*no_reply, "close")
+
+    def reply(payload: dict) -> None:
+        out.write(json.dumps(payload, separators=(",", ":")) + "\n")
+        out.flush()
+
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        message = json.loads(line)
+        op = message.get("op")
+        replies = op not in silent
+        if pending_error is not None and replies:
+            reply({"error": pending_error})
+            pending_error = None
+            continue
+        try:
+            handle = message.get("handle")
+            if op == "init":
+                workers[handle], result = build(message)
+            elif op == "close":
+                workers.pop(handle, None)
+                result = None
+            elif handle not in workers:
+                raise RuntimeError(f"{op!r} for scheduler {handle!r}, which was never built")
+            elif op in ops:
+                result = getattr(workers[handle], op)(message)
+            else:
+                raise RuntimeError(f"unknown op {op!r}")
+        except refused as error:
+            reply({"refused": str(error)})
+            continue
+        except Exception:  # noqa: BLE001  (every failure goes back to the adapter as text)
+            text = traceback.format_exc()
+            if replies:
+                reply({"error": text})
+            elif pending_error is None:
+                pending_error = f"{op} {message.get('id')!r} failed: {text}"
+            continue
+        if replies:
+            reply(result or {})
