@@ -268,7 +268,7 @@ def run_configuration(job: tuple) -> dict[str, Any]:
     found = search(holds, start_rate, tolerance)
     at = runs[found.rate] if found.rate is not None else None
     return {
-        "index": index, "label": label, "scheduler": scheduler, "config": attrs.asdict(config),
+        "index": index, "label": label, "scheduler": scheduler, "config": config.to_dict(),
         "capacity_req_per_s": found.rate, "upper_req_per_s": found.upper, "status": found.status,
         "time_scale": None if found.rate is None else natural_rate / found.rate,
         "evaluations": [{"rate_req_per_s": r, "holds": h} for r, h in found.evaluations],

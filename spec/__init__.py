@@ -36,14 +36,21 @@ from schedspec.spec.invariants import INVARIANT_NAMES, check_state, check_step
 from schedspec.spec.properties import PROPERTIES
 from schedspec.spec.request import Request, RequestStatus
 from schedspec.spec.rules import RULE_NAMES, Violation, violated_rules
-from schedspec.spec.state import ScheduledRequest, SchedulerState, StepPlan, samples_this_step
+from schedspec.spec.state import (
+    NO_SPECULATION,
+    ScheduledRequest,
+    SchedulerState,
+    SpeculativeOutput,
+    StepPlan,
+    samples_this_step,
+)
 from schedspec.spec.trace import StepRecord, read_trace, write_trace
 from schedspec.spec.transitions import PlanError, abort_request, add_request, apply_plan
 from schedspec.spec.workload import EOS_TOKEN_ID, RequestSpec
 
 __all__ = [
-    "EOS_TOKEN_ID", "INVARIANT_NAMES", "PROPERTIES", "RULE_NAMES", "ConfigError", "PlanError", "Request",
-    "RequestSpec", "RequestStatus", "ScheduledRequest", "SchedulerConfig", "SchedulerState", "StepPlan",
+    "EOS_TOKEN_ID", "INVARIANT_NAMES", "NO_SPECULATION", "PROPERTIES", "RULE_NAMES", "ConfigError", "PlanError", "Request",
+    "RequestSpec", "RequestStatus", "ScheduledRequest", "SchedulerConfig", "SchedulerState", "SpeculativeOutput", "StepPlan",
     "StepRecord", "Violation", "abort_request", "add_request", "apply_plan", "blocks_for_tokens", "check_state",
     "check_step", "read_trace", "rejection_reason", "samples_this_step", "violated_rules", "write_trace",
 ]

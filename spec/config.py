@@ -20,6 +20,10 @@ PREEMPTION_MODES = ("recompute",)
 ``_preempt_request``); swap was removed with V0, so the spec does not define it."""
 
 
+SPECULATIVE_FIELDS = ("num_speculative_tokens", "num_lookahead_tokens")
+"""The speculative-decoding fields of :class:`SchedulerConfig` (both 0 = off)."""
+
+
 class ConfigError(ValueError):
     """A scheduler configuration is unusable. The message names the field(s) and the value(s)."""
 
@@ -58,13 +62,25 @@ class SchedulerConfig:
         enable_prefix_caching: reuse the KV blocks of identical prompt prefixes (vLLM's automatic
             prefix caching; the spec's model is :mod:`schedspec.spec.prefix_cache`).
         preemption_mode: how a running request gives up its blocks; only ``"recompute"``.
+        num_speculative_tokens: speculative decoding: most draft tokens a decode verifies in one step
+            (k >= 0; 0 = off). vLLM ``SpeculativeConfig.num_speculative_tokens`` (``--speculative-config
+            '{"num_speculative_tokens": k, ...}'``, read as ``VllmConfig.num_speculative_tokens``). A decode
+            that carries d <= k drafts computes 1 + d tokens (:class:`~schedspec.spec.state.ScheduledRequest`).
+        num_lookahead_tokens: speculative decoding: KV slots every scheduled request is given past the
+            tokens it computes, for a drafter that writes KV ahead (tokens; 0 without speculative
+            decoding). vLLM 0.32 derives it from the method (``VllmConfig.num_lookahead_tokens``: 0 for
+            n-gram, k for EAGLE, MTP and a draft model, k + 1 for DFlash) and passes it to every
+            ``KVCacheManager.allocate_slots`` of ``Scheduler.schedule``, which allocates
+            ``min(num_computed_tokens + num_new_tokens + num_lookahead_tokens, max_model_len)`` slots.
 
     Raises:
         ConfigError: a field has the wrong type or range, or two fields contradict each other:
             with chunked prefill off, ``max_num_batched_tokens < max_model_len`` (vLLM
             ``SchedulerConfig._verify_args``: a prompt could never be scheduled); or
             ``max_num_batched_tokens < max_num_seqs`` (vLLM, same function: a full batch of
-            decodes would not fit in one step).
+            decodes would not fit in one step); ``num_speculative_tokens`` or ``num_lookahead_tokens``
+            not an integer >= 0, or ``num_lookahead_tokens > 0`` with ``num_speculative_tokens == 0``
+            (vLLM derives no lookahead without a ``speculative_config``).
     """
 
     block_size: int
@@ -76,6 +92,8 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     enable_prefix_caching: bool = False
     preemption_mode: str = "recompute"
+    num_speculative_tokens: int = 0
+    num_lookahead_tokens: int = 0
 
     def __attrs_post_init__(self) -> None:
         for name in ("block_size", "num_kv_blocks", "max_num_batched_tokens", "max_num_seqs", "max_model_len"):
@@ -85,6 +103,13 @@ class SchedulerConfig:
         threshold = self.long_prefill_token_threshold
         if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
             raise ConfigError("long_prefill_token_threshold", threshold, "must be an integer >= 0 (0 = off)")
+        for name in SPECULATIVE_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(name, value, "must be an integer >= 0 (0 = off)")
+        if self.num_lookahead_tokens and not self.num_speculative_tokens:
+            raise ConfigError("num_lookahead_tokens", self.num_lookahead_tokens,
+                              "must be 0 when num_speculative_tokens=0 (no speculative decoding, no lookahead)")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ConfigError("preemption_mode", self.preemption_mode, f"must be one of {list(PREEMPTION_MODES)}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
@@ -107,9 +132,20 @@ class SchedulerConfig:
         """Tokens the whole KV cache holds: ``num_kv_blocks * block_size``."""
         return self.num_kv_blocks * self.block_size
 
+    @property
+    def speculative(self) -> bool:
+        """Whether speculative decoding is on (``num_speculative_tokens > 0``)."""
+        return self.num_speculative_tokens > 0
+
     def to_dict(self) -> dict[str, Any]:
-        """The fields as a JSON-ready dict (the header of a trace file)."""
-        return attrs.asdict(self)
+        """The fields as a JSON-ready dict (the header of a trace file, a run record's config). The
+        speculative-decoding fields (:data:`SPECULATIVE_FIELDS`) are left out while they are 0, so the
+        output of a run without speculative decoding is what it was before they existed."""
+        data = attrs.asdict(self)
+        for name in SPECULATIVE_FIELDS:
+            if not data[name]:
+                del data[name]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SchedulerConfig:

@@ -104,6 +104,12 @@ class Request:
         num_preemptions: times it was preempted.
         admitted_step: step of its latest admission into the running set; ``None`` if never.
         first_token_step: step in which its first output token was sampled; ``None`` before.
+        spec_token_ids: speculative decoding: the draft token ids the drafter proposed for it after its
+            last step, to verify in its next decode (vLLM ``Request.spec_token_ids``, set by
+            ``Scheduler.update_draft_token_ids``); at most ``num_speculative_tokens`` of them. Scheduling
+            the request consumes them (``Scheduler.schedule`` sets ``request.spec_token_ids = []`` whether
+            all, some or none were scheduled), and so does a preemption (``Scheduler._preempt_request``).
+            Drafts are not part of the sequence: ``num_tokens`` does not count them.
     """
 
     request_id: str
@@ -123,6 +129,7 @@ class Request:
     first_token_step: int | None = None
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
     min_tokens: int = 0
+    spec_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
     prompt_len: int = attrs.field(init=False, eq=False, repr=False)
     """Prompt length in tokens (``len(prompt_token_ids)``, kept because it is read every step)."""
     num_tokens: int = attrs.field(init=False, eq=False, repr=False)

@@ -176,8 +176,9 @@ def _chunk_continues(state: SchedulerState, plan: StepPlan, config: SchedulerCon
 @rule(
     "no-overcompute",
     "A request computes at most its pending tokens (prompt plus output minus computed, minus a prefix-cache "
-    "hit); so a decode computes exactly one token.",
-    "vLLM Scheduler.schedule num_new_tokens = num_tokens - num_computed_tokens",
+    "hit) plus the drafts its item verifies; so a decode computes exactly one token and its d drafts.",
+    "vLLM Scheduler.schedule num_new_tokens = num_tokens_with_spec - num_computed_tokens (num_tokens_with_spec "
+    "counts the drafts, Request.spec_token_ids)",
     action="schedule",
 )
 def _no_overcompute(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
@@ -186,8 +187,9 @@ def _no_overcompute(state: SchedulerState, plan: StepPlan, config: SchedulerConf
         if request is None:
             continue
         pending = request.num_pending_tokens - len(item.cached_block_ids) * config.block_size
-        if item.num_tokens > pending:
-            yield item.request_id, f"num_tokens={item.num_tokens} > pending tokens={pending}"
+        if item.num_tokens > pending + len(item.spec_token_ids):
+            drafts = f" plus {len(item.spec_token_ids)} drafts" if item.spec_token_ids else ""
+            yield item.request_id, f"num_tokens={item.num_tokens} > pending tokens={pending}{drafts}"
 
 
 @rule(
@@ -366,19 +368,26 @@ def _block_table_covers(state: SchedulerState, plan: StepPlan, config: Scheduler
 @rule(
     "no-excess-blocks",
     "A request never holds more blocks than its current sequence (prompt plus output) needs, and only "
-    "scheduled requests get new blocks.",
-    "vLLM KVCacheManager.allocate_slots (allocates for num_computed + num_new tokens)",
+    "scheduled requests get new blocks. With speculative decoding the sequence counts the drafts the item "
+    "verifies and num_lookahead_tokens (capped at max_model_len), and a table that already holds more (kept "
+    "after rejected drafts) gets no new block.",
+    "vLLM KVCacheManager.allocate_slots (allocates for min(num_computed + num_new + num_lookahead_tokens, "
+    "max_model_len) tokens; get_num_blocks_to_allocate allocates none when the table holds them)",
     action="schedule",
 )
 def _no_excess_blocks(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
+    ahead = config.num_lookahead_tokens
     for item in plan.scheduled:
         request = state.requests.get(item.request_id)
         if request is None:
             continue
         blocks = len(request.block_ids) + len(item.cached_block_ids) + len(item.new_block_ids)
-        limit = blocks_for_tokens(request.num_tokens, config.block_size)
-        if blocks > limit:
-            yield item.request_id, f"{blocks} blocks > {limit} for a sequence of {request.num_tokens} tokens"
+        tokens = request.num_tokens
+        if item.spec_token_ids or ahead:
+            tokens = min(tokens + len(item.spec_token_ids) + ahead, max(config.max_model_len, tokens))
+        limit = blocks_for_tokens(tokens, config.block_size)
+        if blocks > limit and (item.new_block_ids or not config.speculative):
+            yield item.request_id, f"{blocks} blocks > {limit} for a sequence of {tokens} tokens"
 
 
 @rule(

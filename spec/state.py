@@ -107,12 +107,18 @@ class ScheduledRequest:
             ``[num_computed_tokens, num_computed_tokens + num_tokens)`` (vLLM ``SchedulerOutput``
             ``num_computed_tokens``). Must equal the request's count: a chunk continues where the
             last one ended.
-        num_tokens: tokens computed this step (vLLM ``num_scheduled_tokens``); 1 for a decode.
+        num_tokens: tokens computed this step (vLLM ``num_scheduled_tokens``); 1 for a decode, plus the
+            drafts it verifies (``1 + len(spec_token_ids)``).
         new_block_ids: KV blocks appended to the request's block table this step, taken from the free
             queue. The table after the step is ``request.block_ids + cached_block_ids + new_block_ids``.
         cached_block_ids: prefix caching only, for a waiting request admitted in this step: the cached
             blocks it reuses (a prefix-cache hit, :mod:`schedspec.spec.prefix_cache`); then
             ``num_computed_tokens`` is the hit length, ``len(cached_block_ids) * block_size``.
+        spec_token_ids: speculative decoding, a decode only: the d drafts it verifies this step, the
+            first d of the request's ``spec_token_ids`` (vLLM ``SchedulerOutput.scheduled_spec_decode_tokens``,
+            ``request.spec_token_ids[:num_scheduled_spec_tokens]`` in ``Scheduler.schedule``); the step
+            computes positions ``[num_computed_tokens, num_computed_tokens + 1 + d)``: the pending token
+            and the d drafts after it. Empty otherwise.
     """
 
     request_id: str
@@ -120,6 +126,12 @@ class ScheduledRequest:
     num_tokens: int
     new_block_ids: tuple[int, ...] = ()
     cached_block_ids: tuple[int, ...] = ()
+    spec_token_ids: tuple[int, ...] = ()
+
+    @property
+    def num_spec_tokens(self) -> int:
+        """d: the drafts this item verifies (``len(spec_token_ids)``)."""
+        return len(self.spec_token_ids)
 
 
 @attrs.frozen(slots=True)
@@ -148,11 +160,38 @@ class StepPlan:
         return not (self.scheduled or self.preempted or self.rejected)
 
 
+@attrs.frozen(slots=True)
+class SpeculativeOutput:
+    """Speculative decoding's inputs to a step, beside the sampled tokens: what the model accepted and
+    what the drafter proposed. Both are chosen by the model, as sampled tokens are; the spec only
+    bounds them (:func:`~schedspec.spec.transitions.apply_plan` raises ``PlanError`` outside the bounds).
+
+    Attributes:
+        num_accepted_tokens: request id -> a, for a request whose item verified d > 0 drafts: the drafts
+            the model accepted, ``0 <= a <= d``, a prefix (the first a drafts). The request's sampled
+            token (``sampled_token_ids``) is the one the model sampled after them (vLLM's "bonus" token
+            when a = d, else the correction of draft a + 1). vLLM ``Scheduler.update_from_output``:
+            ``num_accepted = len(generated_token_ids) - 1``. A missing entry means a = 0.
+        draft_token_ids: request id -> the drafts the drafter proposed after this step for its next
+            decode (vLLM ``DraftTokenIds`` handed to ``Scheduler.update_draft_token_ids``), at most
+            ``num_speculative_tokens`` ids, only for requests that sampled in this step and are still
+            running. They become the request's ``spec_token_ids``.
+    """
+
+    num_accepted_tokens: Mapping[str, int] = attrs.field(factory=dict)
+    draft_token_ids: Mapping[str, tuple[int, ...]] = attrs.field(factory=dict)
+
+
+NO_SPECULATION = SpeculativeOutput()
+"""The :class:`SpeculativeOutput` of a step without speculative decoding: nothing accepted, nothing proposed."""
+
+
 def samples_this_step(request: Request, item: ScheduledRequest) -> bool:
     """Whether the request samples a token after this step.
 
-    It does when the chunk reaches the end of its known sequence (prompt plus output): a prefill that
-    completes the prompt samples the first output token, every decode samples the next one, a middle
-    chunk samples nothing (vLLM ``Scheduler.update_from_output`` discards partial-prefill samples).
+    It does when the chunk reaches the end of its known sequence (prompt plus output; past it by the
+    drafts a decode verifies): a prefill that completes the prompt samples the first output token,
+    every decode samples the next one (after its accepted drafts), a middle chunk samples nothing (vLLM
+    ``Scheduler.update_from_output`` discards partial-prefill samples).
     """
-    return item.num_computed_tokens + item.num_tokens == request.num_tokens
+    return item.num_computed_tokens + item.num_tokens - len(item.spec_token_ids) == request.num_tokens

@@ -38,7 +38,7 @@ from schedspec.spec.prefix_cache import evicted_blocks
 from schedspec.spec.properties import Monitor
 from schedspec.spec.request import Request
 from schedspec.spec.rules import Violation, violated_rules
-from schedspec.spec.state import SchedulerState, StepPlan
+from schedspec.spec.state import NO_SPECULATION, SchedulerState, SpeculativeOutput, StepPlan
 from schedspec.spec.trace import ScheduledTokens, StepRecord
 from schedspec.spec.transitions import PlanError, StepResult, abort_request, add_request, apply_plan
 from schedspec.spec.workload import RequestSpec
@@ -100,14 +100,16 @@ class Transition:
     config: SchedulerConfig
     result: object
     sampled: Mapping[str, int] | None = None
+    speculative: SpeculativeOutput = NO_SPECULATION
 
     def matches(self, operation: str, state: SchedulerState, argument: object, config: SchedulerConfig,
-                sampled: Mapping[str, int] | None = None) -> bool:
+                sampled: Mapping[str, int] | None = None,
+                speculative: SpeculativeOutput = NO_SPECULATION) -> bool:
         """Whether this is ``operation`` of the very ``state`` object with the very ``argument`` (and
-        ``sampled``) objects (identity, not equality: none is changed by either side) under an equal
-        ``config``."""
+        ``sampled`` and ``speculative``) objects (identity, not equality: none is changed by either side)
+        under an equal ``config``."""
         return (operation == self.operation and state is self.before and argument is self.argument
-                and sampled is self.sampled and config == self.config)
+                and sampled is self.sampled and speculative is self.speculative and config == self.config)
 
 
 @attrs.frozen
@@ -136,6 +138,7 @@ class StepOutcome:
         arrivals: the requests added before the step; ``aborts``: the ids the client aborted before it;
             ``aborted``: what each of those aborts did.
         transition: the step as a :class:`Transition` (``None`` when not applied or given by the caller).
+        speculative: speculative decoding's inputs to the step (accepted drafts, drafts proposed after it).
     """
 
     before: SchedulerState
@@ -149,6 +152,7 @@ class StepOutcome:
     aborts: list[str]
     aborted: list[Aborted]
     transition: Transition | None = None
+    speculative: SpeculativeOutput = NO_SPECULATION
 
     @property
     def after(self) -> SchedulerState:
@@ -312,8 +316,10 @@ class Stepper:
         self._checked = (plan, found)
         return found
 
-    def step(self, plan: StepPlan, sampled: Mapping[str, int], result: StepResult | None = None) -> StepOutcome:
-        """Apply ``plan`` with the ``sampled`` tokens (request id -> token id), check the invariants on the
+    def step(self, plan: StepPlan, sampled: Mapping[str, int], result: StepResult | None = None,
+             speculative: SpeculativeOutput = NO_SPECULATION) -> StepOutcome:
+        """Apply ``plan`` with the ``sampled`` tokens (request id -> token id) and speculative decoding's
+        inputs (``speculative``: accepted drafts, drafts proposed), check the invariants on the
         step, and advance the state. The rules are those :meth:`check_plan` found for this plan (checked
         now if it was not called for it). With ``result``, that step (a trusted scheduler's own, in an
         unchecked run) is taken instead of the spec's transition.
@@ -328,18 +334,18 @@ class Stepper:
         transition = None
         if result is None:
             try:
-                result = apply_plan(before, plan, sampled, self.config)
+                result = apply_plan(before, plan, sampled, self.config, speculative)
             except PlanError as raised:
                 error = raised
             else:
-                transition = Transition("apply_plan", before, plan, self.config, result, sampled)
+                transition = Transition("apply_plan", before, plan, self.config, result, sampled, speculative)
         invariants: list[Violation] = []
         if result is not None:
             if self.checker is not None:
                 invariants = self.checker.invariants(before, plan, result.state)
             self.state = result.state
         outcome = StepOutcome(before, plan, sampled, result, error, rules, invariants,
-                              self._arrivals, self._aborts, self._aborted, transition)
+                              self._arrivals, self._aborts, self._aborted, transition, speculative)
         self._arrivals, self._aborts, self._aborted = [], [], []
         return outcome
 

@@ -30,6 +30,7 @@ turns into the next :class:`SchedulerState`. Nothing else is mutated.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from types import MappingProxyType
 
 import attrs
@@ -39,7 +40,14 @@ from schedspec.spec.persistent import FreeQueue, live_copy, with_arrival
 from schedspec.spec.persistent import evolve_request as evolve
 from schedspec.spec.prefix_cache import CacheUpdate
 from schedspec.spec.request import Request, RequestStatus
-from schedspec.spec.state import ScheduledRequest, SchedulerState, StepPlan, samples_this_step
+from schedspec.spec.state import (
+    NO_SPECULATION,
+    ScheduledRequest,
+    SchedulerState,
+    SpeculativeOutput,
+    StepPlan,
+    samples_this_step,
+)
 
 
 class PlanError(ValueError):
@@ -97,6 +105,8 @@ def abort_request(state: SchedulerState, request_id: str) -> SchedulerState:
     requests = live_copy(state.requests)
     del requests[request_id]
     aborted = evolve(request, status=RequestStatus.FINISHED_ABORTED, finish_reason="abort", block_ids=())
+    if request.spec_token_ids:
+        aborted = evolve(aborted, spec_token_ids=())
     cache = state.prefix_cache
     if cache is None:
         free = FreeQueue.of(state.free_block_ids).pushed_front(tuple(reversed(request.block_ids)))
@@ -198,15 +208,18 @@ def preempt(step: StepInProgress, request_id: str) -> None:
     queue, last block first; a request preempted later in the same step goes in front of one preempted
     earlier, as vLLM ``KVCacheManager.free`` and ``BlockPool.free_blocks`` without prefix caching), forgets
     its computed tokens (``num_computed_tokens = 0``; its outputs are kept and recomputed as a prefill)
-    and goes to the front of the waiting queue (vLLM ``Scheduler._preempt_request``)."""
+    and its drafts (``spec_token_ids``), and goes to the front of the waiting queue (vLLM
+    ``Scheduler._preempt_request``)."""
     request = step.live(request_id)
     if step.cache is not None:
         step.cache.release(request.block_ids)
     else:
         step.released[:0] = reversed(request.block_ids)
-    step.requests[request_id] = evolve(
-        request, status=RequestStatus.PREEMPTED, num_computed_tokens=0, block_ids=(),
-        num_preemptions=request.num_preemptions + 1)
+    changes: dict = {"status": RequestStatus.PREEMPTED, "num_computed_tokens": 0, "block_ids": (),
+                     "num_preemptions": request.num_preemptions + 1}
+    if request.spec_token_ids:  # vLLM Scheduler._preempt_request: request.spec_token_ids = []
+        changes["spec_token_ids"] = ()
+    step.requests[request_id] = evolve(request, **changes)
     step.running.remove(request_id)
     step.waiting.insert(0, request_id)
 
@@ -230,17 +243,26 @@ def schedule(step: StepInProgress, item: ScheduledRequest) -> None:
     its block table, and count as computed tokens; a new block that carries a hash is evicted (its hash
     dropped); and the blocks the request has fully computed after the step are published
     (:meth:`~schedspec.spec.prefix_cache.CacheUpdate.publish`: the same cache as publishing at the end
-    of the step, since a hit may only name blocks published before it)."""
+    of the step, since a hit may only name blocks published before it).
+
+    Speculative decoding: a decode's item also computes its d drafts (``item.num_tokens = 1 + d``), so
+    ``num_computed_tokens`` counts them until :func:`sample` takes the rejected ones back; only the
+    positions of the request's sequence (``< num_tokens``, no draft) are published (vLLM
+    ``KVCacheManager.allocate_slots`` caches ``min(num_computed + num_new_tokens, request.num_tokens)``
+    tokens: "only finalized tokens are cached"). Scheduling consumes the request's drafts
+    (``spec_token_ids = ()``, vLLM ``Scheduler.schedule``), those not scheduled included."""
     request = step.live(item.request_id)
     table = request.block_ids + item.cached_block_ids + item.new_block_ids
     computed = request.num_computed_tokens + len(item.cached_block_ids) * step.config.block_size + item.num_tokens
     changes: dict = {"num_computed_tokens": computed}
     if table != request.block_ids:
         changes["block_ids"] = table
+    if request.spec_token_ids:
+        changes["spec_token_ids"] = ()
     if step.cache is not None:
         step.cache.touch(item.cached_block_ids)
         step.cache.take(item.new_block_ids)
-        step.cache.publish(request, table, computed, step.config.block_size)
+        step.cache.publish(request, table, min(computed, request.num_tokens), step.config.block_size)
     else:
         step.taken.extend(item.new_block_ids)
     if request.status is not RequestStatus.RUNNING:
@@ -250,18 +272,42 @@ def schedule(step: StepInProgress, item: ScheduledRequest) -> None:
     step.requests[item.request_id] = evolve(request, **changes)
 
 
-def sample(step: StepInProgress, request_id: str, token_id: int) -> None:
-    """**Sample**: the request appends ``token_id`` (its first output token records ``first_token_step``);
-    if :func:`stop_reason` says it stops, it ends with that status and releases its blocks to the front
+def sample(step: StepInProgress, request_id: str, token_id: int, item: ScheduledRequest | None = None,
+           num_accepted: int = 0) -> None:
+    """**Sample**: the request appends its accepted drafts, the first ``num_accepted`` of
+    ``item.spec_token_ids`` (speculative decoding; none without), then ``token_id``, one token at a time;
+    after each, :func:`stop_reason` says whether it stops, and a stop drops the tokens after it (vLLM
+    ``Scheduler._update_request_with_output``: ``check_stop`` per token, ``del new_token_ids[num_new:]``).
+    Its first output token records ``first_token_step``. The d - a rejected drafts are taken back from
+    ``num_computed_tokens`` (vLLM ``Scheduler.update_from_output``: ``request.num_computed_tokens -=
+    num_rejected``), so a request that goes on is a decode again, its one pending token the one sampled;
+    one that stopped at an accepted draft keeps that draft computed (``num_computed_tokens`` at most
+    ``num_tokens``). The blocks past the computed tokens stay in its block table (vLLM frees no block on
+    a rejection: they are reused by the next tokens). A request that stops releases its blocks to the front
     of the free queue (a request that stops later in the batch goes in front of one that stopped
     earlier, as vLLM ``Scheduler.update_from_output`` frees them in batch order)."""
     request = step.live(request_id)
-    changes: dict = {"output_token_ids": request.output_token_ids + (token_id,)}
+    outputs = request.output_token_ids
+    changes: dict = {}
     if request.first_token_step is None:
         changes["first_token_step"] = step.before.step
-    request = evolve(request, **changes)
+    ending = None
+    if item is not None and item.spec_token_ids:
+        rejected = len(item.spec_token_ids) - num_accepted
+        for token in item.spec_token_ids[:num_accepted] + (token_id,):
+            outputs += (token,)
+            ending = stop_reason(evolve(request, output_token_ids=outputs), step.config)
+            if ending is not None:
+                break
+        computed = min(request.num_computed_tokens - rejected, request.prompt_len + len(outputs))
+        changes["num_computed_tokens"] = computed
+        changes["output_token_ids"] = outputs
+        request = evolve(request, **changes)
+    else:
+        changes["output_token_ids"] = outputs + (token_id,)
+        request = evolve(request, **changes)
+        ending = stop_reason(request, step.config)
     step.sampled.append(request_id)
-    ending = stop_reason(request, step.config)
     if ending is None:
         step.requests[request_id] = request
         return
@@ -274,6 +320,27 @@ def sample(step: StepInProgress, request_id: str, token_id: int) -> None:
         step.freed[:0] = reversed(request.block_ids)
     step.ended[request_id] = evolve(request, status=status, finish_reason=reason, block_ids=())
     step.stopped.append(request_id)
+
+
+def propose_drafts(step: StepInProgress, request_id: str, draft_token_ids: tuple[int, ...],
+                   sampled: AbstractSet[str]) -> None:
+    """The drafter **proposes** drafts after the step for a request that sampled in it and still runs:
+    they become its ``spec_token_ids`` (vLLM ``Scheduler.update_draft_token_ids``). ``sampled``: the ids
+    that sampled in the step (``set(step.sampled)``).
+
+    Raises:
+        PlanError: the request did not sample in this step or stopped, or the proposal is longer than
+            ``num_speculative_tokens``.
+    """
+    limit = step.config.num_speculative_tokens
+    if len(draft_token_ids) > limit:
+        raise PlanError(f"request_id={request_id!r}: {len(draft_token_ids)} drafts proposed at step "
+                        f"{step.before.step} > num_speculative_tokens={limit}")
+    request = step.requests.get(request_id)
+    if request is None or request_id not in sampled:
+        raise PlanError(f"request_id={request_id!r}: drafts proposed at step {step.before.step}, but it did not "
+                        "sample in the step or does not run after it")
+    step.requests[request_id] = evolve(request, spec_token_ids=tuple(draft_token_ids))
 
 
 def stop_reason(request: Request, config: SchedulerConfig) -> tuple[RequestStatus, str] | None:
@@ -303,6 +370,7 @@ def apply_plan(
     plan: StepPlan,
     sampled_token_ids: Mapping[str, int],
     config: SchedulerConfig,
+    speculative: SpeculativeOutput = NO_SPECULATION,
 ) -> StepResult:
     """One step: apply an allowed plan and the tokens the model sampled, action by action.
 
@@ -310,14 +378,20 @@ def apply_plan(
         state: the state before the step.
         plan: an allowed plan for this state (``violated_rules(state, plan, config) == []``).
         sampled_token_ids: request id -> token id, for each request that samples this step
-            (:func:`~schedspec.spec.state.samples_this_step`; extra entries are ignored).
+            (:func:`~schedspec.spec.state.samples_this_step`; extra entries are ignored). With
+            speculative decoding, the token sampled after the accepted drafts.
         config: the limits.
+        speculative: speculative decoding's inputs (:class:`~schedspec.spec.state.SpeculativeOutput`):
+            the accepted drafts per request that verified drafts, and the drafts proposed after the step
+            (:func:`propose_drafts`, applied after every sample).
 
     Returns:
         :class:`StepResult`: the state after the step (``step`` advanced by one) and what ended.
 
     Raises:
-        PlanError: a named request is not live, or a sampling request has no sampled token.
+        PlanError: a named request is not live, a sampling request has no sampled token, an accepted
+            count is outside ``[0, d]`` or given for a request that verified no drafts, or a proposal
+            breaks :func:`propose_drafts`.
     """
     step = StepInProgress.begin(state, config)
     for request_id in plan.preempted:
@@ -330,6 +404,22 @@ def apply_plan(
         if samples_this_step(state.requests[item.request_id], item):
             if item.request_id not in sampled_token_ids:
                 raise PlanError(f"no sampled token for request_id={item.request_id!r} at step {state.step}")
-            sample(step, item.request_id, sampled_token_ids[item.request_id])
+            if item.spec_token_ids:
+                accepted = speculative.num_accepted_tokens.get(item.request_id, 0)
+                if not 0 <= accepted <= len(item.spec_token_ids):
+                    raise PlanError(f"request_id={item.request_id!r}: {accepted} drafts accepted at step "
+                                    f"{state.step}, of {len(item.spec_token_ids)} verified")
+                sample(step, item.request_id, sampled_token_ids[item.request_id], item, accepted)
+            else:
+                sample(step, item.request_id, sampled_token_ids[item.request_id])
+    if speculative is not NO_SPECULATION:
+        verified = {item.request_id for item in plan.scheduled if item.spec_token_ids}
+        for request_id in speculative.num_accepted_tokens:
+            if request_id not in verified:
+                raise PlanError(f"request_id={request_id!r}: drafts accepted at step {state.step}, but it verified "
+                                "no drafts")
+        sampled = set(step.sampled)
+        for request_id, drafts in speculative.draft_token_ids.items():
+            propose_drafts(step, request_id, drafts, sampled)
     return step.end()
 
