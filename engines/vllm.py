@@ -119,7 +119,7 @@ from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.prefix_cache import ROOT_HASH, max_hit_blocks, request_block_hash
 from schedspec.spec.request import Request
 from schedspec.spec.rules import REUSED_BY_HIT_IN_STEP, Violation, coded
-from schedspec.spec.state import ScheduledRequest, SchedulerState, StepPlan
+from schedspec.spec.state import NO_SPECULATION, ScheduledRequest, SchedulerState, SpeculativeOutput, StepPlan
 from schedspec.spec.workload import DEFAULT_VOCAB_SIZE, token_ids
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -432,6 +432,17 @@ class _VllmAdapter:
         if version not in VERSIONS:
             raise UnsupportedFeature(f"scheduler {self.name!r}: vLLM version {version!r} (the adapter drives "
                                      f"{', '.join(VERSIONS)})")
+        if config.speculative and self.async_scheduling:
+            raise UnsupportedFeature(
+                f"scheduler {self.name!r}: speculative decoding with async scheduling is not mapped onto the spec "
+                "yet (num_speculative_tokens>0): vLLM's AsyncScheduler plans step n+1 as if every draft of step n "
+                "were accepted and schedules num_speculative_tokens placeholder drafts whatever the drafter "
+                "proposes (docs/engines.md, Speculative decoding)")
+        if config.num_lookahead_tokens:
+            raise UnsupportedFeature(
+                f"scheduler {self.name!r}: num_lookahead_tokens={config.num_lookahead_tokens}: the adapter runs "
+                "vLLM's n-gram drafter, whose num_lookahead_tokens is 0 (EAGLE, MTP and draft models need a "
+                "draft model)")
         if config.enable_prefix_caching and self.async_scheduling:
             raise UnsupportedFeature(f"scheduler {self.name!r}: prefix caching with async scheduling is not "
                                      "mapped onto the spec yet (enable_prefix_caching=true)")
@@ -508,11 +519,12 @@ class _VllmAdapter:
         if self.plan is None:
             reply, self.prepared = self.prepared or self._call({"op": "schedule"}), None
             scheduled = []
-            for request_id, computed, count, blocks, num_hit_blocks in reply["scheduled"]:
+            for request_id, computed, count, blocks, num_hit_blocks, drafts in reply["scheduled"]:
                 if request_id in self.live:
                     ids = tuple(b - 1 for b in blocks)
                     scheduled.append(ScheduledRequest(request_id, computed, count, ids[num_hit_blocks:],
-                                                      cached_block_ids=ids[:num_hit_blocks]))
+                                                      cached_block_ids=ids[:num_hit_blocks],
+                                                      spec_token_ids=tuple(drafts)))
                 else:
                     self.num_dropped += 1
             preempted = tuple(r for r in reply["preempted"] if r in self.live)
@@ -560,9 +572,16 @@ class _VllmAdapter:
             return len(item.cached_block_ids) > len(state.prefix_cache.longest_hit(request, self.config.block_size))
         return True
 
-    def update(self, plan: StepPlan, sampled_token_ids: Mapping[str, int]) -> tuple[str, ...]:
+    def update(self, plan: StepPlan, sampled_token_ids: Mapping[str, int],
+               speculative: SpeculativeOutput = NO_SPECULATION) -> tuple[str, ...]:
         """Feed the sampled tokens to ``Scheduler.update_from_output``; the ids that finished (stop or
         length) in this step. With async scheduling, vLLM plans the next step first (module docstring).
+
+        Speculative decoding (``speculative``): a request whose item verified drafts gets the list the
+        model runner returns, its first ``num_accepted_tokens`` drafts then its sampled token
+        (``ModelRunnerOutput.sampled_token_ids``; ``update_from_output`` rejects the rest); the drafts
+        proposed after the step (``draft_token_ids``) go to ``Scheduler.update_draft_token_ids`` after it,
+        as ``EngineCore.post_step`` hands them.
 
         Raises:
             ValueError: ``plan`` is not the plan ``schedule`` returned.
@@ -573,10 +592,15 @@ class _VllmAdapter:
             self.refused.pop(request_id, None)
             self.refused_requests.pop(request_id, None)
         scheduled = {item.request_id for item in plan.scheduled}
-        sampled = {r: int(t) for r, t in sampled_token_ids.items() if r in scheduled}
+        sampled: dict[str, Any] = {r: int(t) for r, t in sampled_token_ids.items() if r in scheduled}
+        for item in plan.scheduled:
+            if item.spec_token_ids and item.request_id in sampled:
+                accepted = speculative.num_accepted_tokens.get(item.request_id, 0)
+                sampled[item.request_id] = [*item.spec_token_ids[:accepted], sampled[item.request_id]]
+        drafts = {r: [int(t) for t in ids] for r, ids in speculative.draft_token_ids.items() if r in scheduled}
         if self.async_scheduling:
             self.prepared = self._call({"op": "schedule"})
-        reply = self._call({"op": "update", "sampled": sampled})
+        reply = self._call({"op": "update", "sampled": sampled, "drafts": drafts})
         self.plan = None
         finished = tuple(request_id for request_id, _ in reply["finished"])
         self.live.difference_update(finished)

@@ -88,12 +88,16 @@ class ConfigRefused(Exception):
     """vLLM's config classes refuse the configuration (the message is vLLM's)."""
 
 
+class ConfigError(ValueError):
+    """A configuration the worker cannot give vLLM (the message says which field)."""
+
+
 class Worker:
     """One vLLM scheduler and the bookkeeping to answer the commands (module docstring)."""
 
     def __init__(self, config: dict, policy: str, async_scheduling: bool, vocab_size: int) -> None:
         import torch
-        from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+        from vllm.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig, VllmConfig
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -128,9 +132,24 @@ class Worker:
             self.enable_prefix_caching = bool(config.get("enable_prefix_caching", False))
             cache_config = CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching)
             cache_config.num_gpu_blocks = self.num_kv_blocks + 1
+            self.num_speculative_tokens = int(config.get("num_speculative_tokens", 0))
+            speculative_config = None
+            if self.num_speculative_tokens:
+                # The n-gram drafter needs no draft model (SpeculativeConfig.__post_init__ sets
+                # model="ngram"); its num_lookahead_tokens and max_num_new_slots_for_drafting are 0.
+                # The drafts themselves come from the adapter (update's "drafts"), not from n-gram lookup.
+                speculative_config = SpeculativeConfig(
+                    method="ngram", num_speculative_tokens=self.num_speculative_tokens,
+                    prompt_lookup_min=1, prompt_lookup_max=1,
+                    target_model_config=model_config, target_parallel_config=ParallelConfig(),
+                )
             vllm_config = VllmConfig(
-                model_config=model_config, scheduler_config=scheduler_config, cache_config=cache_config
+                model_config=model_config, scheduler_config=scheduler_config, cache_config=cache_config,
+                speculative_config=speculative_config,
             )
+            if vllm_config.num_lookahead_tokens != int(config.get("num_lookahead_tokens", 0)):
+                raise ConfigError(f"num_lookahead_tokens={config.get('num_lookahead_tokens', 0)}: the n-gram "
+                                  f"drafter has num_lookahead_tokens={vllm_config.num_lookahead_tokens}")
         except Exception as error:  # noqa: BLE001  (vLLM validates with pydantic and ValueError)
             raise ConfigRefused(f"{type(error).__name__}: {error}") from None
         kv_cache_config = KVCacheConfig(
@@ -228,8 +247,10 @@ class Worker:
             if request_id in cached.resumed_req_ids:
                 # a resumed (preempted) request's new_block_ids is its whole table, hit blocks first
                 hits[request_id] = cached.num_computed_tokens[index] // self.block_size
+        drafts = output.scheduled_spec_decode_tokens  # padding (-1) included, as vLLM counts it
         scheduled = [
-            [request_id, computed[request_id], count, blocks[request_id], hits.get(request_id, 0)]
+            [request_id, computed[request_id], count, blocks[request_id], hits.get(request_id, 0),
+             [int(t) for t in drafts.get(request_id, ())]]
             for request_id, count in output.num_scheduled_tokens.items()
         ]
         if set(self.preempted) != set(output.preempted_req_ids):
@@ -244,10 +265,12 @@ class Worker:
         output = self.in_flight.popleft()
         sampled = message["sampled"]
         request_ids = list(output.num_scheduled_tokens)
+        # sampled: request id -> a token id, or (speculative decoding) the list of the accepted drafts
+        # followed by the sampled token, as the model runner returns them (rejection sampler output).
         runner_output = ModelRunnerOutput(
             req_ids=request_ids,
             req_id_to_index={request_id: index for index, request_id in enumerate(request_ids)},
-            sampled_token_ids=[[sampled[r]] if r in sampled else [] for r in request_ids],
+            sampled_token_ids=[_token_list(sampled[r]) if r in sampled else [] for r in request_ids],
         )
         before = {r: q.status for r, q in self.scheduler.requests.items()}
         engine_outputs = self.scheduler.update_from_output(output, runner_output)
@@ -261,6 +284,15 @@ class Worker:
         gone = [r for r in before if r not in self.scheduler.requests and r not in finished]
         if gone:
             raise RuntimeError(f"requests left the scheduler without a finish output: {gone}")
+        proposed = message.get("drafts") or {}
+        if proposed and not self.async_scheduling:
+            # What EngineCore.post_step does after update_from_output (vllm/v1/engine/core.py): the
+            # drafter's proposals for the batch, handed to Scheduler.update_draft_token_ids. With async
+            # scheduling the drafts stay in the worker (AsyncScheduler schedules placeholders).
+            from vllm.v1.outputs import DraftTokenIds
+
+            ids = [r for r in request_ids if r in proposed]
+            self.scheduler.update_draft_token_ids(DraftTokenIds(ids, [list(proposed[r]) for r in ids]))
         return {"finished": sorted(finished.items())}
 
     def view(self, message: dict) -> dict:
@@ -288,6 +320,12 @@ class Worker:
             "block_tables": tables,
             "num_computed_tokens": computed,
         }
+
+
+def _token_list(sampled) -> list[int]:
+    """A request's sampled tokens as the model runner returns them: a list (accepted drafts, then the
+    sampled token), or one token id."""
+    return [int(t) for t in sampled] if isinstance(sampled, list) else [int(sampled)]
 
 
 def main() -> None:
@@ -328,7 +366,7 @@ def main() -> None:
                 result = getattr(workers[handle], op)(message)
             else:
                 raise RuntimeError(f"unknown op {op!r}")
-        except ConfigRefused as error:
+        except (ConfigRefused, ConfigError) as error:
             reply({"refused": str(error)})
             continue
         except Exception:  # noqa: BLE001  (every failure goes back to the adapter as text)
