@@ -61,7 +61,10 @@ def screened_rules_hold(state: SchedulerState, plan: StepPlan, config: Scheduler
     (without prefix caching): their conditions, as :mod:`~schedspec.spec.rules` states them, checked in
     one pass over the plan instead of one pass per rule. False means "run the rules" (a rule may or may
     not be broken); so a screen that is too strict costs time, never a verdict
-    (``tests/test_incremental.py`` compares the checker's verdicts with the rules' on broken plans)."""
+    (``tests/test_incremental.py`` compares the checker's verdicts with the rules' on broken plans). With
+    speculative decoding (``num_speculative_tokens > 0``) it is always False: every rule runs."""
+    if config.speculative:  # the screen knows neither drafts nor num_lookahead_tokens: run the rules
+        return False
     requests = state.requests
     running = set(state.running)
     block_size = config.block_size

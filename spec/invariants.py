@@ -16,10 +16,12 @@ from collections.abc import Callable, Iterator, Mapping
 import attrs
 
 from schedspec.spec.config import SchedulerConfig
+from schedspec.spec.persistent import evolve_request
 from schedspec.spec.prefix_cache import ROOT_HASH, request_block_hash
 from schedspec.spec.request import Request, RequestStatus
 from schedspec.spec.rules import Violation, coded
 from schedspec.spec.state import SchedulerState, StepPlan
+from schedspec.spec.transitions import stop_reason
 
 Breaches = Iterator[tuple[str | None, str] | tuple[str | None, str, str]]
 Terminal = Mapping[str, Request] | None
@@ -218,7 +220,7 @@ def preempted_holds_nothing(state: SchedulerState, config: SchedulerConfig, term
 def chunks_in_order(before: SchedulerState, plan: StepPlan, after: SchedulerState, config: SchedulerConfig) -> Breaches:
     """Each scheduled chunk starts at the request's computed tokens before the step and, unless the request
     ended, its computed tokens after the step are exactly that plus the chunk (a chunk after a prefix-cache
-    hit: see ``prefix-hit-computed``)."""
+    hit: see ``prefix-hit-computed``; a decode with drafts: see ``rejected-drafts-uncomputed``)."""
     for item in plan.scheduled:
         old = before.requests.get(item.request_id)
         if old is None or item.cached_block_ids:
@@ -226,6 +228,8 @@ def chunks_in_order(before: SchedulerState, plan: StepPlan, after: SchedulerStat
         if item.num_computed_tokens != old.num_computed_tokens:
             yield item.request_id, f"chunk starts at {item.num_computed_tokens}, computed was {old.num_computed_tokens}"
         new = after.requests.get(item.request_id)
+        if item.spec_token_ids:
+            continue  # its rejected drafts are taken back: rejected-drafts-uncomputed
         if new is not None and new.num_computed_tokens != old.num_computed_tokens + item.num_tokens:
             yield item.request_id, (
                 f"computed {old.num_computed_tokens} + {item.num_tokens} != {new.num_computed_tokens} after the step"
@@ -361,6 +365,96 @@ def prefix_hit_computed(before: SchedulerState, plan: StepPlan, after: Scheduler
                                     f"{item.num_tokens}")
         if new.block_ids[:len(item.cached_block_ids)] != item.cached_block_ids:
             yield item.request_id, f"block table {list(new.block_ids)} does not start with the hit blocks"
+
+
+# Speculative decoding. With num_speculative_tokens = 0 no transition gives a request drafts (propose_drafts
+# refuses any) and the rule drafts-are-proposed refuses an item that carries some, so these return at once.
+
+
+@state_invariant("drafts-on-running-decodes", "vLLM Scheduler.update_draft_token_ids (drafts of a prefill chunk "
+                 "are dropped), Scheduler._preempt_request (request.spec_token_ids = [])")
+def drafts_on_running_decodes(state: SchedulerState, config: SchedulerConfig, terminal: Terminal = None) -> Breaches:
+    """With speculative decoding, only a running decode holds drafts (spec_token_ids), at most
+    num_speculative_tokens of them: a waiting (fresh or preempted) request and a running one in the middle
+    of its prompt hold none."""
+    if not config.speculative:
+        return
+    limit = config.num_speculative_tokens
+    for request_id, request in state.requests.items():
+        drafts = request.spec_token_ids
+        if not drafts:
+            continue
+        if request.status is not RequestStatus.RUNNING or not request.is_decode:
+            yield request_id, f"holds {len(drafts)} drafts but is not a running decode ({request.status.value})"
+        elif len(drafts) > limit:
+            yield request_id, f"holds {len(drafts)} drafts > num_speculative_tokens={limit}"
+
+
+def _appended(before: Request, after: Request | None) -> tuple[int, ...]:
+    return () if after is None else after.output_token_ids[before.num_output_tokens:]
+
+
+@step_invariant("rejected-drafts-uncomputed", "vLLM Scheduler.update_from_output (request.num_computed_tokens "
+                "-= num_rejected)")
+def rejected_drafts_uncomputed(before: SchedulerState, plan: StepPlan, after: SchedulerState,
+                               config: SchedulerConfig) -> Breaches:
+    """A decode that verified d drafts and goes on after the step has computed its pending token and the
+    drafts it accepted, no rejected one: its num_computed_tokens is the one before plus 1 + a, where the a
+    accepted drafts and the sampled token are the 1 + a tokens it appended; so it is a decode again (one
+    pending token, the one sampled)."""
+    if not config.speculative:
+        return
+    for item in plan.scheduled:
+        if not item.spec_token_ids:
+            continue
+        old = before.requests.get(item.request_id)
+        new = after.requests.get(item.request_id)
+        if old is None or new is None or item.request_id not in after.running:
+            continue
+        accepted = len(_appended(old, new)) - 1
+        expected = old.num_computed_tokens + 1 + accepted
+        if new.num_computed_tokens != expected:
+            yield item.request_id, (
+                f"computed {new.num_computed_tokens} after verifying {len(item.spec_token_ids)} drafts and accepting "
+                f"{accepted}: {expected} (the {len(item.spec_token_ids) - max(accepted, 0)} rejected are not computed)")
+
+
+@step_invariant("accepted-drafts-prefix", "vLLM Scheduler._update_request_with_output (check_stop per token, "
+                "del new_token_ids[num_new:]); rejection sampling (Leviathan et al., ICML'23, §2.3) accepts a prefix")
+def accepted_drafts_prefix(before: SchedulerState, plan: StepPlan, after: SchedulerState,
+                           config: SchedulerConfig) -> Breaches:
+    """A decode that verified d drafts appends at most 1 + d tokens: the first of the drafts, in order,
+    then the sampled token, cut at the first stop: no appended token but the last meets a stop condition
+    (EOS or a stop id after min_tokens, max_tokens, max_model_len), and a request whose last appended token
+    does has ended."""
+    if not config.speculative:
+        return
+    for item in plan.scheduled:
+        if not item.spec_token_ids:
+            continue
+        old = before.requests.get(item.request_id)
+        if old is None:
+            continue
+        new = after.requests.get(item.request_id) or after.finished.get(item.request_id)
+        appended = _appended(old, new)
+        drafts = item.spec_token_ids
+        if len(appended) > 1 + len(drafts):
+            yield item.request_id, f"appended {len(appended)} tokens after verifying {len(drafts)} drafts"
+            continue
+        if appended[:-1] != drafts[:len(appended) - 1]:
+            yield item.request_id, (f"appended {list(appended)}: the tokens before the last are not the first of its "
+                                    f"drafts {list(drafts)}")
+            continue
+        outputs = old.output_token_ids
+        for index, token in enumerate(appended):
+            outputs += (token,)
+            stop = stop_reason(evolve_request(old, output_token_ids=outputs), config)
+            if stop is not None and index < len(appended) - 1:
+                yield item.request_id, (f"token {index + 1} of the {len(appended)} appended stops it "
+                                        f"({stop[1]}), but the tokens after it were kept")
+                break
+            if stop is not None and new is not None and not new.status.is_terminal:
+                yield item.request_id, f"its last appended token stops it ({stop[1]}), but it goes on"
 
 
 INVARIANT_NAMES: tuple[str, ...] = tuple(i.name for i in STATE_INVARIANTS + STEP_INVARIANTS)

@@ -128,8 +128,10 @@ def _known_requests(state: SchedulerState, plan: StepPlan, config: SchedulerConf
 
 @rule(
     "token-budget",
-    "The tokens of a step, prefill and decode together, are at most max_num_batched_tokens.",
-    "vLLM Scheduler.schedule token_budget; Sarathi-Serve (OSDI'24) §4.2 token budget",
+    "The tokens of a step, prefill and decode together, the drafts the decodes verify included, are at most "
+    "max_num_batched_tokens.",
+    "vLLM Scheduler.schedule token_budget (num_new_tokens counts the scheduled drafts: token_budget -= "
+    "num_new_tokens); Sarathi-Serve (OSDI'24) §4.2 token budget",
     action="step",
 )
 def _token_budget(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
@@ -207,7 +209,7 @@ def _whole_prefill(state: SchedulerState, plan: StepPlan, config: SchedulerConfi
         if request is None:
             continue
         pending = request.num_pending_tokens - len(item.cached_block_ids) * config.block_size
-        if item.num_tokens != pending:
+        if item.num_tokens != pending + len(item.spec_token_ids):  # a decode's drafts are no prefill
             yield item.request_id, f"chunk of {item.num_tokens} tokens of {pending} pending with chunked prefill off"
 
 
@@ -349,18 +351,25 @@ def blocks_not_from_free_pool(state: SchedulerState, plan: StepPlan, free: Abstr
 
 @rule(
     "block-table-covers",
-    "After the step, the request's block table holds slots for its computed tokens plus this step's: "
-    "len(table) * block_size >= num_computed_tokens + num_tokens.",
-    "vLLM vllm/v1/core/kv_cache_manager.py KVCacheManager.allocate_slots",
+    "After the step, the request's block table holds slots for its computed tokens plus this step's (the "
+    "drafts it verifies included): len(table) * block_size >= num_computed_tokens + num_tokens; with "
+    "num_lookahead_tokens > 0, also for that many tokens after them, capped at max_model_len.",
+    "vLLM vllm/v1/core/kv_cache_manager.py KVCacheManager.allocate_slots (num_tokens_need_slot = "
+    "min(num_computed + num_new_tokens + num_lookahead_tokens, max_model_len)); Scheduler.schedule passes "
+    "num_lookahead_tokens=self.num_lookahead_tokens",
     action="schedule",
 )
 def _block_table_covers(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
+    ahead = config.num_lookahead_tokens
     for item in plan.scheduled:
         request = state.requests.get(item.request_id)
         if request is None:
             continue
         blocks = len(request.block_ids) + len(item.cached_block_ids) + len(item.new_block_ids)
-        needed = blocks_for_tokens(item.num_computed_tokens + item.num_tokens, config.block_size)
+        tokens = item.num_computed_tokens + item.num_tokens
+        if ahead:
+            tokens = max(tokens, min(tokens + ahead, config.max_model_len))
+        needed = blocks_for_tokens(tokens, config.block_size)
         if blocks < needed:
             yield item.request_id, f"{blocks} blocks hold fewer than the {needed} needed"
 
@@ -469,6 +478,75 @@ def _prefix_hit_longest(state: SchedulerState, plan: StepPlan, config: Scheduler
                     f"prefix-cache hit of {len(item.cached_block_ids) * config.block_size} tokens, but "
                     f"{len(longest) * config.block_size} were cached (blocks {list(longest)})")
         handed.update(item.new_block_ids)
+
+
+# Speculative decoding (num_speculative_tokens > 0). With it off no item carries drafts, and none of these
+# finds anything.
+
+
+@rule(
+    "drafts-only-in-decodes",
+    "Only a running decode carries drafts (a prefill chunk, the last chunk of a prompt and a recompute carry "
+    "none), and it computes its one pending token and every draft it carries: num_tokens = 1 + d.",
+    "vLLM Scheduler.update_draft_token_ids ('Ignore draft tokens for prefill chunks'); Scheduler.schedule "
+    "(num_scheduled_spec_tokens = num_new_tokens + num_computed_tokens - num_tokens: the drafts are the "
+    "scheduled tokens past the sequence)",
+    action="schedule",
+)
+def _drafts_only_in_decodes(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
+    for item in plan.scheduled:
+        if not item.spec_token_ids:
+            continue
+        request = state.requests.get(item.request_id)
+        if request is None:
+            continue
+        d = len(item.spec_token_ids)
+        if item.request_id not in state.running or not request.is_decode:
+            yield item.request_id, f"carries {d} drafts but is not a running decode"
+        elif item.num_tokens != 1 + d:
+            yield item.request_id, f"carries {d} drafts but computes {item.num_tokens} tokens, not 1 + {d}"
+
+
+@rule(
+    "drafts-are-proposed",
+    "The drafts an item carries are the first d of the drafts proposed for the request after its last step "
+    "(its spec_token_ids), in order; so at most num_speculative_tokens.",
+    "vLLM Scheduler.schedule (scheduled_spec_decode_tokens[request_id] = request.spec_token_ids[:"
+    "num_scheduled_spec_tokens])",
+    action="schedule",
+)
+def _drafts_are_proposed(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
+    for item in plan.scheduled:
+        if not item.spec_token_ids:
+            continue
+        request = state.requests.get(item.request_id)
+        if request is None:
+            continue
+        proposed = request.spec_token_ids
+        if item.spec_token_ids != proposed[:len(item.spec_token_ids)]:
+            yield item.request_id, (f"carries drafts {list(item.spec_token_ids)}, not a prefix of those proposed "
+                                    f"{list(proposed)}")
+
+
+@rule(
+    "drafts-within-max-model-len",
+    "A decode carries no more drafts than max_model_len can still accept: its accepted drafts and the token "
+    "sampled after them fit, num_computed_tokens + num_tokens + 1 <= max_model_len (num_tokens + d + 1 <= "
+    "max_model_len for the request). Drafts past max_tokens are allowed: vLLM 0.32 schedules them and the "
+    "stop at max_tokens drops what is past it (sample).",
+    "vLLM Scheduler.schedule ('Make sure the input position does not exceed the max model len. This is "
+    "necessary when using spec decoding': num_new_tokens <= max_model_len - num_computed_tokens - "
+    "num_sampled_tokens_per_step); vllm/v1/spec_decode/ngram_proposer.py "
+    "_find_longest_matched_ngram_and_propose_tokens (k = min(k, max_model_len - total_token))",
+    action="schedule",
+)
+def _drafts_within_max_model_len(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
+    for item in plan.scheduled:
+        if item.spec_token_ids and item.num_computed_tokens + item.num_tokens + 1 > config.max_model_len:
+            yield item.request_id, (
+                f"computes positions up to {item.num_computed_tokens + item.num_tokens} with "
+                f"{len(item.spec_token_ids)} drafts: its drafts and the token after them pass "
+                f"max_model_len={config.max_model_len}")
 
 
 RULE_NAMES: tuple[str, ...] = tuple(r.name for r in RULES)

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import attrs
 import pytest
 from test_prefix_cache import PREFIX_STATE_CASES, PREFIX_STEP_CASES
+from test_speculative import SPEC_STATE_CASES, SPEC_STEP_CASES
 
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.invariants import (
@@ -126,6 +127,7 @@ STATE_CASES: dict[str, StateCase] = {
     "preempted-holds-nothing": case_preempted_holds_nothing,
 }
 STATE_CASES.update(PREFIX_STATE_CASES)  # the prefix-caching invariants' cases live with the other prefix tests
+STATE_CASES.update(SPEC_STATE_CASES)  # the speculative-decoding ones with the speculative-decoding tests
 
 DECODE_A = ScheduledRequest("a", 6, 1)
 
@@ -150,6 +152,7 @@ STEP_CASES: dict[str, StepCase] = {
     "chunks-in-order": case_chunks_in_order,
 }
 STEP_CASES.update(PREFIX_STEP_CASES)
+STEP_CASES.update(SPEC_STEP_CASES)
 
 
 def test_every_invariant_has_a_case() -> None:

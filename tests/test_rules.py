@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_prefix_cache import PREFIX_RULE_CASES
+from test_speculative import SPEC_RULE_CASES
 
 from schedspec.spec.admission import rejection_reason
 from schedspec.spec.config import SchedulerConfig, blocks_for_tokens
@@ -168,6 +169,7 @@ CASES: dict[str, Case] = {
     "no-excess-blocks": case_no_excess_blocks,
 }
 CASES.update(PREFIX_RULE_CASES)  # the prefix-caching rules' cases live with the other prefix tests
+CASES.update(SPEC_RULE_CASES)  # and the speculative-decoding rules' with the speculative-decoding tests
 
 
 def test_every_rule_has_a_case() -> None:
