@@ -285,6 +285,18 @@ def _reference(plan: PlanFunction, name: str, guarantees: frozenset[str]) -> Sch
     return factory
 
 
+def _vllm_profile(plan: PlanFunction, name: str, guarantees: frozenset[str]) -> SchedulerFactory:
+    """A ``vllm-v1`` profile's factory: with speculative decoding on it does not promise ``work-conserving``
+    (vLLM stops admission rather than admit a one-token request un-padded when its ``1 + k`` padded
+    tokens exceed the budget left: ``reference/vllm_v1.py`` rule 7)."""
+    def factory(config: SchedulerConfig) -> Scheduler:
+        kept = guarantees - {"work-conserving"} if config.speculative else guarantees
+        return ReferenceScheduler(config, plan, name, kept)
+
+    factory.__doc__ = plan.__doc__
+    return factory
+
+
 def _fast_fcfs(config: SchedulerConfig) -> Scheduler:
     """``fcfs-fast``: :func:`schedspec.reference.fast_fcfs.fcfs_fast` (imported here: that module builds
     on this one)."""
@@ -326,12 +338,12 @@ SCHEDULERS: dict[str, SchedulerFactory] = {
     ),
     # the fcfs policy on mutable tables, tested equal to fcfs step for step (reference/fast_fcfs.py)
     "fcfs-fast": lambda config: _fast_fcfs(config),
-    "vllm-v1": _reference(vllm_v1.vllm_v1, "vllm-v1", VLLM_V1_GUARANTEES),
-    "vllm-v1-priority": _reference(vllm_v1.vllm_v1_priority, "vllm-v1-priority", VLLM_V1_PRIORITY_GUARANTEES),
+    "vllm-v1": _vllm_profile(vllm_v1.vllm_v1, "vllm-v1", VLLM_V1_GUARANTEES),
+    "vllm-v1-priority": _vllm_profile(vllm_v1.vllm_v1_priority, "vllm-v1-priority", VLLM_V1_PRIORITY_GUARANTEES),
     # vLLM 0.33's decisions (reference/vllm_v1.py: they differ from 0.32's only under priority)
-    "vllm-v1@0.33": _reference(vllm_v1.vllm_v1_033, "vllm-v1@0.33", VLLM_V1_GUARANTEES),
-    "vllm-v1-priority@0.33": _reference(vllm_v1.vllm_v1_priority_033, "vllm-v1-priority@0.33",
-                                        VLLM_V1_PRIORITY_GUARANTEES),
+    "vllm-v1@0.33": _vllm_profile(vllm_v1.vllm_v1_033, "vllm-v1@0.33", VLLM_V1_GUARANTEES),
+    "vllm-v1-priority@0.33": _vllm_profile(vllm_v1.vllm_v1_priority_033, "vllm-v1-priority@0.33",
+                                           VLLM_V1_PRIORITY_GUARANTEES),
 }
 """Registered schedulers by ``--scheduler`` name. ``module:factory`` names a user's own factory, a
 callable taking a :class:`SchedulerConfig` and returning a :class:`Scheduler`."""
