@@ -150,7 +150,8 @@ class WorkConserving(Monitor):
 class StallFreeDecode(Monitor):
     """``stall-free-decode`` (Sarathi-Serve §4.2, stall-free batching): in a step without preemption, if the
     running requests in decode (one pending token) number at most ``max_num_batched_tokens``, each of them
-    gets exactly one token. A long prefill never delays a running decode."""
+    gets exactly one token (besides the drafts it verifies, with speculative decoding). A long prefill
+    never delays a running decode."""
 
     name = "stall-free-decode"
 
@@ -160,7 +161,8 @@ class StallFreeDecode(Monitor):
         decodes = [r for r in before.running if before.requests[r].is_decode]
         if len(decodes) > self.config.max_num_batched_tokens:
             return
-        tokens = {item.request_id: item.num_tokens for item in plan.scheduled}
+        # a decode's one token, beside the drafts it verifies (speculative decoding: num_tokens = 1 + d)
+        tokens = {item.request_id: item.num_tokens - len(item.spec_token_ids) for item in plan.scheduled}
         for request_id in decodes:
             if tokens.get(request_id) != 1:
                 self.report(before.step, "running decode got no token", request_id)
