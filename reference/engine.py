@@ -27,7 +27,7 @@ from __future__ import annotations
 import gc
 import time as wallclock
 import traceback
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -35,13 +35,14 @@ import attrs
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.properties import Monitor, Progress, monitors
 from schedspec.spec.rules import Violation
-from schedspec.spec.state import SchedulerState, StepPlan
+from schedspec.spec.state import NO_SPECULATION, SchedulerState, SpeculativeOutput, StepPlan
 from schedspec.spec.stepper import Stepper, Transition, step_checker
 from schedspec.spec.trace import StepRecord
 from schedspec.spec.transitions import StepResult
 from schedspec.spec.workload import ArrivalClock, RequestSpec
 
-from .fake_model import CostOnlyModel, FakeModel, TokenSource
+from .fake_model import CostOnlyModel, FakeModel, TokenSource, speculative_result
+from .speculation import AcceptancePattern, Speculation
 from .scheduler import (
     EngineFault,
     EngineView,
@@ -208,6 +209,11 @@ class Engine:
         stop_on_violation: raise :class:`ViolationFound` at the first violated rule or invariant.
         on_step: called with each record (progress bars, streaming output).
         on_step_view: called with each step as a :class:`StepView` (no record is built for it).
+        acceptance, acceptance_rate, acceptance_seed: speculative decoding (``num_speculative_tokens >
+            0``) with the default token source: the drafter and acceptance model
+            (:class:`~schedspec.reference.speculation.Speculation`): request id -> its
+            :class:`~schedspec.reference.speculation.AcceptancePattern`, and for the others a seeded
+            per-draft acceptance rate (``None``: every draft accepted).
     """
 
     def __init__(
@@ -223,7 +229,13 @@ class Engine:
         on_step: Callable[[StepRecord], None] | None = None,
         incremental: bool = False,
         on_step_view: Callable[[StepView], None] | None = None,
+        acceptance: Mapping[str, AcceptancePattern] | None = None,
+        acceptance_rate: float | None = None,
+        acceptance_seed: int = 0,
     ) -> None:
+        self.acceptance = dict(acceptance or {})
+        self.acceptance_rate = acceptance_rate
+        self.acceptance_seed = acceptance_seed
         self.scheduler = scheduler
         self.config = config
         self.token_source = token_source
@@ -266,8 +278,12 @@ class Engine:
                               f"schedule() returned a {type(plan).__name__}, not a StepPlan")
         return plan
 
-    def _update(self, step: int, plan: StepPlan, sampled: dict[str, int]) -> tuple[str, ...]:
-        finished = self._call("update", step, self.scheduler.update, plan, sampled)
+    def _update(self, step: int, plan: StepPlan, sampled: dict[str, int],
+                speculative: SpeculativeOutput = NO_SPECULATION) -> tuple[str, ...]:
+        if speculative is NO_SPECULATION:  # a scheduler without speculative decoding takes two arguments
+            finished = self._call("update", step, self.scheduler.update, plan, sampled)
+        else:
+            finished = self._call("update", step, self.scheduler.update, plan, sampled, speculative)
         if not isinstance(finished, (tuple, list)) or not all(isinstance(r, str) for r in finished):
             name = getattr(self.scheduler, "name", None) or type(self.scheduler).__name__
             raise EngineFault(str(name), "update", step, "its return value",
@@ -304,9 +320,13 @@ class Engine:
                 raise ValueError(f"request_id={spec.request_id!r}: arrival_step is required in steps mode")
             specs[spec.request_id] = spec
         events = _ClientEvents(workload, mode)
-        token_source = self.token_source or FakeModel(
-            self.config, eos_at_output={s.request_id: s.eos_at_output for s in workload if s.eos_at_output}
-        )
+        eos_at_output = {s.request_id: s.eos_at_output for s in workload if s.eos_at_output}
+        speculation = None
+        if self.config.speculative and self.token_source is None:
+            speculation = Speculation(self.config, self.acceptance, eos_at_output, self.acceptance_rate,
+                                      self.acceptance_seed)
+        token_source = self.token_source or FakeModel(self.config, eos_at_output=eos_at_output,
+                                                      speculation=speculation)
 
         checker = step_checker(self.config, self.incremental) if self.check else None
         # A run allocates millions of short-lived tuples while holding every finished request: the
@@ -395,14 +415,14 @@ class Engine:
                 violations.extend(found)
                 if self.stop_on_violation:
                     raise ViolationFound(found, before)
-            sampled, duration = token_source.execute(plan, before)
+            sampled, duration, speculative = speculative_result(token_source.execute(plan, before))
             if trust_state:
-                finished = self._update(before.step, plan, sampled)
-                outcome = stepper.step(plan, sampled, StepResult(self.scheduler.state, finished, ()))
+                finished = self._update(before.step, plan, sampled, speculative)
+                outcome = stepper.step(plan, sampled, StepResult(self.scheduler.state, finished, ()), speculative)
             else:
                 # The spec's own transition first, handed to a reference scheduler that keeps the same spec
                 # state (accept_transition), so its state is this state.
-                outcome = stepper.step(plan, sampled)
+                outcome = stepper.step(plan, sampled, speculative=speculative)
                 if outcome.error is not None:
                     found = [Violation("refinement", f"the spec cannot apply the scheduler's plan: {outcome.error}",
                                        before.step, kind="mismatch")]
@@ -411,7 +431,7 @@ class Engine:
                         raise ViolationFound(found, before) from None
                     break
                 self._hand(outcome.transition)
-                finished = self._update(before.step, plan, sampled)
+                finished = self._update(before.step, plan, sampled, speculative)
                 if self.check:
                     found = []
                     if set(finished) != set(outcome.finished):

@@ -2,7 +2,8 @@
 
 A token source runs one step: ``execute(plan, state) -> (sampled_token_ids, step_seconds)``, where
 ``state`` is the state *before* the step and the result holds a token id for each request that
-samples in it (:func:`schedspec.spec.state.samples_this_step`). The PyTorch backend
+samples in it (:func:`schedspec.spec.state.samples_this_step`); with speculative decoding a third
+element, the step's :class:`~schedspec.spec.state.SpeculativeOutput` (:func:`speculative_result`). The PyTorch backend
 (``schedspec.gpu_backend.Runner``) implements the same interface with a real model.
 
 :class:`FakeModel` keeps one token id per KV slot (``num_kv_blocks * block_size`` slots). Each step it
@@ -23,7 +24,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from schedspec.spec.config import SchedulerConfig
-from schedspec.spec.state import MAX_STATE_BLOCKS, SchedulerState, StepPlan
+from schedspec.spec.state import MAX_STATE_BLOCKS, NO_SPECULATION, SchedulerState, SpeculativeOutput, StepPlan
 from schedspec.spec.workload import DEFAULT_VOCAB_SIZE, EOS_TOKEN_ID, token_ids
 
 FULL_READ_LIMIT = 16
@@ -43,6 +44,15 @@ class TokenSource(Protocol):
     """
 
     def execute(self, plan: StepPlan, state: SchedulerState) -> tuple[dict[str, int], float]: ...
+
+
+def speculative_result(result: tuple) -> tuple[dict[str, int], float, SpeculativeOutput]:
+    """A token source's ``execute`` result as ``(sampled, seconds, speculative)``: a source with speculative
+    decoding returns a third element, the step's :class:`~schedspec.spec.state.SpeculativeOutput` (drafts
+    accepted, drafts proposed after the step); one without returns two (:data:`NO_SPECULATION`)."""
+    if len(result) == 3:
+        return result[0], result[1], result[2]
+    return result[0], result[1], NO_SPECULATION
 
 
 
@@ -102,6 +112,7 @@ class FakeModel:
         cost_model=None,
         eos_at_output: Mapping[str, int] | None = None,
         vocab_size: int = DEFAULT_VOCAB_SIZE,
+        speculation=None,
     ) -> None:
         if cost_model is None:
             from schedspec.reference.cost_model import PROFILES
@@ -113,6 +124,9 @@ class FakeModel:
         self.eos_at_output = dict(eos_at_output or {})
         self.vocab_size = vocab_size
         self.slots = np.full(config.num_kv_blocks * config.block_size, -1, dtype=np.int64)
+        self.speculation = speculation
+        """Speculative decoding's drafter and acceptance model
+        (:class:`~schedspec.reference.speculation.Speculation`), or ``None`` without it."""
 
     def _slots(self, table: tuple[int, ...], start: int, stop: int) -> np.ndarray:
         size = self.config.block_size
@@ -158,6 +172,7 @@ class FakeModel:
         prefill_tokens = decode_tokens = attended = pairs = chunks = 0
         requests = state.requests
         eos_at_output = self.eos_at_output
+        accepted: dict[str, int] = {}
         for item in plan.scheduled:
             request = requests[item.request_id]
             table = request.block_ids + item.cached_block_ids + item.new_block_ids if (
@@ -167,6 +182,27 @@ class FakeModel:
             attended += stop
             prompt_len = request.prompt_len
             num_tokens = request.num_tokens
+            if item.spec_token_ids:
+                # speculative decoding: the sequence's pending position(s), then the drafts after it; the
+                # token is sampled after the accepted drafts, read back through the table like any other
+                d = len(item.spec_token_ids)
+                if start < num_tokens:
+                    self.slots[self._slots(table, start, num_tokens)] = token_ids(request, start, num_tokens)
+                self.slots[self._slots(table, stop - d, stop)] = np.asarray(item.spec_token_ids, dtype=np.int64)
+                if request.is_decode:
+                    decode_tokens += item.num_tokens
+                else:
+                    prefill_tokens += item.num_tokens
+                    pairs += item.num_tokens * start + item.num_tokens * (item.num_tokens + 1) // 2
+                    chunks += 1
+                if stop - d == num_tokens:  # samples_this_step
+                    a = self.speculation.accept(item) if self.speculation is not None else 0
+                    accepted[item.request_id] = a
+                    if eos_at_output and eos_at_output.get(item.request_id) == num_tokens - prompt_len + a + 1:
+                        sampled[item.request_id] = EOS_TOKEN_ID
+                    else:
+                        pending.append((item.request_id, table, num_tokens + a))
+                continue
             # request.is_decode, inlined: one token pending, past the prompt
             if num_tokens - request.num_computed_tokens == 1 and request.num_computed_tokens >= prompt_len:
                 # one slot, the last sampled token (batched into one write below)
@@ -187,7 +223,10 @@ class FakeModel:
         if decode_slots:
             self.slots[decode_slots] = decode_ids
         sampled.update(self._sample_all(pending))
-        return sampled, self._price(prefill_tokens, decode_tokens, attended, pairs, chunks)
+        seconds = self._price(prefill_tokens, decode_tokens, attended, pairs, chunks)
+        if self.speculation is None:
+            return sampled, seconds
+        return sampled, seconds, self.speculation.output(plan, state, sampled, accepted, self.config)
 
 
 class CostOnlyModel:

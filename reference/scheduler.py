@@ -6,9 +6,12 @@ The protocol (engine adapters implement the same one):
 - ``add_request(request)``: a fresh :class:`~schedspec.spec.request.Request` arrives (before a step).
 - ``abort_request(request_id)``: the client aborts it (before a step); unknown ids are ignored.
 - ``schedule() -> StepPlan``: plan the next step. Must not change the scheduler's state.
-- ``update(plan, sampled_token_ids) -> tuple[str, ...]``: apply the plan just returned and the tokens
-  the model sampled (request id -> token id for each request that samples); returns the ids of the
-  requests that finished (stop or length) in this step.
+- ``update(plan, sampled_token_ids[, speculative]) -> tuple[str, ...]``: apply the plan just returned and
+  the tokens the model sampled (request id -> token id for each request that samples); returns the ids
+  of the requests that finished (stop or length) in this step. With speculative decoding the engine loop
+  also passes ``speculative`` (:class:`~schedspec.spec.state.SpeculativeOutput`: the drafts accepted
+  per item that verified drafts, the drafts proposed after the step); without it, it passes only two
+  arguments, so a scheduler without speculative decoding need not take a third.
 - ``state``: the scheduler's :class:`~schedspec.spec.state.SchedulerState` (reference schedulers), or
   ``None`` for an engine adapter, whose state the engine loop shadows with the spec.
 - ``engine_view() -> EngineView`` (engine adapters, optional): the engine's own bookkeeping after the
@@ -32,7 +35,7 @@ import attrs
 
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.request import Request
-from schedspec.spec.state import SchedulerState, StepPlan
+from schedspec.spec.state import NO_SPECULATION, SchedulerState, SpeculativeOutput, StepPlan
 from schedspec.spec.stepper import Transition
 from schedspec.spec.transitions import abort_request, add_request, apply_plan
 
@@ -218,7 +221,8 @@ class Scheduler(Protocol):
 
     def schedule(self) -> StepPlan: ...
 
-    def update(self, plan: StepPlan, sampled_token_ids: Mapping[str, int]) -> tuple[str, ...]: ...
+    def update(self, plan: StepPlan, sampled_token_ids: Mapping[str, int],
+               speculative: SpeculativeOutput = NO_SPECULATION) -> tuple[str, ...]: ...
 
 
 ALL_PROPERTIES = frozenset(
@@ -249,9 +253,10 @@ class ReferenceScheduler:
         :mod:`schedspec.spec.stepper`); used at most once, by that call if it is exactly this transition."""
         self._handed = transition
 
-    def _take(self, operation: str, argument: object, sampled: Mapping[str, int] | None = None) -> object | None:
+    def _take(self, operation: str, argument: object, sampled: Mapping[str, int] | None = None,
+              speculative: SpeculativeOutput = NO_SPECULATION) -> object | None:
         handed, self._handed = self._handed, None
-        if handed is not None and handed.matches(operation, self.state, argument, self.config, sampled):
+        if handed is not None and handed.matches(operation, self.state, argument, self.config, sampled, speculative):
             return handed.result
         return None
 
@@ -266,10 +271,11 @@ class ReferenceScheduler:
     def schedule(self) -> StepPlan:
         return self.plan_function(self.state, self.config)
 
-    def update(self, plan: StepPlan, sampled_token_ids: Mapping[str, int]) -> tuple[str, ...]:
-        result = self._take("apply_plan", plan, sampled_token_ids)
+    def update(self, plan: StepPlan, sampled_token_ids: Mapping[str, int],
+               speculative: SpeculativeOutput = NO_SPECULATION) -> tuple[str, ...]:
+        result = self._take("apply_plan", plan, sampled_token_ids, speculative)
         if result is None:
-            result = apply_plan(self.state, plan, sampled_token_ids, self.config)
+            result = apply_plan(self.state, plan, sampled_token_ids, self.config, speculative)
         self.state = result.state
         return result.finished
 
