@@ -138,6 +138,28 @@ PATH_AHEAD: dict[str, tuple[str, Path]] = {"0.33": ("SCHEDSPEC_VLLM033_PATH", RO
 ``sys.path``: version -> (environment variable naming the folder, default folder)."""
 
 
+PADDING_RULES = frozenset({"drafts-only-in-decodes", "drafts-are-proposed"})
+"""The spec rules vLLM's padding of a one-token admission breaks (:func:`padded_admission`)."""
+
+
+def padded_admission(state: SchedulerState, plan: StepPlan, config: SchedulerConfig, request_id: str | None) -> bool:
+    """Whether ``request_id``'s item in ``plan`` is vLLM's padded admission (docs/engines.md, *Speculative
+    decoding*): ``Scheduler.schedule``'s waiting loop schedules a request with exactly one token to compute
+    as ``1 + k`` tokens with ``k`` placeholder drafts (``[-1] * num_spec_tokens``) for a uniform decode
+    batch. Precisely: the request is waiting in ``state`` (the spec state before the step), its item
+    computes its one pending token plus ``num_speculative_tokens`` drafts, all ``-1``. Such an item breaks
+    the spec's ``drafts-only-in-decodes`` and ``drafts-are-proposed``; vLLM rejects every placeholder
+    (``update_from_output``: ``num_rejected = len(scheduled_spec_token_ids) - num_accepted``)."""
+    k = config.num_speculative_tokens
+    request = state.requests.get(request_id) if request_id is not None else None
+    if not k or request is None or request_id not in state.waiting:
+        return False
+    item = next((i for i in plan.scheduled if i.request_id == request_id), None)
+    hit = len(item.cached_block_ids) * config.block_size if item is not None else 0
+    return (item is not None and item.spec_token_ids == (-1,) * k and item.num_tokens == 1 + k
+            and request.num_tokens - item.num_computed_tokens == 1 and item.num_computed_tokens >= hit)
+
+
 class EngineUnavailable(UnsupportedFeature):
     """The vLLM environment is missing or broken (the message says how to install it)."""
 
@@ -540,6 +562,9 @@ class _VllmAdapter:
         """Whether ``violation`` (of the plan ``schedule`` returned, before ``update``) is one of vLLM's
         documented differences from the spec:
 
+        - with speculative decoding, its padding of a one-token admission to ``1 + k`` tokens with
+          placeholder drafts (:func:`padded_admission`): a ``drafts-only-in-decodes`` or
+          ``drafts-are-proposed`` violation of that request;
         - its lifting of ``long_prefill_token_threshold`` for a lone request: a
           ``long-prefill-threshold`` violation in a step vLLM planned while holding at most one request
           (running or waiting; ``Scheduler.get_request_counts``, read at the start of ``Scheduler.schedule``);
@@ -551,6 +576,9 @@ class _VllmAdapter:
         """
         if violation.name == "long-prefill-threshold":
             return self.plan_num_requests <= 1
+        if violation.name in PADDING_RULES:
+            return state is not None and self.plan is not None and padded_admission(state, self.plan, self.config,
+                                                                                     violation.request_id)
         if violation.name not in SAME_STEP_HIT_RULES or state is None or self.plan is None:
             return False
         hits = same_step_hits(state, self.plan, self.config)

@@ -11,7 +11,7 @@ engine stamps requests on receipt.
 from __future__ import annotations
 
 import stat
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,7 @@ from schedspec.spec.workload import RequestSpec
 from .engine import Engine, RunResult
 from .fake_model import TokenSource, simulation_size_problem
 from .scheduler import EngineFault, UnsupportedFeature, make_scheduler
+from .speculation import AcceptancePattern
 
 TokenSourceFactory = Callable[[SchedulerConfig, Sequence[RequestSpec]], TokenSource]
 """Builds the token source of one run from its config and workload (``replay(token_source_factory=...)``)."""
@@ -44,7 +45,8 @@ EXPECT_KEYS = {
 FINDING_KEYS = {"name", "step", "mentions", "also"}
 ENGINE_CRASH = "engine-crash"
 """The ``finding.name`` of an engine crash (:class:`~schedspec.reference.scheduler.EngineFault`)."""
-REQUEST_KEYS = {"id", "arrival_step", "prompt_len", "max_tokens", "priority", "prefix", "abort_at_step", "eos_at_output"}
+REQUEST_KEYS = {"id", "arrival_step", "prompt_len", "max_tokens", "priority", "prefix", "abort_at_step", "eos_at_output",
+                "acceptance"}
 OUTCOMES = {"finished", "rejected", "aborted"}
 TOP_KEYS = {"name", "about", "config", "requests", "expect", "scheduler", "max_steps"}
 DEFAULT_MAX_STEPS = 10_000
@@ -63,6 +65,9 @@ class Scenario:
     scheduler: str | None
     path: str
     max_steps: int | None = None
+    acceptance: Mapping[str, AcceptancePattern] = attrs.field(factory=dict)
+    """Speculative decoding: request id -> its acceptance pattern (the request's ``acceptance`` field;
+    :class:`~schedspec.reference.speculation.AcceptancePattern`); the others accept every draft."""
 
 
 MAX_STEP = 10_000
@@ -142,6 +147,7 @@ def parse_scenario(data: Any, path: str = "<scenario>") -> Scenario:
                             "a scenario may list")
     requests = []
     seen = set()
+    acceptance: dict[str, AcceptancePattern] = {}
     for index, raw in enumerate(data["requests"]):
         where = f"{path}: requests[{index}]"
         if not isinstance(raw, dict):
@@ -166,6 +172,11 @@ def parse_scenario(data: Any, path: str = "<scenario>") -> Scenario:
             if abort < arrival:  # the engine would meet the abort before the request exists, and drop it
                 raise ScenarioError(f"{where}.abort_at_step: {abort} is before arrival_step {arrival} "
                                     "(a request can be aborted only once it has arrived)")
+        if "acceptance" in raw:
+            try:
+                acceptance[request_id] = AcceptancePattern.from_json(raw["acceptance"])
+            except ValueError as error:
+                raise ScenarioError(f"{where}.acceptance: {error}") from None
         requests.append(RequestSpec(
             request_id=request_id,
             arrival_step=arrival,
@@ -198,6 +209,7 @@ def parse_scenario(data: Any, path: str = "<scenario>") -> Scenario:
     return Scenario(
         name=name, about=about, config=config, policy=policy,
         requests=tuple(requests), expect=expect, scheduler=scheduler, path=path, max_steps=max_steps,
+        acceptance=acceptance,
     )
 
 
@@ -360,7 +372,8 @@ def _run(scenario: Scenario, scheduler_name: str, config: SchedulerConfig, reque
     scheduler = make_scheduler(scheduler_name, config)
     properties = [p for p in sorted(scheduler.guarantees) if p not in watch]
     token_source = token_source_factory(config, requests) if token_source_factory is not None else None
-    engine = Engine(scheduler, config, token_source=token_source, properties=properties, watch=watch, incremental=True)
+    engine = Engine(scheduler, config, token_source=token_source, properties=properties, watch=watch, incremental=True,
+                    acceptance=scenario.acceptance)
     limit = scenario.expect.get("all_terminal_by_step")
     max_steps = DEFAULT_MAX_STEPS if limit is None else max(limit + 1, 1) * 4 + 100
     if scenario.max_steps is not None:

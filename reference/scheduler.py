@@ -291,12 +291,18 @@ def _reference(plan: PlanFunction, name: str, guarantees: frozenset[str]) -> Sch
     return factory
 
 
+SPECULATIVE_LOSSES = frozenset({"work-conserving", "bounded-preemptions"})
+"""The properties a ``vllm-v1`` profile does not promise with speculative decoding (:func:`_vllm_profile`)."""
+
+
 def _vllm_profile(plan: PlanFunction, name: str, guarantees: frozenset[str]) -> SchedulerFactory:
     """A ``vllm-v1`` profile's factory: with speculative decoding on it does not promise ``work-conserving``
     (vLLM stops admission rather than admit a one-token request un-padded when its ``1 + k`` padded
-    tokens exceed the budget left: ``reference/vllm_v1.py`` rule 7)."""
+    tokens exceed the budget left: ``reference/vllm_v1.py`` rule 7) nor ``bounded-preemptions`` (vLLM
+    schedules drafts past ``max_tokens``, so a request whose whole sequence fits the KV cache may need a
+    block it never uses and preempt, itself included: the bundled case ``drafts-past-max-tokens-preempt``)."""
     def factory(config: SchedulerConfig) -> Scheduler:
-        kept = guarantees - {"work-conserving"} if config.speculative else guarantees
+        kept = guarantees - SPECULATIVE_LOSSES if config.speculative else guarantees
         return ReferenceScheduler(config, plan, name, kept)
 
     factory.__doc__ = plan.__doc__

@@ -20,6 +20,7 @@ import functools
 
 from hypothesis import strategies as st
 
+from schedspec.reference.speculation import AcceptancePattern
 from schedspec.spec.config import SchedulerConfig, blocks_for_tokens
 
 __all__ = ["eos_positions", "max_tokens_values", "priorities", "prompt_lengths", "request_shapes",
@@ -162,3 +163,17 @@ def priorities() -> st.SearchStrategy[int]:
 def request_shapes(config: SchedulerConfig) -> st.SearchStrategy[tuple[int, int, int | None, int]]:
     """``(prompt_len, max_tokens, eos_at_output, priority)`` for ``config``."""
     return st.tuples(prompt_lengths(config), max_tokens_values(config), eos_positions(), priorities())
+
+
+def acceptance_patterns(k: int) -> st.SearchStrategy[AcceptancePattern]:
+    """Speculative decoding's per-request behaviour for ``num_speculative_tokens = k``
+    (:class:`~schedspec.reference.speculation.AcceptancePattern`): every draft accepted, none, a cycle of 1
+    to 4 accepted counts in ``0..k`` (partly, sometimes all), and sometimes proposals of fewer than ``k``
+    drafts (a cycle of 1 to 3 counts in ``0..k``: an n-gram drafter without a match proposes none)."""
+    counts = st.lists(st.integers(0, k), min_size=1, max_size=4).map(tuple)
+    fewer = st.one_of(st.none(), st.none(), st.lists(st.integers(0, k), min_size=1, max_size=3).map(tuple))
+    return st.one_of(
+        st.just(AcceptancePattern()),
+        st.just(AcceptancePattern(accepted=(0,))),
+        st.builds(AcceptancePattern, num_drafts=fewer, accepted=st.one_of(st.none(), counts)),
+    )

@@ -138,6 +138,6 @@ def test_a_one_token_request_that_fits_padded_is_admitted_with_one_token_and_no_
     assert item(plan, "one") == ScheduledRequest("one", 0, 1, new_block_ids=(3,))
 
 
-def test_with_speculative_decoding_the_profile_promises_no_work_conserving():
+def test_with_speculative_decoding_the_profile_promises_neither_work_conserving_nor_bounded_preemptions():
     assert "work-conserving" in make_scheduler("vllm-v1", config(num_speculative_tokens=0)).guarantees
-    assert "work-conserving" not in make_scheduler("vllm-v1", config()).guarantees
+    assert not {"work-conserving", "bounded-preemptions"} & make_scheduler("vllm-v1", config()).guarantees
