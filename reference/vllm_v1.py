@@ -74,7 +74,9 @@ admission. The rules, each with its place in vLLM's source:
    Admission: vLLM pads a waiting request with exactly one token to compute to ``1 + k`` tokens with
    ``-1`` placeholder drafts when no running prefill chunk was scheduled, some running request was (or
    the request has computed tokens), and ``num_computed_tokens + 1 + k + 1 <= max_model_len``; if ``1 +
-   k`` exceeds the budget left it stops admission ("Prefer to not schedule than schedule un-padded").
+   k`` exceeds the budget left it stops admission ("Prefer to not schedule than schedule un-padded"),
+   and ``allocate_slots`` asks for the padded tokens' slots, so admission also stops when they do not
+   fit the free blocks (the one token would).
    The profile stops admission in that case too, but never pads: a placeholder draft in an admission
    breaks the spec's ``drafts-only-in-decodes`` and ``drafts-are-proposed`` (a documented difference,
    the table below). 0.33 decides all of this as 0.32 does.
@@ -296,13 +298,15 @@ def plan_vllm_v1(state: SchedulerState, config: SchedulerConfig, by_priority: bo
             else:
                 whole = blocks_for_tokens(whole_tokens, config.block_size)
             hit_tokens = len(hit) * config.block_size
+            padded = 1 + config.num_speculative_tokens
             if (config.speculative and request.num_tokens - hit_tokens == 1 and not prefill_scheduled
-                    and (running_scheduled or hit_tokens > 0)
-                    and hit_tokens + 1 + config.num_speculative_tokens + 1 <= config.max_model_len
-                    and 1 + config.num_speculative_tokens > budget):
-                # vLLM pads a one-token admission to 1 + k (placeholder drafts), and "prefers to not schedule
-                # than schedule un-padded" when that does not fit (rule 7): admission stops here
-                break
+                    and (running_scheduled or hit_tokens > 0) and hit_tokens + padded + 1 <= config.max_model_len):
+                # vLLM pads a one-token admission to 1 + k (placeholder drafts) and "prefers to not schedule
+                # than schedule un-padded" when that exceeds the budget; it allocates slots for the padded
+                # tokens, so admission also stops when they do not fit the free blocks (rule 7)
+                extra = blocks_for_tokens(_slots(hit_tokens + padded, config), config.block_size) - len(hit)
+                if padded > budget or extra > queue.available:
+                    break
             num_tokens = _cap(request, request.num_tokens - hit_tokens, config)
             if not config.enable_chunked_prefill and num_tokens > budget:
                 break

@@ -33,11 +33,11 @@ def config(**changes) -> SchedulerConfig:
     return SchedulerConfig(**base)
 
 
-def decoding(cfg: SchedulerConfig, ids=("a",), drafts=(12, 13, 14), prompt_len=5) -> SchedulerState:
+def decoding(cfg: SchedulerConfig, ids=("a",), drafts=(12, 13, 14), prompt_len=5, max_tokens=20) -> SchedulerState:
     """``ids`` prefilled in one step (``prompt_len`` tokens each), each holding ``drafts``."""
     state = SchedulerState.initial(cfg)
     for request_id in ids:
-        state = add_request(state, Request(request_id, 0, list(range(5, 5 + prompt_len)), max_tokens=20,
+        state = add_request(state, Request(request_id, 0, list(range(5, 5 + prompt_len)), max_tokens=max_tokens,
                                            eos_token_id=2))
     plan = vllm_v1(state, cfg)
     assert [item.num_tokens for item in plan.scheduled] == [prompt_len] * len(ids)
@@ -141,3 +141,14 @@ def test_a_one_token_request_that_fits_padded_is_admitted_with_one_token_and_no_
 def test_with_speculative_decoding_the_profile_promises_neither_work_conserving_nor_bounded_preemptions():
     assert "work-conserving" in make_scheduler("vllm-v1", config(num_speculative_tokens=0)).guarantees
     assert not {"work-conserving", "bounded-preemptions"} & make_scheduler("vllm-v1", config()).guarantees
+
+
+def test_admission_stops_where_the_padded_tokens_would_not_fit_the_free_blocks():
+    """vLLM allocates slots for the 1 + k padded tokens (``allocate_slots`` returns ``None``: ``break``),
+    although the request's one token would fit: ``schedspec diff`` seed 1 example 245, shrunk."""
+    cfg = config(block_size=1, num_kv_blocks=8)
+    state = decoding(cfg, prompt_len=3, max_tokens=4)  # a: 3 blocks held, 1 + 3 drafts needs blocks for positions 3..6
+    state = add_request(state, Request("one", 1, [7], max_tokens=1, eos_token_id=2))
+    plan = vllm_v1(state, cfg)  # 4 new blocks for a, 1 left: "one" fits unpadded (1), not padded (4)
+    assert violated_rules(state, plan, cfg) == []
+    assert [i.request_id for i in plan.scheduled] == ["a"]
