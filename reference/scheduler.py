@@ -291,7 +291,7 @@ def _reference(plan: PlanFunction, name: str, guarantees: frozenset[str]) -> Sch
     return factory
 
 
-SPECULATIVE_LOSSES = frozenset({"work-conserving", "bounded-preemptions"})
+SPECULATIVE_LOSSES = frozenset({"work-conserving", "bounded-preemptions", "stall-free-decode", "bounded-wait"})
 """The properties a ``vllm-v1`` profile does not promise with speculative decoding (:func:`_vllm_profile`)."""
 
 
@@ -300,7 +300,12 @@ def _vllm_profile(plan: PlanFunction, name: str, guarantees: frozenset[str]) -> 
     (vLLM stops admission rather than admit a one-token request un-padded when its ``1 + k`` padded
     tokens exceed the budget left: ``reference/vllm_v1.py`` rule 7) nor ``bounded-preemptions`` (vLLM
     schedules drafts past ``max_tokens``, so a request whose whole sequence fits the KV cache may need a
-    block it never uses and preempt, itself included: the bundled case ``drafts-past-max-tokens-preempt``)."""
+    block it never uses and preempt, itself included: the bundled case ``drafts-past-max-tokens-preempt``;
+    the recompute after such a self-preemption can also take the oldest request past ``bounded-wait``'s
+    ``max_model_len`` steps, e.g. chunked by a small ``long_prefill_token_threshold``)
+    nor ``stall-free-decode`` (the running loop gives each decode all its drafts in list order, so the
+    drafts of the decodes ahead can take the budget a later decode needed for its one token: the bundled
+    case ``drafts-starve-a-decode``)."""
     def factory(config: SchedulerConfig) -> Scheduler:
         kept = guarantees - SPECULATIVE_LOSSES if config.speculative else guarantees
         return ReferenceScheduler(config, plan, name, kept)

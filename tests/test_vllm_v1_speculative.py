@@ -140,7 +140,7 @@ def test_a_one_token_request_that_fits_padded_is_admitted_with_one_token_and_no_
 
 def test_with_speculative_decoding_the_profile_promises_neither_work_conserving_nor_bounded_preemptions():
     assert "work-conserving" in make_scheduler("vllm-v1", config(num_speculative_tokens=0)).guarantees
-    assert not {"work-conserving", "bounded-preemptions"} & make_scheduler("vllm-v1", config()).guarantees
+    assert not {"work-conserving", "bounded-preemptions", "stall-free-decode", "bounded-wait"} & make_scheduler("vllm-v1", config()).guarantees
 
 
 def test_admission_stops_where_the_padded_tokens_would_not_fit_the_free_blocks():
