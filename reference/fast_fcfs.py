@@ -508,7 +508,7 @@ class FastFcfsScheduler:
 
 def fcfs_fast(config: SchedulerConfig) -> FastFcfsScheduler | ReferenceScheduler:
     """The ``fcfs-fast`` scheduler: :class:`FastFcfsScheduler`, or the plain ``fcfs`` scheduler when
-    prefix caching is on (not implemented on the mutable tables)."""
-    if config.enable_prefix_caching:
+    prefix caching or speculative decoding is on (neither is implemented on the mutable tables)."""
+    if config.enable_prefix_caching or config.speculative:
         return ReferenceScheduler(config, policies.fcfs, "fcfs-fast", ALL_PROPERTIES)
     return FastFcfsScheduler(config)
