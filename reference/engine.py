@@ -20,6 +20,12 @@ stamps a request on receipt (:class:`~schedspec.spec.workload.ArrivalClock`): th
 step on the simulated clock in steps mode, the trace's time in time mode, strictly increasing in the
 order of addition. The stamped descriptor is what the scheduler receives and what the step's record
 lists.
+
+Speculative decoding (``num_speculative_tokens > 0``): the token source's ``execute_speculative`` also
+returns what it accepted and the drafts proposed after the step (default: :class:`FakeModel` with its
+seeded :class:`~schedspec.reference.fake_model.AcceptanceModel`), which the spec's transition and the
+scheduler's ``update`` take as their third input; a scheduler or token source without it is refused
+(:class:`UnsupportedFeature`, exit 3).
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from __future__ import annotations
 import gc
 import time as wallclock
 import traceback
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import attrs
@@ -41,14 +47,14 @@ from schedspec.spec.trace import StepRecord
 from schedspec.spec.transitions import StepResult
 from schedspec.spec.workload import ArrivalClock, RequestSpec
 
-from .fake_model import CostOnlyModel, FakeModel, TokenSource, speculative_result
-from .speculation import AcceptancePattern, Speculation
+from .fake_model import CostOnlyModel, FakeModel, TokenSource
 from .scheduler import (
     EngineFault,
     EngineView,
     Scheduler,
     UnsupportedFeature,
     state_differences,
+    supports_speculative,
     view_differences,
 )
 
@@ -209,11 +215,6 @@ class Engine:
         stop_on_violation: raise :class:`ViolationFound` at the first violated rule or invariant.
         on_step: called with each record (progress bars, streaming output).
         on_step_view: called with each step as a :class:`StepView` (no record is built for it).
-        acceptance, acceptance_rate, acceptance_seed: speculative decoding (``num_speculative_tokens >
-            0``) with the default token source: the drafter and acceptance model
-            (:class:`~schedspec.reference.speculation.Speculation`): request id -> its
-            :class:`~schedspec.reference.speculation.AcceptancePattern`, and for the others a seeded
-            per-draft acceptance rate (``None``: every draft accepted).
     """
 
     def __init__(
@@ -229,13 +230,7 @@ class Engine:
         on_step: Callable[[StepRecord], None] | None = None,
         incremental: bool = False,
         on_step_view: Callable[[StepView], None] | None = None,
-        acceptance: Mapping[str, AcceptancePattern] | None = None,
-        acceptance_rate: float | None = None,
-        acceptance_seed: int = 0,
     ) -> None:
-        self.acceptance = dict(acceptance or {})
-        self.acceptance_rate = acceptance_rate
-        self.acceptance_seed = acceptance_seed
         self.scheduler = scheduler
         self.config = config
         self.token_source = token_source
@@ -280,10 +275,10 @@ class Engine:
 
     def _update(self, step: int, plan: StepPlan, sampled: dict[str, int],
                 speculative: SpeculativeOutput = NO_SPECULATION) -> tuple[str, ...]:
-        if speculative is NO_SPECULATION:  # a scheduler without speculative decoding takes two arguments
-            finished = self._call("update", step, self.scheduler.update, plan, sampled)
-        else:
+        if self.config.speculative:
             finished = self._call("update", step, self.scheduler.update, plan, sampled, speculative)
+        else:
+            finished = self._call("update", step, self.scheduler.update, plan, sampled)
         if not isinstance(finished, (tuple, list)) or not all(isinstance(r, str) for r in finished):
             name = getattr(self.scheduler, "name", None) or type(self.scheduler).__name__
             raise EngineFault(str(name), "update", step, "its return value",
@@ -320,13 +315,18 @@ class Engine:
                 raise ValueError(f"request_id={spec.request_id!r}: arrival_step is required in steps mode")
             specs[spec.request_id] = spec
         events = _ClientEvents(workload, mode)
-        eos_at_output = {s.request_id: s.eos_at_output for s in workload if s.eos_at_output}
-        speculation = None
-        if self.config.speculative and self.token_source is None:
-            speculation = Speculation(self.config, self.acceptance, eos_at_output, self.acceptance_rate,
-                                      self.acceptance_seed)
-        token_source = self.token_source or FakeModel(self.config, eos_at_output=eos_at_output,
-                                                      speculation=speculation)
+        token_source = self.token_source or FakeModel(
+            self.config, eos_at_output={s.request_id: s.eos_at_output for s in workload if s.eos_at_output}
+        )
+        if self.config.speculative:
+            name = getattr(self.scheduler, "name", None) or type(self.scheduler).__name__
+            if not supports_speculative(self.scheduler):
+                raise UnsupportedFeature(f"scheduler {name!r} does not support speculative decoding "
+                                         f"(num_speculative_tokens={self.config.num_speculative_tokens}): its update "
+                                         "takes no drafts")
+            if not callable(getattr(token_source, "execute_speculative", None)):
+                raise UnsupportedFeature(f"token source {type(token_source).__name__} does not support speculative "
+                                         f"decoding (num_speculative_tokens={self.config.num_speculative_tokens})")
 
         checker = step_checker(self.config, self.incremental) if self.check else None
         # A run allocates millions of short-lived tuples while holding every finished request: the
@@ -362,6 +362,8 @@ class Engine:
         stepper = Stepper(self.config, checker, watched, initial)
         records: list[StepRecord] = []
         violations: list[Violation] = []
+        speculative_on = self.config.speculative
+        speculative = NO_SPECULATION
         clock = 0.0
         step = 0
         checked = 0
@@ -415,10 +417,14 @@ class Engine:
                 violations.extend(found)
                 if self.stop_on_violation:
                     raise ViolationFound(found, before)
-            sampled, duration, speculative = speculative_result(token_source.execute(plan, before))
+            if speculative_on:
+                sampled, duration, speculative = token_source.execute_speculative(plan, before)
+            else:
+                sampled, duration = token_source.execute(plan, before)
             if trust_state:
                 finished = self._update(before.step, plan, sampled, speculative)
-                outcome = stepper.step(plan, sampled, StepResult(self.scheduler.state, finished, ()), speculative)
+                outcome = stepper.step(plan, sampled, StepResult(self.scheduler.state, finished, ()),
+                                       speculative=speculative)
             else:
                 # The spec's own transition first, handed to a reference scheduler that keeps the same spec
                 # state (accept_transition), so its state is this state.

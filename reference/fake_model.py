@@ -2,8 +2,7 @@
 
 A token source runs one step: ``execute(plan, state) -> (sampled_token_ids, step_seconds)``, where
 ``state`` is the state *before* the step and the result holds a token id for each request that
-samples in it (:func:`schedspec.spec.state.samples_this_step`); with speculative decoding a third
-element, the step's :class:`~schedspec.spec.state.SpeculativeOutput` (:func:`speculative_result`). The PyTorch backend
+samples in it (:func:`schedspec.spec.state.samples_this_step`). The PyTorch backend
 (``schedspec.gpu_backend.Runner``) implements the same interface with a real model.
 
 :class:`FakeModel` keeps one token id per KV slot (``num_kv_blocks * block_size`` slots). Each step it
@@ -24,8 +23,14 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from schedspec.spec.config import SchedulerConfig
-from schedspec.spec.state import MAX_STATE_BLOCKS, NO_SPECULATION, SchedulerState, SpeculativeOutput, StepPlan
-from schedspec.spec.workload import DEFAULT_VOCAB_SIZE, EOS_TOKEN_ID, token_ids
+from schedspec.spec.request import Request
+from schedspec.spec.state import (
+    MAX_STATE_BLOCKS,
+    SchedulerState,
+    SpeculativeOutput,
+    StepPlan,
+)
+from schedspec.spec.workload import DEFAULT_VOCAB_SIZE, EOS_TOKEN_ID, _mix, _seed, token_ids
 
 FULL_READ_LIMIT = 16
 """Sequences up to this many tokens are read back whole when they sample; longer ones are read at their
@@ -46,15 +51,73 @@ class TokenSource(Protocol):
     def execute(self, plan: StepPlan, state: SchedulerState) -> tuple[dict[str, int], float]: ...
 
 
-def speculative_result(result: tuple) -> tuple[dict[str, int], float, SpeculativeOutput]:
-    """A token source's ``execute`` result as ``(sampled, seconds, speculative)``: a source with speculative
-    decoding returns a third element, the step's :class:`~schedspec.spec.state.SpeculativeOutput` (drafts
-    accepted, drafts proposed after the step); one without returns two (:data:`NO_SPECULATION`)."""
-    if len(result) == 3:
-        return result[0], result[1], result[2]
-    return result[0], result[1], NO_SPECULATION
+SpeculativeResult = tuple[dict[str, int], float, SpeculativeOutput]
+"""What a token source's ``execute_speculative(plan, state)`` returns with speculative decoding on:
+``(sampled_token_ids, step_seconds, speculative)``, ``speculative`` the drafts it accepted per request
+that verified drafts and the drafts proposed for each request that sampled
+(:class:`~schedspec.spec.state.SpeculativeOutput`). The engine loop calls it instead of ``execute`` when
+``num_speculative_tokens > 0``; a token source without it cannot run speculative decoding."""
 
 
+ACCEPTANCE_PATTERNS = ("all", "none", "rate:P", "upto:N")
+"""The per-request acceptance patterns of :class:`AcceptanceModel`: the drafter right at every position, at
+none, at each with probability P (0 <= P <= 1), or at every position up to output N and none after. A stop
+inside the accepted drafts comes from the workload (``eos_at_output`` within a run of right drafts, or
+``max_tokens``)."""
+
+
+class AcceptanceModel:
+    """The seeded acceptance model of speculative decoding: which drafts the drafter gets right.
+
+    :class:`FakeModel` drafts and verifies greedily (:meth:`FakeModel.execute_speculative`): a draft is the
+    token the model would sample at its position when this model says the drafter is right there, and
+    another token when it says it is wrong; verification accepts drafts while they equal the model's
+    tokens. By default the drafter is right with probability ``rate`` at each output position; per request,
+    a pattern of :data:`ACCEPTANCE_PATTERNS`. A draw depends only on (seed, request id, output position),
+    never on the batch or on how many drafts were scheduled, so with a correct KV cache a request's
+    tokens are the same with speculative decoding as without, however it is batched.
+
+    Args:
+        rate: probability that the drafter is right at a position (0..1), for requests without a pattern.
+        seed: the seed of every draw.
+        patterns: request id -> pattern (``"all"``, ``"none"``, ``"rate:0.5"``, ``"upto:12"``).
+
+    Raises:
+        ValueError: a rate outside [0, 1] or a pattern not of :data:`ACCEPTANCE_PATTERNS`, naming it.
+    """
+
+    def __init__(self, rate: float = 0.7, seed: int = 0, patterns: Mapping[str, str] | None = None) -> None:
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"acceptance rate={rate!r}: must be between 0 and 1")
+        self.rate = rate
+        self.seed = seed
+        self.patterns = {request_id: self._parse(request_id, p) for request_id, p in (patterns or {}).items()}
+
+    @staticmethod
+    def _parse(request_id: str, pattern: str) -> tuple[str, float]:
+        kind, _, value = pattern.partition(":")
+        try:
+            if kind in ("all", "none") and not value:
+                return kind, 0.0
+            if kind == "rate" and 0.0 <= float(value) <= 1.0:
+                return kind, float(value)
+            if kind == "upto" and int(value) >= 0:
+                return kind, float(int(value))
+        except ValueError:
+            pass
+        raise ValueError(f"acceptance pattern {pattern!r} of request {request_id!r}: expected one of "
+                         f"{', '.join(ACCEPTANCE_PATTERNS)}")
+
+    def right(self, request_id: str, output: int) -> bool:
+        """Whether the drafter's draft for output number ``output`` (1-based) of the request is right."""
+        kind, value = self.patterns.get(request_id, ("rate", self.rate))
+        if kind == "all":
+            return True
+        if kind == "none":
+            return False
+        if kind == "upto":
+            return output <= value
+        return _mix(_seed(f"{self.seed}:{request_id}"), output) / 2**64 < value
 
 
 MAX_SIMULATED_KV_BLOCKS = MAX_STATE_BLOCKS
@@ -104,6 +167,8 @@ class FakeModel:
         cost_model: gives each step's duration; default: the ``llama3-8b-a100-80gb`` profile.
         eos_at_output: request id -> k: emit :data:`EOS_TOKEN_ID` as output token k (1-based).
         vocab_size: sampled ids lie in ``[1, vocab_size)`` (EOS only where ``eos_at_output`` says).
+        acceptance: speculative decoding's acceptance model (:meth:`execute_speculative`); default an
+            :class:`AcceptanceModel` with its defaults.
     """
 
     def __init__(
@@ -112,7 +177,7 @@ class FakeModel:
         cost_model=None,
         eos_at_output: Mapping[str, int] | None = None,
         vocab_size: int = DEFAULT_VOCAB_SIZE,
-        speculation=None,
+        acceptance: AcceptanceModel | None = None,
     ) -> None:
         if cost_model is None:
             from schedspec.reference.cost_model import PROFILES
@@ -124,9 +189,7 @@ class FakeModel:
         self.eos_at_output = dict(eos_at_output or {})
         self.vocab_size = vocab_size
         self.slots = np.full(config.num_kv_blocks * config.block_size, -1, dtype=np.int64)
-        self.speculation = speculation
-        """Speculative decoding's drafter and acceptance model
-        (:class:`~schedspec.reference.speculation.Speculation`), or ``None`` without it."""
+        self.acceptance = acceptance or AcceptanceModel()
 
     def _slots(self, table: tuple[int, ...], start: int, stop: int) -> np.ndarray:
         size = self.config.block_size
@@ -163,7 +226,92 @@ class FakeModel:
             start = stop
         return sampled
 
+    def _token_at(self, values: list[int], length: int) -> int:
+        """The token sampled after a sequence of ``length`` tokens whose :meth:`read_positions` hold
+        ``values`` (the one definition of :meth:`_sample_all`'s token)."""
+        return 1 + (hash((length, *values)) & 0xFFFFFFFFFFFFFFFF) % (self.vocab_size - 1)
+
+    def _read(self, table: tuple[int, ...], length: int) -> list[int]:
+        size = self.config.block_size
+        return self.slots.take([table[p // size] * size + p % size for p in _read_positions(length)]).tolist()
+
+    def execute_speculative(self, plan: StepPlan, state: SchedulerState) -> SpeculativeResult:
+        """:meth:`execute` with speculative decoding (:data:`SpeculativeResult`), verified greedily over the
+        fake KV cache: a decode's drafts are written into the slots after its pending token; the model's
+        token at each of those positions is read back **through the block table** (the EOS at the output
+        ``eos_at_output`` names); drafts are accepted while they equal it, and the token sampled is the
+        model's at the first mismatch (or after the last draft). Then, for each request that sampled, the
+        drafts of its next step: ``min(k, max_model_len - num_tokens)`` (vLLM's n-gram drafter trims so:
+        ``ngram_proposer.py``, ``k = min(k, max_model_len - total_token)``), each the model's token at its
+        position computed from the request's tokens (not the cache) where the :class:`AcceptanceModel`
+        says the drafter is right, another token where it is wrong. A wrong block table, a rejected
+        position kept as computed or an accepted one lost makes the model's tokens differ from the
+        drafter's and from a solo run's."""
+        sampled, seconds = self.execute(plan, state)
+        requests = state.requests
+        accepted: dict[str, int] = {}
+        eos_at_output = self.eos_at_output
+        for item in plan.scheduled:
+            drafts = item.spec_token_ids
+            if not drafts or item.request_id not in sampled:
+                continue
+            request = requests[item.request_id]
+            table = request.block_ids + item.new_block_ids
+            a = 0
+            while True:
+                length = request.num_tokens + a
+                if eos_at_output.get(item.request_id) == request.num_output_tokens + 1 + a:
+                    token = EOS_TOKEN_ID
+                else:
+                    token = self._token_at(self._read(table, length), length)
+                if a < len(drafts) and drafts[a] == token:
+                    a += 1
+                    continue
+                break
+            accepted[item.request_id] = a
+            sampled[item.request_id] = token
+        proposals = {}
+        for request_id, token in sampled.items():
+            request = requests[request_id]
+            item_drafts = next((i.spec_token_ids for i in plan.scheduled if i.request_id == request_id), ())
+            extra = (*item_drafts[:accepted.get(request_id, 0)], token)
+            drafts = self._drafts(request, extra)
+            if drafts:
+                proposals[request_id] = drafts
+        return sampled, seconds, SpeculativeOutput(accepted, proposals)
+
+    def _drafts(self, request: Request, extra: tuple[int, ...]) -> tuple[int, ...]:
+        """The drafts proposed for ``request`` (as before the step) after it appends ``extra`` (its accepted
+        drafts and the token sampled): :meth:`execute_speculative`."""
+        length = request.num_tokens + len(extra)
+        count = min(self.config.num_speculative_tokens, self.config.max_model_len - length)
+        if count <= 0:
+            return ()
+        outputs = request.num_output_tokens + len(extra)
+        known = request.num_tokens
+        sequence = list(extra)
+
+        def value(position: int) -> int:
+            if position < known:
+                return int(token_ids(request, position, position + 1)[0])
+            return sequence[position - known]
+
+        eos = self.eos_at_output.get(request.request_id)
+        drafts = []
+        for index in range(count):
+            output = outputs + 1 + index
+            position = length + index
+            token = EOS_TOKEN_ID if eos == output else self._token_at(
+                [value(p) for p in _read_positions(position)], position)
+            if not self.acceptance.right(request.request_id, output):
+                token = 1 + token % (self.vocab_size - 1)  # another id (a wrong draft)
+            drafts.append(token)
+            sequence.append(token)
+        return tuple(drafts)
+
     def execute(self, plan: StepPlan, state: SchedulerState) -> tuple[dict[str, int], float]:
+        """Run the step (module docstring). A decode's drafts are written after its pending token and its
+        token is sampled as if it had none (:meth:`execute_speculative` verifies them)."""
         sampled: dict[str, int] = {}
         pending: list[tuple[str, tuple[int, ...], int]] = []
         decode_slots: list[int] = []
@@ -172,7 +320,6 @@ class FakeModel:
         prefill_tokens = decode_tokens = attended = pairs = chunks = 0
         requests = state.requests
         eos_at_output = self.eos_at_output
-        accepted: dict[str, int] = {}
         for item in plan.scheduled:
             request = requests[item.request_id]
             table = request.block_ids + item.cached_block_ids + item.new_block_ids if (
@@ -182,33 +329,19 @@ class FakeModel:
             attended += stop
             prompt_len = request.prompt_len
             num_tokens = request.num_tokens
-            if item.spec_token_ids:
-                # speculative decoding: the sequence's pending position(s), then the drafts after it; the
-                # token is sampled after the accepted drafts, read back through the table like any other
-                d = len(item.spec_token_ids)
-                if start < num_tokens:
-                    self.slots[self._slots(table, start, num_tokens)] = token_ids(request, start, num_tokens)
-                self.slots[self._slots(table, stop - d, stop)] = np.asarray(item.spec_token_ids, dtype=np.int64)
-                if request.is_decode:
-                    decode_tokens += item.num_tokens
-                else:
-                    prefill_tokens += item.num_tokens
-                    pairs += item.num_tokens * start + item.num_tokens * (item.num_tokens + 1) // 2
-                    chunks += 1
-                if stop - d == num_tokens:  # samples_this_step
-                    a = self.speculation.accept(item) if self.speculation is not None else 0
-                    accepted[item.request_id] = a
-                    if eos_at_output and eos_at_output.get(item.request_id) == num_tokens - prompt_len + a + 1:
-                        sampled[item.request_id] = EOS_TOKEN_ID
-                    else:
-                        pending.append((item.request_id, table, num_tokens + a))
-                continue
             # request.is_decode, inlined: one token pending, past the prompt
+            drafts = item.spec_token_ids
             if num_tokens - request.num_computed_tokens == 1 and request.num_computed_tokens >= prompt_len:
-                # one slot, the last sampled token (batched into one write below)
+                # one slot, the last sampled token (batched into one write below), then the drafts
                 decode_slots.append(table[start // size] * size + start % size)
                 decode_ids.append(request.output_token_ids[start - prompt_len])
                 decode_tokens += 1
+                if drafts:
+                    for offset, draft in enumerate(drafts, 1):
+                        decode_slots.append(table[(start + offset) // size] * size + (start + offset) % size)
+                        decode_ids.append(draft)
+                    decode_tokens += len(drafts)
+                    stop -= len(drafts)  # the sequence ends here; the drafts are past it
             else:
                 self.slots[self._slots(table, start, stop)] = token_ids(request, start, stop)
                 n = item.num_tokens
@@ -223,10 +356,7 @@ class FakeModel:
         if decode_slots:
             self.slots[decode_slots] = decode_ids
         sampled.update(self._sample_all(pending))
-        seconds = self._price(prefill_tokens, decode_tokens, attended, pairs, chunks)
-        if self.speculation is None:
-            return sampled, seconds
-        return sampled, seconds, self.speculation.output(plan, state, sampled, accepted, self.config)
+        return sampled, self._price(prefill_tokens, decode_tokens, attended, pairs, chunks)
 
 
 class CostOnlyModel:
@@ -246,7 +376,92 @@ class CostOnlyModel:
         self._price = _pricer(cost_model)
         self.eos_at_output = dict(eos_at_output or {})
 
+    def _token_at(self, values: list[int], length: int) -> int:
+        """The token sampled after a sequence of ``length`` tokens whose :meth:`read_positions` hold
+        ``values`` (the one definition of :meth:`_sample_all`'s token)."""
+        return 1 + (hash((length, *values)) & 0xFFFFFFFFFFFFFFFF) % (self.vocab_size - 1)
+
+    def _read(self, table: tuple[int, ...], length: int) -> list[int]:
+        size = self.config.block_size
+        return self.slots.take([table[p // size] * size + p % size for p in _read_positions(length)]).tolist()
+
+    def execute_speculative(self, plan: StepPlan, state: SchedulerState) -> SpeculativeResult:
+        """:meth:`execute` with speculative decoding (:data:`SpeculativeResult`), verified greedily over the
+        fake KV cache: a decode's drafts are written into the slots after its pending token; the model's
+        token at each of those positions is read back **through the block table** (the EOS at the output
+        ``eos_at_output`` names); drafts are accepted while they equal it, and the token sampled is the
+        model's at the first mismatch (or after the last draft). Then, for each request that sampled, the
+        drafts of its next step: ``min(k, max_model_len - num_tokens)`` (vLLM's n-gram drafter trims so:
+        ``ngram_proposer.py``, ``k = min(k, max_model_len - total_token)``), each the model's token at its
+        position computed from the request's tokens (not the cache) where the :class:`AcceptanceModel`
+        says the drafter is right, another token where it is wrong. A wrong block table, a rejected
+        position kept as computed or an accepted one lost makes the model's tokens differ from the
+        drafter's and from a solo run's."""
+        sampled, seconds = self.execute(plan, state)
+        requests = state.requests
+        accepted: dict[str, int] = {}
+        eos_at_output = self.eos_at_output
+        for item in plan.scheduled:
+            drafts = item.spec_token_ids
+            if not drafts or item.request_id not in sampled:
+                continue
+            request = requests[item.request_id]
+            table = request.block_ids + item.new_block_ids
+            a = 0
+            while True:
+                length = request.num_tokens + a
+                if eos_at_output.get(item.request_id) == request.num_output_tokens + 1 + a:
+                    token = EOS_TOKEN_ID
+                else:
+                    token = self._token_at(self._read(table, length), length)
+                if a < len(drafts) and drafts[a] == token:
+                    a += 1
+                    continue
+                break
+            accepted[item.request_id] = a
+            sampled[item.request_id] = token
+        proposals = {}
+        for request_id, token in sampled.items():
+            request = requests[request_id]
+            item_drafts = next((i.spec_token_ids for i in plan.scheduled if i.request_id == request_id), ())
+            extra = (*item_drafts[:accepted.get(request_id, 0)], token)
+            drafts = self._drafts(request, extra)
+            if drafts:
+                proposals[request_id] = drafts
+        return sampled, seconds, SpeculativeOutput(accepted, proposals)
+
+    def _drafts(self, request: Request, extra: tuple[int, ...]) -> tuple[int, ...]:
+        """The drafts proposed for ``request`` (as before the step) after it appends ``extra`` (its accepted
+        drafts and the token sampled): :meth:`execute_speculative`."""
+        length = request.num_tokens + len(extra)
+        count = min(self.config.num_speculative_tokens, self.config.max_model_len - length)
+        if count <= 0:
+            return ()
+        outputs = request.num_output_tokens + len(extra)
+        known = request.num_tokens
+        sequence = list(extra)
+
+        def value(position: int) -> int:
+            if position < known:
+                return int(token_ids(request, position, position + 1)[0])
+            return sequence[position - known]
+
+        eos = self.eos_at_output.get(request.request_id)
+        drafts = []
+        for index in range(count):
+            output = outputs + 1 + index
+            position = length + index
+            token = EOS_TOKEN_ID if eos == output else self._token_at(
+                [value(p) for p in _read_positions(position)], position)
+            if not self.acceptance.right(request.request_id, output):
+                token = 1 + token % (self.vocab_size - 1)  # another id (a wrong draft)
+            drafts.append(token)
+            sequence.append(token)
+        return tuple(drafts)
+
     def execute(self, plan: StepPlan, state: SchedulerState) -> tuple[dict[str, int], float]:
+        """Run the step (module docstring). A decode's drafts are written after its pending token and its
+        token is sampled as if it had none (:meth:`execute_speculative` verifies them)."""
         sampled: dict[str, int] = {}
         prefill_tokens = decode_tokens = attended = pairs = chunks = 0
         eos = self.eos_at_output

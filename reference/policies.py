@@ -34,6 +34,14 @@ block counts against the free blocks (it leaves the free queue). Blocks come fro
 which follows vLLM's free-queue order with caching (released cached blocks at the back, handed out last),
 also for the blocks a preemption releases (without caching those are taken after the free ones).
 
+Speculative decoding (``num_speculative_tokens > 0``): a running decode verifies the drafts proposed for
+it (``Request.spec_token_ids``), as many as the budget, ``long_prefill_token_threshold`` and
+``max_model_len`` leave, as vLLM trims them, and (beyond vLLM) no more than ``max_tokens`` can still accept
+(:func:`num_drafts`), after one token of the budget is kept for each decode still to schedule in the step
+(vLLM gives a decode's drafts whatever budget is left, which can starve a later decode of its token:
+``stall-free-decode``); every block table covers ``num_lookahead_tokens`` past its chunk, admission
+included (:func:`~schedspec.spec.config.slot_tokens`).
+
 Where this differs from vLLM 0.32, on purpose:
 - decodes are scheduled before running prefill chunks (vLLM keeps admission order), so a long
   chunked prefill never stalls a decode (``stall-free-decode``);
@@ -48,7 +56,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from schedspec.spec.admission import rejection_reason
-from schedspec.spec.config import SchedulerConfig, blocks_for_tokens
+from schedspec.spec.config import SchedulerConfig, blocks_for_tokens, slot_tokens
 from schedspec.spec.prefix_cache import CacheUpdate
 from schedspec.spec.request import Request
 from schedspec.spec.state import ScheduledRequest, SchedulerState, StepPlan
@@ -84,8 +92,9 @@ class _BlockPool:
         return self.free[start:size] + tuple(self.released[max(start - size, 0):stop - size])
 
     def admission(self, request: Request, config: SchedulerConfig) -> tuple[tuple[int, ...], int, int]:
-        """``(hit blocks, new blocks for the whole current sequence, blocks it costs the free pool)``."""
-        needed = blocks_for_tokens(request.num_tokens, config.block_size)
+        """``(hit blocks, new blocks for the whole current sequence, blocks it costs the free pool)``; with
+        ``num_lookahead_tokens`` the sequence's slots include the lookahead (:func:`slot_tokens`)."""
+        needed = blocks_for_tokens(slot_tokens(request.num_tokens, config), config.block_size)
         return (), needed, needed
 
     def admit(self, hit: tuple[int, ...], needed: int) -> tuple[int, ...]:
@@ -134,7 +143,7 @@ class CachePool:
         (vLLM ``SingleTypeKVCacheManager.get_num_blocks_to_allocate``)."""
         hit = self.update.longest_hit(request, config.block_size)
         total = request.num_tokens if tokens is None else tokens
-        needed = max(blocks_for_tokens(total, config.block_size) - len(hit), 0)
+        needed = max(blocks_for_tokens(slot_tokens(total, config), config.block_size) - len(hit), 0)
         return hit, needed, needed + self.update.num_evictable(hit)
 
     def admit(self, hit: tuple[int, ...], needed: int) -> tuple[int, ...]:
@@ -181,6 +190,25 @@ def _chunk(request: Request, budget: int, config: SchedulerConfig, hit_tokens: i
     if threshold and pending > threshold:
         pending = threshold
     return min(pending, budget)
+
+
+def num_drafts(request: Request, budget: int, config: SchedulerConfig) -> int:
+    """How many of a running decode's drafts (``spec_token_ids``) it verifies with ``budget`` tokens left:
+    as vLLM 0.32 ``Scheduler.schedule``, ``1 + d`` is capped by the budget (``min(num_new_tokens,
+    token_budget)``), by ``long_prefill_token_threshold`` (which vLLM applies to every request's
+    ``num_new_tokens``) and by ``max_model_len`` (``num_new_tokens <= max_model_len - num_computed_tokens -
+    1``: rule ``drafts-within-max-model-len``); beyond vLLM, also by what ``max_tokens`` can still accept
+    (``1 + d <= max_tokens - outputs``), so no budget goes to drafts that could only be dropped. 0 for a
+    request that is not a decode or holds no drafts."""
+    drafts = request.spec_token_ids
+    if not drafts or not request.is_decode:
+        return 0
+    room = min(len(drafts), budget - 1, config.max_model_len - request.num_tokens - 1,
+               request.max_tokens - request.num_output_tokens - 1)
+    threshold = config.long_prefill_token_threshold
+    if config.enable_chunked_prefill and threshold:
+        room = min(room, threshold - 1)
+    return max(room, 0)
 
 
 def _urgency(request: Request) -> tuple[int, int, float]:
@@ -363,7 +391,7 @@ def plan_step(
         request = requests[request_id]
         pending = request.prompt_len + len(request.output_token_ids) - request.num_computed_tokens
         (decodes if pending == 1 else prefills).append(request_id)
-    for request_id in decodes + prefills:
+    for index, request_id in enumerate(decodes + prefills):
         if request_id in gone:
             continue
         if budget == 0:
@@ -372,7 +400,13 @@ def plan_step(
         num_tokens = _chunk(request, budget, config)
         if num_tokens == 0:
             continue
-        needed = blocks_for_tokens(request.num_computed_tokens + num_tokens, config.block_size) - len(request.block_ids)
+        drafts = ()
+        if request.spec_token_ids:  # one token of the budget stays for each decode after this one
+            reserve = max(len(decodes) - index - 1, 0)
+            drafts = request.spec_token_ids[:num_drafts(request, budget - reserve, config)]
+        num_tokens += len(drafts)
+        needed = blocks_for_tokens(slot_tokens(request.num_computed_tokens + num_tokens, config),
+                                   config.block_size) - len(request.block_ids)
         while needed > pool.available:
             while victims and victims[-1] in gone:
                 victims.pop()
@@ -386,7 +420,8 @@ def plan_step(
             continue
         gone.add(request_id)
         scheduled.append(
-            ScheduledRequest(request_id, request.num_computed_tokens, num_tokens, pool.take(max(needed, 0)))
+            ScheduledRequest(request_id, request.num_computed_tokens, num_tokens, pool.take(max(needed, 0)), (),
+                             drafts)
         )
         budget -= num_tokens
 

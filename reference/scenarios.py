@@ -25,9 +25,8 @@ from schedspec.spec.trace import StrictJsonError, strict_json_loads
 from schedspec.spec.workload import RequestSpec
 
 from .engine import Engine, RunResult
-from .fake_model import TokenSource, simulation_size_problem
+from .fake_model import AcceptanceModel, FakeModel, TokenSource, simulation_size_problem
 from .scheduler import EngineFault, UnsupportedFeature, make_scheduler
-from .speculation import AcceptancePattern
 
 TokenSourceFactory = Callable[[SchedulerConfig, Sequence[RequestSpec]], TokenSource]
 """Builds the token source of one run from its config and workload (``replay(token_source_factory=...)``)."""
@@ -65,9 +64,10 @@ class Scenario:
     scheduler: str | None
     path: str
     max_steps: int | None = None
-    acceptance: Mapping[str, AcceptancePattern] = attrs.field(factory=dict)
-    """Speculative decoding: request id -> its acceptance pattern (the request's ``acceptance`` field;
-    :class:`~schedspec.reference.speculation.AcceptancePattern`); the others accept every draft."""
+    acceptance: Mapping[str, str] = attrs.field(factory=dict)
+    """Speculative decoding: request id -> its acceptance pattern (the request's ``acceptance`` field, one of
+    :data:`~schedspec.reference.fake_model.ACCEPTANCE_PATTERNS`: ``"all"``, ``"none"``, ``"rate:P"``,
+    ``"upto:N"``); the others follow the :class:`~schedspec.reference.fake_model.AcceptanceModel` default."""
 
 
 MAX_STEP = 10_000
@@ -147,7 +147,7 @@ def parse_scenario(data: Any, path: str = "<scenario>") -> Scenario:
                             "a scenario may list")
     requests = []
     seen = set()
-    acceptance: dict[str, AcceptancePattern] = {}
+    acceptance: dict[str, str] = {}
     for index, raw in enumerate(data["requests"]):
         where = f"{path}: requests[{index}]"
         if not isinstance(raw, dict):
@@ -173,10 +173,12 @@ def parse_scenario(data: Any, path: str = "<scenario>") -> Scenario:
                 raise ScenarioError(f"{where}.abort_at_step: {abort} is before arrival_step {arrival} "
                                     "(a request can be aborted only once it has arrived)")
         if "acceptance" in raw:
+            pattern = _str(raw["acceptance"], f"{where}.acceptance")
             try:
-                acceptance[request_id] = AcceptancePattern.from_json(raw["acceptance"])
+                AcceptanceModel(patterns={request_id: pattern})
             except ValueError as error:
                 raise ScenarioError(f"{where}.acceptance: {error}") from None
+            acceptance[request_id] = pattern
         requests.append(RequestSpec(
             request_id=request_id,
             arrival_step=arrival,
@@ -372,8 +374,12 @@ def _run(scenario: Scenario, scheduler_name: str, config: SchedulerConfig, reque
     scheduler = make_scheduler(scheduler_name, config)
     properties = [p for p in sorted(scheduler.guarantees) if p not in watch]
     token_source = token_source_factory(config, requests) if token_source_factory is not None else None
-    engine = Engine(scheduler, config, token_source=token_source, properties=properties, watch=watch, incremental=True,
-                    acceptance=scenario.acceptance)
+    if token_source is None and config.speculative and scenario.acceptance:
+        # the default token source, with the scenario's per-request acceptance patterns
+        token_source = FakeModel(config, eos_at_output={s.request_id: s.eos_at_output for s in requests
+                                                        if s.eos_at_output},
+                                 acceptance=AcceptanceModel(patterns=scenario.acceptance))
+    engine = Engine(scheduler, config, token_source=token_source, properties=properties, watch=watch, incremental=True)
     limit = scenario.expect.get("all_terminal_by_step")
     max_steps = DEFAULT_MAX_STEPS if limit is None else max(limit + 1, 1) * 4 + 100
     if scenario.max_steps is not None:

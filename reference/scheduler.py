@@ -6,12 +6,13 @@ The protocol (engine adapters implement the same one):
 - ``add_request(request)``: a fresh :class:`~schedspec.spec.request.Request` arrives (before a step).
 - ``abort_request(request_id)``: the client aborts it (before a step); unknown ids are ignored.
 - ``schedule() -> StepPlan``: plan the next step. Must not change the scheduler's state.
-- ``update(plan, sampled_token_ids[, speculative]) -> tuple[str, ...]``: apply the plan just returned and
-  the tokens the model sampled (request id -> token id for each request that samples); returns the ids
-  of the requests that finished (stop or length) in this step. With speculative decoding the engine loop
-  also passes ``speculative`` (:class:`~schedspec.spec.state.SpeculativeOutput`: the drafts accepted
-  per item that verified drafts, the drafts proposed after the step); without it, it passes only two
-  arguments, so a scheduler without speculative decoding need not take a third.
+- ``update(plan, sampled_token_ids) -> tuple[str, ...]``: apply the plan just returned and the tokens
+  the model sampled (request id -> token id for each request that samples); returns the ids of the
+  requests that finished (stop or length) in this step. With speculative decoding on
+  (``num_speculative_tokens > 0``) the engine loop calls ``update(plan, sampled_token_ids, speculative)``,
+  ``speculative`` the step's :class:`~schedspec.spec.state.SpeculativeOutput` (drafts accepted, drafts
+  proposed); a scheduler whose ``update`` takes no third argument lacks speculative decoding
+  (:func:`supports_speculative`, exit 3).
 - ``state``: the scheduler's :class:`~schedspec.spec.state.SchedulerState` (reference schedulers), or
   ``None`` for an engine adapter, whose state the engine loop shadows with the spec.
 - ``engine_view() -> EngineView`` (engine adapters, optional): the engine's own bookkeeping after the
@@ -221,8 +222,19 @@ class Scheduler(Protocol):
 
     def schedule(self) -> StepPlan: ...
 
-    def update(self, plan: StepPlan, sampled_token_ids: Mapping[str, int],
-               speculative: SpeculativeOutput = NO_SPECULATION) -> tuple[str, ...]: ...
+    def update(self, plan: StepPlan, sampled_token_ids: Mapping[str, int]) -> tuple[str, ...]: ...
+
+
+def supports_speculative(scheduler: object) -> bool:
+    """Whether ``scheduler.update`` takes the third argument of speculative decoding (module docstring)."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(scheduler.update).parameters.values()
+    except (AttributeError, TypeError, ValueError):
+        return False
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 3 or any(p.kind is p.VAR_POSITIONAL for p in parameters)
 
 
 ALL_PROPERTIES = frozenset(

@@ -20,7 +20,6 @@ import functools
 
 from hypothesis import strategies as st
 
-from schedspec.reference.speculation import AcceptancePattern
 from schedspec.spec.config import SchedulerConfig, blocks_for_tokens
 
 __all__ = ["eos_positions", "max_tokens_values", "priorities", "prompt_lengths", "request_shapes",
@@ -165,15 +164,14 @@ def request_shapes(config: SchedulerConfig) -> st.SearchStrategy[tuple[int, int,
     return st.tuples(prompt_lengths(config), max_tokens_values(config), eos_positions(), priorities())
 
 
-def acceptance_patterns(k: int) -> st.SearchStrategy[AcceptancePattern]:
-    """Speculative decoding's per-request behaviour for ``num_speculative_tokens = k``
-    (:class:`~schedspec.reference.speculation.AcceptancePattern`): every draft accepted, none, a cycle of 1
-    to 4 accepted counts in ``0..k`` (partly, sometimes all), and sometimes proposals of fewer than ``k``
-    drafts (a cycle of 1 to 3 counts in ``0..k``: an n-gram drafter without a match proposes none)."""
-    counts = st.lists(st.integers(0, k), min_size=1, max_size=4).map(tuple)
-    fewer = st.one_of(st.none(), st.none(), st.lists(st.integers(0, k), min_size=1, max_size=3).map(tuple))
+
+def acceptance_patterns(k: int) -> st.SearchStrategy[str]:
+    """Speculative decoding's per-request acceptance pattern for ``num_speculative_tokens = k``, one of
+    :data:`schedspec.reference.fake_model.ACCEPTANCE_PATTERNS`: every draft right, none, each right with a
+    probability (so partly), or right up to an output and wrong after (``k`` sizes nothing: the fake model's
+    drafter proposes ``min(k, max_model_len - num_tokens)`` drafts)."""
     return st.one_of(
-        st.just(AcceptancePattern()),
-        st.just(AcceptancePattern(accepted=(0,))),
-        st.builds(AcceptancePattern, num_drafts=fewer, accepted=st.one_of(st.none(), counts)),
+        st.sampled_from(("all", "none")),
+        st.sampled_from((0.25, 0.5, 0.75)).map(lambda p: f"rate:{p}"),
+        st.integers(0, 12).map(lambda n: f"upto:{n}"),
     )

@@ -23,7 +23,7 @@ from typing import Any
 
 import attrs
 
-from schedspec.spec.checker import check_trace, plan_from_record
+from schedspec.spec.checker import check_trace, plan_from_record, speculative_of
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.state import SchedulerState
 from schedspec.spec.trace import StepRecord, header_line, record_schema_errors
@@ -62,7 +62,8 @@ class Trace:
             for request_id in record.aborts:
                 state = abort_request(state, request_id)
             before.append(state)
-            state = apply_plan(state, plan_from_record(record), record.sampled_token_ids, config).state
+            state = apply_plan(state, plan_from_record(record), record.sampled_token_ids, config,
+                               speculative_of(record)).state
             after.append(state)
         return cls(header, [r.to_dict() for r in records], config, before, after)
 
@@ -714,6 +715,207 @@ def abort_unknown_id(trace: Trace, i: int) -> Mutant | None:
     return trace.header, records, i
 
 
+# --- speculative decoding (trace version 3) -----------------------------------------------------------
+
+
+def _item(record: Record, request_id: str) -> dict:
+    return next(s for s in record["scheduled"] if s["request_id"] == request_id)
+
+
+def _verifying(trace: Trace, i: int) -> list[dict]:
+    return [s for s in trace.records[i]["scheduled"] if s.get("spec_token_ids")]
+
+
+def drafts_over_budget(trace: Trace, i: int) -> Mutant | None:
+    """A decode verifies every draft proposed for it although the budget had room for fewer (drafts not
+    counted in the token budget): a step whose batch is full, with a decode whose drafts were trimmed."""
+    record = trace.records[i]
+    before = trace.before[i]
+    total = sum(s["prefill_tokens"] + s["decode_tokens"] for s in record["scheduled"])
+    for item in record["scheduled"]:
+        request = before.requests.get(item["request_id"])
+        if request is None or not request.spec_token_ids or item["prefill_tokens"]:
+            continue
+        extra = len(request.spec_token_ids) - len(item.get("spec_token_ids", ()))
+        if extra > 0 and total + extra > trace.config.max_num_batched_tokens:
+            end = item["num_computed_tokens"] + item["decode_tokens"] + extra
+            if end + 1 > trace.config.max_model_len:
+                continue  # would break drafts-within-max-model-len first; another step will do
+            records, r = _edit(trace, i)
+            target = _item(r, item["request_id"])
+            target["spec_token_ids"] = list(request.spec_token_ids)
+            target["decode_tokens"] += extra
+            needed = -(-end // trace.config.block_size) - len(request.block_ids) - len(
+                r["blocks_allocated"].get(item["request_id"], []))
+            if needed > 0:
+                spare = _spare_blocks(trace, i)
+                if len(spare) < needed:
+                    continue
+                r["blocks_allocated"].setdefault(item["request_id"], []).extend(spare[:needed])
+            return trace.header, records, i
+    return None
+
+
+def drafts_on_prefill(trace: Trace, i: int) -> Mutant | None:
+    """A prefill chunk (or a recompute) logged as verifying a draft: drafts handed to a request that is
+    not a running decode."""
+    item = _scheduled(trace.records[i], lambda s: s["prefill_tokens"] >= 1 and not s.get("spec_token_ids"))
+    if item is None:
+        return None
+    records, r = _edit(trace, i)
+    _item(r, item["request_id"])["spec_token_ids"] = [1]
+    return trace.header, records, i
+
+
+def draft_not_proposed(trace: Trace, i: int) -> Mutant | None:
+    """A decode verifies a draft id other than the one proposed for it (drafts mixed up between requests)."""
+    verifying = _verifying(trace, i)
+    if not verifying:
+        return None
+    records, r = _edit(trace, i)
+    drafts = _item(r, verifying[0]["request_id"])["spec_token_ids"]
+    drafts[-1] = drafts[-1] % 4095 + 1
+    return trace.header, records, i
+
+
+def drafts_past_max_model_len(trace: Trace, i: int) -> Mutant | None:
+    """A decode verifies one draft more than ``max_model_len`` can accept with the token after it (vLLM
+    trims them in ``Scheduler.schedule``)."""
+    record = trace.records[i]
+    before = trace.before[i]
+    limit = trace.config.max_model_len
+    for item in record["scheduled"]:
+        request = before.requests.get(item["request_id"])
+        if request is None or not request.is_decode or item["prefill_tokens"]:
+            continue
+        drafts = list(item.get("spec_token_ids", ()))
+        end = item["num_computed_tokens"] + item["decode_tokens"]
+        if end + 1 == limit and len(request.spec_token_ids) > len(drafts):
+            records, r = _edit(trace, i)
+            target = _item(r, item["request_id"])
+            target["spec_token_ids"] = list(request.spec_token_ids[:len(drafts) + 1])
+            target["decode_tokens"] += 1
+            return trace.header, records, i
+    return None
+
+
+def lookahead_not_allocated(trace: Trace, i: int) -> Mutant | None:
+    """The last new block of a request dropped where only ``num_lookahead_tokens`` needed it (the drafter's
+    KV slots past the chunk not allocated)."""
+    if not trace.config.num_lookahead_tokens:
+        return None
+    record = trace.records[i]
+    before = trace.before[i]
+    size = trace.config.block_size
+    for item in record["scheduled"]:
+        request_id = item["request_id"]
+        new = record["blocks_allocated"].get(request_id)
+        request = before.requests.get(request_id)
+        if not new or request is None:
+            continue
+        end = item["num_computed_tokens"] + item["prefill_tokens"] + item["decode_tokens"]
+        held = len(request.block_ids) + len(record.get("prefix_hit_blocks", {}).get(request_id, ())) + len(new)
+        if (held - 1) * size >= end:
+            records, r = _edit(trace, i)
+            r["blocks_allocated"][request_id] = new[:-1]
+            return trace.header, records, i
+    return None
+
+
+def _rejecting(trace: Trace, i: int) -> str | None:
+    """A request that verified drafts in step ``i``, rejected some and goes on."""
+    record = trace.records[i]
+    for item in _verifying(trace, i):
+        request_id = item["request_id"]
+        accepted = record.get("num_accepted_tokens", {}).get(request_id)
+        if accepted is not None and accepted < len(item["spec_token_ids"]) and request_id not in record["finished"]:
+            return request_id
+    return None
+
+
+def rejected_drafts_kept_computed(trace: Trace, i: int) -> Mutant | None:
+    """Rejected drafts kept as computed: the request's next chunk starts past the accepted tokens (vLLM
+    takes them back in ``update_from_output``: ``num_computed_tokens -= num_rejected``). Applied at the
+    step ``i`` where the drafts are rejected; observable at the request's next step."""
+    request_id = _rejecting(trace, i)
+    if request_id is None:
+        return None
+    rejected = len(_item(trace.records[i], request_id)["spec_token_ids"]) - trace.records[i]["num_accepted_tokens"][
+        request_id]
+    for j in range(i + 1, len(trace.records)):
+        if request_id in trace.records[j]["preempted"] or request_id in trace.records[j]["aborts"]:
+            return None
+        later = next((s for s in trace.records[j]["scheduled"] if s["request_id"] == request_id), None)
+        if later is not None:
+            records, r = _edit(trace, j)
+            _item(r, request_id)["num_computed_tokens"] += rejected
+            return trace.header, records, j
+    return None
+
+
+def rejected_draft_blocks_freed(trace: Trace, i: int) -> Mutant | None:
+    """The blocks holding only rejected draft positions freed after the step (vLLM keeps them in the block
+    table: a rejection frees nothing)."""
+    request_id = _rejecting(trace, i)
+    if request_id is None:
+        return None
+    after = trace.after[i].requests[request_id]
+    size = trace.config.block_size
+    needed = -(-(after.num_computed_tokens + 1) // size)
+    if len(after.block_ids) <= needed:
+        return None
+    records, r = _edit(trace, i)
+    r["blocks_freed"].setdefault(request_id, []).append(after.block_ids[-1])
+    r["num_free_blocks"] += 1
+    return trace.header, records, i
+
+
+def accepted_past_drafts(trace: Trace, i: int) -> Mutant | None:
+    """More drafts reported accepted than the decode verified (a bonus token counted as a draft)."""
+    record = trace.records[i]
+    for item in _verifying(trace, i):
+        if item["request_id"] in record.get("num_accepted_tokens", {}):
+            records, r = _edit(trace, i)
+            r["num_accepted_tokens"][item["request_id"]] = len(item["spec_token_ids"]) + 1
+            return trace.header, records, i
+    return None
+
+
+def stop_inside_drafts_ignored(trace: Trace, i: int) -> Mutant | None:
+    """A request whose stop (EOS, stop id, max_tokens, max_model_len) falls inside its accepted drafts goes
+    on: reported neither finished nor freed, counters as if it ran on."""
+    record = trace.records[i]
+    for item in _verifying(trace, i):
+        request_id = item["request_id"]
+        accepted = record.get("num_accepted_tokens", {}).get(request_id)
+        if request_id in record["finished"] and accepted:
+            records, r = _edit(trace, i)
+            del r["finished"][request_id]
+            freed = r["blocks_freed"].pop(request_id, [])
+            r["num_free_blocks"] -= len(freed)
+            r["num_running"] += 1
+            return trace.header, records, i
+    return None
+
+
+def drafts_kept_after_preemption(trace: Trace, i: int) -> Mutant | None:
+    """A preempted request's drafts verified again by its recompute (vLLM drops them in
+    ``_preempt_request``): the resumed request's first chunk carries the drafts it held."""
+    for request_id in trace.records[i]["preempted"]:
+        held = trace.before[i].requests[request_id].spec_token_ids
+        if not held:
+            continue
+        for j in range(i + 1, len(trace.records)):
+            later = next((s for s in trace.records[j]["scheduled"] if s["request_id"] == request_id), None)
+            if later is not None:
+                records, r = _edit(trace, j)
+                _item(r, request_id)["spec_token_ids"] = list(held)
+                return trace.header, records, j
+            if request_id in trace.records[j]["aborts"]:
+                return None
+    return None
+
+
 MUTATIONS: tuple[Mutation, ...] = (
     Mutation("double-allocation", "a block handed to a request while another request still holds it", double_allocation),
     Mutation("allocation-out-of-range", "a block id past the pool (off-by-one in the block pool)", allocation_out_of_range),
@@ -774,6 +976,20 @@ MUTATIONS: tuple[Mutation, ...] = (
              "a cached block handed out as a new block while a running request references it",
              cached_block_handed_out_while_referenced),
     Mutation("eviction-unreported", "a cached block handed out without reporting its eviction", eviction_unreported),
+    Mutation("drafts-over-budget", "a decode's drafts not counted in the token budget", drafts_over_budget),
+    Mutation("drafts-on-prefill", "drafts verified by a prefill chunk", drafts_on_prefill),
+    Mutation("draft-not-proposed", "a draft id verified that was not proposed for the request", draft_not_proposed),
+    Mutation("drafts-past-max-model-len", "drafts scheduled past what max_model_len can accept",
+             drafts_past_max_model_len),
+    Mutation("lookahead-not-allocated", "no KV slots allocated for num_lookahead_tokens", lookahead_not_allocated),
+    Mutation("rejected-drafts-kept-computed", "rejected drafts kept as computed tokens",
+             rejected_drafts_kept_computed),
+    Mutation("rejected-draft-blocks-freed", "the blocks of rejected draft positions freed", rejected_draft_blocks_freed),
+    Mutation("accepted-past-drafts", "more drafts accepted than verified", accepted_past_drafts),
+    Mutation("stop-inside-drafts-ignored", "a stop inside the accepted drafts does not end the request",
+             stop_inside_drafts_ignored),
+    Mutation("drafts-kept-after-preemption", "a preempted request's drafts verified by its recompute",
+             drafts_kept_after_preemption),
     Mutation("aborted-without-abort", "a request ended as aborted that the client did not abort", aborted_without_abort),
     Mutation("duplicate-arrival", "a request id added twice", duplicate_arrival),
     Mutation("reorder-blocks-freed", "blocks released in another order", reorder_blocks_freed, semantic=False,
@@ -903,8 +1119,39 @@ def prefix_cache_trace(scale: int = 1) -> tuple[str, Trace]:
     return "prefix-cache", Trace.of(json.loads(header_line(config, "fcfs")), records)
 
 
+def speculative_trace(scale: int = 1, lookahead: bool = False) -> tuple[str, Trace]:
+    """A correct trace with speculative decoding (trace version 3): ``30 * scale`` requests (prompts of up to
+    60 tokens, up to 40 outputs, max_model_len 64 so that some end at it, some with an EOS at an output
+    that the drafter's drafts can reach, every eleventh aborted) run by fcfs with 3 drafts a decode
+    (:class:`~schedspec.reference.fake_model.FakeModel` verifying, acceptance rate 0.7) in a KV cache of 40
+    blocks of 4 (preemptions); without ``lookahead`` prefix caching is on (shared prefixes), with it
+    ``num_lookahead_tokens = 3`` (EAGLE's)."""
+    import random
+
+    from schedspec.reference.engine import Engine
+    from schedspec.reference.scheduler import SCHEDULERS
+    from schedspec.spec.workload import RequestSpec
+
+    rng = random.Random(23 + lookahead)
+    config = SchedulerConfig(block_size=4, num_kv_blocks=40, max_num_batched_tokens=24, max_num_seqs=6,
+                             max_model_len=64, enable_prefix_caching=not lookahead, num_speculative_tokens=3,
+                             num_lookahead_tokens=3 if lookahead else 0)
+    workload = []
+    for k in range(30 * scale):
+        prompt = rng.randrange(1, 61)
+        group = {} if lookahead or k % 3 else {"prefix_group": "g", "prefix_len": min(prompt, 12)}
+        arrival = rng.randrange(0, 30)
+        workload.append(RequestSpec(f"s{k:03d}", prompt, rng.randrange(1, 41), arrival_step=arrival,
+                                    eos_at_output=rng.randrange(2, 12) if k % 4 == 1 else None,
+                                    abort_at_step=arrival + rng.randrange(3, 30) if k % 11 == 7 else None, **group))
+    result = Engine(SCHEDULERS["fcfs"](config), config, stop_on_violation=True).run(workload)
+    label = "speculative-lookahead" if lookahead else "speculative-prefix-cache"
+    return label, Trace.of(json.loads(header_line(config, "fcfs")), result.records)
+
+
 def standard_traces(scale: int = 1) -> list[tuple[str, Trace]]:
-    """The six traces the catalogue is measured on (five real windows and one with prefix caching): the Azure conversation and code traces and
+    """The eight traces the catalogue is measured on (five real windows, one with prefix caching and two
+    with speculative decoding, :func:`speculative_trace`): the Azure conversation and code traces and
     Mooncake's conversation trace under a roomy KV cache (fcfs), the Azure conversation trace under KV
     pressure (fcfs, with preemptions), the Azure code trace under static batching, and
     :func:`prefix_cache_trace` (synthetic shared prefixes, prefix caching on). ``scale``
@@ -922,4 +1169,6 @@ def standard_traces(scale: int = 1) -> list[tuple[str, Trace]]:
         lab_trace("azure-conv-kv-pressure", "AzureLLMInferenceTrace_conv.csv", tight, 24 * scale, 0.001),
         lab_trace("azure-code-static", "AzureLLMInferenceTrace_code.csv", tight, 16 * scale, 0.01, scheduler="static"),
         prefix_cache_trace(scale),
+        speculative_trace(scale),
+        speculative_trace(scale, lookahead=True),
     ]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 
-from schedspec.spec.config import SchedulerConfig, blocks_for_tokens
+from schedspec.spec.config import SchedulerConfig, blocks_for_tokens, slot_tokens
 
 
 def max_sequence_len(prompt_len: int, max_tokens: int, config: SchedulerConfig) -> int:
@@ -26,10 +26,12 @@ def max_blocks_needed(prompt_len: int, max_tokens: int, config: SchedulerConfig)
 
     ``ceil(max(prompt_len, min(prompt_len + max_tokens, max_model_len) - 1) / block_size)``: the last
     sampled token is never fed back, so it needs no KV slot; but the whole prompt is (a prompt of
-    exactly ``max_model_len`` tokens still needs all its slots).
+    exactly ``max_model_len`` tokens still needs all its slots). With speculative decoding, its table
+    also holds ``num_lookahead_tokens`` past its last position, capped at ``max_model_len``
+    (:func:`~schedspec.spec.config.slot_tokens`); drafts need no more (a decode may verify none).
     """
     tokens = max(prompt_len, max_sequence_len(prompt_len, max_tokens, config) - 1)
-    return blocks_for_tokens(tokens, config.block_size)
+    return blocks_for_tokens(slot_tokens(tokens, config), config.block_size)
 
 
 REJECTION_CODES = ("empty-prompt", "no-output", "prompt-exceeds-max-model-len", "exceeds-kv-cache")

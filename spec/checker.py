@@ -30,6 +30,10 @@ record field                compared with
 ``blocks_evicted``          exactly the handed-out blocks that were cached before the step
 ``preempted``/``rejected``  the plan (rules; a rejection's reason by its code)
 ``sampled_token_ids``       exactly the requests whose chunk reached the end of their sequence
+``scheduled[].spec_token_ids`` the plan's drafts (rules ``drafts-*``); version 3, speculative decoding
+``num_accepted_tokens``     exactly the samplers that verified drafts, each at most its drafts (the spec
+                            applies them: accepted prefix, sampled token, a stop inside)
+``draft_token_ids``         proposals only for samplers still running, at most num_speculative_tokens
 ``finished``                the requests the spec ends after sampling, with the spec's reasons
 ``num_free_blocks`` ...     the spec's free blocks, running and waiting counts after the step
 ==========================  ==========================================================================
@@ -61,7 +65,14 @@ from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.properties import monitors
 from schedspec.spec.request import Request
 from schedspec.spec.rules import Violation
-from schedspec.spec.state import ScheduledRequest, SchedulerState, StepPlan, samples_this_step
+from schedspec.spec.state import (
+    NO_SPECULATION,
+    ScheduledRequest,
+    SchedulerState,
+    SpeculativeOutput,
+    StepPlan,
+    samples_this_step,
+)
 from schedspec.spec.stepper import Stepper, split_tokens, step_checker
 from schedspec.spec.trace import StepRecord
 from schedspec.spec.transitions import PlanError
@@ -89,7 +100,7 @@ def plan_from_record(record: StepRecord) -> StepPlan:
     return StepPlan(
         scheduled=tuple(
             ScheduledRequest(s.request_id, s.num_computed_tokens, s.num_tokens, record.blocks_allocated.get(s.request_id, ()),
-                             record.prefix_hit_blocks.get(s.request_id, ()))
+                             record.prefix_hit_blocks.get(s.request_id, ()), s.spec_token_ids)
             for s in record.scheduled
         ),
         preempted=record.preempted,
@@ -177,13 +188,20 @@ def _compare_driven_aborts(driven: dict[str, RequestSpec], state: SchedulerState
 
 def _compare_driven_eos(driven: dict[str, RequestSpec], before: SchedulerState, record: StepRecord,
                         mismatch: _StepComparison) -> None:
-    """A request whose arrival says ``eos_at_output = k`` samples its ``eos_token_id`` as output ``k``."""
+    """A request whose arrival says ``eos_at_output = k`` samples its ``eos_token_id`` as output ``k`` (with
+    speculative decoding, output ``k`` may be an accepted draft: the outputs a step appends are the first
+    ``num_accepted_tokens`` drafts the request verified, then the sampled token)."""
+    drafts = {s.request_id: s.spec_token_ids for s in record.scheduled if s.spec_token_ids}
     for request_id, token in record.sampled_token_ids.items():
         spec = driven.get(request_id)
         request = before.requests.get(request_id)
-        if (spec is None or request is None or not spec.eos_at_output or spec.eos_token_id is None
-                or request.num_output_tokens + 1 != spec.eos_at_output):
+        if spec is None or request is None or not spec.eos_at_output or spec.eos_token_id is None:
             continue
+        appended = (*drafts.get(request_id, ())[:record.num_accepted_tokens.get(request_id, 0)], token)
+        index = spec.eos_at_output - request.num_output_tokens - 1
+        if not 0 <= index < len(appended):
+            continue
+        token = appended[index]
         if token != spec.eos_token_id:
             mismatch(f"its arrival says eos_at_output {spec.eos_at_output}, but output {spec.eos_at_output} was "
                      f"sampled as {token}, not its eos_token_id {spec.eos_token_id}", request_id)
@@ -222,6 +240,27 @@ def _compare_sampled(samplers: list[str], record: StepRecord, mismatch: _StepCom
         if request_id not in record.sampled_token_ids:
             mismatch("no sampled token, but its chunk reaches the end of its sequence, so it samples one",
                      request_id)
+
+
+def speculative_of(record: StepRecord) -> SpeculativeOutput:
+    """Speculative decoding's inputs a record gives (:data:`~schedspec.spec.state.NO_SPECULATION` when it
+    has none: a version-2 record, or a step without drafts)."""
+    if not (record.num_accepted_tokens or record.draft_token_ids):
+        return NO_SPECULATION
+    return SpeculativeOutput(record.num_accepted_tokens, record.draft_token_ids)
+
+
+def _compare_accepted(plan: StepPlan, samplers: list[str], record: StepRecord, mismatch: _StepComparison) -> None:
+    """``num_accepted_tokens`` names exactly the samplers that verified drafts (the spec bounds each count
+    when it applies the step)."""
+    verifying = {item.request_id for item in plan.scheduled if item.spec_token_ids} & set(samplers)
+    for request_id in record.num_accepted_tokens:
+        if request_id not in verifying:
+            mismatch("num_accepted_tokens for a request that verified no drafts or does not sample this step",
+                     request_id)
+    for request_id in verifying:
+        if request_id not in record.num_accepted_tokens:
+            mismatch("no num_accepted_tokens, but it verified drafts and samples this step", request_id)
 
 
 def _compare_record(record: StepRecord, expected: StepRecord, config: SchedulerConfig,
@@ -369,7 +408,10 @@ def check_trace(
         samplers = _expected_samplers(before, plan)
         _compare_sampled(samplers, record, mismatch)
         _compare_driven_eos(driven, before, record, mismatch)
-        outcome = stepper.step(plan, _sampled_for_update(samplers, record, before))
+        speculative = speculative_of(record)
+        if speculative is not NO_SPECULATION or config.speculative:
+            _compare_accepted(plan, samplers, record, mismatch)
+        outcome = stepper.step(plan, _sampled_for_update(samplers, record, before), speculative=speculative)
         found = outcome.rule_violations + outcome.invariant_violations
         if outcome.error is not None:
             if not found:

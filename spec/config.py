@@ -178,3 +178,18 @@ def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
     if num_tokens <= 0:
         return 0
     return -(-num_tokens // block_size)
+
+
+def slot_tokens(end: int, config: SchedulerConfig) -> int:
+    """Tokens a request's block table must hold once a chunk that ends at position ``end`` (its
+    ``num_computed_tokens`` plus the step's tokens, drafts included) is scheduled: ``end``, plus with
+    speculative decoding ``num_lookahead_tokens`` more, capped at ``max_model_len`` (never below ``end``).
+
+    vLLM 0.32 ``KVCacheManager.allocate_slots``: ``num_tokens_need_slot = min(num_computed_tokens +
+    num_new_tokens + num_lookahead_tokens, max_model_len)``. With ``num_lookahead_tokens == 0`` this is
+    ``end``.
+    """
+    ahead = config.num_lookahead_tokens
+    if not ahead:
+        return end
+    return max(end, min(end + ahead, config.max_model_len))

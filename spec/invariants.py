@@ -401,7 +401,7 @@ def rejected_drafts_uncomputed(before: SchedulerState, plan: StepPlan, after: Sc
     """A decode that verified d drafts and goes on after the step has computed its pending token and the
     drafts it accepted, no rejected one: its num_computed_tokens is the one before plus 1 + a, where the a
     accepted drafts and the sampled token are the 1 + a tokens it appended; so it is a decode again (one
-    pending token, the one sampled)."""
+    pending token, the one sampled). A decode that verified drafts appends at least its sampled token."""
     if not config.speculative:
         return
     for item in plan.scheduled:
@@ -411,7 +411,11 @@ def rejected_drafts_uncomputed(before: SchedulerState, plan: StepPlan, after: Sc
         new = after.requests.get(item.request_id)
         if old is None or new is None or item.request_id not in after.running:
             continue
-        accepted = len(_appended(old, new)) - 1
+        appended = _appended(old, new)
+        if not appended:
+            yield item.request_id, f"verified {len(item.spec_token_ids)} drafts but appended no token"
+            continue
+        accepted = len(appended) - 1
         expected = old.num_computed_tokens + 1 + accepted
         if new.num_computed_tokens != expected:
             yield item.request_id, (
@@ -438,6 +442,8 @@ def accepted_drafts_prefix(before: SchedulerState, plan: StepPlan, after: Schedu
         new = after.requests.get(item.request_id) or after.finished.get(item.request_id)
         appended = _appended(old, new)
         drafts = item.spec_token_ids
+        if not appended:
+            continue  # rejected-drafts-uncomputed reports it
         if len(appended) > 1 + len(drafts):
             yield item.request_id, f"appended {len(appended)} tokens after verifying {len(drafts)} drafts"
             continue

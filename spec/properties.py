@@ -15,7 +15,7 @@ from collections.abc import Callable
 import attrs
 
 from schedspec.spec.admission import max_blocks_needed, rejection_reason
-from schedspec.spec.config import SchedulerConfig, blocks_for_tokens
+from schedspec.spec.config import SchedulerConfig, blocks_for_tokens, slot_tokens
 from schedspec.spec.rules import Violation
 from schedspec.spec.state import SchedulerState, StepPlan
 
@@ -80,7 +80,7 @@ class Progress(Monitor):
     def observe(self, before: SchedulerState, plan: StepPlan, after: SchedulerState) -> None:
         advanced = len(after.finished) > len(before.finished)
         for item in plan.scheduled:
-            reach = item.num_computed_tokens + item.num_tokens
+            reach = item.num_computed_tokens + item.num_tokens - len(item.spec_token_ids)  # no draft position
             if reach > self.high_water.get(item.request_id, 0):
                 self.high_water[item.request_id] = reach
                 advanced = True
@@ -102,7 +102,7 @@ class WorkConserving(Monitor):
     Precisely, with ``left = max_num_batched_tokens - scheduled tokens``: if ``left > 0`` every running
     request is scheduled or preempted; and if the step preempted nothing, ``left > 0`` and running after
     the step ``< max_num_seqs``, then the first waiting request that is not rejected does not fit: its
-    whole sequence needs more blocks than the plan leaves free (blocks freed by requests that finish
+    whole sequence (with ``num_lookahead_tokens``) needs more blocks than the plan leaves free (blocks freed by requests that finish
     in the step are not counted: they are free only after sampling), or (chunked prefill off) its pending
     tokens exceed ``left``. Strict FCFS (head-of-line) is allowed; holding a finished request's slot
     (static batching) is not. vLLM does not admit in a step that preempted
@@ -135,7 +135,8 @@ class WorkConserving(Monitor):
             if request_id in rejected or request_id in scheduled:
                 continue
             request = before.requests[request_id]
-            fits_blocks = blocks_for_tokens(request.num_tokens, config.block_size) <= free_at_plan
+            # its whole sequence, with the lookahead its table must hold (speculative decoding: slot_tokens)
+            fits_blocks = blocks_for_tokens(slot_tokens(request.num_tokens, config), config.block_size) <= free_at_plan
             fits_budget = config.enable_chunked_prefill or request.num_pending_tokens <= left
             if fits_blocks and fits_budget:
                 self.report(
@@ -150,8 +151,8 @@ class WorkConserving(Monitor):
 class StallFreeDecode(Monitor):
     """``stall-free-decode`` (Sarathi-Serve §4.2, stall-free batching): in a step without preemption, if the
     running requests in decode (one pending token) number at most ``max_num_batched_tokens``, each of them
-    gets exactly one token (besides the drafts it verifies, with speculative decoding). A long prefill
-    never delays a running decode."""
+    gets exactly one token (its pending one, with any drafts it verifies: speculative decoding). A long
+    prefill never delays a running decode."""
 
     name = "stall-free-decode"
 
@@ -161,7 +162,7 @@ class StallFreeDecode(Monitor):
         decodes = [r for r in before.running if before.requests[r].is_decode]
         if len(decodes) > self.config.max_num_batched_tokens:
             return
-        # a decode's one token, beside the drafts it verifies (speculative decoding: num_tokens = 1 + d)
+        # a decode's own token; the drafts it verifies with it (speculative decoding) are extra
         tokens = {item.request_id: item.num_tokens - len(item.spec_token_ids) for item in plan.scheduled}
         for request_id in decodes:
             if tokens.get(request_id) != 1:

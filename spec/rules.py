@@ -21,7 +21,7 @@ from collections.abc import Set as AbstractSet
 import attrs
 
 from schedspec.spec.admission import rejection_code, rejection_reason, rejection_reasons
-from schedspec.spec.config import SchedulerConfig, blocks_for_tokens
+from schedspec.spec.config import SchedulerConfig, blocks_for_tokens, slot_tokens
 from schedspec.spec.prefix_cache import ROOT_HASH, max_hit_blocks, request_block_hash
 from schedspec.spec.request import printable
 from schedspec.spec.state import SchedulerState, StepPlan
@@ -360,16 +360,12 @@ def blocks_not_from_free_pool(state: SchedulerState, plan: StepPlan, free: Abstr
     action="schedule",
 )
 def _block_table_covers(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
-    ahead = config.num_lookahead_tokens
     for item in plan.scheduled:
         request = state.requests.get(item.request_id)
         if request is None:
             continue
         blocks = len(request.block_ids) + len(item.cached_block_ids) + len(item.new_block_ids)
-        tokens = item.num_computed_tokens + item.num_tokens
-        if ahead:
-            tokens = max(tokens, min(tokens + ahead, config.max_model_len))
-        needed = blocks_for_tokens(tokens, config.block_size)
+        needed = blocks_for_tokens(slot_tokens(item.num_computed_tokens + item.num_tokens, config), config.block_size)
         if blocks < needed:
             yield item.request_id, f"{blocks} blocks hold fewer than the {needed} needed"
 
@@ -378,22 +374,19 @@ def _block_table_covers(state: SchedulerState, plan: StepPlan, config: Scheduler
     "no-excess-blocks",
     "A request never holds more blocks than its current sequence (prompt plus output) needs, and only "
     "scheduled requests get new blocks. With speculative decoding the sequence counts the drafts the item "
-    "verifies and num_lookahead_tokens (capped at max_model_len), and a table that already holds more (kept "
-    "after rejected drafts) gets no new block.",
+    "verifies and num_lookahead_tokens (capped at max_model_len: config.slot_tokens), and a table that already "
+    "holds more (kept after rejected drafts) gets no new block.",
     "vLLM KVCacheManager.allocate_slots (allocates for min(num_computed + num_new + num_lookahead_tokens, "
     "max_model_len) tokens; get_num_blocks_to_allocate allocates none when the table holds them)",
     action="schedule",
 )
 def _no_excess_blocks(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
-    ahead = config.num_lookahead_tokens
     for item in plan.scheduled:
         request = state.requests.get(item.request_id)
         if request is None:
             continue
         blocks = len(request.block_ids) + len(item.cached_block_ids) + len(item.new_block_ids)
-        tokens = request.num_tokens
-        if item.spec_token_ids or ahead:
-            tokens = min(tokens + len(item.spec_token_ids) + ahead, max(config.max_model_len, tokens))
+        tokens = slot_tokens(request.num_tokens + len(item.spec_token_ids), config)
         limit = blocks_for_tokens(tokens, config.block_size)
         if blocks > limit and (item.new_block_ids or not config.speculative):
             yield item.request_id, f"{blocks} blocks > {limit} for a sequence of {tokens} tokens"

@@ -174,8 +174,8 @@ class SpeculativeOutput:
             ``num_accepted = len(generated_token_ids) - 1``. A missing entry means a = 0.
         draft_token_ids: request id -> the drafts the drafter proposed after this step for its next
             decode (vLLM ``DraftTokenIds`` handed to ``Scheduler.update_draft_token_ids``), at most
-            ``num_speculative_tokens`` ids, only for requests that sampled in this step and are still
-            running. They become the request's ``spec_token_ids``.
+            ``num_speculative_tokens`` ids. They become the request's ``spec_token_ids`` if it sampled in
+            this step and still runs; for any other id they are ignored, as vLLM ignores them.
     """
 
     num_accepted_tokens: Mapping[str, int] = attrs.field(factory=dict)

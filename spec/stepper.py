@@ -189,10 +189,11 @@ def split_tokens(request: Request, num_tokens: int) -> tuple[int, int]:
 
 
 def scheduled_tokens(before: SchedulerState, plan: StepPlan) -> list[ScheduledTokens]:
-    """The plan's batch as a record's ``scheduled``, each item's tokens split by :func:`split_tokens`.
-    Every scheduled id must be live in ``before``."""
+    """The plan's batch as a record's ``scheduled``, each item's tokens split by :func:`split_tokens` (a
+    decode's drafts are decode tokens), with the drafts it verifies. Every scheduled id must be live in
+    ``before``."""
     return [ScheduledTokens(item.request_id, item.num_computed_tokens,
-                            *split_tokens(before.requests[item.request_id], item.num_tokens))
+                            *split_tokens(before.requests[item.request_id], item.num_tokens), item.spec_token_ids)
             for item in plan.scheduled]
 
 
@@ -200,6 +201,9 @@ def expected_record(outcome: StepOutcome, config: SchedulerConfig, start_time: f
     """The :class:`~schedspec.spec.trace.StepRecord` of an applied step: what the spec says happened in
     it, every field derived from the state before, the plan, the spec's result, the client's events
     before the step and the step's times (``start_time``, ``duration``: seconds).
+
+    ``num_accepted_tokens`` holds, with speculative decoding, the accepted drafts of every request that
+    verified drafts and sampled (0 included); ``draft_token_ids`` the drafts proposed after the step.
 
     ``blocks_freed`` holds, per request, the blocks an abort before the step freed, those a preempted
     request held, and those a finished request held after the step (its table before, its hit blocks and
@@ -221,6 +225,12 @@ def expected_record(outcome: StepOutcome, config: SchedulerConfig, start_time: f
         blocks = before.requests[request_id].block_ids + hits.get(request_id, ()) + allocated.get(request_id, ())
         if blocks:
             freed[request_id] = blocks
+    accepted: dict[str, int] = {}
+    if outcome.speculative is not NO_SPECULATION or any(item.spec_token_ids for item in plan.scheduled):
+        sampled = outcome.sampled
+        given = outcome.speculative.num_accepted_tokens
+        accepted = {item.request_id: given.get(item.request_id, 0) for item in plan.scheduled
+                    if item.spec_token_ids and item.request_id in sampled}
     evicted: list[int] = []
     if before.prefix_cache is not None:
         evicted = evicted_blocks(before.prefix_cache, (b for item in plan.scheduled for b in item.new_block_ids))
@@ -244,6 +254,8 @@ def expected_record(outcome: StepOutcome, config: SchedulerConfig, start_time: f
         num_free_blocks=len(after.free_block_ids),
         num_running=len(after.running),
         num_waiting=len(after.waiting),
+        num_accepted_tokens=accepted,
+        draft_token_ids=dict(outcome.speculative.draft_token_ids),
     )
 
 

@@ -11,9 +11,14 @@ shows the two agree on valid records and on records mutated to break the schema)
 format can be judged against the spec with :func:`schedspec.spec.checker.check_trace`. Serialisation
 is lossless: ``StepRecord.from_json(record.to_json()) == record``.
 
-Versions: 2 (written now) states every arrival's stop conditions (``eos_token_id``, null for none,
-``stop_token_ids``, ``min_tokens``); 1 (read only) had none, and its arrivals are read with the
-version-1 convention ``eos_token_id = 0``, said in :attr:`TraceFile.notes`.
+Versions: 3 (written with speculative decoding on, ``num_speculative_tokens > 0``) adds speculative
+decoding: the drafts each decode verifies (``scheduled[].spec_token_ids``), the drafts each sampler
+accepted (``num_accepted_tokens``) and the drafts proposed after the step (``draft_token_ids``), each
+written only when not empty. 2 (written with speculative decoding off, so that such a trace keeps every
+byte it had before version 3) states every arrival's stop conditions (``eos_token_id``, null for none,
+``stop_token_ids``, ``min_tokens``); it cannot carry the speculative fields, and a version-2 header whose
+config turns speculative decoding on is refused. 1 (read only) had no stop conditions, and its arrivals
+are read with the version-1 convention ``eos_token_id = 0``, said in :attr:`TraceFile.notes`.
 """
 
 from __future__ import annotations
@@ -32,11 +37,24 @@ from schedspec.spec.config import ConfigError, SchedulerConfig
 from schedspec.spec.state import MAX_STATE_BLOCKS
 from schedspec.spec.workload import RequestSpec
 
-SCHEMA_VERSION = 2
-"""The version :func:`write_trace` writes."""
+SCHEMA_VERSION = 3
+"""The newest version: the one :func:`write_trace` writes with speculative decoding on
+(:func:`schema_version_for`)."""
 
-READABLE_VERSIONS = (1, 2)
+PLAIN_SCHEMA_VERSION = 2
+"""The version :func:`write_trace` writes with speculative decoding off."""
+
+READABLE_VERSIONS = (1, 2, 3)
 """The versions :func:`open_trace` reads."""
+
+SPECULATIVE_RECORD_FIELDS = ("num_accepted_tokens", "draft_token_ids")
+"""The record fields version 3 adds (with ``scheduled[].spec_token_ids``)."""
+
+
+def schema_version_for(config: SchedulerConfig) -> int:
+    """The version a trace of ``config`` is written in: :data:`SCHEMA_VERSION` (3) with speculative decoding
+    on, else :data:`PLAIN_SCHEMA_VERSION` (2), byte for byte what it was before version 3."""
+    return SCHEMA_VERSION if config.speculative else PLAIN_SCHEMA_VERSION
 
 V1_EOS_TOKEN_ID = 0
 """Version 1 arrivals carried no stop conditions; every writer of version 1 used EOS id 0."""
@@ -52,13 +70,23 @@ class ScheduledTokens:
         request_id: the request.
         num_computed_tokens: tokens computed before the step (where the chunk starts).
         prefill_tokens: prompt (or recompute) tokens computed this step; 0 for a decode.
-        decode_tokens: 1 for a decode step of the request, else 0.
+        decode_tokens: 1 for a decode step of the request (1 + d when it verifies d drafts), else 0.
+        spec_token_ids: speculative decoding (version 3): the drafts the decode verifies; empty otherwise
+            (and then not written).
     """
 
     request_id: str
     num_computed_tokens: int
     prefill_tokens: int
     decode_tokens: int
+    spec_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {"request_id": self.request_id, "num_computed_tokens": self.num_computed_tokens,
+                "prefill_tokens": self.prefill_tokens, "decode_tokens": self.decode_tokens}
+        if self.spec_token_ids:
+            data["spec_token_ids"] = list(self.spec_token_ids)
+        return data
 
     @property
     def num_tokens(self) -> int:
@@ -105,7 +133,12 @@ class StepRecord:
             requests that ended after this step's sampling.
         aborted: request ids that ended aborted before this step.
         rejected: request id -> reason, for requests rejected in this step.
-        sampled_token_ids: request id -> token sampled after this step.
+        sampled_token_ids: request id -> token sampled after this step (with speculative decoding, the
+            one sampled after the accepted drafts).
+        num_accepted_tokens: speculative decoding: request id -> drafts accepted, for each request that
+            verified drafts and sampled. Omitted from the JSON when empty.
+        draft_token_ids: speculative decoding: request id -> the drafts proposed after this step. Omitted
+            from the JSON when empty.
         num_free_blocks: free KV blocks after the step.
         num_running: running requests after the step.
         num_waiting: waiting requests after the step.
@@ -130,6 +163,8 @@ class StepRecord:
     num_free_blocks: int = 0
     num_running: int = 0
     num_waiting: int = 0
+    num_accepted_tokens: dict[str, int] = attrs.field(factory=dict)
+    draft_token_ids: dict[str, tuple[int, ...]] = attrs.field(factory=dict, converter=_blocks)
 
     @property
     def prefill_tokens(self) -> int:
@@ -146,7 +181,7 @@ class StepRecord:
     def to_dict(self) -> dict[str, Any]:
         data = attrs.asdict(self, recurse=False)
         data["arrivals"] = [a.to_dict() for a in self.arrivals]
-        data["scheduled"] = [attrs.asdict(s) for s in self.scheduled]
+        data["scheduled"] = [s.to_dict() for s in self.scheduled]
         data["blocks_allocated"] = {k: list(v) for k, v in self.blocks_allocated.items()}
         data["blocks_freed"] = {k: list(v) for k, v in self.blocks_freed.items()}
         # prefix-caching fields are written only when used, so caching-off traces keep their bytes
@@ -158,6 +193,15 @@ class StepRecord:
             data["blocks_evicted"] = list(self.blocks_evicted)
         else:
             del data["blocks_evicted"]
+        # speculative-decoding fields (version 3) likewise
+        if self.num_accepted_tokens:
+            data["num_accepted_tokens"] = dict(self.num_accepted_tokens)
+        else:
+            del data["num_accepted_tokens"]
+        if self.draft_token_ids:
+            data["draft_token_ids"] = {k: list(v) for k, v in self.draft_token_ids.items()}
+        else:
+            del data["draft_token_ids"]
         data["aborts"] = list(self.aborts)
         data["preempted"] = list(self.preempted)
         data["aborted"] = list(self.aborted)
@@ -190,6 +234,10 @@ def _validator(part: str, version: int) -> jsonschema.Draft202012Validator:
     schema = json.loads(json.dumps(trace_schema()))  # a private copy
     if version == 1:  # version 1 arrivals carried no stop conditions
         schema["$defs"]["arrival"]["required"].remove("eos_token_id")
+    if version < 3:  # nor speculative decoding before version 3: its fields are unknown fields there
+        for name in SPECULATIVE_RECORD_FIELDS:
+            del schema["$defs"]["record"]["properties"][name]
+        del schema["$defs"]["scheduled"]["properties"]["spec_token_ids"]
     return jsonschema.Draft202012Validator({"$ref": f"#/$defs/{part}", "$defs": schema["$defs"]})
 
 
@@ -412,8 +460,9 @@ def _parse(line: bytes, where: str) -> Any:
 
 
 def header_line(config: SchedulerConfig, scheduler: str = "") -> str:
-    """The header line of a trace (schema version :data:`SCHEMA_VERSION`), without its newline."""
-    return json.dumps({"schema_version": SCHEMA_VERSION, "config": config.to_dict(), "scheduler": scheduler})
+    """The header line of a trace (schema version :func:`schema_version_for` the config), without its newline."""
+    return json.dumps({"schema_version": schema_version_for(config), "config": config.to_dict(),
+                       "scheduler": scheduler})
 
 
 def write_trace(out: IO[str], config: SchedulerConfig, records: Iterable[StepRecord], scheduler: str = "") -> None:
@@ -431,7 +480,7 @@ class TraceFile:
         path: the file.
         config: the header's config.
         scheduler: the header's scheduler name ("" if none).
-        schema_version: 1 or 2.
+        schema_version: 1, 2 or 3.
         notes: what the reader assumed, to print beside the verdict (the version-1 convention).
     """
 
@@ -500,6 +549,9 @@ def open_trace(path: str | Path) -> TraceFile:
         config = SchedulerConfig.from_dict(header["config"])
     except (ConfigError, TypeError) as error:
         raise TraceFormatError(f"{where}: field config: {error}") from None
+    if config.speculative and version != SCHEMA_VERSION:
+        raise TraceFormatError(f"{where}: field config.num_speculative_tokens: {config.num_speculative_tokens} "
+                               f"(speculative decoding) needs schema_version {SCHEMA_VERSION}, the header says {version}")
     if config.num_kv_blocks > MAX_STATE_BLOCKS:
         raise TraceFormatError(f"{where}: field config.num_kv_blocks: {config.num_kv_blocks:,} is more than the "
                                f"{MAX_STATE_BLOCKS:,} blocks the checker can hold")

@@ -10,13 +10,17 @@ it changes). The client's actions happen between steps: a request **arrives**
 - :func:`reject`: a waiting request that can never complete ends ``REJECTED`` with its reason.
   Guard: ``reject-only-impossible``.
 - :func:`schedule`: a request computes a chunk of its prompt (a prefill) or its last sampled token
-  (a decode), taking new blocks; a waiting one is admitted. Guard: ``positive-tokens``,
-  ``chunk-continues``, ``no-overcompute``, ``whole-prefill-without-chunking``,
-  ``long-prefill-threshold``, ``admit-fits-alone``, ``blocks-from-free-pool``, ``block-table-covers``,
-  ``no-excess-blocks``, ``prefix-hit-at-admission``, ``prefix-hit-is-cached-chain``,
-  ``prefix-hit-longest``.
-- :func:`sample`: a request whose chunk reached the end of its sequence appends the sampled token,
-  then stops (:func:`stop_reason`) or goes on. Guard: none (the model chooses the token).
+  (a decode) with the drafts it verifies (speculative decoding), taking new blocks; a waiting one is
+  admitted. Guard: ``positive-tokens``, ``chunk-continues``, ``no-overcompute``,
+  ``whole-prefill-without-chunking``, ``long-prefill-threshold``, ``admit-fits-alone``,
+  ``blocks-from-free-pool``, ``block-table-covers``, ``no-excess-blocks``, ``prefix-hit-at-admission``,
+  ``prefix-hit-is-cached-chain``, ``prefix-hit-longest``, ``drafts-only-in-decodes``,
+  ``drafts-are-proposed``, ``drafts-within-max-model-len``.
+- :func:`sample`: a request whose chunk reached the end of its sequence appends its accepted drafts and
+  the sampled token, stopping at the first that stops it (:func:`stop_reason`), and gives back its
+  rejected drafts. Guard: none (the model chooses the tokens and what it accepts).
+- :func:`propose_drafts` (speculative decoding): the drafter's drafts for a request that sampled and
+  still runs become its ``spec_token_ids``. Guard: none (the drafter chooses them).
 
 The rules about the plan as a whole guard the step itself: ``known-requests``, ``token-budget``,
 ``sequence-cap``. Every rule's check is in :mod:`~schedspec.spec.rules` (``Rule.action`` names its
@@ -324,13 +328,14 @@ def sample(step: StepInProgress, request_id: str, token_id: int, item: Scheduled
 
 def propose_drafts(step: StepInProgress, request_id: str, draft_token_ids: tuple[int, ...],
                    sampled: AbstractSet[str]) -> None:
-    """The drafter **proposes** drafts after the step for a request that sampled in it and still runs:
-    they become its ``spec_token_ids`` (vLLM ``Scheduler.update_draft_token_ids``). ``sampled``: the ids
-    that sampled in the step (``set(step.sampled)``).
+    """The drafter **proposes** drafts after the step: for a request that sampled in it and still runs
+    they become its ``spec_token_ids`` (vLLM ``Scheduler.update_draft_token_ids``); for any other id they
+    are ignored, as vLLM ignores them (a request that ended, or an unknown id: "The request may have been
+    finished. Skip."; one whose chunk did not reach its end: "Ignore draft tokens for prefill chunks").
+    ``sampled``: the ids that sampled in the step (``set(step.sampled)``).
 
     Raises:
-        PlanError: the request did not sample in this step or stopped, or the proposal is longer than
-            ``num_speculative_tokens``.
+        PlanError: the proposal is longer than ``num_speculative_tokens``.
     """
     limit = step.config.num_speculative_tokens
     if len(draft_token_ids) > limit:
@@ -338,8 +343,7 @@ def propose_drafts(step: StepInProgress, request_id: str, draft_token_ids: tuple
                         f"{step.before.step} > num_speculative_tokens={limit}")
     request = step.requests.get(request_id)
     if request is None or request_id not in sampled:
-        raise PlanError(f"request_id={request_id!r}: drafts proposed at step {step.before.step}, but it did not "
-                        "sample in the step or does not run after it")
+        return
     step.requests[request_id] = evolve(request, spec_token_ids=tuple(draft_token_ids))
 
 
@@ -391,7 +395,7 @@ def apply_plan(
     Raises:
         PlanError: a named request is not live, a sampling request has no sampled token, an accepted
             count is outside ``[0, d]`` or given for a request that verified no drafts, or a proposal
-            breaks :func:`propose_drafts`.
+            is longer than ``num_speculative_tokens`` (:func:`propose_drafts`).
     """
     step = StepInProgress.begin(state, config)
     for request_id in plan.preempted:

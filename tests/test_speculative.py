@@ -135,7 +135,6 @@ def test_a_preemption_and_an_abort_drop_the_drafts():
     (SpeculativeOutput(num_accepted_tokens={"a": 4}), "4 drafts accepted"),
     (SpeculativeOutput(num_accepted_tokens={"a": -1}), "-1 drafts accepted"),
     (SpeculativeOutput(draft_token_ids={"a": (1, 2, 3, 4)}), "num_speculative_tokens=3"),
-    (SpeculativeOutput(draft_token_ids={"b": (1,)}), "did not sample"),
 ])
 def test_inputs_out_of_bounds_are_refused(speculative, message):
     cfg = config()
@@ -150,10 +149,16 @@ def test_an_acceptance_without_drafts_is_refused():
         apply_plan(decoding(cfg), plan, {"a": 20}, cfg, SpeculativeOutput(num_accepted_tokens={"a": 1}))
 
 
-def test_drafts_for_a_request_that_stopped_are_refused():
+def test_drafts_for_a_request_that_stopped_or_did_not_sample_are_ignored():
+    # as vLLM's update_draft_token_ids skips finished requests and prefill chunks
     cfg = config()
-    with pytest.raises(PlanError, match="did not sample"):
-        apply_plan(decoding(cfg), verify(0, ()), {"a": EOS}, cfg, SpeculativeOutput(draft_token_ids={"a": (1,)}))
+    after = apply_plan(decoding(cfg), verify(0, ()), {"a": EOS}, cfg,
+                       SpeculativeOutput(draft_token_ids={"a": (1,), "nobody": (2,)})).state
+    assert after.finished["a"].spec_token_ids == () and "nobody" not in after.requests
+    state = add_request(SchedulerState.initial(cfg), Request("b", 0, [5, 6, 7, 8, 9], max_tokens=3))
+    middle = StepPlan(scheduled=(ScheduledRequest("b", 0, 3, (0,)),))
+    after = apply_plan(state, middle, {}, cfg, SpeculativeOutput(draft_token_ids={"b": (1,)})).state
+    assert after.requests["b"].spec_token_ids == ()
 
 
 # --- One failing case per speculative-decoding rule and invariant (registered into test_rules.CASES and
@@ -301,3 +306,99 @@ def test_published_blocks_hold_no_draft_position():
     leaked = attrs.evolve(cache, block_hashes={**cache.block_hashes, 2: "leaked"},
                           hash_to_blocks={**cache.hash_to_blocks, "leaked": (2,)})
     assert "prefix-published-computed" in {v.name for v in check_state(attrs.evolve(after, prefix_cache=leaked), cfg)}
+
+
+# --- The reference engine loop with speculative decoding, and trace version 3 --------------------------
+
+def _workload(seed: int, n: int = 10):
+    import random
+
+    from schedspec.spec.workload import RequestSpec
+
+    rng = random.Random(seed)
+    return [RequestSpec(request_id=f"r{i}", arrival_step=rng.randrange(0, 8), prompt_len=rng.randrange(1, 40),
+                        max_tokens=rng.randrange(1, 30), eos_at_output=rng.choice([None, None, rng.randrange(1, 20)]))
+            for i in range(n)]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_fcfs_with_drafts_passes_every_check_and_samples_what_it_samples_without(seed, tmp_path):
+    """The engine loop checks every step of fcfs with drafts (rules, invariants, fcfs's properties); its
+    trace is version 3 and passes both checkers; and, the fake model verifying greedily over its KV cache,
+    every request that finishes in both runs has the same outputs with speculative decoding as without."""
+    import random
+
+    from schedspec.reference.engine import Engine
+    from schedspec.reference.scheduler import SCHEDULERS
+    from schedspec.spec.checker import check_trace
+    from schedspec.spec.trace import open_trace, write_trace
+
+    rng = random.Random(seed)
+    base = SchedulerConfig(block_size=4, num_kv_blocks=rng.choice([12, 30, 60]), max_num_seqs=4, max_model_len=64,
+                           max_num_batched_tokens=rng.choice([8, 16, 64]), enable_prefix_caching=seed % 3 == 0)
+    k = rng.choice([1, 2, 3, 5])
+    spec = base.with_changes(num_speculative_tokens=k, num_lookahead_tokens=rng.choice([0, k]))
+    outputs = {}
+    verified = 0
+    for cfg in (base, spec):
+        result = Engine(SCHEDULERS["fcfs"](cfg), cfg, incremental=seed % 2 == 0).run(_workload(seed))
+        assert result.ok, result.violations[:3]
+        outputs[cfg.speculative] = {r.request_id: r.output_token_ids for r in result.state.finished.values()
+                                    if r.status.outcome == "finished"}
+        if cfg.speculative:
+            verified = sum(len(record.num_accepted_tokens) for record in result.records)
+            path = tmp_path / "trace.jsonl"
+            with path.open("w") as out:
+                write_trace(out, cfg, result.records, "fcfs")
+            trace = open_trace(path)
+            assert trace.schema_version == 3 and trace.config == cfg
+            for incremental in (False, True):
+                report = check_trace(trace.config, trace.records(), incremental=incremental)
+                assert report.ok, report.violations[:3]
+    assert verified > 0
+    both = set(outputs[False]) & set(outputs[True])
+    assert both and all(outputs[False][r] == outputs[True][r] for r in both)
+
+
+def test_k_zero_writes_version_2_and_version_2_refuses_speculative_fields(tmp_path):
+    import json
+
+    from schedspec.spec.trace import TraceFormatError, header_line, open_trace
+
+    assert json.loads(header_line(config(num_speculative_tokens=0)))["schema_version"] == 2
+    assert json.loads(header_line(config()))["schema_version"] == 3
+    header = json.loads(header_line(config()))
+    header["schema_version"] = 2
+    path = tmp_path / "v2.jsonl"
+    path.write_text(json.dumps(header) + "\n")
+    with pytest.raises(TraceFormatError, match="needs schema_version 3"):
+        open_trace(path)
+    plain = json.loads(header_line(config(num_speculative_tokens=0)))
+    record = {"step": 0, "start_time": 0.0, "duration": 0.1, "arrivals": [], "aborts": [], "scheduled": [],
+              "blocks_allocated": {}, "blocks_freed": {}, "prefix_hit_tokens": {}, "preempted": [], "finished": {},
+              "aborted": [], "rejected": {}, "sampled_token_ids": {}, "num_free_blocks": 16, "num_running": 0,
+              "num_waiting": 0, "draft_token_ids": {"a": [1]}}
+    path.write_text(json.dumps(plain) + "\n" + json.dumps(record) + "\n")
+    with pytest.raises(TraceFormatError, match="draft_token_ids"):
+        list(open_trace(path).records())
+    plain["schema_version"] = 3  # version 3 reads it
+    path.write_text(json.dumps(plain) + "\n" + json.dumps(record) + "\n")
+    assert list(open_trace(path).records())[0].draft_token_ids == {"a": (1,)}
+
+
+def test_a_scheduler_without_drafts_is_refused_with_speculative_decoding():
+    from schedspec.reference.engine import Engine
+    from schedspec.reference.scheduler import SCHEDULERS, UnsupportedFeature
+
+    class OldProtocol:
+        name, guarantees, state = "old", frozenset(), None
+
+        def __init__(self, cfg):
+            self.inner = SCHEDULERS["fcfs"](cfg)
+
+        def update(self, plan, sampled):
+            return self.inner.update(plan, sampled)
+
+    cfg = config()
+    with pytest.raises(UnsupportedFeature, match="speculative decoding"):
+        Engine(OldProtocol(cfg), cfg).run(_workload(0))

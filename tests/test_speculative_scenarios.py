@@ -10,7 +10,8 @@ from collections.abc import Mapping
 import attrs
 import pytest
 
-from schedspec.reference.engine import Engine
+from schedspec.reference.engine import Engine, ViolationFound
+from schedspec.reference.fake_model import AcceptanceModel, FakeModel
 from schedspec.reference.scenarios import bundled_scenarios, judged_on, load_scenario, replay
 from schedspec.reference.scheduler import SCHEDULERS, ReferenceScheduler
 from schedspec.reference.vllm_v1 import vllm_v1
@@ -117,6 +118,12 @@ class IgnoresStopInsideDrafts(ReferenceScheduler):
         return tuple(r for r in finished if not accepted.get(r))
 
 
+def _model(scenario, config: SchedulerConfig) -> FakeModel:
+    """The token source a replay of ``scenario`` uses: the fake model with its acceptance patterns."""
+    eos = {s.request_id: s.eos_at_output for s in scenario.requests if s.eos_at_output}
+    return FakeModel(config, eos_at_output=eos, acceptance=AcceptanceModel(patterns=scenario.acceptance))
+
+
 def _plan_scheduler(plan):
     return lambda config: ReferenceScheduler(config, plan, "broken", frozenset())
 
@@ -160,11 +167,15 @@ def test_the_scenario_fails_on_a_scheduler_broken_that_way(name):
     scenario = load_scenario(CASES[name])
     factory, check = BROKEN[name]
     config = SchedulerConfig.from_dict(scenario.config)
-    run = Engine(factory(config), config, acceptance=scenario.acceptance, properties=()).run(
-        scenario.requests, max_steps=200)
-    names = {v.name for v in run.violations}
+    try:
+        run = Engine(factory(config), config, token_source=_model(scenario, config), properties=(),
+                     stop_on_violation=True).run(scenario.requests, max_steps=200)
+    except ViolationFound as found:
+        names = {v.name for v in found.violations}
+    else:
+        names = {v.name for v in run.violations}
     assert check in names, names
     # the same checks pass the correct profile on the same scenario
     correct = Engine(ReferenceScheduler(config, vllm_v1, "vllm-v1", frozenset()), config,
-                     acceptance=scenario.acceptance, properties=()).run(scenario.requests, max_steps=200)
+                     token_source=_model(scenario, config), properties=()).run(scenario.requests, max_steps=200)
     assert correct.violations == []

@@ -59,11 +59,12 @@ from schedspec.reference.scheduler import (
 from schedspec.spec.config import ConfigError, SchedulerConfig
 from schedspec.spec.trace import StepRecord
 from schedspec.spec.workload import RequestSpec
-from schedspec.reference.speculation import AcceptancePattern
+from schedspec.reference.fake_model import AcceptanceModel, FakeModel
 from schedspec.strategies import acceptance_patterns, priorities, scheduler_configs
 
-Acceptance = dict[str, AcceptancePattern]
-"""Speculative decoding: request id -> its acceptance pattern (the others accept every draft)."""
+Acceptance = dict[str, str]
+"""Speculative decoding: request id -> its acceptance pattern (:data:`schedspec.reference.fake_model.ACCEPTANCE_PATTERNS`;
+the others follow the :class:`~schedspec.reference.fake_model.AcceptanceModel` default)."""
 
 DEFAULT_MAX_STEPS = 2_000
 
@@ -199,8 +200,13 @@ def _run(name: str, config: SchedulerConfig, requests: Sequence[RequestSpec], ma
 def _run_scheduler(scheduler, name: str, config: SchedulerConfig, requests: Sequence[RequestSpec],
                    max_steps: int, engine: bool, acceptance: Acceptance | None = None,
                    ) -> tuple[RunResult | None, list[Finding]]:
+    token_source = None
+    if config.speculative:  # the default token source with the scenario's acceptance patterns
+        token_source = FakeModel(config, eos_at_output={s.request_id: s.eos_at_output for s in requests
+                                                        if s.eos_at_output},
+                                 acceptance=AcceptanceModel(patterns=acceptance))
     try:
-        result = Engine(scheduler, config, stop_on_violation=True, acceptance=acceptance).run(
+        result = Engine(scheduler, config, token_source=token_source, stop_on_violation=True).run(
             requests, mode="steps", max_steps=max_steps)
     except UnsupportedFeature:
         raise
@@ -395,7 +401,7 @@ def case_dict(name: str, about: str, config: SchedulerConfig, requests: Sequence
         if r.prefix_group is not None and r.prefix_len:
             row["prefix"] = {"group": r.prefix_group, "len": r.prefix_len}
         if acceptance and r.request_id in acceptance:
-            row["acceptance"] = acceptance[r.request_id].to_json()
+            row["acceptance"] = acceptance[r.request_id]
         rows.append(row)
         outcome[r.request_id] = ["finished", "aborted"] if r.abort_at_step is not None else "finished"
     data: dict[str, Any] = {"name": name, "about": about, "config": config.to_dict(), "requests": rows,

@@ -138,14 +138,37 @@ def py(term: Any) -> Any:
     raise ValueError(f"not a value: {term}")
 
 
+@dataclass
+class Speculative:
+    """Speculative decoding's config terms: ``k`` (``num_speculative_tokens``, >= 1 when on) and ``L``
+    (``num_lookahead_tokens``). A :class:`Ctx` with one encodes drafts: a state's slots hold ``d`` drafts
+    (:attr:`State.drafts`), a plan's ``nd`` (:attr:`Plan.nd`), and a step's inputs are the accepted drafts
+    ``acc``, the appended token that is the EOS ``ej`` (0: none) and the drafts proposed ``prop``
+    (:class:`DraftInputs`). Without one (the default) the encoding is exactly the one without drafts."""
+
+    k: Any
+    L: Any
+
+    def valid(self) -> Any:
+        """What ``SchedulerConfig`` accepts with speculative decoding on."""
+        return z3.And(self.k >= 1, self.L >= 0)
+
+    @classmethod
+    def symbolic(cls, prefix: str = "") -> Speculative:
+        return cls(z3.Int(prefix + "num_speculative_tokens"), z3.Int(prefix + "num_lookahead_tokens"))
+
+
 class Ctx:
     """One query's encoding context: the config, the block mode, fresh names and side facts.
 
     ``facts`` collects constraints that define auxiliary variables (policy encodings); a query asserts
-    them all, with the facts about the uninterpreted ``ceil`` (``solve.cdiv_facts``).
+    them all, with the facts about the uninterpreted ``ceil`` (``solve.cdiv_facts``). ``spec``: speculative
+    decoding's terms (:class:`Speculative`), or ``None`` for the encoding without drafts.
     """
 
-    def __init__(self, config: SymConfig, block_mode: str = "fixed", prefix: str = "") -> None:
+    def __init__(self, config: SymConfig, block_mode: str = "fixed", prefix: str = "",
+                 spec: Speculative | None = None) -> None:
+        self.spec = spec
         if block_mode not in BLOCK_MODES:
             raise ValueError(f"block mode {block_mode!r}: expected one of {BLOCK_MODES}")
         if block_mode == "fixed" and not z3.is_int_value(config.block_size):
@@ -177,6 +200,13 @@ class Ctx:
             return self._f(x)
         bs = self.cfg.block_size
         return z3.If(x <= 0, 0, (x + bs - 1) / bs)
+
+    def slot_tokens(self, end: Any) -> Any:
+        """``config.slot_tokens``: ``end`` plus the lookahead, capped at ``max_model_len`` (``end`` without
+        speculative decoding)."""
+        if self.spec is None:
+            return end
+        return zmax(end, zmin(end + self.spec.L, self.cfg.max_model_len))
 
     def covers(self, blocks: Any, tokens: Any) -> Any:
         """``blocks * block_size >= tokens`` (equivalently ``blocks >= ceil(tokens / block_size)``)."""
@@ -230,6 +260,9 @@ class State:
     rback: Any
     step: Any
     nextseq: Any
+    drafts: list[Any] | None = None
+    """Speculative decoding (:class:`Speculative`): per slot, the drafts the request holds
+    (``len(spec_token_ids)``); ``None`` without."""
 
     @property
     def n(self) -> int:
@@ -239,7 +272,10 @@ class State:
 STATE_SCALARS = ("free", "wfront", "wback", "rback", "step", "nextseq")
 
 
-def symbolic_state(n: int, prefix: str = "s") -> State:
+def symbolic_state(n: int, prefix: str = "s", speculative: bool = False) -> State:
+    if speculative:
+        base = symbolic_state(n, prefix)
+        return replace(base, drafts=[z3.Int(f"{prefix}_d{i}") for i in range(n)])
     slots = []
     for i in range(n):
         values = {
@@ -262,6 +298,9 @@ class Plan:
     pre: list[Any]
     ppos: list[Any]
     rej: list[Any]
+    nd: list[Any] | None = None
+    """Speculative decoding: per slot, the drafts its item verifies (``len(spec_token_ids)``); ``None``
+    without."""
 
     @property
     def n(self) -> int:
@@ -271,15 +310,37 @@ class Plan:
         return _sum([z3.If(self.sched[i], self.ntok[i], 0) for i in range(self.n)])
 
 
-PLAN_FIELDS = tuple(f.name for f in fields(Plan))
+PLAN_FIELDS = tuple(f.name for f in fields(Plan) if f.name != "nd")
 BOOL_PLAN_FIELDS = ("sched", "pre", "rej")
 
 
-def symbolic_plan(n: int, prefix: str = "pl") -> Plan:
-    return Plan(**{
+def symbolic_plan(n: int, prefix: str = "pl", speculative: bool = False) -> Plan:
+    plan = Plan(**{
         name: [(z3.Bool if name in BOOL_PLAN_FIELDS else z3.Int)(f"{prefix}_{name}{i}") for i in range(n)]
         for name in PLAN_FIELDS
     })
+    return replace(plan, nd=[z3.Int(f"{prefix}_nd{i}") for i in range(n)]) if speculative else plan
+
+
+@dataclass
+class DraftInputs:
+    """Speculative decoding's inputs to a step, per slot (the model's and the drafter's choices):
+    ``acc`` the drafts accepted, ``ej`` which appended token is the EOS (1 for the first; 0 for none), and
+    ``prop`` the drafts proposed after the step."""
+
+    acc: list[Any]
+    ej: list[Any]
+    prop: list[Any]
+
+    @classmethod
+    def symbolic(cls, n: int, prefix: str = "in") -> DraftInputs:
+        return cls(*([z3.Int(f"{prefix}_{name}{i}") for i in range(n)] for name in ("acc", "ej", "prop")))
+
+    def valid(self, ctx: Ctx, plan: Plan) -> Any:
+        """The bounds ``apply_plan`` puts on them: ``0 <= acc <= nd``, ``ej >= 0``, ``0 <= prop <= k``."""
+        assert ctx.spec is not None and plan.nd is not None
+        return z3.And([z3.And(self.acc[i] >= 0, self.acc[i] <= plan.nd[i], self.ej[i] >= 0, self.prop[i] >= 0,
+                              self.prop[i] <= ctx.spec.k) for i in range(plan.n)])
 
 
 def plan_well_formed(plan: Plan) -> Any:
@@ -307,7 +368,7 @@ def max_sequence_len(ctx: Ctx, p: Any, mt: Any) -> Any:
 def max_blocks_needed(ctx: Ctx, p: Any, mt: Any) -> Any:
     """``admission.max_blocks_needed``: ``ceil(max(prompt_len, min(prompt_len + max_tokens,
     max_model_len) - 1) / block_size)``."""
-    return ctx.cdiv(zmax(p, max_sequence_len(ctx, p, mt) - 1))
+    return ctx.cdiv(ctx.slot_tokens(zmax(p, max_sequence_len(ctx, p, mt) - 1)))
 
 
 def fits_alone(ctx: Ctx, p: Any, mt: Any) -> Any:
@@ -366,10 +427,11 @@ def allowed_rules(ctx: Ctx, s: State, plan: Plan) -> dict[str, Any]:
             z3.And(sch, c.enable_chunked_prefill, c.long_prefill_token_threshold > 0),
             plan.ntok[i] <= c.long_prefill_token_threshold))
         ls = z3.And(sch, sl.live)
+        nd = plan.nd[i] if ctx.spec is not None else 0
         rules["chunk-continues"].append(z3.Implies(ls, plan.start[i] == sl.nc))
-        rules["no-overcompute"].append(z3.Implies(ls, plan.ntok[i] <= sl.pending))
+        rules["no-overcompute"].append(z3.Implies(ls, plan.ntok[i] <= sl.pending + nd))
         rules["whole-prefill-without-chunking"].append(
-            z3.Implies(z3.And(ls, z3.Not(c.enable_chunked_prefill)), plan.ntok[i] == sl.pending))
+            z3.Implies(z3.And(ls, z3.Not(c.enable_chunked_prefill)), plan.ntok[i] == sl.pending + nd))
         rules["admit-fits-alone"].append(z3.Implies(z3.And(ls, z3.Not(sl.running)), fits_alone(ctx, sl.p, sl.mt)))
         rules["reject-only-impossible"].append(z3.Implies(
             z3.And(rej, sl.live), z3.And(z3.Not(sl.running), z3.Not(fits_alone(ctx, sl.p, sl.mt)))))
@@ -377,8 +439,19 @@ def allowed_rules(ctx: Ctx, s: State, plan: Plan) -> dict[str, Any]:
             z3.And(sl.waiting, z3.Not(sl.adm), z3.Not(fits_alone(ctx, sl.p, sl.mt))), rej))
         rules["preempt-running-only"].append(z3.Implies(pre, z3.And(z3.Implies(sl.live, sl.running), z3.Not(sch))))
         blocks = sl.b + plan.nb[i]
-        rules["block-table-covers"].append(z3.Implies(ls, blocks >= ctx.cdiv(plan.start[i] + plan.ntok[i])))
-        rules["no-excess-blocks"].append(z3.Implies(ls, blocks <= ctx.cdiv(sl.p + sl.o)))
+        rules["block-table-covers"].append(
+            z3.Implies(ls, blocks >= ctx.cdiv(ctx.slot_tokens(plan.start[i] + plan.ntok[i]))))
+        if ctx.spec is None:
+            rules["no-excess-blocks"].append(z3.Implies(ls, blocks <= ctx.cdiv(sl.p + sl.o)))
+            continue
+        held = s.drafts[i]
+        rules["no-excess-blocks"].append(z3.Implies(z3.And(ls, plan.nb[i] > 0),
+                                                    blocks <= ctx.cdiv(ctx.slot_tokens(sl.p + sl.o + nd))))
+        rules["drafts-only-in-decodes"].append(z3.Implies(z3.And(ls, nd > 0), z3.And(
+            sl.running, sl.pending == 1, sl.nc >= sl.p, plan.ntok[i] == 1 + nd)))
+        rules["drafts-are-proposed"].append(z3.Implies(sch, z3.And(nd >= 0, z3.Implies(sl.live, nd <= held))))
+        rules["drafts-within-max-model-len"].append(
+            z3.Implies(z3.And(sch, nd > 0), plan.start[i] + plan.ntok[i] + 1 <= c.max_model_len))
     rules["token-budget"].append(plan.tokens() <= c.max_num_batched_tokens)
     atoms = [rule_atoms(s, plan, i) for i in range(n)]
     running = _sum([a.running for a in atoms])
@@ -395,9 +468,11 @@ RULE_ORDER = (
     "known-requests", "token-budget", "positive-tokens", "chunk-continues", "no-overcompute",
     "whole-prefill-without-chunking", "long-prefill-threshold", "sequence-cap", "admit-fits-alone",
     "reject-only-impossible", "preempt-running-only", "blocks-from-free-pool", "block-table-covers",
-    "no-excess-blocks",
+    "no-excess-blocks", "drafts-only-in-decodes", "drafts-are-proposed", "drafts-within-max-model-len",
 )
-"""The rules of :mod:`schedspec.spec.rules`, in its order (the encoding test checks the two agree)."""
+"""The rules of :mod:`schedspec.spec.rules`, in its order (the encoding test checks the two agree); the
+``drafts-*`` rules are ``True`` without speculative decoding (a :class:`Ctx` without :class:`Speculative`),
+as they are in Python (no item carries drafts)."""
 
 
 def allowed(ctx: Ctx, s: State, plan: Plan) -> Any:
@@ -420,23 +495,44 @@ class StepOutcome:
     """Per slot: the blocks a request that stops in the step returns (its old blocks plus the new ones)."""
 
 
-def apply_plan(ctx: Ctx, s: State, plan: Plan, eos: Sequence[Any]) -> StepOutcome:
-    """The state after an allowed ``plan``; ``eos[i]``: the token slot ``i`` samples is its EOS."""
+def apply_plan(ctx: Ctx, s: State, plan: Plan, eos: Sequence[Any], inputs: DraftInputs | None = None) -> StepOutcome:
+    """The state after an allowed ``plan``; ``eos[i]``: the token slot ``i`` samples is its EOS. With
+    speculative decoding (``ctx.spec``), ``inputs`` gives the accepted drafts, where the EOS is among the
+    appended tokens (``eos`` is then unused) and the drafts proposed (:class:`DraftInputs`): a sampler
+    appends ``min(acc + 1, first length stop, ej)`` tokens, stops if a stop falls among its ``acc + 1``,
+    gives back its ``nd - acc`` rejected drafts and, going on, holds ``prop`` drafts
+    (``transitions.sample``, ``propose_drafts``)."""
     c = ctx.cfg
     n = s.n
+    spec = ctx.spec is not None
     new_slots = []
+    new_drafts: list[Any] = []
     samples, stops, final_o = [], [], []
     released: list[Any] = []
     returned: list[Any] = []
     for i in range(n):
         sl = s.slots[i]
         sch, pre, rej = plan.sched[i], plan.pre[i], plan.rej[i]
-        samp = z3.And(sch, plan.start[i] + plan.ntok[i] == sl.p + sl.o)
-        o1 = z3.If(samp, sl.o + 1, sl.o)
-        stop = z3.And(samp, z3.Or(sl.p + o1 >= c.max_model_len, o1 >= sl.mt, eos[i]))
+        if not spec:
+            samp = z3.And(sch, plan.start[i] + plan.ntok[i] == sl.p + sl.o)
+            o1 = z3.If(samp, sl.o + 1, sl.o)
+            stop = z3.And(samp, z3.Or(sl.p + o1 >= c.max_model_len, o1 >= sl.mt, eos[i]))
+            computed = sl.nc + plan.ntok[i]
+        else:
+            assert inputs is not None and plan.nd is not None and s.drafts is not None
+            nd, acc, ej = plan.nd[i], inputs.acc[i], inputs.ej[i]
+            samp = z3.And(sch, plan.start[i] + plan.ntok[i] - nd == sl.p + sl.o)
+            length_stop = zmax(1, zmin(sl.mt - sl.o, c.max_model_len - sl.p - sl.o))
+            kept = zmin(acc + 1, length_stop)
+            kept = z3.If(ej >= 1, zmin(kept, ej), kept)
+            o1 = z3.If(samp, sl.o + kept, sl.o)
+            stop = z3.And(samp, z3.Or(length_stop <= acc + 1, z3.And(ej >= 1, ej <= acc + 1)))
+            computed = sl.nc + plan.ntok[i] - z3.If(samp, nd - acc, 0)
+            new_drafts.append(z3.If(pre, 0, z3.If(sch, z3.If(z3.And(samp, z3.Not(stop)), inputs.prop[i], 0),
+                                                  z3.If(rej, 0, s.drafts[i]))))
         admit = z3.And(sch, z3.Not(sl.running))
         st = z3.If(pre, PREEMPTED, z3.If(rej, EMPTY, z3.If(sch, z3.If(stop, EMPTY, RUNNING), sl.st)))
-        nc = z3.If(pre, 0, z3.If(sch, sl.nc + plan.ntok[i], sl.nc))
+        nc = z3.If(pre, 0, z3.If(sch, computed, sl.nc))
         b = z3.If(z3.Or(pre, rej, stop), 0, z3.If(sch, sl.b + plan.nb[i], sl.b))
         pos = z3.If(pre, s.wfront - 1 - plan.ppos[i], z3.If(admit, s.rback + 1 + plan.bpos[i], sl.pos))
         new_slots.append(replace(
@@ -451,6 +547,7 @@ def apply_plan(ctx: Ctx, s: State, plan: Plan, eos: Sequence[Any]) -> StepOutcom
         final_o.append(o1)
     after = State(
         new_slots, s.free + _sum(released), s.wfront - n, s.wback, s.rback + 2 * n, s.step + 1, s.nextseq,
+        new_drafts if spec else None,
     )
     return StepOutcome(after, samples, stops, final_o, returned)
 
@@ -461,7 +558,8 @@ def arrive(ctx: Ctx, s: State, i: int, p: Any, mt: Any, prio: Any = 0) -> State:
     slots[i] = Slot(st=z3.IntVal(WAITING), p=p, o=z3.IntVal(0), mt=mt, nc=z3.IntVal(0), b=z3.IntVal(0),
                     pos=s.wback + 1, adm=z3.BoolVal(False), npre=z3.IntVal(0), arr=s.step, prio=prio,
                     seq=s.nextseq)
-    return replace(s, slots=slots, wback=s.wback + 1, nextseq=s.nextseq + 1)
+    drafts = None if s.drafts is None else [z3.IntVal(0) if j == i else d for j, d in enumerate(s.drafts)]
+    return replace(s, slots=slots, wback=s.wback + 1, nextseq=s.nextseq + 1, drafts=drafts)
 
 
 def arrive_precondition(s: State, i: int, p: Any, mt: Any) -> Any:
@@ -474,7 +572,8 @@ def abort(ctx: Ctx, s: State, i: int) -> State:
     slots = list(s.slots)
     sl = s.slots[i]
     slots[i] = replace(sl, st=z3.IntVal(EMPTY), b=z3.IntVal(0))
-    return replace(s, slots=slots, free=s.free + z3.If(sl.live, sl.b, 0))
+    drafts = None if s.drafts is None else [z3.IntVal(0) if j == i else d for j, d in enumerate(s.drafts)]
+    return replace(s, slots=slots, free=s.free + z3.If(sl.live, sl.b, 0), drafts=drafts)
 
 
 # --- invariants (schedspec.spec.invariants) ------------------------------------------------------
@@ -503,6 +602,10 @@ def state_invariants(ctx: Ctx, s: State) -> dict[str, Any]:
                                               sl.p + sl.o <= zmax(c.max_model_len, sl.p + 1)))
         inv["computed-bound"].append(z3.Implies(sl.live, z3.And(sl.nc >= 0, sl.nc <= sl.p + sl.o)))
         inv["preempted-holds-nothing"].append(z3.Implies(sl.waiting, z3.And(sl.b == 0, sl.nc == 0)))
+        if ctx.spec is not None:
+            d = s.drafts[i]
+            inv["drafts-on-running-decodes"].append(z3.And(d >= 0, z3.Implies(d > 0, z3.And(
+                sl.running, sl.nc == sl.p + sl.o - 1, sl.nc >= sl.p, d <= ctx.spec.k))))
         for j in range(i + 1, n):
             other = S[j]
             inv["queues-disjoint"].append(z3.Implies(z3.And(sl.waiting, other.waiting), sl.pos != other.pos))
@@ -512,8 +615,9 @@ def state_invariants(ctx: Ctx, s: State) -> dict[str, Any]:
 
 STATE_INVARIANT_ORDER = (
     "running-within-max-num-seqs", "kv-capacity", "block-conservation", "table-covers-computed", "queues-disjoint",
-    "output-bound", "computed-bound", "preempted-holds-nothing",
+    "output-bound", "computed-bound", "preempted-holds-nothing", "drafts-on-running-decodes",
 )
+"""``drafts-on-running-decodes`` is ``True`` without speculative decoding (no state holds drafts)."""
 
 
 def support(ctx: Ctx, s: State) -> dict[str, Any]:
@@ -535,7 +639,11 @@ def support(ctx: Ctx, s: State) -> dict[str, Any]:
         out["running-has-pending"].append(z3.Implies(sl.running, sl.nc < sl.p + sl.o))
         out["running-has-pending"].append(z3.Implies(z3.And(sl.running, z3.Not(c.enable_chunked_prefill)),
                                                      sl.nc == sl.p + sl.o - 1))
-        out["no-excess-blocks"].append(z3.Implies(live, sl.b <= ctx.cdiv(sl.p + sl.o)))
+        if ctx.spec is None:
+            out["no-excess-blocks"].append(z3.Implies(live, sl.b <= ctx.cdiv(sl.p + sl.o)))
+        else:  # blocks kept after rejected drafts, and the lookahead: at most k - 1 positions past the sequence
+            out["no-excess-blocks"].append(
+                z3.Implies(live, sl.b <= ctx.cdiv(ctx.slot_tokens(sl.p + sl.o - 1 + ctx.spec.k))))
         out["queue-bounds"].append(z3.Implies(sl.waiting, z3.And(sl.pos >= s.wfront, sl.pos <= s.wback)))
         out["queue-bounds"].append(z3.Implies(sl.running, sl.pos <= s.rback))
     out["queue-bounds"].append(s.wfront <= s.wback + 1)
@@ -568,14 +676,29 @@ def initial_state(ctx: Ctx, n: int) -> State:
 def step_invariants(ctx: Ctx, s: State, plan: Plan, out: StepOutcome) -> dict[str, Any]:
     """Step invariants: ``chunks-in-order``, and the invariants on the requests that end in the step
     (``output-bound`` on their final outputs; they release every block). The token budget is a rule
-    (``token-budget``), not an invariant: stating it again here would prove it from itself."""
+    (``token-budget``), not an invariant: stating it again here would prove it from itself. With
+    speculative decoding also ``rejected-drafts-uncomputed`` and ``accepted-drafts-prefix`` (as counts: a
+    sampler that verified drafts appends at most ``1 + nd`` tokens)."""
     c = ctx.cfg
     parts: dict[str, list[Any]] = {"chunks-in-order": [], "ended-requests": []}
+    if ctx.spec is not None:
+        parts.update({"rejected-drafts-uncomputed": [], "accepted-drafts-prefix": []})
     for i in range(s.n):
         sl = s.slots[i]
         new = out.state.slots[i]
         parts["chunks-in-order"].append(z3.Implies(plan.sched[i], plan.start[i] == sl.nc))
-        parts["chunks-in-order"].append(z3.Implies(z3.And(plan.sched[i], new.live), new.nc == sl.nc + plan.ntok[i]))
+        if ctx.spec is None:
+            parts["chunks-in-order"].append(
+                z3.Implies(z3.And(plan.sched[i], new.live), new.nc == sl.nc + plan.ntok[i]))
+        else:
+            nd = plan.nd[i]
+            parts["chunks-in-order"].append(z3.Implies(z3.And(plan.sched[i], nd == 0, new.live),
+                                                       new.nc == sl.nc + plan.ntok[i]))
+            parts["rejected-drafts-uncomputed"].append(z3.Implies(
+                z3.And(plan.sched[i], nd > 0, new.live), z3.And(new.nc == sl.nc + 1 + (new.o - sl.o - 1),
+                                                                 new.nc == new.p + new.o - 1)))
+            parts["accepted-drafts-prefix"].append(z3.Implies(
+                z3.And(plan.sched[i], nd > 0), z3.And(out.final_o[i] - sl.o >= 1, out.final_o[i] - sl.o <= 1 + nd)))
         o1 = out.final_o[i]
         parts["ended-requests"].append(z3.Implies(out.stops[i], z3.And(
             o1 <= sl.mt, sl.p + o1 <= zmax(c.max_model_len, sl.p + 1))))

@@ -295,8 +295,11 @@ PREFIX_RULE_ORDER = (
     "whole-prefill-without-chunking", "long-prefill-threshold", "sequence-cap", "admit-fits-alone",
     "reject-only-impossible", "preempt-running-only", "blocks-from-free-pool", "block-table-covers",
     "no-excess-blocks", "prefix-hit-at-admission", "prefix-hit-is-cached-chain", "prefix-hit-longest",
+    "drafts-only-in-decodes", "drafts-are-proposed", "drafts-within-max-model-len",
 )
-"""Every rule of :mod:`schedspec.spec.rules`, in its order (the agreement test checks it)."""
+"""Every rule of :mod:`schedspec.spec.rules`, in its order (the agreement test checks it). The prefix-cache
+layer has no drafts: the ``drafts-*`` rules are ``True`` here (no item carries drafts without speculative
+decoding; drafts with prefix caching are proved in the count encoding, :mod:`.speculative`)."""
 
 
 def hits_well_formed(s: State, plan: Plan, h: Hits) -> Any:
