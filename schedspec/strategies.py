@@ -175,3 +175,11 @@ def acceptance_patterns(k: int) -> st.SearchStrategy[str]:
         st.sampled_from((0.25, 0.5, 0.75)).map(lambda p: f"rate:{p}"),
         st.integers(0, 12).map(lambda n: f"upto:{n}"),
     )
+
+
+def speculative_configs(max_speculative_tokens: int = 4, **limits) -> st.SearchStrategy[SchedulerConfig]:
+    """:func:`scheduler_configs` (``limits`` passed on) with speculative decoding on:
+    ``num_speculative_tokens`` in ``1..max_speculative_tokens`` (no lookahead: the n-gram drafter's)."""
+    return scheduler_configs(**limits).flatmap(
+        lambda config: st.integers(1, max_speculative_tokens).map(
+            lambda k: config.with_changes(num_speculative_tokens=k)))
