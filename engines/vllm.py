@@ -99,6 +99,15 @@ header). The two versions' scheduling decisions differ as docs/engines.md, *vLLM
   spec at the end of the step (:func:`same_step_hits` gives the precise condition).
   :meth:`VllmScheduler.is_known_divergence` recognises the first and the third.
 
+*Speculative decoding* (``num_speculative_tokens`` k > 0, synchronous adapters; docs/engines.md,
+*Speculative decoding in vLLM 0.32 and 0.33*): the worker gives vLLM an n-gram ``SpeculativeConfig`` (no
+draft model; ``num_lookahead_tokens`` 0, so a config asking for a lookahead is refused); the plan's items
+carry ``SchedulerOutput.scheduled_spec_decode_tokens`` as their ``spec_token_ids``; ``update`` passes each
+verifying request's accepted drafts and sampled token as the runner's ``sampled_token_ids`` list and the
+drafts proposed after the step to ``Scheduler.update_draft_token_ids`` (``EngineCore.post_step``). vLLM's
+padding of a one-token admission with placeholder drafts is a documented difference
+(:func:`padded_admission`). Async scheduling with k > 0 is refused (``UnsupportedFeature``).
+
 ``guarantees`` is empty: vLLM promises none of the spec's trace properties (it breaks
 ``rejects-impossible`` and, with an impossible request, ``progress``; see ``docs/findings``).
 """

@@ -10,18 +10,23 @@ client chose at ``init``), so one process serves many schedulers.
 
 Commands (``op``):
 
-- ``init`` ``{config, policy, async_scheduling}``: build the scheduler; reply ``{"vllm_version",
+- ``init`` ``{config, policy, async_scheduling}``: build the scheduler (with ``config.num_speculative_tokens``
+  k > 0, an n-gram ``SpeculativeConfig`` of k tokens: no draft model); reply ``{"vllm_version",
   "vllm_file"}`` (the ``vllm`` package imported, which ``--path-ahead DIR`` can change: DIR is put first
   on ``sys.path``).
 - ``add`` ``{id, prompt, max_tokens, priority, arrival_time, eos}``: no reply.
 - ``abort`` ``{id}``: ``Scheduler.finish_requests(id, RequestStatus.FINISHED_ABORTED)``; no reply.
 - ``schedule``: ``Scheduler.schedule()``; reply ``{"scheduled": [[id, num_computed_tokens,
-  num_scheduled_tokens, new_block_ids], ...], "preempted": [id, ...], "num_requests": n}`` in vLLM's
-  numbering, ``n`` the running and waiting requests the scheduler held when it began.
-- ``update`` ``{sampled}``: ``Scheduler.update_from_output`` of the oldest step in flight (with
+  num_scheduled_tokens, new_block_ids, num_hit_blocks, spec_token_ids], ...], "preempted": [id, ...],
+  "num_requests": n}`` in vLLM's numbering, ``n`` the running and waiting requests the scheduler held
+  when it began, ``spec_token_ids`` the item's ``SchedulerOutput.scheduled_spec_decode_tokens`` (placeholder
+  ``-1`` drafts included; empty without speculative decoding).
+- ``update`` ``{sampled, drafts}``: ``Scheduler.update_from_output`` of the oldest step in flight (with
   ``AsyncScheduler`` two steps may be in flight) with a ``ModelRunnerOutput`` holding the
-  sampled token of every request that samples (an empty list for a request inside a prefill chunk);
-  reply ``{"finished": [[id, status], ...]}``.
+  sampled token of every request that samples (an empty list for a request inside a prefill chunk; with
+  speculative decoding a list, the accepted drafts then the sampled token); then, synchronous only, the
+  ``drafts`` (request id -> draft ids) to ``Scheduler.update_draft_token_ids``, as ``EngineCore.post_step``
+  hands them; reply ``{"finished": [[id, status], ...]}``.
 - ``close``: drop the scheduler; no reply.
 - ``view``: reply the scheduler's own bookkeeping (free blocks of the block pool, waiting and running
   ids, block tables, ``num_computed_tokens``; the free queue in order, the blocks that carry a hash and
