@@ -14,7 +14,14 @@ from schedspec.commands.diff import PADDED_ADMISSION, run_diff
 from schedspec.engines.vllm import VllmScheduler, fcfs, fcfs_async, padded_admission
 from schedspec.reference.scenarios import bundled_scenarios, judged_on, load_scenario, replay
 from schedspec.reference.scheduler import UnsupportedFeature
-from schedspec.spec import Request, ScheduledRequest, SchedulerConfig, SchedulerState, SpeculativeOutput, StepPlan
+from schedspec.spec import (
+    Request,
+    ScheduledRequest,
+    SchedulerConfig,
+    SchedulerState,
+    SpeculativeOutput,
+    StepPlan,
+)
 from schedspec.spec.transitions import add_request
 
 DIFF_EXAMPLES = int(os.environ.get("SCHEDSPEC_SPECULATIVE_DIFF_EXAMPLES", "1000"))

@@ -49,6 +49,7 @@ from schedspec.cli_common import (
     plural,
 )
 from schedspec.reference.engine import Engine, RunResult, ViolationFound
+from schedspec.reference.fake_model import AcceptanceModel, FakeModel
 from schedspec.reference.scheduler import (
     ENGINE_ADAPTERS,
     EngineEnvironmentError,
@@ -59,7 +60,6 @@ from schedspec.reference.scheduler import (
 from schedspec.spec.config import ConfigError, SchedulerConfig
 from schedspec.spec.trace import StepRecord
 from schedspec.spec.workload import RequestSpec
-from schedspec.reference.fake_model import AcceptanceModel, FakeModel
 from schedspec.strategies import acceptance_patterns, priorities, scheduler_configs
 
 Acceptance = dict[str, str]
