@@ -183,6 +183,8 @@ class StepView:
         sampled: request id -> the token sampled this step.
         finished: ids that finished this step (not aborted or rejected).
         arrivals: the requests added before the step; ``aborted``: live ids aborted before it.
+        speculative: speculative decoding's inputs to the step (drafts accepted per request that verified
+            drafts, drafts proposed); with them a sampler may append ``1 + accepted`` tokens in one step.
     """
 
     step: int
@@ -195,6 +197,7 @@ class StepView:
     finished: tuple[str, ...]
     arrivals: list[RequestSpec]
     aborted: list[str]
+    speculative: SpeculativeOutput = NO_SPECULATION
 
 
 class Engine:
@@ -467,7 +470,7 @@ class Engine:
                     violations.extend(hang_guard.violations)
             if self.on_step_view is not None:
                 self.on_step_view(StepView(before.step, clock, duration, before, after, plan, sampled,
-                                           outcome.finished, outcome.arrivals, outcome.aborted_ids))
+                                           outcome.finished, outcome.arrivals, outcome.aborted_ids, speculative))
             if self.record_steps or self.on_step is not None:
                 record = stepper.record(outcome, clock, duration)
                 if self.record_steps:

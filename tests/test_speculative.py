@@ -402,3 +402,15 @@ def test_a_scheduler_without_drafts_is_refused_with_speculative_decoding():
     cfg = config()
     with pytest.raises(UnsupportedFeature, match="speculative decoding"):
         Engine(OldProtocol(cfg), cfg).run(_workload(0))
+
+
+def test_a_stop_id_inside_the_accepted_drafts_ends_the_request_but_not_before_min_tokens():
+    cfg = config()
+    for min_tokens, kept, reason in ((0, (11, 12, 13), "stop"), (4, (11, 12, 13, 14), "stop")):
+        state = add_request(SchedulerState.initial(cfg), Request("a", 0, [5, 6, 7, 8, 9], max_tokens=10,
+                                                                 stop_token_ids=(13, 14), min_tokens=min_tokens))
+        state = apply_plan(state, StepPlan(scheduled=(ScheduledRequest("a", 0, 5, (0, 1)),)), {"a": 11}, cfg,
+                           SpeculativeOutput(draft_token_ids={"a": (12, 13, 14)})).state
+        result = apply_plan(state, verify(3), {"a": 20}, cfg, SpeculativeOutput(num_accepted_tokens={"a": 3}))
+        ended = result.state.finished["a"]
+        assert (ended.output_token_ids, ended.finish_reason) == (kept, reason)

@@ -428,10 +428,11 @@ def allowed_rules(ctx: Ctx, s: State, plan: Plan) -> dict[str, Any]:
             plan.ntok[i] <= c.long_prefill_token_threshold))
         ls = z3.And(sch, sl.live)
         nd = plan.nd[i] if ctx.spec is not None else 0
+        most = sl.pending + nd if ctx.spec is not None else sl.pending  # without drafts: the terms as before
         rules["chunk-continues"].append(z3.Implies(ls, plan.start[i] == sl.nc))
-        rules["no-overcompute"].append(z3.Implies(ls, plan.ntok[i] <= sl.pending + nd))
+        rules["no-overcompute"].append(z3.Implies(ls, plan.ntok[i] <= most))
         rules["whole-prefill-without-chunking"].append(
-            z3.Implies(z3.And(ls, z3.Not(c.enable_chunked_prefill)), plan.ntok[i] == sl.pending + nd))
+            z3.Implies(z3.And(ls, z3.Not(c.enable_chunked_prefill)), plan.ntok[i] == most))
         rules["admit-fits-alone"].append(z3.Implies(z3.And(ls, z3.Not(sl.running)), fits_alone(ctx, sl.p, sl.mt)))
         rules["reject-only-impossible"].append(z3.Implies(
             z3.And(rej, sl.live), z3.And(z3.Not(sl.running), z3.Not(fits_alone(ctx, sl.p, sl.mt)))))
