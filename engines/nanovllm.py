@@ -155,9 +155,13 @@ def check_config(config: SchedulerConfig) -> None:
     """Refuse configs nano-vLLM cannot run as the spec means them (module docstring).
 
     Raises:
-        UnsupportedFeature: prefix caching on; ``block_size < 2``; chunked prefill on with a budget
+        UnsupportedFeature: speculative decoding or prefix caching on; ``block_size < 2``; chunked prefill on with a budget
             below ``max_model_len`` or a ``long_prefill_token_threshold`` below it.
     """
+    if config.speculative:
+        raise UnsupportedFeature(
+            f"scheduler 'nanovllm': num_speculative_tokens={config.num_speculative_tokens}: nano-vLLM has no "
+            "speculative decoding")
     if config.enable_prefix_caching:
         raise UnsupportedFeature(
             "scheduler 'nanovllm': its prefix caching is always on and is not the spec's (hits need free blocks, "

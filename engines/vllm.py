@@ -99,6 +99,15 @@ header). The two versions' scheduling decisions differ as docs/engines.md, *vLLM
   spec at the end of the step (:func:`same_step_hits` gives the precise condition).
   :meth:`VllmScheduler.is_known_divergence` recognises the first and the third.
 
+*Speculative decoding* (``num_speculative_tokens`` k > 0, synchronous adapters; docs/engines.md,
+*Speculative decoding in vLLM 0.32 and 0.33*): the worker gives vLLM an n-gram ``SpeculativeConfig`` (no
+draft model; ``num_lookahead_tokens`` 0, so a config asking for a lookahead is refused); the plan's items
+carry ``SchedulerOutput.scheduled_spec_decode_tokens`` as their ``spec_token_ids``; ``update`` passes each
+verifying request's accepted drafts and sampled token as the runner's ``sampled_token_ids`` list and the
+drafts proposed after the step to ``Scheduler.update_draft_token_ids`` (``EngineCore.post_step``). vLLM's
+padding of a one-token admission with placeholder drafts is a documented difference
+(:func:`padded_admission`). Async scheduling with k > 0 is refused (``UnsupportedFeature``).
+
 ``guarantees`` is empty: vLLM promises none of the spec's trace properties (it breaks
 ``rejects-impossible`` and, with an impossible request, ``progress``; see ``docs/findings``).
 """
@@ -119,7 +128,7 @@ from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.prefix_cache import ROOT_HASH, max_hit_blocks, request_block_hash
 from schedspec.spec.request import Request
 from schedspec.spec.rules import REUSED_BY_HIT_IN_STEP, Violation, coded
-from schedspec.spec.state import ScheduledRequest, SchedulerState, StepPlan
+from schedspec.spec.state import NO_SPECULATION, ScheduledRequest, SchedulerState, SpeculativeOutput, StepPlan
 from schedspec.spec.workload import DEFAULT_VOCAB_SIZE, token_ids
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -136,6 +145,28 @@ DEFAULT_VERSION = "0.32"
 PATH_AHEAD: dict[str, tuple[str, Path]] = {"0.33": ("SCHEDSPEC_VLLM033_PATH", ROOT / ".vllm033")}
 """Versions run by the 0.32 environment's Python with a folder of the version's Python files first on
 ``sys.path``: version -> (environment variable naming the folder, default folder)."""
+
+
+PADDING_RULES = frozenset({"drafts-only-in-decodes", "drafts-are-proposed"})
+"""The spec rules vLLM's padding of a one-token admission breaks (:func:`padded_admission`)."""
+
+
+def padded_admission(state: SchedulerState, plan: StepPlan, config: SchedulerConfig, request_id: str | None) -> bool:
+    """Whether ``request_id``'s item in ``plan`` is vLLM's padded admission (docs/engines.md, *Speculative
+    decoding*): ``Scheduler.schedule``'s waiting loop schedules a request with exactly one token to compute
+    as ``1 + k`` tokens with ``k`` placeholder drafts (``[-1] * num_spec_tokens``) for a uniform decode
+    batch. Precisely: the request is waiting in ``state`` (the spec state before the step), its item
+    computes its one pending token plus ``num_speculative_tokens`` drafts, all ``-1``. Such an item breaks
+    the spec's ``drafts-only-in-decodes`` and ``drafts-are-proposed``; vLLM rejects every placeholder
+    (``update_from_output``: ``num_rejected = len(scheduled_spec_token_ids) - num_accepted``)."""
+    k = config.num_speculative_tokens
+    request = state.requests.get(request_id) if request_id is not None else None
+    if not k or request is None or request_id not in state.waiting:
+        return False
+    item = next((i for i in plan.scheduled if i.request_id == request_id), None)
+    hit = len(item.cached_block_ids) * config.block_size if item is not None else 0
+    return (item is not None and item.spec_token_ids == (-1,) * k and item.num_tokens == 1 + k
+            and request.num_tokens - item.num_computed_tokens == 1 and item.num_computed_tokens >= hit)
 
 
 class EngineUnavailable(UnsupportedFeature):
@@ -432,6 +463,17 @@ class _VllmAdapter:
         if version not in VERSIONS:
             raise UnsupportedFeature(f"scheduler {self.name!r}: vLLM version {version!r} (the adapter drives "
                                      f"{', '.join(VERSIONS)})")
+        if config.speculative and self.async_scheduling:
+            raise UnsupportedFeature(
+                f"scheduler {self.name!r}: speculative decoding with async scheduling is not mapped onto the spec "
+                "yet (num_speculative_tokens>0): vLLM's AsyncScheduler plans step n+1 as if every draft of step n "
+                "were accepted and schedules num_speculative_tokens placeholder drafts whatever the drafter "
+                "proposes (docs/engines.md, Speculative decoding)")
+        if config.num_lookahead_tokens:
+            raise UnsupportedFeature(
+                f"scheduler {self.name!r}: num_lookahead_tokens={config.num_lookahead_tokens}: the adapter runs "
+                "vLLM's n-gram drafter, whose num_lookahead_tokens is 0 (EAGLE, MTP and draft models need a "
+                "draft model)")
         if config.enable_prefix_caching and self.async_scheduling:
             raise UnsupportedFeature(f"scheduler {self.name!r}: prefix caching with async scheduling is not "
                                      "mapped onto the spec yet (enable_prefix_caching=true)")
@@ -508,11 +550,12 @@ class _VllmAdapter:
         if self.plan is None:
             reply, self.prepared = self.prepared or self._call({"op": "schedule"}), None
             scheduled = []
-            for request_id, computed, count, blocks, num_hit_blocks in reply["scheduled"]:
+            for request_id, computed, count, blocks, num_hit_blocks, drafts in reply["scheduled"]:
                 if request_id in self.live:
                     ids = tuple(b - 1 for b in blocks)
                     scheduled.append(ScheduledRequest(request_id, computed, count, ids[num_hit_blocks:],
-                                                      cached_block_ids=ids[:num_hit_blocks]))
+                                                      cached_block_ids=ids[:num_hit_blocks],
+                                                      spec_token_ids=tuple(drafts)))
                 else:
                     self.num_dropped += 1
             preempted = tuple(r for r in reply["preempted"] if r in self.live)
@@ -528,6 +571,9 @@ class _VllmAdapter:
         """Whether ``violation`` (of the plan ``schedule`` returned, before ``update``) is one of vLLM's
         documented differences from the spec:
 
+        - with speculative decoding, its padding of a one-token admission to ``1 + k`` tokens with
+          placeholder drafts (:func:`padded_admission`): a ``drafts-only-in-decodes`` or
+          ``drafts-are-proposed`` violation of that request;
         - its lifting of ``long_prefill_token_threshold`` for a lone request: a
           ``long-prefill-threshold`` violation in a step vLLM planned while holding at most one request
           (running or waiting; ``Scheduler.get_request_counts``, read at the start of ``Scheduler.schedule``);
@@ -539,6 +585,9 @@ class _VllmAdapter:
         """
         if violation.name == "long-prefill-threshold":
             return self.plan_num_requests <= 1
+        if violation.name in PADDING_RULES:
+            return state is not None and self.plan is not None and padded_admission(state, self.plan, self.config,
+                                                                                     violation.request_id)
         if violation.name not in SAME_STEP_HIT_RULES or state is None or self.plan is None:
             return False
         hits = same_step_hits(state, self.plan, self.config)
@@ -560,9 +609,16 @@ class _VllmAdapter:
             return len(item.cached_block_ids) > len(state.prefix_cache.longest_hit(request, self.config.block_size))
         return True
 
-    def update(self, plan: StepPlan, sampled_token_ids: Mapping[str, int]) -> tuple[str, ...]:
+    def update(self, plan: StepPlan, sampled_token_ids: Mapping[str, int],
+               speculative: SpeculativeOutput = NO_SPECULATION) -> tuple[str, ...]:
         """Feed the sampled tokens to ``Scheduler.update_from_output``; the ids that finished (stop or
         length) in this step. With async scheduling, vLLM plans the next step first (module docstring).
+
+        Speculative decoding (``speculative``): a request whose item verified drafts gets the list the
+        model runner returns, its first ``num_accepted_tokens`` drafts then its sampled token
+        (``ModelRunnerOutput.sampled_token_ids``; ``update_from_output`` rejects the rest); the drafts
+        proposed after the step (``draft_token_ids``) go to ``Scheduler.update_draft_token_ids`` after it,
+        as ``EngineCore.post_step`` hands them.
 
         Raises:
             ValueError: ``plan`` is not the plan ``schedule`` returned.
@@ -573,10 +629,15 @@ class _VllmAdapter:
             self.refused.pop(request_id, None)
             self.refused_requests.pop(request_id, None)
         scheduled = {item.request_id for item in plan.scheduled}
-        sampled = {r: int(t) for r, t in sampled_token_ids.items() if r in scheduled}
+        sampled: dict[str, Any] = {r: int(t) for r, t in sampled_token_ids.items() if r in scheduled}
+        for item in plan.scheduled:
+            if item.spec_token_ids and item.request_id in sampled:
+                accepted = speculative.num_accepted_tokens.get(item.request_id, 0)
+                sampled[item.request_id] = [*item.spec_token_ids[:accepted], sampled[item.request_id]]
+        drafts = {r: [int(t) for t in ids] for r, ids in speculative.draft_token_ids.items() if r in scheduled}
         if self.async_scheduling:
             self.prepared = self._call({"op": "schedule"})
-        reply = self._call({"op": "update", "sampled": sampled})
+        reply = self._call({"op": "update", "sampled": sampled, "drafts": drafts})
         self.plan = None
         finished = tuple(request_id for request_id, _ in reply["finished"])
         self.live.difference_update(finished)

@@ -12,18 +12,23 @@ client chose at ``init``), so one process serves many schedulers.
 
 Commands (``op``):
 
-- ``init`` ``{config, policy, async_scheduling}``: build the scheduler; reply ``{"vllm_version",
+- ``init`` ``{config, policy, async_scheduling}``: build the scheduler (with ``config.num_speculative_tokens``
+  k > 0, an n-gram ``SpeculativeConfig`` of k tokens: no draft model); reply ``{"vllm_version",
   "vllm_file"}`` (the ``vllm`` package imported, which ``--path-ahead DIR`` can change: DIR is put first
   on ``sys.path``).
 - ``add`` ``{id, prompt, max_tokens, priority, arrival_time, eos}``: no reply.
 - ``abort`` ``{id}``: ``Scheduler.finish_requests(id, RequestStatus.FINISHED_ABORTED)``; no reply.
 - ``schedule``: ``Scheduler.schedule()``; reply ``{"scheduled": [[id, num_computed_tokens,
-  num_scheduled_tokens, new_block_ids], ...], "preempted": [id, ...], "num_requests": n}`` in vLLM's
-  numbering, ``n`` the running and waiting requests the scheduler held when it began.
-- ``update`` ``{sampled}``: ``Scheduler.update_from_output`` of the oldest step in flight (with
+  num_scheduled_tokens, new_block_ids, num_hit_blocks, spec_token_ids], ...], "preempted": [id, ...],
+  "num_requests": n}`` in vLLM's numbering, ``n`` the running and waiting requests the scheduler held
+  when it began, ``spec_token_ids`` the item's ``SchedulerOutput.scheduled_spec_decode_tokens`` (placeholder
+  ``-1`` drafts included; empty without speculative decoding).
+- ``update`` ``{sampled, drafts}``: ``Scheduler.update_from_output`` of the oldest step in flight (with
   ``AsyncScheduler`` two steps may be in flight) with a ``ModelRunnerOutput`` holding the
-  sampled token of every request that samples (an empty list for a request inside a prefill chunk);
-  reply ``{"finished": [[id, status], ...]}``.
+  sampled token of every request that samples (an empty list for a request inside a prefill chunk; with
+  speculative decoding a list, the accepted drafts then the sampled token); then, synchronous only, the
+  ``drafts`` (request id -> draft ids) to ``Scheduler.update_draft_token_ids``, as ``EngineCore.post_step``
+  hands them; reply ``{"finished": [[id, status], ...]}``.
 - ``close``: drop the scheduler; no reply.
 - ``view``: reply the scheduler's own bookkeeping (free blocks of the block pool, waiting and running
   ids, block tables, ``num_computed_tokens``; the free queue in order, the blocks that carry a hash and
@@ -95,6 +100,11 @@ class ConfigRefused(Exception):
     """vLLM's config classes refuse the configuration (the message is vLLM's)."""
 
 
+class ConfigError(ConfigRefused, ValueError):
+    """A configuration the worker cannot give vLLM (the message says which field); answered as a refusal,
+    as vLLM's own (:class:`ConfigRefused`)."""
+
+
 class Worker:
     """One vLLM scheduler and the bookkeeping to answer the commands (module docstring). ``base``: the
     scheduler class to build instead of vLLM's ``Scheduler``/``AsyncScheduler`` (a subclass of one, e.g.
@@ -103,7 +113,14 @@ class Worker:
     def __init__(self, config: dict, policy: str, async_scheduling: bool, vocab_size: int,
                  base: type | None = None) -> None:
         import torch
-        from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+        from vllm.config import (
+            CacheConfig,
+            ModelConfig,
+            ParallelConfig,
+            SchedulerConfig,
+            SpeculativeConfig,
+            VllmConfig,
+        )
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -138,9 +155,24 @@ class Worker:
             self.enable_prefix_caching = bool(config.get("enable_prefix_caching", False))
             cache_config = CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching)
             cache_config.num_gpu_blocks = self.num_kv_blocks + 1
+            self.num_speculative_tokens = int(config.get("num_speculative_tokens", 0))
+            speculative_config = None
+            if self.num_speculative_tokens:
+                # The n-gram drafter needs no draft model (SpeculativeConfig.__post_init__ sets
+                # model="ngram"); its num_lookahead_tokens and max_num_new_slots_for_drafting are 0.
+                # The drafts themselves come from the adapter (update's "drafts"), not from n-gram lookup.
+                speculative_config = SpeculativeConfig(
+                    method="ngram", num_speculative_tokens=self.num_speculative_tokens,
+                    prompt_lookup_min=1, prompt_lookup_max=1,
+                    target_model_config=model_config, target_parallel_config=ParallelConfig(),
+                )
             vllm_config = VllmConfig(
-                model_config=model_config, scheduler_config=scheduler_config, cache_config=cache_config
+                model_config=model_config, scheduler_config=scheduler_config, cache_config=cache_config,
+                speculative_config=speculative_config,
             )
+            if vllm_config.num_lookahead_tokens != int(config.get("num_lookahead_tokens", 0)):
+                raise ConfigError(f"num_lookahead_tokens={config.get('num_lookahead_tokens', 0)}: the n-gram "
+                                  f"drafter has num_lookahead_tokens={vllm_config.num_lookahead_tokens}")
         except Exception as error:  # noqa: BLE001  (vLLM validates with pydantic and ValueError)
             raise ConfigRefused(f"{type(error).__name__}: {error}") from None
         kv_cache_config = KVCacheConfig(
@@ -223,7 +255,7 @@ class Worker:
         num_running, num_waiting = self.scheduler.get_request_counts()  # what schedule() reads first
         output = self.scheduler.schedule()
         self.in_flight.append(output)
-        scheduled = scheduled_items(output, self.block_size)  # the recorder's mapping, shared
+        scheduled = scheduled_items(output, self.block_size)  # the recorder's mapping, shared (drafts included)
         if set(self.preempted) != set(output.preempted_req_ids):
             raise RuntimeError(f"recorded preemptions {self.preempted} != {sorted(output.preempted_req_ids)}")
         return {"scheduled": scheduled, "preempted": list(self.preempted), "num_requests": num_running + num_waiting}
@@ -236,10 +268,12 @@ class Worker:
         output = self.in_flight.popleft()
         sampled = message["sampled"]
         request_ids = list(output.num_scheduled_tokens)
+        # sampled: request id -> a token id, or (speculative decoding) the list of the accepted drafts
+        # followed by the sampled token, as the model runner returns them (rejection sampler output).
         runner_output = ModelRunnerOutput(
             req_ids=request_ids,
             req_id_to_index={request_id: index for index, request_id in enumerate(request_ids)},
-            sampled_token_ids=[[sampled[r]] if r in sampled else [] for r in request_ids],
+            sampled_token_ids=[_token_list(sampled[r]) if r in sampled else [] for r in request_ids],
         )
         before = {r: q.status for r, q in self.scheduler.requests.items()}
         engine_outputs = self.scheduler.update_from_output(output, runner_output)
@@ -253,6 +287,15 @@ class Worker:
         gone = [r for r in before if r not in self.scheduler.requests and r not in finished]
         if gone:
             raise RuntimeError(f"requests left the scheduler without a finish output: {gone}")
+        proposed = message.get("drafts") or {}
+        if proposed and not self.async_scheduling:
+            # What EngineCore.post_step does after update_from_output (vllm/v1/engine/core.py): the
+            # drafter's proposals for the batch, handed to Scheduler.update_draft_token_ids. With async
+            # scheduling the drafts stay in the worker (AsyncScheduler schedules placeholders).
+            from vllm.v1.outputs import DraftTokenIds
+
+            ids = [r for r in request_ids if r in proposed]
+            self.scheduler.update_draft_token_ids(DraftTokenIds(ids, [list(proposed[r]) for r in ids]))
         return {"finished": sorted(finished.items())}
 
     def view(self, message: dict) -> dict:
@@ -287,6 +330,12 @@ def _build(message: dict) -> tuple[Worker, dict]:
     import vllm
 
     return worker, {"vllm_version": vllm.__version__, "vllm_file": vllm.__file__}
+
+
+def _token_list(sampled) -> list[int]:
+    """A request's sampled tokens as the model runner returns them: a list (accepted drafts, then the
+    sampled token), or one token id."""
+    return [int(t) for t in sampled] if isinstance(sampled, list) else [int(sampled)]
 
 
 def main() -> None:

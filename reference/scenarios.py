@@ -11,7 +11,7 @@ engine stamps requests on receipt.
 from __future__ import annotations
 
 import stat
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -25,7 +25,7 @@ from schedspec.spec.trace import StrictJsonError, strict_json_loads
 from schedspec.spec.workload import RequestSpec
 
 from .engine import Engine, RunResult
-from .fake_model import TokenSource, simulation_size_problem
+from .fake_model import AcceptanceModel, FakeModel, TokenSource, simulation_size_problem
 from .scheduler import EngineFault, UnsupportedFeature, make_scheduler
 
 TokenSourceFactory = Callable[[SchedulerConfig, Sequence[RequestSpec]], TokenSource]
@@ -44,7 +44,8 @@ EXPECT_KEYS = {
 FINDING_KEYS = {"name", "step", "mentions", "also"}
 ENGINE_CRASH = "engine-crash"
 """The ``finding.name`` of an engine crash (:class:`~schedspec.reference.scheduler.EngineFault`)."""
-REQUEST_KEYS = {"id", "arrival_step", "prompt_len", "max_tokens", "priority", "prefix", "abort_at_step", "eos_at_output"}
+REQUEST_KEYS = {"id", "arrival_step", "prompt_len", "max_tokens", "priority", "prefix", "abort_at_step", "eos_at_output",
+                "acceptance"}
 OUTCOMES = {"finished", "rejected", "aborted"}
 TOP_KEYS = {"name", "about", "config", "requests", "expect", "scheduler", "max_steps"}
 DEFAULT_MAX_STEPS = 10_000
@@ -63,6 +64,10 @@ class Scenario:
     scheduler: str | None
     path: str
     max_steps: int | None = None
+    acceptance: Mapping[str, str] = attrs.field(factory=dict)
+    """Speculative decoding: request id -> its acceptance pattern (the request's ``acceptance`` field, one of
+    :data:`~schedspec.reference.fake_model.ACCEPTANCE_PATTERNS`: ``"all"``, ``"none"``, ``"rate:P"``,
+    ``"upto:N"``); the others follow the :class:`~schedspec.reference.fake_model.AcceptanceModel` default."""
 
 
 MAX_STEP = 10_000
@@ -142,6 +147,7 @@ def parse_scenario(data: Any, path: str = "<scenario>") -> Scenario:
                             "a scenario may list")
     requests = []
     seen = set()
+    acceptance: dict[str, str] = {}
     for index, raw in enumerate(data["requests"]):
         where = f"{path}: requests[{index}]"
         if not isinstance(raw, dict):
@@ -166,6 +172,13 @@ def parse_scenario(data: Any, path: str = "<scenario>") -> Scenario:
             if abort < arrival:  # the engine would meet the abort before the request exists, and drop it
                 raise ScenarioError(f"{where}.abort_at_step: {abort} is before arrival_step {arrival} "
                                     "(a request can be aborted only once it has arrived)")
+        if "acceptance" in raw:
+            pattern = _str(raw["acceptance"], f"{where}.acceptance")
+            try:
+                AcceptanceModel(patterns={request_id: pattern})
+            except ValueError as error:
+                raise ScenarioError(f"{where}.acceptance: {error}") from None
+            acceptance[request_id] = pattern
         requests.append(RequestSpec(
             request_id=request_id,
             arrival_step=arrival,
@@ -198,6 +211,7 @@ def parse_scenario(data: Any, path: str = "<scenario>") -> Scenario:
     return Scenario(
         name=name, about=about, config=config, policy=policy,
         requests=tuple(requests), expect=expect, scheduler=scheduler, path=path, max_steps=max_steps,
+        acceptance=acceptance,
     )
 
 
@@ -360,6 +374,11 @@ def _run(scenario: Scenario, scheduler_name: str, config: SchedulerConfig, reque
     scheduler = make_scheduler(scheduler_name, config)
     properties = [p for p in sorted(scheduler.guarantees) if p not in watch]
     token_source = token_source_factory(config, requests) if token_source_factory is not None else None
+    if token_source is None and config.speculative and scenario.acceptance:
+        # the default token source, with the scenario's per-request acceptance patterns
+        token_source = FakeModel(config, eos_at_output={s.request_id: s.eos_at_output for s in requests
+                                                        if s.eos_at_output},
+                                 acceptance=AcceptanceModel(patterns=scenario.acceptance))
     engine = Engine(scheduler, config, token_source=token_source, properties=properties, watch=watch, incremental=True)
     limit = scenario.expect.get("all_terminal_by_step")
     max_steps = DEFAULT_MAX_STEPS if limit is None else max(limit + 1, 1) * 4 + 100

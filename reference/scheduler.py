@@ -315,6 +315,29 @@ def _reference(plan: PlanFunction, name: str, guarantees: frozenset[str]) -> Sch
     return factory
 
 
+SPECULATIVE_LOSSES = frozenset({"work-conserving", "bounded-preemptions", "stall-free-decode", "bounded-wait"})
+"""The properties a ``vllm-v1`` profile does not promise with speculative decoding (:func:`_vllm_profile`)."""
+
+
+def _vllm_profile(plan: PlanFunction, name: str, guarantees: frozenset[str]) -> SchedulerFactory:
+    """A ``vllm-v1`` profile's factory: with speculative decoding on it does not promise ``work-conserving``
+    (vLLM stops admission rather than admit a one-token request un-padded when its ``1 + k`` padded
+    tokens exceed the budget left: ``reference/vllm_v1.py`` rule 7) nor ``bounded-preemptions`` (vLLM
+    schedules drafts past ``max_tokens``, so a request whose whole sequence fits the KV cache may need a
+    block it never uses and preempt, itself included: the bundled case ``drafts-past-max-tokens-preempt``;
+    the recompute after such a self-preemption can also take the oldest request past ``bounded-wait``'s
+    ``max_model_len`` steps, e.g. chunked by a small ``long_prefill_token_threshold``)
+    nor ``stall-free-decode`` (the running loop gives each decode all its drafts in list order, so the
+    drafts of the decodes ahead can take the budget a later decode needed for its one token: the bundled
+    case ``drafts-starve-a-decode``)."""
+    def factory(config: SchedulerConfig) -> Scheduler:
+        kept = guarantees - SPECULATIVE_LOSSES if config.speculative else guarantees
+        return ReferenceScheduler(config, plan, name, kept)
+
+    factory.__doc__ = plan.__doc__
+    return factory
+
+
 def _fast_fcfs(config: SchedulerConfig) -> Scheduler:
     """``fcfs-fast``: :func:`schedspec.reference.fast_fcfs.fcfs_fast` (imported here: that module builds
     on this one)."""
@@ -373,6 +396,12 @@ class RegisteredScheduler:
         """A :class:`ReferenceScheduler` running ``plan``, promising ``guarantees``."""
         return cls(name, "reference", factory=_reference(plan, name, guarantees), plan=plan, unchecked=unchecked)
 
+    @classmethod
+    def vllm_profile(cls, name: str, plan: PlanFunction, guarantees: frozenset[str]) -> RegisteredScheduler:
+        """A ``vllm-v1`` profile running ``plan``: it promises ``guarantees`` less
+        :data:`SPECULATIVE_LOSSES` with speculative decoding on (:func:`_vllm_profile`)."""
+        return cls(name, "reference", factory=_vllm_profile(plan, name, guarantees), plan=plan)
+
 
 def _reference_entries() -> list[RegisteredScheduler]:
     return [
@@ -397,12 +426,12 @@ def _reference_entries() -> list[RegisteredScheduler]:
         ),
         # the fcfs policy on mutable tables, tested equal to fcfs step for step (reference/fast_fcfs.py)
         RegisteredScheduler("fcfs-fast", "reference", factory=_fast_fcfs),
-        RegisteredScheduler.reference("vllm-v1", vllm_v1.vllm_v1, VLLM_V1_GUARANTEES),
-        RegisteredScheduler.reference("vllm-v1-priority", vllm_v1.vllm_v1_priority, VLLM_V1_PRIORITY_GUARANTEES),
+        RegisteredScheduler.vllm_profile("vllm-v1", vllm_v1.vllm_v1, VLLM_V1_GUARANTEES),
+        RegisteredScheduler.vllm_profile("vllm-v1-priority", vllm_v1.vllm_v1_priority, VLLM_V1_PRIORITY_GUARANTEES),
         # vLLM 0.33's decisions (reference/vllm_v1.py: they differ from 0.32's only under priority)
-        RegisteredScheduler.reference("vllm-v1@0.33", vllm_v1.vllm_v1_033, VLLM_V1_GUARANTEES),
-        RegisteredScheduler.reference("vllm-v1-priority@0.33", vllm_v1.vllm_v1_priority_033,
-                                      VLLM_V1_PRIORITY_GUARANTEES),
+        RegisteredScheduler.vllm_profile("vllm-v1@0.33", vllm_v1.vllm_v1_033, VLLM_V1_GUARANTEES),
+        RegisteredScheduler.vllm_profile("vllm-v1-priority@0.33", vllm_v1.vllm_v1_priority_033,
+                                         VLLM_V1_PRIORITY_GUARANTEES),
     ]
 
 

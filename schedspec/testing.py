@@ -194,6 +194,13 @@ class SchedulerStateMachine(RuleBasedStateMachine):
         """Strategy for the config of one example."""
         return scheduler_configs()
 
+    def acceptance_patterns(self) -> st.SearchStrategy[str]:
+        """Speculative decoding (a config with ``num_speculative_tokens > 0``): the acceptance pattern drawn
+        for each request added (:func:`schedspec.strategies.acceptance_patterns`: every draft right, none,
+        partly, right up to an output; with ``eos_at_output`` among right drafts, a stop inside the accepted
+        drafts)."""
+        return strategies.acceptance_patterns(self.config.num_speculative_tokens)
+
     def guaranteed_properties(self, scheduler: Any) -> Iterable[str]:
         """Names of the trace properties whose violation fails the test."""
         return sorted(getattr(scheduler, "guarantees", ()))
@@ -262,6 +269,7 @@ class SchedulerStateMachine(RuleBasedStateMachine):
         self.clock = 0.0
         self._arrival_clock = ArrivalClock()
         self._checked: SchedulerState | None = None  # the latest spec state every check passed on
+        self._data: Any = None  # the rule's data object, for add_request's draws (speculative decoding)
 
     @property
     def shadow(self) -> SchedulerState:
@@ -319,10 +327,18 @@ class SchedulerStateMachine(RuleBasedStateMachine):
             found = [v for v in found if v not in known]
         if found:
             self._fail("refinement check (spec rules)", f"plan {plan} breaks: {_lines(found)}", found)
-        sampled, duration = self.model.execute(plan, before)
-        self.clock += duration
-        outcome = self.stepper.step(plan, sampled)
-        reported = self.scheduler.update(plan, sampled)
+        if self.config.speculative:
+            # the fake model verifies the drafts greedily and proposes the next ones (its AcceptanceModel)
+            sampled, duration, speculative = self.model.execute_speculative(plan, before)
+            self.clock += duration
+            outcome = self.stepper.step(plan, sampled, speculative=speculative)
+            reported = self.scheduler.update(plan, sampled, speculative)
+            self._see_drafts(plan, before, speculative, outcome.finished)
+        else:
+            sampled, duration = self.model.execute(plan, before)
+            self.clock += duration
+            outcome = self.stepper.step(plan, sampled)
+            reported = self.scheduler.update(plan, sampled)
         if outcome.error is not None:
             raise outcome.error
         if set(reported) != set(outcome.finished):
@@ -351,6 +367,21 @@ class SchedulerStateMachine(RuleBasedStateMachine):
                     self.seen.add("prefix-cache hit after preemption")
         return plan
 
+    def _see_drafts(self, plan: StepPlan, before: SchedulerState, speculative, finished: tuple[str, ...]) -> None:
+        """Record which speculative-decoding situations the example reached (``seen``)."""
+        for item in plan.scheduled:
+            d = len(item.spec_token_ids)
+            if not d:
+                continue
+            a = speculative.num_accepted_tokens.get(item.request_id, 0)
+            self.seen.add("drafts all accepted" if a == d else "drafts none accepted" if a == 0
+                          else "drafts partly accepted")
+            if item.request_id in finished and a and before.requests[item.request_id].max_tokens > (
+                    before.requests[item.request_id].num_output_tokens + a + 1):
+                self.seen.add("stop inside accepted drafts")
+            if d < len(before.requests[item.request_id].spec_token_ids):
+                self.seen.add("drafts trimmed")
+
     # ---------------------------------------------------------------------------------- rules
     @initialize(data=st.data())
     def setup(self, data: st.DataObject) -> None:
@@ -373,12 +404,14 @@ class SchedulerStateMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def add(self, data: st.DataObject) -> None:
         """A request arrives before the next step (it may be one that must be rejected)."""
+        self._data = data  # speculative decoding: add_request draws each request's acceptance pattern
         self.add_request(*data.draw(_machine_strategy(self, "request_shapes"), label="request"))
 
     @rule(data=st.data())
     def burst(self, data: st.DataObject) -> None:
         """Several requests arrive before the same step (they compete for slots and blocks): up to
         ``max_num_seqs + 2``, so that one burst can fill the running set past its cap."""
+        self._data = data  # speculative decoding: add_request draws each request's acceptance pattern
         most = max(6, self.config.max_num_seqs + 2)
         shapes = data.draw(st.lists(_machine_strategy(self, "request_shapes"), min_size=2, max_size=most), label="requests")
         for shape in shapes:
@@ -389,6 +422,7 @@ class SchedulerStateMachine(RuleBasedStateMachine):
     def shared_prefix(self, data: st.DataObject) -> None:
         """Prefix caching: requests whose prompts start with one of three shared prefixes arrive before the
         same step (later ones, or re-admissions after a preemption, hit what earlier ones published)."""
+        self._data = data  # speculative decoding: add_request draws each request's acceptance pattern
         shapes = data.draw(st.lists(_machine_strategy(self, "prefix_shapes"), min_size=1, max_size=4), label="requests")
         for group, prefix_len, suffix_len, max_tokens, eos_at_output in shapes:
             self.add_request(prefix_len + suffix_len, max_tokens, eos_at_output,
@@ -412,6 +446,12 @@ class SchedulerStateMachine(RuleBasedStateMachine):
         self.added[request_id] = _Added(spec)
         if eos_at_output is not None:
             self.model.eos_at_output[request_id] = eos_at_output
+        if self.config.speculative and self._data is not None:
+            from schedspec.reference.fake_model import AcceptanceModel
+
+            pattern = self._data.draw(_machine_strategy(self, "acceptance_patterns"), label=f"acceptance[{request_id}]")
+            self.model.acceptance.patterns.update(AcceptanceModel(patterns={request_id: pattern}).patterns)
+            note(f"  {request_id} acceptance {pattern}")
         self.scheduler.add_request(request)
         self.stepper.arrive(request, spec)
         return request_id

@@ -232,7 +232,7 @@ def _long_prefill(state: SchedulerState, plan: StepPlan, config: SchedulerConfig
     if not config.enable_chunked_prefill or threshold == 0:
         return
     for item in plan.scheduled:
-        if item.num_tokens > threshold:
+        if item.num_tokens > threshold and not item.spec_token_ids:  # a decode verifying drafts is no prefill chunk
             yield item.request_id, f"chunk of {item.num_tokens} tokens > long_prefill_token_threshold={threshold}"
 
 

@@ -81,12 +81,14 @@ class RecorderError(RuntimeError):
 
 def scheduled_items(output: Any, block_size: int) -> list[list[Any]]:
     """A ``SchedulerOutput``'s scheduled requests in scheduling order, as
-    ``[request_id, num_computed_tokens, num_scheduled_tokens, block_ids, num_hit_blocks]``: ``block_ids``
+    ``[request_id, num_computed_tokens, num_scheduled_tokens, block_ids, num_hit_blocks, draft_ids]``: ``block_ids``
     (vLLM numbering) are all of a new request's table (``NewRequestData.block_ids``), all of a resumed
     request's (``CachedRequestData.new_block_ids``, which is its whole table), and a running request's
     new ones; ``num_hit_blocks`` is how many at the front of that list are prefix-cache hits
     (``num_computed_tokens // block_size`` for a request admitted from the waiting queue, vLLM 0.32
-    ``KVCacheManager.get_computed_blocks``; 0 for a running one).
+    ``KVCacheManager.get_computed_blocks``; 0 for a running one); ``draft_ids`` the drafts it verifies
+    (``SchedulerOutput.scheduled_spec_decode_tokens``, vLLM's padding ``-1`` included; empty without
+    speculative decoding, which the recorder refuses).
 
     Shared by the standalone adapter (``engines/vllm_worker.py``) and :class:`RecordingScheduler`.
     """
@@ -104,7 +106,9 @@ def scheduled_items(output: Any, block_size: int) -> list[list[Any]]:
         computed[request_id] = cached.num_computed_tokens[index]
         if request_id in cached.resumed_req_ids:
             hits[request_id] = cached.num_computed_tokens[index] // block_size
-    return [[request_id, computed[request_id], count, blocks[request_id], hits.get(request_id, 0)]
+    drafts = output.scheduled_spec_decode_tokens  # padding (-1) included, as vLLM counts it
+    return [[request_id, computed[request_id], count, blocks[request_id], hits.get(request_id, 0),
+             [int(t) for t in drafts.get(request_id, ())]]
             for request_id, count in output.num_scheduled_tokens.items()]
 
 
@@ -274,7 +278,7 @@ def _make_recording_class(base: type) -> type:
             hit_blocks: dict[str, list[int]] = {}
             before: dict[str, tuple[int, int]] = {}  # request id -> (num_tokens, outputs) before the step
             requests = self.requests
-            for request_id, computed, count, blocks, num_hit in scheduled_items(output, self._block_size):
+            for request_id, computed, count, blocks, num_hit, _drafts in scheduled_items(output, self._block_size):
                 request = requests[request_id]
                 num_tokens = request.num_tokens
                 before[request_id] = (num_tokens, len(request.output_token_ids))

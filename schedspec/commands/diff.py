@@ -49,6 +49,7 @@ from schedspec.cli_common import (
     plural,
 )
 from schedspec.reference.engine import Engine, RunResult, ViolationFound
+from schedspec.reference.fake_model import AcceptanceModel, FakeModel
 from schedspec.reference.scheduler import (
     REGISTRY,
     EngineEnvironmentError,
@@ -59,9 +60,17 @@ from schedspec.reference.scheduler import (
 from schedspec.spec.config import ConfigError, SchedulerConfig
 from schedspec.spec.trace import StepRecord
 from schedspec.spec.workload import RequestSpec
-from schedspec.strategies import priorities, scheduler_configs
+from schedspec.strategies import acceptance_patterns, priorities, scheduler_configs
+
+Acceptance = dict[str, str]
+"""Speculative decoding: request id -> its acceptance pattern (:data:`schedspec.reference.fake_model.ACCEPTANCE_PATTERNS`;
+the others follow the :class:`~schedspec.reference.fake_model.AcceptanceModel` default)."""
 
 DEFAULT_MAX_STEPS = 2_000
+
+PADDING_RULES = frozenset({"drafts-only-in-decodes", "drafts-are-proposed"})
+"""The rules vLLM's padded one-token admission breaks (``schedspec.engines.vllm.padded_admission``, the
+precise condition, is the adapter's ``is_known_divergence``)."""
 
 
 @attrs.frozen
@@ -119,6 +128,8 @@ VLLM_PROFILES = ("vllm-v1", "vllm-v1-priority")
 """The profiles whose documented differences from vLLM :func:`documented_difference` recognizes."""
 
 LONE_REQUEST = "long_prefill_token_threshold lifted for a lone request (vLLM Scheduler.schedule num_eligible_reqs > 1)"
+PADDED_ADMISSION = ("one-token admission padded to 1 + num_speculative_tokens with placeholder drafts (vLLM "
+                    "Scheduler.schedule pad_spec_decode, for a uniform decode batch)")
 SAME_STEP_HIT = ("prefix-cache hit on blocks published earlier in the same step (vLLM KVCacheManager.allocate_slots "
                  "caches blocks at schedule time, the spec at the end of the step)")
 
@@ -174,7 +185,7 @@ class Comparison:
 
 
 def _run(name: str, config: SchedulerConfig, requests: Sequence[RequestSpec], max_steps: int,
-         ) -> tuple[RunResult | None, list[Finding], bool]:
+         acceptance: Acceptance | None = None) -> tuple[RunResult | None, list[Finding], bool]:
     """Run one scheduler (raises UnsupportedFeature / UnknownScheduler from ``make_scheduler``); the
     flag says whether it is an engine adapter (no spec ``state`` of its own)."""
     try:
@@ -184,14 +195,21 @@ def _run(name: str, config: SchedulerConfig, requests: Sequence[RequestSpec], ma
     except Exception as error:  # a factory that crashes on this config is a finding, as a crash in a run
         return None, [Finding(name, "crash", f"building the scheduler: {type(error).__name__}: {error}")], False
     engine = getattr(scheduler, "state", None) is None
-    result, findings = _run_scheduler(scheduler, name, config, requests, max_steps, engine)
+    result, findings = _run_scheduler(scheduler, name, config, requests, max_steps, engine, acceptance)
     return result, findings, engine
 
 
 def _run_scheduler(scheduler, name: str, config: SchedulerConfig, requests: Sequence[RequestSpec],
-                   max_steps: int, engine: bool) -> tuple[RunResult | None, list[Finding]]:
+                   max_steps: int, engine: bool, acceptance: Acceptance | None = None,
+                   ) -> tuple[RunResult | None, list[Finding]]:
+    token_source = None
+    if config.speculative:  # the default token source with the scenario's acceptance patterns
+        token_source = FakeModel(config, eos_at_output={s.request_id: s.eos_at_output for s in requests
+                                                        if s.eos_at_output},
+                                 acceptance=AcceptanceModel(patterns=acceptance))
     try:
-        result = Engine(scheduler, config, stop_on_violation=True).run(requests, mode="steps", max_steps=max_steps)
+        result = Engine(scheduler, config, token_source=token_source, stop_on_violation=True).run(
+            requests, mode="steps", max_steps=max_steps)
     except UnsupportedFeature:
         raise
     except ViolationFound as error:  # a rule or invariant broken: the run cannot go on meaningfully
@@ -200,6 +218,9 @@ def _run_scheduler(scheduler, name: str, config: SchedulerConfig, requests: Sequ
                 and all(v.name == "long-prefill-threshold" for v in error.violations)):
             documented = LONE_REQUEST  # vLLM's SchedulerConfig docstring: not applied to a lone request
         known = getattr(scheduler, "is_known_divergence", None)
+        if (documented is None and engine and config.speculative and callable(known)
+                and all(v.name in PADDING_RULES and known(v, error.state) for v in error.violations)):
+            documented = PADDED_ADMISSION  # engines/vllm.py padded_admission: the precise condition
         if (documented is None and engine and config.enable_prefix_caching and callable(known)
                 and all(known(v, error.state) for v in error.violations)):
             documented = SAME_STEP_HIT  # engines/vllm.py same_step_hits: the precise condition
@@ -214,15 +235,18 @@ def _run_scheduler(scheduler, name: str, config: SchedulerConfig, requests: Sequ
 
 
 def compare(config: SchedulerConfig, requests: Sequence[RequestSpec], scheduler: str, against: str,
-            exact_blocks: bool = False, max_steps: int = DEFAULT_MAX_STEPS) -> Comparison:
-    """Run ``scheduler`` and ``against`` on the same scenario and compare them step by step.
+            exact_blocks: bool = False, max_steps: int = DEFAULT_MAX_STEPS,
+            acceptance: Acceptance | None = None) -> Comparison:
+    """Run ``scheduler`` and ``against`` on the same scenario and compare them step by step. With
+    speculative decoding both runs get the same drafts and acceptances (``acceptance``: request id -> its
+    pattern; every draft accepted for the others).
 
     Raises:
         UnsupportedFeature: either scheduler cannot run this config or scenario.
         UnknownScheduler: either name is not a scheduler.
     """
-    ours, findings, ours_engine = _run(scheduler, config, requests, max_steps)
-    theirs, more, theirs_engine = _run(against, config, requests, max_steps)
+    ours, findings, ours_engine = _run(scheduler, config, requests, max_steps, acceptance)
+    theirs, more, theirs_engine = _run(against, config, requests, max_steps, acceptance)
     findings += [f for f in more if not (against == scheduler and f in findings)]
     if ours is None or theirs is None:
         return Comparison(0, None, tuple(findings))
@@ -244,7 +268,7 @@ def compare(config: SchedulerConfig, requests: Sequence[RequestSpec], scheduler:
 
 
 # ----------------------------------------------------------------------------------- generation
-def _possible_requests(config: SchedulerConfig) -> st.SearchStrategy[list[RequestSpec]]:
+def _possible_requests(config: SchedulerConfig) -> st.SearchStrategy[tuple[list[RequestSpec], Acceptance]]:
     """1 to 8 requests that vLLM's input processor accepts (``0 < prompt_len < max_model_len``) and
     that can complete alone (the spec does not reject them), arriving in steps 0..8, sometimes
     aborted, sometimes stopping early (end-of-sequence), priorities from
@@ -269,18 +293,24 @@ def _possible_requests(config: SchedulerConfig) -> st.SearchStrategy[list[Reques
             # caching-off scenarios stay what they were for a given seed)
             group = draw(st.one_of(st.none(), st.sampled_from(("a", "b"))))
             prefix_len = draw(st.integers(1, prompt_len)) if group is not None else 0
-        return RequestSpec(request_id, prompt_len, max_tokens, arrival_step=arrival,
+        spec = RequestSpec(request_id, prompt_len, max_tokens, arrival_step=arrival,
                            priority=draw(priorities()), abort_at_step=abort, eos_at_output=eos,
                            prefix_group=group, prefix_len=prefix_len)
+        # drawn only with speculative decoding on, so that other scenarios stay what they were for a seed
+        pattern = draw(acceptance_patterns(config.num_speculative_tokens)) if config.speculative else None
+        return spec, pattern
+
+    def split(pairs: tuple) -> tuple[list[RequestSpec], Acceptance]:
+        return [spec for spec, _ in pairs], {spec.request_id: p for spec, p in pairs if p is not None}
 
     # uniform request counts (Hypothesis's integers favour the small end): most scenarios have several
     # requests competing for slots, budget and blocks; ids in a random order
     return (st.sampled_from(range(1, 9)).flatmap(lambda n: st.permutations(range(n)))
-            .flatmap(lambda ids: st.tuples(*(one(f"r{i}") for i in ids))).map(list))
+            .flatmap(lambda ids: st.tuples(*(one(f"r{i}") for i in ids))).map(split))
 
 
-def scenarios(changes: dict[str, Any]) -> st.SearchStrategy[tuple[SchedulerConfig, list[RequestSpec]]]:
-    """``(config, requests)``: a config from :func:`schedspec.testing.scheduler_configs` (with
+def scenarios(changes: dict[str, Any]) -> st.SearchStrategy[tuple[SchedulerConfig, list[RequestSpec], Acceptance]]:
+    """``(config, requests, acceptance)``: a config from :func:`schedspec.testing.scheduler_configs` (with
     ``long_prefill_token_threshold`` at most ``max_model_len``, as vLLM requires) with ``changes``
     applied (drawn configs that ``changes`` make invalid are discarded; at least two tokens of
     ``max_model_len``), and :func:`_possible_requests` for it."""
@@ -296,7 +326,7 @@ def scenarios(changes: dict[str, Any]) -> st.SearchStrategy[tuple[SchedulerConfi
             return None
 
     configs = scheduler_configs().map(apply).filter(lambda c: c is not None and c.max_model_len >= 2)
-    return configs.flatmap(lambda c: st.tuples(st.just(c), _possible_requests(c)))
+    return configs.flatmap(lambda c: _possible_requests(c).map(lambda drawn: (c, *drawn)))
 
 
 # ------------------------------------------------------------------------------------ shrinking
@@ -355,7 +385,7 @@ def shrink(requests: list[RequestSpec], still_fails: Callable[[list[RequestSpec]
 
 # --------------------------------------------------------------------------------- case output
 def case_dict(name: str, about: str, config: SchedulerConfig, requests: Sequence[RequestSpec],
-              scheduler: str | None = None) -> dict[str, Any]:
+              scheduler: str | None = None, acceptance: Acceptance | None = None) -> dict[str, Any]:
     """A scenario in the ``schedspec/data/cases`` format. Its expectations follow from the request
     shapes alone (every request can complete alone): ``finished``, or ``aborted`` (or ``finished``
     if it ends before its abort)."""
@@ -372,6 +402,8 @@ def case_dict(name: str, about: str, config: SchedulerConfig, requests: Sequence
             row["eos_at_output"] = r.eos_at_output
         if r.prefix_group is not None and r.prefix_len:
             row["prefix"] = {"group": r.prefix_group, "len": r.prefix_len}
+        if acceptance and r.request_id in acceptance:
+            row["acceptance"] = acceptance[r.request_id]
         rows.append(row)
         outcome[r.request_id] = ["finished", "aborted"] if r.abort_at_step is not None else "finished"
     data: dict[str, Any] = {"name": name, "about": about, "config": config.to_dict(), "requests": rows,
@@ -416,11 +448,11 @@ def run_diff(scheduler: str, against: str, examples: int, seed: int, changes: di
     write each divergence (module docstring). Deterministic for a given seed and Hypothesis version."""
     report = DiffReport()
 
-    def examine(config: SchedulerConfig, requests: list[RequestSpec]) -> None:
+    def examine(config: SchedulerConfig, requests: list[RequestSpec], acceptance: Acceptance) -> None:
         index = report.examples
         report.examples += 1
         try:
-            result = compare(config, requests, scheduler, against, exact_blocks, max_steps)
+            result = compare(config, requests, scheduler, against, exact_blocks, max_steps, acceptance)
         except UnsupportedFeature as error:
             report.unsupported.append(str(error))
             return
@@ -441,7 +473,7 @@ def run_diff(scheduler: str, against: str, examples: int, seed: int, changes: di
 
         def diverges(candidate: list[RequestSpec]) -> bool:
             try:
-                found = compare(config, candidate, scheduler, against, exact_blocks, max_steps).divergence
+                found = compare(config, candidate, scheduler, against, exact_blocks, max_steps, acceptance).divergence
             except UnsupportedFeature:
                 return False
             return found is not None and found.documented is None
@@ -449,7 +481,7 @@ def run_diff(scheduler: str, against: str, examples: int, seed: int, changes: di
         if result.divergence is not None and result.divergence.documented is None:
             report.divergent += 1
             small = shrink(requests, diverges)
-            first = compare(config, small, scheduler, against, exact_blocks, max_steps).divergence
+            first = compare(config, small, scheduler, against, exact_blocks, max_steps, acceptance).divergence
             assert first is not None
             echo(f"example {index}: DIVERGENCE ({len(requests)} requests, shrunk to {len(small)}) at {first}")
             kind = "divergence"
@@ -462,7 +494,7 @@ def run_diff(scheduler: str, against: str, examples: int, seed: int, changes: di
             about = (f"schedspec diff --scheduler {scheduler} --against {against} --seed {seed}, example {index}: "
                      + (f"first divergence at {first}" if first is not None
                         else "; ".join(f"{f.side} {f.name}: {f.detail}" for f in result.findings)))
-            path = write_case(out, case_dict(name, about, config, small))
+            path = write_case(out, case_dict(name, about, config, small, acceptance=acceptance))
             report.cases.append(path)
             echo(f"  wrote {path}")
 
@@ -470,7 +502,7 @@ def run_diff(scheduler: str, against: str, examples: int, seed: int, changes: di
     @settings(max_examples=examples, database=None, deadline=None, phases=(Phase.generate,),
               suppress_health_check=list(HealthCheck), derandomize=False)
     @given(scenarios(changes))
-    def generate(scenario: tuple[SchedulerConfig, list[RequestSpec]]) -> None:
+    def generate(scenario: tuple[SchedulerConfig, list[RequestSpec], Acceptance]) -> None:
         examine(*scenario)
 
     generate()
