@@ -93,8 +93,8 @@ def _verdict(done: subprocess.CompletedProcess) -> tuple[int, int, str]:
     """(exit code, steps checked, the summary line) of a ``schedspec check`` run."""
     lines = done.stdout.strip().splitlines()
     last = lines[-1] if lines else done.stderr.strip()
-    found = re.match(r"(\d+) steps checked", last)
-    return done.returncode, int(found.group(1)) if found else -1, last
+    found = re.match(r"([\d,]+) steps? checked", last)  # plural() writes 5,620 with a thousands separator
+    return done.returncode, int(found.group(1).replace(",", "")) if found else -1, last
 
 
 def _make_trace(name: str, folder: Path) -> Path:

@@ -387,6 +387,12 @@ class Engine:
             return [Violation("state-mismatch", detail, blamed, request_id, kind="mismatch")
                     for request_id, detail in differences]
 
+        def report(found: list[Violation], state: SchedulerState) -> None:
+            """Keep ``found``; with ``stop_on_violation``, stop the run at ``state`` if it is not empty."""
+            violations.extend(found)
+            if found and self.stop_on_violation:
+                raise ViolationFound(found, state)
+
         while True:
             if max_steps is not None and step >= max_steps:
                 break
@@ -414,17 +420,9 @@ class Engine:
 
             before = stepper.state
             if self.check and (arrivals or aborts):
-                found = compare_own(before, tuple(a.request_id for a in stepper.aborted if a.live), step)
-                if found:
-                    violations.extend(found)
-                    if self.stop_on_violation:
-                        raise ViolationFound(found, before)
+                report(compare_own(before, tuple(a.request_id for a in stepper.aborted if a.live), step), before)
             plan = self._schedule(before.step)
-            found = stepper.check_plan(plan)
-            if found:
-                violations.extend(found)
-                if self.stop_on_violation:
-                    raise ViolationFound(found, before)
+            report(stepper.check_plan(plan), before)
             if speculative_on:
                 sampled, duration, speculative = token_source.execute_speculative(plan, before)
             else:
@@ -438,11 +436,8 @@ class Engine:
                 # state (accept_transition), so its state is this state.
                 outcome = stepper.step(plan, sampled, speculative=speculative)
                 if outcome.error is not None:
-                    found = [Violation("refinement", f"the spec cannot apply the scheduler's plan: {outcome.error}",
-                                       before.step, kind="mismatch")]
-                    violations.extend(found)
-                    if self.stop_on_violation:
-                        raise ViolationFound(found, before) from None
+                    report([Violation("refinement", f"the spec cannot apply the scheduler's plan: {outcome.error}",
+                                      before.step, kind="mismatch")], before)
                     break
                 self._hand(outcome.transition)
                 finished = self._update(before.step, plan, sampled, speculative)
@@ -453,18 +448,11 @@ class Engine:
                             "refinement", f"scheduler says finished {sorted(finished)}, spec says "
                             f"{sorted(outcome.finished)}", before.step, kind="mismatch"))
                     found += compare_own(outcome.after, outcome.finished, before.step)
-                    if found:
-                        violations.extend(found)
-                        if self.stop_on_violation:
-                            raise ViolationFound(found, outcome.after)
+                    report(found, outcome.after)
             after = outcome.after
             if self.check:
-                found = outcome.invariant_violations
                 checked += 1
-                if found:
-                    violations.extend(found)
-                    if self.stop_on_violation:
-                        raise ViolationFound(found, after)
+                report(outcome.invariant_violations, after)
             stepper.observe(outcome)
             hung = False
             if hang_guard not in watched:

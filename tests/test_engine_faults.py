@@ -9,9 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import attrs
 import pytest
 
-from schedspec.reference.engine import Engine
+from schedspec.reference.engine import Engine, ViolationFound
+from schedspec.reference.fake_model import CostOnlyModel
 from schedspec.reference.scheduler import EngineFault, make_scheduler
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.state import StepPlan
@@ -105,3 +107,46 @@ def test_lab_and_replay_report_a_crashing_scheduler_in_one_line():
         assert result.returncode == 1, (args, result.stdout, result.stderr)
         assert "Traceback" not in result.stdout + result.stderr
         assert "boom [red]x[/red]" in result.stdout, "user text printed as text, not markup"
+
+
+class Misbehaving(Idle):
+    """fcfs that breaks the spec once, at step 1, as ``fault`` says: ``plan`` hands out no block for a
+    prefill that needs some (a rule), ``finished`` reports a running request as finished (a refinement
+    mismatch)."""
+
+    def __init__(self, fault: str) -> None:
+        super().__init__(frozenset())
+        self.fault = fault
+
+    def schedule(self) -> StepPlan:
+        plan = self.inner.schedule()
+        if self.fault == "plan" and self.inner.state.step == 1:
+            plan = attrs.evolve(plan, scheduled=tuple(attrs.evolve(i, new_block_ids=()) if i.request_id == "r1"
+                                                      else i for i in plan.scheduled))
+        return plan
+
+    def update(self, plan, sampled_token_ids):
+        step = self.inner.state.step
+        finished = self.inner.update(plan, sampled_token_ids)
+        if self.fault == "finished" and step == 1:
+            return (*finished, "r0")
+        return finished
+
+
+@pytest.mark.parametrize(("fault", "names"), [("plan", {"block-table-covers"}), ("finished", {"refinement"})])
+def test_stop_on_violation_stops_at_the_first_violation_a_full_run_records(fault, names):
+    """The same violations end a ``stop_on_violation`` run (ViolationFound) and are the first ones a run
+    without it records, at step 1; without it the run goes on to the end."""
+    workload = [RequestSpec("r0", prompt_len=3, max_tokens=4, arrival_step=0),
+                RequestSpec("r1", prompt_len=9, max_tokens=2, arrival_step=1)]
+    # CostOnlyModel: FakeModel writes KV through the block table, which the broken plan leaves short.
+    full = Engine(Misbehaving(fault), CONFIG, CostOnlyModel(CONFIG), record_steps=False).run(workload)
+    assert names <= {v.name for v in full.violations}
+    first = [v for v in full.violations if v.step == min(v.step for v in full.violations)]
+    assert {v.step for v in first} == {1} and names <= {v.name for v in first}
+    with pytest.raises(ViolationFound) as caught:
+        Engine(Misbehaving(fault), CONFIG, CostOnlyModel(CONFIG), record_steps=False,
+               stop_on_violation=True).run(workload)
+    assert [str(v) for v in caught.value.violations] == [str(v) for v in first][:len(caught.value.violations)]
+    assert names <= {v.name for v in caught.value.violations}
+    assert full.num_steps > 2

@@ -18,7 +18,11 @@ pool ignoring released blocks, a strict fits-alone, the preemption order reverse
 ``max_num_seqs``, and the policy encoding not returning a victim's blocks to the pool.
 
 Cost: 84 s wall, 74 s CPU for the whole file on the 2-core machine at load ~6 (`pytest -q
-tests/test_proofs_exhaustive.py`); the mutant tests stop at the first disagreement.
+tests/test_proofs_exhaustive.py`, before the prefix-caching and slot-order layouts grew it; CI's last
+fresh-clone run took 318 s for the rules-and-update agreement alone); the mutant tests stop at the first
+disagreement. The three agreements run one test per config of the grid (``BY_CONFIG``), so that
+pytest-xdist spreads them over its workers; ``test_the_configs_cover_every_reached_state`` shows the
+pieces add up to the whole grid.
 """
 
 from __future__ import annotations
@@ -79,34 +83,42 @@ def _key(config: SchedulerConfig, state: SchedulerState) -> tuple:
 
 @cache
 def reached_states() -> tuple[tuple[SchedulerConfig, SchedulerState], ...]:
-    """Every state fcfs reaches on the grid, one per distinct encoded view, in a fixed order."""
+    """Every state fcfs reaches on the grid, one per distinct encoded view, in a fixed order (config by
+    config: the view includes the config, so no state is shared between two configs)."""
+    return tuple(pair for config in CONFIGS for pair in reached_states_of(config))
+
+
+@cache
+def reached_states_of(config: SchedulerConfig) -> tuple[tuple[SchedulerConfig, SchedulerState], ...]:
+    """The states of :func:`reached_states` under ``config``."""
     found: dict[tuple, tuple[SchedulerConfig, SchedulerState]] = {}
-    for config in CONFIGS:
-        for k in range(1, MAX_REQUESTS + 1):
-            for shapes in itertools.combinations_with_replacement(SHAPES, k):
-                for arrivals in itertools.product((0, 1), repeat=k):
-                    if arrivals[0] != 0:
-                        continue
-                    state = SchedulerState.initial(config)
-                    for step in range(MAX_STEPS):
-                        for j, (prompt_len, max_tokens) in enumerate(shapes):
-                            if arrivals[j] == step:
-                                spec = RequestSpec(f"r{j}", prompt_len, max_tokens, arrival_step=step)
-                                state = add_request(state, spec.to_request(step))
-                        if not state.requests and step > 1:
-                            break
-                        found.setdefault(_key(config, state), (config, state))
-                        plan = policies.fcfs(state, config)
-                        sampled = {i.request_id: 1 for i in plan.scheduled  # never EOS: requests run long
-                                   if samples_this_step(state.requests[i.request_id], i)}
-                        state = apply_plan(state, plan, sampled, config).state
+    for k in range(1, MAX_REQUESTS + 1):
+        for shapes in itertools.combinations_with_replacement(SHAPES, k):
+            for arrivals in itertools.product((0, 1), repeat=k):
+                if arrivals[0] != 0:
+                    continue
+                state = SchedulerState.initial(config)
+                for step in range(MAX_STEPS):
+                    for j, (prompt_len, max_tokens) in enumerate(shapes):
+                        if arrivals[j] == step:
+                            spec = RequestSpec(f"r{j}", prompt_len, max_tokens, arrival_step=step)
+                            state = add_request(state, spec.to_request(step))
+                    if not state.requests and step > 1:
+                        break
+                    found.setdefault(_key(config, state), (config, state))
+                    plan = policies.fcfs(state, config)
+                    sampled = {i.request_id: 1 for i in plan.scheduled  # never EOS: requests run long
+                               if samples_this_step(state.requests[i.request_id], i)}
+                    state = apply_plan(state, plan, sampled, config).state
     return tuple(found.values())
 
 
-def policy_disagreement(limit: int | None = None, layout: str = "canonical") -> str | None:
-    """The first reached state where the encoded fcfs step (in ``layout``) is not ``policies.fcfs``'s plan,
-    or None."""
-    for config, state in reached_states()[:limit]:
+def policy_disagreement(limit: int | None = None, layout: str = "canonical",
+                        config: SchedulerConfig | None = None) -> str | None:
+    """The first reached state (under ``config``, default every config) where the encoded fcfs step (in
+    ``layout``) is not ``policies.fcfs``'s plan, or None."""
+    states = reached_states() if config is None else reached_states_of(config)
+    for config, state in states[:limit]:
         expected = describe_plan(policies.fcfs(state, config))
         try:
             got = policy_encoding.concrete_step(state, config, "fcfs", max(1, len(state.requests)),
@@ -167,9 +179,11 @@ def plans_for(state: SchedulerState, config: SchedulerConfig) -> list[StepPlan]:
     return out
 
 
-def rule_disagreement(limit: int | None = None) -> str | None:
-    """The first (state, plan) where an encoded rule or the encoded update disagrees with Python."""
-    for config, state in reached_states()[:limit]:
+def rule_disagreement(limit: int | None = None, config: SchedulerConfig | None = None) -> str | None:
+    """The first (state, plan) where an encoded rule or the encoded update disagrees with Python (states
+    under ``config``, default every config)."""
+    states = reached_states() if config is None else reached_states_of(config)
+    for config, state in states[:limit]:
         ctx = concrete_ctx(config)
         for plan in plans_for(state, config):
             slot_ids = slot_assignment(state, plan, len(state.requests))
@@ -205,18 +219,32 @@ def test_the_grid_reaches_the_interesting_cases():
                and any(i.request_id in s.waiting for i in p.scheduled)) >= 10
 
 
-def test_encoded_fcfs_step_is_the_fcfs_plan_on_every_reached_state():
-    assert policy_disagreement() is None
+# One test per config of the grid (together: every reached state), so that pytest-xdist can spread the
+# grid over its workers (the rules-and-update agreement was one test of five minutes).
+BY_CONFIG = pytest.mark.parametrize("config", CONFIGS, ids=[f"config{i}" for i in range(len(CONFIGS))])
 
 
-def test_slot_order_step_is_the_fcfs_plan_on_every_reached_state():
+@BY_CONFIG
+def test_encoded_fcfs_step_is_the_fcfs_plan_on_every_reached_state(config):
+    assert policy_disagreement(config=config) is None
+
+
+@BY_CONFIG
+def test_slot_order_step_is_the_fcfs_plan_on_every_reached_state(config):
     """The layout bounded model checking unrolls (requests in the slots in the order of addition, each
     queue in slot order, no permutation) gives fcfs's plan too."""
-    assert policy_disagreement(layout="slot-order") is None
+    assert policy_disagreement(layout="slot-order", config=config) is None
 
 
-def test_encoded_rules_and_update_agree_on_every_reached_state_and_plan():
-    assert rule_disagreement() is None
+@BY_CONFIG
+def test_encoded_rules_and_update_agree_on_every_reached_state_and_plan(config):
+    assert rule_disagreement(config=config) is None
+
+
+def test_the_configs_cover_every_reached_state():
+    """The per-config tests above together cover :func:`reached_states`, every state once."""
+    per_config = [pair for config in CONFIGS for pair in reached_states_of(config)]
+    assert per_config == list(reached_states()) and len(reached_states()) > 500
 
 
 # --- the mutants: each deliberate break is caught ----------------------------------------------------

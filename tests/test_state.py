@@ -32,6 +32,11 @@ def test_with_added_matches_a_dict(batches):
         assert list(terminal) == list(dict.fromkeys(list(terminal)))  # no id twice
         assert all(request_id in terminal for request_id in mirror)
         assert "zz" not in terminal
+        assert terminal == mirror and mirror == terminal and terminal == TerminalRequests(mirror)
+        assert terminal != {**mirror, "zz": _request("zz")} and terminal != TerminalRequests({**mirror, "zz": _request("zz")})
+        if mirror:
+            changed = {**mirror, next(iter(mirror)): _request("other")}
+            assert terminal != changed and terminal != TerminalRequests(changed)
     for snapshot, older in history:
         # later additions never change an older map (states share structure)
         assert dict(older.items()) == snapshot

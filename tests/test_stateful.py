@@ -10,11 +10,12 @@ fails (with a :class:`~schedspec.testing.SpecViolation`) on schedulers that brea
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Mapping
 
 import attrs
 import pytest
-from hypothesis import HealthCheck, Phase, settings
+from hypothesis import HealthCheck, Phase, seed, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from schedspec.reference.scheduler import SCHEDULERS, make_scheduler
@@ -24,12 +25,54 @@ from schedspec.spec.state import StepPlan
 from schedspec.strategies import scheduler_configs
 from schedspec.testing import MACHINE_STEP_SECONDS, SchedulerStateMachine, SpecViolation, machine_for
 
+SHARDS = 4
+"""Each policy's examples run as this many tests (``shard``), so that pytest-xdist can balance them over
+its workers (a policy was one test of two to four minutes under ``ci``). Together the shards run the
+active profile's ``max_examples`` (rounded up to a multiple of ``SHARDS``) of ``stateful_step_count``
+rules per policy. Under a derandomized profile (``ci``) each shard is its own fixed seed (from the policy
+name and the shard number), so the shards run different examples and CI stays reproducible; otherwise
+each draws at random as before."""
 
-@pytest.mark.parametrize("scheduler_name", sorted(SCHEDULERS))
-def test_policy_refines_spec(scheduler_name: str) -> None:
+
+def shard_machine(scheduler_name: str, shard: int, derandomize: bool | None = None) -> type[SchedulerStateMachine]:
+    """The machine of ``scheduler_name`` for one shard: a subclass of :func:`machine_for`'s (its own name,
+    so its own example-database key), with a fixed seed when ``derandomize`` (default: the active
+    profile's)."""
     machine = machine_for(scheduler_name)
+    part = type(f"{machine.__name__}Shard{shard}", (machine,), {})
+    part.__module__ = machine.__module__
+    if settings().derandomize if derandomize is None else derandomize:
+        part = seed(zlib.crc32(f"{scheduler_name}/{shard}".encode()))(part)
+    return part
+
+
+@pytest.mark.parametrize("shard", range(SHARDS))
+@pytest.mark.parametrize("scheduler_name", sorted(SCHEDULERS))
+def test_policy_refines_spec(scheduler_name: str, shard: int) -> None:
+    machine = shard_machine(scheduler_name, shard)
     assert issubclass(machine, SchedulerStateMachine) and machine.scheduler_name == scheduler_name
-    run_state_machine_as_test(machine, settings=settings())
+    profile = settings()
+    run_state_machine_as_test(machine, settings=settings(profile, max_examples=-(-profile.max_examples // SHARDS)))
+
+
+def test_the_shards_run_different_examples_reproducibly() -> None:
+    """Derandomized, two shards of one policy draw different configs (distinct seeds: copies of one
+    stream would run a fraction of the claimed examples), and a shard run twice draws the same ones."""
+    drawn: list[list[SchedulerConfig]] = []
+    small = settings(max_examples=8, stateful_step_count=5, deadline=None, derandomize=True, database=None,
+                     suppress_health_check=list(HealthCheck))
+    for shard in (0, 1, 0):
+        seen: list[SchedulerConfig] = []
+        drawn.append(seen)
+
+        class Recording(shard_machine("fcfs", shard, derandomize=True)):
+            @classmethod
+            def build_scheduler(cls, config, _seen=seen):
+                _seen.append(config)
+                return super().build_scheduler(config)
+
+        run_state_machine_as_test(Recording, settings=small)
+    assert drawn[0] and drawn[0] != drawn[1] and drawn[0] == drawn[2]
 
 
 def test_machine_for_is_cached_and_has_a_testcase() -> None:

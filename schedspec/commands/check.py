@@ -45,7 +45,9 @@ def _print_report(report: CheckReport, limit: int) -> None:
                 if value:
                     click.echo(f"  {name}: {json.dumps(value if not isinstance(value, tuple) else list(value))}")
     for violation in report.violations[:limit]:
-        click.echo(f"VIOLATION {one_line(violation)}")
+        # The code only where it says more than the name (a named case: name:case, Violation.code).
+        code = f" [code {one_line(violation.code)}]" if violation.code != violation.name else ""
+        click.echo(f"VIOLATION {one_line(violation)}{code}")
     if len(report.violations) > limit:
         click.echo(f"... {plural(len(report.violations) - limit, 'more violation')} (--max-violations)")
 
@@ -73,7 +75,9 @@ def command(trace: str, properties: tuple[str, ...], keep_going: bool, full: boo
     record against what the spec says happened; stop at the first illegal step and show it; at the end
     every request must have ended (finished, aborted or rejected), unless --allow-unfinished. Exit 0 if
     legal, 1 naming the first illegal step, 2 on an unreadable or malformed trace (file, line and
-    field named). Prefix-caching traces are judged too (hits, evictions, reference counts)."""
+    field named). Prefix-caching traces are judged too (hits, evictions, reference counts). Each
+    violation carries its stable code (the name, or name:case): in --json as "code", in the text after
+    the message where it names a case; test the code, not the wording."""
     for name in properties:
         if name not in PROPERTIES:
             fail(f"--property {name!r}: unknown; known: {', '.join(sorted(PROPERTIES))}")
@@ -93,7 +97,8 @@ def command(trace: str, properties: tuple[str, ...], keep_going: bool, full: boo
             "properties": list(report.properties),
             "notes": opened.notes,
             "violations": [
-                {"kind": v.kind, "name": v.name, "step": v.step, "request_id": v.request_id, "detail": v.detail}
+                {"kind": v.kind, "name": v.name, "code": v.code, "step": v.step, "request_id": v.request_id,
+                 "detail": v.detail}
                 for v in report.violations
             ],
         }))
