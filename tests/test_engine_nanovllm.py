@@ -299,6 +299,10 @@ def test_bundled_scenario_through_the_engine_loop(path):
     if scenario.expect.get("config_error"):
         pytest.skip("a config-error scenario: no run (the config is refused before any scheduler exists)")
     config = _nano_config(scenario)
+    if config.num_speculative_tokens:
+        with pytest.raises(UnsupportedFeature, match="no speculative decoding"):
+            NanoVllmScheduler(config)
+        pytest.skip("a speculative-decoding scenario: nano-vLLM has none, and its adapter refuses it (exit 3)")
     adapter = ViewChecked(NanoVllmScheduler(config), config)
     known = KNOWN.get(scenario.name)
     try:
