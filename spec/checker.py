@@ -31,9 +31,12 @@ record field                compared with
 ``preempted``/``rejected``  the plan (rules; a rejection's reason by its code)
 ``sampled_token_ids``       exactly the requests whose chunk reached the end of their sequence
 ``scheduled[].spec_token_ids`` the plan's drafts (rules ``drafts-*``); version 3, speculative decoding
-``num_accepted_tokens``     exactly the samplers that verified drafts, each at most its drafts (the spec
-                            applies them: accepted prefix, sampled token, a stop inside)
-``draft_token_ids``         proposals only for samplers still running, at most num_speculative_tokens
+``num_accepted_tokens``     its keys: exactly the samplers that verified drafts; each count is the spec's
+                            input, bounded by the drafts verified (the spec applies it: accepted prefix,
+                            sampled token, a stop inside)
+``draft_token_ids``         an input: at most num_speculative_tokens each; proposals for requests that
+                            did not sample are ignored, as vLLM's ``update_draft_token_ids`` ignores them,
+                            and a wrong proposal is caught when it is scheduled (``drafts-are-proposed``)
 ``finished``                the requests the spec ends after sampling, with the spec's reasons
 ``num_free_blocks`` ...     the spec's free blocks, running and waiting counts after the step
 ==========================  ==========================================================================

@@ -119,7 +119,7 @@ class Progress(Monitor):
     def observe(self, before: SchedulerState, plan: StepPlan, after: SchedulerState) -> None:
         advanced = len(after.finished) > len(before.finished)
         for item in plan.scheduled:
-            reach = item.num_computed_tokens + item.num_tokens - len(item.spec_token_ids)  # no draft position
+            reach = item.num_computed_tokens + item.num_sequence_tokens  # no draft position
             if reach > self.high_water.get(item.request_id, 0):
                 self.high_water[item.request_id] = reach
                 advanced = True
@@ -209,7 +209,7 @@ class StallFreeDecode(Monitor):
         if len(decodes) > self.config.max_num_batched_tokens:
             return
         # a decode's own token; the drafts it verifies with it (speculative decoding) are extra
-        tokens = {item.request_id: item.num_tokens - len(item.spec_token_ids) for item in plan.scheduled}
+        tokens = {item.request_id: item.num_sequence_tokens for item in plan.scheduled}
         for request_id in decodes:
             if tokens.get(request_id) != 1:
                 self.report(before.step, "running decode got no token", request_id)

@@ -131,9 +131,10 @@ class ScheduledRequest:
     spec_token_ids: tuple[int, ...] = ()
 
     @property
-    def num_spec_tokens(self) -> int:
-        """d: the drafts this item verifies (``len(spec_token_ids)``)."""
-        return len(self.spec_token_ids)
+    def num_sequence_tokens(self) -> int:
+        """The item's tokens that are sequence positions (prompt or sampled outputs), its drafts left out:
+        ``num_tokens - len(spec_token_ids)`` (tokens; 1 for a decode that verifies drafts)."""
+        return self.num_tokens - len(self.spec_token_ids)
 
 
 @attrs.frozen(slots=True)
@@ -196,4 +197,4 @@ def samples_this_step(request: Request, item: ScheduledRequest) -> bool:
     every decode samples the next one (after its accepted drafts), a middle chunk samples nothing (vLLM
     ``Scheduler.update_from_output`` discards partial-prefill samples).
     """
-    return item.num_computed_tokens + item.num_tokens - len(item.spec_token_ids) == request.num_tokens
+    return item.num_computed_tokens + item.num_sequence_tokens == request.num_tokens

@@ -108,9 +108,8 @@ def abort_request(state: SchedulerState, request_id: str) -> SchedulerState:
         return state
     requests = live_copy(state.requests)
     del requests[request_id]
-    aborted = evolve(request, status=RequestStatus.FINISHED_ABORTED, finish_reason="abort", block_ids=())
-    if request.spec_token_ids:
-        aborted = evolve(aborted, spec_token_ids=())
+    aborted = evolve(request, status=RequestStatus.FINISHED_ABORTED, finish_reason="abort", block_ids=(),
+                     spec_token_ids=())
     cache = state.prefix_cache
     if cache is None:
         free = FreeQueue.of(state.free_block_ids).pushed_front(tuple(reversed(request.block_ids)))
