@@ -47,7 +47,7 @@ admission. The rules, each with its place in vLLM's source:
    arrival_time, request_id)``. Admission stops at ``max_num_seqs`` running requests, when chunked
    prefill is off and the whole prompt exceeds the budget left, and when ``allocate_slots`` fails. A
    request is admitted with ``num_tokens`` (prompt plus any output to recompute) capped by the
-   threshold and the budget, and ``allocate_slots(..., full_sequence_must_fit=True)`` first requires
+   threshold and the budget, and ``allocateslot_tokens(..., full_sequence_must_fit=True)`` first requires
    blocks for the **whole current sequence** (``min(num_tokens, max_model_len)`` tokens) to be free,
    but then **allocates only for the first chunk**.
 6. **Free-block order** (``block_pool.py`` ``BlockPool.free_blocks``): without prefix caching a freed
@@ -135,7 +135,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from schedspec.spec.config import SchedulerConfig, blocks_for_tokens
+from schedspec.spec.config import SchedulerConfig, blocks_for_tokens, slot_tokens
 from schedspec.spec.request import Request
 from schedspec.spec.state import ScheduledRequest, SchedulerState, StepPlan
 
@@ -244,7 +244,7 @@ def plan_vllm_v1(state: SchedulerState, config: SchedulerConfig, by_priority: bo
         if num_tokens <= 0:
             index += 1
             continue
-        needed = max(0, blocks_for_tokens(_slots(request.num_computed_tokens + num_tokens, config), config.block_size)
+        needed = max(0, blocks_for_tokens(slot_tokens(request.num_computed_tokens + num_tokens, config), config.block_size)
                      - len(request.block_ids))
         granted = True
         while needed > queue.available:
@@ -295,7 +295,7 @@ def plan_vllm_v1(state: SchedulerState, config: SchedulerConfig, by_priority: bo
             hit: tuple[int, ...] = ()
             whole_tokens = min(request.num_tokens, config.max_model_len)
             # KVCacheManager.get_computed_blocks (no hit without caching), then
-            # allocate_slots(full_sequence_must_fit=True)
+            # allocateslot_tokens(full_sequence_must_fit=True)
             hit, _, whole = queue.admission(request, config, whole_tokens)
             hit_tokens = len(hit) * config.block_size
             padded = 1 + config.num_speculative_tokens
@@ -304,7 +304,7 @@ def plan_vllm_v1(state: SchedulerState, config: SchedulerConfig, by_priority: bo
                 # vLLM pads a one-token admission to 1 + k (placeholder drafts) and "prefers to not schedule
                 # than schedule un-padded" when that exceeds the budget; it allocates slots for the padded
                 # tokens, so admission also stops when they do not fit the free blocks (rule 7)
-                extra = blocks_for_tokens(_slots(hit_tokens + padded, config), config.block_size) - len(hit)
+                extra = blocks_for_tokens(slot_tokens(hit_tokens + padded, config), config.block_size) - len(hit)
                 if padded > budget or extra > queue.available:
                     break
             num_tokens = _cap(request, request.num_tokens - hit_tokens, config)
@@ -312,23 +312,14 @@ def plan_vllm_v1(state: SchedulerState, config: SchedulerConfig, by_priority: bo
                 break
             num_tokens = min(num_tokens, budget)
             if whole > queue.available:
-                break  # allocate_slots(full_sequence_must_fit=True) returns None
-            blocks = queue.admit(hit, blocks_for_tokens(_slots(hit_tokens + num_tokens, config), config.block_size)
+                break  # allocateslot_tokens(full_sequence_must_fit=True) returns None
+            blocks = queue.admit(hit, blocks_for_tokens(slot_tokens(hit_tokens + num_tokens, config), config.block_size)
                                  - len(hit))
             scheduled[request_id] = ScheduledRequest(request_id, hit_tokens, num_tokens, blocks, hit)
             budget -= num_tokens
             num_running += 1
 
     return StepPlan(scheduled=tuple(scheduled.values()), preempted=tuple(preempted), rejected=rejected)
-
-
-def _slots(tokens: int, config: SchedulerConfig) -> int:
-    """The KV slots ``KVCacheManager.allocate_slots`` allocates for a request computing up to position
-    ``tokens`` (tokens): ``min(tokens + num_lookahead_tokens, max_model_len)``, never fewer than
-    ``tokens`` (the spec's ``block-table-covers``; vLLM's input processor keeps ``tokens`` within
-    ``max_model_len``)."""
-    ahead = config.num_lookahead_tokens
-    return max(tokens, min(tokens + ahead, config.max_model_len)) if ahead else tokens
 
 
 def _decode_with_drafts(request: Request, config: SchedulerConfig, budget: int, num_eligible: int) -> int:
