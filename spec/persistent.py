@@ -27,71 +27,107 @@ _NUMBERED = re.compile(r"(.*?)(0|[1-9][0-9]{0,17})")
 ``("r0", 12)``): ``prefix + str(number) == id``, so the pair names exactly one id."""
 
 
+_PROMOTED = object()
+"""The mark of a prefix whose numbers are kept in bitmaps (:class:`EndedIds`)."""
+
+
 class EndedIds:
     """A set of request ids that only grows, in little memory: the ids of the requests a trace check has
     forgotten (:meth:`TerminalRequests.forgetting`), for ``in`` (the spec refuses a reused id,
     :func:`~schedspec.spec.transitions.add_request`).
 
     An id that is a prefix and a decimal number (``r17``, ``cmpl-42``: engines and generators number
-    their requests) is one bit of a bitmap of :data:`CHUNK` numbers per prefix, so a run of numbered ids
-    costs about one bit each (a chunk of 1,024 bits is 128 bytes plus its dict entry); any other id is
-    kept as its string. Exact: no id is ever reported present that was not added.
+    their requests) is kept by its prefix: the first :data:`PROMOTE` numbers of a prefix as a small set
+    of ints, and from then on as bits of bitmaps of :data:`CHUNK` numbers, so a long run of numbered ids
+    costs about one bit each (a chunk of 1,024 bits is 128 bytes plus its dict entry), while ids that share
+    no prefix (vLLM's ``cmpl-<hex>-0``, where every id is a prefix of its own) cost one small int each
+    beside their prefix, never a bitmap each. Any other id is kept as its string. Exact: no id is ever
+    reported present that was not added.
     """
 
-    __slots__ = ("_chunks", "_other", "_len")
+    __slots__ = ("_chunks", "_small", "_other", "_len")
 
     CHUNK = 1024
     """Numbers per bitmap (bits)."""
 
+    PROMOTE = 64
+    """Numbers of one prefix kept as a set of ints before the prefix moves to bitmaps."""
+
     def __init__(self, ids: Iterable[str] = ()) -> None:
         self._chunks: dict[tuple[str, int], bytearray] = {}
+        self._small: dict[str, int | set[int] | object] = {}
+        """prefix -> its number, or its numbers while it has fewer than PROMOTE, or _PROMOTED (its bitmaps)."""
         self._other: set[str] = set()
         self._len = 0
         for request_id in ids:
             self.add(request_id)
 
-    def _where(self, request_id: str) -> tuple[tuple[str, int], int] | None:
-        found = _NUMBERED.fullmatch(request_id)
-        if found is None:
-            return None
-        number = int(found.group(2))
-        return (found.group(1), number // self.CHUNK), number % self.CHUNK
+    def _set_bit(self, prefix: str, number: int) -> bool:
+        key, bit = (prefix, number // self.CHUNK), number % self.CHUNK
+        chunk = self._chunks.get(key)
+        if chunk is None:
+            chunk = self._chunks[key] = bytearray(self.CHUNK // 8)
+        if chunk[bit >> 3] & (1 << (bit & 7)):
+            return False
+        chunk[bit >> 3] |= 1 << (bit & 7)
+        return True
 
     def add(self, request_id: str) -> None:
         """Add ``request_id`` (a ``str``; adding one twice keeps one)."""
-        where = self._where(request_id)
-        if where is None:
+        found = _NUMBERED.fullmatch(request_id)
+        if found is None:
             if request_id not in self._other:
                 self._other.add(request_id)
                 self._len += 1
             return
-        key, bit = where
-        chunk = self._chunks.get(key)
-        if chunk is None:
-            chunk = self._chunks[key] = bytearray(self.CHUNK // 8)
-        if not chunk[bit >> 3] & (1 << (bit & 7)):
-            chunk[bit >> 3] |= 1 << (bit & 7)
+        prefix, number = found.group(1), int(found.group(2))
+        held = self._small.get(prefix)
+        if held is _PROMOTED:
+            self._len += self._set_bit(prefix, number)
+        elif held is None:
+            self._small[prefix] = number
             self._len += 1
+        elif isinstance(held, int):
+            if held != number:
+                self._small[prefix] = {held, number}
+                self._len += 1
+        elif number not in held:
+            held.add(number)
+            self._len += 1
+            if len(held) >= self.PROMOTE:
+                self._small[prefix] = _PROMOTED
+                for each in held:
+                    self._set_bit(prefix, each)
 
     def __contains__(self, request_id: object) -> bool:
         if not isinstance(request_id, str):
             return False
-        where = self._where(request_id)
-        if where is None:
+        found = _NUMBERED.fullmatch(request_id)
+        if found is None:
             return request_id in self._other
-        key, bit = where
-        chunk = self._chunks.get(key)
-        return chunk is not None and bool(chunk[bit >> 3] & (1 << (bit & 7)))
+        prefix, number = found.group(1), int(found.group(2))
+        held = self._small.get(prefix)
+        if held is None:
+            return False
+        if held is _PROMOTED:
+            chunk = self._chunks.get((prefix, number // self.CHUNK))
+            bit = number % self.CHUNK
+            return chunk is not None and bool(chunk[bit >> 3] & (1 << (bit & 7)))
+        return held == number if isinstance(held, int) else number in held
 
     def __len__(self) -> int:
         return self._len
 
     def __iter__(self) -> Iterator[str]:
         """The ids, numbered ones by prefix and number, then the others (for tests; a check never lists them)."""
-        for (prefix, index), chunk in sorted(self._chunks.items()):
-            for bit in range(self.CHUNK):
-                if chunk[bit >> 3] & (1 << (bit & 7)):
-                    yield f"{prefix}{index * self.CHUNK + bit}"
+        for prefix, held in sorted(self._small.items(), key=lambda item: item[0]):
+            if held is _PROMOTED:
+                numbers = (index * self.CHUNK + bit for (p, index), chunk in sorted(self._chunks.items()) if p == prefix
+                           for bit in range(self.CHUNK) if chunk[bit >> 3] & (1 << (bit & 7)))
+            else:
+                numbers = [held] if isinstance(held, int) else sorted(held)
+            for number in numbers:
+                yield f"{prefix}{number}"
         yield from sorted(self._other)
 
 

@@ -69,6 +69,32 @@ def test_ended_ids_keep_a_run_of_numbered_ids_in_bits():
     assert len(ids._chunks) == 98 and not ids._other  # 100,000 / 1,024 bitmaps of 128 bytes, no strings
 
 
+
+@given(st.lists(st.tuples(st.sampled_from(["r", "cmpl-", "a1b-"]), st.integers(0, 5_000)), max_size=300),
+       st.lists(st.tuples(st.sampled_from(["r", "cmpl-", "x"]), st.integers(0, 5_000)), max_size=50))
+def test_ended_ids_are_exactly_a_set_across_promotion_to_bitmaps(added, probes):
+    """Past PROMOTE numbers of one prefix the ids move from a small set to bitmaps: still exactly a set
+    (PROMOTE lowered to 4 so that the examples cross it)."""
+
+    class Promoting(EndedIds):
+        PROMOTE = 4
+
+    ids, mirror = Promoting(), set()
+    for prefix, number in added:
+        ids.add(f"{prefix}{number}")
+        mirror.add(f"{prefix}{number}")
+        assert len(ids) == len(mirror)
+    for prefix, number in [*added, *probes]:
+        assert (f"{prefix}{number}" in ids) == (f"{prefix}{number}" in mirror)
+    assert sorted(ids) == sorted(mirror)
+
+
+def test_ended_ids_of_distinct_prefixes_make_no_bitmaps():
+    """vLLM's ids (``cmpl-<hex>-0``: every id a prefix of its own) cost a small int each, not a 128-byte bitmap."""
+    ids = EndedIds(f"cmpl-{n:032x}-0" for n in range(2_000))
+    assert len(ids) == 2_000 and "cmpl-" + f"{7:032x}" + "-0" in ids and "cmpl-" + f"{7:032x}" + "-1" not in ids
+    assert not ids._chunks and not ids._other
+
 def test_forgetting_keeps_len_and_membership_and_holds_nothing():
     terminal = TerminalRequests().with_added({"r1": _request("r1"), "a": _request("a")})
     forgot = terminal.forgetting()
