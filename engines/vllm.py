@@ -344,6 +344,8 @@ _WORKERS: dict[tuple[Path, Path | None], _WorkerProcess] = {}
 def _worker(python: Path, path_ahead: Path | None = None) -> _WorkerProcess:
     found = _WORKERS.get((python, path_ahead))
     if found is None or not found.alive():
+        if found is not None:
+            found.close()  # a dead worker: reap it and close its log before starting the next
         found = _WORKERS[python, path_ahead] = _WorkerProcess(python, path_ahead)
     return found
 

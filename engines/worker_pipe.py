@@ -13,8 +13,10 @@ Protocol (the adapter side is ``schedspec.engines.vllm._WorkerProcess``):
 - ``close`` drops one; no reply. The commands in ``no_reply`` (``add``, ``abort``) do not reply either.
 - Any other command ``op`` in ``ops`` calls the scheduler's method of that name with the message.
 - A command that fails sends ``{"error": traceback}`` as its reply; a failing command that does not
-  reply makes the next reply an error instead. ``refused`` (an exception type) raised by ``build``
-  replies ``{"refused": message}``: the engine's own config refused the configuration.
+  reply makes the next reply **for the same handle** an error instead (another scheduler's command is
+  never answered with it). ``refused`` (an exception type) raised by ``build`` replies
+  ``{"refused": message}``: the engine's own config refused the configuration; raised by a command
+  that does not reply, it is that handle's pending error like any other failure.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ def serve(
     out = sys.stdout
     sys.stdout = sys.stderr
     workers: dict[int, Any] = {}
-    pending_error: str | None = None
+    pending_errors: dict[Any, str] = {}
+    """handle -> the first failure of a command of that handle that sends no reply, for its next reply."""
     silent = (*no_reply, "close")
 
     def reply(payload: dict) -> None:
@@ -50,12 +53,11 @@ def serve(
         message = json.loads(line)
         op = message.get("op")
         replies = op not in silent
-        if pending_error is not None and replies:
-            reply({"error": pending_error})
-            pending_error = None
+        handle = message.get("handle")
+        if replies and handle in pending_errors:
+            reply({"error": pending_errors.pop(handle)})
             continue
         try:
-            handle = message.get("handle")
             if op == "init":
                 workers[handle], result = build(message)
             elif op == "close":
@@ -67,15 +69,11 @@ def serve(
                 result = getattr(workers[handle], op)(message)
             else:
                 raise RuntimeError(f"unknown op {op!r}")
-        except refused as error:
-            reply({"refused": str(error)})
-            continue
-        except Exception:  # noqa: BLE001  (every failure goes back to the adapter as text)
-            text = traceback.format_exc()
+        except Exception as error:  # noqa: BLE001  (every failure goes back to the adapter as text)
             if replies:
-                reply({"error": text})
-            elif pending_error is None:
-                pending_error = f"{op} {message.get('id')!r} failed: {text}"
+                reply({"refused": str(error)} if isinstance(error, refused) else {"error": traceback.format_exc()})
+            elif handle not in pending_errors:
+                pending_errors[handle] = f"{op} {message.get('id')!r} failed: {traceback.format_exc()}"
             continue
         if replies:
             reply(result or {})

@@ -48,6 +48,7 @@ from schedspec.cli_common import (
     parse_sets,
     plural,
 )
+from schedspec.engines.vllm import PADDING_RULES, SAME_STEP_HIT_RULES
 from schedspec.reference.engine import Engine, RunResult, ViolationFound
 from schedspec.reference.fake_model import AcceptanceModel, FakeModel
 from schedspec.reference.scheduler import (
@@ -67,10 +68,6 @@ Acceptance = dict[str, str]
 the others follow the :class:`~schedspec.reference.fake_model.AcceptanceModel` default)."""
 
 DEFAULT_MAX_STEPS = 2_000
-
-PADDING_RULES = frozenset({"drafts-only-in-decodes", "drafts-are-proposed"})
-"""The rules vLLM's padded one-token admission breaks (``schedspec.engines.vllm.padded_admission``, the
-precise condition, is the adapter's ``is_known_divergence``)."""
 
 
 @attrs.frozen
@@ -222,7 +219,7 @@ def _run_scheduler(scheduler, name: str, config: SchedulerConfig, requests: Sequ
                 and all(v.name in PADDING_RULES and known(v, error.state) for v in error.violations)):
             documented = PADDED_ADMISSION  # engines/vllm.py padded_admission: the precise condition
         if (documented is None and engine and config.enable_prefix_caching and callable(known)
-                and all(known(v, error.state) for v in error.violations)):
+                and all(v.name in SAME_STEP_HIT_RULES and known(v, error.state) for v in error.violations)):
             documented = SAME_STEP_HIT  # engines/vllm.py same_step_hits: the precise condition
         return None, [Finding(name, v.name, str(v), documented) for v in error.violations[:3]]
     except Exception as error:  # an engine that crashes is a finding, not a crash of diff
