@@ -117,7 +117,7 @@ def recorded(tmp_path_factory):
     model = save_model_dir(folder / "model", config, random_weights(config, 0))
     window = workload(start=600, max_requests=40)
     engine = dict(ENGINE, model=str(model))
-    traces = {name: folder / f"{name}.jsonl" for name in ("fcfs", "faulty", "priority-async")}
+    traces = {name: folder / f"{name}.jsonl" for name in ("fcfs", "faulty", "priority-async", "disk-full")}
     runs = [
         {"trace": str(traces["priority-async"]), "mode": "async", "faulty": None,
          # fewer blocks than the llm runs: its clients arrive on the wall clock, so the load is less
@@ -130,6 +130,9 @@ def recorded(tmp_path_factory):
         # the faulty twin only needs to reach the first abort of a request holding blocks
         {"trace": str(traces["faulty"]), "mode": "llm", "faulty": "leak-block-on-abort", "engine": engine,
          "requests": sync_requests(window), "max_steps": 120},
+        # the recorder's writer thread fails (the disk fills up) before step 10: the error must surface
+        {"trace": str(traces["disk-full"]), "mode": "llm", "faulty": None, "engine": engine,
+         "requests": sync_requests(window)[:6], "disk_full_at_step": 10},
     ]
     if not ASYNC_RUN:
         runs = runs[1:]
@@ -253,3 +256,21 @@ def test_async_engine_differences_are_the_explained_ones(recorded):
         left, right = decisions(records[step]), decisions(replayed[step])
         assert {r: len(b) for r, b in left["blocks_allocated"].items()} == \
             {r: len(b) for r, b in right["blocks_allocated"].items()}, line
+
+
+
+def test_writer_error_surfaces_on_the_engine_thread(recorded):
+    """The recorder's writer thread fails (before step 10 the trace file's descriptor is pointed at
+    ``/dev/full``, a disk that fills up): the error is not lost in the thread. The engine's next steps
+    stop with ``RecorderError`` (raised from the ``OSError`` at the next ``schedule()``; the writer may
+    lag a step or two behind, and its buffer may hold a line before it fails), its shutdown raises it
+    again, and the trace keeps the steps written before the disk filled."""
+    traces, stdout = recorded
+    line = next(line for line in stdout.splitlines() if line.startswith(f"ERRORS {traces['disk-full']} "))
+    errors = json.loads(line.split(" ", 2)[2])
+    assert [e.split(":")[0] for e in errors][-1] == "shutdown" and len(errors) == 2, errors
+    assert errors[0].startswith("step ") and int(errors[0].split(":")[0].removeprefix("step ")) >= 11, errors
+    for error in errors:
+        assert "writing the trace failed" in error and "No space left on device" in error, error
+    lines = traces["disk-full"].read_text().splitlines()
+    assert len(lines) == 11 and json.loads(lines[-1])["step"] == 9  # the header and steps 0..9

@@ -17,7 +17,10 @@ fields}, "faulty": null | "leak-block-on-abort", "requests": [{"id", "prompt": [
   stepped by hand: before step ``k`` it adds the requests whose ``arrive_step`` is ``k`` and aborts
   those whose ``abort_step`` is ``k``, or whose output has reached ``abort_after_tokens`` tokens
   (``LLMEngine.abort_request``: between steps); it stops after ``max_steps`` steps if the run sets it
-  (requests may then still be live: the trace is a window).
+  (requests may then still be live: the trace is a window). ``disk_full_at_step`` (if the run sets it):
+  before that step the recorder's trace file descriptor is pointed at ``/dev/full`` (a disk that fills
+  up); the ``RecorderError`` that ``engine.step()`` and the engine's shutdown raise are printed as
+  ``ERRORS <trace> <JSON list of "step k: message" / "shutdown: message">`` and end the run.
 - ``async``: ``AsyncLLM`` with the engine core in its own process (the server's engine): each request
   is a client task that starts at its ``arrive_time`` and, if ``abort_after_tokens`` is set, cancels its
   stream after that many tokens, as a client that disconnects (vLLM aborts it; the abort reaches the
@@ -82,6 +85,8 @@ def run_llm(run: dict, cls: type) -> object:
 
     engine = LLMEngine.from_engine_args(EngineArgs(**_engine_args(run, cls)))
     requests = run["requests"]
+    scheduler = engine.engine_core.engine_core.scheduler
+    errors = []
     step = 0
     internal: dict[str, str] = {}
     limits = {spec["id"]: spec.get("abort_after_tokens") for spec in requests}
@@ -101,14 +106,30 @@ def run_llm(run: dict, cls: type) -> object:
         pending = any(spec["arrive_step"] > step for spec in requests)
         if (not engine.has_unfinished_requests() and not pending) or step == run.get("max_steps"):
             break
-        for output in engine.step():
+        if step == run.get("disk_full_at_step"):
+            scheduler.recorder_flush()  # the steps so far are on disk; from now on the disk is full
+            full = os.open("/dev/full", os.O_WRONLY)
+            os.dup2(full, scheduler._writer.trace.fileno())
+            os.close(full)
+        try:
+            outputs = engine.step()
+        except recorder.RecorderError as error:
+            errors.append(f"step {step}: {error}")
+            break
+        for output in outputs:
             if not output.finished:
                 produced[output.request_id] = len(output.outputs[0].token_ids)
             else:
                 produced.pop(output.request_id, None)
         step += 1
-    scheduler = engine.engine_core.engine_core.scheduler
-    engine.engine_core.shutdown()
+    try:
+        engine.engine_core.shutdown()
+    except recorder.RecorderError as error:
+        errors.append(f"shutdown: {error}")
+    if "disk_full_at_step" in run:
+        print(f"ERRORS {run['trace']} {json.dumps(errors)}", flush=True)
+    elif errors:
+        raise RuntimeError(errors)
     return scheduler
 
 
