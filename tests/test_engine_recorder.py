@@ -274,3 +274,46 @@ def test_writer_error_surfaces_on_the_engine_thread(recorded):
         assert "writing the trace failed" in error and "No space left on device" in error, error
     lines = traces["disk-full"].read_text().splitlines()
     assert len(lines) == 11 and json.loads(lines[-1])["step"] == 9  # the header and steps 0..9
+
+
+def _recorder_module():
+    """The recorder module, imported in schedspec's environment (it needs vLLM only for
+    ``RecordingScheduler``, made on first use)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("schedspec_vllm_recorder_under_test",
+                                                  ROOT / "engines" / "recorder" / "schedspec_vllm_recorder.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(("computed_before", "num_hit"), [(288, 0), (0, 9), (0, 0)])
+def test_writer_splits_prefill_and_decode_as_the_spec(computed_before, num_hit, tmp_path):
+    """The writer's prefill/decode split is the spec's ``is_decode`` on the request before the step (the
+    cause of the ``AsyncLLM`` run's failures: a request resumed after preemption whose prefix-cache hit
+    left one token to compute was logged as a decode). A request of 260 prompt and 29 output tokens
+    (289 in all), scheduled for one token from 288: running with 288 computed (a decode); resumed from
+    the waiting queue with a 9-block hit (a prefill: before the step it had none computed); and, for
+    contrast, resumed with no hit (a prefill of 289)."""
+    from schedspec.spec.request import Request, RequestStatus
+
+    module = _recorder_module()
+    with (tmp_path / "t.jsonl").open("w") as trace:
+        writer = module._Writer(trace, 32, 1024)
+        try:
+            computed = num_hit * 32 if computed_before == 0 else computed_before
+            count = 289 - computed
+            blocks = tuple(range(1, 11))
+            step = (0, 0.0, 0.0, [], [], [("r", computed, count, blocks, num_hit, 289, 260)], [], [], [],
+                    [("r", 5)], [], 0, 1, 0)
+            record = json.loads(writer.line(step))
+        finally:
+            writer.close()
+    before = Request("r", 0, list(range(260)), 64, output_token_ids=tuple(range(29)),
+                     num_computed_tokens=computed_before,
+                     status=RequestStatus.RUNNING if computed_before else RequestStatus.PREEMPTED)
+    item = record["scheduled"][0]
+    assert (item["decode_tokens"] > 0) == before.is_decode
+    assert item["prefill_tokens"] + item["decode_tokens"] == count
+    assert record.get("prefix_hit_blocks", {}) == ({"r": list(range(num_hit))} if num_hit else {})

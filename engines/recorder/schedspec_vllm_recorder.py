@@ -202,7 +202,12 @@ class _Writer:
         before: dict[str, int] = {}
         for request_id, computed, count, blocks, num_hit, num_tokens, num_prompt in items:
             before[request_id] = num_tokens
-            decode = num_tokens - computed == 1 and computed >= num_prompt
+            # The spec's is_decode (spec/request.py), judged on the request as it was before the step: one
+            # token pending, past the prompt. A request from the waiting queue (new, or resumed after
+            # preemption: vLLM zeroes its num_computed_tokens) had none computed then, so its chunk is a
+            # prefill even where a prefix-cache hit leaves one token to compute (computed here counts
+            # the hit); num_hit is 0 for a running request, and a waiting one with computed > 0 has hits.
+            decode = num_hit == 0 and num_tokens - computed == 1 and computed >= num_prompt
             scheduled.append({"request_id": request_id, "num_computed_tokens": computed,
                               "prefill_tokens": 0 if decode else count, "decode_tokens": count if decode else 0})
             if len(blocks) > num_hit:
@@ -567,5 +572,12 @@ def _scheduler_base() -> type:
     return Scheduler
 
 
-RecordingScheduler = _make_recording_class(_scheduler_base())
-"""vLLM's ``Scheduler`` recording every step (``--scheduler-cls schedspec_vllm_recorder.RecordingScheduler``)."""
+def __getattr__(name: str) -> Any:
+    """``RecordingScheduler``: vLLM's ``Scheduler`` recording every step (``--scheduler-cls
+    schedspec_vllm_recorder.RecordingScheduler``), made on first use, so that this module imports
+    without vLLM (schedspec's tests exercise :class:`_Writer` in schedspec's own environment)."""
+    if name == "RecordingScheduler":
+        made = _make_recording_class(_scheduler_base())
+        globals()[name] = made
+        return made
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
