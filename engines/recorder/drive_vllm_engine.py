@@ -10,13 +10,17 @@ and the recorder beside it. Usage::
 ``RUNS.json`` is a list of runs, each ``{"trace": PATH, "mode": "llm" | "async", "engine": {EngineArgs
 fields}, "faulty": null | "leak-block-on-abort", "requests": [{"id", "prompt": [token ids],
 "max_tokens", "priority", "ignore_eos", "arrive_step" (llm) / "arrive_time" (async, seconds),
-"abort_step" (llm only), "abort_after_tokens" (either), each null or absent for none}]}``; every run writes its trace to ``PATH``
+"abort_step" (llm only), "abort_after_tokens" (either), "abort_in_flight" (llm only), each null or absent
+for none}]}``; every run writes its trace to ``PATH``
 (which must not exist) with ``SCHEDSPEC_TRACE``, one after the other in this process.
 
 - ``llm``: ``LLMEngine`` with the engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
   stepped by hand: before step ``k`` it adds the requests whose ``arrive_step`` is ``k`` and aborts
   those whose ``abort_step`` is ``k``, or whose output has reached ``abort_after_tokens`` tokens
-  (``LLMEngine.abort_request``: between steps); it stops after ``max_steps`` steps if the run sets it
+  (``LLMEngine.abort_request``: between steps; with ``"abort_in_flight": true`` the request's abort
+  is put on the engine core's aborts queue instead, as ``EngineCoreProc`` does with an abort that
+  arrives during a step, so the next step applies it after its forward pass, before
+  ``update_from_output``: an abort in flight, deterministically); it stops after ``max_steps`` steps if the run sets it
   (requests may then still be live: the trace is a window). ``disk_full_at_step`` (if the run sets it):
   before that step the recorder's trace file descriptor is pointed at ``/dev/full`` (a disk that fills
   up); the ``RecorderError`` that ``engine.step()`` and the engine's shutdown raise are printed as
@@ -29,7 +33,8 @@ fields}, "faulty": null | "leak-block-on-abort", "requests": [{"id", "prompt": [
 ``faulty``: the engine runs a deliberately faulty scheduler instead of the recorder alone:
 ``leak-block-on-abort`` (:class:`LeakBlockOnAbort`) never returns the last block of an aborted request.
 
-Prints one line per run: ``RUN <trace> steps=<n> recorder_seconds=<s> wall=<s>``.
+Prints one line per run: ``RUN <trace> steps=<n> recorder_seconds=<s> aborts_in_flight=<n> wall=<s>``
+(``llm``; the ``async`` run's engine core is another process).
 """
 
 from __future__ import annotations
@@ -90,6 +95,8 @@ def run_llm(run: dict, cls: type) -> object:
     step = 0
     internal: dict[str, str] = {}
     limits = {spec["id"]: spec.get("abort_after_tokens") for spec in requests}
+    in_flight_abort = {spec["id"]: spec.get("abort_in_flight", False) for spec in requests}
+    core = engine.engine_core.engine_core
     produced: dict[str, int] = {}  # live request -> output tokens so far
     aborted: set[str] = set()
     while True:
@@ -101,7 +108,15 @@ def run_llm(run: dict, cls: type) -> object:
         aborts += [request_id for request_id, count in produced.items()
                    if count >= (limits.get(request_id) or 1 << 30) and request_id not in aborted]
         if aborts:
-            engine.abort_request(aborts)
+            in_flight = [request_id for request_id in aborts if in_flight_abort.get(request_id)]
+            between = [request_id for request_id in aborts if not in_flight_abort.get(request_id)]
+            if between:
+                engine.abort_request(between)
+            if in_flight:
+                # what EngineCoreProc does with a client's abort that arrives during a step: the front end
+                # drops the request, and the engine core applies the abort from its aborts queue after the
+                # forward pass, before update_from_output (EngineCore.step, _process_aborts_queue)
+                core.aborts_queue.put(engine.output_processor.abort_requests(in_flight, False))
             aborted.update(aborts)
         pending = any(spec["arrive_step"] > step for spec in requests)
         if (not engine.has_unfinished_requests() and not pending) or step == run.get("max_steps"):
@@ -175,11 +190,12 @@ def main() -> None:
         if run["mode"] == "llm":
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             scheduler = run_llm(run, cls)
-            extra = f"steps={scheduler.recorder_steps} recorder_seconds={scheduler.recorder_seconds:.4f}"
+            extra = (f"steps={scheduler.recorder_steps} recorder_seconds={scheduler.recorder_seconds:.4f} "
+                     f"aborts_in_flight={scheduler.recorder_aborts_in_flight}")
         else:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
             asyncio.run(_run_async(run, cls))
-            extra = "steps=(engine core process) recorder_seconds=(engine core process)"
+            extra = "steps=(engine core process) recorder_seconds=(engine core process) aborts_in_flight=(engine core process)"
         print(f"RUN {run['trace']} {extra} wall={time.perf_counter() - began:.1f}", flush=True)
 
 

@@ -358,6 +358,8 @@ def _make_recording_class(base: type) -> type:
             """Seconds the engine thread spent in the recorder's own code, outside vLLM's calls (module
             docstring, *Cost*); the writer thread's time is not in it."""
             self.recorder_steps = 0
+            self.recorder_aborts_in_flight = 0
+            """Aborts of live requests that landed while a step was in flight (module docstring)."""
             self._writer = _Writer(trace, self._block_size, self._max_model_len)
             atexit.register(self._writer.close)  # a process that exits without shutdown() keeps its steps
             original = pool._maybe_evict_cached_block
@@ -406,6 +408,7 @@ def _make_recording_class(base: type) -> type:
                     live[request_id] = request
                     if in_flight:
                         self._late_aborts[request_id] = (request.status == running, request)
+                        self.recorder_aborts_in_flight += 1
             if not in_flight:
                 self._aborts.extend(live)
             previous, self._phase = self._phase, ("abort-flight" if in_flight else "abort")
