@@ -21,6 +21,15 @@ from schedspec.spec.state import SchedulerState, StepPlan, samples_this_step
 from schedspec.spec.trace import StepRecord
 from schedspec.spec.workload import RequestSpec
 
+
+def request_message(spec: RequestSpec, arrive: dict[str, object]) -> dict[str, object]:
+    """One request for ``engines/recorder/drive_vllm_engine.py`` (or an HTTP client): id, the prompt's
+    token ids (the spec's own, ``BlockHashPrompt``), ``max_tokens``, ``priority``, ``ignore_eos``, and
+    ``arrive``'s fields (when it arrives, when its client aborts)."""
+    return {"id": spec.request_id, "prompt": [int(t) for t in spec.prompt_token_ids()],
+            "max_tokens": spec.max_tokens, "priority": spec.priority, "ignore_eos": True, **arrive}
+
+
 DECISION_FIELDS = ("scheduled", "preempted", "blocks_allocated", "prefix_hit_blocks")
 """The fields of a step record that are the scheduler's decisions (what :func:`decision_differences`
 compares); the rest follow from them, the model and the client."""

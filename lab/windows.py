@@ -89,3 +89,27 @@ def select_window(
         )
         for r in kept
     ]
+
+
+TOKEN_SCALE = 16
+"""Trace tokens per engine token in :func:`scaled_mooncake_window`: a Mooncake hash block of 512 tokens
+becomes 32, one vLLM block of the CPU engine."""
+
+
+def scaled_mooncake_window(start: float, max_requests: int) -> list[RequestSpec]:
+    """A window of the bundled Mooncake conversation trace scaled to a tiny whole engine (the recorder's
+    tests, ``scripts/record_vllm_serve.py``): from ``start`` seconds, at most ``max_requests`` requests;
+    prompts and their hashed blocks divided by :data:`TOKEN_SCALE` (so requests that share hash ids
+    share token prefixes), outputs by 8 (at most 64), prompts over 600 tokens left out."""
+    from schedspec.lab.trace_formats import load_trace, packaged_trace_path
+
+    window = select_window(load_trace(packaged_trace_path("mooncake_conversation_trace.jsonl")), start=start,
+                           max_requests=max_requests)
+    scaled = []
+    for spec in window:
+        prompt_len = max(1, spec.prompt_len // TOKEN_SCALE)
+        if prompt_len > 600:
+            continue
+        scaled.append(attrs.evolve(spec, prompt_len=prompt_len, max_tokens=min(64, max(1, spec.max_tokens // 8)),
+                                   hash_block_tokens=512 // TOKEN_SCALE))
+    return scaled

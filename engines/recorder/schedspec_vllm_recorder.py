@@ -50,9 +50,19 @@ The engine's own input processor refuses some requests before the scheduler sees
 ``schedule()``/``update_from_output()`` pair, empty steps included (the engine core does not call
 ``schedule()`` while it holds no request, so idle time is a gap in ``start_time``, not steps).
 
-**Cost.** The recorder's own work per step, outside vLLM's calls, is summed in
-``RecordingScheduler.recorder_seconds`` (``perf_counter``); ``benchmarks/recorder_overhead.py`` sets it
-beside ``schedule()``'s time at 256 running requests.
+**Cost.** On the engine thread the recorder only copies what the trace needs (ids, counts, block ids
+as tuples, the prompt as a tuple, the sampled tokens) and hands one tuple per step to a background
+thread (:class:`_Writer`), which hashes the prompts' blocks, builds the record and writes it; the file is
+flushed whenever the writer has caught up, and on shutdown (``Scheduler.shutdown``, called by
+``EngineCore.shutdown``; an ``atexit`` hook for a process that exits without it) the queue is written
+and the file closed. The queue is bounded (:data:`QUEUE_STEPS`): a writer that falls behind makes
+``update_from_output`` wait, never drops a step. **A writer that fails** (a full disk, a bug) keeps its
+error and drops what follows; the engine thread raises :class:`RecorderError` from it at the next
+``schedule()`` (the engine core stops: vLLM reports the engine dead, its front end fails the requests)
+and at shutdown, so a trace is never cut short in silence. The engine thread's own time per step,
+outside vLLM's calls, is summed in ``RecordingScheduler.recorder_seconds`` (``perf_counter``);
+``benchmarks/scheduler_overhead.py --recorder`` sets it beside ``schedule()``'s time at 256 running
+requests, with the process's CPU time (the writer thread's included).
 
 **Limits.** ``AsyncScheduler`` (``async_scheduling``) is refused at start (:class:`RecorderError`): its
 plans are made over placeholders for the step in flight, which the trace format does not describe yet
@@ -63,8 +73,11 @@ core (not provided).
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import queue
+import threading
 import time
 from typing import Any
 
@@ -79,37 +92,38 @@ class RecorderError(RuntimeError):
     """The recorder cannot record this engine (the message names the option or variable)."""
 
 
-def scheduled_items(output: Any, block_size: int) -> list[list[Any]]:
-    """A ``SchedulerOutput``'s scheduled requests in scheduling order, as
-    ``[request_id, num_computed_tokens, num_scheduled_tokens, block_ids, num_hit_blocks, draft_ids]``: ``block_ids``
-    (vLLM numbering) are all of a new request's table (``NewRequestData.block_ids``), all of a resumed
-    request's (``CachedRequestData.new_block_ids``, which is its whole table), and a running request's
-    new ones; ``num_hit_blocks`` is how many at the front of that list are prefix-cache hits
-    (``num_computed_tokens // block_size`` for a request admitted from the waiting queue, vLLM 0.32
-    ``KVCacheManager.get_computed_blocks``; 0 for a running one); ``draft_ids`` the drafts it verifies
-    (``SchedulerOutput.scheduled_spec_decode_tokens``, vLLM's padding ``-1`` included; empty without
-    speculative decoding, which the recorder refuses).
+def scheduled_items(output: Any, block_size: int) -> list[tuple[Any, ...]]:
+    """A ``SchedulerOutput``'s scheduled requests in scheduling order, as tuples
+    ``(request_id, num_computed_tokens, num_scheduled_tokens, block_ids, num_hit_blocks, draft_ids)``:
+    ``block_ids`` (vLLM numbering, a tuple) are all of a new request's table
+    (``NewRequestData.block_ids``), all of a resumed request's (``CachedRequestData.new_block_ids``, which
+    is its whole table), and a running request's new ones; ``num_hit_blocks`` is how many at the front of
+    that tuple are prefix-cache hits (``num_computed_tokens // block_size`` for a request admitted from the
+    waiting queue, vLLM 0.32 ``KVCacheManager.get_computed_blocks``; 0 for a running one); ``draft_ids``
+    the drafts it verifies (a tuple: ``SchedulerOutput.scheduled_spec_decode_tokens``, vLLM's padding
+    ``-1`` included; empty without speculative decoding, which the recorder refuses).
 
-    Shared by the standalone adapter (``engines/vllm_worker.py``) and :class:`RecordingScheduler`.
+    Copies what it returns (ids, counts, tuples of block ids), so the result stays valid whatever the
+    engine does to ``output`` afterwards. Shared by the standalone adapter (``engines/vllm_worker.py``)
+    and :class:`RecordingScheduler`.
     """
-    blocks: dict[str, list[int]] = {}
-    computed: dict[str, int] = {}
-    hits: dict[str, int] = {}
+    found: dict[str, tuple[int, tuple[int, ...], int]] = {}  # request id -> (computed, blocks, hits)
     for new in output.scheduled_new_reqs:
-        blocks[new.req_id] = list(new.block_ids[0]) if new.block_ids else []
-        computed[new.req_id] = new.num_computed_tokens
-        hits[new.req_id] = new.num_computed_tokens // block_size
+        computed = new.num_computed_tokens
+        found[new.req_id] = (computed, tuple(new.block_ids[0]) if new.block_ids else (), computed // block_size)
     cached = output.scheduled_cached_reqs
-    for index, request_id in enumerate(cached.req_ids):
-        ids = cached.new_block_ids[index]
-        blocks[request_id] = list(ids[0]) if ids else []
-        computed[request_id] = cached.num_computed_tokens[index]
-        if request_id in cached.resumed_req_ids:
-            hits[request_id] = cached.num_computed_tokens[index] // block_size
+    resumed = cached.resumed_req_ids
+    for request_id, ids, computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens,
+                                         strict=True):
+        found[request_id] = (computed, tuple(ids[0]) if ids else (),
+                             computed // block_size if request_id in resumed else 0)
     drafts = output.scheduled_spec_decode_tokens  # padding (-1) included, as vLLM counts it
-    return [[request_id, computed[request_id], count, blocks[request_id], hits.get(request_id, 0),
-             [int(t) for t in drafts.get(request_id, ())]]
-            for request_id, count in output.num_scheduled_tokens.items()]
+    items = []
+    for request_id, count in output.num_scheduled_tokens.items():
+        computed, blocks, hits = found[request_id]
+        items.append((request_id, computed, count, blocks, hits,
+                      tuple(int(t) for t in drafts.get(request_id, ())) if drafts else ()))
+    return items
 
 
 def _spec_stop_reason(request: Any, token: int, max_model_len: int) -> str | None:
@@ -128,6 +142,150 @@ def _spec_stop_reason(request: Any, token: int, max_model_len: int) -> str | Non
     if outputs >= request.max_tokens:
         return "length"
     return None
+
+
+_STOP = object()
+"""The writer thread's last item (:meth:`Recording.shutdown`)."""
+
+QUEUE_STEPS = 256
+"""How many steps the engine thread may run ahead of the writer thread before ``update_from_output``
+waits for it (the queue is bounded: a slow disk slows the engine rather than filling its memory)."""
+
+
+class _Writer:
+    """The background thread that turns the engine thread's copies into trace lines (one JSON line per
+    step) and writes them: the hash ids of prompts, the record dicts, ``json.dumps`` and the writes all
+    run here, off the engine thread.
+
+    Errors: any exception in the thread (a full disk, a bug) is kept in :attr:`error`; from then on the
+    thread drops what it is given (so the engine thread never waits on a dead writer) and the engine
+    thread raises :class:`RecorderError` from it at its next hook (:meth:`Recording._put`) and at
+    shutdown: the engine stops, rather than run on with a trace that silently ends early.
+    """
+
+    def __init__(self, trace: Any, block_size: int, max_model_len: int) -> None:
+        self.trace = trace
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.error: BaseException | None = None
+        self.queue: queue.Queue[Any] = queue.Queue(maxsize=QUEUE_STEPS)
+        self.hash_ids: dict[tuple[int, tuple[int, ...]], int] = {}
+        self.thread = threading.Thread(target=self._run, name="schedspec-recorder-writer", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        items = self.queue
+        while True:
+            item = items.get()
+            try:
+                if item is _STOP:
+                    if self.error is None:
+                        self.trace.flush()
+                    return
+                if self.error is None:
+                    self.trace.write(self.line(item))
+                    if items.empty():
+                        self.trace.flush()  # idle: everything given so far is on disk
+            except BaseException as error:  # noqa: BLE001  (kept, raised on the engine thread)
+                self.error = error
+            finally:
+                items.task_done()
+
+    def line(self, step: tuple[Any, ...]) -> str:
+        """One step record as a JSON line, from the engine thread's copies (:meth:`Recording._capture`)."""
+        (number, start, update_start, arrivals, aborts, items, freed, preempted, evicted, sampled,
+         finished, num_free, num_running, num_waiting) = step
+        size = self.block_size
+        scheduled = []
+        allocated: dict[str, list[int]] = {}
+        hit_blocks: dict[str, list[int]] = {}
+        before: dict[str, int] = {}
+        for request_id, computed, count, blocks, num_hit, num_tokens, num_prompt in items:
+            before[request_id] = num_tokens
+            # The spec's is_decode (spec/request.py), judged on the request as it was before the step: one
+            # token pending, past the prompt. A request from the waiting queue (new, or resumed after
+            # preemption: vLLM zeroes its num_computed_tokens) had none computed then, so its chunk is a
+            # prefill even where a prefix-cache hit leaves one token to compute (computed here counts
+            # the hit); num_hit is 0 for a running request, and a waiting one with computed > 0 has hits.
+            decode = num_hit == 0 and num_tokens - computed == 1 and computed >= num_prompt
+            scheduled.append({"request_id": request_id, "num_computed_tokens": computed,
+                              "prefill_tokens": 0 if decode else count, "decode_tokens": count if decode else 0})
+            if len(blocks) > num_hit:
+                allocated[request_id] = [b - 1 for b in blocks[num_hit:]]
+            if num_hit:
+                hit_blocks[request_id] = [b - 1 for b in blocks[:num_hit]]
+        reasons: dict[str, str] = {}
+        for request_id, reason in finished:
+            if reason == "length" and before.get(request_id, 0) + 1 >= self.max_model_len:
+                reason = "max_model_len"  # the spec's name for vLLM's FINISHED_LENGTH_CAPPED at max_model_len
+            reasons[request_id] = reason
+        record = {
+            "step": number,
+            "start_time": start,
+            "duration": max(update_start - start, 0.0),
+            "arrivals": [self.arrival(*arrival) for arrival in arrivals],
+            "aborts": aborts,
+            "scheduled": scheduled,
+            "blocks_allocated": allocated,
+            "blocks_freed": {r: [b - 1 for b in table] for r, table in freed},
+            "prefix_hit_tokens": {r: len(b) * size for r, b in hit_blocks.items()},
+            "preempted": preempted,
+            "finished": reasons,
+            "aborted": aborts,
+            "rejected": {},
+            "sampled_token_ids": dict(sampled),
+            "num_free_blocks": num_free,
+            "num_running": num_running,
+            "num_waiting": num_waiting,
+        }
+        if hit_blocks:
+            record["prefix_hit_blocks"] = hit_blocks
+        if evicted:
+            record["blocks_evicted"] = [b - 1 for b in evicted]
+        return json.dumps(record, separators=(",", ":")) + "\n"
+
+    def arrival(self, request_id: str, prompt_len: int, max_tokens: int, arrival_time: float, priority: int,
+                eos: int | None, stop_token_ids: tuple[int, ...], min_tokens: int,
+                prompt: tuple[int, ...]) -> dict[str, Any]:
+        """One arrival's trace fields; ``block_hash_ids`` from the prompt (module docstring)."""
+        size = self.block_size
+        hash_ids: list[int] = []
+        parent = -1
+        for begin in range(0, len(prompt), size):
+            key = (parent, prompt[begin:begin + size])
+            parent = self.hash_ids.setdefault(key, len(self.hash_ids))
+            hash_ids.append(parent)
+        return {
+            "request_id": request_id,
+            "prompt_len": prompt_len,
+            "max_tokens": max_tokens,
+            "arrival_time": arrival_time,
+            "priority": priority,
+            "eos_token_id": eos,
+            "stop_token_ids": list(stop_token_ids),
+            "min_tokens": min_tokens,
+            "block_hash_ids": hash_ids,
+            "hash_block_tokens": size,
+        }
+
+    def close(self) -> None:
+        """Write what is queued, stop the thread and close the file (idempotent); raises
+        :class:`RecorderError` if the writer failed."""
+        if self.thread.is_alive():
+            self.queue.put(_STOP)
+            self.thread.join()
+        if not self.trace.closed:
+            try:
+                self.trace.close()  # flushes what a failed write left in the buffer: may fail again
+            except OSError as error:
+                self.error = self.error or error
+        self.raise_error()
+
+    def raise_error(self) -> None:
+        """Raise :class:`RecorderError` from the writer's error, if it had one."""
+        if self.error is not None:
+            raise RecorderError(f"schedspec recorder: writing the trace failed: {self.error!r} "
+                                f"(the trace ends before this step)") from self.error
 
 
 def _make_recording_class(base: type) -> type:
@@ -159,7 +317,7 @@ def _make_recording_class(base: type) -> type:
             if not path:
                 raise RecorderError(f"schedspec recorder: set {TRACE_VARIABLE} to the trace file to write")
             try:
-                self._trace = open(path, "x", encoding="utf-8")  # noqa: SIM115  (closed in shutdown)
+                trace = open(path, "x", encoding="utf-8")  # noqa: SIM115  (closed by the writer's close)
             except FileExistsError:
                 raise RecorderError(f"schedspec recorder: {TRACE_VARIABLE}={path}: the file exists; "
                                     "the recorder never overwrites one (name a new file)") from None
@@ -182,12 +340,12 @@ def _make_recording_class(base: type) -> type:
                 "scheduler": f"vllm {_vllm_version()} {base.__name__} policy={scheduler_config.policy} "
                              f"(recorded by schedspec_vllm_recorder)",
             }
-            self._trace.write(json.dumps(header, separators=(",", ":")) + "\n")
-            self._trace.flush()
+            trace.write(json.dumps(header, separators=(",", ":")) + "\n")
+            trace.flush()
             self._step = 0
-            self._arrivals: list[dict[str, Any]] = []
+            self._arrivals: list[tuple[Any, ...]] = []
             self._aborts: list[str] = []
-            self._aborted_freed: dict[str, list[int]] = {}  # aborts since the last step: id -> table
+            self._aborted_freed: dict[str, list[int]] = {}  # aborts since the last step: id -> table (vLLM ids)
             self._late_aborts: dict[str, tuple[bool, Any]] = {}  # in flight: id -> (was running, request)
             self._late_freed: dict[str, list[int]] = {}
             self._next_freed: dict[str, list[int]] = {}
@@ -195,18 +353,22 @@ def _make_recording_class(base: type) -> type:
             self._evicted: list[int] = []
             self._preempted: list[str] = []
             self._phase = "idle"  # idle | schedule | flight | update
-            self._in_flight: dict[str, Any] | None = None
-            self._hash_ids: dict[tuple[int, tuple[int, ...]], int] = {}
+            self._in_flight: tuple[Any, float, list[tuple[Any, ...]]] | None = None
             self.recorder_seconds = 0.0
-            """Seconds spent in the recorder's own code, outside vLLM's calls (module docstring, *Cost*)."""
+            """Seconds the engine thread spent in the recorder's own code, outside vLLM's calls (module
+            docstring, *Cost*); the writer thread's time is not in it."""
             self.recorder_steps = 0
+            self.recorder_aborts_in_flight = 0
+            """Aborts of live requests that landed while a step was in flight (module docstring)."""
+            self._writer = _Writer(trace, self._block_size, self._max_model_len)
+            atexit.register(self._writer.close)  # a process that exits without shutdown() keeps its steps
             original = pool._maybe_evict_cached_block
             recorder = self
 
             def maybe_evict(block: Any) -> bool:
                 evicted = original(block)
                 if evicted and recorder._phase == "schedule":
-                    recorder._evicted.append(block.block_id - 1)
+                    recorder._evicted.append(block.block_id)
                 return evicted
 
             pool._maybe_evict_cached_block = maybe_evict
@@ -217,7 +379,16 @@ def _make_recording_class(base: type) -> type:
             super().add_request(request)
             if fresh:
                 began = time.perf_counter()
-                self._arrivals.append(self._arrival(request))
+                params = request.sampling_params
+                if params is None:
+                    eos, stop_ids, min_tokens = None, (), 0
+                else:
+                    eos = None if params.ignore_eos else params.eos_token_id
+                    stop_ids = tuple(int(t) for t in params.stop_token_ids or ())
+                    min_tokens = params.min_tokens
+                self._arrivals.append((request.request_id, request.num_prompt_tokens, request.max_tokens,
+                                       request.arrival_time, request.priority, eos, stop_ids, min_tokens,
+                                       tuple(request.prompt_token_ids or ())))
                 self.recorder_seconds += time.perf_counter() - began
 
         def finish_requests(self, request_ids: Any, finished_status: Any) -> Any:
@@ -237,6 +408,7 @@ def _make_recording_class(base: type) -> type:
                     live[request_id] = request
                     if in_flight:
                         self._late_aborts[request_id] = (request.status == running, request)
+                        self.recorder_aborts_in_flight += 1
             if not in_flight:
                 self._aborts.extend(live)
             previous, self._phase = self._phase, ("abort-flight" if in_flight else "abort")
@@ -249,7 +421,7 @@ def _make_recording_class(base: type) -> type:
         def _free_request_blocks(self, request: Any) -> None:
             began = time.perf_counter()
             ids = self.kv_cache_manager.get_block_ids(request.request_id)
-            table = [b - 1 for b in ids[0]] if ids else []
+            table = ids[0] if ids else []  # a new list (KVCacheBlocks.get_block_ids), vLLM's numbering
             if table:
                 phase = self._phase
                 if phase == "abort":
@@ -266,6 +438,7 @@ def _make_recording_class(base: type) -> type:
             super()._preempt_request(request, *args, **kwargs)
 
         def schedule(self, *args: Any, **kwargs: Any) -> Any:
+            self._writer.raise_error()  # a failed writer stops the engine before its next step
             start = time.time()
             self._phase = "schedule"
             try:
@@ -273,24 +446,13 @@ def _make_recording_class(base: type) -> type:
             finally:
                 self._phase = "flight"
             began = time.perf_counter()
-            scheduled = []
-            allocated: dict[str, list[int]] = {}
-            hit_blocks: dict[str, list[int]] = {}
-            before: dict[str, tuple[int, int]] = {}  # request id -> (num_tokens, outputs) before the step
             requests = self.requests
+            items = []
             for request_id, computed, count, blocks, num_hit, _drafts in scheduled_items(output, self._block_size):
                 request = requests[request_id]
-                num_tokens = request.num_tokens
-                before[request_id] = (num_tokens, len(request.output_token_ids))
-                decode = num_tokens - computed == 1 and computed >= request.num_prompt_tokens
-                scheduled.append({"request_id": request_id, "num_computed_tokens": computed,
-                                  "prefill_tokens": 0 if decode else count, "decode_tokens": count if decode else 0})
-                if len(blocks) > num_hit:
-                    allocated[request_id] = [b - 1 for b in blocks[num_hit:]]
-                if num_hit:
-                    hit_blocks[request_id] = [b - 1 for b in blocks[:num_hit]]
-            self._in_flight = {"start": start, "output": output, "scheduled": scheduled, "allocated": allocated,
-                               "hit_blocks": hit_blocks, "before": before}
+                items.append((request_id, computed, count, blocks, num_hit, request.num_tokens,
+                              request.num_prompt_tokens))
+            self._in_flight = (output, start, items)
             self.recorder_seconds += time.perf_counter() - began
             return output
 
@@ -298,18 +460,20 @@ def _make_recording_class(base: type) -> type:
             update_start = time.time()
             began = time.perf_counter()
             flight = self._in_flight
-            if flight is None or flight["output"] is not scheduler_output:
+            if flight is None or flight[0] is not scheduler_output:
                 raise RecorderError("schedspec recorder: update_from_output of a step it did not see planned")
-            sampled: dict[str, int] = {}
+            sampled: list[tuple[str, int]] = []
             index = model_runner_output.req_id_to_index
             tokens = model_runner_output.sampled_token_ids
-            for request_id in scheduler_output.num_scheduled_tokens:
-                position = index.get(request_id)
-                if position is not None and tokens and tokens[position]:
-                    if len(tokens[position]) != 1:
-                        raise RecorderError(f"schedspec recorder: {len(tokens[position])} tokens sampled for "
-                                            f"{request_id!r} in one step (speculative decoding is not recorded)")
-                    sampled[request_id] = int(tokens[position][0])
+            if tokens:
+                for request_id in scheduler_output.num_scheduled_tokens:
+                    position = index.get(request_id)
+                    if position is not None and tokens[position]:
+                        if len(tokens[position]) != 1:
+                            raise RecorderError(f"schedspec recorder: {len(tokens[position])} tokens sampled "
+                                                f"for {request_id!r} in one step (speculative decoding is not "
+                                                "recorded)")
+                        sampled.append((request_id, int(tokens[position][0])))
             self._phase = "update"
             self.recorder_seconds += time.perf_counter() - began
             try:
@@ -317,53 +481,33 @@ def _make_recording_class(base: type) -> type:
             finally:
                 self._phase = "idle"
             began = time.perf_counter()
-            finished: dict[str, str] = {}
-            for engine_outputs in outputs.values():
-                for item in engine_outputs.outputs:
-                    if item.finish_reason is not None:
-                        reason = str(item.finish_reason)
-                        num_tokens = flight["before"].get(item.request_id, (0, 0))[0] + 1
-                        if reason == "length" and num_tokens >= self._max_model_len:
-                            reason = "max_model_len"  # the spec's name for vLLM's FINISHED_LENGTH_CAPPED at max_model_len
-                        finished[item.request_id] = reason
-            self._write_step(flight, update_start, sampled, finished)
+            finished = [(item.request_id, str(item.finish_reason))
+                        for engine_outputs in outputs.values() for item in engine_outputs.outputs
+                        if item.finish_reason is not None]
+            self._capture(flight, update_start, sampled, finished)
             self.recorder_seconds += time.perf_counter() - began
             self.recorder_steps += 1
             return outputs
 
         def shutdown(self) -> None:
-            trace = getattr(self, "_trace", None)
-            if trace is not None and not trace.closed:
-                trace.close()
-            super().shutdown()
+            writer = getattr(self, "_writer", None)
+            try:
+                super().shutdown()
+            finally:
+                if writer is not None:
+                    atexit.unregister(writer.close)
+                    writer.close()  # raises RecorderError if the writer failed
+
+        def recorder_flush(self) -> None:
+            """Wait until the writer thread has written every step recorded so far; raises
+            :class:`RecorderError` if it failed."""
+            self._writer.queue.join()
+            self._writer.raise_error()
 
         # ---------------------------------------------------------------- records
-        def _arrival(self, request: Any) -> dict[str, Any]:
-            params = request.sampling_params
-            prompt = request.prompt_token_ids or []
-            size = self._block_size
-            hash_ids: list[int] = []
-            parent = -1
-            for start in range(0, len(prompt), size):
-                key = (parent, tuple(prompt[start:start + size]))
-                parent = self._hash_ids.setdefault(key, len(self._hash_ids))
-                hash_ids.append(parent)
-            eos = None if params is None or params.ignore_eos else params.eos_token_id
-            return {
-                "request_id": request.request_id,
-                "prompt_len": request.num_prompt_tokens,
-                "max_tokens": request.max_tokens,
-                "arrival_time": request.arrival_time,
-                "priority": request.priority,
-                "eos_token_id": eos,
-                "stop_token_ids": [int(t) for t in (params.stop_token_ids or ())] if params is not None else [],
-                "min_tokens": params.min_tokens if params is not None else 0,
-                "block_hash_ids": hash_ids,
-                "hash_block_tokens": size,
-            }
-
-        def _write_step(self, flight: dict[str, Any], update_start: float, sampled: dict[str, int],
-                        finished: dict[str, str]) -> None:
+        def _capture(self, flight: tuple[Any, float, list[tuple[Any, ...]]], update_start: float,
+                     sampled: list[tuple[str, int]], finished: list[tuple[str, str]]) -> None:
+            """The step's copies, handed to the writer thread (:meth:`_Writer.line` builds the record)."""
             freed = {**self._aborted_freed, **self._freed}
             num_running, num_waiting = self.get_request_counts()
             num_free = self._pool.get_num_free_blocks()
@@ -371,54 +515,33 @@ def _make_recording_class(base: type) -> type:
             # docstring): unless the token this step sampled ends the request, the spec's state after this
             # step still holds it, its place in a queue and its blocks.
             late = self._late_aborts
-            held: set[int] = set()
             deferred: list[str] = []
-            for request_id, (was_running, request) in late.items():
-                reason = None
-                if request_id in sampled:
-                    reason = _spec_stop_reason(request, sampled[request_id], self._max_model_len)
-                table = self._late_freed.pop(request_id, [])
-                if reason is not None:
-                    finished[request_id] = reason
+            if late:
+                tokens = dict(sampled)
+                held: set[int] = set()
+                for request_id, (was_running, request) in late.items():
+                    reason = None
+                    if request_id in tokens:
+                        reason = _spec_stop_reason(request, tokens[request_id], self._max_model_len)
+                    table = self._late_freed.pop(request_id, [])
+                    if reason is not None:
+                        finished.append((request_id, reason))
+                        if table:
+                            freed[request_id] = table
+                        continue
+                    deferred.append(request_id)
                     if table:
-                        freed[request_id] = table
-                    continue
-                deferred.append(request_id)
-                if table:
-                    self._next_freed[request_id] = table
-                    held.update(table)
-                if was_running:
-                    num_running += 1
-                else:
-                    num_waiting += 1
-            blocks = self._pool.blocks
-            num_free -= sum(1 for b in held if blocks[b + 1].ref_cnt == 0)
-            record = {
-                "step": self._step,
-                "start_time": flight["start"],
-                "duration": max(update_start - flight["start"], 0.0),
-                "arrivals": self._arrivals,
-                "aborts": self._aborts,
-                "scheduled": flight["scheduled"],
-                "blocks_allocated": flight["allocated"],
-                "blocks_freed": freed,
-                "prefix_hit_tokens": {r: len(b) * self._block_size for r, b in flight["hit_blocks"].items()},
-                "preempted": self._preempted,
-                "finished": finished,
-                "aborted": self._aborts,
-                "rejected": {},
-                "sampled_token_ids": sampled,
-                "num_free_blocks": num_free,
-                "num_running": num_running,
-                "num_waiting": num_waiting,
-            }
-            if flight["hit_blocks"]:
-                record["prefix_hit_blocks"] = flight["hit_blocks"]
-            if self._evicted:
-                record["blocks_evicted"] = self._evicted
-            trace = self._trace
-            trace.write(json.dumps(record, separators=(",", ":")) + "\n")
-            trace.flush()  # an engine core that is killed or crashes keeps every step it finished
+                        self._next_freed[request_id] = table
+                        held.update(table)
+                    if was_running:
+                        num_running += 1
+                    else:
+                        num_waiting += 1
+                blocks = self._pool.blocks
+                num_free -= sum(1 for b in held if blocks[b].ref_cnt == 0)
+            self._writer.queue.put((self._step, flight[1], update_start, self._arrivals, self._aborts, flight[2],
+                                    list(freed.items()), self._preempted, self._evicted, sampled, finished,
+                                    num_free, num_running, num_waiting))
             self._step += 1
             self._arrivals = []
             self._aborts = deferred
@@ -452,5 +575,12 @@ def _scheduler_base() -> type:
     return Scheduler
 
 
-RecordingScheduler = _make_recording_class(_scheduler_base())
-"""vLLM's ``Scheduler`` recording every step (``--scheduler-cls schedspec_vllm_recorder.RecordingScheduler``)."""
+def __getattr__(name: str) -> Any:
+    """``RecordingScheduler``: vLLM's ``Scheduler`` recording every step (``--scheduler-cls
+    schedspec_vllm_recorder.RecordingScheduler``), made on first use, so that this module imports
+    without vLLM (schedspec's tests exercise :class:`_Writer` in schedspec's own environment)."""
+    if name == "RecordingScheduler":
+        made = _make_recording_class(_scheduler_base())
+        globals()[name] = made
+        return made
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
