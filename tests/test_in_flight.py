@@ -1,0 +1,210 @@
+"""A step in flight (asynchronous scheduling, vLLM ``AsyncScheduler``): the rules of a plan made while the step
+before it ran, what an abort or a stop that lands meanwhile does to that plan, and the wasted tokens.
+
+The states are written out by hand (as in ``test_rules.py``); the numbers in the comments are the arithmetic
+the spec does. ``IN_FLIGHT_RULE_CASES`` joins ``test_rules.CASES``, so each new rule also runs through
+``test_rules``' bad-plan / good-twin tests.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+
+import attrs
+
+from schedspec.spec.config import SchedulerConfig
+from schedspec.spec.request import Request, RequestStatus
+from schedspec.spec.rules import IN_FLIGHT_RULES, RULE_NAMES, violated_rules
+from schedspec.spec.state import InFlightStep, ScheduledRequest, SchedulerState, StepPlan, landed_plan
+from schedspec.spec.stepper import FullChecker, Stepper
+from schedspec.spec.transitions import abort_request, add_request, apply_plan
+
+# block_size 4, 8 blocks, budget 16 tokens, 2 sequences, max_model_len 32 (test_rules.CONFIG).
+CONFIG = SchedulerConfig(block_size=4, num_kv_blocks=8, max_num_batched_tokens=16, max_num_seqs=2, max_model_len=32)
+
+
+def running_a() -> Request:
+    """Prompt of 6, one output: 7 tokens, 6 computed (a decode); blocks 0 and 1."""
+    return Request("a", 0, (11, 12, 13, 14, 15, 16), max_tokens=4, status=RequestStatus.RUNNING,
+                   num_computed_tokens=6, output_token_ids=(21,), block_ids=(0, 1), admitted_step=0, first_token_step=0)
+
+
+def waiting_b(arrival_step: int = 0) -> Request:
+    return Request("b", arrival_step, (31, 32, 33, 34, 35), max_tokens=3)
+
+
+def ended_c(reason: str) -> Request:
+    """c ended at step 0's sample: prompt of 6, two outputs (8 tokens), 7 computed, as the spec leaves a
+    request that samples its last token; it held blocks 6 and 7 (freed since)."""
+    status = RequestStatus.FINISHED_ABORTED if reason == "abort" else (
+        RequestStatus.FINISHED_STOPPED if reason == "stop" else RequestStatus.FINISHED_LENGTH)
+    return Request("c", 0, (41, 42, 43, 44, 45, 46), max_tokens=2, status=status, finish_reason=reason,
+                   num_computed_tokens=7, output_token_ids=(51, 52), admitted_step=0, first_token_step=0)
+
+
+def in_flight_state(reason: str = "stop", b_arrival: int = 0) -> SchedulerState:
+    """Step 1, planned while step 0 ran (one placeholder each for a and c); c ended at step 0's sample
+    (``reason``) and freed blocks 6 and 7, which are free now."""
+    c = ended_c(reason)
+    in_flight = InFlightStep(0, StepPlan(), MappingProxyType({"a": 1, "c": 1}), MappingProxyType({"c": c}),
+                             frozenset({6, 7}))
+    return SchedulerState(step=1, waiting=("b",), running=("a",), requests={"a": running_a(), "b": waiting_b(b_arrival)},
+                          finished={"c": c}, free_block_ids=(7, 6, 2, 3, 4, 5), num_requests_added=3,
+                          in_flight=in_flight)
+
+
+DECODE_A = ScheduledRequest("a", 6, 1)
+ADMIT_B = ScheduledRequest("b", 0, 5, (2, 3))
+WASTED_C = ScheduledRequest("c", 7, 1)  # c's decode as the planner made it: at the placeholder's position
+
+
+def case_in_flight_foreseen_length():
+    # c's placeholder brought it to max_tokens=2: the planner knew, so scheduling it again is wrong. Had c
+    # stopped on an end-of-sequence token (unforeseeable) the same item would be wasted work, allowed.
+    state = in_flight_state("length")
+    return state, StepPlan(scheduled=(DECODE_A, WASTED_C)), StepPlan(scheduled=(DECODE_A,)), CONFIG
+
+
+def case_in_flight_blocks_held_when_planned():
+    # blocks 6 and 7 were c's when the plan was made (freed at step 0's sample, after it)
+    state = in_flight_state()
+    bad = StepPlan(scheduled=(DECODE_A, ScheduledRequest("b", 0, 5, (6, 7))))
+    return state, bad, StepPlan(scheduled=(DECODE_A, ADMIT_B)), CONFIG
+
+
+def case_in_flight_arrivals_wait():
+    # b arrived before step 1, after step 1's plan was made (while step 0 ran): the plan cannot admit it
+    state = in_flight_state(b_arrival=1)
+    return state, StepPlan(scheduled=(DECODE_A, ADMIT_B)), StepPlan(scheduled=(DECODE_A,)), CONFIG
+
+
+def case_wasted_item_continues():
+    # c had computed 7 tokens: a wasted chunk from 6 is not one vLLM's scheduler makes
+    state = in_flight_state()
+    bad = StepPlan(scheduled=(DECODE_A, ScheduledRequest("c", 6, 1)))
+    return state, bad, StepPlan(scheduled=(DECODE_A, WASTED_C)), CONFIG
+
+
+IN_FLIGHT_RULE_CASES = {
+    "in-flight-foreseen-length": case_in_flight_foreseen_length,
+    "in-flight-blocks-held-when-planned": case_in_flight_blocks_held_when_planned,
+    "in-flight-arrivals-wait": case_in_flight_arrivals_wait,
+    "wasted-item-continues": case_wasted_item_continues,
+}
+
+
+def test_in_flight_rules_are_registered() -> None:
+    assert set(IN_FLIGHT_RULES) <= set(RULE_NAMES)
+    assert set(IN_FLIGHT_RULE_CASES) == set(IN_FLIGHT_RULES)
+
+
+def test_without_a_step_in_flight_the_in_flight_rules_find_nothing() -> None:
+    # each bad plan, on the same state without in_flight: none of the in-flight rules fires (the plan may
+    # break others: c is not live then, so known-requests fires for the wasted item)
+    for case in IN_FLIGHT_RULE_CASES.values():
+        state, bad, _good, config = case()
+        synchronous = attrs.evolve(state, in_flight=None)
+        assert not {v.name for v in violated_rules(synchronous, bad, config)} & set(IN_FLIGHT_RULES)
+
+
+def test_known_requests_allows_only_requests_ended_in_flight() -> None:
+    state = in_flight_state()
+    assert violated_rules(state, StepPlan(scheduled=(DECODE_A, WASTED_C)), CONFIG) == []
+    # the same ended request without a step in flight: not live, not excused
+    synchronous = attrs.evolve(state, in_flight=None)
+    assert [v.name for v in violated_rules(synchronous, StepPlan(scheduled=(DECODE_A, WASTED_C)), CONFIG)] == [
+        "known-requests"]
+    # an ended request may be wasted work, never rejected
+    rejected = violated_rules(state, StepPlan(scheduled=(DECODE_A,), rejected=(("c", "x"),)), CONFIG)
+    assert [v.name for v in rejected] == ["known-requests"]
+
+
+def test_a_wasted_item_does_nothing_but_counts_its_tokens() -> None:
+    state = in_flight_state()
+    plan = StepPlan(scheduled=(DECODE_A, ScheduledRequest("c", 7, 1, (6,))), preempted=())
+    landed, wasted = landed_plan(state, plan)
+    assert landed == StepPlan(scheduled=(DECODE_A,)) and wasted == (plan.scheduled[1],)
+    result = apply_plan(state, plan, {"a": 22}, CONFIG)
+    expected = apply_plan(attrs.evolve(state, in_flight=None), landed, {"a": 22}, CONFIG)
+    assert result.num_wasted_tokens == 1 and result.wasted == wasted
+    # apart from in_flight, the state is the one the landed plan gives: c untouched, block 6 still free
+    assert attrs.evolve(result.state, in_flight=None) == expected.state
+    assert 6 in result.state.free_block_ids and result.state.finished["c"] == state.finished["c"]
+
+
+def test_the_state_after_records_the_step_as_in_flight() -> None:
+    # a samples 22 and goes on; its placeholder is 1; nothing ended
+    state = in_flight_state()
+    after = apply_plan(state, StepPlan(scheduled=(DECODE_A, ADMIT_B)), {"a": 22, "b": 61}, CONFIG).state
+    assert after.in_flight is not None
+    assert after.in_flight.step == 1 and dict(after.in_flight.num_output_placeholders) == {"a": 1, "b": 1}
+    assert not after.in_flight.ended and not after.in_flight.freed_block_ids
+    # a reaches max_tokens=4 after three more samples; the step it ends in lists it with its blocks
+    a = attrs.evolve(running_a(), output_token_ids=(21, 22, 23), num_computed_tokens=8)
+    state = SchedulerState(step=3, running=("a",), requests={"a": a}, free_block_ids=(2, 3, 4, 5, 6, 7),
+                           num_requests_added=1, in_flight=InFlightStep(2))
+    after = apply_plan(state, StepPlan(scheduled=(ScheduledRequest("a", 8, 1, (2,)),)), {"a": 24}, CONFIG).state
+    assert set(after.in_flight.ended) == {"a"} and after.in_flight.ended["a"].finish_reason == "length"
+    assert after.in_flight.freed_block_ids == {0, 1, 2}
+
+
+def test_an_abort_with_a_step_in_flight_lands_after_the_plan() -> None:
+    state = attrs.evolve(in_flight_state(), in_flight=InFlightStep(0))
+    after = abort_request(state, "a")
+    assert set(after.in_flight.ended) == {"a"} and after.in_flight.freed_block_ids == {0, 1}
+    # its blocks are free (vLLM Scheduler.finish_requests frees them at once) but the plan made before the
+    # abort hands none out; its decode in that plan is wasted
+    assert {0, 1} <= set(after.free_block_ids)
+    plan = StepPlan(scheduled=(DECODE_A, ADMIT_B))
+    assert violated_rules(after, plan, CONFIG) == []
+    assert apply_plan(after, plan, {"b": 61}, CONFIG).num_wasted_tokens == 1
+    bad = StepPlan(scheduled=(DECODE_A, ScheduledRequest("b", 0, 5, (0, 1))))
+    assert [v.name for v in violated_rules(after, bad, CONFIG)] == ["in-flight-blocks-held-when-planned"] * 2
+    # without a step in flight an abort is what it always was
+    synchronous = abort_request(attrs.evolve(state, in_flight=None), "a")
+    assert synchronous.in_flight is None
+    assert attrs.evolve(after, in_flight=None) == synchronous
+
+
+def test_a_synchronous_step_is_unchanged() -> None:
+    state = attrs.evolve(in_flight_state(), in_flight=None)
+    result = apply_plan(state, StepPlan(scheduled=(DECODE_A, ADMIT_B)), {"a": 22, "b": 61}, CONFIG)
+    assert result.state.in_flight is None and result.wasted == () and result.num_wasted_tokens == 0
+
+
+def test_stepper_checks_an_asynchronous_run() -> None:
+    # two requests; the stepper starts asynchronous; b stops (EOS) at step 1's sample while step 2's plan,
+    # made during step 1, decodes it again: one wasted token, no violation, the invariants hold
+    config = CONFIG
+    stepper = Stepper(config, FullChecker(config), state=SchedulerState.initial(config, asynchronous=True))
+    a = Request("a", 0, (1, 2, 3), max_tokens=5)
+    b = Request("b", 0, (4, 5, 6), max_tokens=5, eos_token_id=9)
+    stepper.arrive(a)
+    stepper.arrive(b)
+    first = StepPlan(scheduled=(ScheduledRequest("a", 0, 3, (0,)), ScheduledRequest("b", 0, 3, (1,))))
+    assert stepper.check_plan(first) == []
+    outcome = stepper.step(first, {"a": 7, "b": 8})
+    assert outcome.invariant_violations == [] and outcome.num_wasted_tokens == 0
+    second = StepPlan(scheduled=(ScheduledRequest("a", 3, 1), ScheduledRequest("b", 3, 1)))  # 4 tokens: 1 block
+    outcome = stepper.step(second, {"a": 7, "b": 9})  # b samples EOS
+    assert outcome.rule_violations == [] and outcome.invariant_violations == [] and outcome.finished == ("b",)
+    # the plan made while step 1 ran: b's decode at position 4 (wasted, with the block it needed); handing
+    # a block 1, which b held until step 1's sample, is caught
+    held = StepPlan(scheduled=(ScheduledRequest("a", 4, 1, (1,)), ScheduledRequest("b", 4, 1, (3,))))
+    assert [v.name for v in stepper.check_plan(held)] == ["in-flight-blocks-held-when-planned"]
+    third = StepPlan(scheduled=(ScheduledRequest("a", 4, 1, (2,)), ScheduledRequest("b", 4, 1, (3,))))
+    outcome = stepper.step(third, {"a": 7})
+    assert outcome.rule_violations == [] and outcome.invariant_violations == []
+    assert outcome.num_wasted_tokens == 1 and outcome.landed_plan.scheduled == third.scheduled[:1]
+    assert 3 in outcome.after.free_block_ids  # the wasted item's block is freed with its request
+    record = stepper.record(outcome, 0.0, 0.0)
+    assert [s.request_id for s in record.scheduled] == ["a", "b"] and record.sampled_token_ids == {"a": 7}
+    # two steps after b's stop its blocks were free when the plan was made
+    fourth = StepPlan(scheduled=(ScheduledRequest("a", 5, 1),))
+    assert stepper.check_plan(fourth) == []
+
+
+def test_add_request_keeps_the_step_in_flight() -> None:
+    state = in_flight_state()
+    after = add_request(state, Request("d", 1, (1,), max_tokens=1))
+    assert after.in_flight is state.in_flight
