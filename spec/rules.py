@@ -590,7 +590,7 @@ def _in_flight_foreseen_length(state: SchedulerState, plan: StepPlan, config: Sc
     "in-flight-blocks-held-when-planned",
     "A plan made while a step was in flight hands out no block that was held when it was made: none of the "
     "blocks released since by requests that ended at the in-flight step's samples or were aborted after "
-    "(in_flight.freed_block_ids).",
+    "(in_flight.freed_blocks), unless the plan preempts their request (its preemption released them).",
     "vLLM vllm/v1/engine/core.py EngineCore.step_with_batch_queue (Scheduler.schedule for step n + 1 runs before "
     "Scheduler.update_from_output for step n, which frees a finished request's blocks: Scheduler._free_request); "
     "Scheduler.finish_requests",
@@ -598,11 +598,13 @@ def _in_flight_foreseen_length(state: SchedulerState, plan: StepPlan, config: Sc
 )
 def _in_flight_blocks_held(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
     in_flight = state.in_flight
-    if in_flight is None or not in_flight.freed_block_ids:
+    if in_flight is None or not in_flight.freed_blocks:
         return
+    preempted = set(plan.preempted)
+    held = {b for request_id, blocks in in_flight.freed_blocks.items() if request_id not in preempted for b in blocks}
     for item in plan.scheduled:
         for block_id in item.new_block_ids:
-            if block_id in in_flight.freed_block_ids:
+            if block_id in held:
                 yield item.request_id, (f"block {block_id} is handed out, but it was held when the plan was made "
                                         f"(freed after step {in_flight.step} was planned on)")
 

@@ -134,15 +134,16 @@ class InFlightStep:
         ended: request id -> the request as it ended, for every request that ended after the next plan was
             made: at the in-flight step's samples (a stop, or a length it reached), or aborted since. The next
             plan may still name them: the work it plans for them is **wasted** (:func:`landed_plan`).
-        freed_block_ids: the blocks those requests released. They were held when the next plan was made,
-            so it hands none of them out (rule ``in-flight-blocks-held-when-planned``).
+        freed_blocks: request id -> the blocks it released, for each of ``ended`` that held blocks. They were
+            held when the next plan was made, so it hands none of them out, unless it preempts their request
+            (then its preemption released them: rule ``in-flight-blocks-held-when-planned``).
     """
 
     step: int = -1
     plan: StepPlan = attrs.field(factory=lambda: StepPlan())
     num_output_placeholders: Mapping[str, int] = attrs.field(factory=lambda: MappingProxyType({}))
     ended: Mapping[str, Request] = attrs.field(factory=lambda: MappingProxyType({}))
-    freed_block_ids: frozenset[int] = frozenset()
+    freed_blocks: Mapping[str, tuple[int, ...]] = attrs.field(factory=lambda: MappingProxyType({}))
 
 
 @attrs.frozen(slots=True)

@@ -288,6 +288,7 @@ def expected_record(outcome: StepOutcome, config: SchedulerConfig, start_time: f
         num_waiting=len(after.waiting),
         num_accepted_tokens=accepted,
         draft_token_ids=dict(outcome.speculative.draft_token_ids),
+        wasted_tokens={item.request_id: item.num_tokens for item in outcome.result.wasted} if outcome.result else {},
     )
 
 

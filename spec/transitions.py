@@ -116,7 +116,7 @@ def abort_request(state: SchedulerState, request_id: str) -> SchedulerState:
     ``Scheduler.finish_requests`` skips ids it does not know).
 
     With a step in flight (``state.in_flight``, asynchronous scheduling) the abort lands after the next plan
-    was made: the request joins ``in_flight.ended`` and its blocks ``in_flight.freed_block_ids``, so that
+    was made: the request joins ``in_flight.ended`` and its blocks ``in_flight.freed_blocks``, so that
     plan's work for it is wasted and it hands none of those blocks out (vLLM ``Scheduler.finish_requests``
     frees them at once; ``update_from_output`` then skips the request).
     """
@@ -136,8 +136,9 @@ def abort_request(state: SchedulerState, request_id: str) -> SchedulerState:
         cache, free = update.freeze()
     in_flight = state.in_flight
     if in_flight is not None:
+        freed = {**in_flight.freed_blocks, request_id: request.block_ids} if request.block_ids else in_flight.freed_blocks
         in_flight = attrs.evolve(in_flight, ended=MappingProxyType({**in_flight.ended, request_id: aborted}),
-                                 freed_block_ids=in_flight.freed_block_ids | frozenset(request.block_ids))
+                                 freed_blocks=MappingProxyType(freed))
     return attrs.evolve(
         state,
         waiting=tuple(r for r in state.waiting if r != request_id),
@@ -476,10 +477,12 @@ def in_flight_after(before: SchedulerState, plan: StepPlan, result: StepResult) 
     placeholders = {item.request_id: 1 + len(item.spec_token_ids) for item in plan.scheduled
                     if samples_this_step(before.requests[item.request_id], item)}
     items = {item.request_id: item for item in plan.scheduled}
-    freed: set[int] = set()
+    freed: dict[str, tuple[int, ...]] = {}
     for request_id in result.finished:
         item = items[request_id]
-        freed.update(before.requests[request_id].block_ids + item.cached_block_ids + item.new_block_ids)
+        blocks = before.requests[request_id].block_ids + item.cached_block_ids + item.new_block_ids
+        if blocks:
+            freed[request_id] = blocks
     return InFlightStep(before.step, plan, MappingProxyType(placeholders),
-                        MappingProxyType({r: result.state.finished[r] for r in result.finished}), frozenset(freed))
+                        MappingProxyType({r: result.state.finished[r] for r in result.finished}), MappingProxyType(freed))
 

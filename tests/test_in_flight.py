@@ -47,7 +47,7 @@ def in_flight_state(reason: str = "stop", b_arrival: int = 0) -> SchedulerState:
     (``reason``) and freed blocks 6 and 7, which are free now."""
     c = ended_c(reason)
     in_flight = InFlightStep(0, StepPlan(), MappingProxyType({"a": 1, "c": 1}), MappingProxyType({"c": c}),
-                             frozenset({6, 7}))
+                             MappingProxyType({"c": (6, 7)}))
     return SchedulerState(step=1, waiting=("b",), running=("a",), requests={"a": running_a(), "b": waiting_b(b_arrival)},
                           finished={"c": c}, free_block_ids=(7, 6, 2, 3, 4, 5), num_requests_added=3,
                           in_flight=in_flight)
@@ -76,6 +76,15 @@ def case_in_flight_arrivals_wait():
     # b arrived before step 1, after step 1's plan was made (while step 0 ran): the plan cannot admit it
     state = in_flight_state(b_arrival=1)
     return state, StepPlan(scheduled=(DECODE_A, ADMIT_B)), StepPlan(scheduled=(DECODE_A,)), CONFIG
+
+
+def test_blocks_released_by_preempting_an_ended_request_may_be_handed_out() -> None:
+    # vLLM's AsyncScheduler may preempt a request whose placeholder ends it (it still holds its blocks when
+    # the plan is made) and hand its blocks to another: that preemption released them
+    state = in_flight_state("length")
+    plan = StepPlan(scheduled=(DECODE_A, ScheduledRequest("b", 0, 5, (6, 7))), preempted=("c",))
+    assert violated_rules(state, plan, CONFIG) == []
+    assert landed_plan(state, plan)[0] == StepPlan(scheduled=plan.scheduled)  # the stale preemption does nothing
 
 
 def case_wasted_item_continues():
@@ -138,20 +147,20 @@ def test_the_state_after_records_the_step_as_in_flight() -> None:
     after = apply_plan(state, StepPlan(scheduled=(DECODE_A, ADMIT_B)), {"a": 22, "b": 61}, CONFIG).state
     assert after.in_flight is not None
     assert after.in_flight.step == 1 and dict(after.in_flight.num_output_placeholders) == {"a": 1, "b": 1}
-    assert not after.in_flight.ended and not after.in_flight.freed_block_ids
+    assert not after.in_flight.ended and not after.in_flight.freed_blocks
     # a reaches max_tokens=4 after three more samples; the step it ends in lists it with its blocks
     a = attrs.evolve(running_a(), output_token_ids=(21, 22, 23), num_computed_tokens=8)
     state = SchedulerState(step=3, running=("a",), requests={"a": a}, free_block_ids=(2, 3, 4, 5, 6, 7),
                            num_requests_added=1, in_flight=InFlightStep(2))
     after = apply_plan(state, StepPlan(scheduled=(ScheduledRequest("a", 8, 1, (2,)),)), {"a": 24}, CONFIG).state
     assert set(after.in_flight.ended) == {"a"} and after.in_flight.ended["a"].finish_reason == "length"
-    assert after.in_flight.freed_block_ids == {0, 1, 2}
+    assert dict(after.in_flight.freed_blocks) == {"a": (0, 1, 2)}
 
 
 def test_an_abort_with_a_step_in_flight_lands_after_the_plan() -> None:
     state = attrs.evolve(in_flight_state(), in_flight=InFlightStep(0))
     after = abort_request(state, "a")
-    assert set(after.in_flight.ended) == {"a"} and after.in_flight.freed_block_ids == {0, 1}
+    assert set(after.in_flight.ended) == {"a"} and dict(after.in_flight.freed_blocks) == {"a": (0, 1)}
     # its blocks are free (vLLM Scheduler.finish_requests frees them at once) but the plan made before the
     # abort hands none out; its decode in that plan is wasted
     assert {0, 1} <= set(after.free_block_ids)
@@ -208,3 +217,57 @@ def test_add_request_keeps_the_step_in_flight() -> None:
     state = in_flight_state()
     after = add_request(state, Request("d", 1, (1,), max_tokens=1))
     assert after.in_flight is state.in_flight
+
+
+def _asynchronous_run_records():
+    """The run of test_stepper_checks_an_asynchronous_run, recorded: b stops at step 1, step 2 wastes its decode."""
+    from schedspec.spec.workload import RequestSpec
+
+    config = CONFIG
+    stepper = Stepper(config, FullChecker(config), state=SchedulerState.initial(config, asynchronous=True))
+    specs = [RequestSpec("a", 3, 3, arrival_step=0), RequestSpec("b", 3, 5, arrival_step=0, eos_at_output=2)]
+    for spec in specs:
+        stepper.arrive(spec.to_request(0), spec)
+    plans = [
+        (StepPlan(scheduled=(ScheduledRequest("a", 0, 3, (0,)), ScheduledRequest("b", 0, 3, (1,)))), {"a": 7, "b": 8}),
+        (StepPlan(scheduled=(ScheduledRequest("a", 3, 1), ScheduledRequest("b", 3, 1))), {"a": 7, "b": 0}),
+        (StepPlan(scheduled=(ScheduledRequest("a", 4, 1, (2,)), ScheduledRequest("b", 4, 1, (3,)))), {"a": 7}),
+    ]
+    records = []
+    for number, (plan, sampled) in enumerate(plans):
+        outcome = stepper.step(plan, sampled)
+        assert outcome.rule_violations == [] and outcome.invariant_violations == [], outcome.rule_violations
+        records.append(stepper.record(outcome, float(number), 1.0))
+    return config, records
+
+
+def test_check_judges_an_asynchronous_trace(tmp_path) -> None:
+    from schedspec.spec.checker import check_trace
+    from schedspec.spec.trace import StepRecord, open_trace, write_trace
+
+    config, records = _asynchronous_run_records()
+    assert records[2].wasted_tokens == {"b": 1} and records[2].blocks_freed["b"] == (3,)
+    assert "wasted_tokens" not in records[1].to_dict()
+    path = tmp_path / "async.jsonl"
+    with path.open("w") as out:
+        write_trace(out, config, records, "hand", async_scheduling=True)
+    opened = open_trace(path)
+    assert opened.async_scheduling
+    read = list(opened.records())
+    assert read == records
+    assert check_trace(config, read, async_scheduling=True).ok
+    # the same records judged as a synchronous engine's: b's wasted decode is not a live request
+    report = check_trace(config, read)
+    assert not report.ok and report.first_bad_step == 2
+    # a record that hides the waste, or claims some that was not
+    hidden = [*read[:2], StepRecord.from_dict({**read[2].to_dict(), "wasted_tokens": {}})]
+    assert check_trace(config, hidden, async_scheduling=True).first_bad_step == 2
+    claimed = [read[0], StepRecord.from_dict({**read[1].to_dict(), "wasted_tokens": {"a": 1}}), read[2]]
+    assert check_trace(config, claimed, async_scheduling=True).first_bad_step == 1
+
+
+def test_a_synchronous_header_is_unchanged() -> None:
+    from schedspec.spec.trace import header_line
+
+    assert "async_scheduling" not in header_line(CONFIG, "fcfs")
+    assert '"async_scheduling": true' in header_line(CONFIG, "vllm-async", async_scheduling=True)
