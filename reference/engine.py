@@ -150,6 +150,7 @@ class RunResult:
         num_wasted_tokens: asynchronous scheduling (a scheduler whose ``async_scheduling`` is true): the
             tokens its plans computed for requests that had ended while the step before was in flight
             (:attr:`~schedspec.spec.transitions.StepResult.num_wasted_tokens`, summed over the run); 0 otherwise.
+        async_scheduling: whether the run's scheduler plans while a step is in flight (its ``async_scheduling``).
         engine: the real engine behind an adapter, as the adapter's ``engine`` attribute gives it
             (``{"name": "vllm", "version": "0.33.0"}``), or ``None`` for a reference scheduler.
     """
@@ -164,6 +165,7 @@ class RunResult:
     specs: dict[str, RequestSpec]
     engine: dict[str, str] | None = None
     num_wasted_tokens: int = 0
+    async_scheduling: bool = False
 
     @property
     def ok(self) -> bool:
@@ -363,7 +365,8 @@ class Engine:
             return self._run_light(events, specs, mode, max_steps, token_source)
         # a scheduler that plans step n + 1 while step n is in flight (vLLM's AsyncScheduler) is judged
         # against the spec's state with a step in flight (SchedulerState.in_flight)
-        initial = SchedulerState.initial(self.config, asynchronous=bool(getattr(self.scheduler, "async_scheduling", False)))
+        asynchronous = bool(getattr(self.scheduler, "async_scheduling", False))
+        initial = SchedulerState.initial(self.config, asynchronous=asynchronous)
         has_state = isinstance(getattr(self.scheduler, "state", None), SchedulerState)
         if has_state and not state_differences(initial, self.scheduler.state):
             # An equal immutable start state: the same object, so that the spec transitions the engine
@@ -501,6 +504,7 @@ class Engine:
             specs=specs,
             engine=engine_identity(self.scheduler),
             num_wasted_tokens=wasted,
+            async_scheduling=asynchronous,
         )
 
     def _run_light(self, events, specs, mode, max_steps, token_source) -> RunResult:
