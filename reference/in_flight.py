@@ -29,7 +29,14 @@ from schedspec.reference.scheduler import PlanFunction, UnsupportedFeature
 from schedspec.spec.admission import rejection_reason
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.request import Request
-from schedspec.spec.state import NO_SPECULATION, SchedulerState, SpeculativeOutput, StepPlan, landed_plan, samples_this_step
+from schedspec.spec.state import (
+    NO_SPECULATION,
+    SchedulerState,
+    SpeculativeOutput,
+    StepPlan,
+    landed_plan,
+    samples_this_step,
+)
 from schedspec.spec.transitions import abort_request, add_request, apply_plan
 
 
