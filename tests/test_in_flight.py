@@ -271,3 +271,102 @@ def test_a_synchronous_header_is_unchanged() -> None:
 
     assert "async_scheduling" not in header_line(CONFIG, "fcfs")
     assert '"async_scheduling": true' in header_line(CONFIG, "vllm-async", async_scheduling=True)
+
+
+# --- a whole asynchronous run: the pure-Python in-flight scheduler ------------------------------------------
+
+
+def _eos_and_abort_workload(n: int = 40):
+    import random
+
+    from schedspec.spec.workload import RequestSpec
+
+    rng = random.Random(5)
+    workload = []
+    for k in range(n):
+        arrival = rng.randrange(0, n)
+        workload.append(RequestSpec(f"q{k:03d}", rng.randrange(1, 40), rng.randrange(1, 20), arrival_step=arrival,
+                                    eos_at_output=rng.randrange(1, 10) if k % 3 == 1 else None,
+                                    abort_at_step=arrival + rng.randrange(1, 20) if k % 7 == 2 else None))
+    return workload
+
+
+ASYNC_CONFIG = SchedulerConfig(block_size=4, num_kv_blocks=40, max_num_batched_tokens=32, max_num_seqs=6,
+                               max_model_len=64)
+
+
+def test_an_in_flight_scheduler_run_is_legal_and_counts_its_waste() -> None:
+    from schedspec.reference.engine import Engine
+    from schedspec.reference.in_flight import fcfs_async
+
+    result = Engine(fcfs_async(ASYNC_CONFIG), ASYNC_CONFIG, record_steps=True).run(_eos_and_abort_workload())
+    assert result.ok, [str(v) for v in result.violations[:3]]
+    assert result.async_scheduling
+    per_record = sum(sum(r.wasted_tokens.values()) for r in result.records)
+    assert result.num_wasted_tokens == per_record > 0
+    # every wasted item is for a request that ended by end-of-sequence or an abort, never by length
+    for record in result.records:
+        for request_id in record.wasted_tokens:
+            assert result.state.finished[request_id].finish_reason in ("stop", "abort")
+
+
+def test_an_in_flight_scheduler_that_frees_blocks_early_is_caught() -> None:
+    # a deliberate break: plan over placeholders from a state whose free queue holds the blocks of the
+    # requests the step in flight brings to their length (vLLM frees them only after the plan)
+    import schedspec.reference.in_flight as in_flight
+    from schedspec.reference.engine import Engine
+    from schedspec.reference.policies import fcfs
+    from schedspec.spec.state import samples_this_step
+
+    class Eager(in_flight.InFlightScheduler):
+        def update(self, plan, sampled_token_ids, speculative=None):
+            before = self.spec_state
+            landed = landed_plan(before, plan)[0]
+            placeholders = {i.request_id: in_flight.placeholder_token(before.requests[i.request_id])
+                            for i in landed.scheduled if samples_this_step(before.requests[i.request_id], i)}
+            self.prepared = self.plan_function(apply_plan(before, plan, placeholders, self.config).state, self.config)
+            result = apply_plan(before, plan, sampled_token_ids, self.config)
+            self.spec_state, self.plan = result.state, None
+            return result.finished
+
+    result = Engine(Eager(ASYNC_CONFIG, fcfs, "eager"), ASYNC_CONFIG).run(_eos_and_abort_workload())
+    assert "in-flight-blocks-held-when-planned" in {v.name for v in result.violations}
+
+
+def test_the_lab_reports_wasted_tokens_only_for_an_asynchronous_scheduler() -> None:
+    import io
+
+    from schedspec.lab.run import run_lab
+    from schedspec.lab.run_record import figures
+    from schedspec.spec.trace import open_trace
+
+    workload = [attrs.evolve(spec, arrival_time=0.01 * spec.arrival_step) for spec in _eos_and_abort_workload()]
+    out = io.StringIO()
+    result = run_lab(workload, "schedspec.reference.in_flight:fcfs_async", ASYNC_CONFIG, steps_out=out,
+                     steps_header=True)
+    assert figures(result, None)["wasted_tokens"] == result.run.num_wasted_tokens > 0
+    assert out.getvalue().splitlines()[0].endswith('"async_scheduling": true}')
+    assert "wasted_tokens" not in figures(run_lab(workload, "fcfs", ASYNC_CONFIG), None)
+
+
+def test_the_machine_drives_an_in_flight_scheduler() -> None:
+    from hypothesis import settings as hypothesis_settings
+    from hypothesis.stateful import run_state_machine_as_test
+
+    from schedspec.reference.in_flight import fcfs_async
+    from schedspec.testing import SchedulerStateMachine
+
+    seen: set[str] = set()
+
+    class InFlightMachine(SchedulerStateMachine):
+        @classmethod
+        def build_scheduler(cls, config):
+            return fcfs_async(config)
+
+        def teardown(self) -> None:
+            seen.update(self.seen)
+            super().teardown()
+
+    run_state_machine_as_test(InFlightMachine, settings=hypothesis_settings(
+        max_examples=40, stateful_step_count=30, derandomize=True, database=None, deadline=None))
+    assert "work wasted on a request that ended in flight" in seen
