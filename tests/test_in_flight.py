@@ -338,7 +338,6 @@ def test_the_lab_reports_wasted_tokens_only_for_an_asynchronous_scheduler() -> N
 
     from schedspec.lab.run import run_lab
     from schedspec.lab.run_record import figures
-    from schedspec.spec.trace import open_trace
 
     workload = [attrs.evolve(spec, arrival_time=0.01 * spec.arrival_step) for spec in _eos_and_abort_workload()]
     out = io.StringIO()
