@@ -38,10 +38,12 @@ from schedspec.spec.request import Request, RequestStatus
 from schedspec.spec.rules import RULE_NAMES, Violation, violated_rules
 from schedspec.spec.state import (
     NO_SPECULATION,
+    InFlightStep,
     ScheduledRequest,
     SchedulerState,
     SpeculativeOutput,
     StepPlan,
+    landed_plan,
     samples_this_step,
 )
 from schedspec.spec.trace import StepRecord, read_trace, write_trace
@@ -49,8 +51,8 @@ from schedspec.spec.transitions import PlanError, abort_request, add_request, ap
 from schedspec.spec.workload import EOS_TOKEN_ID, RequestSpec
 
 __all__ = [
-    "EOS_TOKEN_ID", "INVARIANT_NAMES", "NO_SPECULATION", "PROPERTIES", "RULE_NAMES", "ConfigError", "PlanError", "Request",
+    "EOS_TOKEN_ID", "INVARIANT_NAMES", "InFlightStep", "NO_SPECULATION", "PROPERTIES", "RULE_NAMES", "ConfigError", "PlanError", "Request",
     "RequestSpec", "RequestStatus", "ScheduledRequest", "SchedulerConfig", "SchedulerState", "SpeculativeOutput", "StepPlan",
     "StepRecord", "Violation", "abort_request", "add_request", "apply_plan", "blocks_for_tokens", "check_state",
-    "check_step", "read_trace", "rejection_reason", "samples_this_step", "violated_rules", "write_trace",
+    "check_step", "landed_plan", "read_trace", "rejection_reason", "samples_this_step", "violated_rules", "write_trace",
 ]

@@ -24,7 +24,7 @@ from schedspec.spec.admission import rejection_code, rejection_reason, rejection
 from schedspec.spec.config import SchedulerConfig, blocks_for_tokens, slot_tokens
 from schedspec.spec.prefix_cache import ROOT_HASH, max_hit_blocks, request_block_hash
 from schedspec.spec.request import printable
-from schedspec.spec.state import SchedulerState, StepPlan
+from schedspec.spec.state import SchedulerState, StepPlan, wasted_items
 
 VIOLATION_KINDS = ("rule", "invariant", "property", "mismatch")
 """What a :class:`Violation` broke: an allowed-plan ``rule`` (:mod:`~schedspec.spec.rules`), an
@@ -573,12 +573,10 @@ def _drafts_within_max_model_len(state: SchedulerState, plan: StepPlan, config: 
 )
 def _in_flight_foreseen_length(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
     in_flight = state.in_flight
-    if in_flight is None or not in_flight.ended:
-        return
-    for item in plan.scheduled:
-        ended = in_flight.ended.get(item.request_id)
-        if ended is None or item.request_id in state.requests or ended.finish_reason not in ("length", "max_model_len"):
+    for item, ended in wasted_items(state, plan):
+        if ended.finish_reason not in ("length", "max_model_len"):
             continue
+        assert in_flight is not None
         placeholders = in_flight.num_output_placeholders.get(item.request_id, 0)
         limit = (f"max_tokens={ended.max_tokens}" if ended.finish_reason == "length"
                  else f"max_model_len={config.max_model_len}")
@@ -639,13 +637,7 @@ def _in_flight_arrivals_wait(state: SchedulerState, plan: StepPlan, config: Sche
     action="schedule",
 )
 def _wasted_item_continues(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
-    in_flight = state.in_flight
-    if in_flight is None or not in_flight.ended:
-        return
-    for item in plan.scheduled:
-        ended = in_flight.ended.get(item.request_id)
-        if ended is None or item.request_id in state.requests:
-            continue
+    for item, ended in wasted_items(state, plan):
         pending = ended.num_pending_tokens + len(item.spec_token_ids)
         if item.num_computed_tokens != ended.num_computed_tokens:
             yield item.request_id, (f"wasted chunk starts at {item.num_computed_tokens} but "

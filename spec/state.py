@@ -250,13 +250,24 @@ def landed_plan(state: SchedulerState, plan: StepPlan) -> tuple[StepPlan, tuple[
     if in_flight is None or not in_flight.ended:
         return plan, ()
     ended = in_flight.ended
-    wasted = tuple(item for item in plan.scheduled if item.request_id in ended and item.request_id not in state.requests)
+    wasted = tuple(item for item, _ in wasted_items(state, plan))
     stale = [r for r in plan.preempted if r in ended and r not in state.requests]
     if not wasted and not stale:
         return plan, ()
     wasted_ids = {item.request_id for item in wasted}
     kept = tuple(item for item in plan.scheduled if item.request_id not in wasted_ids)
     return attrs.evolve(plan, scheduled=kept, preempted=tuple(r for r in plan.preempted if r not in stale)), wasted
+
+
+def wasted_items(state: SchedulerState, plan: StepPlan) -> list[tuple[ScheduledRequest, Request]]:
+    """The plan's items for requests that ended after it was made (``state.in_flight.ended``, not live), each
+    with the request as it ended; empty without a step in flight."""
+    in_flight = state.in_flight
+    if in_flight is None or not in_flight.ended:
+        return []
+    ended = in_flight.ended
+    return [(item, ended[item.request_id]) for item in plan.scheduled
+            if item.request_id in ended and item.request_id not in state.requests]
 
 
 NO_SPECULATION = SpeculativeOutput()
