@@ -604,7 +604,7 @@ def _in_flight_blocks_held(state: SchedulerState, plan: StepPlan, config: Schedu
         for block_id in item.new_block_ids:
             if block_id in held:
                 yield item.request_id, (f"block {block_id} is handed out, but it was held when the plan was made "
-                                        f"(freed after step {in_flight.step} was planned on)")
+                                        f"(freed after the plan was made, while step {in_flight.step} was in flight)")
 
 
 @rule(
