@@ -6,7 +6,8 @@ Read it in this order; each module is short and cites where its rules come from:
    ``max_num_batched_tokens``, ``max_num_seqs``, ``max_model_len``, chunked prefill, ...).
 2. :mod:`~schedspec.spec.request`: a request, its status and its progress (what a decode is).
 3. :mod:`~schedspec.spec.admission`: which requests are rejected at arrival.
-4. :mod:`~schedspec.spec.state`: the scheduler state and a step's plan.
+4. :mod:`~schedspec.spec.state`: the scheduler state and a step's plan (and, for an asynchronous engine, the
+   step in flight when the next plan is made: ``InFlightStep``).
 5. :mod:`~schedspec.spec.transitions`: the actions (arrive, abort; preempt, reject, schedule,
    sample) and the step as their composition.
 6. :mod:`~schedspec.spec.rules`: each action's guard, the rules that say which plans are **allowed**.
