@@ -69,17 +69,20 @@ header). The two versions' scheduling decisions differ as docs/engines.md, *vLLM
   flight (``EngineCore.step_with_batch_queue``): it plans step n+1, then processes step n's output. The
   adapter calls vLLM in that order: its ``update`` for step n first runs ``schedule()`` for step n+1,
   then ``update_from_output`` for step n, and the next ``schedule`` returns that prepared plan. How the
-  optimistic state maps onto the spec: when vLLM plans step n+1 it has already advanced
-  ``num_computed_tokens`` by step n's tokens (``_update_after_schedule``) and counts the token step n
-  will sample as an output placeholder (``num_output_placeholders``), so a decode of step n+1 starts at
-  exactly the position the spec's state after step n has computed: its ``num_computed_tokens`` is the
-  spec's. What vLLM cannot know is which requests step n ends (end-of-sequence, or a length it did not
-  foresee) and which the client aborts before step n+1: it plans them anyway, and the engine throws
-  their work away (``update_from_output`` skips requests it no longer holds; their blocks are freed
-  with the request). The adapter drops those items, and preemptions of such requests, from the plan it
-  returns (counted in ``num_dropped``); the rest is the plan as vLLM made it. Arrivals added after step
-  n's ``update`` reach vLLM one step later than in synchronous mode, as in the engine. The async adapter
-  has no ``engine_view``: between steps vLLM's state already holds step n+1's allocations.
+  optimistic state maps onto the spec's state with a step in flight (``SchedulerState.in_flight``,
+  :class:`~schedspec.spec.state.InFlightStep`; the adapter's ``async_scheduling`` tells the engine loop to
+  start from it): when vLLM plans step n+1 it has already advanced ``num_computed_tokens`` by step n's
+  tokens (``_update_after_schedule``) and counts the token step n will sample as an output placeholder
+  (``num_output_placeholders``), so a decode of step n+1 starts at exactly the position the spec's state
+  after step n has computed. What vLLM cannot know is which requests step n ends by end-of-sequence
+  (a length it foresees: rule ``in-flight-foreseen-length``) and which the client aborts before step
+  n+1: it plans them anyway, and the engine throws their work away (``update_from_output`` skips
+  requests it no longer holds; their blocks are freed with the request). The adapter returns the plan
+  as vLLM made it, those items included: the spec counts their tokens as wasted
+  (``StepResult.num_wasted_tokens``; ``RunResult.num_wasted_tokens``, the lab's ``wasted_tokens``).
+  Arrivals added after step n's ``update`` reach vLLM one step later than in synchronous mode, as in the
+  engine (rule ``in-flight-arrivals-wait``). The async adapter has no ``engine_view``: between steps
+  vLLM's state already holds step n+1's allocations.
 - *Prefix caching* (synchronous adapters): the worker enables ``CacheConfig.enable_prefix_caching`` and
   gives every ``Request`` the block hasher ``EngineCore.__init__`` would (``vllm/v1/engine/core.py``:
   ``init_none_hash``, ``get_request_block_hasher``). A request admitted from the waiting queue
@@ -511,7 +514,6 @@ class _VllmAdapter:
         self.live: set[str] = set()  # ids given to vLLM that have not ended (as the spec sees them)
         self.plan: StepPlan | None = None
         self.prepared: dict[str, Any] | None = None  # async: the next step, planned before this one's update
-        self.num_dropped = 0  # async: plan items dropped because their request ended meanwhile
         self.plan_num_requests = 0  # requests vLLM held when it planned the current plan
         self.closed = False
 
@@ -547,22 +549,18 @@ class _VllmAdapter:
 
     def schedule(self) -> StepPlan:
         """vLLM's ``Scheduler.schedule()`` as a plan (module docstring); the same plan until ``update``.
-        With async scheduling, the plan vLLM made during the previous ``update``, less its items for
-        requests that ended or were aborted since (their work is wasted, counted in ``num_dropped``)."""
+        With async scheduling, the plan vLLM made during the previous ``update``, its items for requests
+        that ended or were aborted since included (the spec counts their work as wasted)."""
         if self.plan is None:
             reply, self.prepared = self.prepared or self._call({"op": "schedule"}), None
             scheduled = []
             for request_id, computed, count, blocks, num_hit_blocks, drafts in reply["scheduled"]:
-                if request_id in self.live:
-                    ids = tuple(b - 1 for b in blocks)
-                    scheduled.append(ScheduledRequest(request_id, computed, count, ids[num_hit_blocks:],
-                                                      cached_block_ids=ids[:num_hit_blocks],
-                                                      spec_token_ids=tuple(drafts)))
-                else:
-                    self.num_dropped += 1
-            preempted = tuple(r for r in reply["preempted"] if r in self.live)
-            if not self.async_scheduling and (len(scheduled) < len(reply["scheduled"])
-                                              or len(preempted) < len(reply["preempted"])):
+                ids = tuple(b - 1 for b in blocks)
+                scheduled.append(ScheduledRequest(request_id, computed, count, ids[num_hit_blocks:],
+                                                  cached_block_ids=ids[:num_hit_blocks],
+                                                  spec_token_ids=tuple(drafts)))
+            preempted = tuple(reply["preempted"])
+            if not self.async_scheduling and not {item.request_id for item in scheduled}.union(preempted) <= self.live:
                 raise EngineError(f"vLLM planned requests that are not live: {reply}")
             self.plan = StepPlan(scheduled=tuple(scheduled), preempted=preempted,
                                  rejected=tuple(self.refused.items()))

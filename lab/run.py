@@ -34,7 +34,7 @@ from schedspec.reference.scheduler import make_scheduler, unchecked_implementati
 from schedspec.spec.admission import rejection_reason
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.stepper import prefix_hit_tokens
-from schedspec.spec.trace import StepRecord
+from schedspec.spec.trace import StepRecord, header_line
 from schedspec.spec.workload import RequestSpec
 
 from .metrics import PrefixHitCounter, RequestTimeline, long_prompt_threshold
@@ -258,6 +258,7 @@ def run_lab(
     max_steps: int | None = None,
     on_progress: Callable[[int], None] | None = None,
     acceptance: AcceptanceModel | None = None,
+    steps_header: bool = False,
 ) -> LabResult:
     """Replay a time-stamped workload through a scheduler.
 
@@ -270,6 +271,9 @@ def run_lab(
         cost_model: step-time model for the default token source.
         check: check every plan, invariant and guaranteed property (stops at the first violation).
         steps_out: write every step as a StepRecord JSON line here.
+        steps_header: first write the trace's header line to ``steps_out``
+            (:func:`~schedspec.spec.trace.header_line`, saying ``async_scheduling`` for a scheduler that plans
+            while a step is in flight, so that ``schedspec check`` judges the file as such).
         on_step: also called with each record (built only when this or ``steps_out`` is given).
         on_progress: called with the number of requests that ended (finished, rejected, aborted) in
             each step where some did (progress bars; no record is built for it).
@@ -289,6 +293,8 @@ def run_lab(
     long_prompt_len = long_prompt_threshold(s.prompt_len for s in workload
                                             if rejection_reason(s.prompt_len, s.max_tokens, config) is None)
     collector = _Collector(workload, long_prompt_len, steps_out, config.block_size)
+    if steps_out is not None and steps_header:
+        steps_out.write(header_line(config, scheduler_name, bool(getattr(scheduler, "async_scheduling", False))) + "\n")
 
     def observe(record: StepRecord) -> None:
         if steps_out is not None:

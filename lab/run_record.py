@@ -108,9 +108,14 @@ def slo_conditions(slo: metrics.Slo | None) -> dict[str, float | None] | None:
 
 
 def _summaries(result: LabResult) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The latency and efficiency summaries of a run (computed once per record)."""
-    return (metrics.latency_summary(result.timelines),
-            metrics.efficiency_summary(result.steps, result.config.num_kv_blocks, result.timelines))
+    """The latency and efficiency summaries of a run (computed once per record). A run of a scheduler that
+    plans while a step is in flight (``RunResult.async_scheduling``) also has ``wasted_tokens`` in its
+    efficiency summary: the tokens its steps computed for requests that had already ended
+    (``RunResult.num_wasted_tokens``); a synchronous run's summaries are what they were."""
+    efficiency = metrics.efficiency_summary(result.steps, result.config.num_kv_blocks, result.timelines)
+    if result.run.async_scheduling:
+        efficiency["wasted_tokens"] = result.run.num_wasted_tokens
+    return metrics.latency_summary(result.timelines), efficiency
 
 
 def figures(result: LabResult, slo: metrics.Slo | None,
@@ -126,7 +131,8 @@ def figures(result: LabResult, slo: metrics.Slo | None,
     (:class:`~schedspec.lab.metrics.PrefixHitCounter`; ``None`` without admissions); with speculative
     decoding (some step verified drafts) ``num_drafts``, ``num_draft_tokens``, ``num_accepted_tokens``,
     ``draft_acceptance_rate_percent`` and ``mean_acceptance_length`` (tokens per verifying decode,
-    :data:`~schedspec.lab.metrics.SPECULATIVE_KEYS`);
+    :data:`~schedspec.lab.metrics.SPECULATIVE_KEYS`); with asynchronous scheduling ``wasted_tokens``
+    (:func:`_summaries`);
     ``wall_time_s`` is the only figure that depends on the machine."""
     latency, efficiency = summaries if summaries is not None else _summaries(result)
     out: dict[str, Any] = {f"requests_{k}": v for k, v in latency["requests"].items()}
@@ -148,6 +154,8 @@ def figures(result: LabResult, slo: metrics.Slo | None,
     out["goodput_admitted"] = None if good is None else good["admitted"]
     out["preemptions"] = efficiency["preemptions"]
     out["max_preemptions_per_request"] = efficiency["max_preemptions_per_request"]
+    if "wasted_tokens" in efficiency:  # asynchronous scheduling only
+        out["wasted_tokens"] = efficiency["wasted_tokens"]
     for key in ("kv_usage_mean", "kv_usage_max"):
         out[f"{key}_percent"] = None if efficiency[key] is None else 100.0 * efficiency[key]
     for key in ("num_steps", "num_empty_steps", "tokens_per_step_mean", "tokens_per_step_p50",

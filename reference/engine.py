@@ -41,7 +41,7 @@ import attrs
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.properties import Monitor, Progress, monitors
 from schedspec.spec.rules import Violation
-from schedspec.spec.state import NO_SPECULATION, SchedulerState, SpeculativeOutput, StepPlan
+from schedspec.spec.state import NO_SPECULATION, SchedulerState, SpeculativeOutput, StepPlan, landed_plan
 from schedspec.spec.stepper import Stepper, Transition, step_checker
 from schedspec.spec.trace import StepRecord
 from schedspec.spec.transitions import StepResult
@@ -147,6 +147,10 @@ class RunResult:
         num_steps_checked: steps whose plan and invariants were checked.
         wall_seconds: wall-clock time of the run.
         specs: the workload's request descriptors by id.
+        num_wasted_tokens: asynchronous scheduling (a scheduler whose ``async_scheduling`` is true): the
+            tokens its plans computed for requests that had ended while the step before was in flight
+            (:attr:`~schedspec.spec.transitions.StepResult.num_wasted_tokens`, summed over the run); 0 otherwise.
+        async_scheduling: whether the run's scheduler plans while a step is in flight (its ``async_scheduling``).
         engine: the real engine behind an adapter, as the adapter's ``engine`` attribute gives it
             (``{"name": "vllm", "version": "0.33.0"}``), or ``None`` for a reference scheduler.
     """
@@ -160,6 +164,8 @@ class RunResult:
     wall_seconds: float
     specs: dict[str, RequestSpec]
     engine: dict[str, str] | None = None
+    num_wasted_tokens: int = 0
+    async_scheduling: bool = False
 
     @property
     def ok(self) -> bool:
@@ -184,7 +190,7 @@ class StepView:
             :class:`~schedspec.reference.fast_fcfs.LightState` views instead: ``before.requests`` has the
             scheduled requests' ``is_decode`` and ``prompt_len``, ``after`` the queues and
             ``len(after.free_block_ids)``.
-        plan: the scheduler's plan.
+        plan: the scheduler's plan (with a step in flight, the part that landed: :func:`~schedspec.spec.state.landed_plan`).
         sampled: request id -> the token sampled this step.
         finished: ids that finished this step (not aborted or rejected).
         arrivals: the requests added before the step; ``aborted``: live ids aborted before it.
@@ -357,7 +363,10 @@ class Engine:
         if (not self.check and not watched and not self.record_steps and self.on_step is None
                 and callable(getattr(self.scheduler, "step_views", None)) and type(token_source) is CostOnlyModel):
             return self._run_light(events, specs, mode, max_steps, token_source)
-        initial = SchedulerState.initial(self.config)
+        # a scheduler that plans step n + 1 while step n is in flight (vLLM's AsyncScheduler) is judged
+        # against the spec's state with a step in flight (SchedulerState.in_flight)
+        asynchronous = bool(getattr(self.scheduler, "async_scheduling", False))
+        initial = SchedulerState.initial(self.config, asynchronous=asynchronous)
         has_state = isinstance(getattr(self.scheduler, "state", None), SchedulerState)
         if has_state and not state_differences(initial, self.scheduler.state):
             # An equal immutable start state: the same object, so that the spec transitions the engine
@@ -375,6 +384,7 @@ class Engine:
         clock = 0.0
         step = 0
         checked = 0
+        wasted = 0
         started = wallclock.perf_counter()
 
         def compare_own(after: SchedulerState, ended: tuple[str, ...], blamed: int) -> list[Violation]:
@@ -423,10 +433,13 @@ class Engine:
                 report(compare_own(before, tuple(a.request_id for a in stepper.aborted if a.live), step), before)
             plan = self._schedule(before.step)
             report(stepper.check_plan(plan), before)
+            # the model runs the part of the plan that lands; its items for requests that ended while the
+            # step before was in flight are wasted (spec.state.landed_plan; the plan itself when synchronous)
+            landed = landed_plan(before, plan)[0]
             if speculative_on:
-                sampled, duration, speculative = token_source.execute_speculative(plan, before)
+                sampled, duration, speculative = token_source.execute_speculative(landed, before)
             else:
-                sampled, duration = token_source.execute(plan, before)
+                sampled, duration = token_source.execute(landed, before)
             if trust_state:
                 finished = self._update(before.step, plan, sampled, speculative)
                 outcome = stepper.step(plan, sampled, StepResult(self.scheduler.state, finished, ()),
@@ -450,19 +463,20 @@ class Engine:
                     found += compare_own(outcome.after, outcome.finished, before.step)
                     report(found, outcome.after)
             after = outcome.after
+            wasted += outcome.num_wasted_tokens
             if self.check:
                 checked += 1
                 report(outcome.invariant_violations, after)
             stepper.observe(outcome)
             hung = False
             if hang_guard not in watched:
-                hang_guard.observe(before, plan, after)
+                hang_guard.observe(before, landed, after)
             if hang_guard.violations:
                 hung = True
                 if not counted:
                     violations.extend(hang_guard.violations)
             if self.on_step_view is not None:
-                self.on_step_view(StepView(before.step, clock, duration, before, after, plan, sampled,
+                self.on_step_view(StepView(before.step, clock, duration, before, after, landed, sampled,
                                            outcome.finished, outcome.arrivals, outcome.aborted_ids, speculative))
             if self.record_steps or self.on_step is not None:
                 record = stepper.record(outcome, clock, duration)
@@ -489,6 +503,8 @@ class Engine:
             wall_seconds=wallclock.perf_counter() - started,
             specs=specs,
             engine=engine_identity(self.scheduler),
+            num_wasted_tokens=wasted,
+            async_scheduling=asynchronous,
         )
 
     def _run_light(self, events, specs, mode, max_steps, token_source) -> RunResult:

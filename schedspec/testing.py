@@ -64,7 +64,7 @@ from schedspec.spec.invariants import check_state
 from schedspec.spec.properties import Monitor, monitors
 from schedspec.spec.request import RequestStatus
 from schedspec.spec.rules import Violation
-from schedspec.spec.state import SchedulerState, StepPlan, samples_this_step
+from schedspec.spec.state import SchedulerState, StepPlan, landed_plan, samples_this_step
 from schedspec.spec.stepper import FullChecker, Stepper
 from schedspec.spec.workload import EOS_TOKEN_ID, ArrivalClock, RequestSpec
 from schedspec.strategies import scheduler_configs
@@ -327,15 +327,18 @@ class SchedulerStateMachine(RuleBasedStateMachine):
             found = [v for v in found if v not in known]
         if found:
             self._fail("refinement check (spec rules)", f"plan {plan} breaks: {_lines(found)}", found)
+        landed = landed_plan(before, plan)[0]  # with a step in flight, less the items wasted on ended requests
+        if landed is not plan:
+            self.seen.add("work wasted on a request that ended in flight")
         if self.config.speculative:
             # the fake model verifies the drafts greedily and proposes the next ones (its AcceptanceModel)
-            sampled, duration, speculative = self.model.execute_speculative(plan, before)
+            sampled, duration, speculative = self.model.execute_speculative(landed, before)
             self.clock += duration
             outcome = self.stepper.step(plan, sampled, speculative=speculative)
             reported = self.scheduler.update(plan, sampled, speculative)
             self._see_drafts(plan, before, speculative, outcome.finished)
         else:
-            sampled, duration = self.model.execute(plan, before)
+            sampled, duration = self.model.execute(landed, before)
             self.clock += duration
             outcome = self.stepper.step(plan, sampled)
             reported = self.scheduler.update(plan, sampled)
@@ -354,6 +357,7 @@ class SchedulerStateMachine(RuleBasedStateMachine):
         self.stepper.observe(outcome)
         self._check_monitors()
         self.steps_run += 1
+        made, plan = plan, landed
         if plan.preempted:
             self.seen.add("preemption")
         if plan.rejected:
@@ -365,7 +369,7 @@ class SchedulerStateMachine(RuleBasedStateMachine):
                 self.seen.add("prefix-cache hit")
                 if before.requests[item.request_id].num_preemptions:
                     self.seen.add("prefix-cache hit after preemption")
-        return plan
+        return made
 
     def _see_drafts(self, plan: StepPlan, before: SchedulerState, speculative, finished: tuple[str, ...]) -> None:
         """Record which speculative-decoding situations the example reached (``seen``)."""
@@ -397,7 +401,11 @@ class SchedulerStateMachine(RuleBasedStateMachine):
             assume(False)
         self.config = config
         self.scheduler = scheduler
-        self.stepper = Stepper(config, FullChecker(config), monitors(list(self.guaranteed_properties(scheduler)), config))
+        # a scheduler that plans while a step is in flight (async_scheduling) is judged against the spec's
+        # state with a step in flight (SchedulerState.in_flight)
+        initial = SchedulerState.initial(config, asynchronous=bool(getattr(scheduler, "async_scheduling", False)))
+        self.stepper = Stepper(config, FullChecker(config), monitors(list(self.guaranteed_properties(scheduler)), config),
+                               initial)
         self.model = FakeModel(config, _FixedStep(), {})
         self._check_scheduler_state()
 

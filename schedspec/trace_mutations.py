@@ -54,7 +54,7 @@ class Trace:
     def of(cls, header: dict[str, Any], records: Sequence[StepRecord]) -> Trace:
         """Replay correct records on the spec (they must be legal) and keep every state."""
         config = SchedulerConfig.from_dict(header["config"])
-        state = SchedulerState.initial(config)
+        state = SchedulerState.initial(config, asynchronous=bool(header.get("async_scheduling", False)))
         before, after = [], []
         for record in records:
             for spec in record.arrivals:
@@ -938,6 +938,97 @@ def drafts_kept_after_preemption(trace: Trace, i: int) -> Mutant | None:
     return None
 
 
+# --- a step in flight (asynchronous scheduling: traces whose header says async_scheduling) -------------
+
+
+def _wasted_decode(record: Record, request_id: str, computed: int) -> None:
+    """Add a wasted decode of ``request_id`` at position ``computed`` to ``record``, reported as wasted."""
+    record["scheduled"].append({"request_id": request_id, "num_computed_tokens": computed, "prefill_tokens": 0,
+                                "decode_tokens": 1})
+    record.setdefault("wasted_tokens", {})[request_id] = 1
+
+
+def schedule_past_foreseen_length(trace: Trace, i: int) -> Mutant | None:
+    """A plan made over placeholders schedules a request the in-flight step brings to its length."""
+    in_flight = trace.before[i].in_flight
+    if in_flight is None or i == 0:
+        return None
+    ended = next((r for r, why in sorted(trace.records[i - 1]["finished"].items()) if why in ("length", "max_model_len")
+                  and not any(item["request_id"] == r for item in trace.records[i]["scheduled"])), None)
+    if ended is None:
+        return None
+    records, r = _edit(trace, i)
+    _wasted_decode(r, ended, in_flight.ended[ended].num_computed_tokens)
+    return trace.header, records, i
+
+
+def hand_out_block_freed_in_flight(trace: Trace, i: int) -> Mutant | None:
+    """A plan hands out a block that a request which ended while the step before was in flight still held
+    when the plan was made (the engine freed it to the pool the plan was drawn from too early)."""
+    in_flight = trace.before[i].in_flight
+    if in_flight is None or not in_flight.freed_blocks:
+        return None
+    record = trace.records[i]
+    preempted = set(record["preempted"])
+    allocated = {b for blocks in record["blocks_allocated"].values() for b in blocks}
+    held = sorted(b for r, blocks in in_flight.freed_blocks.items() if r not in preempted for b in blocks
+                  if b not in allocated and b in trace.before[i].free_block_ids)
+    taker = next((r for r, blocks in sorted(record["blocks_allocated"].items()) if blocks and r in trace.before[i].requests),
+                 None)
+    if not held or taker is None:
+        return None
+    records, r = _edit(trace, i)
+    r["blocks_allocated"][taker][0] = held[0]
+    return trace.header, records, i
+
+
+def admit_arrival_before_planned(trace: Trace, i: int) -> Mutant | None:
+    """A plan made while the step before was in flight admits a request that arrived after it was made: the
+    arrival of a request first admitted at step ``i`` (after step 0) is moved from its step to step ``i``."""
+    if trace.before[i].in_flight is None or i == 0:
+        return None
+    admitted = next((item["request_id"] for item in trace.records[i]["scheduled"]
+                     if item["request_id"] in trace.before[i].requests
+                     and trace.before[i].requests[item["request_id"]].admitted_step is None), None)
+    if admitted is None:
+        return None
+    arrived_at = trace.before[i].requests[admitted].arrival_step
+    if arrived_at >= i:
+        return None
+    records = _edit_from(trace, arrived_at)
+    spec = next(a for a in records[arrived_at]["arrivals"] if a["request_id"] == admitted)
+    records[arrived_at]["arrivals"].remove(spec)
+    if spec.get("arrival_step") is not None:
+        spec["arrival_step"] = i
+    records[i]["arrivals"].append(spec)
+    for k in range(arrived_at, i):
+        records[k]["num_waiting"] -= 1
+    return trace.header, records, i
+
+
+def wasted_item_misplaced(trace: Trace, i: int) -> Mutant | None:
+    """Wasted work that is not what the planner could plan: a wasted chunk starting one token early."""
+    wasted = trace.records[i].get("wasted_tokens") or {}
+    request_id = next(iter(sorted(wasted)), None)
+    if request_id is None:
+        return None
+    records, r = _edit(trace, i)
+    item = _scheduled(r, lambda x: x["request_id"] == request_id)
+    if item is None or item["num_computed_tokens"] == 0:
+        return None
+    item["num_computed_tokens"] -= 1
+    return trace.header, records, i
+
+
+def hide_wasted_tokens(trace: Trace, i: int) -> Mutant | None:
+    """A log that does not say which of a step's work was wasted (``wasted_tokens`` left out)."""
+    if not trace.records[i].get("wasted_tokens"):
+        return None
+    records, r = _edit(trace, i)
+    del r["wasted_tokens"]
+    return trace.header, records, i
+
+
 MUTATIONS: tuple[Mutation, ...] = (
     Mutation("double-allocation", "a block handed to a request while another request still holds it", double_allocation),
     Mutation("allocation-out-of-range", "a block id past the pool (off-by-one in the block pool)", allocation_out_of_range),
@@ -1022,6 +1113,15 @@ MUTATIONS: tuple[Mutation, ...] = (
              why_not_semantic="steps may start later than the previous one ended (an idle engine)"),
     Mutation("abort-unknown-id", "an abort of an id never added", abort_unknown_id, semantic=False,
              why_not_semantic="aborting an unknown id changes nothing (vLLM Scheduler.finish_requests skips it)"),
+    Mutation("schedule-past-foreseen-length", "an asynchronous plan schedules a request its placeholders bring to "
+             "max_tokens (vLLM's async guard missing)", schedule_past_foreseen_length),
+    Mutation("hand-out-block-freed-in-flight", "an asynchronous plan hands out a block a request held until the "
+             "step in flight ended it", hand_out_block_freed_in_flight),
+    Mutation("admit-arrival-before-planned", "an asynchronous plan admits a request that arrived after it was made",
+             admit_arrival_before_planned),
+    Mutation("wasted-item-misplaced", "wasted work for an ended request that starts where its computation did not",
+             wasted_item_misplaced),
+    Mutation("hide-wasted-tokens", "a step's wasted work not reported (wasted_tokens left out)", hide_wasted_tokens),
 )
 """The catalogue, by name order of concern: blocks, batch, tokens and endings, bookkeeping, time."""
 
@@ -1064,8 +1164,9 @@ def judge(header: dict[str, Any], records: list[Record]) -> tuple[int | None, in
             raise ValueError(f"record {number}: {problem}")
     config = SchedulerConfig.from_dict(header["config"])
     parsed = [StepRecord.from_dict(r) for r in records]
-    full = check_trace(config, parsed).first_bad_step
-    incremental = check_trace(config, parsed, incremental=True).first_bad_step
+    asynchronous = bool(header.get("async_scheduling", False))
+    full = check_trace(config, parsed, async_scheduling=asynchronous).first_bad_step
+    incremental = check_trace(config, parsed, incremental=True, async_scheduling=asynchronous).first_bad_step
     return full, incremental
 
 
@@ -1205,6 +1306,32 @@ def long_trace(steps: int) -> Iterator[Record]:
         yield record
 
 
+def in_flight_trace(scale: int = 1) -> tuple[str, Trace]:
+    """A correct trace of an asynchronous engine (header ``async_scheduling``): ``40 * scale`` requests
+    (prompts of up to 40 tokens, up to 20 outputs, every third with an EOS among its first outputs, every
+    seventh aborted, one impossible) run by fcfs planned while a step is in flight
+    (:class:`~schedspec.reference.in_flight.InFlightScheduler`) in a KV cache of 40 blocks of 4, so that
+    plans compute for requests that ended meanwhile (``wasted_tokens``) and preempt."""
+    import random
+
+    from schedspec.reference.engine import Engine
+    from schedspec.reference.in_flight import fcfs_async
+    from schedspec.spec.workload import RequestSpec
+
+    rng = random.Random(5)
+    config = SchedulerConfig(block_size=4, num_kv_blocks=40, max_num_batched_tokens=32, max_num_seqs=6,
+                             max_model_len=64)
+    workload = []
+    for k in range(40 * scale):
+        arrival = rng.randrange(0, 40 * scale)
+        workload.append(RequestSpec(f"q{k:03d}", rng.randrange(1, 40), rng.randrange(1, 20), arrival_step=arrival,
+                                    eos_at_output=rng.randrange(1, 10) if k % 3 == 1 else None,
+                                    abort_at_step=arrival + rng.randrange(1, 20) if k % 7 == 2 else None))
+    workload.append(RequestSpec("impossible", config.max_model_len + 6, 3, arrival_step=5))
+    result = Engine(fcfs_async(config), config, stop_on_violation=True).run(workload)
+    return "in-flight", Trace.of(json.loads(header_line(config, "fcfs-async", async_scheduling=True)), result.records)
+
+
 def standard_traces(scale: int = 1) -> list[tuple[str, Trace]]:
     """The eight traces the catalogue is measured on (five real windows, one with prefix caching and two
     with speculative decoding, :func:`speculative_trace`): the Azure conversation and code traces and
@@ -1227,4 +1354,5 @@ def standard_traces(scale: int = 1) -> list[tuple[str, Trace]]:
         prefix_cache_trace(scale),
         speculative_trace(scale),
         speculative_trace(scale, lookahead=True),
+        in_flight_trace(scale),
     ]

@@ -48,7 +48,8 @@ def findings() -> dict[str, list[tuple[str, str, str, int, str]]]:
                 continue
             header, records, _ = mutation.apply(trace, steps[0])
             config = SchedulerConfig.from_dict(header["config"])
-            report = check_trace(config, [StepRecord.from_dict(r) for r in records])
+            report = check_trace(config, [StepRecord.from_dict(r) for r in records],
+                                 async_scheduling=bool(header.get("async_scheduling", False)))
             seen: set[str] = set()
             for violation in report.violations:
                 if violation.name not in seen:

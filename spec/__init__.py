@@ -6,7 +6,8 @@ Read it in this order; each module is short and cites where its rules come from:
    ``max_num_batched_tokens``, ``max_num_seqs``, ``max_model_len``, chunked prefill, ...).
 2. :mod:`~schedspec.spec.request`: a request, its status and its progress (what a decode is).
 3. :mod:`~schedspec.spec.admission`: which requests are rejected at arrival.
-4. :mod:`~schedspec.spec.state`: the scheduler state and a step's plan.
+4. :mod:`~schedspec.spec.state`: the scheduler state and a step's plan (and, for an asynchronous engine, the
+   step in flight when the next plan is made: ``InFlightStep``).
 5. :mod:`~schedspec.spec.transitions`: the actions (arrive, abort; preempt, reject, schedule,
    sample) and the step as their composition.
 6. :mod:`~schedspec.spec.rules`: each action's guard, the rules that say which plans are **allowed**.
@@ -38,10 +39,12 @@ from schedspec.spec.request import Request, RequestStatus
 from schedspec.spec.rules import RULE_NAMES, Violation, violated_rules
 from schedspec.spec.state import (
     NO_SPECULATION,
+    InFlightStep,
     ScheduledRequest,
     SchedulerState,
     SpeculativeOutput,
     StepPlan,
+    landed_plan,
     samples_this_step,
 )
 from schedspec.spec.trace import StepRecord, read_trace, write_trace
@@ -49,8 +52,8 @@ from schedspec.spec.transitions import PlanError, abort_request, add_request, ap
 from schedspec.spec.workload import EOS_TOKEN_ID, RequestSpec
 
 __all__ = [
-    "EOS_TOKEN_ID", "INVARIANT_NAMES", "NO_SPECULATION", "PROPERTIES", "RULE_NAMES", "ConfigError", "PlanError", "Request",
+    "EOS_TOKEN_ID", "INVARIANT_NAMES", "InFlightStep", "NO_SPECULATION", "PROPERTIES", "RULE_NAMES", "ConfigError", "PlanError", "Request",
     "RequestSpec", "RequestStatus", "ScheduledRequest", "SchedulerConfig", "SchedulerState", "SpeculativeOutput", "StepPlan",
     "StepRecord", "Violation", "abort_request", "add_request", "apply_plan", "blocks_for_tokens", "check_state",
-    "check_step", "read_trace", "rejection_reason", "samples_this_step", "violated_rules", "write_trace",
+    "check_step", "landed_plan", "read_trace", "rejection_reason", "samples_this_step", "violated_rules", "write_trace",
 ]

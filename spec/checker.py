@@ -39,6 +39,9 @@ record field                compared with
                             and a wrong proposal is caught when it is scheduled (``drafts-are-proposed``)
 ``finished``                the requests the spec ends after sampling, with the spec's reasons
 ``num_free_blocks`` ...     the spec's free blocks, running and waiting counts after the step
+``wasted_tokens``           asynchronous scheduling (header ``async_scheduling``): exactly the tokens of
+                            the items for requests that ended after the step was planned (rules
+                            ``in-flight-*``, ``wasted-item-continues``; ``StepResult.num_wasted_tokens``)
 ==========================  ==========================================================================
 
 By default the check stops at the **first illegal step**: the step whose plan breaks a rule, whose
@@ -211,8 +214,9 @@ def _compare_driven_eos(driven: dict[str, RequestSpec], before: SchedulerState, 
 
 
 def _compare_split(before: SchedulerState, record: StepRecord, mismatch: _StepComparison) -> None:
+    ended = before.in_flight.ended if before.in_flight is not None else {}
     for item in record.scheduled:
-        request = before.requests.get(item.request_id)
+        request = before.requests.get(item.request_id) or ended.get(item.request_id)  # or a wasted item's
         if request is None or (item.num_computed_tokens != request.num_computed_tokens
                                and item.request_id not in record.prefix_hit_blocks):
             continue  # a rule reports it (known-requests, chunk-continues)
@@ -315,6 +319,10 @@ def _compare_record(record: StepRecord, expected: StepRecord, config: SchedulerC
         mismatch(f"blocks_evicted {sorted(record.blocks_evicted)}, but the cached blocks handed out were "
                  f"{sorted(expected.blocks_evicted)}")
 
+    if record.wasted_tokens != expected.wasted_tokens:
+        mismatch(f"wasted_tokens {dict(sorted(record.wasted_tokens.items()))}, but the tokens computed for requests "
+                 f"that had ended were {dict(sorted(expected.wasted_tokens.items()))}")
+
     for name in ("num_free_blocks", "num_running", "num_waiting"):
         spec_value, trace_value = getattr(expected, name), getattr(record, name)
         if spec_value != trace_value:
@@ -346,6 +354,7 @@ def check_trace(
     keep_going: bool = False,
     incremental: bool = False,
     allow_unfinished: bool = False,
+    async_scheduling: bool = False,
 ) -> CheckReport:
     """Replay a trace on the spec and judge every field of every record (module docstring).
 
@@ -361,6 +370,10 @@ def check_trace(
             :func:`~schedspec.spec.invariants.check_step`.
         allow_unfinished: do not report requests still live at the end of the trace (a window cut from
             a running engine's log); by default each is an ``unfinished-request`` mismatch.
+        async_scheduling: the trace's header says ``async_scheduling`` (:attr:`~schedspec.spec.trace.TraceFile.async_scheduling`):
+            replay it from the spec's state with a step in flight (``SchedulerState.initial(config,
+            asynchronous=True)``), so that each plan is judged as one made before the previous step's
+            samples were known, and its ``wasted_tokens`` against the spec's.
 
     Returns:
         A :class:`CheckReport`.
@@ -369,7 +382,8 @@ def check_trace(
         KeyError: an unknown property name.
     """
     names = tuple(dict.fromkeys(properties))
-    stepper = Stepper(config, step_checker(config, incremental), monitors(names, config))
+    stepper = Stepper(config, step_checker(config, incremental), monitors(names, config),
+                      SchedulerState.initial(config, asynchronous=async_scheduling))
     report = CheckReport(properties=names)
     previous: StepRecord | None = None
     last_scheduled: dict[str, int] = {}

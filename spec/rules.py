@@ -24,7 +24,7 @@ from schedspec.spec.admission import rejection_code, rejection_reason, rejection
 from schedspec.spec.config import SchedulerConfig, blocks_for_tokens, slot_tokens
 from schedspec.spec.prefix_cache import ROOT_HASH, max_hit_blocks, request_block_hash
 from schedspec.spec.request import printable
-from schedspec.spec.state import SchedulerState, StepPlan
+from schedspec.spec.state import SchedulerState, StepPlan, wasted_items
 
 VIOLATION_KINDS = ("rule", "invariant", "property", "mismatch")
 """What a :class:`Violation` broke: an allowed-plan ``rule`` (:mod:`~schedspec.spec.rules`), an
@@ -120,15 +120,20 @@ def rule(name: str, statement: str, source: str, *, action: str) -> Callable[[Ru
 
 @rule(
     "known-requests",
-    "Every id the plan names is a live request; no id is scheduled twice; a request is at most one of "
-    "scheduled, preempted, rejected.",
-    "vLLM vllm/v1/core/sched/scheduler.py Scheduler.schedule (each request scheduled once per step)",
+    "Every id the plan names is a live request, or, with a step in flight (asynchronous scheduling), one that "
+    "ended after the plan was made (in_flight.ended: its work is wasted); no id is scheduled twice; a request is "
+    "at most one of scheduled, preempted, rejected.",
+    "vLLM vllm/v1/core/sched/scheduler.py Scheduler.schedule (each request scheduled once per step); "
+    "Scheduler.update_from_output skips a request 'already finished ... aborted while the model is executing it "
+    "(e.g., ... in async scheduling)'",
     action="step",
 )
 def _known_requests(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
     named = [item.request_id for item in plan.scheduled] + list(plan.preempted) + [r for r, _ in plan.rejected]
+    ended = state.in_flight.ended if state.in_flight is not None else {}
+    rejected = {r for r, _ in plan.rejected}
     for request_id, count in Counter(named).items():
-        if request_id not in state.requests:
+        if request_id not in state.requests and (request_id not in ended or request_id in rejected):
             yield request_id, "not a live request"
         if count > 1:
             yield request_id, f"named {count} times in one plan"
@@ -550,7 +555,104 @@ def _drafts_within_max_model_len(state: SchedulerState, plan: StepPlan, config: 
                 f"max_model_len={config.max_model_len}")
 
 
+# Asynchronous scheduling (a step in flight when the plan was made: SchedulerState.in_flight). Without one
+# (a synchronous engine) none of these finds anything.
+
+
+@rule(
+    "in-flight-foreseen-length",
+    "A plan made while a step was in flight does not schedule a request that the in-flight step's placeholders "
+    "bring to max_tokens outputs or max_model_len tokens: the planner knows it ends at that step's sample (a "
+    "stop by end-of-sequence or a stop id, or an abort, it cannot foresee).",
+    "vLLM Scheduler.schedule: 'Async scheduling: Avoid scheduling an extra step when we are sure that the "
+    "previous step has reached request.max_tokens' (num_output_placeholders > 0 and num_computed_tokens + 2 - "
+    "num_output_placeholders >= num_prompt_tokens + max_tokens), and num_new_tokens <= max_model_len - "
+    "num_computed_tokens - num_sampled_tokens_per_step ('the request has reached to either its "
+    "max_total_tokens or max_model_len')",
+    action="schedule",
+)
+def _in_flight_foreseen_length(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
+    in_flight = state.in_flight
+    for item, ended in wasted_items(state, plan):
+        if ended.finish_reason not in ("length", "max_model_len"):
+            continue
+        assert in_flight is not None
+        placeholders = in_flight.num_output_placeholders.get(item.request_id, 0)
+        limit = (f"max_tokens={ended.max_tokens}" if ended.finish_reason == "length"
+                 else f"max_model_len={config.max_model_len}")
+        yield item.request_id, (f"scheduled although its {placeholders} output placeholder(s) of step "
+                                f"{in_flight.step} bring it to {limit}")
+
+
+@rule(
+    "in-flight-blocks-held-when-planned",
+    "A plan made while a step was in flight hands out no block that was held when it was made: none of the "
+    "blocks released since by requests that ended at the in-flight step's samples or were aborted after "
+    "(in_flight.freed_blocks), unless the plan preempts their request (its preemption released them).",
+    "vLLM vllm/v1/engine/core.py EngineCore.step_with_batch_queue (Scheduler.schedule for step n + 1 runs before "
+    "Scheduler.update_from_output for step n, which frees a finished request's blocks: Scheduler._free_request); "
+    "Scheduler.finish_requests",
+    action="schedule",
+)
+def _in_flight_blocks_held(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
+    in_flight = state.in_flight
+    if in_flight is None or not in_flight.freed_blocks:
+        return
+    preempted = set(plan.preempted)
+    held = {b for request_id, blocks in in_flight.freed_blocks.items() if request_id not in preempted for b in blocks}
+    for item in plan.scheduled:
+        for block_id in item.new_block_ids:
+            if block_id in held:
+                yield item.request_id, (f"block {block_id} is handed out, but it was held when the plan was made "
+                                        f"(freed after the plan was made, while step {in_flight.step} was in flight)")
+
+
+@rule(
+    "in-flight-arrivals-wait",
+    "A plan made while a step was in flight schedules no request that arrived after it was made (arrival_step "
+    "equal to the step planned): such a request waits for the next plan.",
+    "vLLM EngineCore.step_with_batch_queue: requests added after schedule() reach the scheduler's waiting "
+    "queue for the next schedule()",
+    action="schedule",
+)
+def _in_flight_arrivals_wait(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
+    in_flight = state.in_flight
+    if in_flight is None or in_flight.step < 0:  # step 0 is planned with nothing in flight
+        return
+    for item in plan.scheduled:
+        request = state.requests.get(item.request_id)
+        if request is not None and request.arrival_step == state.step:
+            yield item.request_id, (f"arrived before step {state.step}, after its plan was made (while step "
+                                    f"{in_flight.step} was in flight)")
+
+
+@rule(
+    "wasted-item-continues",
+    "An item for a request that ended while the plan's in-flight step ran (wasted work) is one the planner could "
+    "make: it starts at the request's computed tokens and computes at least one and at most its pending tokens "
+    "plus the drafts it verifies.",
+    "vLLM Scheduler.schedule num_new_tokens = num_tokens_with_spec + num_output_placeholders - "
+    "num_computed_tokens (over placeholders: the token the in-flight step samples is pending, already counted "
+    "computed by Scheduler._update_after_schedule)",
+    action="schedule",
+)
+def _wasted_item_continues(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
+    for item, ended in wasted_items(state, plan):
+        pending = ended.num_pending_tokens + len(item.spec_token_ids)
+        if item.num_computed_tokens != ended.num_computed_tokens:
+            yield item.request_id, (f"wasted chunk starts at {item.num_computed_tokens} but "
+                                    f"{ended.num_computed_tokens} tokens were computed")
+        elif not 1 <= item.num_tokens <= pending:
+            yield item.request_id, f"wasted chunk of {item.num_tokens} tokens of {pending} pending"
+
+
 RULE_NAMES: tuple[str, ...] = tuple(r.name for r in RULES)
+
+IN_FLIGHT_RULES: tuple[str, ...] = ("in-flight-foreseen-length", "in-flight-blocks-held-when-planned",
+                                     "in-flight-arrivals-wait", "wasted-item-continues")
+"""The rules of a plan made while a step was in flight (asynchronous scheduling): without a step in flight
+(``SchedulerState.in_flight is None``, a synchronous engine) none finds anything. The proofs
+(:mod:`schedspec.spec.proofs`) model synchronous engines and do not encode them."""
 
 
 def violated_rules(state: SchedulerState, plan: StepPlan, config: SchedulerConfig,

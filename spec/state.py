@@ -59,6 +59,9 @@ class SchedulerState:
         num_requests_added: how many requests were ever added (for ``no-request-lost``).
         prefix_cache: block hashes and reference counts (:class:`~schedspec.spec.prefix_cache.PrefixCache`)
             when ``enable_prefix_caching`` is on, else ``None``.
+        in_flight: asynchronous scheduling only (vLLM ``AsyncScheduler``): the step that was in flight when
+            the next plan was made, and what has landed since (:class:`InFlightStep`); ``None`` for a
+            synchronous engine, whose plans are made from this very state (nothing is in flight).
     """
 
     step: int = 0
@@ -69,13 +72,17 @@ class SchedulerState:
     free_block_ids: tuple[int, ...] = ()
     num_requests_added: int = 0
     prefix_cache: PrefixCache | None = None
+    in_flight: InFlightStep | None = None
 
     @classmethod
-    def initial(cls, config: SchedulerConfig) -> SchedulerState:
+    def initial(cls, config: SchedulerConfig, asynchronous: bool = False) -> SchedulerState:
         """The state before step 0: no requests, every block free in id order (and an empty prefix cache
-        when ``enable_prefix_caching`` is on)."""
+        when ``enable_prefix_caching`` is on). With ``asynchronous`` (an engine that plans step n + 1 while
+        step n is in flight), ``in_flight`` is :data:`NOTHING_IN_FLIGHT`: step 0 is planned with no step
+        in flight."""
         cache = PrefixCache() if config.enable_prefix_caching else None
-        return cls(free_block_ids=tuple(range(config.num_kv_blocks)), prefix_cache=cache)
+        return cls(free_block_ids=tuple(range(config.num_kv_blocks)), prefix_cache=cache,
+                   in_flight=NOTHING_IN_FLIGHT if asynchronous else None)
 
     @property
     def num_free_blocks(self) -> int:
@@ -97,6 +104,46 @@ class SchedulerState:
     @property
     def has_live_requests(self) -> bool:
         return bool(self.requests)
+
+
+@attrs.frozen(slots=True)
+class InFlightStep:
+    """Asynchronous scheduling: the step that was **in flight** when the next plan was made, and what has
+    landed since.
+
+    vLLM's ``AsyncScheduler`` (``vllm/v1/core/sched/async_scheduler.py``, driven by
+    ``EngineCore.step_with_batch_queue``) plans step n + 1 while step n runs: ``Scheduler.schedule()`` for
+    n + 1 comes before ``Scheduler.update_from_output()`` for n. It plans over **placeholders**: after
+    scheduling step n, ``Scheduler._update_after_schedule`` advances ``num_computed_tokens`` by step n's
+    tokens and ``AsyncScheduler._update_after_schedule`` counts, per request whose chunk reaches the end of
+    its sequence, the token step n will sample as an output placeholder (``Request.num_output_placeholders
+    += 1``, plus its drafts). A decode of step n + 1 thus starts where the spec's state after step n has
+    computed, so the spec judges the plan of step n + 1 against its state after step n (samples applied),
+    this record beside it: at most one step is in flight when a plan is made. What the planner could not
+    know is here: which requests step n's samples ended, which the client aborted since, and the blocks
+    they freed.
+
+    Attributes:
+        step: the index of the step that was in flight (the state's ``step - 1``; -1 before step 0:
+            nothing was in flight).
+        plan: that step's plan (the requests it computed for; the items of requests that had already ended
+            left out: :func:`landed_plan`).
+        num_output_placeholders: request id -> tokens that step was to sample for it, as the planner counted
+            them (vLLM ``Request.num_output_placeholders``): ``1 + len(spec_token_ids)`` for each item that
+            samples (:func:`samples_this_step`), none for a middle prefill chunk.
+        ended: request id -> the request as it ended, for every request that ended after the next plan was
+            made: at the in-flight step's samples (a stop, or a length it reached), or aborted since. The next
+            plan may still name them: the work it plans for them is **wasted** (:func:`landed_plan`).
+        freed_blocks: request id -> the blocks it released, for each of ``ended`` that held blocks. They were
+            held when the next plan was made, so it hands none of them out, unless it preempts their request
+            (then its preemption released them: rule ``in-flight-blocks-held-when-planned``).
+    """
+
+    step: int = -1
+    plan: StepPlan = attrs.field(factory=lambda: StepPlan())
+    num_output_placeholders: Mapping[str, int] = attrs.field(factory=lambda: MappingProxyType({}))
+    ended: Mapping[str, Request] = attrs.field(factory=lambda: MappingProxyType({}))
+    freed_blocks: Mapping[str, tuple[int, ...]] = attrs.field(factory=lambda: MappingProxyType({}))
 
 
 @attrs.frozen(slots=True)
@@ -183,6 +230,44 @@ class SpeculativeOutput:
 
     num_accepted_tokens: Mapping[str, int] = attrs.field(factory=dict)
     draft_token_ids: Mapping[str, tuple[int, ...]] = attrs.field(factory=dict)
+
+
+NOTHING_IN_FLIGHT = InFlightStep()
+"""The :class:`InFlightStep` of an asynchronous run before step 0: nothing was in flight."""
+
+
+def landed_plan(state: SchedulerState, plan: StepPlan) -> tuple[StepPlan, tuple[ScheduledRequest, ...]]:
+    """``(the plan's part that lands, its wasted items)``.
+
+    With a step in flight (``state.in_flight``), the plan was made before the requests of
+    ``state.in_flight.ended`` ended: its items for them are **wasted** (the forward pass computes their tokens
+    and vLLM's ``Scheduler.update_from_output`` skips them: "The request is already finished. This can
+    happen if the request is aborted while the model is executing it (e.g., ... in async scheduling)"), and
+    its preemptions of them change nothing (their blocks are freed with the request). The part that lands
+    is the plan without them. Without a step in flight the whole plan lands, nothing is wasted (the very
+    ``plan`` object is returned)."""
+    in_flight = state.in_flight
+    if in_flight is None or not in_flight.ended:
+        return plan, ()
+    ended = in_flight.ended
+    wasted = tuple(item for item, _ in wasted_items(state, plan))
+    stale = [r for r in plan.preempted if r in ended and r not in state.requests]
+    if not wasted and not stale:
+        return plan, ()
+    wasted_ids = {item.request_id for item in wasted}
+    kept = tuple(item for item in plan.scheduled if item.request_id not in wasted_ids)
+    return attrs.evolve(plan, scheduled=kept, preempted=tuple(r for r in plan.preempted if r not in stale)), wasted
+
+
+def wasted_items(state: SchedulerState, plan: StepPlan) -> list[tuple[ScheduledRequest, Request]]:
+    """The plan's items for requests that ended after it was made (``state.in_flight.ended``, not live), each
+    with the request as it ended; empty without a step in flight."""
+    in_flight = state.in_flight
+    if in_flight is None or not in_flight.ended:
+        return []
+    ended = in_flight.ended
+    return [(item, ended[item.request_id]) for item in plan.scheduled
+            if item.request_id in ended and item.request_id not in state.requests]
 
 
 NO_SPECULATION = SpeculativeOutput()

@@ -38,7 +38,7 @@ from schedspec.spec.prefix_cache import evicted_blocks
 from schedspec.spec.properties import Monitor
 from schedspec.spec.request import Request
 from schedspec.spec.rules import Violation, violated_rules
-from schedspec.spec.state import NO_SPECULATION, SchedulerState, SpeculativeOutput, StepPlan
+from schedspec.spec.state import NO_SPECULATION, SchedulerState, SpeculativeOutput, StepPlan, landed_plan
 from schedspec.spec.trace import ScheduledTokens, StepRecord
 from schedspec.spec.transitions import PlanError, StepResult, abort_request, add_request, apply_plan
 from schedspec.spec.workload import RequestSpec
@@ -146,6 +146,9 @@ class StepOutcome:
             ``aborted``: what each of those aborts did.
         transition: the step as a :class:`Transition` (``None`` when not applied or given by the caller).
         speculative: speculative decoding's inputs to the step (accepted drafts, drafts proposed after it).
+        landed: the part of the plan that landed (:func:`~schedspec.spec.state.landed_plan`: with a step in
+            flight, the plan less its items and preemptions for requests that ended meanwhile); the plan
+            itself otherwise. The invariants and the monitors see this part.
     """
 
     before: SchedulerState
@@ -160,6 +163,18 @@ class StepOutcome:
     aborted: list[Aborted]
     transition: Transition | None = None
     speculative: SpeculativeOutput = NO_SPECULATION
+    landed: StepPlan | None = None
+
+    @property
+    def landed_plan(self) -> StepPlan:
+        """:attr:`landed`, or the plan when none was given."""
+        return self.plan if self.landed is None else self.landed
+
+    @property
+    def num_wasted_tokens(self) -> int:
+        """The step's wasted tokens (:attr:`~schedspec.spec.transitions.StepResult.num_wasted_tokens`): 0
+        for a synchronous engine or a step not applied."""
+        return self.result.num_wasted_tokens if self.result is not None else 0
 
     @property
     def after(self) -> SchedulerState:
@@ -198,9 +213,12 @@ def split_tokens(request: Request, num_tokens: int) -> tuple[int, int]:
 def scheduled_tokens(before: SchedulerState, plan: StepPlan) -> list[ScheduledTokens]:
     """The plan's batch as a record's ``scheduled``, each item's tokens split by :func:`split_tokens` (a
     decode's drafts are decode tokens), with the drafts it verifies. Every scheduled id must be live in
-    ``before``."""
+    ``before``, or (a step in flight) one of ``before.in_flight.ended``: a wasted item, split as the request
+    was when it ended."""
+    ended = before.in_flight.ended if before.in_flight is not None else {}
     return [ScheduledTokens(item.request_id, item.num_computed_tokens,
-                            *split_tokens(before.requests[item.request_id], item.num_tokens), item.spec_token_ids)
+                            *split_tokens(before.requests.get(item.request_id) or ended[item.request_id],
+                                          item.num_tokens), item.spec_token_ids)
             for item in plan.scheduled]
 
 
@@ -214,18 +232,25 @@ def expected_record(outcome: StepOutcome, config: SchedulerConfig, start_time: f
 
     ``blocks_freed`` holds, per request, the blocks an abort before the step freed, those a preempted
     request held, and those a finished request held after the step (its table before, its hit blocks and
-    its new blocks); ``blocks_evicted`` the handed-out blocks that were cached before the step.
+    its new blocks); ``blocks_evicted`` the handed-out blocks that were cached before the step. With a step
+    in flight, a wasted item (its request ended after the plan was made) is in ``scheduled``, its new blocks
+    in ``blocks_allocated`` and again in ``blocks_freed``: handed out at planning, freed with the request.
 
     Raises:
         PlanError: the outcome's plan was not applied (:attr:`StepOutcome.error`).
     """
     before, plan, after = outcome.before, outcome.plan, outcome.after
+    landed = outcome.landed_plan
     allocated = {item.request_id: item.new_block_ids for item in plan.scheduled if item.new_block_ids}
     hits = {item.request_id: item.cached_block_ids for item in plan.scheduled if item.cached_block_ids}
     freed = {a.request_id: a.freed for a in outcome.aborted if a.freed}
-    for request_id in plan.preempted:
+    for request_id in landed.preempted:
         if before.requests[request_id].block_ids:
             freed[request_id] = before.requests[request_id].block_ids
+    if landed is not plan:  # a wasted item's new blocks go back with its request, which had ended
+        for item in plan.scheduled:
+            if item.request_id not in before.requests and item.new_block_ids:
+                freed[item.request_id] = freed.get(item.request_id, ()) + item.new_block_ids
     finished_reasons = {}
     for request_id in outcome.finished:
         finished_reasons[request_id] = after.finished[request_id].finish_reason or ""
@@ -263,6 +288,7 @@ def expected_record(outcome: StepOutcome, config: SchedulerConfig, start_time: f
         num_waiting=len(after.waiting),
         num_accepted_tokens=accepted,
         draft_token_ids=dict(outcome.speculative.draft_token_ids),
+        wasted_tokens={item.request_id: item.num_tokens for item in outcome.result.wasted} if outcome.result else {},
     )
 
 
@@ -346,6 +372,7 @@ class Stepper:
         A plan the spec cannot apply is not raised: the outcome has the :class:`PlanError` as ``error``,
         no result, and the state stays the state before the step."""
         before = self.state
+        landed = landed_plan(before, plan)[0]
         checked = self._checked
         rules = checked[1] if checked is not None and checked[0] is plan else self.check_plan(plan)
         self._checked = None
@@ -361,16 +388,17 @@ class Stepper:
         invariants: list[Violation] = []
         if result is not None:
             if self.checker is not None:
-                invariants = self.checker.invariants(before, plan, result.state)
+                invariants = self.checker.invariants(before, landed, result.state)
             self.state = result.state
         outcome = StepOutcome(before, plan, sampled, result, error, rules, invariants,
-                              self._arrivals, self._aborts, self._aborted, transition, speculative)
+                              self._arrivals, self._aborts, self._aborted, transition, speculative,
+                              None if landed is plan else landed)
         self._arrivals, self._aborts, self._aborted = [], [], []
         return outcome
 
     def observe(self, outcome: StepOutcome) -> None:
         """Feed the applied step to every monitor."""
-        before, plan, after = outcome.before, outcome.plan, outcome.after
+        before, plan, after = outcome.before, outcome.landed_plan, outcome.after
         for monitor in self.monitors:
             monitor.observe(before, plan, after)
 

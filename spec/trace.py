@@ -142,6 +142,11 @@ class StepRecord:
         num_free_blocks: free KV blocks after the step.
         num_running: running requests after the step.
         num_waiting: waiting requests after the step.
+        wasted_tokens: asynchronous scheduling (a trace whose header says ``async_scheduling``): request id
+            -> the tokens this step computed for a request that ended after the step was planned (it stopped
+            at the previous step's samples, or was aborted before this step): the step's **wasted** work.
+            Such an item is in ``scheduled``, its new blocks in ``blocks_allocated`` and again in
+            ``blocks_freed`` (freed with its request); it samples nothing. Omitted from the JSON when empty.
     """
 
     step: int
@@ -165,6 +170,7 @@ class StepRecord:
     num_waiting: int = 0
     num_accepted_tokens: dict[str, int] = attrs.field(factory=dict)
     draft_token_ids: dict[str, tuple[int, ...]] = attrs.field(factory=dict, converter=_blocks)
+    wasted_tokens: dict[str, int] = attrs.field(factory=dict)
 
     @property
     def prefill_tokens(self) -> int:
@@ -202,6 +208,8 @@ class StepRecord:
             data["draft_token_ids"] = {k: list(v) for k, v in self.draft_token_ids.items()}
         else:
             del data["draft_token_ids"]
+        if not self.wasted_tokens:  # asynchronous scheduling only, likewise
+            del data["wasted_tokens"]
         data["aborts"] = list(self.aborts)
         data["preempted"] = list(self.preempted)
         data["aborted"] = list(self.aborted)
@@ -459,15 +467,20 @@ def _parse(line: bytes, where: str) -> Any:
         raise TraceFormatError(f"{where}: {error}") from None
 
 
-def header_line(config: SchedulerConfig, scheduler: str = "") -> str:
-    """The header line of a trace (schema version :func:`schema_version_for` the config), without its newline."""
-    return json.dumps({"schema_version": schema_version_for(config), "config": config.to_dict(),
-                       "scheduler": scheduler})
+def header_line(config: SchedulerConfig, scheduler: str = "", async_scheduling: bool = False) -> str:
+    """The header line of a trace (schema version :func:`schema_version_for` the config), without its newline;
+    with ``async_scheduling`` (an engine that plans a step while the one before is in flight) it says
+    ``"async_scheduling": true`` (a synchronous engine's header is byte for byte what it was)."""
+    header = {"schema_version": schema_version_for(config), "config": config.to_dict(), "scheduler": scheduler}
+    if async_scheduling:
+        header["async_scheduling"] = True
+    return json.dumps(header)
 
 
-def write_trace(out: IO[str], config: SchedulerConfig, records: Iterable[StepRecord], scheduler: str = "") -> None:
+def write_trace(out: IO[str], config: SchedulerConfig, records: Iterable[StepRecord], scheduler: str = "",
+                async_scheduling: bool = False) -> None:
     """Write the header line (:func:`header_line`) and one line per record."""
-    out.write(header_line(config, scheduler) + "\n")
+    out.write(header_line(config, scheduler, async_scheduling) + "\n")
     for record in records:
         out.write(record.to_json() + "\n")
 
@@ -482,6 +495,8 @@ class TraceFile:
         scheduler: the header's scheduler name ("" if none).
         schema_version: 1, 2 or 3.
         notes: what the reader assumed, to print beside the verdict (the version-1 convention).
+        async_scheduling: the header's ``async_scheduling`` (false when absent): each plan was made while
+            the step before was in flight (:class:`~schedspec.spec.state.InFlightStep`).
     """
 
     path: Path
@@ -489,6 +504,7 @@ class TraceFile:
     scheduler: str
     schema_version: int
     notes: list[str]
+    async_scheduling: bool = False
 
     def records(self) -> Iterator[StepRecord]:
         """The records in file order, each validated against the schema as it is read.
@@ -559,7 +575,8 @@ def open_trace(path: str | Path) -> TraceFile:
     if version == 1:
         notes.append(f"{path}: schema_version 1: arrivals carry no stop conditions; read with eos_token_id "
                      f"{V1_EOS_TOKEN_ID} (the version-1 convention)")
-    return TraceFile(path, config, str(header.get("scheduler", "")), version, notes)
+    return TraceFile(path, config, str(header.get("scheduler", "")), version, notes,
+                     bool(header.get("async_scheduling", False)))
 
 
 def read_trace(path: str | Path) -> tuple[SchedulerConfig, Iterator[StepRecord]]:

@@ -15,7 +15,9 @@ it changes). The client's actions happen between steps: a request **arrives**
   ``whole-prefill-without-chunking``, ``long-prefill-threshold``, ``admit-fits-alone``,
   ``blocks-from-free-pool``, ``block-table-covers``, ``no-excess-blocks``, ``prefix-hit-at-admission``,
   ``prefix-hit-is-cached-chain``, ``prefix-hit-longest``, ``drafts-only-in-decodes``,
-  ``drafts-are-proposed``, ``drafts-within-max-model-len``.
+  ``drafts-are-proposed``, ``drafts-within-max-model-len``; with a step in flight (asynchronous
+  scheduling) also ``in-flight-foreseen-length``, ``in-flight-blocks-held-when-planned``,
+  ``in-flight-arrivals-wait`` and ``wasted-item-continues``.
 - :func:`sample`: a request whose chunk reached the end of its sequence appends its accepted drafts and
   the sampled token, stopping at the first that stops it (:func:`stop_reason`), and gives back its
   rejected drafts. Guard: none (the model chooses the tokens and what it accepts).
@@ -26,6 +28,14 @@ The rules about the plan as a whole guard the step itself: ``known-requests``, `
 ``sequence-cap``. Every rule's check is in :mod:`~schedspec.spec.rules` (``Rule.action`` names its
 action); :func:`apply_plan` assumes the plan is allowed and raises :class:`PlanError` only for plans it
 cannot apply at all.
+
+**A step in flight** (asynchronous scheduling, vLLM ``AsyncScheduler``: step n + 1 is planned while step n
+runs): the state after step n carries ``in_flight`` (:class:`~schedspec.spec.state.InFlightStep`), step n as
+it was when step n + 1 was planned, with what landed since: the requests step n's samples ended and those
+the client aborted after (:func:`abort_request`), and the blocks they freed. The plan of step n + 1 may
+still compute for those requests: :func:`apply_plan` skips those items (their tokens are **wasted**:
+``StepResult.num_wasted_tokens``) and records step n + 1 as in flight in the state after it
+(:func:`in_flight_after`). Without a step in flight (``in_flight is None``) every action is as above.
 
 Each action of a step updates a :class:`StepInProgress`, a working copy of the state that the step
 turns into the next :class:`SchedulerState`. Nothing else is mutated.
@@ -46,10 +56,12 @@ from schedspec.spec.prefix_cache import CacheUpdate
 from schedspec.spec.request import Request, RequestStatus
 from schedspec.spec.state import (
     NO_SPECULATION,
+    InFlightStep,
     ScheduledRequest,
     SchedulerState,
     SpeculativeOutput,
     StepPlan,
+    landed_plan,
     samples_this_step,
 )
 
@@ -102,6 +114,11 @@ def abort_request(state: SchedulerState, request_id: str) -> SchedulerState:
 
     Aborting a request that already ended, or an id never added, changes nothing (vLLM
     ``Scheduler.finish_requests`` skips ids it does not know).
+
+    With a step in flight (``state.in_flight``, asynchronous scheduling) the abort lands after the next plan
+    was made: the request joins ``in_flight.ended`` and its blocks ``in_flight.freed_blocks``, so that
+    plan's work for it is wasted and it hands none of those blocks out (vLLM ``Scheduler.finish_requests``
+    frees them at once; ``update_from_output`` then skips the request).
     """
     request = state.requests.get(request_id)
     if request is None:
@@ -117,6 +134,11 @@ def abort_request(state: SchedulerState, request_id: str) -> SchedulerState:
         update = CacheUpdate(cache, state.free_block_ids)
         update.release(request.block_ids)
         cache, free = update.freeze()
+    in_flight = state.in_flight
+    if in_flight is not None:
+        freed = {**in_flight.freed_blocks, request_id: request.block_ids} if request.block_ids else in_flight.freed_blocks
+        in_flight = attrs.evolve(in_flight, ended=MappingProxyType({**in_flight.ended, request_id: aborted}),
+                                 freed_blocks=MappingProxyType(freed))
     return attrs.evolve(
         state,
         waiting=tuple(r for r in state.waiting if r != request_id),
@@ -125,6 +147,7 @@ def abort_request(state: SchedulerState, request_id: str) -> SchedulerState:
         finished=state.finished.with_added({request_id: aborted}),
         free_block_ids=free,
         prefix_cache=cache,
+        in_flight=in_flight,
     )
 
 
@@ -204,6 +227,15 @@ class StepResult:
     """Requests that finished in this step (stop or length), in batch order."""
     sampled: tuple[str, ...]
     """Requests that sampled a token in this step, in batch order."""
+    wasted: tuple[ScheduledRequest, ...] = ()
+    """Asynchronous scheduling: the plan's items for requests that had ended while the step before was in
+    flight (:func:`~schedspec.spec.state.landed_plan`). Their tokens are computed and thrown away."""
+
+    @property
+    def num_wasted_tokens(self) -> int:
+        """**Wasted tokens**: tokens the step computed for requests that had already ended (the drafts they
+        verify included), the work asynchronous scheduling throws away; 0 for a synchronous engine."""
+        return sum(item.num_tokens for item in self.wasted)
 
 
 def preempt(step: StepInProgress, request_id: str) -> None:
@@ -389,13 +421,18 @@ def apply_plan(
             (:func:`propose_drafts`, applied after every sample).
 
     Returns:
-        :class:`StepResult`: the state after the step (``step`` advanced by one) and what ended.
+        :class:`StepResult`: the state after the step (``step`` advanced by one) and what ended. With a step
+        in flight (``state.in_flight``, asynchronous scheduling) the plan's items and preemptions for
+        requests that ended meanwhile do nothing: their tokens are the result's ``wasted`` work
+        (:func:`~schedspec.spec.state.landed_plan`); and the state after records this step as the one in
+        flight when the next plan was made (:func:`in_flight_after`).
 
     Raises:
         PlanError: a named request is not live, a sampling request has no sampled token, an accepted
             count is outside ``[0, d]`` or given for a request that verified no drafts, or a proposal
             is longer than ``num_speculative_tokens`` (:func:`propose_drafts`).
     """
+    plan, wasted = landed_plan(state, plan)  # a plan made with a step in flight: its wasted items do nothing
     step = StepInProgress.begin(state, config)
     for request_id in plan.preempted:
         preempt(step, request_id)
@@ -424,5 +461,28 @@ def apply_plan(
         sampled = set(step.sampled)
         for request_id, drafts in speculative.draft_token_ids.items():
             propose_drafts(step, request_id, drafts, sampled)
-    return step.end()
+    result = step.end()
+    if state.in_flight is None:
+        return result
+    return attrs.evolve(result, state=attrs.evolve(result.state, in_flight=in_flight_after(state, plan, result)),
+                        wasted=wasted)
+
+
+def in_flight_after(before: SchedulerState, plan: StepPlan, result: StepResult) -> InFlightStep:
+    """Asynchronous scheduling: the :class:`~schedspec.spec.state.InFlightStep` of the state after a step,
+    ``before`` the state before it and ``plan`` the part of its plan that landed. The next plan was made
+    while this step was in flight: over one placeholder per request that samples in it, plus the drafts it
+    verifies (vLLM ``AsyncScheduler._update_after_schedule``); the requests it ended (stop or length) and
+    the blocks they held were still live when that plan was made."""
+    placeholders = {item.request_id: 1 + len(item.spec_token_ids) for item in plan.scheduled
+                    if samples_this_step(before.requests[item.request_id], item)}
+    items = {item.request_id: item for item in plan.scheduled}
+    freed: dict[str, tuple[int, ...]] = {}
+    for request_id in result.finished:
+        item = items[request_id]
+        blocks = before.requests[request_id].block_ids + item.cached_block_ids + item.new_block_ids
+        if blocks:
+            freed[request_id] = blocks
+    return InFlightStep(before.step, plan, MappingProxyType(placeholders),
+                        MappingProxyType({r: result.state.finished[r] for r in result.finished}), MappingProxyType(freed))
 

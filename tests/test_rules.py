@@ -13,6 +13,7 @@ import attrs
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_in_flight import IN_FLIGHT_RULE_CASES
 from test_prefix_cache import PREFIX_RULE_CASES
 from test_speculative import SPEC_RULE_CASES
 
@@ -170,6 +171,7 @@ CASES: dict[str, Case] = {
 }
 CASES.update(PREFIX_RULE_CASES)  # the prefix-caching rules' cases live with the other prefix tests
 CASES.update(SPEC_RULE_CASES)  # and the speculative-decoding rules' with the speculative-decoding tests
+CASES.update(IN_FLIGHT_RULE_CASES)  # and the rules of a step in flight with its tests (test_in_flight.py)
 
 
 def test_every_rule_has_a_case() -> None:

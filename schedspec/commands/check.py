@@ -84,7 +84,8 @@ def command(trace: str, properties: tuple[str, ...], keep_going: bool, full: boo
     try:
         opened = open_trace(trace)
         report = check_trace(opened.config, opened.records(), DEFAULT_PROPERTIES + properties, keep_going,
-                             incremental=not full, allow_unfinished=allow_unfinished)
+                             incremental=not full, allow_unfinished=allow_unfinished,
+                             async_scheduling=opened.async_scheduling)
     except TraceFormatError as error:
         fail(str(error))
     if as_json:

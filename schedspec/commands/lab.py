@@ -60,7 +60,6 @@ from schedspec.reference.fake_model import AcceptanceModel
 from schedspec.reference.scheduler import EngineFault, UnknownScheduler, UnsupportedFeature
 from schedspec.spec.admission import rejection_code, rejection_reason
 from schedspec.spec.config import SchedulerConfig
-from schedspec.spec.trace import header_line
 
 DEFAULT_DURATION = 120.0
 """Seconds of trace time the default run replays (the first two minutes of the Azure conv trace)."""
@@ -1096,11 +1095,9 @@ def _run_one(name: str, scheduler: str, config: SchedulerConfig, window: list, t
             _progress.advance(_task, ended)
 
         def run(handle) -> LabResult:
-            if handle is not None:
-                handle.write(header_line(config, scheduler) + "\n")
             return run_lab(window, scheduler, config, token_source=token_source, cost_model=cost,
                            check=not no_check, steps_out=handle, on_progress=tick, max_steps=max_steps,
-                           acceptance=acceptance)
+                           acceptance=acceptance, steps_header=True)
 
         try:
             if steps_out is None:
