@@ -129,7 +129,7 @@ from typing import IO, Any
 from schedspec.reference.scheduler import EngineEnvironmentError, EngineView, UnsupportedFeature
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.prefix_cache import ROOT_HASH, max_hit_blocks, request_block_hash
-from schedspec.spec.request import Request
+from schedspec.spec.request import Request, printable
 from schedspec.spec.rules import REUSED_BY_HIT_IN_STEP, Violation, coded
 from schedspec.spec.state import NO_SPECULATION, ScheduledRequest, SchedulerState, SpeculativeOutput, StepPlan
 from schedspec.spec.workload import DEFAULT_VOCAB_SIZE, token_ids
@@ -148,6 +148,11 @@ DEFAULT_VERSION = "0.32"
 PATH_AHEAD: dict[str, tuple[str, Path]] = {"0.33": ("SCHEDSPEC_VLLM033_PATH", ROOT / ".vllm033")}
 """Versions run by the 0.32 environment's Python with a folder of the version's Python files first on
 ``sys.path``: version -> (environment variable naming the folder, default folder)."""
+
+
+ENGINE_FINISH_REASONS: dict[str, str] = {"stop": "stop", "length": "length", "max_model_len": "length"}
+"""The spec's finish reason of a request that stopped -> the string vLLM 0.32 and 0.33 report for it
+(``FinishReason`` in ``vllm/v1/engine/__init__.py``; both length limits are ``length``)."""
 
 
 PADDING_RULES = frozenset({"drafts-only-in-decodes", "drafts-are-proposed"})
@@ -512,6 +517,7 @@ class _VllmAdapter:
         self.refused: dict[str, str] = {}  # refused by the input processor, reported in the next plan
         self.refused_requests: dict[str, Request] = {}
         self.live: set[str] = set()  # ids given to vLLM that have not ended (as the spec sees them)
+        self.finish_reasons: dict[str, str] = {}  # the last update's finished ids -> vLLM's finish reason
         self.plan: StepPlan | None = None
         self.prepared: dict[str, Any] | None = None  # async: the next step, planned before this one's update
         self.plan_num_requests = 0  # requests vLLM held when it planned the current plan
@@ -639,9 +645,30 @@ class _VllmAdapter:
             self.prepared = self._call({"op": "schedule"})
         reply = self._call({"op": "update", "sampled": sampled, "drafts": drafts})
         self.plan = None
-        finished = tuple(request_id for request_id, _ in reply["finished"])
+        self.finish_reasons = dict(reply["finished"])
+        finished = tuple(self.finish_reasons)
         self.live.difference_update(finished)
         return finished
+
+    def finish_reason_mismatches(self, ended: Mapping[str, Request]) -> list[str]:
+        """The requests the last :meth:`update` finished whose vLLM finish reason is not the spec's, one
+        text each (the engine loop reports them as ``refinement`` mismatches).
+
+        ``ended``: the spec's terminal requests after the step, by id (a request the spec did not end is
+        named by the loop's comparison of the finished sets, not here). vLLM 0.32's reasons are the strings
+        of ``vllm.v1.engine.FinishReason`` (``stop``, ``length``, ``abort``, ``error``, ``repetition``);
+        the spec's ``max_model_len`` is vLLM's ``length`` (``check_stop`` in
+        ``vllm/v1/core/sched/utils.py`` sets ``FINISHED_LENGTH_CAPPED`` for both limits)."""
+        found = []
+        for request_id, reason in self.finish_reasons.items():
+            request = ended.get(request_id)
+            if request is None or request.finish_reason is None:
+                continue
+            expected = ENGINE_FINISH_REASONS.get(request.finish_reason, request.finish_reason)
+            if reason != expected:
+                found.append(f"vLLM finished request {printable(request_id)} with reason {printable(reason)}; "
+                             f"the spec ends it with {request.finish_reason} (vLLM's {expected})")
+        return found
 
     def close(self) -> None:
         """Drop vLLM's scheduler in the worker (the worker process stays for the next adapter)."""

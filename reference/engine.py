@@ -460,6 +460,10 @@ class Engine:
                         found.append(Violation(
                             "refinement", f"scheduler says finished {sorted(finished)}, spec says "
                             f"{sorted(outcome.finished)}", before.step, kind="mismatch"))
+                    reasons = getattr(self.scheduler, "finish_reason_mismatches", None)
+                    if reasons is not None:  # an engine adapter's own finish reasons against the spec's
+                        found += [Violation("refinement", text, before.step, kind="mismatch")
+                                  for text in reasons(outcome.after.finished)]
                     found += compare_own(outcome.after, outcome.finished, before.step)
                     report(found, outcome.after)
             after = outcome.after

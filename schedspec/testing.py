@@ -6,7 +6,8 @@
 
 - the **refinement check**: the plan is allowed from the spec state *before* the step
   (``violated_rules(state, plan, config) == []``), checked before the plan is executed;
-- the scheduler reports the same finished requests as the spec's :func:`apply_plan`, and, when it
+- the scheduler reports the same finished requests as the spec's :func:`apply_plan` (and, for an engine
+  adapter that reports them, ``finish_reason_mismatches``, the same finish reasons), and, when it
   exposes a ``state`` (reference schedulers), that state equals the spec's;
 - every state and step invariant (:func:`check_state`, :func:`check_step`);
 - the trace properties the scheduler guarantees (``scheduler.guarantees``), via their monitors.
@@ -349,6 +350,10 @@ class SchedulerStateMachine(RuleBasedStateMachine):
                 "refinement",
                 f"step {before.step}: scheduler says finished {sorted(reported)}, spec says {sorted(outcome.finished)}",
             )
+        reasons = getattr(self.scheduler, "finish_reason_mismatches", None)
+        mismatched = reasons(outcome.after.finished) if reasons is not None else []
+        if mismatched:  # an engine adapter's own finish reasons against the spec's (as the engine loop)
+            self._fail("refinement", f"step {before.step}: " + "; ".join(mismatched))
         found = outcome.invariant_violations
         if found:
             self._fail("invariant", f"after plan {plan}: {_lines(found)}", found)

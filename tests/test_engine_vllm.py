@@ -647,3 +647,29 @@ def test_diff_vllm_against_the_vllm_v1_profile_with_prefix_caching() -> None:
     assert "0 divergent (unexplained)" in result.output and "0 findings" in result.output
     assert "published earlier in the same step" in result.output
 
+
+
+class _RelabelsStops(VllmScheduler):
+    """vLLM as it runs, whose reported finish reasons say ``length`` for an end-of-sequence stop (a faulty
+    engine's output processing; the plans and finished sets are vLLM's own)."""
+
+    def update(self, plan, sampled_token_ids, *rest):
+        finished = super().update(plan, sampled_token_ids, *rest)
+        self.finish_reasons = {r: "length" if why == "stop" else why for r, why in self.finish_reasons.items()}
+        return finished
+
+
+def test_a_wrong_finish_reason_from_the_engine_is_a_refinement_mismatch():
+    """vLLM's own finish reasons are compared with the spec's (``finish_reason_mismatches``): the honest
+    adapter passes a run where one request stops on EOS and one on max_tokens; the same run with the
+    stop reported as ``length`` fails at the step of the stop, naming the request."""
+    config = SchedulerConfig(num_kv_blocks=32, block_size=4, max_num_batched_tokens=32, max_num_seqs=4,
+                             max_model_len=64)
+    specs = [RequestSpec("r0", prompt_len=6, max_tokens=8, eos_at_output=3, arrival_step=0, arrival_time=0.0),
+             RequestSpec("r1", prompt_len=5, max_tokens=4, arrival_step=0, arrival_time=0.0)]
+    honest = Engine(make_scheduler("vllm", config), config, properties=()).run(specs, max_steps=100)
+    assert not honest.violations and honest.state.finished["r0"].finish_reason == "stop"
+    assert honest.state.finished["r1"].finish_reason == "length"
+    faulty = Engine(_RelabelsStops(config), config, properties=()).run(specs, max_steps=100)
+    assert [v.name for v in faulty.violations] == ["refinement"]
+    assert "request r0 with reason length" in str(faulty.violations[0])
