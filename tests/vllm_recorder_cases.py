@@ -2,11 +2,11 @@
 ``tests/test_recorder_refusals.py`` (not collected by pytest: it needs vLLM). vLLM's ``Scheduler`` is
 built as the standalone adapter's worker builds it (``engines/vllm_worker.py``, no model runner) with the
 recorder's ``RecordingScheduler`` as its class; each case prints ``CASE <name> <JSON>`` with what it saw.
-Usage: ``python vllm_recorder_cases.py FOLDER`` (traces are written under FOLDER)."""
+Usage: ``python vllm_recorder_cases.py FOLDER [VLLM_DIR]`` (traces are written under FOLDER; VLLM_DIR, e.g.
+``.vllm033``, is put first on ``sys.path``, as the worker's ``--path-ahead``)."""
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import json
 import os
@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 FOLDER = Path(sys.argv[1])
 spec = importlib.util.spec_from_file_location("vllm_worker", ROOT / "engines" / "vllm_worker.py")
 worker_module = importlib.util.module_from_spec(spec)
-saved, sys.argv = sys.argv, [str(ROOT / "engines" / "vllm_worker.py")]
+ahead = ["--path-ahead", sys.argv[2]] if len(sys.argv) > 2 else []
+saved, sys.argv = sys.argv, [str(ROOT / "engines" / "vllm_worker.py"), *ahead]
 spec.loader.exec_module(worker_module)
 sys.argv = saved
 import schedspec_vllm_recorder as recorder  # noqa: E402  (the worker put its folder on sys.path)
@@ -160,5 +161,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    import vllm
+
+    print(f"VLLM {vllm.__version__}", flush=True)
     main()
-    _ = dataclasses

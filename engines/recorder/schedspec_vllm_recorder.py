@@ -9,9 +9,11 @@ with this file's folder on the engine's ``PYTHONPATH`` and ``SCHEDSPEC_TRACE=/pa
 environment (docs/check-your-running-vllm.md).
 
 This file imports only the standard library and ``vllm`` (it runs in the engine's own environment,
-which need not have schedspec's dependencies); ``engines/vllm_worker.py`` imports
-:func:`scheduled_items` from it, so the standalone ``vllm`` adapter and the recorder map a
-``SchedulerOutput`` onto the spec with the same code.
+which need not have schedspec's dependencies), and loads the spec's stop rule from ``spec/stop_rule.py``
+of the same checkout by its path (:data:`STOP_RULE`: a file that imports nothing, so that the recorder
+and ``schedspec check`` decide with one definition); ``engines/vllm_worker.py`` imports
+:func:`scheduled_items` and :class:`PreemptionOrder` from it, so the standalone ``vllm`` adapter and the
+recorder map a ``SchedulerOutput`` and the order of preemptions onto the spec with the same code.
 
 **What one record holds** (vLLM -> trace; vLLM block ``b`` is trace block ``b - 1``, because vLLM's
 ``BlockPool`` keeps block 0 as its null block, so ``num_kv_blocks = num_gpu_blocks - 1``):
@@ -21,9 +23,10 @@ which need not have schedspec's dependencies); ``engines/vllm_worker.py`` import
   ``arrival_time`` (``Request.arrival_time``, wall clock seconds, set by the front end), ``priority``,
   stop conditions (``SamplingParams.eos_token_id``, null under ``ignore_eos``; ``stop_token_ids``;
   ``min_tokens``) and the prompt as hashed blocks (``block_hash_ids``, ``hash_block_tokens =
-  block_size``): block ``k``'s id is a number the recorder gives each distinct (previous block's id,
-  block ``k``'s token ids), so two prompts share trace ids exactly where they share a token prefix,
-  which is all the spec's prefix cache needs (the tokens themselves are not written).
+  block_size``, :func:`block_hash_ids`): block ``k``'s id is a number the recorder gives each distinct
+  (previous block's id, block ``k``'s token ids), block 0's keyed by the request's LoRA adapter and
+  ``cache_salt`` as well (:func:`hash_extra`), so two prompts share trace ids exactly where vLLM's block
+  hashes can match (the tokens themselves are not written).
 - ``aborts``/``aborted``: ``Scheduler.finish_requests`` of live requests since the last step (the front
   end's aborts: a client that disconnects, a stop string). An abort that lands while a step is in
   flight (``EngineCore._process_aborts_queue`` runs between ``schedule()`` and
@@ -41,6 +44,9 @@ which need not have schedspec's dependencies); ``engines/vllm_worker.py`` import
   chunk that does not reach the end of the sequence); ``finished``: the requests whose
   ``EngineCoreOutput`` carries a finish reason, in the spec's words (``stop``; ``length``, or
   ``max_model_len`` when the request reached ``max_model_len`` tokens).
+- The engine core's shutdown aborts every live request after its last step (``finish_requests(None)``);
+  :meth:`shutdown` writes them in one last step with nothing scheduled (not when a step is in flight,
+  which an engine core never leaves at shutdown).
 - ``start_time``: wall clock when ``schedule()`` began; ``duration``: until ``update_from_output()``
   began (planning, the forward pass and sampling); ``num_free_blocks``, ``num_running``,
   ``num_waiting``: the block pool's free count and ``Scheduler.get_request_counts`` after the update.
@@ -64,11 +70,19 @@ outside vLLM's calls, is summed in ``RecordingScheduler.recorder_seconds`` (``pe
 ``benchmarks/scheduler_overhead.py --recorder`` sets it beside ``schedule()``'s time at 256 running
 requests, with the process's CPU time (the writer thread's included).
 
-**Limits.** ``AsyncScheduler`` (``async_scheduling``) is refused at start (:class:`RecorderError`): its
-plans are made over placeholders for the step in flight, which the trace format does not describe yet
-(issue 24 part 2). Speculative decoding, KV connectors, encoder inputs and hybrid KV cache groups are
-refused too. One engine core writes one file; data parallelism needs one ``SCHEDSPEC_TRACE`` per engine
-core (not provided).
+**Limits.** What the spec cannot judge is refused with a one-line :class:`RecorderError` naming the option
+or field, never recorded wrongly (docs/check-your-running-vllm.md says what the user sees). At start
+(:func:`_refuse_config`): ``AsyncScheduler`` (``async_scheduling``: its plans are made over placeholders
+for the step in flight, which the trace format does not describe yet, issue 24 part 2), pipeline
+parallelism (``max_concurrent_batches`` > 1: ``step_with_batch_queue`` plans again before an update),
+data parallelism (every engine core would open the one file), ``long_prefill_token_threshold_adaptive``,
+speculative decoding, KV connectors, more than one KV cache group and any KV cache spec but
+``FullAttentionSpec``. At ``add_request``, before vLLM holds the request (:func:`_refuse_request`):
+pooling, prompt embeddings, multimodal inputs, resumable (streaming-input) requests, structured outputs
+(the spec's grammar wait is another branch's; refused until the trace format carries it) and repetition
+detection. ``reset_prefix_cache`` is refused (the cache is not reset: the trace format cannot say it).
+A finish reason other than ``stop``/``length`` out of ``update_from_output`` (``FINISHED_ERROR``, which
+vLLM gives inside the update) stops the engine; it is never written as a client's abort.
 """
 
 from __future__ import annotations
