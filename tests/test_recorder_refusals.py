@@ -2,8 +2,9 @@
 spec cannot judge: options and request fields it refuses with ``RecorderError``, prompt hashes keyed as
 vLLM keys its block hashes, the limits the scheduler enforces in the header, the engine's own finishes
 kept apart from client aborts, and the shutdown's aborts written. The pure functions run here; the
-scheduler-level cases run once in the vLLM environment (``tests/vllm_recorder_cases.py``, vLLM's
-``Scheduler`` without a model runner, about 25 s on the 2-core machine)."""
+scheduler-level cases run once per vLLM version (0.32 and 0.33) in the vLLM environment
+(``tests/vllm_recorder_cases.py``, vLLM's ``Scheduler`` without a model runner, about 25 s each on the
+2-core machine at load 10)."""
 
 from __future__ import annotations
 
@@ -64,17 +65,22 @@ def test_recorder_stop_rule_is_the_spec_one():
     assert _recorder()._spec_stop_reason(loaded, request, 3, 12) == "max_model_len"
 
 
-@pytest.fixture(scope="module")
-def cases(tmp_path_factory):
-    from schedspec.engines.vllm import EngineUnavailable, vllm_python
+@pytest.fixture(scope="module", params=["0.32", "0.33"])
+def cases(request, tmp_path_factory):
+    """The cases' findings by name, for each vLLM version (both refuse and hash alike)."""
+    from schedspec.engines.vllm import EngineUnavailable, vllm_path_ahead, vllm_python
 
     try:
         python = vllm_python()
+        ahead = vllm_path_ahead(request.param)
     except EngineUnavailable as error:
-        pytest.skip(f"the vLLM environment is not installed: {error}")
+        pytest.skip(f"vLLM {request.param} is not installed: {error}")
     folder = tmp_path_factory.mktemp("recorder-cases")
-    done = subprocess.run([str(python), str(CASES), str(folder)], capture_output=True, text=True, timeout=600)
+    done = subprocess.run([str(python), str(CASES), str(folder), *([str(ahead)] if ahead else [])],
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
+    version = next(line.split()[1] for line in done.stdout.splitlines() if line.startswith("VLLM "))
+    assert version.startswith(request.param), version
     found = {}
     for line in done.stdout.splitlines():
         if line.startswith("CASE "):
@@ -129,6 +135,13 @@ def test_prompts_are_hashed_with_salt_and_lora(cases):
     assert arrivals["salted"] == arrivals["salted-too"]
     assert not set(arrivals["plain"]) & set(arrivals["salted"])
     assert not set(arrivals["plain"]) & set(arrivals["lora"])
+
+
+def test_worker_config_error_is_not_rewrapped(cases):
+    """``engines/vllm_worker.py``: its own ``ConfigError`` (here ``num_lookahead_tokens`` the n-gram drafter
+    lacks) reaches the client as itself, not re-wrapped by the ``except`` for vLLM's refusals."""
+    found = cases["config-error"]
+    assert found["type"] == "ConfigError" and found["message"].startswith("num_lookahead_tokens=1"), found
 
 
 def test_shutdown_aborts_are_written(cases):

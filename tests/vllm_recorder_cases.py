@@ -138,7 +138,7 @@ def main() -> None:
     w.update({"sampled": {}})
     # -- an engine-initiated finish inside update_from_output is not a client's abort
     output = w.schedule({})
-    s.grammar_compile_error_reqs.add("plain")
+    s.encoder_cache_mismatch_reqs.add("plain")  # a set in 0.32 and 0.33: finished FINISHED_ERROR in the update
     error = refused(lambda: w.update({"sampled": {r: 5 for r in output["scheduled"] and
                                                  [item[0] for item in output["scheduled"]]}}))
     report("update-error", error=error)
@@ -146,6 +146,13 @@ def main() -> None:
     records = [json.loads(line) for line in Path(path).read_text().splitlines()[1:]]
     arrivals = {a["request_id"]: a["block_hash_ids"] for r in records for a in r["arrivals"]}
     report("hashes", arrivals=arrivals, aborted=[r["aborted"] for r in records])
+
+    # -- the worker's own refusal keeps its type and message (not re-wrapped as a vLLM refusal)
+    try:
+        worker_module.Worker(dict(CONFIG, enable_prefix_caching=False, num_lookahead_tokens=1), "fcfs", False, 1000)
+        report("config-error", type=None, message=None)
+    except worker_module.ConfigRefused as error:
+        report("config-error", type=type(error).__name__, message=str(error))
 
     # -- shutdown aborts every live request: written as one last record
     w, path = worker()
