@@ -147,5 +147,10 @@ def test_worker_config_error_is_not_rewrapped(cases):
 def test_shutdown_aborts_are_written(cases):
     """The engine core's shutdown aborts every live request (``finish_requests(None)``) after its last
     step; the recorder writes them in one last, empty step, with the blocks freed."""
+    from schedspec.spec.checker import check_trace
+    from schedspec.spec.trace import open_trace
+
     found = cases["shutdown"]
     assert found["aborted"][-1] == ["a"] and found["scheduled"][-1] == 0 and found["freed"][-1]["a"]
+    trace = open_trace(found["trace"])
+    assert check_trace(trace.config, list(trace.records())).first_bad_step is None  # a legal last step

@@ -163,7 +163,7 @@ def main() -> None:
     s.finish_requests(None, RequestStatus.FINISHED_ABORTED)
     s.shutdown()
     records = [json.loads(line) for line in Path(path).read_text().splitlines()[1:]]
-    report("shutdown", aborted=[r["aborted"] for r in records], scheduled=[len(r["scheduled"]) for r in records],
+    report("shutdown", trace=path, aborted=[r["aborted"] for r in records], scheduled=[len(r["scheduled"]) for r in records],
            freed=[r["blocks_freed"] for r in records])
 
 
