@@ -693,7 +693,8 @@ class VllmScheduler(_VllmAdapter):
         policy: ``"fcfs"`` or ``"priority"`` (vLLM ``SchedulerConfig.policy``).
 
     Raises:
-        UnsupportedFeature: prefix caching on, an unknown policy, or a config vLLM refuses.
+        UnsupportedFeature: prefix caching with async scheduling, speculative decoding with async
+            scheduling, ``num_lookahead_tokens`` > 0, an unknown policy, or a config vLLM refuses.
         EngineUnavailable: no vLLM environment (how to install it is in the message).
         EngineStartError: ``$SCHEDSPEC_VLLM_PYTHON`` names no file, or the worker died before its first reply.
         EngineError: the worker failed.

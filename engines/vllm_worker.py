@@ -93,7 +93,7 @@ TINY_LLAMA = {
 length limits and whether it is a plain decoder (no multimodal, no mamba, no sliding window)."""
 
 
-from schedspec_vllm_recorder import scheduled_items  # noqa: E402  (after the path set-up above)
+from schedspec_vllm_recorder import PreemptionOrder, scheduled_items  # noqa: E402  (after the path set-up above)
 
 
 class ConfigRefused(Exception):
@@ -170,11 +170,11 @@ class Worker:
                 model_config=model_config, scheduler_config=scheduler_config, cache_config=cache_config,
                 speculative_config=speculative_config,
             )
-            if vllm_config.num_lookahead_tokens != int(config.get("num_lookahead_tokens", 0)):
-                raise ConfigError(f"num_lookahead_tokens={config.get('num_lookahead_tokens', 0)}: the n-gram "
-                                  f"drafter has num_lookahead_tokens={vllm_config.num_lookahead_tokens}")
         except Exception as error:  # noqa: BLE001  (vLLM validates with pydantic and ValueError)
             raise ConfigRefused(f"{type(error).__name__}: {error}") from None
+        if vllm_config.num_lookahead_tokens != int(config.get("num_lookahead_tokens", 0)):
+            raise ConfigError(f"num_lookahead_tokens={config.get('num_lookahead_tokens', 0)}: the n-gram "
+                              f"drafter has num_lookahead_tokens={vllm_config.num_lookahead_tokens}")
         kv_cache_config = KVCacheConfig(
             num_blocks=self.num_kv_blocks + 1,
             kv_cache_tensors=[],
@@ -199,24 +199,18 @@ class Worker:
             init_none_hash(hash_function)
             self.block_hasher = get_request_block_hasher(self.block_size, hash_function)
         scheduler_class = base or (AsyncScheduler if async_scheduling else Scheduler)
-        worker = self
-
-        class RecordingScheduler(scheduler_class):  # type: ignore[misc, valid-type]
-            """vLLM's scheduler, unchanged but for recording the order of its preemptions
-            (``SchedulerOutput.preempted_req_ids`` is a set; the spec prepends in order)."""
-
-            def _preempt_request(self, request, *args, **kwargs):
-                worker.preempted.append(request.request_id)
-                return super()._preempt_request(request, *args, **kwargs)
-
-        self.scheduler = RecordingScheduler(
+        if not issubclass(scheduler_class, PreemptionOrder):
+            # the order of preemptions (the recorder's hook; its RecordingScheduler has it already)
+            scheduler_class = type(f"PreemptionOrder{scheduler_class.__name__}", (PreemptionOrder, scheduler_class),
+                                   {})
+        self.scheduler = scheduler_class(
             vllm_config=vllm_config,
             kv_cache_config=kv_cache_config,
             structured_output_manager=StructuredOutputManager(vllm_config),
             block_size=self.block_size,
             log_stats=False,
         )
-        self.preempted: list[str] = []
+        self.scheduler.preempted_order = []
         self.async_scheduling = async_scheduling
         # SchedulerOutputs planned and not yet updated, oldest first: at most one for the Scheduler, two
         # for the AsyncScheduler (step n+1 is planned before step n's output is processed).
@@ -251,14 +245,14 @@ class Worker:
     def schedule(self, message: dict) -> dict:
         if len(self.in_flight) >= (2 if self.async_scheduling else 1):
             raise RuntimeError(f"schedule with {len(self.in_flight)} steps in flight")
-        self.preempted = []
+        preempted = self.scheduler.preempted_order = []
         num_running, num_waiting = self.scheduler.get_request_counts()  # what schedule() reads first
         output = self.scheduler.schedule()
         self.in_flight.append(output)
         scheduled = scheduled_items(output, self.block_size)  # the recorder's mapping, shared (drafts included)
-        if set(self.preempted) != set(output.preempted_req_ids):
-            raise RuntimeError(f"recorded preemptions {self.preempted} != {sorted(output.preempted_req_ids)}")
-        return {"scheduled": scheduled, "preempted": list(self.preempted), "num_requests": num_running + num_waiting}
+        if set(preempted) != set(output.preempted_req_ids):
+            raise RuntimeError(f"recorded preemptions {preempted} != {sorted(output.preempted_req_ids)}")
+        return {"scheduled": scheduled, "preempted": list(preempted), "num_requests": num_running + num_waiting}
 
     def update(self, message: dict) -> dict:
         from vllm.v1.outputs import ModelRunnerOutput

@@ -34,6 +34,7 @@ from schedspec.spec.config import SchedulerConfig, blocks_for_tokens
 from schedspec.spec.persistent import TerminalRequests, evolve_request
 from schedspec.spec.request import Request, RequestStatus
 from schedspec.spec.state import ScheduledRequest, SchedulerState, StepPlan
+from schedspec.spec.stop_rule import stop_reason_of
 from schedspec.spec.transitions import PlanError
 
 from . import policies
@@ -429,17 +430,11 @@ class FastFcfsScheduler:
             if num_tokens < record.end_tokens and token_id not in record.stop_ids:
                 continue  # none of the reasons below holds
             request = record.request
-            # spec.transitions.stop_reason
-            if len(outputs) >= request.min_tokens and (
-                    (request.eos_token_id is not None and token_id == request.eos_token_id)
-                    or token_id in request.stop_token_ids):
-                status, reason = RequestStatus.FINISHED_STOPPED, "stop"
-            elif num_tokens >= max_model_len:
-                status, reason = RequestStatus.FINISHED_LENGTH, "max_model_len"
-            elif len(outputs) >= request.max_tokens:
-                status, reason = RequestStatus.FINISHED_LENGTH, "length"
-            else:
+            reason = stop_reason_of(token_id, len(outputs), num_tokens, request.eos_token_id,  # the spec's rule
+                                    request.stop_token_ids, request.min_tokens, request.max_tokens, max_model_len)
+            if reason is None:
                 continue
+            status = RequestStatus.FINISHED_STOPPED if reason == "stop" else RequestStatus.FINISHED_LENGTH
             del live[request_id]
             running.remove(request_id)
             free.extend(record.block_ids)  # front of the queue, last block first

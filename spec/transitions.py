@@ -64,6 +64,7 @@ from schedspec.spec.state import (
     landed_plan,
     samples_this_step,
 )
+from schedspec.spec.stop_rule import stop_reason_of
 
 
 class PlanError(ValueError):
@@ -386,18 +387,15 @@ def stop_reason(request: Request, config: SchedulerConfig) -> tuple[RequestStatu
     allowed token is a stop; then ``max_model_len`` total tokens or ``max_tokens`` outputs end it
     ``FINISHED_LENGTH`` (``max_model_len``, ``length``). ``min_tokens``: vLLM's sampler never samples
     EOS or a stop id before ``min_tokens`` outputs (its min-tokens logits processor), so the spec does
-    not stop on one sampled earlier.
+    not stop on one sampled earlier. The rule itself is :func:`spec.stop_rule.stop_reason_of`, shared
+    with the whole-engine recorder.
     """
-    outputs = request.output_token_ids
-    last = outputs[-1]
-    if len(outputs) >= request.min_tokens and (
-            (request.eos_token_id is not None and last == request.eos_token_id) or last in request.stop_token_ids):
-        return RequestStatus.FINISHED_STOPPED, "stop"
-    if request.num_tokens >= config.max_model_len:
-        return RequestStatus.FINISHED_LENGTH, "max_model_len"
-    if len(outputs) >= request.max_tokens:
-        return RequestStatus.FINISHED_LENGTH, "length"
-    return None
+    reason = stop_reason_of(request.output_token_ids[-1], len(request.output_token_ids), request.num_tokens,
+                            request.eos_token_id, request.stop_token_ids, request.min_tokens, request.max_tokens,
+                            config.max_model_len)
+    if reason is None:
+        return None
+    return (RequestStatus.FINISHED_STOPPED if reason == "stop" else RequestStatus.FINISHED_LENGTH), reason
 
 
 def apply_plan(

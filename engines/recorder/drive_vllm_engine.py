@@ -86,15 +86,32 @@ def _engine_args(run: dict, cls: type):
 def run_llm(run: dict, cls: type) -> object:
     """One ``llm`` run (module docstring); returns the recording scheduler."""
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.inputs import TokensPrompt
     from vllm.v1.engine.llm_engine import LLMEngine
 
     engine = LLMEngine.from_engine_args(EngineArgs(**_engine_args(run, cls)))
     requests = run["requests"]
     scheduler = engine.engine_core.engine_core.scheduler
-    errors = []
+    errors: list[str] = []
+    try:
+        _step_llm(run, engine, scheduler, requests, errors)
+    finally:
+        try:
+            engine.engine_core.shutdown()
+        except recorder.RecorderError as error:
+            errors.append(f"shutdown: {error}")
+    if "disk_full_at_step" in run:
+        print(f"ERRORS {run['trace']} {json.dumps(errors)}", flush=True)
+    elif errors:
+        raise RuntimeError(errors)
+    return scheduler
+
+
+def _step_llm(run: dict, engine, scheduler, requests: list[dict], errors: list[str]) -> int:  # noqa: ANN001
+    """Step ``engine`` through the run (:func:`run_llm`); RecorderErrors of ``engine.step()`` go to
+    ``errors``; returns the steps taken."""
+    from vllm.inputs import TokensPrompt
+
     step = 0
-    internal: dict[str, str] = {}
     limits = {spec["id"]: spec.get("abort_after_tokens") for spec in requests}
     in_flight_abort = {spec["id"]: spec.get("abort_in_flight", False) for spec in requests}
     core = engine.engine_core.engine_core
@@ -103,8 +120,8 @@ def run_llm(run: dict, cls: type) -> object:
     while True:
         for spec in requests:
             if spec["arrive_step"] == step:
-                internal[spec["id"]] = engine.add_request(spec["id"], TokensPrompt(prompt_token_ids=spec["prompt"]),
-                                                          _params(spec), priority=spec["priority"]) or spec["id"]
+                engine.add_request(spec["id"], TokensPrompt(prompt_token_ids=spec["prompt"]), _params(spec),
+                                   priority=spec["priority"])
         aborts = [spec["id"] for spec in requests if spec.get("abort_step") == step]
         aborts += [request_id for request_id, count in produced.items()
                    if count >= (limits.get(request_id) or 1 << 30) and request_id not in aborted]
@@ -140,15 +157,7 @@ def run_llm(run: dict, cls: type) -> object:
             else:
                 produced.pop(output.request_id, None)
         step += 1
-    try:
-        engine.engine_core.shutdown()
-    except recorder.RecorderError as error:
-        errors.append(f"shutdown: {error}")
-    if "disk_full_at_step" in run:
-        print(f"ERRORS {run['trace']} {json.dumps(errors)}", flush=True)
-    elif errors:
-        raise RuntimeError(errors)
-    return scheduler
+    return step
 
 
 async def _run_async(run: dict, cls: type) -> None:
@@ -186,7 +195,8 @@ async def _run_async(run: dict, cls: type) -> None:
 
 
 def main() -> None:
-    runs = json.load(open(sys.argv[1], encoding="utf-8"))
+    with open(sys.argv[1], encoding="utf-8") as handle:
+        runs = json.load(handle)
     for run in runs:
         os.environ[recorder.TRACE_VARIABLE] = run["trace"]
         cls = FAULTS[run["faulty"]] if run.get("faulty") else recorder.RecordingScheduler

@@ -9,9 +9,11 @@ with this file's folder on the engine's ``PYTHONPATH`` and ``SCHEDSPEC_TRACE=/pa
 environment (docs/check-your-running-vllm.md).
 
 This file imports only the standard library and ``vllm`` (it runs in the engine's own environment,
-which need not have schedspec's dependencies); ``engines/vllm_worker.py`` imports
-:func:`scheduled_items` from it, so the standalone ``vllm`` adapter and the recorder map a
-``SchedulerOutput`` onto the spec with the same code.
+which need not have schedspec's dependencies), and loads the spec's stop rule from ``spec/stop_rule.py``
+of the same checkout by its path (:data:`STOP_RULE`: a file that imports nothing, so that the recorder
+and ``schedspec check`` decide with one definition); ``engines/vllm_worker.py`` imports
+:func:`scheduled_items` and :class:`PreemptionOrder` from it, so the standalone ``vllm`` adapter and the
+recorder map a ``SchedulerOutput`` and the order of preemptions onto the spec with the same code.
 
 **What one record holds** (vLLM -> trace; vLLM block ``b`` is trace block ``b - 1``, because vLLM's
 ``BlockPool`` keeps block 0 as its null block, so ``num_kv_blocks = num_gpu_blocks - 1``):
@@ -21,9 +23,10 @@ which need not have schedspec's dependencies); ``engines/vllm_worker.py`` import
   ``arrival_time`` (``Request.arrival_time``, wall clock seconds, set by the front end), ``priority``,
   stop conditions (``SamplingParams.eos_token_id``, null under ``ignore_eos``; ``stop_token_ids``;
   ``min_tokens``) and the prompt as hashed blocks (``block_hash_ids``, ``hash_block_tokens =
-  block_size``): block ``k``'s id is a number the recorder gives each distinct (previous block's id,
-  block ``k``'s token ids), so two prompts share trace ids exactly where they share a token prefix,
-  which is all the spec's prefix cache needs (the tokens themselves are not written).
+  block_size``, :func:`block_hash_ids`): block ``k``'s id is a number the recorder gives each distinct
+  (previous block's id, block ``k``'s token ids), block 0's keyed by the request's LoRA adapter and
+  ``cache_salt`` as well (:func:`hash_extra`), so two prompts share trace ids exactly where vLLM's block
+  hashes can match (the tokens themselves are not written).
 - ``aborts``/``aborted``: ``Scheduler.finish_requests`` of live requests since the last step (the front
   end's aborts: a client that disconnects, a stop string). An abort that lands while a step is in
   flight (``EngineCore._process_aborts_queue`` runs between ``schedule()`` and
@@ -41,6 +44,9 @@ which need not have schedspec's dependencies); ``engines/vllm_worker.py`` import
   chunk that does not reach the end of the sequence); ``finished``: the requests whose
   ``EngineCoreOutput`` carries a finish reason, in the spec's words (``stop``; ``length``, or
   ``max_model_len`` when the request reached ``max_model_len`` tokens).
+- The engine core's shutdown aborts every live request after its last step (``finish_requests(None)``);
+  :meth:`shutdown` writes them in one last step with nothing scheduled (not when a step is in flight,
+  which an engine core never leaves at shutdown).
 - ``start_time``: wall clock when ``schedule()`` began; ``duration``: until ``update_from_output()``
   began (planning, the forward pass and sampling); ``num_free_blocks``, ``num_running``,
   ``num_waiting``: the block pool's free count and ``Scheduler.get_request_counts`` after the update.
@@ -64,11 +70,19 @@ outside vLLM's calls, is summed in ``RecordingScheduler.recorder_seconds`` (``pe
 ``benchmarks/scheduler_overhead.py --recorder`` sets it beside ``schedule()``'s time at 256 running
 requests, with the process's CPU time (the writer thread's included).
 
-**Limits.** ``AsyncScheduler`` (``async_scheduling``) is refused at start (:class:`RecorderError`): its
-plans are made over placeholders for the step in flight, which the trace format does not describe yet
-(issue 24 part 2). Speculative decoding, KV connectors, encoder inputs and hybrid KV cache groups are
-refused too. One engine core writes one file; data parallelism needs one ``SCHEDSPEC_TRACE`` per engine
-core (not provided).
+**Limits.** What the spec cannot judge is refused with a one-line :class:`RecorderError` naming the option
+or field, never recorded wrongly (docs/check-your-running-vllm.md says what the user sees). At start
+(:func:`_refuse_config`): ``AsyncScheduler`` (``async_scheduling``: its plans are made over placeholders
+for the step in flight, which the trace format does not describe yet, issue 24 part 2), pipeline
+parallelism (``max_concurrent_batches`` > 1: ``step_with_batch_queue`` plans again before an update),
+data parallelism (every engine core would open the one file), ``long_prefill_token_threshold_adaptive``,
+speculative decoding, KV connectors, more than one KV cache group and any KV cache spec but
+``FullAttentionSpec``. At ``add_request``, before vLLM holds the request (:func:`_refuse_request`):
+pooling, prompt embeddings, multimodal inputs, resumable (streaming-input) requests, structured outputs
+(the spec's grammar wait is another branch's; refused until the trace format carries it) and repetition
+detection. ``reset_prefix_cache`` is refused (the cache is not reset: the trace format cannot say it).
+A finish reason other than ``stop``/``length`` out of ``update_from_output`` (``FINISHED_ERROR``, which
+vLLM gives inside the update) stops the engine; it is never written as a client's abort.
 """
 
 from __future__ import annotations
@@ -126,22 +140,61 @@ def scheduled_items(output: Any, block_size: int) -> list[tuple[Any, ...]]:
     return items
 
 
-def _spec_stop_reason(request: Any, token: int, max_model_len: int) -> str | None:
+STOP_RULE = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir, "spec",
+                         "stop_rule.py")
+"""The spec's stop rule (``spec/stop_rule.py`` of the same schedspec checkout): a file that imports nothing,
+loaded by its path, because this module runs in the engine's Python, which cannot import schedspec; the
+recorder must decide an in-flight abort's fate by the very rule ``schedspec check`` applies."""
+
+
+def _load_stop_rule() -> Any:
+    """``stop_reason_of`` from :data:`STOP_RULE`; raises :class:`RecorderError` if the file is missing
+    (the recorder was copied out of its checkout)."""
+    import importlib.util
+
+    path = os.path.normpath(STOP_RULE)
+    if not os.path.isfile(path):
+        raise RecorderError(f"schedspec recorder: {path} is missing: run the recorder from a schedspec "
+                            "checkout (engines/recorder beside spec/), not a copy of the file alone")
+    loaded = importlib.util.spec_from_file_location("schedspec_stop_rule", path)
+    module = importlib.util.module_from_spec(loaded)
+    loaded.loader.exec_module(module)
+    return module.stop_reason_of
+
+
+def stop_conditions(params: Any) -> tuple[int | None, tuple[int, ...], int]:
+    """A request's stop conditions as the spec reads them, from its ``SamplingParams`` (or ``None``):
+    ``(eos_token_id, stop_token_ids, min_tokens)``, the EOS id ``None`` under ``ignore_eos``."""
+    if params is None:
+        return None, (), 0
+    return (None if params.ignore_eos else params.eos_token_id,
+            tuple(int(t) for t in params.stop_token_ids or ()), params.min_tokens)
+
+
+def _spec_stop_reason(stop_rule: Any, request: Any, token: int, max_model_len: int) -> str | None:
     """Whether ``token``, sampled for ``request`` (a vLLM ``Request`` that has not appended it), ends it,
-    and the spec's reason (schedspec ``spec/transitions.py`` ``stop_reason``, which follows vLLM 0.32
-    ``vllm/v1/core/sched/utils.py`` ``check_stop``)."""
-    params = request.sampling_params
-    outputs = len(request.output_token_ids) + 1
-    eos = None if params is None or params.ignore_eos else params.eos_token_id
-    stop_ids = list(params.stop_token_ids or ()) if params is not None else []
-    min_tokens = params.min_tokens if params is not None else 0
-    if outputs >= min_tokens and ((eos is not None and token == eos) or token in stop_ids):
-        return "stop"
-    if request.num_tokens + 1 >= max_model_len:
-        return "max_model_len"
-    if outputs >= request.max_tokens:
-        return "length"
-    return None
+    and the spec's reason (``stop_rule``: :func:`_load_stop_rule`, the spec's own rule)."""
+    eos, stop_ids, min_tokens = stop_conditions(request.sampling_params)
+    return stop_rule(token, len(request.output_token_ids) + 1, request.num_tokens + 1, eos, stop_ids, min_tokens,
+                     request.max_tokens, max_model_len)
+
+
+def block_hash_ids(prompt: tuple[int, ...], block_size: int, extra: tuple[Any, ...],
+                   table: dict[Any, int]) -> list[int]:
+    """The trace's ``block_hash_ids`` of a prompt (a tuple of token ids): block ``k``'s id is the number
+    ``table`` (shared by all the trace's prompts, filled here) gives the key (block ``k - 1``'s id, block
+    ``k``'s token ids); block 0's key is (``extra``, its tokens). ``extra`` is what vLLM puts into a
+    block's hash besides the tokens (vLLM 0.32/0.33 ``vllm/v1/core/kv_cache_utils.py``
+    ``generate_block_hash_extra_keys``): the LoRA adapter (name and path, in every block there; here in
+    block 0, which every later block's key chains on) and the ``cache_salt`` (block 0 there too); ``()``
+    for neither. So two prompts share ids exactly where vLLM may share KV blocks. (Multimodal inputs and
+    prompt embeddings, vLLM's other extra keys, are refused by the recorder.)"""
+    hash_ids: list[int] = []
+    parent: Any = ("first", extra)
+    for begin in range(0, len(prompt), block_size):
+        parent = table.setdefault((parent, prompt[begin:begin + block_size]), len(table))
+        hash_ids.append(parent)
+    return hash_ids
 
 
 _STOP = object()
@@ -169,7 +222,7 @@ class _Writer:
         self.max_model_len = max_model_len
         self.error: BaseException | None = None
         self.queue: queue.Queue[Any] = queue.Queue(maxsize=QUEUE_STEPS)
-        self.hash_ids: dict[tuple[int, tuple[int, ...]], int] = {}
+        self.hash_ids: dict[Any, int] = {}
         self.thread = threading.Thread(target=self._run, name="schedspec-recorder-writer", daemon=True)
         self.thread.start()
 
@@ -246,15 +299,11 @@ class _Writer:
 
     def arrival(self, request_id: str, prompt_len: int, max_tokens: int, arrival_time: float, priority: int,
                 eos: int | None, stop_token_ids: tuple[int, ...], min_tokens: int,
-                prompt: tuple[int, ...]) -> dict[str, Any]:
-        """One arrival's trace fields; ``block_hash_ids`` from the prompt (module docstring)."""
+                prompt: tuple[int, ...], extra: tuple[Any, ...] = ()) -> dict[str, Any]:
+        """One arrival's trace fields; ``block_hash_ids`` from the prompt and ``extra`` (the LoRA adapter and
+        ``cache_salt``: :func:`block_hash_ids`)."""
         size = self.block_size
-        hash_ids: list[int] = []
-        parent = -1
-        for begin in range(0, len(prompt), size):
-            key = (parent, prompt[begin:begin + size])
-            parent = self.hash_ids.setdefault(key, len(self.hash_ids))
-            hash_ids.append(parent)
+        hash_ids = block_hash_ids(prompt, size, extra, self.hash_ids)
         return {
             "request_id": request_id,
             "prompt_len": prompt_len,
@@ -288,10 +337,97 @@ class _Writer:
                                 f"(the trace ends before this step)") from self.error
 
 
+class PreemptionOrder:
+    """A mixin for vLLM's ``Scheduler`` that appends each preempted request's id to
+    ``self.preempted_order`` (a list the user of the class sets and empties) in the order
+    ``Scheduler._preempt_request`` ran: ``SchedulerOutput.preempted_req_ids`` is a set, and the spec
+    prepends preempted requests to the waiting queue in order. The one definition of this hook, used by
+    the recorder and by the standalone adapter's worker (``engines/vllm_worker.py``)."""
+
+    preempted_order: list[str]
+
+    def _preempt_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        self.preempted_order.append(request.request_id)
+        return super()._preempt_request(request, *args, **kwargs)  # type: ignore[misc]
+
+
+def _refuse_config(scheduler: Any) -> None:
+    """Raise :class:`RecorderError` naming the first option of ``scheduler`` (a vLLM ``Scheduler`` just
+    built) the trace format cannot describe, so that the engine does not start (module docstring,
+    *Limits*)."""
+    config = scheduler.vllm_config
+    scheduler_config = config.scheduler_config
+    parallel = config.parallel_config
+    if getattr(scheduler_config, "async_scheduling", False):
+        raise RecorderError(
+            "schedspec recorder: async_scheduling is on; the recorder records the synchronous "
+            "Scheduler only (start vLLM with --no-async-scheduling / async_scheduling=False)")
+    if parallel.pipeline_parallel_size > 1 or config.max_concurrent_batches > 1:
+        raise RecorderError(f"schedspec recorder: pipeline_parallel_size={parallel.pipeline_parallel_size} "
+                            f"(max_concurrent_batches={config.max_concurrent_batches}): the engine plans a step "
+                            "before the previous one is updated, which the trace format cannot describe")
+    if parallel.data_parallel_size > 1:
+        raise RecorderError(f"schedspec recorder: data_parallel_size={parallel.data_parallel_size}: every engine "
+                            f"core would write the one {TRACE_VARIABLE} file; record one engine at a time")
+    if getattr(scheduler_config, "long_prefill_token_threshold_adaptive", False):
+        raise RecorderError("schedspec recorder: long_prefill_token_threshold_adaptive is on; the spec's "
+                            "long_prefill_token_threshold is fixed (turn it off to record)")
+    if config.speculative_config is not None:
+        raise RecorderError("schedspec recorder: speculative_config is set; drafts are not recorded yet")
+    if scheduler.connector is not None:
+        raise RecorderError("schedspec recorder: a KV connector is configured (kv_transfer_config); it is "
+                            "not recorded")
+    groups = scheduler.kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise RecorderError(f"schedspec recorder: {len(groups)} KV cache groups; only one is recorded")
+    kind = type(groups[0].kv_cache_spec).__name__
+    if kind != "FullAttentionSpec":
+        raise RecorderError(f"schedspec recorder: the model's KV cache is {kind}; only FullAttentionSpec "
+                            "(every token keeps its block) is recorded")
+
+
+def _refuse_request(request: Any) -> None:
+    """Raise :class:`RecorderError` naming the first field of ``request`` (a vLLM ``Request`` being added)
+    that the trace format cannot describe; called before vLLM's ``add_request``, so the engine never
+    holds a request the trace lacks."""
+    params = request.sampling_params
+    refused = [
+        ("pooling_params", request.pooling_params is not None),
+        ("prompt_embeds", getattr(request, "prompt_embeds", None) is not None),
+        ("multimodal inputs (mm_features)", bool(getattr(request, "mm_features", None))),
+        ("resumable (a streaming-input session)", bool(getattr(request, "resumable", False))),
+        ("SamplingParams.structured_outputs", getattr(request, "structured_output_request", None) is not None),
+        ("SamplingParams.repetition_detection", getattr(params, "repetition_detection", None) is not None),
+    ]
+    for field, present in refused:
+        if present:
+            raise RecorderError(f"schedspec recorder: request {request.request_id!r} sets {field}, which the "
+                                "trace format cannot describe; refused")
+
+
+def hash_extra(request: Any) -> tuple[Any, ...]:
+    """What vLLM puts into ``request``'s block hashes besides its tokens, for :func:`block_hash_ids`: its
+    LoRA adapter (``lora_name``, ``lora_path``: the key vLLM uses, not the ``lora_int_id``) and its
+    ``cache_salt``; ``()`` for neither."""
+    extra: list[Any] = []
+    lora = getattr(request, "lora_request", None)
+    if lora:
+        extra.append(("lora", lora.lora_name, lora.lora_path))
+    salt = getattr(request, "cache_salt", None)
+    if salt:
+        extra.append(("cache_salt", salt))
+    return tuple(extra)
+
+
+FINISH_REASONS = frozenset({"stop", "length"})
+"""vLLM finish reasons (``FinishReason`` as ``str``) an ``update_from_output`` may report for the trace:
+the spec's. Any other (``error``, ``repetition``, ``abort`` from inside the step) stops the recorder."""
+
+
 def _make_recording_class(base: type) -> type:
     """``base`` (vLLM's ``Scheduler``) with the recording hooks (module docstring)."""
 
-    class Recording(base):  # type: ignore[misc, valid-type]
+    class Recording(PreemptionOrder, base):  # type: ignore[misc, valid-type]
         __doc__ = f"vLLM's ``{base.__name__}``, recording every step as a schedspec trace (module docstring)."
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -302,17 +438,8 @@ def _make_recording_class(base: type) -> type:
         def _recorder_init(self) -> None:
             config = self.vllm_config
             scheduler_config = config.scheduler_config
-            if getattr(scheduler_config, "async_scheduling", False):
-                raise RecorderError(
-                    "schedspec recorder: async_scheduling is on; the recorder records the synchronous "
-                    "Scheduler only (start vLLM with --no-async-scheduling / async_scheduling=False)")
-            if config.speculative_config is not None:
-                raise RecorderError("schedspec recorder: speculative_config is set; drafts are not recorded yet")
-            if self.connector is not None:
-                raise RecorderError("schedspec recorder: a KV connector is configured; it is not recorded")
-            groups = self.kv_cache_config.kv_cache_groups
-            if len(groups) != 1:
-                raise RecorderError(f"schedspec recorder: {len(groups)} KV cache groups; only one is recorded")
+            _refuse_config(self)
+            self._stop_rule = _load_stop_rule()
             path = os.environ.get(TRACE_VARIABLE)
             if not path:
                 raise RecorderError(f"schedspec recorder: set {TRACE_VARIABLE} to the trace file to write")
@@ -330,8 +457,14 @@ def _make_recording_class(base: type) -> type:
                 "config": {
                     "block_size": self._block_size,
                     "num_kv_blocks": pool.num_gpu_blocks - 1,
-                    "max_num_batched_tokens": scheduler_config.max_num_batched_tokens,
-                    "max_num_seqs": scheduler_config.max_num_seqs,
+                    # the limits Scheduler.__init__ enforces: max_num_scheduled_tokens (token budget) and
+                    # max_num_active_seqs (admission into running) where set; the smaller of each pair
+                    "max_num_batched_tokens": min(scheduler_config.max_num_batched_tokens,
+                                                  getattr(scheduler_config, "max_num_scheduled_tokens", None)
+                                                  or scheduler_config.max_num_batched_tokens),
+                    "max_num_seqs": min(scheduler_config.max_num_seqs,
+                                        getattr(scheduler_config, "max_num_active_seqs", None)
+                                        or scheduler_config.max_num_seqs),
                     "max_model_len": self._max_model_len,
                     "enable_chunked_prefill": bool(scheduler_config.enable_chunked_prefill),
                     "long_prefill_token_threshold": scheduler_config.long_prefill_token_threshold,
@@ -351,7 +484,7 @@ def _make_recording_class(base: type) -> type:
             self._next_freed: dict[str, list[int]] = {}
             self._freed: dict[str, list[int]] = {}
             self._evicted: list[int] = []
-            self._preempted: list[str] = []
+            self.preempted_order = []
             self._phase = "idle"  # idle | schedule | flight | update
             self._in_flight: tuple[Any, float, list[tuple[Any, ...]]] | None = None
             self.recorder_seconds = 0.0
@@ -376,22 +509,25 @@ def _make_recording_class(base: type) -> type:
         # ---------------------------------------------------------------- hooks
         def add_request(self, request: Any) -> None:
             fresh = request.request_id not in self.requests
+            if fresh:
+                _refuse_request(request)  # before vLLM holds it: the trace never lacks a live request
             super().add_request(request)
             if fresh:
                 began = time.perf_counter()
-                params = request.sampling_params
-                if params is None:
-                    eos, stop_ids, min_tokens = None, (), 0
-                else:
-                    eos = None if params.ignore_eos else params.eos_token_id
-                    stop_ids = tuple(int(t) for t in params.stop_token_ids or ())
-                    min_tokens = params.min_tokens
+                eos, stop_ids, min_tokens = stop_conditions(request.sampling_params)
                 self._arrivals.append((request.request_id, request.num_prompt_tokens, request.max_tokens,
                                        request.arrival_time, request.priority, eos, stop_ids, min_tokens,
-                                       tuple(request.prompt_token_ids or ())))
+                                       tuple(request.prompt_token_ids or ()), hash_extra(request)))
                 self.recorder_seconds += time.perf_counter() - began
 
         def finish_requests(self, request_ids: Any, finished_status: Any) -> Any:
+            if self._phase == "update":
+                # the engine's own finishes inside update_from_output (FINISHED_ERROR): not a client's
+                # abort; their finish reason reaches update_from_output's outputs, which refuses it
+                return super().finish_requests(request_ids, finished_status)
+            if self._phase == "schedule":
+                raise RecorderError("schedspec recorder: finish_requests inside schedule(); the trace "
+                                    "format has no finish there")
             began = time.perf_counter()
             in_flight = self._phase == "flight"
             if isinstance(request_ids, str):
@@ -399,7 +535,8 @@ def _make_recording_class(base: type) -> type:
             elif request_ids is None:
                 ids = list(self.requests)
             else:
-                ids = request_ids
+                ids = list(request_ids)  # an iterable may be read once only: vLLM gets this list too
+            request_ids = ids
             running = _running_status()
             live = {}
             for request_id in dict.fromkeys(ids):
@@ -433,9 +570,10 @@ def _make_recording_class(base: type) -> type:
             self.recorder_seconds += time.perf_counter() - began
             super()._free_request_blocks(request)
 
-        def _preempt_request(self, request: Any, *args: Any, **kwargs: Any) -> None:
-            self._preempted.append(request.request_id)
-            super()._preempt_request(request, *args, **kwargs)
+        def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
+            raise RecorderError("schedspec recorder: reset_prefix_cache (the /reset_prefix_cache endpoint, "
+                                "pause_generation with clear_cache) is refused while recording: the trace "
+                                "format cannot say that every cached hash is dropped")
 
         def schedule(self, *args: Any, **kwargs: Any) -> Any:
             self._writer.raise_error()  # a failed writer stops the engine before its next step
@@ -484,6 +622,10 @@ def _make_recording_class(base: type) -> type:
             finished = [(item.request_id, str(item.finish_reason))
                         for engine_outputs in outputs.values() for item in engine_outputs.outputs
                         if item.finish_reason is not None]
+            for request_id, reason in finished:
+                if reason not in FINISH_REASONS:
+                    raise RecorderError(f"schedspec recorder: the engine finished {request_id!r} with reason "
+                                        f"{reason!r}, which the trace format cannot say")
             self._capture(flight, update_start, sampled, finished)
             self.recorder_seconds += time.perf_counter() - began
             self.recorder_steps += 1
@@ -494,6 +636,11 @@ def _make_recording_class(base: type) -> type:
             try:
                 super().shutdown()
             finally:
+                if writer is not None and self._aborts and self._in_flight is None and writer.error is None:
+                    # the engine core's shutdown aborts every live request (finish_requests(None)) after
+                    # its last step: one last, empty step carries them
+                    now = time.time()
+                    self._capture((None, now, []), now, [], [])
                 if writer is not None:
                     atexit.unregister(writer.close)
                     writer.close()  # raises RecorderError if the writer failed
@@ -522,7 +669,8 @@ def _make_recording_class(base: type) -> type:
                 for request_id, (was_running, request) in late.items():
                     reason = None
                     if request_id in tokens:
-                        reason = _spec_stop_reason(request, tokens[request_id], self._max_model_len)
+                        reason = _spec_stop_reason(self._stop_rule, request, tokens[request_id],
+                                                   self._max_model_len)
                     table = self._late_freed.pop(request_id, [])
                     if reason is not None:
                         finished.append((request_id, reason))
@@ -540,7 +688,7 @@ def _make_recording_class(base: type) -> type:
                 blocks = self._pool.blocks
                 num_free -= sum(1 for b in held if blocks[b].ref_cnt == 0)
             self._writer.queue.put((self._step, flight[1], update_start, self._arrivals, self._aborts, flight[2],
-                                    list(freed.items()), self._preempted, self._evicted, sampled, finished,
+                                    list(freed.items()), self.preempted_order, self._evicted, sampled, finished,
                                     num_free, num_running, num_waiting))
             self._step += 1
             self._arrivals = []
@@ -550,7 +698,7 @@ def _make_recording_class(base: type) -> type:
             self._late_freed = {}
             self._freed = {}
             self._evicted = []
-            self._preempted = []
+            self.preempted_order = []
             self._in_flight = None
 
     Recording.__name__ = Recording.__qualname__ = f"Recording{base.__name__}"
