@@ -221,10 +221,10 @@ def vllm_python() -> Path:
     return python
 
 
-def _python_text(python: Path) -> str:
+def _python_text(python: Path, variable: str = PYTHON_VARIABLE, label: str = "vLLM") -> str:
     """How the worker's interpreter was chosen, for messages."""
-    named = os.environ.get(PYTHON_VARIABLE)
-    return f"environment variable {PYTHON_VARIABLE}={named}" if named else f"the vLLM environment {python}"
+    named = os.environ.get(variable)
+    return f"environment variable {variable}={named}" if named else f"the {label} environment {python}"
 
 
 def vllm_path_ahead(version: str) -> Path | None:
@@ -252,22 +252,25 @@ class _WorkerProcess:
     """One ``vllm_worker.py`` process and its pipes (module docstring); ``path_ahead`` is put first on
     its ``sys.path`` (:func:`vllm_path_ahead`)."""
 
-    def __init__(self, python: Path, path_ahead: Path | None = None) -> None:
+    def __init__(self, python: Path, path_ahead: Path | None = None, script: Path = WORKER, label: str = "vLLM",
+                 variable: str = PYTHON_VARIABLE) -> None:
         self.python = python
         self.path_ahead = path_ahead
+        self.label = label  # the engine, in messages ("vLLM", "SGLang")
+        self.variable = variable  # the environment variable that names another interpreter
         self.log: IO[bytes] = tempfile.TemporaryFile()
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
         env.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         env.pop("PYTHONPATH", None)  # the worker must not see the project's packages
         try:
             self.process = subprocess.Popen(
-                [str(python), str(WORKER), *(["--path-ahead", str(path_ahead)] if path_ahead else [])],
+                [str(python), str(script), *(["--path-ahead", str(path_ahead)] if path_ahead else [])],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
                 env=env, text=True, bufsize=1,
             )
         except OSError as error:
             self.log.close()
-            raise EngineStartError(f"{_python_text(python)}: cannot start the vLLM worker "
+            raise EngineStartError(f"{_python_text(python, variable, label)}: cannot start the {label} worker "
                                    f"({error.strerror or error})") from None
         self.next_handle = 0
         self.replied = False  # a first reply proves the environment works; a death before it is the environment's
@@ -298,15 +301,15 @@ class _WorkerProcess:
             raise self.died(f"wrote a line that is not JSON: {line[:80]!r}") from None
         self.replied = True
         if "error" in reply:
-            raise EngineError(f"vLLM worker failed: {last_error_line(reply['error']) or 'no message'} "
+            raise EngineError(f"{self.label} worker failed: {last_error_line(reply['error']) or 'no message'} "
                               f"({self.interpreter()})", reply["error"])
         return reply
 
     def interpreter(self) -> str:
         """Which interpreter runs the worker, and what chose it."""
-        named = os.environ.get(PYTHON_VARIABLE)
-        return (f"interpreter {self.python}, from {PYTHON_VARIABLE}" if named
-                else f"interpreter {self.python}; set {PYTHON_VARIABLE} to use another")
+        named = os.environ.get(self.variable)
+        return (f"interpreter {self.python}, from {self.variable}" if named
+                else f"interpreter {self.python}; set {self.variable} to use another")
 
     def died(self, how: str = "") -> EngineError:
         """The error for a worker that died: its last error line (or that it printed nothing) and the
@@ -315,9 +318,10 @@ class _WorkerProcess:
         tail = self.stderr_tail()
         said = last_error_line(tail) or "it printed nothing on standard error"
         if not self.replied:
-            return EngineStartError(f"{_python_text(self.python)}: the vLLM worker died before its first reply"
+            return EngineStartError(f"{_python_text(self.python, self.variable, self.label)}: the {self.label} worker "
+                                    "died before its first reply"
                                     f"{f' ({how})' if how else ''}: {said}")
-        return EngineError(f"vLLM worker died{f' ({how})' if how else ''}: {said} ({self.interpreter()})", tail)
+        return EngineError(f"{self.label} worker died{f' ({how})' if how else ''}: {said} ({self.interpreter()})", tail)
 
     def stderr_tail(self, limit: int = 4000) -> str:
         self.log.flush()
@@ -338,13 +342,16 @@ class _WorkerProcess:
         self.log.close()
 
 
-_WORKERS: dict[tuple[Path, Path | None], _WorkerProcess] = {}
+_WORKERS: dict[tuple[Path, Path | None, Path], _WorkerProcess] = {}
 
 
-def _worker(python: Path, path_ahead: Path | None = None) -> _WorkerProcess:
-    found = _WORKERS.get((python, path_ahead))
+def _worker(python: Path, path_ahead: Path | None = None, script: Path = WORKER, label: str = "vLLM",
+            variable: str = PYTHON_VARIABLE) -> _WorkerProcess:
+    """The live worker process running ``script`` with ``python`` (one per interpreter, folder and script,
+    shared by every adapter of this process; the SGLang adapter, ``engines/sglang.py``, uses it too)."""
+    found = _WORKERS.get((python, path_ahead, script))
     if found is None or not found.alive():
-        found = _WORKERS[python, path_ahead] = _WorkerProcess(python, path_ahead)
+        found = _WORKERS[python, path_ahead, script] = _WorkerProcess(python, path_ahead, script, label, variable)
     return found
 
 
