@@ -253,7 +253,7 @@ def _headless_scheduler(parts: Components):
         self_opened_think_start_ids = None  # no reasoning parser
         think_end_ids = None
 
-    from sglang.srt.runtime_context import get_context, get_parallel
+    from sglang.srt.runtime_context import get_context, get_parallel, get_schedule
 
     if not get_parallel().pp_max_micro_batch_size:  # as Scheduler.init_model_worker does (one pipeline stage)
         get_context().override("scheduler.pp_max_micro_batch_size_default",
@@ -261,7 +261,9 @@ def _headless_scheduler(parts: Components):
     s = object.__new__(HeadlessScheduler)
     s.__dict__.update(
         # __init__'s "Parse args" block and init_model_config
-        server_args=None, schedule_policy=parts.policy.policy, enable_priority_scheduling=parts.priority,
+        server_args=None, schedule_policy=parts.policy.policy,
+        abort_on_priority_when_disabled=get_schedule().abort_on_priority_when_disabled,
+        schedule_low_priority_values_first=get_schedule().schedule_low_priority_values_first, enable_priority_scheduling=parts.priority,
         priority_scheduling_preemption_threshold=10, enable_lora=False, enable_overlap=False,
         spec_algorithm=SpeculativeAlgorithm.NONE, page_size=parts.page_size, enable_hierarchical_cache=False,
         enable_lmcache=False, enable_hicache_storage=False, enable_unified_cache_external_linker=False,
@@ -432,7 +434,7 @@ class Engine:
             running.append(s.chunked_req.rid)
         if s.last_batch is not None and s.last_batch.forward_mode.is_extend():
             running += [r.rid for r in s.last_batch.reqs if not r.finished() and r.rid not in running]
-        computed = {}
+        computed = {rid: 0 for rid, _ in self.rejected}
         for rid, req in self.requests.items():
             computed[rid] = 0 if req in s.waiting_queue else len(req.origin_input_ids) + len(req.output_ids) - 1
         if s.chunked_req is not None:
@@ -440,7 +442,7 @@ class Engine:
         return {
             "num_free_tokens": self.parts.allocator.available_size(),
             "evictable_tokens": self.parts.tree_cache.evictable_size(),
-            "waiting": [r.rid for r in s.waiting_queue],
+            "waiting": [r.rid for r in s.waiting_queue] + [rid for rid, _ in self.rejected],
             "running": running,
             "block_tables": {rid: [p - 1 for p in pages] for rid, pages in self.pages.items() if pages},
             "num_computed_tokens": computed,
