@@ -227,9 +227,9 @@ def _headless_scheduler(parts: Components):
     with every optional feature off (module docstring, *What is replaced*)."""
     from collections import deque
 
+    from sglang.srt.disaggregation.utils import DisaggregationMode
     from sglang.srt.managers.schedule_batch import ScheduleBatch
     from sglang.srt.managers.scheduler import Scheduler
-    from sglang.srt.disaggregation.utils import DisaggregationMode
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
     class HeadlessScheduler(Scheduler):
@@ -309,8 +309,9 @@ class Engine:
 
     def __init__(self, config: dict, policy: str) -> None:
         import torch  # noqa: F401
-
-        from sglang.srt.managers.scheduler_components.batch_result_processor import SchedulerBatchResultProcessor
+        from sglang.srt.managers.scheduler_components.batch_result_processor import (
+            SchedulerBatchResultProcessor,
+        )
         from sglang.srt.managers.scheduler_components.logprob_result_processor import (
             SchedulerLogprobResultProcessor,
         )
@@ -404,7 +405,6 @@ class Engine:
         ``SchedulerBatchResultProcessor.process_batch_result_prefill`` / ``_decode``, as
         ``Scheduler.process_batch_result`` dispatches them; then ``last_batch`` as the event loop sets it."""
         import torch
-
         from sglang.srt.managers.utils import GenerationBatchResult
 
         s, batch, self.batch = self.scheduler, self.batch, None
