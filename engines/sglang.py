@@ -58,7 +58,9 @@ the radix cache, the policy and the ratio tracker are SGLang's (``sglang_worker.
 - *Retraction as preemption*: ``retract_decode``'s victims, in the order SGLang re-queued them. SGLang
   re-queues a retracted request at the back of its waiting queue and keeps its output tokens; the spec
   puts it at the front with nothing computed. Queues are compared as sets, so the order is not judged.
-- *Rejection*: a request whose prompt SGLang refuses (``validate_input_length``: ``prompt_len >=
+- *Rejection*: the front end's checks (:func:`front_end_rejection`: empty prompt, prompt of
+  ``max_model_len`` or more, prompt plus ``max_tokens`` past ``max_model_len``, which the spec admits and
+  ends at ``max_model_len``: a documented difference), then a request whose prompt SGLang's scheduler refuses (``validate_input_length``: ``prompt_len >=
   max_req_input_len``) or whose prompt alone exceeds the pool (``init_req_max_new_tokens``: "exceeds
   the KV memory budget") is reported as rejected in the next plan, with the spec's code for the limit it
   breaks if it breaks one, else ``prompt-exceeds-max-model-len`` (SGLang's limit is
@@ -84,7 +86,6 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from schedspec.reference.scheduler import EngineFault, EngineView, UnsupportedFeature
 from schedspec.spec.admission import rejection_reason
@@ -93,7 +94,7 @@ from schedspec.spec.request import Request
 from schedspec.spec.state import ScheduledRequest, StepPlan
 from schedspec.spec.workload import token_ids
 
-from .vllm import EngineStartError, EngineUnavailable, _worker
+from .vllm import EngineStartError, EngineUnavailable, _worker, _WorkerClient
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().with_name("sglang_worker.py")
@@ -121,7 +122,32 @@ def sglang_python() -> Path:
     return python
 
 
-class SglangScheduler:
+def front_end_rejection(request: Request, config: SchedulerConfig) -> str | None:
+    """Why SGLang's front end refuses ``request`` before its scheduler sees it, or ``None``: an empty
+    prompt (``managers/io_struct.py`` ``GenerateReqInput``: "input_ids cannot be empty"), a prompt of
+    ``max_model_len`` tokens or more, or a prompt plus ``max_tokens`` past ``max_model_len``
+    (``managers/tokenizer_manager.py`` ``TokenizerManager._validate_one_request``, ``context_len =
+    max_model_len``, ``validate_total_tokens`` on, ``allow_auto_truncate`` off). The last is a
+    documented difference: the spec admits such a request and ends it at ``max_model_len``.
+
+    Returns:
+        ``"CODE: SGLang's message"``, the code the spec's for the limit (``reject-only-impossible`` judges it).
+    """
+    prompt_len, context_len = request.prompt_len, config.max_model_len
+    if prompt_len == 0:
+        return "empty-prompt: SGLang GenerateReqInput: input_ids cannot be empty."
+    if prompt_len >= context_len:
+        return (f"prompt-exceeds-max-model-len: SGLang tokenizer manager: the input ({prompt_len} tokens) is longer "
+                f"than the model's context length ({context_len} tokens).")
+    if prompt_len + request.max_tokens > context_len:
+        spec = rejection_reason(prompt_len, request.max_tokens, config)
+        code = spec.partition(":")[0] if spec is not None else "prompt-exceeds-max-model-len"
+        return (f"{code}: SGLang tokenizer manager: requested token count exceeds the model's maximum context "
+                f"length of {context_len} tokens ({prompt_len} input + {request.max_tokens} new)")
+    return None
+
+
+class SglangScheduler(_WorkerClient):
     """SGLang 0.5.23's ``Scheduler`` as a :class:`~schedspec.reference.scheduler.Scheduler` (module
     docstring).
 
@@ -161,20 +187,20 @@ class SglangScheduler:
             raise EngineUnavailable(f"scheduler {self.name!r}: the worker imported sglang {reply['sglang_version']}, "
                                     f"expected {SGLANG_VERSION}; run `SCHEDSPEC_SGLANG=1 bash scripts/engines_setup.sh`")
         self.requests: dict[str, Request] = {}
+        self.refused: dict[str, str] = {}  # refused by the front end, reported in the next plan
         self.admitted: set[str] = set()
         self.plan: StepPlan | None = None
         self.step = 0
         self.closed = False
 
-    def _send(self, message: dict[str, Any]) -> None:
-        self.worker.send({**message, "handle": self.handle})
-
-    def _call(self, message: dict[str, Any]) -> dict[str, Any]:
-        return self.worker.call({**message, "handle": self.handle})
-
     def add_request(self, request: Request) -> None:
-        """``handle_generate_request`` in the worker (module docstring)."""
+        """The front end's checks (:func:`front_end_rejection`), then ``handle_generate_request`` in the
+        worker (module docstring)."""
         self.requests[request.request_id] = request
+        refused = front_end_rejection(request, self.config)
+        if refused is not None:
+            self.refused[request.request_id] = refused
+            return
         self._send({"op": "add", "id": request.request_id, "prompt": token_ids(request, 0, request.prompt_len).tolist(),
                     "max_tokens": request.max_tokens, "eos": request.eos_token_id,
                     # a client sends no priority to a server without priority scheduling (SGLang aborts it)
@@ -185,6 +211,9 @@ class SglangScheduler:
 
         Raises:
             UnsupportedFeature: the request was admitted (module docstring)."""
+        if self.refused.pop(request_id, None) is not None:
+            self.requests.pop(request_id, None)
+            return
         if request_id in self.admitted:
             raise UnsupportedFeature(f"scheduler {self.name!r}: aborting an admitted request ({request_id}): SGLang "
                                      "finishes it at its next result, which the spec's abort cannot express")
@@ -212,7 +241,8 @@ class SglangScheduler:
                                   f"aborted request {request_id}: {message}")
             scheduled = tuple(ScheduledRequest(r, computed, count, tuple(new), cached_block_ids=tuple(hit))
                               for r, computed, count, new, hit in reply["scheduled"])
-            rejected = tuple((r, self._reason(r, message)) for r, message in reply["rejected"])
+            rejected = tuple(self.refused.items()) + tuple((r, self._reason(r, message))
+                                                          for r, message in reply["rejected"])
             self.plan = StepPlan(scheduled=scheduled, preempted=tuple(reply["preempted"]), rejected=rejected)
         return self.plan
 
@@ -226,6 +256,7 @@ class SglangScheduler:
             raise ValueError("update: the plan is not the one schedule() returned")
         for request_id, _ in plan.rejected:
             self.requests.pop(request_id, None)
+            self.refused.pop(request_id, None)
         self.admitted.update(item.request_id for item in plan.scheduled)
         self.admitted.difference_update(plan.preempted)
         scheduled = {item.request_id for item in plan.scheduled}
@@ -247,21 +278,9 @@ class SglangScheduler:
         sampled token has no KV yet; the chunked request's ``extend_end``)."""
         reply = self._call({"op": "view"})
         return EngineView(num_free_blocks=reply["num_free_tokens"] // self.config.block_size,
-                          waiting=tuple(reply["waiting"]), running=tuple(reply["running"]),
+                          waiting=tuple(reply["waiting"]) + tuple(self.refused), running=tuple(reply["running"]),
                           block_tables={r: tuple(b) for r, b in reply["block_tables"].items()},
-                          num_computed_tokens=dict(reply["num_computed_tokens"]))
-
-    def close(self) -> None:
-        """Drop SGLang's scheduler in the worker (the worker process stays for the next adapter)."""
-        if not self.closed and self.worker.alive():
-            self.closed = True
-            self._send({"op": "close"})
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001  (never raise from a finalizer)
-            pass
+                          num_computed_tokens={**reply["num_computed_tokens"], **dict.fromkeys(self.refused, 0)})
 
 
 def fcfs(config: SchedulerConfig) -> SglangScheduler:

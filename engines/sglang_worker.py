@@ -9,13 +9,20 @@ protocol of ``worker_pipe.py`` (beside this file, shared with ``vllm_worker.py``
 ``--check`` (used by ``scripts/engines_setup.sh``): import the scheduling modules, print one line
 ``ENGINES SETUP: OK sglang ...`` naming the ``torchvision`` modules the stub answered, and exit.
 
+Without arguments (the ``sglang`` adapter, ``engines/sglang.py``): serve the commands ``init``, ``add``,
+``abort``, ``schedule``, ``update``, ``view`` and ``close`` over the pipe (:class:`Engine`; replies in SGLang's
+page numbering mapped to spec blocks, ``p - 1``). *Step loop*: ``schedule`` is SGLang's own
+``Scheduler.get_next_batch_to_run`` on a headless ``Scheduler`` (:func:`_headless_scheduler`: what is set and
+what is a stand-in, and why, is listed there and in the adapter's module docstring); ``update`` passes the
+sampled tokens to SGLang's own ``SchedulerBatchResultProcessor.process_batch_result_prefill`` / ``_decode``.
+
 ``--probe CASES_JSON`` (used by ``tests/test_engine_sglang.py``; a list of ``{"config", "requests"}``,
 one output line each): build SGLang's scheduling components
 for a schedspec config (:class:`Components`), admit the given requests through SGLang's own
 ``SchedulePolicy.calc_priority``, ``PrefillAdder.add_one_req``, ``ScheduleBatch.init_new`` and
 ``prepare_for_extend`` (which allocates the pages), and print one JSON line: what was admitted, the
-chunked request, the pages each row holds and the allocator's free tokens. The adapter's step loop
-(``Scheduler.get_next_batch_to_run`` driven over the pipe) is not written yet: docs/engines.md, *SGLang*.
+chunked request, the pages each row holds and the allocator's free tokens (the admission pass alone,
+without the arrival path's clipping of ``max_new_tokens``).
 
 **What is replaced: torchvision** (:func:`install_torchvision_stub`). The torchvision builds pip picks
 (0.28.0 for torch 2.13) do not load beside torch 2.13.0+cpu (``import torchvision`` fails with

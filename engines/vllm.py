@@ -458,7 +458,35 @@ def same_step_hits(state: SchedulerState, plan: StepPlan, config: SchedulerConfi
     return found
 
 
-class _VllmAdapter:
+class _WorkerClient:
+    """One engine scheduler in a worker process (``_WorkerProcess``), named by its ``handle``: what every
+    adapter over a worker shares (this module's and ``engines/sglang.py``'s). Subclasses set ``worker``,
+    ``handle`` and ``closed``."""
+
+    worker: _WorkerProcess
+    handle: int
+    closed: bool
+
+    def _send(self, message: dict[str, Any]) -> None:
+        self.worker.send({**message, "handle": self.handle})
+
+    def _call(self, message: dict[str, Any]) -> dict[str, Any]:
+        return self.worker.call({**message, "handle": self.handle})
+
+    def close(self) -> None:
+        """Drop the engine's scheduler in the worker (the worker process stays for the next adapter)."""
+        if not self.closed and self.worker.alive():
+            self.closed = True
+            self._send({"op": "close"})
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001  (never raise from a finalizer)
+            pass
+
+
+class _VllmAdapter(_WorkerClient):
     """What the synchronous and the asynchronous adapter share (module docstring); not registered."""
 
     state = None
@@ -519,12 +547,6 @@ class _VllmAdapter:
         self.num_dropped = 0  # async: plan items dropped because their request ended meanwhile
         self.plan_num_requests = 0  # requests vLLM held when it planned the current plan
         self.closed = False
-
-    def _send(self, message: dict[str, Any]) -> None:
-        self.worker.send({**message, "handle": self.handle})
-
-    def _call(self, message: dict[str, Any]) -> dict[str, Any]:
-        return self.worker.call({**message, "handle": self.handle})
 
     def add_request(self, request: Request) -> None:
         """Give vLLM a fresh request (or refuse it as vLLM's input processor would)."""
@@ -649,19 +671,6 @@ class _VllmAdapter:
         finished = tuple(request_id for request_id, _ in reply["finished"])
         self.live.difference_update(finished)
         return finished
-
-    def close(self) -> None:
-        """Drop vLLM's scheduler in the worker (the worker process stays for the next adapter)."""
-        if not self.closed and self.worker.alive():
-            self.closed = True
-            self._send({"op": "close"})
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001  (never raise from a finalizer)
-            pass
-
 
 class VllmScheduler(_VllmAdapter):
     """vLLM V1's ``Scheduler`` as a :class:`~schedspec.reference.scheduler.Scheduler` (module docstring).

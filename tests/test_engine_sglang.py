@@ -163,7 +163,8 @@ class SglangMachine(SchedulerStateMachine):
         if 0 < prompt_len and max_tokens >= 1:
             prompt_len = min(prompt_len, max_input - 1)
             paged = -(-prompt_len // config.block_size) * config.block_size
-            limit = min(pool - paged - config.block_size - 1, max_input + 5 - prompt_len - 1)
+            limit = min(pool - paged - config.block_size - 1, max_input + 5 - prompt_len - 1,
+                        config.max_model_len - prompt_len)  # the front end refuses a longer total
             max_tokens = max(1, min(max_tokens, limit))
             if limit < 1 or rejection_reason(prompt_len, max_tokens, config) is not None:
                 prompt_len, max_tokens = 0, 1  # both refuse an empty prompt at arrival
