@@ -50,3 +50,18 @@ def test_features_sglang_lacks_are_refused_before_the_worker_starts(changes, ref
 
     with pytest.raises(UnsupportedFeature, match=refused):
         sglang.SglangScheduler(attrs.evolve(CONFIG, **changes))
+
+
+def test_cli_replay_of_a_prefix_caching_scenario_exits_3() -> None:
+    """``schedspec replay --scheduler sglang`` on a scenario with prefix caching: a feature the adapter
+    lacks (exit 3), refused before any worker starts."""
+    import subprocess
+    import sys
+
+    from schedspec.reference.scenarios import bundled_scenarios
+
+    case = next(p for p in bundled_scenarios() if p.stem == "preempt-then-prefix-hit")
+    done = subprocess.run([sys.executable, "-m", "schedspec", "replay", "--scheduler", "sglang", str(case)],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 3, done.stdout[-1000:] + done.stderr[-1000:]
+    assert "prefix caching" in done.stdout + done.stderr
