@@ -9,13 +9,20 @@ protocol of ``worker_pipe.py`` (beside this file, shared with ``vllm_worker.py``
 ``--check`` (used by ``scripts/engines_setup.sh``): import the scheduling modules, print one line
 ``ENGINES SETUP: OK sglang ...`` naming the ``torchvision`` modules the stub answered, and exit.
 
+Without arguments (the ``sglang`` adapter, ``engines/sglang.py``): serve the commands ``init``, ``add``,
+``abort``, ``schedule``, ``update``, ``view`` and ``close`` over the pipe (:class:`Engine`; replies in SGLang's
+page numbering mapped to spec blocks, ``p - 1``). *Step loop*: ``schedule`` is SGLang's own
+``Scheduler.get_next_batch_to_run`` on a headless ``Scheduler`` (:func:`_headless_scheduler`: what is set and
+what is a stand-in, and why, is listed there and in the adapter's module docstring); ``update`` passes the
+sampled tokens to SGLang's own ``SchedulerBatchResultProcessor.process_batch_result_prefill`` / ``_decode``.
+
 ``--probe CASES_JSON`` (used by ``tests/test_engine_sglang.py``; a list of ``{"config", "requests"}``,
 one output line each): build SGLang's scheduling components
 for a schedspec config (:class:`Components`), admit the given requests through SGLang's own
 ``SchedulePolicy.calc_priority``, ``PrefillAdder.add_one_req``, ``ScheduleBatch.init_new`` and
 ``prepare_for_extend`` (which allocates the pages), and print one JSON line: what was admitted, the
-chunked request, the pages each row holds and the allocator's free tokens. The adapter's step loop
-(``Scheduler.get_next_batch_to_run`` driven over the pipe) is not written yet: docs/engines.md, *SGLang*.
+chunked request, the pages each row holds and the allocator's free tokens (the admission pass alone,
+without the arrival path's clipping of ``max_new_tokens``).
 
 **What is replaced: torchvision** (:func:`install_torchvision_stub`). The torchvision builds pip picks
 (0.28.0 for torch 2.13) do not load beside torch 2.13.0+cpu (``import torchvision`` fails with
@@ -139,6 +146,7 @@ class Components:
     """
 
     def __init__(self, config: dict, policy: str = "fcfs") -> None:
+        self.priority = policy == "priority"
         import torch
         from sglang.srt.managers.schedule_policy import SchedulePolicy
         from sglang.srt.managers.scheduler_components.new_token_ratio_tracker import NewTokenRatioTracker
@@ -199,6 +207,264 @@ class Components:
         return list(dict.fromkeys(slot // self.page_size for slot in slots))
 
 
+class _Record:
+    """A stand-in for a component of a feature the adapter keeps off (grammar, DP attention, n-gram
+    embedding, beam search, metrics, load reporting, the output stream): every method is a no-op that
+    returns its first argument (the batch, for the DP-attention and n-gram passes) or ``None``/``False``;
+    what is sent out (``send_abort_output``) is recorded instead. Module docstring, *What is replaced*."""
+
+    def __init__(self, name: str, **fields) -> None:
+        self._name = name
+        self.__dict__.update(fields)
+
+    def __getattr__(self, attr: str):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+
+        def call(*args, **kwargs):
+            return args[0] if args and attr.startswith(("maybe_", "prepare_for_forward")) else None
+
+        return call
+
+
+def _headless_scheduler(parts: Components):
+    """SGLang's own ``Scheduler`` (``sglang/srt/managers/scheduler.py``) without its ``__init__`` (which
+    starts a model worker, sockets and the tokenizer): ``object.__new__`` of a subclass that records
+    retractions and engine aborts, with the attributes its ``init_*`` methods would set for one CPU rank
+    with every optional feature off (module docstring, *What is replaced*)."""
+    from collections import deque
+
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    class HeadlessScheduler(Scheduler):
+        def __getattr__(self, name):  # only reached for an attribute the adapter did not set
+            raise AttributeError(f"schedspec's headless SGLang Scheduler has no attribute {name!r} "
+                                 "(engines/sglang_worker.py _headless_scheduler)")
+
+        def _add_request_to_queue(self, req, is_retracted: bool = False):
+            if is_retracted:
+                self.retracted.append(req.rid)
+            return super()._add_request_to_queue(req, is_retracted)
+
+        def send_abort_output(self, abort_req, req) -> None:
+            self.engine_aborted.append([req.rid, str(getattr(req.to_finish, "message", req.to_finish))])
+
+    class _ModelConfig:  # the fields ScheduleBatch.init_new and the result processor read
+        vocab_size = 32000
+        is_encoder_decoder = False
+        hf_eos_token_id = None
+        is_multimodal = False
+        self_opened_think_start_ids = None  # no reasoning parser
+        think_end_ids = None
+
+    from sglang.srt.runtime_context import get_context, get_parallel, get_schedule
+
+    if not get_parallel().pp_max_micro_batch_size:  # as Scheduler.init_model_worker does (one pipeline stage)
+        get_context().override("scheduler.pp_max_micro_batch_size_default",
+                               pp_max_micro_batch_size=max(parts.max_running_requests, 1))
+    s = object.__new__(HeadlessScheduler)
+    s.__dict__.update(
+        # __init__'s "Parse args" block and init_model_config
+        server_args=None, schedule_policy=parts.policy.policy,
+        abort_on_priority_when_disabled=get_schedule().abort_on_priority_when_disabled,
+        schedule_low_priority_values_first=get_schedule().schedule_low_priority_values_first, enable_priority_scheduling=parts.priority,
+        priority_scheduling_preemption_threshold=10, enable_lora=False, enable_overlap=False,
+        spec_algorithm=SpeculativeAlgorithm.NONE, page_size=parts.page_size, enable_hierarchical_cache=False,
+        enable_lmcache=False, enable_hicache_storage=False, enable_unified_cache_external_linker=False,
+        enable_hisparse=False, model_config=_ModelConfig(), is_generation=True,
+        disaggregation_mode=DisaggregationMode.NULL, dllm_config=None, is_hybrid_swa=False,
+        # kv_cache_builder.build_kv_cache
+        req_to_token_pool=parts.req_to_token_pool, token_to_kv_pool_allocator=parts.allocator,
+        tree_cache=parts.tree_cache, decode_offload_manager=None, hisparse_coordinator=None,
+        # init_running_status
+        waiting_queue=[], running_batch=ScheduleBatch(reqs=[], batch_is_full=False), last_batch=None,
+        result_queue=deque(), enable_skip_finishing_decode=False, forward_ct=0, processed_tokens_counter=0,
+        # init_chunked_prefill, maybe_init_dynamic_chunk_sizer
+        chunked_prefill_size=parts.chunked_prefill_size, prefill_decode_interval=0,
+        _prefill_decode_interval_remaining=0, prefill_decode_interval_min_bs=0, chunked_req=None,
+        _pending_chunked_abort_req=None, is_mixed_chunk=False, dynamic_chunk_sizer=None,
+        # init_schedule_policy
+        policy=parts.policy, prefill_delayer=None, max_prefill_bs=0,
+        enable_priority_preemption=parts.priority, new_token_ratio_tracker=parts.new_token_ratio,
+        max_prefill_tokens=parts.max_prefill_tokens, max_running_requests=parts.max_running_requests,
+        min_free_slots_delayer=None, truncation_align_size=None, require_mlp_sync=False,
+        max_queued_requests=None,
+        # components of features kept off (_Record)
+        scheduler_stage_metrics=None,
+        grammar_manager=_Record("grammar_manager", has_waiting_grammars=lambda: False),
+        dp_attn_adapter=_Record("dp_attn_adapter", maybe_prepare_mlp_sync_batch=lambda batch, **kw: batch,
+                                maybe_convert_decode_to_extend=lambda batch: batch),
+        ngram_embedding_manager=_Record("ngram_embedding_manager", prepare_for_forward=lambda batch, **kw: batch),
+        beam_coordinator=_Record("beam_coordinator", pending_member_rows=lambda batch: 0),
+        metrics_reporter=_Record("metrics_reporter", enable_metrics=False, num_retracted_reqs=0,
+                                 num_generated_tokens=0, forward_ct_decode=0),
+        load_inquirer=_Record("load_inquirer", _get_num_pending_tokens=lambda **kw: 0),
+        tp_worker=_Record("tp_worker", model_runner=_Record("model_runner", attn_backend=None,
+                                                              prefill_aware_swa=False)),
+        retracted=[], engine_aborted=[],
+    )
+    return s
+
+
+class Engine:
+    """One headless SGLang scheduler driven step by step over the pipe (module docstring, *Step loop*).
+
+    Commands (``worker_pipe.serve``): ``add``, ``abort``, ``schedule``, ``update``, ``view``."""
+
+    def __init__(self, config: dict, policy: str) -> None:
+        import torch  # noqa: F401
+        from sglang.srt.managers.scheduler_components.batch_result_processor import (
+            SchedulerBatchResultProcessor,
+        )
+        from sglang.srt.managers.scheduler_components.logprob_result_processor import (
+            SchedulerLogprobResultProcessor,
+        )
+
+        self.parts = Components(config, policy)
+        self.scheduler = s = _headless_scheduler(self.parts)
+        # Scheduler.init_model_worker, from the model worker's get_worker_info (managers/tp_worker.py):
+        # max_req_len = min(context_len - 1, kv_capacity - 1), max_req_input_len = max_req_len - 5.
+        s.max_total_num_tokens = self.parts.num_tokens
+        s.max_req_len = min(config["max_model_len"] - 1, self.parts.num_tokens - 1)
+        s.max_req_input_len = s.max_req_len - 5
+        s.max_new_tokens_limit = None  # SGLANG_MAX_NEW_TOKENS_LIMIT unset
+        s.sliding_window_size = None
+        s.batch_result_processor = SchedulerBatchResultProcessor(
+            is_generation=True, disaggregation_mode=s.disaggregation_mode, enable_overlap=False,
+            enable_overlap_mlx=False, model_config=s.model_config, token_to_kv_pool_allocator=s.token_to_kv_pool_allocator,
+            tree_cache=s.tree_cache, hisparse_coordinator=None, req_to_token_pool=s.req_to_token_pool,
+            decode_offload_manager=None, metrics_collector=None, metrics_reporter=s.metrics_reporter,
+            draft_worker=None, model_worker=None,
+            logprob_result_processor=SchedulerLogprobResultProcessor(model_config=s.model_config),
+            output_streamer=_Record("output_streamer"), beam_coordinator=s.beam_coordinator,
+            abort_request=None)
+        self.batch = None  # the batch schedule() chose, until update()
+        self.requests: dict = {}  # rid -> Req, every live request
+        self.pages: dict[str, list[int]] = {}  # rid -> the pages it held after the last step
+
+    def _row_pages(self, req, length: int) -> list[int]:
+        if req.kv.req_pool_idx is None or length <= 0:
+            return []
+        row = self.parts.req_to_token_pool.req_to_token[req.kv.req_pool_idx][:length].tolist()
+        return list(dict.fromkeys(slot // self.parts.page_size for slot in row))
+
+    def add(self, message: dict) -> None:
+        """What ``Scheduler.handle_generate_request`` does for a plain token-id request: build the
+        ``Req``, ``init_req_max_new_tokens`` (clips ``max_new_tokens`` to ``max_req_len`` and the pool),
+        ``validate_input_length``; then ``_add_request_to_queue``. A request either check refuses is
+        reported by the next ``schedule`` as ``rejected`` and never queued."""
+        from sglang.srt.managers.utils import validate_input_length
+
+        req = self.parts.request(message)
+        s = self.scheduler
+        s.init_req_max_new_tokens(req)
+        error = validate_input_length(req, s.max_req_input_len, False)
+        if req.to_finish is not None or error:
+            self.rejected.append([req.rid, error or str(getattr(req.to_finish, "message", req.to_finish))])
+            return
+        self.requests[req.rid] = req
+        s._add_request_to_queue(req)
+
+    rejected: list
+
+    def abort(self, message: dict) -> None:
+        """A waiting request leaves the queue (``Scheduler.abort_request``'s waiting-queue branch);
+        the adapter refuses to abort an admitted one (module docstring)."""
+        req = self.requests.pop(message["id"], None)
+        if req is not None:
+            self.scheduler.waiting_queue.remove(req)
+            self.scheduler._release_aborted_request(req)
+
+    def schedule(self, message: dict) -> dict:
+        """``Scheduler.get_next_batch_to_run`` as the normal event loop calls it (``event_loop_normal``)."""
+        s = self.scheduler
+        if self.batch is not None:
+            raise RuntimeError("schedule with a step in flight")
+        s.retracted, s.engine_aborted = [], []
+        rejected, self.rejected = self.rejected, []
+        plan = s.get_next_batch_to_run(running_batch=s.running_batch, last_batch=s.last_batch)
+        s.running_batch = plan.running_batch
+        batch = self.batch = plan.batch_to_run
+        for rid in s.retracted:
+            self.pages[rid] = []
+        scheduled = []
+        if batch is not None:
+            extend = batch.forward_mode.is_extend()
+            for i, req in enumerate(batch.reqs):
+                if extend:
+                    computed, count = batch.prefix_lens[i], batch.extend_lens[i]
+                else:
+                    computed, count = int(batch.seq_lens_cpu[i]) - 1, 1
+                held = self.pages.get(req.rid, [])
+                now = self._row_pages(req, computed + count)
+                hit = [] if req.rid in self.pages and held else now[: computed // self.parts.page_size]
+                new = [p for p in now if p not in held and p not in hit]
+                scheduled.append([req.rid, computed, count, [p - 1 for p in new], [p - 1 for p in hit]])
+                self.pages[req.rid] = now
+        return {"scheduled": scheduled, "preempted": list(s.retracted), "rejected": rejected,
+                "engine_aborted": list(s.engine_aborted), "mode": None if batch is None else str(batch.forward_mode)}
+
+    def update(self, message: dict) -> dict:
+        """The model worker's sampled tokens (``GenerationBatchResult.next_token_ids``) through
+        ``SchedulerBatchResultProcessor.process_batch_result_prefill`` / ``_decode``, as
+        ``Scheduler.process_batch_result`` dispatches them; then ``last_batch`` as the event loop sets it."""
+        import torch
+        from sglang.srt.managers.utils import GenerationBatchResult
+
+        s, batch, self.batch = self.scheduler, self.batch, None
+        finished = []
+        if batch is not None:
+            sampled = message["sampled"]
+            tokens = torch.tensor([int(sampled.get(req.rid, 0)) for req in batch.reqs], dtype=torch.int64)
+            result = GenerationBatchResult(next_token_ids=tokens)
+            if batch.forward_mode.is_decode():
+                s.batch_result_processor.process_batch_result_decode(batch, result)
+            else:
+                s.batch_result_processor.process_batch_result_prefill(batch, result)
+            for req in batch.reqs:
+                if req.finished() and req.rid in self.requests:
+                    finished.append([req.rid, str(req.finished_reason)])
+                    del self.requests[req.rid]
+                    self.pages.pop(req.rid, None)
+        s.last_batch = batch
+        return {"finished": finished}
+
+    def view(self, message: dict) -> dict:
+        """SGLang's own bookkeeping: the allocator's free tokens, the waiting queue, the running batch
+        (and the chunked request), each live request's pages and computed tokens."""
+        s = self.scheduler
+        running = [r.rid for r in s.running_batch.reqs if not r.finished()]
+        if s.chunked_req is not None and s.chunked_req.rid not in running:
+            running.append(s.chunked_req.rid)
+        if s.last_batch is not None and s.last_batch.forward_mode.is_extend():
+            running += [r.rid for r in s.last_batch.reqs if not r.finished() and r.rid not in running]
+        computed = {rid: 0 for rid, _ in self.rejected}
+        for rid, req in self.requests.items():
+            computed[rid] = 0 if req in s.waiting_queue else len(req.origin_input_ids) + len(req.output_ids) - 1
+        if s.chunked_req is not None:
+            computed[s.chunked_req.rid] = s.chunked_req.extend_end
+        return {
+            "num_free_tokens": self.parts.allocator.available_size(),
+            "evictable_tokens": self.parts.tree_cache.evictable_size(),
+            "waiting": [r.rid for r in s.waiting_queue] + [rid for rid, _ in self.rejected],
+            "running": running,
+            "block_tables": {rid: [p - 1 for p in pages] for rid, pages in self.pages.items() if pages},
+            "num_computed_tokens": computed,
+            "new_token_ratio": s.new_token_ratio_tracker.current,
+        }
+
+
+def _build(message: dict):
+    import sglang
+
+    engine = Engine(message["config"], message["policy"])
+    engine.rejected = []
+    return engine, {"sglang_version": sglang.__version__, "sglang_file": sglang.__file__}
+
+
 def probe(config: dict, requests: list[dict]) -> dict:
     """``--probe``: one prefill pass through SGLang's own admission and allocation (module docstring)."""
     from sglang.srt.managers.schedule_batch import ScheduleBatch
@@ -255,7 +521,15 @@ def check() -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--check"]:
+    if sys.argv[1:] == []:
+        import importlib.util
+
+        install_torchvision_stub()
+        _spec = importlib.util.spec_from_file_location("worker_pipe", os.path.join(_HERE, "worker_pipe.py"))
+        _pipe = importlib.util.module_from_spec(_spec)
+        _spec.loader.exec_module(_pipe)
+        _pipe.serve(_build, ("add", "abort", "schedule", "update", "view"), ValueError)
+    elif sys.argv[1:] == ["--check"]:
         check()
     elif len(sys.argv) == 3 and sys.argv[1] == "--probe":
         import json

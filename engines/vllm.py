@@ -229,10 +229,10 @@ def vllm_python() -> Path:
     return python
 
 
-def _python_text(python: Path) -> str:
+def _python_text(python: Path, variable: str = PYTHON_VARIABLE, label: str = "vLLM") -> str:
     """How the worker's interpreter was chosen, for messages."""
-    named = os.environ.get(PYTHON_VARIABLE)
-    return f"environment variable {PYTHON_VARIABLE}={named}" if named else f"the vLLM environment {python}"
+    named = os.environ.get(variable)
+    return f"environment variable {variable}={named}" if named else f"the {label} environment {python}"
 
 
 def vllm_path_ahead(version: str) -> Path | None:
@@ -260,22 +260,25 @@ class _WorkerProcess:
     """One ``vllm_worker.py`` process and its pipes (module docstring); ``path_ahead`` is put first on
     its ``sys.path`` (:func:`vllm_path_ahead`)."""
 
-    def __init__(self, python: Path, path_ahead: Path | None = None) -> None:
+    def __init__(self, python: Path, path_ahead: Path | None = None, script: Path = WORKER, label: str = "vLLM",
+                 variable: str = PYTHON_VARIABLE) -> None:
         self.python = python
         self.path_ahead = path_ahead
+        self.label = label  # the engine, in messages ("vLLM", "SGLang")
+        self.variable = variable  # the environment variable that names another interpreter
         self.log: IO[bytes] = tempfile.TemporaryFile()
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
         env.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         env.pop("PYTHONPATH", None)  # the worker must not see the project's packages
         try:
             self.process = subprocess.Popen(
-                [str(python), str(WORKER), *(["--path-ahead", str(path_ahead)] if path_ahead else [])],
+                [str(python), str(script), *(["--path-ahead", str(path_ahead)] if path_ahead else [])],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
                 env=env, text=True, bufsize=1,
             )
         except OSError as error:
             self.log.close()
-            raise EngineStartError(f"{_python_text(python)}: cannot start the vLLM worker "
+            raise EngineStartError(f"{_python_text(python, variable, label)}: cannot start the {label} worker "
                                    f"({error.strerror or error})") from None
         self.next_handle = 0
         self.replied = False  # a first reply proves the environment works; a death before it is the environment's
@@ -306,15 +309,15 @@ class _WorkerProcess:
             raise self.died(f"wrote a line that is not JSON: {line[:80]!r}") from None
         self.replied = True
         if "error" in reply:
-            raise EngineError(f"vLLM worker failed: {last_error_line(reply['error']) or 'no message'} "
+            raise EngineError(f"{self.label} worker failed: {last_error_line(reply['error']) or 'no message'} "
                               f"({self.interpreter()})", reply["error"])
         return reply
 
     def interpreter(self) -> str:
         """Which interpreter runs the worker, and what chose it."""
-        named = os.environ.get(PYTHON_VARIABLE)
-        return (f"interpreter {self.python}, from {PYTHON_VARIABLE}" if named
-                else f"interpreter {self.python}; set {PYTHON_VARIABLE} to use another")
+        named = os.environ.get(self.variable)
+        return (f"interpreter {self.python}, from {self.variable}" if named
+                else f"interpreter {self.python}; set {self.variable} to use another")
 
     def died(self, how: str = "") -> EngineError:
         """The error for a worker that died: its last error line (or that it printed nothing) and the
@@ -323,9 +326,10 @@ class _WorkerProcess:
         tail = self.stderr_tail()
         said = last_error_line(tail) or "it printed nothing on standard error"
         if not self.replied:
-            return EngineStartError(f"{_python_text(self.python)}: the vLLM worker died before its first reply"
+            return EngineStartError(f"{_python_text(self.python, self.variable, self.label)}: the {self.label} worker "
+                                    "died before its first reply"
                                     f"{f' ({how})' if how else ''}: {said}")
-        return EngineError(f"vLLM worker died{f' ({how})' if how else ''}: {said} ({self.interpreter()})", tail)
+        return EngineError(f"{self.label} worker died{f' ({how})' if how else ''}: {said} ({self.interpreter()})", tail)
 
     def stderr_tail(self, limit: int = 4000) -> str:
         self.log.flush()
@@ -346,15 +350,18 @@ class _WorkerProcess:
         self.log.close()
 
 
-_WORKERS: dict[tuple[Path, Path | None], _WorkerProcess] = {}
+_WORKERS: dict[tuple[Path, Path | None, Path], _WorkerProcess] = {}
 
 
-def _worker(python: Path, path_ahead: Path | None = None) -> _WorkerProcess:
-    found = _WORKERS.get((python, path_ahead))
+def _worker(python: Path, path_ahead: Path | None = None, script: Path = WORKER, label: str = "vLLM",
+            variable: str = PYTHON_VARIABLE) -> _WorkerProcess:
+    """The live worker process running ``script`` with ``python`` (one per interpreter, folder and script,
+    shared by every adapter of this process; the SGLang adapter, ``engines/sglang.py``, uses it too)."""
+    found = _WORKERS.get((python, path_ahead, script))
     if found is None or not found.alive():
         if found is not None:
             found.close()  # a dead worker: reap it and close its log before starting the next
-        found = _WORKERS[python, path_ahead] = _WorkerProcess(python, path_ahead)
+        found = _WORKERS[python, path_ahead, script] = _WorkerProcess(python, path_ahead, script, label, variable)
     return found
 
 
@@ -461,7 +468,35 @@ def same_step_hits(state: SchedulerState, plan: StepPlan, config: SchedulerConfi
     return found
 
 
-class _VllmAdapter:
+class _WorkerClient:
+    """One engine scheduler in a worker process (``_WorkerProcess``), named by its ``handle``: what every
+    adapter over a worker shares (this module's and ``engines/sglang.py``'s). Subclasses set ``worker``,
+    ``handle`` and ``closed``."""
+
+    worker: _WorkerProcess
+    handle: int
+    closed: bool
+
+    def _send(self, message: dict[str, Any]) -> None:
+        self.worker.send({**message, "handle": self.handle})
+
+    def _call(self, message: dict[str, Any]) -> dict[str, Any]:
+        return self.worker.call({**message, "handle": self.handle})
+
+    def close(self) -> None:
+        """Drop the engine's scheduler in the worker (the worker process stays for the next adapter)."""
+        if not self.closed and self.worker.alive():
+            self.closed = True
+            self._send({"op": "close"})
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001  (never raise from a finalizer)
+            pass
+
+
+class _VllmAdapter(_WorkerClient):
     """What the synchronous and the asynchronous adapter share (module docstring); not registered."""
 
     state = None
@@ -522,12 +557,6 @@ class _VllmAdapter:
         self.prepared: dict[str, Any] | None = None  # async: the next step, planned before this one's update
         self.plan_num_requests = 0  # requests vLLM held when it planned the current plan
         self.closed = False
-
-    def _send(self, message: dict[str, Any]) -> None:
-        self.worker.send({**message, "handle": self.handle})
-
-    def _call(self, message: dict[str, Any]) -> dict[str, Any]:
-        return self.worker.call({**message, "handle": self.handle})
 
     def add_request(self, request: Request) -> None:
         """Give vLLM a fresh request (or refuse it as vLLM's input processor would)."""
@@ -669,18 +698,6 @@ class _VllmAdapter:
                 found.append(f"vLLM finished request {printable(request_id)} with reason {printable(reason)}; "
                              f"the spec ends it with {request.finish_reason} (vLLM's {expected})")
         return found
-
-    def close(self) -> None:
-        """Drop vLLM's scheduler in the worker (the worker process stays for the next adapter)."""
-        if not self.closed and self.worker.alive():
-            self.closed = True
-            self._send({"op": "close"})
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001  (never raise from a finalizer)
-            pass
 
 
 class VllmScheduler(_VllmAdapter):

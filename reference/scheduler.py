@@ -450,6 +450,7 @@ def _engine_adapter_entries() -> list[RegisteredScheduler]:
         "vllm-async@0.33": "schedspec.engines.vllm:fcfs_async_033",
         "vllm-priority-async@0.33": "schedspec.engines.vllm:priority_async_033",
         "nanovllm": "schedspec.engines.nanovllm:NanoVllmScheduler",
+        "sglang": "schedspec.engines.sglang:fcfs",
     }
     return [RegisteredScheduler(name, "engine-adapter", target=target) for name, target in adapters.items()]
 

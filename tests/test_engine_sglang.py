@@ -26,8 +26,8 @@ PYTHON = Path(os.environ.get("SCHEDSPEC_SGLANG_PYTHON", ROOT / ".venv-sglang" / 
 WORKER = ROOT / "engines" / "sglang_worker.py"
 
 pytestmark = pytest.mark.skipif(os.environ.get("SCHEDSPEC_SGLANG") != "1" and not PYTHON.exists(),
-                                reason="the SGLang environment is built on request only (SCHEDSPEC_SGLANG=1 "
-                                       "bash scripts/engines_setup.sh) until the sglang adapter exists")
+                                reason="the SGLang environment (.venv-sglang, 2.4 GB) is built on request only: "
+                                       "SCHEDSPEC_SGLANG=1 bash scripts/engines_setup.sh")
 
 # 16 pages of 4 tokens: SGLang's allocator holds 64 tokens, pages 1..16 (page 0 is padding).
 POOL = {"block_size": 4, "num_kv_blocks": 16, "max_num_seqs": 4, "max_model_len": 128,
@@ -109,3 +109,114 @@ def test_new_token_ratio_defaults(probed) -> None:
     init, minimum, decay = probed[0]["new_token_ratio"]
     assert init == pytest.approx(0.7) and minimum == pytest.approx(0.098)
     assert decay == pytest.approx((0.7 - 0.098) / 600)
+
+
+# ------------------------------------------------------------------------ the step-by-step adapter
+import attrs  # noqa: E402
+from hypothesis import settings  # noqa: E402
+from hypothesis.stateful import run_state_machine_as_test  # noqa: E402
+
+from schedspec.reference.scheduler import EngineView, view_differences  # noqa: E402
+from schedspec.spec.admission import rejection_reason  # noqa: E402
+from schedspec.testing import SchedulerStateMachine, SpecViolation  # noqa: E402
+
+
+def _sglang_limits(config) -> tuple[int, int]:
+    """SGLang's own limits for a schedspec config, as the worker derives them (engines/sglang.py):
+    ``max_req_input_len`` (a prompt this long or longer is refused) and the tokens an empty pool holds."""
+    pool = config.num_kv_blocks * config.block_size
+    max_req_len = min(config.max_model_len - 1, pool - 1)
+    return max_req_len - 5, pool
+
+
+class SglangMachine(SchedulerStateMachine):
+    """The state machine of :mod:`schedspec.testing` on the ``sglang`` adapter, SGLang's own view
+    compared with the spec state after every rule.
+
+    Configs are moved onto what the adapter runs (no prefix caching, no speculative decoding, no
+    ``long_prefill_token_threshold``: exit 3 otherwise) and where SGLang's budgets and the spec's agree:
+    ``max_num_batched_tokens >= max_num_seqs`` (an SGLang decode batch is not budgeted) and, without
+    chunked prefill, at least ``max_model_len`` (SGLang admits the first prompt of a pass past
+    ``max_prefill_tokens``). Request shapes are moved onto those SGLang accepts unchanged: a prompt
+    below ``max_req_input_len`` and a ``max_tokens`` that ``init_req_max_new_tokens`` does not clip
+    (the finding ``sglang-clips-max-tokens``, tested below). Aborts of admitted requests (refused,
+    exit 3) become aborts of waiting ones."""
+
+    scheduler_name = "sglang"
+
+    @classmethod
+    def configs(cls):
+        def agree(config):
+            # SGLang refuses every prompt of a pool or context under 7 tokens (max_req_input_len <= 0)
+            model_len = max(config.max_model_len, 8)
+            budget = max(config.max_num_batched_tokens, config.max_num_seqs,
+                         0 if config.enable_chunked_prefill else model_len)
+            return attrs.evolve(config, max_model_len=model_len, max_num_batched_tokens=budget,
+                                num_kv_blocks=max(config.num_kv_blocks, -(-8 // config.block_size)),
+                                enable_prefix_caching=False, long_prefill_token_threshold=0,
+                                num_speculative_tokens=0, num_lookahead_tokens=0)
+        return super().configs().map(agree)
+
+    def add_request(self, prompt_len, max_tokens, eos_at_output=None, priority=0, prefix_group=None, prefix_len=0):
+        config = self.config
+        max_input, pool = _sglang_limits(config)
+        if 0 < prompt_len and max_tokens >= 1:
+            prompt_len = min(prompt_len, max_input - 1)
+            paged = -(-prompt_len // config.block_size) * config.block_size
+            limit = min(pool - paged - config.block_size - 1, max_input + 5 - prompt_len - 1,
+                        config.max_model_len - prompt_len)  # the front end refuses a longer total
+            max_tokens = max(1, min(max_tokens, limit))
+            if limit < 1 or rejection_reason(prompt_len, max_tokens, config) is not None:
+                prompt_len, max_tokens = 0, 1  # both refuse an empty prompt at arrival
+        elif max_tokens < 1:
+            prompt_len = 0  # SGLang admits max_tokens=0 (a prefill, then a length finish); the spec rejects it
+        return super().add_request(prompt_len, max_tokens, eos_at_output, priority,
+                                   prefix_group=prefix_group, prefix_len=0)
+
+    def abort(self, which, index):
+        super().abort("waiting" if which == "running" else which, index)
+
+    def _check_scheduler_state(self) -> None:
+        super()._check_scheduler_state()
+        found = view_differences(EngineView.of_state(self.shadow), self.scheduler.engine_view())
+        if found:
+            self._fail("engine view", f"at step {self.shadow.step}: " + "; ".join(str(f) for f in found))
+
+
+MACHINE_EXAMPLES = int(os.environ.get("SCHEDSPEC_SGLANG_EXAMPLES", "6"))
+"""Examples of the machine (each is a few hundred worker round trips; the worker starts once, about 30 s)."""
+
+
+def test_state_machine() -> None:
+    run_state_machine_as_test(SglangMachine, settings=settings(max_examples=MACHINE_EXAMPLES, stateful_step_count=20,
+                                                               deadline=None))
+
+
+def test_state_machine_catches_a_broken_adapter(monkeypatch) -> None:
+    """A deliberate break: report one block too many as free; the machine's view check fails."""
+    from schedspec.engines.sglang import SglangScheduler
+
+    original = SglangScheduler.engine_view
+    monkeypatch.setattr(SglangScheduler, "engine_view",
+                        lambda self: attrs.evolve(original(self), num_free_blocks=original(self).num_free_blocks + 1))
+    with pytest.raises(SpecViolation, match="engine view"):
+        run_state_machine_as_test(SglangMachine, settings=settings(max_examples=5, stateful_step_count=5,
+                                                                   derandomize=True, database=None, deadline=None))
+
+
+def test_clipped_max_tokens_is_a_refinement_finding() -> None:
+    """docs/findings/sglang-clips-max-tokens.md: replay exits 1 with the refinement at step 18."""
+    import sys
+
+    case = ROOT / "schedspec" / "data" / "cases" / "counterexample-sglang-clips-max-tokens.json"
+    done = subprocess.run([sys.executable, "-m", "schedspec", "replay", "--scheduler", "sglang", str(case)],
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert "PASS finding: refinement reproduced: step 18" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
+
+
+def test_refused_features_exit_3() -> None:
+    from schedspec.reference.scheduler import UnsupportedFeature, make_scheduler
+    from schedspec.spec.config import SchedulerConfig
+
+    with pytest.raises(UnsupportedFeature, match="prefix caching"):
+        make_scheduler("sglang", SchedulerConfig(4, 16, 64, 4, 128, enable_prefix_caching=True))

@@ -1,0 +1,288 @@
+"""The ``sglang`` adapter: SGLang 0.5.23's own scheduler (``sglang/srt/managers/scheduler.py``
+``Scheduler``) driven step by step through the :class:`~schedspec.reference.scheduler.Scheduler`
+protocol, with no model, on the CPU, in SGLang's own environment over a worker process
+(:mod:`schedspec.engines.sglang_worker`, run by ``.venv-sglang/bin/python`` or
+``$SCHEDSPEC_SGLANG_PYTHON``; the process and its JSON Lines pipe are the vLLM adapter's
+``_WorkerProcess``, shared).
+
+**What runs is SGLang's code.** Each step the worker calls SGLang's own
+``Scheduler.get_next_batch_to_run`` (``process_pending_chunked_abort``, the stash of the chunked
+request, the merge of the last prefill batch into the running batch, ``get_new_batch_prefill`` with
+``SchedulePolicy.calc_priority`` and ``PrefillAdder.add_chunked_req`` / ``add_one_req``,
+``ScheduleBatch.init_new`` and ``prepare_for_extend``; else ``update_running_batch`` with
+``ScheduleBatch.check_decode_mem``, ``retract_decode``, the ``NewTokenRatioTracker`` update and
+``prepare_for_decode``) on a ``Scheduler`` object, and feeds the sampled tokens back through SGLang's
+own ``SchedulerBatchResultProcessor.process_batch_result_prefill`` / ``process_batch_result_decode``
+with a ``GenerationBatchResult`` holding them, as ``Scheduler.process_batch_result`` dispatches. An
+arrival goes through ``Scheduler.init_req_max_new_tokens``, ``validate_input_length`` and
+``Scheduler._add_request_to_queue``, as ``handle_generate_request`` does. The pools, the allocator,
+the radix cache, the policy and the ratio tracker are SGLang's (``sglang_worker.Components``).
+
+**What is replaced, and why** (``sglang_worker._headless_scheduler``):
+
+- ``Scheduler.__init__`` is not run: it starts a model worker (``init_model_worker``: weights, a
+  device), ZMQ sockets to the tokenizer and detokenizer, the Rust front end, watchdogs and profilers.
+  The object is made with ``object.__new__`` and given the attributes its ``init_*`` methods set for
+  one CPU rank with every optional feature off (the dict in ``_headless_scheduler`` names the
+  ``init_*`` method each block comes from). ``max_req_len``/``max_req_input_len`` are computed as the
+  model worker's ``get_worker_info`` does (``managers/tp_worker.py``), with ``context_len =
+  max_model_len`` and the pool's token count.
+- Components of features kept off are stand-ins (``_Record``): the grammar manager (no constrained
+  decoding: ``has_waiting_grammars`` is ``False``), the DP-attention adapter and the n-gram embedding
+  manager (identity on the batch: no DP attention, no n-gram embedding), the beam coordinator (no
+  beam search: 0 pending rows), the metrics reporter and load inquirer (no metrics), the model
+  runner's attention backend (``None``: the tile-budget fallback of 64 that
+  ``_get_new_batch_prefill_raw`` takes for non-Triton back ends; it only sizes logging) and the output
+  streamer (no detokenizer: the finish state is read from the ``Req``). ``send_abort_output`` is
+  overridden to record the abort instead of sending it, and ``_add_request_to_queue`` to record a
+  retraction (then it runs SGLang's own). None of them decides anything in the default configuration.
+- The model's forward pass: the sampled token of each request comes from the caller (our token
+  source) as ``next_token_ids``. The model config is a stand-in with the fields the batch and the
+  result processor read (vocabulary size, no encoder, no reasoning tokens).
+
+**Mapping onto the spec** (docs/engines.md, *SGLang 0.5.23*):
+
+- *Pages as blocks*: ``page_size = block_size``; the token pool holds ``num_kv_blocks * block_size``
+  tokens, pages ``1..num_kv_blocks`` (SGLang's page 0 is padding), SGLang page ``p`` is spec block
+  ``p - 1``; the view's free blocks are the allocator's ``available_size() // page_size``.
+- *Limits*: ``max_running_requests = max_num_seqs``; ``chunked_prefill_size = max_num_batched_tokens``
+  with chunked prefill on (``-1``, no chunking, with it off) and ``max_prefill_tokens =
+  max_num_batched_tokens``. They differ from the spec's one budget: ``max_prefill_tokens`` bounds only
+  the input tokens of a prefill pass (the first request of a pass may exceed it, ``PrefillAdder``), and
+  a decode step is not bounded by either (it runs every running request, one token each). So a decode
+  batch larger than ``max_num_batched_tokens`` breaks the spec's ``token-budget`` rule: reported as it is.
+- *A step* is SGLang's batch: an extend batch (prefill chunks: each request's ``prefix_lens`` as
+  ``num_computed_tokens``, ``extend_lens`` as its tokens) or a decode batch (one token each, at
+  ``seq_len - 1``). New blocks are the pages its row of the request-to-token pool gained in the step.
+  Steps are all prefill or all decode (``enable_mixed_chunk`` is off): the spec allows that.
+- *Retraction as preemption*: ``retract_decode``'s victims, in the order SGLang re-queued them. SGLang
+  re-queues a retracted request at the back of its waiting queue and keeps its output tokens; the spec
+  puts it at the front with nothing computed. Queues are compared as sets, so the order is not judged.
+- *Rejection*: the front end's checks (:func:`front_end_rejection`: empty prompt, prompt of
+  ``max_model_len`` or more, prompt plus ``max_tokens`` past ``max_model_len``, which the spec admits and
+  ends at ``max_model_len``: a documented difference), then a request whose prompt SGLang's scheduler refuses (``validate_input_length``: ``prompt_len >=
+  max_req_input_len``) or whose prompt alone exceeds the pool (``init_req_max_new_tokens``: "exceeds
+  the KV memory budget") is reported as rejected in the next plan, with the spec's code for the limit it
+  breaks if it breaks one, else ``prompt-exceeds-max-model-len`` (SGLang's limit is
+  ``min(max_model_len, pool tokens) - 6``): the spec's ``reject-only-impossible`` judges it.
+- *Output clipping*: ``init_req_max_new_tokens`` lowers ``max_new_tokens`` to what an empty pool can
+  hold (``max_new_tokens_for_memory``: pool tokens minus the page-rounded prompt, one page and one
+  token) and to ``max_req_len - prompt_len - 1``. Such a request ends with a length finish before its
+  ``max_tokens``, which the engine loop reports as a ``refinement`` mismatch: a finding
+  (docs/findings/sglang-clips-max-tokens.md), not hidden.
+- *Engine aborts*: a request ``retract_decode`` aborts ("out of memory even after retracting") is
+  raised as :class:`~schedspec.reference.scheduler.EngineFault` (the spec has no such transition).
+
+**Refused** (:class:`~schedspec.reference.scheduler.UnsupportedFeature`, CLI exit 3): prefix caching
+(the radix tree is not mapped onto the spec's cache yet), speculative decoding,
+``long_prefill_token_threshold > 0`` (SGLang has no such limit), and aborting a request SGLang has
+admitted (its ``abort_request`` finishes it at the next result, not at once).
+
+``guarantees`` is empty: SGLang promises none of the spec's trace properties.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from schedspec.reference.scheduler import EngineFault, EngineView, UnsupportedFeature
+from schedspec.spec.admission import rejection_reason
+from schedspec.spec.config import SchedulerConfig
+from schedspec.spec.request import Request
+from schedspec.spec.state import ScheduledRequest, StepPlan
+from schedspec.spec.workload import token_ids
+
+from .vllm import EngineStartError, EngineUnavailable, _worker, _WorkerClient
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).resolve().with_name("sglang_worker.py")
+DEFAULT_PYTHON = ROOT / ".venv-sglang" / "bin" / "python"
+PYTHON_VARIABLE = "SCHEDSPEC_SGLANG_PYTHON"
+SGLANG_VERSION = "0.5.23"
+
+
+def sglang_python() -> Path:
+    """The interpreter of the SGLang environment: ``$SCHEDSPEC_SGLANG_PYTHON`` or ``.venv-sglang/bin/python``.
+
+    Raises:
+        EngineUnavailable: the variable is not set and the default does not exist (not installed).
+        EngineStartError: the variable names a path that is not a file.
+    """
+    named = os.environ.get(PYTHON_VARIABLE)
+    python = Path(named) if named else DEFAULT_PYTHON
+    if named and not python.is_file():
+        raise EngineStartError(f"environment variable {PYTHON_VARIABLE}={named}: no such file (the Python of an "
+                               f"environment with sglang=={SGLANG_VERSION}; `SCHEDSPEC_SGLANG=1 bash "
+                               f"scripts/engines_setup.sh` builds one at {DEFAULT_PYTHON})")
+    if not python.exists():
+        raise EngineUnavailable(f"scheduler 'sglang': no SGLang environment at {python}; run `SCHEDSPEC_SGLANG=1 "
+                                f"bash scripts/engines_setup.sh` (builds .venv-sglang) or set {PYTHON_VARIABLE}")
+    return python
+
+
+def front_end_rejection(request: Request, config: SchedulerConfig) -> str | None:
+    """Why SGLang's front end refuses ``request`` before its scheduler sees it, or ``None``: an empty
+    prompt (``managers/io_struct.py`` ``GenerateReqInput``: "input_ids cannot be empty"), a prompt of
+    ``max_model_len`` tokens or more, or a prompt plus ``max_tokens`` past ``max_model_len``
+    (``managers/tokenizer_manager.py`` ``TokenizerManager._validate_one_request``, ``context_len =
+    max_model_len``, ``validate_total_tokens`` on, ``allow_auto_truncate`` off). The last is a
+    documented difference: the spec admits such a request and ends it at ``max_model_len``.
+
+    Returns:
+        ``"CODE: SGLang's message"``, the code the spec's for the limit (``reject-only-impossible`` judges it).
+    """
+    prompt_len, context_len = request.prompt_len, config.max_model_len
+    if prompt_len == 0:
+        return "empty-prompt: SGLang GenerateReqInput: input_ids cannot be empty."
+    if prompt_len >= context_len:
+        return (f"prompt-exceeds-max-model-len: SGLang tokenizer manager: the input ({prompt_len} tokens) is longer "
+                f"than the model's context length ({context_len} tokens).")
+    if prompt_len + request.max_tokens > context_len:
+        spec = rejection_reason(prompt_len, request.max_tokens, config)
+        code = spec.partition(":")[0] if spec is not None else "prompt-exceeds-max-model-len"
+        return (f"{code}: SGLang tokenizer manager: requested token count exceeds the model's maximum context "
+                f"length of {context_len} tokens ({prompt_len} input + {request.max_tokens} new)")
+    return None
+
+
+class SglangScheduler(_WorkerClient):
+    """SGLang 0.5.23's ``Scheduler`` as a :class:`~schedspec.reference.scheduler.Scheduler` (module
+    docstring).
+
+    Args:
+        config: the limits (mapping in the module docstring).
+        policy: SGLang's ``--schedule-policy`` (``"fcfs"``; with prefix caching off every cache-aware
+            policy falls back to it, ``SchedulePolicy._determine_active_policy``).
+
+    Raises:
+        UnsupportedFeature: a refused feature (module docstring) or no SGLang environment.
+        EngineStartError: ``$SCHEDSPEC_SGLANG_PYTHON`` names no file, or the worker died before its first reply.
+    """
+
+    state = None
+
+    def __init__(self, config: SchedulerConfig, policy: str = "fcfs") -> None:
+        self.name = "sglang" if policy == "fcfs" else f"sglang-{policy}"
+        for refused, why in (
+            (config.enable_prefix_caching, "prefix caching (enable_prefix_caching=true): SGLang's radix tree is "
+                                           "not mapped onto the spec's prefix cache yet"),
+            (config.speculative, "speculative decoding (num_speculative_tokens>0)"),
+            (config.long_prefill_token_threshold > 0,
+             f"long_prefill_token_threshold={config.long_prefill_token_threshold}: SGLang has no such limit"),
+        ):
+            if refused:
+                raise UnsupportedFeature(f"scheduler {self.name!r}: {why}")
+        self.config = config
+        self.guarantees: frozenset[str] = frozenset()
+        self.engine: dict[str, str] = {"name": "sglang", "version": SGLANG_VERSION}
+        self.worker = _worker(sglang_python(), None, WORKER, "SGLang", PYTHON_VARIABLE)
+        self.handle = self.worker.next_handle
+        self.worker.next_handle += 1
+        reply = self.worker.call({"op": "init", "handle": self.handle, "config": config.to_dict(), "policy": policy})
+        if "refused" in reply:
+            raise UnsupportedFeature(f"scheduler {self.name!r}: SGLang refuses this config: {reply['refused']}")
+        if reply["sglang_version"] != SGLANG_VERSION:
+            raise EngineUnavailable(f"scheduler {self.name!r}: the worker imported sglang {reply['sglang_version']}, "
+                                    f"expected {SGLANG_VERSION}; run `SCHEDSPEC_SGLANG=1 bash scripts/engines_setup.sh`")
+        self.requests: dict[str, Request] = {}
+        self.refused: dict[str, str] = {}  # refused by the front end, reported in the next plan
+        self.admitted: set[str] = set()
+        self.plan: StepPlan | None = None
+        self.step = 0
+        self.closed = False
+
+    def add_request(self, request: Request) -> None:
+        """The front end's checks (:func:`front_end_rejection`), then ``handle_generate_request`` in the
+        worker (module docstring)."""
+        self.requests[request.request_id] = request
+        refused = front_end_rejection(request, self.config)
+        if refused is not None:
+            self.refused[request.request_id] = refused
+            return
+        self._send({"op": "add", "id": request.request_id, "prompt": token_ids(request, 0, request.prompt_len).tolist(),
+                    "max_tokens": request.max_tokens, "eos": request.eos_token_id,
+                    # a client sends no priority to a server without priority scheduling (SGLang aborts it)
+                    "priority": request.priority if self.name != "sglang" else None})
+
+    def abort_request(self, request_id: str) -> None:
+        """A waiting request leaves SGLang's queue; unknown ids are ignored.
+
+        Raises:
+            UnsupportedFeature: the request was admitted (module docstring)."""
+        if self.refused.pop(request_id, None) is not None:
+            self.requests.pop(request_id, None)
+            return
+        if request_id in self.admitted:
+            raise UnsupportedFeature(f"scheduler {self.name!r}: aborting an admitted request ({request_id}): SGLang "
+                                     "finishes it at its next result, which the spec's abort cannot express")
+        if self.requests.pop(request_id, None) is not None:
+            self._send({"op": "abort", "id": request_id})
+
+    def _reason(self, request_id: str, sglang_message: str) -> str:
+        request = self.requests[request_id]
+        spec = rejection_reason(request.prompt_len, request.max_tokens, self.config)
+        code = spec.partition(":")[0] if spec is not None else "prompt-exceeds-max-model-len"
+        return f"{code}: SGLang: {sglang_message}"
+
+    def schedule(self) -> StepPlan:
+        """SGLang's ``get_next_batch_to_run`` as a plan; the same plan until ``update``.
+
+        Raises:
+            EngineFault: SGLang aborted a running request (``retract_decode``: out of memory even after
+                retracting)."""
+        if self.plan is None:
+            reply = self._call({"op": "schedule"})
+            if reply["engine_aborted"]:
+                request_id, message = reply["engine_aborted"][0]
+                raise EngineFault(f"sglang {SGLANG_VERSION}", "Scheduler.update_running_batch", self.step,
+                                  "schedule_batch.py ScheduleBatch.retract_decode",
+                                  f"aborted request {request_id}: {message}")
+            scheduled = tuple(ScheduledRequest(r, computed, count, tuple(new), cached_block_ids=tuple(hit))
+                              for r, computed, count, new, hit in reply["scheduled"])
+            rejected = tuple(self.refused.items()) + tuple((r, self._reason(r, message))
+                                                          for r, message in reply["rejected"])
+            self.plan = StepPlan(scheduled=scheduled, preempted=tuple(reply["preempted"]), rejected=rejected)
+        return self.plan
+
+    def update(self, plan: StepPlan, sampled_token_ids: Mapping[str, int]) -> tuple[str, ...]:
+        """Feed the sampled tokens to SGLang's result processor; the ids that finished in this step.
+
+        Raises:
+            ValueError: ``plan`` is not the plan ``schedule`` returned.
+        """
+        if self.plan is None or plan != self.plan:
+            raise ValueError("update: the plan is not the one schedule() returned")
+        for request_id, _ in plan.rejected:
+            self.requests.pop(request_id, None)
+            self.refused.pop(request_id, None)
+        self.admitted.update(item.request_id for item in plan.scheduled)
+        self.admitted.difference_update(plan.preempted)
+        scheduled = {item.request_id for item in plan.scheduled}
+        reply = self._call({"op": "update", "sampled": {r: int(t) for r, t in sampled_token_ids.items() if r in scheduled}})
+        self.plan = None
+        self.step += 1
+        finished = tuple(request_id for request_id, _ in reply["finished"])
+        for request_id in finished:
+            self.requests.pop(request_id, None)
+            self.admitted.discard(request_id)
+        return finished
+
+    def engine_view(self) -> EngineView:
+        """SGLang's own bookkeeping in spec terms: the allocator's free tokens over ``page_size``
+        (``PagedTokenToKVPoolAllocator.available_size``), its waiting queue (with requests whose refusal
+        the next plan reports), the running batch with the chunked request (and the last prefill batch,
+        which ``get_next_batch_to_run`` merges into it at the next step), each live request's pages
+        (its row of ``ReqToTokenPool``) and its computed tokens (``seq_len - 1`` once running: the last
+        sampled token has no KV yet; the chunked request's ``extend_end``)."""
+        reply = self._call({"op": "view"})
+        return EngineView(num_free_blocks=reply["num_free_tokens"] // self.config.block_size,
+                          waiting=tuple(reply["waiting"]) + tuple(self.refused), running=tuple(reply["running"]),
+                          block_tables={r: tuple(b) for r, b in reply["block_tables"].items()},
+                          num_computed_tokens={**reply["num_computed_tokens"], **dict.fromkeys(self.refused, 0)})
+
+
+def fcfs(config: SchedulerConfig) -> SglangScheduler:
+    """SGLang 0.5.23's scheduler with ``--schedule-policy fcfs`` (registry name ``sglang``)."""
+    return SglangScheduler(config, "fcfs")
