@@ -14,6 +14,7 @@ rest of the step.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from types import MappingProxyType
@@ -25,6 +26,17 @@ from schedspec.spec.request import Request
 _NUMBERED = re.compile(r"(.*?)(0|[1-9][0-9]{0,17})")
 """An id as a prefix and a decimal number without leading zeros (``r12`` is ``("r", 12)``, ``r012`` is
 ``("r0", 12)``): ``prefix + str(number) == id``, so the pair names exactly one id."""
+
+
+@functools.lru_cache(maxsize=4096)
+def _where(request_id: str, chunk: int) -> tuple[tuple[str, int], int] | None:
+    """``((prefix, number // chunk), number % chunk)`` of a numbered id (:data:`_NUMBERED`), else ``None``;
+    memoized (the live requests' ids are looked up at every step of a check)."""
+    found = _NUMBERED.fullmatch(request_id)
+    if found is None:
+        return None
+    number = int(found.group(2))
+    return (found.group(1), number // chunk), number % chunk
 
 
 class EndedIds:
@@ -51,11 +63,7 @@ class EndedIds:
             self.add(request_id)
 
     def _where(self, request_id: str) -> tuple[tuple[str, int], int] | None:
-        found = _NUMBERED.fullmatch(request_id)
-        if found is None:
-            return None
-        number = int(found.group(2))
-        return (found.group(1), number // self.CHUNK), number % self.CHUNK
+        return _where(request_id, self.CHUNK)
 
     def add(self, request_id: str) -> None:
         """Add ``request_id`` (a ``str``; adding one twice keeps one)."""
