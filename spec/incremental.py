@@ -17,15 +17,24 @@ every step of random runs with injected faults), by two means:
   it (a fault, or a free queue rearranged otherwise), the full ``block_conservation`` check runs on
   that state and its answer is returned; the ledger is rebuilt from the state.
 
-With ``enable_prefix_caching`` the ledger does not apply (blocks are shared between block tables, and
-cached blocks are released to the back of the free queue and stay cached), so the checker runs the full
-:func:`~schedspec.spec.invariants.check_step` on every step: the same verdicts, at the full check's cost.
+- **With ``enable_prefix_caching``** blocks are shared between block tables and cached blocks are
+  released to the back of the free queue and stay cached, so a **shared-block ledger** (block -> the
+  live tables holding it, the free queue as a set, the cache, and per request the prefix of its table
+  known published right) proves ``block-conservation``, ``kv-capacity``, ``prefix-ref-counts``,
+  ``prefix-block-partition`` and ``prefix-published-computed`` (:data:`CACHE_SCREENED`) from what
+  changed: the blocks added to and dropped from tables, the keys the cache's working copy wrote (logged
+  by its only writers: :class:`~schedspec.spec.prefix_cache.CacheChanges`, followed back to the cache
+  of the previous state), the free queue's changed ends, and the chains of the requests that changed or
+  hold a block whose hash changed (:func:`~schedspec.spec.invariants.published_chain`, resumed after the
+  prefix known right). A cache not made from the previous one by a working copy (no change log), or
+  anything the ledger cannot prove, runs those invariants in full, as above.
 
 Cost per step: O(live requests) Python operations (the other state invariants and the scan for
-requests that left the live set), plus O(changed blocks) for the ledger, plus, on steps where the free
-queue changed, one comparison of the new queue with the old one done by CPython's tuple slicing and
-comparison (O(num_kv_blocks) machine operations, no Python loop). A fallback step costs a full
-``block_conservation``.
+requests that left the live set), plus O(changed blocks) for the ledger (with prefix caching also
+O(changed keys of the cache) and O(new blocks of each changed table) for the chains), plus, on steps
+where the free queue changed, one comparison of the new queue with the old one done by CPython's tuple
+slicing and comparison (O(num_kv_blocks) machine operations, no Python loop). A fallback step costs
+the full checks of the invariants the ledger proves.
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from schedspec.spec.admission import rejection_reason
-from schedspec.spec.config import SchedulerConfig, blocks_for_tokens
+from schedspec.spec.config import SchedulerConfig, blocks_for_tokens, slot_tokens
 from schedspec.spec.invariants import (
     STATE_INVARIANTS,
     TERMINAL_OWNS_BLOCKS,
@@ -75,14 +84,14 @@ def screened_rules_hold(state: SchedulerState, plan: StepPlan, config: Scheduler
     one pass over the plan instead of one pass per rule. False means "run the rules" (a rule may or may
     not be broken); so a screen that is too strict costs time, never a verdict
     (``tests/test_incremental.py`` compares the checker's verdicts with the rules' on broken plans). With
-    speculative decoding (``num_speculative_tokens > 0``) it is always False: every rule runs."""
-    if config.speculative:  # the screen knows neither drafts nor num_lookahead_tokens: run the rules
-        return False
+    speculative decoding the conditions count each item's d drafts and ``num_lookahead_tokens`` as the
+    rules do (``config.slot_tokens``); the draft rules themselves are not screened (they always run)."""
     requests = state.requests
     running = set(state.running)
     block_size = config.block_size
     chunked = config.enable_chunked_prefill
     threshold = config.long_prefill_token_threshold if chunked else 0
+    speculative = config.speculative
     named: set[str] = set()
     total = admitted = 0
     for item in plan.scheduled:
@@ -94,16 +103,18 @@ def screened_rules_hold(state: SchedulerState, plan: StepPlan, config: Scheduler
         num_tokens = item.num_tokens
         computed = request.num_computed_tokens
         pending = request.num_tokens - computed
+        drafts = len(item.spec_token_ids)
         if (num_tokens < 1  # positive-tokens
                 or item.num_computed_tokens != computed  # chunk-continues
-                or num_tokens > pending  # no-overcompute
-                or (not chunked and num_tokens != pending)  # whole-prefill-without-chunking
-                or (threshold and num_tokens > threshold)):  # long-prefill-threshold
+                or num_tokens > pending + drafts  # no-overcompute
+                or (not chunked and num_tokens != pending + drafts)  # whole-prefill-without-chunking
+                or (threshold and num_tokens > threshold and not drafts)):  # long-prefill-threshold
             return False
         blocks = len(request.block_ids) + len(item.new_block_ids)
-        if blocks < blocks_for_tokens(computed + num_tokens, block_size):  # block-table-covers
+        if blocks < blocks_for_tokens(slot_tokens(computed + num_tokens, config), block_size):  # block-table-covers
             return False
-        if blocks > blocks_for_tokens(request.num_tokens, block_size):  # no-excess-blocks
+        if (blocks > blocks_for_tokens(slot_tokens(request.num_tokens + drafts, config), block_size)
+                and (item.new_block_ids or not speculative)):  # no-excess-blocks
             return False
         if request_id not in running:
             admitted += 1

@@ -432,3 +432,26 @@ def test_prefix_caching_faults_are_found_as_the_full_check_finds_them(fault):
     specs = [attrs.evolve(s, prefix_group="p", prefix_len=8) for s in SPECS]
     found = [step for step in range(2, 14) if _drive(config, specs, "fcfs", fault=fault, fault_step=step)]
     assert found, f"the fault {fault!r} was never made or never found"
+
+
+def test_the_screen_counts_lookahead_and_drafts_as_the_rules_do() -> None:
+    """With speculative decoding the screen passes a legal plan, and fails each plan a screened rule
+    refuses only because of the lookahead slots or the drafts (a screen that forgot them would skip the
+    rule and lose the violation)."""
+    from schedspec.spec.incremental import screened_rules_hold
+
+    config = SchedulerConfig(block_size=4, num_kv_blocks=12, max_num_batched_tokens=16, max_num_seqs=3,
+                             max_model_len=32, num_speculative_tokens=2, num_lookahead_tokens=2)
+    scheduler = make_scheduler("fcfs", config)
+    scheduler.add_request(RequestSpec("a", 8, 3, arrival_step=0).to_request(0))
+    state = scheduler.state
+    plan = scheduler.schedule()
+    assert len(plan.scheduled[0].new_block_ids) == 3  # 8 tokens and 2 lookahead slots
+    assert not violated_rules(state, plan, config) and screened_rules_hold(state, plan, config)
+    short = _mutate_item(plan, 0, new_block_ids=plan.scheduled[0].new_block_ids[:2])  # no lookahead slots
+    assert {v.name for v in violated_rules(state, short, config)} == {"block-table-covers"}
+    assert not screened_rules_hold(state, short, config)
+    whole = config.with_changes(enable_chunked_prefill=False, max_num_batched_tokens=32)
+    decode = _mutate_item(plan, 0, spec_token_ids=(5,))  # all 8 pending but not the draft it carries
+    assert "whole-prefill-without-chunking" in {v.name for v in violated_rules(state, decode, whole)}
+    assert not screened_rules_hold(state, decode, whole)
