@@ -93,7 +93,8 @@ def schedspec_side(size: int, steps: int, name: str = "fcfs") -> dict:
     config = SchedulerConfig(**fields)
     checked = name == CHECKED
     scheduler = make_scheduler("fcfs" if checked else name, config)
-    stepper = Stepper(config, step_checker(config, incremental=True)) if checked else None
+    # from the scheduler's own state object, as the engine loop starts it, so that each transition is handed over
+    stepper = Stepper(config, step_checker(config, incremental=True), state=scheduler.state) if checked else None
     for index in range(size):
         request = Request(f"r{index}", 0, [1 + (index + k) % 1000 for k in range(PROMPT_LEN)], MAX_TOKENS)
         if stepper is not None:
@@ -113,6 +114,7 @@ def schedspec_side(size: int, steps: int, name: str = "fcfs") -> dict:
             assert not outcome.rule_violations and not outcome.invariant_violations, outcome
             scheduler.accept_transition(outcome.transition)
         scheduler.update(plan, sampled)
+        assert stepper is None or scheduler.state is stepper.state, "the transition was not handed over"
         done = CLOCK()
         decodes = sum(1 for item in plan.scheduled if item.num_tokens == 1)
         return planned - started, done - before_update, decodes
