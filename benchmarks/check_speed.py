@@ -17,7 +17,7 @@ verdict; the benchmark fails (exit 1) where they differ.
 Traces (``--only``): ``azure-120`` (the lab's default window: the Azure 2023 conversation trace, first
 120 s), ``azure-600`` (its first 600 s), ``mooncake-120`` (Mooncake conversation trace, first 120 s,
 profile ``llama3.1-8b-a100-80gb``), ``mooncake-120-prefix`` (the same with ``--set
-enable_prefix_caching=true``, where the incremental checker runs the full invariant check every step).
+enable_prefix_caching=true``: the incremental checker's shared-block ledger).
 
 Not part of the test suite.
 """

@@ -25,6 +25,11 @@ the sampled tokens for its writer thread). The vLLM rows also give the process's
 and writes the JSON lines, is counted there, its queue drained before the clock stops; the building of
 each step's ``ModelRunnerOutput`` is in it on both rows).
 
+The row ``fcfs checked`` is online checking: ``fcfs``'s plan and the engine loop's checked step (the
+rules, the spec's ``apply_plan``, every invariant, by the incremental checker), in the ``update`` column.
+Issue 26's target: at 256 running decodes, its total within vLLM's ``schedule()`` + ``update_from_output``
+in the same run; the last line says met or not met.
+
 Not part of the test suite. Prints the run conditions first.
 """
 
@@ -73,17 +78,31 @@ def summary(schedule_ns: list[int], update_ns: list[int]) -> dict:
             for key, values in (("schedule", schedule_ns), ("update", update_ns), ("total", total))}
 
 
+CHECKED = "fcfs checked"
+"""The online-checking row: ``fcfs``'s plan, then the checked step of the engine loop
+(:class:`schedspec.spec.stepper.Stepper` with the incremental checker: the rules on the plan, the spec's
+``apply_plan``, every invariant), the transition handed to the scheduler (``accept_transition``)."""
+TARGET_SIZE = 256
+"""Issue 26: the checked step at this many running decodes within vLLM's ``schedule()`` + update."""
+
+
 def schedspec_side(size: int, steps: int, name: str = "fcfs") -> dict:
     from schedspec.reference.scheduler import make_scheduler
     from schedspec.spec.config import SchedulerConfig
     from schedspec.spec.request import Request
+    from schedspec.spec.stepper import Stepper, step_checker
 
     fields = config_fields(size, steps)
     config = SchedulerConfig(**fields)
-    scheduler = make_scheduler(name, config)
+    checked = name == CHECKED
+    scheduler = make_scheduler("fcfs" if checked else name, config)
+    # from the scheduler's own state object, as the engine loop starts it, so that each transition is handed over
+    stepper = Stepper(config, step_checker(config, incremental=True), state=scheduler.state) if checked else None
     for index in range(size):
-        scheduler.add_request(Request(f"r{index}", 0, [1 + (index + k) % 1000 for k in range(PROMPT_LEN)],
-                                      MAX_TOKENS))
+        request = Request(f"r{index}", 0, [1 + (index + k) % 1000 for k in range(PROMPT_LEN)], MAX_TOKENS)
+        if stepper is not None:
+            scheduler.accept_transition(stepper.arrive(request))
+        scheduler.add_request(request)
 
     def step(timed: bool) -> tuple[int, int, int]:
         started = CLOCK()
@@ -93,7 +112,12 @@ def schedspec_side(size: int, steps: int, name: str = "fcfs") -> dict:
         sampled = {item.request_id: 7 for item in plan.scheduled
                    if item.num_computed_tokens + item.num_tokens >= requests[item.request_id].num_tokens}
         before_update = CLOCK()
+        if stepper is not None:  # the checked step: rules, apply_plan, invariants; the scheduler takes the result
+            outcome = stepper.step(plan, sampled)
+            assert not outcome.rule_violations and not outcome.invariant_violations, outcome
+            scheduler.accept_transition(outcome.transition)
         scheduler.update(plan, sampled)
+        assert stepper is None or scheduler.state is stepper.state, "the transition was not handed over"
         done = CLOCK()
         decodes = sum(1 for item in plan.scheduled if item.num_tokens == 1)
         return planned - started, done - before_update, decodes
@@ -198,8 +222,9 @@ def main() -> None:
     parser.add_argument("--sizes", default="256,1024", help="running decode requests, comma-separated")
     parser.add_argument("--steps", type=int, default=50, help="timed decode steps per size")
     parser.add_argument("--only", choices=["schedspec", "vllm"], default=None)
-    parser.add_argument("--schedulers", default="fcfs,fcfs-fast",
-                        help="schedspec schedulers to time, comma-separated (fcfs-fast: the same plans on mutable tables)")
+    parser.add_argument("--schedulers", default=f"fcfs,fcfs-fast,{CHECKED}",
+                        help="schedspec schedulers to time, comma-separated (fcfs-fast: the same plans on mutable "
+                             f"tables; {CHECKED!r}: fcfs's plan and the checked step, online checking)")
     parser.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
                         help="thread CPU time (default) or wall time per call")
     parser.add_argument("--recorder", action="store_true",
@@ -250,6 +275,15 @@ def main() -> None:
             if "process_cpu_us_per_step" in figures:
                 extra += f"   process CPU (all threads) {figures['process_cpu_us_per_step']:.0f} per step"
             print(f"{name:<36} {size:>8} {cells[0]:>16} {cells[1]:>16} {cells[2]:>16}{extra}")
+    vllm_row = next((by_size for name, by_size in results.items() if name.startswith("vLLM") and "recorder" not in name), None)
+    mine = results.get(f"schedspec {CHECKED}", {}).get(str(TARGET_SIZE))
+    if mine and vllm_row and str(TARGET_SIZE) in vllm_row:
+        ratio = mine["total"]["median_us"] / vllm_row[str(TARGET_SIZE)]["total"]["median_us"]
+        print(f"online checking at {TARGET_SIZE} running decodes: the checked step (plan + check) is {ratio:.2f}x vLLM's "
+              f"schedule() + update_from_output (medians); target <= 1.00x: {'met' if ratio <= 1 else 'not met'}")
+    else:
+        print(f"online checking target (the checked step within vLLM's at {TARGET_SIZE} running decodes): not judged "
+              f"(needs the {CHECKED!r} row and vLLM at size {TARGET_SIZE})")
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 

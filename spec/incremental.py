@@ -17,15 +17,24 @@ every step of random runs with injected faults), by two means:
   it (a fault, or a free queue rearranged otherwise), the full ``block_conservation`` check runs on
   that state and its answer is returned; the ledger is rebuilt from the state.
 
-With ``enable_prefix_caching`` the ledger does not apply (blocks are shared between block tables, and
-cached blocks are released to the back of the free queue and stay cached), so the checker runs the full
-:func:`~schedspec.spec.invariants.check_step` on every step: the same verdicts, at the full check's cost.
+- **With ``enable_prefix_caching``** blocks are shared between block tables and cached blocks are
+  released to the back of the free queue and stay cached, so a **shared-block ledger** (block -> the
+  live tables holding it, the free queue as a set, the cache, and per request the prefix of its table
+  known published right) proves ``block-conservation``, ``kv-capacity``, ``prefix-ref-counts``,
+  ``prefix-block-partition`` and ``prefix-published-computed`` (:data:`CACHE_SCREENED`) from what
+  changed: the blocks added to and dropped from tables, the keys the cache's working copy wrote (logged
+  by its only writers: :class:`~schedspec.spec.prefix_cache.CacheChanges`, followed back to the cache
+  of the previous state), the free queue's changed ends, and the chains of the requests that changed or
+  hold a block whose hash changed (:func:`~schedspec.spec.invariants.published_chain`, resumed after the
+  prefix known right). A cache not made from the previous one by a working copy (no change log), or
+  anything the ledger cannot prove, runs those invariants in full, as above.
 
 Cost per step: O(live requests) Python operations (the other state invariants and the scan for
-requests that left the live set), plus O(changed blocks) for the ledger, plus, on steps where the free
-queue changed, one comparison of the new queue with the old one done by CPython's tuple slicing and
-comparison (O(num_kv_blocks) machine operations, no Python loop). A fallback step costs a full
-``block_conservation``.
+requests that left the live set), plus O(changed blocks) for the ledger (with prefix caching also
+O(changed keys of the cache) and O(new blocks of each changed table) for the chains), plus, on steps
+where the free queue changed, one comparison of the new queue with the old one done by CPython's tuple
+slicing and comparison (O(num_kv_blocks) machine operations, no Python loop). A fallback step costs
+the full checks of the invariants the ledger proves.
 """
 
 from __future__ import annotations
@@ -33,9 +42,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from schedspec.spec.admission import rejection_reason
-from schedspec.spec.config import SchedulerConfig, blocks_for_tokens
-from schedspec.spec.invariants import TERMINAL_OWNS_BLOCKS, block_conservation, check_step, terminal_owns
+from schedspec.spec.config import SchedulerConfig, blocks_for_tokens, slot_tokens
+from schedspec.spec.invariants import (
+    STATE_INVARIANTS,
+    TERMINAL_OWNS_BLOCKS,
+    check_state,
+    check_step,
+    published_chain,
+    terminal_owns,
+)
 from schedspec.spec.persistent import FreeQueue
+from schedspec.spec.prefix_cache import ROOT_HASH, PrefixCache
 from schedspec.spec.request import Request
 from schedspec.spec.rules import Violation, blocks_not_from_free_pool, coded, violated_rules
 from schedspec.spec.state import SchedulerState, StepPlan
@@ -44,6 +61,11 @@ NAME = "block-conservation"
 FREE_POOL_RULE = "blocks-from-free-pool"
 FREE_POOL = frozenset({FREE_POOL_RULE})
 TERMINAL_OWNS_CODE = coded(NAME, TERMINAL_OWNS_BLOCKS)
+CACHE_SCREENED = frozenset({
+    NAME, "kv-capacity", "prefix-ref-counts", "prefix-block-partition", "prefix-published-computed",
+})
+"""With prefix caching, the state invariants the shared-block ledger proves (:meth:`IncrementalChecker._follow_cached`)."""
+STATE_NAMES = frozenset(i.name for i in STATE_INVARIANTS)
 
 
 SCREENED = frozenset({
@@ -62,14 +84,14 @@ def screened_rules_hold(state: SchedulerState, plan: StepPlan, config: Scheduler
     one pass over the plan instead of one pass per rule. False means "run the rules" (a rule may or may
     not be broken); so a screen that is too strict costs time, never a verdict
     (``tests/test_incremental.py`` compares the checker's verdicts with the rules' on broken plans). With
-    speculative decoding (``num_speculative_tokens > 0``) it is always False: every rule runs."""
-    if config.speculative:  # the screen knows neither drafts nor num_lookahead_tokens: run the rules
-        return False
+    speculative decoding the conditions count each item's d drafts and ``num_lookahead_tokens`` as the
+    rules do (``config.slot_tokens``); the draft rules themselves are not screened (they always run)."""
     requests = state.requests
     running = set(state.running)
     block_size = config.block_size
     chunked = config.enable_chunked_prefill
     threshold = config.long_prefill_token_threshold if chunked else 0
+    speculative = config.speculative
     named: set[str] = set()
     total = admitted = 0
     for item in plan.scheduled:
@@ -81,16 +103,18 @@ def screened_rules_hold(state: SchedulerState, plan: StepPlan, config: Scheduler
         num_tokens = item.num_tokens
         computed = request.num_computed_tokens
         pending = request.num_tokens - computed
+        drafts = len(item.spec_token_ids)
         if (num_tokens < 1  # positive-tokens
                 or item.num_computed_tokens != computed  # chunk-continues
-                or num_tokens > pending  # no-overcompute
-                or (not chunked and num_tokens != pending)  # whole-prefill-without-chunking
-                or (threshold and num_tokens > threshold)):  # long-prefill-threshold
+                or num_tokens > pending + drafts  # no-overcompute
+                or (not chunked and num_tokens != pending + drafts)  # whole-prefill-without-chunking
+                or (threshold and num_tokens > threshold and not drafts)):  # long-prefill-threshold
             return False
         blocks = len(request.block_ids) + len(item.new_block_ids)
-        if blocks < blocks_for_tokens(computed + num_tokens, block_size):  # block-table-covers
+        if blocks < blocks_for_tokens(slot_tokens(computed + num_tokens, config), block_size):  # block-table-covers
             return False
-        if blocks > blocks_for_tokens(request.num_tokens, block_size):  # no-excess-blocks
+        if (blocks > blocks_for_tokens(slot_tokens(request.num_tokens + drafts, config), block_size)
+                and (item.new_block_ids or not speculative)):  # no-excess-blocks
             return False
         if request_id not in running:
             admitted += 1
@@ -125,8 +149,10 @@ class IncrementalChecker:
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
-        self.full = config.enable_prefix_caching
-        """Prefix caching: every step gets the full check (module docstring)."""
+        self.cached = config.enable_prefix_caching
+        """Prefix caching: the shared-block ledger (:meth:`_follow_cached`) instead of the owner ledger."""
+        self.screened = CACHE_SCREENED if self.cached else frozenset({NAME})
+        """The invariants the ledger proves (run in full on a step where it cannot)."""
         initial = SchedulerState.initial(config)
         self._rebuild(initial)
         self.sound = True
@@ -138,6 +164,9 @@ class IncrementalChecker:
 
     def _rebuild(self, state: SchedulerState) -> None:
         """The ledger of ``state``, from scratch (O(blocks + live requests))."""
+        if self.cached:
+            self._rebuild_cached(state)
+            return
         self.owner = {}
         self.tables = {}
         for request_id, request in state.requests.items():
@@ -269,12 +298,197 @@ class IncrementalChecker:
                 return False
         return all(block_id in removed for block_id in fresh_from_queue)
 
+    def _follow_any(self, state: SchedulerState) -> bool:
+        return self._follow_cached(state) if self.cached else self._follow(state)
+
+    # --- With prefix caching: the shared-block ledger ------------------------------------------------
+
+    def _rebuild_cached(self, state: SchedulerState) -> None:
+        """The shared-block ledger of ``state``, from scratch (O(blocks + live requests)): the block
+        tables, block -> the live requests whose tables hold it, the free queue (as a tuple and a set),
+        the cache, and per request how much of its table's published prefix is known right."""
+        self.tables = {rid: r.block_ids for rid, r in state.requests.items() if r.block_ids}
+        self.holders: dict[int, set[str]] = {}
+        for request_id, table in self.tables.items():
+            for block_id in table:
+                self.holders.setdefault(block_id, set()).add(request_id)
+        self.seen: dict[str, Request] = dict(state.requests)
+        self.chains: dict[str, tuple[Request, int, str]] = {}
+        self.queue = tuple(state.free_block_ids)
+        self.free = set(self.queue)
+        self.cache: PrefixCache | None = state.prefix_cache
+        self.live = set(state.requests)
+        self.num_terminal = len(state.finished)
+
+    def _follow_cached(self, state: SchedulerState) -> bool:
+        """Bring the shared-block ledger to ``state``; True when it proves the invariants in
+        :data:`CACHE_SCREENED` (``block-conservation`` but its terminal case) of ``state``, given that
+        they held for the previous state. It looks only at what changed: the block tables that changed
+        (blocks added to and dropped from them), the keys the cache's working copies wrote
+        (:class:`~schedspec.spec.prefix_cache.CacheChanges`, logged by the dicts themselves), the free
+        queue's changed ends, and the requests that changed or hold a block whose hash changed.
+
+        What it proves, and why that is the invariants: every block's reference count equals the number
+        of live tables holding it (checked for every block whose holders or count changed; the rest are
+        as before), no table holds a block twice, every held block is in range, the free queue is
+        exactly the blocks in range held by no table, without repeats (checked by :meth:`_queue_follows_cached`),
+        the hash map agrees with the blocks' hashes at every changed key, and every changed request's
+        published blocks are a fully computed prefix of its table under the right hashes
+        (:func:`~schedspec.spec.invariants.published_chain`, resumed after the prefix known right)."""
+        ok = True
+        num_blocks = self.config.num_kv_blocks
+        requests = state.requests
+        holders, tables, seen = self.holders, self.tables, self.seen
+        gone = [r for r in self.live if r not in requests]
+        self._collect_terminal(state, gone)
+        moved: set[int] = set()  # blocks whose holders changed
+        changed: list[str] = []  # requests that are new values
+
+        def drop(request_id: str, blocks: tuple[int, ...]) -> None:
+            nonlocal ok
+            for block_id in blocks:
+                owners = holders.get(block_id)
+                if owners is None or request_id not in owners:
+                    ok = False
+                    continue
+                owners.discard(request_id)
+                if not owners:
+                    del holders[block_id]
+                moved.add(block_id)
+
+        def add(request_id: str, blocks: tuple[int, ...]) -> None:
+            nonlocal ok
+            for block_id in blocks:
+                if not 0 <= block_id < num_blocks:
+                    ok = False
+                    continue
+                owners = holders.setdefault(block_id, set())
+                if request_id in owners:  # the table holds it twice
+                    ok = False
+                    continue
+                owners.add(request_id)
+                moved.add(block_id)
+
+        for request_id in gone:
+            self.live.discard(request_id)
+            seen.pop(request_id, None)
+            self.chains.pop(request_id, None)
+            blocks = tables.pop(request_id, None)
+            if blocks:
+                drop(request_id, blocks)
+        self.live.update(requests)
+        for request_id, request in requests.items():
+            if seen.get(request_id) is request:
+                continue
+            seen[request_id] = request
+            changed.append(request_id)
+            old = tables.get(request_id, ())
+            table = request.block_ids
+            if table is old or table == old:
+                continue
+            if table[:len(old)] == old:
+                add(request_id, table[len(old):])
+            else:
+                drop(request_id, old)
+                add(request_id, table)
+            if table:
+                tables[request_id] = table
+            else:
+                tables.pop(request_id, None)
+
+        cache, previous = state.prefix_cache, self.cache
+        self.cache = cache
+        keys = _cache_changes(cache, previous)
+        if keys is None or previous is None or cache is None:
+            return False
+        hashed, listed, counted = keys
+        counts = cache.ref_counts
+        moved |= counted
+        for block_id in moved:
+            if counts.get(block_id, 0) != len(holders.get(block_id, ())):
+                ok = False
+        if not self._queue_follows_cached(tuple(state.free_block_ids), moved):
+            ok = False
+        if not _hash_map_follows(previous, cache, hashed, listed):
+            ok = False
+        for block_id in hashed:  # a held block whose hash changed: its holders' chains
+            changed.extend(holders.get(block_id, ()))
+        size = self.config.block_size
+        block_hashes = cache.block_hashes
+        for request_id in set(changed):
+            request = requests.get(request_id)
+            if request is None or not request.block_ids:
+                self.chains.pop(request_id, None)
+                continue
+            start, parent = self._chain_known(request_id, request, hashed)
+            breach, published, parent = published_chain(request, block_hashes, size, start, parent)
+            if breach is not None:
+                ok = False
+            self.chains[request_id] = (request, published, parent)
+        return ok
+
+    def _chain_known(self, request_id: str, request: Request, hashed: set[int]) -> tuple[int, str]:
+        """How many leading blocks of the request's table are known published right (0 and the root when
+        none): those found right before, if the request still has the same blocks there, none of them
+        changed its hash, they are still computed and the request's tokens there are the same."""
+        known = self.chains.get(request_id)
+        if known is None:
+            return 0, ROOT_HASH
+        old, count, parent = known
+        if not count:
+            return 0, ROOT_HASH
+        size = self.config.block_size
+        table = request.block_ids
+        outputs = count * size - request.prompt_len
+        if (request.prompt_token_ids is not old.prompt_token_ids or count * size > request.num_computed_tokens
+                or table[:count] != old.block_ids[:count] or not hashed.isdisjoint(table[:count])
+                or (outputs > 0 and request.output_token_ids[:outputs] != old.output_token_ids[:outputs])):
+            return 0, ROOT_HASH
+        return count, parent
+
+    def _queue_follows_cached(self, queue: tuple[int, ...], moved: set[int]) -> bool:
+        """Whether the free queue is still exactly the blocks held by no table, without repeats, given
+        that the old one was and only the ``moved`` blocks' holders (or counts) changed: the blocks now
+        held left it, the blocks now held by none that were held joined it at its front or its back
+        (as :meth:`~schedspec.spec.prefix_cache.CacheUpdate.release` puts them), and the rest kept their
+        order (checked by slices, no Python loop over the queue). Updates the ledger's queue and set."""
+        holders, free, previous = self.holders, self.free, self.queue
+        left = {b for b in moved if b in free and b in holders}
+        joined = {b for b in moved if b not in free and b not in holders}
+        self.queue = queue
+        free -= left
+        free |= joined
+        if queue == previous:  # (identity first) nothing may have moved in or out
+            return not (left or joined)
+        length = len(queue)
+        front = 0
+        while front < length and queue[front] in joined:
+            front += 1
+        back = length
+        while back > front and queue[back - 1] in joined:
+            back -= 1
+        if front + length - back != len(joined) or len(set(queue[:front] + queue[back:])) != len(joined):
+            return False
+        start = 0  # leading blocks of the old queue that left it (allocation takes from the front)
+        while start < len(previous) and previous[start] in left:
+            start += 1
+        try:  # the others left it from the middle (a prefix-cache hit on an evictable block)
+            cuts = sorted(previous.index(b, start) for b in left.difference(previous[:start]))
+        except ValueError:  # not in the old queue: the ledger is off (it is rebuilt)
+            return False
+        at = front
+        for cut in [*cuts, len(previous)]:
+            kept = previous[start:cut]
+            if queue[at:at + len(kept)] != kept:
+                return False
+            at += len(kept)
+            start = cut + 1
+        return at == back
+
     def sync(self, before: SchedulerState) -> None:
         """Follow the arrivals and aborts applied since the last step. Reports nothing (the next
         :meth:`invariants` does)."""
-        if self.full:
-            return
-        if not self._follow(before):
+        if not self._follow_any(before):
             self.sound = False
 
     def rules(self, before: SchedulerState, plan: StepPlan) -> list[Violation]:
@@ -284,9 +498,11 @@ class IncrementalChecker:
         rules in :data:`SCREENED` first screened in one pass over the plan (:func:`screened_rules_hold`):
         when the screen holds they find nothing and are not run. The same violations as a multiset; the
         free-pool ones come last."""
-        if self.full or not self.sound:
+        if not self.sound:
             return violated_rules(before, plan, self.config)
-        skip = SCREENED_AND_FREE_POOL if screened_rules_hold(before, plan, self.config) else FREE_POOL
+        # the screen knows no prefix caching (e.g. prefix-hit-at-admission of an item without a hit)
+        screened = not self.cached and screened_rules_hold(before, plan, self.config)
+        skip = SCREENED_AND_FREE_POOL if screened else FREE_POOL
         found = violated_rules(before, plan, self.config, skip=skip)
         found += [Violation(FREE_POOL_RULE, detail, before.step, request_id, kind="rule",
                             code=coded(FREE_POOL_RULE, case[0] if case else None))
@@ -296,15 +512,13 @@ class IncrementalChecker:
     def invariants(self, before: SchedulerState, plan: StepPlan, after: SchedulerState) -> list[Violation]:
         """The violations of the step ``before -> after``: what :func:`check_step` returns (as a multiset;
         the order may differ)."""
-        if self.full:
-            return check_step(before, plan, after, self.config)
-        proved = self._follow(after) and self.sound
+        proved = self._follow_any(after) and self.sound
         # The terminal requests as ``after`` has them (one that ended before ``before`` was seen by sync).
         terminal: Mapping[str, Request] = {
             rid: after.finished.get(rid, r) for rid, r in {**self.broken_terminal, **self.pending_terminal}.items()
         }
         self.pending_terminal = {}
-        found = check_step(before, plan, after, self.config, terminal=terminal, skip=frozenset({NAME}))
+        found = check_step(before, plan, after, self.config, terminal=terminal, skip=self.screened)
         if proved:
             found += [
                 Violation(NAME, terminal_owns(r), before.step, rid,
@@ -313,9 +527,7 @@ class IncrementalChecker:
             ]
         else:
             self.fallbacks += 1
-            breached = [Violation(NAME, detail, before.step, rid, kind="invariant",
-                                  code=coded(NAME, case[0] if case else None))
-                        for rid, detail, *case in block_conservation(after, self.config, terminal)]
+            breached = check_state(after, self.config, terminal, skip=STATE_NAMES - self.screened, step=before.step)
             found += breached
             self._rebuild(after)
             # Sound again once nothing but terminal requests' blocks is wrong: the ledger then matches the
@@ -331,3 +543,45 @@ class IncrementalChecker:
         are no longer listed by iterating ``state.finished``, so the ids of those already collected
         (:meth:`_collect_terminal`'s scan skips them) need not be kept."""
         self.terminal_ids.clear()
+
+
+def _cache_changes(cache: PrefixCache | None, previous: PrefixCache | None) -> tuple[set[int], set[str], set[int]] | None:
+    """The keys at which ``cache`` may differ from ``previous`` (block hashes, hash-map entries, reference
+    counts), by following the caches' :class:`~schedspec.spec.prefix_cache.CacheChanges` back to
+    ``previous`` (or to a cache equal to it); ``None`` when they do not lead there (a cache made
+    otherwise, or an intermediate one gone)."""
+    hashed: set[int] = set()
+    listed: set[str] = set()
+    counted: set[int] = set()
+    while cache is not previous:
+        changes = cache.changes if cache is not None else None
+        if changes is None:  # another object: the same cache (the initial state's, made twice), or not known
+            return (hashed, listed, counted) if cache is not None and cache == previous else None
+        hashed |= changes.block_hashes
+        listed |= changes.hash_to_blocks
+        counted |= changes.ref_counts
+        cache = changes.base()
+        if cache is None:
+            return None
+    return hashed, listed, counted
+
+
+def _hash_map_follows(previous: PrefixCache, cache: PrefixCache, hashed: set[int], listed: set[str]) -> bool:
+    """Whether the hash map and the blocks' hashes still agree (every block of hash h listed under h, once,
+    and under no other), given that they agreed in ``previous`` and only the ``hashed`` blocks' hashes and
+    the ``listed`` hashes' entries may have changed."""
+    block_hashes, by_hash = cache.block_hashes, cache.hash_to_blocks
+    old_hashes, old_by_hash = previous.block_hashes, previous.hash_to_blocks
+    for block_id in hashed:
+        value, old = block_hashes.get(block_id), old_hashes.get(block_id)
+        if value is not None and by_hash.get(value, ()).count(block_id) != 1:
+            return False
+        if old is not None and old != value and block_id in by_hash.get(old, ()):
+            return False
+    for value in listed:
+        blocks = by_hash.get(value, ())
+        if len(set(blocks)) != len(blocks) or any(block_hashes.get(b) != value for b in blocks):
+            return False
+        if any(b not in hashed and b not in blocks for b in old_by_hash.get(value, ())):
+            return False
+    return True

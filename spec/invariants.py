@@ -315,26 +315,43 @@ def prefix_published_computed(state: SchedulerState, config: SchedulerConfig, te
     for block_id in cache.block_hashes:
         if listed[block_id] != 1:
             yield None, f"block {block_id} carries a hash but is listed {listed[block_id]} times in the hash map"
-    size = config.block_size
     for request_id, request in state.requests.items():
-        parent = ROOT_HASH
-        unhashed_seen = False
-        for index, block_id in enumerate(request.block_ids):
-            found = cache.block_hashes.get(block_id)
-            if found is None:
-                unhashed_seen = True
-                continue
-            if unhashed_seen:
-                yield request_id, f"block {block_id} at index {index} is cached after a block that is not"
-                break
-            if (index + 1) * size > request.num_computed_tokens:
-                yield request_id, (f"block {block_id} at index {index} is cached but only "
-                                   f"{request.num_computed_tokens} of its tokens are computed")
-                break
-            parent = request_block_hash(request, index, parent, size)
-            if found != parent:
-                yield request_id, f"block {block_id} at index {index} is cached under the hash of other tokens"
-                break
+        breach, _, _ = published_chain(request, cache.block_hashes, config.block_size)
+        if breach is not None:
+            yield request_id, breach
+
+
+def published_chain(request: Request, block_hashes: Mapping[int, str], block_size: int, start: int = 0,
+                    parent: str = ROOT_HASH) -> tuple[str | None, int, str]:
+    """The per-request part of ``prefix-published-computed``: the request's table from index ``start``
+    on (the ``start`` blocks before it known to be published, fully computed and under the right hashes,
+    ``parent`` the hash of block ``start - 1``), with ``block_hashes`` the cache's.
+
+    Returns:
+        ``(breach, published, parent)``: the first breach's detail (``None`` if none), the number of
+        leading published blocks found right (blocks ``[0, published)``), and the hash of the last of
+        them (the parent of block ``published``), so that a later check may start there
+        (:class:`~schedspec.spec.incremental.IncrementalChecker`).
+    """
+    table = request.block_ids
+    published = start
+    unhashed_seen = False
+    for index in range(start, len(table)):
+        block_id = table[index]
+        found = block_hashes.get(block_id)
+        if found is None:
+            unhashed_seen = True
+            continue
+        if unhashed_seen:
+            return f"block {block_id} at index {index} is cached after a block that is not", published, parent
+        if (index + 1) * block_size > request.num_computed_tokens:
+            return (f"block {block_id} at index {index} is cached but only {request.num_computed_tokens} of its "
+                    f"tokens are computed"), published, parent
+        expected = request_block_hash(request, index, parent, block_size)
+        if found != expected:
+            return f"block {block_id} at index {index} is cached under the hash of other tokens", published, parent
+        parent, published = expected, index + 1
+    return None, published, parent
 
 
 @state_invariant("released-holds-no-reference", "vLLM Scheduler._preempt_request / _free_request (kv_cache_manager.free)")

@@ -14,6 +14,7 @@ rest of the step.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from types import MappingProxyType
@@ -29,6 +30,14 @@ _NUMBERED = re.compile(r"(.*?)(0|[1-9][0-9]{0,17})")
 
 _PROMOTED = object()
 """The mark of a prefix whose numbers are kept in bitmaps (:class:`EndedIds`)."""
+
+
+@functools.lru_cache(maxsize=4096)
+def _numbered(request_id: str) -> tuple[str, int] | None:
+    """``(prefix, number)`` of a numbered id (:data:`_NUMBERED`), else ``None``; memoized (the live
+    requests' ids are looked up at every step of a check)."""
+    found = _NUMBERED.fullmatch(request_id)
+    return None if found is None else (found.group(1), int(found.group(2)))
 
 
 class EndedIds:
@@ -74,13 +83,13 @@ class EndedIds:
 
     def add(self, request_id: str) -> None:
         """Add ``request_id`` (a ``str``; adding one twice keeps one)."""
-        found = _NUMBERED.fullmatch(request_id)
+        found = _numbered(request_id)
         if found is None:
             if request_id not in self._other:
                 self._other.add(request_id)
                 self._len += 1
             return
-        prefix, number = found.group(1), int(found.group(2))
+        prefix, number = found
         held = self._small.get(prefix)
         if held is _PROMOTED:
             self._len += self._set_bit(prefix, number)
@@ -102,10 +111,10 @@ class EndedIds:
     def __contains__(self, request_id: object) -> bool:
         if not isinstance(request_id, str):
             return False
-        found = _NUMBERED.fullmatch(request_id)
+        found = _numbered(request_id)
         if found is None:
             return request_id in self._other
-        prefix, number = found.group(1), int(found.group(2))
+        prefix, number = found
         held = self._small.get(prefix)
         if held is None:
             return False

@@ -47,6 +47,7 @@ one transition (or a policy planning one step) edits and then freezes.
 from __future__ import annotations
 
 import hashlib
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 
@@ -109,6 +110,29 @@ def max_hit_blocks(request: Request, block_size: int) -> int:
 
 
 @attrs.frozen(slots=True)
+class CacheChanges:
+    """What one :class:`CacheUpdate` changed: the new cache equals ``base`` (a weak reference: the cache
+    it was made from, or ``None`` once that is gone) but possibly at these keys of each mapping.
+    Recorded by the working copy's only writers (:meth:`CacheUpdate._set_count`,
+    :meth:`CacheUpdate._set_hash`, :meth:`CacheUpdate._set_listed`: each logs the key it writes in the
+    statement that writes it), so that a checker can follow the cache in O(changed keys) per step
+    (:class:`~schedspec.spec.incremental.IncrementalChecker`) without trusting what a transition says
+    it did: whatever value a write puts there, its key is logged.
+
+    Attributes:
+        base: weak reference to the :class:`PrefixCache` the changes are relative to.
+        block_hashes: block ids whose entry of ``block_hashes`` may differ from ``base``'s.
+        hash_to_blocks: hashes whose entry of ``hash_to_blocks`` may differ.
+        ref_counts: block ids whose entry of ``ref_counts`` may differ.
+    """
+
+    base: weakref.ref
+    block_hashes: frozenset[int]
+    hash_to_blocks: frozenset[str]
+    ref_counts: frozenset[int]
+
+
+@attrs.frozen(slots=True, weakref_slot=True)
 class PrefixCache:
     """The prefix cache's bookkeeping in a :class:`~schedspec.spec.state.SchedulerState` (caching on).
 
@@ -119,11 +143,15 @@ class PrefixCache:
             allowed; vLLM ``BlockPool.cached_block_hash_to_block``).
         ref_counts: block id -> number of live block tables holding it; a block with no entry has 0
             (vLLM ``KVCacheBlock.ref_cnt``).
+        changes: how this cache differs from the one it was made from (:class:`CacheChanges`; ``None``
+            for a cache not made by :meth:`CacheUpdate.freeze_cache`). Not part of the value: equality
+            ignores it.
     """
 
     block_hashes: Mapping[int, str] = _EMPTY
     hash_to_blocks: Mapping[str, tuple[int, ...]] = _EMPTY
     ref_counts: Mapping[int, int] = _EMPTY
+    changes: CacheChanges | None = attrs.field(default=None, eq=False, repr=False)
 
     def cached_block(self, hash_value: str, excluded: frozenset[int] | set[int] = frozenset()) -> int | None:
         """The first published block carrying ``hash_value`` and not in ``excluded``, or ``None``."""
@@ -186,19 +214,51 @@ class CacheUpdate:
         self.hash_to_blocks: Mapping[str, tuple[int, ...]] = cache.hash_to_blocks
         self.ref_counts: Mapping[int, int] = cache.ref_counts
         self._hashes_copied = self._counts_copied = False
+        self._counted: set[int] = set()
+        self._hashed: set[int] = set()
+        self._listed: set[str] = set()
         self.evicted: list[int] = []
 
     def _write_hashes(self) -> tuple[dict[int, str], dict[str, tuple[int, ...]]]:
-        if not self._hashes_copied:
-            self.block_hashes, self.hash_to_blocks = dict(self.block_hashes), dict(self.hash_to_blocks)
+        if not self._hashes_copied:  # .copy(): a dict's (or a mappingproxy's dict's) fast copy
+            self.block_hashes, self.hash_to_blocks = self.block_hashes.copy(), self.hash_to_blocks.copy()  # type: ignore[attr-defined]
             self._hashes_copied = True
         return self.block_hashes, self.hash_to_blocks  # type: ignore[return-value]
 
     def _write_counts(self) -> dict[int, int]:
         if not self._counts_copied:
-            self.ref_counts = dict(self.ref_counts)
+            self.ref_counts = self.ref_counts.copy()  # type: ignore[attr-defined]
             self._counts_copied = True
         return self.ref_counts  # type: ignore[return-value]
+
+    # The only writers of the working copy's mappings: each logs its key (CacheChanges).
+
+    def _set_count(self, block_id: int, count: int) -> None:
+        """Block ``block_id``'s reference count becomes ``count`` (no entry for 0)."""
+        counts = self._write_counts()
+        self._counted.add(block_id)
+        if count > 0:
+            counts[block_id] = count
+        else:
+            counts.pop(block_id, None)
+
+    def _set_hash(self, block_id: int, value: str | None) -> None:
+        """Block ``block_id``'s hash becomes ``value`` (``None``: no hash)."""
+        block_hashes, _ = self._write_hashes()
+        self._hashed.add(block_id)
+        if value is None:
+            block_hashes.pop(block_id, None)
+        else:
+            block_hashes[block_id] = value
+
+    def _set_listed(self, value: str, blocks: tuple[int, ...]) -> None:
+        """The hash map lists ``blocks`` under ``value`` (no entry when empty)."""
+        _, hash_to_blocks = self._write_hashes()
+        self._listed.add(value)
+        if blocks:
+            hash_to_blocks[value] = blocks
+        else:
+            hash_to_blocks.pop(value, None)
 
     def clone(self) -> CacheUpdate:
         """An independent copy (a policy trying a choice out)."""
@@ -223,13 +283,11 @@ class CacheUpdate:
         0 without a hash go to the front of the free queue, those with a hash to the back."""
         front: list[int] = []
         back: list[int] = []
-        counts = self._write_counts() if table else self.ref_counts
         for block_id in reversed(table):
-            count = counts.get(block_id, 0) - 1
+            count = self.ref_counts.get(block_id, 0) - 1
+            self._set_count(block_id, count)
             if count > 0:
-                counts[block_id] = count
                 continue
-            counts.pop(block_id, None)
             (back if block_id in self.block_hashes else front).append(block_id)
         if front:
             self.free[:0] = front
@@ -237,12 +295,11 @@ class CacheUpdate:
 
     def touch(self, blocks: Sequence[int]) -> None:
         """A hit: each block's count rises by one; an evictable block leaves the free queue."""
-        counts = self._write_counts() if blocks else self.ref_counts
         for block_id in blocks:
-            count = counts.get(block_id, 0)
+            count = self.ref_counts.get(block_id, 0)
             if count == 0 and block_id in self.free:
                 self.free.remove(block_id)
-            counts[block_id] = count + 1
+            self._set_count(block_id, count + 1)
 
     def take(self, blocks: Sequence[int]) -> None:
         """Hand out these blocks (a plan's ``new_block_ids``): each leaves the free queue, loses its hash if
@@ -255,10 +312,9 @@ class CacheUpdate:
         else:
             gone = set(blocks)
             self.free = [b for b in self.free if b not in gone]
-        counts = self._write_counts()
         for block_id in blocks:
             self._evict(block_id)
-            counts[block_id] = counts.get(block_id, 0) + 1
+            self._set_count(block_id, self.ref_counts.get(block_id, 0) + 1)
 
     def take_front(self, count: int) -> tuple[int, ...]:
         """Hand out the first ``count`` blocks of the free queue (the caller checked :attr:`available`)."""
@@ -267,16 +323,12 @@ class CacheUpdate:
         return blocks
 
     def _evict(self, block_id: int) -> None:
-        if block_id not in self.block_hashes:
+        old = self.block_hashes.get(block_id)
+        if old is None:
             return
-        block_hashes, hash_to_blocks = self._write_hashes()
-        old = block_hashes.pop(block_id)
+        self._set_hash(block_id, None)
         self.evicted.append(block_id)
-        rest = tuple(b for b in hash_to_blocks.get(old, ()) if b != block_id)
-        if rest:
-            hash_to_blocks[old] = rest
-        else:
-            hash_to_blocks.pop(old, None)
+        self._set_listed(old, tuple(b for b in self.hash_to_blocks.get(old, ()) if b != block_id))
 
     def publish(self, request: Request, table: Sequence[int], num_computed_tokens: int, block_size: int) -> None:
         """Give a hash to every block of ``table`` whose tokens the request has all computed and that has none
@@ -288,9 +340,8 @@ class CacheUpdate:
             known = self.block_hashes.get(block_id)
             if known is None:
                 known = request_block_hash(request, index, parent, block_size)
-                block_hashes, hash_to_blocks = self._write_hashes()
-                block_hashes[block_id] = known
-                hash_to_blocks[known] = hash_to_blocks.get(known, ()) + (block_id,)
+                self._set_hash(block_id, known)
+                self._set_listed(known, self.hash_to_blocks.get(known, ()) + (block_id,))
             parent = known
 
     def freeze_cache(self) -> PrefixCache:
@@ -301,7 +352,10 @@ class CacheUpdate:
         hashes = MappingProxyType(self.block_hashes) if self._hashes_copied else self.block_hashes
         by_hash = MappingProxyType(self.hash_to_blocks) if self._hashes_copied else self.hash_to_blocks
         counts = MappingProxyType(self.ref_counts) if self._counts_copied else self.ref_counts
-        self.cache = PrefixCache(hashes, by_hash, counts)
+        changes = CacheChanges(weakref.ref(self.cache), frozenset(self._hashed), frozenset(self._listed),
+                               frozenset(self._counted))
+        self._hashed, self._listed, self._counted = set(), set(), set()
+        self.cache = PrefixCache(hashes, by_hash, counts, changes)
         self._hashes_copied = self._counts_copied = False
         self.block_hashes, self.hash_to_blocks, self.ref_counts = hashes, by_hash, counts
         return self.cache

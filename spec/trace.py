@@ -24,6 +24,7 @@ are read with the version-1 convention ``eos_token_id = 0``, said in :attr:`Trac
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Iterator, Sequence
 from functools import cache
 from pathlib import Path
@@ -345,6 +346,7 @@ def _bounded_int(text: str) -> int:
 MAX_JSON_INT_DIGITS = 100
 """The longest integer (in digits) :func:`strict_json_loads` reads; no field of ours needs more (the
 standard library's own limit, 4,300 digits, raises a bare ``ValueError``)."""
+_LONG_DIGITS = re.compile(f"[0-9]{{{MAX_JSON_INT_DIGITS + 1}}}")
 
 
 def strict_json_loads(text: str, *, constants: bool = False) -> Any:
@@ -358,9 +360,12 @@ def strict_json_loads(text: str, *, constants: bool = False) -> Any:
         StrictJsonError: the message says why ("not JSON (... at column N)", "nested too deeply", "NaN is
             not a finite number", "key 'x' appears twice in one object"); ``lineno`` where known.
     """
+    # Integers are read by the parser's own C code unless the text has a run of more digits than an
+    # integer may have (then every integer goes through _bounded_int, which names it): the same verdicts.
+    parse_int = _bounded_int if _LONG_DIGITS.search(text) else None
     try:
         return json.loads(text, parse_constant=float if constants else _reject_constant,
-                          object_pairs_hook=_no_duplicate_keys, parse_float=_finite_float, parse_int=_bounded_int)
+                          object_pairs_hook=_no_duplicate_keys, parse_float=_finite_float, parse_int=parse_int)
     except json.JSONDecodeError as error:
         raise StrictJsonError(f"not JSON ({error.msg} at column {error.colno})", error.lineno) from None
     except RecursionError:

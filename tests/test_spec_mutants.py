@@ -303,15 +303,13 @@ def test_the_screen_never_holds_for_a_plan_a_screened_rule_refuses(name):
     state, bad, good, config = CASES[name]()
     if name in SCREENED and not config.enable_prefix_caching:
         assert not screened_rules_hold(state, bad, config)
-    # with speculative decoding the screen never holds, by design (every rule runs in full: spec/incremental.py)
-    # nor for a plan with wasted items (a step in flight): it names requests that are not live, so every rule runs
+    # with speculative decoding too: the screen counts drafts and lookahead as the rules do; never for a plan
+    # with wasted items (a step in flight): it names requests that are not live, so every rule runs
     wasted = landed_plan(state, good)[1]
     if not violated_rules(state, good, config) and not any(i.cached_block_ids for i in good.scheduled) \
-            and not config.num_speculative_tokens and not wasted:
+            and not wasted:
         assert screened_rules_hold(state, good, config), name
     if wasted:
-        assert not screened_rules_hold(state, good, config), name
-    if config.num_speculative_tokens:
         assert not screened_rules_hold(state, good, config), name
 
 
