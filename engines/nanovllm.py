@@ -155,13 +155,16 @@ def check_config(config: SchedulerConfig) -> None:
     """Refuse configs nano-vLLM cannot run as the spec means them (module docstring).
 
     Raises:
-        UnsupportedFeature: speculative decoding or prefix caching on; ``block_size < 2``; chunked prefill on with a budget
+        UnsupportedFeature: speculative decoding, prefix caching or a per-step limit (``max_loras``, ...) on; ``block_size < 2``; chunked prefill on with a budget
             below ``max_model_len`` or a ``long_prefill_token_threshold`` below it.
     """
     if config.speculative:
         raise UnsupportedFeature(
             f"scheduler 'nanovllm': num_speculative_tokens={config.num_speculative_tokens}: nano-vLLM has no "
             "speculative decoding")
+    if config.limits_on:
+        raise UnsupportedFeature(f"scheduler 'nanovllm': {config.limits_on[0]}={getattr(config, config.limits_on[0])}: "
+                                 "nano-vLLM has no such limit")
     if config.enable_prefix_caching:
         raise UnsupportedFeature(
             "scheduler 'nanovllm': its prefix caching is always on and is not the spec's (hits need free blocks, "

@@ -99,6 +99,9 @@ header). The two versions' scheduling decisions differ as docs/engines.md, *vLLM
   spec at the end of the step (:func:`same_step_hits` gives the precise condition).
   :meth:`VllmScheduler.is_known_divergence` recognises the first and the third.
 
+*LoRA* (``max_loras`` > 0): the worker gives vLLM a ``LoRAConfig(max_loras=...)`` and every request with
+``lora_int_id > 0`` a ``LoRARequest`` of that id (no adapter weights: the scheduler reads only the id).
+
 *Speculative decoding* (``num_speculative_tokens`` k > 0, synchronous adapters; docs/engines.md,
 *Speculative decoding in vLLM 0.32 and 0.33*): the worker gives vLLM an n-gram ``SpeculativeConfig`` (no
 draft model; ``num_lookahead_tokens`` 0, so a config asking for a lookahead is refused); the plan's items
@@ -532,6 +535,7 @@ class _VllmAdapter:
             "prompt": token_ids(request, 0, request.prompt_len).tolist(),
             "max_tokens": request.max_tokens, "priority": request.priority,
             "arrival_time": request.arrival_time, "eos": request.eos_token_id,
+            **({"lora_int_id": request.lora_int_id} if request.lora_int_id else {}),
         })
 
     def abort_request(self, request_id: str) -> None:

@@ -16,7 +16,8 @@ Commands (``op``):
   k > 0, an n-gram ``SpeculativeConfig`` of k tokens: no draft model); reply ``{"vllm_version",
   "vllm_file"}`` (the ``vllm`` package imported, which ``--path-ahead DIR`` can change: DIR is put first
   on ``sys.path``).
-- ``add`` ``{id, prompt, max_tokens, priority, arrival_time, eos}``: no reply.
+- ``add`` ``{id, prompt, max_tokens, priority, arrival_time, eos, lora_int_id?}``: no reply (``lora_int_id``,
+  with ``config.max_loras`` > 0: a ``LoRARequest`` of that id, named ``lora-<id>``, whose path is never read).
 - ``abort`` ``{id}``: ``Scheduler.finish_requests(id, RequestStatus.FINISHED_ABORTED)``; no reply.
 - ``schedule``: ``Scheduler.schedule()``; reply ``{"scheduled": [[id, num_computed_tokens,
   num_scheduled_tokens, new_block_ids, num_hit_blocks, spec_token_ids], ...], "preempted": [id, ...],
@@ -65,6 +66,12 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 # come first, ahead of the environment's own vllm package.
 if len(sys.argv) == 3 and sys.argv[1] == "--path-ahead":
     sys.path.insert(0, os.path.abspath(sys.argv[2]))
+    # and for the subprocesses vLLM starts (vllm/model_executor/models/registry.py _run_in_subprocess
+    # inspects the model class in `python -m vllm.model_executor.models.registry`): without it they import
+    # the environment's vLLM, whose _ModelInfo lacks the newer release's fields (0.33's supports_lora,
+    # read when a LoRAConfig is given)
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [os.path.abspath(sys.argv[2]), *filter(None, [os.environ.get("PYTHONPATH")])])
 elif len(sys.argv) != 1:
     sys.exit(f"usage: {sys.argv[0]} [--path-ahead DIR]")
 # The whole-engine recorder's folder (no ``vllm`` module in it): its ``scheduled_items`` maps a
@@ -166,9 +173,14 @@ class Worker:
                     prompt_lookup_min=1, prompt_lookup_max=1,
                     target_model_config=model_config, target_parallel_config=ParallelConfig(),
                 )
+            lora_config = None
+            if config.get("max_loras", 0):
+                from vllm.config import LoRAConfig
+
+                lora_config = LoRAConfig(max_loras=config["max_loras"])
             vllm_config = VllmConfig(
                 model_config=model_config, scheduler_config=scheduler_config, cache_config=cache_config,
-                speculative_config=speculative_config,
+                speculative_config=speculative_config, lora_config=lora_config,
             )
             if vllm_config.num_lookahead_tokens != int(config.get("num_lookahead_tokens", 0)):
                 raise ConfigError(f"num_lookahead_tokens={config.get('num_lookahead_tokens', 0)}: the n-gram "
@@ -232,6 +244,12 @@ class Worker:
             # What the input processor sets from the tokenizer's generation config
             # (vllm/v1/engine/input_processor.py); check_stop reads sampling_params.eos_token_id.
             params.update_from_generation_config({}, message["eos"])
+        lora_request = None
+        if message.get("lora_int_id"):
+            from vllm.lora.request import LoRARequest
+
+            lora_id = message["lora_int_id"]
+            lora_request = LoRARequest(f"lora-{lora_id}", lora_id, f"/nonexistent/lora-{lora_id}")
         request = Request(
             request_id=message["id"],
             prompt_token_ids=list(message["prompt"]),
@@ -240,6 +258,7 @@ class Worker:
             arrival_time=message["arrival_time"],
             priority=message["priority"],
             block_hasher=self.block_hasher,
+            lora_request=lora_request,
         )
         self.scheduler.add_request(request)
 

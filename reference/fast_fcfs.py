@@ -512,7 +512,8 @@ class FastFcfsScheduler:
 
 def fcfs_fast(config: SchedulerConfig) -> FastFcfsScheduler | ReferenceScheduler:
     """The ``fcfs-fast`` scheduler: :class:`FastFcfsScheduler`, or the plain ``fcfs`` scheduler when
-    prefix caching or speculative decoding is on (not implemented on the mutable tables)."""
-    if config.enable_prefix_caching or config.speculative:
+    prefix caching, speculative decoding or a per-step limit (``LIMIT_DEFAULTS``, e.g. ``max_loras``) is on
+    (not implemented on the mutable tables)."""
+    if config.enable_prefix_caching or config.speculative or config.limits_on:
         return ReferenceScheduler(config, policies.fcfs, "fcfs-fast", ALL_PROPERTIES)
     return FastFcfsScheduler(config)

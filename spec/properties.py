@@ -149,7 +149,9 @@ class WorkConserving(Monitor):
     the step ``< max_num_seqs``, then the first waiting request that is not rejected does not fit: its
     whole sequence (with ``num_lookahead_tokens``) needs more blocks than the plan leaves free (blocks freed by requests that finish
     in the step are not counted: they are free only after sampling), or (chunked prefill off) its pending
-    tokens exceed ``left``. Strict FCFS (head-of-line) is allowed; holding a finished request's slot
+    tokens exceed ``left``. With ``max_loras > 0`` a waiting request whose LoRA adapter is not among those of
+    the running requests as the plan leaves them, which already number ``max_loras``, is not the head: it is passed
+    over, as vLLM's waiting loop skips it (rule ``lora-limit``). Strict FCFS (head-of-line) is allowed; holding a finished request's slot
     (static batching) is not. vLLM does not admit in a step that preempted
     (``Scheduler.schedule``: ``if not preempted_reqs``), hence the exception.
     """
@@ -176,10 +178,18 @@ class WorkConserving(Monitor):
         if before.prefix_cache is not None:  # a hit on an evictable block takes it out of the free queue
             free_at_plan -= len({b for i in plan.scheduled for b in i.cached_block_ids
                                  if before.prefix_cache.is_evictable(b)})
+        # the adapters of the running set as the plan leaves it (before.running plus the admitted; nothing is
+        # preempted here); requests that finish in the step still count: they end only after sampling
+        loras = ({before.requests[r].lora_int_id for r in before.running}
+                 | {before.requests[i.request_id].lora_int_id for i in plan.scheduled if i.request_id in before.requests}
+                 ) - {0} if config.max_loras else set()
         for request_id in before.waiting:
             if request_id in rejected or request_id in scheduled:
                 continue
             request = before.requests[request_id]
+            if config.max_loras and request.lora_int_id and request.lora_int_id not in loras \
+                    and len(loras) >= config.max_loras:
+                continue  # its adapter would be one too many: vLLM skips it (lora-limit)
             # its whole sequence, with the lookahead its table must hold (speculative decoding: slot_tokens)
             fits_blocks = blocks_for_tokens(slot_tokens(request.num_tokens, config), config.block_size) <= free_at_plan
             fits_budget = config.enable_chunked_prefill or request.num_pending_tokens <= left

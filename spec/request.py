@@ -110,6 +110,9 @@ class Request:
             the request consumes them (``Scheduler.schedule`` sets ``request.spec_token_ids = []`` whether
             all, some or none were scheduled), and so does a preemption (``Scheduler._preempt_request``).
             Drafts are not part of the sequence: ``num_tokens`` does not count them.
+        lora_int_id: the LoRA adapter it runs with (vLLM ``LoRARequest.lora_int_id``, ``Request.lora_request``);
+            0 = the base model, no adapter. With ``SchedulerConfig.max_loras > 0`` a step's requests use
+            at most that many distinct adapters (rule ``lora-limit``).
     """
 
     request_id: str
@@ -130,6 +133,7 @@ class Request:
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
     min_tokens: int = 0
     spec_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    lora_int_id: int = 0
     prompt_len: int = attrs.field(init=False, eq=False, repr=False)
     """Prompt length in tokens (``len(prompt_token_ids)``, kept because it is read every step)."""
     num_tokens: int = attrs.field(init=False, eq=False, repr=False)

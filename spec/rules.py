@@ -251,6 +251,28 @@ def _sequence_cap(state: SchedulerState, plan: StepPlan, config: SchedulerConfig
 
 
 @rule(
+    "lora-limit",
+    "With max_loras > 0, the requests a step schedules use at most max_loras distinct LoRA adapters "
+    "(lora_int_id > 0; 0 is the base model).",
+    "vLLM vllm/v1/core/sched/scheduler.py Scheduler.schedule (0.32 and 0.33): scheduled_loras, assert "
+    "len(scheduled_loras) <= self.lora_config.max_loras, and the waiting loop's 'Scheduling would exceed "
+    "max_loras, skip'; vllm/config/lora.py LoRAConfig.max_loras",
+    action="schedule",
+)
+def _lora_limit(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
+    if not config.max_loras:
+        return
+    loras: dict[int, str] = {}
+    for item in plan.scheduled:
+        request = state.requests.get(item.request_id)
+        if request is not None and request.lora_int_id and request.lora_int_id not in loras:
+            loras[request.lora_int_id] = item.request_id
+            if len(loras) == config.max_loras + 1:
+                yield item.request_id, (f"its LoRA {request.lora_int_id} makes {len(loras)} distinct adapters in the "
+                                        f"step ({sorted(loras)}) > max_loras={config.max_loras}")
+
+
+@rule(
     "admit-fits-alone",
     "A waiting request is admitted only if it could complete alone (see admission.rejection_reason).",
     "rejects-impossible (this spec); vLLM input_processor.py InputProcessor._validate_prompt_len rejects long prompts",

@@ -178,6 +178,8 @@ def _make_recording_class(base: type) -> type:
                     "enable_chunked_prefill": bool(scheduler_config.enable_chunked_prefill),
                     "long_prefill_token_threshold": scheduler_config.long_prefill_token_threshold,
                     "enable_prefix_caching": bool(config.cache_config.enable_prefix_caching),
+                    # LoRA (schedspec's max_loras; left out without a LoRAConfig, as schedspec writes it)
+                    **({"max_loras": config.lora_config.max_loras} if config.lora_config else {}),
                 },
                 "scheduler": f"vllm {_vllm_version()} {base.__name__} policy={scheduler_config.policy} "
                              f"(recorded by schedspec_vllm_recorder)",
@@ -360,6 +362,7 @@ def _make_recording_class(base: type) -> type:
                 "min_tokens": params.min_tokens if params is not None else 0,
                 "block_hash_ids": hash_ids,
                 "hash_block_tokens": size,
+                **({"lora_int_id": request.lora_request.lora_int_id} if request.lora_request else {}),
             }
 
         def _write_step(self, flight: dict[str, Any], update_start: float, sampled: dict[str, int],

@@ -271,7 +271,8 @@ def compare(config: SchedulerConfig, requests: Sequence[RequestSpec], scheduler:
 def _possible_requests(config: SchedulerConfig) -> st.SearchStrategy[tuple[list[RequestSpec], Acceptance]]:
     """1 to 8 requests that vLLM's input processor accepts (``0 < prompt_len < max_model_len``) and
     that can complete alone (the spec does not reject them), arriving in steps 0..8, sometimes
-    aborted, sometimes stopping early (end-of-sequence), priorities from
+    aborted, sometimes stopping early (end-of-sequence), with ``max_loras`` on a LoRA adapter of 0 (none) to
+    ``max_loras + 1`` each, priorities from
     :func:`schedspec.strategies.priorities` (often equal); with prefix caching on, most share a prefix
     of 1..prompt_len tokens with others of one of two groups. The ids ``r0`` .. ``r{n-1}`` are a random
     permutation, independent of the order of arrival and of the workload's order (which orders the
@@ -293,9 +294,11 @@ def _possible_requests(config: SchedulerConfig) -> st.SearchStrategy[tuple[list[
             # caching-off scenarios stay what they were for a given seed)
             group = draw(st.one_of(st.none(), st.sampled_from(("a", "b"))))
             prefix_len = draw(st.integers(1, prompt_len)) if group is not None else 0
+        # with max_loras on, adapters 0 (none) .. max_loras + 1, so that the limit binds (drawn only then)
+        lora = draw(st.integers(0, config.max_loras + 1)) if config.max_loras else 0
         spec = RequestSpec(request_id, prompt_len, max_tokens, arrival_step=arrival,
                            priority=draw(priorities()), abort_at_step=abort, eos_at_output=eos,
-                           prefix_group=group, prefix_len=prefix_len)
+                           prefix_group=group, prefix_len=prefix_len, lora_int_id=lora)
         # drawn only with speculative decoding on, so that other scenarios stay what they were for a seed
         pattern = draw(acceptance_patterns(config.num_speculative_tokens)) if config.speculative else None
         return spec, pattern

@@ -1,0 +1,155 @@
+"""The per-step limits of vLLM's scheduler that are off by default (``SchedulerConfig`` fields in
+``spec.config.LIMIT_DEFAULTS``): each field's validation and its absence from traces while off, each rule's
+hand-made failing case (``LIMIT_RULE_CASES``, run by ``tests/test_rules.py`` with the other rules' cases),
+the reference policies and the ``vllm-v1`` profiles obeying them, and each bundled scenario failing on a
+scheduler that ignores its limit.
+
+LoRA (``max_loras``): vLLM 0.32/0.33 ``Scheduler.schedule``, ``scheduled_loras`` and the waiting loop's skip.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from schedspec.reference import policies
+from schedspec.reference.scenarios import load_scenario, replay
+from schedspec.reference.scheduler import ALL_PROPERTIES, ReferenceScheduler
+from schedspec.reference.vllm_v1 import plan_vllm_v1
+from schedspec.spec.config import ConfigError, SchedulerConfig
+from schedspec.spec.request import Request, RequestStatus
+from schedspec.spec.rules import violated_rules
+from schedspec.spec.state import ScheduledRequest, SchedulerState, StepPlan
+from schedspec.spec.trace import record_schema_errors
+from schedspec.spec.workload import RequestSpec
+
+CASES = Path(__file__).resolve().parents[1] / "schedspec" / "data" / "cases"
+CONFIG = SchedulerConfig(block_size=4, num_kv_blocks=8, max_num_batched_tokens=16, max_num_seqs=4, max_model_len=32)
+
+
+def _waiting(request_id: str, lora: int, prompt_len: int = 4) -> Request:
+    return Request(request_id, 0, tuple(range(100, 100 + prompt_len)), max_tokens=2, lora_int_id=lora)
+
+
+def _state(*requests: Request, running: tuple[Request, ...] = ()) -> SchedulerState:
+    every = {r.request_id: r for r in (*running, *requests)}
+    held = {b for r in running for b in r.block_ids}
+    return SchedulerState(step=1, waiting=tuple(r.request_id for r in requests),
+                          running=tuple(r.request_id for r in running), requests=every,
+                          free_block_ids=tuple(b for b in range(8) if b not in held),
+                          num_requests_added=len(every))
+
+
+# ------------------------------------------------------------------------------------------- LoRA
+def case_lora_limit():
+    # max_loras 1: a (adapter 1) and b (adapter 2) in one step are 2 adapters > 1; a with c (adapter 1) is one.
+    config = CONFIG.with_changes(max_loras=1)
+    state = _state(_waiting("a", 1), _waiting("b", 2), _waiting("c", 1), _waiting("d", 0))
+    bad = StepPlan(scheduled=(ScheduledRequest("a", 0, 4, (0,)), ScheduledRequest("b", 0, 4, (1,))))
+    good = StepPlan(scheduled=(ScheduledRequest("a", 0, 4, (0,)), ScheduledRequest("c", 0, 4, (1,)),
+                               ScheduledRequest("d", 0, 4, (2,))))
+    return state, bad, good, config
+
+
+LIMIT_RULE_CASES = {"lora-limit": case_lora_limit}
+
+
+def test_lora_limit_counts_distinct_adapters_not_requests_nor_the_base_model() -> None:
+    state, bad, good, config = case_lora_limit()
+    assert [v.name for v in violated_rules(state, bad, config)] == ["lora-limit"]
+    assert violated_rules(state, good, config) == []  # two requests of adapter 1 plus a base-model one
+    # off (max_loras 0): no limit, as vLLM without a LoRAConfig
+    assert violated_rules(state, bad, CONFIG) == []
+    # two adapters are fine under max_loras 2
+    assert violated_rules(state, bad, CONFIG.with_changes(max_loras=2)) == []
+
+
+@pytest.mark.parametrize("value", [-1, True, 1.0, "1"])
+def test_max_loras_is_validated(value) -> None:
+    with pytest.raises(ConfigError) as error:
+        CONFIG.with_changes(max_loras=value)
+    assert error.value.field == "max_loras"
+    assert "\n" not in str(error.value)
+
+
+def test_max_loras_off_is_left_out_of_the_config_dict_and_lora_0_out_of_arrivals() -> None:
+    assert "max_loras" not in CONFIG.to_dict()
+    assert CONFIG.limits_on == ()
+    on = CONFIG.with_changes(max_loras=2)
+    assert on.to_dict()["max_loras"] == 2 and on.limits_on == ("max_loras",)
+    assert SchedulerConfig.from_dict(on.to_dict()) == on
+    assert "lora_int_id" not in RequestSpec("r", 4, 2, arrival_step=0).to_dict()
+    spec = RequestSpec("r", 4, 2, arrival_step=0, lora_int_id=3)
+    assert spec.to_dict()["lora_int_id"] == 3
+    assert RequestSpec.from_dict(spec.to_dict()) == spec
+    assert spec.to_request(0).lora_int_id == 3
+
+
+def test_the_trace_schema_carries_lora_int_id() -> None:
+    record = {"step": 0, "start_time": 0.0, "duration": 0.01, "scheduled": [], "blocks_allocated": {},
+              "blocks_freed": {}, "prefix_hit_tokens": {}, "preempted": [], "finished": {}, "aborted": [],
+              "rejected": {}, "sampled_token_ids": {}, "num_free_blocks": 8, "num_running": 0, "num_waiting": 1,
+              "aborts": [], "arrivals": [RequestSpec("r", 4, 2, arrival_step=0, lora_int_id=3).to_dict()]}
+    assert record_schema_errors(json.loads(json.dumps(record))) is None
+    record["arrivals"][0]["lora_int_id"] = -1
+    assert "lora_int_id" in record_schema_errors(record)
+
+
+@pytest.mark.parametrize("plan", [policies.fcfs, policies.priority, policies.shortest_prompt_first],
+                         ids=["fcfs", "priority", "shortest-prompt-first"])
+def test_policies_skip_a_request_whose_adapter_is_one_too_many(plan) -> None:
+    config = CONFIG.with_changes(max_loras=1)
+    state = _state(_waiting("a", 1), _waiting("b", 2), _waiting("c", 1), _waiting("d", 0))
+    chosen = plan(state, config)
+    assert [i.request_id for i in chosen.scheduled] == ["a", "c", "d"]
+    assert violated_rules(state, chosen, config) == []
+
+
+def test_fcfs_counts_the_adapters_of_running_requests_it_does_not_schedule() -> None:
+    # Chunking off, budget 32: the decodes r1 and r2 take 2 tokens, so a (adapter 1, 31 prompt tokens pending)
+    # gets none in this step. b (adapter 2) must still wait: were only the scheduled adapters counted (vLLM
+    # 0.32's count), b would run beside a in the next step, two adapters > max_loras = 1.
+    config = CONFIG.with_changes(max_loras=1, enable_chunked_prefill=False, max_num_batched_tokens=32,
+                                 num_kv_blocks=24)
+
+    def decode(request_id: str, blocks: tuple[int, ...]) -> Request:
+        return Request(request_id, 0, (1, 2, 3), max_tokens=4, status=RequestStatus.RUNNING, num_computed_tokens=3,
+                       output_token_ids=(7,), block_ids=blocks, admitted_step=0)
+
+    a = Request("a", 0, tuple(range(1, 32)), max_tokens=1, status=RequestStatus.RUNNING, block_ids=(),
+                admitted_step=0, lora_int_id=1)
+    state = _state(_waiting("b", 2), running=(decode("r1", (0,)), decode("r2", (1,)), a))
+    state = SchedulerState(step=1, waiting=state.waiting, running=state.running, requests=state.requests,
+                           free_block_ids=tuple(range(2, 24)), num_requests_added=4)
+    chosen = policies.fcfs(state, config)
+    assert [i.request_id for i in chosen.scheduled] == ["r1", "r2"]
+    assert violated_rules(state, chosen, config) == []
+    assert policies.lora_fits(state.requests["b"], policies.loras_of(["r1", "r2"], state.requests), config)
+
+
+@pytest.mark.parametrize("version", ["0.32", "0.33"])
+def test_the_vllm_v1_profile_skips_as_vllm(version: str) -> None:
+    config = CONFIG.with_changes(max_loras=1)
+    running = Request("r", 0, (1, 2, 3, 4), max_tokens=4, status=RequestStatus.RUNNING, num_computed_tokens=4,
+                      output_token_ids=(7,), block_ids=(0, 1), admitted_step=0, lora_int_id=2)
+    state = _state(_waiting("a", 1), _waiting("b", 2), _waiting("d", 0), running=(running,))
+    chosen = plan_vllm_v1(state, config, version=version)
+    assert [i.request_id for i in chosen.scheduled] == ["r", "b", "d"]
+    assert violated_rules(state, chosen, config) == []
+
+
+def _lora_blind(config: SchedulerConfig) -> ReferenceScheduler:
+    """fcfs that ignores ``max_loras`` (a deliberate break)."""
+    return ReferenceScheduler(config, lambda state, c: policies.fcfs(state, c.with_changes(max_loras=0)),
+                              "fcfs-lora-blind", ALL_PROPERTIES)
+
+
+def test_the_lora_scenario_passes_on_the_references_and_fails_when_the_limit_is_ignored() -> None:
+    scenario = load_scenario(CASES / "limit-lora-skips-not-blocks.json")
+    for name in ("fcfs", "fcfs-fast", "priority", "vllm-v1", "vllm-v1@0.33", "vllm-v1-priority"):
+        failed = [f"{v.name}: {v.detail}" for v in replay(scenario, name).verdicts if not v.passed]
+        assert not failed, (name, failed)
+    verdicts = {v.name: v for v in replay(scenario, "test_limits:_lora_blind").verdicts}
+    assert not verdicts["invariants"].passed and "lora-limit" in verdicts["invariants"].detail
