@@ -17,7 +17,10 @@ Commands (``op``):
   "vllm_file"}`` (the ``vllm`` package imported, which ``--path-ahead DIR`` can change: DIR is put first
   on ``sys.path``).
 - ``add`` ``{id, prompt, max_tokens, priority, arrival_time, eos, lora_int_id?}``: no reply (``lora_int_id``,
-  with ``config.max_loras`` > 0: a ``LoRARequest`` of that id, named ``lora-<id>``, whose path is never read).
+  with ``config.max_loras`` > 0: a ``LoRARequest`` of that id, named ``lora-<id>``, whose path is never read;
+  ``grammar_steps``: structured output, a JSON-schema ``StructuredOutputsParams``, so that vLLM holds the
+  request in ``WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR`` until its grammar is set: a :class:`ReadyGrammar`
+  set just before the ``grammar_steps``-th ``schedule`` after this ``add``).
 - ``abort`` ``{id}``: ``Scheduler.finish_requests(id, RequestStatus.FINISHED_ABORTED)``; no reply.
 - ``schedule``: ``Scheduler.schedule()``; reply ``{"scheduled": [[id, num_computed_tokens,
   num_scheduled_tokens, new_block_ids, num_hit_blocks, spec_token_ids], ...], "preempted": [id, ...],
@@ -110,6 +113,19 @@ class ConfigRefused(Exception):
 class ConfigError(ConfigRefused, ValueError):
     """A configuration the worker cannot give vLLM (the message says which field); answered as a refusal,
     as vLLM's own (:class:`ConfigRefused`)."""
+
+
+class ReadyGrammar:
+    """A compiled structured-output grammar as far as the scheduler sees it: it exists (so
+    ``Scheduler._handle_blocked_waiting_request`` promotes the request to ``WAITING``) and accepts every token
+    (``StructuredOutputManager.accept_tokens`` calls ``accept_tokens``; the other methods are the model
+    runner's, which does not run here)."""
+
+    def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
+        return True
+
+    def is_terminated(self) -> bool:
+        return False
 
 
 class Worker:
@@ -230,6 +246,8 @@ class Worker:
         )
         self.preempted: list[str] = []
         self.async_scheduling = async_scheduling
+        self.num_schedules = 0  # schedule() calls so far: the step vLLM plans next
+        self.grammar_due: dict[str, tuple] = {}  # structured output: id -> (Request, schedule call it is ready at)
         # SchedulerOutputs planned and not yet updated, oldest first: at most one for the Scheduler, two
         # for the AsyncScheduler (step n+1 is planned before step n's output is processed).
         self.in_flight: deque = deque()
@@ -239,7 +257,13 @@ class Worker:
         from vllm.sampling_params import SamplingParams
         from vllm.v1.request import Request
 
-        params = SamplingParams(max_tokens=message["max_tokens"], ignore_eos=message["eos"] is None)
+        structured = None
+        if message.get("grammar_steps") is not None:
+            from vllm.sampling_params import StructuredOutputsParams
+
+            structured = StructuredOutputsParams(json={"type": "object"})
+        params = SamplingParams(max_tokens=message["max_tokens"], ignore_eos=message["eos"] is None,
+                                structured_outputs=structured)
         if message["eos"] is not None:
             # What the input processor sets from the tokenizer's generation config
             # (vllm/v1/engine/input_processor.py); check_stop reads sampling_params.eos_token_id.
@@ -261,6 +285,8 @@ class Worker:
             lora_request=lora_request,
         )
         self.scheduler.add_request(request)
+        if structured is not None:
+            self.grammar_due[message["id"]] = (request, self.num_schedules + message["grammar_steps"])
 
     def abort(self, message: dict) -> None:
         from vllm.v1.request import RequestStatus
@@ -271,6 +297,12 @@ class Worker:
         if len(self.in_flight) >= (2 if self.async_scheduling else 1):
             raise RuntimeError(f"schedule with {len(self.in_flight)} steps in flight")
         self.preempted = []
+        for request_id, (request, due) in list(self.grammar_due.items()):
+            # what EngineCore does asynchronously: the compiled grammar lands in StructuredOutputRequest
+            if due <= self.num_schedules:
+                request.structured_output_request.grammar = ReadyGrammar()
+                del self.grammar_due[request_id]
+        self.num_schedules += 1
         num_running, num_waiting = self.scheduler.get_request_counts()  # what schedule() reads first
         output = self.scheduler.schedule()
         self.in_flight.append(output)

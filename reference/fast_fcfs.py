@@ -37,7 +37,7 @@ from schedspec.spec.state import ScheduledRequest, SchedulerState, StepPlan
 from schedspec.spec.transitions import PlanError
 
 from . import policies
-from .scheduler import ALL_PROPERTIES, ReferenceScheduler
+from .scheduler import ALL_PROPERTIES, ReferenceScheduler, UnsupportedFeature
 
 _RUNNING = RequestStatus.RUNNING
 _WAITING = RequestStatus.WAITING
@@ -206,6 +206,9 @@ class FastFcfsScheduler:
         if (request.status is not _WAITING or request.num_computed_tokens or request.output_token_ids
                 or request.block_ids):
             raise PlanError(f"request_id={request_id!r} is not a fresh request (status={request.status.value})")
+        if request.grammar_ready_step is not None:
+            raise UnsupportedFeature(f"scheduler {self.name!r}: request {request_id!r} has structured output "
+                                     "(grammar_compile_steps), which fcfs-fast does not implement; use fcfs")
         self.live[request_id] = LiveRequest(request, self.config.max_model_len)
         self.waiting.append(request_id)
         self.num_requests_added += 1

@@ -21,9 +21,10 @@ rejection, chunking and block pools):
 3. **Admission** (only in a step that preempted nothing, as vLLM): waiting requests in the policy's
    order while budget, a ``max_num_seqs`` slot and blocks allow; admission reserves blocks for the
    whole current sequence (prompt plus any output to recompute), not only the first chunk. The first
-   request that does not fit stops admission (no skipping ahead), with one exception, as vLLM: with
-   ``max_loras > 0`` a request whose LoRA adapter would be one too many is skipped, and admission goes
-   on (:func:`lora_fits`); the adapters counted are those of every running request (vLLM 0.33's count;
+   request that does not fit stops admission (no skipping ahead), with two exceptions, as vLLM: a request
+   whose structured-output grammar is not ready (``Request.grammar_ready``) is skipped, and so, with
+   ``max_loras > 0``, is a request whose LoRA adapter would be one too many (:func:`lora_fits`): admission
+   goes on after them; the adapters counted are those of every running request (vLLM 0.33's count;
    0.32 counts only the running requests scheduled in the step), so no later step can exceed the limit.
 
 Sources: vLLM 0.32 ``vllm/v1/core/sched/scheduler.py`` ``Scheduler.schedule`` (running first, then
@@ -409,6 +410,8 @@ def plan_by_priority(state: SchedulerState, config: SchedulerConfig) -> StepPlan
         visited.add(request_id)
         if any(key(p) < key(request_id) for p in preempted):
             continue  # a more urgent request preempted in this step waits: take nothing it needs
+        if not request.grammar_ready(state.step):
+            continue  # structured output: its grammar is compiling (vLLM skips it)
         if config.max_loras and not lora_fits(request, loras_of(running, requests), config):
             continue  # its adapter would pass max_loras among the running requests (lora-limit)
         less_urgent = sorted((r for r in running if r not in visited and key(r) > key(request_id)),
@@ -506,8 +509,8 @@ def plan_step(
             if num_running >= config.max_num_seqs or budget == 0:
                 break
             request = requests[request_id]
-            if not lora_fits(request, loras, config):
-                continue  # vLLM: 'Scheduling would exceed max_loras, skip'
+            if not request.grammar_ready(state.step) or not lora_fits(request, loras, config):
+                continue  # vLLM skips a request whose grammar is compiling, or whose adapter is one too many
             hit, needed, cost = pool.admission(request, config)
             hit_tokens = len(hit) * config.block_size
             num_tokens = _chunk(request, budget, config, hit_tokens)

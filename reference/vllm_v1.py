@@ -92,6 +92,12 @@ admission. The rules, each with its place in vLLM's source:
    ``len(scheduled_loras) <= max_loras``). In the spec's scope the two counts agree: a running request is
    left out of a step only when the budget is spent, and then nothing is admitted.
 
+9. **Structured output** (a request with ``grammar_ready_step``). vLLM adds it in
+   ``WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR``; the waiting loop, after the ``max_num_seqs`` check, asks
+   ``_handle_blocked_waiting_request``, which is False while ``StructuredOutputRequest.grammar`` is not
+   ready, and then **skips** the request (``skip_request``: it keeps its place) and goes on. Same in 0.32
+   and 0.33.
+
 **With prefix caching** (``enable_prefix_caching``): admission first looks up the longest cached prefix
 (``KVCacheManager.get_computed_blocks``, at most ``num_tokens - 1`` tokens), the whole-sequence gate
 counts the blocks beyond the hit plus the hit's evictable blocks (``get_num_blocks_to_allocate``), and
@@ -305,6 +311,8 @@ def plan_vllm_v1(state: SchedulerState, config: SchedulerConfig, by_priority: bo
             if budget <= 0 or num_running >= config.max_num_seqs:
                 break
             request = requests[request_id]
+            if not request.grammar_ready(state.step):
+                continue  # rule 9: _handle_blocked_waiting_request is False, skip_request
             if not lora_fits(request, loras, config):
                 continue  # rule 8: vLLM 'Scheduling would exceed max_loras, skip'
 

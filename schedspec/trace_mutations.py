@@ -374,6 +374,29 @@ def lora_limit_exceeded(trace: Trace, i: int) -> Mutant | None:
     return header, records, i
 
 
+def _first_admission(trace: Trace, i: int) -> dict | None:
+    """An item of step ``i`` that admits a request for the first time (never admitted before), or ``None``."""
+    before = trace.before[i]
+    return _scheduled(trace.records[i], lambda s: s["request_id"] not in before.running
+                      and s["request_id"] in before.requests and before.requests[s["request_id"]].admitted_step is None)
+
+
+def grammar_wait_ignored(trace: Trace, i: int) -> Mutant | None:
+    """A request first admitted in step ``i`` is given structured output whose grammar is ready only in step
+    ``i + 1`` (``grammar_compile_steps`` in its arrival): an engine that admits a request before its grammar
+    is compiled (vLLM ``WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR``)."""
+    item = _first_admission(trace, i)
+    if item is None:
+        return None
+    before = trace.before[i]
+    request_id = item["request_id"]
+    arrival_step = before.requests[request_id].arrival_step
+    records = _edit_from(trace, arrival_step)
+    arrival = next(a for a in records[arrival_step]["arrivals"] if a["request_id"] == request_id)
+    arrival["grammar_compile_steps"] = i + 1 - arrival_step
+    return trace.header, records, i
+
+
 def chunk_skips_token(trace: Trace, i: int) -> Mutant | None:
     item = _scheduled(trace.records[i], lambda s: s["prefill_tokens"] > 1)
     if item is None:
@@ -978,6 +1001,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation("budget-exceeded", "a step computes more than max_num_batched_tokens", budget_exceeded),
     Mutation("max-num-seqs-exceeded", "more running sequences than max_num_seqs", max_num_seqs_exceeded),
     Mutation("lora-limit-exceeded", "more distinct LoRA adapters in a step than max_loras", lora_limit_exceeded),
+    Mutation("grammar-wait-ignored", "a structured-output request admitted before its grammar is ready",
+             grammar_wait_ignored, applies=lambda t, i: _first_admission(t, i) is not None),
     Mutation("chunk-skips-token", "a prefill chunk starts past the computed tokens (a token never computed)",
              chunk_skips_token),
     Mutation("chunk-repeats-token", "a chunk starts before the computed tokens (a token computed twice)",

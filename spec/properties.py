@@ -105,7 +105,9 @@ class Progress(Monitor):
     Recomputing already-computed positions after a preemption is not progress, so a request that
     preempts itself forever breaks the property. The default window is ``max_model_len`` steps: a policy
     that gives the oldest request at least one token per step recomputes at most that many positions
-    before passing its high-water mark (fcfs; see ``bounded-wait``).
+    before passing its high-water mark (fcfs; see ``bounded-wait``). A step in which every live request
+    waits for its structured-output grammar (:meth:`~schedspec.spec.request.Request.grammar_ready`) has no
+    work to do: it starts no window.
     """
 
     name = "progress"
@@ -123,7 +125,8 @@ class Progress(Monitor):
             if reach > self.high_water.get(item.request_id, 0):
                 self.high_water[item.request_id] = reach
                 advanced = True
-        if advanced or not before.requests:
+        if advanced or not before.requests or all(
+                not r.grammar_ready(before.step) for r in before.requests.values()):
             self.stalled_since = None
             return
         if self.stalled_since is None:
@@ -151,7 +154,8 @@ class WorkConserving(Monitor):
     in the step are not counted: they are free only after sampling), or (chunked prefill off) its pending
     tokens exceed ``left``. With ``max_loras > 0`` a waiting request whose LoRA adapter is not among those of
     the running requests as the plan leaves them, which already number ``max_loras``, is not the head: it is passed
-    over, as vLLM's waiting loop skips it (rule ``lora-limit``). Strict FCFS (head-of-line) is allowed; holding a finished request's slot
+    over, as vLLM's waiting loop skips it (rule ``lora-limit``), and so is one whose grammar is not ready
+    (rule ``grammar-ready-before-admission``). Strict FCFS (head-of-line) is allowed; holding a finished request's slot
     (static batching) is not. vLLM does not admit in a step that preempted
     (``Scheduler.schedule``: ``if not preempted_reqs``), hence the exception.
     """
@@ -190,6 +194,8 @@ class WorkConserving(Monitor):
             if config.max_loras and request.lora_int_id and request.lora_int_id not in loras \
                     and len(loras) >= config.max_loras:
                 continue  # its adapter would be one too many: vLLM skips it (lora-limit)
+            if not request.grammar_ready(before.step):
+                continue  # structured output: its grammar is compiling (grammar-ready-before-admission)
             # its whole sequence, with the lookahead its table must hold (speculative decoding: slot_tokens)
             fits_blocks = blocks_for_tokens(slot_tokens(request.num_tokens, config), config.block_size) <= free_at_plan
             fits_budget = config.enable_chunked_prefill or request.num_pending_tokens <= left

@@ -273,6 +273,23 @@ def _lora_limit(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
 
 
 @rule(
+    "grammar-ready-before-admission",
+    "A request with structured output is not admitted before its grammar is ready (step >= its "
+    "grammar_ready_step).",
+    "vLLM vllm/v1/core/sched/scheduler.py Scheduler._handle_blocked_waiting_request (0.32 and 0.33): a request in "
+    "RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR whose StructuredOutputRequest.grammar is not ready is "
+    "skipped by the waiting loop (skip_request)",
+    action="schedule",
+)
+def _grammar_ready(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
+    for item in plan.scheduled:
+        request = state.requests.get(item.request_id)
+        if request is not None and item.request_id not in state.running and not request.grammar_ready(state.step):
+            yield item.request_id, (f"admitted in step {state.step} before its grammar is ready "
+                                    f"(step {request.grammar_ready_step})")
+
+
+@rule(
     "admit-fits-alone",
     "A waiting request is admitted only if it could complete alone (see admission.rejection_reason).",
     "rejects-impossible (this spec); vLLM input_processor.py InputProcessor._validate_prompt_len rejects long prompts",

@@ -219,6 +219,9 @@ class RequestSpec:
             them; ``None``: a :class:`SyntheticPrompt`.
         hash_block_tokens: tokens per block of ``block_hash_ids`` (512 for Mooncake); set with it.
         lora_int_id: its LoRA adapter (:attr:`Request.lora_int_id`; 0 = none, left out of :meth:`to_dict`).
+        grammar_compile_steps: structured output: steps its grammar takes to compile, counted from its
+            arrival step (0: ready at once; :attr:`Request.grammar_ready_step` is ``arrival_step +
+            grammar_compile_steps``); ``None``: no structured output.
     """
 
     request_id: str
@@ -239,6 +242,7 @@ class RequestSpec:
         default=None, converter=attrs.converters.optional(tuple))
     hash_block_tokens: int | None = None
     lora_int_id: int = 0
+    grammar_compile_steps: int | None = None
 
     def __attrs_post_init__(self) -> None:
         # An abort due before the arrival would be met while the request does not exist yet, and dropped
@@ -272,6 +276,7 @@ class RequestSpec:
             stop_token_ids=self.stop_token_ids,
             min_tokens=self.min_tokens,
             lora_int_id=self.lora_int_id,
+            grammar_ready_step=None if self.grammar_compile_steps is None else arrival_step + self.grammar_compile_steps,
         )
 
     STOP_FIELDS = ("eos_token_id", "stop_token_ids", "min_tokens")

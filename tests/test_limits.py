@@ -153,3 +153,58 @@ def test_the_lora_scenario_passes_on_the_references_and_fails_when_the_limit_is_
         assert not failed, (name, failed)
     verdicts = {v.name: v for v in replay(scenario, "test_limits:_lora_blind").verdicts}
     assert not verdicts["invariants"].passed and "lora-limit" in verdicts["invariants"].detail
+
+
+# ----------------------------------------------------------------------------- structured output
+def case_grammar_ready_before_admission():
+    # a's grammar is ready at step 2; the state is at step 1: admitting a is too early, b (no grammar) is fine.
+    state = _state(Request("a", 0, (1, 2, 3, 4), max_tokens=2, grammar_ready_step=2), _waiting("b", 0))
+    bad = StepPlan(scheduled=(ScheduledRequest("a", 0, 4, (0,)), ScheduledRequest("b", 0, 4, (1,))))
+    good = StepPlan(scheduled=(ScheduledRequest("b", 0, 4, (0,)),))
+    return state, bad, good, CONFIG
+
+
+LIMIT_RULE_CASES["grammar-ready-before-admission"] = case_grammar_ready_before_admission
+
+
+def test_a_grammar_is_ready_from_its_ready_step_on() -> None:
+    state, bad, _, config = case_grammar_ready_before_admission()
+    assert [v.name for v in violated_rules(state, bad, config)] == ["grammar-ready-before-admission"]
+    at_ready = SchedulerState(step=2, waiting=state.waiting, running=(), requests=state.requests,
+                              free_block_ids=state.free_block_ids, num_requests_added=2)
+    assert violated_rules(at_ready, bad, config) == []
+    spec = RequestSpec("r", 4, 2, arrival_step=3, grammar_compile_steps=2)
+    assert spec.to_request(3).grammar_ready_step == 5
+    assert RequestSpec.from_dict(spec.to_dict()) == spec
+    assert "grammar_compile_steps" not in RequestSpec("r", 4, 2, arrival_step=3).to_dict()
+    assert RequestSpec("r", 4, 2, arrival_step=3).to_request(3).grammar_ready_step is None
+
+
+@pytest.mark.parametrize("plan", [policies.fcfs, policies.priority, lambda s, c: plan_vllm_v1(s, c),
+                                  lambda s, c: plan_vllm_v1(s, c, version="0.33")],
+                         ids=["fcfs", "priority", "vllm-v1", "vllm-v1@0.33"])
+def test_a_request_whose_grammar_compiles_is_skipped_not_blocking(plan) -> None:
+    state, _, _, config = case_grammar_ready_before_admission()
+    chosen = plan(state, config)
+    assert [i.request_id for i in chosen.scheduled] == ["b"]
+
+
+def _grammar_blind(config: SchedulerConfig) -> ReferenceScheduler:
+    """fcfs that admits a request whose grammar is not ready (a deliberate break)."""
+    import attrs
+
+    def plan(state, c):
+        ready = {r: attrs.evolve(q, grammar_ready_step=None) for r, q in state.requests.items()}
+        return policies.fcfs(attrs.evolve(state, requests=ready), c)
+
+    return ReferenceScheduler(config, plan, "fcfs-grammar-blind", ALL_PROPERTIES)
+
+
+def test_the_grammar_scenario_passes_on_the_references_and_fails_when_the_wait_is_ignored() -> None:
+    scenario = load_scenario(CASES / "limit-grammar-wait-skips-not-blocks.json")
+    for name in ("fcfs", "priority", "vllm-v1", "vllm-v1@0.33", "vllm-v1-priority"):
+        failed = [f"{v.name}: {v.detail}" for v in replay(scenario, name).verdicts if not v.passed]
+        assert not failed, (name, failed)
+    verdicts = {v.name: v for v in replay(scenario, "test_limits:_grammar_blind").verdicts}
+    assert not verdicts["invariants"].passed
+    assert "grammar-ready-before-admission" in verdicts["invariants"].detail
