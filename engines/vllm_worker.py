@@ -171,6 +171,7 @@ class Worker:
                 max_model_len=max_model_len,
                 enable_chunked_prefill=config["enable_chunked_prefill"],
                 long_prefill_token_threshold=config["long_prefill_token_threshold"],
+                watermark=config.get("watermark", 0.0),
                 policy=policy,
                 async_scheduling=async_scheduling,
                 is_encoder_decoder=False,

@@ -24,7 +24,8 @@ rejection, chunking and block pools):
    request that does not fit stops admission (no skipping ahead), with two exceptions, as vLLM: a request
    whose structured-output grammar is not ready (``Request.grammar_ready``) is skipped, and so, with
    ``max_loras > 0``, is a request whose LoRA adapter would be one too many (:func:`lora_fits`): admission
-   goes on after them; the adapters counted are those of every running request (vLLM 0.33's count;
+   goes on after them. With ``watermark > 0`` an admission while others run leaves ``watermark_blocks``
+   free (:func:`watermark_keep`); the adapters counted are those of every running request (vLLM 0.33's count;
    0.32 counts only the running requests scheduled in the step), so no later step can exceed the limit.
 
 Sources: vLLM 0.32 ``vllm/v1/core/sched/scheduler.py`` ``Scheduler.schedule`` (running first, then
@@ -248,6 +249,13 @@ def lora_fits(request: Request, loras: AbstractSet[int], config: SchedulerConfig
     return not (config.max_loras and lora and lora not in loras and len(loras) >= config.max_loras)
 
 
+def watermark_keep(config: SchedulerConfig, num_running: int) -> int:
+    """Blocks an admission must leave free with ``num_running`` requests running at that point: the
+    watermark's ``watermark_blocks``, or 0 into an empty running set (vLLM 0.32/0.33
+    ``KVCacheManager.allocate_slots``, ``has_scheduled_reqs=bool(self.running)``; rule ``watermark``)."""
+    return config.watermark_blocks if num_running else 0
+
+
 def _chunk(request: Request, budget: int, config: SchedulerConfig, hit_tokens: int = 0) -> int:
     """Tokens a request may compute with ``budget`` tokens left: its pending tokens (less a prefix-cache hit
     of ``hit_tokens``), capped by the long prefill threshold (chunked prefill only) and the budget; 0 if
@@ -378,7 +386,8 @@ def plan_by_priority(state: SchedulerState, config: SchedulerConfig) -> StepPlan
         if config.max_num_seqs - len(running) + len(victims) < 1 or tokens < 1:
             return False
         hit, _, cost, available = pool.admission_after([requests[v].block_ids for v in victims], request, config)
-        return cost <= available and _chunk(request, tokens, config, len(hit) * config.block_size) > 0
+        keep = watermark_keep(config, len(running) - len(victims))
+        return cost + keep <= available and _chunk(request, tokens, config, len(hit) * config.block_size) > 0
 
     waiting = [r for r in _priority_order(state) if r not in skip]
     for request_id in sorted([*state.running, *waiting], key=key):
@@ -514,7 +523,7 @@ def plan_step(
             hit, needed, cost = pool.admission(request, config)
             hit_tokens = len(hit) * config.block_size
             num_tokens = _chunk(request, budget, config, hit_tokens)
-            if num_tokens == 0 or cost > pool.available:
+            if num_tokens == 0 or cost + watermark_keep(config, num_running) > pool.available:
                 break
             scheduled.append(ScheduledRequest(request_id, request.num_computed_tokens + hit_tokens, num_tokens,
                                               pool.admit(hit, needed), hit))

@@ -98,6 +98,13 @@ admission. The rules, each with its place in vLLM's source:
    ready, and then **skips** the request (``skip_request``: it keeps its place) and goes on. Same in 0.32
    and 0.33.
 
+10. **Watermark** (``watermark`` > 0). ``KVCacheManager.allocate_slots`` adds ``watermark_blocks``
+    (``int(watermark * num_blocks)``, the null block counted) to the blocks it requires, in the
+    whole-sequence gate and for the chunk, for a request in ``WAITING`` or ``PREEMPTED`` when
+    ``has_scheduled_reqs``, which the waiting loop passes as ``bool(self.running)``: the running list
+    with this step's admissions so far. A running request's allocation never sees it. Failing, the
+    admission stops (``break``). Same in 0.32 and 0.33.
+
 **With prefix caching** (``enable_prefix_caching``): admission first looks up the longest cached prefix
 (``KVCacheManager.get_computed_blocks``, at most ``num_tokens - 1`` tokens), the whole-sequence gate
 counts the blocks beyond the hit plus the hit's evictable blocks (``get_num_blocks_to_allocate``), and
@@ -156,7 +163,7 @@ from schedspec.spec.config import SchedulerConfig, blocks_for_tokens, slot_token
 from schedspec.spec.request import Request
 from schedspec.spec.state import ScheduledRequest, SchedulerState, StepPlan
 
-from .policies import BlockPool, CachePool, _BlockPool, lora_fits, loras_of, reject_impossible
+from .policies import BlockPool, CachePool, _BlockPool, lora_fits, loras_of, reject_impossible, watermark_keep
 
 
 class _FreeQueue(_BlockPool):
@@ -329,13 +336,13 @@ def plan_vllm_v1(state: SchedulerState, config: SchedulerConfig, by_priority: bo
                 # than schedule un-padded" when that exceeds the budget; it allocates slots for the padded
                 # tokens, so admission also stops when they do not fit the free blocks (rule 7)
                 extra = blocks_for_tokens(slot_tokens(hit_tokens + padded, config), config.block_size) - len(hit)
-                if padded > budget or extra > queue.available:
+                if padded > budget or extra + watermark_keep(config, num_running) > queue.available:
                     break
             num_tokens = _cap(request, request.num_tokens - hit_tokens, config)
             if not config.enable_chunked_prefill and num_tokens > budget:
                 break
             num_tokens = min(num_tokens, budget)
-            if whole > queue.available:
+            if whole + watermark_keep(config, num_running) > queue.available:
                 break  # allocateslot_tokens(full_sequence_must_fit=True) returns None
             blocks = queue.admit(hit, blocks_for_tokens(slot_tokens(hit_tokens + num_tokens, config), config.block_size)
                                  - len(hit))

@@ -25,6 +25,7 @@ import attrs
 
 from schedspec.spec.checker import check_trace, plan_from_record, speculative_of
 from schedspec.spec.config import SchedulerConfig
+from schedspec.spec.rules import RULES
 from schedspec.spec.state import SchedulerState
 from schedspec.spec.trace import StepRecord, header_line, record_schema_errors
 from schedspec.spec.transitions import abort_request, add_request, apply_plan
@@ -395,6 +396,48 @@ def grammar_wait_ignored(trace: Trace, i: int) -> Mutant | None:
     arrival = next(a for a in records[arrival_step]["arrivals"] if a["request_id"] == request_id)
     arrival["grammar_compile_steps"] = i + 1 - arrival_step
     return trace.header, records, i
+
+
+def _with_watermark_blocks(config: SchedulerConfig, blocks: int) -> SchedulerConfig | None:
+    """``config`` with a ``watermark`` that keeps exactly ``blocks`` blocks (``None``: no such fraction)."""
+    if not 0 < blocks <= config.num_kv_blocks:
+        return None
+    changed = config.with_changes(watermark=(blocks + 0.5) / (config.num_kv_blocks + 1))
+    return changed if changed.watermark_blocks == blocks else None
+
+
+def _breaks_watermark(trace: Trace, k: int, config: SchedulerConfig) -> bool:
+    """Whether step ``k``'s plan breaks the spec's rule ``watermark`` under ``config``."""
+    check = next(r.check for r in RULES if r.name == "watermark")
+    return any(True for _ in check(trace.before[k], plan_from_record(StepRecord.from_dict(trace.records[k])), config))
+
+
+def watermark_ignored(trace: Trace, i: int) -> Mutant | None:
+    """The header gets the smallest ``watermark`` that step ``i``'s admissions break while no earlier step's
+    do: an engine that admits a waiting request into the blocks its watermark keeps free."""
+    config = trace.config
+    before = trace.before[i]
+    admitted = [s for s in trace.records[i]["scheduled"] if s["request_id"] not in before.running]
+    preempted = set(trace.records[i]["preempted"])
+    if config.watermark or not admitted or (len(admitted) < 2 and all(r in preempted for r in before.running)):
+        return None  # no admission while another request runs
+    low, high = 1, config.num_kv_blocks  # the fewest blocks kept free that step i breaks (monotone in blocks)
+    top = _with_watermark_blocks(config, high)
+    if top is None or not _breaks_watermark(trace, i, top):
+        return None
+    while low < high:
+        middle = (low + high) // 2
+        candidate = _with_watermark_blocks(config, middle)
+        if candidate is not None and _breaks_watermark(trace, i, candidate):
+            high = middle
+        else:
+            low = middle + 1
+    changed = _with_watermark_blocks(config, low)
+    if changed is None or any(_breaks_watermark(trace, k, changed) for k in range(i)):
+        return None
+    header = copy.deepcopy(trace.header)
+    header["config"]["watermark"] = changed.watermark
+    return header, list(trace.records), i
 
 
 def chunk_skips_token(trace: Trace, i: int) -> Mutant | None:
@@ -1003,6 +1046,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation("lora-limit-exceeded", "more distinct LoRA adapters in a step than max_loras", lora_limit_exceeded),
     Mutation("grammar-wait-ignored", "a structured-output request admitted before its grammar is ready",
              grammar_wait_ignored, applies=lambda t, i: _first_admission(t, i) is not None),
+    Mutation("watermark-ignored", "a request admitted into the blocks the watermark keeps free", watermark_ignored),
     Mutation("chunk-skips-token", "a prefill chunk starts past the computed tokens (a token never computed)",
              chunk_skips_token),
     Mutation("chunk-repeats-token", "a chunk starts before the computed tokens (a token computed twice)",

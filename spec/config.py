@@ -24,7 +24,7 @@ SPECULATIVE_FIELDS = ("num_speculative_tokens", "num_lookahead_tokens")
 """The speculative-decoding fields of :class:`SchedulerConfig` (both 0 = off)."""
 
 
-LIMIT_DEFAULTS: dict[str, Any] = {"max_loras": 0}
+LIMIT_DEFAULTS: dict[str, Any] = {"max_loras": 0, "watermark": 0.0}
 """The per-step limits of vLLM's scheduler that are off by default, each with its default (off): a field
 at its default is left out of :meth:`SchedulerConfig.to_dict`, so traces and run records of runs without
 it are what they were before it existed."""
@@ -81,6 +81,9 @@ class SchedulerConfig:
         max_loras: LoRA: most distinct LoRA adapters (``Request.lora_int_id > 0``) the requests of one
             step may use (vLLM ``LoRAConfig.max_loras``, ``--max-loras``); 0 = LoRA off (no
             ``LoRAConfig``: vLLM has no limit then; its own default with ``--enable-lora`` is 1).
+        watermark: a fraction in [0, 1) of the KV cache kept free when a waiting request is admitted while
+            another request runs (vLLM ``SchedulerConfig.watermark``, default 0 = off):
+            :attr:`watermark_blocks` blocks; rule ``watermark``.
 
     Raises:
         ConfigError: a field has the wrong type or range, or two fields contradict each other:
@@ -90,7 +93,7 @@ class SchedulerConfig:
             decodes would not fit in one step); ``num_speculative_tokens`` or ``num_lookahead_tokens``
             not an integer >= 0, or ``num_lookahead_tokens > 0`` with ``num_speculative_tokens == 0``
             (vLLM derives no lookahead without a ``speculative_config``); ``max_loras`` not an integer
-            >= 0.
+            >= 0; ``watermark`` not a number in [0, 1) (vLLM ``Field(ge=0.0, lt=1.0)``).
     """
 
     block_size: int
@@ -105,6 +108,7 @@ class SchedulerConfig:
     num_speculative_tokens: int = 0
     num_lookahead_tokens: int = 0
     max_loras: int = 0
+    watermark: float = 0.0
 
     def __attrs_post_init__(self) -> None:
         for name in ("block_size", "num_kv_blocks", "max_num_batched_tokens", "max_num_seqs", "max_model_len"):
@@ -120,6 +124,9 @@ class SchedulerConfig:
                 raise ConfigError(name, value, "must be an integer >= 0 (0 = off)")
         if isinstance(self.max_loras, bool) or not isinstance(self.max_loras, int) or self.max_loras < 0:
             raise ConfigError("max_loras", self.max_loras, "must be an integer >= 0 (0 = LoRA off)")
+        if isinstance(self.watermark, bool) or not isinstance(self.watermark, (int, float)) \
+                or not 0 <= self.watermark < 1:
+            raise ConfigError("watermark", self.watermark, "must be a number in [0, 1) (0 = off)")
         if self.num_lookahead_tokens and not self.num_speculative_tokens:
             raise ConfigError("num_lookahead_tokens", self.num_lookahead_tokens,
                               "must be 0 when num_speculative_tokens=0 (no speculative decoding, no lookahead)")
@@ -149,6 +156,13 @@ class SchedulerConfig:
     def speculative(self) -> bool:
         """Whether speculative decoding is on (``num_speculative_tokens > 0``)."""
         return self.num_speculative_tokens > 0
+
+    @property
+    def watermark_blocks(self) -> int:
+        """Blocks the watermark keeps free: ``int(watermark * (num_kv_blocks + 1))``, as vLLM 0.32/0.33
+        ``KVCacheManager.__init__`` computes ``int(watermark * kv_cache_config.num_blocks)``, whose
+        ``num_blocks`` counts its null block (never handed out) beside the ``num_kv_blocks`` usable ones."""
+        return int(self.watermark * (self.num_kv_blocks + 1))
 
     @property
     def limits_on(self) -> tuple[str, ...]:

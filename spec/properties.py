@@ -155,7 +155,8 @@ class WorkConserving(Monitor):
     tokens exceed ``left``. With ``max_loras > 0`` a waiting request whose LoRA adapter is not among those of
     the running requests as the plan leaves them, which already number ``max_loras``, is not the head: it is passed
     over, as vLLM's waiting loop skips it (rule ``lora-limit``), and so is one whose grammar is not ready
-    (rule ``grammar-ready-before-admission``). Strict FCFS (head-of-line) is allowed; holding a finished request's slot
+    (rule ``grammar-ready-before-admission``). With ``watermark > 0`` and requests running, the head fits
+    only with ``watermark_blocks`` left free (rule ``watermark``). Strict FCFS (head-of-line) is allowed; holding a finished request's slot
     (static batching) is not. vLLM does not admit in a step that preempted
     (``Scheduler.schedule``: ``if not preempted_reqs``), hence the exception.
     """
@@ -197,7 +198,10 @@ class WorkConserving(Monitor):
             if not request.grammar_ready(before.step):
                 continue  # structured output: its grammar is compiling (grammar-ready-before-admission)
             # its whole sequence, with the lookahead its table must hold (speculative decoding: slot_tokens)
-            fits_blocks = blocks_for_tokens(slot_tokens(request.num_tokens, config), config.block_size) <= free_at_plan
+            # with the watermark kept free when others run (rule watermark)
+            keep = config.watermark_blocks if running_after else 0
+            fits_blocks = (blocks_for_tokens(slot_tokens(request.num_tokens, config), config.block_size) + keep
+                           <= free_at_plan)
             fits_budget = config.enable_chunked_prefill or request.num_pending_tokens <= left
             if fits_blocks and fits_budget:
                 self.report(
@@ -240,7 +244,8 @@ class BoundedWait(Monitor):
     in the running set, or alone) computes at least one of its at most ``max_model_len`` positions per
     step. It follows that a request with ``k`` live requests older than it at arrival ends within
     ``(k + 1) * max_model_len`` steps. Policies that starve by design (shortest-prompt-first) do not
-    guarantee this.
+    guarantee this. An oldest request whose structured-output grammar is not ready is not counted: its wait
+    starts at its grammar's ready step.
     """
 
     name = "bounded-wait"
@@ -253,8 +258,8 @@ class BoundedWait(Monitor):
     def observe(self, before: SchedulerState, plan: StepPlan, after: SchedulerState) -> None:
         oldest = _oldest_live(before)
         rejected = {r for r, _ in plan.rejected}
-        if oldest in rejected:
-            oldest = None
+        if oldest in rejected or (oldest is not None and not before.requests[oldest].grammar_ready(before.step)):
+            oldest = None  # rejected, or waiting for its structured-output grammar: its wait starts when ready
         if oldest != self.oldest:
             self.oldest, self.since = oldest, before.step
         if oldest is not None and oldest in after.requests and after.step - self.since >= self.config.max_model_len:
@@ -265,12 +270,15 @@ class BoundedWait(Monitor):
 @trace_property('vLLM Scheduler._preempt_request (victim: last of running)')
 class BoundedPreemptions(Monitor):
     """``bounded-preemptions``: after the last arrival, no request is preempted more than ``P(i)`` times,
-    where requests live at the last arrival are ranked by age ``i = 1..n`` and ``P(1) = 0``,
+    where requests live at the last arrival are ranked by their place in line ``i = 1..n`` (the running
+    requests in running order, then the waiting queue; by age when admission follows arrival) and ``P(1) = 0``,
     ``A(j) = (P(j) + 1) * max_blocks(j)``, ``P(i) = sum_{j < i} A(j)``.
 
     Why (for a policy that preempts the most recently admitted running request, as fcfs and vLLM do): a
     request is preempted only when an older running request needs a new block; a request allocates at most
     ``max_blocks`` blocks per admission. Without arrivals no younger request can take its place in line.
+    A structured-output request whose grammar becomes ready enters the competition for blocks then: its
+    ready step counts as an arrival; requests admitted past it while it waited are ahead of it in line.
     """
 
     name = "bounded-preemptions"
@@ -280,14 +288,21 @@ class BoundedPreemptions(Monitor):
         self.counts: dict[str, int] = {}
         self.bounds: dict[str, int] | None = None
         self.last_added = 0
+        self.grammar_due: frozenset[int] = frozenset()  # ready steps of grammars still compiling
 
     def observe(self, before: SchedulerState, plan: StepPlan, after: SchedulerState) -> None:
-        if before.num_requests_added != self.last_added:
+        if before.num_requests_added != self.last_added or before.step in self.grammar_due:
             self.last_added = before.num_requests_added
             self.counts = {}
             self.bounds = None
         if self.bounds is None:
-            order = sorted(before.requests.values(), key=lambda r: (r.arrival_step, r.arrival_time))
+            step = before.step
+            self.grammar_due = frozenset(r.grammar_ready_step for r in before.requests.values()
+                                         if r.grammar_ready_step is not None and r.grammar_ready_step > step)
+            # the line: running requests in running order, then the waiting queue in its order; that is the
+            # order of arrival unless admission skipped a request (a grammar that was compiling)
+            requests = before.requests
+            order = [requests[r] for r in before.running] + [requests[r] for r in before.waiting]
             total, bounds = 0, {}
             for request in order:
                 bounds[request.request_id] = total

@@ -290,6 +290,41 @@ def _grammar_ready(state: SchedulerState, plan: StepPlan, config: SchedulerConfi
 
 
 @rule(
+    "watermark",
+    "With watermark > 0, a waiting request admitted while another request is running (the running requests "
+    "less the preempted, plus those admitted before it in the plan) leaves at least watermark_blocks blocks "
+    "free after its allocation (counting, in plan order, the free blocks, those the step's preemptions "
+    "release, and the blocks handed out and the evictable cached blocks hit up to it). The first admission "
+    "into an empty running set may take every block.",
+    "vLLM vllm/v1/core/kv_cache_manager.py KVCacheManager.allocate_slots (0.32 and 0.33): watermark_blocks "
+    "is added to the blocks required for a request in WAITING or PREEMPTED when has_scheduled_reqs, which "
+    "Scheduler.schedule passes as bool(self.running); KVCacheManager.__init__ watermark_blocks",
+    action="schedule",
+)
+def _watermark(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
+    keep = config.watermark_blocks
+    if not keep:
+        return
+    preempted = set(plan.preempted)
+    running = sum(1 for r in state.running if r not in preempted)
+    free_ids = frozenset(state.free_block_ids)
+    free = len(free_ids) + len(released_by_preemptions(state, plan))
+    hit: set[int] = set()
+    for item in plan.scheduled:
+        free -= len(item.new_block_ids)
+        for block_id in item.cached_block_ids:
+            if block_id in free_ids and block_id not in hit:  # an evictable cached block leaves the free queue
+                hit.add(block_id)
+                free -= 1
+        if item.request_id in state.running or item.request_id not in state.requests:
+            continue
+        if running and free < keep:
+            yield item.request_id, (f"admitted while {running} run, leaving {free} free blocks < watermark_blocks="
+                                    f"{keep} (watermark={config.watermark})")
+        running += 1
+
+
+@rule(
     "admit-fits-alone",
     "A waiting request is admitted only if it could complete alone (see admission.rejection_reason).",
     "rejects-impossible (this spec); vLLM input_processor.py InputProcessor._validate_prompt_len rejects long prompts",
@@ -365,11 +400,9 @@ def _blocks_from_free_pool(state: SchedulerState, plan: StepPlan, config: Schedu
     yield from blocks_not_from_free_pool(state, plan, frozenset(state.free_block_ids))
 
 
-def blocks_not_from_free_pool(state: SchedulerState, plan: StepPlan, free: AbstractSet[int]):
-    """The check of ``blocks-from-free-pool`` given the free queue as a set (``free`` must equal
-    ``set(state.free_block_ids)``; the incremental checker passes the set it keeps, instead of building
-    one per step). Yields ``(request_id, detail)`` per breach (``(request_id, detail, case)`` for
-    :data:`REUSED_BY_HIT_IN_STEP`)."""
+def released_by_preemptions(state: SchedulerState, plan: StepPlan) -> set[int]:
+    """The blocks the plan's preemptions free: every block of a preempted request's table, or with prefix
+    caching those whose reference count the preemptions bring to 0 (vLLM ``BlockPool.free_blocks``)."""
     released: set[int] = set()
     cache = state.prefix_cache
     counts: dict[int, int] = {}
@@ -382,6 +415,15 @@ def blocks_not_from_free_pool(state: SchedulerState, plan: StepPlan, free: Abstr
             for block_id in request.block_ids:
                 counts[block_id] = counts.get(block_id, cache.ref_counts.get(block_id, 0)) - 1
     released.update(b for b, count in counts.items() if count <= 0)
+    return released
+
+
+def blocks_not_from_free_pool(state: SchedulerState, plan: StepPlan, free: AbstractSet[int]):
+    """The check of ``blocks-from-free-pool`` given the free queue as a set (``free`` must equal
+    ``set(state.free_block_ids)``; the incremental checker passes the set it keeps, instead of building
+    one per step). Yields ``(request_id, detail)`` per breach (``(request_id, detail, case)`` for
+    :data:`REUSED_BY_HIT_IN_STEP`)."""
+    released = released_by_preemptions(state, plan)
     hits = {b for item in plan.scheduled for b in item.cached_block_ids}
     handed: set[int] = set()
     for item in plan.scheduled:

@@ -208,3 +208,101 @@ def test_the_grammar_scenario_passes_on_the_references_and_fails_when_the_wait_i
     verdicts = {v.name: v for v in replay(scenario, "test_limits:_grammar_blind").verdicts}
     assert not verdicts["invariants"].passed
     assert "grammar-ready-before-admission" in verdicts["invariants"].detail
+
+
+# ----------------------------------------------------------------------------------------- watermark
+def _running_a() -> Request:
+    """Running, 4 prompt tokens computed and one output: a decode holding blocks 0 and 1 (5 tokens, block 4)."""
+    return Request("a", 0, (1, 2, 3, 4), max_tokens=4, status=RequestStatus.RUNNING, num_computed_tokens=4,
+                   output_token_ids=(7,), block_ids=(0, 1), admitted_step=0)
+
+
+def case_watermark():
+    # 8 blocks, watermark 0.3: int(0.3 * 9) = 2 blocks kept free. a runs on blocks 0-1 (6 free); b's 12 tokens
+    # take 3 blocks (3 left, fine), then c's 8 tokens take 2 more: 1 left < 2.
+    config = CONFIG.with_changes(watermark=0.3, max_num_batched_tokens=32)
+    state = _state(_waiting("b", 0, 12), _waiting("c", 0, 8), running=(_running_a(),))
+    decode = ScheduledRequest("a", 4, 1)
+    bad = StepPlan(scheduled=(decode, ScheduledRequest("b", 0, 12, (2, 3, 4)), ScheduledRequest("c", 0, 8, (5, 6))))
+    good = StepPlan(scheduled=(decode, ScheduledRequest("b", 0, 12, (2, 3, 4))))
+    return state, bad, good, config
+
+
+LIMIT_RULE_CASES["watermark"] = case_watermark
+
+
+def test_watermark_blocks_count_the_null_block_and_spare_the_first_admission() -> None:
+    assert CONFIG.with_changes(watermark=0.3).watermark_blocks == 2  # int(0.3 * (8 + 1)), vLLM's num_blocks
+    assert CONFIG.with_changes(watermark=0.1).watermark_blocks == 0
+    state, bad, good, config = case_watermark()
+    assert [v.request_id for v in violated_rules(state, bad, config)] == ["c"]
+    # into an empty running set the first admission may take every block, the second may not
+    empty = _state(_waiting("b", 0, 24), _waiting("c", 0, 4))
+    first = StepPlan(scheduled=(ScheduledRequest("b", 0, 24, tuple(range(6))),))
+    assert violated_rules(empty, first, config) == []
+    both = StepPlan(scheduled=(*first.scheduled, ScheduledRequest("c", 0, 4, (6,))))
+    assert [v.name for v in violated_rules(empty, both, config)] == ["watermark"]
+
+
+@pytest.mark.parametrize("value", [-0.1, 1.0, 1, True, "0.1"])
+def test_watermark_is_validated(value) -> None:
+    with pytest.raises(ConfigError) as error:
+        CONFIG.with_changes(watermark=value)
+    assert error.value.field == "watermark"
+    assert "watermark" not in CONFIG.to_dict() and CONFIG.with_changes(watermark=0.25).to_dict()["watermark"] == 0.25
+
+
+@pytest.mark.parametrize("plan", [policies.fcfs, policies.priority, lambda s, c: plan_vllm_v1(s, c),
+                                  lambda s, c: plan_vllm_v1(s, c, version="0.33")],
+                         ids=["fcfs", "priority", "vllm-v1", "vllm-v1@0.33"])
+def test_the_policies_keep_the_watermark(plan) -> None:
+    state, _, _, config = case_watermark()
+    chosen = plan(state, config)
+    assert [i.request_id for i in chosen.scheduled] == ["a", "b"]
+    assert violated_rules(state, chosen, config) == []
+
+
+def test_the_watermark_scenario_fails_when_the_watermark_is_ignored() -> None:
+    scenario = load_scenario(CASES / "limit-watermark-keeps-blocks-free.json")
+    for name in ("fcfs", "priority", "vllm-v1", "vllm-v1@0.33"):
+        failed = [f"{v.name}: {v.detail}" for v in replay(scenario, name).verdicts if not v.passed]
+        assert not failed, (name, failed)
+    verdicts = {v.name: v for v in replay(scenario, "test_limits:_watermark_blind").verdicts}
+    assert not verdicts["invariants"].passed and "watermark" in verdicts["invariants"].detail
+
+
+def _watermark_blind(config: SchedulerConfig) -> ReferenceScheduler:
+    """fcfs that ignores ``watermark`` (a deliberate break)."""
+    return ReferenceScheduler(config, lambda state, c: policies.fcfs(state, c.with_changes(watermark=0.0)),
+                              "fcfs-watermark-blind", ALL_PROPERTIES)
+
+
+# -------------------------------------------- the trace properties with requests that wait for a grammar
+GRAMMAR_LINE = {
+    "name": "grammar-line", "about": "schedspec diff --scheduler vllm --against vllm-v1 --seed 2 --grammar-steps 3, "
+    "example 181, shrunk: r1 arrives first but waits for its grammar, r2 is admitted past it and, ahead of r1 in "
+    "the running list, preempts it at step 8.",
+    "config": {"block_size": 10, "num_kv_blocks": 7, "max_num_batched_tokens": 60, "max_num_seqs": 4,
+               "max_model_len": 60, "enable_chunked_prefill": False},
+    "requests": [
+        {"id": "r4", "arrival_step": 3, "prompt_len": 37, "max_tokens": 4, "priority": 1, "grammar_compile_steps": 2},
+        {"id": "r6", "arrival_step": 8, "prompt_len": 18, "max_tokens": 9, "grammar_compile_steps": 2},
+        {"id": "r0", "arrival_step": 7, "prompt_len": 24, "max_tokens": 47},
+        {"id": "r5", "arrival_step": 4, "prompt_len": 59, "max_tokens": 10, "priority": 2, "grammar_compile_steps": 2},
+        {"id": "r3", "arrival_step": 3, "prompt_len": 37, "max_tokens": 4, "priority": 1, "grammar_compile_steps": 2},
+        {"id": "r1", "arrival_step": 2, "prompt_len": 36, "max_tokens": 16, "grammar_compile_steps": 3},
+        {"id": "r2", "arrival_step": 4, "prompt_len": 27, "max_tokens": 16},
+    ],
+    "expect": {"outcome": {r: "finished" for r in ("r4", "r6", "r0", "r5", "r3", "r1", "r2")}},
+}
+"""bounded-preemptions ranked requests by arrival, which a grammar wait breaks: r1 (oldest, bound 0) is
+preempted by r2, admitted while r1's grammar compiled. The line is the running order then the queue."""
+
+
+@pytest.mark.parametrize("name", ["vllm-v1", "fcfs"])
+def test_properties_hold_when_admission_skips_a_compiling_grammar(name: str, tmp_path) -> None:
+    path = tmp_path / "grammar-line.json"
+    path.write_text(json.dumps(GRAMMAR_LINE))
+    result = replay(load_scenario(path), name)
+    failed = [f"{v.name}: {v.detail}" for v in result.verdicts if not v.passed]
+    assert not failed, failed
