@@ -99,7 +99,7 @@ header). The two versions' scheduling decisions differ as docs/engines.md, *vLLM
   spec at the end of the step (:func:`same_step_hits` gives the precise condition).
   :meth:`VllmScheduler.is_known_divergence` recognises the first and the third.
 
-*Watermark* (``watermark`` > 0): passed to vLLM's ``SchedulerConfig.watermark`` as it is.
+*Watermark* (``watermark`` > 0) and ``max_num_active_seqs``: passed to vLLM's ``SchedulerConfig`` as they are.
 
 *LoRA* (``max_loras`` > 0): the worker gives vLLM a ``LoRAConfig(max_loras=...)`` and every request with
 ``lora_int_id > 0`` a ``LoRARequest`` of that id (no adapter weights: the scheduler reads only the id).

@@ -172,6 +172,7 @@ class Worker:
                 enable_chunked_prefill=config["enable_chunked_prefill"],
                 long_prefill_token_threshold=config["long_prefill_token_threshold"],
                 watermark=config.get("watermark", 0.0),
+                max_num_active_seqs=config.get("max_num_active_seqs"),
                 policy=policy,
                 async_scheduling=async_scheduling,
                 is_encoder_decoder=False,

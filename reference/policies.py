@@ -383,7 +383,7 @@ def plan_by_priority(state: SchedulerState, config: SchedulerConfig) -> StepPlan
         """Whether the waiting ``request`` gets a slot, blocks and a chunk once ``victims`` are preempted
         (slot and budget first: the prefix-cache lookup is the costly part)."""
         tokens = budget - reserve + sum(map(is_reserved_decode, victims))
-        if config.max_num_seqs - len(running) + len(victims) < 1 or tokens < 1:
+        if config.active_seq_cap - len(running) + len(victims) < 1 or tokens < 1:
             return False
         hit, _, cost, available = pool.admission_after([requests[v].block_ids for v in victims], request, config)
         keep = watermark_keep(config, len(running) - len(victims))
@@ -515,7 +515,7 @@ def plan_step(
         for request_id in admission_order(state):
             if request_id in skip:
                 continue
-            if num_running >= config.max_num_seqs or budget == 0:
+            if num_running >= config.active_seq_cap or budget == 0:
                 break
             request = requests[request_id]
             if not request.grammar_ready(state.step) or not lora_fits(request, loras, config):

@@ -45,7 +45,8 @@ admission. The rules, each with its place in vLLM's source:
    token_budget > 0`` loop over ``self.waiting``; every ``break``): FCFS takes the waiting deque in
    order (preempted requests were put at its front by ``_preempt_request`` ``prepend_request``);
    priority takes the heap ``PriorityRequestQueue`` ordered by ``Request.__lt__``: ``(priority,
-   arrival_time, request_id)``. Admission stops at ``max_num_seqs`` running requests, when chunked
+   arrival_time, request_id)``. Admission stops at ``max_num_seqs`` running requests (``max_num_active_seqs``
+   when set: ``max_num_active_reqs``), when chunked
    prefill is off and the whole prompt exceeds the budget left, and when ``allocate_slots`` fails. A
    request is admitted with ``num_tokens`` (prompt plus any output to recompute) capped by the
    threshold and the budget, and ``allocateslot_tokens(..., full_sequence_must_fit=True)`` first requires
@@ -315,7 +316,7 @@ def plan_vllm_v1(state: SchedulerState, config: SchedulerConfig, by_priority: bo
         for request_id in _waiting_order(state, by_priority):
             if request_id in skip:
                 continue
-            if budget <= 0 or num_running >= config.max_num_seqs:
+            if budget <= 0 or num_running >= config.active_seq_cap:  # max_num_active_reqs (rule 5)
                 break
             request = requests[request_id]
             if not request.grammar_ready(state.step):

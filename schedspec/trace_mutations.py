@@ -340,6 +340,18 @@ def budget_exceeded(trace: Trace, i: int) -> Mutant | None:
 def max_num_seqs_exceeded(trace: Trace, i: int) -> Mutant | None:
     """The header's ``max_num_seqs`` lowered below what the engine ran at step ``i`` (the first step at
     which it ran that many): an engine that ignores its cap."""
+    return _cap_exceeded(trace, i, "max_num_seqs")
+
+
+def max_num_active_seqs_exceeded(trace: Trace, i: int) -> Mutant | None:
+    """The header's ``max_num_active_seqs`` set below what the engine ran at step ``i`` (the first step at
+    which it ran that many, by admission): an engine whose admission ignores it."""
+    return _cap_exceeded(trace, i, "max_num_active_seqs")
+
+
+def _cap_exceeded(trace: Trace, i: int, field: str) -> Mutant | None:
+    """The header's ``field`` (a cap on the running set) set one below the running count at step ``i``, the
+    first step that reaches that count (``None`` where it does not apply)."""
     def running_in(k: int) -> int:
         before = trace.before[k]
         record = trace.records[k]
@@ -351,7 +363,7 @@ def max_num_seqs_exceeded(trace: Trace, i: int) -> Mutant | None:
     if peak < 2 or any(running_in(k) >= peak for k in range(i)):
         return None
     header = copy.deepcopy(trace.header)
-    header["config"]["max_num_seqs"] = peak - 1
+    header["config"][field] = peak - 1
     try:
         SchedulerConfig.from_dict(header["config"])
     except Exception:  # noqa: BLE001 - a cap the config cannot take: not applicable
@@ -1047,6 +1059,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation("grammar-wait-ignored", "a structured-output request admitted before its grammar is ready",
              grammar_wait_ignored, applies=lambda t, i: _first_admission(t, i) is not None),
     Mutation("watermark-ignored", "a request admitted into the blocks the watermark keeps free", watermark_ignored),
+    Mutation("max-num-active-seqs-exceeded", "admission past max_num_active_seqs", max_num_active_seqs_exceeded),
     Mutation("chunk-skips-token", "a prefill chunk starts past the computed tokens (a token never computed)",
              chunk_skips_token),
     Mutation("chunk-repeats-token", "a chunk starts before the computed tokens (a token computed twice)",

@@ -24,7 +24,7 @@ SPECULATIVE_FIELDS = ("num_speculative_tokens", "num_lookahead_tokens")
 """The speculative-decoding fields of :class:`SchedulerConfig` (both 0 = off)."""
 
 
-LIMIT_DEFAULTS: dict[str, Any] = {"max_loras": 0, "watermark": 0.0}
+LIMIT_DEFAULTS: dict[str, Any] = {"max_loras": 0, "watermark": 0.0, "max_num_active_seqs": None}
 """The per-step limits of vLLM's scheduler that are off by default, each with its default (off): a field
 at its default is left out of :meth:`SchedulerConfig.to_dict`, so traces and run records of runs without
 it are what they were before it existed."""
@@ -84,6 +84,9 @@ class SchedulerConfig:
         watermark: a fraction in [0, 1) of the KV cache kept free when a waiting request is admitted while
             another request runs (vLLM ``SchedulerConfig.watermark``, default 0 = off):
             :attr:`watermark_blocks` blocks; rule ``watermark``.
+        max_num_active_seqs: most requests admission fills the running set to (vLLM
+            ``SchedulerConfig.max_num_active_seqs``, at most ``max_num_seqs``; ``None`` = ``max_num_seqs``):
+            :attr:`active_seq_cap`; rule ``active-sequence-cap``.
 
     Raises:
         ConfigError: a field has the wrong type or range, or two fields contradict each other:
@@ -93,7 +96,9 @@ class SchedulerConfig:
             decodes would not fit in one step); ``num_speculative_tokens`` or ``num_lookahead_tokens``
             not an integer >= 0, or ``num_lookahead_tokens > 0`` with ``num_speculative_tokens == 0``
             (vLLM derives no lookahead without a ``speculative_config``); ``max_loras`` not an integer
-            >= 0; ``watermark`` not a number in [0, 1) (vLLM ``Field(ge=0.0, lt=1.0)``).
+            >= 0; ``watermark`` not a number in [0, 1) (vLLM ``Field(ge=0.0, lt=1.0)``);
+            ``max_num_active_seqs`` not ``None`` or an integer in [1, ``max_num_seqs``] (vLLM ``Field(ge=1)`` and
+            ``SchedulerConfig._verify_args``).
     """
 
     block_size: int
@@ -109,6 +114,7 @@ class SchedulerConfig:
     num_lookahead_tokens: int = 0
     max_loras: int = 0
     watermark: float = 0.0
+    max_num_active_seqs: int | None = None
 
     def __attrs_post_init__(self) -> None:
         for name in ("block_size", "num_kv_blocks", "max_num_batched_tokens", "max_num_seqs", "max_model_len"):
@@ -127,6 +133,11 @@ class SchedulerConfig:
         if isinstance(self.watermark, bool) or not isinstance(self.watermark, (int, float)) \
                 or not 0 <= self.watermark < 1:
             raise ConfigError("watermark", self.watermark, "must be a number in [0, 1) (0 = off)")
+        active = self.max_num_active_seqs
+        if active is not None and (isinstance(active, bool) or not isinstance(active, int)
+                                   or not 1 <= active <= self.max_num_seqs):
+            raise ConfigError("max_num_active_seqs", active,
+                              f"must be null or an integer in [1, max_num_seqs={self.max_num_seqs}]")
         if self.num_lookahead_tokens and not self.num_speculative_tokens:
             raise ConfigError("num_lookahead_tokens", self.num_lookahead_tokens,
                               "must be 0 when num_speculative_tokens=0 (no speculative decoding, no lookahead)")
@@ -163,6 +174,12 @@ class SchedulerConfig:
         ``KVCacheManager.__init__`` computes ``int(watermark * kv_cache_config.num_blocks)``, whose
         ``num_blocks`` counts its null block (never handed out) beside the ``num_kv_blocks`` usable ones."""
         return int(self.watermark * (self.num_kv_blocks + 1))
+
+    @property
+    def active_seq_cap(self) -> int:
+        """The running-set size admission stops at: ``max_num_active_seqs``, or ``max_num_seqs`` when unset
+        (vLLM ``Scheduler.__init__`` ``max_num_active_reqs``)."""
+        return self.max_num_seqs if self.max_num_active_seqs is None else self.max_num_active_seqs
 
     @property
     def limits_on(self) -> tuple[str, ...]:

@@ -176,7 +176,7 @@ class WorkConserving(Monitor):
         if plan.preempted:
             return
         running_after = len(before.running) + sum(1 for i in plan.scheduled if i.request_id not in before.running)
-        if running_after >= config.max_num_seqs:
+        if running_after >= config.active_seq_cap:  # max_num_active_seqs when set (rule active-sequence-cap)
             return
         rejected = {request_id for request_id, _ in plan.rejected}
         free_at_plan = len(before.free_block_ids) - sum(len(i.new_block_ids) for i in plan.scheduled)
@@ -207,7 +207,7 @@ class WorkConserving(Monitor):
                 self.report(
                     before.step,
                     f"head of the waiting queue fits ({free_at_plan} free blocks, {left} tokens, "
-                    f"{config.max_num_seqs - running_after} slots left) but was not admitted",
+                    f"{config.active_seq_cap - running_after} slots left) but was not admitted",
                     request_id,
                 )
             break
@@ -279,6 +279,8 @@ class BoundedPreemptions(Monitor):
     ``max_blocks`` blocks per admission. Without arrivals no younger request can take its place in line.
     A structured-output request whose grammar becomes ready enters the competition for blocks then: its
     ready step counts as an arrival; requests admitted past it while it waited are ahead of it in line.
+    Likewise, with ``max_loras > 0``, a step that admits a request past one it skips (rule ``lora-limit``)
+    changes the line: the next step counts as an arrival.
     """
 
     name = "bounded-preemptions"
@@ -315,6 +317,26 @@ class BoundedPreemptions(Monitor):
             bound = self.bounds.get(request_id, 0)
             if self.counts[request_id] > bound:
                 self.report(before.step, f"preempted {self.counts[request_id]} times after the last arrival > bound {bound}", request_id)
+        if self.config.max_loras and plan.scheduled and _admitted_past_a_skip(before, plan):
+            self.bounds = None  # the line changed (a LoRA skip): a new baseline from the next step
+            self.counts = {}
+
+
+def _admitted_past_a_skip(before: SchedulerState, plan: StepPlan) -> bool:
+    """Whether the plan admits a waiting request while one ahead of it in the queue (not rejected) stays."""
+    admitted = {i.request_id for i in plan.scheduled if i.request_id not in before.running}
+    if not admitted:
+        return False
+    rejected = {r for r, _ in plan.rejected}
+    left = len(admitted)
+    for request_id in before.waiting:
+        if request_id in admitted:
+            left -= 1
+            if not left:
+                return False
+        elif request_id not in rejected:
+            return True
+    return False
 
 
 @trace_property('this spec, admission')
@@ -416,7 +438,7 @@ class NoPriorityInversion(Monitor):
     sampling (blocks of requests that finish in the step are not free yet):
 
     - ``running`` = the running requests not preempted, plus the waiting ones the plan admits;
-    - ``slots = max_num_seqs - len(running)``;
+    - ``slots = max_num_seqs - len(running)`` (``max_num_active_seqs`` when set);
     - ``blocks`` = the free blocks before the step, plus the blocks the preempted requests release,
       minus the blocks the plan hands out (new blocks, and each free cached block a prefix hit takes:
       evictable before the step or released by its preemptions);
@@ -461,7 +483,7 @@ class NoPriorityInversion(Monitor):
         tables: dict[str, tuple[int, ...]] | None = None  # built when first needed
         running = [r for r in before.running if r not in preempted]
         running += [item.request_id for item in plan.scheduled if item.request_id not in before.running]
-        slots = config.max_num_seqs - len(running)
+        slots = config.active_seq_cap - len(running)  # max_num_active_seqs when set
         released = _released(requests, preempted, running)
         blocks = (len(before.free_block_ids) + len(released)
                   - sum(len(item.new_block_ids) for item in plan.scheduled)

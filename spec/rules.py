@@ -251,6 +251,26 @@ def _sequence_cap(state: SchedulerState, plan: StepPlan, config: SchedulerConfig
 
 
 @rule(
+    "active-sequence-cap",
+    "With max_num_active_seqs set, a step that admits a request leaves at most max_num_active_seqs running "
+    "(running, less preempted, plus admitted): admission stops at that many.",
+    "vLLM vllm/v1/core/sched/scheduler.py Scheduler.schedule (0.32 and 0.33): the waiting loop breaks once "
+    "len(self.running) >= self.max_num_active_reqs (SchedulerConfig.max_num_active_seqs, default max_num_seqs)",
+    action="schedule",
+)
+def _active_sequence_cap(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
+    if config.max_num_active_seqs is None:
+        return
+    admitted = sum(1 for i in plan.scheduled if i.request_id not in state.running and i.request_id in state.requests)
+    if not admitted:
+        return
+    preempted = sum(1 for request_id in set(plan.preempted) if request_id in state.running)
+    after = len(state.running) - preempted + admitted
+    if after > config.max_num_active_seqs:
+        yield None, f"{admitted} admitted: {after} running after the step > max_num_active_seqs={config.max_num_active_seqs}"
+
+
+@rule(
     "lora-limit",
     "With max_loras > 0, the requests a step schedules use at most max_loras distinct LoRA adapters "
     "(lora_int_id > 0; 0 is the base model).",

@@ -306,3 +306,49 @@ def test_properties_hold_when_admission_skips_a_compiling_grammar(name: str, tmp
     result = replay(load_scenario(path), name)
     failed = [f"{v.name}: {v.detail}" for v in result.verdicts if not v.passed]
     assert not failed, failed
+
+
+# ------------------------------------------------------------------------------- max_num_active_seqs
+def case_active_sequence_cap():
+    # max_num_active_seqs 1 (max_num_seqs 4): a runs, so admitting b makes 2 > 1; the decode alone is fine.
+    config = CONFIG.with_changes(max_num_active_seqs=1)
+    state = _state(_waiting("b", 0), running=(_running_a(),))
+    bad = StepPlan(scheduled=(ScheduledRequest("a", 4, 1), ScheduledRequest("b", 0, 4, (2,))))
+    good = StepPlan(scheduled=(ScheduledRequest("a", 4, 1),))
+    return state, bad, good, config
+
+
+LIMIT_RULE_CASES["active-sequence-cap"] = case_active_sequence_cap
+
+
+@pytest.mark.parametrize("value", [0, 5, True, 1.5])
+def test_max_num_active_seqs_is_validated(value) -> None:
+    with pytest.raises(ConfigError) as error:
+        CONFIG.with_changes(max_num_active_seqs=value)  # max_num_seqs is 4
+    assert error.value.field == "max_num_active_seqs"
+    assert CONFIG.active_seq_cap == 4 and CONFIG.with_changes(max_num_active_seqs=2).active_seq_cap == 2
+    assert "max_num_active_seqs" not in CONFIG.to_dict()
+
+
+@pytest.mark.parametrize("plan", [policies.fcfs, policies.priority, lambda s, c: plan_vllm_v1(s, c),
+                                  lambda s, c: plan_vllm_v1(s, c, version="0.33")],
+                         ids=["fcfs", "priority", "vllm-v1", "vllm-v1@0.33"])
+def test_the_policies_stop_admission_at_max_num_active_seqs(plan) -> None:
+    state, _, _, config = case_active_sequence_cap()
+    assert [i.request_id for i in plan(state, config).scheduled] == ["a"]
+    assert [i.request_id for i in plan(state, config.with_changes(max_num_active_seqs=2)).scheduled] == ["a", "b"]
+
+
+def _active_blind(config: SchedulerConfig) -> ReferenceScheduler:
+    """fcfs that ignores ``max_num_active_seqs`` (a deliberate break)."""
+    return ReferenceScheduler(config, lambda state, c: policies.fcfs(state, c.with_changes(max_num_active_seqs=None)),
+                              "fcfs-active-blind", ALL_PROPERTIES)
+
+
+def test_the_max_num_active_seqs_scenario_fails_when_the_cap_is_ignored() -> None:
+    scenario = load_scenario(CASES / "limit-max-num-active-seqs.json")
+    for name in ("fcfs", "priority", "vllm-v1", "vllm-v1@0.33"):
+        failed = [f"{v.name}: {v.detail}" for v in replay(scenario, name).verdicts if not v.passed]
+        assert not failed, (name, failed)
+    verdicts = {v.name: v for v in replay(scenario, "test_limits:_active_blind").verdicts}
+    assert not verdicts["invariants"].passed and "active-sequence-cap" in verdicts["invariants"].detail
