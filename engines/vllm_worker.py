@@ -173,6 +173,7 @@ class Worker:
                 long_prefill_token_threshold=config["long_prefill_token_threshold"],
                 watermark=config.get("watermark", 0.0),
                 max_num_active_seqs=config.get("max_num_active_seqs"),
+                long_prefill_token_threshold_adaptive=config.get("long_prefill_token_threshold_adaptive", False),
                 policy=policy,
                 async_scheduling=async_scheduling,
                 is_encoder_decoder=False,

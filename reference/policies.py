@@ -235,6 +235,16 @@ def one_token_pending(request: Request) -> bool:
     return request.num_pending_tokens == 1
 
 
+def step_config(state: SchedulerState, config: SchedulerConfig, num_rejected: int) -> SchedulerConfig:
+    """``config`` with the threshold this step applies (its floor, ``long_prefill_token_threshold_adaptive``:
+    :meth:`~schedspec.spec.config.SchedulerConfig.effective_long_prefill_threshold`), as a plain threshold;
+    ``config`` itself when the floor is off."""
+    if not config.long_prefill_token_threshold_adaptive:
+        return config
+    threshold = config.effective_long_prefill_threshold(len(state.running) + len(state.waiting) - num_rejected)
+    return config.with_changes(long_prefill_token_threshold=threshold, long_prefill_token_threshold_adaptive=False)
+
+
 def loras_of(request_ids: Iterable[str], requests: Mapping[str, Request]) -> set[int]:
     """The distinct LoRA adapters (``lora_int_id > 0``) of ``request_ids``."""
     return {requests[r].lora_int_id for r in request_ids if requests[r].lora_int_id}
@@ -352,6 +362,7 @@ def plan_by_priority(state: SchedulerState, config: SchedulerConfig) -> StepPlan
         A plan allowed by the spec from ``state``.
     """
     rejected = reject_impossible(state, config)
+    config = step_config(state, config, len(rejected))  # the threshold's floor, when on
     requests = state.requests
     pool = _pool(state)
     budget = config.max_num_batched_tokens
@@ -459,6 +470,7 @@ def plan_step(
         A plan allowed by the spec from ``state``.
     """
     rejected = reject_impossible(state, config)
+    config = step_config(state, config, len(rejected))  # the threshold's floor, when on
     requests = state.requests
     budget = config.max_num_batched_tokens
     pool = _pool(state)

@@ -106,6 +106,12 @@ admission. The rules, each with its place in vLLM's source:
     with this step's admissions so far. A running request's allocation never sees it. Failing, the
     admission stops (``break``). Same in 0.32 and 0.33.
 
+11. **The threshold's floor** (``long_prefill_token_threshold_adaptive``). At the start of
+    ``Scheduler.schedule``, with a threshold above 0 and ``num_eligible_reqs`` (running plus waiting) above
+    1, the threshold is ``max(long_prefill_token_threshold, input_budget // num_eligible_reqs)``,
+    ``input_budget = max_num_batched_tokens``, for every chunk of the step (drafts included). Same in 0.32
+    and 0.33. With one request the profile's floor is the whole budget, which is vLLM's lift.
+
 **With prefix caching** (``enable_prefix_caching``): admission first looks up the longest cached prefix
 (``KVCacheManager.get_computed_blocks``, at most ``num_tokens - 1`` tokens), the whole-sequence gate
 counts the blocks beyond the hit plus the hit's evictable blocks (``get_num_blocks_to_allocate``), and
@@ -164,7 +170,16 @@ from schedspec.spec.config import SchedulerConfig, blocks_for_tokens, slot_token
 from schedspec.spec.request import Request
 from schedspec.spec.state import ScheduledRequest, SchedulerState, StepPlan
 
-from .policies import BlockPool, CachePool, _BlockPool, lora_fits, loras_of, reject_impossible, watermark_keep
+from .policies import (
+    BlockPool,
+    CachePool,
+    _BlockPool,
+    lora_fits,
+    loras_of,
+    reject_impossible,
+    step_config,
+    watermark_keep,
+)
 
 
 class _FreeQueue(_BlockPool):
@@ -245,6 +260,8 @@ def plan_vllm_v1(state: SchedulerState, config: SchedulerConfig, by_priority: bo
         raise ValueError(f"vllm-v1: version {version!r}, expected one of {VERSIONS}")
     self_preemption_continues = by_priority and version == "0.33"
     rejected = reject_impossible(state, config)
+    # rule 11: the threshold's floor (long_prefill_token_threshold_adaptive) over the live requests vLLM counts
+    config = step_config(state, config, len(rejected))
     requests = state.requests
     budget = config.max_num_batched_tokens
     queue: BlockPool = _FreeQueue(state.free_block_ids) if state.prefix_cache is None else CachePool(state)

@@ -24,7 +24,8 @@ SPECULATIVE_FIELDS = ("num_speculative_tokens", "num_lookahead_tokens")
 """The speculative-decoding fields of :class:`SchedulerConfig` (both 0 = off)."""
 
 
-LIMIT_DEFAULTS: dict[str, Any] = {"max_loras": 0, "watermark": 0.0, "max_num_active_seqs": None}
+LIMIT_DEFAULTS: dict[str, Any] = {"max_loras": 0, "watermark": 0.0, "max_num_active_seqs": None,
+                                   "long_prefill_token_threshold_adaptive": False}
 """The per-step limits of vLLM's scheduler that are off by default, each with its default (off): a field
 at its default is left out of :meth:`SchedulerConfig.to_dict`, so traces and run records of runs without
 it are what they were before it existed."""
@@ -87,6 +88,9 @@ class SchedulerConfig:
         max_num_active_seqs: most requests admission fills the running set to (vLLM
             ``SchedulerConfig.max_num_active_seqs``, at most ``max_num_seqs``; ``None`` = ``max_num_seqs``):
             :attr:`active_seq_cap`; rule ``active-sequence-cap``.
+        long_prefill_token_threshold_adaptive: the threshold's floor (vLLM's field of that name, default
+            false): a positive ``long_prefill_token_threshold`` is raised to a fair share of the budget,
+            :meth:`effective_long_prefill_threshold`.
 
     Raises:
         ConfigError: a field has the wrong type or range, or two fields contradict each other:
@@ -116,11 +120,14 @@ class SchedulerConfig:
     watermark: float = 0.0
     max_num_active_seqs: int | None = None
 
+    long_prefill_token_threshold_adaptive: bool = False
+
     def __attrs_post_init__(self) -> None:
         for name in ("block_size", "num_kv_blocks", "max_num_batched_tokens", "max_num_seqs", "max_model_len"):
             _positive_int(name, getattr(self, name))
         _bool("enable_chunked_prefill", self.enable_chunked_prefill)
         _bool("enable_prefix_caching", self.enable_prefix_caching)
+        _bool("long_prefill_token_threshold_adaptive", self.long_prefill_token_threshold_adaptive)
         threshold = self.long_prefill_token_threshold
         if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
             raise ConfigError("long_prefill_token_threshold", threshold, "must be an integer >= 0 (0 = off)")
@@ -174,6 +181,18 @@ class SchedulerConfig:
         ``KVCacheManager.__init__`` computes ``int(watermark * kv_cache_config.num_blocks)``, whose
         ``num_blocks`` counts its null block (never handed out) beside the ``num_kv_blocks`` usable ones."""
         return int(self.watermark * (self.num_kv_blocks + 1))
+
+    def effective_long_prefill_threshold(self, num_eligible: int) -> int:
+        """The threshold a step applies with ``num_eligible`` requests live at its start (running and waiting,
+        less those it rejects): ``long_prefill_token_threshold``, or with
+        ``long_prefill_token_threshold_adaptive`` and a positive threshold ``max(threshold,
+        max_num_batched_tokens // num_eligible)`` (0 = no cap stays 0). vLLM 0.32/0.33
+        ``Scheduler.schedule``: "Floor the cap at a fair share of the input budget so it never cuts a request
+        below max_num_batched_tokens / num requests" (``input_budget = max_num_batched_tokens``)."""
+        threshold = self.long_prefill_token_threshold
+        if not threshold or not self.long_prefill_token_threshold_adaptive:
+            return threshold
+        return max(threshold, self.max_num_batched_tokens // max(num_eligible, 1))
 
     @property
     def active_seq_cap(self) -> int:

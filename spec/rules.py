@@ -223,12 +223,15 @@ def _whole_prefill(state: SchedulerState, plan: StepPlan, config: SchedulerConfi
 
 @rule(
     "long-prefill-threshold",
-    "With chunked prefill on and long_prefill_token_threshold > 0, a prefill chunk is at most that many tokens.",
-    "vLLM Scheduler.schedule long_prefill_token_threshold",
+    "With chunked prefill on and long_prefill_token_threshold > 0, a prefill chunk is at most that many tokens; "
+    "with long_prefill_token_threshold_adaptive, at most max(threshold, max_num_batched_tokens // n), n the "
+    "requests running or waiting before the step less those it rejects.",
+    "vLLM Scheduler.schedule long_prefill_token_threshold (and its floor, adaptive_long_prefill_threshold: "
+    "max(long_prefill_token_threshold, input_budget // num_eligible_reqs))",
     action="schedule",
 )
 def _long_prefill(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
-    threshold = config.long_prefill_token_threshold
+    threshold = config.effective_long_prefill_threshold(len(state.running) + len(state.waiting) - len(plan.rejected))
     if not config.enable_chunked_prefill or threshold == 0:
         return
     for item in plan.scheduled:

@@ -352,3 +352,37 @@ def test_the_max_num_active_seqs_scenario_fails_when_the_cap_is_ignored() -> Non
         assert not failed, (name, failed)
     verdicts = {v.name: v for v in replay(scenario, "test_limits:_active_blind").verdicts}
     assert not verdicts["invariants"].passed and "active-sequence-cap" in verdicts["invariants"].detail
+
+
+# ------------------------------------------------------------------------------- the threshold's floor
+def test_the_threshold_floor_raises_the_cap_to_a_fair_share_and_no_further() -> None:
+    config = CONFIG.with_changes(long_prefill_token_threshold=2, long_prefill_token_threshold_adaptive=True)
+    assert config.effective_long_prefill_threshold(3) == 5  # max(2, 16 // 3)
+    assert config.effective_long_prefill_threshold(1) == 16  # a lone request: the whole budget
+    assert config.with_changes(long_prefill_token_threshold=0).effective_long_prefill_threshold(3) == 0
+    assert CONFIG.with_changes(long_prefill_token_threshold=2).effective_long_prefill_threshold(3) == 2
+    # two live requests (a running, b waiting): the floor is 16 // 2 = 8; b's chunk of 5 > 2 is allowed, 9 is not
+    state = _state(_waiting("b", 0, 12), running=(_running_a(),))
+    allowed = StepPlan(scheduled=(ScheduledRequest("a", 4, 1), ScheduledRequest("b", 0, 5, (2, 3))))
+    assert violated_rules(state, allowed, config) == []
+    assert [v.name for v in violated_rules(state, allowed, config.with_changes(
+        long_prefill_token_threshold_adaptive=False))] == ["long-prefill-threshold"]
+    over = StepPlan(scheduled=(ScheduledRequest("a", 4, 1), ScheduledRequest("b", 0, 9, (2, 3, 4))))
+    assert [v.name for v in violated_rules(state, over, config)] == ["long-prefill-threshold"]
+    with pytest.raises(ConfigError):
+        CONFIG.with_changes(long_prefill_token_threshold_adaptive=1)
+
+
+def _floor_blind(config: SchedulerConfig) -> ReferenceScheduler:
+    """fcfs that ignores the threshold's floor (a deliberate break)."""
+    return ReferenceScheduler(config, lambda state, c: policies.fcfs(
+        state, c.with_changes(long_prefill_token_threshold_adaptive=False)), "fcfs-floor-blind", ALL_PROPERTIES)
+
+
+def test_the_floor_scenario_fails_when_the_floor_is_ignored() -> None:
+    scenario = load_scenario(CASES / "limit-threshold-floor.json")
+    for name in ("fcfs", "priority", "vllm-v1", "vllm-v1@0.33"):
+        failed = [f"{v.name}: {v.detail}" for v in replay(scenario, name).verdicts if not v.passed]
+        assert not failed, (name, failed)
+    failed = {v.name for v in replay(scenario, "test_limits:_floor_blind").verdicts if not v.passed}
+    assert any(name.startswith("first_token_by_step") for name in failed), failed
