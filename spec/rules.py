@@ -246,11 +246,17 @@ def _long_prefill(state: SchedulerState, plan: StepPlan, config: SchedulerConfig
     action="step",
 )
 def _sequence_cap(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
-    admitted = sum(1 for item in plan.scheduled if item.request_id not in state.running and item.request_id in state.requests)
-    preempted = sum(1 for request_id in set(plan.preempted) if request_id in state.running)
-    after = len(state.running) - preempted + admitted
+    _, after = _running_after(state, plan)
     if after > config.max_num_seqs:
         yield None, f"{after} running after the step > max_num_seqs={config.max_num_seqs}"
+
+
+def _running_after(state: SchedulerState, plan: StepPlan) -> tuple[int, int]:
+    """``(admitted, running after the step)``: the live requests the plan admits, and the running requests
+    less the preempted plus the admitted."""
+    admitted = sum(1 for item in plan.scheduled if item.request_id not in state.running and item.request_id in state.requests)
+    preempted = sum(1 for request_id in set(plan.preempted) if request_id in state.running)
+    return admitted, len(state.running) - preempted + admitted
 
 
 @rule(
@@ -264,12 +270,8 @@ def _sequence_cap(state: SchedulerState, plan: StepPlan, config: SchedulerConfig
 def _active_sequence_cap(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
     if config.max_num_active_seqs is None:
         return
-    admitted = sum(1 for i in plan.scheduled if i.request_id not in state.running and i.request_id in state.requests)
-    if not admitted:
-        return
-    preempted = sum(1 for request_id in set(plan.preempted) if request_id in state.running)
-    after = len(state.running) - preempted + admitted
-    if after > config.max_num_active_seqs:
+    admitted, after = _running_after(state, plan)
+    if admitted and after > config.max_num_active_seqs:
         yield None, f"{admitted} admitted: {after} running after the step > max_num_active_seqs={config.max_num_active_seqs}"
 
 

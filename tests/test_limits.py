@@ -29,6 +29,12 @@ CASES = Path(__file__).resolve().parents[1] / "schedspec" / "data" / "cases"
 CONFIG = SchedulerConfig(block_size=4, num_kv_blocks=8, max_num_batched_tokens=16, max_num_seqs=4, max_model_len=32)
 
 
+VLLM_LIKE_PLANS = [policies.fcfs, policies.priority, lambda s, c: plan_vllm_v1(s, c),
+                   lambda s, c: plan_vllm_v1(s, c, version="0.33")]
+VLLM_LIKE_IDS = ["fcfs", "priority", "vllm-v1", "vllm-v1@0.33"]
+"""The policies whose admission each limit changes, as vLLM's does."""
+
+
 def _waiting(request_id: str, lora: int, prompt_len: int = 4) -> Request:
     return Request(request_id, 0, tuple(range(100, 100 + prompt_len)), max_tokens=2, lora_int_id=lora)
 
@@ -40,6 +46,13 @@ def _state(*requests: Request, running: tuple[Request, ...] = ()) -> SchedulerSt
                           running=tuple(r.request_id for r in running), requests=every,
                           free_block_ids=tuple(b for b in range(8) if b not in held),
                           num_requests_added=len(every))
+
+
+def _passes_on(scenario, *names: str) -> None:
+    """Every expectation of ``scenario`` holds on each scheduler of ``names``."""
+    for name in names:
+        failed = [f"{v.name}: {v.detail}" for v in replay(scenario, name).verdicts if not v.passed]
+        assert not failed, (name, failed)
 
 
 # ------------------------------------------------------------------------------------------- LoRA
@@ -148,9 +161,7 @@ def _lora_blind(config: SchedulerConfig) -> ReferenceScheduler:
 
 def test_the_lora_scenario_passes_on_the_references_and_fails_when_the_limit_is_ignored() -> None:
     scenario = load_scenario(CASES / "limit-lora-skips-not-blocks.json")
-    for name in ("fcfs", "fcfs-fast", "priority", "vllm-v1", "vllm-v1@0.33", "vllm-v1-priority"):
-        failed = [f"{v.name}: {v.detail}" for v in replay(scenario, name).verdicts if not v.passed]
-        assert not failed, (name, failed)
+    _passes_on(scenario, "fcfs", "fcfs-fast", "priority", "vllm-v1", "vllm-v1@0.33", "vllm-v1-priority")
     verdicts = {v.name: v for v in replay(scenario, "test_limits:_lora_blind").verdicts}
     assert not verdicts["invariants"].passed and "lora-limit" in verdicts["invariants"].detail
 
@@ -180,9 +191,7 @@ def test_a_grammar_is_ready_from_its_ready_step_on() -> None:
     assert RequestSpec("r", 4, 2, arrival_step=3).to_request(3).grammar_ready_step is None
 
 
-@pytest.mark.parametrize("plan", [policies.fcfs, policies.priority, lambda s, c: plan_vllm_v1(s, c),
-                                  lambda s, c: plan_vllm_v1(s, c, version="0.33")],
-                         ids=["fcfs", "priority", "vllm-v1", "vllm-v1@0.33"])
+@pytest.mark.parametrize("plan", VLLM_LIKE_PLANS, ids=VLLM_LIKE_IDS)
 def test_a_request_whose_grammar_compiles_is_skipped_not_blocking(plan) -> None:
     state, _, _, config = case_grammar_ready_before_admission()
     chosen = plan(state, config)
@@ -202,9 +211,7 @@ def _grammar_blind(config: SchedulerConfig) -> ReferenceScheduler:
 
 def test_the_grammar_scenario_passes_on_the_references_and_fails_when_the_wait_is_ignored() -> None:
     scenario = load_scenario(CASES / "limit-grammar-wait-skips-not-blocks.json")
-    for name in ("fcfs", "priority", "vllm-v1", "vllm-v1@0.33", "vllm-v1-priority"):
-        failed = [f"{v.name}: {v.detail}" for v in replay(scenario, name).verdicts if not v.passed]
-        assert not failed, (name, failed)
+    _passes_on(scenario, "fcfs", "priority", "vllm-v1", "vllm-v1@0.33", "vllm-v1-priority")
     verdicts = {v.name: v for v in replay(scenario, "test_limits:_grammar_blind").verdicts}
     assert not verdicts["invariants"].passed
     assert "grammar-ready-before-admission" in verdicts["invariants"].detail
@@ -252,9 +259,7 @@ def test_watermark_is_validated(value) -> None:
     assert "watermark" not in CONFIG.to_dict() and CONFIG.with_changes(watermark=0.25).to_dict()["watermark"] == 0.25
 
 
-@pytest.mark.parametrize("plan", [policies.fcfs, policies.priority, lambda s, c: plan_vllm_v1(s, c),
-                                  lambda s, c: plan_vllm_v1(s, c, version="0.33")],
-                         ids=["fcfs", "priority", "vllm-v1", "vllm-v1@0.33"])
+@pytest.mark.parametrize("plan", VLLM_LIKE_PLANS, ids=VLLM_LIKE_IDS)
 def test_the_policies_keep_the_watermark(plan) -> None:
     state, _, _, config = case_watermark()
     chosen = plan(state, config)
@@ -264,9 +269,7 @@ def test_the_policies_keep_the_watermark(plan) -> None:
 
 def test_the_watermark_scenario_fails_when_the_watermark_is_ignored() -> None:
     scenario = load_scenario(CASES / "limit-watermark-keeps-blocks-free.json")
-    for name in ("fcfs", "priority", "vllm-v1", "vllm-v1@0.33"):
-        failed = [f"{v.name}: {v.detail}" for v in replay(scenario, name).verdicts if not v.passed]
-        assert not failed, (name, failed)
+    _passes_on(scenario, "fcfs", "priority", "vllm-v1", "vllm-v1@0.33")
     verdicts = {v.name: v for v in replay(scenario, "test_limits:_watermark_blind").verdicts}
     assert not verdicts["invariants"].passed and "watermark" in verdicts["invariants"].detail
 
@@ -330,9 +333,7 @@ def test_max_num_active_seqs_is_validated(value) -> None:
     assert "max_num_active_seqs" not in CONFIG.to_dict()
 
 
-@pytest.mark.parametrize("plan", [policies.fcfs, policies.priority, lambda s, c: plan_vllm_v1(s, c),
-                                  lambda s, c: plan_vllm_v1(s, c, version="0.33")],
-                         ids=["fcfs", "priority", "vllm-v1", "vllm-v1@0.33"])
+@pytest.mark.parametrize("plan", VLLM_LIKE_PLANS, ids=VLLM_LIKE_IDS)
 def test_the_policies_stop_admission_at_max_num_active_seqs(plan) -> None:
     state, _, _, config = case_active_sequence_cap()
     assert [i.request_id for i in plan(state, config).scheduled] == ["a"]
@@ -347,9 +348,7 @@ def _active_blind(config: SchedulerConfig) -> ReferenceScheduler:
 
 def test_the_max_num_active_seqs_scenario_fails_when_the_cap_is_ignored() -> None:
     scenario = load_scenario(CASES / "limit-max-num-active-seqs.json")
-    for name in ("fcfs", "priority", "vllm-v1", "vllm-v1@0.33"):
-        failed = [f"{v.name}: {v.detail}" for v in replay(scenario, name).verdicts if not v.passed]
-        assert not failed, (name, failed)
+    _passes_on(scenario, "fcfs", "priority", "vllm-v1", "vllm-v1@0.33")
     verdicts = {v.name: v for v in replay(scenario, "test_limits:_active_blind").verdicts}
     assert not verdicts["invariants"].passed and "active-sequence-cap" in verdicts["invariants"].detail
 
@@ -381,8 +380,6 @@ def _floor_blind(config: SchedulerConfig) -> ReferenceScheduler:
 
 def test_the_floor_scenario_fails_when_the_floor_is_ignored() -> None:
     scenario = load_scenario(CASES / "limit-threshold-floor.json")
-    for name in ("fcfs", "priority", "vllm-v1", "vllm-v1@0.33"):
-        failed = [f"{v.name}: {v.detail}" for v in replay(scenario, name).verdicts if not v.passed]
-        assert not failed, (name, failed)
+    _passes_on(scenario, "fcfs", "priority", "vllm-v1", "vllm-v1@0.33")
     failed = {v.name for v in replay(scenario, "test_limits:_floor_blind").verdicts if not v.passed}
     assert any(name.startswith("first_token_by_step") for name in failed), failed
