@@ -15,7 +15,9 @@ it changes). The client's actions happen between steps: a request **arrives**
   ``whole-prefill-without-chunking``, ``long-prefill-threshold``, ``admit-fits-alone``,
   ``blocks-from-free-pool``, ``block-table-covers``, ``no-excess-blocks``, ``prefix-hit-at-admission``,
   ``prefix-hit-is-cached-chain``, ``prefix-hit-longest``, ``drafts-only-in-decodes``,
-  ``drafts-are-proposed``, ``drafts-within-max-model-len``.
+  ``drafts-are-proposed``, ``drafts-within-max-model-len``; and the per-step limits, which constrain
+  nothing while their options are off: ``active-sequence-cap``, ``lora-limit``,
+  ``grammar-ready-before-admission``, ``watermark``.
 - :func:`sample`: a request whose chunk reached the end of its sequence appends its accepted drafts and
   the sampled token, stopping at the first that stops it (:func:`stop_reason`), and gives back its
   rejected drafts. Guard: none (the model chooses the tokens and what it accepts).
