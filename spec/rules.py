@@ -658,6 +658,11 @@ def _drafts_within_max_model_len(state: SchedulerState, plan: StepPlan, config: 
 
 RULE_NAMES: tuple[str, ...] = tuple(r.name for r in RULES)
 
+LIMIT_RULES: tuple[str, ...] = ("active-sequence-cap", "lora-limit", "grammar-ready-before-admission", "watermark")
+"""The rules of the per-step limits that are off by default (``config.LIMIT_DEFAULTS``, and structured output):
+with them off they constrain nothing, and each only removes plans, so the Z3 encodings
+(:mod:`schedspec.spec.proofs`) leave them out and their proofs hold with them too."""
+
 
 def violated_rules(state: SchedulerState, plan: StepPlan, config: SchedulerConfig,
                    skip: AbstractSet[str] = frozenset()) -> list[Violation]:
