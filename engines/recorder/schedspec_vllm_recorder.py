@@ -180,6 +180,11 @@ def _make_recording_class(base: type) -> type:
                     "enable_prefix_caching": bool(config.cache_config.enable_prefix_caching),
                     # LoRA (schedspec's max_loras; left out without a LoRAConfig, as schedspec writes it)
                     **({"max_loras": config.lora_config.max_loras} if config.lora_config else {}),
+                    # the other per-step limits, each only when on (as schedspec writes them)
+                    **{name: getattr(scheduler_config, name) for name, off in (
+                        ("watermark", 0.0), ("max_num_active_seqs", None),
+                        ("long_prefill_token_threshold_adaptive", False))
+                       if getattr(scheduler_config, name, off) != off},
                 },
                 "scheduler": f"vllm {_vllm_version()} {base.__name__} policy={scheduler_config.policy} "
                              f"(recorded by schedspec_vllm_recorder)",
