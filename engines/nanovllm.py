@@ -95,7 +95,7 @@ from typing import Any
 from schedspec.reference.scheduler import EngineFault, EngineView, UnsupportedFeature
 from schedspec.spec.admission import rejection_reason
 from schedspec.spec.config import SchedulerConfig
-from schedspec.spec.request import Request
+from schedspec.spec.request import Request, printable
 from schedspec.spec.state import ScheduledRequest, StepPlan
 from schedspec.spec.workload import EOS_TOKEN_ID
 
@@ -155,13 +155,16 @@ def check_config(config: SchedulerConfig) -> None:
     """Refuse configs nano-vLLM cannot run as the spec means them (module docstring).
 
     Raises:
-        UnsupportedFeature: speculative decoding or prefix caching on; ``block_size < 2``; chunked prefill on with a budget
+        UnsupportedFeature: speculative decoding, prefix caching or a per-step limit (``max_loras``, ...) on; ``block_size < 2``; chunked prefill on with a budget
             below ``max_model_len`` or a ``long_prefill_token_threshold`` below it.
     """
     if config.speculative:
         raise UnsupportedFeature(
             f"scheduler 'nanovllm': num_speculative_tokens={config.num_speculative_tokens}: nano-vLLM has no "
             "speculative decoding")
+    if config.limits_on:
+        raise UnsupportedFeature(f"scheduler 'nanovllm': {config.limits_on[0]}={getattr(config, config.limits_on[0])}: "
+                                 "nano-vLLM has no such limit")
     if config.enable_prefix_caching:
         raise UnsupportedFeature(
             "scheduler 'nanovllm': its prefix caching is always on and is not the spec's (hits need free blocks, "
@@ -245,10 +248,14 @@ class NanoVllmScheduler:
         """Give the request to the engine (``Scheduler.add``), or reject it at the front end.
 
         Raises:
-            UnsupportedFeature: an end-of-sequence id other than the workload's.
+            UnsupportedFeature: an end-of-sequence id other than the workload's; structured output
+                (``grammar_ready_step``), which nano-vLLM lacks.
             ValueError: the id is live already.
         """
         request_id = request.request_id
+        if request.grammar_ready_step is not None:
+            raise UnsupportedFeature(f"scheduler 'nanovllm': request {printable(request_id)!r} has structured "
+                                     "output (grammar_compile_steps): nano-vLLM has no grammar wait")
         if request_id in self._sequences or request_id in self._front_end_rejected:
             raise ValueError(f"request_id={request_id!r} is live already")
         prompt_len, max_tokens = request.prompt_len, request.max_tokens

@@ -102,6 +102,16 @@ header). The two versions' scheduling decisions differ as docs/engines.md, *vLLM
   spec at the end of the step (:func:`same_step_hits` gives the precise condition).
   :meth:`VllmScheduler.is_known_divergence` recognises the first and the third.
 
+*Watermark* (``watermark`` > 0) and ``max_num_active_seqs``: passed to vLLM's ``SchedulerConfig`` as they are.
+
+*LoRA* (``max_loras`` > 0): the worker gives vLLM a ``LoRAConfig(max_loras=...)`` and every request with
+``lora_int_id > 0`` a ``LoRARequest`` of that id (no adapter weights: the scheduler reads only the id).
+
+*Structured output* (a request with ``grammar_ready_step``): the worker adds it with a JSON-schema
+``StructuredOutputsParams``, so vLLM holds it in ``WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR``, and hands it a
+stand-in grammar (which accepts every token) before vLLM plans its ready step, counted in ``schedule`` calls
+after the request was added (no grammar is compiled: the scheduler only asks whether one is ready).
+
 *Speculative decoding* (``num_speculative_tokens`` k > 0, synchronous adapters; docs/engines.md,
 *Speculative decoding in vLLM 0.32 and 0.33*): the worker gives vLLM an n-gram ``SpeculativeConfig`` (no
 draft model; ``num_lookahead_tokens`` 0, so a config asking for a lookahead is refused); the plan's items
@@ -571,6 +581,9 @@ class _VllmAdapter(_WorkerClient):
             "prompt": token_ids(request, 0, request.prompt_len).tolist(),
             "max_tokens": request.max_tokens, "priority": request.priority,
             "arrival_time": request.arrival_time, "eos": request.eos_token_id,
+            **({"lora_int_id": request.lora_int_id} if request.lora_int_id else {}),
+            **({"grammar_steps": request.grammar_ready_step - request.arrival_step}
+               if request.grammar_ready_step is not None else {}),
         })
 
     def abort_request(self, request_id: str) -> None:

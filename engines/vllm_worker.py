@@ -16,7 +16,11 @@ Commands (``op``):
   k > 0, an n-gram ``SpeculativeConfig`` of k tokens: no draft model); reply ``{"vllm_version",
   "vllm_file"}`` (the ``vllm`` package imported, which ``--path-ahead DIR`` can change: DIR is put first
   on ``sys.path``).
-- ``add`` ``{id, prompt, max_tokens, priority, arrival_time, eos}``: no reply.
+- ``add`` ``{id, prompt, max_tokens, priority, arrival_time, eos, lora_int_id?}``: no reply (``lora_int_id``,
+  with ``config.max_loras`` > 0: a ``LoRARequest`` of that id, named ``lora-<id>``, whose path is never read;
+  ``grammar_steps``: structured output, a JSON-schema ``StructuredOutputsParams``, so that vLLM holds the
+  request in ``WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR`` until its grammar is set: a :class:`ReadyGrammar`
+  set just before the ``grammar_steps``-th ``schedule`` after this ``add``).
 - ``abort`` ``{id}``: ``Scheduler.finish_requests(id, RequestStatus.FINISHED_ABORTED)``; no reply.
 - ``schedule``: ``Scheduler.schedule()``; reply ``{"scheduled": [[id, num_computed_tokens,
   num_scheduled_tokens, new_block_ids, num_hit_blocks, spec_token_ids], ...], "preempted": [id, ...],
@@ -65,6 +69,12 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 # come first, ahead of the environment's own vllm package.
 if len(sys.argv) == 3 and sys.argv[1] == "--path-ahead":
     sys.path.insert(0, os.path.abspath(sys.argv[2]))
+    # and for the subprocesses vLLM starts (vllm/model_executor/models/registry.py _run_in_subprocess
+    # inspects the model class in `python -m vllm.model_executor.models.registry`): without it they import
+    # the environment's vLLM, whose _ModelInfo lacks the newer release's fields (0.33's supports_lora,
+    # read when a LoRAConfig is given)
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [os.path.abspath(sys.argv[2]), *filter(None, [os.environ.get("PYTHONPATH")])])
 elif len(sys.argv) != 1:
     sys.exit(f"usage: {sys.argv[0]} [--path-ahead DIR]")
 # The whole-engine recorder's folder (no ``vllm`` module in it): its ``scheduled_items`` maps a
@@ -103,6 +113,19 @@ class ConfigRefused(Exception):
 class ConfigError(ConfigRefused, ValueError):
     """A configuration the worker cannot give vLLM (the message says which field); answered as a refusal,
     as vLLM's own (:class:`ConfigRefused`)."""
+
+
+class ReadyGrammar:
+    """A compiled structured-output grammar as far as the scheduler sees it: it exists (so
+    ``Scheduler._handle_blocked_waiting_request`` promotes the request to ``WAITING``) and accepts every token
+    (``StructuredOutputManager.accept_tokens`` calls ``accept_tokens``; the other methods are the model
+    runner's, which does not run here)."""
+
+    def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
+        return True
+
+    def is_terminated(self) -> bool:
+        return False
 
 
 class Worker:
@@ -148,6 +171,9 @@ class Worker:
                 max_model_len=max_model_len,
                 enable_chunked_prefill=config["enable_chunked_prefill"],
                 long_prefill_token_threshold=config["long_prefill_token_threshold"],
+                watermark=config.get("watermark", 0.0),
+                max_num_active_seqs=config.get("max_num_active_seqs"),
+                long_prefill_token_threshold_adaptive=config.get("long_prefill_token_threshold_adaptive", False),
                 policy=policy,
                 async_scheduling=async_scheduling,
                 is_encoder_decoder=False,
@@ -166,9 +192,14 @@ class Worker:
                     prompt_lookup_min=1, prompt_lookup_max=1,
                     target_model_config=model_config, target_parallel_config=ParallelConfig(),
                 )
+            lora_config = None
+            if config.get("max_loras", 0):
+                from vllm.config import LoRAConfig
+
+                lora_config = LoRAConfig(max_loras=config["max_loras"])
             vllm_config = VllmConfig(
                 model_config=model_config, scheduler_config=scheduler_config, cache_config=cache_config,
-                speculative_config=speculative_config,
+                speculative_config=speculative_config, lora_config=lora_config,
             )
         except Exception as error:  # noqa: BLE001  (vLLM validates with pydantic and ValueError)
             raise ConfigRefused(f"{type(error).__name__}: {error}") from None
@@ -212,6 +243,8 @@ class Worker:
         )
         self.scheduler.preempted_order = []
         self.async_scheduling = async_scheduling
+        self.num_schedules = 0  # schedule() calls so far: the step vLLM plans next
+        self.grammar_due: dict[str, tuple] = {}  # structured output: id -> (Request, schedule call it is ready at)
         # SchedulerOutputs planned and not yet updated, oldest first: at most one for the Scheduler, two
         # for the AsyncScheduler (step n+1 is planned before step n's output is processed).
         self.in_flight: deque = deque()
@@ -221,11 +254,23 @@ class Worker:
         from vllm.sampling_params import SamplingParams
         from vllm.v1.request import Request
 
-        params = SamplingParams(max_tokens=message["max_tokens"], ignore_eos=message["eos"] is None)
+        structured = None
+        if message.get("grammar_steps") is not None:
+            from vllm.sampling_params import StructuredOutputsParams
+
+            structured = StructuredOutputsParams(json={"type": "object"})
+        params = SamplingParams(max_tokens=message["max_tokens"], ignore_eos=message["eos"] is None,
+                                structured_outputs=structured)
         if message["eos"] is not None:
             # What the input processor sets from the tokenizer's generation config
             # (vllm/v1/engine/input_processor.py); check_stop reads sampling_params.eos_token_id.
             params.update_from_generation_config({}, message["eos"])
+        lora_request = None
+        if message.get("lora_int_id"):
+            from vllm.lora.request import LoRARequest
+
+            lora_id = message["lora_int_id"]
+            lora_request = LoRARequest(f"lora-{lora_id}", lora_id, f"/nonexistent/lora-{lora_id}")
         request = Request(
             request_id=message["id"],
             prompt_token_ids=list(message["prompt"]),
@@ -234,8 +279,11 @@ class Worker:
             arrival_time=message["arrival_time"],
             priority=message["priority"],
             block_hasher=self.block_hasher,
+            lora_request=lora_request,
         )
         self.scheduler.add_request(request)
+        if structured is not None:
+            self.grammar_due[message["id"]] = (request, self.num_schedules + message["grammar_steps"])
 
     def abort(self, message: dict) -> None:
         from vllm.v1.request import RequestStatus
@@ -246,6 +294,12 @@ class Worker:
         if len(self.in_flight) >= (2 if self.async_scheduling else 1):
             raise RuntimeError(f"schedule with {len(self.in_flight)} steps in flight")
         preempted = self.scheduler.preempted_order = []
+        for request_id, (request, due) in list(self.grammar_due.items()):
+            # what EngineCore does asynchronously: the compiled grammar lands in StructuredOutputRequest
+            if due <= self.num_schedules:
+                request.structured_output_request.grammar = ReadyGrammar()
+                del self.grammar_due[request_id]
+        self.num_schedules += 1
         num_running, num_waiting = self.scheduler.get_request_counts()  # what schedule() reads first
         output = self.scheduler.schedule()
         self.in_flight.append(output)

@@ -38,7 +38,7 @@ from schedspec.spec.stop_rule import stop_reason_of
 from schedspec.spec.transitions import PlanError
 
 from . import policies
-from .scheduler import ALL_PROPERTIES, ReferenceScheduler
+from .scheduler import ALL_PROPERTIES, ReferenceScheduler, UnsupportedFeature
 
 _RUNNING = RequestStatus.RUNNING
 _WAITING = RequestStatus.WAITING
@@ -207,6 +207,9 @@ class FastFcfsScheduler:
         if (request.status is not _WAITING or request.num_computed_tokens or request.output_token_ids
                 or request.block_ids):
             raise PlanError(f"request_id={request_id!r} is not a fresh request (status={request.status.value})")
+        if request.grammar_ready_step is not None:
+            raise UnsupportedFeature(f"scheduler {self.name!r}: request {request_id!r} has structured output "
+                                     "(grammar_compile_steps), which fcfs-fast does not implement; use fcfs")
         self.live[request_id] = LiveRequest(request, self.config.max_model_len)
         self.waiting.append(request_id)
         self.num_requests_added += 1
@@ -507,7 +510,8 @@ class FastFcfsScheduler:
 
 def fcfs_fast(config: SchedulerConfig) -> FastFcfsScheduler | ReferenceScheduler:
     """The ``fcfs-fast`` scheduler: :class:`FastFcfsScheduler`, or the plain ``fcfs`` scheduler when
-    prefix caching or speculative decoding is on (not implemented on the mutable tables)."""
-    if config.enable_prefix_caching or config.speculative:
+    prefix caching, speculative decoding or a per-step limit (``LIMIT_DEFAULTS``, e.g. ``max_loras``) is on
+    (not implemented on the mutable tables)."""
+    if config.enable_prefix_caching or config.speculative or config.limits_on:
         return ReferenceScheduler(config, policies.fcfs, "fcfs-fast", ALL_PROPERTIES)
     return FastFcfsScheduler(config)

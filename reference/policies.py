@@ -21,7 +21,12 @@ rejection, chunking and block pools):
 3. **Admission** (only in a step that preempted nothing, as vLLM): waiting requests in the policy's
    order while budget, a ``max_num_seqs`` slot and blocks allow; admission reserves blocks for the
    whole current sequence (prompt plus any output to recompute), not only the first chunk. The first
-   request that does not fit stops admission (no skipping ahead).
+   request that does not fit stops admission (no skipping ahead), with two exceptions, as vLLM: a request
+   whose structured-output grammar is not ready (``Request.grammar_ready``) is skipped, and so, with
+   ``max_loras > 0``, is a request whose LoRA adapter would be one too many (:func:`lora_fits`): admission
+   goes on after them. With ``watermark > 0`` an admission while others run leaves ``watermark_blocks``
+   free (:func:`watermark_keep`); the adapters counted are those of every running request (vLLM 0.33's count;
+   0.32 counts only the running requests scheduled in the step), so no later step can exceed the limit.
 
 Sources: vLLM 0.32 ``vllm/v1/core/sched/scheduler.py`` ``Scheduler.schedule`` (running first, then
 waiting; ``_preempt_request`` takes the last of ``self.running``; no admission after a preemption);
@@ -54,7 +59,8 @@ Where this differs from vLLM 0.32, on purpose:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Protocol
 
 from schedspec.spec.admission import rejection_reason
@@ -229,6 +235,37 @@ def one_token_pending(request: Request) -> bool:
     return request.num_pending_tokens == 1
 
 
+def step_config(state: SchedulerState, config: SchedulerConfig, num_rejected: int) -> SchedulerConfig:
+    """``config`` with the threshold this step applies (its floor, ``long_prefill_token_threshold_adaptive``:
+    :meth:`~schedspec.spec.config.SchedulerConfig.effective_long_prefill_threshold`), as a plain threshold;
+    ``config`` itself when the floor is off."""
+    if not config.long_prefill_token_threshold_adaptive:
+        return config
+    threshold = config.effective_long_prefill_threshold(len(state.running) + len(state.waiting) - num_rejected)
+    return config.with_changes(long_prefill_token_threshold=threshold, long_prefill_token_threshold_adaptive=False)
+
+
+def loras_of(request_ids: Iterable[str], requests: Mapping[str, Request]) -> set[int]:
+    """The distinct LoRA adapters (``lora_int_id > 0``) of ``request_ids``."""
+    return {requests[r].lora_int_id for r in request_ids if requests[r].lora_int_id}
+
+
+def lora_fits(request: Request, loras: AbstractSet[int], config: SchedulerConfig) -> bool:
+    """Whether admitting ``request`` keeps the step within ``max_loras`` distinct adapters, ``loras``
+    being those already counted: vLLM 0.32/0.33 ``Scheduler.schedule``'s waiting loop skips (``continue``,
+    not ``break``) a request whose adapter is new when ``len(scheduled_loras) == max_loras``. Always true
+    with ``max_loras == 0`` (LoRA off) or for a base-model request (``lora_int_id == 0``)."""
+    lora = request.lora_int_id
+    return not (config.max_loras and lora and lora not in loras and len(loras) >= config.max_loras)
+
+
+def watermark_keep(config: SchedulerConfig, num_running: int) -> int:
+    """Blocks an admission must leave free with ``num_running`` requests running at that point: the
+    watermark's ``watermark_blocks``, or 0 into an empty running set (vLLM 0.32/0.33
+    ``KVCacheManager.allocate_slots``, ``has_scheduled_reqs=bool(self.running)``; rule ``watermark``)."""
+    return config.watermark_blocks if num_running else 0
+
+
 def _chunk(request: Request, budget: int, config: SchedulerConfig, hit_tokens: int = 0) -> int:
     """Tokens a request may compute with ``budget`` tokens left: its pending tokens (less a prefix-cache hit
     of ``hit_tokens``), capped by the long prefill threshold (chunked prefill only) and the budget; 0 if
@@ -325,6 +362,7 @@ def plan_by_priority(state: SchedulerState, config: SchedulerConfig) -> StepPlan
         A plan allowed by the spec from ``state``.
     """
     rejected = reject_impossible(state, config)
+    config = step_config(state, config, len(rejected))  # the threshold's floor, when on
     requests = state.requests
     pool = _pool(state)
     budget = config.max_num_batched_tokens
@@ -356,10 +394,11 @@ def plan_by_priority(state: SchedulerState, config: SchedulerConfig) -> StepPlan
         """Whether the waiting ``request`` gets a slot, blocks and a chunk once ``victims`` are preempted
         (slot and budget first: the prefix-cache lookup is the costly part)."""
         tokens = budget - reserve + sum(map(is_reserved_decode, victims))
-        if config.max_num_seqs - len(running) + len(victims) < 1 or tokens < 1:
+        if config.active_seq_cap - len(running) + len(victims) < 1 or tokens < 1:
             return False
         hit, _, cost, available = pool.admission_after([requests[v].block_ids for v in victims], request, config)
-        return cost <= available and _chunk(request, tokens, config, len(hit) * config.block_size) > 0
+        keep = watermark_keep(config, len(running) - len(victims))
+        return cost + keep <= available and _chunk(request, tokens, config, len(hit) * config.block_size) > 0
 
     waiting = [r for r in _priority_order(state) if r not in skip]
     for request_id in sorted([*state.running, *waiting], key=key):
@@ -391,6 +430,10 @@ def plan_by_priority(state: SchedulerState, config: SchedulerConfig) -> StepPlan
         visited.add(request_id)
         if any(key(p) < key(request_id) for p in preempted):
             continue  # a more urgent request preempted in this step waits: take nothing it needs
+        if not request.grammar_ready(state.step):
+            continue  # structured output: its grammar is compiling (vLLM skips it)
+        if config.max_loras and not lora_fits(request, loras_of(running, requests), config):
+            continue  # its adapter would pass max_loras among the running requests (lora-limit)
         less_urgent = sorted((r for r in running if r not in visited and key(r) > key(request_id)),
                              key=key, reverse=True)
         if not fits(request, []):
@@ -427,6 +470,7 @@ def plan_step(
         A plan allowed by the spec from ``state``.
     """
     rejected = reject_impossible(state, config)
+    config = step_config(state, config, len(rejected))  # the threshold's floor, when on
     requests = state.requests
     budget = config.max_num_batched_tokens
     pool = _pool(state)
@@ -476,21 +520,29 @@ def plan_step(
 
     if not preempted and not (admit_only_when_idle and state.running):
         num_running = len(state.running)
+        # the adapters of every running request, scheduled or not (as vLLM 0.33 counts them), so the running
+        # set never holds more than max_loras: a running request left out of this step cannot break the
+        # limit in a later one
+        loras = loras_of(state.running, requests) if config.max_loras else set()
         for request_id in admission_order(state):
             if request_id in skip:
                 continue
-            if num_running >= config.max_num_seqs or budget == 0:
+            if num_running >= config.active_seq_cap or budget == 0:
                 break
             request = requests[request_id]
+            if not request.grammar_ready(state.step) or not lora_fits(request, loras, config):
+                continue  # vLLM skips a request whose grammar is compiling, or whose adapter is one too many
             hit, needed, cost = pool.admission(request, config)
             hit_tokens = len(hit) * config.block_size
             num_tokens = _chunk(request, budget, config, hit_tokens)
-            if num_tokens == 0 or cost > pool.available:
+            if num_tokens == 0 or cost + watermark_keep(config, num_running) > pool.available:
                 break
             scheduled.append(ScheduledRequest(request_id, request.num_computed_tokens + hit_tokens, num_tokens,
                                               pool.admit(hit, needed), hit))
             budget -= num_tokens
             num_running += 1
+            if request.lora_int_id:
+                loras.add(request.lora_int_id)
 
     return StepPlan(scheduled=tuple(scheduled), preempted=tuple(preempted), rejected=rejected)
 

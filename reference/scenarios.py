@@ -45,7 +45,7 @@ FINDING_KEYS = {"name", "step", "mentions", "also"}
 ENGINE_CRASH = "engine-crash"
 """The ``finding.name`` of an engine crash (:class:`~schedspec.reference.scheduler.EngineFault`)."""
 REQUEST_KEYS = {"id", "arrival_step", "prompt_len", "max_tokens", "priority", "prefix", "abort_at_step", "eos_at_output",
-                "acceptance"}
+                "acceptance", "lora_int_id", "grammar_compile_steps"}
 OUTCOMES = {"finished", "rejected", "aborted"}
 TOP_KEYS = {"name", "about", "config", "requests", "expect", "scheduler", "max_steps"}
 DEFAULT_MAX_STEPS = 10_000
@@ -189,6 +189,9 @@ def parse_scenario(data: Any, path: str = "<scenario>") -> Scenario:
             prefix_len=_int(prefix["len"], f"{where}.prefix.len", maximum=prompt_len) if prefix else 0,
             abort_at_step=abort if "abort_at_step" in raw else None,
             eos_at_output=_int(raw["eos_at_output"], f"{where}.eos_at_output", 1) if "eos_at_output" in raw else None,
+            lora_int_id=_int(raw.get("lora_int_id", 0), f"{where}.lora_int_id"),
+            grammar_compile_steps=(_int(raw["grammar_compile_steps"], f"{where}.grammar_compile_steps", maximum=MAX_STEP)
+                                   if "grammar_compile_steps" in raw else None),
         ))
     expect = data.get("expect", {})
     if not isinstance(expect, dict):

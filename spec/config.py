@@ -24,6 +24,13 @@ SPECULATIVE_FIELDS = ("num_speculative_tokens", "num_lookahead_tokens")
 """The speculative-decoding fields of :class:`SchedulerConfig` (both 0 = off)."""
 
 
+LIMIT_DEFAULTS: dict[str, Any] = {"max_loras": 0, "watermark": 0.0, "max_num_active_seqs": None,
+                                   "long_prefill_token_threshold_adaptive": False}
+"""The per-step limits of vLLM's scheduler that are off by default, each with its default (off): a field
+at its default is left out of :meth:`SchedulerConfig.to_dict`, so traces and run records of runs without
+it are what they were before it existed."""
+
+
 class ConfigError(ValueError):
     """A scheduler configuration is unusable. The message names the field(s) and the value(s)."""
 
@@ -72,6 +79,18 @@ class SchedulerConfig:
             n-gram, k for EAGLE, MTP and a draft model, k + 1 for DFlash) and passes it to every
             ``KVCacheManager.allocate_slots`` of ``Scheduler.schedule``, which allocates
             ``min(num_computed_tokens + num_new_tokens + num_lookahead_tokens, max_model_len)`` slots.
+        max_loras: LoRA: most distinct LoRA adapters (``Request.lora_int_id > 0``) the requests of one
+            step may use (vLLM ``LoRAConfig.max_loras``, ``--max-loras``); 0 = LoRA off (no
+            ``LoRAConfig``: vLLM has no limit then; its own default with ``--enable-lora`` is 1).
+        watermark: a fraction in [0, 1) of the KV cache kept free when a waiting request is admitted while
+            another request runs (vLLM ``SchedulerConfig.watermark``, default 0 = off):
+            :attr:`watermark_blocks` blocks; rule ``watermark``.
+        max_num_active_seqs: most requests admission fills the running set to (vLLM
+            ``SchedulerConfig.max_num_active_seqs``, at most ``max_num_seqs``; ``None`` = ``max_num_seqs``):
+            :attr:`active_seq_cap`; rule ``active-sequence-cap``.
+        long_prefill_token_threshold_adaptive: the threshold's floor (vLLM's field of that name, default
+            false): a positive ``long_prefill_token_threshold`` is raised to a fair share of the budget,
+            :meth:`effective_long_prefill_threshold`.
 
     Raises:
         ConfigError: a field has the wrong type or range, or two fields contradict each other:
@@ -80,7 +99,10 @@ class SchedulerConfig:
             ``max_num_batched_tokens < max_num_seqs`` (vLLM, same function: a full batch of
             decodes would not fit in one step); ``num_speculative_tokens`` or ``num_lookahead_tokens``
             not an integer >= 0, or ``num_lookahead_tokens > 0`` with ``num_speculative_tokens == 0``
-            (vLLM derives no lookahead without a ``speculative_config``).
+            (vLLM derives no lookahead without a ``speculative_config``); ``max_loras`` not an integer
+            >= 0; ``watermark`` not a number in [0, 1) (vLLM ``Field(ge=0.0, lt=1.0)``);
+            ``max_num_active_seqs`` not ``None`` or an integer in [1, ``max_num_seqs``] (vLLM ``Field(ge=1)`` and
+            ``SchedulerConfig._verify_args``).
     """
 
     block_size: int
@@ -94,12 +116,18 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"
     num_speculative_tokens: int = 0
     num_lookahead_tokens: int = 0
+    max_loras: int = 0
+    watermark: float = 0.0
+    max_num_active_seqs: int | None = None
+
+    long_prefill_token_threshold_adaptive: bool = False
 
     def __attrs_post_init__(self) -> None:
         for name in ("block_size", "num_kv_blocks", "max_num_batched_tokens", "max_num_seqs", "max_model_len"):
             _positive_int(name, getattr(self, name))
         _bool("enable_chunked_prefill", self.enable_chunked_prefill)
         _bool("enable_prefix_caching", self.enable_prefix_caching)
+        _bool("long_prefill_token_threshold_adaptive", self.long_prefill_token_threshold_adaptive)
         threshold = self.long_prefill_token_threshold
         if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
             raise ConfigError("long_prefill_token_threshold", threshold, "must be an integer >= 0 (0 = off)")
@@ -107,6 +135,16 @@ class SchedulerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(name, value, "must be an integer >= 0 (0 = off)")
+        if isinstance(self.max_loras, bool) or not isinstance(self.max_loras, int) or self.max_loras < 0:
+            raise ConfigError("max_loras", self.max_loras, "must be an integer >= 0 (0 = LoRA off)")
+        if isinstance(self.watermark, bool) or not isinstance(self.watermark, (int, float)) \
+                or not 0 <= self.watermark < 1:
+            raise ConfigError("watermark", self.watermark, "must be a number in [0, 1) (0 = off)")
+        active = self.max_num_active_seqs
+        if active is not None and (isinstance(active, bool) or not isinstance(active, int)
+                                   or not 1 <= active <= self.max_num_seqs):
+            raise ConfigError("max_num_active_seqs", active,
+                              f"must be null or an integer in [1, max_num_seqs={self.max_num_seqs}]")
         if self.num_lookahead_tokens and not self.num_speculative_tokens:
             raise ConfigError("num_lookahead_tokens", self.num_lookahead_tokens,
                               "must be 0 when num_speculative_tokens=0 (no speculative decoding, no lookahead)")
@@ -137,13 +175,47 @@ class SchedulerConfig:
         """Whether speculative decoding is on (``num_speculative_tokens > 0``)."""
         return self.num_speculative_tokens > 0
 
+    @property
+    def watermark_blocks(self) -> int:
+        """Blocks the watermark keeps free: ``int(watermark * (num_kv_blocks + 1))``, as vLLM 0.32/0.33
+        ``KVCacheManager.__init__`` computes ``int(watermark * kv_cache_config.num_blocks)``, whose
+        ``num_blocks`` counts its null block (never handed out) beside the ``num_kv_blocks`` usable ones."""
+        return int(self.watermark * (self.num_kv_blocks + 1))
+
+    def effective_long_prefill_threshold(self, num_eligible: int) -> int:
+        """The threshold a step applies with ``num_eligible`` requests live at its start (running and waiting,
+        less those it rejects): ``long_prefill_token_threshold``, or with
+        ``long_prefill_token_threshold_adaptive`` and a positive threshold ``max(threshold,
+        max_num_batched_tokens // num_eligible)`` (0 = no cap stays 0). vLLM 0.32/0.33
+        ``Scheduler.schedule``: "Floor the cap at a fair share of the input budget so it never cuts a request
+        below max_num_batched_tokens / num requests" (``input_budget = max_num_batched_tokens``)."""
+        threshold = self.long_prefill_token_threshold
+        if not threshold or not self.long_prefill_token_threshold_adaptive:
+            return threshold
+        return max(threshold, self.max_num_batched_tokens // max(num_eligible, 1))
+
+    @property
+    def active_seq_cap(self) -> int:
+        """The running-set size admission stops at: ``max_num_active_seqs``, or ``max_num_seqs`` when unset
+        (vLLM ``Scheduler.__init__`` ``max_num_active_reqs``)."""
+        return self.max_num_seqs if self.max_num_active_seqs is None else self.max_num_active_seqs
+
+    @property
+    def limits_on(self) -> tuple[str, ...]:
+        """The per-step limits (:data:`LIMIT_DEFAULTS`) this config turns on, in that order."""
+        return tuple(name for name, default in LIMIT_DEFAULTS.items() if getattr(self, name) != default)
+
     def to_dict(self) -> dict[str, Any]:
         """The fields as a JSON-ready dict (the header of a trace file, a run record's config). The
-        speculative-decoding fields (:data:`SPECULATIVE_FIELDS`) are left out while they are 0, so the
-        output of a run without speculative decoding is what it was before they existed."""
+        speculative-decoding fields (:data:`SPECULATIVE_FIELDS`) are left out while they are 0, and the
+        per-step limits (:data:`LIMIT_DEFAULTS`) while they are off, so the output of a run without them
+        is what it was before they existed."""
         data = attrs.asdict(self)
         for name in SPECULATIVE_FIELDS:
             if not data[name]:
+                del data[name]
+        for name, default in LIMIT_DEFAULTS.items():
+            if data[name] == default:
                 del data[name]
         return data
 

@@ -105,7 +105,9 @@ class Progress(Monitor):
     Recomputing already-computed positions after a preemption is not progress, so a request that
     preempts itself forever breaks the property. The default window is ``max_model_len`` steps: a policy
     that gives the oldest request at least one token per step recomputes at most that many positions
-    before passing its high-water mark (fcfs; see ``bounded-wait``).
+    before passing its high-water mark (fcfs; see ``bounded-wait``). A step in which every live request
+    waits for its structured-output grammar (:meth:`~schedspec.spec.request.Request.grammar_ready`) has no
+    work to do: it starts no window.
     """
 
     name = "progress"
@@ -123,7 +125,8 @@ class Progress(Monitor):
             if reach > self.high_water.get(item.request_id, 0):
                 self.high_water[item.request_id] = reach
                 advanced = True
-        if advanced or not before.requests:
+        if advanced or not before.requests or all(
+                not r.grammar_ready(before.step) for r in before.requests.values()):
             self.stalled_since = None
             return
         if self.stalled_since is None:
@@ -149,7 +152,11 @@ class WorkConserving(Monitor):
     the step ``< max_num_seqs``, then the first waiting request that is not rejected does not fit: its
     whole sequence (with ``num_lookahead_tokens``) needs more blocks than the plan leaves free (blocks freed by requests that finish
     in the step are not counted: they are free only after sampling), or (chunked prefill off) its pending
-    tokens exceed ``left``. Strict FCFS (head-of-line) is allowed; holding a finished request's slot
+    tokens exceed ``left``. With ``max_loras > 0`` a waiting request whose LoRA adapter is not among those of
+    the running requests as the plan leaves them, which already number ``max_loras``, is not the head: it is passed
+    over, as vLLM's waiting loop skips it (rule ``lora-limit``), and so is one whose grammar is not ready
+    (rule ``grammar-ready-before-admission``). With ``watermark > 0`` and requests running, the head fits
+    only with ``watermark_blocks`` left free (rule ``watermark``). Strict FCFS (head-of-line) is allowed; holding a finished request's slot
     (static batching) is not. vLLM does not admit in a step that preempted
     (``Scheduler.schedule``: ``if not preempted_reqs``), hence the exception.
     """
@@ -169,25 +176,38 @@ class WorkConserving(Monitor):
         if plan.preempted:
             return
         running_after = len(before.running) + sum(1 for i in plan.scheduled if i.request_id not in before.running)
-        if running_after >= config.max_num_seqs:
+        if running_after >= config.active_seq_cap:  # max_num_active_seqs when set (rule active-sequence-cap)
             return
         rejected = {request_id for request_id, _ in plan.rejected}
         free_at_plan = len(before.free_block_ids) - sum(len(i.new_block_ids) for i in plan.scheduled)
         if before.prefix_cache is not None:  # a hit on an evictable block takes it out of the free queue
             free_at_plan -= len({b for i in plan.scheduled for b in i.cached_block_ids
                                  if before.prefix_cache.is_evictable(b)})
+        # the adapters of the running set as the plan leaves it (before.running plus the admitted; nothing is
+        # preempted here); requests that finish in the step still count: they end only after sampling
+        loras = ({before.requests[r].lora_int_id for r in before.running}
+                 | {before.requests[i.request_id].lora_int_id for i in plan.scheduled if i.request_id in before.requests}
+                 ) - {0} if config.max_loras else set()
         for request_id in before.waiting:
             if request_id in rejected or request_id in scheduled:
                 continue
             request = before.requests[request_id]
+            if config.max_loras and request.lora_int_id and request.lora_int_id not in loras \
+                    and len(loras) >= config.max_loras:
+                continue  # its adapter would be one too many: vLLM skips it (lora-limit)
+            if not request.grammar_ready(before.step):
+                continue  # structured output: its grammar is compiling (grammar-ready-before-admission)
             # its whole sequence, with the lookahead its table must hold (speculative decoding: slot_tokens)
-            fits_blocks = blocks_for_tokens(slot_tokens(request.num_tokens, config), config.block_size) <= free_at_plan
+            # with the watermark kept free when others run (rule watermark)
+            keep = config.watermark_blocks if running_after else 0
+            fits_blocks = (blocks_for_tokens(slot_tokens(request.num_tokens, config), config.block_size) + keep
+                           <= free_at_plan)
             fits_budget = config.enable_chunked_prefill or request.num_pending_tokens <= left
             if fits_blocks and fits_budget:
                 self.report(
                     before.step,
                     f"head of the waiting queue fits ({free_at_plan} free blocks, {left} tokens, "
-                    f"{config.max_num_seqs - running_after} slots left) but was not admitted",
+                    f"{config.active_seq_cap - running_after} slots left) but was not admitted",
                     request_id,
                 )
             break
@@ -224,7 +244,8 @@ class BoundedWait(Monitor):
     in the running set, or alone) computes at least one of its at most ``max_model_len`` positions per
     step. It follows that a request with ``k`` live requests older than it at arrival ends within
     ``(k + 1) * max_model_len`` steps. Policies that starve by design (shortest-prompt-first) do not
-    guarantee this.
+    guarantee this. An oldest request whose structured-output grammar is not ready is not counted: its wait
+    starts at its grammar's ready step.
     """
 
     name = "bounded-wait"
@@ -237,8 +258,8 @@ class BoundedWait(Monitor):
     def observe(self, before: SchedulerState, plan: StepPlan, after: SchedulerState) -> None:
         oldest = _oldest_live(before)
         rejected = {r for r, _ in plan.rejected}
-        if oldest in rejected:
-            oldest = None
+        if oldest in rejected or (oldest is not None and not before.requests[oldest].grammar_ready(before.step)):
+            oldest = None  # rejected, or waiting for its structured-output grammar: its wait starts when ready
         if oldest != self.oldest:
             self.oldest, self.since = oldest, before.step
         if oldest is not None and oldest in after.requests and after.step - self.since >= self.config.max_model_len:
@@ -249,12 +270,17 @@ class BoundedWait(Monitor):
 @trace_property('vLLM Scheduler._preempt_request (victim: last of running)')
 class BoundedPreemptions(Monitor):
     """``bounded-preemptions``: after the last arrival, no request is preempted more than ``P(i)`` times,
-    where requests live at the last arrival are ranked by age ``i = 1..n`` and ``P(1) = 0``,
+    where requests live at the last arrival are ranked by their place in line ``i = 1..n`` (the running
+    requests in running order, then the waiting queue; by age when admission follows arrival) and ``P(1) = 0``,
     ``A(j) = (P(j) + 1) * max_blocks(j)``, ``P(i) = sum_{j < i} A(j)``.
 
     Why (for a policy that preempts the most recently admitted running request, as fcfs and vLLM do): a
     request is preempted only when an older running request needs a new block; a request allocates at most
     ``max_blocks`` blocks per admission. Without arrivals no younger request can take its place in line.
+    A structured-output request whose grammar becomes ready enters the competition for blocks then: its
+    ready step counts as an arrival; requests admitted past it while it waited are ahead of it in line.
+    Likewise, with ``max_loras > 0``, a step that admits a request past one it skips (rule ``lora-limit``)
+    changes the line: the next step counts as an arrival.
     """
 
     name = "bounded-preemptions"
@@ -264,14 +290,21 @@ class BoundedPreemptions(Monitor):
         self.counts: dict[str, int] = {}
         self.bounds: dict[str, int] | None = None
         self.last_added = 0
+        self.grammar_due: frozenset[int] = frozenset()  # ready steps of grammars still compiling
 
     def observe(self, before: SchedulerState, plan: StepPlan, after: SchedulerState) -> None:
-        if before.num_requests_added != self.last_added:
+        if before.num_requests_added != self.last_added or before.step in self.grammar_due:
             self.last_added = before.num_requests_added
             self.counts = {}
             self.bounds = None
         if self.bounds is None:
-            order = sorted(before.requests.values(), key=lambda r: (r.arrival_step, r.arrival_time))
+            step = before.step
+            self.grammar_due = frozenset(r.grammar_ready_step for r in before.requests.values()
+                                         if r.grammar_ready_step is not None and r.grammar_ready_step > step)
+            # the line: running requests in running order, then the waiting queue in its order; that is the
+            # order of arrival unless admission skipped a request (a grammar that was compiling)
+            requests = before.requests
+            order = [requests[r] for r in before.running] + [requests[r] for r in before.waiting]
             total, bounds = 0, {}
             for request in order:
                 bounds[request.request_id] = total
@@ -284,6 +317,26 @@ class BoundedPreemptions(Monitor):
             bound = self.bounds.get(request_id, 0)
             if self.counts[request_id] > bound:
                 self.report(before.step, f"preempted {self.counts[request_id]} times after the last arrival > bound {bound}", request_id)
+        if self.config.max_loras and plan.scheduled and _admitted_past_a_skip(before, plan):
+            self.bounds = None  # the line changed (a LoRA skip): a new baseline from the next step
+            self.counts = {}
+
+
+def _admitted_past_a_skip(before: SchedulerState, plan: StepPlan) -> bool:
+    """Whether the plan admits a waiting request while one ahead of it in the queue (not rejected) stays."""
+    admitted = {i.request_id for i in plan.scheduled if i.request_id not in before.running}
+    if not admitted:
+        return False
+    rejected = {r for r, _ in plan.rejected}
+    left = len(admitted)
+    for request_id in before.waiting:
+        if request_id in admitted:
+            left -= 1
+            if not left:
+                return False
+        elif request_id not in rejected:
+            return True
+    return False
 
 
 @trace_property('this spec, admission')
@@ -385,7 +438,7 @@ class NoPriorityInversion(Monitor):
     sampling (blocks of requests that finish in the step are not free yet):
 
     - ``running`` = the running requests not preempted, plus the waiting ones the plan admits;
-    - ``slots = max_num_seqs - len(running)``;
+    - ``slots = max_num_seqs - len(running)`` (``max_num_active_seqs`` when set);
     - ``blocks`` = the free blocks before the step, plus the blocks the preempted requests release,
       minus the blocks the plan hands out (new blocks, and each free cached block a prefix hit takes:
       evictable before the step or released by its preemptions);
@@ -430,7 +483,7 @@ class NoPriorityInversion(Monitor):
         tables: dict[str, tuple[int, ...]] | None = None  # built when first needed
         running = [r for r in before.running if r not in preempted]
         running += [item.request_id for item in plan.scheduled if item.request_id not in before.running]
-        slots = config.max_num_seqs - len(running)
+        slots = config.active_seq_cap - len(running)  # max_num_active_seqs when set
         released = _released(requests, preempted, running)
         blocks = (len(before.free_block_ids) + len(released)
                   - sum(len(item.new_block_ids) for item in plan.scheduled)

@@ -110,6 +110,14 @@ class Request:
             the request consumes them (``Scheduler.schedule`` sets ``request.spec_token_ids = []`` whether
             all, some or none were scheduled), and so does a preemption (``Scheduler._preempt_request``).
             Drafts are not part of the sequence: ``num_tokens`` does not count them.
+        lora_int_id: the LoRA adapter it runs with (vLLM ``LoRARequest.lora_int_id``, ``Request.lora_request``);
+            0 = the base model, no adapter. With ``SchedulerConfig.max_loras > 0`` a step's requests use
+            at most that many distinct adapters (rule ``lora-limit``).
+        grammar_ready_step: structured output: the first step at which its grammar is compiled, so that it
+            may be admitted (:meth:`grammar_ready`); ``None`` without structured output. vLLM keeps such a
+            request in ``RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR`` until
+            ``StructuredOutputRequest.grammar`` is ready; its waiting loop skips it meanwhile (rule
+            ``grammar-ready-before-admission``).
     """
 
     request_id: str
@@ -130,6 +138,8 @@ class Request:
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
     min_tokens: int = 0
     spec_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    lora_int_id: int = 0
+    grammar_ready_step: int | None = None
     prompt_len: int = attrs.field(init=False, eq=False, repr=False)
     """Prompt length in tokens (``len(prompt_token_ids)``, kept because it is read every step)."""
     num_tokens: int = attrs.field(init=False, eq=False, repr=False)
@@ -139,6 +149,11 @@ class Request:
     def __attrs_post_init__(self) -> None:
         object.__setattr__(self, "prompt_len", len(self.prompt_token_ids))
         object.__setattr__(self, "num_tokens", self.prompt_len + len(self.output_token_ids))
+
+    def grammar_ready(self, step: int) -> bool:
+        """Whether it may be admitted in ``step`` as far as structured output goes: no grammar, or its grammar
+        is ready (``grammar_ready_step <= step``). vLLM ``Scheduler._handle_blocked_waiting_request``."""
+        return self.grammar_ready_step is None or self.grammar_ready_step <= step
 
     @property
     def num_output_tokens(self) -> int:

@@ -228,12 +228,15 @@ def _whole_prefill(state: SchedulerState, plan: StepPlan, config: SchedulerConfi
 
 @rule(
     "long-prefill-threshold",
-    "With chunked prefill on and long_prefill_token_threshold > 0, a prefill chunk is at most that many tokens.",
-    "vLLM Scheduler.schedule long_prefill_token_threshold",
+    "With chunked prefill on and long_prefill_token_threshold > 0, a prefill chunk is at most that many tokens; "
+    "with long_prefill_token_threshold_adaptive, at most max(threshold, max_num_batched_tokens // n), n the "
+    "requests running or waiting before the step less those it rejects.",
+    "vLLM Scheduler.schedule long_prefill_token_threshold (and its floor, adaptive_long_prefill_threshold: "
+    "max(long_prefill_token_threshold, input_budget // num_eligible_reqs))",
     action="schedule",
 )
 def _long_prefill(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
-    threshold = config.long_prefill_token_threshold
+    threshold = config.effective_long_prefill_threshold(len(state.running) + len(state.waiting) - len(plan.rejected))
     if not config.enable_chunked_prefill or threshold == 0:
         return
     for item in plan.scheduled:
@@ -248,11 +251,107 @@ def _long_prefill(state: SchedulerState, plan: StepPlan, config: SchedulerConfig
     action="step",
 )
 def _sequence_cap(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
-    admitted = sum(1 for item in plan.scheduled if item.request_id not in state.running and item.request_id in state.requests)
-    preempted = sum(1 for request_id in set(plan.preempted) if request_id in state.running)
-    after = len(state.running) - preempted + admitted
+    _, after = _running_after(state, plan)
     if after > config.max_num_seqs:
         yield None, f"{after} running after the step > max_num_seqs={config.max_num_seqs}"
+
+
+def _running_after(state: SchedulerState, plan: StepPlan) -> tuple[int, int]:
+    """``(admitted, running after the step)``: the live requests the plan admits, and the running requests
+    less the preempted plus the admitted."""
+    admitted = sum(1 for item in plan.scheduled if item.request_id not in state.running and item.request_id in state.requests)
+    preempted = sum(1 for request_id in set(plan.preempted) if request_id in state.running)
+    return admitted, len(state.running) - preempted + admitted
+
+
+@rule(
+    "active-sequence-cap",
+    "With max_num_active_seqs set, a step that admits a request leaves at most max_num_active_seqs running "
+    "(running, less preempted, plus admitted): admission stops at that many.",
+    "vLLM vllm/v1/core/sched/scheduler.py Scheduler.schedule (0.32 and 0.33): the waiting loop breaks once "
+    "len(self.running) >= self.max_num_active_reqs (SchedulerConfig.max_num_active_seqs, default max_num_seqs)",
+    action="schedule",
+)
+def _active_sequence_cap(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
+    if config.max_num_active_seqs is None:
+        return
+    admitted, after = _running_after(state, plan)
+    if admitted and after > config.max_num_active_seqs:
+        yield None, f"{admitted} admitted: {after} running after the step > max_num_active_seqs={config.max_num_active_seqs}"
+
+
+@rule(
+    "lora-limit",
+    "With max_loras > 0, the requests a step schedules use at most max_loras distinct LoRA adapters "
+    "(lora_int_id > 0; 0 is the base model).",
+    "vLLM vllm/v1/core/sched/scheduler.py Scheduler.schedule (0.32 and 0.33): scheduled_loras, assert "
+    "len(scheduled_loras) <= self.lora_config.max_loras, and the waiting loop's 'Scheduling would exceed "
+    "max_loras, skip'; vllm/config/lora.py LoRAConfig.max_loras",
+    action="schedule",
+)
+def _lora_limit(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
+    if not config.max_loras:
+        return
+    loras: dict[int, str] = {}
+    for item in plan.scheduled:
+        request = state.requests.get(item.request_id)
+        if request is not None and request.lora_int_id and request.lora_int_id not in loras:
+            loras[request.lora_int_id] = item.request_id
+            if len(loras) == config.max_loras + 1:
+                yield item.request_id, (f"its LoRA {request.lora_int_id} makes {len(loras)} distinct adapters in the "
+                                        f"step ({sorted(loras)}) > max_loras={config.max_loras}")
+
+
+@rule(
+    "grammar-ready-before-admission",
+    "A request with structured output is not admitted before its grammar is ready (step >= its "
+    "grammar_ready_step).",
+    "vLLM vllm/v1/core/sched/scheduler.py Scheduler._handle_blocked_waiting_request (0.32 and 0.33): a request in "
+    "RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR whose StructuredOutputRequest.grammar is not ready is "
+    "skipped by the waiting loop (skip_request)",
+    action="schedule",
+)
+def _grammar_ready(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
+    for item in plan.scheduled:
+        request = state.requests.get(item.request_id)
+        if request is not None and item.request_id not in state.running and not request.grammar_ready(state.step):
+            yield item.request_id, (f"admitted in step {state.step} before its grammar is ready "
+                                    f"(step {request.grammar_ready_step})")
+
+
+@rule(
+    "watermark",
+    "With watermark > 0, a waiting request admitted while another request is running (the running requests "
+    "less the preempted, plus those admitted before it in the plan) leaves at least watermark_blocks blocks "
+    "free after its allocation (counting, in plan order, the free blocks, those the step's preemptions "
+    "release, and the blocks handed out and the evictable cached blocks hit up to it). The first admission "
+    "into an empty running set may take every block.",
+    "vLLM vllm/v1/core/kv_cache_manager.py KVCacheManager.allocate_slots (0.32 and 0.33): watermark_blocks "
+    "is added to the blocks required for a request in WAITING or PREEMPTED when has_scheduled_reqs, which "
+    "Scheduler.schedule passes as bool(self.running); KVCacheManager.__init__ watermark_blocks",
+    action="schedule",
+)
+def _watermark(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
+    keep = config.watermark_blocks
+    if not keep:
+        return
+    preempted = set(plan.preempted)
+    running = sum(1 for r in state.running if r not in preempted)
+    free_ids = frozenset(state.free_block_ids)
+    free = len(free_ids) + len(released_by_preemptions(state, plan))
+    hit: set[int] = set()
+    for item in plan.scheduled:
+        free -= len(item.new_block_ids)
+        for block_id in item.cached_block_ids:
+            if block_id in free_ids and block_id not in hit:  # an evictable cached block leaves the free queue
+                hit.add(block_id)
+                free -= 1
+        if item.request_id in state.running or item.request_id not in state.requests:
+            continue
+        if running and free < keep:
+            yield item.request_id, (f"admitted while {running} run, leaving {free} free blocks < watermark_blocks="
+                                    f"{keep} (watermark={config.watermark})")
+        running += 1
 
 
 @rule(
@@ -331,11 +430,9 @@ def _blocks_from_free_pool(state: SchedulerState, plan: StepPlan, config: Schedu
     yield from blocks_not_from_free_pool(state, plan, frozenset(state.free_block_ids))
 
 
-def blocks_not_from_free_pool(state: SchedulerState, plan: StepPlan, free: AbstractSet[int]):
-    """The check of ``blocks-from-free-pool`` given the free queue as a set (``free`` must equal
-    ``set(state.free_block_ids)``; the incremental checker passes the set it keeps, instead of building
-    one per step). Yields ``(request_id, detail)`` per breach (``(request_id, detail, case)`` for
-    :data:`REUSED_BY_HIT_IN_STEP`)."""
+def released_by_preemptions(state: SchedulerState, plan: StepPlan) -> set[int]:
+    """The blocks the plan's preemptions free: every block of a preempted request's table, or with prefix
+    caching those whose reference count the preemptions bring to 0 (vLLM ``BlockPool.free_blocks``)."""
     released: set[int] = set()
     cache = state.prefix_cache
     counts: dict[int, int] = {}
@@ -348,6 +445,15 @@ def blocks_not_from_free_pool(state: SchedulerState, plan: StepPlan, free: Abstr
             for block_id in request.block_ids:
                 counts[block_id] = counts.get(block_id, cache.ref_counts.get(block_id, 0)) - 1
     released.update(b for b, count in counts.items() if count <= 0)
+    return released
+
+
+def blocks_not_from_free_pool(state: SchedulerState, plan: StepPlan, free: AbstractSet[int]):
+    """The check of ``blocks-from-free-pool`` given the free queue as a set (``free`` must equal
+    ``set(state.free_block_ids)``; the incremental checker passes the set it keeps, instead of building
+    one per step). Yields ``(request_id, detail)`` per breach (``(request_id, detail, case)`` for
+    :data:`REUSED_BY_HIT_IN_STEP`)."""
+    released = released_by_preemptions(state, plan)
     hits = {b for item in plan.scheduled for b in item.cached_block_ids}
     handed: set[int] = set()
     for item in plan.scheduled:
@@ -653,6 +759,11 @@ IN_FLIGHT_RULES: tuple[str, ...] = ("in-flight-foreseen-length", "in-flight-bloc
 """The rules of a plan made while a step was in flight (asynchronous scheduling): without a step in flight
 (``SchedulerState.in_flight is None``, a synchronous engine) none finds anything. The proofs
 (:mod:`schedspec.spec.proofs`) model synchronous engines and do not encode them."""
+
+LIMIT_RULES: tuple[str, ...] = ("active-sequence-cap", "lora-limit", "grammar-ready-before-admission", "watermark")
+"""The rules of the per-step limits that are off by default (``config.LIMIT_DEFAULTS``, and structured output):
+with them off they constrain nothing, and each only removes plans, so the Z3 encodings
+(:mod:`schedspec.spec.proofs`) leave them out and their proofs hold with them too."""
 
 
 def violated_rules(state: SchedulerState, plan: StepPlan, config: SchedulerConfig,

@@ -15,7 +15,9 @@ it changes). The client's actions happen between steps: a request **arrives**
   ``whole-prefill-without-chunking``, ``long-prefill-threshold``, ``admit-fits-alone``,
   ``blocks-from-free-pool``, ``block-table-covers``, ``no-excess-blocks``, ``prefix-hit-at-admission``,
   ``prefix-hit-is-cached-chain``, ``prefix-hit-longest``, ``drafts-only-in-decodes``,
-  ``drafts-are-proposed``, ``drafts-within-max-model-len``; with a step in flight (asynchronous
+  ``drafts-are-proposed``, ``drafts-within-max-model-len``; the per-step limits, which constrain
+  nothing while their options are off: ``active-sequence-cap``, ``lora-limit``,
+  ``grammar-ready-before-admission``, ``watermark``; and with a step in flight (asynchronous
   scheduling) also ``in-flight-foreseen-length``, ``in-flight-blocks-held-when-planned``,
   ``in-flight-arrivals-wait`` and ``wasted-item-continues``.
 - :func:`sample`: a request whose chunk reached the end of its sequence appends its accepted drafts and

@@ -218,6 +218,10 @@ class RequestSpec:
             prompt ids are a :class:`BlockHashPrompt` and ``prefix_group``/``prefix_len`` do not shape
             them; ``None``: a :class:`SyntheticPrompt`.
         hash_block_tokens: tokens per block of ``block_hash_ids`` (512 for Mooncake); set with it.
+        lora_int_id: its LoRA adapter (:attr:`Request.lora_int_id`; 0 = none, left out of :meth:`to_dict`).
+        grammar_compile_steps: structured output: steps its grammar takes to compile, counted from its
+            arrival step (0: ready at once; :attr:`Request.grammar_ready_step` is ``arrival_step +
+            grammar_compile_steps``); ``None``: no structured output.
     """
 
     request_id: str
@@ -237,6 +241,8 @@ class RequestSpec:
     block_hash_ids: tuple[int, ...] | None = attrs.field(
         default=None, converter=attrs.converters.optional(tuple))
     hash_block_tokens: int | None = None
+    lora_int_id: int = 0
+    grammar_compile_steps: int | None = None
 
     def __attrs_post_init__(self) -> None:
         # An abort due before the arrival would be met while the request does not exist yet, and dropped
@@ -269,14 +275,19 @@ class RequestSpec:
             eos_token_id=self.eos_token_id,
             stop_token_ids=self.stop_token_ids,
             min_tokens=self.min_tokens,
+            lora_int_id=self.lora_int_id,
+            grammar_ready_step=None if self.grammar_compile_steps is None else arrival_step + self.grammar_compile_steps,
         )
 
     STOP_FIELDS = ("eos_token_id", "stop_token_ids", "min_tokens")
     """The stop conditions, written explicitly in every trace arrival (``eos_token_id`` even when null)."""
 
     def to_dict(self) -> dict:
-        """JSON-ready fields: optional ones left out when unset, the stop conditions always present."""
+        """JSON-ready fields: optional ones left out when unset (``lora_int_id`` when 0), the stop conditions
+        always present."""
         data = attrs.asdict(self)
+        if not data["lora_int_id"]:
+            del data["lora_int_id"]
         data["stop_token_ids"] = list(self.stop_token_ids)
         if self.block_hash_ids is not None:
             data["block_hash_ids"] = list(self.block_hash_ids)

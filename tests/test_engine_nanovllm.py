@@ -303,6 +303,14 @@ def test_bundled_scenario_through_the_engine_loop(path):
         with pytest.raises(UnsupportedFeature, match="no speculative decoding"):
             NanoVllmScheduler(config)
         pytest.skip("a speculative-decoding scenario: nano-vLLM has none, and its adapter refuses it (exit 3)")
+    if config.limits_on:
+        with pytest.raises(UnsupportedFeature, match="no such limit"):
+            NanoVllmScheduler(config)
+        pytest.skip(f"a scenario of a per-step limit ({config.limits_on[0]}) nano-vLLM lacks: its adapter refuses it")
+    if any(r.grammar_compile_steps is not None for r in scenario.requests):
+        with pytest.raises(UnsupportedFeature, match="no grammar wait"):
+            Engine(NanoVllmScheduler(config), config).run(scenario.requests, max_steps=10)
+        pytest.skip("a structured-output scenario: nano-vLLM has no grammar wait, and its adapter refuses it")
     adapter = ViewChecked(NanoVllmScheduler(config), config)
     known = KNOWN.get(scenario.name)
     try:

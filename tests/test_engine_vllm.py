@@ -129,7 +129,9 @@ def _replay_checked(path: Path, name: str):
 # ----------------------------------------------------------------------------------- scenarios
 AGREEING = [
     "abort-during-chunked-prefill-no-cache", "eos-frees-slot-early", "kv-pressure-no-thrash",
-    "slot-freed-is-reused", "counterexample-bounded-itl",
+    "slot-freed-is-reused", "counterexample-bounded-itl", "limit-lora-skips-not-blocks",
+    "limit-grammar-wait-skips-not-blocks", "limit-watermark-keeps-blocks-free",
+    "limit-max-num-active-seqs", "limit-threshold-floor",
 ]
 """Bundled scenarios whose every expectation vLLM meets (the others are the findings, a config error,
 prefix caching, or reference-policy counterexamples that do not apply to vLLM; see below)."""

@@ -20,7 +20,12 @@ from hypothesis import strategies as st
 from schedspec.reference.engine import Engine
 from schedspec.reference.fast_fcfs import FastFcfsScheduler, fcfs_fast
 from schedspec.reference.scenarios import _run, bundled_scenarios, load_scenario, replay
-from schedspec.reference.scheduler import ReferenceScheduler, make_scheduler, state_differences
+from schedspec.reference.scheduler import (
+    ReferenceScheduler,
+    UnsupportedFeature,
+    make_scheduler,
+    state_differences,
+)
 from schedspec.spec.config import ConfigError, SchedulerConfig
 from schedspec.spec.request import Request
 from schedspec.spec.state import SchedulerState, samples_this_step
@@ -149,6 +154,10 @@ def test_bundled_scenarios_same_as_fcfs(path) -> None:
         pytest.skip("the scenario's config is refused (a config-error scenario)")
     if config.enable_prefix_caching:
         pytest.skip("fcfs-fast falls back to the plain fcfs with prefix caching")
+    if any(r.grammar_compile_steps is not None for r in scenario.requests):
+        with pytest.raises(UnsupportedFeature, match="structured output"):
+            _run(scenario, "fcfs-fast", config, scenario.requests)
+        pytest.skip("structured output: fcfs-fast refuses it (UnsupportedFeature, asserted), use fcfs")
     requests = scenario.requests
     plain = _run(scenario, "fcfs", config, requests)
     fast = _run(scenario, "fcfs-fast", config, requests)

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from schedspec.cli import cli
 from schedspec.lab import trace_formats
 from schedspec.lab.run_record import validate_record
-from schedspec.spec.config import SPECULATIVE_FIELDS, SchedulerConfig
+from schedspec.spec.config import LIMIT_DEFAULTS, SPECULATIVE_FIELDS, SchedulerConfig
 
 
 def run(*args: str):
@@ -47,7 +47,7 @@ def test_the_record_carries_every_condition(saved):
                                     "length_scale": 1.0}
     # the speculative-decoding fields are written only when on (SchedulerConfig.to_dict), so a run without
     # speculative decoding keeps the record it had before they existed
-    assert set(conditions["config"]) == {f.name for f in attrs.fields(SchedulerConfig)} - set(SPECULATIVE_FIELDS)
+    assert set(conditions["config"]) == {f.name for f in attrs.fields(SchedulerConfig)} - set(SPECULATIVE_FIELDS) - set(LIMIT_DEFAULTS)
     assert conditions["scheduler"] == "fcfs"
     assert conditions["cost_profile"]["name"] == "llama3-8b-a100-80gb"
     assert conditions["cost_profile"]["a_s_per_step"] > 0

@@ -299,9 +299,10 @@ class _Writer:
 
     def arrival(self, request_id: str, prompt_len: int, max_tokens: int, arrival_time: float, priority: int,
                 eos: int | None, stop_token_ids: tuple[int, ...], min_tokens: int,
-                prompt: tuple[int, ...], extra: tuple[Any, ...] = ()) -> dict[str, Any]:
+                prompt: tuple[int, ...], extra: tuple[Any, ...] = (), lora_int_id: int | None = None) -> dict[str, Any]:
         """One arrival's trace fields; ``block_hash_ids`` from the prompt and ``extra`` (the LoRA adapter and
-        ``cache_salt``: :func:`block_hash_ids`)."""
+        ``cache_salt``: :func:`block_hash_ids`); ``lora_int_id`` (schedspec's ``max_loras`` rule) only for a
+        request with a LoRA adapter."""
         size = self.block_size
         hash_ids = block_hash_ids(prompt, size, extra, self.hash_ids)
         return {
@@ -315,6 +316,7 @@ class _Writer:
             "min_tokens": min_tokens,
             "block_hash_ids": hash_ids,
             "hash_block_tokens": size,
+            **({"lora_int_id": lora_int_id} if lora_int_id is not None else {}),
         }
 
     def close(self) -> None:
@@ -469,6 +471,13 @@ def _make_recording_class(base: type) -> type:
                     "enable_chunked_prefill": bool(scheduler_config.enable_chunked_prefill),
                     "long_prefill_token_threshold": scheduler_config.long_prefill_token_threshold,
                     "enable_prefix_caching": bool(config.cache_config.enable_prefix_caching),
+                    # LoRA (schedspec's max_loras; left out without a LoRAConfig, as schedspec writes it)
+                    **({"max_loras": config.lora_config.max_loras} if config.lora_config else {}),
+                    # the other per-step limits, each only when on (as schedspec writes them)
+                    **{name: getattr(scheduler_config, name) for name, off in (
+                        ("watermark", 0.0), ("max_num_active_seqs", None),
+                        ("long_prefill_token_threshold_adaptive", False))
+                       if getattr(scheduler_config, name, off) != off},
                 },
                 "scheduler": f"vllm {_vllm_version()} {base.__name__} policy={scheduler_config.policy} "
                              f"(recorded by schedspec_vllm_recorder)",
@@ -517,7 +526,8 @@ def _make_recording_class(base: type) -> type:
                 eos, stop_ids, min_tokens = stop_conditions(request.sampling_params)
                 self._arrivals.append((request.request_id, request.num_prompt_tokens, request.max_tokens,
                                        request.arrival_time, request.priority, eos, stop_ids, min_tokens,
-                                       tuple(request.prompt_token_ids or ()), hash_extra(request)))
+                                       tuple(request.prompt_token_ids or ()), hash_extra(request),
+                                       request.lora_request.lora_int_id if request.lora_request else None))
                 self.recorder_seconds += time.perf_counter() - began
 
         def finish_requests(self, request_ids: Any, finished_status: Any) -> Any:
