@@ -287,13 +287,15 @@ def _reversed_preemption_order(monkeypatch):
 
 
 def _python_admits_past_max_num_seqs(monkeypatch):
-    """``policies.plan_step`` sees one more sequence slot than the config has (nothing else changes)."""
+    """``policies.plan_step`` sees one more sequence slot than the config has (nothing else changes; the
+    policies read the slot count as ``active_seq_cap``, ``max_num_seqs`` unless ``max_num_active_seqs`` is set)."""
     original = policies.plan_step
 
     class OneMoreSeq:
         def __init__(self, config):
             self._config = config
             self.max_num_seqs = config.max_num_seqs + 1
+            self.active_seq_cap = config.active_seq_cap + 1
 
         def __getattr__(self, name):
             return getattr(self._config, name)
