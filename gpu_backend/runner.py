@@ -27,6 +27,7 @@ from schedspec.gpu_backend.weights import (
     weight_bytes,
 )
 from schedspec.reference.cost_model import step_shape
+from schedspec.reference.fake_model import greedy_verify
 from schedspec.spec.config import SchedulerConfig, blocks_for_tokens
 from schedspec.spec.state import SchedulerState, StepPlan, samples_this_step
 from schedspec.spec.workload import EOS_TOKEN_ID, token_id_at, token_ids
@@ -56,21 +57,6 @@ def _prefix_hits(plan: StepPlan) -> dict[str, tuple[int, ...]]:
         if blocks:
             hits[item.request_id] = tuple(blocks)
     return hits
-
-
-def accepted_prefix(draft_token_ids: Sequence[int], target_token_ids: Sequence[int]) -> int:
-    """Greedy verification: how many drafts are accepted, the length ``a`` of the longest prefix of
-    ``draft_token_ids`` (``d`` ids) equal to ``target_token_ids`` (the ``d + 1`` greedy tokens of the
-    verified positions). The request keeps the ``a`` accepted drafts, then samples ``target_token_ids[a]``
-    (the bonus token after ``d`` accepted drafts, else the correction of the first rejected one).
-    vLLM 0.32 ``vllm/v1/sample/rejection_sampler.py`` ``rejection_greedy_sample_kernel``.
-    """
-    accepted = 0
-    for draft, target in zip(draft_token_ids, target_token_ids, strict=False):
-        if draft != target:
-            break
-        accepted += 1
-    return accepted
 
 
 def _cached_blocks(state: SchedulerState) -> Collection[int]:
@@ -315,8 +301,8 @@ class Runner:
         num_computed_tokens = request.num_tokens - 1``: its pending token then the drafts, in the same
         forward pass as the rest of the batch (vLLM 0.32 ``GPUModelRunner._prepare_inputs``:
         ``num_scheduled_tokens`` includes the drafts). The ``d + 1`` greedy tokens ``g`` of those
-        positions decide: ``a =`` :func:`accepted_prefix` ``(drafts, g)`` drafts are accepted
-        (:attr:`last_num_accepted_tokens`) and ``g[a]`` is the request's sampled token, which is what the
+        positions decide (:func:`schedspec.reference.fake_model.greedy_verify`, the fake models' too): ``a``
+        drafts are accepted (:attr:`last_num_accepted_tokens`) and ``g[a]`` is the request's sampled token, which is what the
         spec's ``apply_plan`` takes (``sampled_token_ids`` and ``SpeculativeOutput.num_accepted_tokens``).
         Only positions ``[c, c + 1 + a)`` stay computed; in debug mode the KV of the ``d - a`` rejected
         positions is overwritten with NaN at once and the ledger counts the request's written positions up
@@ -400,8 +386,7 @@ class Runner:
         computed_ends: dict[str, int] = {}
         starts = {item.request_id: item.num_computed_tokens for item in plan.scheduled}
         for request_id, ids in drafts.items():
-            accepted = accepted_prefix(ids, targets[request_id])
-            sampled[request_id] = targets[request_id][accepted]
+            accepted, sampled[request_id] = greedy_verify(ids, targets[request_id].__getitem__)
             self.last_num_accepted_tokens[request_id] = accepted
             offset, n = spans[request_id]
             rejected_slots.extend(slots[offset + 1 + accepted:offset + n].tolist())
