@@ -19,6 +19,7 @@ from schedspec.gpu_backend.device import check_fits, resolve_device, resolve_dty
 from schedspec.gpu_backend.errors import BackendError, BlockTableError
 from schedspec.gpu_backend.kv_cache import BlockLedger, PagedKVCache
 from schedspec.gpu_backend.model import DecodeGroup, LlamaModel, PackedBatch, PrefillChunk
+from schedspec.gpu_backend.ngram import DEFAULT_LOOKUP, ngram_drafts
 from schedspec.gpu_backend.sampling import sample, uniforms
 from schedspec.gpu_backend.weights import (
     index_model_dir,
@@ -29,7 +30,7 @@ from schedspec.gpu_backend.weights import (
 from schedspec.reference.cost_model import step_shape
 from schedspec.reference.fake_model import greedy_verify
 from schedspec.spec.config import SchedulerConfig, blocks_for_tokens
-from schedspec.spec.state import SchedulerState, StepPlan, samples_this_step
+from schedspec.spec.state import SchedulerState, SpeculativeOutput, StepPlan, samples_this_step
 from schedspec.spec.workload import EOS_TOKEN_ID, token_id_at, token_ids
 
 RECORD_LOGITS = ("none", "last", "all")
@@ -88,6 +89,8 @@ class Runner:
         record_logits: ``"none"``; ``"last"``: keep the raw logits of each sampled position in
             :attr:`last_logits`; ``"all"``: also keep every computed position's logits in
             :attr:`step_logits` (computes ``lm_head`` on the whole batch).
+        ngram_lookup: ``(prompt_lookup_min, prompt_lookup_max)`` of the n-gram drafter
+            (:meth:`execute_speculative`, :mod:`schedspec.gpu_backend.ngram`); vLLM's defaults.
 
     Raises:
         BackendError: before anything is loaded or allocated, naming the field or file: a bad model
@@ -133,6 +136,7 @@ class Runner:
         top_p: float = 1.0,
         record_logits: str = "none",
         clock: str = "wall",
+        ngram_lookup: tuple[int, int] = DEFAULT_LOOKUP,
     ) -> None:
         if not isinstance(config, SchedulerConfig):
             raise BackendError(f"config={config!r}: must be a SchedulerConfig", field="config")
@@ -142,6 +146,11 @@ class Runner:
             raise BackendError(f"top_p={top_p!r}: must be in (0, 1]", field="top_p")
         if clock not in CLOCKS:
             raise BackendError(f"clock={clock!r}: must be one of {list(CLOCKS)}", field="clock")
+        if (not isinstance(ngram_lookup, tuple) or len(ngram_lookup) != 2
+                or any(isinstance(n, bool) or not isinstance(n, int) for n in ngram_lookup)
+                or not 1 <= ngram_lookup[0] <= ngram_lookup[1]):
+            raise BackendError(f"ngram_lookup={ngram_lookup!r}: must be (min, max) with 1 <= min <= max",
+                               field="ngram_lookup")
         if record_logits not in RECORD_LOGITS:
             raise BackendError(f"record_logits={record_logits!r}: must be one of {list(RECORD_LOGITS)}",
                                field="record_logits")
@@ -191,6 +200,8 @@ class Runner:
         self.temperature = float(temperature)
         self.top_p = float(top_p)
         self.record_logits = record_logits
+        self.ngram_lookup = ngram_lookup
+        """``(prompt_lookup_min, prompt_lookup_max)`` of the n-gram drafter (:meth:`execute_speculative`)."""
         if clock == "thread":
             if self.device.type != "cpu":
                 raise BackendError(f"clock='thread': only on a CPU device, not {self.device}", field="clock")
@@ -419,6 +430,32 @@ class Runner:
                     f"step {state.step}: NaN logits for request(s) {culprits}: the step read a freed "
                     "(NaN-poisoned) KV block", field="block_ids")
         return sampled, self.last_step_seconds
+
+    def execute_speculative(self, plan: StepPlan,
+                            state: SchedulerState) -> tuple[dict[str, int], float, SpeculativeOutput]:
+        """:meth:`execute` with speculative decoding, the engine loop's token source protocol
+        (``schedspec.reference.engine``): the step verifies the drafts its items carry (greedily, as
+        :meth:`execute`), then the n-gram drafter (:func:`~schedspec.gpu_backend.ngram.ngram_drafts`,
+        vLLM's method ``"ngram"``, :attr:`ngram_lookup`) proposes up to ``num_speculative_tokens`` drafts
+        for each request that sampled, from its own tokens after the step (prompt, outputs, the accepted
+        drafts and the sampled token). The spec ignores the drafts of a request that stops in the step.
+
+        Returns:
+            ``(sampled_token_ids, step_seconds, SpeculativeOutput(num_accepted_tokens, draft_token_ids))``.
+        """
+        sampled, seconds = self.execute(plan, state)
+        accepted = dict(self.last_num_accepted_tokens)
+        verified = {item.request_id: item.spec_token_ids for item in plan.scheduled if item.spec_token_ids}
+        k, max_model_len = self.config.num_speculative_tokens, self.config.max_model_len
+        proposals: dict[str, tuple[int, ...]] = {}
+        for request_id, token in sampled.items():
+            request = state.requests[request_id]
+            kept = (*verified.get(request_id, ())[:accepted.get(request_id, 0)], token)
+            sequence = np.concatenate([token_ids(request, 0, request.num_tokens), np.asarray(kept, dtype=np.int64)])
+            drafts = ngram_drafts(sequence, k, max_model_len, self.ngram_lookup)
+            if drafts:
+                proposals[request_id] = drafts
+        return sampled, seconds, SpeculativeOutput(accepted, proposals)
 
     def _build_batch(self, plan: StepPlan, state: SchedulerState, hits: Mapping[str, tuple[int, ...]],
                      drafts: Mapping[str, tuple[int, ...]]):
