@@ -19,6 +19,7 @@ from schedspec.gpu_backend.device import check_fits, resolve_device, resolve_dty
 from schedspec.gpu_backend.errors import BackendError, BlockTableError
 from schedspec.gpu_backend.kv_cache import BlockLedger, PagedKVCache
 from schedspec.gpu_backend.model import DecodeGroup, LlamaModel, PackedBatch, PrefillChunk
+from schedspec.gpu_backend.ngram import DEFAULT_LOOKUP, ngram_drafts
 from schedspec.gpu_backend.sampling import sample, uniforms
 from schedspec.gpu_backend.weights import (
     index_model_dir,
@@ -27,8 +28,9 @@ from schedspec.gpu_backend.weights import (
     weight_bytes,
 )
 from schedspec.reference.cost_model import step_shape
+from schedspec.reference.fake_model import greedy_verify
 from schedspec.spec.config import SchedulerConfig, blocks_for_tokens
-from schedspec.spec.state import SchedulerState, StepPlan, samples_this_step
+from schedspec.spec.state import SchedulerState, SpeculativeOutput, StepPlan, samples_this_step
 from schedspec.spec.workload import EOS_TOKEN_ID, token_id_at, token_ids
 
 RECORD_LOGITS = ("none", "last", "all")
@@ -56,21 +58,6 @@ def _prefix_hits(plan: StepPlan) -> dict[str, tuple[int, ...]]:
         if blocks:
             hits[item.request_id] = tuple(blocks)
     return hits
-
-
-def accepted_prefix(draft_token_ids: Sequence[int], target_token_ids: Sequence[int]) -> int:
-    """Greedy verification: how many drafts are accepted, the length ``a`` of the longest prefix of
-    ``draft_token_ids`` (``d`` ids) equal to ``target_token_ids`` (the ``d + 1`` greedy tokens of the
-    verified positions). The request keeps the ``a`` accepted drafts, then samples ``target_token_ids[a]``
-    (the bonus token after ``d`` accepted drafts, else the correction of the first rejected one).
-    vLLM 0.32 ``vllm/v1/sample/rejection_sampler.py`` ``rejection_greedy_sample_kernel``.
-    """
-    accepted = 0
-    for draft, target in zip(draft_token_ids, target_token_ids, strict=False):
-        if draft != target:
-            break
-        accepted += 1
-    return accepted
 
 
 def _cached_blocks(state: SchedulerState) -> Collection[int]:
@@ -102,6 +89,8 @@ class Runner:
         record_logits: ``"none"``; ``"last"``: keep the raw logits of each sampled position in
             :attr:`last_logits`; ``"all"``: also keep every computed position's logits in
             :attr:`step_logits` (computes ``lm_head`` on the whole batch).
+        ngram_lookup: ``(prompt_lookup_min, prompt_lookup_max)`` of the n-gram drafter
+            (:meth:`execute_speculative`, :mod:`schedspec.gpu_backend.ngram`); vLLM's defaults.
 
     Raises:
         BackendError: before anything is loaded or allocated, naming the field or file: a bad model
@@ -147,6 +136,7 @@ class Runner:
         top_p: float = 1.0,
         record_logits: str = "none",
         clock: str = "wall",
+        ngram_lookup: tuple[int, int] = DEFAULT_LOOKUP,
     ) -> None:
         if not isinstance(config, SchedulerConfig):
             raise BackendError(f"config={config!r}: must be a SchedulerConfig", field="config")
@@ -156,6 +146,11 @@ class Runner:
             raise BackendError(f"top_p={top_p!r}: must be in (0, 1]", field="top_p")
         if clock not in CLOCKS:
             raise BackendError(f"clock={clock!r}: must be one of {list(CLOCKS)}", field="clock")
+        if (not isinstance(ngram_lookup, tuple) or len(ngram_lookup) != 2
+                or any(isinstance(n, bool) or not isinstance(n, int) for n in ngram_lookup)
+                or not 1 <= ngram_lookup[0] <= ngram_lookup[1]):
+            raise BackendError(f"ngram_lookup={ngram_lookup!r}: must be (min, max) with 1 <= min <= max",
+                               field="ngram_lookup")
         if record_logits not in RECORD_LOGITS:
             raise BackendError(f"record_logits={record_logits!r}: must be one of {list(RECORD_LOGITS)}",
                                field="record_logits")
@@ -205,6 +200,8 @@ class Runner:
         self.temperature = float(temperature)
         self.top_p = float(top_p)
         self.record_logits = record_logits
+        self.ngram_lookup = ngram_lookup
+        """``(prompt_lookup_min, prompt_lookup_max)`` of the n-gram drafter (:meth:`execute_speculative`)."""
         if clock == "thread":
             if self.device.type != "cpu":
                 raise BackendError(f"clock='thread': only on a CPU device, not {self.device}", field="clock")
@@ -315,8 +312,8 @@ class Runner:
         num_computed_tokens = request.num_tokens - 1``: its pending token then the drafts, in the same
         forward pass as the rest of the batch (vLLM 0.32 ``GPUModelRunner._prepare_inputs``:
         ``num_scheduled_tokens`` includes the drafts). The ``d + 1`` greedy tokens ``g`` of those
-        positions decide: ``a =`` :func:`accepted_prefix` ``(drafts, g)`` drafts are accepted
-        (:attr:`last_num_accepted_tokens`) and ``g[a]`` is the request's sampled token, which is what the
+        positions decide (:func:`schedspec.reference.fake_model.greedy_verify`, the fake models' too): ``a``
+        drafts are accepted (:attr:`last_num_accepted_tokens`) and ``g[a]`` is the request's sampled token, which is what the
         spec's ``apply_plan`` takes (``sampled_token_ids`` and ``SpeculativeOutput.num_accepted_tokens``).
         Only positions ``[c, c + 1 + a)`` stay computed; in debug mode the KV of the ``d - a`` rejected
         positions is overwritten with NaN at once and the ledger counts the request's written positions up
@@ -400,8 +397,7 @@ class Runner:
         computed_ends: dict[str, int] = {}
         starts = {item.request_id: item.num_computed_tokens for item in plan.scheduled}
         for request_id, ids in drafts.items():
-            accepted = accepted_prefix(ids, targets[request_id])
-            sampled[request_id] = targets[request_id][accepted]
+            accepted, sampled[request_id] = greedy_verify(ids, targets[request_id].__getitem__)
             self.last_num_accepted_tokens[request_id] = accepted
             offset, n = spans[request_id]
             rejected_slots.extend(slots[offset + 1 + accepted:offset + n].tolist())
@@ -434,6 +430,32 @@ class Runner:
                     f"step {state.step}: NaN logits for request(s) {culprits}: the step read a freed "
                     "(NaN-poisoned) KV block", field="block_ids")
         return sampled, self.last_step_seconds
+
+    def execute_speculative(self, plan: StepPlan,
+                            state: SchedulerState) -> tuple[dict[str, int], float, SpeculativeOutput]:
+        """:meth:`execute` with speculative decoding, the engine loop's token source protocol
+        (``schedspec.reference.engine``): the step verifies the drafts its items carry (greedily, as
+        :meth:`execute`), then the n-gram drafter (:func:`~schedspec.gpu_backend.ngram.ngram_drafts`,
+        vLLM's method ``"ngram"``, :attr:`ngram_lookup`) proposes up to ``num_speculative_tokens`` drafts
+        for each request that sampled, from its own tokens after the step (prompt, outputs, the accepted
+        drafts and the sampled token). The spec ignores the drafts of a request that stops in the step.
+
+        Returns:
+            ``(sampled_token_ids, step_seconds, SpeculativeOutput(num_accepted_tokens, draft_token_ids))``.
+        """
+        sampled, seconds = self.execute(plan, state)
+        accepted = dict(self.last_num_accepted_tokens)
+        verified = {item.request_id: item.spec_token_ids for item in plan.scheduled if item.spec_token_ids}
+        k, max_model_len = self.config.num_speculative_tokens, self.config.max_model_len
+        proposals: dict[str, tuple[int, ...]] = {}
+        for request_id, token in sampled.items():
+            request = state.requests[request_id]
+            kept = (*verified.get(request_id, ())[:accepted.get(request_id, 0)], token)
+            sequence = np.concatenate([token_ids(request, 0, request.num_tokens), np.asarray(kept, dtype=np.int64)])
+            drafts = ngram_drafts(sequence, k, max_model_len, self.ngram_lookup)
+            if drafts:
+                proposals[request_id] = drafts
+        return sampled, seconds, SpeculativeOutput(accepted, proposals)
 
     def _build_batch(self, plan: StepPlan, state: SchedulerState, hits: Mapping[str, tuple[int, ...]],
                      drafts: Mapping[str, tuple[int, ...]]):

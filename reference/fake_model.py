@@ -17,7 +17,7 @@ them wrote, so a hit on the wrong block changes the output too. Its step time co
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -153,6 +153,25 @@ def simulation_size_problem(config: SchedulerConfig) -> str | None:
     return None
 
 
+def greedy_verify(draft_token_ids: Sequence[int], target_at: Callable[[int], int]) -> tuple[int, int]:
+    """Greedy verification of ``d`` drafts, the one definition the fake models and the PyTorch backend's
+    runner share: ``target_at(i)`` is the model's greedy token at the ``i``-th verified position (``i`` in
+    ``0..d``: after the pending token and ``i`` drafts), asked lazily, only up to the first draft it
+    rejects. Returns ``(a, token)``: ``a`` (0..d) drafts are accepted, the longest prefix of the drafts
+    equal to the targets, and the request samples ``token = target_at(a)`` (the bonus token after ``d``
+    accepted drafts, else the correction of the first rejected one).
+
+    Source: vLLM 0.32 ``vllm/v1/sample/rejection_sampler.py`` ``rejection_greedy_sample_kernel``.
+    """
+    accepted = 0
+    while True:
+        token = target_at(accepted)
+        if accepted < len(draft_token_ids) and draft_token_ids[accepted] == token:
+            accepted += 1
+            continue
+        return accepted, token
+
+
 def _pricer(cost_model):
     """``(prefill, decode, attended, pairs, chunks) -> seconds`` for ``cost_model``: its ``step_seconds`` with
     the prefill attention pairs and chunks only when it charges for them (``e`` or ``f`` non-zero), so a
@@ -260,6 +279,7 @@ class FakeModel:
         sampled, seconds = self.execute(plan, state)
         requests = state.requests
         accepted: dict[str, int] = {}
+        kept: dict[str, tuple[int, ...]] = {}  # the accepted drafts of each request that verified some
         eos_at_output = self.eos_at_output
         for item in plan.scheduled:
             drafts = item.spec_token_ids
@@ -267,24 +287,22 @@ class FakeModel:
                 continue
             request = requests[item.request_id]
             table = request.block_ids + item.new_block_ids
-            a = 0
-            while True:
+            eos_at = eos_at_output.get(item.request_id)
+
+            def target_at(a: int, request: Request = request, table: tuple[int, ...] = table,
+                          eos_at: int | None = eos_at) -> int:
+                if eos_at == request.num_output_tokens + 1 + a:
+                    return EOS_TOKEN_ID
                 length = request.num_tokens + a
-                if eos_at_output.get(item.request_id) == request.num_output_tokens + 1 + a:
-                    token = EOS_TOKEN_ID
-                else:
-                    token = self._token_at(self._read(table, length), length)
-                if a < len(drafts) and drafts[a] == token:
-                    a += 1
-                    continue
-                break
+                return self._token_at(self._read(table, length), length)
+
+            a, sampled[item.request_id] = greedy_verify(drafts, target_at)
             accepted[item.request_id] = a
-            sampled[item.request_id] = token
+            kept[item.request_id] = drafts[:a]
         proposals = {}
         for request_id, token in sampled.items():
             request = requests[request_id]
-            item_drafts = next((i.spec_token_ids for i in plan.scheduled if i.request_id == request_id), ())
-            extra = (*item_drafts[:accepted.get(request_id, 0)], token)
+            extra = (*kept.get(request_id, ()), token)
             drafts = self._drafts(request, extra)
             if drafts:
                 proposals[request_id] = drafts
@@ -410,11 +428,11 @@ class CostOnlyModel:
             outputs = request.num_output_tokens
             drafts = item.spec_token_ids
             a = 0
-            while a < len(drafts) and drafts[a] == self._model_token(request_id, outputs + 1 + a):
-                a += 1
             if drafts:
+                a, sampled[request_id] = greedy_verify(
+                    drafts, lambda i, request_id=request_id, outputs=outputs: self._model_token(request_id,
+                                                                                              outputs + 1 + i))
                 accepted[request_id] = a
-                sampled[request_id] = self._model_token(request_id, outputs + 1 + a)
             done = outputs + a + 1  # outputs after the step
             count = min(config.num_speculative_tokens, config.max_model_len - (request.num_tokens + a + 1))
             if count > 0:

@@ -46,7 +46,9 @@ it (``Request.spec_token_ids``), as many as the budget, ``long_prefill_token_thr
 (:func:`num_drafts`), after one token of the budget is kept for each decode still to schedule in the step
 (vLLM gives a decode's drafts whatever budget is left, which can starve a later decode of its token:
 ``stall-free-decode``); every block table covers ``num_lookahead_tokens`` past its chunk, admission
-included (:func:`~schedspec.spec.config.slot_tokens`).
+included (:func:`~schedspec.spec.config.slot_tokens`). fcfs, static, shortest-prompt-first and priority
+share this (:func:`_running_item`); priority keeps a token for each running decode it has not visited yet
+in its urgency-ordered pass, so a decode's drafts take only budget no more urgent request asked for.
 
 Where this differs from vLLM 0.32, on purpose:
 - decodes are scheduled before running prefill chunks (vLLM keeps admission order), so a long
@@ -298,6 +300,32 @@ def num_drafts(request: Request, budget: int, config: SchedulerConfig) -> int:
     return max(room, 0)
 
 
+def _running_item(request: Request, num_tokens: int, draft_budget: int,
+                  config: SchedulerConfig) -> tuple[int, tuple[int, ...], int]:
+    """A running request's item once its chunk of ``num_tokens`` tokens (without drafts) is chosen, the one
+    definition fcfs (:func:`plan_step`) and priority (:func:`plan_by_priority`) share.
+
+    Args:
+        request: a running request.
+        num_tokens: its chunk without drafts (tokens; 1 for a decode).
+        draft_budget: tokens of the budget its drafts may take, its own token included (the budget left less
+            one token for each decode the policy still has to schedule in the step).
+        config: the limits.
+
+    Returns:
+        ``(num_tokens, drafts, needed)``: the chunk's tokens with its drafts (``1 + d`` for a decode that
+        verifies ``d`` drafts), the drafts it verifies (a prefix of ``spec_token_ids``, :func:`num_drafts`),
+        and the new blocks its table needs to cover them and the lookahead (blocks; at most 0 when its table
+        already does: :func:`~schedspec.spec.config.slot_tokens`, vLLM 0.32
+        ``KVCacheManager.allocate_slots``).
+    """
+    drafts = request.spec_token_ids[:num_drafts(request, draft_budget, config)] if request.spec_token_ids else ()
+    num_tokens += len(drafts)
+    needed = blocks_for_tokens(slot_tokens(request.num_computed_tokens + num_tokens, config),
+                               config.block_size) - len(request.block_ids)
+    return num_tokens, drafts, needed
+
+
 def _urgency(request: Request) -> tuple[int, int, float]:
     """Sort key, most urgent first: lower ``priority`` value, then earlier arrival (vLLM's priority
     queue orders by ``(priority, arrival_time)``)."""
@@ -319,9 +347,11 @@ def plan_by_priority(state: SchedulerState, config: SchedulerConfig) -> StepPlan
        running decodes number at most ``max_num_batched_tokens``), so a more urgent prefill never takes a
        decode's token (``stall-free-decode``):
 
-       - a running decode gets one token, a running prefill a chunk (:func:`_chunk`) of the budget left
-         above the reserve; one that needs a new block when none is free preempts the least urgent running
-         request not yet visited, possibly itself (recompute);
+       - a running decode gets one token, plus with speculative decoding the drafts the budget above the
+         reserve leaves it (as fcfs: :func:`_running_item`, :func:`num_drafts`), a running prefill a chunk
+         (:func:`_chunk`) of the budget left above the reserve; each table covers the lookahead too
+         (:func:`~schedspec.spec.config.slot_tokens`); one that needs a new block when none is free
+         preempts the least urgent running request not yet visited, possibly itself (recompute);
        - a waiting request is admitted (blocks for its whole current sequence beyond its prefix-cache
          hit, a chunk of the budget above the reserve) if it gets a slot, blocks and at least one token
          (its whole pending prompt without chunked prefill). If it does not fit, the strictly less
@@ -412,7 +442,8 @@ def plan_by_priority(state: SchedulerState, config: SchedulerConfig) -> StepPlan
             num_tokens = min(budget, 1) if single else _chunk(request, max(budget - reserve, 0), config)
             if num_tokens == 0:
                 continue
-            needed = blocks_for_tokens(request.num_computed_tokens + num_tokens, config.block_size) - len(request.block_ids)
+            # a decode's drafts leave one token of the budget to each running decode not visited yet
+            num_tokens, drafts, needed = _running_item(request, num_tokens, budget - reserve, config)
             while needed > pool.available:
                 # the least urgent running request not yet visited, or this one (every other visited one is
                 # more urgent, or as urgent and earlier in the pass)
@@ -422,9 +453,8 @@ def plan_by_priority(state: SchedulerState, config: SchedulerConfig) -> StepPlan
                     break
             if request_id in preempted:
                 continue
-            scheduled.append(
-                ScheduledRequest(request_id, request.num_computed_tokens, num_tokens, pool.take(max(needed, 0)))
-            )
+            scheduled.append(ScheduledRequest(request_id, request.num_computed_tokens, num_tokens,
+                                              pool.take(max(needed, 0)), (), drafts))
             budget -= num_tokens
             continue
         visited.add(request_id)
@@ -493,13 +523,9 @@ def plan_step(
         num_tokens = _chunk(request, budget, config)
         if num_tokens == 0:
             continue
-        drafts = ()
-        if request.spec_token_ids:  # one token of the budget stays for each decode after this one
-            reserve = max(len(decodes) - index - 1, 0)
-            drafts = request.spec_token_ids[:num_drafts(request, budget - reserve, config)]
-        num_tokens += len(drafts)
-        needed = blocks_for_tokens(slot_tokens(request.num_computed_tokens + num_tokens, config),
-                                   config.block_size) - len(request.block_ids)
+        # one token of the budget stays for each decode after this one
+        num_tokens, drafts, needed = _running_item(request, num_tokens,
+                                                   budget - max(len(decodes) - index - 1, 0), config)
         while needed > pool.available:
             while victims and victims[-1] in gone:
                 victims.pop()

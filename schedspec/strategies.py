@@ -177,9 +177,13 @@ def acceptance_patterns(k: int) -> st.SearchStrategy[str]:
     )
 
 
-def speculative_configs(max_speculative_tokens: int = 4, **limits) -> st.SearchStrategy[SchedulerConfig]:
+def speculative_configs(max_speculative_tokens: int = 4, lookahead: bool = False,
+                        **limits) -> st.SearchStrategy[SchedulerConfig]:
     """:func:`scheduler_configs` (``limits`` passed on) with speculative decoding on:
-    ``num_speculative_tokens`` in ``1..max_speculative_tokens`` (no lookahead: the n-gram drafter's)."""
+    ``num_speculative_tokens`` in ``1..max_speculative_tokens``; ``num_lookahead_tokens`` 0 (the n-gram
+    drafter's), or with ``lookahead`` 0 or k (EAGLE's, MTP's and a draft model's, as vLLM 0.32
+    ``VllmConfig.num_lookahead_tokens`` derives it)."""
     return scheduler_configs(**limits).flatmap(
-        lambda config: st.integers(1, max_speculative_tokens).map(
-            lambda k: config.with_changes(num_speculative_tokens=k)))
+        lambda config: st.integers(1, max_speculative_tokens).flatmap(
+            lambda k: st.sampled_from((0, k) if lookahead else (0,)).map(
+                lambda ahead: config.with_changes(num_speculative_tokens=k, num_lookahead_tokens=ahead))))

@@ -446,8 +446,9 @@ class NoPriorityInversion(Monitor):
 
     A request ``W`` waiting at plan time (not admitted, not rejected by the plan; preempted ones
     included) that could complete alone (``rejection_reason`` is ``None``) *fits* in
-    ``(slots, blocks, tokens)`` when ``slots >= 1``, ``blocks >= ceil(W.num_tokens / block_size)``
-    (its whole current sequence, the admission gate of ``work-conserving``) and ``tokens >= 1``
+    ``(slots, blocks, tokens)`` when ``slots >= 1``, ``blocks >= ceil(slot_tokens(W.num_tokens) /
+    block_size)`` (its whole current sequence, with speculative decoding's lookahead: the admission gate of
+    ``work-conserving``) and ``tokens >= 1``
     (chunked prefill) or ``tokens >= W``'s pending tokens (chunked prefill off). With ``L`` = the
     requests of ``running`` whose ``priority`` is greater than ``W``'s, holding ``len(L)`` slots,
     ``held_blocks`` blocks (the blocks of their tables after this step's allocations that no other
@@ -495,7 +496,8 @@ class NoPriorityInversion(Monitor):
             request = requests[request_id]
             if rejection_reason(request.prompt_len, request.max_tokens, config) is not None:
                 continue
-            needed_blocks = blocks_for_tokens(request.num_tokens, config.block_size)
+            # its whole sequence, with the lookahead its table must hold (speculative decoding: slot_tokens)
+            needed_blocks = blocks_for_tokens(slot_tokens(request.num_tokens, config), config.block_size)
             needed_tokens = 1 if config.enable_chunked_prefill else request.num_tokens - request.num_computed_tokens
             if slots >= 1 and blocks >= needed_blocks and tokens >= needed_tokens:
                 continue  # fits: not kept out by resources at all

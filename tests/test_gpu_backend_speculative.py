@@ -40,8 +40,8 @@ torch = pytest.importorskip("torch")
 from schedspec.gpu_backend import BlockTableError, Runner  # noqa: E402
 from schedspec.gpu_backend import runner as runner_module  # noqa: E402
 from schedspec.gpu_backend.errors import BackendError  # noqa: E402
-from schedspec.gpu_backend.runner import accepted_prefix  # noqa: E402
 from schedspec.gpu_backend.testing import device_for_tests, plan_step, speculative_output, state_with  # noqa: E402
+from schedspec.reference.fake_model import greedy_verify  # noqa: E402
 from schedspec.spec.config import SchedulerConfig, blocks_for_tokens  # noqa: E402
 from schedspec.spec.prefix_cache import CacheUpdate  # noqa: E402
 from schedspec.spec.request import Request  # noqa: E402
@@ -289,11 +289,19 @@ def test_greedy_tokens_with_drafts_equal_the_tokens_without(name, record_propert
 # --------------------------------------------------------------------------------------------------
 
 
-def test_accepted_prefix():
-    assert accepted_prefix((5, 6, 7), (5, 6, 7, 8)) == 3
-    assert accepted_prefix((5, 6, 7), (4, 6, 7, 8)) == 0
-    assert accepted_prefix((5, 6, 7), (5, 9, 7, 8)) == 1
-    assert accepted_prefix((), (3,)) == 0
+def test_greedy_verify_accepts_the_longest_equal_prefix_and_asks_no_target_past_the_first_rejection():
+    asked = []
+
+    def targets(values):
+        return lambda i: asked.append(i) or values[i]
+
+    assert greedy_verify((5, 6, 7), targets((5, 6, 7, 8))) == (3, 8)
+    assert asked == [0, 1, 2, 3]
+    asked.clear()
+    assert greedy_verify((5, 6, 7), targets((4, 6, 7, 8))) == (0, 4)
+    assert asked == [0]
+    assert greedy_verify((5, 6, 7), targets((5, 9, 7, 8))) == (1, 9)
+    assert greedy_verify((), targets((3,))) == (0, 3)
 
 
 SMALL = SchedulerConfig(block_size=4, num_kv_blocks=16, max_num_batched_tokens=64, max_num_seqs=4,
@@ -431,7 +439,7 @@ def test_rejected_slots_left_unpoisoned_fail_the_memory_check():
 
 
 def test_a_verifier_that_accepts_wrong_drafts_fails_the_differential_check(monkeypatch):
-    monkeypatch.setattr(runner_module, "accepted_prefix", lambda drafts, targets: len(drafts))
+    monkeypatch.setattr(runner_module, "greedy_verify", lambda drafts, target_at: (len(drafts), target_at(len(drafts))))
     with pytest.raises(AssertionError, match="with drafts"):
         for seed in range(WORKLOADS):
             compare("plain", seed, Counter())
@@ -439,7 +447,7 @@ def test_a_verifier_that_accepts_wrong_drafts_fails_the_differential_check(monke
 
 def test_a_verifier_that_rejects_every_draft_still_gives_the_greedy_tokens(monkeypatch):
     """Rejecting everything is slow but correct: only the target's tokens are kept."""
-    monkeypatch.setattr(runner_module, "accepted_prefix", lambda drafts, targets: 0)
+    monkeypatch.setattr(runner_module, "greedy_verify", lambda drafts, target_at: (0, target_at(0)))
     stats: Counter = Counter()
     compare("chunked-prefill", 0, stats)
     assert stats["accepted draft tokens"] == 0 and stats["requests compared"]

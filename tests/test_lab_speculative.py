@@ -158,3 +158,24 @@ def test_bad_acceptance_options_exit_2(args, message):
     result = CliRunner().invoke(cli, [*SYNTHETIC, *args])
     assert result.exit_code == 2, result.output
     assert message in result.output
+
+
+def test_the_sweep_table_shows_the_draft_figures_only_with_drafts():
+    """``lab --sweep num_speculative_tokens=0,3``: the table gains vLLM's draft figures (acceptance rate,
+    mean acceptance length), equal to each point's run record, "-" for the point without drafts; a sweep
+    without drafts keeps its columns (its output is byte-identical to before: scripts/lab_output_diff.py)."""
+    common = ("lab", "--max-requests", "12", "--time-scale", "0.1", "--acceptance-rate", "0.5", "--jobs", "1")
+    runner = CliRunner()
+    with_drafts = runner.invoke(cli, [*common, "--sweep", "num_speculative_tokens=0,3"], catch_exceptions=False)
+    records = json.loads(runner.invoke(cli, [*common, "--sweep", "num_speculative_tokens=0,3", "--json"],
+                                       catch_exceptions=False).stdout)
+    assert with_drafts.exit_code == 0, with_drafts.output
+    assert "draft accept %" in with_drafts.stdout and "mean accept len" in with_drafts.stdout
+    off, on = records[0]["figures"], records[1]["figures"]
+    assert "mean_acceptance_length" not in off and on["num_drafts"] > 0
+    rows = [line.split("│") for line in with_drafts.stdout.splitlines() if line.startswith("│")]
+    cells = {row[1].strip(): [c.strip() for c in row[2:-1]] for row in rows}
+    assert cells["1"][-3:-1] == ["-", "-"]
+    assert cells["2"][-3:-1] == [f"{on['draft_acceptance_rate_percent']:.1f}", f"{on['mean_acceptance_length']:.2f}"]
+    without = runner.invoke(cli, [*common, "--sweep", "max_num_seqs=4,8"], catch_exceptions=False)
+    assert without.exit_code == 0 and "│" in without.stdout and "accept" not in without.stdout

@@ -159,6 +159,21 @@ def test_slot_held_by_less_urgent_is_an_inversion_equal_priority_is_not():
     assert _observe(config, more_urgent_runs, _decodes(more_urgent_runs, config)) == []
 
 
+def test_the_blocks_a_waiting_request_needs_include_the_lookahead():
+    """With speculative decoding's lookahead, admission must give a table ``slot_tokens`` (the sequence
+    plus ``num_lookahead_tokens``), so H (4 tokens, 1 block; 2 with a lookahead of 3) does not fit the one
+    free block and L holds what it lacks; without the lookahead H fits and nothing is inverted."""
+    plain = SchedulerConfig(block_size=4, num_kv_blocks=3, max_num_batched_tokens=16, max_num_seqs=2, max_model_len=64)
+    for config, inverted in ((plain, False),
+                             (plain.with_changes(num_speculative_tokens=3), False),
+                             (plain.with_changes(num_speculative_tokens=3, num_lookahead_tokens=3), True)):
+        state = _state(config, [("L", 5, 4)], [("H", 0, 4)])
+        found = _observe(config, state, _decodes(state, config))
+        assert bool(found) == inverted, (config, found)
+        if inverted:
+            assert "2 blocks (1 free)" in found[0].detail, found
+
+
 def test_blocks_and_budget_held_count_but_a_request_that_would_not_fit_anyway_does_not():
     # 4 blocks of 4 tokens: M (priority 0) and L (priority 5) each hold 1 block and their decodes (5
     # tokens) take the last 2. H8 (priority 1, 8 tokens) needs 2 blocks: L's would do. H12 (12 tokens)

@@ -35,6 +35,7 @@ from schedspec.spec.proofs.encoding import (  # noqa: E402
     apply_plan,
 )
 from schedspec.spec.proofs.solve import check  # noqa: E402
+from schedspec.spec.proofs.theorems import step_vacuity  # noqa: E402
 from schedspec.spec.state import SchedulerState  # noqa: E402
 from schedspec.spec.transitions import abort_request, add_request  # noqa: E402
 from schedspec.spec.transitions import apply_plan as py_apply_plan  # noqa: E402
@@ -109,7 +110,7 @@ def test_every_theorem_with_drafts_is_proved_at_small_n_and_not_vacuously():
         result = theorem.run(opts)
         assert result.status == PROVED, (result.name, result.detail, result.witness)
         assert all(case.status == "sat" for case in result.vacuity), (result.name, result.vacuity)
-    names = {case.case for case in speculative.step_vacuity(opts)}
+    names = {case.case for case in step_vacuity(opts, speculative.SPECULATIVE)}
     assert "premises + a step that rejects drafts" in names and "premises + a stop inside the accepted drafts" in names
 
 
@@ -122,6 +123,37 @@ def test_every_theorem_with_drafts_is_proved_at_small_n_and_not_vacuously():
 ])
 def test_without_a_rule_an_obligation_has_a_counterexample(dropped, broken):
     opts = Options(slots=2, timeout_s=60)
-    ctx, hyps, goals, *_ = speculative._step_goals(opts)
+    ctx, hyps, goals, *_ = speculative.step_goals(opts)
     assert check(ctx, list(hyps.values()), goals[broken], 60).status == PROVED
     assert check(ctx, [v for k, v in hyps.items() if k != dropped], goals[broken], 60).status != PROVED
+
+
+@pytest.mark.parametrize("block", ["fixed", "uninterpreted"])
+def test_a_step_theorem_with_drafts_reports_a_confirmed_counterexample_with_its_drafts(monkeypatch, block):
+    """Deliberate break: without ``drafts-only-in-decodes`` the theorem ``computed-bound`` with drafts fails
+    through the one step-theorem runner it shares with the theorems without drafts
+    (:func:`schedspec.spec.proofs.theorems.step_theorem`): a counterexample, with the drafts in its witness,
+    and under an uninterpreted ``ceil`` confirmed with the fixed block size (``recheck_block_size``, which
+    the copy of the runner this replaced had lost: it reported such a counterexample as unknown)."""
+    from schedspec.spec.proofs import theorems
+    from schedspec.spec.proofs.core import COUNTEREXAMPLE
+
+    original = theorems.allowed_rules
+
+    def without(ctx, s, plan):
+        rules = original(ctx, s, plan)
+        rules["drafts-only-in-decodes"] = z3.BoolVal(True)
+        return rules
+
+    monkeypatch.setattr(theorems, "allowed_rules", without)
+    theorems._STEP_GOALS.clear()
+    theorems._STEP_VACUITY.clear()
+    try:
+        result = theorems.step_theorem("inv:computed-bound", speculative.SPECULATIVE).run(
+            Options(slots=2, timeout_s=60, block=block))
+    finally:
+        theorems._STEP_GOALS.clear()
+        theorems._STEP_VACUITY.clear()
+    assert result.name == "spec/speculative/step/computed-bound"
+    assert result.status == COUNTEREXAMPLE, (result.status, result.detail)
+    assert {"d", "plan_nd", "acc"} <= set(result.witness["slots"][0]), result.witness

@@ -310,22 +310,25 @@ def test_published_blocks_hold_no_draft_position():
 
 # --- The reference engine loop with speculative decoding, and trace version 3 --------------------------
 
-def _workload(seed: int, n: int = 10):
+def _workload(seed: int, n: int = 10, priorities: bool = False):
     import random
 
     from schedspec.spec.workload import RequestSpec
 
     rng = random.Random(seed)
     return [RequestSpec(request_id=f"r{i}", arrival_step=rng.randrange(0, 8), prompt_len=rng.randrange(1, 40),
-                        max_tokens=rng.randrange(1, 30), eos_at_output=rng.choice([None, None, rng.randrange(1, 20)]))
+                        max_tokens=rng.randrange(1, 30), eos_at_output=rng.choice([None, None, rng.randrange(1, 20)]),
+                        priority=rng.randrange(0, 3) if priorities else 0)
             for i in range(n)]
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
 @pytest.mark.parametrize("seed", range(8))
-def test_fcfs_with_drafts_passes_every_check_and_samples_what_it_samples_without(seed, tmp_path):
-    """The engine loop checks every step of fcfs with drafts (rules, invariants, fcfs's properties); its
-    trace is version 3 and passes both checkers; and, the fake model verifying greedily over its KV cache,
-    every request that finishes in both runs has the same outputs with speculative decoding as without."""
+def test_a_policy_with_drafts_passes_every_check_and_samples_what_it_samples_without(policy, seed, tmp_path):
+    """The engine loop checks every step of fcfs and priority with drafts and (for half the seeds) a
+    lookahead (rules, invariants, the policy's properties); the policy verifies drafts; its trace is version
+    3 and passes both checkers; and, the fake model verifying greedily over its KV cache, every request that
+    finishes in both runs has the same outputs with speculative decoding as without."""
     import random
 
     from schedspec.reference.engine import Engine
@@ -341,7 +344,8 @@ def test_fcfs_with_drafts_passes_every_check_and_samples_what_it_samples_without
     outputs = {}
     verified = 0
     for cfg in (base, spec):
-        result = Engine(SCHEDULERS["fcfs"](cfg), cfg, incremental=seed % 2 == 0).run(_workload(seed))
+        result = Engine(SCHEDULERS[policy](cfg), cfg, incremental=seed % 2 == 0).run(
+            _workload(seed, priorities=policy == "priority"))
         assert result.ok, result.violations[:3]
         outputs[cfg.speculative] = {r.request_id: r.output_token_ids for r in result.state.finished.values()
                                     if r.status.outcome == "finished"}
@@ -349,7 +353,7 @@ def test_fcfs_with_drafts_passes_every_check_and_samples_what_it_samples_without
             verified = sum(len(record.num_accepted_tokens) for record in result.records)
             path = tmp_path / "trace.jsonl"
             with path.open("w") as out:
-                write_trace(out, cfg, result.records, "fcfs")
+                write_trace(out, cfg, result.records, policy)
             trace = open_trace(path)
             assert trace.schema_version == 3 and trace.config == cfg
             for incremental in (False, True):

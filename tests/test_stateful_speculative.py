@@ -1,8 +1,9 @@
 """The Hypothesis state machine with speculative decoding (issue 23): configs with ``num_speculative_tokens``
-1..4, a drawn acceptance pattern per request (all, none, partly, up to an output: the fake model verifies
-greedily, so an end-of-sequence among right drafts stops a request inside its accepted drafts), every rule
-and invariant after every step, on the ``vllm-v1`` profiles (which refine the spec) and on a scheduler
-broken on purpose (rejected drafts kept computed), which the machine must catch."""
+1..4 and a lookahead of 0 or k, a drawn acceptance pattern per request (all, none, partly, up to an output:
+the fake model verifies greedily, so an end-of-sequence among right drafts stops a request inside its
+accepted drafts), every rule and invariant after every step, on the ``vllm-v1`` profiles (which refine the
+spec), on fcfs and priority, and on a scheduler broken on purpose (rejected drafts kept computed), which the
+machine must catch."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def machine(name: str, factory=None):
 
         @classmethod
         def configs(cls) -> st.SearchStrategy:
-            return speculative_configs()
+            return speculative_configs(lookahead=True)
 
         @classmethod
         def build_scheduler(cls, config):
@@ -48,7 +49,7 @@ def machine(name: str, factory=None):
     return Machine
 
 
-@pytest.mark.parametrize("name", ["vllm-v1", "vllm-v1-priority", "vllm-v1@0.33", "fcfs"])
+@pytest.mark.parametrize("name", ["vllm-v1", "vllm-v1-priority", "vllm-v1@0.33", "fcfs", "priority"])
 def test_the_profiles_refine_the_spec_with_drafts(name):
     Machine = machine(name)
     Machine.TestCase.settings = SETTINGS

@@ -1031,25 +1031,34 @@ def _print_sweep_table(console: Console, points: list[dict[str, Any]], records: 
     table.add_column("#", justify="right")
     for field in points[0]:
         table.add_column(field, justify="right", no_wrap=True, min_width=len(field))
-    for column in ("output tok/s", "total tok/s", "TTFT ms", "ITL ms", "TPOT ms", "goodput %", "preemptions",
-                   "KV mean/max %", "SLO"):
+    # speculative decoding (some point verified drafts): vLLM's draft figures, "-" for a point without drafts
+    speculative = any(r is not None and "mean_acceptance_length" in r["figures"] for r in records)
+    columns = ["output tok/s", "total tok/s", "TTFT ms", "ITL ms", "TPOT ms", "goodput %", "preemptions",
+               "KV mean/max %"]
+    if speculative:
+        columns += ["draft accept %", "mean accept len"]
+    for column in (*columns, "SLO"):
         table.add_column(column, justify="right", no_wrap=True)
     for index, (point, record) in enumerate(zip(points, records, strict=True)):
         values = [sweeping.value_text(v) for v in point.values()]
         if record is None:
-            table.add_row(str(index + 1), *values, "failed", *([""] * 8))
+            table.add_row(str(index + 1), *values, "failed", *([""] * len(columns)))
             continue
         f = record["figures"]
         meets = sweeping.meets_slo(f, slo)
         mark = "" if meets is None else "meets" if meets else "misses"
         if index == best:
             mark = "BEST" if meets is not False else mark
+        drafts = []
+        if speculative:
+            rate, length = f.get("draft_acceptance_rate_percent"), f.get("mean_acceptance_length")
+            drafts = ["-" if rate is None else f"{rate:.1f}", "-" if length is None else f"{length:.2f}"]
         table.add_row(
             str(index + 1), *values, _count(f["output_tokens_per_s"]), _count(f["total_tokens_per_s"]),
             *(" / ".join(_ms(f[f"{m}_{p}_s"]) for p in ("p50", "p95", "p99")) for m in ("ttft", "itl", "tpot")),
             "-" if f["goodput_percent"] is None else f"{f['goodput_percent']:.1f}", f"{f['preemptions']:,}",
-            f"{_percent(f['kv_usage_mean_percent'])[:-1]} / {_percent(f['kv_usage_max_percent'])[:-1]}", mark,
-            style="bold" if index == best else None)
+            f"{_percent(f['kv_usage_mean_percent'])[:-1]} / {_percent(f['kv_usage_max_percent'])[:-1]}", *drafts,
+            mark, style="bold" if index == best else None)
     wide_console().print(table)  # its natural width: one line per configuration, nothing cut (MIN_TABLE_WIDTH)
 
 

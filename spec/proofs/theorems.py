@@ -19,7 +19,8 @@ found on a slice is checked again with every hypothesis before it is reported.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
 import z3
 
@@ -30,6 +31,8 @@ from .encoding import (
     STATE_INVARIANT_ORDER,
     SUPPORT_ORDER,
     Ctx,
+    DraftInputs,
+    Speculative,
     SymConfig,
     abort,
     allowed_rules,
@@ -48,11 +51,19 @@ from .encoding import (
 from .solve import Answer, Prover, check, minimize, state_values, witness_objectives
 
 
-def setup(opts: Options, prefix: str = "") -> Ctx:
-    """A context with the symbolic config the options describe."""
+def setup(opts: Options, prefix: str = "", speculative: bool = False) -> Ctx:
+    """A context with the symbolic config the options describe; with ``speculative``, also a symbolic
+    ``num_speculative_tokens`` and ``num_lookahead_tokens`` (:class:`.encoding.Speculative`)."""
     fixed = opts.config_fixed()
     cfg = SymConfig.symbolic(prefix=prefix, fixed=fixed)
-    return Ctx(cfg, opts.block, prefix=prefix)
+    return Ctx(cfg, opts.block, prefix=prefix, spec=Speculative.symbolic(prefix) if speculative else None)
+
+
+def config_valid(ctx: Ctx) -> Any:
+    """The ``cfg`` hypothesis: the config validation accepts (with drafts, also k >= 1 and L >= 0)."""
+    if ctx.spec is None:
+        return ctx.cfg.valid()
+    return z3.And(ctx.cfg.valid(), ctx.spec.valid())
 
 
 def inv_parts(ctx: Ctx, s: Any) -> dict[str, Any]:
@@ -157,33 +168,86 @@ LEMMAS = {"inv:block-conservation": block_accounting, "inv:kv-capacity": block_a
           "inv:running-within-max-num-seqs": running_accounting}
 
 
-_STEP_GOALS: dict[str, tuple[Ctx, dict[str, Any], dict[str, Any], Any, Any, Any]] = {}
+class StepGoals(NamedTuple):
+    """One step's symbolic problem: the context, the hypotheses and goals by name, the state before the
+    step, the plan, the EOS flags (without drafts), the drafts' inputs (with drafts, else ``None``) and the
+    update's output."""
+
+    ctx: Ctx
+    hyps: dict[str, Any]
+    goals: dict[str, Any]
+    s: Any
+    plan: Any
+    eos: list[Any]
+    inputs: DraftInputs | None
+    out: Any
 
 
-def _step_goals(opts: Options, slots: int) -> tuple[Ctx, dict[str, Any], dict[str, Any], Any, Any, Any]:
-    """The step's hypotheses and goals, built once per options (one at a time: building them is most of
-    a small theorem's time)."""
-    key = repr((opts, slots))
+@dataclasses.dataclass(frozen=True)
+class StepVariant:
+    """Which step the step theorems reason about: :data:`PLAIN` (one token per decode) or, in
+    :mod:`.speculative`, the step with drafts. One builder (:func:`_build_step_goals`), one runner
+    (:func:`_run_step_goal`), one vacuity check and one theorem maker (:func:`step_theorem`) serve both.
+
+    Attributes:
+        speculative: encode drafts (a :class:`.encoding.Speculative` context, a slot's ``d``, a plan's
+            ``nd``, the step's :class:`.encoding.DraftInputs` as the hypothesis ``inputs``).
+        name_prefix: the theorems' name prefix (``spec/step``).
+        premise: the statements' left-hand side.
+        statements: each goal's statement.
+        slices: each goal's hypotheses asked first (``cfg`` included).
+        split_every_conjunction: prove every goal that is a conjunction one part at a time (else only
+            :data:`SPLIT_GOALS`).
+        cases: the vacuity cases of a step, from its :class:`StepGoals`.
+        witness_fields: the per-slot terms a witness shows beside the state and plan.
+    """
+
+    speculative: bool
+    name_prefix: str
+    premise: str
+    statements: Mapping[str, str]
+    slices: Mapping[str, tuple[str, ...]]
+    split_every_conjunction: bool
+    cases: Callable[[StepGoals], dict[str, Any]]
+    witness_fields: Callable[[StepGoals], dict[str, list[Any]]]
+
+
+_STEP_GOALS: dict[str, StepGoals] = {}
+
+
+def _step_goals(opts: Options, slots: int, variant: StepVariant | None = None) -> StepGoals:
+    """The step's hypotheses and goals, built once per options and variant (one at a time: building them
+    is most of a small theorem's time)."""
+    variant = variant or PLAIN
+    key = repr((opts, slots, variant.speculative))
     if key not in _STEP_GOALS:
         _STEP_GOALS.clear()
-        _STEP_GOALS[key] = _build_step_goals(opts, slots)
+        _STEP_GOALS[key] = _build_step_goals(opts, slots, variant.speculative)
     return _STEP_GOALS[key]
 
 
-def _build_step_goals(opts: Options, slots: int) -> tuple[Ctx, dict[str, Any], dict[str, Any], Any, Any, Any]:
-    ctx = setup(opts)
-    s = symbolic_state(slots, "s")
-    plan = symbolic_plan(slots, "pl")
-    eos = [z3.Bool(f"eos{i}") for i in range(slots)]
-    hyps: dict[str, Any] = {"cfg": ctx.cfg.valid(), "wf": plan_well_formed(plan)}
+def _build_step_goals(opts: Options, slots: int, speculative: bool = False) -> StepGoals:
+    """``Inv`` and every rule of a symbolic state and plan of ``slots`` slots as hypotheses, and ``Inv``,
+    the step invariants and the lemmas after the update as goals; with ``speculative``, the state holds
+    drafts, the plan verifies some, and the step's inputs (accepted drafts, where the EOS falls, the drafts
+    proposed) are free within their bounds (hypothesis ``inputs``)."""
+    ctx = setup(opts, speculative=speculative)
+    s = symbolic_state(slots, "s", speculative=speculative)
+    plan = symbolic_plan(slots, "pl", speculative=speculative)
+    inputs = DraftInputs.symbolic(slots) if speculative else None
+    # with drafts the EOS flags are unused: inputs.ej says which appended token is the EOS
+    eos = [z3.BoolVal(False)] * slots if speculative else [z3.Bool(f"eos{i}") for i in range(slots)]
+    hyps: dict[str, Any] = {"cfg": config_valid(ctx), "wf": plan_well_formed(plan)}
+    if inputs is not None:
+        hyps["inputs"] = inputs.valid(ctx, plan)
     hyps.update(inv_parts(ctx, s))
     hyps.update({f"rule:{k}": v for k, v in allowed_rules(ctx, s, plan).items()})
-    out = apply_plan(ctx, s, plan, eos)
+    out = apply_plan(ctx, s, plan, eos, inputs)
     goals = inv_parts(ctx, out.state)
     goals.update({f"step:{k}": v for k, v in step_invariants(ctx, s, plan, out).items()})
     for name, lemma in LEMMAS.items():
         goals["lemma:" + name] = lemma(s, plan, out)
-    return ctx, hyps, goals, s, plan, eos
+    return StepGoals(ctx, hyps, goals, s, plan, eos, inputs, out)
 
 
 SPLIT_GOALS = ("inv:queues-disjoint", "sup:preempted-first")
@@ -202,10 +266,16 @@ def prove_parts(ctx: Ctx, hypotheses: list[Any], parts: list[Any], timeout_s: fl
     return Answer(PROVED)
 
 
-def _run_step_goal(goal_name: str, opts: Options, use_slice: bool = True) -> tuple[str, Any]:
-    ctx, hyps, goals, s, plan, eos = _step_goals(opts, opts.slots)
-    names = ("cfg",) + STEP_SLICES[goal_name] if use_slice else tuple(hyps)
-    hypotheses = [hyps[n] for n in names]
+def _run_step_goal(goal_name: str, opts: Options, use_slice: bool = True,
+                   variant: StepVariant | None = None) -> tuple[str, Any]:
+    """One step obligation of ``variant`` from its slice (``use_slice``) or every hypothesis; a lemma
+    (:data:`LEMMAS`) is proved first and then assumed. Returns ``(status, (reason, witness))``, the
+    witness minimized when every hypothesis was asked."""
+    variant = variant or PLAIN
+    step = _step_goals(opts, opts.slots, variant)
+    ctx, hyps, goals = step.ctx, step.hyps, step.goals
+    names = variant.slices[goal_name] if use_slice else tuple(hyps)
+    hypotheses = [hyps[n] for n in dict.fromkeys(names)]
     answer = None
     failed = None
     if goal_name in LEMMAS:
@@ -214,7 +284,7 @@ def _run_step_goal(goal_name: str, opts: Options, use_slice: bool = True) -> tup
         hypotheses.append(goals["lemma:" + goal_name])
     if answer is None or answer.status == PROVED:
         failed = goals[goal_name]
-        if goal_name in SPLIT_GOALS and z3.is_and(failed):
+        if (variant.split_every_conjunction or goal_name in SPLIT_GOALS) and z3.is_and(failed):
             answer = prove_parts(ctx, hypotheses, failed.children(), opts.timeout_s)
         else:
             answer = check(ctx, hypotheses, failed, opts.timeout_s)
@@ -222,10 +292,10 @@ def _run_step_goal(goal_name: str, opts: Options, use_slice: bool = True) -> tup
     model = answer.model
     if model is not None and not use_slice:
         # the reported witness: fewest live requests, smallest numbers (iterative tightening)
-        model = minimize(ctx, hypotheses + [z3.Not(failed)], witness_objectives(s, plan),
+        model = minimize(ctx, hypotheses + [z3.Not(failed)], witness_objectives(step.s, step.plan),
                          min(opts.timeout_s, 10.0)) or model
     if model is not None:
-        witness = state_values(model, s, plan, {"eos": eos})
+        witness = state_values(model, step.s, step.plan, variant.witness_fields(step))
         witness["config"] = ctx.cfg.evaluate(model)
     return answer.status, (answer.reason, witness)
 
@@ -248,40 +318,59 @@ def step_cases(ctx: Ctx, s: Any, plan: Any, out: Any) -> dict[str, Any]:
     }
 
 
-def step_vacuity(opts: Options) -> list[Coverage]:
-    """The step theorems' premises (``Inv``, every rule, a well-formed plan) are satisfiable, alone and
-    with each of :func:`step_cases` (shared by every step theorem: each uses a subset of them)."""
-    key = repr(opts)
+def step_vacuity(opts: Options, variant: StepVariant | None = None) -> list[Coverage]:
+    """The step theorems' premises (``Inv``, every rule, a well-formed plan, with drafts the inputs'
+    bounds) are satisfiable, alone and with each of the variant's cases (shared by every step theorem of
+    the variant: each uses a subset of them)."""
+    variant = variant or PLAIN
+    key = repr((opts, variant.speculative))
     if key not in _STEP_VACUITY:
-        ctx, hyps, _, s, plan, eos = _step_goals(opts, opts.slots)
-        out = apply_plan(ctx, s, plan, eos)
-        prover = Prover(ctx, list(hyps.values()), opts.timeout_s)
+        step = _step_goals(opts, opts.slots, variant)
+        prover = Prover(step.ctx, list(step.hyps.values()), opts.timeout_s)
         _STEP_VACUITY.clear()
-        _STEP_VACUITY[key] = prover.coverage(step_cases(ctx, s, plan, out))
+        _STEP_VACUITY[key] = prover.coverage(variant.cases(step))
     return _STEP_VACUITY[key]
 
 
-def step_theorem(goal_name: str) -> Theorem:
+def step_theorem(goal_name: str, variant: StepVariant | None = None) -> Theorem:
+    """The theorem ``<variant prefix>/<goal>``: the obligation from its slice, then, if the slice does not
+    prove it, from every hypothesis (a slice only saves time, never changes a verdict); a counterexample
+    under an uninterpreted ``ceil`` is confirmed with the fixed block size (:func:`recheck_block_size`)."""
+    variant = variant or PLAIN
     kind, _, short = goal_name.partition(":")
-    name = f"spec/step/{short}" if kind != "sup" else f"spec/step/support-{short}"
-    statement = f"Inv and Allowed(plan) and Update => {GOAL_STATEMENTS[goal_name]} after the step"
+    name = f"{variant.name_prefix}/{short}" if kind != "sup" else f"{variant.name_prefix}/support-{short}"
+    statement = f"{variant.premise} => {variant.statements[goal_name]} after the step"
 
     def run(opts: Options) -> Result:
         timer = Timer()
-        status, (reason, witness) = _run_step_goal(goal_name, opts)
+        status, (reason, witness) = _run_step_goal(goal_name, opts, variant=variant)
         detail = reason
-        if status == COUNTEREXAMPLE:
-            status, (reason, witness) = _run_step_goal(goal_name, opts, use_slice=False)
+        if status != PROVED:
+            status, (reason, witness) = _run_step_goal(goal_name, opts, use_slice=False, variant=variant)
             detail = reason
             if status == COUNTEREXAMPLE and opts.block == "uninterpreted":
-                status, detail = recheck_block_size(opts, lambda o: _run_step_goal(goal_name, o, use_slice=False))
+                status, detail = recheck_block_size(
+                    opts, lambda o: _run_step_goal(goal_name, o, use_slice=False, variant=variant))
             if status == COUNTEREXAMPLE:
                 detail = "the rules allow a step that breaks it (witness state and plan attached)"
-        vacuity = step_vacuity(opts)
+        vacuity = step_vacuity(opts, variant)
         return Result(name, statement, PROVED, status, opts.slots, opts.block_label, seconds=timer.seconds,
                       detail=detail, witness=witness, vacuity=vacuity)
 
     return Theorem(name, statement, run)
+
+
+PLAIN = StepVariant(
+    speculative=False,
+    name_prefix="spec/step",
+    premise="Inv and Allowed(plan) and Update",
+    statements=GOAL_STATEMENTS,
+    slices={goal: ("cfg",) + names for goal, names in STEP_SLICES.items()},
+    split_every_conjunction=False,
+    cases=lambda step: step_cases(step.ctx, step.s, step.plan, step.out),
+    witness_fields=lambda step: {"eos": step.eos},
+)
+"""The step without drafts: every decode computes one token; a request samples an EOS or not."""
 
 
 def _init(opts: Options) -> Result:
