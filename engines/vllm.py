@@ -520,10 +520,11 @@ class _VllmAdapter(_WorkerClient):
                                      f"{', '.join(VERSIONS)})")
         if config.speculative and self.async_scheduling:
             raise UnsupportedFeature(
-                f"scheduler {self.name!r}: speculative decoding with async scheduling is not mapped onto the spec "
-                "yet (num_speculative_tokens>0): vLLM's AsyncScheduler plans step n+1 as if every draft of step n "
-                "were accepted and schedules num_speculative_tokens placeholder drafts whatever the drafter "
-                "proposes (docs/engines.md, Speculative decoding)")
+                f"scheduler {self.name!r}: speculative decoding with async scheduling (num_speculative_tokens>0): "
+                "vLLM 0.32 refuses async scheduling with the n-gram drafter this adapter runs (VllmConfig."
+                "__post_init__ in vllm/config/vllm.py accepts only EAGLE/MTP, a draft model, ngram_gpu, DSpark or "
+                "DFlash, each a GPU drafter or a draft model), and its AsyncScheduler's placeholder drafts are not "
+                "mapped onto the spec yet (docs/engines.md, Speculative decoding)")
         if config.num_lookahead_tokens:
             raise UnsupportedFeature(
                 f"scheduler {self.name!r}: num_lookahead_tokens={config.num_lookahead_tokens}: the adapter runs "
