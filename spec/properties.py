@@ -18,7 +18,7 @@ import attrs
 from schedspec.spec.admission import max_blocks_needed, rejection_reason
 from schedspec.spec.config import SchedulerConfig, blocks_for_tokens, slot_tokens
 from schedspec.spec.rules import Violation
-from schedspec.spec.state import SchedulerState, StepPlan
+from schedspec.spec.state import SchedulerState, StepPlan, prefill_held
 
 
 class Monitor:
@@ -156,7 +156,9 @@ class WorkConserving(Monitor):
     the running requests as the plan leaves them, which already number ``max_loras``, is not the head: it is passed
     over, as vLLM's waiting loop skips it (rule ``lora-limit``), and so is one whose grammar is not ready
     (rule ``grammar-ready-before-admission``). With ``watermark > 0`` and requests running, the head fits
-    only with ``watermark_blocks`` left free (rule ``watermark``). Strict FCFS (head-of-line) is allowed; holding a finished request's slot
+    only with ``watermark_blocks`` left free (rule ``watermark``). On a step the prefill cadence holds
+    (``prefill_schedule_interval`` > 1, :func:`~schedspec.spec.state.prefill_held`) running prefill chunks may
+    be left out and the waiting queue is not judged. Strict FCFS (head-of-line) is allowed; holding a finished request's slot
     (static batching) is not. vLLM does not admit in a step that preempted
     (``Scheduler.schedule``: ``if not preempted_reqs``), hence the exception.
     """
@@ -170,10 +172,12 @@ class WorkConserving(Monitor):
             return
         scheduled = {item.request_id for item in plan.scheduled}
         preempted = set(plan.preempted)
+        held = prefill_held(before, config)  # the prefill cadence holds the step's prefills (prefill-cadence)
         for request_id in before.running:
-            if request_id not in scheduled and request_id not in preempted:
+            if request_id not in scheduled and request_id not in preempted \
+                    and not (held and before.requests[request_id].is_prefill):
                 self.report(before.step, f"running request left out with {left} tokens of budget unused", request_id)
-        if plan.preempted:
+        if plan.preempted or held:
             return
         running_after = len(before.running) + sum(1 for i in plan.scheduled if i.request_id not in before.running)
         if running_after >= config.active_seq_cap:  # max_num_active_seqs when set (rule active-sequence-cap)
