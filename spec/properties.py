@@ -249,7 +249,9 @@ class BoundedWait(Monitor):
     step. It follows that a request with ``k`` live requests older than it at arrival ends within
     ``(k + 1) * max_model_len`` steps. Policies that starve by design (shortest-prompt-first) do not
     guarantee this. An oldest request whose structured-output grammar is not ready is not counted: its wait
-    starts at its grammar's ready step.
+    starts at its grammar's ready step. With vLLM 0.33's prefill cadence (``prefill_schedule_interval`` N > 1)
+    the bound is ``N * max_model_len``: a held step may leave the oldest request's prefill out, and at most
+    N - 1 executed steps in a row are held (rule ``prefill-cadence``).
     """
 
     name = "bounded-wait"
@@ -266,7 +268,8 @@ class BoundedWait(Monitor):
             oldest = None  # rejected, or waiting for its structured-output grammar: its wait starts when ready
         if oldest != self.oldest:
             self.oldest, self.since = oldest, before.step
-        if oldest is not None and oldest in after.requests and after.step - self.since >= self.config.max_model_len:
+        bound = self.config.max_model_len * self.config.prefill_schedule_interval
+        if oldest is not None and oldest in after.requests and after.step - self.since >= bound:
             self.report(before.step, f"oldest live request for {after.step - self.since} steps without ending", oldest)
             self.oldest = None
 
