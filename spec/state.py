@@ -145,10 +145,12 @@ def prefill_held(state: SchedulerState, config: SchedulerConfig) -> bool:
     "Local prefill cadence" (``defer_prefills``); ``local_prefill_interval`` is the option without data
     parallelism. A running request is a prefill chunk (vLLM ``Request.is_prefill_chunk``, set by
     ``_update_after_schedule``) when :attr:`Request.is_prefill`; the spec cannot tell a recompute chunk
-    that stopped one token short of its sequence (vLLM: still a prefill chunk) from a decode.
+    that stopped one token short of its sequence (vLLM: still a prefill chunk) from a decode. A plan made
+    with a step in flight (asynchronous scheduling, where vLLM's ``is_prefill_chunk`` counts output
+    placeholders) is never held: the cadence there is not specified, and the adapters refuse it.
     """
-    if config.prefill_schedule_interval <= 1:
-        return False
+    if config.prefill_schedule_interval <= 1 or state.in_flight is not None:
+        return False  # off, or a plan made with a step in flight: the cadence there is not specified (never held)
     cadence = _cadence(state, config)
     return (not cadence.capacity_bound and cadence.steps_since_prefill + 1 < config.prefill_schedule_interval
             and any(not state.requests[r].is_prefill for r in state.running))
