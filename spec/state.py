@@ -175,10 +175,12 @@ def cadence_after(before: SchedulerState, plan: StepPlan, waiting: tuple[str, ..
     vLLM 0.33 ``Scheduler.schedule``: a step that scheduled a token counts (``num_executed_steps += 1``),
     one that carried a prefill restarts the count; a step that is not held and runs the waiting loop (no
     preemption) records ``prefill_capacity_bound = num_waiting > len(deferred_waiting)``. The spec counts
-    as passed over the waiting requests whose grammar is not ready at the step (they are in vLLM's
-    ``deferred_waiting`` from their arrival); vLLM's set also keeps requests a LoRA skip or a grammar wait
-    passed over earlier until they are admitted, so with those the spec may see the queue backed up where
-    vLLM does not, and holds fewer steps (never more) than vLLM.
+    as passed over the waiting requests with structured output never admitted: vLLM enqueues them in a
+    blocked status (``_enqueue_waiting_request``: ``deferred_waiting.add``) and discards them from the set
+    only at admission. vLLM's set also keeps a request its scan skipped for a LoRA adapter one too many
+    until it is admitted, which the spec does not count (it has no record of the scan), so with
+    ``max_loras`` the spec may see the queue backed up where vLLM does not, and hold fewer steps (never
+    more) than vLLM.
     """
     if config.prefill_schedule_interval <= 1:
         return None
@@ -188,9 +190,9 @@ def cadence_after(before: SchedulerState, plan: StepPlan, waiting: tuple[str, ..
         since = 0 if any(carries_prefill(before, item) for item in plan.scheduled) else since + 1
     bound = cadence.capacity_bound
     if not plan.preempted and not prefill_held(before, config):
-        after_step = before.step
-        passed_over = sum(1 for r in waiting if r in before.requests
-                          and not before.requests[r].grammar_ready(after_step))
+        requests = before.requests
+        passed_over = sum(1 for r in waiting if r in requests and requests[r].grammar_ready_step is not None
+                          and requests[r].admitted_step is None)
         bound = len(waiting) > passed_over
     return PrefillCadence(since, bound)
 

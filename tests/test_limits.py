@@ -458,6 +458,10 @@ def test_the_cadence_counts_executed_steps_and_records_the_capacity_bound() -> N
     assert cadence_after(released, StepPlan(scheduled=decode.scheduled, preempted=("x",)), ("b",),
                          config) == PrefillCadence(3, False)
     assert cadence_after(held, decode, ("b",), CONFIG) is None  # off: no history
+    # a structured-output request never admitted is in vLLM's deferred_waiting from its arrival: not backed up
+    grammar = attrs.evolve(released, requests={**released.requests, "b": attrs.evolve(
+        released.requests["b"], grammar_ready_step=0)})
+    assert cadence_after(grammar, decode, ("b",), config) == PrefillCadence(3, False)
 
 
 def test_the_cadence_is_validated_and_left_out_of_traces_while_off() -> None:
