@@ -70,7 +70,7 @@ from schedspec.spec.admission import rejection_reason
 from schedspec.spec.config import SchedulerConfig, blocks_for_tokens, slot_tokens
 from schedspec.spec.prefix_cache import CacheUpdate
 from schedspec.spec.request import Request
-from schedspec.spec.state import ScheduledRequest, SchedulerState, StepPlan, prefill_held
+from schedspec.spec.state import ScheduledRequest, SchedulerState, StepPlan, is_prefill_chunk, prefill_held
 
 AdmissionOrder = Callable[[SchedulerState], Sequence[str]]
 
@@ -487,7 +487,7 @@ def plan_step(
     decodes, prefills = [], []
     for request_id in state.running:
         request = requests[request_id]
-        if held and request.is_prefill:
+        if held and is_prefill_chunk(state, request_id):
             continue  # a held step skips running prefill chunks, decodes still run
         (decodes if one_token_pending(request) else prefills).append(request_id)
     for index, request_id in enumerate(decodes + prefills):

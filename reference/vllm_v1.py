@@ -176,7 +176,7 @@ from collections.abc import Sequence
 
 from schedspec.spec.config import SchedulerConfig, blocks_for_tokens, slot_tokens
 from schedspec.spec.request import Request
-from schedspec.spec.state import ScheduledRequest, SchedulerState, StepPlan, prefill_held
+from schedspec.spec.state import ScheduledRequest, SchedulerState, StepPlan, is_prefill_chunk, prefill_held
 
 from .policies import (
     BlockPool,
@@ -287,7 +287,7 @@ def plan_vllm_v1(state: SchedulerState, config: SchedulerConfig, by_priority: bo
     while index < len(running) and budget > 0:
         request_id = running[index]
         request = requests[request_id]
-        if held and request.is_prefill:
+        if held and is_prefill_chunk(state, request_id):
             index += 1
             continue  # rule 12: a held step skips a running prefill chunk
         drafts = request.spec_token_ids

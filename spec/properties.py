@@ -18,7 +18,7 @@ import attrs
 from schedspec.spec.admission import max_blocks_needed, rejection_reason
 from schedspec.spec.config import SchedulerConfig, blocks_for_tokens, slot_tokens
 from schedspec.spec.rules import Violation
-from schedspec.spec.state import SchedulerState, StepPlan, prefill_held
+from schedspec.spec.state import SchedulerState, StepPlan, is_prefill_chunk, prefill_held
 
 
 class Monitor:
@@ -175,7 +175,7 @@ class WorkConserving(Monitor):
         held = prefill_held(before, config)  # the prefill cadence holds the step's prefills (prefill-cadence)
         for request_id in before.running:
             if request_id not in scheduled and request_id not in preempted \
-                    and not (held and before.requests[request_id].is_prefill):
+                    and not (held and is_prefill_chunk(before, request_id)):
                 self.report(before.step, f"running request left out with {left} tokens of budget unused", request_id)
         if plan.preempted or held:
             return

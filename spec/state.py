@@ -124,15 +124,28 @@ class PrefillCadence:
         capacity_bound: whether the last step that was not held and ran the waiting loop (no preemption)
             left waiting requests its scan had not passed over (vLLM ``prefill_capacity_bound``,
             ``num_waiting > len(deferred_waiting)``); while true no step is held.
+        unsampled: running requests whose last chunk stopped one token short of their sequence past the
+            prompt (a recompute after preemption cut by the budget): the spec's state of such a request is a
+            decode's (:attr:`Request.is_decode`), vLLM's ``is_prefill_chunk`` is true (:func:`is_prefill_chunk`).
     """
 
     steps_since_prefill: int
     capacity_bound: bool = False
+    unsampled: frozenset[str] = frozenset()
 
 
 def _cadence(state: SchedulerState, config: SchedulerConfig) -> PrefillCadence:
     interval = config.prefill_schedule_interval
     return state.prefill_cadence if state.prefill_cadence is not None else PrefillCadence(interval)
+
+
+def is_prefill_chunk(state: SchedulerState, request_id: str) -> bool:
+    """Whether the running request ``request_id`` is a prefill chunk for the cadence (vLLM 0.33
+    ``Request.is_prefill_chunk``, set by ``Scheduler._update_after_schedule``: its last chunk did not reach
+    the end of its sequence): :attr:`Request.is_prefill`, or its last chunk stopped one token short of a
+    sequence past its prompt (``PrefillCadence.unsampled``), a state the spec's request shares with a decode."""
+    cadence = state.prefill_cadence
+    return state.requests[request_id].is_prefill or (cadence is not None and request_id in cadence.unsampled)
 
 
 def prefill_held(state: SchedulerState, config: SchedulerConfig) -> bool:
@@ -143,9 +156,7 @@ def prefill_held(state: SchedulerState, config: SchedulerConfig) -> bool:
     one that carried a prefill (``steps_since_prefill + 1 < N``), and some running request decodes (is
     not a prefill chunk). Source: vLLM 0.33 ``vllm/v1/core/sched/scheduler.py`` ``Scheduler.schedule``,
     "Local prefill cadence" (``defer_prefills``); ``local_prefill_interval`` is the option without data
-    parallelism. A running request is a prefill chunk (vLLM ``Request.is_prefill_chunk``, set by
-    ``_update_after_schedule``) when :attr:`Request.is_prefill`; the spec cannot tell a recompute chunk
-    that stopped one token short of its sequence (vLLM: still a prefill chunk) from a decode. A plan made
+    parallelism. A running request decodes when it is not a prefill chunk (:func:`is_prefill_chunk`). A plan made
     with a step in flight (asynchronous scheduling, where vLLM's ``is_prefill_chunk`` counts output
     placeholders) is never held: the cadence there is not specified, and the adapters refuse it.
     """
@@ -153,7 +164,7 @@ def prefill_held(state: SchedulerState, config: SchedulerConfig) -> bool:
         return False  # off, or a plan made with a step in flight: the cadence there is not specified (never held)
     cadence = _cadence(state, config)
     return (not cadence.capacity_bound and cadence.steps_since_prefill + 1 < config.prefill_schedule_interval
-            and any(not state.requests[r].is_prefill for r in state.running))
+            and any(not is_prefill_chunk(state, r) for r in state.running))
 
 
 def carries_prefill(state: SchedulerState, item: ScheduledRequest) -> bool:
@@ -161,10 +172,9 @@ def carries_prefill(state: SchedulerState, item: ScheduledRequest) -> bool:
     prefill chunk (vLLM ``prefill_scheduled |= request.is_prefill_chunk``), or an admission that leaves more
     than one token to compute after its prefix-cache hit (vLLM ``prefill_admitted``, the same predicate as
     the held step's gate, ``num_computed_tokens < request.num_tokens - 1``: a full hit is no prefill)."""
-    request = state.requests[item.request_id]
     if item.request_id in state.running:
-        return request.is_prefill
-    return item.num_computed_tokens < request.num_tokens - 1
+        return is_prefill_chunk(state, item.request_id)
+    return item.num_computed_tokens < state.requests[item.request_id].num_tokens - 1
 
 
 def cadence_after(before: SchedulerState, plan: StepPlan, waiting: tuple[str, ...],
@@ -188,13 +198,20 @@ def cadence_after(before: SchedulerState, plan: StepPlan, waiting: tuple[str, ..
     since = cadence.steps_since_prefill
     if plan.scheduled:
         since = 0 if any(carries_prefill(before, item) for item in plan.scheduled) else since + 1
+    requests = before.requests
+    left = {item.request_id for item in plan.scheduled} | set(plan.preempted)
+    unsampled = {r for r in cadence.unsampled if r in requests and r not in left}
+    for item in plan.scheduled:  # a chunk that stops one token short of a sequence past the prompt
+        request = requests.get(item.request_id)
+        end = item.num_computed_tokens + item.num_sequence_tokens
+        if request is not None and end == request.num_tokens - 1 and end >= request.prompt_len:
+            unsampled.add(item.request_id)
     bound = cadence.capacity_bound
     if not plan.preempted and not prefill_held(before, config):
-        requests = before.requests
         passed_over = sum(1 for r in waiting if r in requests and requests[r].grammar_ready_step is not None
                           and requests[r].admitted_step is None)
         bound = len(waiting) > passed_over
-    return PrefillCadence(since, bound)
+    return PrefillCadence(since, bound, frozenset(unsampled))
 
 
 @attrs.frozen(slots=True)

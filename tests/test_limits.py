@@ -34,9 +34,11 @@ from schedspec.spec.state import (
     StepPlan,
     cadence_after,
     carries_prefill,
+    is_prefill_chunk,
     prefill_held,
 )
 from schedspec.spec.trace import record_schema_errors
+from schedspec.spec.transitions import apply_plan
 from schedspec.spec.workload import RequestSpec
 
 CASES = Path(__file__).resolve().parents[1] / "schedspec" / "data" / "cases"
@@ -462,6 +464,23 @@ def test_the_cadence_counts_executed_steps_and_records_the_capacity_bound() -> N
     grammar = attrs.evolve(released, requests={**released.requests, "b": attrs.evolve(
         released.requests["b"], grammar_ready_step=0)})
     assert cadence_after(grammar, decode, ("b",), config) == PrefillCadence(3, False)
+
+
+def test_a_recompute_chunk_one_token_short_stays_a_prefill_chunk() -> None:
+    """vLLM's is_prefill_chunk of a resumed request whose chunk stops one token short of its sequence is true,
+    though the spec's request then looks like a decode: the cadence remembers it (``unsampled``), so a step
+    with only that request running is not held (nothing decodes), and its next token restarts the count."""
+    _, _, _, config = case_prefill_cadence()
+    resumed = Request("c", 0, (1, 2, 3, 4), max_tokens=4, output_token_ids=(7, 8))  # 6 tokens, all to recompute
+    state = attrs.evolve(_state(resumed), prefill_cadence=PrefillCadence(0))
+    chunk = StepPlan(scheduled=(ScheduledRequest("c", 0, 5, (0, 1)),))  # 5 of 6: one short, nothing sampled
+    after = apply_plan(state, chunk, {}, config).state
+    assert after.requests["c"].is_decode and is_prefill_chunk(after, "c")
+    assert after.prefill_cadence == PrefillCadence(0, False, frozenset({"c"}))
+    assert not prefill_held(after, config)  # vLLM: no running request is past its prefill
+    last = StepPlan(scheduled=(ScheduledRequest("c", 5, 1),))
+    assert carries_prefill(after, last.scheduled[0])
+    assert apply_plan(after, last, {"c": 9}, config).state.prefill_cadence == PrefillCadence(0, False)
 
 
 def test_the_cadence_is_validated_and_left_out_of_traces_while_off() -> None:
