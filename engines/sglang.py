@@ -171,6 +171,8 @@ class SglangScheduler(_WorkerClient):
             (config.speculative, "speculative decoding (num_speculative_tokens>0)"),
             (config.long_prefill_token_threshold > 0,
              f"long_prefill_token_threshold={config.long_prefill_token_threshold}: SGLang has no such limit"),
+            (config.prefill_schedule_interval > 1,
+             f"prefill_schedule_interval={config.prefill_schedule_interval}: vLLM 0.33's prefill cadence, not SGLang's"),
         ):
             if refused:
                 raise UnsupportedFeature(f"scheduler {self.name!r}: {why}")

@@ -104,6 +104,11 @@ header). The two versions' scheduling decisions differ as docs/engines.md, *vLLM
 
 *Watermark* (``watermark`` > 0) and ``max_num_active_seqs``: passed to vLLM's ``SchedulerConfig`` as they are.
 
+*Prefill cadence* (``prefill_schedule_interval`` > 1): passed to vLLM 0.33's ``SchedulerConfig`` (its
+scheduler applies it locally without data parallelism); refused (``UnsupportedFeature``, exit 3) by the 0.32
+adapters, whose scheduler obeys it only under a data-parallel MoE engine core, and by the async adapters (the
+cadence with a step in flight is not specified).
+
 *LoRA* (``max_loras`` > 0): the worker gives vLLM a ``LoRAConfig(max_loras=...)`` and every request with
 ``lora_int_id > 0`` a ``LoRARequest`` of that id (no adapter weights: the scheduler reads only the id).
 
@@ -535,6 +540,11 @@ class _VllmAdapter(_WorkerClient):
                                      "mapped onto the spec yet (enable_prefix_caching=true)")
         if policy not in POLICIES:
             raise UnsupportedFeature(f"scheduler {self.name!r}: policy {policy!r} (vLLM has {list(POLICIES)})")
+        if config.prefill_schedule_interval > 1 and (version == "0.32" or self.async_scheduling):
+            raise UnsupportedFeature(
+                f"scheduler {self.name!r}: prefill_schedule_interval={config.prefill_schedule_interval}: "
+                + ("vLLM 0.32's scheduler obeys it only under a data-parallel MoE engine core; use vllm@0.33"
+                   if version == "0.32" else "the prefill cadence with a step in flight is not specified yet"))
         self.config = config
         self.policy = policy
         self.guarantees: frozenset[str] = frozenset()

@@ -165,7 +165,10 @@ class Worker:
                 dtype="float32",
                 seed=0,
             )
+            cadence = {"prefill_schedule_interval": config["prefill_schedule_interval"]} \
+                if config.get("prefill_schedule_interval", 1) > 1 else {}  # 0.33's local cadence (vllm.py refuses 0.32)
             scheduler_config = SchedulerConfig(
+                **cadence,
                 max_num_seqs=config["max_num_seqs"],
                 max_num_batched_tokens=config["max_num_batched_tokens"],
                 max_model_len=max_model_len,

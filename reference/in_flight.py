@@ -14,8 +14,8 @@ end-of-sequence token sampled in step n, a client abort since) included: the spe
 The input processor's refusals of requests that arrived since (``reject-only-impossible``) are added to it,
 as vLLM's engine refuses them before its scheduler sees them.
 
-Prefix caching and speculative decoding are refused (``UnsupportedFeature``), as the ``vllm-async``
-adapter refuses them: a placeholder token would change a block's hash, and drafts would need placeholder
+Prefix caching, speculative decoding and the prefill cadence (``prefill_schedule_interval`` > 1) are
+refused (``UnsupportedFeature``), as the ``vllm-async`` adapter refuses them: a placeholder token would change a block's hash, and drafts would need placeholder
 drafts.
 """
 
@@ -67,6 +67,10 @@ class InFlightScheduler:
         if config.enable_prefix_caching or config.speculative:
             raise UnsupportedFeature(f"scheduler {name!r}: prefix caching and speculative decoding are not planned "
                                      "over placeholders (enable_prefix_caching, num_speculative_tokens)")
+        if config.prefill_schedule_interval > 1:
+            raise UnsupportedFeature(f"scheduler {name!r}: prefill_schedule_interval="
+                                     f"{config.prefill_schedule_interval}: the prefill cadence with a step in flight "
+                                     "is not specified (the vllm-async adapters refuse it too)")
         self.config = config
         self.plan_function = plan
         self.name = name

@@ -27,6 +27,9 @@ rejection, chunking and block pools):
    goes on after them. With ``watermark > 0`` an admission while others run leaves ``watermark_blocks``
    free (:func:`watermark_keep`); the adapters counted are those of every running request (vLLM 0.33's count;
    0.32 counts only the running requests scheduled in the step), so no later step can exceed the limit.
+   With ``prefill_schedule_interval > 1`` a step the cadence holds (:func:`~schedspec.spec.state.prefill_held`,
+   vLLM 0.33) skips the running prefill chunks and stops admission at the first request with a prefill
+   to compute (``plan_step`` only; ``priority`` does not follow the cadence).
 
 Sources: vLLM 0.32 ``vllm/v1/core/sched/scheduler.py`` ``Scheduler.schedule`` (running first, then
 waiting; ``_preempt_request`` takes the last of ``self.running``; no admission after a preemption);
@@ -69,7 +72,7 @@ from schedspec.spec.admission import rejection_reason
 from schedspec.spec.config import SchedulerConfig, blocks_for_tokens, slot_tokens
 from schedspec.spec.prefix_cache import CacheUpdate
 from schedspec.spec.request import Request
-from schedspec.spec.state import ScheduledRequest, SchedulerState, StepPlan
+from schedspec.spec.state import ScheduledRequest, SchedulerState, StepPlan, is_prefill_chunk, prefill_held
 
 AdmissionOrder = Callable[[SchedulerState], Sequence[str]]
 
@@ -510,9 +513,12 @@ def plan_step(
     skip = {request_id for request_id, _ in rejected}
     victims = list(state.running)  # candidates, most recently admitted last
 
+    held = prefill_held(state, config)  # the prefill cadence holds this step's prefills (vLLM 0.33)
     decodes, prefills = [], []
     for request_id in state.running:
         request = requests[request_id]
+        if held and is_prefill_chunk(state, request_id):
+            continue  # a held step skips running prefill chunks, decodes still run
         (decodes if one_token_pending(request) else prefills).append(request_id)
     for index, request_id in enumerate(decodes + prefills):
         if request_id in gone:
@@ -560,6 +566,8 @@ def plan_step(
                 continue  # vLLM skips a request whose grammar is compiling, or whose adapter is one too many
             hit, needed, cost = pool.admission(request, config)
             hit_tokens = len(hit) * config.block_size
+            if held and request.num_computed_tokens + hit_tokens < request.num_tokens - 1:
+                break  # a held step admits no prefill (state.carries_prefill)
             num_tokens = _chunk(request, budget, config, hit_tokens)
             if num_tokens == 0 or cost + watermark_keep(config, num_running) > pool.available:
                 break

@@ -307,8 +307,25 @@ class ReferenceScheduler:
 SchedulerFactory = Callable[[SchedulerConfig], Scheduler]
 
 
+CADENCE_PLANS: frozenset[PlanFunction] = frozenset({policies.fcfs, policies.static, policies.shortest_prompt_first,
+                                                    vllm_v1.vllm_v1_033, vllm_v1.vllm_v1_priority_033})
+"""The reference plans that follow vLLM 0.33's prefill cadence (``prefill_schedule_interval`` > 1): those
+built on ``policies.plan_step`` and the ``@0.33`` profiles. vLLM 0.32's scheduler has the option but obeys it
+only under a data-parallel MoE engine core (``DPEngineCoreProc._should_throttle_prefills``), so its profiles,
+like ``priority``, refuse it."""
+
+
+def refuse_cadence(plan: PlanFunction, name: str, config: SchedulerConfig) -> None:
+    """Raises :class:`UnsupportedFeature` when ``config`` turns the prefill cadence on and ``plan`` does not
+    follow it (:data:`CADENCE_PLANS`)."""
+    if config.prefill_schedule_interval > 1 and plan not in CADENCE_PLANS:
+        raise UnsupportedFeature(f"scheduler {name!r} does not follow prefill_schedule_interval="
+                                 f"{config.prefill_schedule_interval} (vLLM 0.33's local prefill cadence)")
+
+
 def _reference(plan: PlanFunction, name: str, guarantees: frozenset[str]) -> SchedulerFactory:
     def factory(config: SchedulerConfig) -> Scheduler:
+        refuse_cadence(plan, name, config)
         return ReferenceScheduler(config, plan, name, guarantees)
 
     factory.__doc__ = plan.__doc__
@@ -331,6 +348,7 @@ def _vllm_profile(plan: PlanFunction, name: str, guarantees: frozenset[str]) -> 
     drafts of the decodes ahead can take the budget a later decode needed for its one token: the bundled
     case ``drafts-starve-a-decode``)."""
     def factory(config: SchedulerConfig) -> Scheduler:
+        refuse_cadence(plan, name, config)
         kept = guarantees - SPECULATIVE_LOSSES if config.speculative else guarantees
         return ReferenceScheduler(config, plan, name, kept)
 

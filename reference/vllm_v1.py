@@ -112,6 +112,14 @@ admission. The rules, each with its place in vLLM's source:
     ``input_budget = max_num_batched_tokens``, for every chunk of the step (drafts included). Same in 0.32
     and 0.33. With one request the profile's floor is the whole budget, which is vLLM's lift.
 
+12. **The prefill cadence** (``prefill_schedule_interval`` N > 1), 0.33 only. ``Scheduler.schedule``
+    ("Local prefill cadence") defers prefills (``defer_prefills``) while fewer than N executed steps
+    separate the step from the last one that carried a prefill, some running request is not a prefill
+    chunk, and ``prefill_capacity_bound`` is false (:func:`~schedspec.spec.state.prefill_held`): the running
+    loop skips (``continue``) each ``is_prefill_chunk`` request, and the waiting loop, after the prefix-cache
+    lookup, stops (``break``) at a request with ``num_computed_tokens < num_tokens - 1``. 0.32 obeys the
+    option only under a data-parallel MoE engine core, so the 0.32 profiles refuse it.
+
 **With prefix caching** (``enable_prefix_caching``): admission first looks up the longest cached prefix
 (``KVCacheManager.get_computed_blocks``, at most ``num_tokens - 1`` tokens), the whole-sequence gate
 counts the blocks beyond the hit plus the hit's evictable blocks (``get_num_blocks_to_allocate``), and
@@ -168,7 +176,7 @@ from collections.abc import Sequence
 
 from schedspec.spec.config import SchedulerConfig, blocks_for_tokens, slot_tokens
 from schedspec.spec.request import Request
-from schedspec.spec.state import ScheduledRequest, SchedulerState, StepPlan
+from schedspec.spec.state import ScheduledRequest, SchedulerState, StepPlan, is_prefill_chunk, prefill_held
 
 from .policies import (
     BlockPool,
@@ -274,10 +282,14 @@ def plan_vllm_v1(state: SchedulerState, config: SchedulerConfig, by_priority: bo
     # applied to a lone request (rule 7: vLLM caps a decode's drafts by it only when others are live)
     num_eligible = len(state.running) + len(state.waiting) - len(rejected)
     prefill_scheduled = False  # vLLM's prefill_scheduled: a running prefill chunk was scheduled (rule 7)
+    held = version == "0.33" and prefill_held(state, config)  # rule 12: defer_prefills
     index = 0
     while index < len(running) and budget > 0:
         request_id = running[index]
         request = requests[request_id]
+        if held and is_prefill_chunk(state, request_id):
+            index += 1
+            continue  # rule 12: a held step skips a running prefill chunk
         drafts = request.spec_token_ids
         if drafts:
             num_tokens = _decode_with_drafts(request, config, budget, num_eligible)
@@ -347,6 +359,8 @@ def plan_vllm_v1(state: SchedulerState, config: SchedulerConfig, by_priority: bo
             # allocateslot_tokens(full_sequence_must_fit=True)
             hit, _, whole = queue.admission(request, config, whole_tokens)
             hit_tokens = len(hit) * config.block_size
+            if held and hit_tokens < request.num_tokens - 1:
+                break  # rule 12: a held step stops admission at the first request with a prefill to compute
             padded = 1 + config.num_speculative_tokens
             if (config.speculative and request.num_tokens - hit_tokens == 1 and not prefill_scheduled
                     and (running_scheduled or hit_tokens > 0) and hit_tokens + padded + 1 <= config.max_model_len):

@@ -26,7 +26,12 @@ import attrs
 from schedspec.spec.checker import check_trace, plan_from_record, speculative_of
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.rules import RULES
-from schedspec.spec.state import SchedulerState
+from schedspec.spec.state import (
+    SchedulerState,
+    cadence_after,
+    carries_prefill,
+    prefill_held,
+)
 from schedspec.spec.trace import StepRecord, header_line, record_schema_errors
 from schedspec.spec.transitions import abort_request, add_request, apply_plan
 
@@ -449,6 +454,61 @@ def watermark_ignored(trace: Trace, i: int) -> Mutant | None:
         return None
     header = copy.deepcopy(trace.header)
     header["config"]["watermark"] = changed.watermark
+    return header, list(trace.records), i
+
+
+CADENCE_INTERVALS = range(2, 9)
+"""The ``prefill_schedule_interval`` values :func:`prefill_cadence_ignored` tries."""
+
+
+def _first_held_prefill(trace: Trace, config: SchedulerConfig) -> int | None:
+    """The first step whose plan breaks the rule ``prefill-cadence`` under ``config`` (``None``: none does):
+    the cadence's history (``prefill_cadence``, the one part of the states the interval changes) is carried
+    along the trace's states, as :func:`~schedspec.spec.transitions.apply_plan` would."""
+    cadence = None
+    for k, record in enumerate(trace.records):
+        before = attrs.evolve(trace.before[k], prefill_cadence=cadence)
+        if before.in_flight is not None:
+            return None  # the cadence with a step in flight is not specified
+        plan = plan_from_record(StepRecord.from_dict(record))
+        if prefill_held(before, config) and any(
+                item.request_id in before.requests and carries_prefill(before, item) for item in plan.scheduled):
+            return k
+        cadence = cadence_after(before, plan, trace.after[k].waiting, config)
+    return None
+
+
+_HELD_FIRSTS: dict[int, tuple[Trace, dict[int, int]]] = {}
+"""The last trace asked about (by id, with the trace kept so the id stays its own): first held prefill step ->
+smallest interval. One entry: the catalogue asks about one trace's steps in a row."""
+
+
+def _held_firsts(trace: Trace) -> dict[int, int]:
+    """``{step: interval}``: for each step that is the first to carry a prefill the cadence holds under some
+    interval of :data:`CADENCE_INTERVALS`, the smallest such interval (computed once per trace)."""
+    cached = _HELD_FIRSTS.get(id(trace))
+    if cached is not None and cached[0] is trace:
+        return cached[1]
+    firsts: dict[int, int] = {}
+    if trace.config.prefill_schedule_interval == 1:
+        for interval in CADENCE_INTERVALS:
+            first = _first_held_prefill(trace, trace.config.with_changes(prefill_schedule_interval=interval))
+            if first is not None:
+                firsts.setdefault(first, interval)
+    _HELD_FIRSTS.clear()
+    _HELD_FIRSTS[id(trace)] = (trace, firsts)
+    return firsts
+
+
+def prefill_cadence_ignored(trace: Trace, i: int) -> Mutant | None:
+    """The header gets the smallest ``prefill_schedule_interval`` (of :data:`CADENCE_INTERVALS`) under which
+    step ``i`` is the first held step that carries a prefill: an engine that prefills while vLLM 0.33's
+    cadence holds the step."""
+    interval = _held_firsts(trace).get(i)
+    if interval is None:
+        return None
+    header = copy.deepcopy(trace.header)
+    header["config"]["prefill_schedule_interval"] = interval
     return header, list(trace.records), i
 
 
@@ -1150,6 +1210,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation("grammar-wait-ignored", "a structured-output request admitted before its grammar is ready",
              grammar_wait_ignored, applies=lambda t, i: _first_admission(t, i) is not None),
     Mutation("watermark-ignored", "a request admitted into the blocks the watermark keeps free", watermark_ignored),
+    Mutation("prefill-cadence-ignored", "a prefill on a step vLLM 0.33's prefill cadence holds",
+             prefill_cadence_ignored, applies=lambda t, i: i in _held_firsts(t)),
     Mutation("max-num-active-seqs-exceeded", "admission past max_num_active_seqs", max_num_active_seqs_exceeded),
     Mutation("chunk-skips-token", "a prefill chunk starts past the computed tokens (a token never computed)",
              chunk_skips_token),

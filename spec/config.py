@@ -25,7 +25,7 @@ SPECULATIVE_FIELDS = ("num_speculative_tokens", "num_lookahead_tokens")
 
 
 LIMIT_DEFAULTS: dict[str, Any] = {"max_loras": 0, "watermark": 0.0, "max_num_active_seqs": None,
-                                   "long_prefill_token_threshold_adaptive": False}
+                                   "long_prefill_token_threshold_adaptive": False, "prefill_schedule_interval": 1}
 """The per-step limits of vLLM's scheduler that are off by default, each with its default (off): a field
 at its default is left out of :meth:`SchedulerConfig.to_dict`, so traces and run records of runs without
 it are what they were before it existed."""
@@ -91,6 +91,11 @@ class SchedulerConfig:
         long_prefill_token_threshold_adaptive: the threshold's floor (vLLM's field of that name, default
             false): a positive ``long_prefill_token_threshold`` is raised to a fair share of the budget,
             :meth:`effective_long_prefill_threshold`.
+        prefill_schedule_interval: vLLM 0.33's local prefill cadence (``SchedulerConfig.prefill_schedule_interval``,
+            default 1 = off; in 0.32 the option exists but only the data-parallel MoE engine core obeys it):
+            with N > 1, a step is *held* while fewer than N executed steps separate it from the last step that
+            carried a prefill, some running request decodes, and the last release step drained the queue;
+            a held step carries no prefill (:func:`~schedspec.spec.state.prefill_held`; rule ``prefill-cadence``).
 
     Raises:
         ConfigError: a field has the wrong type or range, or two fields contradict each other:
@@ -102,7 +107,8 @@ class SchedulerConfig:
             (vLLM derives no lookahead without a ``speculative_config``); ``max_loras`` not an integer
             >= 0; ``watermark`` not a number in [0, 1) (vLLM ``Field(ge=0.0, lt=1.0)``);
             ``max_num_active_seqs`` not ``None`` or an integer in [1, ``max_num_seqs``] (vLLM ``Field(ge=1)`` and
-            ``SchedulerConfig._verify_args``).
+            ``SchedulerConfig._verify_args``); ``prefill_schedule_interval`` not an integer >= 1 (vLLM
+            ``Field(ge=1)``).
     """
 
     block_size: int
@@ -121,6 +127,7 @@ class SchedulerConfig:
     max_num_active_seqs: int | None = None
 
     long_prefill_token_threshold_adaptive: bool = False
+    prefill_schedule_interval: int = 1
 
     def __attrs_post_init__(self) -> None:
         for name in ("block_size", "num_kv_blocks", "max_num_batched_tokens", "max_num_seqs", "max_model_len"):
@@ -145,6 +152,9 @@ class SchedulerConfig:
                                    or not 1 <= active <= self.max_num_seqs):
             raise ConfigError("max_num_active_seqs", active,
                               f"must be null or an integer in [1, max_num_seqs={self.max_num_seqs}]")
+        interval = self.prefill_schedule_interval
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise ConfigError("prefill_schedule_interval", interval, "must be an integer >= 1 (1 = off)")
         if self.num_lookahead_tokens and not self.num_speculative_tokens:
             raise ConfigError("num_lookahead_tokens", self.num_lookahead_tokens,
                               "must be 0 when num_speculative_tokens=0 (no speculative decoding, no lookahead)")

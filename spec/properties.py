@@ -18,7 +18,7 @@ import attrs
 from schedspec.spec.admission import max_blocks_needed, rejection_reason
 from schedspec.spec.config import SchedulerConfig, blocks_for_tokens, slot_tokens
 from schedspec.spec.rules import Violation
-from schedspec.spec.state import SchedulerState, StepPlan
+from schedspec.spec.state import SchedulerState, StepPlan, is_prefill_chunk, prefill_held
 
 
 class Monitor:
@@ -156,7 +156,9 @@ class WorkConserving(Monitor):
     the running requests as the plan leaves them, which already number ``max_loras``, is not the head: it is passed
     over, as vLLM's waiting loop skips it (rule ``lora-limit``), and so is one whose grammar is not ready
     (rule ``grammar-ready-before-admission``). With ``watermark > 0`` and requests running, the head fits
-    only with ``watermark_blocks`` left free (rule ``watermark``). Strict FCFS (head-of-line) is allowed; holding a finished request's slot
+    only with ``watermark_blocks`` left free (rule ``watermark``). On a step the prefill cadence holds
+    (``prefill_schedule_interval`` > 1, :func:`~schedspec.spec.state.prefill_held`) running prefill chunks may
+    be left out and the waiting queue is not judged. Strict FCFS (head-of-line) is allowed; holding a finished request's slot
     (static batching) is not. vLLM does not admit in a step that preempted
     (``Scheduler.schedule``: ``if not preempted_reqs``), hence the exception.
     """
@@ -170,10 +172,12 @@ class WorkConserving(Monitor):
             return
         scheduled = {item.request_id for item in plan.scheduled}
         preempted = set(plan.preempted)
+        held = prefill_held(before, config)  # the prefill cadence holds the step's prefills (prefill-cadence)
         for request_id in before.running:
-            if request_id not in scheduled and request_id not in preempted:
+            if request_id not in scheduled and request_id not in preempted \
+                    and not (held and is_prefill_chunk(before, request_id)):
                 self.report(before.step, f"running request left out with {left} tokens of budget unused", request_id)
-        if plan.preempted:
+        if plan.preempted or held:
             return
         running_after = len(before.running) + sum(1 for i in plan.scheduled if i.request_id not in before.running)
         if running_after >= config.active_seq_cap:  # max_num_active_seqs when set (rule active-sequence-cap)
@@ -245,7 +249,9 @@ class BoundedWait(Monitor):
     step. It follows that a request with ``k`` live requests older than it at arrival ends within
     ``(k + 1) * max_model_len`` steps. Policies that starve by design (shortest-prompt-first) do not
     guarantee this. An oldest request whose structured-output grammar is not ready is not counted: its wait
-    starts at its grammar's ready step.
+    starts at its grammar's ready step. With vLLM 0.33's prefill cadence (``prefill_schedule_interval`` N > 1)
+    the bound is ``N * max_model_len``: a held step may leave the oldest request's prefill out, and at most
+    N - 1 executed steps in a row are held (rule ``prefill-cadence``).
     """
 
     name = "bounded-wait"
@@ -262,7 +268,8 @@ class BoundedWait(Monitor):
             oldest = None  # rejected, or waiting for its structured-output grammar: its wait starts when ready
         if oldest != self.oldest:
             self.oldest, self.since = oldest, before.step
-        if oldest is not None and oldest in after.requests and after.step - self.since >= self.config.max_model_len:
+        bound = self.config.max_model_len * self.config.prefill_schedule_interval
+        if oldest is not None and oldest in after.requests and after.step - self.since >= bound:
             self.report(before.step, f"oldest live request for {after.step - self.since} steps without ending", oldest)
             self.oldest = None
 

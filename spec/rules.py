@@ -24,7 +24,7 @@ from schedspec.spec.admission import rejection_code, rejection_reason, rejection
 from schedspec.spec.config import SchedulerConfig, blocks_for_tokens, slot_tokens
 from schedspec.spec.prefix_cache import ROOT_HASH, max_hit_blocks, request_block_hash
 from schedspec.spec.request import printable
-from schedspec.spec.state import SchedulerState, StepPlan, wasted_items
+from schedspec.spec.state import SchedulerState, StepPlan, carries_prefill, prefill_held, wasted_items
 
 VIOLATION_KINDS = ("rule", "invariant", "property", "mismatch")
 """What a :class:`Violation` broke: an allowed-plan ``rule`` (:mod:`~schedspec.spec.rules`), an
@@ -352,6 +352,29 @@ def _watermark(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
             yield item.request_id, (f"admitted while {running} run, leaving {free} free blocks < watermark_blocks="
                                     f"{keep} (watermark={config.watermark})")
         running += 1
+
+
+@rule(
+    "prefill-cadence",
+    "With prefill_schedule_interval N > 1, a held step (fewer than N executed steps since the last step that "
+    "carried a prefill, some running request decoding, and the last release step not backed up: "
+    "state.prefill_held) carries no prefill: no chunk of a running request's prefill and no admission that "
+    "leaves more than one token to compute after its prefix-cache hit.",
+    "vLLM 0.33 vllm/v1/core/sched/scheduler.py Scheduler.schedule, 'Local prefill cadence' (defer_prefills: "
+    "the running loop skips is_prefill_chunk requests, the waiting loop breaks at num_computed_tokens < "
+    "num_tokens - 1), its counters num_executed_steps, last_prefill_step, prefill_capacity_bound; "
+    "vllm/config/scheduler.py SchedulerConfig.prefill_schedule_interval",
+    action="schedule",
+)
+def _prefill_cadence(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
+    if config.prefill_schedule_interval <= 1 or not prefill_held(state, config):
+        return
+    since = state.prefill_cadence.steps_since_prefill if state.prefill_cadence is not None else None
+    for item in plan.scheduled:
+        if item.request_id in state.requests and carries_prefill(state, item):
+            yield item.request_id, (f"a prefill of {item.num_tokens} tokens on a held step ({since} executed steps "
+                                    f"since the last prefill, prefill_schedule_interval="
+                                    f"{config.prefill_schedule_interval})")
 
 
 @rule(
@@ -760,7 +783,8 @@ IN_FLIGHT_RULES: tuple[str, ...] = ("in-flight-foreseen-length", "in-flight-bloc
 (``SchedulerState.in_flight is None``, a synchronous engine) none finds anything. The proofs
 (:mod:`schedspec.spec.proofs`) model synchronous engines and do not encode them."""
 
-LIMIT_RULES: tuple[str, ...] = ("active-sequence-cap", "lora-limit", "grammar-ready-before-admission", "watermark")
+LIMIT_RULES: tuple[str, ...] = ("active-sequence-cap", "lora-limit", "grammar-ready-before-admission", "watermark",
+                                 "prefill-cadence")
 """The rules of the per-step limits that are off by default (``config.LIMIT_DEFAULTS``, and structured output):
 with them off they constrain nothing, and each only removes plans, so the Z3 encodings
 (:mod:`schedspec.spec.proofs`) leave them out and their proofs hold with them too."""

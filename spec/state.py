@@ -62,6 +62,9 @@ class SchedulerState:
         in_flight: asynchronous scheduling only (vLLM ``AsyncScheduler``): the step that was in flight when
             the next plan was made, and what has landed since (:class:`InFlightStep`); ``None`` for a
             synchronous engine, whose plans are made from this very state (nothing is in flight).
+        prefill_cadence: with ``prefill_schedule_interval > 1`` only, the step history the cadence needs
+            (:class:`PrefillCadence`); ``None`` before the first step and whenever the cadence is off, so a
+            state without it is what it was before it existed.
     """
 
     step: int = 0
@@ -73,6 +76,7 @@ class SchedulerState:
     num_requests_added: int = 0
     prefix_cache: PrefixCache | None = None
     in_flight: InFlightStep | None = None
+    prefill_cadence: PrefillCadence | None = None
 
     @classmethod
     def initial(cls, config: SchedulerConfig, asynchronous: bool = False) -> SchedulerState:
@@ -104,6 +108,110 @@ class SchedulerState:
     @property
     def has_live_requests(self) -> bool:
         return bool(self.requests)
+
+
+@attrs.frozen(slots=True)
+class PrefillCadence:
+    """The step history vLLM 0.33's local prefill cadence reads (``prefill_schedule_interval`` N > 1).
+
+    vLLM 0.33 ``Scheduler`` keeps three counters (``__init__``): ``num_executed_steps`` (steps that
+    scheduled a token), ``last_prefill_step`` (the executed step that last carried a prefill, first
+    ``-N``) and ``prefill_capacity_bound``. The hold reads only their difference, so the spec keeps that.
+
+    Attributes:
+        steps_since_prefill: executed steps since the last step that carried a prefill (vLLM
+            ``num_executed_steps - last_prefill_step``; N before the first step: the first step is never held).
+        capacity_bound: whether the last step that was not held and ran the waiting loop (no preemption)
+            left waiting requests its scan had not passed over (vLLM ``prefill_capacity_bound``,
+            ``num_waiting > len(deferred_waiting)``); while true no step is held.
+        unsampled: running requests whose last chunk stopped one token short of their sequence past the
+            prompt (a recompute after preemption cut by the budget): the spec's state of such a request is a
+            decode's (:attr:`Request.is_decode`), vLLM's ``is_prefill_chunk`` is true (:func:`is_prefill_chunk`).
+    """
+
+    steps_since_prefill: int
+    capacity_bound: bool = False
+    unsampled: frozenset[str] = frozenset()
+
+
+def _cadence(state: SchedulerState, config: SchedulerConfig) -> PrefillCadence:
+    interval = config.prefill_schedule_interval
+    return state.prefill_cadence if state.prefill_cadence is not None else PrefillCadence(interval)
+
+
+def is_prefill_chunk(state: SchedulerState, request_id: str) -> bool:
+    """Whether the running request ``request_id`` is a prefill chunk for the cadence (vLLM 0.33
+    ``Request.is_prefill_chunk``, set by ``Scheduler._update_after_schedule``: its last chunk did not reach
+    the end of its sequence): :attr:`Request.is_prefill`, or its last chunk stopped one token short of a
+    sequence past its prompt (``PrefillCadence.unsampled``), a state the spec's request shares with a decode."""
+    cadence = state.prefill_cadence
+    return state.requests[request_id].is_prefill or (cadence is not None and request_id in cadence.unsampled)
+
+
+def prefill_held(state: SchedulerState, config: SchedulerConfig) -> bool:
+    """Whether the step planned from ``state`` is held by the prefill cadence: it may carry no prefill.
+
+    True when ``prefill_schedule_interval`` N > 1, the last release step did not leave the queue backed
+    up (``capacity_bound`` false), fewer than N executed steps would separate this step from the last
+    one that carried a prefill (``steps_since_prefill + 1 < N``), and some running request decodes (is
+    not a prefill chunk). Source: vLLM 0.33 ``vllm/v1/core/sched/scheduler.py`` ``Scheduler.schedule``,
+    "Local prefill cadence" (``defer_prefills``); ``local_prefill_interval`` is the option without data
+    parallelism. A running request decodes when it is not a prefill chunk (:func:`is_prefill_chunk`). A plan made
+    with a step in flight (asynchronous scheduling, where vLLM's ``is_prefill_chunk`` counts output
+    placeholders) is never held: the cadence there is not specified, and the adapters refuse it.
+    """
+    if config.prefill_schedule_interval <= 1 or state.in_flight is not None:
+        return False  # off, or a plan made with a step in flight: the cadence there is not specified (never held)
+    cadence = _cadence(state, config)
+    return (not cadence.capacity_bound and cadence.steps_since_prefill + 1 < config.prefill_schedule_interval
+            and any(not is_prefill_chunk(state, r) for r in state.running))
+
+
+def carries_prefill(state: SchedulerState, item: ScheduledRequest) -> bool:
+    """Whether ``item`` (of a plan made from ``state``) is a prefill for the cadence: a running request's
+    prefill chunk (vLLM ``prefill_scheduled |= request.is_prefill_chunk``), or an admission that leaves more
+    than one token to compute after its prefix-cache hit (vLLM ``prefill_admitted``, the same predicate as
+    the held step's gate, ``num_computed_tokens < request.num_tokens - 1``: a full hit is no prefill)."""
+    if item.request_id in state.running:
+        return is_prefill_chunk(state, item.request_id)
+    return item.num_computed_tokens < state.requests[item.request_id].num_tokens - 1
+
+
+def cadence_after(before: SchedulerState, plan: StepPlan, waiting: tuple[str, ...],
+                  config: SchedulerConfig) -> PrefillCadence | None:
+    """The :class:`PrefillCadence` after a step planned from ``before`` with ``plan``, ``waiting`` the
+    waiting queue after it (before new arrivals); ``None`` with the cadence off.
+
+    vLLM 0.33 ``Scheduler.schedule``: a step that scheduled a token counts (``num_executed_steps += 1``),
+    one that carried a prefill restarts the count; a step that is not held and runs the waiting loop (no
+    preemption) records ``prefill_capacity_bound = num_waiting > len(deferred_waiting)``. The spec counts
+    as passed over the waiting requests with structured output never admitted: vLLM enqueues them in a
+    blocked status (``_enqueue_waiting_request``: ``deferred_waiting.add``) and discards them from the set
+    only at admission. vLLM's set also keeps a request its scan skipped for a LoRA adapter one too many
+    until it is admitted, which the spec does not count (it has no record of the scan), so with
+    ``max_loras`` the spec may see the queue backed up where vLLM does not, and hold fewer steps (never
+    more) than vLLM.
+    """
+    if config.prefill_schedule_interval <= 1:
+        return None
+    cadence = _cadence(before, config)
+    since = cadence.steps_since_prefill
+    if plan.scheduled:
+        since = 0 if any(carries_prefill(before, item) for item in plan.scheduled) else since + 1
+    requests = before.requests
+    left = {item.request_id for item in plan.scheduled} | set(plan.preempted)
+    unsampled = {r for r in cadence.unsampled if r in requests and r not in left}
+    for item in plan.scheduled:  # a chunk that stops one token short of a sequence past the prompt
+        request = requests.get(item.request_id)
+        end = item.num_computed_tokens + item.num_sequence_tokens
+        if request is not None and end == request.num_tokens - 1 and end >= request.prompt_len:
+            unsampled.add(item.request_id)
+    bound = cadence.capacity_bound
+    if not plan.preempted and not prefill_held(before, config):
+        passed_over = sum(1 for r in waiting if r in requests and requests[r].grammar_ready_step is not None
+                          and requests[r].admitted_step is None)
+        bound = len(waiting) > passed_over
+    return PrefillCadence(since, bound, frozenset(unsampled))
 
 
 @attrs.frozen(slots=True)

@@ -17,7 +17,7 @@ it changes). The client's actions happen between steps: a request **arrives**
   ``prefix-hit-is-cached-chain``, ``prefix-hit-longest``, ``drafts-only-in-decodes``,
   ``drafts-are-proposed``, ``drafts-within-max-model-len``; the per-step limits, which constrain
   nothing while their options are off: ``active-sequence-cap``, ``lora-limit``,
-  ``grammar-ready-before-admission``, ``watermark``; and with a step in flight (asynchronous
+  ``grammar-ready-before-admission``, ``watermark``, ``prefill-cadence``; and with a step in flight (asynchronous
   scheduling) also ``in-flight-foreseen-length``, ``in-flight-blocks-held-when-planned``,
   ``in-flight-arrivals-wait`` and ``wasted-item-continues``.
 - :func:`sample`: a request whose chunk reached the end of its sequence appends its accepted drafts and
@@ -38,6 +38,10 @@ the client aborted after (:func:`abort_request`), and the blocks they freed. The
 still compute for those requests: :func:`apply_plan` skips those items (their tokens are **wasted**:
 ``StepResult.num_wasted_tokens``) and records step n + 1 as in flight in the state after it
 (:func:`in_flight_after`). Without a step in flight (``in_flight is None``) every action is as above.
+
+**The prefill cadence** (``prefill_schedule_interval`` > 1, vLLM 0.33): :func:`apply_plan` also records the
+step history the cadence reads in the state after (``prefill_cadence``,
+:func:`~schedspec.spec.state.cadence_after`); with the option off the state has none.
 
 Each action of a step updates a :class:`StepInProgress`, a working copy of the state that the step
 turns into the next :class:`SchedulerState`. Nothing else is mutated.
@@ -63,6 +67,7 @@ from schedspec.spec.state import (
     SchedulerState,
     SpeculativeOutput,
     StepPlan,
+    cadence_after,
     landed_plan,
     samples_this_step,
 )
@@ -462,6 +467,9 @@ def apply_plan(
         for request_id, drafts in speculative.draft_token_ids.items():
             propose_drafts(step, request_id, drafts, sampled)
     result = step.end()
+    if config.prefill_schedule_interval > 1:  # the cadence's step history (off: the state has none)
+        cadence = cadence_after(state, plan, result.state.waiting, config)
+        result = attrs.evolve(result, state=attrs.evolve(result.state, prefill_cadence=cadence))
     if state.in_flight is None:
         return result
     return attrs.evolve(result, state=attrs.evolve(result.state, in_flight=in_flight_after(state, plan, result)),

@@ -41,7 +41,7 @@ from test_engine_vllm import (  # the 0.32 tests' helpers, shared (tests/ is on 
 from schedspec.engines.vllm import EngineUnavailable, VllmAsyncScheduler, VllmScheduler
 from schedspec.reference.engine import Engine
 from schedspec.reference.scenarios import load_scenario, replay
-from schedspec.reference.scheduler import make_scheduler
+from schedspec.reference.scheduler import UnsupportedFeature, make_scheduler
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.workload import RequestSpec
 
@@ -204,3 +204,20 @@ def test_the_version_is_in_the_run_conditions() -> None:
          str(CASES["kv-pressure-no-thrash"])], capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert replayed.returncode == 0, replayed.stdout + replayed.stderr
     assert "on vllm-priority@0.33 (vllm 0.33.0)" in replayed.stdout
+
+
+def test_the_prefill_cadence_holds_on_033_and_is_refused_by_032() -> None:
+    """vLLM 0.33's local prefill cadence (``prefill_schedule_interval``), on the real scheduler: the bundled
+    scenario (B held through steps 1 and 2, admitted at step 3) meets every expectation and vLLM's view equals
+    the spec's state after every step; 0.32 obeys the option only under a data-parallel engine core, so
+    its adapter refuses it before starting vLLM (exit 3)."""
+    stem = "limit-prefill-cadence-holds-prefills"
+    scheduler, result = _replay_checked(CASES[stem], "vllm@0.33")  # one vLLM start: view and spec compared
+    assert result.ok, [str(v) for v in result.violations[:3]]
+    assert scheduler.mismatches == [] and scheduler.compared >= result.num_steps
+    admitted = {s.request_id: r.step for r in reversed(result.records) for s in r.scheduled}
+    assert admitted == {"A": 0, "B": 3}  # a cadence-blind scheduler admits B at step 1
+    config = SchedulerConfig.from_dict(load_scenario(CASES[stem]).config)
+    for name in ("vllm", "vllm-priority@0.32", "vllm-async@0.33"):
+        with pytest.raises(UnsupportedFeature, match="prefill_schedule_interval=3"):
+            make_scheduler(name, config)

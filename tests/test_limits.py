@@ -12,17 +12,33 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import attrs
 import pytest
 
 from schedspec.reference import policies
 from schedspec.reference.scenarios import load_scenario, replay
-from schedspec.reference.scheduler import ALL_PROPERTIES, ReferenceScheduler
+from schedspec.reference.scheduler import (
+    ALL_PROPERTIES,
+    ReferenceScheduler,
+    UnsupportedFeature,
+    make_scheduler,
+)
 from schedspec.reference.vllm_v1 import plan_vllm_v1
 from schedspec.spec.config import ConfigError, SchedulerConfig
 from schedspec.spec.request import Request, RequestStatus
 from schedspec.spec.rules import violated_rules
-from schedspec.spec.state import ScheduledRequest, SchedulerState, StepPlan
+from schedspec.spec.state import (
+    PrefillCadence,
+    ScheduledRequest,
+    SchedulerState,
+    StepPlan,
+    cadence_after,
+    carries_prefill,
+    is_prefill_chunk,
+    prefill_held,
+)
 from schedspec.spec.trace import record_schema_errors
+from schedspec.spec.transitions import apply_plan
 from schedspec.spec.workload import RequestSpec
 
 CASES = Path(__file__).resolve().parents[1] / "schedspec" / "data" / "cases"
@@ -383,3 +399,123 @@ def test_the_floor_scenario_fails_when_the_floor_is_ignored() -> None:
     _passes_on(scenario, "fcfs", "priority", "vllm-v1", "vllm-v1@0.33")
     failed = {v.name for v in replay(scenario, "test_limits:_floor_blind").verdicts if not v.passed}
     assert any(name.startswith("first_token_by_step") for name in failed), failed
+
+
+# ------------------------------------------------------------------------ the prefill cadence (0.33)
+def _running_prefill() -> Request:
+    """Running, 4 of its 12 prompt tokens computed (a prefill chunk in flight across steps), on block 2."""
+    return Request("p", 0, tuple(range(200, 212)), max_tokens=2, status=RequestStatus.RUNNING,
+                   num_computed_tokens=4, block_ids=(2,), admitted_step=0)
+
+
+def _held_state(since: int = 0, bound: bool = False, *running: Request) -> SchedulerState:
+    return attrs.evolve(_state(_waiting("b", 0, 8), running=running or (_running_a(),)),
+                        prefill_cadence=PrefillCadence(since, bound))
+
+
+def case_prefill_cadence():
+    # interval 3, the last prefill one executed step back (0 + 1 < 3), a decodes: held. Admitting b is a prefill;
+    # so is p's next chunk. The decode alone is fine.
+    config = CONFIG.with_changes(prefill_schedule_interval=3)
+    state = _held_state(0, False, _running_a(), _running_prefill())
+    bad = StepPlan(scheduled=(ScheduledRequest("a", 4, 1), ScheduledRequest("p", 4, 4, (3,)),
+                              ScheduledRequest("b", 0, 8, (4, 5))))
+    good = StepPlan(scheduled=(ScheduledRequest("a", 4, 1),))
+    return state, bad, good, config
+
+
+LIMIT_RULE_CASES["prefill-cadence"] = case_prefill_cadence
+
+
+def test_a_held_step_carries_no_prefill_and_which_steps_are_held() -> None:
+    state, bad, good, config = case_prefill_cadence()
+    assert [(v.name, v.request_id) for v in violated_rules(state, bad, config)] == [
+        ("prefill-cadence", "p"), ("prefill-cadence", "b")]
+    assert violated_rules(state, good, config) == []
+    assert prefill_held(state, config)
+    assert not prefill_held(state, CONFIG)  # interval 1: off
+    assert prefill_held(_held_state(1), config) and not prefill_held(_held_state(2), config)  # 2 + 1 = 3 steps
+    assert not prefill_held(_held_state(0, True), config)  # the last release step left the queue backed up
+    assert not prefill_held(_held_state(0, False, _running_prefill()), config)  # nothing decodes
+    assert not prefill_held(attrs.evolve(state, prefill_cadence=None), config)  # the first step is never held
+    # a full prefix-cache hit leaves one token to compute: no prefill (vLLM's gate, num_tokens - 1)
+    assert not carries_prefill(state, ScheduledRequest("b", 7, 1))
+    assert carries_prefill(state, ScheduledRequest("b", 6, 2))
+
+
+def test_the_cadence_counts_executed_steps_and_records_the_capacity_bound() -> None:
+    _, _, _, config = case_prefill_cadence()
+    held = _held_state(0)
+    decode = StepPlan(scheduled=(ScheduledRequest("a", 4, 1),))
+    # a held decode-only step: one more executed step, the bound is not recomputed
+    assert cadence_after(held, decode, ("b",), config) == PrefillCadence(1, False)
+    # a released step (2 back) that decodes only and leaves b waiting: backed up
+    released = _held_state(2)
+    assert cadence_after(released, decode, ("b",), config) == PrefillCadence(3, True)
+    # one that admits b: the count restarts, the queue is drained
+    admit = StepPlan(scheduled=(*decode.scheduled, ScheduledRequest("b", 0, 8, (2, 3))))
+    assert cadence_after(released, admit, (), config) == PrefillCadence(0, False)
+    # an empty step is not executed; a preemption step does not recompute the bound
+    assert cadence_after(released, StepPlan(), ("b",), config) == PrefillCadence(2, True)
+    assert cadence_after(released, StepPlan(scheduled=decode.scheduled, preempted=("x",)), ("b",),
+                         config) == PrefillCadence(3, False)
+    assert cadence_after(held, decode, ("b",), CONFIG) is None  # off: no history
+    # a structured-output request never admitted is in vLLM's deferred_waiting from its arrival: not backed up
+    grammar = attrs.evolve(released, requests={**released.requests, "b": attrs.evolve(
+        released.requests["b"], grammar_ready_step=0)})
+    assert cadence_after(grammar, decode, ("b",), config) == PrefillCadence(3, False)
+
+
+def test_a_recompute_chunk_one_token_short_stays_a_prefill_chunk() -> None:
+    """vLLM's is_prefill_chunk of a resumed request whose chunk stops one token short of its sequence is true,
+    though the spec's request then looks like a decode: the cadence remembers it (``unsampled``), so a step
+    with only that request running is not held (nothing decodes), and its next token restarts the count."""
+    _, _, _, config = case_prefill_cadence()
+    resumed = Request("c", 0, (1, 2, 3, 4), max_tokens=4, output_token_ids=(7, 8))  # 6 tokens, all to recompute
+    state = attrs.evolve(_state(resumed), prefill_cadence=PrefillCadence(0))
+    chunk = StepPlan(scheduled=(ScheduledRequest("c", 0, 5, (0, 1)),))  # 5 of 6: one short, nothing sampled
+    after = apply_plan(state, chunk, {}, config).state
+    assert after.requests["c"].is_decode and is_prefill_chunk(after, "c")
+    assert after.prefill_cadence == PrefillCadence(0, False, frozenset({"c"}))
+    assert not prefill_held(after, config)  # vLLM: no running request is past its prefill
+    last = StepPlan(scheduled=(ScheduledRequest("c", 5, 1),))
+    assert carries_prefill(after, last.scheduled[0])
+    assert apply_plan(after, last, {"c": 9}, config).state.prefill_cadence == PrefillCadence(0, False)
+
+
+def test_the_cadence_is_validated_and_left_out_of_traces_while_off() -> None:
+    for value in (0, True, 1.5, "2"):
+        with pytest.raises(ConfigError) as error:
+            CONFIG.with_changes(prefill_schedule_interval=value)
+        assert error.value.field == "prefill_schedule_interval"
+    assert "prefill_schedule_interval" not in CONFIG.to_dict()
+    assert CONFIG.with_changes(prefill_schedule_interval=4).limits_on == ("prefill_schedule_interval",)
+
+
+@pytest.mark.parametrize("plan", [policies.fcfs, lambda s, c: plan_vllm_v1(s, c, version="0.33")],
+                         ids=["fcfs", "vllm-v1@0.33"])
+def test_the_policies_hold_prefills_on_a_held_step(plan) -> None:
+    state, _, _, config = case_prefill_cadence()
+    assert [i.request_id for i in plan(state, config).scheduled] == ["a"]
+    released = attrs.evolve(state, prefill_cadence=PrefillCadence(2))
+    assert [i.request_id for i in plan(released, config).scheduled] == ["a", "p", "b"]
+
+
+@pytest.mark.parametrize("name", ["vllm-v1", "vllm-v1-priority", "priority"])
+def test_schedulers_that_do_not_follow_the_cadence_refuse_it(name: str) -> None:
+    config = CONFIG.with_changes(prefill_schedule_interval=2)
+    with pytest.raises(UnsupportedFeature, match="prefill_schedule_interval=2"):
+        make_scheduler(name, config)
+
+
+def _cadence_blind(config: SchedulerConfig) -> ReferenceScheduler:
+    """fcfs that ignores ``prefill_schedule_interval`` (a deliberate break)."""
+    return ReferenceScheduler(config, lambda state, c: policies.fcfs(state, c.with_changes(prefill_schedule_interval=1)),
+                              "fcfs-cadence-blind", ALL_PROPERTIES)
+
+
+def test_the_cadence_scenario_fails_when_the_cadence_is_ignored() -> None:
+    scenario = load_scenario(CASES / "limit-prefill-cadence-holds-prefills.json")
+    _passes_on(scenario, "fcfs", "vllm-v1@0.33", "vllm-v1-priority@0.33")
+    verdicts = {v.name: v for v in replay(scenario, "test_limits:_cadence_blind").verdicts}
+    assert not verdicts["invariants"].passed and "prefill-cadence" in verdicts["invariants"].detail

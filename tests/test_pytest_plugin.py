@@ -13,7 +13,7 @@ import importlib.metadata
 import pytest
 
 from schedspec.reference.scenarios import bundled_scenarios, load_scenario
-from schedspec.reference.scheduler import SCHEDULERS
+from schedspec.reference.scheduler import CADENCE_PLANS, REGISTRY, SCHEDULERS
 
 pytest_plugins = ["pytester"]
 
@@ -43,6 +43,11 @@ GRAMMAR_SCENARIOS = [p for p in bundled_scenarios()
                      if any(r.grammar_compile_steps is not None for r in load_scenario(p).requests)]
 """The bundled scenarios with structured output (which fcfs-fast refuses)."""
 
+CADENCE_SCENARIOS = [p for p in bundled_scenarios()
+                     if load_scenario(p).config.get("prefill_schedule_interval", 1) > 1]
+"""The bundled scenarios with vLLM 0.33's prefill cadence (which the schedulers outside
+``CADENCE_PLANS`` refuse; fcfs-fast runs fcfs with it)."""
+
 
 NO_SHRINK_PROFILE = """
 from hypothesis import Phase, settings
@@ -68,7 +73,10 @@ def test_suite_passes_every_reference_policy(pytester: pytest.Pytester, name: st
     assert NEEDS_PREFIX_CACHING
     # fcfs-fast refuses structured output (a request with grammar_compile_steps): those scenarios skip
     refused = len(GRAMMAR_SCENARIOS) if name == "fcfs-fast" else 0
-    assert GRAMMAR_SCENARIOS
+    assert GRAMMAR_SCENARIOS and CADENCE_SCENARIOS
+    # the schedulers that do not follow the prefill cadence refuse its scenarios
+    if name != "fcfs-fast" and REGISTRY[name].plan not in CADENCE_PLANS:
+        refused += len(CADENCE_SCENARIOS)
     assert outcomes["passed"] == 1 + len(bundled_scenarios()) - refused
     assert outcomes.get("skipped", 0) == refused
 

@@ -478,6 +478,10 @@ def _make_recording_class(base: type) -> type:
                         ("watermark", 0.0), ("max_num_active_seqs", None),
                         ("long_prefill_token_threshold_adaptive", False))
                        if getattr(scheduler_config, name, off) != off},
+                    # vLLM 0.33's local prefill cadence, only where this scheduler applies it (0.32 has the
+                    # option but no local_prefill_interval: only a data-parallel engine core obeys it there)
+                    **({"prefill_schedule_interval": self.local_prefill_interval}
+                       if getattr(self, "local_prefill_interval", 1) > 1 else {}),
                 },
                 "scheduler": f"vllm {_vllm_version()} {base.__name__} policy={scheduler_config.policy} "
                              f"(recorded by schedspec_vllm_recorder)",
