@@ -75,7 +75,9 @@ the radix cache, the policy and the ratio tracker are SGLang's (``sglang_worker.
 
 **Refused** (:class:`~schedspec.reference.scheduler.UnsupportedFeature`, CLI exit 3): prefix caching
 (the radix tree is not mapped onto the spec's cache yet), speculative decoding,
-``long_prefill_token_threshold > 0`` (SGLang has no such limit), and aborting a request SGLang has
+``long_prefill_token_threshold > 0`` (SGLang has no such limit), vLLM's per-step limits
+(``max_loras``, ``watermark``, ``max_num_active_seqs``, the threshold floor, ``prefill_schedule_interval``)
+and requests with a LoRA adapter or structured output, and aborting a request SGLang has
 admitted (its ``abort_request`` finishes it at the next result, not at once).
 
 ``guarantees`` is empty: SGLang promises none of the spec's trace properties.
@@ -90,7 +92,7 @@ from pathlib import Path
 from schedspec.reference.scheduler import EngineFault, EngineView, UnsupportedFeature
 from schedspec.spec.admission import rejection_reason
 from schedspec.spec.config import SchedulerConfig
-from schedspec.spec.request import Request
+from schedspec.spec.request import Request, printable
 from schedspec.spec.state import ScheduledRequest, StepPlan
 from schedspec.spec.workload import token_ids
 
@@ -171,8 +173,9 @@ class SglangScheduler(_WorkerClient):
             (config.speculative, "speculative decoding (num_speculative_tokens>0)"),
             (config.long_prefill_token_threshold > 0,
              f"long_prefill_token_threshold={config.long_prefill_token_threshold}: SGLang has no such limit"),
-            (config.prefill_schedule_interval > 1,
-             f"prefill_schedule_interval={config.prefill_schedule_interval}: vLLM 0.33's prefill cadence, not SGLang's"),
+            (config.limits_on,
+             f"{', '.join(config.limits_on)}: vLLM's per-step limits (spec.config.LIMIT_DEFAULTS), which SGLang "
+             "0.5.23 does not apply (prefill_schedule_interval is vLLM 0.33's prefill cadence)"),
         ):
             if refused:
                 raise UnsupportedFeature(f"scheduler {self.name!r}: {why}")
@@ -198,6 +201,10 @@ class SglangScheduler(_WorkerClient):
     def add_request(self, request: Request) -> None:
         """The front end's checks (:func:`front_end_rejection`), then ``handle_generate_request`` in the
         worker (module docstring)."""
+        if request.lora_int_id is not None or request.grammar_ready_step is not None:
+            raise UnsupportedFeature(f"scheduler {self.name!r}: request {printable(request.request_id)} has a LoRA "
+                                     "adapter or structured output (lora_int_id, grammar_compile_steps), which the "
+                                     "adapter does not pass to SGLang")
         self.requests[request.request_id] = request
         refused = front_end_rejection(request, self.config)
         if refused is not None:

@@ -43,6 +43,11 @@ def test_no_environment_is_a_missing_feature_and_a_wrong_variable_unusable_input
     ({"enable_prefix_caching": True}, "prefix caching"),
     ({"num_speculative_tokens": 2}, "speculative decoding"),
     ({"long_prefill_token_threshold": 8}, "long_prefill_token_threshold=8"),
+    ({"max_loras": 1}, "max_loras: vLLM's per-step limits"),
+    ({"watermark": 0.1}, "watermark: vLLM's per-step limits"),
+    ({"max_num_active_seqs": 1}, "max_num_active_seqs: vLLM's per-step limits"),
+    ({"long_prefill_token_threshold_adaptive": True}, "long_prefill_token_threshold_adaptive: vLLM's"),
+    ({"prefill_schedule_interval": 2}, "prefill_schedule_interval: vLLM's per-step limits"),
 ])
 def test_features_sglang_lacks_are_refused_before_the_worker_starts(changes, refused, monkeypatch, tmp_path) -> None:
     monkeypatch.setattr(sglang, "DEFAULT_PYTHON", tmp_path / "none" / "python")  # never reached
