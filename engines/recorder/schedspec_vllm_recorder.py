@@ -751,11 +751,11 @@ def _make_recording_class(base: type, asynchronous: bool = False) -> type:
                 # spec orders them after this step, unless the token this step sampled ends the request
                 tokens = dict(sampled)
                 for request_id in [r for r in self._aborts if r in tokens]:
+                    self.recorder_aborts_in_flight += 1
                     _, request = self._abort_requests[request_id]
                     reason = _spec_stop_reason(self._stop_rule, request, tokens[request_id], self._max_model_len)
                     if reason is not None:
                         self._aborts.remove(request_id)
-                        self.recorder_aborts_in_flight += 1
                         finished.append((request_id, reason))
                         table = self._aborted_freed.pop(request_id, None)
                         if table:
