@@ -760,6 +760,13 @@ def _make_recording_class(base: type, asynchronous: bool = False) -> type:
                         table = self._aborted_freed.pop(request_id, None)
                         if table:
                             freed[request_id] = table
+            if newer is not None:
+                for request_id, _ in finished:
+                    if request_id not in freed and request_id in newer["preempted"] and request_id in newer["freed"]:
+                        # the newer plan preempted it before this update ended it (its stale token, vLLM
+                        # Scheduler._preempt_request): the spec ends it here, with its blocks, and the newer
+                        # plan's preemption of an ended request frees nothing (spec landed_plan)
+                        freed[request_id] = newer["freed"].pop(request_id)
             new_blocks = {item[0]: set(item[3][item[4]:]) for item in newer["items"]} if newer is not None else {}
             kept: dict[str, list[int]] = {}
             for request_id, table in freed.items():
