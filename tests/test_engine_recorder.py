@@ -84,12 +84,12 @@ def priority_requests(window) -> list[dict]:
 
 def async_scheduling_requests(window) -> list[dict]:
     """The async-scheduling run's requests: the first 14 of the window that fit ``max_model_len``
-    :data:`PRIORITY_MAX_MODEL_LEN`, on the ``llm`` runs' step clock (:func:`sync_requests`); every seventh
-    client aborts after 5 tokens, every other one of those while a step is in flight."""
+    :data:`PRIORITY_MAX_MODEL_LEN`, on the ``llm`` runs' step clock (:func:`sync_requests`: clients 3 and 10
+    abort after 5 tokens); client 10's abort lands while a step is in flight (client 3 asks for 3 tokens
+    only, so it ends first)."""
     fitting = [spec for spec in window if spec.prompt_len + spec.max_tokens <= PRIORITY_MAX_MODEL_LEN][:14]
     requests = sync_requests(fitting)
-    for k, message in enumerate(requests):
-        message["abort_in_flight"] = k % 14 == 3
+    requests[10]["abort_in_flight"] = True
     return requests
 
 
@@ -268,6 +268,8 @@ def test_async_scheduling_engine_passes_check_and_its_faulty_twin_fails(recorded
     assert report.violations == [] and report.steps_checked == len(records) > 40
     assert any(r.wasted_tokens for r in records) and any(r.aborted for r in records)
     assert any(r.preempted for r in records) and any(r.finished for r in records)
+    run = next(line for line in recorded[1].splitlines() if line.startswith(f"RUN {path} "))
+    assert "aborts_in_flight=1" in run, run  # the abort landed before the update of a step that sampled it
     _, bad = load(recorded[0]["async-faulty"])
     report = check_trace(config, bad, async_scheduling=True, allow_unfinished=True)
     assert report.first_bad_step == first_late_length(bad)

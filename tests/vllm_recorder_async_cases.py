@@ -10,7 +10,7 @@ plan already holds them (wasted work), in a KV cache small enough to preempt.
 Usage: ``python vllm_recorder_async_cases.py FOLDER SEED [VLLM_DIR]``: runs the workload of ``SEED`` twice,
 with the recorder alone (``FOLDER/correct.jsonl``) and with a faulty scheduler (``FOLDER/faulty.jsonl``):
 it plans over placeholders as if every request's ``max_tokens`` were one more than it asked for
-(:class:`OneTokenTooMany`), so it ends requests one token late and plans a step past the length the
+(:class:`OneTokenTooMany`, the whole-engine driver's), so it ends requests one token late and plans a step past the length the
 in-flight step reaches. Prints ``RUN <name> {json}`` for each (steps, wasted items, preemptions, aborts,
 finish reasons, aborts that landed while their step was in flight). VLLM_DIR (e.g. ``.vllm033``) is put
 first on ``sys.path``, as the worker's ``--path-ahead``.
@@ -35,7 +35,8 @@ ahead = ["--path-ahead", sys.argv[3]] if len(sys.argv) > 3 else []
 saved, sys.argv = sys.argv, [str(ROOT / "engines" / "vllm_worker.py"), *ahead]
 spec.loader.exec_module(worker_module)
 sys.argv = saved
-import schedspec_vllm_recorder as recorder  # noqa: E402  (the worker put its folder on sys.path)
+import drive_vllm_engine  # noqa: E402  (the worker put the recorder's folder on sys.path)
+import schedspec_vllm_recorder as recorder  # noqa: E402
 
 CONFIG = {"block_size": 16, "num_kv_blocks": 12, "max_model_len": 256, "max_num_seqs": 4,
           "max_num_batched_tokens": 64, "enable_chunked_prefill": True, "long_prefill_token_threshold": 0,
@@ -53,14 +54,9 @@ class OnAsyncPlatform(recorder.RecordingAsyncScheduler):
         super()._recorder_init()
 
 
-class OneTokenTooMany(OnAsyncPlatform):
-    """A faulty scheduler: after the recorder has written a request's arrival (its real ``max_tokens``), the
-    scheduler counts one more, so its plans over placeholders schedule a request the in-flight step brings
-    to its ``max_tokens`` (the spec's rule ``in-flight-foreseen-length``), and it ends one token late."""
-
-    def add_request(self, request):
-        super().add_request(request)
-        request.max_tokens += 1
+class OneTokenTooMany(OnAsyncPlatform, drive_vllm_engine.OneTokenTooMany):
+    """The whole-engine driver's faulty scheduler (``engines/recorder/drive_vllm_engine.py``: it counts one
+    token more than each request's ``max_tokens``), with the platform's setting as above."""
 
 
 def run(name: str, base: type) -> None:
