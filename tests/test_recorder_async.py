@@ -64,6 +64,12 @@ def test_async_engine_log_passes_check(runs):
     assert wasted and seen["wasted"] == len(wasted)
     assert seen["preempted"] and seen["aborts"] and seen["aborts_in_flight"]
     assert {"stop", "length"} <= set(seen["finished"])
+    # a request that stopped while the next plan gave it a new block: that block is the wasted item's
+    grown = [(record.step, r) for before, record in zip(records, records[1:]) for r in record.wasted_tokens
+             if r in before.finished and r in record.blocks_allocated]
+    assert grown
+    for step, request_id in grown:
+        assert records[step].blocks_freed[request_id] == records[step].blocks_allocated[request_id]
     # the same log judged as a synchronous engine's is not legal: the wasted items make it illegal
     assert check_trace(config, records).violations
 

@@ -5,7 +5,8 @@ order ``EngineCore.step_with_batch_queue`` (vllm/v1/engine/core.py, vLLM 0.32) c
 planned before step n's update, a batch queue of two, aborts both between engine steps (the input queue)
 and while a step is in flight, just before its update (``_process_aborts_queue``). Tokens are drawn from a
 seeded generator, with each request's ``eos_token_id`` often enough that requests stop while the next
-plan already holds them (wasted work), in a KV cache small enough to preempt.
+plan already holds them (wasted work), and half the time when that plan gave the request a new block (which
+vLLM frees with the request), in a KV cache small enough to preempt.
 
 Usage: ``python vllm_recorder_async_cases.py FOLDER SEED [VLLM_DIR]``: runs the workload of ``SEED`` twice,
 with the recorder alone (``FOLDER/correct.jsonl``) and with a faulty scheduler (``FOLDER/faulty.jsonl``):
@@ -100,7 +101,11 @@ def run(name: str, base: type) -> None:
             aborts += 1
         ids = list(output.num_scheduled_tokens)
         sampling = set(samplers.pop(id(output)))
-        tokens = [[EOS if rng.random() < 0.05 else rng.randrange(3, 1000)] if r in sampling else [] for r in ids]
+        # a request the newer plan (already made) gave a new block stops here half the time: its wasted item
+        # then holds blocks that vLLM frees with the request in this update
+        grown = {item[0] for item in recorder.scheduled_items(queue[-1], 16) if item[3] and not item[4]} if queue else set()
+        tokens = [[EOS if rng.random() < (0.5 if r in grown else 0.05) else rng.randrange(3, 1000)] if r in sampling
+                  else [] for r in ids]
         s.update_from_output(output, ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                                                        sampled_token_ids=tokens))
     s.finish_requests(None, RequestStatus.FINISHED_ABORTED)  # as EngineCore.shutdown
