@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -65,7 +66,7 @@ def test_async_engine_log_passes_check(runs):
     assert seen["preempted"] and seen["aborts"] and seen["aborts_in_flight"]
     assert {"stop", "length"} <= set(seen["finished"])
     # a request that stopped while the next plan gave it a new block: that block is the wasted item's
-    grown = [(record.step, r) for before, record in zip(records, records[1:]) for r in record.wasted_tokens
+    grown = [(record.step, r) for before, record in pairwise(records) for r in record.wasted_tokens
              if r in before.finished and r in record.blocks_allocated]
     assert grown
     for step, request_id in grown:
