@@ -82,6 +82,17 @@ def priority_requests(window) -> list[dict]:
     return requests
 
 
+def async_scheduling_requests(window) -> list[dict]:
+    """The async-scheduling run's requests: the first 14 of the window that fit ``max_model_len``
+    :data:`PRIORITY_MAX_MODEL_LEN`, on the ``llm`` runs' step clock (:func:`sync_requests`: clients 3 and 10
+    abort after 5 tokens); client 10's abort lands while a step is in flight (client 3 asks for 3 tokens
+    only, so it ends first)."""
+    fitting = [spec for spec in window if spec.prompt_len + spec.max_tokens <= PRIORITY_MAX_MODEL_LEN][:14]
+    requests = sync_requests(fitting)
+    requests[10]["abort_in_flight"] = True
+    return requests
+
+
 PRIORITY_MAX_MODEL_LEN = 512
 """The priority run's ``max_model_len``: 16 usable blocks of 32 tokens (vLLM wants one request of
 ``max_model_len`` tokens to fit the KV cache)."""
@@ -116,7 +127,10 @@ def recorded(tmp_path_factory):
     model = save_model_dir(folder / "model", config, random_weights(config, 0))
     window = workload(start=600, max_requests=40)
     engine = dict(ENGINE, model=str(model))
-    traces = {name: folder / f"{name}.jsonl" for name in ("fcfs", "faulty", "priority", "priority-async", "disk-full")}
+    async_engine = dict(engine, enable_prefix_caching=False, num_gpu_blocks_override=17,
+                        max_model_len=PRIORITY_MAX_MODEL_LEN)
+    traces = {name: folder / f"{name}.jsonl" for name in ("fcfs", "faulty", "priority", "priority-async", "disk-full",
+                                                          "async-scheduling", "async-faulty")}
     runs = [
         {"trace": str(traces["priority-async"]), "mode": "async", "faulty": None,
          # fewer blocks than the llm runs: its clients arrive on the wall clock, so the load is less
@@ -134,6 +148,12 @@ def recorded(tmp_path_factory):
          "engine": dict(engine, scheduling_policy="priority", num_gpu_blocks_override=17,
                         max_model_len=PRIORITY_MAX_MODEL_LEN),
          "requests": priority_requests(window)},
+        # async scheduling (vLLM's AsyncScheduler, a batch queue of two; prefix caching off, which the recorder
+        # refuses there), and its faulty twin, which ends requests one token past max_tokens
+        {"trace": str(traces["async-scheduling"]), "mode": "llm", "faulty": None, "async_scheduling": True,
+         "engine": async_engine, "requests": async_scheduling_requests(window)},
+        {"trace": str(traces["async-faulty"]), "mode": "llm", "faulty": "one-token-too-many", "async_scheduling": True,
+         "engine": async_engine, "requests": async_scheduling_requests(window), "max_steps": 80},
         # the recorder's writer thread fails (the disk fills up) before step 10: the error must surface
         {"trace": str(traces["disk-full"]), "mode": "llm", "faulty": None, "engine": engine,
          "requests": sync_requests(window)[:6], "disk_full_at_step": 10},
@@ -230,6 +250,29 @@ def test_faulty_twin_fails_at_the_faulty_step(recorded):
     assert report.first_bad_step == first_abort
     assert [v for v in report.violations if "num_free_blocks" in v.detail], report.violations
     assert check_trace(config, good[:first_abort], allow_unfinished=True).violations == []
+
+
+def test_async_scheduling_engine_passes_check_and_its_faulty_twin_fails(recorded):
+    """A whole engine with vLLM's ``AsyncScheduler`` (plan n + 1 before update n: a batch queue of two,
+    the CPU platform's refusal of async scheduling lifted while it is built, ``drive_vllm_engine._AsyncOnCpu``)
+    recorded by ``RecordingAsyncScheduler``: its log says ``async_scheduling``, has wasted items (aborted
+    requests the next plan held) and passes ``check``; the twin that ends requests one token past
+    ``max_tokens`` fails at the first step where a request samples its ``max_tokens``-th token and is not
+    ended (counted from its trace alone)."""
+    from test_recorder_async import first_late_length
+
+    path = recorded[0]["async-scheduling"]
+    assert open_trace(path).async_scheduling and not load(path)[0].enable_prefix_caching
+    config, records = load(path)
+    report = check_trace(config, records, async_scheduling=True)
+    assert report.violations == [] and report.steps_checked == len(records) > 40
+    assert any(r.wasted_tokens for r in records) and any(r.aborted for r in records)
+    assert any(r.preempted for r in records) and any(r.finished for r in records)
+    run = next(line for line in recorded[1].splitlines() if line.startswith(f"RUN {path} "))
+    assert "aborts_in_flight=1" in run, run  # the abort landed before the update of a step that sampled it
+    _, bad = load(recorded[0]["async-faulty"])
+    report = check_trace(config, bad, async_scheduling=True, allow_unfinished=True)
+    assert report.first_bad_step == first_late_length(bad)
 
 
 def test_whole_engine_decisions_equal_the_standalone_adapter(recorded):

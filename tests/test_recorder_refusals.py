@@ -105,6 +105,19 @@ def test_options_the_spec_cannot_judge_are_refused_at_start(cases, case, option)
     assert option in (cases[case]["error"] or ""), cases[case]
 
 
+def test_async_scheduling_is_recorded_by_its_own_class(cases):
+    """``RecordingScheduler`` refuses ``async_scheduling`` (naming the async class), the async class refuses
+    it off; with it, prefix caching (not planned over placeholders by the spec) and pipeline parallelism are
+    refused, and async scheduling's own two batches (``VllmConfig.max_concurrent_batches``) are accepted,
+    with ``async_scheduling`` in the header."""
+    found = cases["init-async"]
+    assert "RecordingAsyncScheduler" in (found["sync-class"] or ""), found
+    assert "needs async_scheduling on" in (found["async-class-off"] or ""), found
+    assert "prefix caching" in (found["async-caching"] or ""), found
+    assert "pipeline_parallel_size=2" in (found["async-pipeline"] or ""), found
+    assert found["max_concurrent_batches"] == 2 and found["header_async"] is True, found
+
+
 @pytest.mark.parametrize(("case", "field"), [("add-resumable", "resumable"),
                                              ("add-structured", "structured_outputs"),
                                              ("add-repetition", "repetition_detection")])

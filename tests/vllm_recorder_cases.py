@@ -52,14 +52,14 @@ def refused(call) -> str | None:
     return None
 
 
-def rebuild(scheduler, *, kv_cache_config=None, **changes):
-    """A RecordingScheduler over ``scheduler``'s configs with ``changes`` (dotted: part.field) applied."""
+def rebuild(scheduler, *, kv_cache_config=None, cls=None, **changes):
+    """A RecordingScheduler (or ``cls``) over ``scheduler``'s configs with ``changes`` (part__field) applied."""
     config = scheduler.vllm_config
     for name, value in changes.items():
         part, field = name.split("__")
         object.__setattr__(getattr(config, part), field, value)
     fresh_trace()
-    return recorder.RecordingScheduler(vllm_config=config, kv_cache_config=kv_cache_config or scheduler.kv_cache_config,
+    return (cls or recorder.RecordingScheduler)(vllm_config=config, kv_cache_config=kv_cache_config or scheduler.kv_cache_config,
                                        structured_output_manager=scheduler.structured_output_manager,
                                        block_size=scheduler.block_size, log_stats=False)
 
@@ -97,6 +97,27 @@ def main() -> None:
         report(f"init-{option}", error=refused(lambda changes=changes: rebuild(base, **changes)))
         for k, v in saved.items():
             object.__setattr__(getattr(base.vllm_config, k.split("__")[0]), k.split("__")[1], v)
+    # -- async scheduling: each class only with its own setting; with it, prefix caching and pipeline
+    # parallelism refused, and the two batches async scheduling keeps accepted
+    asynchronous = recorder.RecordingAsyncScheduler
+    configs = base.vllm_config
+    saved = (configs.scheduler_config.async_scheduling, configs.cache_config.enable_prefix_caching)
+    found = {"sync-class": refused(lambda: rebuild(base, scheduler_config__async_scheduling=True)),
+             "async-class-off": refused(lambda: rebuild(base, cls=asynchronous, scheduler_config__async_scheduling=False)),
+             "async-caching": refused(lambda: rebuild(base, cls=asynchronous, scheduler_config__async_scheduling=True,
+                                                      cache_config__enable_prefix_caching=True)),
+             "async-pipeline": refused(lambda: rebuild(base, cls=asynchronous, scheduler_config__async_scheduling=True,
+                                                       cache_config__enable_prefix_caching=False,
+                                                       parallel_config__pipeline_parallel_size=2))}
+    object.__setattr__(configs.parallel_config, "pipeline_parallel_size", 1)
+    accepted = rebuild(base, cls=asynchronous, scheduler_config__async_scheduling=True,
+                       cache_config__enable_prefix_caching=False)
+    header = json.loads(Path(os.environ[recorder.TRACE_VARIABLE]).read_text().splitlines()[0])
+    accepted.shutdown()
+    report("init-async", **found, max_concurrent_batches=configs.max_concurrent_batches,
+           header_async=header.get("async_scheduling"))
+    object.__setattr__(configs.scheduler_config, "async_scheduling", saved[0])
+    object.__setattr__(configs.cache_config, "enable_prefix_caching", saved[1])
     import torch
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 

