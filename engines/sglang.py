@@ -201,7 +201,7 @@ class SglangScheduler(_WorkerClient):
     def add_request(self, request: Request) -> None:
         """The front end's checks (:func:`front_end_rejection`), then ``handle_generate_request`` in the
         worker (module docstring)."""
-        if request.lora_int_id is not None or request.grammar_ready_step is not None:
+        if request.lora_int_id or request.grammar_ready_step is not None:
             raise UnsupportedFeature(f"scheduler {self.name!r}: request {printable(request.request_id)} has a LoRA "
                                      "adapter or structured output (lora_int_id, grammar_compile_steps), which the "
                                      "adapter does not pass to SGLang")

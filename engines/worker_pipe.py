@@ -14,9 +14,9 @@ Protocol (the adapter side is ``schedspec.engines.vllm._WorkerProcess``):
 - Any other command ``op`` in ``ops`` calls the scheduler's method of that name with the message.
 - A command that fails sends ``{"error": traceback}`` as its reply; a failing command that does not
   reply makes the next reply **for the same handle** an error instead (another scheduler's command is
-  never answered with it). ``refused`` (an exception type) raised by ``build`` replies
-  ``{"refused": message}``: the engine's own config refused the configuration; raised by a command
-  that does not reply, it is that handle's pending error like any other failure.
+  never answered with it). ``refused`` (an exception type) raised by ``build`` (``init``) replies
+  ``{"refused": message}``: the engine's own config refused the configuration; raised by any other
+  command it is an error like any other failure (``refused`` may be as broad as ``ValueError``).
 """
 
 from __future__ import annotations
@@ -71,7 +71,8 @@ def serve(
                 raise RuntimeError(f"unknown op {op!r}")
         except Exception as error:  # noqa: BLE001  (every failure goes back to the adapter as text)
             if replies:
-                reply({"refused": str(error)} if isinstance(error, refused) else {"error": traceback.format_exc()})
+                refusal = op == "init" and isinstance(error, refused)  # the engine's config refused, nothing else
+                reply({"refused": str(error)} if refusal else {"error": traceback.format_exc()})
             elif handle not in pending_errors:
                 pending_errors[handle] = f"{op} {message.get('id')!r} failed: {traceback.format_exc()}"
             continue

@@ -519,3 +519,23 @@ def test_the_cadence_scenario_fails_when_the_cadence_is_ignored() -> None:
     _passes_on(scenario, "fcfs", "vllm-v1@0.33", "vllm-v1-priority@0.33")
     verdicts = {v.name: v for v in replay(scenario, "test_limits:_cadence_blind").verdicts}
     assert not verdicts["invariants"].passed and "prefill-cadence" in verdicts["invariants"].detail
+
+
+def test_check_refuses_an_async_trace_with_the_prefill_cadence(tmp_path: Path) -> None:
+    """The cadence of a plan made while a step is in flight is not specified (``prefill_held`` never holds
+    one), so ``check`` refuses such a trace with exit 3 rather than pass whatever its cadence did; the same
+    header without async scheduling is judged (exit 0: an empty, legal trace)."""
+    from click.testing import CliRunner
+
+    from schedspec.cli import cli
+    from schedspec.spec.trace import header_line
+
+    config = SchedulerConfig(block_size=4, num_kv_blocks=16, max_num_batched_tokens=16, max_num_seqs=2,
+                             max_model_len=32, prefill_schedule_interval=2)
+    for asynchronous, status in ((True, 3), (False, 0)):
+        trace = tmp_path / f"cadence-{asynchronous}.jsonl"
+        trace.write_text(header_line(config, "vllm@0.33", async_scheduling=asynchronous) + "\n")
+        result = CliRunner().invoke(cli, ["check", str(trace)], prog_name="schedspec")
+        assert result.exit_code == status, result.output
+        if asynchronous:
+            assert "prefill_schedule_interval=2" in result.output and "Traceback" not in result.output

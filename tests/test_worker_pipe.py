@@ -30,6 +30,8 @@ WORKER = textwrap.dedent("""
                 raise Refused("refused in add")
             self.added.append(message["id"])
         def schedule(self, message):
+            if message.get("refuse"):
+                raise Refused("refused in schedule")
             return {"added": self.added}
 
     def build(message):
@@ -72,8 +74,10 @@ def test_refused_is_a_reply_only_for_commands_that_reply(tmp_path):
         {"op": "init", "handle": 2},
         {"op": "add", "handle": 2, "id": "refuse"},       # refused inside a silent command: no reply now
         {"op": "schedule", "handle": 2},                  # the pending error instead
+        {"op": "schedule", "handle": 2, "refuse": True},  # refused outside init: an error, not a refusal
     ])
     assert replies[0] == {"refused": "config refused"}
     assert replies[1] == {"built": 2}
     assert "error" in replies[2] and "refused in add" in replies[2]["error"]
-    assert len(replies) == 3
+    assert "error" in replies[3] and "refused in schedule" in replies[3]["error"]
+    assert len(replies) == 4

@@ -398,6 +398,10 @@ def _refuse_config(scheduler: Any, asynchronous: bool = False) -> None:
         raise RecorderError(
             "schedspec recorder: RecordingAsyncScheduler needs async_scheduling on (--async-scheduling); "
             "record a synchronous engine with schedspec_vllm_recorder.RecordingScheduler")
+    if async_scheduling and getattr(scheduler, "local_prefill_interval", 1) > 1:
+        raise RecorderError(f"schedspec recorder: prefill_schedule_interval={scheduler.local_prefill_interval} "
+                            "with async_scheduling: the spec does not specify vLLM 0.33's prefill cadence for "
+                            "plans made while a step is in flight (record it with --no-async-scheduling)")
     # async scheduling alone keeps two batches (vllm/config/vllm.py VllmConfig.max_concurrent_batches: 2 for
     # async_scheduling without pipeline parallelism): one plan ahead of its update, which the trace format says
     if parallel.pipeline_parallel_size > 1 or config.max_concurrent_batches > (2 if async_scheduling else 1):

@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from schedspec.cli_common import EXIT_CHECK_FAILED, fail, one_line, plural
+from schedspec.cli_common import EXIT_CHECK_FAILED, EXIT_UNSUPPORTED, fail, one_line, plural
 from schedspec.spec.checker import DEFAULT_PROPERTIES, CheckReport, check_trace
 from schedspec.spec.properties import PROPERTIES
 from schedspec.spec.state import SchedulerState
@@ -83,6 +83,12 @@ def command(trace: str, properties: tuple[str, ...], keep_going: bool, full: boo
             fail(f"--property {name!r}: unknown; known: {', '.join(sorted(PROPERTIES))}")
     try:
         opened = open_trace(trace)
+        if opened.async_scheduling and opened.config.prefill_schedule_interval > 1:
+            # spec/state.py prefill_held: the cadence of a plan made over placeholders is not specified, so
+            # such a trace would pass whatever the engine's cadence did
+            fail(f"{trace}: header: async_scheduling with prefill_schedule_interval="
+                 f"{opened.config.prefill_schedule_interval}: the spec does not specify vLLM's prefill cadence "
+                 "for plans made while a step is in flight", status=EXIT_UNSUPPORTED)
         report = check_trace(opened.config, opened.records(), DEFAULT_PROPERTIES + properties, keep_going,
                              incremental=not full, allow_unfinished=allow_unfinished,
                              async_scheduling=opened.async_scheduling)
