@@ -83,7 +83,8 @@ def block_hash(parent: str, token_ids: Sequence[int] | np.ndarray) -> str:
 
 def request_block_hash(request: Request, index: int, parent: str, block_size: int) -> str:
     """The hash of block ``index`` of the request's sequence (prompt plus output), given its parent's:
-    ``block_hash(parent, token ids of positions [index * block_size, (index + 1) * block_size))``.
+    ``block_hash(parent, token ids of positions [index * block_size, (index + 1) * block_size))``, with the
+    request's LoRA adapter (``lora_int_id``, when set) in the first block's key, as vLLM keys blocks by adapter.
 
     Memoized per request (:func:`~schedspec.spec.persistent.request_memo`, speed only): a request's token
     ids at a position never change (outputs are only appended, and kept through a preemption), so every
@@ -95,7 +96,11 @@ def request_block_hash(request: Request, index: int, parent: str, block_size: in
     if found is not None and found[0] == parent:
         return found[1]
     start = index * block_size
-    value = block_hash(parent, token_ids(request, start, start + block_size))
+    # a LoRA adapter is part of the first block's key, so no prefix is shared across adapters (vLLM puts
+    # ("lora", name, path) into every block's extra keys: kv_cache_utils.py generate_block_hash_extra_keys;
+    # the chain carries the first block's key into every later one)
+    keyed = f"{parent}|lora:{request.lora_int_id}" if index == 0 and request.lora_int_id else parent
+    value = block_hash(keyed, token_ids(request, start, start + block_size))
     memo[key] = (parent, value)
     return value
 

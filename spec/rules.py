@@ -703,12 +703,14 @@ def _drafts_within_max_model_len(state: SchedulerState, plan: StepPlan, config: 
 def _in_flight_foreseen_length(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
     in_flight = state.in_flight
     for item, ended in wasted_items(state, plan):
-        if ended.finish_reason not in ("length", "max_model_len"):
+        # vLLM's guard counts tokens, whatever ends the request: an end-of-sequence sampled as the
+        # max_tokens-th output was foreseen too (only an abort is not a sample the planner counted)
+        at_max_tokens = len(ended.output_token_ids) >= ended.max_tokens
+        if ended.finish_reason == "abort" or not (at_max_tokens or ended.num_tokens >= config.max_model_len):
             continue
         assert in_flight is not None
         placeholders = in_flight.num_output_placeholders.get(item.request_id, 0)
-        limit = (f"max_tokens={ended.max_tokens}" if ended.finish_reason == "length"
-                 else f"max_model_len={config.max_model_len}")
+        limit = f"max_tokens={ended.max_tokens}" if at_max_tokens else f"max_model_len={config.max_model_len}"
         yield item.request_id, (f"scheduled although its {placeholders} output placeholder(s) of step "
                                 f"{in_flight.step} bring it to {limit}")
 

@@ -33,19 +33,21 @@ def waiting_b(arrival_step: int = 0) -> Request:
     return Request("b", arrival_step, (31, 32, 33, 34, 35), max_tokens=3)
 
 
-def ended_c(reason: str) -> Request:
+def ended_c(reason: str, max_tokens: int | None = None) -> Request:
     """c ended at step 0's sample: prompt of 6, two outputs (8 tokens), 7 computed, as the spec leaves a
-    request that samples its last token; it held blocks 6 and 7 (freed since)."""
+    request that samples its last token; it held blocks 6 and 7 (freed since). ``max_tokens``: 2 for a
+    length stop, else 3 (an end-of-sequence stop the planner could not foresee) unless given."""
     status = RequestStatus.FINISHED_ABORTED if reason == "abort" else (
         RequestStatus.FINISHED_STOPPED if reason == "stop" else RequestStatus.FINISHED_LENGTH)
-    return Request("c", 0, (41, 42, 43, 44, 45, 46), max_tokens=2, status=status, finish_reason=reason,
+    return Request("c", 0, (41, 42, 43, 44, 45, 46), max_tokens=max_tokens or (2 if reason == "length" else 3),
+                   status=status, finish_reason=reason,
                    num_computed_tokens=7, output_token_ids=(51, 52), admitted_step=0, first_token_step=0)
 
 
-def in_flight_state(reason: str = "stop", b_arrival: int = 0) -> SchedulerState:
+def in_flight_state(reason: str = "stop", b_arrival: int = 0, c_max_tokens: int | None = None) -> SchedulerState:
     """Step 1, planned while step 0 ran (one placeholder each for a and c); c ended at step 0's sample
     (``reason``) and freed blocks 6 and 7, which are free now."""
-    c = ended_c(reason)
+    c = ended_c(reason, c_max_tokens)
     in_flight = InFlightStep(0, StepPlan(), MappingProxyType({"a": 1, "c": 1}), MappingProxyType({"c": c}),
                              MappingProxyType({"c": (6, 7)}))
     return SchedulerState(step=1, waiting=("b",), running=("a",), requests={"a": running_a(), "b": waiting_b(b_arrival)},
@@ -63,6 +65,16 @@ def case_in_flight_foreseen_length():
     # stopped on an end-of-sequence token (unforeseeable) the same item would be wasted work, allowed.
     state = in_flight_state("length")
     return state, StepPlan(scheduled=(DECODE_A, WASTED_C)), StepPlan(scheduled=(DECODE_A,)), CONFIG
+
+
+def test_an_end_of_sequence_at_max_tokens_was_foreseen_too() -> None:
+    # vLLM's guard counts tokens whatever ends the request: c's placeholder brought it to max_tokens=2, so
+    # the planner knew it ends at step 0's sample even though the token it sampled there was end-of-sequence
+    foreseen = in_flight_state("stop", c_max_tokens=2)
+    assert [v.name for v in violated_rules(foreseen, StepPlan(scheduled=(DECODE_A, WASTED_C)), CONFIG)] == [
+        "in-flight-foreseen-length"]
+    unforeseen = in_flight_state("stop")  # max_tokens 3: the stop at output 2 was a sample no one foresaw
+    assert violated_rules(unforeseen, StepPlan(scheduled=(DECODE_A, WASTED_C)), CONFIG) == []
 
 
 def case_in_flight_blocks_held_when_planned():

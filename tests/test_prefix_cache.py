@@ -365,3 +365,25 @@ def test_caching_trace_round_trips_through_schedspec_check(tmp_path) -> None:
     bad.write_text("\n".join(json.dumps(r) for r in records) + "\n")
     result = check(bad)
     assert result.returncode == 1 and "prefix-hit" in result.stdout, result.stdout
+
+
+def test_no_prefix_is_shared_across_lora_adapters() -> None:
+    """vLLM keys every block by its LoRA adapter (kv_cache_utils.py generate_block_hash_extra_keys): the same
+    prompt under two adapters shares no block hash, under one adapter (or none) every block."""
+    from schedspec.spec.prefix_cache import ROOT_HASH, request_block_hash
+    from schedspec.spec.request import Request
+
+    prompt = tuple(range(100, 112))
+
+    def chain(request: Request) -> list[str]:
+        parent, out = ROOT_HASH, []
+        for index in range(3):
+            parent = request_block_hash(request, index, parent, 4)
+            out.append(parent)
+        return out
+
+    plain, plain_again = chain(Request("p", 0, prompt, max_tokens=2)), chain(Request("q", 0, prompt, max_tokens=2))
+    one, one_again = (chain(Request(r, 0, prompt, max_tokens=2, lora_int_id=1)) for r in ("l", "m"))
+    two = chain(Request("n", 0, prompt, max_tokens=2, lora_int_id=2))
+    assert plain == plain_again and one == one_again
+    assert not set(plain) & set(one) and not set(one) & set(two) and not set(plain) & set(two)
