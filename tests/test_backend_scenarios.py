@@ -78,6 +78,15 @@ def test_scenario_replays_on_the_torch_backend(path: Path):
         result = replay(scenario, token_source_factory=factory)
     except UnsupportedFeature as error:
         pytest.skip(f"needs a feature the reference schedulers lack: {error}")
+    if scenario.config.get("num_speculative_tokens", 0) and result.run is not None:
+        # The backend drafts by n-gram over the model's own tokens and verifies greedily
+        # (gpu_backend/ngram.py), not the scenario's scripted drafts and acceptance patterns, so the
+        # expectations written for those (steps, property demonstrations) do not transfer; what must hold
+        # is the spec's verdict on every step and one packed forward call per non-empty step.
+        assert not result.run.violations, [str(v) for v in result.run.violations[:3]]
+        busy = sum(1 for record in result.run.records if record.scheduled)
+        assert factory.runners[0].num_forward_calls == busy, "each non-empty step must be one packed forward call"
+        return
     failed = [f"{v.name}: {v.detail}" for v in result.verdicts if not v.passed]
     assert not failed, failed
     assert result.verdicts
