@@ -124,7 +124,19 @@ class InFlightScheduler:
         held = {b for blocks in optimistic.in_flight.freed_blocks.values() for b in blocks}
         if held:
             optimistic = attrs.evolve(optimistic, free_block_ids=tuple(b for b in optimistic.free_block_ids if b not in held))
-        self.prepared = self.plan_function(optimistic, self.config)
+        # and those requests still take their max_num_seqs slots (vLLM's self.running holds them until then)
+        holding = sum(1 for blocks in optimistic.in_flight.freed_blocks.values() if blocks)
+        config = self.config
+        if holding:
+            active = config.max_num_active_seqs
+            config = attrs.evolve(config, max_num_seqs=max(1, config.max_num_seqs - holding),
+                                  max_num_active_seqs=None if active is None else max(1, active - holding))
+        self.prepared = self.plan_function(optimistic, config)
+        if holding and len(optimistic.running) + holding >= self.config.active_seq_cap:
+            admitted = {i.request_id for i in self.prepared.scheduled if i.request_id not in optimistic.running}
+            if admitted:  # every slot is held: no admission (max_num_seqs cannot say 0)
+                self.prepared = attrs.evolve(self.prepared, scheduled=tuple(
+                    i for i in self.prepared.scheduled if i.request_id not in admitted))
         result = apply_plan(before, plan, sampled_token_ids, self.config)
         self.spec_state = result.state
         self.plan = None

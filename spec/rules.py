@@ -256,12 +256,26 @@ def _sequence_cap(state: SchedulerState, plan: StepPlan, config: SchedulerConfig
         yield None, f"{after} running after the step > max_num_seqs={config.max_num_seqs}"
 
 
+def running_when_planned(state: SchedulerState) -> tuple[frozenset[str], frozenset[int]]:
+    """``(ids, blocks)``: the requests running when the plan from ``state`` was made, and the blocks they held
+    then that are free now. Without a step in flight, ``state.running`` and no blocks. With one
+    (asynchronous scheduling), also the requests that ended since, at the in-flight step's samples or by an
+    abort, while holding blocks (``in_flight.freed_blocks``): vLLM's ``AsyncScheduler`` plans step n + 1
+    while they are still in ``self.running`` holding their blocks (``Scheduler.update_from_output`` for step n,
+    which frees them, comes after; vLLM ``EngineCore.step_with_batch_queue``)."""
+    if state.in_flight is None or not state.in_flight.freed_blocks:
+        return frozenset(state.running), frozenset()
+    ended = {r: blocks for r, blocks in state.in_flight.freed_blocks.items() if blocks}
+    return frozenset(state.running).union(ended), frozenset(b for blocks in ended.values() for b in blocks)
+
+
 def _running_after(state: SchedulerState, plan: StepPlan) -> tuple[int, int]:
     """``(admitted, running after the step)``: the live requests the plan admits, and the running requests
-    less the preempted plus the admitted."""
-    admitted = sum(1 for item in plan.scheduled if item.request_id not in state.running and item.request_id in state.requests)
-    preempted = sum(1 for request_id in set(plan.preempted) if request_id in state.running)
-    return admitted, len(state.running) - preempted + admitted
+    (as the planner saw them: :func:`running_when_planned`) less the preempted plus the admitted."""
+    running = running_when_planned(state)[0]
+    admitted = sum(1 for item in plan.scheduled if item.request_id not in running and item.request_id in state.requests)
+    preempted = sum(1 for request_id in set(plan.preempted) if request_id in running)
+    return admitted, len(running) - preempted + admitted
 
 
 @rule(
@@ -336,8 +350,9 @@ def _watermark(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
     if not keep:
         return
     preempted = set(plan.preempted)
-    running = sum(1 for r in state.running if r not in preempted)
-    free_ids = frozenset(state.free_block_ids)
+    planned_running, held = running_when_planned(state)  # with a step in flight: as the planner saw them
+    running = sum(1 for r in planned_running if r not in preempted)
+    free_ids = frozenset(state.free_block_ids) - held
     free = len(free_ids) + len(released_by_preemptions(state, plan))
     hit: set[int] = set()
     for item in plan.scheduled:

@@ -381,3 +381,14 @@ def test_the_machine_drives_an_in_flight_scheduler() -> None:
     run_state_machine_as_test(InFlightMachine, settings=hypothesis_settings(
         max_examples=40, stateful_step_count=30, derandomize=True, database=None, deadline=None))
     assert "work wasted on a request that ended in flight" in seen
+
+
+def test_requests_that_ended_in_flight_still_held_their_slot_when_the_plan_was_made() -> None:
+    """vLLM's AsyncScheduler plans step n + 1 while the requests step n's samples end are still running and
+    hold their blocks: a plan that admits into such a slot passes max_num_seqs in vLLM's count (sequence-cap
+    counts them: rules.running_when_planned), and the same admission with a free slot is allowed."""
+    state = in_flight_state("length")  # a runs, c ended at step 0's sample holding blocks 6 and 7
+    admit = StepPlan(scheduled=(DECODE_A, ADMIT_B))
+    assert "sequence-cap" in [v.name for v in violated_rules(state, admit, CONFIG)]  # a, c and b: 3 > 2
+    roomy = attrs.evolve(CONFIG, max_num_seqs=3)
+    assert "sequence-cap" not in [v.name for v in violated_rules(state, admit, roomy)]
