@@ -78,10 +78,11 @@ def test_an_end_of_sequence_at_max_tokens_was_foreseen_too() -> None:
 
 
 def case_in_flight_blocks_held_when_planned():
-    # blocks 6 and 7 were c's when the plan was made (freed at step 0's sample, after it)
+    # blocks 6 and 7 were c's when the plan was made (freed at step 0's sample, after it); c still held its
+    # slot then too, so admitting b takes a third (max_num_seqs 3)
     state = in_flight_state()
     bad = StepPlan(scheduled=(DECODE_A, ScheduledRequest("b", 0, 5, (6, 7))))
-    return state, bad, StepPlan(scheduled=(DECODE_A, ADMIT_B)), CONFIG
+    return state, bad, StepPlan(scheduled=(DECODE_A, ADMIT_B)), attrs.evolve(CONFIG, max_num_seqs=3)
 
 
 def case_in_flight_arrivals_wait():
