@@ -23,7 +23,7 @@ import attrs
 from schedspec.spec.admission import rejection_code, rejection_reason, rejection_reasons
 from schedspec.spec.config import SchedulerConfig, blocks_for_tokens, slot_tokens
 from schedspec.spec.prefix_cache import ROOT_HASH, max_hit_blocks, request_block_hash
-from schedspec.spec.request import printable
+from schedspec.spec.request import Request, printable
 from schedspec.spec.state import SchedulerState, StepPlan, carries_prefill, prefill_held, wasted_items
 
 VIOLATION_KINDS = ("rule", "invariant", "property", "mismatch")
@@ -256,6 +256,20 @@ def _sequence_cap(state: SchedulerState, plan: StepPlan, config: SchedulerConfig
         yield None, f"{after} running after the step > max_num_seqs={config.max_num_seqs}"
 
 
+def request_when_planned(state: SchedulerState, request_id: str) -> tuple[Request, int] | None:
+    """``(request, blocks it held)`` when the plan from ``state`` was made, or ``None`` for an id the plan
+    could not name: a live request with its table; with a step in flight, also a request that ended since (a
+    wasted item's), with the blocks it held then (``in_flight.freed_blocks``), so that the per-item rules judge
+    a wasted item as the planner made it (vLLM allocates its blocks and counts its LoRA adapter)."""
+    request = state.requests.get(request_id)
+    if request is not None:
+        return request, len(request.block_ids)
+    if state.in_flight is None:
+        return None
+    ended = state.in_flight.ended.get(request_id)
+    return None if ended is None else (ended, len(state.in_flight.freed_blocks.get(request_id, ())))
+
+
 def running_when_planned(state: SchedulerState) -> tuple[frozenset[str], frozenset[int]]:
     """``(ids, blocks)``: the requests running when the plan from ``state`` was made, and the blocks they held
     then that are free now. Without a step in flight, ``state.running`` and no blocks. With one
@@ -308,7 +322,8 @@ def _lora_limit(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
         return
     loras: dict[int, str] = {}
     for item in plan.scheduled:
-        request = state.requests.get(item.request_id)
+        planned = request_when_planned(state, item.request_id)  # a wasted item's adapter counts too
+        request = planned[0] if planned is not None else None
         if request is not None and request.lora_int_id and request.lora_int_id not in loras:
             loras[request.lora_int_id] = item.request_id
             if len(loras) == config.max_loras + 1:
@@ -518,10 +533,10 @@ def blocks_not_from_free_pool(state: SchedulerState, plan: StepPlan, free: Abstr
 )
 def _block_table_covers(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
     for item in plan.scheduled:
-        request = state.requests.get(item.request_id)
-        if request is None:
+        planned = request_when_planned(state, item.request_id)  # a wasted item's table as planned too
+        if planned is None:
             continue
-        blocks = len(request.block_ids) + len(item.cached_block_ids) + len(item.new_block_ids)
+        blocks = planned[1] + len(item.cached_block_ids) + len(item.new_block_ids)
         needed = blocks_for_tokens(slot_tokens(item.num_computed_tokens + item.num_tokens, config), config.block_size)
         if blocks < needed:
             yield item.request_id, f"{blocks} blocks hold fewer than the {needed} needed"
@@ -539,10 +554,11 @@ def _block_table_covers(state: SchedulerState, plan: StepPlan, config: Scheduler
 )
 def _no_excess_blocks(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
     for item in plan.scheduled:
-        request = state.requests.get(item.request_id)
-        if request is None:
+        planned = request_when_planned(state, item.request_id)  # a wasted item's table as planned too
+        if planned is None:
             continue
-        blocks = len(request.block_ids) + len(item.cached_block_ids) + len(item.new_block_ids)
+        request = planned[0]
+        blocks = planned[1] + len(item.cached_block_ids) + len(item.new_block_ids)
         tokens = slot_tokens(request.num_tokens + len(item.spec_token_ids), config)
         limit = blocks_for_tokens(tokens, config.block_size)
         if blocks > limit and (item.new_block_ids or not config.speculative):

@@ -393,3 +393,13 @@ def test_requests_that_ended_in_flight_still_held_their_slot_when_the_plan_was_m
     assert "sequence-cap" in [v.name for v in violated_rules(state, admit, CONFIG)]  # a, c and b: 3 > 2
     roomy = attrs.evolve(CONFIG, max_num_seqs=3)
     assert "sequence-cap" not in [v.name for v in violated_rules(state, admit, roomy)]
+
+
+def test_a_wasted_item_is_judged_with_the_table_it_had_when_planned() -> None:
+    """c ended at step 0's sample holding blocks 6 and 7 (8 tokens, 7 computed); the planner scheduled its
+    decode at position 7 with that table: enough, and no new block is due (block-table-covers and
+    no-excess-blocks judge the wasted item with the blocks it held then, rules.request_when_planned)."""
+    state = in_flight_state("stop")
+    assert violated_rules(state, StepPlan(scheduled=(DECODE_A, WASTED_C)), CONFIG) == []
+    extra = ScheduledRequest("c", 7, 1, (2,))  # one more block for a sequence its two blocks hold
+    assert "no-excess-blocks" in [v.name for v in violated_rules(state, StepPlan(scheduled=(DECODE_A, extra)), CONFIG)]
