@@ -124,6 +124,14 @@ def sglang_python() -> Path:
     return python
 
 
+def _spec_code(request: Request, config: SchedulerConfig) -> str:
+    """The spec's rejection code for a request SGLang refuses (``spec.admission.rejection_reason``'s, before
+    its colon), or ``prompt-exceeds-max-model-len`` where the spec would admit it (SGLang's front end is
+    stricter: docs/engines.md)."""
+    spec = rejection_reason(request.prompt_len, request.max_tokens, config)
+    return spec.partition(":")[0] if spec is not None else "prompt-exceeds-max-model-len"
+
+
 def front_end_rejection(request: Request, config: SchedulerConfig) -> str | None:
     """Why SGLang's front end refuses ``request`` before its scheduler sees it, or ``None``: an empty
     prompt (``managers/io_struct.py`` ``GenerateReqInput``: "input_ids cannot be empty"), a prompt of
@@ -142,9 +150,7 @@ def front_end_rejection(request: Request, config: SchedulerConfig) -> str | None
         return (f"prompt-exceeds-max-model-len: SGLang tokenizer manager: the input ({prompt_len} tokens) is longer "
                 f"than the model's context length ({context_len} tokens).")
     if prompt_len + request.max_tokens > context_len:
-        spec = rejection_reason(prompt_len, request.max_tokens, config)
-        code = spec.partition(":")[0] if spec is not None else "prompt-exceeds-max-model-len"
-        return (f"{code}: SGLang tokenizer manager: requested token count exceeds the model's maximum context "
+        return (f"{_spec_code(request, config)}: SGLang tokenizer manager: requested token count exceeds the model's maximum context "
                 f"length of {context_len} tokens ({prompt_len} input + {request.max_tokens} new)")
     return None
 
@@ -230,10 +236,7 @@ class SglangScheduler(_WorkerClient):
             self._send({"op": "abort", "id": request_id})
 
     def _reason(self, request_id: str, sglang_message: str) -> str:
-        request = self.requests[request_id]
-        spec = rejection_reason(request.prompt_len, request.max_tokens, self.config)
-        code = spec.partition(":")[0] if spec is not None else "prompt-exceeds-max-model-len"
-        return f"{code}: SGLang: {sglang_message}"
+        return f"{_spec_code(self.requests[request_id], self.config)}: SGLang: {sglang_message}"
 
     def schedule(self) -> StepPlan:
         """SGLang's ``get_next_batch_to_run`` as a plan; the same plan until ``update``.

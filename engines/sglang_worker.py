@@ -200,10 +200,13 @@ class Components:
                    eos_token_ids=None if eos is None else {eos}, vocab_size=message.get("vocab_size", 32000),
                    priority=message.get("priority"))
 
-    def pages(self, req) -> list[int]:
-        """The pages of ``req``'s row of the request-to-token pool, in order (its allocated tokens)."""
-        row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
-        slots = row[: req.extend_end].tolist()
+    def pages(self, req, length: int | None = None) -> list[int]:
+        """The pages of the first ``length`` tokens (default ``req.extend_end``, its allocated tokens) of
+        ``req``'s row of the request-to-token pool, in order; none for a request without a row."""
+        length = req.extend_end if length is None else length
+        if req.kv.req_pool_idx is None or length <= 0:
+            return []
+        slots = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx][:length].tolist()
         return list(dict.fromkeys(slot // self.page_size for slot in slots))
 
 
@@ -345,12 +348,6 @@ class Engine:
         self.requests: dict = {}  # rid -> Req, every live request
         self.pages: dict[str, list[int]] = {}  # rid -> the pages it held after the last step
 
-    def _row_pages(self, req, length: int) -> list[int]:
-        if req.kv.req_pool_idx is None or length <= 0:
-            return []
-        row = self.parts.req_to_token_pool.req_to_token[req.kv.req_pool_idx][:length].tolist()
-        return list(dict.fromkeys(slot // self.parts.page_size for slot in row))
-
     def add(self, message: dict) -> None:
         """What ``Scheduler.handle_generate_request`` does for a plain token-id request: build the
         ``Req``, ``init_req_max_new_tokens`` (clips ``max_new_tokens`` to ``max_req_len`` and the pool),
@@ -399,7 +396,7 @@ class Engine:
                 else:
                     computed, count = int(batch.seq_lens_cpu[i]) - 1, 1
                 held = self.pages.get(req.rid, [])
-                now = self._row_pages(req, computed + count)
+                now = self.parts.pages(req, computed + count)
                 hit = [] if req.rid in self.pages and held else now[: computed // self.parts.page_size]
                 new = [p for p in now if p not in held and p not in hit]
                 scheduled.append([req.rid, computed, count, [p - 1 for p in new], [p - 1 for p in hit]])

@@ -649,6 +649,21 @@ def _make_recording_class(base: type, asynchronous: bool = False) -> type:
                                 "pause_generation with clear_cache) is refused while recording: the trace "
                                 "format cannot say that every cached hash is dropped")
 
+        def _copy_items(self, output: Any) -> list[tuple[Any, ...]]:
+            """The engine thread's copy of a plan's items: ``(id, computed, count, blocks, num_hit, tokens,
+            prompt tokens)``, ``tokens`` the spec's sequence length before the step. With async scheduling that
+            is vLLM's plus the placeholders of the step in flight (``AsyncScheduler._update_after_schedule`` has
+            just added this step's own, unless a prefill chunk)."""
+            requests = self.requests
+            items = []
+            for request_id, computed, count, blocks, num_hit, _drafts in scheduled_items(output, self._block_size):
+                request = requests[request_id]
+                tokens = request.num_tokens
+                if self._async:
+                    tokens += max(request.num_output_placeholders - (0 if request.is_prefill_chunk else 1), 0)
+                items.append((request_id, computed, count, blocks, num_hit, tokens, request.num_prompt_tokens))
+            return items
+
         def schedule(self, *args: Any, **kwargs: Any) -> Any:
             self._writer.raise_error()  # a failed writer stops the engine before its next step
             if self._async:
@@ -660,13 +675,7 @@ def _make_recording_class(base: type, asynchronous: bool = False) -> type:
             finally:
                 self._phase = "flight"
             began = time.perf_counter()
-            requests = self.requests
-            items = []
-            for request_id, computed, count, blocks, num_hit, _drafts in scheduled_items(output, self._block_size):
-                request = requests[request_id]
-                items.append((request_id, computed, count, blocks, num_hit, request.num_tokens,
-                              request.num_prompt_tokens))
-            self._in_flight = (output, start, items)
+            self._in_flight = (output, start, self._copy_items(output))
             self.recorder_seconds += time.perf_counter() - began
             return output
 
@@ -746,16 +755,7 @@ def _make_recording_class(base: type, asynchronous: bool = False) -> type:
             finally:
                 self._phase = "idle"
             began = time.perf_counter()
-            requests = self.requests
-            items = []
-            for request_id, computed, count, blocks, num_hit, _drafts in scheduled_items(output, self._block_size):
-                request = requests[request_id]
-                # the spec's tokens before this step: vLLM's, plus the placeholders of the step in flight
-                # (AsyncScheduler._update_after_schedule has just added this step's own, unless a prefill chunk)
-                placeholders = request.num_output_placeholders - (0 if request.is_prefill_chunk else 1)
-                items.append((request_id, computed, count, blocks, num_hit, request.num_tokens + max(placeholders, 0),
-                              request.num_prompt_tokens))
-            self._records.append({"output": output, "start": start, "items": items,
+            self._records.append({"output": output, "start": start, "items": self._copy_items(output),
                                   "preempted": self.preempted_order, "evicted": self._evicted,
                                   "freed": self._freed, "late_freed": {}, "update": None, "finished": set()})
             self.preempted_order, self._evicted, self._freed = [], [], {}
