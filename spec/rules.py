@@ -230,13 +230,15 @@ def _whole_prefill(state: SchedulerState, plan: StepPlan, config: SchedulerConfi
     "long-prefill-threshold",
     "With chunked prefill on and long_prefill_token_threshold > 0, a prefill chunk is at most that many tokens; "
     "with long_prefill_token_threshold_adaptive, at most max(threshold, max_num_batched_tokens // n), n the "
-    "requests running or waiting before the step less those it rejects.",
+    "requests running or waiting when the plan was made (eligible_when_planned: with a step in flight, those "
+    "that ended since included and those that arrived since left out) less those it rejects.",
     "vLLM Scheduler.schedule long_prefill_token_threshold (and its floor, adaptive_long_prefill_threshold: "
-    "max(long_prefill_token_threshold, input_budget // num_eligible_reqs))",
+    "max(long_prefill_token_threshold, input_budget // num_eligible_reqs), num_eligible_reqs from "
+    "Scheduler.get_request_counts at the start of Scheduler.schedule)",
     action="schedule",
 )
 def _long_prefill(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
-    threshold = config.effective_long_prefill_threshold(len(state.running) + len(state.waiting) - len(plan.rejected))
+    threshold = config.effective_long_prefill_threshold(eligible_when_planned(state, plan))
     if not config.enable_chunked_prefill or threshold == 0:
         return
     for item in plan.scheduled:
@@ -254,6 +256,24 @@ def _sequence_cap(state: SchedulerState, plan: StepPlan, config: SchedulerConfig
     _, after = _running_after(state, plan)
     if after > config.max_num_seqs:
         yield None, f"{after} running after the step > max_num_seqs={config.max_num_seqs}"
+
+
+def eligible_when_planned(state: SchedulerState, plan: StepPlan) -> int:
+    """The requests running or waiting when the plan from ``state`` was made, less those it rejects: vLLM's
+    ``num_eligible_reqs`` (``Scheduler.get_request_counts``, read at the start of ``Scheduler.schedule``; its
+    input processor refuses the rejected ones before the scheduler sees them). Without a step in flight,
+    ``state.running`` and ``state.waiting``. With one (asynchronous scheduling) the planner saw the requests
+    that ended since (``in_flight.ended``: at the in-flight step's samples or by an abort, still in vLLM's
+    queues when ``Scheduler.schedule`` ran, ``Scheduler.update_from_output`` and ``finish_requests`` come
+    after) and not those that arrived since (``arrival_step == state.step``: they reach the waiting queue for
+    the next plan, rule ``in-flight-arrivals-wait``). Count of requests, >= 0."""
+    ids = set(state.running).union(state.waiting)
+    in_flight = state.in_flight
+    if in_flight is not None and in_flight.step >= 0:  # step 0 is planned with nothing in flight
+        ids.update(in_flight.ended)
+        ids = {r for r in ids
+               if (state.requests[r] if r in state.requests else in_flight.ended[r]).arrival_step != state.step}
+    return len(ids.difference(r for r, _ in plan.rejected))
 
 
 def request_when_planned(state: SchedulerState, request_id: str) -> tuple[Request, int] | None:
@@ -353,11 +373,14 @@ def _grammar_ready(state: SchedulerState, plan: StepPlan, config: SchedulerConfi
     "With watermark > 0, a waiting request admitted while another request is running (the running requests "
     "less the preempted, plus those admitted before it in the plan) leaves at least watermark_blocks blocks "
     "free after its allocation (counting, in plan order, the free blocks, those the step's preemptions "
-    "release, and the blocks handed out and the evictable cached blocks hit up to it). The first admission "
-    "into an empty running set may take every block.",
+    "release, and the blocks handed out and the evictable cached blocks hit up to it: a hit on a block free "
+    "before the step or released by its preemptions). The first admission into an empty running set may take "
+    "every block.",
     "vLLM vllm/v1/core/kv_cache_manager.py KVCacheManager.allocate_slots (0.32 and 0.33): watermark_blocks "
     "is added to the blocks required for a request in WAITING or PREEMPTED when has_scheduled_reqs, which "
-    "Scheduler.schedule passes as bool(self.running); KVCacheManager.__init__ watermark_blocks",
+    "Scheduler.schedule passes as bool(self.running); KVCacheManager.__init__ watermark_blocks; the required "
+    "blocks count the hit blocks at ref_cnt 0 (single_type_kv_cache_manager.py "
+    "SingleTypeKVCacheManager.get_num_blocks_to_allocate, num_evictable_blocks)",
     action="schedule",
 )
 def _watermark(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
@@ -367,13 +390,17 @@ def _watermark(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
     preempted = set(plan.preempted)
     planned_running, held = running_when_planned(state)  # with a step in flight: as the planner saw them
     running = sum(1 for r in planned_running if r not in preempted)
-    free_ids = frozenset(state.free_block_ids) - held
-    free = len(free_ids) + len(released_by_preemptions(state, plan))
+    if state.in_flight is not None:  # the blocks of an ended request it preempts: that preemption released them
+        held = held.difference(b for r in preempted for b in state.in_flight.freed_blocks.get(r, ()))
+    # the blocks at reference count 0 when the waiting loop admits: the free queue as planned and the blocks
+    # this step's preemptions released (vLLM preempts in the running loop, before it)
+    evictable = (frozenset(state.free_block_ids) - held) | released_by_preemptions(state, plan)
+    free = len(evictable)
     hit: set[int] = set()
     for item in plan.scheduled:
         free -= len(item.new_block_ids)
         for block_id in item.cached_block_ids:
-            if block_id in free_ids and block_id not in hit:  # an evictable cached block leaves the free queue
+            if block_id in evictable and block_id not in hit:  # an evictable cached block leaves the free queue
                 hit.add(block_id)
                 free -= 1
         if item.request_id in state.running or item.request_id not in state.requests:
