@@ -16,7 +16,8 @@ Commands (``op``):
   k > 0, an n-gram ``SpeculativeConfig`` of k tokens: no draft model); reply ``{"vllm_version",
   "vllm_file"}`` (the ``vllm`` package imported, which ``--path-ahead DIR`` can change: DIR is put first
   on ``sys.path``).
-- ``add`` ``{id, prompt, max_tokens, priority, arrival_time, eos, lora_int_id?}``: no reply (``lora_int_id``,
+- ``add`` ``{id, prompt, max_tokens, priority, arrival_time, eos, stop_token_ids?, min_tokens?, lora_int_id?}``:
+  no reply (``stop_token_ids`` and ``min_tokens`` go to its ``SamplingParams``; ``lora_int_id``,
   with ``config.max_loras`` > 0: a ``LoRARequest`` of that id, named ``lora-<id>``, whose path is never read;
   ``grammar_steps``: structured output, a JSON-schema ``StructuredOutputsParams``, so that vLLM holds the
   request in ``WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR`` until its grammar is set: a :class:`ReadyGrammar`
@@ -36,7 +37,8 @@ Commands (``op``):
 - ``close``: drop the scheduler; no reply.
 - ``view``: reply the scheduler's own bookkeeping (free blocks of the block pool, waiting and running
   ids, block tables, ``num_computed_tokens``; the free queue in order, the blocks that carry a hash and
-  the reference counts of held blocks), vLLM numbering.
+  the reference counts of held blocks), vLLM numbering; and the worker's: the ids whose stand-in grammar
+  is still to be set (``grammar_due``).
 
 A command that fails sends ``{"error": traceback}`` as its reply; a failing command that does not
 reply (``add``, ``abort``) makes the next reply an error instead.
@@ -262,8 +264,11 @@ class Worker:
             from vllm.sampling_params import StructuredOutputsParams
 
             structured = StructuredOutputsParams(json={"type": "object"})
+        # stop_token_ids: check_stop stops on them too; min_tokens: check_stop tests it after them (the adapter
+        # refuses a stop id sampled before it: StopBeforeMinTokens)
         params = SamplingParams(max_tokens=message["max_tokens"], ignore_eos=message["eos"] is None,
-                                structured_outputs=structured)
+                                stop_token_ids=message.get("stop_token_ids") or None,
+                                min_tokens=message.get("min_tokens", 0), structured_outputs=structured)
         if message["eos"] is not None:
             # What the input processor sets from the tokenizer's generation config
             # (vllm/v1/engine/input_processor.py); check_stop reads sampling_params.eos_token_id.
@@ -292,6 +297,7 @@ class Worker:
         from vllm.v1.request import RequestStatus
 
         self.scheduler.finish_requests(message["id"], RequestStatus.FINISHED_ABORTED)
+        self.grammar_due.pop(message["id"], None)  # an aborted request's grammar never lands
 
     def schedule(self, message: dict) -> dict:
         if len(self.in_flight) >= (2 if self.async_scheduling else 1):
@@ -373,6 +379,7 @@ class Worker:
             "running": [request.request_id for request in scheduler.running],
             "block_tables": tables,
             "num_computed_tokens": computed,
+            "grammar_due": sorted(self.grammar_due),  # structured output: the requests whose grammar is to land
         }
 
 

@@ -675,3 +675,76 @@ def test_a_wrong_finish_reason_from_the_engine_is_a_refinement_mismatch():
     faulty = Engine(_RelabelsStops(config), config, properties=()).run(specs, max_steps=100)
     assert [v.name for v in faulty.violations] == ["refinement"]
     assert "request r0 with reason length" in str(faulty.violations[0])
+
+
+# ------------------------------------------------------------ stop_token_ids and min_tokens reach vLLM
+STOP_CONFIG = SchedulerConfig(num_kv_blocks=32, block_size=4, max_num_batched_tokens=32, max_num_seqs=4,
+                              max_model_len=64)
+
+
+def _outputs_of(spec: RequestSpec) -> tuple[int, ...]:
+    """The tokens the engine loop's token source samples for ``spec`` run alone to max_tokens (on fcfs)."""
+    result = Engine(make_scheduler("fcfs", STOP_CONFIG), STOP_CONFIG, properties=()).run([spec], max_steps=100)
+    return result.state.finished[spec.request_id].output_token_ids
+
+
+@pytest.mark.parametrize("name", ["vllm", "vllm-async"])
+def test_stop_token_ids_and_min_tokens_reach_vllm(name: str) -> None:
+    """A request stops on its third output, a stop id; another has min_tokens 2 and one stop id at its
+    fourth output: vLLM ends both where the spec does, with its reason (dropping stop_token_ids, vLLM ran the
+    first to max_tokens: a false finding)."""
+    plain = RequestSpec("r0", prompt_len=6, max_tokens=8, arrival_step=0, arrival_time=0.0)
+    third = _outputs_of(plain)[2]
+    other = RequestSpec("r1", prompt_len=5, max_tokens=6, arrival_step=0, arrival_time=0.0)
+    fourth = _outputs_of(other)[3]
+    specs = [attrs.evolve(plain, stop_token_ids=(third,)), attrs.evolve(other, stop_token_ids=(fourth,), min_tokens=2)]
+    result = Engine(make_scheduler(name, STOP_CONFIG), STOP_CONFIG, properties=()).run(specs, max_steps=100)
+    assert [str(v) for v in result.violations] == []
+    ended = result.state.finished
+    assert (ended["r0"].finish_reason, len(ended["r0"].output_token_ids)) == ("stop", 3)
+    assert (ended["r1"].finish_reason, len(ended["r1"].output_token_ids)) == ("stop", 4)
+
+
+def test_a_stop_id_sampled_before_min_tokens_is_refused_not_a_finding() -> None:
+    """vLLM's check_stop stops on an EOS whatever min_tokens says (its sampler never samples one earlier);
+    the spec does not stop on it. A token source that samples EOS as output 2 of 3 minimum outputs gives a
+    run vLLM never makes: exit 3 naming min_tokens, not a finding. min_tokens > max_tokens, which vLLM's
+    SamplingParams refuses, is refused too."""
+    from schedspec.reference.scheduler import UnsupportedFeature
+
+    early = RequestSpec("r2", prompt_len=5, max_tokens=6, min_tokens=3, eos_at_output=2, arrival_step=0,
+                        arrival_time=0.0)
+    with pytest.raises(UnsupportedFeature, match="min_tokens=3: the token source sampled stop id .* as output 2"):
+        Engine(make_scheduler("vllm", STOP_CONFIG), STOP_CONFIG, properties=()).run([early], max_steps=100)
+    over = RequestSpec("r3", prompt_len=5, max_tokens=2, min_tokens=3, arrival_step=0, arrival_time=0.0)
+    with pytest.raises(UnsupportedFeature, match="min_tokens=3 > max_tokens=2"):
+        Engine(make_scheduler("vllm", STOP_CONFIG), STOP_CONFIG, properties=()).run([over], max_steps=100)
+
+
+def test_a_version_mismatch_drops_the_scheduler_it_built(monkeypatch) -> None:
+    """The worker built the scheduler before the adapter saw the wrong version: the adapter closes that
+    handle before it raises (else the worker keeps the scheduler, and its blocks, for the session)."""
+    from schedspec.engines import vllm as vllm_adapter
+    from schedspec.engines.vllm import EngineError
+
+    monkeypatch.setitem(vllm_adapter.VERSIONS, vllm_adapter.DEFAULT_VERSION, "0.0.0")
+    worker = vllm_adapter._worker(vllm_adapter.vllm_python(), vllm_adapter.vllm_path_ahead(vllm_adapter.DEFAULT_VERSION))
+    handle = worker.next_handle
+    with pytest.raises(EngineUnavailable, match="expected 0.0.0"):
+        VllmScheduler(CONFIG)
+    with pytest.raises(EngineError, match="never built"):
+        worker.call({"op": "view", "handle": handle})
+
+
+def test_an_aborted_request_leaves_the_grammars_due() -> None:
+    """The worker sets a stand-in grammar for a structured-output request at its ready step; one aborted
+    before then leaves its list (it kept the vLLM Request for the whole session)."""
+    scheduler = VllmScheduler(CONFIG)
+    waiting = attrs.evolve(_request("g", 4), grammar_ready_step=5)
+    scheduler.add_request(waiting)
+    scheduler.add_request(_request("a", 4))
+    plan = scheduler.schedule()
+    assert scheduler._call({"op": "view"})["grammar_due"] == ["g"]
+    scheduler.abort_request("g")
+    scheduler.update(plan, {item.request_id: 5 for item in plan.scheduled})
+    assert scheduler._call({"op": "view"})["grammar_due"] == []
