@@ -171,7 +171,8 @@ PATH_AHEAD: dict[str, tuple[str, Path]] = {"0.33": ("SCHEDSPEC_VLLM033_PATH", RO
 
 ENGINE_FINISH_REASONS: dict[str, str] = {"stop": "stop", "length": "length", "max_model_len": "length"}
 """The spec's finish reason of a request that stopped -> the string vLLM 0.32 and 0.33 report for it
-(``FinishReason`` in ``vllm/v1/engine/__init__.py``; both length limits are ``length``)."""
+(``FinishReason`` in ``vllm/v1/engine/__init__.py``; both length limits are ``length``), and SGLang 0.5.23 too
+(``BaseFinishReason.to_json()["type"]``, ``engines/sglang.py``)."""
 
 
 PADDING_RULES = frozenset({"drafts-only-in-decodes", "drafts-are-proposed"})
