@@ -10,7 +10,7 @@ the requests name them (rule 8) and the defaults ``watermark=0``, ``prefill_sche
 releases differ in one decision** (rule 3: a priority request that preempts itself ends the running
 phase in 0.32, lets it go on in 0.33); the other changes between the releases (docs/engines.md, *vLLM
 0.32 and 0.33*) act only outside it: a local prefill cadence when ``prefill_schedule_interval > 1``,
-LoRAs counted over all running requests (followed, rule 8, though no decision differs in scope), drafts
+LoRAs counted over all running requests (followed, rule 8; a decision differs only with the cadence), drafts
 skipped when unused, a waiting request whose chunk
 encoder inputs or a multi-token-prediction lookahead cut to nothing is skipped, not the end of
 admission. The rules, each with its place in vLLM's source:
@@ -90,8 +90,11 @@ admission. The rules, each with its place in vLLM's source:
    **skips** (``skip_request``, ``continue``: the request keeps its place in the queue and admission goes on
    with the next one) a request whose adapter is not among them once they number ``max_loras``, and adds
    the adapter of each request it admits. The running phase has no such check (0.32 only asserts
-   ``len(scheduled_loras) <= max_loras``). In the spec's scope the two counts agree: a running request is
-   left out of a step only when the budget is spent, and then nothing is admitted.
+   ``len(scheduled_loras) <= max_loras``). Without the prefill cadence the two counts agree: a running
+   request is left out of a step only when the budget is spent, and then nothing is admitted. With it (rule
+   12, 0.33 only) a held step skips the running prefill chunks and may still admit a request with at most one
+   token to compute: 0.33 counts the skipped chunks' adapters (the profile follows it), so such an
+   admission that 0.32's count would allow can be skipped.
 
 9. **Structured output** (a request with ``grammar_ready_step``). vLLM adds it in
    ``WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR``; the waiting loop, after the ``max_num_seqs`` check, asks

@@ -488,3 +488,17 @@ def test_an_in_flight_scheduler_plans_with_the_floor_the_spec_judges() -> None:
     config = attrs.evolve(ASYNC_CONFIG, long_prefill_token_threshold=2, long_prefill_token_threshold_adaptive=True)
     result = Engine(fcfs_async(config), config).run(_eos_and_abort_workload())
     assert result.ok, [str(v) for v in result.violations[:3]]
+
+
+def test_the_incremental_screen_counts_the_slots_held_when_planned() -> None:
+    """The incremental checker's one-pass screen (spec/incremental.py screened_rules_hold) skips the rules it
+    screens when it holds, so it must be as strict as they are: with c ended in flight holding its slot, a
+    plan that admits b passes max_num_seqs=2 in vLLM's count (sequence-cap). The screen counted only the
+    requests running now and held, so `check --incremental` passed the plan."""
+    from schedspec.spec.incremental import screened_rules_hold
+
+    state = in_flight_state("length")
+    admit = StepPlan(scheduled=(DECODE_A, ADMIT_B))
+    assert [v.name for v in violated_rules(state, admit, CONFIG)] == ["sequence-cap"]
+    assert not screened_rules_hold(state, admit, CONFIG)
+    assert screened_rules_hold(state, admit, attrs.evolve(CONFIG, max_num_seqs=3))  # a free slot: it holds
