@@ -102,12 +102,12 @@ from schedspec.spec.state import ScheduledRequest, StepPlan
 from schedspec.spec.workload import token_ids
 
 from .vllm import (
-    ENGINE_FINISH_REASONS,
     EngineStartError,
     EngineUnavailable,
     StopBeforeMinTokens,
     _worker,
     _WorkerClient,
+    finish_reason_differences,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -313,17 +313,8 @@ class SglangScheduler(_WorkerClient):
         terminal requests after the step, by id. SGLang's types are ``BaseFinishReason.to_json()["type"]``
         (``sglang/srt/managers/schedule_batch.py``: ``stop`` for ``FINISH_MATCHED_TOKEN``, ``length`` for
         ``FINISH_LENGTH``, ``abort``); both of the spec's length limits are ``length``
-        (:data:`ENGINE_FINISH_REASONS`)."""
-        found = []
-        for request_id, reason in self.finish_reasons.items():
-            request = ended.get(request_id)
-            if request is None or request.finish_reason is None:
-                continue
-            expected = ENGINE_FINISH_REASONS.get(request.finish_reason, request.finish_reason)
-            if reason != expected:
-                found.append(f"SGLang finished request {printable(request_id)} with reason {printable(reason)}; "
-                             f"the spec ends it with {request.finish_reason} (SGLang's {expected})")
-        return found
+        (``engines/vllm.py`` ``ENGINE_FINISH_REASONS``)."""
+        return finish_reason_differences("SGLang", self.finish_reasons, ended)
 
     def engine_view(self) -> EngineView:
         """SGLang's own bookkeeping in spec terms: the allocator's free tokens over ``page_size``

@@ -488,6 +488,23 @@ def same_step_hits(state: SchedulerState, plan: StepPlan, config: SchedulerConfi
     return found
 
 
+def finish_reason_differences(engine: str, reasons: Mapping[str, str], ended: Mapping[str, Request]) -> list[str]:
+    """The ids of ``reasons`` (request id -> the finish reason ``engine`` reported in a step) whose reason is
+    not the spec's (:data:`ENGINE_FINISH_REASONS`) for the request as ``ended`` has it (the spec's terminal
+    requests after the step), one text each; a request the spec did not end is left to the engine loop's
+    comparison of the finished sets. The adapters' ``finish_reason_mismatches``."""
+    found = []
+    for request_id, reason in reasons.items():
+        request = ended.get(request_id)
+        if request is None or request.finish_reason is None:
+            continue
+        expected = ENGINE_FINISH_REASONS.get(request.finish_reason, request.finish_reason)
+        if reason != expected:
+            found.append(f"{engine} finished request {printable(request_id)} with reason {printable(reason)}; "
+                         f"the spec ends it with {request.finish_reason} ({engine}'s {expected})")
+    return found
+
+
 class StopBeforeMinTokens:
     """Refuses a sampled stop id that the spec and the engine judge differently: an EOS or stop id sampled as
     output n < ``min_tokens``. The spec does not stop on it (``spec/stop_rule.py``); vLLM 0.32/0.33's
@@ -779,16 +796,7 @@ class _VllmAdapter(_WorkerClient):
         of ``vllm.v1.engine.FinishReason`` (``stop``, ``length``, ``abort``, ``error``, ``repetition``);
         the spec's ``max_model_len`` is vLLM's ``length`` (``check_stop`` in
         ``vllm/v1/core/sched/utils.py`` sets ``FINISHED_LENGTH_CAPPED`` for both limits)."""
-        found = []
-        for request_id, reason in self.finish_reasons.items():
-            request = ended.get(request_id)
-            if request is None or request.finish_reason is None:
-                continue
-            expected = ENGINE_FINISH_REASONS.get(request.finish_reason, request.finish_reason)
-            if reason != expected:
-                found.append(f"vLLM finished request {printable(request_id)} with reason {printable(reason)}; "
-                             f"the spec ends it with {request.finish_reason} (vLLM's {expected})")
-        return found
+        return finish_reason_differences("vLLM", self.finish_reasons, ended)
 
 
 class VllmScheduler(_VllmAdapter):
