@@ -318,7 +318,7 @@ def _schema_error(where: str, part: str, version: int, data: Any) -> TraceFormat
     return TraceFormatError(f"{where}: field {_field_path(error.absolute_path)}: {message}")
 
 
-def record_schema_errors(data: Any, version: int = SCHEMA_VERSION) -> str | None:
+def record_schema_errors(data: Any, version: int = HYBRID_SCHEMA_VERSION) -> str | None:
     """The first schema error of one record given as a JSON object (``"field X: message"``), or ``None``."""
     problem = _schema_error("record", "record", version, data)
     return None if problem is None else str(problem).partition(": ")[2]

@@ -17,7 +17,10 @@ it changes). The client's actions happen between steps: a request **arrives**
   ``prefix-hit-is-cached-chain``, ``prefix-hit-longest``, ``drafts-only-in-decodes``,
   ``drafts-are-proposed``, ``drafts-within-max-model-len``; the per-step limits, which constrain
   nothing while their options are off: ``active-sequence-cap``, ``lora-limit``,
-  ``grammar-ready-before-admission``, ``watermark``, ``prefill-cadence``; and with a step in flight (asynchronous
+  ``grammar-ready-before-admission``, ``watermark``, ``prefill-cadence``; with hybrid KV cache groups
+  (:mod:`~schedspec.spec.kv_cache_groups`; a sliding window's blocks are freed at the item, before its new
+  blocks are taken) ``group-table-covers``, ``group-no-excess-blocks``, ``window-keeps-visible``,
+  ``window-frees-skipped``; and with a step in flight (asynchronous
   scheduling) also ``in-flight-foreseen-length``, ``in-flight-blocks-held-when-planned``,
   ``in-flight-arrivals-wait`` and ``wasted-item-continues``.
 - :func:`sample`: a request whose chunk reached the end of its sequence appends its accepted drafts and
