@@ -540,6 +540,10 @@ class _VllmAdapter(_WorkerClient):
                                      "mapped onto the spec yet (enable_prefix_caching=true)")
         if policy not in POLICIES:
             raise UnsupportedFeature(f"scheduler {self.name!r}: policy {policy!r} (vLLM has {list(POLICIES)})")
+        if config.kv_cache_groups and self.async_scheduling:
+            raise UnsupportedFeature(f"scheduler {self.name!r}: KV cache groups with async scheduling are not "
+                                     "specified yet (a window frees on the processed tokens)")
+        self.supports_kv_cache_groups = not self.async_scheduling
         if config.prefill_schedule_interval > 1 and (version == "0.32" or self.async_scheduling):
             raise UnsupportedFeature(
                 f"scheduler {self.name!r}: prefill_schedule_interval={config.prefill_schedule_interval}: "
@@ -613,11 +617,14 @@ class _VllmAdapter(_WorkerClient):
         if self.plan is None:
             reply, self.prepared = self.prepared or self._call({"op": "schedule"}), None
             scheduled = []
+            groups, skipped = reply.get("groups", {}), reply.get("skipped", {})  # hybrid KV cache groups
             for request_id, computed, count, blocks, num_hit_blocks, drafts in reply["scheduled"]:
                 ids = tuple(b - 1 for b in blocks)
-                scheduled.append(ScheduledRequest(request_id, computed, count, ids[num_hit_blocks:],
-                                                  cached_block_ids=ids[:num_hit_blocks],
-                                                  spec_token_ids=tuple(drafts)))
+                scheduled.append(ScheduledRequest(
+                    request_id, computed, count, ids[num_hit_blocks:], cached_block_ids=ids[:num_hit_blocks],
+                    spec_token_ids=tuple(drafts),
+                    group_new_block_ids=tuple(tuple(b - 1 for b in group) for group in groups.get(request_id, ())),
+                    skipped_block_ids=tuple(b - 1 for b in skipped.get(request_id, ()))))
             preempted = tuple(reply["preempted"])
             if not self.async_scheduling and not {item.request_id for item in scheduled}.union(preempted) <= self.live:
                 raise EngineError(f"vLLM planned requests that are not live: {reply}")

@@ -125,7 +125,7 @@ admission. The rules, each with its place in vLLM's source:
     (``remove_skipped_blocks``, to the front of the free queue), then requires every group's new blocks
     (``HybridKVCacheCoordinator.get_num_blocks_to_allocate``) to be free; all groups share one pool. The
     whole-sequence gate of an admission caps a sliding-window group's blocks at
-    ``SlidingWindowSpec.max_admission_blocks_per_request`` (:func:`_admission_blocks`); the first chunk then
+    ``SlidingWindowSpec.max_admission_blocks_per_request`` (:func:`admission_blocks`); the first chunk then
     gets its blocks in every group. The profile frees a window's blocks only for a request it schedules
     (vLLM frees them also when the allocation then fails, and the request preempts itself: the same blocks,
     in another order in the free queue).
@@ -380,7 +380,7 @@ def plan_vllm_v1(state: SchedulerState, config: SchedulerConfig, by_priority: bo
             # allocateslot_tokens(full_sequence_must_fit=True)
             hit, _, whole = queue.admission(request, config, whole_tokens)
             if hybrid:
-                whole = _admission_blocks(whole_tokens, config)  # rule 13: the capped whole-sequence gate
+                whole = admission_blocks(whole_tokens, config)  # rule 13: the capped whole-sequence gate
             hit_tokens = len(hit) * config.block_size
             if held and hit_tokens < request.num_tokens - 1:
                 break  # rule 12: a held step stops admission at the first request with a prefill to compute
@@ -413,7 +413,7 @@ def plan_vllm_v1(state: SchedulerState, config: SchedulerConfig, by_priority: bo
     return StepPlan(scheduled=tuple(scheduled.values()), preempted=tuple(preempted), rejected=rejected)
 
 
-def _admission_blocks(whole_tokens: int, config: SchedulerConfig) -> int:
+def admission_blocks(whole_tokens: int, config: SchedulerConfig) -> int:
     """Rule 13: the blocks vLLM's whole-sequence gate requires of a waiting request with KV cache groups:
     per group ``ceil(whole_tokens / block_size)``, a sliding-window group's capped at
     ``ceil(min(sliding_window - 1 + max_num_batched_tokens, max_model_len) / block_size) + 1``. vLLM 0.32
@@ -430,6 +430,14 @@ def _admission_blocks(whole_tokens: int, config: SchedulerConfig) -> int:
             cap = blocks_for_tokens(window, config.block_size) + 1
         total += min(whole, cap)
     return total
+
+
+def startup_blocks(config: SchedulerConfig) -> int:
+    """The fewest blocks vLLM's start-up check accepts for ``config``'s groups: a request of ``max_model_len``
+    tokens through the whole-sequence gate (:func:`admission_blocks`). vLLM 0.32 ``kv_cache_utils.py``
+    ``check_enough_kv_cache_memory`` (``max_memory_usage_bytes``: per group ``ceil(max_model_len /
+    block_size)`` pages, a sliding-window group's ``max_admission_blocks_per_request``)."""
+    return admission_blocks(config.max_model_len, config)
 
 
 def _decode_with_drafts(request: Request, config: SchedulerConfig, budget: int, num_eligible: int) -> int:

@@ -92,7 +92,7 @@ def window_frees(request: Request, num_computed_tokens: int, config: SchedulerCo
     if not request.group_block_ids:
         return ()
     order: tuple[int, ...] = ()
-    for group, table in zip(config.kv_cache_groups[1:], request.group_block_ids, strict=True):
+    for group, table in zip(config.kv_cache_groups[1:], request.group_block_ids, strict=False):
         skipped = min(num_skipped_blocks(group, num_computed_tokens, config.block_size), len(table))
         order = tuple(table[i] for i in range(skipped - 1, -1, -1) if table[i] != NULL_BLOCK) + order
     return order
