@@ -58,7 +58,10 @@ header). The two versions' scheduling decisions differ as docs/engines.md, *vLLM
   but the input processor's refusals above. ``update`` feeds the sampled tokens back as a
   ``ModelRunnerOutput`` (an empty list for a request inside a prefill chunk, which samples nothing)
   to ``Scheduler.update_from_output`` and returns the ids whose ``EngineCoreOutput`` carries a
-  finish reason. ``abort_request`` is ``Scheduler.finish_requests(id, FINISHED_ABORTED)``.
+  finish reason. ``abort_request`` is ``Scheduler.finish_requests(id, FINISHED_ABORTED)``. With hybrid KV
+  cache groups (``config.kv_cache_groups``, synchronous adapters only) each item also carries the new blocks of
+  groups 1.. (``ScheduledRequest.group_new_block_ids``) and the blocks its sliding window freed
+  (``skipped_block_ids``), as the worker reads them from vLLM's tables (docs/engines.md, *Hybrid KV cache groups*).
 - ``schedule()`` runs vLLM's ``schedule()`` (which allocates and advances ``num_computed_tokens``
   inside vLLM) once and returns the same plan until ``update``, so to the caller it changes nothing.
 - *Policies*: ``vllm`` is vLLM's ``policy="fcfs"``, ``vllm-priority`` its ``policy="priority"``

@@ -45,8 +45,10 @@ How the scheduler is built (no GPU, no model weights, no hub):
 
 - ``ModelConfig`` reads a ``config.json`` of a one-layer Llama written to a temporary directory, with
   ``skip_tokenizer_init=True``; ``HF_HUB_OFFLINE=1`` is set before vLLM is imported.
-- ``KVCacheConfig`` has one ``KVCacheGroupSpec`` with a ``FullAttentionSpec`` and
-  ``num_kv_blocks + 1`` blocks: ``BlockPool`` (``vllm/v1/core/block_pool.py``) takes block 0 as its
+- ``KVCacheConfig`` has one ``KVCacheGroupSpec`` with a ``FullAttentionSpec`` (with ``config.kv_cache_groups``,
+  one group per entry, ``FullAttentionSpec`` or ``SlidingWindowSpec``, one layer each; ``schedule`` then also
+  replies ``groups`` (id -> the new block ids of groups 1..) and ``skipped`` (id -> the blocks its window freed))
+  and ``num_kv_blocks + 1`` blocks: ``BlockPool`` (``vllm/v1/core/block_pool.py``) takes block 0 as its
   null block and never hands it out, so exactly ``num_kv_blocks`` are usable, ids ``1..num_kv_blocks``
   (the adapter maps vLLM block ``b`` to spec block ``b - 1``).
 - ``Scheduler`` (``vllm/v1/core/sched/scheduler.py``) or ``AsyncScheduler``

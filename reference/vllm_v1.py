@@ -185,7 +185,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from schedspec.spec.config import SchedulerConfig, blocks_for_tokens, slot_tokens
-from schedspec.spec.kv_cache_groups import allocation_cost, groups_of
+from schedspec.spec.kv_cache_groups import allocation_cost, groups_of, held_block_ids
 from schedspec.spec.request import Request
 from schedspec.spec.state import ScheduledRequest, SchedulerState, StepPlan, is_prefill_chunk, prefill_held
 
@@ -328,12 +328,12 @@ def plan_vllm_v1(state: SchedulerState, config: SchedulerConfig, by_priority: bo
                     index -= 1
                 if victim in scheduled:
                     budget += scheduled.pop(victim).num_tokens
-                    queue.release(requests[victim].block_ids + taken.pop(victim))
+                    queue.release(held_block_ids(requests[victim]) + taken.pop(victim))
                 else:
-                    queue.release(requests[victim].block_ids)
+                    queue.release(held_block_ids(requests[victim]))
             else:
                 victim = running.pop()
-                queue.release(requests[victim].block_ids)
+                queue.release(held_block_ids(requests[victim]))
             preempted.append(victim)
             if victim == request_id:
                 granted = False

@@ -313,3 +313,19 @@ def test_the_window_mutants_are_caught_at_their_step_by_their_rule(trace: Trace,
         report = check_trace(trace.config, [StepRecord.from_dict(r) for r in records])
         assert report.first_bad_step == observable == i
         assert rule in {v.name for v in report.violations}
+
+
+def test_the_profile_releases_every_group_of_a_victim() -> None:
+    """``schedspec diff --scheduler vllm --against vllm-v1`` (seed 0, example 26), shrunk: at step 8 r3's decode
+    needs a block in each group and none is free; preempting r5 frees one block in each group, enough, so vLLM
+    preempts only r5 (and r4's decode, whose window frees a block, goes on). A profile that released only a
+    victim's group-0 blocks preempted r4 as well."""
+    config = SchedulerConfig(block_size=8, num_kv_blocks=11, max_num_batched_tokens=10, max_num_seqs=3, max_model_len=56,
+                             kv_cache_groups=[{"kind": "full_attention"}, {"kind": "sliding_window", "sliding_window": 8}])
+    workload = [RequestSpec("r4", 25, 2, arrival_step=5), RequestSpec("r3", 1, 9, arrival_step=0),
+                RequestSpec("r5", 1, 2, arrival_step=5)]
+    result = Engine(make_scheduler("vllm-v1", config), config).run(workload, max_steps=9)
+    step = result.records[8]
+    assert step.preempted == ("r5",)
+    assert [(s.request_id, s.num_tokens) for s in step.scheduled] == [("r3", 1), ("r4", 1)]
+    assert step.blocks_skipped == {"r4": (5,)}
