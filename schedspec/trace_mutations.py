@@ -319,6 +319,27 @@ def group_table_short(trace: Trace, i: int) -> Mutant | None:
     return None
 
 
+def group_extra_block(trace: Trace, i: int) -> Mutant | None:
+    """One more block in group 1 for a request whose chunk reaches the end of its sequence (a group allocator
+    that rounds up): more blocks than its sequence needs in that group."""
+    record = trace.records[i]
+    before = trace.before[i]
+    groups = record.get("group_blocks_allocated", {})
+    taken = {b for blocks in record["blocks_allocated"].values() for b in blocks}
+    taken |= {b for tables in groups.values() for blocks in tables for b in blocks}
+    spare = [b for b in before.free_block_ids if b not in taken]
+    for item in record["scheduled"]:
+        request = before.requests.get(item["request_id"])
+        end = item["num_computed_tokens"] + item["prefill_tokens"] + item["decode_tokens"]
+        new = groups.get(item["request_id"])
+        if request is None or not spare or end != request.num_tokens or not new or not new[0]:
+            continue
+        records, r = _edit(trace, i)
+        r["group_blocks_allocated"][item["request_id"]][0].append(spare[-1])
+        return trace.header, records, i
+    return None
+
+
 # --- the batch ----------------------------------------------------------------------------------------
 
 
@@ -1241,6 +1262,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation("window-keeps-skipped-block", "a sliding-window group keeps a block its window has passed, counted free",
              window_keeps_skipped_block),
     Mutation("group-table-short", "a KV cache group past group 0 not extended for the step's tokens", group_table_short),
+    Mutation("group-extra-block", "a KV cache group past group 0 given more blocks than the sequence needs",
+             group_extra_block),
     Mutation("allocation-out-of-range", "a block id past the pool (off-by-one in the block pool)", allocation_out_of_range),
     Mutation("allocation-outside-batch", "blocks allocated to a request that is not in the step's batch",
              allocation_outside_batch),

@@ -32,6 +32,7 @@ from schedspec.spec.transitions import apply_plan
 from schedspec.spec.workload import RequestSpec
 from schedspec.trace_mutations import (
     Trace,
+    group_extra_block,
     group_table_short,
     hybrid_trace,
     judge,
@@ -303,6 +304,7 @@ def test_a_group_config_needs_version_4(trace: Trace, tmp_path) -> None:
     (window_frees_visible_block, "window-keeps-visible"),
     (window_keeps_skipped_block, "window-frees-skipped"),
     (group_table_short, "group-table-covers"),
+    (group_extra_block, "group-no-excess-blocks"),
 ])
 def test_the_window_mutants_are_caught_at_their_step_by_their_rule(trace: Trace, mutation, rule) -> None:
     from schedspec.spec.trace import StepRecord
