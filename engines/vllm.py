@@ -62,7 +62,10 @@ header). The two versions' scheduling decisions differ as docs/engines.md, *vLLM
   but the input processor's refusals above. ``update`` feeds the sampled tokens back as a
   ``ModelRunnerOutput`` (an empty list for a request inside a prefill chunk, which samples nothing)
   to ``Scheduler.update_from_output`` and returns the ids whose ``EngineCoreOutput`` carries a
-  finish reason. ``abort_request`` is ``Scheduler.finish_requests(id, FINISHED_ABORTED)``.
+  finish reason. ``abort_request`` is ``Scheduler.finish_requests(id, FINISHED_ABORTED)``. With hybrid KV
+  cache groups (``config.kv_cache_groups``, synchronous adapters only) each item also carries the new blocks of
+  groups 1.. (``ScheduledRequest.group_new_block_ids``) and the blocks its sliding window freed
+  (``skipped_block_ids``), as the worker reads them from vLLM's tables (docs/engines.md, *Hybrid KV cache groups*).
 - ``schedule()`` runs vLLM's ``schedule()`` (which allocates and advances ``num_computed_tokens``
   inside vLLM) once and returns the same plan until ``update``, so to the caller it changes nothing.
 - *Policies*: ``vllm`` is vLLM's ``policy="fcfs"``, ``vllm-priority`` its ``policy="priority"``
@@ -613,6 +616,10 @@ class _VllmAdapter(_WorkerClient):
                                      "mapped onto the spec yet (enable_prefix_caching=true)")
         if policy not in POLICIES:
             raise UnsupportedFeature(f"scheduler {self.name!r}: policy {policy!r} (vLLM has {list(POLICIES)})")
+        if config.kv_cache_groups and self.async_scheduling:
+            raise UnsupportedFeature(f"scheduler {self.name!r}: KV cache groups with async scheduling are not "
+                                     "specified yet (a window frees on the processed tokens)")
+        self.supports_kv_cache_groups = not self.async_scheduling
         if config.prefill_schedule_interval > 1 and (version == "0.32" or self.async_scheduling):
             raise UnsupportedFeature(
                 f"scheduler {self.name!r}: prefill_schedule_interval={config.prefill_schedule_interval}: "
@@ -695,11 +702,14 @@ class _VllmAdapter(_WorkerClient):
         if self.plan is None:
             reply, self.prepared = self.prepared or self._call({"op": "schedule"}), None
             scheduled = []
+            groups, skipped = reply.get("groups", {}), reply.get("skipped", {})  # hybrid KV cache groups
             for request_id, computed, count, blocks, num_hit_blocks, drafts in reply["scheduled"]:
                 ids = tuple(b - 1 for b in blocks)
-                scheduled.append(ScheduledRequest(request_id, computed, count, ids[num_hit_blocks:],
-                                                  cached_block_ids=ids[:num_hit_blocks],
-                                                  spec_token_ids=tuple(drafts)))
+                scheduled.append(ScheduledRequest(
+                    request_id, computed, count, ids[num_hit_blocks:], cached_block_ids=ids[:num_hit_blocks],
+                    spec_token_ids=tuple(drafts),
+                    group_new_block_ids=tuple(tuple(b - 1 for b in group) for group in groups.get(request_id, ())),
+                    skipped_block_ids=tuple(b - 1 for b in skipped.get(request_id, ()))))
             preempted = tuple(reply["preempted"])
             if not self.async_scheduling and not {item.request_id for item in scheduled}.union(preempted) <= self.live:
                 raise EngineError(f"vLLM planned requests that are not live: {reply}")
