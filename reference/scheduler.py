@@ -356,6 +356,14 @@ def _vllm_profile(plan: PlanFunction, name: str, guarantees: frozenset[str]) -> 
     return factory
 
 
+def _sglang_profile(config: SchedulerConfig) -> Scheduler:
+    """``sglang-profile``: :class:`schedspec.reference.sglang_profile.SglangProfile`, SGLang 0.5.23's
+    decisions (imported here: that module builds on this one)."""
+    from .sglang_profile import SglangProfile
+
+    return SglangProfile(config)
+
+
 def _fast_fcfs(config: SchedulerConfig) -> Scheduler:
     """``fcfs-fast``: :func:`schedspec.reference.fast_fcfs.fcfs_fast` (imported here: that module builds
     on this one)."""
@@ -450,6 +458,9 @@ def _reference_entries() -> list[RegisteredScheduler]:
         RegisteredScheduler.vllm_profile("vllm-v1@0.33", vllm_v1.vllm_v1_033, VLLM_V1_GUARANTEES),
         RegisteredScheduler.vllm_profile("vllm-v1-priority@0.33", vllm_v1.vllm_v1_priority_033,
                                          VLLM_V1_PRIORITY_GUARANTEES),
+        # SGLang 0.5.23's decisions in the sglang adapter's configuration (reference/sglang_profile.py); keeps
+        # state the spec does not (its queue order, the new-token ratio), so it is no pure plan function
+        RegisteredScheduler("sglang-profile", "reference", factory=_sglang_profile),
     ]
 
 
