@@ -166,3 +166,30 @@ class SglangProfileMachine(SchedulerStateMachine):
 def test_the_profile_refines_the_spec() -> None:
     run_state_machine_as_test(SglangProfileMachine, settings=settings(max_examples=60, stateful_step_count=30,
                                                                       deadline=None))
+
+
+def test_the_clipped_finish_is_recognized_only_where_it_holds() -> None:
+    """``schedspec diff``'s documented finding for an ``sglang`` run (``diff._sglang_finding``): the case of
+    docs/findings/sglang-clips-max-tokens.md (16 pages of 4; A: 40 + 20, clipped to 19). After A's 19th
+    output SGLang has ended it: recognized; with A not at its clipped count, with another request ended, or
+    with another rule broken, not."""
+    from schedspec.commands import diff
+    from schedspec.spec.rules import Violation
+
+    config = SchedulerConfig(block_size=4, num_kv_blocks=16, max_num_batched_tokens=64, max_num_seqs=4,
+                             max_model_len=128)
+    profile = make_scheduler("sglang-profile", config)
+    states = {}
+    engine = Engine(profile, config)
+    engine.on_step = lambda record: states.setdefault(record.step, profile.state)
+    engine.run([RequestSpec("A", 40, 20, arrival_step=0)], mode="steps", max_steps=40)
+    ended = Violation("refinement", "scheduler says finished ['A'], spec says []", 18, kind="mismatch")
+    view = Violation("state-mismatch", "num_free_blocks: engine 16, spec 5", 18, kind="mismatch")
+    assert states[18].requests["A"].num_output_tokens == 19
+    assert diff._sglang_finding(config, [ended, view], states[18]) == diff.CLIPPED_MAX_TOKENS
+    assert diff._sglang_finding(config, [ended], states[17]) is None  # 18 outputs: not the clipped count
+    other = Violation("refinement", "scheduler says finished ['A', 'B'], spec says []", 18, kind="mismatch")
+    assert diff._sglang_finding(config, [other], states[18]) is None
+    budget = Violation("token-budget", "65 tokens scheduled > max_num_batched_tokens=64", 18, kind="rule")
+    assert diff._sglang_finding(config, [ended, budget], states[18]) is None
+    assert diff._sglang_finding(config, [view], states[18]) is None  # no refinement: not this finding

@@ -165,7 +165,7 @@ def _sglang_finding(config: SchedulerConfig, violations: Sequence[Violation], st
     (the refinement mismatch of the finished sets, and SGLang's view differing from the spec's for those
     requests or for the free blocks they left)."""
     clipped = clipped_finishes(state, config)
-    if not clipped:
+    if not clipped or not any(violation.name == "refinement" for violation in violations):
         return None
     for violation in violations:
         if violation.name == "refinement":
