@@ -5,6 +5,9 @@ clipped ``max_new_tokens`` (the documented finding), as the profile ran them.
 Run (SGLang's environment built: ``SCHEDSPEC_SGLANG=1 bash scripts/engines_setup.sh``)::
 
     nice -n 10 .venv/bin/python benchmarks/sglang_profile_diff.py --examples 10000 --seed 25
+    # retractions (the generated scenarios almost never make SGLang retract): one-token pages, a small pool
+    nice -n 10 .venv/bin/python benchmarks/sglang_profile_diff.py --examples 500 --seed 25 --set block_size=1 \
+        --set num_kv_blocks=48 --set max_num_seqs=8 --set max_num_batched_tokens=64 --set max_model_len=64
 
 Prints the diff's own summary line, the counts, wall and CPU seconds (this process; the SGLang worker's CPU
 from ``/proc``) and the load average, so that the run conditions go with the numbers.
@@ -22,8 +25,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--examples", type=int, default=10_000)
     parser.add_argument("--seed", type=int, default=25)
+    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                        help="fix a SchedulerConfig field in every scenario, as schedspec diff --set")
     args = parser.parse_args()
 
+    from schedspec.cli_common import parse_sets
     from schedspec.commands import diff
     from schedspec.reference.engine import Engine
     from schedspec.reference.scheduler import make_scheduler
@@ -39,7 +45,8 @@ def main() -> None:
     diff.compare = recording
     started, load = time.perf_counter(), os.getloadavg()
     lines: list[str] = []
-    report = diff.run_diff("sglang", "sglang-profile", args.examples, args.seed, {}, None, echo=lines.append)
+    report = diff.run_diff("sglang", "sglang-profile", args.examples, args.seed, parse_sets(tuple(args.sets)), None,
+                           echo=lines.append)
     wall = time.perf_counter() - started
     diff.compare = original
 
