@@ -179,14 +179,6 @@ def clipped_max_new_tokens(prompt_len: int, max_tokens: int, config: SchedulerCo
     return max(0, min(clipped, pool_tokens(config) - _ceil_page(prompt_len, page) - page - 1))
 
 
-def sglang_front_door(prompt_len: int, max_tokens: int, config: SchedulerConfig) -> bool:
-    """Whether SGLang takes a request of this shape into its scheduler's queue: its tokenizer manager's
-    checks (``TokenizerManager._validate_one_request``: ``0 < prompt_len < max_model_len``, ``prompt_len +
-    max_tokens <= max_model_len``) and ``validate_input_length`` (``prompt_len < max_req_input_len``)."""
-    return (0 < prompt_len < config.max_model_len and prompt_len + max_tokens <= config.max_model_len
-            and prompt_len < max_req_input_len(config))
-
-
 @attrs.define
 class _Budget:
     """One prefill pass's ``PrefillAdder`` budget (rule 4), in tokens (floats: the ratio scales them)."""
@@ -504,7 +496,8 @@ def comparable_config(config: SchedulerConfig) -> SchedulerConfig | None:
 
 def comparable_request(spec: RequestSpec, config: SchedulerConfig, unclip: bool = False) -> RequestSpec:
     """A request moved onto what the ``sglang`` adapter takes into SGLang's queue unchanged
-    (:func:`sglang_front_door`) and SGLang can admit into an empty pool (:func:`admissible_alone`): the
+    (its tokenizer manager's checks and ``validate_input_length``, which the adapter applies:
+    ``engines/sglang.py`` ``front_end_rejection``) and SGLang can admit into an empty pool (:func:`admissible_alone`): the
     prompt under ``max_req_input_len`` and under ``pool tokens - page_size``, ``prompt_len + max_tokens``
     at most ``max_model_len``, an abort only in its arrival step (the adapter refuses to abort an
     admitted request); with ``unclip`` also ``max_tokens`` at most the clipped ``max_new_tokens`` (rule 1;
