@@ -110,6 +110,14 @@ what the ``sglang`` adapter refuses (prefix caching, speculative decoding,
 ``long_prefill_token_threshold``, vLLM's per-step limits, LoRA and structured output) and a request
 without an end-of-sequence id (SGLang's ``add_one_req_ignore_eos`` estimate is not reproduced; every
 workload of this project has one).
+
+**SGLang's stalls are kept**: a request SGLang never admits (rules 1 and 7: a prompt of ``pool tokens -
+page_size`` or more whose clipped ``max_new_tokens`` is 0, or a prompt longer than a chunk budget under a
+page) waits here forever too, and the queue behind it
+(docs/findings/sglang-unadmittable-request-blocks-queue.md). So the profile refines the spec step by step
+but need not end every request: it is registered as an ``engine-profile``, which the suites every reference
+scheduler runs leave out (``tests/test_sglang_profile.py`` runs it on the configs and shapes where SGLang
+ends every request: :func:`comparable_config`, :func:`comparable_request`).
 """
 
 from __future__ import annotations
