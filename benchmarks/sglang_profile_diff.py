@@ -5,7 +5,7 @@ clipped ``max_new_tokens`` (the documented finding), as the profile ran them.
 Run (SGLang's environment built: ``SCHEDSPEC_SGLANG=1 bash scripts/engines_setup.sh``)::
 
     nice -n 10 .venv/bin/python benchmarks/sglang_profile_diff.py --examples 10000 --seed 25
-    # retractions (the generated scenarios almost never make SGLang retract): one-token pages, a small pool
+    # retractions (the generated scenarios almost never make SGLang retract: 1 of 10,000): one-token pages, a small pool
     nice -n 10 .venv/bin/python benchmarks/sglang_profile_diff.py --examples 500 --seed 25 --set block_size=1 \
         --set num_kv_blocks=48 --set max_num_seqs=8 --set max_num_batched_tokens=64 --set max_model_len=64
 

@@ -82,7 +82,7 @@ def test_a_broken_profile_diverges() -> None:
 @st.composite
 def retraction_scenarios(draw: st.DrawFn) -> tuple[SchedulerConfig, list[RequestSpec]]:
     """Scenarios where SGLang's estimate over-admits and it retracts (``schedspec diff``'s generated
-    scenarios almost never do: 0 of 2,000, docs/engines.md): 3 to 6 requests of about the same short
+    scenarios almost never do: 1 of 10,000, docs/engines.md): 3 to 6 requests of about the same short
     prompt and output (``new_token_ratio`` 0.7 discounts the running requests' remaining outputs, so a
     request arriving a step later is admitted into the pool the others will need), a pool of 2 to 3.2 of
     them, arrivals in steps 0 to 4, some stopping early, moved onto SGLang's front door unclipped."""
