@@ -393,6 +393,10 @@ class Engine:
         plan = s.get_next_batch_to_run(running_batch=s.running_batch, last_batch=s.last_batch)
         s.running_batch = plan.running_batch
         batch = self.batch = plan.batch_to_run
+        if batch is None and s.running_batch.is_empty() and not s.waiting_queue and s.chunked_req is None:
+            # event_loop_normal calls on_idle() when no batch runs; fully idle (is_fully_idle: nothing running,
+            # waiting or chunked, no last batch on the loop's next spin) it resets the new-token ratio
+            s.new_token_ratio_tracker.reset()
         for rid in s.retracted:
             self.pages[rid] = []
         scheduled = []

@@ -128,9 +128,13 @@ def engine_identity(scheduler: object) -> dict[str, str] | None:
 class ViolationFound(Exception):
     """A rule, invariant or guaranteed property was violated and the run was asked to stop."""
 
-    def __init__(self, violations: list[Violation], state: SchedulerState) -> None:
+    def __init__(self, violations: list[Violation], state: SchedulerState,
+                 records: list[StepRecord] | None = None) -> None:
         self.violations = violations
         self.state = state
+        self.records = records if records is not None else []
+        """The steps recorded before the violation (``record_steps``): what a differential test may still
+        compare (``schedspec diff``)."""
         super().__init__("; ".join(str(v) for v in violations[:5]))
 
 
@@ -405,7 +409,7 @@ class Engine:
             """Keep ``found``; with ``stop_on_violation``, stop the run at ``state`` if it is not empty."""
             violations.extend(found)
             if found and self.stop_on_violation:
-                raise ViolationFound(found, state)
+                raise ViolationFound(found, state, records)
 
         while True:
             if max_steps is not None and step >= max_steps:

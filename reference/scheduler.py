@@ -364,6 +364,14 @@ def _vllm_profile(plan: PlanFunction, name: str, guarantees: frozenset[str]) -> 
     return factory
 
 
+def _sglang_profile(config: SchedulerConfig) -> Scheduler:
+    """``sglang-profile``: :class:`schedspec.reference.sglang_profile.SglangProfile`, SGLang 0.5.23's
+    decisions (imported here: that module builds on this one)."""
+    from .sglang_profile import SglangProfile
+
+    return SglangProfile(config)
+
+
 def _fast_fcfs(config: SchedulerConfig) -> Scheduler:
     """``fcfs-fast``: :func:`schedspec.reference.fast_fcfs.fcfs_fast` (imported here: that module builds
     on this one)."""
@@ -394,8 +402,11 @@ class RegisteredScheduler:
         kind: ``"reference"`` (a reference scheduler every test suite runs: ``factory`` and ``plan``
             set), ``"engine-adapter"`` (a real engine's scheduler, ``target`` set: it lives in
             ``schedspec.engines``, which ``reference`` must not import, ``tests/test_layering.py``, so
-            it is imported by name on first use; it needs its engine installed and promises less) or
-            ``"reserved"`` (a name kept for a scheduler not written yet: choosing it is a missing
+            it is imported by name on first use; it needs its engine installed and promises less),
+            ``"engine-profile"`` (a reference scheduler reproducing an engine's decisions, its stalls
+            included: it refines the spec at every step but need not end every request, so the suites
+            every reference scheduler runs leave it out; ``factory`` set; ``schedspec diff`` judges it
+            against its engine) or ``"reserved"`` (a name kept for a scheduler not written yet: choosing it is a missing
             feature, exit 3, not a typo, exit 2; ``reason`` says why).
         factory: ``SchedulerConfig -> Scheduler`` (reference schedulers).
         target: ``"module:factory"`` (engine adapters), resolved by :func:`resolve_factory`.
@@ -409,7 +420,8 @@ class RegisteredScheduler:
     """
 
     name: str
-    kind: str = attrs.field(validator=attrs.validators.in_(("reference", "engine-adapter", "reserved")))
+    kind: str = attrs.field(validator=attrs.validators.in_(("reference", "engine-adapter", "engine-profile",
+                                                            "reserved")))
     factory: SchedulerFactory | None = None
     target: str | None = None
     plan: PlanFunction | None = None
@@ -458,6 +470,9 @@ def _reference_entries() -> list[RegisteredScheduler]:
         RegisteredScheduler.vllm_profile("vllm-v1@0.33", vllm_v1.vllm_v1_033, VLLM_V1_GUARANTEES),
         RegisteredScheduler.vllm_profile("vllm-v1-priority@0.33", vllm_v1.vllm_v1_priority_033,
                                          VLLM_V1_PRIORITY_GUARANTEES),
+        # SGLang 0.5.23's decisions in the sglang adapter's configuration (reference/sglang_profile.py); keeps
+        # state the spec does not (its queue order, the new-token ratio), so it is no pure plan function
+        RegisteredScheduler("sglang-profile", "engine-profile", factory=_sglang_profile),
     ]
 
 

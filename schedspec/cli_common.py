@@ -479,7 +479,7 @@ def scheduler_names_help() -> str:
     from schedspec.reference.scheduler import names
 
     return (f"Scheduler: {', '.join(names('reference'))}; engine adapters: {', '.join(names('engine-adapter'))}; "
-            "or module:factory.")
+            f"engine profiles: {', '.join(names('engine-profile'))}; or module:factory.")
 
 
 scheduler_option = click.option(

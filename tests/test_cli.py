@@ -126,7 +126,8 @@ def test_one_scheduler_registry_feeds_the_help_the_known_names_and_every_command
     from schedspec.cli_common import scheduler_names_help
     from schedspec.reference.scheduler import REGISTRY, SCHEDULERS, RegisteredScheduler, names
 
-    assert list(SCHEDULERS) == names("reference") and set(REGISTRY) == {*names("reference"), *names("engine-adapter")}
+    assert list(SCHEDULERS) == names("reference")
+    assert set(REGISTRY) == {*names("reference"), *names("engine-adapter"), *names("engine-profile")}
     monkeypatch.setitem(REGISTRY, "fcfs-again", RegisteredScheduler("fcfs-again", "reference", factory=SCHEDULERS["fcfs"]))
     assert "fcfs-again" in scheduler_names_help() and "fcfs-again" in SCHEDULERS
     runner = CliRunner()

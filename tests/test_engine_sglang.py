@@ -135,8 +135,9 @@ class SglangMachine(SchedulerStateMachine):
 
     Configs are moved onto what the adapter runs (no prefix caching, no speculative decoding, no
     ``long_prefill_token_threshold``: exit 3 otherwise) and where SGLang's budgets and the spec's agree:
-    ``max_num_batched_tokens >= max_num_seqs`` (an SGLang decode batch is not budgeted) and, without
-    chunked prefill, at least ``max_model_len`` (SGLang admits the first prompt of a pass past
+    ``max_num_batched_tokens >= max_num_seqs`` (an SGLang decode batch is not budgeted), with chunked
+    prefill at least ``block_size`` (a chunk under a page never admits a longer prompt: the finding
+    ``sglang-unadmittable-request-blocks-queue``) and, without chunked prefill, at least ``max_model_len`` (SGLang admits the first prompt of a pass past
     ``max_prefill_tokens``). Request shapes are moved onto those SGLang accepts unchanged: a prompt
     below ``max_req_input_len`` and a ``max_tokens`` that ``init_req_max_new_tokens`` does not clip
     (the finding ``sglang-clips-max-tokens``, tested below). Aborts of admitted requests (refused,
@@ -149,8 +150,10 @@ class SglangMachine(SchedulerStateMachine):
         def agree(config):
             # SGLang refuses every prompt of a pool or context under 7 tokens (max_req_input_len <= 0)
             model_len = max(config.max_model_len, 8)
+            # with chunking, at least a page: SGLang cuts a chunk to whole pages, so under a page it never
+            # admits a prompt longer than the chunk (docs/findings/sglang-unadmittable-request-blocks-queue.md)
             budget = max(config.max_num_batched_tokens, config.max_num_seqs,
-                         0 if config.enable_chunked_prefill else model_len)
+                         config.block_size if config.enable_chunked_prefill else model_len)
             return attrs.evolve(config, max_model_len=model_len, max_num_batched_tokens=budget,
                                 num_kv_blocks=max(config.num_kv_blocks, -(-8 // config.block_size)),
                                 enable_prefix_caching=False, long_prefill_token_threshold=0,

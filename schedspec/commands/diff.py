@@ -26,7 +26,9 @@ the scenarios (``UnsupportedFeature``), e.g. an engine whose adapter is not inst
 
 from __future__ import annotations
 
+import ast
 import json
+import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -58,8 +60,11 @@ from schedspec.reference.scheduler import (
     UnsupportedFeature,
     make_scheduler,
 )
+from schedspec.reference.sglang_profile import clipped_finishes, comparable_config, comparable_request
 from schedspec.reference.vllm_v1 import startup_blocks
 from schedspec.spec.config import ConfigError, SchedulerConfig
+from schedspec.spec.rules import Violation
+from schedspec.spec.state import SchedulerState
 from schedspec.spec.trace import StepRecord
 from schedspec.spec.workload import RequestSpec
 from schedspec.strategies import acceptance_patterns, priorities, scheduler_configs
@@ -109,8 +114,8 @@ class ComparedStep:
 @attrs.frozen
 class Divergence:
     """The first step at which the two runs differ, and how (``scheduler`` vs ``against``).
-    ``documented`` names the documented difference of the ``vllm-v1`` profile it is (docs/engines.md),
-    or is ``None`` for an unexplained divergence."""
+    ``documented`` names the documented difference of the engine's profile it is (docs/engines.md,
+    :data:`PROFILES`), or is ``None`` for an unexplained divergence."""
 
     step: int
     scheduler: str
@@ -121,9 +126,6 @@ class Divergence:
         text = f"step {self.step}: {self.scheduler} | against: {self.against}"
         return text + (f" (documented: {self.documented})" if self.documented else "")
 
-
-VLLM_PROFILES = ("vllm-v1", "vllm-v1-priority")
-"""The profiles whose documented differences from vLLM :func:`documented_difference` recognizes."""
 
 LONE_REQUEST = "long_prefill_token_threshold lifted for a lone request (vLLM Scheduler.schedule num_eligible_reqs > 1)"
 PADDED_ADMISSION = ("one-token admission padded to 1 + num_speculative_tokens with placeholder drafts (vLLM "
@@ -157,6 +159,77 @@ def documented_difference(config: SchedulerConfig, records: Sequence[StepRecord]
     return None
 
 
+def _sglang_finding(config: SchedulerConfig, violations: Sequence[Violation], state: SchedulerState) -> str | None:
+    """Whether the violations that stopped an ``sglang`` run are the finding ``sglang-clips-max-tokens``:
+    SGLang ended requests at their clipped ``max_new_tokens`` (``reference/sglang_profile.py`` rule 1, the
+    precise condition :func:`~schedspec.reference.sglang_profile.clipped_finishes`), and nothing else broke
+    (the refinement mismatch of the finished sets, and SGLang's view differing from the spec's for those
+    requests or for the free blocks they left)."""
+    clipped = clipped_finishes(state, config)
+    if not clipped or not any(violation.name == "refinement" for violation in violations):
+        return None
+    for violation in violations:
+        if violation.name == "refinement":
+            found = re.fullmatch(r"scheduler says finished (\[.*\]), spec says (\[.*\])", violation.detail)
+            if found is None:
+                return None
+            engine, spec = (set(ast.literal_eval(part)) for part in found.groups())
+            if not (spec <= engine and engine - spec and engine - spec <= clipped):
+                return None
+        elif not (violation.name == "state-mismatch" and violation.request_id in clipped | {None}):
+            return None
+    return CLIPPED_MAX_TOKENS
+
+
+CLIPPED_MAX_TOKENS = ("request ended at its clipped max_new_tokens (SGLang Scheduler.init_req_max_new_tokens; "
+                      "finding sglang-clips-max-tokens)")
+
+
+@attrs.frozen
+class ProfileDifferences:
+    """What ``schedspec diff`` knows about a reference profile of an engine: its documented differences
+    from the engine (docs/engines.md), recognized by precise conditions, and where scenarios are moved so
+    that the two can be compared at all. Each profile names its own (:data:`PROFILES`).
+
+    Attributes:
+        divergence: ``(config, records, index, mine, other) -> name or None``: whether a divergence between
+            the engine (``mine``, its ``records``) and the profile (``other``) at ``records[index]`` is
+            documented.
+        finding: ``(config, violations, state) -> name or None``: whether the violations that stopped the
+            engine's run are documented (``state``: the spec's after the step).
+        config: moves a drawn config onto where the engine and the spec agree, or ``None`` to discard it
+            (``None``: configs are drawn as they are).
+        shape: ``(request, config, unclip) -> request``: moves a drawn :class:`RequestSpec` onto what the
+            engine's adapter takes unchanged (``None``: vLLM's front door, which the generator draws);
+            ``unclip`` (drawn true for 9 requests in 10) also onto what the engine runs to its
+            ``max_tokens``, so that most runs are compared to their end.
+    """
+
+    divergence: Callable[..., str | None] = lambda *args: None
+    finding: Callable[..., str | None] = lambda *args: None
+    config: Callable[[SchedulerConfig], SchedulerConfig | None] | None = None
+    shape: Callable[[RequestSpec, SchedulerConfig, bool], RequestSpec] | None = None
+
+
+PROFILES: dict[str, ProfileDifferences] = {
+    "vllm-v1": ProfileDifferences(divergence=documented_difference),
+    "vllm-v1-priority": ProfileDifferences(divergence=documented_difference),
+    "sglang-profile": ProfileDifferences(finding=_sglang_finding, config=comparable_config, shape=comparable_request),
+}
+"""The reference profiles of engines, by registry name, with what :class:`ProfileDifferences` says of each:
+their documented differences apply only between an engine adapter and the profile."""
+
+
+def pair_profile(scheduler: str, against: str) -> ProfileDifferences | None:
+    """The profile of a ``--scheduler``/``--against`` pair when one side is a profile of :data:`PROFILES`
+    and the other is an engine adapter (registry kind ``engine-adapter``), else ``None``."""
+    for profile, other in ((scheduler, against), (against, scheduler)):
+        entry = REGISTRY.get(other)
+        if profile in PROFILES and entry is not None and entry.kind == "engine-adapter":
+            return PROFILES[profile]
+    return None
+
+
 @attrs.frozen
 class Finding:
     """A spec violation, crash or hang of one side. ``documented`` names the documented behaviour of
@@ -183,23 +256,28 @@ class Comparison:
 
 
 def _run(name: str, config: SchedulerConfig, requests: Sequence[RequestSpec], max_steps: int,
-         acceptance: Acceptance | None = None) -> tuple[RunResult | None, list[Finding], bool]:
+         acceptance: Acceptance | None = None, finding: Callable[..., str | None] | None = None,
+         ) -> tuple[RunResult | None, list[Finding], bool, list[StepRecord]]:
     """Run one scheduler (raises UnsupportedFeature / UnknownScheduler from ``make_scheduler``); the
-    flag says whether it is an engine adapter (no spec ``state`` of its own)."""
+    flag says whether it is an engine adapter (no spec ``state`` of its own); the records are those of the
+    steps before a violation stopped the run (all of them otherwise). ``finding``: the documented findings
+    of the engine's profile (:attr:`ProfileDifferences.finding`), asked when an engine adapter's run stops."""
     try:
         scheduler = make_scheduler(name, config)
     except (UnsupportedFeature, UnknownScheduler, EngineEnvironmentError):
         raise
     except Exception as error:  # a factory that crashes on this config is a finding, as a crash in a run
-        return None, [Finding(name, "crash", f"building the scheduler: {type(error).__name__}: {error}")], False
+        return None, [Finding(name, "crash", f"building the scheduler: {type(error).__name__}: {error}")], False, []
     engine = getattr(scheduler, "state", None) is None
-    result, findings = _run_scheduler(scheduler, name, config, requests, max_steps, engine, acceptance)
-    return result, findings, engine
+    result, findings, records = _run_scheduler(scheduler, name, config, requests, max_steps, engine, acceptance,
+                                               finding if engine else None)
+    return result, findings, engine, records
 
 
 def _run_scheduler(scheduler, name: str, config: SchedulerConfig, requests: Sequence[RequestSpec],
                    max_steps: int, engine: bool, acceptance: Acceptance | None = None,
-                   ) -> tuple[RunResult | None, list[Finding]]:
+                   finding: Callable[..., str | None] | None = None,
+                   ) -> tuple[RunResult | None, list[Finding], list[StepRecord]]:
     token_source = None
     if config.speculative:  # the default token source with the scenario's acceptance patterns
         token_source = FakeModel(config, eos_at_output={s.request_id: s.eos_at_output for s in requests
@@ -222,14 +300,16 @@ def _run_scheduler(scheduler, name: str, config: SchedulerConfig, requests: Sequ
         if (documented is None and engine and config.enable_prefix_caching and callable(known)
                 and all(v.name in SAME_STEP_HIT_RULES and known(v, error.state) for v in error.violations)):
             documented = SAME_STEP_HIT  # engines/vllm.py same_step_hits: the precise condition
-        return None, [Finding(name, v.name, str(v), documented) for v in error.violations[:3]]
+        if documented is None and finding is not None:
+            documented = finding(config, error.violations, error.state)
+        return None, [Finding(name, v.name, str(v), documented) for v in error.violations[:3]], error.records
     except Exception as error:  # an engine that crashes is a finding, not a crash of diff
-        return None, [Finding(name, "crash", f"{type(error).__name__}: {error}")]
+        return None, [Finding(name, "crash", f"{type(error).__name__}: {error}")], []
     findings = [Finding(name, v.name, str(v)) for v in result.violations[:3]]
     if result.state.requests:
         findings.append(Finding(name, "no-termination",
                                 f"requests still live after {result.num_steps} steps: {sorted(result.state.requests)}"))
-    return result, findings
+    return result, findings, result.records
 
 
 def compare(config: SchedulerConfig, requests: Sequence[RequestSpec], scheduler: str, against: str,
@@ -237,37 +317,45 @@ def compare(config: SchedulerConfig, requests: Sequence[RequestSpec], scheduler:
             acceptance: Acceptance | None = None) -> Comparison:
     """Run ``scheduler`` and ``against`` on the same scenario and compare them step by step. With
     speculative decoding both runs get the same drafts and acceptances (``acceptance``: request id -> its
-    pattern; every draft accepted for the others).
+    pattern; every draft accepted for the others). A run stopped by a documented finding is compared up to
+    the step before it (the other run's later steps are not compared); one stopped by any other finding is
+    not compared.
 
     Raises:
         UnsupportedFeature: either scheduler cannot run this config or scenario.
         UnknownScheduler: either name is not a scheduler.
     """
-    ours, findings, ours_engine = _run(scheduler, config, requests, max_steps, acceptance)
-    theirs, more, theirs_engine = _run(against, config, requests, max_steps, acceptance)
+    # documented differences apply between an engine and the profile that reproduces it (PROFILES)
+    findings_of = {name: PROFILES[other].finding for name, other in ((scheduler, against), (against, scheduler))
+                   if other in PROFILES}
+    ours, findings, ours_engine, our_records = _run(scheduler, config, requests, max_steps, acceptance,
+                                                    findings_of.get(scheduler))
+    theirs, more, theirs_engine, their_records = _run(against, config, requests, max_steps, acceptance,
+                                                      findings_of.get(against))
     findings += [f for f in more if not (against == scheduler and f in findings)]
-    if ours is None or theirs is None:
+    stopped = ours is None or theirs is None
+    if stopped and (any(f.documented is None for f in findings) or not (our_records or their_records)):
         return Comparison(0, None, tuple(findings))
-    # documented differences apply between an engine and the profile that reproduces it
-    profile_pair = (scheduler in VLLM_PROFILES and theirs_engine) or (against in VLLM_PROFILES and ours_engine)
+    profile = (PROFILES.get(scheduler) if theirs_engine else None) or (PROFILES.get(against) if ours_engine else None)
     compared = 0
-    for index, (mine, other) in enumerate(zip(ours.records, theirs.records, strict=False)):
+    for index, (mine, other) in enumerate(zip(our_records, their_records, strict=False)):
         compared += 1
         a, b = ComparedStep.of(mine, exact_blocks), ComparedStep.of(other, exact_blocks)
         if a != b:
-            documented = documented_difference(config, ours.records, index, a, b) if profile_pair else None
+            documented = profile.divergence(config, our_records, index, a, b) if profile is not None else None
             return Comparison(compared, Divergence(mine.step, a.describe(), b.describe(), documented),
                               tuple(findings))
-    if len(ours.records) != len(theirs.records):
+    if not stopped and len(our_records) != len(their_records):
         step = compared
-        return Comparison(compared, Divergence(step, f"{len(ours.records)} steps in all",
-                                               f"{len(theirs.records)} steps in all"), tuple(findings))
+        return Comparison(compared, Divergence(step, f"{len(our_records)} steps in all",
+                                               f"{len(their_records)} steps in all"), tuple(findings))
     return Comparison(compared, None, tuple(findings))
 
 
 # ----------------------------------------------------------------------------------- generation
-def _possible_requests(config: SchedulerConfig,
-                       grammar_steps: int = 0) -> st.SearchStrategy[tuple[list[RequestSpec], Acceptance]]:
+def _possible_requests(config: SchedulerConfig, grammar_steps: int = 0,
+                       shape: Callable[[RequestSpec, SchedulerConfig, bool], RequestSpec] | None = None,
+                       ) -> st.SearchStrategy[tuple[list[RequestSpec], Acceptance]]:
     """1 to 8 requests that vLLM's input processor accepts (``0 < prompt_len < max_model_len``) and
     that can complete alone (the spec does not reject them), arriving in steps 0..8, sometimes
     aborted, sometimes stopping early (end-of-sequence), with ``max_loras`` on a LoRA adapter of 0 (none) to
@@ -277,7 +365,8 @@ def _possible_requests(config: SchedulerConfig,
     of 1..prompt_len tokens with others of one of two groups. The ids ``r0`` .. ``r{n-1}`` are a random
     permutation, independent of the order of arrival and of the workload's order (which orders the
     arrivals of one step), so that an order that falls back to the id where it should follow the
-    arrival shows up (vLLM's ``(priority, arrival_time, request_id)``)."""
+    arrival shows up (vLLM's ``(priority, arrival_time, request_id)``). ``shape`` moves each drawn
+    request onto what another engine's adapter takes (:attr:`ProfileDifferences.shape`)."""
     capacity = config.kv_capacity_tokens
     longest = max(1, min(config.max_model_len - 1, capacity))
 
@@ -302,6 +391,8 @@ def _possible_requests(config: SchedulerConfig,
                            priority=draw(priorities()), abort_at_step=abort, eos_at_output=eos,
                            prefix_group=group, prefix_len=prefix_len, lora_int_id=lora,
                            grammar_compile_steps=grammar)
+        if shape is not None:  # drawn only for such a profile, so that other scenarios stay what they were
+            spec = shape(spec, config, draw(st.integers(0, 9)) > 0)
         # drawn only with speculative decoding on, so that other scenarios stay what they were for a seed
         pattern = draw(acceptance_patterns(config.num_speculative_tokens)) if config.speculative else None
         return spec, pattern
@@ -315,14 +406,15 @@ def _possible_requests(config: SchedulerConfig,
             .flatmap(lambda ids: st.tuples(*(one(f"r{i}") for i in ids))).map(split))
 
 
-def scenarios(changes: dict[str, Any],
-              grammar_steps: int = 0) -> st.SearchStrategy[tuple[SchedulerConfig, list[RequestSpec], Acceptance]]:
+def scenarios(changes: dict[str, Any], grammar_steps: int = 0, profile: ProfileDifferences | None = None,
+              ) -> st.SearchStrategy[tuple[SchedulerConfig, list[RequestSpec], Acceptance]]:
     """``(config, requests, acceptance)``: a config from :func:`schedspec.testing.scheduler_configs` (with
-    ``long_prefill_token_threshold`` at most ``max_model_len``, as vLLM requires) with ``changes``
-    applied (drawn configs that ``changes`` make invalid are discarded; at least two tokens of
-    ``max_model_len``; with KV cache groups, at least the blocks vLLM's start-up check asks for,
-    :func:`~schedspec.reference.vllm_v1.startup_blocks`), and :func:`_possible_requests` for it (``grammar_steps``
-    passed on)."""
+    ``long_prefill_token_threshold`` at most ``max_model_len``, as vLLM requires), moved by ``profile``'s
+    :attr:`~ProfileDifferences.config` when it has one, with ``changes`` applied (drawn configs that
+    ``changes`` make invalid are discarded; at least two tokens of ``max_model_len``; with KV cache groups,
+    at least the blocks vLLM's start-up check asks for, :func:`~schedspec.reference.vllm_v1.startup_blocks`),
+    and :func:`_possible_requests` for it (``grammar_steps`` and ``profile``'s request shapes passed on)."""
+    move = profile.config if profile is not None else None
 
     def apply(config: SchedulerConfig) -> SchedulerConfig | None:
         try:
@@ -330,6 +422,8 @@ def scenarios(changes: dict[str, Any],
                 # vLLM refuses a threshold above max_model_len (SchedulerConfig.verify_max_model_len);
                 # the spec allows it, with the same effect as max_model_len
                 config = config.with_changes(long_prefill_token_threshold=config.max_model_len)
+            if move is not None and (config := move(config)) is None:
+                return None
             config = config.with_changes(**changes) if changes else config
         except (ConfigError, TypeError):
             return None
@@ -338,8 +432,9 @@ def scenarios(changes: dict[str, Any],
             config = config.with_changes(num_kv_blocks=startup_blocks(config))
         return config
 
+    shape = profile.shape if profile is not None else None
     configs = scheduler_configs().map(apply).filter(lambda c: c is not None and c.max_model_len >= 2)
-    return configs.flatmap(lambda c: _possible_requests(c, grammar_steps).map(lambda drawn: (c, *drawn)))
+    return configs.flatmap(lambda c: _possible_requests(c, grammar_steps, shape).map(lambda drawn: (c, *drawn)))
 
 
 # ------------------------------------------------------------------------------------ shrinking
@@ -519,7 +614,7 @@ def run_diff(scheduler: str, against: str, examples: int, seed: int, changes: di
     @hypothesis_seed(seed)
     @settings(max_examples=examples, database=None, deadline=None, phases=(Phase.generate,),
               suppress_health_check=list(HealthCheck), derandomize=False)
-    @given(scenarios(changes, grammar_steps))
+    @given(scenarios(changes, grammar_steps, pair_profile(scheduler, against)))
     def generate(scenario: tuple[SchedulerConfig, list[RequestSpec], Acceptance]) -> None:
         examine(*scenario)
 

@@ -1,0 +1,94 @@
+"""``schedspec diff --scheduler sglang --against sglang-profile`` at scale (issue 25: 10,000 scenarios), with
+what the scenarios exercised: how many had a retraction, a chunked prefill, a request SGLang ended at its
+clipped ``max_new_tokens`` (the documented finding), as the profile ran them.
+
+Run (SGLang's environment built: ``SCHEDSPEC_SGLANG=1 bash scripts/engines_setup.sh``)::
+
+    nice -n 10 .venv/bin/python benchmarks/sglang_profile_diff.py --examples 10000 --seed 25
+    # retractions (the generated scenarios almost never make SGLang retract: 1 of 10,000): one-token pages, a small pool
+    nice -n 10 .venv/bin/python benchmarks/sglang_profile_diff.py --examples 500 --seed 25 --set block_size=1 \
+        --set num_kv_blocks=48 --set max_num_seqs=8 --set max_num_batched_tokens=64 --set max_model_len=64
+
+Prints the diff's own summary line, the counts, wall and CPU seconds (this process; the SGLang worker's CPU
+from ``/proc``) and the load average, so that the run conditions go with the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import time
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--examples", type=int, default=10_000)
+    parser.add_argument("--seed", type=int, default=25)
+    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                        help="fix a SchedulerConfig field in every scenario, as schedspec diff --set")
+    args = parser.parse_args()
+
+    from schedspec.cli_common import parse_sets
+    from schedspec.commands import diff
+    from schedspec.reference.engine import Engine
+    from schedspec.reference.scheduler import make_scheduler
+
+    seen: list[tuple] = []
+    original = diff.compare
+
+    def recording(config, requests, *rest, **options):
+        result = original(config, requests, *rest, **options)
+        seen.append((config, requests, result))
+        return result
+
+    diff.compare = recording
+    started, load = time.perf_counter(), os.getloadavg()
+    lines: list[str] = []
+    report = diff.run_diff("sglang", "sglang-profile", args.examples, args.seed, parse_sets(tuple(args.sets)), None,
+                           echo=lines.append)
+    wall = time.perf_counter() - started
+    diff.compare = original
+
+    retracted = chunked = clipped = 0
+    for config, requests, result in seen[:report.examples]:  # the shrinking's reruns come after, if any
+        profile = make_scheduler("sglang-profile", config)
+        run = Engine(profile, config, properties=()).run(requests, mode="steps", max_steps=diff.DEFAULT_MAX_STEPS)
+        retracted += any(record.preempted for record in run.records)
+        chunked += any(item.num_computed_tokens and item.prefill_tokens for record in run.records
+                       for item in record.scheduled)
+        clipped += any(finding.documented for finding in result.findings)
+    worker = _worker_cpu_seconds()
+    print(f"{report.examples:,} examples, {report.steps_compared:,} steps compared, {report.divergent} divergent "
+          f"(unexplained), {report.documented} documented, {len(report.findings)} findings, "
+          f"{len(report.unsupported)} unsupported")
+    print(f"scenarios with a retraction: {retracted}, with a chunk after the first: {chunked}, "
+          f"stopped at a clipped max_new_tokens: {clipped}")
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    print(f"wall {wall:.0f} s; CPU of this process {usage.ru_utime + usage.ru_stime:.0f} s; SGLang worker CPU "
+          f"{worker if worker is not None else 'unknown'} s; load average at start {load[0]:.1f}, at end "
+          f"{os.getloadavg()[0]:.1f}")
+    for line in lines:
+        if "DIVERGENCE" in line or "FINDING" in line:
+            print(line)
+
+
+def _worker_cpu_seconds() -> float | None:
+    """CPU seconds of the SGLang worker process (``/proc/PID/stat``), while it is still alive."""
+    from schedspec.engines import vllm
+
+    ticks = os.sysconf("SC_CLK_TCK")
+    for worker in vllm._WORKERS.values():
+        pid = getattr(getattr(worker, "process", None), "pid", None)
+        if pid is None:
+            continue
+        try:
+            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        return round((int(fields[11]) + int(fields[12])) / ticks, 1)
+    return None
+
+
+if __name__ == "__main__":
+    main()

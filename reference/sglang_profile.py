@@ -1,0 +1,541 @@
+"""The ``sglang-profile`` reference scheduler: a reproduction of the decisions of SGLang 0.5.23's
+scheduler (``sglang==0.5.23``, ``sglang/srt/managers/scheduler.py`` ``Scheduler.get_next_batch_to_run``)
+in the configuration the ``sglang`` adapter runs it in (``engines/sglang.py``): one CPU rank, the
+chunk cache (radix cache disabled: no prefix caching), ``--schedule-policy fcfs``, no priority
+scheduling, no mixed chunks, no overlap, no speculative decoding, the default environment
+(``sglang/srt/environ.py``), ``page_size = block_size``, a pool of ``num_kv_blocks * block_size``
+tokens, ``max_running_requests = max_num_seqs``, ``chunked_prefill_size = max_prefill_tokens =
+max_num_batched_tokens`` (``chunked_prefill_size = -1`` with chunked prefill off).
+
+Unlike ``vllm-v1`` this is not a pure ``plan(state, config)`` function: SGLang decides from state the
+spec does not keep, so :class:`SglangProfile` keeps it beside its spec state, and changes that spec
+state only by the spec's transitions (``spec.transitions``), so it refines the spec whenever its plans
+are allowed (it is judged like every scheduler). The state of its own (SGLang's names):
+
+- ``waiting``: SGLang's ``Scheduler.waiting_queue`` order (arrivals and retracted requests at the
+  back; the spec puts a preempted request at the front of its own queue);
+- ``running``: the order of ``running_batch.reqs`` (the retraction order breaks ties by it);
+- ``chunked``: ``Scheduler.chunked_req``;
+- ``batch_is_full``: ``running_batch.batch_is_full``, which survives from step to step;
+- ``ratio``: ``NewTokenRatioTracker.current``;
+- ``max_new_tokens``: each request's ``sampling_params.max_new_tokens`` after the arrival clipping.
+
+The rules, each with its place in SGLang 0.5.23's source (``sglang/srt/...``):
+
+1. **Arrival clipping** (``managers/scheduler.py`` ``Scheduler.init_req_max_new_tokens``):
+   ``max_new_tokens = max(0, min(max_tokens, max_req_len - prompt_len - 1))``, ``max_req_len =
+   min(max_model_len - 1, pool_tokens - 1)`` (``managers/tp_worker.py`` ``get_worker_info``), then
+   ``min(that, pool_tokens - ceil_page(prompt_len) - page_size - 1)`` (``mem_cache/allocator/base.py``
+   ``max_new_tokens_for_memory``). The profile uses the clipped value wherever SGLang reads
+   ``max_new_tokens`` (rules 4, 5, 9, 10), but cannot end a request there: the spec ends it at its
+   ``max_tokens`` (:func:`clipped_max_new_tokens`; the finding ``sglang-clips-max-tokens``).
+2. **Prefill first, else decode; never mixed** (``Scheduler.get_next_batch_to_run``): a step is the
+   prefill batch ``get_new_batch_prefill`` builds if it admits anything, else the decode of the whole
+   running batch (``update_running_batch``); ``enable_mixed_chunk`` is off.
+3. **When a prefill is tried** (``Scheduler._get_new_batch_prefill_raw``): not while ``batch_is_full``
+   or with an empty waiting queue, unless a chunked request is pending; ``batch_is_full`` is cleared
+   when the running batch is empty. Not when ``max_running_requests - len(running)`` is 0 (no chunked
+   request): then ``batch_is_full`` is set. ``batch_is_full`` is also set when admission stops at the
+   request-slot limit (rule 6) or with ``NO_TOKEN`` while something runs or was admitted, and cleared
+   when a request leaves the running batch (``get_next_batch_to_run``'s ``filter_batch`` of finished
+   requests, the filtered last prefill batch, a retraction in ``update_running_batch``). When the
+   running batch is empty the last prefill batch becomes the running batch with the flag of a new
+   ``ScheduleBatch`` (clear); otherwise ``merge_batch`` appends it (its requests after the running ones).
+4. **The budget of a prefill pass** (``managers/schedule_policy.py`` ``PrefillAdder.__init__``,
+   ``mem_cache/prefill_budget.py`` ``PrefillBudget``): ``rem_total_tokens = free tokens -
+   total_offset``, ``total_offset`` starting at the sum over the running batch of
+   ``min(max_new_tokens - outputs, CLIP_MAX_NEW_TOKENS) * new_token_ratio``
+   (``_get_running_request_total_token_offset``; ``CLIP_MAX_NEW_TOKENS`` 4096); ``cur_rem_tokens =
+   free tokens - current_offset`` (starting at 0); ``rem_input_tokens = max_prefill_tokens``,
+   ``rem_chunk_tokens = chunked_prefill_size`` (``None`` without chunking). Each admitted chunk of
+   ``n`` tokens reserves (``PrefillBudget.reserve``) ``ceil_page(n) + page_size`` in both offsets and
+   its ``max_new_tokens`` (capped at 4096; 0 for a chunk that does not end the prompt) in
+   ``total_offset`` alone, and takes ``ceil_page(n)`` from ``rem_input_tokens`` and
+   ``rem_chunk_tokens`` (``_update_prefill_budget``). ``budget_state``: ``NO_TOKEN`` when
+   ``rem_total_tokens <= 0`` or ``cur_rem_tokens <= 0``, else ``OTHER`` when ``rem_input_tokens <=
+   0`` or ``rem_chunk_tokens <= 0``, else ``CONTINUE``.
+5. **The chunked request first, one at a time** (``PrefillAdder.add_chunked_req``): its next chunk is
+   ``min(pending, available_chunk_tokens)``, ``available_chunk_tokens = min(rem_chunk_tokens,
+   int(rem_total_tokens))`` or, when that is not positive, ``rem_chunk_tokens`` (so the chunk may end
+   inside a page, and a pool short of tokens still gets a whole chunk); the last chunk reserves the
+   request's ``max_new_tokens``. Only one request is chunked at a time (``Scheduler.chunked_req``).
+6. **Admission in queue order** (the ``for req in self.waiting_queue`` loop of
+   ``_get_new_batch_prefill_raw``, FCFS: ``SchedulePolicy.calc_priority`` sorts nothing): stop when
+   ``budget_state`` is ``OTHER``; stop (``batch_is_full``) when the admitted requests (the chunked one
+   included) reach ``max_running_requests - len(running)`` (``get_num_allocatable_reqs``: free rows of
+   ``ReqToTokenPool``); else ``add_one_req``, and stop at the first result that is not ``CONTINUE``.
+7. **The admission estimate** (``PrefillAdder.add_one_req``, ``_select_prefill_admission``, a request
+   with an end-of-sequence id and the radix cache off): with ``extend`` = prompt plus kept output
+   tokens (nothing cached) and ``max_new = min(max(max_new_tokens - outputs, 0), 4096)``, the request
+   needs ``extend + max_new + page_size < rem_total_tokens`` (strict; ``NO_TOKEN`` otherwise); without
+   chunking every request but the first of the pass needs ``ceil_page(extend) < rem_input_tokens``
+   (``OTHER``; the first may exceed ``max_prefill_tokens``); with chunking, when ``ceil_page(extend) >
+   rem_chunk_tokens`` it is cut to ``rem_chunk_tokens`` rounded down to a page (``OTHER`` if that is 0)
+   and becomes the chunked request. Admitted, it reserves (rule 4) ``min(max_new_tokens, 4096)``, the
+   whole clipped output, not less the kept outputs. It returns ``budget_state`` after the reservation,
+   so a request that is admitted and exhausts the estimate also ends the pass with ``NO_TOKEN``.
+8. **Decode memory** (``managers/schedule_batch.py`` ``ScheduleBatch.check_decode_mem``,
+   ``new_tokens_required_next_decode``, ``mem_cache/allocator/base.py`` ``check_decode_capacity``): a
+   decode needs ``page_size`` free tokens for each running request whose committed tokens
+   (``num_computed_tokens``) are a multiple of ``page_size``.
+9. **Retraction** (``ScheduleBatch.retract_decode``, ``_get_decode_retraction_order``): when the
+   decode does not fit, the running requests are sorted by ``(outputs, -prompt_len)`` descending
+   (stable: ties keep running order) and retracted from the end: at least one, then while the rest
+   do not fit, always keeping one; the kept requests stay in that sorted order (``filter_batch
+   (keep_indices=...)``). Retracted requests free their pages and go to the **back** of the waiting
+   queue in retraction order (``Scheduler._add_request_to_queue(req, is_retracted=True)``), keeping
+   their output tokens (``Req.reset_for_retract``): re-admitted, they compute prompt plus outputs.
+   If even the last one cannot decode SGLang aborts it (an engine fault: the profile raises
+   :class:`SglangAbort`).
+10. **The new-token ratio** (``managers/scheduler_components/new_token_ratio_tracker.py``
+    ``NewTokenRatioTracker``, ``Scheduler.update_running_batch``): starts at ``init = 0.7``
+    (``SGLANG_INIT_NEW_TOKEN_RATIO`` times ``schedule_conservativeness`` 1.0), decays by ``(init -
+    min) / 600`` per decode step without retraction down to ``min = 0.7 * 0.14``; after a retraction
+    it is ``min(1, (kept outputs + 20 * kept) / (kept max_new_tokens + 1))``
+    (``estimate_new_token_ratio_after_retract``, ``SGLANG_RETRACT_DECODE_STEPS`` 20); a prefill step
+    leaves it; an idle step with nothing running, waiting or chunked resets it to ``init``
+    (``Scheduler.on_idle`` when ``is_fully_idle``).
+11. **Blocks**: a prefill chunk gets the pages its tokens reach beyond those held
+    (``ScheduleBatch.prepare_for_extend``), a decode one page when rule 8 says so
+    (``prepare_for_decode``), both from the spec state's free queue in order (block ids are not
+    SGLang's: ``schedspec diff`` compares counts unless ``--exact-blocks``).
+
+**Within the spec, where SGLang is not** (docs/engines.md, *SGLang 0.5.23*, *The sglang-profile*):
+the profile rejects at arrival only what the spec calls impossible (``spec.admission``), never what
+SGLang's front end or ``validate_input_length`` refuse; it runs a request to its ``max_tokens`` (rule 1);
+a decode batch of more than ``max_num_batched_tokens`` requests is cut to the budget (SGLang decodes
+every running request: ``token-budget``), keeping the first ``max_num_batched_tokens`` of the running
+order. Refused (:class:`~schedspec.reference.scheduler.UnsupportedFeature`, exit 3):
+what the ``sglang`` adapter refuses (prefix caching, speculative decoding,
+``long_prefill_token_threshold``, vLLM's per-step limits, LoRA and structured output) and a request
+without an end-of-sequence id (SGLang's ``add_one_req_ignore_eos`` estimate is not reproduced; every
+workload of this project has one).
+
+**SGLang's stalls are kept**: a request SGLang never admits (rules 1 and 7: a prompt of ``pool tokens -
+page_size`` or more whose clipped ``max_new_tokens`` is 0, or a prompt longer than a chunk budget under a
+page) waits here forever too, and the queue behind it
+(docs/findings/sglang-unadmittable-request-blocks-queue.md). So the profile refines the spec step by step
+but need not end every request: it is registered as an ``engine-profile``, which the suites every reference
+scheduler runs leave out (``tests/test_sglang_profile.py`` runs it on the configs and shapes where SGLang
+ends every request: :func:`comparable_config`, :func:`comparable_request`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import attrs
+
+from schedspec.spec.admission import rejection_reason
+from schedspec.spec.config import SchedulerConfig, blocks_for_tokens
+from schedspec.spec.request import Request, printable
+from schedspec.spec.state import ScheduledRequest, SchedulerState, StepPlan
+from schedspec.spec.transitions import abort_request, add_request, apply_plan
+from schedspec.spec.workload import RequestSpec
+
+from .scheduler import UnsupportedFeature
+
+SGLANG_VERSION = "0.5.23"
+CLIP_MAX_NEW_TOKENS = 4096
+"""``managers/schedule_policy.py`` ``CLIP_MAX_NEW_TOKENS`` (``SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION`` unset)."""
+INIT_NEW_TOKEN_RATIO = 0.7
+"""``SGLANG_INIT_NEW_TOKEN_RATIO`` times ``schedule_conservativeness`` (1.0), capped at 1 (``environ.py``)."""
+MIN_NEW_TOKEN_RATIO = INIT_NEW_TOKEN_RATIO * 0.14
+"""``init * SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR`` (0.14)."""
+NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600
+"""``(init - min) / SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS`` (600), per decode step."""
+RETRACT_DECODE_STEPS = 20
+"""``SGLANG_RETRACT_DECODE_STEPS``: decode steps a kept request is assumed to take after a retraction."""
+
+NO_TOKEN, OTHER, CONTINUE = "NO_TOKEN", "OTHER", "CONTINUE"
+"""``PrefillAdder``'s ``AddReqResult`` values the profile meets."""
+
+
+class SglangAbort(Exception):
+    """SGLang would abort a running request here (``retract_decode``: "Out of memory even after retracting
+    all other requests"); the spec has no such transition."""
+
+
+def pool_tokens(config: SchedulerConfig) -> int:
+    """Tokens of SGLang's KV pool: ``num_kv_blocks * block_size`` (pages ``1..num_kv_blocks``)."""
+    return config.num_kv_blocks * config.block_size
+
+
+def max_req_len(config: SchedulerConfig) -> int:
+    """SGLang's ``max_req_len``: ``min(max_model_len - 1, pool tokens - 1)`` (``managers/tp_worker.py``
+    ``TpModelWorker.get_worker_info`` with ``context_len = max_model_len``)."""
+    return min(config.max_model_len - 1, pool_tokens(config) - 1)
+
+
+def max_req_input_len(config: SchedulerConfig) -> int:
+    """SGLang's ``max_req_input_len`` (``max_req_len - 5``): a prompt this long or longer is refused at
+    arrival (``managers/utils.py`` ``validate_input_length``)."""
+    return max_req_len(config) - 5
+
+
+def _ceil_page(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size) * page_size
+
+
+def clipped_max_new_tokens(prompt_len: int, max_tokens: int, config: SchedulerConfig) -> int:
+    """SGLang's ``max_new_tokens`` for a request after the arrival clipping (rule 1, tokens):
+    ``Scheduler.init_req_max_new_tokens`` and ``PagedTokenToKVPoolAllocator.max_new_tokens_for_memory``
+    (``SGLANG_MAX_NEW_TOKENS_LIMIT`` unset). A request with ``max_tokens`` above it ends early in SGLang
+    (docs/findings/sglang-clips-max-tokens.md)."""
+    page = config.block_size
+    clipped = max(0, min(max_tokens, max_req_len(config) - prompt_len - 1))
+    return max(0, min(clipped, pool_tokens(config) - _ceil_page(prompt_len, page) - page - 1))
+
+
+@attrs.define
+class _Budget:
+    """One prefill pass's ``PrefillAdder`` budget (rule 4), in tokens (floats: the ratio scales them)."""
+
+    free: int
+    page: int
+    total_offset: float
+    rem_input: int
+    rem_chunk: int | None
+    current_offset: float = 0.0
+
+    @property
+    def rem_total(self) -> float:
+        return self.free - self.total_offset
+
+    def reserve(self, tokens: int, max_new: int) -> None:
+        paged = _ceil_page(tokens, self.page)
+        self.total_offset += paged + self.page + max_new
+        self.current_offset += paged + self.page
+        self.rem_input -= paged
+        if self.rem_chunk is not None:
+            self.rem_chunk -= paged
+
+    def state(self) -> str:
+        if not (self.rem_total > 0 and self.free - self.current_offset > 0):
+            return NO_TOKEN
+        if self.rem_input <= 0 or (self.rem_chunk is not None and self.rem_chunk <= 0):
+            return OTHER
+        return CONTINUE
+
+
+@attrs.frozen
+class _Decision:
+    """What a planned step does to the profile's own state (applied by ``update``)."""
+
+    plan: StepPlan
+    prefill: tuple[str, ...]  # the extend batch, in order (the chunked request first); empty for a decode
+    chunked: str | None  # Scheduler.chunked_req after the step
+    running: tuple[str, ...]  # running_batch.reqs after the step's planning (retraction reorders it)
+    waiting: tuple[str, ...]  # the waiting queue after the step's planning
+    batch_is_full: bool
+    ratio: float
+
+
+class SglangProfile:
+    """SGLang 0.5.23's scheduler as a reference scheduler (module docstring); registry name
+    ``sglang-profile``.
+
+    Args:
+        config: the limits (the ``sglang`` adapter's mapping, module docstring).
+
+    Raises:
+        UnsupportedFeature: a config the ``sglang`` adapter refuses (module docstring).
+    """
+
+    guarantees: frozenset[str] = frozenset()
+
+    def __init__(self, config: SchedulerConfig, name: str = "sglang-profile") -> None:
+        for refused, why in (
+            (config.enable_prefix_caching, "prefix caching (SGLang's radix tree is not reproduced)"),
+            (config.speculative, "speculative decoding"),
+            (config.long_prefill_token_threshold > 0, "long_prefill_token_threshold > 0 (SGLang has no such limit)"),
+            (config.limits_on, f"{', '.join(config.limits_on)}: vLLM's per-step limits, which SGLang does not apply"),
+            (config.prefill_schedule_interval > 1, "prefill_schedule_interval > 1 (vLLM 0.33's prefill cadence)"),
+        ):
+            if refused:
+                raise UnsupportedFeature(f"scheduler {name!r}: {why}")
+        self.name = name
+        self.config = config
+        self.state = SchedulerState.initial(config)
+        self.waiting: list[str] = []
+        self.running: list[str] = []
+        self.chunked: str | None = None
+        self.batch_is_full = False
+        self.ratio = INIT_NEW_TOKEN_RATIO
+        self.max_new_tokens: dict[str, int] = {}
+        self._decision: _Decision | None = None
+
+    # ------------------------------------------------------------------ arrivals and aborts
+    def add_request(self, request: Request) -> None:
+        """``handle_generate_request``: clip ``max_new_tokens`` (rule 1), join the back of the queue.
+
+        Raises:
+            UnsupportedFeature: no end-of-sequence id, a LoRA adapter or structured output."""
+        if request.eos_token_id is None or request.lora_int_id or request.grammar_ready_step is not None:
+            raise UnsupportedFeature(f"scheduler {self.name!r}: request {printable(request.request_id)} has no "
+                                     "end-of-sequence id, or a LoRA adapter or structured output")
+        self.state = add_request(self.state, request)
+        self.max_new_tokens[request.request_id] = clipped_max_new_tokens(request.prompt_len, request.max_tokens,
+                                                                         self.config)
+        self.waiting.append(request.request_id)
+        self._decision = None
+
+    def abort_request(self, request_id: str) -> None:
+        """The spec's abort; the request leaves SGLang's queues."""
+        self.state = abort_request(self.state, request_id)
+        if request_id not in self.state.requests:
+            self._forget(request_id)
+        self._decision = None
+
+    def _forget(self, request_id: str) -> None:
+        for queue in (self.waiting, self.running):
+            if request_id in queue:
+                queue.remove(request_id)
+        if self.chunked == request_id:
+            self.chunked = None
+        self.max_new_tokens.pop(request_id, None)
+
+    # ------------------------------------------------------------------------- planning
+    def schedule(self) -> StepPlan:
+        """``Scheduler.get_next_batch_to_run`` (rules 2 to 11); the same plan until ``update``.
+
+        Raises:
+            SglangAbort: SGLang would abort the last running request (rule 9)."""
+        if self._decision is None:
+            self._decision = self._plan()
+        return self._decision.plan
+
+    def _plan(self) -> _Decision:
+        state, config = self.state, self.config
+        page = config.block_size
+        requests = state.requests
+        rejected = tuple((r, reason) for r in state.waiting
+                         if requests[r].admitted_step is None
+                         and (reason := rejection_reason(requests[r].prompt_len, requests[r].max_tokens, config)))
+        refused = {r for r, _ in rejected}
+        waiting = [r for r in self.waiting if r not in refused]
+        running = list(self.running)
+        full = self.batch_is_full and bool(running)  # rule 3: an empty running batch clears the flag
+        free = list(state.free_block_ids)
+
+        def outputs(request_id: str) -> int:
+            return requests[request_id].num_output_tokens
+
+        def item(request_id: str, tokens: int) -> ScheduledRequest:
+            request = requests[request_id]
+            computed = request.num_computed_tokens
+            count = blocks_for_tokens(computed + tokens, page) - len(request.block_ids)
+            new = tuple(free[:count])
+            del free[:count]
+            return ScheduledRequest(request_id, computed, tokens, new)
+
+        # rule 3: is a prefill tried?
+        admitted: list[tuple[str, int]] = []
+        chunked = self.chunked
+        slots = config.max_num_seqs - len(running)
+        if (full or not waiting) and chunked is None:
+            pass
+        elif slots <= 0 and chunked is None:
+            full = True
+        else:
+            budget = _Budget(free=state.num_free_blocks * page, page=page,
+                             total_offset=sum(min(self.max_new_tokens[r] - outputs(r), CLIP_MAX_NEW_TOKENS) * self.ratio
+                                              for r in running),
+                             rem_input=config.max_num_batched_tokens,
+                             rem_chunk=config.max_num_batched_tokens if config.enable_chunked_prefill else None)
+            if chunked is not None:  # rule 5
+                request = requests[chunked]
+                pending = request.num_tokens - request.num_computed_tokens
+                assert budget.rem_chunk is not None
+                available = min(budget.rem_chunk, int(budget.rem_total))
+                limit = available if available > 0 else budget.rem_chunk
+                tokens = min(pending, limit)
+                admitted.append((chunked, tokens))
+                finishes = tokens >= pending
+                budget.reserve(tokens, min(self.max_new_tokens[chunked], CLIP_MAX_NEW_TOKENS) if finishes else 0)
+                if finishes:
+                    chunked = None
+            for request_id in waiting:  # rule 6
+                if budget.state() == OTHER:
+                    break
+                if len(admitted) >= slots:
+                    full = True
+                    break
+                result, tokens, is_chunked = self._add_one_req(requests[request_id], budget, bool(admitted))
+                if tokens:
+                    admitted.append((request_id, tokens))
+                    if is_chunked:
+                        chunked = request_id
+                if result != CONTINUE:
+                    if result == NO_TOKEN:
+                        full = bool(admitted) or bool(running)
+                    break
+
+        ratio = self.ratio
+        preempted: list[str] = []
+        if admitted:  # rule 2: a prefill step
+            names = {r for r, _ in admitted}
+            waiting = [r for r in waiting if r not in names]
+            scheduled = tuple(item(r, tokens) for r, tokens in admitted)
+            prefill = tuple(r for r, _ in admitted)
+        elif running:  # rule 2: decode the running batch (rules 8 to 10)
+            prefill = ()
+
+            def needed(ids: list[str]) -> int:
+                return page * sum(1 for r in ids if requests[r].num_computed_tokens % page == 0)
+
+            available = state.num_free_blocks * page
+            if available >= needed(running):
+                ratio = max(ratio - NEW_TOKEN_RATIO_DECAY, MIN_NEW_TOKEN_RATIO)
+            else:
+                order = sorted(running, key=lambda r: (outputs(r), -requests[r].prompt_len), reverse=True)
+                first = True
+                while first or available < needed(order):
+                    if len(order) == 1:
+                        break
+                    first = False
+                    victim = order.pop()
+                    preempted.append(victim)
+                    available += len(requests[victim].block_ids) * page
+                    free.extend(requests[victim].block_ids)
+                if available < needed(order):
+                    raise SglangAbort(f"step {state.step}: SGLang {SGLANG_VERSION} aborts {order[0]} (retract_decode: "
+                                      "out of memory even after retracting all other requests)")
+                running = order
+                full = False
+                waiting += preempted
+                kept_max_new = sum(self.max_new_tokens[r] for r in running)
+                ratio = min(1.0, (sum(outputs(r) for r in running) + RETRACT_DECODE_STEPS * len(running))
+                            / (kept_max_new + 1))
+            decodes = running[:config.max_num_batched_tokens]  # the spec's token budget (module docstring)
+            scheduled = tuple(item(r, 1) for r in decodes)
+        else:
+            prefill, scheduled = (), ()
+            if not waiting and chunked is None:  # rule 10: Scheduler.on_idle when fully idle
+                ratio = INIT_NEW_TOKEN_RATIO
+        plan = StepPlan(scheduled=scheduled, preempted=tuple(preempted), rejected=rejected)
+        return _Decision(plan, prefill, chunked, tuple(running), tuple(waiting), full, ratio)
+
+    def _add_one_req(self, request: Request, budget: _Budget, others: bool) -> tuple[str, int, bool]:
+        """``PrefillAdder.add_one_req`` for a request with an end-of-sequence id (rule 7): ``(result, tokens
+        admitted or 0, whether it is now the chunked request)``."""
+        page = budget.page
+        max_new_tokens = self.max_new_tokens[request.request_id]
+        max_new = min(max(max_new_tokens - request.num_output_tokens, 0), CLIP_MAX_NEW_TOKENS)
+        extend = request.num_tokens  # nothing cached: prompt plus the kept output tokens
+        if not extend + max_new + page < budget.rem_total:
+            return NO_TOKEN, 0, False
+        paged = _ceil_page(extend, page)
+        if budget.rem_chunk is None and others and paged >= budget.rem_input:
+            return OTHER, 0, False
+        reserved = min(max_new_tokens, CLIP_MAX_NEW_TOKENS)
+        is_chunked = False
+        if budget.rem_chunk is not None and paged > budget.rem_chunk:
+            extend = budget.rem_chunk // page * page
+            if extend <= 0:
+                return OTHER, 0, False
+            is_chunked, reserved = True, 0
+        budget.reserve(extend, reserved)
+        return budget.state(), extend, is_chunked
+
+    # --------------------------------------------------------------------------- update
+    def update(self, plan: StepPlan, sampled_token_ids: Mapping[str, int]) -> tuple[str, ...]:
+        """Apply the plan by the spec's transition and SGLang's bookkeeping after the step (the merge of
+        the prefill batch at the next ``get_next_batch_to_run``, rule 3).
+
+        Raises:
+            ValueError: ``plan`` is not the plan ``schedule`` returned."""
+        decision = self._decision
+        if decision is None or plan != decision.plan:
+            raise ValueError("update: the plan is not the one schedule() returned")
+        result = apply_plan(self.state, plan, sampled_token_ids, self.config)
+        self.state = result.state
+        finished = set(result.finished)
+        ended = set(self.max_new_tokens) - set(self.state.requests)
+        self.waiting = [r for r in decision.waiting if r not in ended]
+        self.chunked = decision.chunked
+        self.ratio = decision.ratio
+        running = [r for r in decision.running if r not in ended]
+        full = decision.batch_is_full
+        if decision.prefill:
+            last = [r for r in decision.prefill if r != decision.chunked and r not in ended]
+            if len(last) < len(decision.prefill):
+                full = False  # the filtered last prefill batch shrank
+            if last:
+                if running:
+                    running += last  # ScheduleBatch.merge_batch
+                else:
+                    running, full = last, False  # the last prefill batch becomes the running batch
+        elif finished & set(decision.running):
+            full = False  # running_batch.filter_batch() drops the finished requests
+        self.running = running
+        self.batch_is_full = full
+        for request_id in ended:
+            self._forget(request_id)
+        self._decision = None
+        return result.finished
+
+
+def sglang_profile(config: SchedulerConfig) -> SglangProfile:
+    """The registry's ``sglang-profile`` factory (module docstring)."""
+    return SglangProfile(config)
+
+
+# ------------------------------------------------------------------ what SGLang and the spec agree on
+def comparable_config(config: SchedulerConfig) -> SchedulerConfig | None:
+    """``config`` moved onto where SGLang's limits and the spec's agree, for differential tests
+    (``schedspec diff``), or ``None`` if it cannot be: ``max_num_batched_tokens >= max_num_seqs`` (SGLang
+    decodes every running request in one step, with no token budget: the spec's ``token-budget`` would
+    stop the run) and, with chunked prefill, ``>= block_size`` (a chunk is cut to whole pages: with
+    ``chunked_prefill_size`` under a page SGLang never admits a prompt longer than it, rule 7), at least 8
+    tokens of ``max_model_len`` and of pool (SGLang refuses every prompt when
+    ``max_req_input_len`` is under 1), at least two pages (SGLang admits nothing into a one-page pool:
+    :func:`admissible_alone`), and the features the adapter refuses off."""
+    try:
+        return config.with_changes(
+            max_num_batched_tokens=max(config.max_num_batched_tokens, config.max_num_seqs,
+                                       config.block_size if config.enable_chunked_prefill else 0),
+            max_model_len=max(config.max_model_len, 8),
+            num_kv_blocks=max(config.num_kv_blocks, 2, -(-8 // config.block_size)),
+            enable_prefix_caching=False, long_prefill_token_threshold=0)
+    except (ValueError, TypeError):
+        return None
+
+
+def comparable_request(spec: RequestSpec, config: SchedulerConfig, unclip: bool = False) -> RequestSpec:
+    """A request moved onto what the ``sglang`` adapter takes into SGLang's queue unchanged
+    (its tokenizer manager's checks and ``validate_input_length``, which the adapter applies:
+    ``engines/sglang.py`` ``front_end_rejection``) and SGLang can admit into an empty pool (:func:`admissible_alone`): the
+    prompt under ``max_req_input_len`` and under ``pool tokens - page_size``, ``prompt_len + max_tokens``
+    at most ``max_model_len``, an abort only in its arrival step (the adapter refuses to abort an
+    admitted request); with ``unclip`` also ``max_tokens`` at most the clipped ``max_new_tokens`` (rule 1;
+    at least 1), so that SGLang runs the request to its end. Without it the clipping is left alone: the
+    profile reproduces it and the run stops at the finding it is (docs/findings/sglang-clips-max-tokens.md)."""
+    page = config.block_size
+    prompt_len = max(1, min(spec.prompt_len, max_req_input_len(config) - 1, pool_tokens(config) - page - 1))
+    max_tokens = max(1, min(spec.max_tokens, config.max_model_len - prompt_len))
+    if unclip:
+        max_tokens = max(1, min(max_tokens, clipped_max_new_tokens(prompt_len, max_tokens, config)))
+    abort = None if spec.abort_at_step is None else spec.arrival_step
+    return attrs.evolve(spec, prompt_len=prompt_len, max_tokens=max_tokens, abort_at_step=abort)
+
+
+def admissible_alone(prompt_len: int, max_tokens: int, config: SchedulerConfig) -> bool:
+    """Whether SGLang admits a fresh request of this shape into an empty pool (rule 7 with nothing
+    running): ``prompt_len + min(clipped max_new_tokens, 4096) + page_size < pool tokens``. Clipping
+    (rule 1) makes this hold whenever the clipped ``max_new_tokens`` is positive; when it is 0 (the
+    page-rounded prompt and a page leave no token) it holds only if ``prompt_len + page_size < pool``,
+    so a request with ``prompt_len >= pool - page_size`` that passes ``validate_input_length`` waits
+    forever, and the requests behind it too (docs/findings/sglang-unadmittable-request-blocks-queue.md)."""
+    clipped = min(clipped_max_new_tokens(prompt_len, max_tokens, config), CLIP_MAX_NEW_TOKENS)
+    return prompt_len + clipped + config.block_size < pool_tokens(config)
+
+
+def clipped_finishes(state: SchedulerState, config: SchedulerConfig) -> frozenset[str]:
+    """The live requests of ``state`` (the spec's, after a step) that SGLang has ended at their clipped
+    ``max_new_tokens`` (rule 1) while the spec runs them on: ``max(1, clipped) == outputs < max_tokens``
+    (with ``max_new_tokens`` clipped to 0 SGLang still samples the prefill's token)."""
+    return frozenset(
+        request_id for request_id, request in state.requests.items()
+        if request.num_output_tokens < request.max_tokens
+        and request.num_output_tokens == max(1, clipped_max_new_tokens(request.prompt_len, request.max_tokens, config)))
