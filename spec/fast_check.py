@@ -1,0 +1,442 @@
+"""A fast screening path for ``schedspec check``, kept in lockstep with the spec.
+
+:func:`fast_check` reads a trace file and replays it on a **mutable shadow** of exactly what the rules,
+the record comparison and the default trace properties need, fed straight from each line's parsed JSON
+(no :class:`~schedspec.spec.trace.StepRecord`, no immutable :class:`~schedspec.spec.state.SchedulerState`
+per step). It only ever answers "every step of this trace is legal" (the :class:`~schedspec.spec.checker.CheckReport`
+of a passing trace) or "I cannot tell" (``None``): at the first step it cannot prove legal, for any reason,
+the caller judges the whole trace again with the plain path, :func:`~schedspec.spec.checker.check_trace`,
+from the start, so that every verdict that is not a pass (the first illegal step, the state before it,
+the violations, the exit code, every byte printed) is the plain path's own. It never decides "illegal".
+
+**What it models** (per live request: prompt length, ``max_tokens``, outputs, computed tokens, block
+table, running or waiting, stop conditions; globally: the step counter, the clock, the free blocks as a
+set, the running and waiting counts, the ids ever added, the waiting requests that must be rejected, and
+the ``progress`` monitor's high-water marks), and per step, in the plain path's order
+(:func:`~schedspec.spec.checker.check_trace`): the step number and times; each arrival (a fresh id,
+``arrival_step``, ``arrival_time``, ``max_tokens >= 0``); the client's aborts and ``aborted``; the rules
+of :mod:`~schedspec.spec.rules` that can find anything under the allowed features (``known-requests``,
+``token-budget``, ``positive-tokens``, ``chunk-continues``, ``no-overcompute``,
+``whole-prefill-without-chunking``, ``long-prefill-threshold`` (adaptive too), ``sequence-cap``,
+``admit-fits-alone``, ``reject-only-impossible``, ``preempt-running-only``, ``blocks-from-free-pool``,
+``block-table-covers``, ``no-excess-blocks``; the prefix-caching, speculative-decoding, in-flight and
+per-step-limit rules find nothing with those features off, and a record that names a field of theirs
+falls back); the prefill/decode split; the samplers and their ``sampled_token_ids``; the step's
+update (preempt, reject, schedule, sample with :func:`~schedspec.spec.stop_rule.stop_reason_of`, the
+spec's one stop rule); and the record's derived fields: ``finished`` and its reasons, ``blocks_freed``,
+``blocks_allocated`` outside the batch, the prefix-caching fields, ``blocks_evicted``, ``wasted_tokens``,
+``num_free_blocks``, ``num_running``, ``num_waiting``. The default properties: ``progress`` is followed
+exactly (a window that would report falls back); ``rejects-impossible`` cannot report on a step that
+keeps ``reject-only-impossible`` (the rule states the monitor's two cases for the same requests).
+
+**Invariants** are not re-checked: the rules alone imply every invariant is preserved by the spec's
+update (:mod:`schedspec.spec.proofs`, the spec's central theorem for synchronous engines), and the
+shadow's update is the spec's update restricted to the allowed features; the lockstep tests
+(``tests/test_fast_check.py``) compare the two on every catalogue mutant and on generated traces.
+
+**What makes it fall back** (``None``): a config feature outside the allow-list (:func:`supported`: prefix
+caching, speculative decoding, asynchronous scheduling, LoRA, the watermark, ``max_num_active_seqs``,
+the prefill cadence, schema version 1), properties other than :data:`~schedspec.spec.checker.DEFAULT_PROPERTIES`,
+``keep_going``; an arrival with a workload event (``abort_at_step``, ``eos_at_output``, ``abort_at_time``),
+a LoRA adapter or structured output; any line that does not parse, breaks the schema, might repeat a key, or
+is longer than :data:`~schedspec.spec.trace.MAX_LINE_BYTES`; any rule, comparison or property it doubts;
+requests still live at the end of the trace (unless ``allow_unfinished``); and any exception of its own.
+
+**Why a pass is sound**: each check above is the plain path's check on the same values (the shadow holds
+the same numbers as the spec's state, by induction over the steps, since both start from the initial
+state and apply the same update); a step passes only when every one of them passes; and a line passes
+the reader only when the plain reader accepts it too: ``orjson`` (when installed) or ``json.loads``, then
+the compiled schema screen, which accepts only what ``jsonschema`` accepts (``trace._schema_error``), and a
+repeated-key screen: with no ``"`` followed by whitespace on the line, every key's closing quote is
+followed by ``:``, so the line's count of ``":`` bounds its keys from above; when it equals the keys of the
+parsed objects, no key was read twice. Otherwise the line is parsed by the strict reader
+(:func:`~schedspec.spec.trace.strict_json_loads`), which refuses repeated keys, NaN and out-of-range
+numbers. ``orjson`` refuses NaN, Infinity, numbers out of a float's range, lone surrogates and control
+characters (any refusal falls back: the plain path then names the problem).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from typing import Any
+
+from schedspec.spec.admission import rejection_code, rejection_reason, rejection_reasons
+from schedspec.spec.checker import DEFAULT_PROPERTIES, TIME_TOLERANCE, CheckReport
+from schedspec.spec.config import SchedulerConfig, blocks_for_tokens
+from schedspec.spec.stop_rule import stop_reason_of
+from schedspec.spec.trace import (
+    MAX_LINE_BYTES,
+    StrictJsonError,
+    TraceFile,
+    _fast_validator,
+    strict_json_loads,
+)
+
+try:  # a well-kept compiled parser, when installed (pyproject's dependencies pin it); json otherwise
+    from orjson import loads as _loads
+except ImportError:  # pragma: no cover - the plain json module is as correct, slower
+    _loads = json.loads
+
+MAP_FIELDS = ("blocks_allocated", "blocks_freed", "prefix_hit_tokens", "prefix_hit_blocks", "finished", "rejected",
+              "sampled_token_ids", "num_accepted_tokens", "draft_token_ids", "wasted_tokens")
+"""The record fields whose values are JSON objects (besides ``arrivals[]`` and ``scheduled[]``): with the
+record itself, every object a valid record holds (``tests/test_fast_check.py`` reads the schema to check it),
+for the repeated-key screen."""
+
+UNMODELLED_ARRIVAL_FIELDS = ("abort_at_step", "abort_at_time", "grammar_compile_steps", "hash_block_tokens")
+"""Arrival fields that, not null, make :func:`fast_check` fall back (with ``eos_at_output`` and ``lora_int_id``
+other than 0): the workload's own events, structured output, LoRA, and the Mooncake block size (which the
+plain reader checks when it builds the prompt), none of which the shadow models."""
+
+_QUOTE_SPACE = (b'" ', b'"\t', b'"\r', b'"\n')
+
+
+def supported(config: SchedulerConfig, schema_version: int, async_scheduling: bool) -> bool:
+    """Whether :func:`fast_check` models traces of this header: synchronous, schema version 2 or 3, prefix
+    caching, speculative decoding and the per-step limits (:data:`~schedspec.spec.config.LIMIT_DEFAULTS`:
+    LoRA, watermark, ``max_num_active_seqs``, prefill cadence) off. Chunked prefill on or off, any
+    ``long_prefill_token_threshold`` (adaptive too), any policy (the rules are policy-independent)."""
+    return (not async_scheduling and schema_version in (2, 3) and not config.enable_prefix_caching
+            and not config.speculative and not config.limits_on)
+
+
+class _Request:
+    """The shadow of one live request: what the rules, the update and the record comparison read."""
+
+    __slots__ = ("prompt_len", "max_tokens", "num_outputs", "num_computed", "blocks", "running", "eos",
+                 "stops", "min_tokens")
+
+    def __init__(self, prompt_len: int, max_tokens: int, eos: int | None, stops: tuple[int, ...],
+                 min_tokens: int) -> None:
+        self.prompt_len = prompt_len
+        self.max_tokens = max_tokens
+        self.num_outputs = 0
+        self.num_computed = 0
+        self.blocks: list[int] = []
+        self.running = False
+        self.eos = eos
+        self.stops = stops
+        self.min_tokens = min_tokens
+
+
+class _Doubt(Exception):
+    """The fast path cannot prove the step legal: the plain path judges the trace."""
+
+
+def _parse(line: bytes, validator: Any) -> dict:
+    """One record line as the plain reader would read it (``validator``: the compiled schema screen of the
+    trace's version), or :class:`_Doubt` (module docstring)."""
+    try:
+        data = _loads(line)
+    except ValueError:  # orjson.JSONDecodeError and json.JSONDecodeError are ValueErrors
+        raise _Doubt from None
+    if type(data) is not dict:
+        raise _Doubt
+    if not validator.is_valid(data):
+        raise _Doubt
+    keys = len(data) + sum(map(len, data["arrivals"])) + sum(map(len, data["scheduled"]))
+    for name in MAP_FIELDS:
+        value = data.get(name)
+        if value:
+            keys += len(value)
+    if line.count(b'":') != keys or any(pattern in line for pattern in _QUOTE_SPACE):
+        try:  # the strict reader decides (repeated keys, numbers); it accepts nothing json.loads refuses
+            data = strict_json_loads(line.decode("utf-8"))
+        except (StrictJsonError, UnicodeDecodeError):
+            raise _Doubt from None
+    return data
+
+
+class FastChecker:
+    """The mutable shadow of a synchronous run and its per-step check (module docstring).
+
+    Args:
+        config: the trace header's config (:func:`supported` must hold).
+    """
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.step = 0
+        self.live: dict[str, _Request] = {}
+        self.known: set[str] = set()  # every id ever added
+        self.free: set[int] = set(range(config.num_kv_blocks))
+        self.num_running = 0
+        self.must_reject: set[str] = set()  # waiting, never admitted, and impossible: rejected at once
+        self.previous_end: float | None = None
+        self.high_water: dict[str, int] = {}  # the progress monitor's
+        self.stalled_since: int | None = None
+        self.window = config.max_model_len  # Progress's default window
+
+    def check(self, data: dict) -> None:
+        """Check one record (a parsed, schema-valid line) and apply it; :class:`_Doubt` where it cannot tell."""
+        config = self.config
+        live = self.live
+        step = self.step
+        if data["step"] != step:
+            raise _Doubt
+        start, duration = data["start_time"], data["duration"]
+        if duration < 0:
+            raise _Doubt
+        end = self.previous_end
+        if end is not None and start < end - TIME_TOLERANCE * max(1.0, abs(end)):
+            raise _Doubt
+        self.previous_end = start + max(duration, 0.0)
+
+        for arrival in data["arrivals"]:
+            self._arrive(arrival, step, start)
+
+        freed: dict[str, list[int]] = {}
+        aborted = []
+        for request_id in data["aborts"]:
+            request = live.pop(request_id, None)
+            if request is None:
+                continue
+            aborted.append(request_id)
+            if request.blocks:
+                freed[request_id] = request.blocks
+                self.free.update(request.blocks)
+            if request.running:
+                self.num_running -= 1
+            self.must_reject.discard(request_id)
+            self.high_water.pop(request_id, None)
+        recorded_aborted = data["aborted"]
+        if len(recorded_aborted) != len(aborted) or set(recorded_aborted) != set(aborted):
+            raise _Doubt
+        has_live = bool(live)
+
+        for name in ("num_accepted_tokens", "draft_token_ids", "prefix_hit_blocks", "blocks_evicted", "wasted_tokens"):
+            if data.get(name):
+                raise _Doubt
+        if any(data["prefix_hit_tokens"].values()):
+            raise _Doubt
+
+        scheduled = data["scheduled"]
+        preempted = data["preempted"]
+        rejected = data["rejected"]
+        allocated = data["blocks_allocated"]
+        # known-requests: every named id is live, and named once
+        named = [item["request_id"] for item in scheduled]
+        batch = set(named)
+        if len(batch) != len(named):
+            raise _Doubt
+        named_all = len(named) + len(preempted) + len(rejected)
+        everyone = batch.union(preempted, rejected)
+        if len(everyone) != named_all or not everyone.issubset(live):
+            raise _Doubt
+        # preempt-running-only
+        released: set[int] = set()
+        for request_id in preempted:
+            request = live[request_id]
+            if not request.running or request_id in batch:
+                raise _Doubt
+            released.update(request.blocks)
+        # reject-only-impossible
+        if not self.must_reject.issubset(rejected):
+            raise _Doubt
+        for request_id, reason in rejected.items():
+            request = live[request_id]
+            if request.running:
+                raise _Doubt
+            reasons = rejection_reasons(request.prompt_len, request.max_tokens, config)
+            if not reasons or rejection_code(reason) not in {rejection_code(r) for r in reasons}:
+                raise _Doubt
+        # only scheduled requests get blocks
+        for request_id, blocks in allocated.items():
+            if blocks and request_id not in batch:
+                raise _Doubt
+
+        threshold = 0
+        if config.enable_chunked_prefill:
+            threshold = config.effective_long_prefill_threshold(
+                self.num_running + (len(live) - self.num_running) - len(rejected))
+        chunked = config.enable_chunked_prefill
+        block_size = config.block_size
+        free = self.free
+        handed: set[int] = set()
+        total = 0
+        admitted = 0
+        samplers: list[tuple[str, _Request, list[int]]] = []
+        for item in scheduled:
+            request_id = item["request_id"]
+            if "spec_token_ids" in item:
+                raise _Doubt
+            request = live[request_id]
+            start_at = item["num_computed_tokens"]
+            prefill, decode = item["prefill_tokens"], item["decode_tokens"]
+            tokens = prefill + decode
+            computed = request.num_computed
+            num_tokens = request.prompt_len + request.num_outputs
+            pending = num_tokens - computed
+            if tokens < 1 or start_at != computed or tokens > pending or (not chunked and tokens != pending) \
+                    or (threshold and tokens > threshold):
+                raise _Doubt
+            if pending == 1 and computed >= request.prompt_len:  # a decode (Request.is_decode)
+                if prefill:
+                    raise _Doubt
+            elif decode:
+                raise _Doubt
+            if not request.running:
+                if request_id in self.must_reject:  # admit-fits-alone
+                    raise _Doubt
+                admitted += 1
+            new = allocated.get(request_id, ())
+            for block_id in new:
+                if block_id in handed or (block_id not in free and block_id not in released):
+                    raise _Doubt
+                handed.add(block_id)
+            held = len(request.blocks) + len(new)
+            if held < blocks_for_tokens(start_at + tokens, block_size) or held > blocks_for_tokens(num_tokens, block_size):
+                raise _Doubt
+            total += tokens
+            if start_at + tokens == num_tokens:
+                samplers.append((request_id, request, new))
+        if total > config.max_num_batched_tokens:
+            raise _Doubt
+        if self.num_running - len(preempted) + admitted > config.max_num_seqs:
+            raise _Doubt
+        sampled = data["sampled_token_ids"]
+        if len(sampled) != len(samplers) or not all(request_id in sampled for request_id, _, _ in samplers):
+            raise _Doubt
+
+        # the update: preempt, reject, schedule, sample (spec.transitions.apply_plan)
+        ended = len(rejected)
+        for request_id in preempted:
+            request = live[request_id]
+            if request.blocks:
+                freed[request_id] = request.blocks
+            request.blocks = []
+            request.num_computed = 0
+            request.running = False
+            self.num_running -= 1
+        for request_id in rejected:
+            del live[request_id]
+            self.must_reject.discard(request_id)
+            self.high_water.pop(request_id, None)
+        free.update(released)
+        free.difference_update(handed)
+        advanced = False
+        high_water = self.high_water
+        for item in scheduled:
+            request_id = item["request_id"]
+            request = live[request_id]
+            tokens = item["prefill_tokens"] + item["decode_tokens"]
+            request.num_computed += tokens
+            new = allocated.get(request_id)
+            if new:
+                request.blocks = request.blocks + new
+            if not request.running:
+                request.running = True
+                self.num_running += 1
+            reach = item["num_computed_tokens"] + tokens
+            if reach > high_water.get(request_id, 0):
+                high_water[request_id] = reach
+                advanced = True
+        finished: dict[str, str] = {}
+        max_model_len = config.max_model_len
+        for request_id, request, _ in samplers:
+            token = sampled[request_id]
+            request.num_outputs += 1
+            reason = stop_reason_of(token, request.num_outputs, request.prompt_len + request.num_outputs,
+                                    request.eos, request.stops, request.min_tokens, request.max_tokens, max_model_len)
+            if reason is None:
+                continue
+            finished[request_id] = reason
+            del live[request_id]
+            self.num_running -= 1
+            high_water.pop(request_id, None)
+            if request.blocks:
+                freed[request_id] = request.blocks
+                free.update(request.blocks)
+        ended += len(finished)
+
+        # the record's derived fields (checker._compare_record)
+        if data["finished"] != finished:
+            raise _Doubt
+        recorded_freed = data["blocks_freed"]
+        for request_id, blocks in recorded_freed.items():
+            if sorted(blocks) != sorted(freed.get(request_id, ())):
+                raise _Doubt
+        for request_id in freed:
+            if request_id not in recorded_freed:
+                raise _Doubt
+        if (data["num_free_blocks"] != len(free) or data["num_running"] != self.num_running
+                or data["num_waiting"] != len(live) - self.num_running):
+            raise _Doubt
+
+        # progress (properties.Progress, its default window); rejects-impossible: see the module docstring
+        if ended or advanced or not has_live:
+            self.stalled_since = None
+        else:
+            if self.stalled_since is None:
+                self.stalled_since = step
+            if step - self.stalled_since + 1 >= self.window:
+                raise _Doubt
+        self.step = step + 1
+
+    def _arrive(self, arrival: dict, step: int, start: float) -> None:
+        """An arrival before ``step`` (``checker._compare_arrival`` and ``transitions.add_request``)."""
+        for name in UNMODELLED_ARRIVAL_FIELDS:
+            if arrival.get(name) is not None:
+                raise _Doubt
+        if arrival.get("eos_at_output") or arrival.get("lora_int_id"):
+            raise _Doubt
+        if arrival.get("arrival_step", step) not in (None, step):
+            raise _Doubt
+        if arrival.get("arrival_time", 0.0) > start + TIME_TOLERANCE * max(1.0, abs(start)):
+            raise _Doubt
+        request_id = arrival["request_id"]
+        max_tokens = arrival["max_tokens"]
+        if request_id in self.known or max_tokens < 0:
+            raise _Doubt
+        prompt_len = arrival["prompt_len"]
+        self.known.add(request_id)
+        self.live[request_id] = _Request(prompt_len, max_tokens, arrival["eos_token_id"],
+                                         tuple(arrival.get("stop_token_ids", ())), arrival.get("min_tokens", 0))
+        if rejection_reason(prompt_len, max_tokens, self.config) is not None:
+            self.must_reject.add(request_id)
+
+
+def fast_check(trace: TraceFile, properties: Iterable[str] = DEFAULT_PROPERTIES, keep_going: bool = False,
+               allow_unfinished: bool = False) -> CheckReport | None:
+    """The report of a trace every step of which is legal, or ``None`` when the plain path
+    (:func:`~schedspec.spec.checker.check_trace`) must judge it (module docstring): the report is then
+    the one :func:`~schedspec.spec.checker.check_trace` gives the same trace with the same arguments.
+
+    Args:
+        trace: the opened trace (:func:`~schedspec.spec.trace.open_trace`: its header already validated).
+        properties: the properties asked for; anything but :data:`~schedspec.spec.checker.DEFAULT_PROPERTIES`
+            falls back.
+        keep_going, allow_unfinished: as for :func:`~schedspec.spec.checker.check_trace` (``keep_going``
+            falls back).
+    """
+    names = tuple(dict.fromkeys(properties))
+    if (keep_going or names != DEFAULT_PROPERTIES
+            or not supported(trace.config, trace.schema_version, trace.async_scheduling)):
+        return None
+    validator = _fast_validator("record", trace.schema_version)
+    checker = FastChecker(trace.config)
+    steps = 0
+    try:
+        with trace.path.open("rb") as handle:
+            handle.readline()
+            while True:
+                line = handle.readline(MAX_LINE_BYTES + 1)
+                if not line:
+                    break
+                if len(line) > MAX_LINE_BYTES:
+                    return None
+                if not line.strip():
+                    continue
+                checker.check(_parse(line, validator))
+                steps += 1
+    except _Doubt:
+        return None
+    except Exception:  # noqa: BLE001 - anything unexpected: the plain path judges (and reports it its way)
+        return None
+    if checker.live and not allow_unfinished:
+        return None
+    return CheckReport(steps_checked=steps, valid_prefix=steps, properties=names)
+
+
+__all__ = ["FastChecker", "MAP_FIELDS", "fast_check", "supported"]
