@@ -36,7 +36,7 @@ shadow's update is the spec's update restricted to the allowed features; the loc
 
 **What makes it fall back** (``None``): a config feature outside the allow-list (:func:`supported`: prefix
 caching, speculative decoding, asynchronous scheduling, LoRA, the watermark, ``max_num_active_seqs``,
-the prefill cadence, schema version 1), properties other than :data:`~schedspec.spec.checker.DEFAULT_PROPERTIES`,
+the prefill cadence), properties other than :data:`~schedspec.spec.checker.DEFAULT_PROPERTIES`,
 ``keep_going``; an arrival with a workload event (``abort_at_step``, ``eos_at_output``, ``abort_at_time``),
 a LoRA adapter or structured output; any line that does not parse, breaks the schema, might repeat a key, or
 is longer than :data:`~schedspec.spec.trace.MAX_LINE_BYTES`; any rule, comparison or property it doubts;
@@ -67,6 +67,8 @@ from schedspec.spec.config import SchedulerConfig, blocks_for_tokens
 from schedspec.spec.stop_rule import stop_reason_of
 from schedspec.spec.trace import (
     MAX_LINE_BYTES,
+    READABLE_VERSIONS,
+    V1_EOS_TOKEN_ID,
     StrictJsonError,
     TraceFile,
     _fast_validator,
@@ -84,20 +86,20 @@ MAP_FIELDS = ("blocks_allocated", "blocks_freed", "prefix_hit_tokens", "prefix_h
 record itself, every object a valid record holds (``tests/test_fast_check.py`` reads the schema to check it),
 for the repeated-key screen."""
 
-UNMODELLED_ARRIVAL_FIELDS = ("abort_at_step", "abort_at_time", "grammar_compile_steps", "hash_block_tokens")
-"""Arrival fields that, not null, make :func:`fast_check` fall back (with ``eos_at_output`` and ``lora_int_id``
-other than 0): the workload's own events, structured output, LoRA, and the Mooncake block size (which the
-plain reader checks when it builds the prompt), none of which the shadow models."""
+UNMODELLED_ARRIVAL_FIELDS = ("grammar_compile_steps",)
+"""Arrival fields that, not null, make :func:`fast_check` fall back (with ``lora_int_id`` other than 0):
+structured output and LoRA, which the shadow does not model."""
 
 _QUOTE_SPACE = (b'" ', b'"\t', b'"\r', b'"\n')
 
 
 def supported(config: SchedulerConfig, schema_version: int, async_scheduling: bool) -> bool:
-    """Whether :func:`fast_check` models traces of this header: synchronous, schema version 2 or 3, prefix
+    """Whether :func:`fast_check` models traces of this header: synchronous, any readable schema version (a
+    version-1 arrival's EOS id is :data:`~schedspec.spec.trace.V1_EOS_TOKEN_ID`, as the plain reader sets it), prefix
     caching, speculative decoding and the per-step limits (:data:`~schedspec.spec.config.LIMIT_DEFAULTS`:
     LoRA, watermark, ``max_num_active_seqs``, prefill cadence) off. Chunked prefill on or off, any
     ``long_prefill_token_threshold`` (adaptive too), any policy (the rules are policy-independent)."""
-    return (not async_scheduling and schema_version in (2, 3) and not config.enable_prefix_caching
+    return (not async_scheduling and schema_version in READABLE_VERSIONS and not config.enable_prefix_caching
             and not config.speculative and not config.limits_on)
 
 
@@ -105,10 +107,10 @@ class _Request:
     """The shadow of one live request: what the rules, the update and the record comparison read."""
 
     __slots__ = ("prompt_len", "max_tokens", "num_outputs", "num_computed", "blocks", "running", "eos",
-                 "stops", "min_tokens")
+                 "stops", "min_tokens", "eos_at_output")
 
     def __init__(self, prompt_len: int, max_tokens: int, eos: int | None, stops: tuple[int, ...],
-                 min_tokens: int) -> None:
+                 min_tokens: int, eos_at_output: int) -> None:
         self.prompt_len = prompt_len
         self.max_tokens = max_tokens
         self.num_outputs = 0
@@ -118,6 +120,7 @@ class _Request:
         self.eos = eos
         self.stops = stops
         self.min_tokens = min_tokens
+        self.eos_at_output = eos_at_output  # the workload's EOS position (0: none, or no EOS id)
 
 
 class _Doubt(Exception):
@@ -163,6 +166,7 @@ class FastChecker:
         self.free: set[int] = set(range(config.num_kv_blocks))
         self.num_running = 0
         self.must_reject: set[str] = set()  # waiting, never admitted, and impossible: rejected at once
+        self.abort_at_step: dict[str, int] = {}  # live requests whose arrival names abort_at_step
         self.previous_end: float | None = None
         self.high_water: dict[str, int] = {}  # the progress monitor's
         self.stalled_since: int | None = None
@@ -186,9 +190,17 @@ class FastChecker:
         for arrival in data["arrivals"]:
             self._arrive(arrival, step, start)
 
+        aborts = data["aborts"]
+        if self.abort_at_step:  # checker._compare_driven_aborts
+            for request_id, due in list(self.abort_at_step.items()):
+                if request_id not in live:
+                    if request_id not in aborts:
+                        del self.abort_at_step[request_id]
+                elif due <= step and request_id not in aborts:
+                    raise _Doubt
         freed: dict[str, list[int]] = {}
         aborted = []
-        for request_id in data["aborts"]:
+        for request_id in aborts:
             request = live.pop(request_id, None)
             if request is None:
                 continue
@@ -336,6 +348,8 @@ class FastChecker:
         max_model_len = config.max_model_len
         for request_id, request, _ in samplers:
             token = sampled[request_id]
+            if request.eos_at_output == request.num_outputs + 1 and token != request.eos:  # _compare_driven_eos
+                raise _Doubt
             request.num_outputs += 1
             reason = stop_reason_of(token, request.num_outputs, request.prompt_len + request.num_outputs,
                                     request.eos, request.stops, request.min_tokens, request.max_tokens, max_model_len)
@@ -379,11 +393,19 @@ class FastChecker:
         for name in UNMODELLED_ARRIVAL_FIELDS:
             if arrival.get(name) is not None:
                 raise _Doubt
-        if arrival.get("eos_at_output") or arrival.get("lora_int_id"):
+        if arrival.get("lora_int_id"):
             raise _Doubt
-        if arrival.get("arrival_step", step) not in (None, step):
+        arrival_step = arrival.get("arrival_step")
+        arrival_time = arrival.get("arrival_time", 0.0)
+        abort_at_step, abort_at_time = arrival.get("abort_at_step"), arrival.get("abort_at_time")
+        hash_block_tokens = arrival.get("hash_block_tokens")
+        if ((abort_at_step is not None and arrival_step is not None and abort_at_step < arrival_step)
+                or (abort_at_time is not None and abort_at_time < arrival_time)
+                or (hash_block_tokens is not None and hash_block_tokens < 1)):
+            raise _Doubt  # RequestSpec or its prompt refuses it: the plain reader stops there its own way
+        if arrival_step not in (None, step):
             raise _Doubt
-        if arrival.get("arrival_time", 0.0) > start + TIME_TOLERANCE * max(1.0, abs(start)):
+        if arrival_time > start + TIME_TOLERANCE * max(1.0, abs(start)):
             raise _Doubt
         request_id = arrival["request_id"]
         max_tokens = arrival["max_tokens"]
@@ -391,8 +413,12 @@ class FastChecker:
             raise _Doubt
         prompt_len = arrival["prompt_len"]
         self.known.add(request_id)
-        self.live[request_id] = _Request(prompt_len, max_tokens, arrival["eos_token_id"],
-                                         tuple(arrival.get("stop_token_ids", ())), arrival.get("min_tokens", 0))
+        eos = arrival.get("eos_token_id", V1_EOS_TOKEN_ID)
+        eos_at_output = arrival.get("eos_at_output") or 0
+        self.live[request_id] = _Request(prompt_len, max_tokens, eos, tuple(arrival.get("stop_token_ids", ())),
+                                         arrival.get("min_tokens", 0), eos_at_output if eos is not None else 0)
+        if abort_at_step is not None:
+            self.abort_at_step[request_id] = abort_at_step
         if rejection_reason(prompt_len, max_tokens, self.config) is not None:
             self.must_reject.add(request_id)
 

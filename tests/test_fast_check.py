@@ -1,0 +1,245 @@
+"""The fast path of ``schedspec check`` (``spec/fast_check.py``) in lockstep with the plain spec path.
+
+The fast path may only certify a trace that :func:`~schedspec.spec.checker.check_trace` passes, with the same
+steps checked; anything else it must hand back (``None``), and ``schedspec check`` then prints exactly the
+plain path's report. Checked on the catalogue's traces and mutants (``schedspec.trace_mutations``), the
+engine traces with known verdicts, lines the reader must refuse, and Hypothesis-mutated lab traces. Each
+check also asserts the fast path *does* certify the legal traces it supports, so that a fast path that
+always falls back cannot pass these tests vacuously.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from schedspec.cli import cli
+from schedspec.spec.checker import check_trace
+from schedspec.spec.fast_check import MAP_FIELDS, fast_check, supported
+from schedspec.spec.trace import TraceFormatError, open_trace, trace_schema
+from schedspec.trace_mutations import MUTATIONS, applicable_steps, standard_traces
+
+ROOT = Path(__file__).resolve().parents[1]
+ENGINE_TRACES = sorted((ROOT / "schedspec" / "data" / "engine-traces").glob("*.jsonl"))
+SHARED_TRACES = sorted((ROOT.parent / "shared" / "engine-traces").glob("*.jsonl"))
+SEED = 20261206
+
+
+@pytest.fixture(scope="module")
+def traces():
+    return standard_traces(scale=1)
+
+
+def _write(path: Path, header: dict, records: list[dict], separators: tuple[str, str] = (",", ":")) -> Path:
+    path.write_text("\n".join([json.dumps(header), *(json.dumps(r, separators=separators) for r in records)]) + "\n")
+    return path
+
+
+def _supported(path: Path) -> bool:
+    opened = open_trace(path)
+    return supported(opened.config, opened.schema_version, opened.async_scheduling)
+
+
+def _lockstep(path: Path, allow_unfinished: bool = False):
+    """The fast verdict, after asserting it agrees with the plain path: a certified trace is one the plain
+    path passes with the same steps checked. Returns ``(fast report or None, plain report)``; the plain
+    report is ``None`` for a trace the plain reader refuses (then the fast path must not certify it)."""
+    opened = open_trace(path)
+    fast = fast_check(opened, allow_unfinished=allow_unfinished)
+    try:
+        plain = check_trace(opened.config, opened.records(), allow_unfinished=allow_unfinished, incremental=True,
+                            async_scheduling=opened.async_scheduling)
+    except TraceFormatError:  # unusable input (exit 2): never certified
+        assert fast is None, f"{path.name}: the fast path certified a trace the plain reader refuses"
+        return fast, None
+    if fast is not None:
+        assert plain.ok, f"{path.name}: the fast path certified a trace the spec rejects: {plain.violations[:3]}"
+        assert (fast.steps_checked, fast.valid_prefix) == (plain.steps_checked, plain.valid_prefix)
+    return fast, plain
+
+
+def _cli(*args: str, fast: bool = True) -> tuple[int, str]:
+    env = {} if fast else {"SCHEDSPEC_NO_FAST_PATH": "1"}
+    result = CliRunner().invoke(cli, ["check", *args], prog_name="schedspec", env=env)
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result.exit_code, result.output
+
+
+def test_the_legal_traces_it_supports_are_certified(traces, tmp_path):
+    certified = 0
+    for label, trace in traces:
+        path = _write(tmp_path / f"{label}.jsonl", trace.header, trace.records)
+        fast, plain = _lockstep(path)
+        assert plain.ok, label
+        if _supported(path):
+            assert fast is not None, f"{label}: a legal trace the fast path supports was not certified"
+            certified += 1
+        else:
+            assert fast is None, label
+    assert certified >= 5
+
+
+@pytest.mark.parametrize("mutation", MUTATIONS, ids=[m.name for m in MUTATIONS])
+def test_no_mutant_the_spec_rejects_is_certified(traces, tmp_path, mutation):
+    """Every operator of the catalogue, at up to two applicable steps of every trace: the fast path
+    certifies a mutant only if the plain path passes it (a semantic mutant: never)."""
+    rng = random.Random(f"{SEED}:{mutation.name}")
+    judged = 0
+    for label, trace in traces:
+        steps = applicable_steps(trace, mutation)
+        for step in sorted(rng.sample(steps, min(2, len(steps)))):
+            mutant = mutation.apply(trace, step)
+            if mutant is None:
+                continue
+            header, records, _ = mutant
+            fast, plain = _lockstep(_write(tmp_path / f"{label}-{step}.jsonl", header, records))
+            if mutation.semantic and plain is not None:
+                assert not plain.ok and fast is None, (label, step)
+            judged += 1
+    assert judged, "applies to no trace"
+
+
+@pytest.mark.parametrize("path", ENGINE_TRACES + SHARED_TRACES, ids=lambda p: f"{p.parent.parent.name}/{p.name}")
+def test_engine_traces_exit_1_with_the_same_output(path):
+    fast, plain = _lockstep(path)
+    assert fast is None and not plain.ok
+    for args in ((str(path),), (str(path), "--json")):
+        assert _cli(*args) == _cli(*args, fast=False)
+        assert _cli(*args)[0] == 1
+
+
+def test_same_output_with_and_without_the_fast_path(traces, tmp_path):
+    """Exit code and every byte printed, on passing, failing and unfinished traces, with and without the options
+    that turn the fast path off by themselves."""
+    label, trace = traces[3]  # under KV pressure: preemptions
+    paths = [_write(tmp_path / "legal.jsonl", trace.header, trace.records),
+             _write(tmp_path / "window.jsonl", trace.header, trace.records[:len(trace.records) // 2])]
+    for mutation in MUTATIONS[:6]:
+        steps = applicable_steps(trace, mutation)
+        if steps:
+            header, records, _ = mutation.apply(trace, steps[0])
+            paths.append(_write(tmp_path / f"{mutation.name}.jsonl", header, records))
+    for path in paths:
+        for extra in ((), ("--json",), ("--allow-unfinished",), ("--property", "work-conserving"), ("--keep-going",)):
+            assert _cli(str(path), *extra) == _cli(str(path), *extra, fast=False), (path.name, extra)
+    assert _cli(str(paths[0]))[0] == 0 and _cli(str(paths[1]))[0] == 1
+
+
+def test_the_repeated_key_screen_knows_every_object_of_a_record():
+    """``MAP_FIELDS`` (with ``arrivals[]`` and ``scheduled[]``) are every object a valid record can hold: the
+    repeated-key screen counts the keys of exactly these."""
+    defs = trace_schema()["$defs"]
+
+    def is_object(schema: dict) -> bool:
+        if "$ref" in schema:
+            return is_object(defs[schema["$ref"].rsplit("/", 1)[1]])
+        return schema.get("type") == "object" or any(is_object(s) for s in schema.get("anyOf", []))
+
+    record = defs["record"]["properties"]
+    assert {name for name, schema in record.items() if is_object(schema)} == set(MAP_FIELDS)
+    for part in ("arrival", "scheduled"):
+        for schema in defs[part]["properties"].values():
+            assert not is_object(schema) and not is_object(schema.get("items", {})), part
+    for name in MAP_FIELDS:
+        values = defs["record"]["properties"][name]
+        values = defs[values["$ref"].rsplit("/", 1)[1]] if "$ref" in values else values
+        assert not is_object(values.get("additionalProperties", {}).get("items", {})), name
+        assert not is_object(values.get("additionalProperties", {})), name
+
+
+def _line_edit(trace, tmp_path: Path, name: str, edit) -> Path:
+    """The trace with record 5 written by ``edit(text) -> text``."""
+    lines = [json.dumps(trace.header), *(json.dumps(r, separators=(",", ":")) for r in trace.records)]
+    lines[6] = edit(lines[6])
+    path = tmp_path / f"{name}.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("name,edit,certified", [
+    ("repeated-key", lambda t: t.replace('"num_running":', '"num_running":0,"num_running":', 1), False),
+    ("repeated-key-spaced", lambda t: t.replace('"num_running":', '"num_running" :0,"num_running" :', 1), False),
+    ("nan", lambda t: t.replace('"duration":', '"duration":NaN,"x":', 1), False),
+    ("huge-number", lambda t: t.replace('"start_time":', '"start_time":1e400,"x":', 1), False),
+    ("spaced", lambda t: json.dumps(json.loads(t), indent=None), True),
+    ("colon-in-a-string", lambda t: t.replace('"aborts":[]', '"aborts":["no\\":such"]', 1), True),
+    ("integer-as-float", lambda t: t.replace('"step":5,', '"step":5.0,', 1), True),
+])
+def test_the_reader_certifies_only_what_the_plain_reader_accepts(traces, tmp_path, name, edit, certified):
+    label, trace = traces[0]
+    path = _line_edit(trace, tmp_path, name, edit)
+    fast, _ = _lockstep(path)
+    assert (fast is not None) == certified
+    assert _cli(str(path)) == _cli(str(path), fast=False)
+
+
+_INT_FIELDS = ("num_computed_tokens", "prefill_tokens", "decode_tokens")
+
+
+@st.composite
+def _edits(draw, records: list[dict]):
+    """One small random change to one record: an integer field moved by -2..2, an entry of a map or list
+    removed, duplicated or moved to another request, or a sampled token changed."""
+    index = draw(st.integers(0, len(records) - 1))
+    record = copy.deepcopy(records[index])
+    kind = draw(st.sampled_from(["item", "map-drop", "map-move", "list-drop", "counter", "token", "block"]))
+    delta = draw(st.integers(-2, 2).filter(bool))
+    if kind == "item" and record["scheduled"]:
+        item = draw(st.sampled_from(record["scheduled"]))
+        field = draw(st.sampled_from(_INT_FIELDS))
+        item[field] = max(0, item[field] + delta)
+    elif kind in ("map-drop", "map-move"):
+        name = draw(st.sampled_from(["blocks_allocated", "blocks_freed", "finished", "sampled_token_ids", "rejected"]))
+        if record[name]:
+            key = draw(st.sampled_from(sorted(record[name])))
+            value = record[name].pop(key)
+            others = [s["request_id"] for s in record["scheduled"] if s["request_id"] != key]
+            if kind == "map-move" and others:
+                record[name][draw(st.sampled_from(others))] = value
+    elif kind == "list-drop":
+        name = draw(st.sampled_from(["scheduled", "preempted", "arrivals", "aborted"]))
+        if record[name]:
+            record[name].pop(draw(st.integers(0, len(record[name]) - 1)))
+    elif kind == "counter":
+        name = draw(st.sampled_from(["num_free_blocks", "num_running", "num_waiting", "step"]))
+        record[name] = max(0, record[name] + delta)
+    elif kind == "token" and record["sampled_token_ids"]:
+        key = draw(st.sampled_from(sorted(record["sampled_token_ids"])))
+        record["sampled_token_ids"][key] = draw(st.sampled_from([0, 1, 7, record["sampled_token_ids"][key]]))
+    elif kind == "block" and record["blocks_allocated"]:
+        key = draw(st.sampled_from(sorted(record["blocks_allocated"])))
+        blocks = record["blocks_allocated"][key]
+        if blocks:
+            blocks[draw(st.integers(0, len(blocks) - 1))] += delta
+    return index, record
+
+
+@pytest.fixture(scope="module")
+def short_traces(traces):
+    """The supported traces' first 60 steps (windows: judged with ``allow_unfinished``)."""
+    kept = []
+    for label, trace in traces:
+        if not trace.header.get("async_scheduling") and not trace.config.enable_prefix_caching \
+                and not trace.config.speculative:
+            kept.append((label, trace.header, trace.records[:60]))
+    return kept
+
+
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=st.data())
+def test_random_mutants_of_lab_traces_in_lockstep(short_traces, tmp_path_factory, data):
+    """Hypothesis: a random edit of a random record of a lab trace window; the fast path certifies it only if
+    the plain path passes it."""
+    label, header, records = data.draw(st.sampled_from(short_traces))
+    index, record = data.draw(_edits(records))
+    mutated = [*records[:index], record, *records[index + 1:]]
+    path = _write(tmp_path_factory.mktemp("mutant") / f"{label}.jsonl", header, mutated)
+    _lockstep(path, allow_unfinished=True)
