@@ -58,6 +58,7 @@ characters (any refusal falls back: the plain path then names the problem).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -90,7 +91,14 @@ UNMODELLED_ARRIVAL_FIELDS = ("grammar_compile_steps",)
 """Arrival fields that, not null, make :func:`fast_check` fall back (with ``lora_int_id`` other than 0):
 structured output and LoRA, which the shadow does not model."""
 
-_QUOTE_SPACE = (b'" ', b'"\t', b'"\r', b'"\n')
+_QUOTE_SPACE = re.compile(rb'"[ \t\r\n]')
+"""A ``"`` followed by JSON whitespace (a key might then be written ``"key" :``): the repeated-key screen
+hands such a line to the strict reader."""
+
+_UNMODELLED_RECORD_FIELDS = ("num_accepted_tokens", "draft_token_ids", "prefix_hit_blocks", "blocks_evicted",
+                             "wasted_tokens")
+"""Record fields that, not empty, make :func:`fast_check` fall back (speculative decoding, prefix caching,
+asynchronous scheduling: the plain path judges them; with those features off each is a violation)."""
 
 
 def supported(config: SchedulerConfig, schema_version: int, async_scheduling: bool) -> bool:
@@ -143,7 +151,7 @@ def _parse(line: bytes, validator: Any) -> dict:
         value = data.get(name)
         if value:
             keys += len(value)
-    if line.count(b'":') != keys or any(pattern in line for pattern in _QUOTE_SPACE):
+    if line.count(b'":') != keys or _QUOTE_SPACE.search(line):
         try:  # the strict reader decides (repeated keys, numbers); it accepts nothing json.loads refuses
             data = strict_json_loads(line.decode("utf-8"))
         except (StrictJsonError, UnicodeDecodeError):
@@ -217,136 +225,119 @@ class FastChecker:
             raise _Doubt
         has_live = bool(live)
 
-        for name in ("num_accepted_tokens", "draft_token_ids", "prefix_hit_blocks", "blocks_evicted", "wasted_tokens"):
+        for name in _UNMODELLED_RECORD_FIELDS:
             if data.get(name):
                 raise _Doubt
         if any(data["prefix_hit_tokens"].values()):
             raise _Doubt
 
+        # A doubt anywhere below abandons the shadow (the plain path judges the whole trace), so each request
+        # is checked and updated in one pass; what one item's check reads of the others (the free blocks, the
+        # counts) is kept as it was before the step.
         scheduled = data["scheduled"]
         preempted = data["preempted"]
         rejected = data["rejected"]
         allocated = data["blocks_allocated"]
-        # known-requests: every named id is live, and named once
-        named = [item["request_id"] for item in scheduled]
-        batch = set(named)
-        if len(batch) != len(named):
-            raise _Doubt
-        named_all = len(named) + len(preempted) + len(rejected)
-        everyone = batch.union(preempted, rejected)
-        if len(everyone) != named_all or not everyone.issubset(live):
-            raise _Doubt
-        # preempt-running-only
+        sampled = data["sampled_token_ids"]
+        num_running, num_live = self.num_running, len(live)
+        # preempt-running-only, known-requests (each named once); the update: spec.transitions.preempt
         released: set[int] = set()
         for request_id in preempted:
-            request = live[request_id]
-            if not request.running or request_id in batch:
+            request = live.get(request_id)
+            if request is None or not request.running:  # also a request named twice
                 raise _Doubt
             released.update(request.blocks)
-        # reject-only-impossible
+            if request.blocks:
+                freed[request_id] = request.blocks
+            request.blocks = []
+            request.num_computed = 0
+            request.running = False
+        # reject-only-impossible (and rejects-impossible); the update: spec.transitions.reject
         if not self.must_reject.issubset(rejected):
             raise _Doubt
         for request_id, reason in rejected.items():
-            request = live[request_id]
-            if request.running:
+            request = live.pop(request_id, None)
+            if request is None or request.running or request_id in preempted:
                 raise _Doubt
             reasons = rejection_reasons(request.prompt_len, request.max_tokens, config)
             if not reasons or rejection_code(reason) not in {rejection_code(r) for r in reasons}:
                 raise _Doubt
-        # only scheduled requests get blocks
-        for request_id, blocks in allocated.items():
-            if blocks and request_id not in batch:
-                raise _Doubt
+            self.must_reject.discard(request_id)
+            self.high_water.pop(request_id, None)
 
         threshold = 0
-        if config.enable_chunked_prefill:
-            threshold = config.effective_long_prefill_threshold(
-                self.num_running + (len(live) - self.num_running) - len(rejected))
         chunked = config.enable_chunked_prefill
+        if chunked:
+            threshold = config.effective_long_prefill_threshold(num_live - len(rejected))
         block_size = config.block_size
         free = self.free
+        high_water = self.high_water
+        batch: set[str] = set()
         handed: set[int] = set()
         total = 0
         admitted = 0
-        samplers: list[tuple[str, _Request, list[int]]] = []
+        advanced = False
+        samplers: list[tuple[str, _Request]] = []
         for item in scheduled:
             request_id = item["request_id"]
-            if "spec_token_ids" in item:
-                raise _Doubt
-            request = live[request_id]
+            request = live.get(request_id)
+            if request is None or request_id in batch or request_id in preempted or "spec_token_ids" in item:
+                raise _Doubt  # known-requests, preempt-running-only; drafts: the plain path
+            batch.add(request_id)
             start_at = item["num_computed_tokens"]
             prefill, decode = item["prefill_tokens"], item["decode_tokens"]
             tokens = prefill + decode
             computed = request.num_computed
             num_tokens = request.prompt_len + request.num_outputs
             pending = num_tokens - computed
+            # positive-tokens, chunk-continues, no-overcompute, whole-prefill-without-chunking, long-prefill-threshold
             if tokens < 1 or start_at != computed or tokens > pending or (not chunked and tokens != pending) \
                     or (threshold and tokens > threshold):
                 raise _Doubt
-            if pending == 1 and computed >= request.prompt_len:  # a decode (Request.is_decode)
+            if pending == 1 and computed >= request.prompt_len:  # the split: a decode (Request.is_decode)
                 if prefill:
                     raise _Doubt
             elif decode:
                 raise _Doubt
-            if not request.running:
-                if request_id in self.must_reject:  # admit-fits-alone
-                    raise _Doubt
-                admitted += 1
             new = allocated.get(request_id, ())
-            for block_id in new:
+            for block_id in new:  # blocks-from-free-pool
                 if block_id in handed or (block_id not in free and block_id not in released):
                     raise _Doubt
                 handed.add(block_id)
-            held = len(request.blocks) + len(new)
+            held = len(request.blocks) + len(new)  # block-table-covers, no-excess-blocks
             if held < blocks_for_tokens(start_at + tokens, block_size) or held > blocks_for_tokens(num_tokens, block_size):
                 raise _Doubt
             total += tokens
-            if start_at + tokens == num_tokens:
-                samplers.append((request_id, request, new))
-        if total > config.max_num_batched_tokens:
-            raise _Doubt
-        if self.num_running - len(preempted) + admitted > config.max_num_seqs:
-            raise _Doubt
-        sampled = data["sampled_token_ids"]
-        if len(sampled) != len(samplers) or not all(request_id in sampled for request_id, _, _ in samplers):
-            raise _Doubt
-
-        # the update: preempt, reject, schedule, sample (spec.transitions.apply_plan)
-        ended = len(rejected)
-        for request_id in preempted:
-            request = live[request_id]
-            if request.blocks:
-                freed[request_id] = request.blocks
-            request.blocks = []
-            request.num_computed = 0
-            request.running = False
-            self.num_running -= 1
-        for request_id in rejected:
-            del live[request_id]
-            self.must_reject.discard(request_id)
-            self.high_water.pop(request_id, None)
-        free.update(released)
-        free.difference_update(handed)
-        advanced = False
-        high_water = self.high_water
-        for item in scheduled:
-            request_id = item["request_id"]
-            request = live[request_id]
-            tokens = item["prefill_tokens"] + item["decode_tokens"]
-            request.num_computed += tokens
-            new = allocated.get(request_id)
+            # the update: spec.transitions.schedule; the progress monitor's high-water mark
+            request.num_computed = computed + tokens
             if new:
                 request.blocks = request.blocks + new
             if not request.running:
+                if request_id in self.must_reject:  # admit-fits-alone
+                    raise _Doubt
                 request.running = True
-                self.num_running += 1
-            reach = item["num_computed_tokens"] + tokens
-            if reach > high_water.get(request_id, 0):
-                high_water[request_id] = reach
+                admitted += 1
+            if computed + tokens > high_water.get(request_id, 0):
+                high_water[request_id] = computed + tokens
                 advanced = True
+            if computed + tokens == num_tokens:  # samples (state.samples_this_step)
+                if request_id not in sampled:
+                    raise _Doubt
+                samplers.append((request_id, request))
+        if len(sampled) != len(samplers) or total > config.max_num_batched_tokens:  # token-budget
+            raise _Doubt
+        if num_running - len(preempted) + admitted > config.max_num_seqs:  # sequence-cap
+            raise _Doubt
+        for request_id, blocks in allocated.items():  # only scheduled requests get blocks
+            if blocks and request_id not in batch:
+                raise _Doubt
+        free.update(released)
+        free.difference_update(handed)
+
+        # the update: spec.transitions.sample (the spec's stop rule), in batch order
         finished: dict[str, str] = {}
         max_model_len = config.max_model_len
-        for request_id, request, _ in samplers:
+        for request_id, request in samplers:
             token = sampled[request_id]
             if request.eos_at_output == request.num_outputs + 1 and token != request.eos:  # _compare_driven_eos
                 raise _Doubt
@@ -357,12 +348,12 @@ class FastChecker:
                 continue
             finished[request_id] = reason
             del live[request_id]
-            self.num_running -= 1
             high_water.pop(request_id, None)
             if request.blocks:
                 freed[request_id] = request.blocks
                 free.update(request.blocks)
-        ended += len(finished)
+        self.num_running = num_running - len(preempted) + admitted - len(finished)
+        ended = len(rejected) + len(finished)
 
         # the record's derived fields (checker._compare_record)
         if data["finished"] != finished:

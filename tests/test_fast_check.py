@@ -32,9 +32,37 @@ SHARED_TRACES = sorted((ROOT.parent / "shared" / "engine-traces").glob("*.jsonl"
 SEED = 20261206
 
 
+def _driven_trace():
+    """A synchronous trace whose arrivals name the workload's events (``eos_at_output``, ``abort_at_step``,
+    ``abort_at_time``), stop ids and ``min_tokens``, under KV pressure (preemptions) and without chunked
+    prefill: the fast path's arrival model, beside the catalogue's lab windows."""
+    from schedspec.reference.engine import Engine
+    from schedspec.reference.scheduler import SCHEDULERS
+    from schedspec.spec.config import SchedulerConfig
+    from schedspec.spec.trace import header_line
+    from schedspec.spec.workload import RequestSpec
+    from schedspec.trace_mutations import Trace
+
+    rng = random.Random(SEED)
+    config = SchedulerConfig(block_size=4, num_kv_blocks=24, max_num_batched_tokens=64, max_num_seqs=5,
+                             max_model_len=64, enable_chunked_prefill=False)
+    workload = []
+    for k in range(30):
+        arrival = rng.randrange(0, 30)
+        prompt_len, max_tokens = rng.randrange(1, 61), rng.randrange(1, 41)
+        prompt_len, max_tokens = (0 if k == 4 else prompt_len), (0 if k == 9 else max_tokens)  # two rejections
+        workload.append(RequestSpec(f"d{k:03d}", prompt_len, max_tokens,
+                                    arrival_step=arrival, eos_at_output=rng.randrange(1, 12) if k % 4 == 1 else None,
+                                    abort_at_step=arrival + rng.randrange(0, 20) if k % 5 == 2 else None,
+                                    abort_at_time=1e6 if k % 6 == 0 else None, min_tokens=2 if k % 3 == 0 else 0,
+                                    stop_token_ids=(7,) if k % 2 else ()))
+    result = Engine(SCHEDULERS["fcfs"](config), config, stop_on_violation=True).run(workload)
+    return "driven", Trace.of(json.loads(header_line(config, "fcfs")), result.records)
+
+
 @pytest.fixture(scope="module")
 def traces():
-    return standard_traces(scale=1)
+    return [*standard_traces(scale=1), _driven_trace()]
 
 
 def _write(path: Path, header: dict, records: list[dict], separators: tuple[str, str] = (",", ":")) -> Path:
@@ -114,6 +142,15 @@ def test_engine_traces_exit_1_with_the_same_output(path):
     for args in ((str(path),), (str(path), "--json")):
         assert _cli(*args) == _cli(*args, fast=False)
         assert _cli(*args)[0] == 1
+
+
+def test_a_run_without_progress_is_not_certified():
+    """The idle engine's trace, cut as a window (``--allow-unfinished``): every step keeps the rules, but no
+    request computes for more than ``max_model_len`` steps, so the default property ``progress`` fails it."""
+    path = ROOT / "schedspec" / "data" / "engine-traces" / "t11-idle-engine.jsonl"
+    fast, plain = _lockstep(path, allow_unfinished=True)
+    assert fast is None and [v.name for v in plain.violations] == ["progress"]
+    assert _cli(str(path), "--allow-unfinished") == _cli(str(path), "--allow-unfinished", fast=False)
 
 
 def test_same_output_with_and_without_the_fast_path(traces, tmp_path):
