@@ -280,3 +280,121 @@ def test_random_mutants_of_lab_traces_in_lockstep(short_traces, tmp_path_factory
     mutated = [*records[:index], record, *records[index + 1:]]
     path = _write(tmp_path_factory.mktemp("mutant") / f"{label}.jsonl", header, mutated)
     _lockstep(path, allow_unfinished=True)
+
+
+@settings(suppress_health_check=[HealthCheck.too_slow])
+@given(text=st.text(alphabet='{}[]",:0123456789.eE+-tfnaulrsIyNx \\\t\n\x00\x7f\ufeff\u00e9', max_size=24))
+def test_the_compiled_parser_accepts_only_what_the_plain_reader_accepts(text):
+    """``orjson`` (the fast path's parser) accepts a text only if ``json.loads`` does, with the same value
+    (repeated keys aside: the repeated-key screen hands those to the strict reader)."""
+    from schedspec.spec import fast_check as fast
+
+    try:
+        value = fast._loads(text.encode("utf-8", "surrogatepass"))
+    except ValueError:
+        return
+    assert json.loads(text) == value or value != value
+
+
+@pytest.mark.parametrize("text", [b'\xef\xbb\xbf{"a":1}', b'{"a":01}', b'{"a":1,}', b'{"a":1.}', b'{"a":NaN}',
+                                  b'{"a":Infinity}', b'{"a":1e400}', b'{"a":"\xed\xa0\x80"}', b'{"a":"\t"}',
+                                  b'{"a":1}\x00', b'\x0c{"a":1}'])
+def test_the_compiled_parser_refuses_what_the_strict_reader_refuses(text):
+    from schedspec.spec import fast_check as fast
+    from schedspec.spec.trace import StrictJsonError, strict_json_loads
+
+    with pytest.raises((StrictJsonError, UnicodeDecodeError)):
+        strict_json_loads(text.decode("utf-8"))
+    with pytest.raises(ValueError):
+        fast._loads(text)
+
+
+def _consistent_block_fault(trace, extra: bool) -> tuple[list[dict], int]:
+    """The trace with one request given one block more (``extra``: a block no request ever takes) or one block
+    fewer than the spec allows in one step, every later record kept consistent with it (the counts of free
+    blocks, the blocks it frees), so that the fault is visible only to ``no-excess-blocks`` or
+    ``block-table-covers`` at that step. Returns ``(records, the step)``."""
+    records = copy.deepcopy(trace.records)
+    used = {b for r in records for blocks in r["blocks_allocated"].values() for b in blocks}
+    spare = max(set(range(trace.config.num_kv_blocks)) - used)
+    for i, record in enumerate(records):
+        for request_id, blocks in record["blocks_allocated"].items():
+            end = next((j for j in range(i + 1, len(records)) if request_id in records[j]["blocks_freed"]), None)
+            if not blocks or end is None or records[end]["preempted"]:
+                continue
+            if extra:
+                blocks.append(spare)
+                records[end]["blocks_freed"][request_id].append(spare)
+            else:
+                records[end]["blocks_freed"][request_id].remove(blocks.pop())
+            for k in range(i, end):
+                records[k]["num_free_blocks"] += -1 if extra else 1
+            return records, i
+    raise AssertionError("no request frees its blocks in the trace")
+
+
+@pytest.mark.parametrize("extra", [True, False], ids=["one-block-too-many", "one-block-too-few"])
+def test_a_block_table_fault_kept_consistent_is_not_certified(traces, tmp_path, extra):
+    label, trace = traces[0]
+    records, step = _consistent_block_fault(trace, extra)
+    fast, plain = _lockstep(_write(tmp_path / "fault.jsonl", trace.header, records))
+    assert plain.first_bad_step == step and fast is None
+    names = {v.name for v in plain.violations}
+    assert names & {"no-excess-blocks", "block-table-covers"}, names
+
+
+def _consistent_double_ownership(trace) -> tuple[list[dict], int]:
+    """The trace with one request handed, in one step, a block another request holds (instead of a free one),
+    every later record kept consistent with it (its blocks freed, the counts of free blocks), so that the fault
+    is visible only to ``blocks-from-free-pool`` at that step. Returns ``(records, the step)``."""
+    records = copy.deepcopy(trace.records)
+
+    def end_of(request_id: str, after: int) -> int | None:
+        return next((j for j in range(after + 1, len(records)) if request_id in records[j]["blocks_freed"]), None)
+
+    tables: dict[str, list[int]] = {}
+    for i, record in enumerate(records):
+        for other, blocks in record["blocks_allocated"].items():
+            end = end_of(other, i)
+            if not blocks or end is None or records[end]["preempted"]:
+                continue
+            for owner, held in tables.items():
+                owner_end = end_of(owner, i - 1)
+                if owner == other or not held or owner_end is None or owner_end <= end \
+                        or owner in record["blocks_freed"]:
+                    continue
+                taken = blocks[-1]
+                blocks[-1] = held[0]
+                freed = records[end]["blocks_freed"][other]
+                freed[freed.index(taken)] = held[0]
+                for k in range(i, owner_end):
+                    records[k]["num_free_blocks"] += 1
+                return records, i
+        for request_id in record["blocks_freed"]:
+            tables.pop(request_id, None)
+        for request_id, blocks in record["blocks_allocated"].items():
+            tables.setdefault(request_id, []).extend(blocks)
+    raise AssertionError("no two requests hold blocks at once in the trace")
+
+
+def test_a_block_held_by_another_kept_consistent_is_not_certified(traces, tmp_path):
+    label, trace = traces[0]
+    records, step = _consistent_double_ownership(trace)
+    fast, plain = _lockstep(_write(tmp_path / "fault.jsonl", trace.header, records))
+    assert plain.first_bad_step == step and fast is None
+    assert "blocks-from-free-pool" in {v.name for v in plain.violations}, plain.violations
+
+
+def test_a_rejection_one_step_late_is_not_certified(traces, tmp_path):
+    """An impossible request rejected one step after its arrival, the step between kept consistent (it counts as
+    waiting): visible only to ``reject-only-impossible`` (and ``rejects-impossible``) at its arrival step."""
+    label, trace = traces[0]
+    records = copy.deepcopy(trace.records)
+    step = next(i for i, r in enumerate(records[:-1]) if r["rejected"])
+    moved = records[step]["rejected"]
+    records[step]["rejected"] = {}
+    records[step]["num_waiting"] += len(moved)
+    records[step + 1]["rejected"].update(moved)
+    fast, plain = _lockstep(_write(tmp_path / "late.jsonl", trace.header, records))
+    assert plain.first_bad_step == step and fast is None
+    assert "reject-only-impossible" in {v.name for v in plain.violations}, plain.violations
