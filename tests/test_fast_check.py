@@ -117,13 +117,13 @@ def test_the_legal_traces_it_supports_are_certified(traces, tmp_path):
 
 @pytest.mark.parametrize("mutation", MUTATIONS, ids=[m.name for m in MUTATIONS])
 def test_no_mutant_the_spec_rejects_is_certified(traces, tmp_path, mutation):
-    """Every operator of the catalogue, at up to two applicable steps of every trace: the fast path
+    """Every operator of the catalogue, at one applicable step (any, at random) of every trace: the fast path
     certifies a mutant only if the plain path passes it (a semantic mutant: never)."""
     rng = random.Random(f"{SEED}:{mutation.name}")
     judged = 0
     for label, trace in traces:
         steps = applicable_steps(trace, mutation)
-        for step in sorted(rng.sample(steps, min(2, len(steps)))):
+        for step in rng.sample(steps, min(1, len(steps))):
             mutant = mutation.apply(trace, step)
             if mutant is None:
                 continue
