@@ -14,7 +14,9 @@ table, running or waiting, stop conditions; globally: the step counter, the cloc
 set, the running and waiting counts, the ids ever added, the waiting requests that must be rejected, and
 the ``progress`` monitor's high-water marks), and per step, in the plain path's order
 (:func:`~schedspec.spec.checker.check_trace`): the step number and times; each arrival (a fresh id,
-``arrival_step``, ``arrival_time``, ``max_tokens >= 0``); the client's aborts and ``aborted``; the rules
+``arrival_step``, ``arrival_time``, ``max_tokens >= 0``); the workload's own events (``abort_at_step``: aborted
+by that step; ``eos_at_output``: that output sampled as the EOS id; ``abort_at_time`` is not judged); the
+client's aborts and ``aborted``; the rules
 of :mod:`~schedspec.spec.rules` that can find anything under the allowed features (``known-requests``,
 ``token-budget``, ``positive-tokens``, ``chunk-continues``, ``no-overcompute``,
 ``whole-prefill-without-chunking``, ``long-prefill-threshold`` (adaptive too), ``sequence-cap``,
@@ -37,8 +39,9 @@ shadow's update is the spec's update restricted to the allowed features; the loc
 **What makes it fall back** (``None``): a config feature outside the allow-list (:func:`supported`: prefix
 caching, speculative decoding, asynchronous scheduling, LoRA, the watermark, ``max_num_active_seqs``,
 the prefill cadence), properties other than :data:`~schedspec.spec.checker.DEFAULT_PROPERTIES`,
-``keep_going``; an arrival with a workload event (``abort_at_step``, ``eos_at_output``, ``abort_at_time``),
-a LoRA adapter or structured output; any line that does not parse, breaks the schema, might repeat a key, or
+``keep_going``; an arrival with a LoRA adapter or structured output, or one the plain reader refuses as it
+builds the request (``abort_at_step`` before ``arrival_step``, ``abort_at_time`` before ``arrival_time``,
+``hash_block_tokens < 1``); any line that does not parse, breaks the schema, might repeat a key, or
 is longer than :data:`~schedspec.spec.trace.MAX_LINE_BYTES`; any rule, comparison or property it doubts;
 requests still live at the end of the trace (unless ``allow_unfinished``); and any exception of its own.
 
