@@ -65,6 +65,8 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
+import attrs
+
 from schedspec.spec.admission import rejection_code, rejection_reason, rejection_reasons
 from schedspec.spec.checker import DEFAULT_PROPERTIES, TIME_TOLERANCE, CheckReport
 from schedspec.spec.config import SchedulerConfig, blocks_for_tokens
@@ -104,14 +106,29 @@ _UNMODELLED_RECORD_FIELDS = ("num_accepted_tokens", "draft_token_ids", "prefix_h
 asynchronous scheduling: the plain path judges them; with those features off each is a violation)."""
 
 
+FAST_CONFIG_FIELDS = ("block_size", "num_kv_blocks", "max_num_batched_tokens", "max_num_seqs", "max_model_len",
+                      "enable_chunked_prefill", "long_prefill_token_threshold", "long_prefill_token_threshold_adaptive")
+"""The config fields :func:`fast_check` models at any value; every other field of
+:class:`~schedspec.spec.config.SchedulerConfig` must have its default (so a feature added to the config later
+falls back until the fast path models it)."""
+
+
 def supported(config: SchedulerConfig, schema_version: int, async_scheduling: bool) -> bool:
     """Whether :func:`fast_check` models traces of this header: synchronous, any readable schema version (a
-    version-1 arrival's EOS id is :data:`~schedspec.spec.trace.V1_EOS_TOKEN_ID`, as the plain reader sets it), prefix
-    caching, speculative decoding and the per-step limits (:data:`~schedspec.spec.config.LIMIT_DEFAULTS`:
-    LoRA, watermark, ``max_num_active_seqs``, prefill cadence) off. Chunked prefill on or off, any
-    ``long_prefill_token_threshold`` (adaptive too), any policy (the rules are policy-independent)."""
-    return (not async_scheduling and schema_version in READABLE_VERSIONS and not config.enable_prefix_caching
-            and not config.speculative and not config.limits_on)
+    version-1 arrival's EOS id is :data:`~schedspec.spec.trace.V1_EOS_TOKEN_ID`, as the plain reader sets it),
+    and every config field outside :data:`FAST_CONFIG_FIELDS` at its default (prefix caching, speculative
+    decoding and the per-step limits off: LoRA, watermark, ``max_num_active_seqs``, prefill cadence). Chunked
+    prefill on or off, any ``long_prefill_token_threshold`` (adaptive too), any policy (the rules are
+    policy-independent)."""
+    if async_scheduling or schema_version not in READABLE_VERSIONS:
+        return False
+    for field in attrs.fields(type(config)):
+        default = field.default
+        if isinstance(default, attrs.Factory):  # type: ignore[arg-type]
+            default = default.factory(config) if default.takes_self else default.factory()
+        if field.name not in FAST_CONFIG_FIELDS and getattr(config, field.name) != default:
+            return False
+    return True
 
 
 class _Request:
@@ -459,4 +476,4 @@ def fast_check(trace: TraceFile, properties: Iterable[str] = DEFAULT_PROPERTIES,
     return CheckReport(steps_checked=steps, valid_prefix=steps, properties=names)
 
 
-__all__ = ["FastChecker", "MAP_FIELDS", "fast_check", "supported"]
+__all__ = ["FAST_CONFIG_FIELDS", "FastChecker", "MAP_FIELDS", "fast_check", "supported"]
