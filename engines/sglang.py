@@ -70,6 +70,11 @@ the radix cache, the policy and the ratio tracker are SGLang's (``sglang_worker.
   token) and to ``max_req_len - prompt_len - 1``. Such a request ends with a length finish before its
   ``max_tokens``, which the engine loop reports as a ``refinement`` mismatch: a finding
   (docs/findings/sglang-clips-max-tokens.md), not hidden.
+- *Stop conditions*: ``eos_token_id`` and ``stop_token_ids`` go to SGLang's ``Req`` (``ignore_eos`` only
+  when it has neither); SGLang's finish type (``stop``, ``length``) is compared with the spec's reason
+  (:meth:`SglangScheduler.finish_reason_mismatches`). ``min_tokens`` binds only SGLang's sampler, not run
+  here: a stop id sampled before it is refused (``StopBeforeMinTokens``, exit 3), as is ``min_tokens >
+  max_tokens``. A request the spec did not sample gets no token: the worker raises instead.
 - *Engine aborts*: a request ``retract_decode`` aborts ("out of memory even after retracting") is
   raised as :class:`~schedspec.reference.scheduler.EngineFault` (the spec has no such transition).
 
@@ -96,7 +101,14 @@ from schedspec.spec.request import Request, printable
 from schedspec.spec.state import ScheduledRequest, StepPlan
 from schedspec.spec.workload import token_ids
 
-from .vllm import EngineStartError, EngineUnavailable, _worker, _WorkerClient
+from .vllm import (
+    EngineStartError,
+    EngineUnavailable,
+    StopBeforeMinTokens,
+    _worker,
+    _WorkerClient,
+    finish_reason_differences,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().with_name("sglang_worker.py")
@@ -191,18 +203,21 @@ class SglangScheduler(_WorkerClient):
         self.worker = _worker(sglang_python(), None, WORKER, "SGLang", PYTHON_VARIABLE)
         self.handle = self.worker.next_handle
         self.worker.next_handle += 1
+        self.closed = False  # from here on the worker may hold a scheduler for this handle: close() drops it
         reply = self.worker.call({"op": "init", "handle": self.handle, "config": config.to_dict(), "policy": policy})
         if "refused" in reply:
             raise UnsupportedFeature(f"scheduler {self.name!r}: SGLang refuses this config: {reply['refused']}")
         if reply["sglang_version"] != SGLANG_VERSION:
+            self.close()
             raise EngineUnavailable(f"scheduler {self.name!r}: the worker imported sglang {reply['sglang_version']}, "
                                     f"expected {SGLANG_VERSION}; run `SCHEDSPEC_SGLANG=1 bash scripts/engines_setup.sh`")
         self.requests: dict[str, Request] = {}
+        self.stops = StopBeforeMinTokens("SGLang")
+        self.finish_reasons: dict[str, str] = {}  # the last update's finished ids -> SGLang's finish type
         self.refused: dict[str, str] = {}  # refused by the front end, reported in the next plan
         self.admitted: set[str] = set()
         self.plan: StepPlan | None = None
         self.step = 0
-        self.closed = False
 
     def add_request(self, request: Request) -> None:
         """The front end's checks (:func:`front_end_rejection`), then ``handle_generate_request`` in the
@@ -216,8 +231,14 @@ class SglangScheduler(_WorkerClient):
         if refused is not None:
             self.refused[request.request_id] = refused
             return
+        if request.min_tokens > request.max_tokens:
+            raise UnsupportedFeature(
+                f"scheduler {self.name!r}: request {printable(request.request_id)}: min_tokens={request.min_tokens} > "
+                f"max_tokens={request.max_tokens}: SGLang's SamplingParams.verify refuses it; the spec runs it to max_tokens")
+        self.stops.add(request)
         self._send({"op": "add", "id": request.request_id, "prompt": token_ids(request, 0, request.prompt_len).tolist(),
                     "max_tokens": request.max_tokens, "eos": request.eos_token_id,
+                    "stop_token_ids": list(request.stop_token_ids),
                     # a client sends no priority to a server without priority scheduling (SGLang aborts it)
                     "priority": request.priority if self.name != "sglang" else None})
 
@@ -233,6 +254,7 @@ class SglangScheduler(_WorkerClient):
             raise UnsupportedFeature(f"scheduler {self.name!r}: aborting an admitted request ({request_id}): SGLang "
                                      "finishes it at its next result, which the spec's abort cannot express")
         if self.requests.pop(request_id, None) is not None:
+            self.stops.discard(request_id)
             self._send({"op": "abort", "id": request_id})
 
     def _reason(self, request_id: str, sglang_message: str) -> str:
@@ -272,14 +294,27 @@ class SglangScheduler(_WorkerClient):
         self.admitted.update(item.request_id for item in plan.scheduled)
         self.admitted.difference_update(plan.preempted)
         scheduled = {item.request_id for item in plan.scheduled}
-        reply = self._call({"op": "update", "sampled": {r: int(t) for r, t in sampled_token_ids.items() if r in scheduled}})
+        sampled = {r: int(t) for r, t in sampled_token_ids.items() if r in scheduled}
+        for request_id, token in sampled.items():
+            self.stops.sampled(request_id, [token])
+        reply = self._call({"op": "update", "sampled": sampled})
         self.plan = None
         self.step += 1
-        finished = tuple(request_id for request_id, _ in reply["finished"])
+        self.finish_reasons = dict(reply["finished"])
+        finished = tuple(self.finish_reasons)
         for request_id in finished:
             self.requests.pop(request_id, None)
             self.admitted.discard(request_id)
         return finished
+
+    def finish_reason_mismatches(self, ended: Mapping[str, Request]) -> list[str]:
+        """The requests the last :meth:`update` finished whose SGLang finish type is not the spec's reason,
+        one text each (the engine loop reports them as ``refinement`` mismatches). ``ended``: the spec's
+        terminal requests after the step, by id. SGLang's types are ``BaseFinishReason.to_json()["type"]``
+        (``sglang/srt/managers/schedule_batch.py``: ``stop`` for ``FINISH_MATCHED_TOKEN``, ``length`` for
+        ``FINISH_LENGTH``, ``abort``); both of the spec's length limits are ``length``
+        (``engines/vllm.py`` ``ENGINE_FINISH_REASONS``)."""
+        return finish_reason_differences("SGLang", self.finish_reasons, ended)
 
     def engine_view(self) -> EngineView:
         """SGLang's own bookkeeping in spec terms: the allocator's free tokens over ``page_size``

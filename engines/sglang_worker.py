@@ -187,14 +187,22 @@ class Components:
 
     def request(self, message: dict):
         """An SGLang ``Req`` for a spec request: its token ids, ``max_new_tokens = max_tokens``,
-        ``ignore_eos`` when it has no end-of-sequence id."""
+        ``stop_token_ids``, and ``ignore_eos`` when it has neither an end-of-sequence id nor a stop id
+        (``Req._check_token_based_finish`` skips the stop ids too under ``ignore_eos``; without a tokenizer no
+        other id stops it). ``min_tokens`` is not set as ``min_new_tokens``: only the sampler's penalizer
+        reads it (``penaltylib/min_new_tokens.py``, which needs a tokenizer: ``normalize`` refuses it without
+        one, ``raise_if_tokenizer_required``), and the scheduler only clips it to ``max_new_tokens``
+        (``Scheduler.init_req_max_new_tokens``); the stop check ignores it, as the adapter's
+        ``StopBeforeMinTokens`` accounts for."""
         from array import array
 
         from sglang.srt.managers.schedule_batch import Req
         from sglang.srt.sampling.sampling_params import SamplingParams
 
         eos = message.get("eos")
-        params = SamplingParams(max_new_tokens=message["max_tokens"], ignore_eos=eos is None)
+        stop_ids = message.get("stop_token_ids") or None
+        params = SamplingParams(max_new_tokens=message["max_tokens"], ignore_eos=eos is None and not stop_ids,
+                                stop_token_ids=stop_ids)
         params.normalize(None)
         return Req(message["id"], "", array("q", message["prompt"]), params,
                    eos_token_ids=None if eos is None else {eos}, vocab_size=message.get("vocab_size", 32000),
@@ -415,7 +423,8 @@ class Engine:
         finished = []
         if batch is not None:
             sampled = message["sampled"]
-            tokens = torch.tensor([int(sampled.get(req.rid, 0)) for req in batch.reqs], dtype=torch.int64)
+            tokens = torch.tensor([self._token_of(req, sampled, batch.forward_mode.is_decode()) for req in batch.reqs],
+                                  dtype=torch.int64)
             result = GenerationBatchResult(next_token_ids=tokens)
             if batch.forward_mode.is_decode():
                 s.batch_result_processor.process_batch_result_decode(batch, result)
@@ -423,11 +432,26 @@ class Engine:
                 s.batch_result_processor.process_batch_result_prefill(batch, result)
             for req in batch.reqs:
                 if req.finished() and req.rid in self.requests:
-                    finished.append([req.rid, str(req.finished_reason)])
+                    finished.append([req.rid, req.finished_reason.to_json()["type"]])  # stop, length, abort
                     del self.requests[req.rid]
                     self.pages.pop(req.rid, None)
         s.last_batch = batch
         return {"finished": finished}
+
+    @staticmethod
+    def _token_of(req, sampled: dict, decode: bool) -> int:
+        """The token of ``req`` in ``next_token_ids``: the sampled one, or 0 for a row whose token SGLang
+        drops (``process_batch_result_prefill`` / ``_decode``: a finished or retracted request, a middle chunk
+        of a prefill, ``inflight_middle_chunks > 0``).
+
+        Raises:
+            RuntimeError: the spec sampled nothing for a row whose token SGLang appends (a protocol error:
+                no token is invented)."""
+        if req.rid in sampled:
+            return int(sampled[req.rid])
+        if req.finished() or req.is_retracted or (not decode and req.inflight_middle_chunks > 0):
+            return 0
+        raise RuntimeError(f"update: no sampled token for request {req.rid!r}, whose token SGLang appends")
 
     def view(self, message: dict) -> dict:
         """SGLang's own bookkeeping: the allocator's free tokens, the waiting queue, the running batch

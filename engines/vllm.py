@@ -37,7 +37,11 @@ header). The two versions' scheduling decisions differ as docs/engines.md, *vLLM
   are usable; vLLM block ``b`` is spec block ``b - 1``.
 - *Requests*: added with the real token ids of the spec request (``prompt_token_ids``), its
   ``max_tokens``, ``priority``, ``arrival_time`` and ``eos_token_id`` (set as vLLM's
-  ``SamplingParams`` end-of-sequence id, what ``check_stop`` in ``vllm/v1/core/sched/utils.py`` reads).
+  ``SamplingParams`` end-of-sequence id, what ``check_stop`` in ``vllm/v1/core/sched/utils.py`` reads),
+  ``stop_token_ids`` and ``min_tokens`` (``SamplingParams`` fields of the same names). ``check_stop`` stops
+  on an EOS or stop id before it tests ``min_tokens``, which the spec does not: a stop id the token source
+  samples as output n < ``min_tokens`` (vLLM's sampler never does) is refused (:class:`StopBeforeMinTokens`,
+  exit 3), and so is a request with ``min_tokens > max_tokens`` (``SamplingParams._verify_args``).
 - *The API server's checks*: vLLM's scheduler never rejects a request; the engine's input processor
   does, before the scheduler sees it (``vllm/v1/engine/input_processor.py``
   ``InputProcessor._validate_prompt_len``: an empty prompt, a prompt longer than ``max_model_len``, and
@@ -58,7 +62,10 @@ header). The two versions' scheduling decisions differ as docs/engines.md, *vLLM
   but the input processor's refusals above. ``update`` feeds the sampled tokens back as a
   ``ModelRunnerOutput`` (an empty list for a request inside a prefill chunk, which samples nothing)
   to ``Scheduler.update_from_output`` and returns the ids whose ``EngineCoreOutput`` carries a
-  finish reason. ``abort_request`` is ``Scheduler.finish_requests(id, FINISHED_ABORTED)``.
+  finish reason. ``abort_request`` is ``Scheduler.finish_requests(id, FINISHED_ABORTED)``. With hybrid KV
+  cache groups (``config.kv_cache_groups``, synchronous adapters only) each item also carries the new blocks of
+  groups 1.. (``ScheduledRequest.group_new_block_ids``) and the blocks its sliding window freed
+  (``skipped_block_ids``), as the worker reads them from vLLM's tables (docs/engines.md, *Hybrid KV cache groups*).
 - ``schedule()`` runs vLLM's ``schedule()`` (which allocates and advances ``num_computed_tokens``
   inside vLLM) once and returns the same plan until ``update``, so to the caller it changes nothing.
 - *Policies*: ``vllm`` is vLLM's ``policy="fcfs"``, ``vllm-priority`` its ``policy="priority"``
@@ -167,7 +174,8 @@ PATH_AHEAD: dict[str, tuple[str, Path]] = {"0.33": ("SCHEDSPEC_VLLM033_PATH", RO
 
 ENGINE_FINISH_REASONS: dict[str, str] = {"stop": "stop", "length": "length", "max_model_len": "length"}
 """The spec's finish reason of a request that stopped -> the string vLLM 0.32 and 0.33 report for it
-(``FinishReason`` in ``vllm/v1/engine/__init__.py``; both length limits are ``length``)."""
+(``FinishReason`` in ``vllm/v1/engine/__init__.py``; both length limits are ``length``), and SGLang 0.5.23 too
+(``BaseFinishReason.to_json()["type"]``, ``engines/sglang.py``)."""
 
 
 PADDING_RULES = frozenset({"drafts-only-in-decodes", "drafts-are-proposed"})
@@ -483,6 +491,74 @@ def same_step_hits(state: SchedulerState, plan: StepPlan, config: SchedulerConfi
     return found
 
 
+def finish_reason_differences(engine: str, reasons: Mapping[str, str], ended: Mapping[str, Request]) -> list[str]:
+    """The ids of ``reasons`` (request id -> the finish reason ``engine`` reported in a step) whose reason is
+    not the spec's (:data:`ENGINE_FINISH_REASONS`) for the request as ``ended`` has it (the spec's terminal
+    requests after the step), one text each; a request the spec did not end is left to the engine loop's
+    comparison of the finished sets. The adapters' ``finish_reason_mismatches``."""
+    found = []
+    for request_id, reason in reasons.items():
+        request = ended.get(request_id)
+        if request is None or request.finish_reason is None:
+            continue
+        expected = ENGINE_FINISH_REASONS.get(request.finish_reason, request.finish_reason)
+        if reason != expected:
+            found.append(f"{engine} finished request {printable(request_id)} with reason {printable(reason)}; "
+                         f"the spec ends it with {request.finish_reason} ({engine}'s {expected})")
+    return found
+
+
+class StopBeforeMinTokens:
+    """Refuses a sampled stop id that the spec and the engine judge differently: an EOS or stop id sampled as
+    output n < ``min_tokens``. The spec does not stop on it (``spec/stop_rule.py``); vLLM 0.32/0.33's
+    ``check_stop`` (``vllm/v1/core/sched/utils.py``) and SGLang 0.5.23's ``Req._check_token_based_finish``
+    (``sglang/srt/managers/schedule_batch.py``) stop on it whatever ``min_tokens`` says, relying on their
+    samplers never to sample it (vLLM's ``MinTokensLogitsProcessor``, SGLang's min-new-tokens penalizer mask
+    stop ids while fewer than ``min_tokens`` outputs exist). A token source that samples one anyway gives a
+    run no engine makes: :class:`UnsupportedFeature` (CLI exit 3) naming ``min_tokens``, not a false finding.
+
+    Args:
+        engine: the engine's name, for the message.
+    """
+
+    def __init__(self, engine: str) -> None:
+        self.engine = engine
+        self.pending: dict[str, tuple[frozenset[int], int, int]] = {}
+        """request id -> (its stop ids, min_tokens, outputs sampled so far), while fewer than min_tokens."""
+
+    def add(self, request: Request) -> None:
+        """Follow ``request`` if it has ``min_tokens`` and a stop id (its EOS or ``stop_token_ids``)."""
+        stops = frozenset(request.stop_token_ids) | ({request.eos_token_id} if request.eos_token_id is not None else set())
+        if request.min_tokens > 0 and stops:
+            self.pending[request.request_id] = (stops, request.min_tokens, 0)
+
+    def discard(self, request_id: str) -> None:
+        """Stop following a request (aborted)."""
+        self.pending.pop(request_id, None)
+
+    def sampled(self, request_id: str, tokens: list[int]) -> None:
+        """Count the outputs ``tokens`` (in order) of ``request_id``.
+
+        Raises:
+            UnsupportedFeature: one of them is a stop id sampled as output n < min_tokens.
+        """
+        entry = self.pending.get(request_id)
+        if entry is None:
+            return
+        stops, min_tokens, count = entry
+        for token in tokens:
+            count += 1
+            if count < min_tokens and token in stops:
+                raise UnsupportedFeature(
+                    f"request {printable(request_id)}: min_tokens={min_tokens}: the token source sampled stop id "
+                    f"{token} as output {count}, which {self.engine}'s sampler never does and its stop check stops "
+                    f"on (the spec does not): give min_tokens a token source that samples no stop id before it")
+        if count >= min_tokens:
+            del self.pending[request_id]
+        else:
+            self.pending[request_id] = (stops, min_tokens, count)
+
+
 class _WorkerClient:
     """One engine scheduler in a worker process (``_WorkerProcess``), named by its ``handle``: what every
     adapter over a worker shares (this module's and ``engines/sglang.py``'s). Subclasses set ``worker``,
@@ -540,6 +616,10 @@ class _VllmAdapter(_WorkerClient):
                                      "mapped onto the spec yet (enable_prefix_caching=true)")
         if policy not in POLICIES:
             raise UnsupportedFeature(f"scheduler {self.name!r}: policy {policy!r} (vLLM has {list(POLICIES)})")
+        if config.kv_cache_groups and self.async_scheduling:
+            raise UnsupportedFeature(f"scheduler {self.name!r}: KV cache groups with async scheduling are not "
+                                     "specified yet (a window frees on the processed tokens)")
+        self.supports_kv_cache_groups = not self.async_scheduling
         if config.prefill_schedule_interval > 1 and (version == "0.32" or self.async_scheduling):
             raise UnsupportedFeature(
                 f"scheduler {self.name!r}: prefill_schedule_interval={config.prefill_schedule_interval}: "
@@ -557,6 +637,7 @@ class _VllmAdapter(_WorkerClient):
             # vLLM refuses a threshold above max_model_len; no chunk can be longer than max_model_len,
             # so such a threshold caps nothing, like 0 (vllm/config/scheduler.py verify_max_model_len).
             settings["long_prefill_token_threshold"] = 0
+        self.closed = False  # from here on the worker may hold a scheduler for this handle: close() drops it
         reply = self.worker.call({
             "op": "init", "handle": self.handle, "config": settings, "policy": policy,
             "async_scheduling": self.async_scheduling, "vocab_size": DEFAULT_VOCAB_SIZE,
@@ -565,10 +646,12 @@ class _VllmAdapter(_WorkerClient):
             raise UnsupportedFeature(f"scheduler {self.name!r}: vLLM refuses this config: {reply['refused']}")
         self.vllm_version: str = reply["vllm_version"]
         if self.vllm_version != VERSIONS[version]:
+            self.close()
             raise EngineUnavailable(
                 f"scheduler {self.name!r}: the worker imported vllm {self.vllm_version} from "
                 f"{reply.get('vllm_file', '?')}, expected {VERSIONS[version]}; run `bash scripts/engines_setup.sh`")
         self.engine: dict[str, str] = {"name": "vllm", "version": self.vllm_version}
+        self.stops = StopBeforeMinTokens("vLLM")
         """What the run's conditions record of the engine (``RunResult.engine``)."""
         self.refused: dict[str, str] = {}  # refused by the input processor, reported in the next plan
         self.refused_requests: dict[str, Request] = {}
@@ -577,7 +660,6 @@ class _VllmAdapter(_WorkerClient):
         self.plan: StepPlan | None = None
         self.prepared: dict[str, Any] | None = None  # async: the next step, planned before this one's update
         self.plan_num_requests = 0  # requests vLLM held when it planned the current plan
-        self.closed = False
 
     def add_request(self, request: Request) -> None:
         """Give vLLM a fresh request (or refuse it as vLLM's input processor would)."""
@@ -586,12 +668,18 @@ class _VllmAdapter(_WorkerClient):
             self.refused[request.request_id] = reason
             self.refused_requests[request.request_id] = request
             return
+        if request.min_tokens > request.max_tokens:
+            raise UnsupportedFeature(
+                f"request {printable(request.request_id)}: min_tokens={request.min_tokens} > max_tokens="
+                f"{request.max_tokens}: vLLM's SamplingParams refuses it (_verify_args); the spec runs it to max_tokens")
         self.live.add(request.request_id)
+        self.stops.add(request)
         self._send({
             "op": "add", "id": request.request_id,
             "prompt": token_ids(request, 0, request.prompt_len).tolist(),
             "max_tokens": request.max_tokens, "priority": request.priority,
             "arrival_time": request.arrival_time, "eos": request.eos_token_id,
+            "stop_token_ids": list(request.stop_token_ids), "min_tokens": request.min_tokens,
             **({"lora_int_id": request.lora_int_id} if request.lora_int_id else {}),
             **({"grammar_steps": request.grammar_ready_step - request.arrival_step}
                if request.grammar_ready_step is not None else {}),
@@ -604,6 +692,7 @@ class _VllmAdapter(_WorkerClient):
             self.refused_requests.pop(request_id, None)
             return
         self.live.discard(request_id)
+        self.stops.discard(request_id)
         self._send({"op": "abort", "id": request_id})
 
     def schedule(self) -> StepPlan:
@@ -613,11 +702,14 @@ class _VllmAdapter(_WorkerClient):
         if self.plan is None:
             reply, self.prepared = self.prepared or self._call({"op": "schedule"}), None
             scheduled = []
+            groups, skipped = reply.get("groups", {}), reply.get("skipped", {})  # hybrid KV cache groups
             for request_id, computed, count, blocks, num_hit_blocks, drafts in reply["scheduled"]:
                 ids = tuple(b - 1 for b in blocks)
-                scheduled.append(ScheduledRequest(request_id, computed, count, ids[num_hit_blocks:],
-                                                  cached_block_ids=ids[:num_hit_blocks],
-                                                  spec_token_ids=tuple(drafts)))
+                scheduled.append(ScheduledRequest(
+                    request_id, computed, count, ids[num_hit_blocks:], cached_block_ids=ids[:num_hit_blocks],
+                    spec_token_ids=tuple(drafts),
+                    group_new_block_ids=tuple(tuple(b - 1 for b in group) for group in groups.get(request_id, ())),
+                    skipped_block_ids=tuple(b - 1 for b in skipped.get(request_id, ()))))
             preempted = tuple(reply["preempted"])
             if not self.async_scheduling and not {item.request_id for item in scheduled}.union(preempted) <= self.live:
                 raise EngineError(f"vLLM planned requests that are not live: {reply}")
@@ -693,6 +785,8 @@ class _VllmAdapter(_WorkerClient):
             if item.spec_token_ids and item.request_id in sampled:
                 accepted = speculative.num_accepted_tokens.get(item.request_id, 0)
                 sampled[item.request_id] = [*item.spec_token_ids[:accepted], sampled[item.request_id]]
+        for request_id, tokens in sampled.items():
+            self.stops.sampled(request_id, tokens if isinstance(tokens, list) else [tokens])
         drafts = {r: [int(t) for t in ids] for r, ids in speculative.draft_token_ids.items() if r in scheduled}
         if self.async_scheduling:
             self.prepared = self._call({"op": "schedule"})
@@ -712,16 +806,7 @@ class _VllmAdapter(_WorkerClient):
         of ``vllm.v1.engine.FinishReason`` (``stop``, ``length``, ``abort``, ``error``, ``repetition``);
         the spec's ``max_model_len`` is vLLM's ``length`` (``check_stop`` in
         ``vllm/v1/core/sched/utils.py`` sets ``FINISHED_LENGTH_CAPPED`` for both limits)."""
-        found = []
-        for request_id, reason in self.finish_reasons.items():
-            request = ended.get(request_id)
-            if request is None or request.finish_reason is None:
-                continue
-            expected = ENGINE_FINISH_REASONS.get(request.finish_reason, request.finish_reason)
-            if reason != expected:
-                found.append(f"vLLM finished request {printable(request_id)} with reason {printable(reason)}; "
-                             f"the spec ends it with {request.finish_reason} (vLLM's {expected})")
-        return found
+        return finish_reason_differences("vLLM", self.finish_reasons, ended)
 
 
 class VllmScheduler(_VllmAdapter):

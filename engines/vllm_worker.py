@@ -16,7 +16,8 @@ Commands (``op``):
   k > 0, an n-gram ``SpeculativeConfig`` of k tokens: no draft model); reply ``{"vllm_version",
   "vllm_file"}`` (the ``vllm`` package imported, which ``--path-ahead DIR`` can change: DIR is put first
   on ``sys.path``).
-- ``add`` ``{id, prompt, max_tokens, priority, arrival_time, eos, lora_int_id?}``: no reply (``lora_int_id``,
+- ``add`` ``{id, prompt, max_tokens, priority, arrival_time, eos, stop_token_ids?, min_tokens?, lora_int_id?}``:
+  no reply (``stop_token_ids`` and ``min_tokens`` go to its ``SamplingParams``; ``lora_int_id``,
   with ``config.max_loras`` > 0: a ``LoRARequest`` of that id, named ``lora-<id>``, whose path is never read;
   ``grammar_steps``: structured output, a JSON-schema ``StructuredOutputsParams``, so that vLLM holds the
   request in ``WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR`` until its grammar is set: a :class:`ReadyGrammar`
@@ -36,7 +37,8 @@ Commands (``op``):
 - ``close``: drop the scheduler; no reply.
 - ``view``: reply the scheduler's own bookkeeping (free blocks of the block pool, waiting and running
   ids, block tables, ``num_computed_tokens``; the free queue in order, the blocks that carry a hash and
-  the reference counts of held blocks), vLLM numbering.
+  the reference counts of held blocks), vLLM numbering; and the worker's: the ids whose stand-in grammar
+  is still to be set (``grammar_due``).
 
 A command that fails sends ``{"error": traceback}`` as its reply; a failing command that does not
 reply (``add``, ``abort``) makes the next reply an error instead.
@@ -45,8 +47,10 @@ How the scheduler is built (no GPU, no model weights, no hub):
 
 - ``ModelConfig`` reads a ``config.json`` of a one-layer Llama written to a temporary directory, with
   ``skip_tokenizer_init=True``; ``HF_HUB_OFFLINE=1`` is set before vLLM is imported.
-- ``KVCacheConfig`` has one ``KVCacheGroupSpec`` with a ``FullAttentionSpec`` and
-  ``num_kv_blocks + 1`` blocks: ``BlockPool`` (``vllm/v1/core/block_pool.py``) takes block 0 as its
+- ``KVCacheConfig`` has one ``KVCacheGroupSpec`` with a ``FullAttentionSpec`` (with ``config.kv_cache_groups``,
+  one group per entry, ``FullAttentionSpec`` or ``SlidingWindowSpec``, one layer each; ``schedule`` then also
+  replies ``groups`` (id -> the new block ids of groups 1..) and ``skipped`` (id -> the blocks its window freed))
+  and ``num_kv_blocks + 1`` blocks: ``BlockPool`` (``vllm/v1/core/block_pool.py``) takes block 0 as its
   null block and never hands it out, so exactly ``num_kv_blocks`` are usable, ids ``1..num_kv_blocks``
   (the adapter maps vLLM block ``b`` to spec block ``b - 1``).
 - ``Scheduler`` (``vllm/v1/core/sched/scheduler.py``) or ``AsyncScheduler``
@@ -146,7 +150,12 @@ class Worker:
         )
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler
         from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+        from vllm.v1.kv_cache_interface import (
+            FullAttentionSpec,
+            KVCacheConfig,
+            KVCacheGroupSpec,
+            SlidingWindowSpec,
+        )
         from vllm.v1.structured_output import StructuredOutputManager
 
         self.block_size = config["block_size"]
@@ -209,18 +218,17 @@ class Worker:
         if vllm_config.num_lookahead_tokens != int(config.get("num_lookahead_tokens", 0)):
             raise ConfigError(f"num_lookahead_tokens={config.get('num_lookahead_tokens', 0)}: the n-gram "
                               f"drafter has num_lookahead_tokens={vllm_config.num_lookahead_tokens}")
-        kv_cache_config = KVCacheConfig(
-            num_blocks=self.num_kv_blocks + 1,
-            kv_cache_tensors=[],
-            kv_cache_groups=[
-                KVCacheGroupSpec(
-                    ["layers.0.self_attn"],
-                    FullAttentionSpec(
-                        block_size=self.block_size, num_kv_heads=1, head_size=1, dtype=torch.float32
-                    ),
-                )
-            ],
-        )
+        # hybrid KV cache groups (config.kv_cache_groups): one group per entry, one layer each, all in the one
+        # pool; without them the one full-attention group
+        groups = config.get("kv_cache_groups") or [{"kind": "full_attention"}]
+        self.num_groups = len(groups)
+        specs = []
+        for index, group in enumerate(groups):
+            shape = {"block_size": self.block_size, "num_kv_heads": 1, "head_size": 1, "dtype": torch.float32}
+            spec = (SlidingWindowSpec(**shape, sliding_window=group["sliding_window"])
+                    if group["kind"] == "sliding_window" else FullAttentionSpec(**shape))
+            specs.append(KVCacheGroupSpec([f"layers.{index}.self_attn"], spec))
+        kv_cache_config = KVCacheConfig(num_blocks=self.num_kv_blocks + 1, kv_cache_tensors=[], kv_cache_groups=specs)
         # What EngineCore.__init__ (vllm/v1/engine/core.py) does with prefix caching on: seed NONE_HASH
         # and give every Request a block hasher, which fills Request.block_hashes for its full blocks
         # (prompt and, as they are appended, output tokens); without it no lookup ever hits.
@@ -262,8 +270,11 @@ class Worker:
             from vllm.sampling_params import StructuredOutputsParams
 
             structured = StructuredOutputsParams(json={"type": "object"})
+        # stop_token_ids: check_stop stops on them too; min_tokens: check_stop tests it after them (the adapter
+        # refuses a stop id sampled before it: StopBeforeMinTokens)
         params = SamplingParams(max_tokens=message["max_tokens"], ignore_eos=message["eos"] is None,
-                                structured_outputs=structured)
+                                stop_token_ids=message.get("stop_token_ids") or None,
+                                min_tokens=message.get("min_tokens", 0), structured_outputs=structured)
         if message["eos"] is not None:
             # What the input processor sets from the tokenizer's generation config
             # (vllm/v1/engine/input_processor.py); check_stop reads sampling_params.eos_token_id.
@@ -292,6 +303,7 @@ class Worker:
         from vllm.v1.request import RequestStatus
 
         self.scheduler.finish_requests(message["id"], RequestStatus.FINISHED_ABORTED)
+        self.grammar_due.pop(message["id"], None)  # an aborted request's grammar never lands
 
     def schedule(self, message: dict) -> dict:
         if len(self.in_flight) >= (2 if self.async_scheduling else 1):
@@ -304,12 +316,50 @@ class Worker:
                 del self.grammar_due[request_id]
         self.num_schedules += 1
         num_running, num_waiting = self.scheduler.get_request_counts()  # what schedule() reads first
+        tables = self._tables() if self.num_groups > 1 else {}
         output = self.scheduler.schedule()
         self.in_flight.append(output)
         scheduled = scheduled_items(output, self.block_size)  # the recorder's mapping, shared (drafts included)
         if set(preempted) != set(output.preempted_req_ids):
             raise RuntimeError(f"recorded preemptions {preempted} != {sorted(output.preempted_req_ids)}")
-        return {"scheduled": scheduled, "preempted": list(preempted), "num_requests": num_running + num_waiting}
+        reply = {"scheduled": scheduled, "preempted": list(preempted), "num_requests": num_running + num_waiting}
+        if self.num_groups > 1:
+            reply.update(self._group_blocks(output, tables))
+        return reply
+
+    def _tables(self) -> dict[str, list[list[int]]]:
+        """Every running request's block table per group (vLLM ids, the null block 0 included)."""
+        coordinator = self.scheduler.kv_cache_manager.coordinator
+        return {request.request_id: [[block.block_id for block in table] for table in coordinator.get_blocks(
+            request.request_id)] for request in self.scheduler.running}
+
+    def _group_blocks(self, output, before: dict[str, list[list[int]]]) -> dict:
+        """Hybrid KV cache groups: ``{"groups": {id: [new ids of group 1, ...]}, "skipped": {id: [ids]}}`` for the
+        scheduled requests: the new blocks of groups 1.. (``NewRequestData.block_ids[g]``,
+        ``CachedRequestData.new_block_ids[i][g]``), and the blocks ``remove_skipped_blocks`` freed in
+        ``allocate_slots`` (held before ``schedule``, the null block after), in the order they went to the front
+        of the free queue (per group the highest index first, a later group's in front)."""
+        new_ids: dict[str, list[list[int]]] = {}
+        for new in output.scheduled_new_reqs:
+            new_ids[new.req_id] = [list(ids) for ids in new.block_ids[1:]]
+        cached = output.scheduled_cached_reqs
+        for request_id, ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
+            new_ids[request_id] = [list(group) for group in ids[1:]] if ids else [[] for _ in range(self.num_groups - 1)]
+        after = self._tables()
+        skipped: dict[str, list[int]] = {}
+        for request_id in output.num_scheduled_tokens:
+            old, now = before.get(request_id), after.get(request_id)
+            if not old or not now:
+                continue
+            order: list[int] = []
+            for table, current in zip(old, now, strict=True):
+                freed = [table[i] for i in range(len(table) - 1, -1, -1)
+                         if table[i] != 0 and i < len(current) and current[i] == 0]
+                order = freed + order
+            if order:
+                skipped[request_id] = order
+        return {"groups": {r: ids for r, ids in new_ids.items() if r in output.num_scheduled_tokens},
+                "skipped": skipped}
 
     def update(self, message: dict) -> dict:
         from vllm.v1.outputs import ModelRunnerOutput
@@ -373,6 +423,7 @@ class Worker:
             "running": [request.request_id for request in scheduler.running],
             "block_tables": tables,
             "num_computed_tokens": computed,
+            "grammar_due": sorted(self.grammar_due),  # structured output: the requests whose grammar is to land
         }
 
 

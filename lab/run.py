@@ -285,9 +285,10 @@ def run_lab(
         UnknownScheduler, UnsupportedFeature: from :func:`make_scheduler`.
         ViolationFound: with ``check``, at the first violated rule or invariant.
     """
-    # unchecked: the same plans from a faster implementation where one exists (fcfs -> fcfs-fast)
-    scheduler = make_scheduler(scheduler_name if check else unchecked_implementation(scheduler_name),
-                               config)
+    # unchecked: the same plans from a faster implementation where one exists (fcfs -> fcfs-fast), which has no
+    # KV cache groups (the plain policy runs with them)
+    fast = not check and not config.kv_cache_groups
+    scheduler = make_scheduler(unchecked_implementation(scheduler_name) if fast else scheduler_name, config)
     # The top decile of the prompts the spec admits (a prompt over max_model_len is rejected at arrival
     # and must not set the threshold; metrics.latency_summary takes the same decile after the run).
     long_prompt_len = long_prompt_threshold(s.prompt_len for s in workload

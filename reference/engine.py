@@ -332,6 +332,10 @@ class Engine:
         token_source = self.token_source or FakeModel(
             self.config, eos_at_output={s.request_id: s.eos_at_output for s in workload if s.eos_at_output}
         )
+        if self.config.kv_cache_groups and not getattr(self.scheduler, "supports_kv_cache_groups", False):
+            name = getattr(self.scheduler, "name", None) or type(self.scheduler).__name__
+            raise UnsupportedFeature(f"scheduler {name!r} does not support hybrid KV cache groups "
+                                     f"(kv_cache_groups={[g.to_dict() for g in self.config.kv_cache_groups]})")
         if self.config.speculative:
             name = getattr(self.scheduler, "name", None) or type(self.scheduler).__name__
             if not supports_speculative(self.scheduler):

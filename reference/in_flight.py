@@ -29,6 +29,7 @@ from schedspec.reference.scheduler import PlanFunction, UnsupportedFeature
 from schedspec.spec.admission import rejection_reason
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.request import Request
+from schedspec.spec.rules import eligible_when_planned
 from schedspec.spec.state import (
     NO_SPECULATION,
     SchedulerState,
@@ -131,6 +132,12 @@ class InFlightScheduler:
             active = config.max_num_active_seqs
             config = attrs.evolve(config, max_num_seqs=max(1, config.max_num_seqs - holding),
                                   max_num_active_seqs=None if active is None else max(1, active - holding))
+        if config.long_prefill_token_threshold_adaptive:
+            # and they count in the threshold's floor (vLLM's get_request_counts): the spec's count of the
+            # requests the planner saw, as a plain threshold (no rejections: arrivals are refused at schedule)
+            threshold = config.effective_long_prefill_threshold(eligible_when_planned(optimistic, StepPlan()))
+            config = config.with_changes(long_prefill_token_threshold=threshold,
+                                         long_prefill_token_threshold_adaptive=False)
         self.prepared = self.plan_function(optimistic, config)
         if holding and len(optimistic.running) + holding >= self.config.active_seq_cap:
             admitted = {i.request_id for i in self.prepared.scheduled if i.request_id not in optimistic.running}

@@ -70,6 +70,7 @@ from typing import Protocol
 
 from schedspec.spec.admission import rejection_reason
 from schedspec.spec.config import SchedulerConfig, blocks_for_tokens, slot_tokens
+from schedspec.spec.kv_cache_groups import allocation_cost, held_block_ids, new_blocks_needed, window_frees
 from schedspec.spec.prefix_cache import CacheUpdate
 from schedspec.spec.request import Request
 from schedspec.spec.state import ScheduledRequest, SchedulerState, StepPlan, is_prefill_chunk, prefill_held
@@ -329,6 +330,37 @@ def _running_item(request: Request, num_tokens: int, draft_budget: int,
     return num_tokens, drafts, needed
 
 
+def group_item(request: Request, start: int, num_tokens: int, pool: BlockPool, config: SchedulerConfig,
+               hit: tuple[int, ...] = (), drafts: tuple[int, ...] = ()) -> ScheduledRequest:
+    """Hybrid KV cache groups: the item of a chunk ``[start, start + num_tokens)``: its window's frees go back
+    to ``pool`` first (vLLM ``KVCacheManager.allocate_slots`` calls ``remove_skipped_blocks`` before it
+    allocates), then every group's table is extended from it (:func:`~schedspec.spec.kv_cache_groups.new_blocks_needed`).
+    The caller checked that :func:`~schedspec.spec.kv_cache_groups.allocation_cost` fits ``pool.available``."""
+    skipped = window_frees(request, start, config)
+    if skipped:
+        pool.release(tuple(reversed(skipped)))  # a released table goes back last block first
+    new = tuple(pool.take(count) for count in new_blocks_needed(request, start + num_tokens, config))
+    return ScheduledRequest(request.request_id, start, num_tokens, new[0], hit, drafts, new[1:], skipped)
+
+
+def fit_chunk(request: Request, start: int, num_tokens: int, available: int, config: SchedulerConfig) -> int:
+    """Hybrid KV cache groups, chunked prefill on: the largest chunk of at most ``num_tokens`` tokens from
+    ``start`` whose :func:`~schedspec.spec.kv_cache_groups.allocation_cost` fits ``available`` blocks (the
+    cost grows with the chunk), at least 1. A chunk that asks for fewer blocks keeps a lone request within the
+    peak the admission rule allows (:func:`~schedspec.spec.kv_cache_groups.min_peak_blocks`: one token a step
+    fits), where vLLM would preempt. ``num_tokens`` itself without chunked prefill."""
+    if not config.enable_chunked_prefill or allocation_cost(request, start, start + num_tokens, config) <= available:
+        return num_tokens
+    low, high = 1, num_tokens  # allocation_cost(start + low) may not fit either: then the caller preempts
+    while low < high:
+        middle = (low + high + 1) // 2
+        if allocation_cost(request, start, start + middle, config) <= available:
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
 def _urgency(request: Request) -> tuple[int, int, float]:
     """Sort key, most urgent first: lower ``priority`` value, then earlier arrival (vLLM's priority
     queue orders by ``(priority, arrival_time)``)."""
@@ -512,6 +544,7 @@ def plan_step(
     gone: set[str] = set()  # preempted or scheduled this step: no longer a preemption candidate
     skip = {request_id for request_id, _ in rejected}
     victims = list(state.running)  # candidates, most recently admitted last
+    hybrid = bool(config.kv_cache_groups)
 
     held = prefill_held(state, config)  # the prefill cadence holds this step's prefills (vLLM 0.33)
     decodes, prefills = [], []
@@ -532,22 +565,29 @@ def plan_step(
         # one token of the budget stays for each decode after this one
         num_tokens, drafts, needed = _running_item(request, num_tokens,
                                                    budget - max(len(decodes) - index - 1, 0), config)
+        if hybrid:  # every group's blocks, less those its window frees; a prefill chunk shrinks to fit
+            num_tokens = fit_chunk(request, request.num_computed_tokens, num_tokens, pool.available, config)
+            needed = allocation_cost(request, request.num_computed_tokens, request.num_computed_tokens + num_tokens,
+                                     config)
         while needed > pool.available:
             while victims and victims[-1] in gone:
                 victims.pop()
             victim = victims.pop()
             gone.add(victim)
             preempted.append(victim)
-            pool.release(requests[victim].block_ids)
+            pool.release(held_block_ids(requests[victim]))
             if victim == request_id:
                 break
         if request_id in gone:
             continue
         gone.add(request_id)
-        scheduled.append(
-            ScheduledRequest(request_id, request.num_computed_tokens, num_tokens, pool.take(max(needed, 0)), (),
-                             drafts)
-        )
+        if hybrid:
+            scheduled.append(group_item(request, request.num_computed_tokens, num_tokens, pool, config))
+        else:
+            scheduled.append(
+                ScheduledRequest(request_id, request.num_computed_tokens, num_tokens, pool.take(max(needed, 0)), (),
+                                 drafts)
+            )
         budget -= num_tokens
 
     if not preempted and not (admit_only_when_idle and state.running):
@@ -564,14 +604,22 @@ def plan_step(
             request = requests[request_id]
             if not request.grammar_ready(state.step) or not lora_fits(request, loras, config):
                 continue  # vLLM skips a request whose grammar is compiling, or whose adapter is one too many
-            hit, needed, cost = pool.admission(request, config)
-            hit_tokens = len(hit) * config.block_size
+            if hybrid:  # every group's blocks for the first chunk only, shrunk to fit (fit_chunk); no hit
+                hit, needed, hit_tokens = (), 0, 0
+            else:
+                hit, needed, cost = pool.admission(request, config)
+                hit_tokens = len(hit) * config.block_size
             if held and request.num_computed_tokens + hit_tokens < request.num_tokens - 1:
                 break  # a held step admits no prefill (state.carries_prefill)
             num_tokens = _chunk(request, budget, config, hit_tokens)
-            if num_tokens == 0 or cost + watermark_keep(config, num_running) > pool.available:
+            keep = watermark_keep(config, num_running)
+            if hybrid and num_tokens:
+                num_tokens = fit_chunk(request, 0, num_tokens, pool.available - keep, config)
+                cost = allocation_cost(request, 0, num_tokens, config)
+            if num_tokens == 0 or cost + keep > pool.available:
                 break
-            scheduled.append(ScheduledRequest(request_id, request.num_computed_tokens + hit_tokens, num_tokens,
+            scheduled.append(group_item(request, 0, num_tokens, pool, config) if hybrid else
+                             ScheduledRequest(request_id, request.num_computed_tokens + hit_tokens, num_tokens,
                                               pool.admit(hit, needed), hit))
             budget -= num_tokens
             num_running += 1

@@ -237,6 +237,13 @@ class Scheduler(Protocol):
     def update(self, plan: StepPlan, sampled_token_ids: Mapping[str, int]) -> tuple[str, ...]: ...
 
 
+GROUP_PLANS: frozenset[PlanFunction] = frozenset({policies.fcfs, policies.static, policies.shortest_prompt_first,
+                                                  vllm_v1.vllm_v1, vllm_v1.vllm_v1_033})
+"""The plan functions that allocate per KV cache group (``SchedulerConfig.kv_cache_groups``); any other
+scheduler lacks hybrid KV cache groups (``supports_kv_cache_groups`` false or absent: the engine loop
+refuses it, exit 3)."""
+
+
 def supports_speculative(scheduler: object) -> bool:
     """Whether ``scheduler.update`` takes the third argument of speculative decoding (module docstring)."""
     import inspect
@@ -271,6 +278,7 @@ class ReferenceScheduler:
         self.guarantees = guarantees
         self.state = SchedulerState.initial(config)
         self._handed: Transition | None = None
+        self.supports_kv_cache_groups = plan in GROUP_PLANS
 
     def accept_transition(self, transition: Transition) -> None:
         """The spec transition the engine computed for the call it makes next (module docstring of

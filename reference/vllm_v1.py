@@ -10,7 +10,7 @@ the requests name them (rule 8) and the defaults ``watermark=0``, ``prefill_sche
 releases differ in one decision** (rule 3: a priority request that preempts itself ends the running
 phase in 0.32, lets it go on in 0.33); the other changes between the releases (docs/engines.md, *vLLM
 0.32 and 0.33*) act only outside it: a local prefill cadence when ``prefill_schedule_interval > 1``,
-LoRAs counted over all running requests (followed, rule 8, though no decision differs in scope), drafts
+LoRAs counted over all running requests (followed, rule 8; a decision differs only with the cadence), drafts
 skipped when unused, a waiting request whose chunk
 encoder inputs or a multi-token-prediction lookahead cut to nothing is skipped, not the end of
 admission. The rules, each with its place in vLLM's source:
@@ -90,8 +90,11 @@ admission. The rules, each with its place in vLLM's source:
    **skips** (``skip_request``, ``continue``: the request keeps its place in the queue and admission goes on
    with the next one) a request whose adapter is not among them once they number ``max_loras``, and adds
    the adapter of each request it admits. The running phase has no such check (0.32 only asserts
-   ``len(scheduled_loras) <= max_loras``). In the spec's scope the two counts agree: a running request is
-   left out of a step only when the budget is spent, and then nothing is admitted.
+   ``len(scheduled_loras) <= max_loras``). Without the prefill cadence the two counts agree: a running
+   request is left out of a step only when the budget is spent, and then nothing is admitted. With it (rule
+   12, 0.33 only) a held step skips the running prefill chunks and may still admit a request with at most one
+   token to compute: 0.33 counts the skipped chunks' adapters (the profile follows it), so such an
+   admission that 0.32's count would allow can be skipped.
 
 9. **Structured output** (a request with ``grammar_ready_step``). vLLM adds it in
    ``WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR``; the waiting loop, after the ``max_num_seqs`` check, asks
@@ -119,6 +122,16 @@ admission. The rules, each with its place in vLLM's source:
     loop skips (``continue``) each ``is_prefill_chunk`` request, and the waiting loop, after the prefix-cache
     lookup, stops (``break``) at a request with ``num_computed_tokens < num_tokens - 1``. 0.32 obeys the
     option only under a data-parallel MoE engine core, so the 0.32 profiles refuse it.
+
+13. **Hybrid KV cache groups** (``kv_cache_groups``, FCFS only; :mod:`schedspec.spec.kv_cache_groups`).
+    ``KVCacheManager.allocate_slots`` first frees the blocks a sliding window has passed
+    (``remove_skipped_blocks``, to the front of the free queue), then requires every group's new blocks
+    (``HybridKVCacheCoordinator.get_num_blocks_to_allocate``) to be free; all groups share one pool. The
+    whole-sequence gate of an admission caps a sliding-window group's blocks at
+    ``SlidingWindowSpec.max_admission_blocks_per_request`` (:func:`admission_blocks`); the first chunk then
+    gets its blocks in every group. The profile frees a window's blocks only for a request it schedules
+    (vLLM frees them also when the allocation then fails, and the request preempts itself: the same blocks,
+    in another order in the free queue).
 
 **With prefix caching** (``enable_prefix_caching``): admission first looks up the longest cached prefix
 (``KVCacheManager.get_computed_blocks``, at most ``num_tokens - 1`` tokens), the whole-sequence gate
@@ -175,6 +188,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from schedspec.spec.config import SchedulerConfig, blocks_for_tokens, slot_tokens
+from schedspec.spec.kv_cache_groups import allocation_cost, groups_of, held_block_ids
 from schedspec.spec.request import Request
 from schedspec.spec.state import ScheduledRequest, SchedulerState, StepPlan, is_prefill_chunk, prefill_held
 
@@ -182,6 +196,7 @@ from .policies import (
     BlockPool,
     CachePool,
     _BlockPool,
+    group_item,
     lora_fits,
     loras_of,
     reject_impossible,
@@ -266,6 +281,9 @@ def plan_vllm_v1(state: SchedulerState, config: SchedulerConfig, by_priority: bo
     """
     if version not in VERSIONS:
         raise ValueError(f"vllm-v1: version {version!r}, expected one of {VERSIONS}")
+    hybrid = bool(config.kv_cache_groups)
+    if hybrid and by_priority:
+        raise ValueError("vllm-v1-priority: KV cache groups are followed by the FCFS profile only")
     self_preemption_continues = by_priority and version == "0.33"
     rejected = reject_impossible(state, config)
     # rule 11: the threshold's floor (long_prefill_token_threshold_adaptive) over the live requests vLLM counts
@@ -300,6 +318,9 @@ def plan_vllm_v1(state: SchedulerState, config: SchedulerConfig, by_priority: bo
             continue
         needed = max(0, blocks_for_tokens(slot_tokens(request.num_computed_tokens + num_tokens, config), config.block_size)
                      - len(request.block_ids))
+        if hybrid:  # rule 13: every group's new blocks, less those the window frees first
+            needed = allocation_cost(request, request.num_computed_tokens, request.num_computed_tokens + num_tokens,
+                                     config)
         granted = True
         while needed > queue.available:
             if by_priority:
@@ -310,12 +331,12 @@ def plan_vllm_v1(state: SchedulerState, config: SchedulerConfig, by_priority: bo
                     index -= 1
                 if victim in scheduled:
                     budget += scheduled.pop(victim).num_tokens
-                    queue.release(requests[victim].block_ids + taken.pop(victim))
+                    queue.release(held_block_ids(requests[victim]) + taken.pop(victim))
                 else:
-                    queue.release(requests[victim].block_ids)
+                    queue.release(held_block_ids(requests[victim]))
             else:
                 victim = running.pop()
-                queue.release(requests[victim].block_ids)
+                queue.release(held_block_ids(requests[victim]))
             preempted.append(victim)
             if victim == request_id:
                 granted = False
@@ -325,13 +346,16 @@ def plan_vllm_v1(state: SchedulerState, config: SchedulerConfig, by_priority: bo
                 # 0.33: ``continue``; the request left ``running`` at ``index``, the next one is there now
                 continue
             break  # 0.32: ``if new_blocks is None: break`` ends the running phase
-        blocks = queue.take(needed)
-        taken[request_id] = blocks
-        # num_scheduled_spec_tokens = num_new_tokens + num_computed_tokens - num_tokens: drafts trimmed
-        # from the end to what was scheduled (rule 7)
-        spec = drafts[:num_tokens - request.num_pending_tokens] if drafts else ()
-        scheduled[request_id] = ScheduledRequest(request_id, request.num_computed_tokens, num_tokens, blocks,
-                                                 spec_token_ids=spec)
+        if hybrid:
+            scheduled[request_id] = group_item(request, request.num_computed_tokens, num_tokens, queue, config)
+        else:
+            blocks = queue.take(needed)
+            taken[request_id] = blocks
+            # num_scheduled_spec_tokens = num_new_tokens + num_computed_tokens - num_tokens: drafts trimmed
+            # from the end to what was scheduled (rule 7)
+            spec = drafts[:num_tokens - request.num_pending_tokens] if drafts else ()
+            scheduled[request_id] = ScheduledRequest(request_id, request.num_computed_tokens, num_tokens, blocks,
+                                                     spec_token_ids=spec)
         prefill_scheduled |= request.num_computed_tokens < request.prompt_len or request.num_pending_tokens > 1
         budget -= num_tokens
         index += 1
@@ -358,6 +382,8 @@ def plan_vllm_v1(state: SchedulerState, config: SchedulerConfig, by_priority: bo
             # KVCacheManager.get_computed_blocks (no hit without caching), then
             # allocateslot_tokens(full_sequence_must_fit=True)
             hit, _, whole = queue.admission(request, config, whole_tokens)
+            if hybrid:
+                whole = admission_blocks(whole_tokens, config)  # rule 13: the capped whole-sequence gate
             hit_tokens = len(hit) * config.block_size
             if held and hit_tokens < request.num_tokens - 1:
                 break  # rule 12: a held step stops admission at the first request with a prefill to compute
@@ -376,15 +402,45 @@ def plan_vllm_v1(state: SchedulerState, config: SchedulerConfig, by_priority: bo
             num_tokens = min(num_tokens, budget)
             if whole + watermark_keep(config, num_running) > queue.available:
                 break  # allocateslot_tokens(full_sequence_must_fit=True) returns None
-            blocks = queue.admit(hit, blocks_for_tokens(slot_tokens(hit_tokens + num_tokens, config), config.block_size)
-                                 - len(hit))
-            scheduled[request_id] = ScheduledRequest(request_id, hit_tokens, num_tokens, blocks, hit)
+            if hybrid:
+                scheduled[request_id] = group_item(request, 0, num_tokens, queue, config)
+            else:
+                blocks = queue.admit(hit, blocks_for_tokens(slot_tokens(hit_tokens + num_tokens, config),
+                                                            config.block_size) - len(hit))
+                scheduled[request_id] = ScheduledRequest(request_id, hit_tokens, num_tokens, blocks, hit)
             budget -= num_tokens
             num_running += 1
             if request.lora_int_id:
                 loras.add(request.lora_int_id)
 
     return StepPlan(scheduled=tuple(scheduled.values()), preempted=tuple(preempted), rejected=rejected)
+
+
+def admission_blocks(whole_tokens: int, config: SchedulerConfig) -> int:
+    """Rule 13: the blocks vLLM's whole-sequence gate requires of a waiting request with KV cache groups:
+    per group ``ceil(whole_tokens / block_size)``, a sliding-window group's capped at
+    ``ceil(min(sliding_window - 1 + max_num_batched_tokens, max_model_len) / block_size) + 1``. vLLM 0.32
+    ``KVCacheManager.allocate_slots(full_sequence_must_fit=True)`` -> ``get_num_blocks_to_allocate(
+    apply_admission_cap=True)``, the cap ``SlidingWindowSpec.max_admission_blocks_per_request`` with
+    ``VllmConfig.max_in_flight_tokens`` = ``max_num_batched_tokens`` (a synchronous engine, no pipeline
+    parallelism)."""
+    whole = blocks_for_tokens(whole_tokens, config.block_size)
+    total = 0
+    for group in groups_of(config):
+        cap = whole
+        if group.sliding_window is not None:
+            window = min(group.sliding_window - 1 + config.max_num_batched_tokens, config.max_model_len)
+            cap = blocks_for_tokens(window, config.block_size) + 1
+        total += min(whole, cap)
+    return total
+
+
+def startup_blocks(config: SchedulerConfig) -> int:
+    """The fewest blocks vLLM's start-up check accepts for ``config``'s groups: a request of ``max_model_len``
+    tokens through the whole-sequence gate (:func:`admission_blocks`). vLLM 0.32 ``kv_cache_utils.py``
+    ``check_enough_kv_cache_memory`` (``max_memory_usage_bytes``: per group ``ceil(max_model_len /
+    block_size)`` pages, a sliding-window group's ``max_admission_blocks_per_request``)."""
+    return admission_blocks(config.max_model_len, config)
 
 
 def _decode_with_drafts(request: Request, config: SchedulerConfig, budget: int, num_eligible: int) -> int:

@@ -195,14 +195,15 @@ class Count(click.ParamType):
 
 
 def parse_value(text: str) -> Any:
-    """A ``--set`` value: a JSON scalar (int, float, true/false, null) or else the string itself."""
+    """A ``--set`` value: a JSON scalar (int, float, true/false, null), a JSON list (``kv_cache_groups=[{"kind":
+    "full_attention"}, ...]``), or else the string itself."""
     try:
         value = json.loads(text)
     except (json.JSONDecodeError, RecursionError):
         return text
     if isinstance(value, float) and not math.isfinite(value):
         return text  # NaN, Infinity: kept as text, refused by the field's type check
-    return value if isinstance(value, int | float | bool | str) or value is None else text
+    return value if isinstance(value, int | float | bool | str | list) or value is None else text
 
 
 def parse_sets(items: tuple[str, ...]) -> dict[str, Any]:

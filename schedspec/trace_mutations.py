@@ -25,6 +25,7 @@ import attrs
 
 from schedspec.spec.checker import check_trace, plan_from_record, speculative_of
 from schedspec.spec.config import SchedulerConfig
+from schedspec.spec.kv_cache_groups import NULL_BLOCK, num_skipped_blocks
 from schedspec.spec.rules import RULES
 from schedspec.spec.state import (
     SchedulerState,
@@ -264,6 +265,77 @@ def extra_block(trace: Trace, i: int) -> Mutant | None:
             continue
         records, r = _edit(trace, i)
         r["blocks_allocated"].setdefault(item["request_id"], []).append(spare[-1])
+        return trace.header, records, i
+    return None
+
+
+# --- hybrid KV cache groups (trace version 4) ------------------------------------------------------------
+
+
+def window_frees_visible_block(trace: Trace, i: int) -> Mutant | None:
+    """A block a sliding window still sees freed with those it has passed (an off-by-one at the window's
+    edge, or a window measured in blocks): added to the item's ``blocks_skipped``."""
+    config = trace.config
+    record = trace.records[i]
+    before = trace.before[i]
+    for item in record["scheduled"]:
+        request = before.requests.get(item["request_id"])
+        if request is None or not request.group_block_ids:
+            continue
+        for group, table in zip(config.kv_cache_groups[1:], request.group_block_ids, strict=False):
+            skipped = num_skipped_blocks(group, item["num_computed_tokens"], config.block_size)
+            visible = [b for b in table[skipped:] if b != NULL_BLOCK]
+            if group.sliding_window is not None and visible:
+                records, r = _edit(trace, i)
+                r.setdefault("blocks_skipped", {}).setdefault(item["request_id"], []).append(visible[0])
+                return trace.header, records, i
+    return None
+
+
+def window_keeps_skipped_block(trace: Trace, i: int) -> Mutant | None:
+    """A block the window has passed kept in the table, not freed, while the engine's free count still
+    counts it free: dropped from the item's ``blocks_skipped``."""
+    for request_id, skipped in sorted(trace.records[i].get("blocks_skipped", {}).items()):
+        if skipped:
+            records, r = _edit(trace, i)
+            r["blocks_skipped"][request_id] = skipped[:-1]
+            if not r["blocks_skipped"][request_id]:
+                del r["blocks_skipped"][request_id]
+            if not r["blocks_skipped"]:
+                del r["blocks_skipped"]
+            return trace.header, records, i
+    return None
+
+
+def group_table_short(trace: Trace, i: int) -> Mutant | None:
+    """A group past group 0 not given the step's last new block (an allocator that extends group 0's table
+    only): its table no longer covers the tokens the step computes."""
+    for request_id, groups in sorted(trace.records[i].get("group_blocks_allocated", {}).items()):
+        for index, new in enumerate(groups):
+            if new:
+                records, r = _edit(trace, i)
+                r["group_blocks_allocated"][request_id][index] = new[:-1]
+                return trace.header, records, i
+    return None
+
+
+def group_extra_block(trace: Trace, i: int) -> Mutant | None:
+    """One more block in group 1 for a request whose chunk reaches the end of its sequence (a group allocator
+    that rounds up): more blocks than its sequence needs in that group."""
+    record = trace.records[i]
+    before = trace.before[i]
+    groups = record.get("group_blocks_allocated", {})
+    taken = {b for blocks in record["blocks_allocated"].values() for b in blocks}
+    taken |= {b for tables in groups.values() for blocks in tables for b in blocks}
+    spare = [b for b in before.free_block_ids if b not in taken]
+    for item in record["scheduled"]:
+        request = before.requests.get(item["request_id"])
+        end = item["num_computed_tokens"] + item["prefill_tokens"] + item["decode_tokens"]
+        new = groups.get(item["request_id"])
+        if request is None or not spare or end != request.num_tokens or not new or not new[0]:
+            continue
+        records, r = _edit(trace, i)
+        r["group_blocks_allocated"][item["request_id"]][0].append(spare[-1])
         return trace.header, records, i
     return None
 
@@ -1185,6 +1257,13 @@ def hide_wasted_tokens(trace: Trace, i: int) -> Mutant | None:
 
 MUTATIONS: tuple[Mutation, ...] = (
     Mutation("double-allocation", "a block handed to a request while another request still holds it", double_allocation),
+    Mutation("window-frees-visible-block", "a sliding-window group frees a block its window still sees (off by one "
+             "at the window's edge)", window_frees_visible_block),
+    Mutation("window-keeps-skipped-block", "a sliding-window group keeps a block its window has passed, counted free",
+             window_keeps_skipped_block),
+    Mutation("group-table-short", "a KV cache group past group 0 not extended for the step's tokens", group_table_short),
+    Mutation("group-extra-block", "a KV cache group past group 0 given more blocks than the sequence needs",
+             group_extra_block),
     Mutation("allocation-out-of-range", "a block id past the pool (off-by-one in the block pool)", allocation_out_of_range),
     Mutation("allocation-outside-batch", "blocks allocated to a request that is not in the step's batch",
              allocation_outside_batch),
@@ -1320,7 +1399,7 @@ def judge(header: dict[str, Any], records: list[Record]) -> tuple[int | None, in
         ValueError: a record breaks the trace schema (a mutation operator must produce valid records).
     """
     for number, record in enumerate(records):
-        problem = record_schema_errors(record)
+        problem = record_schema_errors(record)  # the newest version's schema (a superset of the older ones)
         if problem:
             raise ValueError(f"record {number}: {problem}")
     config = SchedulerConfig.from_dict(header["config"])
@@ -1493,8 +1572,37 @@ def in_flight_trace(scale: int = 1) -> tuple[str, Trace]:
     return "in-flight", Trace.of(json.loads(header_line(config, "fcfs-async", async_scheduling=True)), result.records)
 
 
+def hybrid_trace(scale: int = 1) -> tuple[str, Trace]:
+    """A correct trace with hybrid KV cache groups (trace version 4): a full-attention group and sliding-window
+    groups of 8 and 5 tokens (block size 2) sharing a pool of 38 blocks, ``30 * scale`` requests of up to 40
+    prompt tokens and 16 outputs (max_model_len 64), every seventh aborted, and one request whose full-attention
+    blocks alone would fit but whose groups together never can (rejected ``exceeds-kv-cache``); fcfs, with
+    window frees and preemptions."""
+    import random
+
+    from schedspec.reference.engine import Engine
+    from schedspec.reference.scheduler import SCHEDULERS
+    from schedspec.spec.workload import RequestSpec
+
+    rng = random.Random(31)
+    config = SchedulerConfig(block_size=2, num_kv_blocks=38, max_num_batched_tokens=24, max_num_seqs=6,
+                             max_model_len=64, kv_cache_groups=[{"kind": "full_attention"},
+                                                                {"kind": "sliding_window", "sliding_window": 8},
+                                                                {"kind": "sliding_window", "sliding_window": 5}])
+    workload = []
+    for k in range(30 * scale):
+        arrival = rng.randrange(0, 30 * scale)
+        workload.append(RequestSpec(f"h{k:03d}", rng.randrange(1, 41), rng.randrange(1, 17), arrival_step=arrival,
+                                    eos_at_output=rng.randrange(2, 10) if k % 5 == 1 else None,
+                                    abort_at_step=arrival + rng.randrange(2, 20) if k % 7 == 3 else None))
+    workload.append(RequestSpec("impossible", 60, 4, arrival_step=4))
+    result = Engine(SCHEDULERS["fcfs"](config), config, stop_on_violation=True).run(workload)
+    return "hybrid-kv-cache-groups", Trace.of(json.loads(header_line(config, "fcfs")), result.records)
+
+
 def standard_traces(scale: int = 1) -> list[tuple[str, Trace]]:
-    """The eight traces the catalogue is measured on (five real windows, one with prefix caching and two
+    """The traces the catalogue is measured on (five real windows, one with prefix caching, one with hybrid KV
+    cache groups (:func:`hybrid_trace`) and two
     with speculative decoding, :func:`speculative_trace`): the Azure conversation and code traces and
     Mooncake's conversation trace under a roomy KV cache (fcfs), the Azure conversation trace under KV
     pressure (fcfs, with preemptions), the Azure code trace under static batching, and
@@ -1516,4 +1624,5 @@ def standard_traces(scale: int = 1) -> list[tuple[str, Trace]]:
         speculative_trace(scale),
         speculative_trace(scale, lookahead=True),
         in_flight_trace(scale),
+        hybrid_trace(scale),
     ]

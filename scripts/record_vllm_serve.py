@@ -97,6 +97,12 @@ def main() -> int:
     parser.add_argument("--port", type=int, default=8391)
     parser.add_argument("--deadline", type=float, default=600.0, help="seconds for the whole run")
     args = parser.parse_args()
+    for option, value, ok in (("--abort-every", args.abort_every, args.abort_every >= 1),
+                              ("--requests", args.requests, args.requests >= 1),
+                              ("--speed", args.speed, args.speed > 0), ("--deadline", args.deadline, args.deadline > 0)):
+        if not ok:
+            print(f"record_vllm_serve: error: {option} must be positive, got {value}", file=sys.stderr)
+            return 2
     from schedspec.engines.recording import request_message
     from schedspec.engines.vllm import vllm_python
     from schedspec.gpu_backend.config import tiny_model_config

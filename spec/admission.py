@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 
 from schedspec.spec.config import SchedulerConfig, blocks_for_tokens, slot_tokens
+from schedspec.spec.kv_cache_groups import min_peak_blocks
 
 
 def max_sequence_len(prompt_len: int, max_tokens: int, config: SchedulerConfig) -> int:
@@ -29,8 +30,17 @@ def max_blocks_needed(prompt_len: int, max_tokens: int, config: SchedulerConfig)
     exactly ``max_model_len`` tokens still needs all its slots). With speculative decoding, its table
     also holds ``num_lookahead_tokens`` past its last position, capped at ``max_model_len``
     (:func:`~schedspec.spec.config.slot_tokens`); drafts need no more (a decode may verify none).
+
+    With hybrid KV cache groups (``config.kv_cache_groups``), the fewest blocks all groups must hold at once
+    from the one shared pool, however the request is scheduled alone
+    (:func:`~schedspec.spec.kv_cache_groups.min_peak_blocks`): a sliding-window group holds only its window,
+    so a request the full-attention groups can hold is not rejected for its window's blocks, and one whose
+    groups together can never fit is (vLLM PR #52530: a pool accepted at start-up that a request can never fit
+    was retried forever).
     """
     tokens = max(prompt_len, max_sequence_len(prompt_len, max_tokens, config) - 1)
+    if config.kv_cache_groups:
+        return min_peak_blocks(tokens, prompt_len, config)
     return blocks_for_tokens(slot_tokens(tokens, config), config.block_size)
 
 
@@ -61,9 +71,10 @@ def rejection_reasons(prompt_len: int, max_tokens: int, config: SchedulerConfig)
     if prompt_len > 0:
         needed = max_blocks_needed(prompt_len, max(max_tokens, 1), config)
         if needed > config.num_kv_blocks:
+            groups = f", {len(config.kv_cache_groups)} KV cache groups" if config.kv_cache_groups else ""
             reasons.append(
                 f"exceeds-kv-cache: needs {needed} KV blocks (prompt_len={prompt_len}, max_tokens={max_tokens}, "
-                f"block_size={config.block_size}) but num_kv_blocks={config.num_kv_blocks}"
+                f"block_size={config.block_size}{groups}) but num_kv_blocks={config.num_kv_blocks}"
             )
     return reasons
 

@@ -28,6 +28,10 @@ record field                compared with
 ``prefix_hit_blocks``       the plan's ``cached_block_ids`` (rules ``prefix-hit-*``); only for requests in
                             ``scheduled``
 ``blocks_evicted``          exactly the handed-out blocks that were cached before the step
+``group_blocks_allocated``  version 4, KV cache groups: the plan's new blocks of groups 1.. (rules
+                            ``group-*``, ``blocks-from-free-pool``); only requests in ``scheduled``
+``blocks_skipped``          version 4: the plan's blocks freed by a sliding window (rules ``window-*``);
+                            only requests in ``scheduled``, only with KV cache groups configured
 ``preempted``/``rejected``  the plan (rules; a rejection's reason by its code)
 ``sampled_token_ids``       exactly the requests whose chunk reached the end of their sequence
 ``scheduled[].spec_token_ids`` the plan's drafts (rules ``drafts-*``); version 3, speculative decoding
@@ -106,7 +110,8 @@ def plan_from_record(record: StepRecord) -> StepPlan:
     return StepPlan(
         scheduled=tuple(
             ScheduledRequest(s.request_id, s.num_computed_tokens, s.num_tokens, record.blocks_allocated.get(s.request_id, ()),
-                             record.prefix_hit_blocks.get(s.request_id, ()), s.spec_token_ids)
+                             record.prefix_hit_blocks.get(s.request_id, ()), s.spec_token_ids,
+                             record.group_blocks_allocated.get(s.request_id, ()), record.blocks_skipped.get(s.request_id, ()))
             for s in record.scheduled
         ),
         preempted=record.preempted,
@@ -296,6 +301,14 @@ def _compare_record(record: StepRecord, expected: StepRecord, config: SchedulerC
     for request_id, blocks in record.blocks_allocated.items():
         if request_id not in scheduled and blocks:
             mismatch(f"blocks_allocated {list(blocks)} to a request that is not in the step's batch", request_id)
+
+    for name in ("group_blocks_allocated", "blocks_skipped"):  # hybrid KV cache groups (version 4)
+        for request_id, blocks in getattr(record, name).items():
+            if request_id not in scheduled and any(blocks):
+                mismatch(f"{name} {[list(b) if isinstance(b, tuple) else b for b in blocks]} for a request that is "
+                         "not in the step's batch", request_id)
+            elif any(blocks) and not config.kv_cache_groups:
+                mismatch(f"{name} with no kv_cache_groups configured", request_id)
 
     for request_id, hit in record.prefix_hit_tokens.items():
         if hit and not config.enable_prefix_caching:

@@ -24,6 +24,66 @@ SPECULATIVE_FIELDS = ("num_speculative_tokens", "num_lookahead_tokens")
 """The speculative-decoding fields of :class:`SchedulerConfig` (both 0 = off)."""
 
 
+KV_CACHE_GROUP_KINDS = ("full_attention", "sliding_window")
+"""The kinds of KV cache group the spec defines: vLLM ``FullAttentionSpec`` and ``SlidingWindowSpec``
+(``vllm/v1/kv_cache_interface.py``). vLLM's ``MambaSpec`` (a per-request state group) is not specified yet."""
+
+
+@attrs.frozen
+class KVCacheGroup:
+    """One KV cache group of a hybrid model: the layers of one attention kind, with a block table per request.
+    vLLM ``KVCacheGroupSpec`` (``vllm/v1/kv_cache_interface.py``), managed by a ``SingleTypeKVCacheManager``
+    (``vllm/v1/core/single_type_kv_cache_manager.py``).
+
+    Attributes:
+        kind: ``"full_attention"`` (vLLM ``FullAttentionSpec``: every computed token's KV is kept until the
+            request ends) or ``"sliding_window"`` (vLLM ``SlidingWindowSpec``: the token at position p attends
+            positions ``[p - sliding_window + 1, p]``; blocks wholly before that are freed,
+            ``SlidingWindowManager.remove_skipped_blocks``).
+        sliding_window: the window in tokens (``SlidingWindowSpec.sliding_window``), an integer >= 1 for a
+            sliding-window group; ``None`` for full attention.
+
+    Raises:
+        ConfigError: an unknown kind, or a window missing, not an integer >= 1, or given to full attention.
+    """
+
+    kind: str
+    sliding_window: int | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if self.kind not in KV_CACHE_GROUP_KINDS:
+            raise ConfigError("kv_cache_groups[].kind", self.kind, f"must be one of {list(KV_CACHE_GROUP_KINDS)}")
+        window = self.sliding_window
+        if self.kind == "sliding_window":
+            if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+                raise ConfigError("kv_cache_groups[].sliding_window", window,
+                                  "must be an integer >= 1 (tokens) for a sliding_window group")
+        elif window is not None:
+            raise ConfigError("kv_cache_groups[].sliding_window", window, "is only for a sliding_window group")
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"kind": ...}`` plus ``"sliding_window"`` for a sliding-window group."""
+        return {"kind": self.kind} if self.sliding_window is None else {"kind": self.kind,
+                                                                        "sliding_window": self.sliding_window}
+
+
+def _kv_cache_groups(value: Any) -> tuple[KVCacheGroup, ...]:
+    """The converter of ``SchedulerConfig.kv_cache_groups``: a sequence of groups or of their dicts."""
+    if value is None:
+        return ()
+    if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
+        raise ConfigError("kv_cache_groups", value, "must be a list of groups")
+    groups = []
+    for group in value:
+        if isinstance(group, KVCacheGroup):
+            groups.append(group)
+        elif isinstance(group, dict) and set(group) <= {"kind", "sliding_window"} and "kind" in group:
+            groups.append(KVCacheGroup(**group))
+        else:
+            raise ConfigError("kv_cache_groups[]", group, 'must be {"kind": ..., "sliding_window": ...}')
+    return tuple(groups)
+
+
 LIMIT_DEFAULTS: dict[str, Any] = {"max_loras": 0, "watermark": 0.0, "max_num_active_seqs": None,
                                    "long_prefill_token_threshold_adaptive": False, "prefill_schedule_interval": 1}
 """The per-step limits of vLLM's scheduler that are off by default, each with its default (off): a field
@@ -96,6 +156,14 @@ class SchedulerConfig:
             with N > 1, a step is *held* while fewer than N executed steps separate it from the last step that
             carried a prefill, some running request decodes, and the last release step drained the queue;
             a held step carries no prefill (:func:`~schedspec.spec.state.prefill_held`; rule ``prefill-cadence``).
+        kv_cache_groups: a hybrid model's KV cache groups (:class:`KVCacheGroup`), in vLLM's group order;
+            empty (the default) = one full-attention group, the spec as it was before groups. Group 0 must be
+            full attention: its block table is ``Request.block_ids``, those of groups 1.. are
+            ``Request.group_block_ids``. As vLLM 0.32 (``KVCacheCoordinator.__init__`` builds one
+            ``BlockPool`` of ``kv_cache_config.num_blocks``), every group takes its blocks from the one pool of
+            ``num_kv_blocks`` blocks, and every group has ``block_size`` tokens per block (vLLM allows
+            different block sizes whose least common multiple is the scheduling granularity; the spec does
+            not yet). See :mod:`schedspec.spec.kv_cache_groups`.
 
     Raises:
         ConfigError: a field has the wrong type or range, or two fields contradict each other:
@@ -108,7 +176,9 @@ class SchedulerConfig:
             >= 0; ``watermark`` not a number in [0, 1) (vLLM ``Field(ge=0.0, lt=1.0)``);
             ``max_num_active_seqs`` not ``None`` or an integer in [1, ``max_num_seqs``] (vLLM ``Field(ge=1)`` and
             ``SchedulerConfig._verify_args``); ``prefill_schedule_interval`` not an integer >= 1 (vLLM
-            ``Field(ge=1)``).
+            ``Field(ge=1)``); ``kv_cache_groups`` not a list of groups, group 0 not full attention, or given
+            with ``enable_prefix_caching`` or speculative decoding (the spec does not define hits across
+            groups, nor a window with lookahead slots, yet).
     """
 
     block_size: int
@@ -128,6 +198,7 @@ class SchedulerConfig:
 
     long_prefill_token_threshold_adaptive: bool = False
     prefill_schedule_interval: int = 1
+    kv_cache_groups: tuple[KVCacheGroup, ...] = attrs.field(default=(), converter=_kv_cache_groups)
 
     def __attrs_post_init__(self) -> None:
         for name in ("block_size", "num_kv_blocks", "max_num_batched_tokens", "max_num_seqs", "max_model_len"):
@@ -155,6 +226,17 @@ class SchedulerConfig:
         interval = self.prefill_schedule_interval
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
             raise ConfigError("prefill_schedule_interval", interval, "must be an integer >= 1 (1 = off)")
+        if self.kv_cache_groups:
+            if self.kv_cache_groups[0].kind != "full_attention":
+                raise ConfigError("kv_cache_groups", [g.to_dict() for g in self.kv_cache_groups],
+                                  "group 0 must be full_attention (its block table is Request.block_ids)")
+            if self.enable_prefix_caching:
+                raise ConfigError("kv_cache_groups", [g.to_dict() for g in self.kv_cache_groups],
+                                  "with enable_prefix_caching: prefix-cache hits across KV cache groups are not "
+                                  "specified yet")
+            if self.speculative:
+                raise ConfigError("kv_cache_groups", [g.to_dict() for g in self.kv_cache_groups],
+                                  "with speculative decoding: a window with lookahead slots is not specified yet")
         if self.num_lookahead_tokens and not self.num_speculative_tokens:
             raise ConfigError("num_lookahead_tokens", self.num_lookahead_tokens,
                               "must be 0 when num_speculative_tokens=0 (no speculative decoding, no lookahead)")
@@ -227,7 +309,16 @@ class SchedulerConfig:
         for name, default in LIMIT_DEFAULTS.items():
             if data[name] == default:
                 del data[name]
+        if self.kv_cache_groups:
+            data["kv_cache_groups"] = [group.to_dict() for group in self.kv_cache_groups]
+        else:
+            del data["kv_cache_groups"]
         return data
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether the config names KV cache groups (:attr:`kv_cache_groups` not empty)."""
+        return bool(self.kv_cache_groups)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SchedulerConfig:

@@ -54,7 +54,13 @@ from schedspec.spec.invariants import (
 from schedspec.spec.persistent import FreeQueue
 from schedspec.spec.prefix_cache import ROOT_HASH, PrefixCache
 from schedspec.spec.request import Request
-from schedspec.spec.rules import Violation, blocks_not_from_free_pool, coded, violated_rules
+from schedspec.spec.rules import (
+    Violation,
+    blocks_not_from_free_pool,
+    coded,
+    running_when_planned,
+    violated_rules,
+)
 from schedspec.spec.state import SchedulerState, StepPlan
 
 NAME = "block-conservation"
@@ -73,8 +79,11 @@ SCREENED = frozenset({
     "whole-prefill-without-chunking", "long-prefill-threshold", "sequence-cap", "admit-fits-alone",
     "preempt-running-only", "block-table-covers", "no-excess-blocks", "prefix-hit-at-admission",
 })
-"""The rules :func:`screened_rules_hold` screens (every rule of :mod:`~schedspec.spec.rules` but
-``reject-only-impossible``, ``blocks-from-free-pool`` and the prefix-cache hit rules)."""
+"""The rules :func:`screened_rules_hold` screens; every other rule of :mod:`~schedspec.spec.rules` always
+runs (``reject-only-impossible``, ``blocks-from-free-pool``, which the checker judges against the free set it
+keeps, the prefix-cache hit rules, the draft rules, the in-flight rules ``IN_FLIGHT_RULES`` and the per-step
+limits ``LIMIT_RULES``). ``long-prefill-threshold`` is screened with the plain threshold, never above its
+floor (``long_prefill_token_threshold_adaptive``), so the screen is only ever too strict there."""
 SCREENED_AND_FREE_POOL = SCREENED | FREE_POOL
 
 
@@ -133,7 +142,10 @@ def screened_rules_hold(state: SchedulerState, plan: StepPlan, config: Scheduler
         if request_id not in requests or request_id in named:
             return False
         named.add(request_id)
-    return len(running) - preempted + admitted <= config.max_num_seqs  # sequence-cap
+    # sequence-cap, with the running requests as the planner saw them (a step in flight: those ended since
+    # still held their slots; every preempted id is in state.running, checked above)
+    planned = len(running_when_planned(state)[0]) if state.in_flight is not None else len(running)
+    return planned - preempted + admitted <= config.max_num_seqs
 
 
 class IncrementalChecker:

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator, Mapping
 import attrs
 
 from schedspec.spec.config import SchedulerConfig
+from schedspec.spec.kv_cache_groups import NULL_BLOCK, held_block_ids, num_skipped_blocks
 from schedspec.spec.persistent import evolve_request
 from schedspec.spec.prefix_cache import ROOT_HASH, request_block_hash
 from schedspec.spec.request import Request, RequestStatus
@@ -86,8 +87,8 @@ def kv_capacity(state: SchedulerState, config: SchedulerConfig, terminal: Termin
     """The blocks held by all requests are at most num_kv_blocks (distinct blocks, with prefix caching)."""
     if state.prefix_cache is not None:
         held = len({b for r in state.requests.values() for b in r.block_ids})
-    else:
-        held = sum(len(r.block_ids) for r in state.requests.values())
+    else:  # every KV cache group's blocks come from the one pool
+        held = sum(len(held_block_ids(r)) for r in state.requests.values())
     if held > config.num_kv_blocks:
         yield None, f"{held} blocks held > num_kv_blocks={config.num_kv_blocks}"
 
@@ -102,11 +103,12 @@ def _some(block_ids: list[int], limit: int = 8) -> str:
 def block_conservation(state: SchedulerState, config: SchedulerConfig, terminal: Terminal = None) -> Breaches:
     """free + owned == num_kv_blocks; every block id is in range; no block is owned twice or both free
     and owned; terminal requests own nothing. With prefix caching a block may be owned by several block
-    tables (shared prefix), so owned counts distinct blocks."""
+    tables (shared prefix), so owned counts distinct blocks. With KV cache groups, owned counts every group's
+    blocks (one shared pool, vLLM ``KVCacheCoordinator``), a window's null entries not."""
     owners: dict[int, str] = {}
     shared = state.prefix_cache is not None
     for request_id, request in state.requests.items():
-        for block_id in request.block_ids:
+        for block_id in held_block_ids(request):
             if block_id in owners and not shared:
                 yield request_id, f"block {block_id} also owned by {owners[block_id]}"
             owners[block_id] = request_id
@@ -122,20 +124,20 @@ def block_conservation(state: SchedulerState, config: SchedulerConfig, terminal:
             for block_id in ids:
                 if not 0 <= block_id < config.num_kv_blocks:
                     yield owners.get(block_id), f"block id {block_id} out of range [0, {config.num_kv_blocks})"
-    owned = len(owners) if shared else sum(len(r.block_ids) for r in state.requests.values())
+    owned = len(owners) if shared else sum(len(held_block_ids(r)) for r in state.requests.values())
     if len(state.free_block_ids) + owned != config.num_kv_blocks:
         # name the blocks: those neither free nor owned (leaked), not the whole free queue
         leaked = sorted(set(range(config.num_kv_blocks)) - free - set(owners))
         named = f"; neither free nor owned: {_some(leaked)}" if leaked else ""
         yield None, f"free {len(state.free_block_ids)} + owned {owned} != num_kv_blocks={config.num_kv_blocks}{named}"
     for request_id, request in (state.finished if terminal is None else terminal).items():
-        if request.block_ids:
+        if request.block_ids or request.group_block_ids:
             yield request_id, terminal_owns(request), TERMINAL_OWNS_BLOCKS
 
 
 def terminal_owns(request: Request) -> str:
     """The detail of a ``block-conservation`` breach by a terminal ``request`` that still owns blocks."""
-    return f"terminal request still owns {len(request.block_ids)} blocks"
+    return f"terminal request still owns {len(held_block_ids(request))} blocks"
 
 
 TERMINAL_OWNS_BLOCKS = "terminal-owns-blocks"
@@ -153,6 +155,16 @@ def table_covers_computed(state: SchedulerState, config: SchedulerConfig, termin
             yield request_id, (
                 f"{len(request.block_ids)} blocks cannot hold {request.num_computed_tokens} computed tokens"
             )
+    if config.kv_cache_groups:  # every group's table, a window's null entries counted (they keep its length)
+        for request_id in state.running:
+            request = state.requests.get(request_id)
+            if request is None:
+                continue
+            for index in range(1, len(config.kv_cache_groups)):
+                table = request.group_block_ids[index - 1] if index - 1 < len(request.group_block_ids) else ()
+                if len(table) * config.block_size < request.num_computed_tokens:
+                    yield request_id, (f"group {index}: {len(table)} blocks cannot hold {request.num_computed_tokens} "
+                                       "computed tokens")
 
 
 @state_invariant("queues-disjoint", "vLLM Scheduler.waiting / Scheduler.running")
@@ -222,10 +234,34 @@ def preempted_holds_nothing(state: SchedulerState, config: SchedulerConfig, term
     """A waiting request (fresh or preempted) holds no blocks and has no computed tokens."""
     for request_id in state.waiting:
         request = state.requests.get(request_id)
-        if request is not None and (request.block_ids or request.num_computed_tokens):
+        if request is not None and (request.block_ids or request.group_block_ids or request.num_computed_tokens):
             yield request_id, (
-                f"waiting with {len(request.block_ids)} blocks and {request.num_computed_tokens} computed tokens"
+                f"waiting with {len(held_block_ids(request))} blocks and {request.num_computed_tokens} computed tokens"
             )
+
+
+@state_invariant("window-sees-held", "vLLM single_type_kv_cache_manager.py SlidingWindowManager.get_num_skipped_tokens, "
+                 "SingleTypeKVCacheManager.remove_skipped_blocks (only blocks before the window become null_block)")
+def window_sees_held(state: SchedulerState, config: SchedulerConfig, terminal: Terminal = None) -> Breaches:
+    """With KV cache groups, every running request holds a real block (not the null block) at every table
+    index its next token's window still sees: in a sliding-window group every index from
+    max(0, num_computed_tokens - sliding_window + 1) // block_size on, in a full-attention group every index.
+    Nothing the window still sees has been freed."""
+    if not config.kv_cache_groups:
+        return
+    for request_id in state.running:
+        request = state.requests.get(request_id)
+        if request is None:
+            continue
+        for index, table in enumerate((request.block_ids,) + request.group_block_ids):
+            if index >= len(config.kv_cache_groups):
+                yield request_id, f"holds a table for group {index}, but {len(config.kv_cache_groups)} groups are configured"
+                break
+            skipped = num_skipped_blocks(config.kv_cache_groups[index], request.num_computed_tokens, config.block_size)
+            nulled = [i for i in range(skipped, len(table)) if table[i] == NULL_BLOCK]
+            if nulled:
+                yield request_id, (f"group {index}: table index {nulled[0]} was freed, but the window of the token at "
+                                   f"position {request.num_computed_tokens} still sees it")
 
 
 @step_invariant("chunks-in-order", "Sarathi-Serve §4.1: chunks of a prompt run in order")

@@ -17,6 +17,7 @@ import attrs
 
 from schedspec.spec.admission import max_blocks_needed, rejection_reason
 from schedspec.spec.config import SchedulerConfig, blocks_for_tokens, slot_tokens
+from schedspec.spec.kv_cache_groups import groups_of
 from schedspec.spec.rules import Violation
 from schedspec.spec.state import SchedulerState, StepPlan, is_prefill_chunk, prefill_held
 
@@ -150,7 +151,8 @@ class WorkConserving(Monitor):
     Precisely, with ``left = max_num_batched_tokens - scheduled tokens``: if ``left > 0`` every running
     request is scheduled or preempted; and if the step preempted nothing, ``left > 0`` and running after
     the step ``< max_num_seqs``, then the first waiting request that is not rejected does not fit: its
-    whole sequence (with ``num_lookahead_tokens``) needs more blocks than the plan leaves free (blocks freed by requests that finish
+    whole sequence (with ``num_lookahead_tokens``; with KV cache groups, in every group) needs more blocks than the
+    plan leaves free (blocks freed by requests that finish
     in the step are not counted: they are free only after sampling), or (chunked prefill off) its pending
     tokens exceed ``left``. With ``max_loras > 0`` a waiting request whose LoRA adapter is not among those of
     the running requests as the plan leaves them, which already number ``max_loras``, is not the head: it is passed
@@ -184,6 +186,9 @@ class WorkConserving(Monitor):
             return
         rejected = {request_id for request_id, _ in plan.rejected}
         free_at_plan = len(before.free_block_ids) - sum(len(i.new_block_ids) for i in plan.scheduled)
+        if config.kv_cache_groups:  # every group's new blocks, and the blocks the windows freed
+            free_at_plan -= sum(len(b) for i in plan.scheduled for b in i.group_new_block_ids)
+            free_at_plan += sum(len(i.skipped_block_ids) for i in plan.scheduled)
         if before.prefix_cache is not None:  # a hit on an evictable block takes it out of the free queue
             free_at_plan -= len({b for i in plan.scheduled for b in i.cached_block_ids
                                  if before.prefix_cache.is_evictable(b)})
@@ -204,8 +209,9 @@ class WorkConserving(Monitor):
             # its whole sequence, with the lookahead its table must hold (speculative decoding: slot_tokens)
             # with the watermark kept free when others run (rule watermark)
             keep = config.watermark_blocks if running_after else 0
-            fits_blocks = (blocks_for_tokens(slot_tokens(request.num_tokens, config), config.block_size) + keep
-                           <= free_at_plan)
+            # with KV cache groups, the whole sequence in every group (a window's savings not counted)
+            fits_blocks = (len(groups_of(config)) * blocks_for_tokens(slot_tokens(request.num_tokens, config),
+                                                                      config.block_size) + keep <= free_at_plan)
             fits_budget = config.enable_chunked_prefill or request.num_pending_tokens <= left
             if fits_blocks and fits_budget:
                 self.report(

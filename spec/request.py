@@ -118,6 +118,11 @@ class Request:
             request in ``RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR`` until
             ``StructuredOutputRequest.grammar`` is ready; its waiting loop skips it meanwhile (rule
             ``grammar-ready-before-admission``).
+        group_block_ids: hybrid KV cache groups (``SchedulerConfig.kv_cache_groups``): the block tables of
+            groups 1.. (group 0's is ``block_ids``), one tuple per group, in group order; empty without
+            groups. A sliding-window group's table keeps its length and holds
+            :data:`~schedspec.spec.kv_cache_groups.NULL_BLOCK` where a block fell out of the window and was
+            freed (vLLM ``SingleTypeKVCacheManager.req_to_blocks`` with ``null_block``).
     """
 
     request_id: str
@@ -140,6 +145,7 @@ class Request:
     spec_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
     lora_int_id: int = 0
     grammar_ready_step: int | None = None
+    group_block_ids: tuple[tuple[int, ...], ...] = attrs.field(default=(), converter=lambda v: tuple(map(tuple, v)))
     prompt_len: int = attrs.field(init=False, eq=False, repr=False)
     """Prompt length in tokens (``len(prompt_token_ids)``, kept because it is read every step)."""
     num_tokens: int = attrs.field(init=False, eq=False, repr=False)

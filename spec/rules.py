@@ -22,9 +22,23 @@ import attrs
 
 from schedspec.spec.admission import rejection_code, rejection_reason, rejection_reasons
 from schedspec.spec.config import SchedulerConfig, blocks_for_tokens, slot_tokens
+from schedspec.spec.kv_cache_groups import (
+    NULL_BLOCK,
+    group_tables,
+    held_block_ids,
+    num_skipped_blocks,
+    window_frees,
+)
 from schedspec.spec.prefix_cache import ROOT_HASH, max_hit_blocks, request_block_hash
 from schedspec.spec.request import Request, printable
-from schedspec.spec.state import SchedulerState, StepPlan, carries_prefill, prefill_held, wasted_items
+from schedspec.spec.state import (
+    ScheduledRequest,
+    SchedulerState,
+    StepPlan,
+    carries_prefill,
+    prefill_held,
+    wasted_items,
+)
 
 VIOLATION_KINDS = ("rule", "invariant", "property", "mismatch")
 """What a :class:`Violation` broke: an allowed-plan ``rule`` (:mod:`~schedspec.spec.rules`), an
@@ -230,13 +244,15 @@ def _whole_prefill(state: SchedulerState, plan: StepPlan, config: SchedulerConfi
     "long-prefill-threshold",
     "With chunked prefill on and long_prefill_token_threshold > 0, a prefill chunk is at most that many tokens; "
     "with long_prefill_token_threshold_adaptive, at most max(threshold, max_num_batched_tokens // n), n the "
-    "requests running or waiting before the step less those it rejects.",
+    "requests running or waiting when the plan was made (eligible_when_planned: with a step in flight, those "
+    "that ended since included and those that arrived since left out) less those it rejects.",
     "vLLM Scheduler.schedule long_prefill_token_threshold (and its floor, adaptive_long_prefill_threshold: "
-    "max(long_prefill_token_threshold, input_budget // num_eligible_reqs))",
+    "max(long_prefill_token_threshold, input_budget // num_eligible_reqs), num_eligible_reqs from "
+    "Scheduler.get_request_counts at the start of Scheduler.schedule)",
     action="schedule",
 )
 def _long_prefill(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
-    threshold = config.effective_long_prefill_threshold(len(state.running) + len(state.waiting) - len(plan.rejected))
+    threshold = config.effective_long_prefill_threshold(eligible_when_planned(state, plan))
     if not config.enable_chunked_prefill or threshold == 0:
         return
     for item in plan.scheduled:
@@ -254,6 +270,24 @@ def _sequence_cap(state: SchedulerState, plan: StepPlan, config: SchedulerConfig
     _, after = _running_after(state, plan)
     if after > config.max_num_seqs:
         yield None, f"{after} running after the step > max_num_seqs={config.max_num_seqs}"
+
+
+def eligible_when_planned(state: SchedulerState, plan: StepPlan) -> int:
+    """The requests running or waiting when the plan from ``state`` was made, less those it rejects: vLLM's
+    ``num_eligible_reqs`` (``Scheduler.get_request_counts``, read at the start of ``Scheduler.schedule``; its
+    input processor refuses the rejected ones before the scheduler sees them). Without a step in flight,
+    ``state.running`` and ``state.waiting``. With one (asynchronous scheduling) the planner saw the requests
+    that ended since (``in_flight.ended``: at the in-flight step's samples or by an abort, still in vLLM's
+    queues when ``Scheduler.schedule`` ran, ``Scheduler.update_from_output`` and ``finish_requests`` come
+    after) and not those that arrived since (``arrival_step == state.step``: they reach the waiting queue for
+    the next plan, rule ``in-flight-arrivals-wait``). Count of requests, >= 0."""
+    ids = set(state.running).union(state.waiting)
+    in_flight = state.in_flight
+    if in_flight is not None and in_flight.step >= 0:  # step 0 is planned with nothing in flight
+        ids.update(in_flight.ended)
+        ids = {r for r in ids
+               if (state.requests[r] if r in state.requests else in_flight.ended[r]).arrival_step != state.step}
+    return len(ids.difference(r for r, _ in plan.rejected))
 
 
 def request_when_planned(state: SchedulerState, request_id: str) -> tuple[Request, int] | None:
@@ -353,11 +387,14 @@ def _grammar_ready(state: SchedulerState, plan: StepPlan, config: SchedulerConfi
     "With watermark > 0, a waiting request admitted while another request is running (the running requests "
     "less the preempted, plus those admitted before it in the plan) leaves at least watermark_blocks blocks "
     "free after its allocation (counting, in plan order, the free blocks, those the step's preemptions "
-    "release, and the blocks handed out and the evictable cached blocks hit up to it). The first admission "
-    "into an empty running set may take every block.",
+    "release, and the blocks handed out and the evictable cached blocks hit up to it: a hit on a block free "
+    "before the step or released by its preemptions). The first admission into an empty running set may take "
+    "every block.",
     "vLLM vllm/v1/core/kv_cache_manager.py KVCacheManager.allocate_slots (0.32 and 0.33): watermark_blocks "
     "is added to the blocks required for a request in WAITING or PREEMPTED when has_scheduled_reqs, which "
-    "Scheduler.schedule passes as bool(self.running); KVCacheManager.__init__ watermark_blocks",
+    "Scheduler.schedule passes as bool(self.running); KVCacheManager.__init__ watermark_blocks; the required "
+    "blocks count the hit blocks at ref_cnt 0 (single_type_kv_cache_manager.py "
+    "SingleTypeKVCacheManager.get_num_blocks_to_allocate, num_evictable_blocks)",
     action="schedule",
 )
 def _watermark(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
@@ -367,13 +404,17 @@ def _watermark(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
     preempted = set(plan.preempted)
     planned_running, held = running_when_planned(state)  # with a step in flight: as the planner saw them
     running = sum(1 for r in planned_running if r not in preempted)
-    free_ids = frozenset(state.free_block_ids) - held
-    free = len(free_ids) + len(released_by_preemptions(state, plan))
+    if state.in_flight is not None:  # the blocks of an ended request it preempts: that preemption released them
+        held = held.difference(b for r in preempted for b in state.in_flight.freed_blocks.get(r, ()))
+    # the blocks at reference count 0 when the waiting loop admits: the free queue as planned and the blocks
+    # this step's preemptions released (vLLM preempts in the running loop, before it)
+    evictable = (frozenset(state.free_block_ids) - held) | released_by_preemptions(state, plan)
+    free = len(evictable)
     hit: set[int] = set()
     for item in plan.scheduled:
         free -= len(item.new_block_ids)
         for block_id in item.cached_block_ids:
-            if block_id in free_ids and block_id not in hit:  # an evictable cached block leaves the free queue
+            if block_id in evictable and block_id not in hit:  # an evictable cached block leaves the free queue
                 hit.add(block_id)
                 free -= 1
         if item.request_id in state.running or item.request_id not in state.requests:
@@ -472,7 +513,8 @@ def _preempt_running(state: SchedulerState, plan: StepPlan, config: SchedulerCon
 
 @rule(
     "blocks-from-free-pool",
-    "New blocks come only from the free pool, or from blocks released by this step's preemptions; no block "
+    "New blocks (of every KV cache group) come only from the free pool, from blocks released by this step's "
+    "preemptions, or from blocks a sliding window freed in this step at this item or an earlier one; no block "
     "is handed out twice. With prefix caching the free pool includes evictable cached blocks, a released "
     "block is one whose reference count the preemptions bring to 0, and a block reused by a prefix-cache hit "
     "in the step is not also handed out.",
@@ -493,7 +535,7 @@ def released_by_preemptions(state: SchedulerState, plan: StepPlan) -> set[int]:
         request = state.requests.get(request_id)
         if request is not None:
             if cache is None:
-                released.update(request.block_ids)
+                released.update(held_block_ids(request))
                 continue
             for block_id in request.block_ids:
                 counts[block_id] = counts.get(block_id, cache.ref_counts.get(block_id, 0)) - 1
@@ -510,7 +552,11 @@ def blocks_not_from_free_pool(state: SchedulerState, plan: StepPlan, free: Abstr
     hits = {b for item in plan.scheduled for b in item.cached_block_ids}
     handed: set[int] = set()
     for item in plan.scheduled:
-        for block_id in item.new_block_ids:
+        new_block_ids = item.new_block_ids
+        if item.skipped_block_ids or item.group_new_block_ids:  # hybrid KV cache groups
+            released = released | set(item.skipped_block_ids)  # a window's frees, from its own item on
+            new_block_ids = new_block_ids + tuple(b for blocks in item.group_new_block_ids for b in blocks)
+        for block_id in new_block_ids:
             if block_id in handed:
                 yield item.request_id, f"block {block_id} handed out twice"
             elif block_id in hits:
@@ -537,9 +583,22 @@ def _block_table_covers(state: SchedulerState, plan: StepPlan, config: Scheduler
         if planned is None:
             continue
         blocks = planned[1] + len(item.cached_block_ids) + len(item.new_block_ids)
-        needed = blocks_for_tokens(slot_tokens(item.num_computed_tokens + item.num_tokens, config), config.block_size)
+        needed = _blocks_needed(item, config)
         if blocks < needed:
             yield item.request_id, f"{blocks} blocks hold fewer than the {needed} needed"
+
+
+def _blocks_needed(item: ScheduledRequest, config: SchedulerConfig) -> int:
+    """The table length (blocks) an item's request needs after the step: slots for its computed tokens plus
+    the step's (``block-table-covers``, ``group-table-covers``)."""
+    return blocks_for_tokens(slot_tokens(item.num_computed_tokens + item.num_tokens, config), config.block_size)
+
+
+def _blocks_limit(request: Request, item: ScheduledRequest, config: SchedulerConfig) -> tuple[int, int]:
+    """``(limit, tokens)``: the most blocks a table may hold for the request's current sequence and the item's
+    drafts, and that sequence in tokens (``no-excess-blocks``, ``group-no-excess-blocks``)."""
+    tokens = slot_tokens(request.num_tokens + len(item.spec_token_ids), config)
+    return blocks_for_tokens(tokens, config.block_size), tokens
 
 
 @rule(
@@ -559,8 +618,7 @@ def _no_excess_blocks(state: SchedulerState, plan: StepPlan, config: SchedulerCo
             continue
         request = planned[0]
         blocks = planned[1] + len(item.cached_block_ids) + len(item.new_block_ids)
-        tokens = slot_tokens(request.num_tokens + len(item.spec_token_ids), config)
-        limit = blocks_for_tokens(tokens, config.block_size)
+        limit, tokens = _blocks_limit(request, item, config)
         if blocks > limit and (item.new_block_ids or not config.speculative):
             yield item.request_id, f"{blocks} blocks > {limit} for a sequence of {tokens} tokens"
 
@@ -644,6 +702,121 @@ def _prefix_hit_longest(state: SchedulerState, plan: StepPlan, config: Scheduler
                     f"prefix-cache hit of {len(item.cached_block_ids) * config.block_size} tokens, but "
                     f"{len(longest) * config.block_size} were cached (blocks {list(longest)})")
         handed.update(item.new_block_ids)
+
+
+# Hybrid KV cache groups (SchedulerConfig.kv_cache_groups; schedspec.spec.kv_cache_groups). Without groups no
+# item carries group blocks or window frees, and none of these finds anything.
+
+
+def _group_items(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
+    """``(item, request)`` for each item of a live request, with groups configured (none without)."""
+    if not config.kv_cache_groups:
+        return
+    for item in plan.scheduled:
+        request = state.requests.get(item.request_id)
+        if request is not None:
+            yield item, request
+
+
+def _group_table(request: Request, index: int) -> tuple[int, ...]:
+    """The request's table of group ``index`` (0 = ``block_ids``); empty if it holds none in that group."""
+    tables = group_tables(request)
+    return tables[index] if index < len(tables) else ()
+
+
+@rule(
+    "group-table-covers",
+    "With KV cache groups, after the step every group's block table (its freed-by-window null entries "
+    "included) has slots for the request's computed tokens plus this step's: len(table) * block_size >= "
+    "num_computed_tokens + num_tokens; and an item names new blocks for no group the config lacks.",
+    "vLLM vllm/v1/core/kv_cache_coordinator.py KVCacheCoordinator.allocate_new_blocks (every manager); "
+    "single_type_kv_cache_manager.py SingleTypeKVCacheManager.allocate_new_blocks (num_required_blocks = "
+    "cdiv(num_tokens, block_size) - len(req_blocks), null blocks counted)",
+    action="schedule",
+)
+def _group_table_covers(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
+    extra = len(config.kv_cache_groups) - 1
+    for item, request in _group_items(state, plan, config):
+        if len(item.group_new_block_ids) > extra:
+            yield item.request_id, f"new blocks for {len(item.group_new_block_ids)} groups past group 0, but {extra} are configured"
+            continue
+        needed = _blocks_needed(item, config)
+        for index in range(1, extra + 1):
+            new = item.group_new_block_ids[index - 1] if index - 1 < len(item.group_new_block_ids) else ()
+            blocks = len(_group_table(request, index)) + len(new)
+            if blocks < needed:
+                yield item.request_id, f"group {index}: {blocks} blocks hold fewer than the {needed} needed"
+
+
+@rule(
+    "group-no-excess-blocks",
+    "With KV cache groups, no group's block table (null entries included) holds more blocks than the request's "
+    "sequence needs, as no-excess-blocks for group 0.",
+    "vLLM single_type_kv_cache_manager.py SingleTypeKVCacheManager.get_num_blocks_to_allocate / "
+    "allocate_new_blocks (no block past cdiv(num_tokens, block_size))",
+    action="schedule",
+)
+def _group_no_excess_blocks(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
+    for item, request in _group_items(state, plan, config):
+        limit, tokens = _blocks_limit(request, item, config)
+        for index, new in enumerate(item.group_new_block_ids, start=1):
+            blocks = len(_group_table(request, index)) + len(new)
+            if blocks > limit and new:
+                yield item.request_id, f"group {index}: {blocks} blocks > {limit} for a sequence of {tokens} tokens"
+
+
+def _where_held(request: Request, block_id: int) -> tuple[int, int] | None:
+    """``(group, table index)`` of a block the request holds, or ``None``."""
+    for group, table in enumerate(group_tables(request)):
+        if block_id in table:
+            return group, table.index(block_id)
+    return None
+
+
+@rule(
+    "window-keeps-visible",
+    "A block an item's allocation frees (skipped_block_ids) is one the request holds in a sliding-window "
+    "group, at a table index below max(0, num_computed_tokens - sliding_window + 1) // block_size: the "
+    "window of the next token no longer sees it. Nothing the window still sees is freed, and nothing of a "
+    "full-attention group.",
+    "vLLM vllm/v1/core/single_type_kv_cache_manager.py SlidingWindowManager.get_num_skipped_tokens, "
+    "SingleTypeKVCacheManager.remove_skipped_blocks / _remove_blocks_in_range; kv_cache_manager.py "
+    "KVCacheManager.allocate_slots (frees on the processed tokens before it allocates)",
+    action="schedule",
+)
+def _window_keeps_visible(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
+    for item, request in _group_items(state, plan, config):
+        for block_id in item.skipped_block_ids:
+            where = _where_held(request, block_id) if block_id != NULL_BLOCK else None
+            if where is None:
+                yield item.request_id, f"frees block {block_id}, which it does not hold"
+                continue
+            group, index = where
+            kind = config.kv_cache_groups[group]
+            skipped = num_skipped_blocks(kind, item.num_computed_tokens, config.block_size)
+            if index >= skipped:
+                window = "full attention" if kind.sliding_window is None else f"sliding_window={kind.sliding_window}"
+                yield item.request_id, (f"frees block {block_id} (group {group}, index {index}, {window}), which the "
+                                        f"token at position {item.num_computed_tokens} still attends (only the first "
+                                        f"{skipped} blocks are past its window)")
+
+
+@rule(
+    "window-frees-skipped",
+    "An item's allocation frees every block a sliding-window group of the request still holds below the "
+    "window of its next token (the table indices below max(0, num_computed_tokens - sliding_window + 1) // "
+    "block_size): a block kept past the window is neither free nor needed.",
+    "vLLM vllm/v1/core/kv_cache_manager.py KVCacheManager.allocate_slots ('Free the blocks that are skipped "
+    "during the attention computation ... before allocating new blocks'), KVCacheCoordinator.remove_skipped_blocks",
+    action="schedule",
+)
+def _window_frees_skipped(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
+    for item, request in _group_items(state, plan, config):
+        kept = [b for b in window_frees(request, item.num_computed_tokens, config) if b not in item.skipped_block_ids]
+        if kept:
+            group, index = _where_held(request, kept[-1]) or (0, 0)
+            yield item.request_id, (f"keeps {len(kept)} block(s) past the window at position "
+                                    f"{item.num_computed_tokens} (block {kept[-1]}: group {group}, index {index})")
 
 
 # Speculative decoding (num_speculative_tokens > 0). With it off no item carries drafts, and none of these
@@ -815,6 +988,12 @@ IN_FLIGHT_RULES: tuple[str, ...] = ("in-flight-foreseen-length", "in-flight-bloc
 """The rules of a plan made while a step was in flight (asynchronous scheduling): without a step in flight
 (``SchedulerState.in_flight is None``, a synchronous engine) none finds anything. The proofs
 (:mod:`schedspec.spec.proofs`) model synchronous engines and do not encode them."""
+
+GROUP_RULES: tuple[str, ...] = ("group-table-covers", "group-no-excess-blocks", "window-keeps-visible",
+                                 "window-frees-skipped")
+"""The rules of hybrid KV cache groups (``SchedulerConfig.kv_cache_groups``): without groups they constrain
+nothing, so the Z3 encodings (:mod:`schedspec.spec.proofs`), which model one full-attention group, leave them
+out."""
 
 LIMIT_RULES: tuple[str, ...] = ("active-sequence-cap", "lora-limit", "grammar-ready-before-admission", "watermark",
                                  "prefill-cadence")

@@ -276,6 +276,13 @@ class ScheduledRequest:
             ``request.spec_token_ids[:num_scheduled_spec_tokens]`` in ``Scheduler.schedule``); the step
             computes positions ``[num_computed_tokens, num_computed_tokens + 1 + d)``: the pending token
             and the d drafts after it. Empty otherwise.
+        group_new_block_ids: hybrid KV cache groups: the blocks appended to the tables of groups 1.., one
+            tuple per group in group order (group 0's are ``new_block_ids``); empty without groups.
+        skipped_block_ids: hybrid KV cache groups: the blocks this item's allocation frees because the
+            window of a sliding-window group has passed them (vLLM ``KVCacheManager.allocate_slots`` calls
+            ``remove_skipped_blocks`` before it allocates), in the order they go to the front of the free
+            queue; they become :data:`~schedspec.spec.kv_cache_groups.NULL_BLOCK` in their tables and may be
+            handed out again from this item on. Empty otherwise.
     """
 
     request_id: str
@@ -284,6 +291,8 @@ class ScheduledRequest:
     new_block_ids: tuple[int, ...] = ()
     cached_block_ids: tuple[int, ...] = ()
     spec_token_ids: tuple[int, ...] = ()
+    group_new_block_ids: tuple[tuple[int, ...], ...] = ()
+    skipped_block_ids: tuple[int, ...] = ()
 
     @property
     def num_sequence_tokens(self) -> int:

@@ -34,13 +34,21 @@ import attrs
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.incremental import IncrementalChecker
 from schedspec.spec.invariants import check_step
+from schedspec.spec.kv_cache_groups import NULL_BLOCK, held_block_ids
 from schedspec.spec.prefix_cache import evicted_blocks
 from schedspec.spec.properties import Monitor
 from schedspec.spec.request import Request
 from schedspec.spec.rules import Violation, violated_rules
 from schedspec.spec.state import NO_SPECULATION, SchedulerState, SpeculativeOutput, StepPlan, landed_plan
 from schedspec.spec.trace import ScheduledTokens, StepRecord
-from schedspec.spec.transitions import PlanError, StepResult, abort_request, add_request, apply_plan
+from schedspec.spec.transitions import (
+    PlanError,
+    StepResult,
+    abort_request,
+    add_request,
+    apply_plan,
+    group_tables_after,
+)
 from schedspec.spec.workload import RequestSpec
 
 
@@ -86,8 +94,9 @@ class FullChecker:
 
 def step_checker(config: SchedulerConfig, incremental: bool = False) -> StepChecker:
     """The :class:`~schedspec.spec.incremental.IncrementalChecker` with ``incremental``, else the
-    :class:`FullChecker`."""
-    return IncrementalChecker(config) if incremental else FullChecker(config)
+    :class:`FullChecker`. With hybrid KV cache groups (``config.kv_cache_groups``) always the
+    :class:`FullChecker`: the incremental checker's block ledger knows one table per request."""
+    return IncrementalChecker(config) if incremental and not config.kv_cache_groups else FullChecker(config)
 
 
 @attrs.frozen(eq=False)
@@ -245,8 +254,8 @@ def expected_record(outcome: StepOutcome, config: SchedulerConfig, start_time: f
     hits = {item.request_id: item.cached_block_ids for item in plan.scheduled if item.cached_block_ids}
     freed = {a.request_id: a.freed for a in outcome.aborted if a.freed}
     for request_id in landed.preempted:
-        if before.requests[request_id].block_ids:
-            freed[request_id] = before.requests[request_id].block_ids
+        if held_block_ids(before.requests[request_id]):
+            freed[request_id] = held_block_ids(before.requests[request_id])
     if landed is not plan:  # a wasted item's new blocks go back with its request, which had ended
         for item in plan.scheduled:
             if item.request_id not in before.requests and item.new_block_ids:
@@ -255,6 +264,10 @@ def expected_record(outcome: StepOutcome, config: SchedulerConfig, start_time: f
     for request_id in outcome.finished:
         finished_reasons[request_id] = after.finished[request_id].finish_reason or ""
         blocks = before.requests[request_id].block_ids + hits.get(request_id, ()) + allocated.get(request_id, ())
+        if config.kv_cache_groups:  # and every other group's table after the step (a window's frees are not here)
+            item = next(item for item in plan.scheduled if item.request_id == request_id)
+            blocks += tuple(b for table in group_tables_after(before.requests[request_id], item, config)
+                            for b in table if b != NULL_BLOCK)
         if blocks:
             freed[request_id] = blocks
     accepted: dict[str, int] = {}
@@ -289,6 +302,9 @@ def expected_record(outcome: StepOutcome, config: SchedulerConfig, start_time: f
         num_accepted_tokens=accepted,
         draft_token_ids=dict(outcome.speculative.draft_token_ids),
         wasted_tokens={item.request_id: item.num_tokens for item in outcome.result.wasted} if outcome.result else {},
+        group_blocks_allocated={item.request_id: item.group_new_block_ids for item in plan.scheduled
+                                if any(item.group_new_block_ids)},
+        blocks_skipped={item.request_id: item.skipped_block_ids for item in plan.scheduled if item.skipped_block_ids},
     )
 
 
@@ -340,7 +356,7 @@ class Stepper:
         before = self.state
         live = before.requests.get(request_id)
         self.state = abort_request(before, request_id) if after is None else after
-        aborted = Aborted(request_id, live is not None, live.block_ids if live is not None else (),
+        aborted = Aborted(request_id, live is not None, held_block_ids(live) if live is not None else (),
                           Transition("abort_request", before, request_id, self.config, self.state))
         self._aborts.append(request_id)
         self._aborted.append(aborted)

@@ -11,7 +11,9 @@ shows the two agree on valid records and on records mutated to break the schema)
 format can be judged against the spec with :func:`schedspec.spec.checker.check_trace`. Serialisation
 is lossless: ``StepRecord.from_json(record.to_json()) == record``.
 
-Versions: 3 (written with speculative decoding on, ``num_speculative_tokens > 0``) adds speculative
+Versions: 4 (written with hybrid KV cache groups, ``config.kv_cache_groups``) adds the blocks of groups 1..
+each step appends (``group_blocks_allocated``) and those a sliding window freed (``blocks_skipped``), each
+written only when not empty. 3 (written with speculative decoding on, ``num_speculative_tokens > 0``) adds speculative
 decoding: the drafts each decode verifies (``scheduled[].spec_token_ids``), the drafts each sampler
 accepted (``num_accepted_tokens``) and the drafts proposed after the step (``draft_token_ids``), each
 written only when not empty. 2 (written with speculative decoding off, so that such a trace keeps every
@@ -45,7 +47,13 @@ SCHEMA_VERSION = 3
 PLAIN_SCHEMA_VERSION = 2
 """The version :func:`write_trace` writes with speculative decoding off."""
 
-READABLE_VERSIONS = (1, 2, 3)
+HYBRID_SCHEMA_VERSION = 4
+"""The version :func:`write_trace` writes with hybrid KV cache groups (``config.kv_cache_groups``)."""
+
+HYBRID_RECORD_FIELDS = ("group_blocks_allocated", "blocks_skipped")
+"""The record fields version 4 adds."""
+
+READABLE_VERSIONS = (1, 2, 3, 4)
 """The versions :func:`open_trace` reads."""
 
 SPECULATIVE_RECORD_FIELDS = ("num_accepted_tokens", "draft_token_ids")
@@ -54,7 +62,10 @@ SPECULATIVE_RECORD_FIELDS = ("num_accepted_tokens", "draft_token_ids")
 
 def schema_version_for(config: SchedulerConfig) -> int:
     """The version a trace of ``config`` is written in: :data:`SCHEMA_VERSION` (3) with speculative decoding
-    on, else :data:`PLAIN_SCHEMA_VERSION` (2), byte for byte what it was before version 3."""
+    on, :data:`HYBRID_SCHEMA_VERSION` (4) with KV cache groups, else :data:`PLAIN_SCHEMA_VERSION` (2), byte for
+    byte what it was before version 3."""
+    if config.kv_cache_groups:
+        return HYBRID_SCHEMA_VERSION
     return SCHEMA_VERSION if config.speculative else PLAIN_SCHEMA_VERSION
 
 V1_EOS_TOKEN_ID = 0
@@ -110,6 +121,10 @@ def _blocks(value: dict[str, Iterable[int]]) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v) for k, v in value.items()}
 
 
+def _group_blocks(value: dict[str, Iterable[Iterable[int]]]) -> dict[str, tuple[tuple[int, ...], ...]]:
+    return {k: tuple(tuple(group) for group in v) for k, v in value.items()}
+
+
 @attrs.frozen
 class StepRecord:
     """What happened in one step. Units: seconds for times, tokens for token counts, block ids.
@@ -148,6 +163,11 @@ class StepRecord:
             at the previous step's samples, or was aborted before this step): the step's **wasted** work.
             Such an item is in ``scheduled``, its new blocks in ``blocks_allocated`` and again in
             ``blocks_freed`` (freed with its request); it samples nothing. Omitted from the JSON when empty.
+        group_blocks_allocated: hybrid KV cache groups (version 4): request id -> the blocks appended to the
+            tables of groups 1.. this step, one tuple per group in group order. Omitted from the JSON when empty.
+        blocks_skipped: hybrid KV cache groups (version 4): request id -> the blocks its allocation freed
+            because a sliding window had passed them (``ScheduledRequest.skipped_block_ids``); they are not in
+            ``blocks_freed``. Omitted from the JSON when empty.
     """
 
     step: int
@@ -172,6 +192,8 @@ class StepRecord:
     num_accepted_tokens: dict[str, int] = attrs.field(factory=dict)
     draft_token_ids: dict[str, tuple[int, ...]] = attrs.field(factory=dict, converter=_blocks)
     wasted_tokens: dict[str, int] = attrs.field(factory=dict)
+    group_blocks_allocated: dict[str, tuple[tuple[int, ...], ...]] = attrs.field(factory=dict, converter=_group_blocks)
+    blocks_skipped: dict[str, tuple[int, ...]] = attrs.field(factory=dict, converter=_blocks)
 
     @property
     def prefill_tokens(self) -> int:
@@ -211,6 +233,14 @@ class StepRecord:
             del data["draft_token_ids"]
         if not self.wasted_tokens:  # asynchronous scheduling only, likewise
             del data["wasted_tokens"]
+        if self.group_blocks_allocated:  # hybrid KV cache groups (version 4) likewise
+            data["group_blocks_allocated"] = {k: [list(g) for g in v] for k, v in self.group_blocks_allocated.items()}
+        else:
+            del data["group_blocks_allocated"]
+        if self.blocks_skipped:
+            data["blocks_skipped"] = {k: list(v) for k, v in self.blocks_skipped.items()}
+        else:
+            del data["blocks_skipped"]
         data["aborts"] = list(self.aborts)
         data["preempted"] = list(self.preempted)
         data["aborted"] = list(self.aborted)
@@ -247,6 +277,9 @@ def _validator(part: str, version: int) -> jsonschema.Draft202012Validator:
         for name in SPECULATIVE_RECORD_FIELDS:
             del schema["$defs"]["record"]["properties"][name]
         del schema["$defs"]["scheduled"]["properties"]["spec_token_ids"]
+    if version < HYBRID_SCHEMA_VERSION:  # nor KV cache groups before version 4
+        for name in HYBRID_RECORD_FIELDS:
+            del schema["$defs"]["record"]["properties"][name]
     return jsonschema.Draft202012Validator({"$ref": f"#/$defs/{part}", "$defs": schema["$defs"]})
 
 
@@ -285,7 +318,7 @@ def _schema_error(where: str, part: str, version: int, data: Any) -> TraceFormat
     return TraceFormatError(f"{where}: field {_field_path(error.absolute_path)}: {message}")
 
 
-def record_schema_errors(data: Any, version: int = SCHEMA_VERSION) -> str | None:
+def record_schema_errors(data: Any, version: int = HYBRID_SCHEMA_VERSION) -> str | None:
     """The first schema error of one record given as a JSON object (``"field X: message"``), or ``None``."""
     problem = _schema_error("record", "record", version, data)
     return None if problem is None else str(problem).partition(": ")[2]
@@ -498,7 +531,7 @@ class TraceFile:
         path: the file.
         config: the header's config.
         scheduler: the header's scheduler name ("" if none).
-        schema_version: 1, 2 or 3.
+        schema_version: 1, 2, 3 or 4.
         notes: what the reader assumed, to print beside the verdict (the version-1 convention).
         async_scheduling: the header's ``async_scheduling`` (false when absent): each plan was made while
             the step before was in flight (:class:`~schedspec.spec.state.InFlightStep`).
@@ -573,6 +606,9 @@ def open_trace(path: str | Path) -> TraceFile:
     if config.speculative and version != SCHEMA_VERSION:
         raise TraceFormatError(f"{where}: field config.num_speculative_tokens: {config.num_speculative_tokens} "
                                f"(speculative decoding) needs schema_version {SCHEMA_VERSION}, the header says {version}")
+    if config.kv_cache_groups and version != HYBRID_SCHEMA_VERSION:
+        raise TraceFormatError(f"{where}: field config.kv_cache_groups: KV cache groups need schema_version "
+                               f"{HYBRID_SCHEMA_VERSION}, the header says {version}")
     if config.num_kv_blocks > MAX_STATE_BLOCKS:
         raise TraceFormatError(f"{where}: field config.num_kv_blocks: {config.num_kv_blocks:,} is more than the "
                                f"{MAX_STATE_BLOCKS:,} blocks the checker can hold")

@@ -17,7 +17,10 @@ it changes). The client's actions happen between steps: a request **arrives**
   ``prefix-hit-is-cached-chain``, ``prefix-hit-longest``, ``drafts-only-in-decodes``,
   ``drafts-are-proposed``, ``drafts-within-max-model-len``; the per-step limits, which constrain
   nothing while their options are off: ``active-sequence-cap``, ``lora-limit``,
-  ``grammar-ready-before-admission``, ``watermark``, ``prefill-cadence``; and with a step in flight (asynchronous
+  ``grammar-ready-before-admission``, ``watermark``, ``prefill-cadence``; with hybrid KV cache groups
+  (:mod:`~schedspec.spec.kv_cache_groups`; a sliding window's blocks are freed at the item, before its new
+  blocks are taken) ``group-table-covers``, ``group-no-excess-blocks``, ``window-keeps-visible``,
+  ``window-frees-skipped``; and with a step in flight (asynchronous
   scheduling) also ``in-flight-foreseen-length``, ``in-flight-blocks-held-when-planned``,
   ``in-flight-arrivals-wait`` and ``wasted-item-continues``.
 - :func:`sample`: a request whose chunk reached the end of its sequence appends its accepted drafts and
@@ -56,6 +59,7 @@ from types import MappingProxyType
 import attrs
 
 from schedspec.spec.config import SchedulerConfig
+from schedspec.spec.kv_cache_groups import NULL_BLOCK, held_block_ids, release_order
 from schedspec.spec.persistent import FreeQueue, live_copy, with_arrival
 from schedspec.spec.persistent import evolve_request as evolve
 from schedspec.spec.prefix_cache import CacheUpdate
@@ -134,17 +138,18 @@ def abort_request(state: SchedulerState, request_id: str) -> SchedulerState:
     requests = live_copy(state.requests)
     del requests[request_id]
     aborted = evolve(request, status=RequestStatus.FINISHED_ABORTED, finish_reason="abort", block_ids=(),
-                     spec_token_ids=())
+                     spec_token_ids=(), group_block_ids=())
     cache = state.prefix_cache
     if cache is None:
-        free = FreeQueue.of(state.free_block_ids).pushed_front(tuple(reversed(request.block_ids)))
+        free = FreeQueue.of(state.free_block_ids).pushed_front(release_order(request))
     else:
         update = CacheUpdate(cache, state.free_block_ids)
         update.release(request.block_ids)
         cache, free = update.freeze()
     in_flight = state.in_flight
     if in_flight is not None:
-        freed = {**in_flight.freed_blocks, request_id: request.block_ids} if request.block_ids else in_flight.freed_blocks
+        held = held_block_ids(request)
+        freed = {**in_flight.freed_blocks, request_id: held} if held else in_flight.freed_blocks
         in_flight = attrs.evolve(in_flight, ended=MappingProxyType({**in_flight.ended, request_id: aborted}),
                                  freed_blocks=MappingProxyType(freed))
     return attrs.evolve(
@@ -188,6 +193,9 @@ class StepInProgress:
     """Blocks handed out by :func:`schedule`, in batch order."""
     freed: list[int] = attrs.field(factory=list)
     """Blocks released by requests that stopped, in the order they go to the front of the free queue."""
+    skipped: list[int] = attrs.field(factory=list)
+    """Hybrid KV cache groups: blocks the items' sliding windows freed, in the order they go to the front of the
+    free queue (a later item's in front), before the blocks handed out are taken."""
     sampled: list[str] = attrs.field(factory=list)
     stopped: list[str] = attrs.field(factory=list)
     cache: CacheUpdate | None = None
@@ -212,6 +220,8 @@ class StepInProgress:
             cache, free = self.cache.freeze()
         else:  # a FreeQueue: the tuple of free blocks, sharing structure with the one before
             free = FreeQueue.of(self.before.free_block_ids).pushed_front(self.released)
+            if self.skipped:  # a window's frees may be handed out again by its item or a later one
+                free = free.pushed_front(self.skipped)
             free = free.without(self.taken).pushed_front(self.freed)
         state = SchedulerState(
             step=self.before.step + 1,
@@ -257,9 +267,11 @@ def preempt(step: StepInProgress, request_id: str) -> None:
     if step.cache is not None:
         step.cache.release(request.block_ids)
     else:
-        step.released[:0] = reversed(request.block_ids)
+        step.released[:0] = release_order(request)
     changes: dict = {"status": RequestStatus.PREEMPTED, "num_computed_tokens": 0, "block_ids": (),
                      "num_preemptions": request.num_preemptions + 1}
+    if request.group_block_ids:
+        changes["group_block_ids"] = ()
     if request.spec_token_ids:  # vLLM Scheduler._preempt_request: request.spec_token_ids = []
         changes["spec_token_ids"] = ()
     step.requests[request_id] = evolve(request, **changes)
@@ -302,6 +314,10 @@ def schedule(step: StepInProgress, item: ScheduledRequest) -> None:
         changes["block_ids"] = table
     if request.spec_token_ids:
         changes["spec_token_ids"] = ()
+    if item.group_new_block_ids or item.skipped_block_ids:
+        changes["group_block_ids"] = group_tables_after(request, item, step.config)
+        step.skipped[:0] = item.skipped_block_ids
+        step.taken.extend(b for blocks in item.group_new_block_ids for b in blocks)
     if step.cache is not None:
         step.cache.touch(item.cached_block_ids)
         step.cache.take(item.new_block_ids)
@@ -313,6 +329,30 @@ def schedule(step: StepInProgress, item: ScheduledRequest) -> None:
         step.waiting.remove(item.request_id)
         step.running.append(item.request_id)
     step.requests[item.request_id] = evolve(request, **changes)
+
+
+def group_tables_after(request: Request, item: ScheduledRequest, config: SchedulerConfig) -> tuple[tuple[int, ...], ...]:
+    """Hybrid KV cache groups: the request's tables of groups 1.. after ``item`` is scheduled: the blocks its
+    window freed (``item.skipped_block_ids``) become :data:`~schedspec.spec.kv_cache_groups.NULL_BLOCK` (the
+    table keeps its length, vLLM ``_remove_blocks_in_range``), then each group's new blocks are appended
+    (vLLM ``SingleTypeKVCacheManager.allocate_new_blocks``).
+
+    Raises:
+        PlanError: the item names new blocks for more groups than ``config.kv_cache_groups`` has.
+    """
+    extra = max(len(config.kv_cache_groups) - 1, 0)
+    if len(item.group_new_block_ids) > extra:
+        raise PlanError(f"request_id={item.request_id!r}: new blocks for {len(item.group_new_block_ids)} groups past "
+                        f"group 0, but the config has {extra}")
+    skipped = frozenset(item.skipped_block_ids)
+    tables = []
+    for index in range(extra):
+        table = request.group_block_ids[index] if index < len(request.group_block_ids) else ()
+        if skipped:
+            table = tuple(NULL_BLOCK if b in skipped else b for b in table)
+        new = item.group_new_block_ids[index] if index < len(item.group_new_block_ids) else ()
+        tables.append(table + new)
+    return tuple(tables)
 
 
 def sample(step: StepInProgress, request_id: str, token_id: int, item: ScheduledRequest | None = None,
@@ -360,8 +400,8 @@ def sample(step: StepInProgress, request_id: str, token_id: int, item: Scheduled
     if step.cache is not None:
         step.cache.release(request.block_ids)
     else:
-        step.freed[:0] = reversed(request.block_ids)
-    step.ended[request_id] = evolve(request, status=status, finish_reason=reason, block_ids=())
+        step.freed[:0] = release_order(request)
+    step.ended[request_id] = evolve(request, status=status, finish_reason=reason, block_ids=(), group_block_ids=())
     step.stopped.append(request_id)
 
 

@@ -675,3 +675,107 @@ def test_a_wrong_finish_reason_from_the_engine_is_a_refinement_mismatch():
     faulty = Engine(_RelabelsStops(config), config, properties=()).run(specs, max_steps=100)
     assert [v.name for v in faulty.violations] == ["refinement"]
     assert "request r0 with reason length" in str(faulty.violations[0])
+
+
+# ------------------------------------------------------------ stop_token_ids and min_tokens reach vLLM
+STOP_CONFIG = SchedulerConfig(num_kv_blocks=32, block_size=4, max_num_batched_tokens=32, max_num_seqs=4,
+                              max_model_len=64)
+
+
+def _outputs_of(spec: RequestSpec) -> tuple[int, ...]:
+    """The tokens the engine loop's token source samples for ``spec`` run alone to max_tokens (on fcfs)."""
+    result = Engine(make_scheduler("fcfs", STOP_CONFIG), STOP_CONFIG, properties=()).run([spec], max_steps=100)
+    return result.state.finished[spec.request_id].output_token_ids
+
+
+@pytest.mark.parametrize("name", ["vllm", "vllm-async"])
+def test_stop_token_ids_and_min_tokens_reach_vllm(name: str) -> None:
+    """A request stops on its third output, a stop id; another has min_tokens 2 and one stop id at its
+    fourth output: vLLM ends both where the spec does, with its reason (dropping stop_token_ids, vLLM ran the
+    first to max_tokens: a false finding)."""
+    plain = RequestSpec("r0", prompt_len=6, max_tokens=8, arrival_step=0, arrival_time=0.0)
+    third = _outputs_of(plain)[2]
+    other = RequestSpec("r1", prompt_len=5, max_tokens=6, arrival_step=0, arrival_time=0.0)
+    fourth = _outputs_of(other)[3]
+    specs = [attrs.evolve(plain, stop_token_ids=(third,)), attrs.evolve(other, stop_token_ids=(fourth,), min_tokens=2)]
+    result = Engine(make_scheduler(name, STOP_CONFIG), STOP_CONFIG, properties=()).run(specs, max_steps=100)
+    assert [str(v) for v in result.violations] == []
+    ended = result.state.finished
+    assert (ended["r0"].finish_reason, len(ended["r0"].output_token_ids)) == ("stop", 3)
+    assert (ended["r1"].finish_reason, len(ended["r1"].output_token_ids)) == ("stop", 4)
+
+
+def test_a_stop_id_sampled_before_min_tokens_is_refused_not_a_finding() -> None:
+    """vLLM's check_stop stops on an EOS whatever min_tokens says (its sampler never samples one earlier);
+    the spec does not stop on it. A token source that samples EOS as output 2 of 3 minimum outputs gives a
+    run vLLM never makes: exit 3 naming min_tokens, not a finding. min_tokens > max_tokens, which vLLM's
+    SamplingParams refuses, is refused too."""
+    from schedspec.reference.scheduler import UnsupportedFeature
+
+    early = RequestSpec("r2", prompt_len=5, max_tokens=6, min_tokens=3, eos_at_output=2, arrival_step=0,
+                        arrival_time=0.0)
+    with pytest.raises(UnsupportedFeature, match="min_tokens=3: the token source sampled stop id .* as output 2"):
+        Engine(make_scheduler("vllm", STOP_CONFIG), STOP_CONFIG, properties=()).run([early], max_steps=100)
+    over = RequestSpec("r3", prompt_len=5, max_tokens=2, min_tokens=3, arrival_step=0, arrival_time=0.0)
+    with pytest.raises(UnsupportedFeature, match="min_tokens=3 > max_tokens=2"):
+        Engine(make_scheduler("vllm", STOP_CONFIG), STOP_CONFIG, properties=()).run([over], max_steps=100)
+
+
+def test_a_version_mismatch_drops_the_scheduler_it_built(monkeypatch) -> None:
+    """The worker built the scheduler before the adapter saw the wrong version: the adapter closes that
+    handle before it raises (else the worker keeps the scheduler, and its blocks, for the session)."""
+    from schedspec.engines import vllm as vllm_adapter
+    from schedspec.engines.vllm import EngineError
+
+    monkeypatch.setitem(vllm_adapter.VERSIONS, vllm_adapter.DEFAULT_VERSION, "0.0.0")
+    worker = vllm_adapter._worker(vllm_adapter.vllm_python(), vllm_adapter.vllm_path_ahead(vllm_adapter.DEFAULT_VERSION))
+    handle = worker.next_handle
+    with pytest.raises(EngineUnavailable, match="expected 0.0.0"):
+        VllmScheduler(CONFIG)
+    with pytest.raises(EngineError, match="never built"):
+        worker.call({"op": "view", "handle": handle})
+
+
+def test_an_aborted_request_leaves_the_grammars_due() -> None:
+    """The worker sets a stand-in grammar for a structured-output request at its ready step; one aborted
+    before then leaves its list (it kept the vLLM Request for the whole session)."""
+    scheduler = VllmScheduler(CONFIG)
+    waiting = attrs.evolve(_request("g", 4), grammar_ready_step=5)
+    scheduler.add_request(waiting)
+    scheduler.add_request(_request("a", 4))
+    plan = scheduler.schedule()
+    assert scheduler._call({"op": "view"})["grammar_due"] == ["g"]
+    scheduler.abort_request("g")
+    scheduler.update(plan, {item.request_id: 5 for item in plan.scheduled})
+    assert scheduler._call({"op": "view"})["grammar_due"] == []
+
+
+def test_hybrid_kv_cache_groups_run_within_the_spec_and_agree_with_the_profile() -> None:
+    """vLLM's scheduler built from a hybrid KVCacheConfig (full attention and a sliding window of 8 tokens, one
+    pool): its plans, the window frees it reports and its own view of the pool pass the spec at every step,
+    and the vllm-v1 profile plans the same batches (the pool sized as vLLM's start-up check,
+    ``vllm_v1.startup_blocks``)."""
+    import random
+
+    from schedspec.reference.vllm_v1 import startup_blocks
+
+    groups = [{"kind": "full_attention"}, {"kind": "sliding_window", "sliding_window": 8}]
+    freed = 0
+    for seed in range(3):
+        rng = random.Random(seed)
+        config = SchedulerConfig(block_size=2, num_kv_blocks=1, max_num_batched_tokens=rng.choice([16, 32]),
+                                 max_num_seqs=4, max_model_len=48, kv_cache_groups=groups)
+        config = config.with_changes(num_kv_blocks=startup_blocks(config))
+        workload = [RequestSpec(f"r{i}", rng.randint(1, 40), rng.randint(1, 12), arrival_step=rng.randint(0, 6))
+                    for i in range(6)]
+        engine = make_scheduler("vllm", config)
+        try:
+            result = Engine(engine, config).run(workload)
+        finally:
+            engine.close()
+        assert result.ok, [str(v) for v in result.violations[:3]]
+        profile = Engine(make_scheduler("vllm-v1", config), config).run(workload)
+        assert [[(s.request_id, s.num_tokens) for s in r.scheduled] for r in result.records] == \
+            [[(s.request_id, s.num_tokens) for s in r.scheduled] for r in profile.records]
+        freed += sum(len(blocks) for r in result.records for blocks in r.blocks_skipped.values())
+    assert freed  # vLLM's window freed blocks, and the spec judged them

@@ -403,3 +403,102 @@ def test_a_wasted_item_is_judged_with_the_table_it_had_when_planned() -> None:
     assert violated_rules(state, StepPlan(scheduled=(DECODE_A, WASTED_C)), CONFIG) == []
     extra = ScheduledRequest("c", 7, 1, (2,))  # one more block for a sequence its two blocks hold
     assert "no-excess-blocks" in [v.name for v in violated_rules(state, StepPlan(scheduled=(DECODE_A, extra)), CONFIG)]
+
+
+# --- the threshold's floor counts the requests the planner saw -----------------------------------------------
+
+
+FLOOR_CONFIG = SchedulerConfig(block_size=4, num_kv_blocks=16, max_num_batched_tokens=16, max_num_seqs=4,
+                               max_model_len=32, long_prefill_token_threshold=2,
+                               long_prefill_token_threshold_adaptive=True)
+
+
+def _floor_run(chunk: int):
+    """Step 0 (nothing in flight) admits a (3 tokens) and b's first 8 of 20 (floor max(2, 16 // 2) = 8); c and
+    d arrive after step 1's plan was made (while step 0 ran). Step 1's plan decodes a and gives b ``chunk``
+    tokens: its planner saw a and b, floor 8 (counting c and d it would be 16 // 4 = 4). Returns the records of
+    the steps and the rule violations of step 1's plan."""
+    from schedspec.spec.workload import RequestSpec
+
+    config = FLOOR_CONFIG
+    stepper = Stepper(config, FullChecker(config), state=SchedulerState.initial(config, asynchronous=True))
+    for spec in (RequestSpec("a", 3, 5, arrival_step=0), RequestSpec("b", 20, 2, arrival_step=0)):
+        stepper.arrive(spec.to_request(0), spec)
+    first = StepPlan(scheduled=(ScheduledRequest("a", 0, 3, (0,)), ScheduledRequest("b", 0, 8, (1, 2))))
+    outcome = stepper.step(first, {"a": 7})
+    assert outcome.rule_violations == []
+    records = [stepper.record(outcome, 0.0, 1.0)]
+    for spec in (RequestSpec("c", 2, 2, arrival_step=1), RequestSpec("d", 2, 2, arrival_step=1)):
+        stepper.arrive(spec.to_request(1), spec)
+    second = StepPlan(scheduled=(ScheduledRequest("a", 3, 1),
+                                 ScheduledRequest("b", 8, chunk, tuple(range(3, 3 + (8 + chunk + 3) // 4 - 2)))))
+    violations = stepper.check_plan(second)
+    outcome = stepper.step(second, {"a": 7})
+    records.append(stepper.record(outcome, 1.0, 1.0))
+    return records, violations
+
+
+def test_the_threshold_floor_counts_only_the_requests_the_planner_saw(tmp_path) -> None:
+    """vLLM's floor (long_prefill_token_threshold_adaptive) divides the budget by Scheduler.get_request_counts
+    at the start of Scheduler.schedule: with a step in flight, requests that arrived since are not counted
+    (rules.eligible_when_planned). Counting them, the spec raised a false alarm on b's chunk of 8."""
+    from schedspec.spec.checker import check_trace
+    from schedspec.spec.trace import open_trace, write_trace
+
+    records, violations = _floor_run(8)
+    assert violations == []
+    path = tmp_path / "async-floor.jsonl"
+    with path.open("w") as out:
+        write_trace(out, FLOOR_CONFIG, records, "hand", async_scheduling=True)
+    opened = open_trace(path)
+    for incremental in (False, True):  # a window cut from a run: c and d wait, a and b run
+        assert check_trace(opened.config, list(opened.records()), incremental=incremental, allow_unfinished=True,
+                           async_scheduling=True).ok
+    # a real breach of the planner's floor of 8 still fails, in the trace too
+    records, violations = _floor_run(9)
+    assert [(v.name, v.request_id) for v in violations] == [("long-prefill-threshold", "b")]
+    for incremental in (False, True):
+        report = check_trace(FLOOR_CONFIG, records, incremental=incremental, allow_unfinished=True,
+                             async_scheduling=True)
+        assert report.first_bad_step == 1 and [v.name for v in report.violations] == ["long-prefill-threshold"]
+
+
+def test_the_threshold_floor_counts_the_requests_that_ended_in_flight() -> None:
+    """The requests that ended since the plan was made were still in vLLM's queues when it was made: they
+    lower the floor. a runs, b waits (7 tokens) and c ended at step 0's sample: the planner saw 3, floor
+    max(1, 16 // 3) = 5 (without c, 16 // 2 = 8 passed b's chunk of 6: a false pass)."""
+    config = attrs.evolve(CONFIG, max_num_seqs=3, long_prefill_token_threshold=1,
+                          long_prefill_token_threshold_adaptive=True)
+    state = in_flight_state("stop")
+    b = Request("b", 0, tuple(range(31, 38)), max_tokens=3)
+    state = attrs.evolve(state, requests={**state.requests, "b": b})
+    names = [v.name for v in violated_rules(state, StepPlan(scheduled=(DECODE_A, ScheduledRequest("b", 0, 6, (2, 3)))),
+                                            config)]
+    assert names == ["long-prefill-threshold"]  # 6 > 5
+    assert violated_rules(state, StepPlan(scheduled=(DECODE_A, ScheduledRequest("b", 0, 5, (2, 3)))), config) == []
+
+
+def test_an_in_flight_scheduler_plans_with_the_floor_the_spec_judges() -> None:
+    """fcfs planned in flight with the threshold's floor: legal at every step. Before the floor counted what
+    the planner saw, the spec raised false alarms on this run from step 1 (arrivals since the plan counted); the
+    planner must count the requests its in-flight step brings to their length (vLLM still holds them)."""
+    from schedspec.reference.engine import Engine
+    from schedspec.reference.in_flight import fcfs_async
+
+    config = attrs.evolve(ASYNC_CONFIG, long_prefill_token_threshold=2, long_prefill_token_threshold_adaptive=True)
+    result = Engine(fcfs_async(config), config).run(_eos_and_abort_workload())
+    assert result.ok, [str(v) for v in result.violations[:3]]
+
+
+def test_the_incremental_screen_counts_the_slots_held_when_planned() -> None:
+    """The incremental checker's one-pass screen (spec/incremental.py screened_rules_hold) skips the rules it
+    screens when it holds, so it must be as strict as they are: with c ended in flight holding its slot, a
+    plan that admits b passes max_num_seqs=2 in vLLM's count (sequence-cap). The screen counted only the
+    requests running now and held, so `check --incremental` passed the plan."""
+    from schedspec.spec.incremental import screened_rules_hold
+
+    state = in_flight_state("length")
+    admit = StepPlan(scheduled=(DECODE_A, ADMIT_B))
+    assert [v.name for v in violated_rules(state, admit, CONFIG)] == ["sequence-cap"]
+    assert not screened_rules_hold(state, admit, CONFIG)
+    assert screened_rules_hold(state, admit, attrs.evolve(CONFIG, max_num_seqs=3))  # a free slot: it holds

@@ -38,7 +38,7 @@ from schedspec.spec.state import (
     prefill_held,
 )
 from schedspec.spec.trace import record_schema_errors
-from schedspec.spec.transitions import apply_plan
+from schedspec.spec.transitions import add_request, apply_plan
 from schedspec.spec.workload import RequestSpec
 
 CASES = Path(__file__).resolve().parents[1] / "schedspec" / "data" / "cases"
@@ -265,6 +265,48 @@ def test_watermark_blocks_count_the_null_block_and_spare_the_first_admission() -
     assert violated_rules(empty, first, config) == []
     both = StepPlan(scheduled=(*first.scheduled, ScheduledRequest("c", 0, 4, (6,))))
     assert [v.name for v in violated_rules(empty, both, config)] == ["watermark"]
+
+
+def test_the_watermark_counts_a_hit_on_a_block_the_step_preemption_released() -> None:
+    """vLLM counts every hit block at reference count 0 in the blocks an admission needs
+    (SingleTypeKVCacheManager.get_num_blocks_to_allocate, num_evictable_blocks), and a block the step's
+    preemption released is one: it leaves the free queue when the hit touches it. 8 blocks, watermark 2; r
+    runs on block 0, p on blocks 1 and 2 (cached). The plan preempts p (blocks 1 and 2 free again) and
+    admits q, which hits block 1 (p's first 4 prompt tokens)."""
+    config = CONFIG.with_changes(max_num_batched_tokens=32, enable_prefix_caching=True, watermark=0.3)
+    state = SchedulerState.initial(config)
+    state = add_request(add_request(state, Request("r", 0, (1, 2, 3), max_tokens=4)),
+                        Request("p", 0, tuple(range(10, 18)), max_tokens=4))
+    first = StepPlan(scheduled=(ScheduledRequest("r", 0, 3, (0,)), ScheduledRequest("p", 0, 8, (1, 2))))
+    state = apply_plan(state, first, {"r": 5, "p": 6}, config).state
+    assert state.free_block_ids == (3, 4, 5, 6, 7)
+
+    def admit_q(prompt_len: int):
+        q = Request("q", 1, (10, 11, 12, 13, *range(40, 36 + prompt_len)), max_tokens=2)
+        new = tuple(range(3, 3 + (prompt_len - 4) // 4))
+        plan = StepPlan(scheduled=(ScheduledRequest("r", 3, 1), ScheduledRequest("q", 4, prompt_len - 4, new, (1,))),
+                        preempted=("p",))
+        return [(v.name, v.request_id) for v in violated_rules(add_request(state, q), plan, config)]
+
+    # 5 free + 2 released - 5 new - the hit block = 1 < 2 (counting the hit only on the 5 free: 2, passed)
+    assert admit_q(24) == [("watermark", "q")]
+    assert admit_q(20) == []  # 4 new blocks: 2 left
+
+
+def test_the_watermark_counts_the_blocks_released_by_preempting_a_request_that_ended_in_flight() -> None:
+    """With a step in flight, the blocks of a request that ended since were held when the plan was made; a
+    plan that preempts that request released them (rule in-flight-blocks-held-when-planned), so vLLM's free
+    count has them. test_in_flight's state: a runs on blocks 0 and 1, c ended at step 0's sample and freed
+    blocks 6 and 7; free now 7, 6, 2, 3, 4, 5; watermark int(0.5 * 9) = 4."""
+    from tests.test_in_flight import DECODE_A, in_flight_state
+
+    config = CONFIG.with_changes(max_num_seqs=3, watermark=0.5)
+    state = in_flight_state("length")
+    admit_b = ScheduledRequest("b", 0, 5, (2, 3))
+    # c preempted: 4 free + 2 released - 2 new = 4 free after b, the watermark
+    assert violated_rules(state, StepPlan(scheduled=(DECODE_A, admit_b), preempted=("c",)), config) == []
+    # c not preempted: its blocks were held, 4 - 2 = 2 < 4
+    assert [v.name for v in violated_rules(state, StepPlan(scheduled=(DECODE_A, admit_b)), config)] == ["watermark"]
 
 
 @pytest.mark.parametrize("value", [-0.1, 1.0, 1, True, "0.1"])

@@ -97,12 +97,30 @@ def test_header_has_the_limits_the_scheduler_enforces(cases):
     assert cases["limits"]["limited"] == [48, 3] == cases["limits"]["enforced"]
 
 
-@pytest.mark.parametrize(("case", "option"), [("init-adaptive", "long_prefill_token_threshold_adaptive"),
-                                              ("init-pipeline", "pipeline_parallel_size=2"),
+@pytest.mark.parametrize(("case", "option"), [("init-pipeline", "pipeline_parallel_size=2"),
                                               ("init-data", "data_parallel_size=2"),
                                               ("init-sliding", "SlidingWindowSpec")])
 def test_options_the_spec_cannot_judge_are_refused_at_start(cases, case, option):
     assert option in (cases[case]["error"] or ""), cases[case]
+
+
+def test_the_threshold_floor_is_recorded_and_judged(cases):
+    """long_prefill_token_threshold_adaptive is recorded (it was refused while the spec's threshold was fixed):
+    the header says it, vLLM cut the three 100-token prompts above the threshold of 8 (its floor, 64 // 3 = 21),
+    and the trace passes schedspec check, whose rule long-prefill-threshold follows the floor. The same records
+    judged without the floor fail there."""
+    import attrs
+
+    from schedspec.spec.checker import check_trace
+    from schedspec.spec.trace import open_trace
+
+    trace = open_trace(cases["floor"]["trace"])
+    records = list(trace.records())
+    assert trace.config.long_prefill_token_threshold_adaptive and trace.config.long_prefill_token_threshold == 8
+    assert max(s.prefill_tokens for r in records for s in r.scheduled) > 8
+    assert check_trace(trace.config, records).ok
+    fixed = attrs.evolve(trace.config, long_prefill_token_threshold_adaptive=False)
+    assert "long-prefill-threshold" in {v.name for v in check_trace(fixed, records, keep_going=True).violations}
 
 
 def test_async_scheduling_is_recorded_by_its_own_class(cases):
@@ -167,3 +185,59 @@ def test_shutdown_aborts_are_written(cases):
     assert found["aborted"][-1] == ["a"] and found["scheduled"][-1] == 0 and found["freed"][-1]["a"]
     trace = open_trace(found["trace"])
     assert check_trace(trace.config, list(trace.records())).first_bad_step is None  # a legal last step
+
+
+def test_the_writer_refuses_a_step_after_close(tmp_path):
+    """A step given to the writer after close() (shutdown, or the exit hook) would be lost silently, and with
+    a full queue the engine thread would wait forever on a thread that is gone: RecorderError."""
+    module = _recorder()
+    with (tmp_path / "t.jsonl").open("w") as trace:
+        writer = module._Writer(trace, 16, 512)
+        writer.close()
+    with pytest.raises(module.RecorderError, match="step 3 recorded after the trace was closed"):
+        writer.put((3,))
+    assert writer.queue.empty()
+
+
+def test_a_header_that_cannot_be_written_leaves_no_open_file(tmp_path, monkeypatch):
+    """The header's write fails (here a value json cannot write, as a full disk would fail it): the trace
+    file is closed before RecorderError is raised, not left open for the process's life."""
+    module = _recorder()
+    opened = []
+
+    def tracked_open(*args, **kwargs):
+        opened.append(open(*args, **kwargs))  # noqa: SIM115  (the test checks that the recorder closes it)
+        return opened[-1]
+
+    monkeypatch.setattr(module, "open", tracked_open, raising=False)
+    monkeypatch.setattr(module, "_refuse_config", lambda scheduler, asynchronous: None)
+    monkeypatch.setattr(module, "_vllm_version", lambda: "0.0-test")
+    monkeypatch.setenv(module.TRACE_VARIABLE, str(tmp_path / "trace.jsonl"))
+
+    class Base:  # the attributes of vLLM's Scheduler the header reads
+        def __init__(self) -> None:
+            self.block_size = 16
+            self.kv_cache_manager = SimpleNamespace(block_pool=SimpleNamespace(num_gpu_blocks=33))
+            self.vllm_config = SimpleNamespace(
+                scheduler_config=SimpleNamespace(max_num_batched_tokens=64, max_num_seqs=4, enable_chunked_prefill=True,
+                                                 long_prefill_token_threshold=object(), policy="fcfs"),
+                model_config=SimpleNamespace(max_model_len=512), cache_config=SimpleNamespace(enable_prefix_caching=False),
+                lora_config=None)
+
+    with pytest.raises(module.RecorderError, match="writing the trace header to .* failed"):
+        module._make_recording_class(Base)()
+    assert len(opened) == 1 and opened[0].closed
+
+
+@pytest.mark.parametrize(("option", "value"), [("--abort-every", "0"), ("--requests", "0"), ("--speed", "0"),
+                                               ("--deadline", "-1")])
+def test_record_vllm_serve_refuses_a_bad_option_in_one_line(option, value, tmp_path):
+    """``scripts/record_vllm_serve.py --abort-every 0`` divided by zero once the clients started; every
+    count it divides or sleeps by is checked first: one line naming the option, exit 2, nothing started."""
+    import sys
+
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "record_vllm_serve.py"), "--out",
+                           str(tmp_path / "out"), option, value], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.splitlines() == [f"record_vllm_serve: error: {option} must be positive, got {float(value) if option in ('--speed', '--deadline') else int(value)}"]
+    assert not (tmp_path / "out").exists()

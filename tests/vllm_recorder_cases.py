@@ -90,8 +90,7 @@ def main() -> None:
     object.__setattr__(base.vllm_config.scheduler_config, "max_num_active_seqs", None)
 
     # -- options refused at start
-    for option, changes in [("adaptive", {"scheduler_config__long_prefill_token_threshold_adaptive": True}),
-                            ("pipeline", {"parallel_config__pipeline_parallel_size": 2}),
+    for option, changes in [("pipeline", {"parallel_config__pipeline_parallel_size": 2}),
                             ("data", {"parallel_config__data_parallel_size": 2})]:
         saved = {k: getattr(getattr(base.vllm_config, k.split("__")[0]), k.split("__")[1]) for k in changes}
         report(f"init-{option}", error=refused(lambda changes=changes: rebuild(base, **changes)))
@@ -174,6 +173,22 @@ def main() -> None:
         report("config-error", type=None, message=None)
     except worker_module.ConfigRefused as error:
         report("config-error", type=type(error).__name__, message=str(error))
+
+    # -- the threshold's floor is recorded (the spec follows it): three prompts of 100 tokens, threshold 8,
+    # budget 64, so vLLM cuts chunks at max(8, 64 // 3) = 21 tokens
+    path = fresh_trace()
+    w = worker_module.Worker(dict(CONFIG, enable_prefix_caching=False, long_prefill_token_threshold=8,
+                                  long_prefill_token_threshold_adaptive=True), "fcfs", False, 1000,
+                             base=recorder.RecordingScheduler)
+    s = w.scheduler
+    for name in ("f0", "f1", "f2"):
+        s.add_request(request(w, name, range(1, 101)))
+    while s.requests:
+        out = w.schedule({})
+        w.update({"sampled": {r: 5 for r, computed, count, *_ in out["scheduled"]
+                              if computed + count >= s.requests[r].num_tokens}})
+    s.shutdown()
+    report("floor", trace=path)
 
     # -- shutdown aborts every live request: written as one last record
     w, path = worker()

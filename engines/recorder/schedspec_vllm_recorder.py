@@ -101,7 +101,7 @@ or field, never recorded wrongly (docs/check-your-running-vllm.md says what the 
 ``reference/in_flight.py`` refuse it too), pipeline parallelism (``max_concurrent_batches`` above the one
 batch of a synchronous engine, or the two that async scheduling keeps (``VllmConfig.max_concurrent_batches``):
 ``step_with_batch_queue`` would plan more than one step ahead of an update),
-data parallelism (every engine core would open the one file), ``long_prefill_token_threshold_adaptive``,
+data parallelism (every engine core would open the one file),
 speculative decoding, KV connectors, more than one KV cache group and any KV cache spec but
 ``FullAttentionSpec``. At ``add_request``, before vLLM holds the request (:func:`_refuse_request`):
 pooling, prompt embeddings, multimodal inputs, resumable (streaming-input) requests, structured outputs
@@ -247,6 +247,7 @@ class _Writer:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.error: BaseException | None = None
+        self.closed = False
         self.queue: queue.Queue[Any] = queue.Queue(maxsize=QUEUE_STEPS)
         self.hash_ids: dict[Any, int] = {}
         self.thread = threading.Thread(target=self._run, name="schedspec-recorder-writer", daemon=True)
@@ -348,9 +349,23 @@ class _Writer:
             **({"lora_int_id": lora_int_id} if lora_int_id is not None else {}),
         }
 
+    def put(self, step: tuple[Any, ...]) -> None:
+        """Queue one step's copies (:meth:`line`'s argument) for the thread; waits while :data:`QUEUE_STEPS`
+        are queued.
+
+        Raises:
+            RecorderError: the writer was closed (the thread is gone: the step would be lost, and a full
+                queue would block the engine thread for good).
+        """
+        if self.closed:
+            raise RecorderError(f"schedspec recorder: step {step[0]} recorded after the trace was closed "
+                                "(shutdown, or the process's exit); it is not in the trace")
+        self.queue.put(step)
+
     def close(self) -> None:
         """Write what is queued, stop the thread and close the file (idempotent); raises
-        :class:`RecorderError` if the writer failed."""
+        :class:`RecorderError` if the writer failed. Later :meth:`put` calls raise."""
+        self.closed = True
         if self.thread.is_alive():
             self.queue.put(_STOP)
             self.thread.join()
@@ -415,9 +430,6 @@ def _refuse_config(scheduler: Any, asynchronous: bool = False) -> None:
     if parallel.data_parallel_size > 1:
         raise RecorderError(f"schedspec recorder: data_parallel_size={parallel.data_parallel_size}: every engine "
                             f"core would write the one {TRACE_VARIABLE} file; record one engine at a time")
-    if getattr(scheduler_config, "long_prefill_token_threshold_adaptive", False):
-        raise RecorderError("schedspec recorder: long_prefill_token_threshold_adaptive is on; the spec's "
-                            "long_prefill_token_threshold is fixed (turn it off to record)")
     if config.speculative_config is not None:
         raise RecorderError("schedspec recorder: speculative_config is set; drafts are not recorded yet")
     if scheduler.connector is not None:
@@ -491,11 +503,6 @@ def _make_recording_class(base: type, asynchronous: bool = False) -> type:
             path = os.environ.get(TRACE_VARIABLE)
             if not path:
                 raise RecorderError(f"schedspec recorder: set {TRACE_VARIABLE} to the trace file to write")
-            try:
-                trace = open(path, "x", encoding="utf-8")  # noqa: SIM115  (closed by the writer's close)
-            except FileExistsError:
-                raise RecorderError(f"schedspec recorder: {TRACE_VARIABLE}={path}: the file exists; "
-                                    "the recorder never overwrites one (name a new file)") from None
             pool = self.kv_cache_manager.block_pool
             self._pool = pool
             self._block_size = self.block_size
@@ -533,8 +540,20 @@ def _make_recording_class(base: type, asynchronous: bool = False) -> type:
                              f"(recorded by schedspec_vllm_recorder)",
                 **({"async_scheduling": True} if asynchronous else {}),
             }
-            trace.write(json.dumps(header, separators=(",", ":")) + "\n")
-            trace.flush()
+            try:  # opened once the header is built: nothing between the open and the writer but the write
+                trace = open(path, "x", encoding="utf-8")  # noqa: SIM115  (closed by the writer's close)
+            except FileExistsError:
+                raise RecorderError(f"schedspec recorder: {TRACE_VARIABLE}={path}: the file exists; "
+                                    "the recorder never overwrites one (name a new file)") from None
+            try:
+                trace.write(json.dumps(header, separators=(",", ":")) + "\n")
+                trace.flush()
+            except BaseException as error:  # a full disk, an unwritable value: the file is not left open
+                try:
+                    trace.close()
+                except OSError:
+                    pass  # the buffered header cannot be written either; the first error is the one to report
+                raise RecorderError(f"schedspec recorder: writing the trace header to {path} failed: {error!r}") from error
             self._step = 0
             self._arrivals: list[tuple[Any, ...]] = []
             self._aborts: list[str] = []
@@ -831,9 +850,9 @@ def _make_recording_class(base: type, asynchronous: bool = False) -> type:
                 wasted = {item[0]: item[2] for item in record["items"] if item[0] in ended}
                 freed = {**record["aborted_freed"], **record["freed"], **record["late_freed"]}
                 num_free, num_running, num_waiting = record["counts"]
-                self._writer.queue.put((self._step, record["start"], update_start, record["arrivals"], record["aborts"],
-                                        record["items"], list(freed.items()), record["preempted"], record["evicted"],
-                                        sampled, finished, num_free, num_running, num_waiting, wasted))
+                self._writer.put((self._step, record["start"], update_start, record["arrivals"], record["aborts"],
+                                  record["items"], list(freed.items()), record["preempted"], record["evicted"],
+                                  sampled, finished, num_free, num_running, num_waiting, wasted))
                 self._step += 1
                 self._last_finished = record["finished"]
 
@@ -899,9 +918,9 @@ def _make_recording_class(base: type, asynchronous: bool = False) -> type:
                         num_waiting += 1
                 blocks = self._pool.blocks
                 num_free -= sum(1 for b in held if blocks[b].ref_cnt == 0)
-            self._writer.queue.put((self._step, flight[1], update_start, self._arrivals, self._aborts, flight[2],
-                                    list(freed.items()), self.preempted_order, self._evicted, sampled, finished,
-                                    num_free, num_running, num_waiting))
+            self._writer.put((self._step, flight[1], update_start, self._arrivals, self._aborts, flight[2],
+                              list(freed.items()), self.preempted_order, self._evicted, sampled, finished,
+                              num_free, num_running, num_waiting))
             self._step += 1
             self._arrivals = []
             self._aborts = deferred

@@ -58,6 +58,7 @@ from schedspec.reference.scheduler import (
     UnsupportedFeature,
     make_scheduler,
 )
+from schedspec.reference.vllm_v1 import startup_blocks
 from schedspec.spec.config import ConfigError, SchedulerConfig
 from schedspec.spec.trace import StepRecord
 from schedspec.spec.workload import RequestSpec
@@ -319,7 +320,9 @@ def scenarios(changes: dict[str, Any],
     """``(config, requests, acceptance)``: a config from :func:`schedspec.testing.scheduler_configs` (with
     ``long_prefill_token_threshold`` at most ``max_model_len``, as vLLM requires) with ``changes``
     applied (drawn configs that ``changes`` make invalid are discarded; at least two tokens of
-    ``max_model_len``), and :func:`_possible_requests` for it (``grammar_steps`` passed on)."""
+    ``max_model_len``; with KV cache groups, at least the blocks vLLM's start-up check asks for,
+    :func:`~schedspec.reference.vllm_v1.startup_blocks`), and :func:`_possible_requests` for it (``grammar_steps``
+    passed on)."""
 
     def apply(config: SchedulerConfig) -> SchedulerConfig | None:
         try:
@@ -327,9 +330,13 @@ def scenarios(changes: dict[str, Any],
                 # vLLM refuses a threshold above max_model_len (SchedulerConfig.verify_max_model_len);
                 # the spec allows it, with the same effect as max_model_len
                 config = config.with_changes(long_prefill_token_threshold=config.max_model_len)
-            return config.with_changes(**changes) if changes else config
+            config = config.with_changes(**changes) if changes else config
         except (ConfigError, TypeError):
             return None
+        if config.kv_cache_groups and config.num_kv_blocks < startup_blocks(config):
+            # vLLM's start-up check refuses a pool a max_model_len request cannot fit (its gate included)
+            config = config.with_changes(num_kv_blocks=startup_blocks(config))
+        return config
 
     configs = scheduler_configs().map(apply).filter(lambda c: c is not None and c.max_model_len >= 2)
     return configs.flatmap(lambda c: _possible_requests(c, grammar_steps).map(lambda drawn: (c, *drawn)))
