@@ -87,7 +87,8 @@ except ImportError:  # pragma: no cover - the plain json module is as correct, s
     _loads = json.loads
 
 MAP_FIELDS = ("blocks_allocated", "blocks_freed", "prefix_hit_tokens", "prefix_hit_blocks", "finished", "rejected",
-              "sampled_token_ids", "num_accepted_tokens", "draft_token_ids", "wasted_tokens")
+              "sampled_token_ids", "num_accepted_tokens", "draft_token_ids", "wasted_tokens", "group_blocks_allocated",
+              "blocks_skipped")
 """The record fields whose values are JSON objects (besides ``arrivals[]`` and ``scheduled[]``): with the
 record itself, every object a valid record holds (``tests/test_fast_check.py`` reads the schema to check it),
 for the repeated-key screen."""
@@ -101,9 +102,10 @@ _QUOTE_SPACE = re.compile(rb'"[ \t\r\n]')
 hands such a line to the strict reader."""
 
 _UNMODELLED_RECORD_FIELDS = ("num_accepted_tokens", "draft_token_ids", "prefix_hit_blocks", "blocks_evicted",
-                             "wasted_tokens")
+                             "wasted_tokens", "group_blocks_allocated", "blocks_skipped")
 """Record fields that, not empty, make :func:`fast_check` fall back (speculative decoding, prefix caching,
-asynchronous scheduling: the plain path judges them; with those features off each is a violation)."""
+asynchronous scheduling, hybrid KV cache groups: the plain path judges them; with those features off each is
+a violation, or an empty entry that the fast path does not tell apart)."""
 
 
 FAST_CONFIG_FIELDS = ("block_size", "num_kv_blocks", "max_num_batched_tokens", "max_num_seqs", "max_model_len",
