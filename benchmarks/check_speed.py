@@ -9,10 +9,14 @@ system, of the child process) and wall seconds, steps per CPU second and per wal
 issue's target (issue 26: 20,000 steps/s on one core). The same subprocess judging an empty trace
 (the header only) gives the start-up cost, printed beside the figures.
 
-The **peer**, in the same run on the same file: the same command with the previous reading path,
-``jsonschema``'s ``best_match(iter_errors(...))`` on every line (the compiled ``jsonschema-rs`` screen of
-``schedspec.spec.trace`` turned off, so every line goes to the definition). Both must give the same
-verdict; the benchmark fails (exit 1) where they differ.
+Each file is judged three ways, side by side: ``schedspec check FILE`` as a user runs it (the fast path,
+``spec/fast_check.py``, certifies a legal trace; the plain path judges what it cannot certify), the
+**plain path** alone (``schedspec check --no-fast-path FILE``: the spec's persistent state, the incremental
+checker, a ``StepRecord`` per line), and the **peer** (unless ``--no-peer``): the plain path with the previous
+reading path, ``jsonschema``'s ``best_match(iter_errors(...))`` on every line (the compiled ``jsonschema-rs``
+screen of ``schedspec.spec.trace`` turned off, so every line goes to the definition;
+``SCHEDSPEC_NO_FAST_PATH=1``). All must give the same verdict; the benchmark fails (exit 1) where they
+differ.
 
 Traces (``--only``): ``azure-120`` (the lab's default window: the Azure 2023 conversation trace, first
 120 s), ``azure-600`` (its first 600 s), ``mooncake-120`` (Mooncake conversation trace, first 120 s,
@@ -73,10 +77,18 @@ def _peer_main(path: str) -> None:
 
     trace._fast_validator = lambda part, version: NoScreen()
     trace._no_duplicate_keys = no_duplicate_keys
+    os.environ["SCHEDSPEC_NO_FAST_PATH"] = "1"  # the plain path, as before the fast path existed
     from schedspec.cli import main
 
     sys.argv = ["schedspec", "check", path]
     main()
+
+
+def _version(name: str) -> str:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "not installed (the fast path reads with json)"
 
 
 def _timed(command: list[str]) -> tuple[float, float, subprocess.CompletedProcess]:
@@ -142,7 +154,8 @@ def main() -> None:
                             text=True, check=False).stdout.strip() or "?"
     print(f"conditions: python {platform.python_version()}; {os.cpu_count()} cpus "
           f"({platform.processor() or platform.machine()}); load average {os.getloadavg()[0]:.1f} at start; "
-          f"jsonschema {metadata.version('jsonschema')}, jsonschema-rs {metadata.version('jsonschema-rs')}; "
+          f"jsonschema {metadata.version('jsonschema')}, jsonschema-rs {metadata.version('jsonschema-rs')}, "
+          f"orjson {_version('orjson')}; "
           f"commit {commit}; CPU = user + system seconds of the `schedspec check` process, one core "
           f"(it runs single-threaded); least of {args.repeat} run(s); target {TARGET_STEPS_PER_S:,} steps/s")
     print("traces:")
@@ -155,14 +168,15 @@ def main() -> None:
     print(f"start-up: `schedspec check` on a header-only trace (0 steps): {startup:.2f} s CPU "
           "(included in every figure below)")
 
-    header = (f"{'trace':<20} {'runner':<26} {'steps':>7} {'CPU s':>7} {'wall s':>7} {'steps/CPU s':>11} "
+    header = (f"{'trace':<20} {'runner':<28} {'steps':>7} {'CPU s':>7} {'wall s':>7} {'steps/CPU s':>11} "
               f"{'steps/wall s':>12}  {'target':>8}  verdict")
     print(header)
     print("-" * len(header))
     mismatch = False
     for name in names:
         path = paths[name]
-        runners = [("schedspec check", [*SCHEDSPEC, "check", str(path)])]
+        runners = [("schedspec check (fast path)", [*SCHEDSPEC, "check", str(path)]),
+                   ("plain: --no-fast-path", [*SCHEDSPEC, "check", "--no-fast-path", str(path)])]
         if not args.no_peer:
             runners.append(("peer: jsonschema every line", [sys.executable, __file__, "--peer-run", str(path)]))
         verdicts = []
@@ -176,7 +190,7 @@ def main() -> None:
             code, steps, summary = _verdict(done)
             verdicts.append((code, steps, summary))
             met = "met" if steps > 0 and steps / cpu >= TARGET_STEPS_PER_S else "not met"
-            print(f"{name:<20} {label:<26} {steps:>7,} {cpu:>7.2f} {wall:>7.2f} {_rate(steps, cpu):>11} "
+            print(f"{name:<20} {label:<28} {steps:>7,} {cpu:>7.2f} {wall:>7.2f} {_rate(steps, cpu):>11} "
                   f"{_rate(steps, wall):>12}  {met:>8}  exit {code}: {summary}", flush=True)
         if len({v for v in verdicts}) > 1:
             mismatch = True

@@ -147,6 +147,7 @@ def test_check_text_names_the_case_of_a_cased_violation(tmp_path, monkeypatch):
     plain = Violation("token-budget", "9 tokens scheduled > 8", 2, kind="rule")
     monkeypatch.setattr(check_command, "check_trace", lambda *args, **kwargs: CheckReport(
         violations=[cased, plain], steps_checked=3, first_bad_step=2, valid_prefix=2))
+    monkeypatch.setenv("SCHEDSPEC_NO_FAST_PATH", "1")  # else the legal trace is certified without check_trace
     path, _ = _good_trace(tmp_path)
     text = CliRunner().invoke(cli, ["check", str(path)]).stdout.splitlines()
     assert f"VIOLATION {cased} [code block-conservation:terminal-owns-blocks]" in text

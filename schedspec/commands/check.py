@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import click
 
 from schedspec.cli_common import EXIT_CHECK_FAILED, EXIT_UNSUPPORTED, fail, one_line, plural
 from schedspec.spec.checker import DEFAULT_PROPERTIES, CheckReport, check_trace
+from schedspec.spec.fast_check import fast_check
 from schedspec.spec.properties import PROPERTIES
 from schedspec.spec.state import SchedulerState
 from schedspec.spec.trace import TraceFormatError, open_trace
@@ -62,14 +64,18 @@ def _print_report(report: CheckReport, limit: int) -> None:
 @click.option("--full", is_flag=True,
               help="Check invariants with the full definition (check_step) instead of the incremental checker "
                    "(the same verdicts, tested; the incremental one is faster on long traces).")
+@click.option("--no-fast-path", is_flag=True,
+              help="Judge every step with the plain spec path only (by default a fast screen certifies a legal "
+                   "trace and any step it cannot certify is judged by the plain path from the start: the same "
+                   "output; spec/fast_check.py). The environment variable SCHEDSPEC_NO_FAST_PATH=1 does the same.")
 @click.option("--allow-unfinished", is_flag=True,
               help="The trace is a window cut from a running engine's log: requests still live at its end are "
                    "not reported (by default each is an unfinished-request violation).")
 @click.option("--json", "as_json", is_flag=True, help="Print the verdict as one JSON object.")
 @click.option("--max-violations", default=20, show_default=True, type=click.IntRange(min=1),
               help="Violations printed (all are counted).")
-def command(trace: str, properties: tuple[str, ...], keep_going: bool, full: bool, allow_unfinished: bool,
-            as_json: bool, max_violations: int) -> None:
+def command(trace: str, properties: tuple[str, ...], keep_going: bool, full: bool, no_fast_path: bool,
+            allow_unfinished: bool, as_json: bool, max_violations: int) -> None:
     """Judge a StepRecord JSON Lines trace (schema: docs/trace-schema.json) against the spec: replay it,
     check every plan against the rules, every state against the invariants and every field of every
     record against what the spec says happened; stop at the first illegal step and show it; at the end
@@ -94,9 +100,14 @@ def command(trace: str, properties: tuple[str, ...], keep_going: bool, full: boo
             # the processed tokens, request.num_in_flight_tokens) are not specified
             fail(f"{trace}: header: async_scheduling with kv_cache_groups: the spec does not specify a sliding "
                  "window's frees for plans made while a step is in flight", status=EXIT_UNSUPPORTED)
-        report = check_trace(opened.config, opened.records(), DEFAULT_PROPERTIES + properties, keep_going,
-                             incremental=not full, allow_unfinished=allow_unfinished,
-                             async_scheduling=opened.async_scheduling)
+        names = DEFAULT_PROPERTIES + properties
+        report = None
+        if not (full or no_fast_path or os.environ.get("SCHEDSPEC_NO_FAST_PATH", "") not in ("", "0")):
+            report = fast_check(opened, names, keep_going, allow_unfinished)
+        if report is None:  # not certified by the fast path: the plain path judges the whole trace
+            report = check_trace(opened.config, opened.records(), names, keep_going,
+                                 incremental=not full, allow_unfinished=allow_unfinished,
+                                 async_scheduling=opened.async_scheduling)
     except TraceFormatError as error:
         fail(str(error))
     if as_json:
