@@ -65,6 +65,12 @@ class SchedulerState:
         prefill_cadence: with ``prefill_schedule_interval > 1`` only, the step history the cadence needs
             (:class:`PrefillCadence`); ``None`` before the first step and whenever the cadence is off, so a
             state without it is what it was before it existed.
+        delayed_frees: KV connector: request id -> the blocks a transfer still holds after its request ended
+            (vLLM ``Scheduler._free_request(delay_free_blocks=True)``: the request stays in
+            ``Scheduler.requests`` until ``_update_from_kv_xfer_finished`` frees them): a request aborted while
+            its remote KV load was in flight (WAITING_FOR_REMOTE_KVS), freed when the load lands
+            (``finished_recving``), and a ``kv_send`` request that finished, freed when its send completes
+            (``finished_sending``). Every id is a terminal request's; empty without a KV connector.
     """
 
     step: int = 0
@@ -77,6 +83,7 @@ class SchedulerState:
     prefix_cache: PrefixCache | None = None
     in_flight: InFlightStep | None = None
     prefill_cadence: PrefillCadence | None = None
+    delayed_frees: Mapping[str, tuple[int, ...]] = attrs.field(default=MappingProxyType({}), converter=_readonly)
 
     @classmethod
     def initial(cls, config: SchedulerConfig, asynchronous: bool = False) -> SchedulerState:
@@ -293,6 +300,56 @@ class ScheduledRequest:
 
 
 @attrs.frozen(slots=True)
+class KVLoad:
+    """A remote KV load the plan starts (KV connector, vLLM ``Scheduler.schedule`` with ``load_kv_async``):
+    the request gets blocks for the tokens the transfer fills and waits in WAITING_FOR_REMOTE_KVS, holding
+    them, without computing a token this step.
+
+    Attributes:
+        request_id: a waiting request never admitted whose ``num_external_computed_tokens`` > 0.
+        num_tokens: the tokens the transfer loads, positions ``[0, num_tokens)`` of its prompt (tokens): the
+            request's ``num_external_computed_tokens`` (rule ``load-as-offered``).
+        new_block_ids: the blocks that hold them, ``blocks_for_tokens(num_tokens)`` of them, from the free
+            queue (vLLM ``KVCacheManager.allocate_slots`` with ``num_new_tokens=0`` and
+            ``num_external_computed_tokens=num_tokens``).
+    """
+
+    request_id: str
+    num_tokens: int
+    new_block_ids: tuple[int, ...] = ()
+
+
+@attrs.frozen(slots=True)
+class KVTransferOutput:
+    """The KV connector's report after a step (vLLM ``KVConnectorOutput``, handed to
+    ``Scheduler.update_from_output``), applied after the step's samples
+    (:func:`~schedspec.spec.transitions.land_transfers`).
+
+    Attributes:
+        finished_recving: ids whose remote KV load landed (vLLM ``finished_recving``): a WAITING_FOR_REMOTE_KVS
+            request, or one aborted while it loaded (its blocks, held in ``delayed_frees``, are freed).
+        invalid_block_ids: blocks a landing load failed to fill (vLLM ``invalid_block_ids``, handled by
+            ``Scheduler._handle_invalid_blocks`` with the recompute policy): each is a block of a request in
+            ``finished_recving`` of this report. The request keeps as computed only the tokens before its
+            first invalid block, and recomputes the rest.
+        finished_sending: ids whose KV send completed (vLLM ``finished_sending``): their blocks, held in
+            ``delayed_frees``, are freed.
+    """
+
+    finished_recving: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    invalid_block_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    finished_sending: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.finished_recving or self.invalid_block_ids or self.finished_sending)
+
+
+NO_TRANSFERS = KVTransferOutput()
+"""The :class:`KVTransferOutput` of a step without a KV connector: nothing landed or was sent."""
+
+
+@attrs.frozen(slots=True)
 class StepPlan:
     """What one step does, decided before the forward pass.
 
@@ -302,11 +359,14 @@ class StepPlan:
             them; each releases all its blocks and is prepended to the waiting queue in this order,
             so the last one listed ends up at the front.
         rejected: ``(request_id, reason)`` for waiting requests ended without being admitted.
+        loads: KV connector: the remote KV loads the step starts (:class:`KVLoad`), in the order the policy
+            chose them; each takes its blocks after the batch's. Empty without a connector.
     """
 
     scheduled: tuple[ScheduledRequest, ...] = ()
     preempted: tuple[str, ...] = ()
     rejected: tuple[tuple[str, str], ...] = ()
+    loads: tuple[KVLoad, ...] = ()
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -315,7 +375,7 @@ class StepPlan:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.scheduled or self.preempted or self.rejected)
+        return not (self.scheduled or self.preempted or self.rejected or self.loads)
 
 
 @attrs.frozen(slots=True)

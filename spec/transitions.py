@@ -19,7 +19,10 @@ it changes). The client's actions happen between steps: a request **arrives**
   nothing while their options are off: ``active-sequence-cap``, ``lora-limit``,
   ``grammar-ready-before-admission``, ``watermark``, ``prefill-cadence``; and with a step in flight (asynchronous
   scheduling) also ``in-flight-foreseen-length``, ``in-flight-blocks-held-when-planned``,
-  ``in-flight-arrivals-wait`` and ``wasted-item-continues``.
+  ``in-flight-arrivals-wait`` and ``wasted-item-continues``; and, with a KV connector, ``wait-for-remote-kv``.
+- :func:`start_load`: (KV connector) a waiting request takes blocks for the prefix a remote KV transfer
+  fills and waits in WAITING_FOR_REMOTE_KVS until it lands (:func:`land_transfers`, after the samples).
+  Guard: ``load-as-offered``, ``load-blocks-exact``.
 - :func:`sample`: a request whose chunk reached the end of its sequence appends its accepted drafts and
   the sampled token, stopping at the first that stops it (:func:`stop_reason`), and gives back its
   rejected drafts. Guard: none (the model chooses the tokens and what it accepts).
@@ -62,7 +65,10 @@ from schedspec.spec.prefix_cache import CacheUpdate
 from schedspec.spec.request import Request, RequestStatus
 from schedspec.spec.state import (
     NO_SPECULATION,
+    NO_TRANSFERS,
     InFlightStep,
+    KVLoad,
+    KVTransferOutput,
     ScheduledRequest,
     SchedulerState,
     SpeculativeOutput,
@@ -105,6 +111,7 @@ def add_request(state: SchedulerState, request: Request) -> SchedulerState:
         or request.num_computed_tokens
         or request.output_token_ids
         or request.block_ids
+        or request.kv_load_step is not None
     ):
         raise PlanError(f"request_id={request_id!r} is not a fresh request (status={request.status.value})")
     return attrs.evolve(
@@ -127,6 +134,11 @@ def abort_request(state: SchedulerState, request_id: str) -> SchedulerState:
     was made: the request joins ``in_flight.ended`` and its blocks ``in_flight.freed_blocks``, so that
     plan's work for it is wasted and it hands none of those blocks out (vLLM ``Scheduler.finish_requests``
     frees them at once; ``update_from_output`` then skips the request).
+
+    KV connector: a request aborted while its remote KV load is in flight (WAITING_FOR_REMOTE_KVS) frees
+    nothing yet: the transfer still writes its blocks, which move to ``delayed_frees`` until the load lands
+    (vLLM ``Scheduler.finish_requests``: ``delay_free_blocks`` when the id is not in
+    ``finished_recving_kv_req_ids``; ``_update_from_kv_xfer_finished`` frees them).
     """
     request = state.requests.get(request_id)
     if request is None:
@@ -136,6 +148,11 @@ def abort_request(state: SchedulerState, request_id: str) -> SchedulerState:
     aborted = evolve(request, status=RequestStatus.FINISHED_ABORTED, finish_reason="abort", block_ids=(),
                      spec_token_ids=())
     cache = state.prefix_cache
+    delayed = state.delayed_frees
+    if request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+        delayed = MappingProxyType({**delayed, request_id: request.block_ids})
+        return attrs.evolve(state, waiting=tuple(r for r in state.waiting if r != request_id), requests=requests,
+                            finished=state.finished.with_added({request_id: aborted}), delayed_frees=delayed)
     if cache is None:
         free = FreeQueue.of(state.free_block_ids).pushed_front(tuple(reversed(request.block_ids)))
     else:
@@ -192,11 +209,26 @@ class StepInProgress:
     stopped: list[str] = attrs.field(factory=list)
     cache: CacheUpdate | None = None
     """With prefix caching: the working copy of the prefix cache and the free queue."""
+    delayed: dict[str, tuple[int, ...]] | None = None
+    """KV connector: the working copy of ``delayed_frees`` (``None``: unchanged in this step)."""
 
     @classmethod
     def begin(cls, state: SchedulerState, config: SchedulerConfig) -> StepInProgress:
         cache = CacheUpdate(state.prefix_cache, state.free_block_ids) if state.prefix_cache is not None else None
         return cls(state, config, live_copy(state.requests), list(state.waiting), list(state.running), cache=cache)
+
+    def delay_free(self, request_id: str, block_ids: tuple[int, ...]) -> None:
+        """Hold ``block_ids`` of the ended ``request_id`` for a transfer (``SchedulerState.delayed_frees``)."""
+        if self.delayed is None:
+            self.delayed = dict(self.before.delayed_frees)
+        self.delayed[request_id] = block_ids
+
+    def free_delayed(self, request_id: str) -> None:
+        """Its transfer done, the blocks held for the ended ``request_id`` go to the front of the free queue,
+        last block first."""
+        if self.delayed is None:
+            self.delayed = dict(self.before.delayed_frees)
+        self.freed[:0] = reversed(self.delayed.pop(request_id))
 
     def live(self, request_id: str) -> Request:
         """The live request with this id. Raises :class:`PlanError` if there is none."""
@@ -222,6 +254,7 @@ class StepInProgress:
             free_block_ids=free if cache is None else tuple(free),
             num_requests_added=self.before.num_requests_added,
             prefix_cache=cache,
+            delayed_frees=self.before.delayed_frees if self.delayed is None else MappingProxyType(self.delayed),
         )
         return StepResult(state, tuple(self.stopped), tuple(self.sampled))
 
@@ -357,12 +390,93 @@ def sample(step: StepInProgress, request_id: str, token_id: int, item: Scheduled
     status, reason = ending
     del step.requests[request_id]
     step.running.remove(request_id)
-    if step.cache is not None:
+    if request.kv_send:  # KV connector: its blocks are sent; freed when the send completes (land_transfers)
+        step.delay_free(request_id, request.block_ids)
+    elif step.cache is not None:
         step.cache.release(request.block_ids)
     else:
         step.freed[:0] = reversed(request.block_ids)
     step.ended[request_id] = evolve(request, status=status, finish_reason=reason, block_ids=())
     step.stopped.append(request_id)
+
+
+def start_load(step: StepInProgress, load: KVLoad) -> None:
+    """**Start a remote KV load** (KV connector): the waiting request takes ``load.new_block_ids`` from the
+    free queue (after the batch's blocks), counts the ``load.num_tokens`` tokens the transfer will write as
+    computed, records ``kv_load_step`` and waits, in its place in the queue, in WAITING_FOR_REMOTE_KVS until
+    the transfer lands (:func:`land_transfers`). vLLM ``Scheduler.schedule``: with ``load_kv_async``,
+    ``allocate_slots(num_new_tokens=0, num_external_computed_tokens=...)``, ``request.status =
+    WAITING_FOR_REMOTE_KVS``, ``request.num_computed_tokens = num_computed_tokens`` ("will not be used
+    anywhere until the request finished the KV transfer"); the request is skipped into
+    ``kv_holding_waiting``. It computes nothing and takes no ``max_num_seqs`` slot.
+
+    Raises:
+        PlanError: prefix caching is on (remote loads with a local prefix hit are not specified).
+    """
+    if step.cache is not None:
+        raise PlanError(f"request_id={load.request_id!r}: remote KV loads with enable_prefix_caching are not "
+                        "specified")
+    request = step.live(load.request_id)
+    step.taken.extend(load.new_block_ids)
+    step.requests[load.request_id] = evolve(request, status=RequestStatus.WAITING_FOR_REMOTE_KVS,
+                                            num_computed_tokens=load.num_tokens, block_ids=load.new_block_ids,
+                                            kv_load_step=step.before.step)
+
+
+def land_transfers(step: StepInProgress, transfers: KVTransferOutput) -> None:
+    """The KV connector's report after the step (after the samples; vLLM ``Scheduler.update_from_output``
+    handles ``kv_connector_output`` there): each load in ``finished_recving`` **lands**, each send in
+    ``finished_sending`` completes.
+
+    A landing request that is live (WAITING_FOR_REMOTE_KVS) is WAITING again and keeps its blocks; its
+    computed tokens are the loaded ones up to its first block in ``invalid_block_ids`` (block i invalid:
+    ``i * block_size`` tokens stay computed, the rest is recomputed in those same blocks: vLLM
+    ``Scheduler._handle_invalid_blocks``, recompute policy, ``_update_requests_with_invalid_blocks``); if
+    none stay computed it frees its blocks, to the front of the free queue, last block first
+    (``_update_waiting_for_remote_kv``: ``kv_cache_manager.free``), and is a fresh request again, with no load
+    to start. A load that covered the whole sequence leaves its last token to compute, so that it samples
+    (``num_computed_tokens = num_tokens - 1``). vLLM promotes the request in its next ``Scheduler.schedule``
+    (``_handle_blocked_waiting_request``); the spec does it here, which is the same for what the next plan may
+    do, except that vLLM frees a failed load's blocks inside that plan. A landing request that was aborted
+    while it loaded, and a completed send, free the blocks held for them in ``delayed_frees``.
+
+    Raises:
+        PlanError: an id that has no load in flight (or no send), or an invalid block of no landing request.
+    """
+    before = step.before
+    landing = set(transfers.finished_recving)
+    owner = {b: r for r in landing if r in step.requests for b in step.requests[r].block_ids}
+    for block_id in transfers.invalid_block_ids:
+        if block_id not in owner:
+            raise PlanError(f"invalid block {block_id} at step {before.step} belongs to no load that lands")
+    invalid = frozenset(transfers.invalid_block_ids)
+    size = step.config.block_size
+    for request_id in transfers.finished_recving:
+        request = step.requests.get(request_id)
+        if request is not None and request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+            computed = next((i * size for i, b in enumerate(request.block_ids) if b in invalid),
+                            request.num_computed_tokens)
+            changes: dict = {"status": RequestStatus.WAITING, "num_computed_tokens": computed}
+            if computed == 0:
+                step.freed[:0] = reversed(request.block_ids)
+                changes["block_ids"] = ()
+            elif computed == request.num_tokens:
+                changes["num_computed_tokens"] = computed - 1
+            step.requests[request_id] = evolve(request, **changes)
+            continue
+        ended = before.finished.get(request_id) if request is None else None
+        if (ended is None or ended.status is not RequestStatus.FINISHED_ABORTED or ended.kv_load_step is None
+                or request_id not in (before.delayed_frees if step.delayed is None else step.delayed)):
+            raise PlanError(f"request_id={request_id!r}: finished_recving at step {before.step}, but it has no "
+                            "remote KV load in flight")
+        step.free_delayed(request_id)
+    for request_id in transfers.finished_sending:
+        ended = before.finished.get(request_id, step.ended.get(request_id))
+        if (ended is None or not ended.kv_send or ended.status is RequestStatus.FINISHED_ABORTED
+                or request_id not in (before.delayed_frees if step.delayed is None else step.delayed)):
+            raise PlanError(f"request_id={request_id!r}: finished_sending at step {before.step}, but it has no "
+                            "KV send in flight")
+        step.free_delayed(request_id)
 
 
 def propose_drafts(step: StepInProgress, request_id: str, draft_token_ids: tuple[int, ...],
@@ -411,6 +525,7 @@ def apply_plan(
     sampled_token_ids: Mapping[str, int],
     config: SchedulerConfig,
     speculative: SpeculativeOutput = NO_SPECULATION,
+    transfers: KVTransferOutput = NO_TRANSFERS,
 ) -> StepResult:
     """One step: apply an allowed plan and the tokens the model sampled, action by action.
 
@@ -424,6 +539,8 @@ def apply_plan(
         speculative: speculative decoding's inputs (:class:`~schedspec.spec.state.SpeculativeOutput`):
             the accepted drafts per request that verified drafts, and the drafts proposed after the step
             (:func:`propose_drafts`, applied after every sample).
+        transfers: the KV connector's report after the step (:class:`~schedspec.spec.state.KVTransferOutput`,
+            :func:`land_transfers`, applied last); nothing without a connector.
 
     Returns:
         :class:`StepResult`: the state after the step (``step`` advanced by one) and what ended. With a step
@@ -435,7 +552,8 @@ def apply_plan(
     Raises:
         PlanError: a named request is not live, a sampling request has no sampled token, an accepted
             count is outside ``[0, d]`` or given for a request that verified no drafts, or a proposal
-            is longer than ``num_speculative_tokens`` (:func:`propose_drafts`).
+            is longer than ``num_speculative_tokens`` (:func:`propose_drafts`), a remote KV load with prefix
+            caching (:func:`start_load`), or a transfer report it cannot apply (:func:`land_transfers`).
     """
     plan, wasted = landed_plan(state, plan)  # a plan made with a step in flight: its wasted items do nothing
     step = StepInProgress.begin(state, config)
@@ -445,6 +563,8 @@ def apply_plan(
         reject(step, request_id, reason)
     for item in plan.scheduled:
         schedule(step, item)
+    for load in plan.loads:
+        start_load(step, load)
     for item in plan.scheduled:  # the forward pass ran; now each request that reached its end samples
         if samples_this_step(state.requests[item.request_id], item):
             if item.request_id not in sampled_token_ids:
@@ -466,6 +586,8 @@ def apply_plan(
         sampled = set(step.sampled)
         for request_id, drafts in speculative.draft_token_ids.items():
             propose_drafts(step, request_id, drafts, sampled)
+    if transfers is not NO_TRANSFERS and not transfers.is_empty:
+        land_transfers(step, transfers)
     result = step.end()
     if config.prefill_schedule_interval > 1:  # the cadence's step history (off: the state has none)
         cadence = cadence_after(state, plan, result.state.waiting, config)

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from test_in_flight import IN_FLIGHT_RULE_CASES
 from test_limits import LIMIT_RULE_CASES
 from test_prefix_cache import PREFIX_RULE_CASES
+from test_remote_kv import REMOTE_KV_RULE_CASES
 from test_speculative import SPEC_RULE_CASES
 
 from schedspec.spec.admission import rejection_reason
@@ -174,6 +175,7 @@ CASES.update(PREFIX_RULE_CASES)  # the prefix-caching rules' cases live with the
 CASES.update(SPEC_RULE_CASES)  # and the speculative-decoding rules' with the speculative-decoding tests
 CASES.update(IN_FLIGHT_RULE_CASES)  # and the rules of a step in flight with its tests (test_in_flight.py)
 CASES.update(LIMIT_RULE_CASES)  # and the per-step limits' (max_loras, ...) with their tests
+CASES.update(REMOTE_KV_RULE_CASES)  # and the remote KV loads' (test_remote_kv.py)
 
 
 def test_every_rule_has_a_case() -> None:

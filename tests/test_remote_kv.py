@@ -1,0 +1,206 @@
+"""Requests that wait holding blocks: remote KV loads and delayed frees (the KV connector).
+
+vLLM 0.32 ``vllm/v1/core/sched/scheduler.py``: a request whose connector answers ``load_kv_async`` gets
+blocks for the loaded prefix and waits in ``WAITING_FOR_REMOTE_KVS`` until the transfer lands
+(``_update_waiting_for_remote_kv``); a failed transfer's invalid blocks are recomputed from the last valid
+token (``_handle_invalid_blocks``, recompute policy); an abort while loading, and a finished request whose
+blocks are being sent, free their blocks later (``delay_free_blocks``, ``_update_from_kv_xfer_finished``).
+Each new rule and invariant has a failing case here (registered with the others' in ``test_rules.py`` and
+``test_invariants.py``), and the transitions are walked step by step with the invariants checked after each.
+"""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+
+from schedspec.spec.config import SchedulerConfig
+from schedspec.spec.invariants import check_state, check_step
+from schedspec.spec.request import Request, RequestStatus
+from schedspec.spec.rules import violated_rules
+from schedspec.spec.state import KVLoad, KVTransferOutput, ScheduledRequest, SchedulerState, StepPlan
+from schedspec.spec.transitions import PlanError, abort_request, add_request, apply_plan
+
+# block_size 4, 8 blocks, budget 16 tokens, 2 sequences, max_model_len 32.
+CONFIG = SchedulerConfig(block_size=4, num_kv_blocks=8, max_num_batched_tokens=16, max_num_seqs=2, max_model_len=32)
+PROMPT = tuple(range(100, 110))  # 10 tokens; the connector offers the first 8 (2 blocks)
+
+
+def fresh(**changes) -> Request:
+    return attrs.evolve(Request("r", 0, PROMPT, max_tokens=3, num_external_computed_tokens=8), **changes)
+
+
+def with_request(request: Request) -> SchedulerState:
+    return add_request(SchedulerState.initial(CONFIG), request)
+
+
+LOAD = StepPlan(loads=(KVLoad("r", 8, (0, 1)),))
+
+
+def loading() -> SchedulerState:
+    """After step 0: r waits for its remote KV in blocks 0, 1."""
+    state = with_request(fresh())
+    after = apply_plan(state, LOAD, {}, CONFIG).state
+    assert check_step(state, LOAD, after, CONFIG) == []
+    return after
+
+
+def step(state: SchedulerState, plan: StepPlan, sampled=None, transfers=None) -> SchedulerState:
+    """Apply an allowed plan; assert the rules allowed it and the invariants hold after."""
+    assert violated_rules(state, plan, CONFIG) == []
+    after = apply_plan(state, plan, sampled or {}, CONFIG, transfers=transfers or KVTransferOutput()).state
+    assert check_step(state, plan, after, CONFIG) == [], check_step(state, plan, after, CONFIG)
+    return after
+
+
+def test_a_load_holds_its_blocks_and_computes_nothing_until_it_lands() -> None:
+    state = loading()
+    r = state.requests["r"]
+    assert (r.status, r.block_ids, r.num_computed_tokens, r.kv_load_step) == (
+        RequestStatus.WAITING_FOR_REMOTE_KVS, (0, 1), 8, 0)
+    assert state.waiting == ("r",) and state.free_block_ids == (2, 3, 4, 5, 6, 7)
+    state = step(state, StepPlan())  # nothing landed: it still waits
+    state = step(state, StepPlan(), transfers=KVTransferOutput(finished_recving=("r",)))
+    r = state.requests["r"]
+    assert (r.status, r.block_ids, r.num_computed_tokens) == (RequestStatus.WAITING, (0, 1), 8)
+    # admitted on the loaded prefix: the 2 tokens left, into a third block
+    state = step(state, StepPlan(scheduled=(ScheduledRequest("r", 8, 2, (2,)),)), {"r": 7})
+    r = state.requests["r"]
+    assert (r.status, r.block_ids, r.num_computed_tokens, r.output_token_ids) == (
+        RequestStatus.RUNNING, (0, 1, 2), 10, (7,))
+
+
+def test_a_load_of_the_whole_prompt_leaves_its_last_token_to_compute() -> None:
+    state = with_request(fresh(prompt_token_ids=PROMPT[:8]))
+    state = step(state, LOAD, transfers=KVTransferOutput(finished_recving=("r",)))
+    assert state.requests["r"].num_computed_tokens == 7  # vLLM: num_computed_tokens = num_tokens - 1
+    state = step(state, StepPlan(scheduled=(ScheduledRequest("r", 7, 1),)), {"r": 5})
+    assert state.requests["r"].output_token_ids == (5,)
+
+
+def test_a_failed_load_keeps_the_tokens_before_its_first_invalid_block() -> None:
+    state = step(loading(), StepPlan(), transfers=KVTransferOutput(finished_recving=("r",), invalid_block_ids=(1,)))
+    r = state.requests["r"]
+    assert (r.status, r.block_ids, r.num_computed_tokens) == (RequestStatus.WAITING, (0, 1), 4)
+    # recomputes from token 4 into the blocks it holds, plus one for tokens 8, 9
+    state = step(state, StepPlan(scheduled=(ScheduledRequest("r", 4, 6, (2,)),)), {"r": 7})
+    assert state.requests["r"].num_computed_tokens == 10
+
+
+def test_a_load_failed_from_its_first_block_frees_everything() -> None:
+    state = step(loading(), StepPlan(), transfers=KVTransferOutput(finished_recving=("r",), invalid_block_ids=(0,)))
+    r = state.requests["r"]
+    assert (r.status, r.block_ids, r.num_computed_tokens) == (RequestStatus.WAITING, (), 0)
+    assert state.free_block_ids[:2] == (1, 0)  # to the front, last block first
+    # it offers no second load; it is admitted as a fresh prompt
+    again = StepPlan(loads=(KVLoad("r", 8, (0, 1)),))
+    assert [v.name for v in violated_rules(state, again, CONFIG)] == ["load-as-offered"]
+    step(state, StepPlan(scheduled=(ScheduledRequest("r", 0, 10, (0, 1, 2)),)), {"r": 7})
+
+
+def test_an_abort_while_loading_frees_the_blocks_when_the_load_lands() -> None:
+    state = abort_request(loading(), "r")
+    assert state.delayed_frees == {"r": (0, 1)} and state.free_block_ids == (2, 3, 4, 5, 6, 7)
+    assert check_state(state, CONFIG) == []
+    state = step(state, StepPlan())  # still held
+    assert state.delayed_frees == {"r": (0, 1)}
+    state = step(state, StepPlan(), transfers=KVTransferOutput(finished_recving=("r",)))
+    assert state.delayed_frees == {} and state.free_block_ids == (1, 0, 2, 3, 4, 5, 6, 7)
+
+
+def test_an_abort_after_the_load_landed_frees_at_once() -> None:
+    state = step(loading(), StepPlan(), transfers=KVTransferOutput(finished_recving=("r",)))
+    state = abort_request(state, "r")
+    assert state.delayed_frees == {} and state.free_block_ids[:2] == (1, 0)
+    assert check_state(state, CONFIG) == []
+
+
+def test_a_sending_request_frees_its_blocks_when_the_send_completes() -> None:
+    state = with_request(Request("s", 0, (1, 2, 3), max_tokens=1, kv_send=True))
+    state = step(state, StepPlan(scheduled=(ScheduledRequest("s", 0, 3, (0,)),)), {"s": 9})
+    assert state.finished["s"].status is RequestStatus.FINISHED_LENGTH and state.delayed_frees == {"s": (0,)}
+    assert 0 not in state.free_block_ids
+    state = step(state, StepPlan(), transfers=KVTransferOutput(finished_sending=("s",)))
+    assert state.delayed_frees == {} and state.free_block_ids[0] == 0
+
+
+@pytest.mark.parametrize("transfers", [
+    KVTransferOutput(finished_recving=("x",)),  # unknown id
+    KVTransferOutput(finished_sending=("r",)),  # a load, not a send
+    KVTransferOutput(invalid_block_ids=(0,)),  # an invalid block of no load that lands
+])
+def test_a_report_of_a_transfer_that_is_not_in_flight_is_refused(transfers: KVTransferOutput) -> None:
+    with pytest.raises(PlanError):
+        apply_plan(loading(), StepPlan(), {}, CONFIG, transfers=transfers)
+
+
+def test_a_second_landing_of_an_aborted_load_is_refused() -> None:
+    state = abort_request(loading(), "r")
+    state = step(state, StepPlan(), transfers=KVTransferOutput(finished_recving=("r",)))
+    with pytest.raises(PlanError):  # its blocks were freed once; freeing them again is no transfer of the spec
+        apply_plan(state, StepPlan(), {}, CONFIG, transfers=KVTransferOutput(finished_recving=("r",)))
+
+
+# --- each rule and invariant can fail (registered in test_rules.py and test_invariants.py) ---------------------
+
+
+def case_wait_for_remote_kv():
+    # r's load is in flight: scheduling it computes on blocks the transfer has not filled.
+    state = loading()
+    bad = StepPlan(scheduled=(ScheduledRequest("r", 8, 2, (2,)),))
+    return state, bad, StepPlan(), CONFIG
+
+
+def case_load_as_offered():
+    # the connector offers 8 tokens; a load of 4 is not what it offered.
+    state = with_request(fresh())
+    return state, StepPlan(loads=(KVLoad("r", 4, (0,)),)), LOAD, CONFIG
+
+
+def case_load_blocks_exact():
+    # 8 tokens fill 2 blocks; a third block is taken for nothing.
+    state = with_request(fresh())
+    return state, StepPlan(loads=(KVLoad("r", 8, (0, 1, 2)),)), LOAD, CONFIG
+
+
+REMOTE_KV_RULE_CASES = {
+    "wait-for-remote-kv": case_wait_for_remote_kv,
+    "load-as-offered": case_load_as_offered,
+    "load-blocks-exact": case_load_blocks_exact,
+}
+
+
+def case_delayed_frees_ended():
+    # blocks held for the transfer of r, which is live: only an ended request's blocks wait for a transfer.
+    good = abort_request(loading(), "r")
+    bad = attrs.evolve(loading(), delayed_frees={"r": (2,)}, free_block_ids=(3, 4, 5, 6, 7))
+    return bad, good, CONFIG, CONFIG
+
+
+REMOTE_KV_STATE_CASES = {"delayed-frees-ended": case_delayed_frees_ended}
+
+
+def test_the_waiting_invariant_says_which_waiting_requests_may_hold_blocks() -> None:
+    """``preempted-holds-nothing``: a loading or landed request holds exactly its load's blocks; a fresh one,
+    or one whose table is not its load's, holds nothing."""
+    state = loading()
+    assert check_state(state, CONFIG) == []
+    r = state.requests["r"]
+    names = lambda s: {v.name for v in check_state(s, CONFIG)}  # noqa: E731
+    # a fresh request (no load) holding the same blocks
+    assert "preempted-holds-nothing" in names(attrs.evolve(
+        state, requests={"r": attrs.evolve(r, status=RequestStatus.WAITING, kv_load_step=None)}))
+    # the load holding one block fewer than its tokens need
+    assert "preempted-holds-nothing" in names(attrs.evolve(
+        state, requests={"r": attrs.evolve(r, block_ids=(0,))}, free_block_ids=(1, 2, 3, 4, 5, 6, 7)))
+    # in flight, computed tokens other than the loaded ones
+    assert "preempted-holds-nothing" in names(attrs.evolve(state, requests={"r": attrs.evolve(r, num_computed_tokens=4)}))
+
+
+def test_block_conservation_counts_the_blocks_held_for_transfers() -> None:
+    state = abort_request(loading(), "r")
+    assert check_state(state, CONFIG) == []
+    freed_twice = attrs.evolve(state, free_block_ids=(0, 1) + state.free_block_ids)  # freed, and still held
+    assert "block-conservation" in {v.name for v in check_state(freed_twice, CONFIG)}
+    lost = attrs.evolve(state, delayed_frees={})  # forgotten: neither free nor held
+    assert "block-conservation" in {v.name for v in check_state(lost, CONFIG)}
