@@ -89,7 +89,7 @@ def kv_capacity(state: SchedulerState, config: SchedulerConfig, terminal: Termin
         held = len({b for r in state.requests.values() for b in r.block_ids})
     else:
         held = sum(len(r.block_ids) for r in state.requests.values())
-    held += sum(len(blocks) for blocks in state.delayed_frees.values())
+    held += sum(len(held.block_ids) for held in state.delayed_frees.values())
     if held > config.num_kv_blocks:
         yield None, f"{held} blocks held > num_kv_blocks={config.num_kv_blocks}"
 
@@ -114,8 +114,8 @@ def block_conservation(state: SchedulerState, config: SchedulerConfig, terminal:
                 yield request_id, f"block {block_id} also owned by {owners[block_id]}"
             owners[block_id] = request_id
     delayed = 0
-    for request_id, blocks in state.delayed_frees.items():
-        for block_id in blocks:
+    for request_id, held in state.delayed_frees.items():
+        for block_id in held.block_ids:
             if block_id in owners:
                 yield request_id, f"block {block_id} held for its transfer is also owned by {owners[block_id]}"
             owners[block_id] = request_id
@@ -262,10 +262,10 @@ def preempted_holds_nothing(state: SchedulerState, config: SchedulerConfig, term
 def delayed_frees_ended(state: SchedulerState, config: SchedulerConfig, terminal: Terminal = None) -> Breaches:
     """The blocks held for a transfer after its request ended (delayed_frees) belong to terminal requests only,
     and each entry holds at least one block."""
-    for request_id, blocks in state.delayed_frees.items():
+    for request_id, held in state.delayed_frees.items():
         if request_id in state.requests or request_id not in state.finished:
-            yield request_id, f"{len(blocks)} blocks held for the transfer of a request that has not ended"
-        elif not blocks:
+            yield request_id, f"{len(held.block_ids)} blocks held for the transfer of a request that has not ended"
+        elif not held.block_ids:
             yield request_id, "held for its transfer with no block"
 
 

@@ -17,8 +17,16 @@ import attrs
 
 from schedspec.spec.admission import max_blocks_needed, rejection_reason
 from schedspec.spec.config import SchedulerConfig, blocks_for_tokens, slot_tokens
+from schedspec.spec.request import RequestStatus
 from schedspec.spec.rules import Violation
-from schedspec.spec.state import SchedulerState, StepPlan, is_prefill_chunk, prefill_held
+from schedspec.spec.state import (
+    SchedulerState,
+    StepPlan,
+    holding_first,
+    is_prefill_chunk,
+    offers_load,
+    prefill_held,
+)
 
 
 class Monitor:
@@ -160,7 +168,10 @@ class WorkConserving(Monitor):
     (``prefill_schedule_interval`` > 1, :func:`~schedspec.spec.state.prefill_held`) running prefill chunks may
     be left out and the waiting queue is not judged. Strict FCFS (head-of-line) is allowed; holding a finished request's slot
     (static batching) is not. vLLM does not admit in a step that preempted
-    (``Scheduler.schedule``: ``if not preempted_reqs``), hence the exception.
+    (``Scheduler.schedule``: ``if not preempted_reqs``), hence the exception. KV connector: the waiting
+    requests holding loaded blocks come first (``state.holding_first``), one whose remote KV load is in flight is
+    passed over, and a head whose remote KV load may start (``state.offers_load``) is not judged: a policy may hold
+    a load back to keep the blocks that the requests holding loaded blocks still need.
     """
 
     name = "work-conserving"
@@ -183,7 +194,9 @@ class WorkConserving(Monitor):
         if running_after >= config.active_seq_cap:  # max_num_active_seqs when set (rule active-sequence-cap)
             return
         rejected = {request_id for request_id, _ in plan.rejected}
-        free_at_plan = len(before.free_block_ids) - sum(len(i.new_block_ids) for i in plan.scheduled)
+        free_at_plan = (len(before.free_block_ids) - sum(len(i.new_block_ids) for i in plan.scheduled)
+                        - sum(len(load.new_block_ids) for load in plan.loads))
+        loaded = {load.request_id for load in plan.loads}
         if before.prefix_cache is not None:  # a hit on an evictable block takes it out of the free queue
             free_at_plan -= len({b for i in plan.scheduled for b in i.cached_block_ids
                                  if before.prefix_cache.is_evictable(b)})
@@ -192,10 +205,12 @@ class WorkConserving(Monitor):
         loras = ({before.requests[r].lora_int_id for r in before.running}
                  | {before.requests[i.request_id].lora_int_id for i in plan.scheduled if i.request_id in before.requests}
                  ) - {0} if config.max_loras else set()
-        for request_id in before.waiting:
-            if request_id in rejected or request_id in scheduled:
+        for request_id in holding_first(before.waiting, before.requests):
+            if request_id in rejected or request_id in scheduled or request_id in loaded:
                 continue
             request = before.requests[request_id]
+            if request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+                continue  # its remote KV load has not landed (wait-for-remote-kv)
             if config.max_loras and request.lora_int_id and request.lora_int_id not in loras \
                     and len(loras) >= config.max_loras:
                 continue  # its adapter would be one too many: vLLM skips it (lora-limit)
@@ -204,9 +219,12 @@ class WorkConserving(Monitor):
             # its whole sequence, with the lookahead its table must hold (speculative decoding: slot_tokens)
             # with the watermark kept free when others run (rule watermark)
             keep = config.watermark_blocks if running_after else 0
-            fits_blocks = (blocks_for_tokens(slot_tokens(request.num_tokens, config), config.block_size) + keep
-                           <= free_at_plan)
+            if offers_load(request, config):
+                break  # a head whose remote KV load may start is not judged (a policy may hold a load back)
+            # (a request holding loaded blocks needs the rest of its sequence)
+            needed = blocks_for_tokens(slot_tokens(request.num_tokens, config), config.block_size) - len(request.block_ids)
             fits_budget = config.enable_chunked_prefill or request.num_pending_tokens <= left
+            fits_blocks = needed + keep <= free_at_plan
             if fits_blocks and fits_budget:
                 self.report(
                     before.step,
@@ -287,7 +305,11 @@ class BoundedPreemptions(Monitor):
     A structured-output request whose grammar becomes ready enters the competition for blocks then: its
     ready step counts as an arrival; requests admitted past it while it waited are ahead of it in line.
     Likewise, with ``max_loras > 0``, a step that admits a request past one it skips (rule ``lora-limit``)
-    changes the line: the next step counts as an arrival.
+    changes the line: the next step counts as an arrival. KV connector: blocks held outside the line (by a
+    waiting request holding the blocks of its remote KV load, or by a transfer after its request ended:
+    ``delayed_frees``) can force the preemption of any running request, the oldest included, until they are
+    given back: a step that starts a load or in which such blocks are held is not judged, and the next step
+    counts as an arrival.
     """
 
     name = "bounded-preemptions"
@@ -298,8 +320,15 @@ class BoundedPreemptions(Monitor):
         self.bounds: dict[str, int] | None = None
         self.last_added = 0
         self.grammar_due: frozenset[int] = frozenset()  # ready steps of grammars still compiling
+        self.holding: set[str] = set()  # KV connector: waiting requests holding the blocks of their remote KV load
 
     def observe(self, before: SchedulerState, plan: StepPlan, after: SchedulerState) -> None:
+        if plan.loads or self.holding or before.delayed_frees:  # KV connector: blocks held outside the line
+            self.holding = {r for r in self.holding.union(load.request_id for load in plan.loads)
+                            if r in after.requests and after.requests[r].holds_loaded_kv and after.requests[r].block_ids}
+            self.bounds = None  # not judged; the next step counts as an arrival
+            self.counts = {}
+            return
         if before.num_requests_added != self.last_added or before.step in self.grammar_due:
             self.last_added = before.num_requests_added
             self.counts = {}
@@ -312,6 +341,7 @@ class BoundedPreemptions(Monitor):
             # order of arrival unless admission skipped a request (a grammar that was compiling)
             requests = before.requests
             order = [requests[r] for r in before.running] + [requests[r] for r in before.waiting]
+
             total, bounds = 0, {}
             for request in order:
                 bounds[request.request_id] = total
@@ -327,6 +357,7 @@ class BoundedPreemptions(Monitor):
         if self.config.max_loras and plan.scheduled and _admitted_past_a_skip(before, plan):
             self.bounds = None  # the line changed (a LoRA skip): a new baseline from the next step
             self.counts = {}
+
 
 
 def _admitted_past_a_skip(before: SchedulerState, plan: StepPlan) -> bool:

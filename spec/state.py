@@ -11,7 +11,7 @@ Everything here is immutable. ``requests`` and ``finished`` are read-only mappin
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 
 import attrs
@@ -19,7 +19,7 @@ import attrs
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.persistent import ArrivedRequests, TerminalRequests, terminal_requests
 from schedspec.spec.prefix_cache import PrefixCache
-from schedspec.spec.request import Request
+from schedspec.spec.request import Request, RequestStatus
 
 _EMPTY: Mapping[str, Request] = MappingProxyType({})
 
@@ -31,6 +31,20 @@ unusable input (far beyond any GPU's cache) instead of exhausting memory."""
 
 def _readonly(mapping: Mapping[str, Request]) -> Mapping[str, Request]:
     return mapping if isinstance(mapping, MappingProxyType | ArrivedRequests) else MappingProxyType(dict(mapping))
+
+
+@attrs.frozen(slots=True)
+class DelayedFree:
+    """The blocks a transfer holds after its request ended (``SchedulerState.delayed_frees``).
+
+    Attributes:
+        block_ids: the blocks (its block table when it ended).
+        transfer: ``"recving"``: its remote KV load, in flight when it was aborted (freed by
+            ``finished_recving``); ``"sending"``: its KV send after it finished (freed by ``finished_sending``).
+    """
+
+    block_ids: tuple[int, ...]
+    transfer: str = attrs.field(validator=attrs.validators.in_(("recving", "sending")))
 
 
 @attrs.frozen(slots=True)
@@ -66,6 +80,7 @@ class SchedulerState:
             (:class:`PrefillCadence`); ``None`` before the first step and whenever the cadence is off, so a
             state without it is what it was before it existed.
         delayed_frees: KV connector: request id -> the blocks a transfer still holds after its request ended
+            (:class:`DelayedFree`: the blocks, and which transfer holds them)
             (vLLM ``Scheduler._free_request(delay_free_blocks=True)``: the request stays in
             ``Scheduler.requests`` until ``_update_from_kv_xfer_finished`` frees them): a request aborted while
             its remote KV load was in flight (WAITING_FOR_REMOTE_KVS), freed when the load lands
@@ -83,7 +98,7 @@ class SchedulerState:
     prefix_cache: PrefixCache | None = None
     in_flight: InFlightStep | None = None
     prefill_cadence: PrefillCadence | None = None
-    delayed_frees: Mapping[str, tuple[int, ...]] = attrs.field(default=MappingProxyType({}), converter=_readonly)
+    delayed_frees: Mapping[str, DelayedFree] = attrs.field(default=MappingProxyType({}), converter=_readonly)
 
     @classmethod
     def initial(cls, config: SchedulerConfig, asynchronous: bool = False) -> SchedulerState:
@@ -331,7 +346,7 @@ class KVTransferOutput:
         invalid_block_ids: blocks a landing load failed to fill (vLLM ``invalid_block_ids``, handled by
             ``Scheduler._handle_invalid_blocks`` with the recompute policy): each is a block of a request in
             ``finished_recving`` of this report. The request keeps as computed only the tokens before its
-            first invalid block, and recomputes the rest.
+            first invalid block, and recomputes the rest (one aborted while it loaded frees them all).
         finished_sending: ids whose KV send completed (vLLM ``finished_sending``): their blocks, held in
             ``delayed_frees``, are freed.
     """
@@ -343,6 +358,26 @@ class KVTransferOutput:
     @property
     def is_empty(self) -> bool:
         return not (self.finished_recving or self.invalid_block_ids or self.finished_sending)
+
+
+def holding_first(order: Sequence[str], requests: Mapping[str, Request]) -> Sequence[str]:
+    """``order`` (waiting request ids) with those that may hold blocks after a remote KV load
+    (``Request.holds_loaded_kv``) first, in their order: the order vLLM 0.32 ``Scheduler.schedule`` visits the
+    waiting requests (``kv_holding_waiting`` drained before ``waiting``). ``order`` itself when none does."""
+    holding = [r for r in order if requests[r].holds_loaded_kv]
+    if not holding:
+        return order
+    held = set(holding)
+    return holding + [r for r in order if r not in held]
+
+
+def offers_load(request: Request, config: SchedulerConfig) -> bool:
+    """Whether a remote KV load may start now for this waiting request: its connector offers one it has not
+    started (rule ``load-as-offered``), and prefix caching is off (remote loads with a local prefix hit are not
+    specified: :func:`~schedspec.spec.transitions.start_load`)."""
+    return (request.num_external_computed_tokens > 0 and request.kv_load_step is None
+            and request.admitted_step is None and request.status is RequestStatus.WAITING
+            and not config.enable_prefix_caching)
 
 
 NO_TRANSFERS = KVTransferOutput()

@@ -66,6 +66,7 @@ from schedspec.spec.request import Request, RequestStatus
 from schedspec.spec.state import (
     NO_SPECULATION,
     NO_TRANSFERS,
+    DelayedFree,
     InFlightStep,
     KVLoad,
     KVTransferOutput,
@@ -150,7 +151,7 @@ def abort_request(state: SchedulerState, request_id: str) -> SchedulerState:
     cache = state.prefix_cache
     delayed = state.delayed_frees
     if request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
-        delayed = MappingProxyType({**delayed, request_id: request.block_ids})
+        delayed = MappingProxyType({**delayed, request_id: DelayedFree(request.block_ids, "recving")})
         return attrs.evolve(state, waiting=tuple(r for r in state.waiting if r != request_id), requests=requests,
                             finished=state.finished.with_added({request_id: aborted}), delayed_frees=delayed)
     if cache is None:
@@ -209,7 +210,7 @@ class StepInProgress:
     stopped: list[str] = attrs.field(factory=list)
     cache: CacheUpdate | None = None
     """With prefix caching: the working copy of the prefix cache and the free queue."""
-    delayed: dict[str, tuple[int, ...]] | None = None
+    delayed: dict[str, DelayedFree] | None = None
     """KV connector: the working copy of ``delayed_frees`` (``None``: unchanged in this step)."""
 
     @classmethod
@@ -217,18 +218,28 @@ class StepInProgress:
         cache = CacheUpdate(state.prefix_cache, state.free_block_ids) if state.prefix_cache is not None else None
         return cls(state, config, live_copy(state.requests), list(state.waiting), list(state.running), cache=cache)
 
-    def delay_free(self, request_id: str, block_ids: tuple[int, ...]) -> None:
-        """Hold ``block_ids`` of the ended ``request_id`` for a transfer (``SchedulerState.delayed_frees``)."""
+    def delay_free(self, request_id: str, held: DelayedFree) -> None:
+        """Hold the blocks of the ended ``request_id`` for a transfer (``SchedulerState.delayed_frees``)."""
         if self.delayed is None:
             self.delayed = dict(self.before.delayed_frees)
-        self.delayed[request_id] = block_ids
+        self.delayed[request_id] = held
 
-    def free_delayed(self, request_id: str) -> None:
-        """Its transfer done, the blocks held for the ended ``request_id`` go to the front of the free queue,
-        last block first."""
+    def free_delayed(self, request_id: str, transfer: str) -> None:
+        """Its ``transfer`` (``"recving"`` or ``"sending"``) done, the blocks held for the ended ``request_id`` go
+        to the front of the free queue, last block first.
+
+        Raises:
+            PlanError: no blocks are held for that transfer of ``request_id``.
+        """
+        delayed = self.before.delayed_frees if self.delayed is None else self.delayed
+        held = delayed.get(request_id)
+        if held is None or held.transfer != transfer:
+            raise PlanError(f"request_id={request_id!r}: finished_{transfer} at step {self.before.step}, but it has "
+                            f"no {'remote KV load' if transfer == 'recving' else 'KV send'} in flight")
         if self.delayed is None:
             self.delayed = dict(self.before.delayed_frees)
-        self.freed[:0] = reversed(self.delayed.pop(request_id))
+        del self.delayed[request_id]
+        self.freed[:0] = reversed(held.block_ids)
 
     def live(self, request_id: str) -> Request:
         """The live request with this id. Raises :class:`PlanError` if there is none."""
@@ -391,7 +402,9 @@ def sample(step: StepInProgress, request_id: str, token_id: int, item: Scheduled
     del step.requests[request_id]
     step.running.remove(request_id)
     if request.kv_send:  # KV connector: its blocks are sent; freed when the send completes (land_transfers)
-        step.delay_free(request_id, request.block_ids)
+        if step.cache is not None:
+            raise PlanError(f"request_id={request_id!r}: KV sends with enable_prefix_caching are not specified")
+        step.delay_free(request_id, DelayedFree(request.block_ids, "sending"))
     elif step.cache is not None:
         step.cache.release(request.block_ids)
     else:
@@ -445,7 +458,9 @@ def land_transfers(step: StepInProgress, transfers: KVTransferOutput) -> None:
     """
     before = step.before
     landing = set(transfers.finished_recving)
+    delayed = before.delayed_frees
     owner = {b: r for r in landing if r in step.requests for b in step.requests[r].block_ids}
+    owner.update({b: r for r in landing if r in delayed for b in delayed[r].block_ids})  # aborted while loading
     for block_id in transfers.invalid_block_ids:
         if block_id not in owner:
             raise PlanError(f"invalid block {block_id} at step {before.step} belongs to no load that lands")
@@ -464,19 +479,9 @@ def land_transfers(step: StepInProgress, transfers: KVTransferOutput) -> None:
                 changes["num_computed_tokens"] = computed - 1
             step.requests[request_id] = evolve(request, **changes)
             continue
-        ended = before.finished.get(request_id) if request is None else None
-        if (ended is None or ended.status is not RequestStatus.FINISHED_ABORTED or ended.kv_load_step is None
-                or request_id not in (before.delayed_frees if step.delayed is None else step.delayed)):
-            raise PlanError(f"request_id={request_id!r}: finished_recving at step {before.step}, but it has no "
-                            "remote KV load in flight")
-        step.free_delayed(request_id)
+        step.free_delayed(request_id, "recving")  # aborted while it loaded
     for request_id in transfers.finished_sending:
-        ended = before.finished.get(request_id, step.ended.get(request_id))
-        if (ended is None or not ended.kv_send or ended.status is RequestStatus.FINISHED_ABORTED
-                or request_id not in (before.delayed_frees if step.delayed is None else step.delayed)):
-            raise PlanError(f"request_id={request_id!r}: finished_sending at step {before.step}, but it has no "
-                            "KV send in flight")
-        step.free_delayed(request_id)
+        step.free_delayed(request_id, "sending")
 
 
 def propose_drafts(step: StepInProgress, request_id: str, draft_token_ids: tuple[int, ...],

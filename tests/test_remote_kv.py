@@ -18,7 +18,14 @@ from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.invariants import check_state, check_step
 from schedspec.spec.request import Request, RequestStatus
 from schedspec.spec.rules import violated_rules
-from schedspec.spec.state import KVLoad, KVTransferOutput, ScheduledRequest, SchedulerState, StepPlan
+from schedspec.spec.state import (
+    DelayedFree,
+    KVLoad,
+    KVTransferOutput,
+    ScheduledRequest,
+    SchedulerState,
+    StepPlan,
+)
 from schedspec.spec.transitions import PlanError, abort_request, add_request, apply_plan
 
 # block_size 4, 8 blocks, budget 16 tokens, 2 sequences, max_model_len 32.
@@ -100,10 +107,10 @@ def test_a_load_failed_from_its_first_block_frees_everything() -> None:
 
 def test_an_abort_while_loading_frees_the_blocks_when_the_load_lands() -> None:
     state = abort_request(loading(), "r")
-    assert state.delayed_frees == {"r": (0, 1)} and state.free_block_ids == (2, 3, 4, 5, 6, 7)
+    assert state.delayed_frees == {"r": DelayedFree((0, 1), "recving")} and state.free_block_ids == (2, 3, 4, 5, 6, 7)
     assert check_state(state, CONFIG) == []
     state = step(state, StepPlan())  # still held
-    assert state.delayed_frees == {"r": (0, 1)}
+    assert state.delayed_frees == {"r": DelayedFree((0, 1), "recving")}
     state = step(state, StepPlan(), transfers=KVTransferOutput(finished_recving=("r",)))
     assert state.delayed_frees == {} and state.free_block_ids == (1, 0, 2, 3, 4, 5, 6, 7)
 
@@ -118,7 +125,7 @@ def test_an_abort_after_the_load_landed_frees_at_once() -> None:
 def test_a_sending_request_frees_its_blocks_when_the_send_completes() -> None:
     state = with_request(Request("s", 0, (1, 2, 3), max_tokens=1, kv_send=True))
     state = step(state, StepPlan(scheduled=(ScheduledRequest("s", 0, 3, (0,)),)), {"s": 9})
-    assert state.finished["s"].status is RequestStatus.FINISHED_LENGTH and state.delayed_frees == {"s": (0,)}
+    assert state.finished["s"].status is RequestStatus.FINISHED_LENGTH and state.delayed_frees == {"s": DelayedFree((0,), "sending")}
     assert 0 not in state.free_block_ids
     state = step(state, StepPlan(), transfers=KVTransferOutput(finished_sending=("s",)))
     assert state.delayed_frees == {} and state.free_block_ids[0] == 0
@@ -173,7 +180,7 @@ REMOTE_KV_RULE_CASES = {
 def case_delayed_frees_ended():
     # blocks held for the transfer of r, which is live: only an ended request's blocks wait for a transfer.
     good = abort_request(loading(), "r")
-    bad = attrs.evolve(loading(), delayed_frees={"r": (2,)}, free_block_ids=(3, 4, 5, 6, 7))
+    bad = attrs.evolve(loading(), delayed_frees={"r": DelayedFree((2,), "recving")}, free_block_ids=(3, 4, 5, 6, 7))
     return bad, good, CONFIG, CONFIG
 
 
