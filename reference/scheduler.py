@@ -322,9 +322,11 @@ class ReferenceScheduler:
 SchedulerFactory = Callable[[SchedulerConfig], Scheduler]
 
 
-KV_CONNECTOR_PLANS: frozenset[PlanFunction] = frozenset({policies.fcfs, policies.static, policies.shortest_prompt_first})
-"""The reference plans that follow remote KV loads (``policies.plan_step``: WAITING_FOR_REMOTE_KVS skipped,
-loads started, the requests holding loaded blocks admitted first)."""
+KV_CONNECTOR_PLANS: frozenset[PlanFunction] = frozenset({policies.fcfs, policies.static, policies.shortest_prompt_first,
+                                                         vllm_v1.vllm_v1, vllm_v1.vllm_v1_033})
+"""The reference plans that follow remote KV loads (WAITING_FOR_REMOTE_KVS skipped, loads started, the requests
+holding loaded blocks admitted first): those built on ``policies.plan_step`` and the FCFS ``vllm-v1`` profiles
+(rule 13 of :mod:`~schedspec.reference.vllm_v1`)."""
 
 CADENCE_PLANS: frozenset[PlanFunction] = frozenset({policies.fcfs, policies.static, policies.shortest_prompt_first,
                                                     vllm_v1.vllm_v1_033, vllm_v1.vllm_v1_priority_033})

@@ -211,3 +211,127 @@ def test_block_conservation_counts_the_blocks_held_for_transfers() -> None:
     assert "block-conservation" in {v.name for v in check_state(freed_twice, CONFIG)}
     lost = attrs.evolve(state, delayed_frees={})  # forgotten: neither free nor held
     assert "block-conservation" in {v.name for v in check_state(lost, CONFIG)}
+
+
+# --- the trace, the checker and the reference schedulers -----------------------------------------------------
+
+
+def _workload(seed: int, count: int) -> list:
+    """A seeded workload: half the requests load part of their prompt remotely (some failing from one of their
+    first blocks), every fourth sends its KV when it finishes, every sixth is aborted soon after it arrives."""
+    import random
+
+    from schedspec.spec.workload import RequestSpec
+
+    rng = random.Random(seed)
+    workload = []
+    for k in range(count):
+        prompt = rng.randrange(1, 40)
+        arrival = rng.randrange(0, 12)
+        extra: dict = {}
+        if k % 2 == 0:
+            extra = {"num_external_computed_tokens": rng.randrange(1, prompt + 1), "kv_load_steps": rng.randrange(1, 5),
+                     "kv_load_invalid_block": rng.choice([None, 0, 1, 2])}
+        workload.append(RequestSpec(f"r{k}", prompt, rng.randrange(1, 8), arrival_step=arrival, kv_send=k % 4 == 1,
+                                    abort_at_step=arrival + rng.randrange(0, 4) if k % 6 == 3 else None, **extra))
+    return workload
+
+
+@pytest.mark.parametrize("scheduler", ["fcfs", "static", "vllm-v1", "vllm-v1@0.33"])
+def test_reference_schedulers_follow_remote_kv_and_their_traces_check(scheduler: str) -> None:
+    """Every plan allowed and every invariant kept at every step (the engine loop checks both), fcfs's promised
+    properties kept, and the written trace (JSON, schema-valid) passes the full and the incremental checker."""
+    from schedspec.reference.engine import Engine
+    from schedspec.reference.scheduler import SCHEDULERS
+    from schedspec.spec.checker import check_trace
+    from schedspec.spec.trace import StepRecord, record_schema_errors
+
+    config = SchedulerConfig(block_size=4, num_kv_blocks=30, max_num_batched_tokens=16, max_num_seqs=3,
+                             max_model_len=64)
+    loads = landings = failures = sends = 0
+    for seed in range(4):
+        result = Engine(SCHEDULERS[scheduler](config), config, stop_on_violation=True).run(_workload(seed, 14))
+        if scheduler == "fcfs":
+            assert result.violations == []
+        records = [StepRecord.from_json(r.to_json()) for r in result.records]
+        assert records == result.records and all(record_schema_errors(r.to_dict()) is None for r in records)
+        for incremental in (False, True):
+            report = check_trace(config, records, incremental=incremental)
+            assert report.first_bad_step is None, report.violations[:3]
+        assert result.state.delayed_frees == {} and len(result.state.free_block_ids) == config.num_kv_blocks
+        loads += sum(len(r.kv_loads) for r in records)
+        landings += sum(len(r.finished_recving) for r in records)
+        failures += sum(len(r.invalid_block_ids) for r in records)
+        sends += sum(len(r.finished_sending) for r in records)
+    assert loads and landings == loads and failures and sends  # the runs exercise every path
+
+
+def test_a_run_without_a_connector_writes_none_of_its_fields() -> None:
+    from schedspec.spec.trace import KV_CONNECTOR_RECORD_FIELDS, StepRecord
+    from schedspec.spec.workload import RequestSpec
+
+    data = StepRecord(step=0, start_time=0.0, duration=0.0).to_dict()
+    assert not set(KV_CONNECTOR_RECORD_FIELDS) & set(data)
+    arrival = RequestSpec("a", 4, 2, arrival_step=0).to_dict()
+    assert not {"num_external_computed_tokens", "kv_load_steps", "kv_load_invalid_block", "kv_send",
+                "kv_send_steps"} & set(arrival)
+
+
+def test_a_scheduler_without_remote_kv_is_refused_not_misjudged() -> None:
+    from schedspec.reference.engine import Engine
+    from schedspec.reference.scheduler import SCHEDULERS, UnsupportedFeature
+
+    config = SchedulerConfig(block_size=4, num_kv_blocks=30, max_num_batched_tokens=16, max_num_seqs=3,
+                             max_model_len=64)
+    with pytest.raises(UnsupportedFeature, match="remote KV"):
+        Engine(SCHEDULERS["priority"](config), config).run(_workload(0, 4))
+
+
+@pytest.mark.parametrize("value", [0, -1])
+def test_a_transfer_lands_with_a_later_steps_report(value: int) -> None:
+    from schedspec.spec.workload import RequestSpec
+
+    with pytest.raises(ValueError, match="kv_load_steps"):
+        RequestSpec("a", 8, 2, arrival_step=0, num_external_computed_tokens=4, kv_load_steps=value)
+    with pytest.raises(ValueError, match="num_external_computed_tokens"):
+        RequestSpec("a", 8, 2, arrival_step=0, num_external_computed_tokens=9)
+
+
+@pytest.mark.parametrize("name", ["remote-kv-load-lands-then-runs", "remote-kv-load-fails-recomputes",
+                                  "remote-kv-abort-while-loading-frees-late", "remote-kv-send-holds-blocks"])
+def test_the_remote_kv_scenarios_fail_on_a_scheduler_that_ignores_the_transfer(name: str) -> None:
+    """Each scenario passes on fcfs and vllm-v1 (tests/test_scenarios.py replays it), and a scheduler that
+    ignores the transfer (schedules a loading request, or frees blocks a transfer holds) breaks a rule or an
+    invariant in it: the scenario's trace mutated as such an engine would write it is refused."""
+    from schedspec.reference.scenarios import bundled_scenarios, load_scenario, replay
+    from schedspec.trace_mutations import (
+        Trace,
+        failed_load_kept_computed,
+        freed_at_abort_while_loading,
+        judge,
+        scheduled_before_transfer_landed,
+        send_freed_at_finish,
+    )
+
+    path = next(p for p in bundled_scenarios() if p.stem == name)
+    scenario = load_scenario(path)
+    for scheduler in ("fcfs", "vllm-v1"):
+        result = replay(scenario, scheduler)
+        assert all(v.passed for v in result.verdicts), [v for v in result.verdicts if not v.passed]
+    import json
+
+    from schedspec.reference.engine import Engine
+    from schedspec.reference.scheduler import SCHEDULERS
+    from schedspec.spec.trace import header_line
+
+    config = SchedulerConfig.from_dict(scenario.config)
+    run = Engine(SCHEDULERS["fcfs"](config), config).run(list(scenario.requests))
+    trace = Trace.of(json.loads(header_line(config, "fcfs")), run.records)
+    operators = {"remote-kv-load-lands-then-runs": scheduled_before_transfer_landed,
+                 "remote-kv-load-fails-recomputes": failed_load_kept_computed,
+                 "remote-kv-abort-while-loading-frees-late": freed_at_abort_while_loading,
+                 "remote-kv-send-holds-blocks": send_freed_at_finish}
+    mutants = [m for m in (operators[name](trace, i) for i in range(len(trace.records))) if m is not None]
+    assert mutants
+    for header, records, step in mutants:
+        assert judge(header, records) == (step, step)
