@@ -362,6 +362,9 @@ class Engine:
             raise UnsupportedFeature(f"scheduler {name!r} does not support remote KV loads and sends (a workload "
                                      "request has num_external_computed_tokens or kv_send): its update takes no "
                                      "KV connector report")
+        if connector is not None and self.config.enable_prefix_caching:
+            raise UnsupportedFeature("remote KV loads and sends are specified with prefix caching off "
+                                     "(enable_prefix_caching is on)")
         checker = step_checker(self.config, self.incremental) if self.check else None
         # A run allocates millions of short-lived tuples while holding every finished request: the
         # default thresholds make the cyclic garbage collector rescan that growing heap thousands of

@@ -278,7 +278,8 @@ def expected_record(outcome: StepOutcome, config: SchedulerConfig, start_time: f
         held = None if delayed is None else delayed.block_ids
         if held is None and request_id in before.requests:
             landed_request = after.requests.get(request_id)
-            held = before.requests[request_id].block_ids if landed_request is not None and not landed_request.block_ids else None
+            held = (before.requests[request_id].block_ids + allocated.get(request_id, ())
+                    if landed_request is not None and not landed_request.block_ids else None)
         if held is None and request_id in after.finished:  # a send of a request that finished in this step
             request = before.requests.get(request_id)
             held = None if request is None else request.block_ids + allocated.get(request_id, ())

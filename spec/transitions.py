@@ -402,8 +402,9 @@ def sample(step: StepInProgress, request_id: str, token_id: int, item: Scheduled
     del step.requests[request_id]
     step.running.remove(request_id)
     if request.kv_send:  # KV connector: its blocks are sent; freed when the send completes (land_transfers)
-        if step.cache is not None:
-            raise PlanError(f"request_id={request_id!r}: KV sends with enable_prefix_caching are not specified")
+        if step.cache is not None or step.before.in_flight is not None:
+            raise PlanError(f"request_id={request_id!r}: KV sends with enable_prefix_caching or a step in flight are "
+                            "not specified")
         step.delay_free(request_id, DelayedFree(request.block_ids, "sending"))
     elif step.cache is not None:
         step.cache.release(request.block_ids)
@@ -424,11 +425,12 @@ def start_load(step: StepInProgress, load: KVLoad) -> None:
     ``kv_holding_waiting``. It computes nothing and takes no ``max_num_seqs`` slot.
 
     Raises:
-        PlanError: prefix caching is on (remote loads with a local prefix hit are not specified).
+        PlanError: prefix caching is on, or a step is in flight (remote loads with a local prefix hit, and
+            with asynchronous scheduling, are not specified).
     """
-    if step.cache is not None:
-        raise PlanError(f"request_id={load.request_id!r}: remote KV loads with enable_prefix_caching are not "
-                        "specified")
+    if step.cache is not None or step.before.in_flight is not None:
+        raise PlanError(f"request_id={load.request_id!r}: remote KV loads with enable_prefix_caching or a step in "
+                        "flight are not specified")
     request = step.live(load.request_id)
     step.taken.extend(load.new_block_ids)
     step.requests[load.request_id] = evolve(request, status=RequestStatus.WAITING_FOR_REMOTE_KVS,

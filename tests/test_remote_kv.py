@@ -335,3 +335,16 @@ def test_the_remote_kv_scenarios_fail_on_a_scheduler_that_ignores_the_transfer(n
     assert mutants
     for header, records, step in mutants:
         assert judge(header, records) == (step, step)
+
+
+def test_remote_kv_with_prefix_caching_is_refused_not_misjudged() -> None:
+    from schedspec.reference.engine import Engine
+    from schedspec.reference.scheduler import SCHEDULERS, UnsupportedFeature
+
+    config = SchedulerConfig(block_size=4, num_kv_blocks=30, max_num_batched_tokens=16, max_num_seqs=3,
+                             max_model_len=64, enable_prefix_caching=True)
+    with pytest.raises(UnsupportedFeature, match="prefix caching"):
+        Engine(SCHEDULERS["fcfs"](config), config).run(_workload(0, 4))
+    state = add_request(SchedulerState.initial(config), fresh())
+    with pytest.raises(PlanError, match="not specified"):
+        apply_plan(state, LOAD, {}, config)
