@@ -1203,6 +1203,35 @@ def scheduled_before_transfer_landed(trace: Trace, i: int) -> Mutant | None:
     return trace.header, records, i
 
 
+def load_extra_block(trace: Trace, i: int) -> Mutant | None:
+    """A remote KV load started in step ``i`` takes one block more than its tokens need (an allocator that
+    rounds the external tokens up, or allocates the first chunk beside the load)."""
+    record = trace.records[i]
+    loads = record.get("kv_loads", {})
+    taken = {b for blocks in record["blocks_allocated"].values() for b in blocks}
+    spare = [b for b in trace.before[i].free_block_ids if b not in taken]
+    if not loads or not spare:
+        return None
+    request_id = next(iter(loads))
+    records, r = _edit(trace, i)
+    r["blocks_allocated"][request_id] = list(r["blocks_allocated"].get(request_id, [])) + [spare[-1]]
+    r["num_free_blocks"] -= 1
+    return trace.header, records, i
+
+
+def load_not_as_offered(trace: Trace, i: int) -> Mutant | None:
+    """A remote KV load started in step ``i`` is recorded for one token fewer than the connector offered (a
+    scheduler that trims the external tokens its own way), its blocks unchanged."""
+    record = trace.records[i]
+    loads = {r: n for r, n in record.get("kv_loads", {}).items() if n > 1}
+    if not loads:
+        return None
+    request_id = next(iter(loads))
+    records, r = _edit(trace, i)
+    r["kv_loads"][request_id] -= 1
+    return trace.header, records, i
+
+
 def failed_load_kept_computed(trace: Trace, i: int) -> Mutant | None:
     """Step ``i`` first schedules a request whose remote KV load failed (``invalid_block_ids``): its chunk starts
     after the whole load, as if the invalid blocks held KV, and computes that many tokens fewer (an engine that
@@ -1356,6 +1385,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation("hide-wasted-tokens", "a step's wasted work not reported (wasted_tokens left out)", hide_wasted_tokens),
     Mutation("scheduled-before-transfer-landed", "a request scheduled while its remote KV load is in flight",
              scheduled_before_transfer_landed),
+    Mutation("load-extra-block", "a remote KV load takes a block more than its tokens need", load_extra_block),
+    Mutation("load-not-as-offered", "a remote KV load of other tokens than the connector offered", load_not_as_offered),
     Mutation("failed-load-kept-computed", "the blocks of a failed remote KV load kept as computed",
              failed_load_kept_computed),
     Mutation("freed-at-abort-while-loading", "a request aborted while loading frees its blocks at once and again "

@@ -158,6 +158,10 @@ def test_bundled_scenarios_same_as_fcfs(path) -> None:
         with pytest.raises(UnsupportedFeature, match="structured output"):
             _run(scenario, "fcfs-fast", config, scenario.requests)
         pytest.skip("structured output: fcfs-fast refuses it (UnsupportedFeature, asserted), use fcfs")
+    if any(r.num_external_computed_tokens or r.kv_send for r in scenario.requests):
+        with pytest.raises(UnsupportedFeature, match="remote KV"):
+            _run(scenario, "fcfs-fast", config, scenario.requests)
+        pytest.skip("remote KV loads and sends: fcfs-fast refuses them (UnsupportedFeature, asserted), use fcfs")
     requests = scenario.requests
     plain = _run(scenario, "fcfs", config, requests)
     fast = _run(scenario, "fcfs-fast", config, requests)
