@@ -67,6 +67,9 @@ refuses the step (docs/findings/vllm-priority-preempted-chunk-stays-cached.md)."
 @pytest.mark.parametrize("path", SCENARIOS, ids=[p.stem for p in SCENARIOS])
 def test_scenario_replays_on_the_torch_backend(path: Path):
     scenario = load_scenario(path)
+    if any(r.num_external_computed_tokens or r.kv_send for r in scenario.requests):
+        pytest.skip("remote KV loads: the torch backend has no KV connector to write the loaded prefix into its "
+                    "cache (its ledger refuses the loaded blocks), not built yet (issue 27)")
     factory = CountingFactory()
     if scenario.name in KV_NEVER_WRITTEN:
         from schedspec.gpu_backend.errors import BlockTableError

@@ -311,6 +311,10 @@ def test_bundled_scenario_through_the_engine_loop(path):
         with pytest.raises(UnsupportedFeature, match="no grammar wait"):
             Engine(NanoVllmScheduler(config), config).run(scenario.requests, max_steps=10)
         pytest.skip("a structured-output scenario: nano-vLLM has no grammar wait, and its adapter refuses it")
+    if any(r.num_external_computed_tokens or r.kv_send for r in scenario.requests):
+        with pytest.raises(UnsupportedFeature, match="remote KV"):
+            Engine(NanoVllmScheduler(config), config).run(scenario.requests, max_steps=10)
+        pytest.skip("a remote KV scenario: nano-vLLM has no KV connector, and the engine loop refuses it")
     adapter = ViewChecked(NanoVllmScheduler(config), config)
     known = KNOWN.get(scenario.name)
     try:
