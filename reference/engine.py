@@ -365,6 +365,8 @@ class Engine:
         if connector is not None and self.config.enable_prefix_caching:
             raise UnsupportedFeature("remote KV loads and sends are specified with prefix caching off "
                                      "(enable_prefix_caching is on)")
+        if connector is not None and callable(getattr(self.scheduler, "enable_kv_connector", None)):
+            self._call("enable_kv_connector", 0, self.scheduler.enable_kv_connector)  # an engine's own connector
         checker = step_checker(self.config, self.incremental) if self.check else None
         # A run allocates millions of short-lived tuples while holding every finished request: the
         # default thresholds make the cyclic garbage collector rescan that growing heap thousands of
