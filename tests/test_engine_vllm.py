@@ -675,3 +675,25 @@ def test_a_wrong_finish_reason_from_the_engine_is_a_refinement_mismatch():
     faulty = Engine(_RelabelsStops(config), config, properties=()).run(specs, max_steps=100)
     assert [v.name for v in faulty.violations] == ["refinement"]
     assert "request r0 with reason length" in str(faulty.violations[0])
+
+
+REMOTE_KV_CASES = sorted(stem for stem in CASES if stem.startswith("remote-kv-"))
+"""The bundled remote KV scenarios (a load that lands, one that fails, an abort while loading, a send)."""
+
+
+@pytest.mark.parametrize("name", ["vllm", "vllm@0.33"])
+@pytest.mark.parametrize("stem", REMOTE_KV_CASES)
+def test_remote_kv_scenarios_pass_on_vllm_with_its_connector(stem: str, name: str) -> None:
+    """vLLM's scheduler, driven through the adapter's KV connector (ScheduledKVConnector), keeps every rule and
+    invariant at every step, its own view equal to the spec's, and meets the scenario's expectations."""
+    result = replay(load_scenario(CASES[stem]), name)
+    assert result.passed, [f"{v.name}: {v.detail}" for v in result.verdicts if not v.passed]
+    records = result.run.records
+    assert any(r.kv_loads or r.finished_sending for r in records)  # the connector's path ran
+
+
+def test_remote_kv_with_async_scheduling_is_refused() -> None:
+    from schedspec.reference.scheduler import UnsupportedFeature
+
+    with pytest.raises(UnsupportedFeature, match="remote KV"):
+        replay(load_scenario(CASES[REMOTE_KV_CASES[0]]), "vllm-async")
