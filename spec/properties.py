@@ -115,7 +115,8 @@ class Progress(Monitor):
     that gives the oldest request at least one token per step recomputes at most that many positions
     before passing its high-water mark (fcfs; see ``bounded-wait``). A step in which every live request
     waits for its structured-output grammar (:meth:`~schedspec.spec.request.Request.grammar_ready`) has no
-    work to do: it starts no window.
+    work to do: it starts no window; nor does a step during which a remote KV transfer is in flight
+    (:class:`TransfersInFlight`: the engine waits on the transfer).
     """
 
     name = "progress"
@@ -125,9 +126,11 @@ class Progress(Monitor):
         self.window = window or config.max_model_len
         self.high_water: dict[str, int] = {}
         self.stalled_since: int | None = None
+        self.transfers = TransfersInFlight()
 
     def observe(self, before: SchedulerState, plan: StepPlan, after: SchedulerState) -> None:
-        advanced = len(after.finished) > len(before.finished)
+        busy = self.transfers.during(before, plan, after)  # (called every step: it follows the loads)
+        advanced = busy or len(after.finished) > len(before.finished)
         for item in plan.scheduled:
             reach = item.num_computed_tokens + item.num_sequence_tokens  # no draft position
             if reach > self.high_water.get(item.request_id, 0):
@@ -147,6 +150,25 @@ class Progress(Monitor):
         """Drop the high-water marks of ended requests (when they outnumber the live ones: O(1) amortized)."""
         if len(self.high_water) > 2 * len(state.requests) + 64:
             self.high_water = {r: reach for r, reach in self.high_water.items() if r in state.requests}
+
+
+class TransfersInFlight:
+    """Follows, step by step, whether a remote KV transfer is in flight (KV connector): a load started and not
+    landed (WAITING_FOR_REMOTE_KVS), or blocks held for an ended request's transfer (``delayed_frees``). Costs
+    O(loads in flight) per step. While one is, the engine waits on the transfer, not on the scheduler:
+    ``progress`` and ``bounded-wait`` do not count those steps."""
+
+    def __init__(self) -> None:
+        self.loading: set[str] = set()
+
+    def during(self, before: SchedulerState, plan: StepPlan, after: SchedulerState) -> bool:
+        """Whether a transfer was in flight during the step ``before -> after`` (call once per step, in order)."""
+        busy = bool(self.loading or plan.loads or before.delayed_frees)
+        if plan.loads or self.loading:
+            started = {load.request_id for load in plan.loads}
+            self.loading = {r for r in self.loading | started if r in after.requests
+                            and after.requests[r].status is RequestStatus.WAITING_FOR_REMOTE_KVS}
+        return busy
 
 
 @trace_property('vLLM Scheduler.schedule; Orca §3')
@@ -269,13 +291,16 @@ class BoundedWait(Monitor):
     guarantee this. An oldest request whose structured-output grammar is not ready is not counted: its wait
     starts at its grammar's ready step. With vLLM 0.33's prefill cadence (``prefill_schedule_interval`` N > 1)
     the bound is ``N * max_model_len``: a held step may leave the oldest request's prefill out, and at most
-    N - 1 executed steps in a row are held (rule ``prefill-cadence``).
+    N - 1 executed steps in a row are held (rule ``prefill-cadence``). While a remote KV transfer is in flight
+    (:class:`TransfersInFlight`) the wait is not counted: it starts again from the first step without one (the
+    oldest request may wait on its own load, or on blocks a transfer holds).
     """
 
     name = "bounded-wait"
 
     def __init__(self, config: SchedulerConfig) -> None:
         super().__init__(config)
+        self.transfers = TransfersInFlight()
         self.oldest: str | None = None
         self.since = 0
 
@@ -284,6 +309,8 @@ class BoundedWait(Monitor):
         rejected = {r for r, _ in plan.rejected}
         if oldest in rejected or (oldest is not None and not before.requests[oldest].grammar_ready(before.step)):
             oldest = None  # rejected, or waiting for its structured-output grammar: its wait starts when ready
+        if self.transfers.during(before, plan, after):
+            oldest = None  # a remote KV transfer in flight: the wait is counted from when none is
         if oldest != self.oldest:
             self.oldest, self.since = oldest, before.step
         bound = self.config.max_model_len * self.config.prefill_schedule_interval

@@ -360,14 +360,20 @@ def _candidates(requests: list[RequestSpec]) -> list[list[RequestSpec]]:
             simpler.append(attrs.evolve(r, eos_at_output=None))
         if r.prefix_group is not None:
             simpler.append(attrs.evolve(r, prefix_group=None, prefix_len=0))
+        if r.num_external_computed_tokens:  # no remote KV load
+            simpler.append(attrs.evolve(r, num_external_computed_tokens=0, kv_load_steps=None,
+                                        kv_load_invalid_block=None))
+        if r.kv_send:
+            simpler.append(attrs.evolve(r, kv_send=False, kv_send_steps=None))
         for field in ("prompt_len", "max_tokens"):
             value = getattr(r, field)
             for smaller in sorted({1, value // 2, value - 1}):
                 if 1 <= smaller < value:
-                    variant = attrs.evolve(r, **{field: smaller})
-                    if variant.prefix_len > variant.prompt_len:
-                        variant = attrs.evolve(variant, prefix_len=variant.prompt_len)
-                    simpler.append(variant)
+                    changes: dict[str, Any] = {field: smaller}
+                    if field == "prompt_len":  # what counts prompt tokens stays within the prompt
+                        changes.update(prefix_len=min(r.prefix_len, smaller),
+                                       num_external_computed_tokens=min(r.num_external_computed_tokens, smaller))
+                    simpler.append(attrs.evolve(r, **changes))
         if r.arrival_step:
             simpler.append(attrs.evolve(r, arrival_step=0))
             simpler.append(attrs.evolve(r, arrival_step=r.arrival_step - 1))
