@@ -21,22 +21,32 @@ Commands (``op``):
   ``grammar_steps``: structured output, a JSON-schema ``StructuredOutputsParams``, so that vLLM holds the
   request in ``WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR`` until its grammar is set: a :class:`ReadyGrammar`
   set just before the ``grammar_steps``-th ``schedule`` after this ``add``).
+  Remote KV (after ``kv_connector``): ``kv_load_tokens`` (the prompt tokens the connector offers to load) and
+  ``kv_send`` (its KV is sent when it finishes), handed to the connector.
+- ``kv_connector``: rebuild the scheduler with the schedspec KV connector
+  (``recorder/schedspec_vllm_connector.py`` ``ScheduledKVConnector``, ``KVTransferConfig`` with
+  ``kv_load_failure_policy="recompute"``), before any ``add``; reply ``{}``.
 - ``abort`` ``{id}``: ``Scheduler.finish_requests(id, RequestStatus.FINISHED_ABORTED)``; no reply.
 - ``schedule``: ``Scheduler.schedule()``; reply ``{"scheduled": [[id, num_computed_tokens,
   num_scheduled_tokens, new_block_ids, num_hit_blocks, spec_token_ids], ...], "preempted": [id, ...],
   "num_requests": n}`` in vLLM's numbering, ``n`` the running and waiting requests the scheduler held
   when it began, ``spec_token_ids`` the item's ``SchedulerOutput.scheduled_spec_decode_tokens`` (placeholder
-  ``-1`` drafts included; empty without speculative decoding).
+  ``-1`` drafts included; empty without speculative decoding); with the KV connector also ``"loads": [[id,
+  tokens, block_ids], ...]``, the remote KV loads the step started (vLLM numbering).
 - ``update`` ``{sampled, drafts}``: ``Scheduler.update_from_output`` of the oldest step in flight (with
   ``AsyncScheduler`` two steps may be in flight) with a ``ModelRunnerOutput`` holding the
   sampled token of every request that samples (an empty list for a request inside a prefill chunk; with
   speculative decoding a list, the accepted drafts then the sampled token); then, synchronous only, the
   ``drafts`` (request id -> draft ids) to ``Scheduler.update_draft_token_ids``, as ``EngineCore.post_step``
-  hands them; reply ``{"finished": [[id, status], ...]}``.
+  hands them; reply ``{"finished": [[id, status], ...]}``. ``transfers`` ``{recving, invalid, sending}`` (KV
+  connector, vLLM block numbering): the ``KVConnectorOutput`` of the step.
 - ``close``: drop the scheduler; no reply.
 - ``view``: reply the scheduler's own bookkeeping (free blocks of the block pool, waiting and running
   ids, block tables, ``num_computed_tokens``; the free queue in order, the blocks that carry a hash and
-  the reference counts of held blocks), vLLM numbering.
+  the reference counts of held blocks), vLLM numbering. A request that ended while a transfer holds its
+  blocks is left out (the spec's ``delayed_frees``); a landed load vLLM has not promoted yet is shown promoted,
+  as the spec has it (a whole-sequence load with one token left; one failed from its first block holding
+  nothing, its blocks counted free).
 
 A command that fails sends ``{"error": traceback}`` as its reply; a failing command that does not
 reply (``add``, ``abort``) makes the next reply an error instead.
