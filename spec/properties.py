@@ -293,7 +293,10 @@ class BoundedWait(Monitor):
     the bound is ``N * max_model_len``: a held step may leave the oldest request's prefill out, and at most
     N - 1 executed steps in a row are held (rule ``prefill-cadence``). While a remote KV transfer is in flight
     (:class:`TransfersInFlight`) the wait is not counted: it starts again from the first step without one (the
-    oldest request may wait on its own load, or on blocks a transfer holds).
+    oldest request may wait on its own load, or on blocks a transfer holds); and once a trace has had one the
+    bound is doubled: requests admitted while the oldest waited on its load may hold every sequence slot until
+    they end, at most ``max_model_len`` steps later (found by ``schedspec diff --remote-kv``: a request loading
+    while a younger one took the only slot).
     """
 
     name = "bounded-wait"
@@ -301,6 +304,7 @@ class BoundedWait(Monitor):
     def __init__(self, config: SchedulerConfig) -> None:
         super().__init__(config)
         self.transfers = TransfersInFlight()
+        self.transfers_seen = False
         self.oldest: str | None = None
         self.since = 0
 
@@ -311,9 +315,10 @@ class BoundedWait(Monitor):
             oldest = None  # rejected, or waiting for its structured-output grammar: its wait starts when ready
         if self.transfers.during(before, plan, after):
             oldest = None  # a remote KV transfer in flight: the wait is counted from when none is
+            self.transfers_seen = True
         if oldest != self.oldest:
             self.oldest, self.since = oldest, before.step
-        bound = self.config.max_model_len * self.config.prefill_schedule_interval
+        bound = self.config.max_model_len * self.config.prefill_schedule_interval * (2 if self.transfers_seen else 1)
         if oldest is not None and oldest in after.requests and after.step - self.since >= bound:
             self.report(before.step, f"oldest live request for {after.step - self.since} steps without ending", oldest)
             self.oldest = None
