@@ -431,10 +431,10 @@ def case_dict(name: str, about: str, config: SchedulerConfig, requests: Sequence
             row["lora_int_id"] = r.lora_int_id
         if r.grammar_compile_steps is not None:
             row["grammar_compile_steps"] = r.grammar_compile_steps
-        for name in ("num_external_computed_tokens", "kv_load_steps", "kv_load_invalid_block", "kv_send",
-                     "kv_send_steps"):  # remote KV (the scenario fields of the same names)
-            if getattr(r, name):
-                row[name] = getattr(r, name)
+        for field in ("num_external_computed_tokens", "kv_load_steps", "kv_load_invalid_block", "kv_send",
+                      "kv_send_steps"):  # remote KV (the scenario fields of the same names)
+            if getattr(r, field) is not None and getattr(r, field) is not False:
+                row[field] = getattr(r, field)
         rows.append(row)
         outcome[r.request_id] = ["finished", "aborted"] if r.abort_at_step is not None else "finished"
     data: dict[str, Any] = {"name": name, "about": about, "config": config.to_dict(), "requests": rows,
