@@ -130,9 +130,10 @@ admission. The rules, each with its place in vLLM's source:
     (``_inflight_prefill_reserved_blocks``: the loads not yet admitted and the running requests whose last chunk
     stopped short of the prompt), the watermark kept in both; else admission stops (``break``). A landed load is
     admitted from its loaded tokens into the blocks it holds (``num_computed_tokens > 0``: no prefix lookup). The
-    spec promotes a landed request when the report arrives, vLLM at its next waiting loop; the plans are the
-    same, but vLLM frees the blocks of a load that failed from its first block inside that loop, so its free
-    queue order can differ.
+    spec promotes a landed request when the report arrives, vLLM when its waiting loop reaches it; the plans are
+    the same but for a load that failed from its first block, whose blocks vLLM frees only then: until a
+    waiting loop reaches it (a full running set, a step that preempts) vLLM has those blocks fewer, and may
+    preempt where this profile does not (``schedspec diff --remote-kv``, docs/engines.md).
 
 **With prefix caching** (``enable_prefix_caching``): admission first looks up the longest cached prefix
 (``KVCacheManager.get_computed_blocks``, at most ``num_tokens - 1`` tokens), the whole-sequence gate
