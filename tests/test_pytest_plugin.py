@@ -12,6 +12,7 @@ import importlib.metadata
 
 import pytest
 
+from schedspec.reference.kv_connector import uses_kv_connector
 from schedspec.reference.scenarios import bundled_scenarios, load_scenario
 from schedspec.reference.scheduler import CADENCE_PLANS, KV_CONNECTOR_PLANS, REGISTRY, SCHEDULERS
 
@@ -50,7 +51,7 @@ CADENCE_SCENARIOS = [p for p in bundled_scenarios()
 
 
 REMOTE_KV_SCENARIOS = [p for p in bundled_scenarios()
-                       if any(r.num_external_computed_tokens or r.kv_send for r in load_scenario(p).requests)]
+                       if uses_kv_connector(load_scenario(p).requests)]
 """The bundled scenarios with remote KV loads or sends (which the schedulers outside ``KV_CONNECTOR_PLANS``,
 fcfs-fast among them, refuse)."""
 
