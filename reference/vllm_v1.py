@@ -387,8 +387,10 @@ def plan_vllm_v1(state: SchedulerState, config: SchedulerConfig, by_priority: bo
             # allocateslot_tokens(full_sequence_must_fit=True)
             hit, _, whole = queue.admission(request, config, whole_tokens)
             if offers_load(request, config):  # rule 13: load_kv_async, allocate_slots(num_new_tokens=0, ...)
-                if reserved is None:
-                    reserved = sum(_remaining_blocks(requests[r], taken.get(r, ()), config)
+                if reserved is None:  # (tables as this plan leaves them so far: the running phase's blocks and
+                    # the admissions'; a holder admitted in this loop stays in vLLM's set until the step is planned)
+                    reserved = sum(_remaining_blocks(requests[r], taken[r] if r in taken else (
+                        scheduled[r].new_block_ids if r in scheduled else ()), config)
                                    for r in list(running) + list(state.waiting)
                                    if _in_flight_prefill(requests[r]))
                 keep = watermark_keep(config, num_running)
