@@ -153,7 +153,16 @@ from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.prefix_cache import ROOT_HASH, max_hit_blocks, request_block_hash
 from schedspec.spec.request import Request, printable
 from schedspec.spec.rules import REUSED_BY_HIT_IN_STEP, Violation, coded
-from schedspec.spec.state import NO_SPECULATION, ScheduledRequest, SchedulerState, SpeculativeOutput, StepPlan
+from schedspec.spec.state import (
+    NO_SPECULATION,
+    NO_TRANSFERS,
+    KVLoad,
+    KVTransferOutput,
+    ScheduledRequest,
+    SchedulerState,
+    SpeculativeOutput,
+    StepPlan,
+)
 from schedspec.spec.workload import DEFAULT_VOCAB_SIZE, token_ids
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -660,6 +669,21 @@ class _VllmAdapter(_WorkerClient):
         self.plan: StepPlan | None = None
         self.prepared: dict[str, Any] | None = None  # async: the next step, planned before this one's update
         self.plan_num_requests = 0  # requests vLLM held when it planned the current plan
+        self.held_loaded: dict[str, int] = {}
+        """KV connector: waiting requests holding the blocks of their remote KV load -> how many (vLLM reports a
+        landed request's whole table, loaded blocks first, when it is admitted)."""
+        self._load_blocks: dict[str, tuple[int, ...]] = {}  # the blocks of each load started (spec numbering)
+
+    @property
+    def supports_kv_connector(self) -> bool:
+        """Remote KV loads and sends (the engine loop's KV connector report): the synchronous scheduler only,
+        with prefix caching off and one KV cache group (the spec's scope); vLLM runs them through ``ScheduledKVConnector``
+        (``engines/recorder/schedspec_vllm_connector.py``)."""
+        return not (self.async_scheduling or self.config.enable_prefix_caching or self.config.kv_cache_groups)
+
+    def enable_kv_connector(self) -> None:
+        """Rebuild vLLM's scheduler with the schedspec KV connector (before any request is added)."""
+        self._call({"op": "kv_connector", "handle": self.handle})
 
     def add_request(self, request: Request) -> None:
         """Give vLLM a fresh request (or refuse it as vLLM's input processor would)."""
@@ -683,6 +707,8 @@ class _VllmAdapter(_WorkerClient):
             **({"lora_int_id": request.lora_int_id} if request.lora_int_id else {}),
             **({"grammar_steps": request.grammar_ready_step - request.arrival_step}
                if request.grammar_ready_step is not None else {}),
+            **({"kv_load_tokens": request.num_external_computed_tokens} if request.num_external_computed_tokens else {}),
+            **({"kv_send": True} if request.kv_send else {}),
         })
 
     def abort_request(self, request_id: str) -> None:
@@ -705,16 +731,25 @@ class _VllmAdapter(_WorkerClient):
             groups, skipped = reply.get("groups", {}), reply.get("skipped", {})  # hybrid KV cache groups
             for request_id, computed, count, blocks, num_hit_blocks, drafts in reply["scheduled"]:
                 ids = tuple(b - 1 for b in blocks)
+                held = self.held_loaded.pop(request_id, None)
+                if held is not None:  # a landed remote KV load: its table starts with the blocks it holds, no hit
+                    scheduled.append(ScheduledRequest(request_id, computed, count, ids[held:]))
+                    continue
                 scheduled.append(ScheduledRequest(
                     request_id, computed, count, ids[num_hit_blocks:], cached_block_ids=ids[:num_hit_blocks],
                     spec_token_ids=tuple(drafts),
                     group_new_block_ids=tuple(tuple(b - 1 for b in group) for group in groups.get(request_id, ())),
                     skipped_block_ids=tuple(b - 1 for b in skipped.get(request_id, ()))))
+            loads = tuple(KVLoad(request_id, tokens, tuple(b - 1 for b in blocks))
+                          for request_id, tokens, blocks in reply.get("loads", ()))
+            for load in loads:
+                self.held_loaded[load.request_id] = len(load.new_block_ids)
+                self._load_blocks[load.request_id] = load.new_block_ids
             preempted = tuple(reply["preempted"])
             if not self.async_scheduling and not {item.request_id for item in scheduled}.union(preempted) <= self.live:
                 raise EngineError(f"vLLM planned requests that are not live: {reply}")
             self.plan = StepPlan(scheduled=tuple(scheduled), preempted=preempted,
-                                 rejected=tuple(self.refused.items()))
+                                 rejected=tuple(self.refused.items()), loads=loads)
             self.plan_num_requests = reply["num_requests"]
         return self.plan
 
@@ -761,7 +796,8 @@ class _VllmAdapter(_WorkerClient):
         return True
 
     def update(self, plan: StepPlan, sampled_token_ids: Mapping[str, int],
-               speculative: SpeculativeOutput = NO_SPECULATION) -> tuple[str, ...]:
+               speculative: SpeculativeOutput = NO_SPECULATION,
+               transfers: KVTransferOutput = NO_TRANSFERS) -> tuple[str, ...]:
         """Feed the sampled tokens to ``Scheduler.update_from_output``; the ids that finished (stop or
         length) in this step. With async scheduling, vLLM plans the next step first (module docstring).
 
@@ -790,7 +826,18 @@ class _VllmAdapter(_WorkerClient):
         drafts = {r: [int(t) for t in ids] for r, ids in speculative.draft_token_ids.items() if r in scheduled}
         if self.async_scheduling:
             self.prepared = self._call({"op": "schedule"})
-        reply = self._call({"op": "update", "sampled": sampled, "drafts": drafts})
+        message: dict[str, Any] = {"op": "update", "sampled": sampled, "drafts": drafts}
+        if transfers is not NO_TRANSFERS:  # the KV connector's report, vLLM block numbering
+            message["transfers"] = {"recving": list(transfers.finished_recving),
+                                    "invalid": [b + 1 for b in transfers.invalid_block_ids],
+                                    "sending": list(transfers.finished_sending)}
+            invalid = set(transfers.invalid_block_ids)
+            for request_id in transfers.finished_recving:  # a load failed from its first block holds nothing
+                held = self.held_loaded.get(request_id)
+                load_blocks = self._load_blocks.get(request_id, ())
+                if held is not None and load_blocks and load_blocks[0] in invalid:
+                    self.held_loaded[request_id] = 0
+        reply = self._call(message)
         self.plan = None
         self.finish_reasons = dict(reply["finished"])
         finished = tuple(self.finish_reasons)

@@ -22,23 +22,33 @@ Commands (``op``):
   ``grammar_steps``: structured output, a JSON-schema ``StructuredOutputsParams``, so that vLLM holds the
   request in ``WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR`` until its grammar is set: a :class:`ReadyGrammar`
   set just before the ``grammar_steps``-th ``schedule`` after this ``add``).
+  Remote KV (after ``kv_connector``): ``kv_load_tokens`` (the prompt tokens the connector offers to load) and
+  ``kv_send`` (its KV is sent when it finishes), handed to the connector.
+- ``kv_connector``: rebuild the scheduler with the schedspec KV connector
+  (``recorder/schedspec_vllm_connector.py`` ``ScheduledKVConnector``, ``KVTransferConfig`` with
+  ``kv_load_failure_policy="recompute"``), before any ``add``; reply ``{}``.
 - ``abort`` ``{id}``: ``Scheduler.finish_requests(id, RequestStatus.FINISHED_ABORTED)``; no reply.
 - ``schedule``: ``Scheduler.schedule()``; reply ``{"scheduled": [[id, num_computed_tokens,
   num_scheduled_tokens, new_block_ids, num_hit_blocks, spec_token_ids], ...], "preempted": [id, ...],
   "num_requests": n}`` in vLLM's numbering, ``n`` the running and waiting requests the scheduler held
   when it began, ``spec_token_ids`` the item's ``SchedulerOutput.scheduled_spec_decode_tokens`` (placeholder
-  ``-1`` drafts included; empty without speculative decoding).
+  ``-1`` drafts included; empty without speculative decoding); with the KV connector also ``"loads": [[id,
+  tokens, block_ids], ...]``, the remote KV loads the step started (vLLM numbering).
 - ``update`` ``{sampled, drafts}``: ``Scheduler.update_from_output`` of the oldest step in flight (with
   ``AsyncScheduler`` two steps may be in flight) with a ``ModelRunnerOutput`` holding the
   sampled token of every request that samples (an empty list for a request inside a prefill chunk; with
   speculative decoding a list, the accepted drafts then the sampled token); then, synchronous only, the
   ``drafts`` (request id -> draft ids) to ``Scheduler.update_draft_token_ids``, as ``EngineCore.post_step``
-  hands them; reply ``{"finished": [[id, status], ...]}``.
+  hands them; reply ``{"finished": [[id, status], ...]}``. ``transfers`` ``{recving, invalid, sending}`` (KV
+  connector, vLLM block numbering): the ``KVConnectorOutput`` of the step.
 - ``close``: drop the scheduler; no reply.
 - ``view``: reply the scheduler's own bookkeeping (free blocks of the block pool, waiting and running
   ids, block tables, ``num_computed_tokens``; the free queue in order, the blocks that carry a hash and
   the reference counts of held blocks), vLLM numbering; and the worker's: the ids whose stand-in grammar
-  is still to be set (``grammar_due``).
+  is still to be set (``grammar_due``). A request that ended while a transfer holds its
+  blocks is left out (the spec's ``delayed_frees``); a landed load vLLM has not promoted yet is shown promoted,
+  as the spec has it (a whole-sequence load with one token left; one failed from its first block holding
+  nothing, its blocks counted free).
 
 A command that fails sends ``{"error": traceback}`` as its reply; a failing command that does not
 reply (``add``, ``abort``) makes the next reply an error instead.
@@ -138,10 +148,12 @@ class Worker:
     the recorder's; ``benchmarks/scheduler_overhead.py --recorder``)."""
 
     def __init__(self, config: dict, policy: str, async_scheduling: bool, vocab_size: int,
-                 base: type | None = None) -> None:
+                 base: type | None = None, kv_connector: bool = False) -> None:
+        self.arguments = (config, policy, async_scheduling, vocab_size, base)
         import torch
         from vllm.config import (
             CacheConfig,
+            KVTransferConfig,
             ModelConfig,
             ParallelConfig,
             SchedulerConfig,
@@ -212,6 +224,9 @@ class Worker:
             vllm_config = VllmConfig(
                 model_config=model_config, scheduler_config=scheduler_config, cache_config=cache_config,
                 speculative_config=speculative_config, lora_config=lora_config,
+                **({"kv_transfer_config": KVTransferConfig(
+                    kv_connector="ScheduledKVConnector", kv_connector_module_path="schedspec_vllm_connector",
+                    kv_role="kv_both", kv_load_failure_policy="recompute")} if kv_connector else {}),
             )
         except Exception as error:  # noqa: BLE001  (vLLM validates with pydantic and ValueError)
             raise ConfigRefused(f"{type(error).__name__}: {error}") from None
@@ -261,6 +276,14 @@ class Worker:
         self.in_flight: deque = deque()
 
     # ------------------------------------------------------------------------------ commands
+    def kv_connector(self, message: dict) -> dict:
+        """Rebuild the scheduler with the schedspec KV connector (``recorder/schedspec_vllm_connector.py``),
+        before any request was added; reply ``{}``."""
+        if self.scheduler.requests:
+            raise RuntimeError("kv_connector after requests were added")
+        self.__init__(*self.arguments, kv_connector=True)
+        return {}
+
     def add(self, message: dict) -> None:
         from vllm.sampling_params import SamplingParams
         from vllm.v1.request import Request
@@ -295,6 +318,11 @@ class Worker:
             block_hasher=self.block_hasher,
             lora_request=lora_request,
         )
+        connector = self.scheduler.connector
+        if message.get("kv_load_tokens"):  # remote KV: the connector offers this many prompt tokens
+            connector.offers[message["id"]] = message["kv_load_tokens"]
+        if message.get("kv_send"):
+            connector.senders.add(message["id"])
         self.scheduler.add_request(request)
         if structured is not None:
             self.grammar_due[message["id"]] = (request, self.num_schedules + message["grammar_steps"])
@@ -317,6 +345,9 @@ class Worker:
         self.num_schedules += 1
         num_running, num_waiting = self.scheduler.get_request_counts()  # what schedule() reads first
         tables = self._tables() if self.num_groups > 1 else {}
+        connector = self.scheduler.connector
+        if connector is not None:
+            connector.loads = []
         output = self.scheduler.schedule()
         self.in_flight.append(output)
         scheduled = scheduled_items(output, self.block_size)  # the recorder's mapping, shared (drafts included)
@@ -325,6 +356,9 @@ class Worker:
         reply = {"scheduled": scheduled, "preempted": list(preempted), "num_requests": num_running + num_waiting}
         if self.num_groups > 1:
             reply.update(self._group_blocks(output, tables))
+        if connector is not None:  # the remote KV loads started: their blocks, vLLM numbering
+            manager = self.scheduler.kv_cache_manager
+            reply["loads"] = [[r, n, list(manager.get_block_ids(r)[0])] for r, n in connector.loads]
         return reply
 
     def _tables(self) -> dict[str, list[list[int]]]:
@@ -371,12 +405,22 @@ class Worker:
         request_ids = list(output.num_scheduled_tokens)
         # sampled: request id -> a token id, or (speculative decoding) the list of the accepted drafts
         # followed by the sampled token, as the model runner returns them (rejection sampler output).
+        transfers = message.get("transfers")
+        connector_output = None
+        if transfers:  # the KV connector's report (vllm/v1/outputs.py KVConnectorOutput), vLLM block numbering
+            from vllm.v1.outputs import KVConnectorOutput
+
+            connector_output = KVConnectorOutput(finished_recving=set(transfers["recving"]) or None,
+                                                 finished_sending=set(transfers["sending"]) or None,
+                                                 invalid_block_ids=set(transfers["invalid"]))
         runner_output = ModelRunnerOutput(
             req_ids=request_ids,
             req_id_to_index={request_id: index for index, request_id in enumerate(request_ids)},
             sampled_token_ids=[_token_list(sampled[r]) if r in sampled else [] for r in request_ids],
+            kv_connector_output=connector_output,
         )
-        before = {r: q.status for r, q in self.scheduler.requests.items()}
+        # (a request that ended while a transfer held its blocks stays in scheduler.requests until it is done)
+        before = {r: q.status for r, q in self.scheduler.requests.items() if not q.is_finished()}
         engine_outputs = self.scheduler.update_from_output(output, runner_output)
         finished: dict[str, str] = {}
         for outputs in engine_outputs.values():
@@ -406,16 +450,28 @@ class Worker:
         waiting += [request.request_id for request in scheduler.kv_holding_waiting]
         tables = {}
         computed = {}
+        freed_at_promotion = 0
         for request_id, request in scheduler.requests.items():
+            if request.is_finished():
+                continue  # ended, its blocks held for a transfer (the spec's delayed_frees)
             computed[request_id] = request.num_computed_tokens
             ids = manager.get_block_ids(request_id)
+            if request_id in scheduler.finished_recving_kv_req_ids:
+                # a landed load vLLM promotes in its next schedule (_update_waiting_for_remote_kv) and the spec at
+                # once: shown promoted (a whole-sequence load leaves one token; a load failed from its first
+                # block frees its blocks)
+                if request.num_computed_tokens == request.num_tokens:
+                    computed[request_id] = request.num_tokens - 1
+                if request_id in scheduler.failed_recving_kv_req_ids and not request.num_computed_tokens:
+                    freed_at_promotion += len(ids[0]) if ids else 0
+                    continue
             if ids and ids[0]:
                 tables[request_id] = list(ids[0])
         pool = manager.block_pool
         free_queue = [block.block_id for block in pool.free_block_queue.get_all_free_blocks()]
         hashed = sorted(block.block_id for block in pool.blocks if block.block_hash is not None)
         return {
-            "num_free_blocks": pool.get_num_free_blocks(),
+            "num_free_blocks": pool.get_num_free_blocks() + freed_at_promotion,
             "free_queue": free_queue,
             "cached_blocks": hashed,
             "ref_counts": {str(b.block_id): b.ref_cnt for b in pool.blocks if b.ref_cnt and not b.is_null},
@@ -448,7 +504,7 @@ def main() -> None:
     spec = importlib.util.spec_from_file_location("worker_pipe", os.path.join(_HERE, "worker_pipe.py"))
     pipe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(pipe)
-    pipe.serve(_build, ("add", "abort", "schedule", "update", "view"), ConfigRefused)
+    pipe.serve(_build, ("add", "abort", "schedule", "update", "view", "kv_connector"), ConfigRefused)
 
 
 if __name__ == "__main__":

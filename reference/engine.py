@@ -34,6 +34,7 @@ import gc
 import time as wallclock
 import traceback
 from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from typing import Any
 
 import attrs
@@ -41,13 +42,22 @@ import attrs
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.properties import Monitor, Progress, monitors
 from schedspec.spec.rules import Violation
-from schedspec.spec.state import NO_SPECULATION, SchedulerState, SpeculativeOutput, StepPlan, landed_plan
+from schedspec.spec.state import (
+    NO_SPECULATION,
+    NO_TRANSFERS,
+    KVTransferOutput,
+    SchedulerState,
+    SpeculativeOutput,
+    StepPlan,
+    landed_plan,
+)
 from schedspec.spec.stepper import Stepper, Transition, step_checker
 from schedspec.spec.trace import StepRecord
 from schedspec.spec.transitions import StepResult
 from schedspec.spec.workload import ArrivalClock, RequestSpec
 
 from .fake_model import CostOnlyModel, FakeModel, TokenSource
+from .kv_connector import ScheduledConnector, uses_kv_connector
 from .scheduler import (
     EngineFault,
     EngineView,
@@ -292,8 +302,12 @@ class Engine:
         return plan
 
     def _update(self, step: int, plan: StepPlan, sampled: dict[str, int],
-                speculative: SpeculativeOutput = NO_SPECULATION) -> tuple[str, ...]:
-        if self.config.speculative:
+                speculative: SpeculativeOutput = NO_SPECULATION,
+                transfers: KVTransferOutput = NO_TRANSFERS) -> tuple[str, ...]:
+        if transfers is not NO_TRANSFERS:  # a scheduler with supports_kv_connector takes the report by keyword
+            finished = self._call("update", step, partial(self.scheduler.update, transfers=transfers), plan, sampled,
+                                  speculative)
+        elif self.config.speculative:
             finished = self._call("update", step, self.scheduler.update, plan, sampled, speculative)
         else:
             finished = self._call("update", step, self.scheduler.update, plan, sampled)
@@ -350,6 +364,17 @@ class Engine:
                 raise UnsupportedFeature(f"token source {type(token_source).__name__} does not support speculative "
                                          f"decoding (num_speculative_tokens={self.config.num_speculative_tokens})")
 
+        connector = ScheduledConnector(workload) if uses_kv_connector(workload) else None
+        if connector is not None and not getattr(self.scheduler, "supports_kv_connector", False):
+            name = getattr(self.scheduler, "name", None) or type(self.scheduler).__name__
+            raise UnsupportedFeature(f"scheduler {name!r} does not support remote KV loads and sends (a workload "
+                                     "request has num_external_computed_tokens or kv_send): its update takes no "
+                                     "KV connector report")
+        if connector is not None and (self.config.enable_prefix_caching or self.config.kv_cache_groups):
+            raise UnsupportedFeature("remote KV loads and sends are specified with prefix caching off and one KV "
+                                     "cache group (enable_prefix_caching is on or kv_cache_groups is set)")
+        if connector is not None and callable(getattr(self.scheduler, "enable_kv_connector", None)):
+            self._call("enable_kv_connector", 0, self.scheduler.enable_kv_connector)  # an engine's own connector
         checker = step_checker(self.config, self.incremental) if self.check else None
         # A run allocates millions of short-lived tuples while holding every finished request: the
         # default thresholds make the cyclic garbage collector rescan that growing heap thousands of
@@ -357,18 +382,18 @@ class Engine:
         gc_thresholds = gc.get_threshold()
         gc.set_threshold(200_000, 50, 100)
         try:
-            return self._run(events, specs, mode, max_steps, token_source, checker)
+            return self._run(events, specs, mode, max_steps, token_source, checker, connector)
         finally:
             gc.set_threshold(*gc_thresholds)
 
-    def _run(self, events, specs, mode, max_steps, token_source, checker) -> RunResult:
+    def _run(self, events, specs, mode, max_steps, token_source, checker, connector=None) -> RunResult:
         watched: list[Monitor] = monitors(self.properties, self.config) + monitors(self.watch, self.config)
         # A hung scheduler (no new token position and no request ended for max_model_len steps with live
         # requests) would keep a run going forever: the run stops there with a progress violation, which
         # every scheduler owes (spec.checker.DEFAULT_PROPERTIES), whether or not it was asked to monitor it.
         hang_guard = next((m for m in watched if m.name == "progress"), None) or Progress(self.config)
         counted = "progress" in self.properties
-        if (not self.check and not watched and not self.record_steps and self.on_step is None
+        if (not self.check and not watched and not self.record_steps and self.on_step is None and connector is None
                 and callable(getattr(self.scheduler, "step_views", None)) and type(token_source) is CostOnlyModel):
             return self._run_light(events, specs, mode, max_steps, token_source)
         # a scheduler that plans step n + 1 while step n is in flight (vLLM's AsyncScheduler) is judged
@@ -433,8 +458,8 @@ class Engine:
                 else:
                     self._hand(stepper.abort(request_id).transition)
                     self._call("abort_request", step, self.scheduler.abort_request, request_id)
-            if not stepper.state.requests and not events.arrivals_left:
-                break
+            if not stepper.state.requests and not events.arrivals_left and not (connector and connector.pending):
+                break  # (with a KV connector, steps go on until the transfers still holding blocks are done)
 
             before = stepper.state
             if self.check and (arrivals or aborts):
@@ -448,20 +473,21 @@ class Engine:
                 sampled, duration, speculative = token_source.execute_speculative(landed, before)
             else:
                 sampled, duration = token_source.execute(landed, before)
+            transfers = connector.report(before.step) if connector is not None else NO_TRANSFERS
             if trust_state:
-                finished = self._update(before.step, plan, sampled, speculative)
+                finished = self._update(before.step, plan, sampled, speculative, transfers)
                 outcome = stepper.step(plan, sampled, StepResult(self.scheduler.state, finished, ()),
-                                       speculative=speculative)
+                                       speculative=speculative, transfers=transfers)
             else:
                 # The spec's own transition first, handed to a reference scheduler that keeps the same spec
                 # state (accept_transition), so its state is this state.
-                outcome = stepper.step(plan, sampled, speculative=speculative)
+                outcome = stepper.step(plan, sampled, speculative=speculative, transfers=transfers)
                 if outcome.error is not None:
                     report([Violation("refinement", f"the spec cannot apply the scheduler's plan: {outcome.error}",
                                       before.step, kind="mismatch")], before)
                     break
                 self._hand(outcome.transition)
-                finished = self._update(before.step, plan, sampled, speculative)
+                finished = self._update(before.step, plan, sampled, speculative, transfers)
                 if self.check:
                     found = []
                     if set(finished) != set(outcome.finished):
@@ -475,6 +501,9 @@ class Engine:
                     found += compare_own(outcome.after, outcome.finished, before.step)
                     report(found, outcome.after)
             after = outcome.after
+            if connector is not None:
+                connector.started(before.step, landed)
+                connector.finished(before.step, outcome.finished, after.finished)
             wasted += outcome.num_wasted_tokens
             if self.check:
                 checked += 1

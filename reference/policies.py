@@ -27,6 +27,14 @@ rejection, chunking and block pools):
    goes on after them. With ``watermark > 0`` an admission while others run leaves ``watermark_blocks``
    free (:func:`watermark_keep`); the adapters counted are those of every running request (vLLM 0.33's count;
    0.32 counts only the running requests scheduled in the step), so no later step can exceed the limit.
+   KV connector: the waiting requests that hold blocks after a remote KV load come first (vLLM's
+   ``kv_holding_waiting``); one whose load is in flight (WAITING_FOR_REMOTE_KVS) is skipped; one whose
+   connector offers a load (:func:`~schedspec.spec.state.offers_load`) gets blocks for the loaded prefix
+   (:class:`~schedspec.spec.state.KVLoad`, no token, no ``max_num_seqs`` slot), and admission goes on after it;
+   the load starts only if the request's whole sequence fits beside the blocks the requests holding loaded
+   blocks still need (vLLM reserves the in-flight loads' remaining blocks,
+   ``Scheduler._inflight_prefill_reserved_blocks``, but admits on the load's blocks alone; reserving the whole
+   sequence means no two waiting holders can wait on each other's blocks).
    With ``prefill_schedule_interval > 1`` a step the cadence holds (:func:`~schedspec.spec.state.prefill_held`,
    vLLM 0.33) skips the running prefill chunks and stops admission at the first request with a prefill
    to compute (``plan_step`` only; ``priority`` does not follow the cadence).
@@ -72,8 +80,17 @@ from schedspec.spec.admission import rejection_reason
 from schedspec.spec.config import SchedulerConfig, blocks_for_tokens, slot_tokens
 from schedspec.spec.kv_cache_groups import allocation_cost, held_block_ids, new_blocks_needed, window_frees
 from schedspec.spec.prefix_cache import CacheUpdate
-from schedspec.spec.request import Request
-from schedspec.spec.state import ScheduledRequest, SchedulerState, StepPlan, is_prefill_chunk, prefill_held
+from schedspec.spec.request import Request, RequestStatus
+from schedspec.spec.state import (
+    KVLoad,
+    ScheduledRequest,
+    SchedulerState,
+    StepPlan,
+    holding_first,
+    is_prefill_chunk,
+    offers_load,
+    prefill_held,
+)
 
 AdmissionOrder = Callable[[SchedulerState], Sequence[str]]
 
@@ -150,7 +167,8 @@ class _BlockPool:
         caching; ``tokens`` defaults to the whole current sequence; with ``num_lookahead_tokens`` the
         slots include the lookahead (:func:`~schedspec.spec.config.slot_tokens`)."""
         total = request.num_tokens if tokens is None else tokens
-        needed = blocks_for_tokens(slot_tokens(total, config), config.block_size)
+        # a waiting request holds blocks only after a remote KV load (Request.holds_loaded_kv): it needs the rest
+        needed = max(blocks_for_tokens(slot_tokens(total, config), config.block_size) - len(request.block_ids), 0)
         return (), needed, needed
 
     def admit(self, hit: tuple[int, ...], needed: int) -> tuple[int, ...]:
@@ -596,14 +614,31 @@ def plan_step(
         # set never holds more than max_loras: a running request left out of this step cannot break the
         # limit in a later one
         loras = loras_of(state.running, requests) if config.max_loras else set()
-        for request_id in admission_order(state):
+        loads: list[KVLoad] = []
+        reserved: int | None = None  # blocks the requests holding loaded blocks still need (computed on demand)
+        for request_id in holding_first(admission_order(state), requests):
             if request_id in skip:
                 continue
             if num_running >= config.active_seq_cap or budget == 0:
                 break
             request = requests[request_id]
+            if request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+                continue  # its transfer has not landed (rule wait-for-remote-kv): vLLM skips it
             if not request.grammar_ready(state.step) or not lora_fits(request, loras, config):
                 continue  # vLLM skips a request whose grammar is compiling, or whose adapter is one too many
+            if offers_load(request, config):  # start its remote KV load: blocks for the loaded prefix, no token
+                # only if its whole sequence fits beside what the requests holding loaded blocks still need
+                # (they wait, unpreemptible, and are admitted first): no two of them can wait on each other
+                whole = blocks_for_tokens(slot_tokens(request.num_tokens, config), config.block_size)
+                if reserved is None:
+                    reserved = sum(_remaining_blocks(requests[r], config) for r in state.waiting
+                                   if requests[r].holds_loaded_kv)
+                if whole + reserved + watermark_keep(config, num_running) > pool.available:
+                    break
+                needed = blocks_for_tokens(request.num_external_computed_tokens, config.block_size)
+                loads.append(KVLoad(request_id, request.num_external_computed_tokens, pool.take(needed)))
+                reserved += whole - needed
+                continue
             if hybrid:  # every group's blocks for the first chunk only, shrunk to fit (fit_chunk); no hit
                 hit, needed, hit_tokens = (), 0, 0
             else:
@@ -626,7 +661,13 @@ def plan_step(
             if request.lora_int_id:
                 loras.add(request.lora_int_id)
 
+        return StepPlan(scheduled=tuple(scheduled), preempted=tuple(preempted), rejected=rejected, loads=tuple(loads))
     return StepPlan(scheduled=tuple(scheduled), preempted=tuple(preempted), rejected=rejected)
+
+
+def _remaining_blocks(request: Request, config: SchedulerConfig) -> int:
+    """Blocks a waiting request holding loaded blocks still needs for its whole current sequence (blocks)."""
+    return max(blocks_for_tokens(slot_tokens(request.num_tokens, config), config.block_size) - len(request.block_ids), 0)
 
 
 def _queue_order(state: SchedulerState) -> Sequence[str]:

@@ -45,7 +45,8 @@ FINDING_KEYS = {"name", "step", "mentions", "also"}
 ENGINE_CRASH = "engine-crash"
 """The ``finding.name`` of an engine crash (:class:`~schedspec.reference.scheduler.EngineFault`)."""
 REQUEST_KEYS = {"id", "arrival_step", "prompt_len", "max_tokens", "priority", "prefix", "abort_at_step", "eos_at_output",
-                "acceptance", "lora_int_id", "grammar_compile_steps"}
+                "acceptance", "lora_int_id", "grammar_compile_steps", "num_external_computed_tokens", "kv_load_steps",
+                "kv_load_invalid_block", "kv_send", "kv_send_steps"}
 OUTCOMES = {"finished", "rejected", "aborted"}
 TOP_KEYS = {"name", "about", "config", "requests", "expect", "scheduler", "max_steps"}
 DEFAULT_MAX_STEPS = 10_000
@@ -192,6 +193,15 @@ def parse_scenario(data: Any, path: str = "<scenario>") -> Scenario:
             lora_int_id=_int(raw.get("lora_int_id", 0), f"{where}.lora_int_id"),
             grammar_compile_steps=(_int(raw["grammar_compile_steps"], f"{where}.grammar_compile_steps", maximum=MAX_STEP)
                                    if "grammar_compile_steps" in raw else None),
+            num_external_computed_tokens=_int(raw.get("num_external_computed_tokens", 0),
+                                              f"{where}.num_external_computed_tokens", maximum=prompt_len),
+            kv_load_steps=(_int(raw["kv_load_steps"], f"{where}.kv_load_steps", 1, maximum=MAX_STEP)
+                           if "kv_load_steps" in raw else None),
+            kv_load_invalid_block=(_int(raw["kv_load_invalid_block"], f"{where}.kv_load_invalid_block")
+                                   if "kv_load_invalid_block" in raw else None),
+            kv_send=_bool(raw.get("kv_send", False), f"{where}.kv_send"),
+            kv_send_steps=(_int(raw["kv_send_steps"], f"{where}.kv_send_steps", 1, maximum=MAX_STEP)
+                           if "kv_send_steps" in raw else None),
         ))
     expect = data.get("expect", {})
     if not isinstance(expect, dict):

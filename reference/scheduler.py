@@ -23,6 +23,11 @@ The protocol (engine adapters implement the same one):
   transition the engine loop computed for the call it makes next
   (:class:`~schedspec.spec.stepper.Transition`), which a scheduler keeping the same spec state may use
   instead of computing it again (:class:`ReferenceScheduler`).
+- ``supports_kv_connector`` (optional, default false): the scheduler follows remote KV loads and sends
+  (``StepPlan.loads``, WAITING_FOR_REMOTE_KVS); the engine loop then calls ``update(plan, sampled_token_ids,
+  speculative, transfers=report)`` with the KV connector's :class:`~schedspec.spec.state.KVTransferOutput`
+  whenever a transfer landed or completed in the step. A workload with remote loads or sends on a scheduler
+  without it is a feature it lacks (exit 3).
 """
 
 from __future__ import annotations
@@ -37,7 +42,14 @@ import attrs
 
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.request import Request
-from schedspec.spec.state import NO_SPECULATION, SchedulerState, SpeculativeOutput, StepPlan
+from schedspec.spec.state import (
+    NO_SPECULATION,
+    NO_TRANSFERS,
+    KVTransferOutput,
+    SchedulerState,
+    SpeculativeOutput,
+    StepPlan,
+)
 from schedspec.spec.stepper import Transition
 from schedspec.spec.transitions import abort_request, add_request, apply_plan
 
@@ -279,6 +291,8 @@ class ReferenceScheduler:
         self.state = SchedulerState.initial(config)
         self._handed: Transition | None = None
         self.supports_kv_cache_groups = plan in GROUP_PLANS
+        self.supports_kv_connector = plan in KV_CONNECTOR_PLANS
+        """Whether the policy follows remote KV loads (module docstring)."""
 
     def accept_transition(self, transition: Transition) -> None:
         """The spec transition the engine computed for the call it makes next (module docstring of
@@ -304,16 +318,23 @@ class ReferenceScheduler:
         return self.plan_function(self.state, self.config)
 
     def update(self, plan: StepPlan, sampled_token_ids: Mapping[str, int],
-               speculative: SpeculativeOutput = NO_SPECULATION) -> tuple[str, ...]:
-        result = self._take("apply_plan", plan, sampled_token_ids, speculative)
+               speculative: SpeculativeOutput = NO_SPECULATION,
+               transfers: KVTransferOutput = NO_TRANSFERS) -> tuple[str, ...]:
+        result = self._take("apply_plan", plan, sampled_token_ids, speculative) if transfers is NO_TRANSFERS else None
         if result is None:
-            result = apply_plan(self.state, plan, sampled_token_ids, self.config, speculative)
+            result = apply_plan(self.state, plan, sampled_token_ids, self.config, speculative, transfers)
         self.state = result.state
         return result.finished
 
 
 SchedulerFactory = Callable[[SchedulerConfig], Scheduler]
 
+
+KV_CONNECTOR_PLANS: frozenset[PlanFunction] = frozenset({policies.fcfs, policies.static, policies.shortest_prompt_first,
+                                                         vllm_v1.vllm_v1, vllm_v1.vllm_v1_033})
+"""The reference plans that follow remote KV loads (WAITING_FOR_REMOTE_KVS skipped, loads started, the requests
+holding loaded blocks admitted first): those built on ``policies.plan_step`` and the FCFS ``vllm-v1`` profiles
+(rule 13 of :mod:`~schedspec.reference.vllm_v1`)."""
 
 CADENCE_PLANS: frozenset[PlanFunction] = frozenset({policies.fcfs, policies.static, policies.shortest_prompt_first,
                                                     vllm_v1.vllm_v1_033, vllm_v1.vllm_v1_priority_033})

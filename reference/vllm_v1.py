@@ -132,6 +132,20 @@ admission. The rules, each with its place in vLLM's source:
     gets its blocks in every group. The profile frees a window's blocks only for a request it schedules
     (vLLM frees them also when the allocation then fails, and the request preempts itself: the same blocks,
     in another order in the free queue).
+14. **Remote KV loads** (KV connector, FCFS profiles only). The waiting loop drains ``kv_holding_waiting`` first
+    (:func:`~schedspec.spec.state.holding_first`); a request whose load is in flight (WAITING_FOR_REMOTE_KVS) is
+    skipped (``_handle_blocked_waiting_request``); a request whose connector offers a load
+    (``get_num_new_matched_tokens`` with ``load_kv_async``; :func:`~schedspec.spec.state.offers_load`) gets the
+    blocks of its load (``allocate_slots(num_new_tokens=0, num_external_computed_tokens=n,
+    full_sequence_must_fit=True, reserved_blocks=...)``) only if its whole sequence fits the free blocks and its
+    load's blocks fit the free blocks less the in-flight prefills' remaining blocks
+    (``_inflight_prefill_reserved_blocks``: the loads not yet admitted and the running requests whose last chunk
+    stopped short of the prompt), the watermark kept in both; else admission stops (``break``). A landed load is
+    admitted from its loaded tokens into the blocks it holds (``num_computed_tokens > 0``: no prefix lookup). The
+    spec promotes a landed request when the report arrives, vLLM when its waiting loop reaches it; the plans are
+    the same but for a load that failed from its first block, whose blocks vLLM frees only then: until a
+    waiting loop reaches it (a full running set, a step that preempts) vLLM has those blocks fewer, and may
+    preempt where this profile does not (``schedspec diff --remote-kv``, docs/engines.md).
 
 **With prefix caching** (``enable_prefix_caching``): admission first looks up the longest cached prefix
 (``KVCacheManager.get_computed_blocks``, at most ``num_tokens - 1`` tokens), the whole-sequence gate
@@ -189,8 +203,17 @@ from collections.abc import Sequence
 
 from schedspec.spec.config import SchedulerConfig, blocks_for_tokens, slot_tokens
 from schedspec.spec.kv_cache_groups import allocation_cost, groups_of, held_block_ids
-from schedspec.spec.request import Request
-from schedspec.spec.state import ScheduledRequest, SchedulerState, StepPlan, is_prefill_chunk, prefill_held
+from schedspec.spec.request import Request, RequestStatus
+from schedspec.spec.state import (
+    KVLoad,
+    ScheduledRequest,
+    SchedulerState,
+    StepPlan,
+    holding_first,
+    is_prefill_chunk,
+    offers_load,
+    prefill_held,
+)
 
 from .policies import (
     BlockPool,
@@ -366,12 +389,16 @@ def plan_vllm_v1(state: SchedulerState, config: SchedulerConfig, by_priority: bo
         num_running = len(running)
         # rule 8: scheduled_loras, from the running requests scheduled in the step (0.32) or all running (0.33)
         loras = loras_of(running if version == "0.33" else scheduled, requests) if config.max_loras else set()
-        for request_id in _waiting_order(state, by_priority):
+        loads: list[KVLoad] = []
+        reserved: int | None = None  # rule 14: the in-flight prefills' remaining blocks (computed on demand)
+        for request_id in holding_first(_waiting_order(state, by_priority), requests):  # rule 14: kv_holding_waiting first
             if request_id in skip:
                 continue
             if budget <= 0 or num_running >= config.active_seq_cap:  # max_num_active_reqs (rule 5)
                 break
             request = requests[request_id]
+            if request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+                continue  # rule 14: not in finished_recving_kv_req_ids, skip_request
             if not request.grammar_ready(state.step):
                 continue  # rule 9: _handle_blocked_waiting_request is False, skip_request
             if not lora_fits(request, loras, config):
@@ -384,7 +411,21 @@ def plan_vllm_v1(state: SchedulerState, config: SchedulerConfig, by_priority: bo
             hit, _, whole = queue.admission(request, config, whole_tokens)
             if hybrid:
                 whole = admission_blocks(whole_tokens, config)  # rule 13: the capped whole-sequence gate
-            hit_tokens = len(hit) * config.block_size
+            if offers_load(request, config):  # rule 14: load_kv_async, allocate_slots(num_new_tokens=0, ...)
+                if reserved is None:  # (tables as this plan leaves them so far: the running phase's blocks and
+                    # the admissions'; a holder admitted in this loop stays in vLLM's set until the step is planned)
+                    reserved = sum(_remaining_blocks(requests[r], taken[r] if r in taken else (
+                        scheduled[r].new_block_ids if r in scheduled else ()), config)
+                                   for r in list(running) + list(state.waiting)
+                                   if _in_flight_prefill(requests[r]))
+                keep = watermark_keep(config, num_running)
+                needed = blocks_for_tokens(request.num_external_computed_tokens, config.block_size)
+                if whole + keep > queue.available or needed + keep > queue.available - reserved:
+                    break
+                loads.append(KVLoad(request_id, request.num_external_computed_tokens, queue.take(needed)))
+                reserved += whole - needed
+                continue
+            hit_tokens = len(hit) * config.block_size + request.num_computed_tokens  # (a landed load's tokens)
             if held and hit_tokens < request.num_tokens - 1:
                 break  # rule 12: a held step stops admission at the first request with a prefill to compute
             padded = 1 + config.num_speculative_tokens
@@ -406,12 +447,17 @@ def plan_vllm_v1(state: SchedulerState, config: SchedulerConfig, by_priority: bo
                 scheduled[request_id] = group_item(request, 0, num_tokens, queue, config)
             else:
                 blocks = queue.admit(hit, blocks_for_tokens(slot_tokens(hit_tokens + num_tokens, config),
-                                                            config.block_size) - len(hit))
+                                                            config.block_size) - len(hit) - len(request.block_ids))
                 scheduled[request_id] = ScheduledRequest(request_id, hit_tokens, num_tokens, blocks, hit)
             budget -= num_tokens
             num_running += 1
             if request.lora_int_id:
                 loras.add(request.lora_int_id)
+            if reserved is not None and hit_tokens + num_tokens < request.num_tokens:  # joins _inflight_prefills
+                reserved += max(whole - len(blocks), 0)
+        if loads:
+            return StepPlan(scheduled=tuple(scheduled.values()), preempted=tuple(preempted), rejected=rejected,
+                            loads=tuple(loads))
 
     return StepPlan(scheduled=tuple(scheduled.values()), preempted=tuple(preempted), rejected=rejected)
 
@@ -441,6 +487,22 @@ def startup_blocks(config: SchedulerConfig) -> int:
     ``check_enough_kv_cache_memory`` (``max_memory_usage_bytes``: per group ``ceil(max_model_len /
     block_size)`` pages, a sliding-window group's ``max_admission_blocks_per_request``)."""
     return admission_blocks(config.max_model_len, config)
+
+
+def _in_flight_prefill(request: Request) -> bool:
+    """Whether vLLM 0.32 keeps ``request`` in ``Scheduler._inflight_prefills`` (rule 14): a remote KV load not yet
+    admitted (WAITING_FOR_REMOTE_KVS, or landed with its blocks), or a running request whose last chunk stopped
+    short of its prompt (``is_prefill_chunk``; the spec sees it as fewer computed tokens than the prompt)."""
+    if request.holds_loaded_kv:
+        return bool(request.block_ids)
+    return request.status is RequestStatus.RUNNING and request.num_computed_tokens < request.prompt_len
+
+
+def _remaining_blocks(request: Request, taken: tuple[int, ...], config: SchedulerConfig) -> int:
+    """vLLM ``Scheduler._request_remaining_blocks``: the blocks ``request`` still needs to hold its whole sequence
+    (``min(num_tokens, max_model_len)`` tokens), its table counting the blocks ``taken`` in this step."""
+    whole = blocks_for_tokens(slot_tokens(min(request.num_tokens, config.max_model_len), config), config.block_size)
+    return max(whole - len(request.block_ids) - len(taken), 0)
 
 
 def _decode_with_drafts(request: Request, config: SchedulerConfig, budget: int, num_eligible: int) -> int:

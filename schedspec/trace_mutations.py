@@ -23,9 +23,10 @@ from typing import Any
 
 import attrs
 
-from schedspec.spec.checker import check_trace, plan_from_record, speculative_of
+from schedspec.spec.checker import check_trace, plan_from_record, speculative_of, transfers_of
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.kv_cache_groups import NULL_BLOCK, num_skipped_blocks
+from schedspec.spec.request import RequestStatus
 from schedspec.spec.rules import RULES
 from schedspec.spec.state import (
     SchedulerState,
@@ -70,7 +71,7 @@ class Trace:
                 state = abort_request(state, request_id)
             before.append(state)
             state = apply_plan(state, plan_from_record(record), record.sampled_token_ids, config,
-                               speculative_of(record)).state
+                               speculative_of(record), transfers_of(record)).state
             after.append(state)
         return cls(header, [r.to_dict() for r in records], config, before, after)
 
@@ -155,7 +156,9 @@ def allocation_outside_batch(trace: Trace, i: int) -> Mutant | None:
     record = trace.records[i]
     before = trace.before[i]
     scheduled = {item["request_id"] for item in record["scheduled"]}
-    idle = [r for r in before.running + before.waiting if r not in scheduled and r not in record["rejected"]]
+    loading = record.get("kv_loads", {})  # a remote KV load's blocks are its own allocation
+    idle = [r for r in before.running + before.waiting
+            if r not in scheduled and r not in record["rejected"] and r not in loading]
     taken = {b for blocks in record["blocks_allocated"].values() for b in blocks}
     spare = [b for b in before.free_block_ids if b not in taken]
     if not idle or not spare:
@@ -1255,6 +1258,103 @@ def hide_wasted_tokens(trace: Trace, i: int) -> Mutant | None:
     return trace.header, records, i
 
 
+def scheduled_before_transfer_landed(trace: Trace, i: int) -> Mutant | None:
+    """A request whose remote KV load is in flight in step ``i`` (WAITING_FOR_REMOTE_KVS) is also scheduled in
+    it: one more prompt token after the loaded ones, computed over blocks the transfer has not written (an
+    engine that promotes a request before ``finished_recving``)."""
+    before = trace.before[i]
+    scheduled = {s["request_id"] for s in trace.records[i]["scheduled"]}
+    request = next((before.requests[r] for r in before.waiting if r not in scheduled
+                    and before.requests[r].status is RequestStatus.WAITING_FOR_REMOTE_KVS
+                    and before.requests[r].num_computed_tokens + 1 < before.requests[r].num_tokens), None)
+    if request is None:
+        return None
+    records, r = _edit(trace, i)
+    r["scheduled"].append({"request_id": request.request_id, "num_computed_tokens": request.num_computed_tokens,
+                           "prefill_tokens": 1, "decode_tokens": 0})
+    return trace.header, records, i
+
+
+def load_extra_block(trace: Trace, i: int) -> Mutant | None:
+    """A remote KV load started in step ``i`` takes one block more than its tokens need (an allocator that
+    rounds the external tokens up, or allocates the first chunk beside the load)."""
+    record = trace.records[i]
+    loads = record.get("kv_loads", {})
+    taken = {b for blocks in record["blocks_allocated"].values() for b in blocks}
+    spare = [b for b in trace.before[i].free_block_ids if b not in taken]
+    if not loads or not spare:
+        return None
+    request_id = next(iter(loads))
+    records, r = _edit(trace, i)
+    r["blocks_allocated"][request_id] = list(r["blocks_allocated"].get(request_id, [])) + [spare[-1]]
+    r["num_free_blocks"] -= 1
+    return trace.header, records, i
+
+
+def load_not_as_offered(trace: Trace, i: int) -> Mutant | None:
+    """A remote KV load started in step ``i`` is recorded for one token fewer than the connector offered (a
+    scheduler that trims the external tokens its own way), its blocks unchanged."""
+    record = trace.records[i]
+    loads = {r: n for r, n in record.get("kv_loads", {}).items() if n > 1}
+    if not loads:
+        return None
+    request_id = next(iter(loads))
+    records, r = _edit(trace, i)
+    r["kv_loads"][request_id] -= 1
+    return trace.header, records, i
+
+
+def failed_load_kept_computed(trace: Trace, i: int) -> Mutant | None:
+    """Step ``i`` first schedules a request whose remote KV load failed (``invalid_block_ids``): its chunk starts
+    after the whole load, as if the invalid blocks held KV, and computes that many tokens fewer (an engine that
+    ignores ``invalid_block_ids``: vLLM's recompute policy, ``_handle_invalid_blocks``, recomputes from the first
+    invalid block)."""
+    before = trace.before[i]
+    for item in trace.records[i]["scheduled"]:
+        request = before.requests.get(item["request_id"])
+        if request is None or not request.holds_loaded_kv or not request.block_ids:
+            continue
+        lost = min(request.num_external_computed_tokens, request.num_tokens - 1) - request.num_computed_tokens
+        if lost <= 0 or item["prefill_tokens"] <= lost:
+            continue
+        records, r = _edit(trace, i)
+        changed = _scheduled(r, lambda s, rid=request.request_id: s["request_id"] == rid)
+        changed["num_computed_tokens"] += lost
+        changed["prefill_tokens"] -= lost
+        return trace.header, records, i
+    return None
+
+
+def freed_at_abort_while_loading(trace: Trace, i: int) -> Mutant | None:
+    """A request aborted before step ``i`` while its remote KV load was in flight is reported to free its blocks
+    at the abort, though the transfer still writes them and frees them when it lands: the same blocks freed twice
+    (vLLM ``Scheduler.finish_requests`` delays the free: ``delay_free_blocks``)."""
+    record = trace.records[i]
+    held = {r: trace.before[i].delayed_frees[r] for r in record["aborted"] if r in trace.before[i].delayed_frees}
+    if not held:
+        return None
+    request_id, delayed = next(iter(held.items()))
+    records, r = _edit(trace, i)
+    r["blocks_freed"][request_id] = list(delayed.block_ids)
+    r["num_free_blocks"] += len(delayed.block_ids)
+    return trace.header, records, i
+
+
+def send_freed_at_finish(trace: Trace, i: int) -> Mutant | None:
+    """A ``kv_send`` request that finishes in step ``i`` is reported to free its blocks at once, though its KV
+    send still reads them until ``finished_sending`` (vLLM ``request_finished`` returning
+    ``delay_free_blocks=True``)."""
+    after = trace.after[i]
+    request_id = next((r for r in trace.records[i]["finished"] if r in after.delayed_frees), None)
+    if request_id is None:
+        return None
+    blocks = after.delayed_frees[request_id].block_ids
+    records, r = _edit(trace, i)
+    r["blocks_freed"][request_id] = list(blocks)
+    r["num_free_blocks"] += len(blocks)
+    return trace.header, records, i
+
+
 MUTATIONS: tuple[Mutation, ...] = (
     Mutation("double-allocation", "a block handed to a request while another request still holds it", double_allocation),
     Mutation("window-frees-visible-block", "a sliding-window group frees a block its window still sees (off by one "
@@ -1362,6 +1462,16 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation("wasted-item-misplaced", "wasted work for an ended request that starts where its computation did not",
              wasted_item_misplaced),
     Mutation("hide-wasted-tokens", "a step's wasted work not reported (wasted_tokens left out)", hide_wasted_tokens),
+    Mutation("scheduled-before-transfer-landed", "a request scheduled while its remote KV load is in flight",
+             scheduled_before_transfer_landed),
+    Mutation("load-extra-block", "a remote KV load takes a block more than its tokens need", load_extra_block),
+    Mutation("load-not-as-offered", "a remote KV load of other tokens than the connector offered", load_not_as_offered),
+    Mutation("failed-load-kept-computed", "the blocks of a failed remote KV load kept as computed",
+             failed_load_kept_computed),
+    Mutation("freed-at-abort-while-loading", "a request aborted while loading frees its blocks at once and again "
+             "when the load lands", freed_at_abort_while_loading),
+    Mutation("send-freed-at-finish", "a request whose KV is being sent frees its blocks at its finish",
+             send_freed_at_finish),
 )
 """The catalogue, by name order of concern: blocks, batch, tokens and endings, bookkeeping, time."""
 
@@ -1600,10 +1710,42 @@ def hybrid_trace(scale: int = 1) -> tuple[str, Trace]:
     return "hybrid-kv-cache-groups", Trace.of(json.loads(header_line(config, "fcfs")), result.records)
 
 
+def remote_kv_trace(scale: int = 1) -> tuple[str, Trace]:
+    """A correct trace with a KV connector: ``40 * scale`` requests (prompts of up to 40 tokens, up to 12 outputs),
+    half of them loading part of their prompt remotely (landing 1 to 4 steps after the load starts, one in three
+    of those failing from one of its first blocks), every fifth sending its KV when it finishes, every seventh
+    aborted (some while loading), run by fcfs in a KV cache of 48 blocks of 4 (so that loads wait for blocks and
+    running requests are preempted) with the engine loop's KV connector
+    (:class:`~schedspec.reference.kv_connector.ScheduledConnector`)."""
+    import random
+
+    from schedspec.reference.engine import Engine
+    from schedspec.reference.scheduler import SCHEDULERS
+    from schedspec.spec.workload import RequestSpec
+
+    rng = random.Random(11)
+    config = SchedulerConfig(block_size=4, num_kv_blocks=48, max_num_batched_tokens=32, max_num_seqs=6,
+                             max_model_len=64)
+    workload = []
+    for k in range(40 * scale):
+        prompt = rng.randrange(2, 41)
+        arrival = rng.randrange(0, 30 * scale)
+        load = {}
+        if k % 2 == 0:
+            load = {"num_external_computed_tokens": rng.randrange(1, prompt + 1), "kv_load_steps": rng.randrange(1, 5),
+                    "kv_load_invalid_block": rng.randrange(0, 3) if k % 6 == 0 else None}
+        workload.append(RequestSpec(f"k{k:03d}", prompt, rng.randrange(1, 13), arrival_step=arrival,
+                                    kv_send=k % 5 == 1, kv_send_steps=rng.randrange(1, 4) if k % 5 == 1 else None,
+                                    abort_at_step=arrival + rng.randrange(0, 4) if k % 7 == 2 else None, **load))
+    result = Engine(SCHEDULERS["fcfs"](config), config, stop_on_violation=True).run(workload)
+    return "remote-kv", Trace.of(json.loads(header_line(config, "fcfs")), result.records)
+
+
 def standard_traces(scale: int = 1) -> list[tuple[str, Trace]]:
-    """The traces the catalogue is measured on (five real windows, one with prefix caching, one with hybrid KV
-    cache groups (:func:`hybrid_trace`) and two
-    with speculative decoding, :func:`speculative_trace`): the Azure conversation and code traces and
+    """The traces the catalogue is measured on (five real windows, one with prefix caching, two with
+    speculative decoding, :func:`speculative_trace`, one of an asynchronous engine, :func:`in_flight_trace`, one
+    with hybrid KV cache groups, :func:`hybrid_trace`, and one with remote KV loads and sends,
+    :func:`remote_kv_trace`): the Azure conversation and code traces and
     Mooncake's conversation trace under a roomy KV cache (fcfs), the Azure conversation trace under KV
     pressure (fcfs, with preemptions), the Azure code trace under static batching, and
     :func:`prefix_cache_trace` (synthetic shared prefixes, prefix caching on). ``scale``
@@ -1625,4 +1767,5 @@ def standard_traces(scale: int = 1) -> list[tuple[str, Trace]]:
         speculative_trace(scale, lookahead=True),
         in_flight_trace(scale),
         hybrid_trace(scale),
+        remote_kv_trace(scale),
     ]

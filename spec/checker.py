@@ -21,8 +21,16 @@ record field                compared with
 ``aborts``/``aborted``      ``aborted`` is exactly the ids of ``aborts`` that were live
 ``scheduled``               the plan (rules); ``prefill_tokens``/``decode_tokens`` split as the spec
                             defines a decode (:attr:`~schedspec.spec.request.Request.is_prefill`)
-``blocks_allocated``        the plan's new blocks (rules); only requests in ``scheduled`` get blocks
-``blocks_freed``            exactly the blocks each preempted, finished or aborted request held
+``blocks_allocated``        the plan's new blocks (rules); only requests in ``scheduled`` or ``kv_loads`` get
+                            blocks
+``blocks_freed``            exactly the blocks each preempted, finished or aborted request held, and those a
+                            transfer held until it landed or completed (KV connector)
+``kv_loads``                the remote KV loads the plan starts (rules ``load-*``); their blocks in
+                            ``blocks_allocated``
+``finished_recving`` ...    KV connector, inputs (``finished_recving``, ``invalid_block_ids``,
+                            ``finished_sending``): the spec applies them after the samples
+                            (:func:`~schedspec.spec.transitions.land_transfers`); a report of a transfer
+                            not in flight is one the spec cannot apply
 ``prefix_hit_tokens``       0 with prefix caching off; with it, the hit of each admitted request:
                             ``len(prefix_hit_blocks[id]) * block_size``
 ``prefix_hit_blocks``       the plan's ``cached_block_ids`` (rules ``prefix-hit-*``); only for requests in
@@ -77,6 +85,9 @@ from schedspec.spec.request import Request
 from schedspec.spec.rules import Violation
 from schedspec.spec.state import (
     NO_SPECULATION,
+    NO_TRANSFERS,
+    KVLoad,
+    KVTransferOutput,
     ScheduledRequest,
     SchedulerState,
     SpeculativeOutput,
@@ -116,7 +127,16 @@ def plan_from_record(record: StepRecord) -> StepPlan:
         ),
         preempted=record.preempted,
         rejected=tuple(record.rejected.items()),
+        loads=tuple(KVLoad(r, tokens, record.blocks_allocated.get(r, ())) for r, tokens in record.kv_loads.items()),
     )
+
+
+def transfers_of(record: StepRecord) -> KVTransferOutput:
+    """The KV connector's report after the step, as the record gives it (``finished_recving``,
+    ``invalid_block_ids``, ``finished_sending``): an input to the step, as the sampled tokens are."""
+    if not (record.finished_recving or record.invalid_block_ids or record.finished_sending):
+        return NO_TRANSFERS
+    return KVTransferOutput(record.finished_recving, record.invalid_block_ids, record.finished_sending)
 
 
 @attrs.define
@@ -299,8 +319,9 @@ def _compare_record(record: StepRecord, expected: StepRecord, config: SchedulerC
 
     scheduled = {item.request_id for item in expected.scheduled}
     for request_id, blocks in record.blocks_allocated.items():
-        if request_id not in scheduled and blocks:
-            mismatch(f"blocks_allocated {list(blocks)} to a request that is not in the step's batch", request_id)
+        if request_id not in scheduled and request_id not in record.kv_loads and blocks:
+            mismatch(f"blocks_allocated {list(blocks)} to a request that is not in the step's batch nor loads",
+                     request_id)
 
     for name in ("group_blocks_allocated", "blocks_skipped"):  # hybrid KV cache groups (version 4)
         for request_id, blocks in getattr(record, name).items():
@@ -441,7 +462,8 @@ def check_trace(
         speculative = speculative_of(record)
         if speculative is not NO_SPECULATION or config.speculative:
             _compare_accepted(plan, samplers, record, mismatch)
-        outcome = stepper.step(plan, _sampled_for_update(samplers, record, before), speculative=speculative)
+        outcome = stepper.step(plan, _sampled_for_update(samplers, record, before), speculative=speculative,
+                               transfers=transfers_of(record))
         found = outcome.rule_violations + outcome.invariant_violations
         if outcome.error is not None:
             if not found:

@@ -35,6 +35,11 @@ O(changed keys of the cache) and O(new blocks of each changed table) for the cha
 where the free queue changed, one comparison of the new queue with the old one done by CPython's tuple
 slicing and comparison (O(num_kv_blocks) machine operations, no Python loop). A fallback step costs
 the full checks of the invariants the ledger proves.
+
+**KV connector**: the ledger does not follow the blocks that remote KV loads and delayed frees hold
+(``StepPlan.loads``, ``SchedulerState.delayed_frees``); from the first step that has either, every step runs
+the rules and the ledger's invariants in full (:attr:`IncrementalChecker.remote`), the same verdicts at the
+full check's cost.
 """
 
 from __future__ import annotations
@@ -173,6 +178,9 @@ class IncrementalChecker:
         self.pending_terminal: dict[str, Request] = {}
         self.fallbacks = 0
         """Steps on which the screen could not prove ``block-conservation`` and the full check ran."""
+        self.remote = False
+        """KV connector: a remote KV load or a delayed free was seen. The ledger does not follow the blocks
+        transfers hold, so from then on every step runs the rules and the ledger's invariants in full."""
 
     def _rebuild(self, state: SchedulerState) -> None:
         """The ledger of ``state``, from scratch (O(blocks + live requests))."""
@@ -509,7 +517,12 @@ class IncrementalChecker:
         the free queue (the same check: :func:`~schedspec.spec.rules.blocks_not_from_free_pool`), and the
         rules in :data:`SCREENED` first screened in one pass over the plan (:func:`screened_rules_hold`):
         when the screen holds they find nothing and are not run. The same violations as a multiset; the
-        free-pool ones come last."""
+        free-pool ones come last. Once a remote KV load or a delayed free is seen (:attr:`remote`), the rules
+        run in full and the next :meth:`invariants` falls back to the full check."""
+        if plan.loads or before.delayed_frees:
+            self.remote = True
+        if self.remote:
+            self.sound = False
         if not self.sound:
             return violated_rules(before, plan, self.config)
         # the screen knows no prefix caching (e.g. prefix-hit-at-admission of an item without a hit)
@@ -524,6 +537,8 @@ class IncrementalChecker:
     def invariants(self, before: SchedulerState, plan: StepPlan, after: SchedulerState) -> list[Violation]:
         """The violations of the step ``before -> after``: what :func:`check_step` returns (as a multiset;
         the order may differ)."""
+        if self.remote:
+            self.sound = False
         proved = self._follow_any(after) and self.sound
         # The terminal requests as ``after`` has them (one that ended before ``before`` was seen by sync).
         terminal: Mapping[str, Request] = {

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Mapping
 
 import attrs
 
-from schedspec.spec.config import SchedulerConfig
+from schedspec.spec.config import SchedulerConfig, blocks_for_tokens
 from schedspec.spec.kv_cache_groups import NULL_BLOCK, held_block_ids, num_skipped_blocks
 from schedspec.spec.persistent import evolve_request
 from schedspec.spec.prefix_cache import ROOT_HASH, request_block_hash
@@ -84,11 +84,13 @@ def sequence_cap(state: SchedulerState, config: SchedulerConfig, terminal: Termi
 
 @state_invariant("kv-capacity", "vLLM BlockPool (num_gpu_blocks)")
 def kv_capacity(state: SchedulerState, config: SchedulerConfig, terminal: Terminal = None) -> Breaches:
-    """The blocks held by all requests are at most num_kv_blocks (distinct blocks, with prefix caching)."""
+    """The blocks held by all requests, and by transfers for ended requests (delayed_frees), are at most
+    num_kv_blocks (distinct blocks, with prefix caching)."""
     if state.prefix_cache is not None:
         held = len({b for r in state.requests.values() for b in r.block_ids})
     else:  # every KV cache group's blocks come from the one pool
         held = sum(len(held_block_ids(r)) for r in state.requests.values())
+    held += sum(len(held.block_ids) for held in state.delayed_frees.values())
     if held > config.num_kv_blocks:
         yield None, f"{held} blocks held > num_kv_blocks={config.num_kv_blocks}"
 
@@ -104,7 +106,8 @@ def block_conservation(state: SchedulerState, config: SchedulerConfig, terminal:
     """free + owned == num_kv_blocks; every block id is in range; no block is owned twice or both free
     and owned; terminal requests own nothing. With prefix caching a block may be owned by several block
     tables (shared prefix), so owned counts distinct blocks. With KV cache groups, owned counts every group's
-    blocks (one shared pool, vLLM ``KVCacheCoordinator``), a window's null entries not."""
+    blocks (one shared pool, vLLM ``KVCacheCoordinator``), a window's null entries not. KV connector: the
+    blocks a transfer holds for an ended request (delayed_frees) are owned by it, and by nothing else."""
     owners: dict[int, str] = {}
     shared = state.prefix_cache is not None
     for request_id, request in state.requests.items():
@@ -112,6 +115,13 @@ def block_conservation(state: SchedulerState, config: SchedulerConfig, terminal:
             if block_id in owners and not shared:
                 yield request_id, f"block {block_id} also owned by {owners[block_id]}"
             owners[block_id] = request_id
+    delayed = 0
+    for request_id, held in state.delayed_frees.items():
+        for block_id in held.block_ids:
+            if block_id in owners:
+                yield request_id, f"block {block_id} held for its transfer is also owned by {owners[block_id]}"
+            owners[block_id] = request_id
+            delayed += 1
     free = frozenset(state.free_block_ids)
     if len(free) != len(state.free_block_ids):
         for block_id, count in Counter(state.free_block_ids).items():
@@ -124,7 +134,7 @@ def block_conservation(state: SchedulerState, config: SchedulerConfig, terminal:
             for block_id in ids:
                 if not 0 <= block_id < config.num_kv_blocks:
                     yield owners.get(block_id), f"block id {block_id} out of range [0, {config.num_kv_blocks})"
-    owned = len(owners) if shared else sum(len(held_block_ids(r)) for r in state.requests.values())
+    owned = len(owners) if shared else sum(len(held_block_ids(r)) for r in state.requests.values()) + delayed
     if len(state.free_block_ids) + owned != config.num_kv_blocks:
         # name the blocks: those neither free nor owned (leaked), not the whole free queue
         leaked = sorted(set(range(config.num_kv_blocks)) - free - set(owners))
@@ -170,7 +180,7 @@ def table_covers_computed(state: SchedulerState, config: SchedulerConfig, termin
 @state_invariant("queues-disjoint", "vLLM Scheduler.waiting / Scheduler.running")
 def queues_disjoint(state: SchedulerState, config: SchedulerConfig, terminal: Terminal = None) -> Breaches:
     """waiting and running have no duplicates and share no id; waiting requests have status WAITING or
-    PREEMPTED, running ones RUNNING; finished ones are terminal."""
+    PREEMPTED (or WAITING_FOR_REMOTE_KVS, a remote KV load in flight), running ones RUNNING; finished ones are terminal."""
     for name, queue in (("waiting", state.waiting), ("running", state.running)):
         for request_id, count in Counter(queue).items():
             if count > 1:
@@ -229,15 +239,47 @@ def computed_bound(state: SchedulerState, config: SchedulerConfig, terminal: Ter
             yield request_id, f"num_computed_tokens={request.num_computed_tokens} outside [0, {request.num_tokens}]"
 
 
-@state_invariant("preempted-holds-nothing", "vLLM Scheduler._preempt_request (kv_cache_manager.free, num_computed_tokens = 0)")
+@state_invariant("preempted-holds-nothing", "vLLM Scheduler._preempt_request (kv_cache_manager.free, num_computed_tokens = "
+                 "0); KV connector: Scheduler._holds_kv_blocks, _update_waiting_for_remote_kv")
 def preempted_holds_nothing(state: SchedulerState, config: SchedulerConfig, terminal: Terminal = None) -> Breaches:
-    """A waiting request (fresh or preempted) holds no blocks and has no computed tokens."""
+    """A waiting request (fresh or preempted) holds no blocks and has no computed tokens, except one whose
+    remote KV load started and that was never admitted since (``Request.holds_loaded_kv``): its table is
+    exactly the blocks of its load (blocks_for_tokens(num_external_computed_tokens)) and holds its computed
+    tokens, or, after a load that failed from its first block, it holds nothing and has nothing computed.
+    While the load is in flight (WAITING_FOR_REMOTE_KVS, only with kv_load_step set) its table is those
+    blocks and its computed tokens are the loaded ones."""
+    size = config.block_size
     for request_id in state.waiting:
         request = state.requests.get(request_id)
-        if request is not None and (request.block_ids or request.group_block_ids or request.num_computed_tokens):
+        if request is None:
+            continue
+        loading = request.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+        if loading and request.kv_load_step is None:
+            yield request_id, "waiting for remote KV without a load started"
+        elif not request.holds_loaded_kv or not (request.block_ids or request.num_computed_tokens):
+            if request.block_ids or request.group_block_ids or request.num_computed_tokens:
+                yield request_id, (
+                    f"waiting with {len(held_block_ids(request))} blocks and {request.num_computed_tokens} "
+                    "computed tokens"
+                )
+        elif (len(request.block_ids) != blocks_for_tokens(request.num_external_computed_tokens, size)
+              or request.num_computed_tokens > len(request.block_ids) * size
+              or (loading and request.num_computed_tokens != request.num_external_computed_tokens)):
             yield request_id, (
-                f"waiting with {len(held_block_ids(request))} blocks and {request.num_computed_tokens} computed tokens"
-            )
+                f"waiting on its remote KV load of {request.num_external_computed_tokens} tokens with "
+                f"{len(request.block_ids)} blocks and {request.num_computed_tokens} computed tokens")
+
+
+@state_invariant("delayed-frees-ended", "vLLM Scheduler._free_request (delay_free_blocks), "
+                 "_update_from_kv_xfer_finished")
+def delayed_frees_ended(state: SchedulerState, config: SchedulerConfig, terminal: Terminal = None) -> Breaches:
+    """The blocks held for a transfer after its request ended (delayed_frees) belong to terminal requests only,
+    and each entry holds at least one block."""
+    for request_id, held in state.delayed_frees.items():
+        if request_id in state.requests or request_id not in state.finished:
+            yield request_id, f"{len(held.block_ids)} blocks held for the transfer of a request that has not ended"
+        elif not held.block_ids:
+            yield request_id, "held for its transfer with no block"
 
 
 @state_invariant("window-sees-held", "vLLM single_type_kv_cache_manager.py SlidingWindowManager.get_num_skipped_tokens, "

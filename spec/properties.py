@@ -18,8 +18,16 @@ import attrs
 from schedspec.spec.admission import max_blocks_needed, rejection_reason
 from schedspec.spec.config import SchedulerConfig, blocks_for_tokens, slot_tokens
 from schedspec.spec.kv_cache_groups import groups_of
+from schedspec.spec.request import RequestStatus
 from schedspec.spec.rules import Violation
-from schedspec.spec.state import SchedulerState, StepPlan, is_prefill_chunk, prefill_held
+from schedspec.spec.state import (
+    SchedulerState,
+    StepPlan,
+    holding_first,
+    is_prefill_chunk,
+    offers_load,
+    prefill_held,
+)
 
 
 class Monitor:
@@ -108,7 +116,8 @@ class Progress(Monitor):
     that gives the oldest request at least one token per step recomputes at most that many positions
     before passing its high-water mark (fcfs; see ``bounded-wait``). A step in which every live request
     waits for its structured-output grammar (:meth:`~schedspec.spec.request.Request.grammar_ready`) has no
-    work to do: it starts no window.
+    work to do: it starts no window; nor does a step during which a remote KV transfer is in flight
+    (:class:`TransfersInFlight`: the engine waits on the transfer).
     """
 
     name = "progress"
@@ -118,9 +127,11 @@ class Progress(Monitor):
         self.window = window or config.max_model_len
         self.high_water: dict[str, int] = {}
         self.stalled_since: int | None = None
+        self.transfers = TransfersInFlight()
 
     def observe(self, before: SchedulerState, plan: StepPlan, after: SchedulerState) -> None:
-        advanced = len(after.finished) > len(before.finished)
+        busy = self.transfers.during(before, plan, after)  # (called every step: it follows the loads)
+        advanced = busy or len(after.finished) > len(before.finished)
         for item in plan.scheduled:
             reach = item.num_computed_tokens + item.num_sequence_tokens  # no draft position
             if reach > self.high_water.get(item.request_id, 0):
@@ -140,6 +151,25 @@ class Progress(Monitor):
         """Drop the high-water marks of ended requests (when they outnumber the live ones: O(1) amortized)."""
         if len(self.high_water) > 2 * len(state.requests) + 64:
             self.high_water = {r: reach for r, reach in self.high_water.items() if r in state.requests}
+
+
+class TransfersInFlight:
+    """Follows, step by step, whether a remote KV transfer is in flight (KV connector): a load started and not
+    landed (WAITING_FOR_REMOTE_KVS), or blocks held for an ended request's transfer (``delayed_frees``). Costs
+    O(loads in flight) per step. While one is, the engine waits on the transfer, not on the scheduler:
+    ``progress`` and ``bounded-wait`` do not count those steps."""
+
+    def __init__(self) -> None:
+        self.loading: set[str] = set()
+
+    def during(self, before: SchedulerState, plan: StepPlan, after: SchedulerState) -> bool:
+        """Whether a transfer was in flight during the step ``before -> after`` (call once per step, in order)."""
+        busy = bool(self.loading or plan.loads or before.delayed_frees)
+        if plan.loads or self.loading:
+            started = {load.request_id for load in plan.loads}
+            self.loading = {r for r in self.loading | started if r in after.requests
+                            and after.requests[r].status is RequestStatus.WAITING_FOR_REMOTE_KVS}
+        return busy
 
 
 @trace_property('vLLM Scheduler.schedule; Orca §3')
@@ -162,7 +192,10 @@ class WorkConserving(Monitor):
     (``prefill_schedule_interval`` > 1, :func:`~schedspec.spec.state.prefill_held`) running prefill chunks may
     be left out and the waiting queue is not judged. Strict FCFS (head-of-line) is allowed; holding a finished request's slot
     (static batching) is not. vLLM does not admit in a step that preempted
-    (``Scheduler.schedule``: ``if not preempted_reqs``), hence the exception.
+    (``Scheduler.schedule``: ``if not preempted_reqs``), hence the exception. KV connector: the waiting
+    requests holding loaded blocks come first (``state.holding_first``), one whose remote KV load is in flight is
+    passed over, and a head whose remote KV load may start (``state.offers_load``) is not judged: a policy may hold
+    a load back to keep the blocks that the requests holding loaded blocks still need.
     """
 
     name = "work-conserving"
@@ -185,7 +218,9 @@ class WorkConserving(Monitor):
         if running_after >= config.active_seq_cap:  # max_num_active_seqs when set (rule active-sequence-cap)
             return
         rejected = {request_id for request_id, _ in plan.rejected}
-        free_at_plan = len(before.free_block_ids) - sum(len(i.new_block_ids) for i in plan.scheduled)
+        free_at_plan = (len(before.free_block_ids) - sum(len(i.new_block_ids) for i in plan.scheduled)
+                        - sum(len(load.new_block_ids) for load in plan.loads))
+        loaded = {load.request_id for load in plan.loads}
         if config.kv_cache_groups:  # every group's new blocks, and the blocks the windows freed
             free_at_plan -= sum(len(b) for i in plan.scheduled for b in i.group_new_block_ids)
             free_at_plan += sum(len(i.skipped_block_ids) for i in plan.scheduled)
@@ -197,10 +232,12 @@ class WorkConserving(Monitor):
         loras = ({before.requests[r].lora_int_id for r in before.running}
                  | {before.requests[i.request_id].lora_int_id for i in plan.scheduled if i.request_id in before.requests}
                  ) - {0} if config.max_loras else set()
-        for request_id in before.waiting:
-            if request_id in rejected or request_id in scheduled:
+        for request_id in holding_first(before.waiting, before.requests):
+            if request_id in rejected or request_id in scheduled or request_id in loaded:
                 continue
             request = before.requests[request_id]
+            if request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+                continue  # its remote KV load has not landed (wait-for-remote-kv)
             if config.max_loras and request.lora_int_id and request.lora_int_id not in loras \
                     and len(loras) >= config.max_loras:
                 continue  # its adapter would be one too many: vLLM skips it (lora-limit)
@@ -209,10 +246,14 @@ class WorkConserving(Monitor):
             # its whole sequence, with the lookahead its table must hold (speculative decoding: slot_tokens)
             # with the watermark kept free when others run (rule watermark)
             keep = config.watermark_blocks if running_after else 0
-            # with KV cache groups, the whole sequence in every group (a window's savings not counted)
-            fits_blocks = (len(groups_of(config)) * blocks_for_tokens(slot_tokens(request.num_tokens, config),
-                                                                      config.block_size) + keep <= free_at_plan)
+            if offers_load(request, config):
+                break  # a head whose remote KV load may start is not judged (a policy may hold a load back)
+            # a request holding loaded blocks needs the rest of its sequence; with KV cache groups, the whole
+            # sequence in every group (a window's savings not counted)
+            needed = (len(groups_of(config)) * blocks_for_tokens(slot_tokens(request.num_tokens, config),
+                                                                 config.block_size) - len(request.block_ids))
             fits_budget = config.enable_chunked_prefill or request.num_pending_tokens <= left
+            fits_blocks = needed + keep <= free_at_plan
             if fits_blocks and fits_budget:
                 self.report(
                     before.step,
@@ -257,13 +298,20 @@ class BoundedWait(Monitor):
     guarantee this. An oldest request whose structured-output grammar is not ready is not counted: its wait
     starts at its grammar's ready step. With vLLM 0.33's prefill cadence (``prefill_schedule_interval`` N > 1)
     the bound is ``N * max_model_len``: a held step may leave the oldest request's prefill out, and at most
-    N - 1 executed steps in a row are held (rule ``prefill-cadence``).
+    N - 1 executed steps in a row are held (rule ``prefill-cadence``). While a remote KV transfer is in flight
+    (:class:`TransfersInFlight`) the wait is not counted: it starts again from the first step without one (the
+    oldest request may wait on its own load, or on blocks a transfer holds); and once a trace has had one the
+    bound is doubled: requests admitted while the oldest waited on its load may hold every sequence slot until
+    they end, at most ``max_model_len`` steps later (found by ``schedspec diff --remote-kv``: a request loading
+    while a younger one took the only slot).
     """
 
     name = "bounded-wait"
 
     def __init__(self, config: SchedulerConfig) -> None:
         super().__init__(config)
+        self.transfers = TransfersInFlight()
+        self.transfers_seen = False
         self.oldest: str | None = None
         self.since = 0
 
@@ -272,9 +320,12 @@ class BoundedWait(Monitor):
         rejected = {r for r, _ in plan.rejected}
         if oldest in rejected or (oldest is not None and not before.requests[oldest].grammar_ready(before.step)):
             oldest = None  # rejected, or waiting for its structured-output grammar: its wait starts when ready
+        if self.transfers.during(before, plan, after):
+            oldest = None  # a remote KV transfer in flight: the wait is counted from when none is
+            self.transfers_seen = True
         if oldest != self.oldest:
             self.oldest, self.since = oldest, before.step
-        bound = self.config.max_model_len * self.config.prefill_schedule_interval
+        bound = self.config.max_model_len * self.config.prefill_schedule_interval * (2 if self.transfers_seen else 1)
         if oldest is not None and oldest in after.requests and after.step - self.since >= bound:
             self.report(before.step, f"oldest live request for {after.step - self.since} steps without ending", oldest)
             self.oldest = None
@@ -293,7 +344,11 @@ class BoundedPreemptions(Monitor):
     A structured-output request whose grammar becomes ready enters the competition for blocks then: its
     ready step counts as an arrival; requests admitted past it while it waited are ahead of it in line.
     Likewise, with ``max_loras > 0``, a step that admits a request past one it skips (rule ``lora-limit``)
-    changes the line: the next step counts as an arrival.
+    changes the line: the next step counts as an arrival. KV connector: blocks held outside the line (by a
+    waiting request holding the blocks of its remote KV load, or by a transfer after its request ended:
+    ``delayed_frees``) can force the preemption of any running request, the oldest included, until they are
+    given back: a step that starts a load or in which such blocks are held is not judged, and the next step
+    counts as an arrival.
     """
 
     name = "bounded-preemptions"
@@ -304,8 +359,15 @@ class BoundedPreemptions(Monitor):
         self.bounds: dict[str, int] | None = None
         self.last_added = 0
         self.grammar_due: frozenset[int] = frozenset()  # ready steps of grammars still compiling
+        self.holding: set[str] = set()  # KV connector: waiting requests holding the blocks of their remote KV load
 
     def observe(self, before: SchedulerState, plan: StepPlan, after: SchedulerState) -> None:
+        if plan.loads or self.holding or before.delayed_frees:  # KV connector: blocks held outside the line
+            self.holding = {r for r in self.holding.union(load.request_id for load in plan.loads)
+                            if r in after.requests and after.requests[r].holds_loaded_kv and after.requests[r].block_ids}
+            self.bounds = None  # not judged; the next step counts as an arrival
+            self.counts = {}
+            return
         if before.num_requests_added != self.last_added or before.step in self.grammar_due:
             self.last_added = before.num_requests_added
             self.counts = {}
@@ -318,6 +380,7 @@ class BoundedPreemptions(Monitor):
             # order of arrival unless admission skipped a request (a grammar that was compiling)
             requests = before.requests
             order = [requests[r] for r in before.running] + [requests[r] for r in before.waiting]
+
             total, bounds = 0, {}
             for request in order:
                 bounds[request.request_id] = total
@@ -333,6 +396,7 @@ class BoundedPreemptions(Monitor):
         if self.config.max_loras and plan.scheduled and _admitted_past_a_skip(before, plan):
             self.bounds = None  # the line changed (a LoRA skip): a new baseline from the next step
             self.counts = {}
+
 
 
 def _admitted_past_a_skip(before: SchedulerState, plan: StepPlan) -> bool:

@@ -24,7 +24,8 @@ def printable(text: object) -> str:
 
 
 class RequestStatus(enum.Enum):
-    """Where a request is. The first three are live; the rest are terminal."""
+    """Where a request is. WAITING, RUNNING, PREEMPTED and WAITING_FOR_REMOTE_KVS are live; the rest are
+    terminal."""
 
     WAITING = "waiting"
     """Added, not admitted yet (or re-queued; see PREEMPTED)."""
@@ -40,6 +41,13 @@ class RequestStatus(enum.Enum):
     """Aborted by the client."""
     REJECTED = "rejected"
     """Never admitted: it could never run to completion even alone (see ``admission``)."""
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
+    """Waiting in the queue while holding the blocks that a KV transfer (the KV connector) is filling with
+    its prefix (vLLM ``RequestStatus.WAITING_FOR_REMOTE_KVS``, set in ``Scheduler.schedule`` when
+    ``get_num_new_matched_tokens`` answers ``load_kv_async``). It may not be scheduled until the transfer
+    lands (``StepRecord.finished_recving``); then it is WAITING again, holding its blocks, with the loaded
+    tokens computed (:func:`schedspec.spec.transitions.land_transfers`). Declared last so that the order of the
+    statuses before it is unchanged."""
 
     @property
     def is_terminal(self) -> bool:
@@ -47,8 +55,8 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_waiting(self) -> bool:
-        """In the waiting queue (fresh or preempted)."""
-        return self in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        """In the waiting queue (fresh, preempted, or waiting for a remote KV transfer)."""
+        return self in (RequestStatus.WAITING, RequestStatus.PREEMPTED, RequestStatus.WAITING_FOR_REMOTE_KVS)
 
     @property
     def outcome(self) -> str:
@@ -123,6 +131,17 @@ class Request:
             groups. A sliding-window group's table keeps its length and holds
             :data:`~schedspec.spec.kv_cache_groups.NULL_BLOCK` where a block fell out of the window and was
             freed (vLLM ``SingleTypeKVCacheManager.req_to_blocks`` with ``null_block``).
+        num_external_computed_tokens: KV connector: the prompt tokens whose KV a remote KV transfer can load for
+            it, the first ``num_external_computed_tokens`` of its prompt (vLLM
+            ``KVConnectorBase_V1.get_num_new_matched_tokens`` answering ``(n, load_kv_async=True)`` at its
+            first admission); 0 = nothing to load (the default: no connector). The connector offers them
+            once: a plan may start the load (``StepPlan.loads``) only while ``kv_load_step`` is ``None``.
+        kv_load_step: the step whose plan started its remote KV load (``StepPlan.loads``); ``None`` if none
+            started. From then until the transfer lands it is WAITING_FOR_REMOTE_KVS.
+        kv_send: KV connector: when it finishes (stop or length, not an abort) its blocks are sent to a remote
+            engine and stay held until the send completes (``StepRecord.finished_sending``): vLLM
+            ``KVConnectorBase_V1.request_finished`` answering ``delay_free_blocks=True`` (the prefill side of
+            disaggregated prefill, ``kv_transfer_params`` ``do_remote_decode``).
     """
 
     request_id: str
@@ -146,6 +165,9 @@ class Request:
     lora_int_id: int = 0
     grammar_ready_step: int | None = None
     group_block_ids: tuple[tuple[int, ...], ...] = attrs.field(default=(), converter=lambda v: tuple(map(tuple, v)))
+    num_external_computed_tokens: int = 0
+    kv_load_step: int | None = None
+    kv_send: bool = False
     prompt_len: int = attrs.field(init=False, eq=False, repr=False)
     """Prompt length in tokens (``len(prompt_token_ids)``, kept because it is read every step)."""
     num_tokens: int = attrs.field(init=False, eq=False, repr=False)
@@ -160,6 +182,14 @@ class Request:
         """Whether it may be admitted in ``step`` as far as structured output goes: no grammar, or its grammar
         is ready (``grammar_ready_step <= step``). vLLM ``Scheduler._handle_blocked_waiting_request``."""
         return self.grammar_ready_step is None or self.grammar_ready_step <= step
+
+    @property
+    def holds_loaded_kv(self) -> bool:
+        """Whether it is a waiting request that may hold blocks: its remote KV load started
+        (``kv_load_step`` set) and it was never admitted since (vLLM ``Scheduler._holds_kv_blocks``: such a
+        request sits in ``kv_holding_waiting``). Its table then has the blocks of its load, or none after a
+        load that failed from its first block (invariant ``waiting-holds-only-loaded-kv``)."""
+        return self.kv_load_step is not None and self.admitted_step is None and self.status.is_waiting
 
     @property
     def num_output_tokens(self) -> int:

@@ -30,7 +30,7 @@ from schedspec.spec.kv_cache_groups import (
     window_frees,
 )
 from schedspec.spec.prefix_cache import ROOT_HASH, max_hit_blocks, request_block_hash
-from schedspec.spec.request import Request, printable
+from schedspec.spec.request import Request, RequestStatus, printable
 from schedspec.spec.state import (
     ScheduledRequest,
     SchedulerState,
@@ -92,10 +92,11 @@ same plan (code ``blocks-from-free-pool:reused-by-hit-in-step``; vLLM's same-ste
 RuleCheck = Callable[[SchedulerState, StepPlan, SchedulerConfig], Iterator[tuple[str | None, str]]]
 
 
-ACTIONS = ("step", "preempt", "reject", "schedule")
+ACTIONS = ("step", "preempt", "reject", "schedule", "start_load")
 """What a rule guards: the ``step`` as a whole, or one of the scheduler's actions of
 :mod:`~schedspec.spec.transitions` (:func:`~schedspec.spec.transitions.preempt`,
-:func:`~schedspec.spec.transitions.reject`, :func:`~schedspec.spec.transitions.schedule`)."""
+:func:`~schedspec.spec.transitions.reject`, :func:`~schedspec.spec.transitions.schedule`,
+:func:`~schedspec.spec.transitions.start_load`)."""
 
 
 @attrs.frozen
@@ -136,14 +137,15 @@ def rule(name: str, statement: str, source: str, *, action: str) -> Callable[[Ru
     "known-requests",
     "Every id the plan names is a live request, or, with a step in flight (asynchronous scheduling), one that "
     "ended after the plan was made (in_flight.ended: its work is wasted); no id is scheduled twice; a request is "
-    "at most one of scheduled, preempted, rejected.",
+    "at most one of scheduled, preempted, rejected, loaded.",
     "vLLM vllm/v1/core/sched/scheduler.py Scheduler.schedule (each request scheduled once per step); "
     "Scheduler.update_from_output skips a request 'already finished ... aborted while the model is executing it "
     "(e.g., ... in async scheduling)'",
     action="step",
 )
 def _known_requests(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
-    named = [item.request_id for item in plan.scheduled] + list(plan.preempted) + [r for r, _ in plan.rejected]
+    named = ([item.request_id for item in plan.scheduled] + list(plan.preempted) + [r for r, _ in plan.rejected]
+             + [load.request_id for load in plan.loads])
     ended = state.in_flight.ended if state.in_flight is not None else {}
     rejected = {r for r, _ in plan.rejected}
     for request_id, count in Counter(named).items():
@@ -513,9 +515,10 @@ def _preempt_running(state: SchedulerState, plan: StepPlan, config: SchedulerCon
 
 @rule(
     "blocks-from-free-pool",
-    "New blocks (of every KV cache group) come only from the free pool, from blocks released by this step's "
-    "preemptions, or from blocks a sliding window freed in this step at this item or an earlier one; no block "
-    "is handed out twice. With prefix caching the free pool includes evictable cached blocks, a released "
+    "New blocks (of every KV cache group, and of the remote KV loads the step starts) come only from the free "
+    "pool, from blocks released by this step's preemptions, or from blocks a sliding window freed in this step "
+    "at this item or an earlier one; no block is handed out twice. With prefix caching the free pool includes "
+    "evictable cached blocks, a released "
     "block is one whose reference count the preemptions bring to 0, and a block reused by a prefix-cache hit "
     "in the step is not also handed out.",
     "vLLM vllm/v1/core/block_pool.py BlockPool.get_new_blocks (assert block.ref_cnt == 0), BlockPool.touch",
@@ -564,6 +567,13 @@ def blocks_not_from_free_pool(state: SchedulerState, plan: StepPlan, free: Abstr
                        REUSED_BY_HIT_IN_STEP)
             elif block_id not in free and block_id not in released:
                 yield item.request_id, f"block {block_id} is not free"
+            handed.add(block_id)
+    for load in plan.loads:  # KV connector: a remote load's blocks, taken after the batch's
+        for block_id in load.new_block_ids:
+            if block_id in handed:
+                yield load.request_id, f"block {block_id} handed out twice"
+            elif block_id not in free and block_id not in released:
+                yield load.request_id, f"block {block_id} is not free"
             handed.add(block_id)
 
 
@@ -981,7 +991,70 @@ def _wasted_item_continues(state: SchedulerState, plan: StepPlan, config: Schedu
             yield item.request_id, f"wasted chunk of {item.num_tokens} tokens of {pending} pending"
 
 
+# KV connector: remote KV loads (vLLM WAITING_FOR_REMOTE_KVS). With no request offering a load they find nothing.
+
+
+@rule(
+    "wait-for-remote-kv",
+    "A request whose remote KV load is in flight (WAITING_FOR_REMOTE_KVS) is not scheduled, preempted or "
+    "rejected: it waits, holding its blocks, until the transfer lands.",
+    "vLLM vllm/v1/core/sched/scheduler.py Scheduler._handle_blocked_waiting_request (a request not in "
+    "finished_recving_kv_req_ids is skipped: 'still in WAITING_FOR_REMOTE_KVS state')",
+    action="schedule",
+)
+def _wait_for_remote_kv(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
+    named = ([(item.request_id, "scheduled") for item in plan.scheduled] + [(r, "preempted") for r in plan.preempted]
+             + [(r, "rejected") for r, _ in plan.rejected])
+    for request_id, what in named:
+        request = state.requests.get(request_id)
+        if request is not None and request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+            yield request_id, f"{what} while its remote KV load (started at step {request.kv_load_step}) is in flight"
+
+
+@rule(
+    "load-as-offered",
+    "A remote KV load is started only for a waiting request never admitted (status WAITING) that offers one "
+    "(num_external_computed_tokens > 0) and has not started it (kv_load_step None), for exactly the tokens "
+    "offered, at most its sequence.",
+    "vLLM Scheduler.schedule: get_num_new_matched_tokens is asked when request.num_computed_tokens == 0, and "
+    "a load_kv_async answer moves the request to WAITING_FOR_REMOTE_KVS with num_computed_tokens set to the "
+    "loaded tokens; KVConnectorBase_V1.get_num_new_matched_tokens",
+    action="start_load",
+)
+def _load_as_offered(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
+    for load in plan.loads:
+        request = state.requests.get(load.request_id)
+        if request is None:
+            continue
+        if request.status is not RequestStatus.WAITING or request.admitted_step is not None:
+            yield load.request_id, f"load started for a request with status {request.status.value}" + (
+                f", admitted at step {request.admitted_step}" if request.admitted_step is not None else "")
+        elif request.kv_load_step is not None:
+            yield load.request_id, f"second load started (the first at step {request.kv_load_step})"
+        elif load.num_tokens != request.num_external_computed_tokens or not 0 < load.num_tokens <= request.num_tokens:
+            yield load.request_id, (f"load of {load.num_tokens} tokens, but the connector offers "
+                                    f"{request.num_external_computed_tokens} of a {request.num_tokens}-token sequence")
+
+
+@rule(
+    "load-blocks-exact",
+    "A remote KV load takes exactly the blocks that hold its tokens: blocks_for_tokens(num_tokens).",
+    "vLLM KVCacheManager.allocate_slots(num_new_tokens=0, num_external_computed_tokens=n) allocates for the "
+    "n external tokens (Scheduler.schedule: 'KVTransfer: loading remote KV, do not allocate for new work')",
+    action="start_load",
+)
+def _load_blocks_exact(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
+    for load in plan.loads:
+        needed = blocks_for_tokens(load.num_tokens, config.block_size)
+        if len(load.new_block_ids) != needed:
+            yield load.request_id, f"load of {load.num_tokens} tokens takes {len(load.new_block_ids)} blocks, not {needed}"
+
+
 RULE_NAMES: tuple[str, ...] = tuple(r.name for r in RULES)
+
+REMOTE_KV_RULES: tuple[str, ...] = ("wait-for-remote-kv", "load-as-offered", "load-blocks-exact")
+"""The rules of remote KV loads (KV connector): with no request offering a load (the default) none finds
+anything, and each only removes plans, so the Z3 encodings (:mod:`schedspec.spec.proofs`) leave them out."""
 
 IN_FLIGHT_RULES: tuple[str, ...] = ("in-flight-foreseen-length", "in-flight-blocks-held-when-planned",
                                      "in-flight-arrivals-wait", "wasted-item-continues")

@@ -11,7 +11,7 @@ Everything here is immutable. ``requests`` and ``finished`` are read-only mappin
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 
 import attrs
@@ -19,7 +19,7 @@ import attrs
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.persistent import ArrivedRequests, TerminalRequests, terminal_requests
 from schedspec.spec.prefix_cache import PrefixCache
-from schedspec.spec.request import Request
+from schedspec.spec.request import Request, RequestStatus
 
 _EMPTY: Mapping[str, Request] = MappingProxyType({})
 
@@ -31,6 +31,20 @@ unusable input (far beyond any GPU's cache) instead of exhausting memory."""
 
 def _readonly(mapping: Mapping[str, Request]) -> Mapping[str, Request]:
     return mapping if isinstance(mapping, MappingProxyType | ArrivedRequests) else MappingProxyType(dict(mapping))
+
+
+@attrs.frozen(slots=True)
+class DelayedFree:
+    """The blocks a transfer holds after its request ended (``SchedulerState.delayed_frees``).
+
+    Attributes:
+        block_ids: the blocks (its block table when it ended).
+        transfer: ``"recving"``: its remote KV load, in flight when it was aborted (freed by
+            ``finished_recving``); ``"sending"``: its KV send after it finished (freed by ``finished_sending``).
+    """
+
+    block_ids: tuple[int, ...]
+    transfer: str = attrs.field(validator=attrs.validators.in_(("recving", "sending")))
 
 
 @attrs.frozen(slots=True)
@@ -65,6 +79,13 @@ class SchedulerState:
         prefill_cadence: with ``prefill_schedule_interval > 1`` only, the step history the cadence needs
             (:class:`PrefillCadence`); ``None`` before the first step and whenever the cadence is off, so a
             state without it is what it was before it existed.
+        delayed_frees: KV connector: request id -> the blocks a transfer still holds after its request ended
+            (:class:`DelayedFree`: the blocks, and which transfer holds them)
+            (vLLM ``Scheduler._free_request(delay_free_blocks=True)``: the request stays in
+            ``Scheduler.requests`` until ``_update_from_kv_xfer_finished`` frees them): a request aborted while
+            its remote KV load was in flight (WAITING_FOR_REMOTE_KVS), freed when the load lands
+            (``finished_recving``), and a ``kv_send`` request that finished, freed when its send completes
+            (``finished_sending``). Every id is a terminal request's; empty without a KV connector.
     """
 
     step: int = 0
@@ -77,6 +98,7 @@ class SchedulerState:
     prefix_cache: PrefixCache | None = None
     in_flight: InFlightStep | None = None
     prefill_cadence: PrefillCadence | None = None
+    delayed_frees: Mapping[str, DelayedFree] = attrs.field(default=MappingProxyType({}), converter=_readonly)
 
     @classmethod
     def initial(cls, config: SchedulerConfig, asynchronous: bool = False) -> SchedulerState:
@@ -302,6 +324,76 @@ class ScheduledRequest:
 
 
 @attrs.frozen(slots=True)
+class KVLoad:
+    """A remote KV load the plan starts (KV connector, vLLM ``Scheduler.schedule`` with ``load_kv_async``):
+    the request gets blocks for the tokens the transfer fills and waits in WAITING_FOR_REMOTE_KVS, holding
+    them, without computing a token this step.
+
+    Attributes:
+        request_id: a waiting request never admitted whose ``num_external_computed_tokens`` > 0.
+        num_tokens: the tokens the transfer loads, positions ``[0, num_tokens)`` of its prompt (tokens): the
+            request's ``num_external_computed_tokens`` (rule ``load-as-offered``).
+        new_block_ids: the blocks that hold them, ``blocks_for_tokens(num_tokens)`` of them, from the free
+            queue (vLLM ``KVCacheManager.allocate_slots`` with ``num_new_tokens=0`` and
+            ``num_external_computed_tokens=num_tokens``).
+    """
+
+    request_id: str
+    num_tokens: int
+    new_block_ids: tuple[int, ...] = ()
+
+
+@attrs.frozen(slots=True)
+class KVTransferOutput:
+    """The KV connector's report after a step (vLLM ``KVConnectorOutput``, handed to
+    ``Scheduler.update_from_output``), applied after the step's samples
+    (:func:`~schedspec.spec.transitions.land_transfers`).
+
+    Attributes:
+        finished_recving: ids whose remote KV load landed (vLLM ``finished_recving``): a WAITING_FOR_REMOTE_KVS
+            request, or one aborted while it loaded (its blocks, held in ``delayed_frees``, are freed).
+        invalid_block_ids: blocks a landing load failed to fill (vLLM ``invalid_block_ids``, handled by
+            ``Scheduler._handle_invalid_blocks`` with the recompute policy): each is a block of a request in
+            ``finished_recving`` of this report. The request keeps as computed only the tokens before its
+            first invalid block, and recomputes the rest (one aborted while it loaded frees them all).
+        finished_sending: ids whose KV send completed (vLLM ``finished_sending``): their blocks, held in
+            ``delayed_frees``, are freed.
+    """
+
+    finished_recving: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    invalid_block_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    finished_sending: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.finished_recving or self.invalid_block_ids or self.finished_sending)
+
+
+def holding_first(order: Sequence[str], requests: Mapping[str, Request]) -> Sequence[str]:
+    """``order`` (waiting request ids) with those that may hold blocks after a remote KV load
+    (``Request.holds_loaded_kv``) first, in their order: the order vLLM 0.32 ``Scheduler.schedule`` visits the
+    waiting requests (``kv_holding_waiting`` drained before ``waiting``). ``order`` itself when none does."""
+    holding = [r for r in order if requests[r].holds_loaded_kv]
+    if not holding:
+        return order
+    held = set(holding)
+    return holding + [r for r in order if r not in held]
+
+
+def offers_load(request: Request, config: SchedulerConfig) -> bool:
+    """Whether a remote KV load may start now for this waiting request: its connector offers one it has not
+    started (rule ``load-as-offered``), prefix caching is off and there is one KV cache group (remote loads with
+    a local prefix hit, or into several groups' tables, are not specified: :func:`~schedspec.spec.transitions.start_load`)."""
+    return (request.num_external_computed_tokens > 0 and request.kv_load_step is None
+            and request.admitted_step is None and request.status is RequestStatus.WAITING
+            and not config.enable_prefix_caching and not config.kv_cache_groups)
+
+
+NO_TRANSFERS = KVTransferOutput()
+"""The :class:`KVTransferOutput` of a step without a KV connector: nothing landed or was sent."""
+
+
+@attrs.frozen(slots=True)
 class StepPlan:
     """What one step does, decided before the forward pass.
 
@@ -311,11 +403,14 @@ class StepPlan:
             them; each releases all its blocks and is prepended to the waiting queue in this order,
             so the last one listed ends up at the front.
         rejected: ``(request_id, reason)`` for waiting requests ended without being admitted.
+        loads: KV connector: the remote KV loads the step starts (:class:`KVLoad`), in the order the policy
+            chose them; each takes its blocks after the batch's. Empty without a connector.
     """
 
     scheduled: tuple[ScheduledRequest, ...] = ()
     preempted: tuple[str, ...] = ()
     rejected: tuple[tuple[str, str], ...] = ()
+    loads: tuple[KVLoad, ...] = ()
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -324,7 +419,7 @@ class StepPlan:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.scheduled or self.preempted or self.rejected)
+        return not (self.scheduled or self.preempted or self.rejected or self.loads)
 
 
 @attrs.frozen(slots=True)

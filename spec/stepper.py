@@ -37,9 +37,17 @@ from schedspec.spec.invariants import check_step
 from schedspec.spec.kv_cache_groups import NULL_BLOCK, held_block_ids
 from schedspec.spec.prefix_cache import evicted_blocks
 from schedspec.spec.properties import Monitor
-from schedspec.spec.request import Request
+from schedspec.spec.request import Request, RequestStatus
 from schedspec.spec.rules import Violation, violated_rules
-from schedspec.spec.state import NO_SPECULATION, SchedulerState, SpeculativeOutput, StepPlan, landed_plan
+from schedspec.spec.state import (
+    NO_SPECULATION,
+    NO_TRANSFERS,
+    KVTransferOutput,
+    SchedulerState,
+    SpeculativeOutput,
+    StepPlan,
+    landed_plan,
+)
 from schedspec.spec.trace import ScheduledTokens, StepRecord
 from schedspec.spec.transitions import (
     PlanError,
@@ -158,6 +166,7 @@ class StepOutcome:
         landed: the part of the plan that landed (:func:`~schedspec.spec.state.landed_plan`: with a step in
             flight, the plan less its items and preemptions for requests that ended meanwhile); the plan
             itself otherwise. The invariants and the monitors see this part.
+        transfers: the KV connector's report after the step (loads landed, invalid blocks, sends completed).
     """
 
     before: SchedulerState
@@ -173,6 +182,7 @@ class StepOutcome:
     transition: Transition | None = None
     speculative: SpeculativeOutput = NO_SPECULATION
     landed: StepPlan | None = None
+    transfers: KVTransferOutput = NO_TRANSFERS
 
     @property
     def landed_plan(self) -> StepPlan:
@@ -244,6 +254,10 @@ def expected_record(outcome: StepOutcome, config: SchedulerConfig, start_time: f
     its new blocks); ``blocks_evicted`` the handed-out blocks that were cached before the step. With a step
     in flight, a wasted item (its request ended after the plan was made) is in ``scheduled``, its new blocks
     in ``blocks_allocated`` and again in ``blocks_freed``: handed out at planning, freed with the request.
+    KV connector: a load's blocks are in ``blocks_allocated``; a ``kv_send`` request that finishes frees
+    nothing then, and an abort while a load is in flight frees nothing; the blocks a transfer held are in
+    ``blocks_freed`` of the step whose report lands it (and those of a load that failed from its first
+    block).
 
     Raises:
         PlanError: the outcome's plan was not applied (:attr:`StepOutcome.error`).
@@ -251,6 +265,7 @@ def expected_record(outcome: StepOutcome, config: SchedulerConfig, start_time: f
     before, plan, after = outcome.before, outcome.plan, outcome.after
     landed = outcome.landed_plan
     allocated = {item.request_id: item.new_block_ids for item in plan.scheduled if item.new_block_ids}
+    allocated.update({load.request_id: load.new_block_ids for load in plan.loads if load.new_block_ids})
     hits = {item.request_id: item.cached_block_ids for item in plan.scheduled if item.cached_block_ids}
     freed = {a.request_id: a.freed for a in outcome.aborted if a.freed}
     for request_id in landed.preempted:
@@ -268,8 +283,21 @@ def expected_record(outcome: StepOutcome, config: SchedulerConfig, start_time: f
             item = next(item for item in plan.scheduled if item.request_id == request_id)
             blocks += tuple(b for table in group_tables_after(before.requests[request_id], item, config)
                             for b in table if b != NULL_BLOCK)
-        if blocks:
+        if blocks and not before.requests[request_id].kv_send:  # a sending request's blocks wait for the send
             freed[request_id] = blocks
+    transfers = outcome.transfers
+    for request_id in transfers.finished_recving + transfers.finished_sending:
+        delayed = before.delayed_frees.get(request_id)
+        held = None if delayed is None else delayed.block_ids
+        if held is None and request_id in before.requests:
+            landed_request = after.requests.get(request_id)
+            held = (before.requests[request_id].block_ids + allocated.get(request_id, ())
+                    if landed_request is not None and not landed_request.block_ids else None)
+        if held is None and request_id in after.finished:  # a send of a request that finished in this step
+            request = before.requests.get(request_id)
+            held = None if request is None else request.block_ids + allocated.get(request_id, ())
+        if held:
+            freed[request_id] = freed.get(request_id, ()) + held
     accepted: dict[str, int] = {}
     if outcome.speculative is not NO_SPECULATION or any(item.spec_token_ids for item in plan.scheduled):
         sampled = outcome.sampled
@@ -305,6 +333,10 @@ def expected_record(outcome: StepOutcome, config: SchedulerConfig, start_time: f
         group_blocks_allocated={item.request_id: item.group_new_block_ids for item in plan.scheduled
                                 if any(item.group_new_block_ids)},
         blocks_skipped={item.request_id: item.skipped_block_ids for item in plan.scheduled if item.skipped_block_ids},
+        kv_loads={load.request_id: load.num_tokens for load in plan.loads},
+        finished_recving=transfers.finished_recving,
+        invalid_block_ids=transfers.invalid_block_ids,
+        finished_sending=transfers.finished_sending,
     )
 
 
@@ -356,7 +388,10 @@ class Stepper:
         before = self.state
         live = before.requests.get(request_id)
         self.state = abort_request(before, request_id) if after is None else after
-        aborted = Aborted(request_id, live is not None, held_block_ids(live) if live is not None else (),
+        # an abort while its remote KV load is in flight frees nothing yet (delayed_frees)
+        loading = live is not None and live.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+        freed = held_block_ids(live) if live is not None and not loading else ()
+        aborted = Aborted(request_id, live is not None, freed,
                           Transition("abort_request", before, request_id, self.config, self.state))
         self._aborts.append(request_id)
         self._aborted.append(aborted)
@@ -378,9 +413,11 @@ class Stepper:
         return found
 
     def step(self, plan: StepPlan, sampled: Mapping[str, int], result: StepResult | None = None,
-             speculative: SpeculativeOutput = NO_SPECULATION) -> StepOutcome:
+             speculative: SpeculativeOutput = NO_SPECULATION,
+             transfers: KVTransferOutput = NO_TRANSFERS) -> StepOutcome:
         """Apply ``plan`` with the ``sampled`` tokens (request id -> token id) and speculative decoding's
-        inputs (``speculative``: accepted drafts, drafts proposed), check the invariants on the
+        inputs (``speculative``: accepted drafts, drafts proposed) and the KV connector's report after it
+        (``transfers``: loads landed, sends completed), check the invariants on the
         step, and advance the state. The rules are those :meth:`check_plan` found for this plan (checked
         now if it was not called for it). With ``result``, that step (a trusted scheduler's own, in an
         unchecked run) is taken instead of the spec's transition.
@@ -396,7 +433,7 @@ class Stepper:
         transition = None
         if result is None:
             try:
-                result = apply_plan(before, plan, sampled, self.config, speculative)
+                result = apply_plan(before, plan, sampled, self.config, speculative, transfers)
             except PlanError as raised:
                 error = raised
             else:
@@ -408,7 +445,7 @@ class Stepper:
             self.state = result.state
         outcome = StepOutcome(before, plan, sampled, result, error, rules, invariants,
                               self._arrivals, self._aborts, self._aborted, transition, speculative,
-                              None if landed is plan else landed)
+                              None if landed is plan else landed, transfers)
         self._arrivals, self._aborts, self._aborted = [], [], []
         return outcome
 

@@ -73,6 +73,10 @@ V1_EOS_TOKEN_ID = 0
 
 SCHEMA_PATH = Path(__file__).with_name("trace-schema.json")
 
+KV_CONNECTOR_RECORD_FIELDS = ("kv_loads", "finished_recving", "invalid_block_ids", "finished_sending")
+"""The record fields of the KV connector (remote KV loads and sends), optional in every version and written
+only when not empty, so a trace without a connector keeps every byte it had before them."""
+
 
 @attrs.frozen
 class ScheduledTokens:
@@ -168,6 +172,15 @@ class StepRecord:
         blocks_skipped: hybrid KV cache groups (version 4): request id -> the blocks its allocation freed
             because a sliding window had passed them (``ScheduledRequest.skipped_block_ids``); they are not in
             ``blocks_freed``. Omitted from the JSON when empty.
+        kv_loads: KV connector: request id -> the tokens of the remote KV load this step starts for it (its
+            blocks are in ``blocks_allocated``; it waits in WAITING_FOR_REMOTE_KVS). Omitted when empty.
+        finished_recving: KV connector, reported after this step: the ids whose remote KV load landed (vLLM
+            ``KVConnectorOutput.finished_recving``). Omitted when empty.
+        invalid_block_ids: KV connector, reported after this step: the blocks a landing load failed to fill
+            (vLLM ``KVConnectorOutput.invalid_block_ids``; recomputed from the first). Omitted when empty.
+        finished_sending: KV connector, reported after this step: the ids whose KV send completed (vLLM
+            ``KVConnectorOutput.finished_sending``); their held blocks are in ``blocks_freed``. Omitted when
+            empty.
     """
 
     step: int
@@ -194,6 +207,10 @@ class StepRecord:
     wasted_tokens: dict[str, int] = attrs.field(factory=dict)
     group_blocks_allocated: dict[str, tuple[tuple[int, ...], ...]] = attrs.field(factory=dict, converter=_group_blocks)
     blocks_skipped: dict[str, tuple[int, ...]] = attrs.field(factory=dict, converter=_blocks)
+    kv_loads: dict[str, int] = attrs.field(factory=dict)
+    finished_recving: tuple[str, ...] = attrs.field(default=(), converter=_to_tuple)
+    invalid_block_ids: tuple[int, ...] = attrs.field(default=(), converter=_to_tuple)
+    finished_sending: tuple[str, ...] = attrs.field(default=(), converter=_to_tuple)
 
     @property
     def prefill_tokens(self) -> int:
@@ -241,6 +258,11 @@ class StepRecord:
             data["blocks_skipped"] = {k: list(v) for k, v in self.blocks_skipped.items()}
         else:
             del data["blocks_skipped"]
+        for name in KV_CONNECTOR_RECORD_FIELDS:  # KV connector only, likewise
+            if data[name]:
+                data[name] = dict(data[name]) if name == "kv_loads" else list(data[name])
+            else:
+                del data[name]
         data["aborts"] = list(self.aborts)
         data["preempted"] = list(self.preempted)
         data["aborted"] = list(self.aborted)

@@ -22,7 +22,10 @@ it changes). The client's actions happen between steps: a request **arrives**
   blocks are taken) ``group-table-covers``, ``group-no-excess-blocks``, ``window-keeps-visible``,
   ``window-frees-skipped``; and with a step in flight (asynchronous
   scheduling) also ``in-flight-foreseen-length``, ``in-flight-blocks-held-when-planned``,
-  ``in-flight-arrivals-wait`` and ``wasted-item-continues``.
+  ``in-flight-arrivals-wait`` and ``wasted-item-continues``; and, with a KV connector, ``wait-for-remote-kv``.
+- :func:`start_load`: (KV connector) a waiting request takes blocks for the prefix a remote KV transfer
+  fills and waits in WAITING_FOR_REMOTE_KVS until it lands (:func:`land_transfers`, after the samples).
+  Guard: ``load-as-offered``, ``load-blocks-exact``.
 - :func:`sample`: a request whose chunk reached the end of its sequence appends its accepted drafts and
   the sampled token, stopping at the first that stops it (:func:`stop_reason`), and gives back its
   rejected drafts. Guard: none (the model chooses the tokens and what it accepts).
@@ -66,7 +69,11 @@ from schedspec.spec.prefix_cache import CacheUpdate
 from schedspec.spec.request import Request, RequestStatus
 from schedspec.spec.state import (
     NO_SPECULATION,
+    NO_TRANSFERS,
+    DelayedFree,
     InFlightStep,
+    KVLoad,
+    KVTransferOutput,
     ScheduledRequest,
     SchedulerState,
     SpeculativeOutput,
@@ -109,6 +116,7 @@ def add_request(state: SchedulerState, request: Request) -> SchedulerState:
         or request.num_computed_tokens
         or request.output_token_ids
         or request.block_ids
+        or request.kv_load_step is not None
     ):
         raise PlanError(f"request_id={request_id!r} is not a fresh request (status={request.status.value})")
     return attrs.evolve(
@@ -131,6 +139,11 @@ def abort_request(state: SchedulerState, request_id: str) -> SchedulerState:
     was made: the request joins ``in_flight.ended`` and its blocks ``in_flight.freed_blocks``, so that
     plan's work for it is wasted and it hands none of those blocks out (vLLM ``Scheduler.finish_requests``
     frees them at once; ``update_from_output`` then skips the request).
+
+    KV connector: a request aborted while its remote KV load is in flight (WAITING_FOR_REMOTE_KVS) frees
+    nothing yet: the transfer still writes its blocks, which move to ``delayed_frees`` until the load lands
+    (vLLM ``Scheduler.finish_requests``: ``delay_free_blocks`` when the id is not in
+    ``finished_recving_kv_req_ids``; ``_update_from_kv_xfer_finished`` frees them).
     """
     request = state.requests.get(request_id)
     if request is None:
@@ -140,6 +153,11 @@ def abort_request(state: SchedulerState, request_id: str) -> SchedulerState:
     aborted = evolve(request, status=RequestStatus.FINISHED_ABORTED, finish_reason="abort", block_ids=(),
                      spec_token_ids=(), group_block_ids=())
     cache = state.prefix_cache
+    delayed = state.delayed_frees
+    if request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+        delayed = MappingProxyType({**delayed, request_id: DelayedFree(request.block_ids, "recving")})
+        return attrs.evolve(state, waiting=tuple(r for r in state.waiting if r != request_id), requests=requests,
+                            finished=state.finished.with_added({request_id: aborted}), delayed_frees=delayed)
     if cache is None:
         free = FreeQueue.of(state.free_block_ids).pushed_front(release_order(request))
     else:
@@ -200,11 +218,36 @@ class StepInProgress:
     stopped: list[str] = attrs.field(factory=list)
     cache: CacheUpdate | None = None
     """With prefix caching: the working copy of the prefix cache and the free queue."""
+    delayed: dict[str, DelayedFree] | None = None
+    """KV connector: the working copy of ``delayed_frees`` (``None``: unchanged in this step)."""
 
     @classmethod
     def begin(cls, state: SchedulerState, config: SchedulerConfig) -> StepInProgress:
         cache = CacheUpdate(state.prefix_cache, state.free_block_ids) if state.prefix_cache is not None else None
         return cls(state, config, live_copy(state.requests), list(state.waiting), list(state.running), cache=cache)
+
+    def delay_free(self, request_id: str, held: DelayedFree) -> None:
+        """Hold the blocks of the ended ``request_id`` for a transfer (``SchedulerState.delayed_frees``)."""
+        if self.delayed is None:
+            self.delayed = dict(self.before.delayed_frees)
+        self.delayed[request_id] = held
+
+    def free_delayed(self, request_id: str, transfer: str) -> None:
+        """Its ``transfer`` (``"recving"`` or ``"sending"``) done, the blocks held for the ended ``request_id`` go
+        to the front of the free queue, last block first.
+
+        Raises:
+            PlanError: no blocks are held for that transfer of ``request_id``.
+        """
+        delayed = self.before.delayed_frees if self.delayed is None else self.delayed
+        held = delayed.get(request_id)
+        if held is None or held.transfer != transfer:
+            raise PlanError(f"request_id={request_id!r}: finished_{transfer} at step {self.before.step}, but it has "
+                            f"no {'remote KV load' if transfer == 'recving' else 'KV send'} in flight")
+        if self.delayed is None:
+            self.delayed = dict(self.before.delayed_frees)
+        del self.delayed[request_id]
+        self.freed[:0] = reversed(held.block_ids)
 
     def live(self, request_id: str) -> Request:
         """The live request with this id. Raises :class:`PlanError` if there is none."""
@@ -232,6 +275,7 @@ class StepInProgress:
             free_block_ids=free if cache is None else tuple(free),
             num_requests_added=self.before.num_requests_added,
             prefix_cache=cache,
+            delayed_frees=self.before.delayed_frees if self.delayed is None else MappingProxyType(self.delayed),
         )
         return StepResult(state, tuple(self.stopped), tuple(self.sampled))
 
@@ -397,12 +441,90 @@ def sample(step: StepInProgress, request_id: str, token_id: int, item: Scheduled
     status, reason = ending
     del step.requests[request_id]
     step.running.remove(request_id)
-    if step.cache is not None:
+    if request.kv_send:  # KV connector: its blocks are sent; freed when the send completes (land_transfers)
+        if step.cache is not None or step.before.in_flight is not None:
+            raise PlanError(f"request_id={request_id!r}: KV sends with enable_prefix_caching or a step in flight are "
+                            "not specified")
+        step.delay_free(request_id, DelayedFree(request.block_ids, "sending"))
+    elif step.cache is not None:
         step.cache.release(request.block_ids)
     else:
         step.freed[:0] = release_order(request)
     step.ended[request_id] = evolve(request, status=status, finish_reason=reason, block_ids=(), group_block_ids=())
     step.stopped.append(request_id)
+
+
+def start_load(step: StepInProgress, load: KVLoad) -> None:
+    """**Start a remote KV load** (KV connector): the waiting request takes ``load.new_block_ids`` from the
+    free queue (after the batch's blocks), counts the ``load.num_tokens`` tokens the transfer will write as
+    computed, records ``kv_load_step`` and waits, in its place in the queue, in WAITING_FOR_REMOTE_KVS until
+    the transfer lands (:func:`land_transfers`). vLLM ``Scheduler.schedule``: with ``load_kv_async``,
+    ``allocate_slots(num_new_tokens=0, num_external_computed_tokens=...)``, ``request.status =
+    WAITING_FOR_REMOTE_KVS``, ``request.num_computed_tokens = num_computed_tokens`` ("will not be used
+    anywhere until the request finished the KV transfer"); the request is skipped into
+    ``kv_holding_waiting``. It computes nothing and takes no ``max_num_seqs`` slot.
+
+    Raises:
+        PlanError: prefix caching is on, a step is in flight, or KV cache groups are configured (remote loads
+            with a local prefix hit, with asynchronous scheduling, and into several groups' tables are not
+            specified).
+    """
+    if step.cache is not None or step.before.in_flight is not None or step.config.kv_cache_groups:
+        raise PlanError(f"request_id={load.request_id!r}: remote KV loads with enable_prefix_caching, a step in "
+                        "flight or kv_cache_groups are not specified")
+    request = step.live(load.request_id)
+    step.taken.extend(load.new_block_ids)
+    step.requests[load.request_id] = evolve(request, status=RequestStatus.WAITING_FOR_REMOTE_KVS,
+                                            num_computed_tokens=load.num_tokens, block_ids=load.new_block_ids,
+                                            kv_load_step=step.before.step)
+
+
+def land_transfers(step: StepInProgress, transfers: KVTransferOutput) -> None:
+    """The KV connector's report after the step (after the samples; vLLM ``Scheduler.update_from_output``
+    handles ``kv_connector_output`` there): each load in ``finished_recving`` **lands**, each send in
+    ``finished_sending`` completes.
+
+    A landing request that is live (WAITING_FOR_REMOTE_KVS) is WAITING again and keeps its blocks; its
+    computed tokens are the loaded ones up to its first block in ``invalid_block_ids`` (block i invalid:
+    ``i * block_size`` tokens stay computed, the rest is recomputed in those same blocks: vLLM
+    ``Scheduler._handle_invalid_blocks``, recompute policy, ``_update_requests_with_invalid_blocks``); if
+    none stay computed it frees its blocks, to the front of the free queue, last block first
+    (``_update_waiting_for_remote_kv``: ``kv_cache_manager.free``), and is a fresh request again, with no load
+    to start. A load that covered the whole sequence leaves its last token to compute, so that it samples
+    (``num_computed_tokens = num_tokens - 1``). vLLM promotes the request in its next ``Scheduler.schedule``
+    (``_handle_blocked_waiting_request``); the spec does it here, which is the same for what the next plan may
+    do, except that vLLM frees a failed load's blocks inside that plan. A landing request that was aborted
+    while it loaded, and a completed send, free the blocks held for them in ``delayed_frees``.
+
+    Raises:
+        PlanError: an id that has no load in flight (or no send), or an invalid block of no landing request.
+    """
+    before = step.before
+    landing = set(transfers.finished_recving)
+    delayed = before.delayed_frees
+    owner = {b: r for r in landing if r in step.requests for b in step.requests[r].block_ids}
+    owner.update({b: r for r in landing if r in delayed for b in delayed[r].block_ids})  # aborted while loading
+    for block_id in transfers.invalid_block_ids:
+        if block_id not in owner:
+            raise PlanError(f"invalid block {block_id} at step {before.step} belongs to no load that lands")
+    invalid = frozenset(transfers.invalid_block_ids)
+    size = step.config.block_size
+    for request_id in transfers.finished_recving:
+        request = step.requests.get(request_id)
+        if request is not None and request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+            computed = next((i * size for i, b in enumerate(request.block_ids) if b in invalid),
+                            request.num_computed_tokens)
+            changes: dict = {"status": RequestStatus.WAITING, "num_computed_tokens": computed}
+            if computed == 0:
+                step.freed[:0] = reversed(request.block_ids)
+                changes["block_ids"] = ()
+            elif computed == request.num_tokens:
+                changes["num_computed_tokens"] = computed - 1
+            step.requests[request_id] = evolve(request, **changes)
+            continue
+        step.free_delayed(request_id, "recving")  # aborted while it loaded
+    for request_id in transfers.finished_sending:
+        step.free_delayed(request_id, "sending")
 
 
 def propose_drafts(step: StepInProgress, request_id: str, draft_token_ids: tuple[int, ...],
@@ -451,6 +573,7 @@ def apply_plan(
     sampled_token_ids: Mapping[str, int],
     config: SchedulerConfig,
     speculative: SpeculativeOutput = NO_SPECULATION,
+    transfers: KVTransferOutput = NO_TRANSFERS,
 ) -> StepResult:
     """One step: apply an allowed plan and the tokens the model sampled, action by action.
 
@@ -464,6 +587,8 @@ def apply_plan(
         speculative: speculative decoding's inputs (:class:`~schedspec.spec.state.SpeculativeOutput`):
             the accepted drafts per request that verified drafts, and the drafts proposed after the step
             (:func:`propose_drafts`, applied after every sample).
+        transfers: the KV connector's report after the step (:class:`~schedspec.spec.state.KVTransferOutput`,
+            :func:`land_transfers`, applied last); nothing without a connector.
 
     Returns:
         :class:`StepResult`: the state after the step (``step`` advanced by one) and what ended. With a step
@@ -475,7 +600,8 @@ def apply_plan(
     Raises:
         PlanError: a named request is not live, a sampling request has no sampled token, an accepted
             count is outside ``[0, d]`` or given for a request that verified no drafts, or a proposal
-            is longer than ``num_speculative_tokens`` (:func:`propose_drafts`).
+            is longer than ``num_speculative_tokens`` (:func:`propose_drafts`), a remote KV load with prefix
+            caching (:func:`start_load`), or a transfer report it cannot apply (:func:`land_transfers`).
     """
     plan, wasted = landed_plan(state, plan)  # a plan made with a step in flight: its wasted items do nothing
     step = StepInProgress.begin(state, config)
@@ -485,6 +611,8 @@ def apply_plan(
         reject(step, request_id, reason)
     for item in plan.scheduled:
         schedule(step, item)
+    for load in plan.loads:
+        start_load(step, load)
     for item in plan.scheduled:  # the forward pass ran; now each request that reached its end samples
         if samples_this_step(state.requests[item.request_id], item):
             if item.request_id not in sampled_token_ids:
@@ -506,6 +634,8 @@ def apply_plan(
         sampled = set(step.sampled)
         for request_id, drafts in speculative.draft_token_ids.items():
             propose_drafts(step, request_id, drafts, sampled)
+    if transfers is not NO_TRANSFERS and not transfers.is_empty:
+        land_transfers(step, transfers)
     result = step.end()
     if config.prefill_schedule_interval > 1:  # the cadence's step history (off: the state has none)
         cadence = cadence_after(state, plan, result.state.waiting, config)

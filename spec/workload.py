@@ -222,6 +222,19 @@ class RequestSpec:
         grammar_compile_steps: structured output: steps its grammar takes to compile, counted from its
             arrival step (0: ready at once; :attr:`Request.grammar_ready_step` is ``arrival_step +
             grammar_compile_steps``); ``None``: no structured output.
+        num_external_computed_tokens: KV connector: the prompt tokens a remote KV transfer can load for it
+            (:attr:`Request.num_external_computed_tokens`; 0 = none, left out of :meth:`to_dict`).
+        kv_load_steps: the workload's schedule for its load: it lands with the KV connector's report of the
+            step ``kv_load_steps`` steps after the step that started it (0: that very step's report);
+            ``None``: 1. A scenario event, like ``abort_at_step``, counted from when the load starts; at least 1
+            (``ValueError``), so that a plan never depends on the report of its own step.
+        kv_load_invalid_block: the index, among its load's blocks, of the first block the load fails to fill
+            (reported in ``invalid_block_ids`` when it lands: vLLM ``_handle_invalid_blocks``); ``None``: the
+            load succeeds.
+        kv_send: KV connector: its blocks are sent when it finishes (:attr:`Request.kv_send`; left out of
+            :meth:`to_dict` when false).
+        kv_send_steps: the workload's schedule for its send: it completes with the report of the step
+            ``kv_send_steps`` steps after the step it finished in; ``None``: 1; at least 1 (``ValueError``).
     """
 
     request_id: str
@@ -243,6 +256,11 @@ class RequestSpec:
     hash_block_tokens: int | None = None
     lora_int_id: int = 0
     grammar_compile_steps: int | None = None
+    num_external_computed_tokens: int = 0
+    kv_load_steps: int | None = None
+    kv_load_invalid_block: int | None = None
+    kv_send: bool = False
+    kv_send_steps: int | None = None
 
     def __attrs_post_init__(self) -> None:
         # An abort due before the arrival would be met while the request does not exist yet, and dropped
@@ -250,6 +268,13 @@ class RequestSpec:
         if self.abort_at_step is not None and self.arrival_step is not None and self.abort_at_step < self.arrival_step:
             raise ValueError(f"request_id={self.request_id!r}: abort_at_step={self.abort_at_step} is before "
                              f"arrival_step={self.arrival_step}")
+        for name in ("kv_load_steps", "kv_send_steps"):  # a transfer lands with a later step's report
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"request_id={self.request_id!r}: {name}={value} < 1")
+        if not 0 <= self.num_external_computed_tokens <= self.prompt_len:
+            raise ValueError(f"request_id={self.request_id!r}: num_external_computed_tokens="
+                             f"{self.num_external_computed_tokens} outside [0, prompt_len={self.prompt_len}]")
         if self.abort_at_time is not None and self.abort_at_time < self.arrival_time:
             raise ValueError(f"request_id={self.request_id!r}: abort_at_time={self.abort_at_time:g} s is before "
                              f"arrival_time={self.arrival_time:g} s")
@@ -277,17 +302,21 @@ class RequestSpec:
             min_tokens=self.min_tokens,
             lora_int_id=self.lora_int_id,
             grammar_ready_step=None if self.grammar_compile_steps is None else arrival_step + self.grammar_compile_steps,
+            num_external_computed_tokens=self.num_external_computed_tokens,
+            kv_send=self.kv_send,
         )
 
     STOP_FIELDS = ("eos_token_id", "stop_token_ids", "min_tokens")
     """The stop conditions, written explicitly in every trace arrival (``eos_token_id`` even when null)."""
 
     def to_dict(self) -> dict:
-        """JSON-ready fields: optional ones left out when unset (``lora_int_id`` when 0), the stop conditions
+        """JSON-ready fields: optional ones left out when unset (``lora_int_id`` and
+        ``num_external_computed_tokens`` when 0, ``kv_send`` when false), the stop conditions
         always present."""
         data = attrs.asdict(self)
-        if not data["lora_int_id"]:
-            del data["lora_int_id"]
+        for name in ("lora_int_id", "num_external_computed_tokens", "kv_send"):  # 0 / false: left out
+            if not data[name]:
+                del data[name]
         data["stop_token_ids"] = list(self.stop_token_ids)
         if self.block_hash_ids is not None:
             data["block_hash_ids"] = list(self.block_hash_ids)

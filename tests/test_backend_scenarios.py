@@ -24,6 +24,7 @@ from schedspec.cli import cli  # noqa: E402
 from schedspec.gpu_backend import Runner  # noqa: E402
 from schedspec.gpu_backend.testing import device_for_tests  # noqa: E402
 from schedspec.reference.cost_model import default_scheduler_config  # noqa: E402
+from schedspec.reference.kv_connector import uses_kv_connector  # noqa: E402
 from schedspec.reference.scenarios import bundled_scenarios, load_scenario, replay  # noqa: E402
 from schedspec.reference.scheduler import UnsupportedFeature  # noqa: E402
 from schedspec.spec.config import SchedulerConfig  # noqa: E402
@@ -67,6 +68,9 @@ refuses the step (docs/findings/vllm-priority-preempted-chunk-stays-cached.md)."
 @pytest.mark.parametrize("path", SCENARIOS, ids=[p.stem for p in SCENARIOS])
 def test_scenario_replays_on_the_torch_backend(path: Path):
     scenario = load_scenario(path)
+    if uses_kv_connector(scenario.requests):
+        pytest.skip("remote KV loads: the torch backend has no KV connector to write the loaded prefix into its "
+                    "cache (its ledger refuses the loaded blocks), not built yet (issue 27)")
     factory = CountingFactory()
     if scenario.name in KV_NEVER_WRITTEN:
         from schedspec.gpu_backend.errors import BlockTableError

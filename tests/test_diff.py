@@ -262,3 +262,33 @@ def test_generated_priorities_are_often_equal() -> None:
                 pairs += 1
                 equal += first.priority == second.priority
     assert pairs > 500 and equal / pairs > 0.35, (equal, pairs)
+
+
+def test_remote_kv_scenarios_exercise_loads_failures_and_sends_and_vllm_v1_agrees_with_itself() -> None:
+    """``--remote-kv``: the generated workloads load, fail loads and send (with prefix caching off), and the
+    profile compared with itself over them finds nothing (every step of both checked against the spec)."""
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import seed as hypothesis_seed
+
+    from schedspec.commands.diff import scenarios
+
+    drawn: list = []
+
+    @hypothesis_seed(5)
+    @settings(max_examples=80, database=None, deadline=None, phases=(Phase.generate,),
+              suppress_health_check=list(HealthCheck))
+    @given(scenarios({}, remote_kv=True))
+    def collect(scenario) -> None:
+        drawn.append(scenario)
+
+    collect()
+    requests = [r for config, rs, _ in drawn if not config.enable_prefix_caching for r in rs]
+    assert sum(1 for r in requests if r.num_external_computed_tokens) > 30
+    assert sum(1 for r in requests if r.kv_load_invalid_block is not None) > 5
+    assert sum(1 for r in requests if r.kv_send) > 10
+    assert not any(r.num_external_computed_tokens or r.kv_send for config, rs, _ in drawn
+                   if config.enable_prefix_caching for r in rs)
+    result = invoke("--scheduler", "vllm-v1", "--against", "vllm-v1", "--examples", "40", "--seed", "4",
+                    "--remote-kv")
+    assert result.exit_code == 0, result.output
+    assert "0 divergent (unexplained), 0 documented differences, 0 findings, 0 unsupported" in result.output

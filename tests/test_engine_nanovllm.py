@@ -25,6 +25,7 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from schedspec.engines.nanovllm import NanoVllmScheduler
 from schedspec.reference.engine import Engine, ViolationFound
+from schedspec.reference.kv_connector import uses_kv_connector
 from schedspec.reference.scenarios import bundled_scenarios, load_scenario, replay
 from schedspec.reference.scheduler import EngineFault, EngineView, UnsupportedFeature, make_scheduler
 from schedspec.spec.admission import rejection_reason
@@ -311,6 +312,10 @@ def test_bundled_scenario_through_the_engine_loop(path):
         with pytest.raises(UnsupportedFeature, match="no grammar wait"):
             Engine(NanoVllmScheduler(config), config).run(scenario.requests, max_steps=10)
         pytest.skip("a structured-output scenario: nano-vLLM has no grammar wait, and its adapter refuses it")
+    if uses_kv_connector(scenario.requests):
+        with pytest.raises(UnsupportedFeature, match="remote KV"):
+            Engine(NanoVllmScheduler(config), config).run(scenario.requests, max_steps=10)
+        pytest.skip("a remote KV scenario: nano-vLLM has no KV connector, and the engine loop refuses it")
     adapter = ViewChecked(NanoVllmScheduler(config), config)
     known = KNOWN.get(scenario.name)
     try:

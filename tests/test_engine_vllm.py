@@ -779,3 +779,25 @@ def test_hybrid_kv_cache_groups_run_within_the_spec_and_agree_with_the_profile()
             [[(s.request_id, s.num_tokens) for s in r.scheduled] for r in profile.records]
         freed += sum(len(blocks) for r in result.records for blocks in r.blocks_skipped.values())
     assert freed  # vLLM's window freed blocks, and the spec judged them
+
+
+REMOTE_KV_CASES = sorted(stem for stem in CASES if stem.startswith("remote-kv-"))
+"""The bundled remote KV scenarios (a load that lands, one that fails, an abort while loading, a send)."""
+
+
+@pytest.mark.parametrize("name", ["vllm", "vllm@0.33"])
+@pytest.mark.parametrize("stem", REMOTE_KV_CASES)
+def test_remote_kv_scenarios_pass_on_vllm_with_its_connector(stem: str, name: str) -> None:
+    """vLLM's scheduler, driven through the adapter's KV connector (ScheduledKVConnector), keeps every rule and
+    invariant at every step, its own view equal to the spec's, and meets the scenario's expectations."""
+    result = replay(load_scenario(CASES[stem]), name)
+    assert result.passed, [f"{v.name}: {v.detail}" for v in result.verdicts if not v.passed]
+    records = result.run.records
+    assert any(r.kv_loads or r.finished_sending for r in records)  # the connector's path ran
+
+
+def test_remote_kv_with_async_scheduling_is_refused() -> None:
+    from schedspec.reference.scheduler import UnsupportedFeature
+
+    with pytest.raises(UnsupportedFeature, match="remote KV"):
+        replay(load_scenario(CASES[REMOTE_KV_CASES[0]]), "vllm-async")

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from schedspec.reference.engine import Engine
 from schedspec.reference.fast_fcfs import FastFcfsScheduler, fcfs_fast
+from schedspec.reference.kv_connector import uses_kv_connector
 from schedspec.reference.scenarios import _run, bundled_scenarios, load_scenario, replay
 from schedspec.reference.scheduler import (
     ReferenceScheduler,
@@ -158,6 +159,10 @@ def test_bundled_scenarios_same_as_fcfs(path) -> None:
         with pytest.raises(UnsupportedFeature, match="structured output"):
             _run(scenario, "fcfs-fast", config, scenario.requests)
         pytest.skip("structured output: fcfs-fast refuses it (UnsupportedFeature, asserted), use fcfs")
+    if uses_kv_connector(scenario.requests):
+        with pytest.raises(UnsupportedFeature, match="remote KV"):
+            _run(scenario, "fcfs-fast", config, scenario.requests)
+        pytest.skip("remote KV loads and sends: fcfs-fast refuses them (UnsupportedFeature, asserted), use fcfs")
     requests = scenario.requests
     plain = _run(scenario, "fcfs", config, requests)
     fast = _run(scenario, "fcfs-fast", config, requests)

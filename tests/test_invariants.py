@@ -11,6 +11,7 @@ import attrs
 import pytest
 from test_kv_cache_groups import GROUP_STATE_CASES
 from test_prefix_cache import PREFIX_STATE_CASES, PREFIX_STEP_CASES
+from test_remote_kv import REMOTE_KV_STATE_CASES
 from test_speculative import SPEC_STATE_CASES, SPEC_STEP_CASES
 
 from schedspec.spec.config import SchedulerConfig
@@ -130,6 +131,7 @@ STATE_CASES: dict[str, StateCase] = {
 STATE_CASES.update(PREFIX_STATE_CASES)  # the prefix-caching invariants' cases live with the other prefix tests
 STATE_CASES.update(SPEC_STATE_CASES)  # the speculative-decoding ones with the speculative-decoding tests
 STATE_CASES.update(GROUP_STATE_CASES)  # the KV cache groups' with their tests (test_kv_cache_groups.py)
+STATE_CASES.update(REMOTE_KV_STATE_CASES)  # the remote KV loads' with their tests (test_remote_kv.py)
 
 DECODE_A = ScheduledRequest("a", 6, 1)
 

@@ -36,7 +36,14 @@ from schedspec.spec.proofs.concrete import (  # noqa: E402
 )
 from schedspec.spec.proofs.encoding import RULE_ORDER, apply_plan  # noqa: E402
 from schedspec.spec.request import Request, RequestStatus  # noqa: E402
-from schedspec.spec.rules import GROUP_RULES, IN_FLIGHT_RULES, LIMIT_RULES, RULE_NAMES, violated_rules  # noqa: E402
+from schedspec.spec.rules import (  # noqa: E402
+    GROUP_RULES,
+    IN_FLIGHT_RULES,
+    LIMIT_RULES,
+    REMOTE_KV_RULES,
+    RULE_NAMES,
+    violated_rules,
+)
 from schedspec.spec.state import ScheduledRequest, SchedulerState, StepPlan, samples_this_step  # noqa: E402
 from schedspec.spec.transitions import add_request  # noqa: E402
 from schedspec.spec.transitions import apply_plan as py_apply_plan  # noqa: E402
@@ -240,6 +247,8 @@ def test_rule_registry_matches_the_encoding():
     not_encoded += IN_FLIGHT_RULES
     # nor the rules of hybrid KV cache groups (tests/test_kv_cache_groups.py): without groups they find nothing
     not_encoded += GROUP_RULES
+    # nor the remote KV loads' rules (tests/test_remote_kv.py): with no request offering a load they find nothing
+    not_encoded += REMOTE_KV_RULES
     # nor the per-step limits' rules (tests/test_limits.py): with their options off (the default) they constrain
     # nothing, and each only removes plans, so a proof over the encoded rules holds with them too
     assert set(LIMIT_RULES) <= set(RULE_NAMES)

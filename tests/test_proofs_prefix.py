@@ -35,7 +35,14 @@ from schedspec.spec.proofs.concrete import (  # noqa: E402
     slot_assignment,
 )
 from schedspec.spec.proofs.encoding import PLAN_FIELDS, SLOT_FIELDS, STATE_SCALARS  # noqa: E402
-from schedspec.spec.rules import GROUP_RULES, IN_FLIGHT_RULES, LIMIT_RULES, RULE_NAMES, violated_rules  # noqa: E402
+from schedspec.spec.rules import (  # noqa: E402
+    GROUP_RULES,
+    IN_FLIGHT_RULES,
+    LIMIT_RULES,
+    REMOTE_KV_RULES,
+    RULE_NAMES,
+    violated_rules,
+)
 from schedspec.spec.state import ScheduledRequest, SchedulerState, StepPlan, samples_this_step  # noqa: E402
 from schedspec.spec.transitions import add_request, apply_plan  # noqa: E402
 from schedspec.spec.workload import EOS_TOKEN_ID, RequestSpec  # noqa: E402
@@ -242,7 +249,8 @@ def disagreement(limit: int | None = None, mutant: str | None = None) -> str | N
 def test_the_encoding_has_every_rule():
     # synchronous engines only (no rule of a step in flight), and not the per-step limits' (tests/test_limits.py):
     # off by default they constrain nothing, and each only removes plans, so a proof over the encoded rules holds
-    assert set(prefix.PREFIX_RULE_ORDER) == set(RULE_NAMES) - set(IN_FLIGHT_RULES) - set(LIMIT_RULES) - set(GROUP_RULES)
+    assert set(prefix.PREFIX_RULE_ORDER) == (set(RULE_NAMES) - set(IN_FLIGHT_RULES) - set(LIMIT_RULES) - set(GROUP_RULES)
+                                             - set(REMOTE_KV_RULES))
 
 
 def test_the_grid_reaches_hits_evictions_and_releases_to_the_evictable_pool():

@@ -12,8 +12,9 @@ import importlib.metadata
 
 import pytest
 
+from schedspec.reference.kv_connector import uses_kv_connector
 from schedspec.reference.scenarios import bundled_scenarios, load_scenario
-from schedspec.reference.scheduler import CADENCE_PLANS, REGISTRY, SCHEDULERS
+from schedspec.reference.scheduler import CADENCE_PLANS, KV_CONNECTOR_PLANS, REGISTRY, SCHEDULERS
 
 pytest_plugins = ["pytester"]
 
@@ -49,6 +50,12 @@ CADENCE_SCENARIOS = [p for p in bundled_scenarios()
 ``CADENCE_PLANS`` refuse; fcfs-fast runs fcfs with it)."""
 
 
+REMOTE_KV_SCENARIOS = [p for p in bundled_scenarios()
+                       if uses_kv_connector(load_scenario(p).requests)]
+"""The bundled scenarios with remote KV loads or sends (which the schedulers outside ``KV_CONNECTOR_PLANS``,
+fcfs-fast among them, refuse)."""
+
+
 NO_SHRINK_PROFILE = """
 from hypothesis import Phase, settings
 
@@ -77,6 +84,10 @@ def test_suite_passes_every_reference_policy(pytester: pytest.Pytester, name: st
     # the schedulers that do not follow the prefill cadence refuse its scenarios
     if name != "fcfs-fast" and REGISTRY[name].plan not in CADENCE_PLANS:
         refused += len(CADENCE_SCENARIOS)
+    # and those outside KV_CONNECTOR_PLANS (fcfs-fast too) the remote KV scenarios
+    assert REMOTE_KV_SCENARIOS
+    if name == "fcfs-fast" or REGISTRY[name].plan not in KV_CONNECTOR_PLANS:
+        refused += len(REMOTE_KV_SCENARIOS)
     assert outcomes["passed"] == 1 + len(bundled_scenarios()) - refused
     assert outcomes.get("skipped", 0) == refused
 

@@ -17,6 +17,7 @@ from test_in_flight import IN_FLIGHT_RULE_CASES
 from test_kv_cache_groups import GROUP_RULE_CASES
 from test_limits import LIMIT_RULE_CASES
 from test_prefix_cache import PREFIX_RULE_CASES
+from test_remote_kv import REMOTE_KV_RULE_CASES
 from test_speculative import SPEC_RULE_CASES
 
 from schedspec.spec.admission import rejection_reason
@@ -176,6 +177,7 @@ CASES.update(SPEC_RULE_CASES)  # and the speculative-decoding rules' with the sp
 CASES.update(IN_FLIGHT_RULE_CASES)  # and the rules of a step in flight with its tests (test_in_flight.py)
 CASES.update(LIMIT_RULE_CASES)  # and the per-step limits' (max_loras, ...) with their tests
 CASES.update(GROUP_RULE_CASES)  # and the KV cache groups' (test_kv_cache_groups.py)
+CASES.update(REMOTE_KV_RULE_CASES)  # and the remote KV loads' (test_remote_kv.py)
 
 
 def test_every_rule_has_a_case() -> None:

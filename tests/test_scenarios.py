@@ -27,7 +27,7 @@ def test_bundled_copies_match_shared_cases():
     if not SHARED.is_dir():
         pytest.skip(f"{SHARED} is not present on this machine; the bundled copies are checked where it is")
     shared = {p.name: p.read_bytes() for p in SHARED.glob("*.json")}
-    bundled = {p.name: p.read_bytes() for p in SCENARIOS if not p.name.startswith(("counterexample-", "nanovllm-", "spec-", "limit-"))}
+    bundled = {p.name: p.read_bytes() for p in SCENARIOS if not p.name.startswith(("counterexample-", "nanovllm-", "spec-", "limit-", "remote-kv-"))}
     assert bundled == shared
 
 

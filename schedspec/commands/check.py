@@ -12,6 +12,7 @@ from schedspec.cli_common import EXIT_CHECK_FAILED, EXIT_UNSUPPORTED, fail, one_
 from schedspec.spec.checker import DEFAULT_PROPERTIES, CheckReport, check_trace
 from schedspec.spec.fast_check import fast_check
 from schedspec.spec.properties import PROPERTIES
+from schedspec.spec.request import RequestStatus
 from schedspec.spec.state import SchedulerState
 from schedspec.spec.trace import TraceFormatError, open_trace
 
@@ -21,10 +22,14 @@ def _state_lines(state: SchedulerState) -> list[str]:
     for queue, ids in (("running", state.running), ("waiting", state.waiting)):
         for request_id in ids[:12]:
             r = state.requests[request_id]
-            lines.append(f"  {queue} {request_id!r}: prompt {r.prompt_len}, outputs {r.num_output_tokens}/{r.max_tokens}, "
-                         f"computed {r.num_computed_tokens}, blocks {list(r.block_ids)}")
+            loading = " (waiting for remote KV)" if r.status is RequestStatus.WAITING_FOR_REMOTE_KVS else ""
+            lines.append(f"  {queue} {request_id!r}{loading}: prompt {r.prompt_len}, outputs {r.num_output_tokens}/"
+                         f"{r.max_tokens}, computed {r.num_computed_tokens}, blocks {list(r.block_ids)}")
         if len(ids) > 12:
             lines.append(f"  ... {len(ids) - 12} more {queue}")
+    if state.delayed_frees:
+        lines.append(f"  held for transfers of ended requests: "
+                     f"{json.dumps({r: list(d.block_ids) for r, d in list(state.delayed_frees.items())[:12]})}")
     return lines
 
 
@@ -42,7 +47,8 @@ def _print_report(report: CheckReport, limit: int) -> None:
                 blocks = list(report.record.blocks_allocated.get(item.request_id, ()))
                 click.echo(f"  scheduled {item.request_id!r}: from {item.num_computed_tokens}, prefill "
                            f"{item.prefill_tokens}, decode {item.decode_tokens}, new blocks {blocks}")
-            for name in ("preempted", "rejected", "finished", "blocks_freed", "sampled_token_ids"):
+            for name in ("preempted", "rejected", "kv_loads", "finished", "blocks_freed", "sampled_token_ids",
+                         "finished_recving", "invalid_block_ids", "finished_sending"):
                 value = getattr(report.record, name)
                 if value:
                     click.echo(f"  {name}: {json.dumps(value if not isinstance(value, tuple) else list(value))}")

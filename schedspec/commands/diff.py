@@ -355,12 +355,15 @@ def compare(config: SchedulerConfig, requests: Sequence[RequestSpec], scheduler:
 # ----------------------------------------------------------------------------------- generation
 def _possible_requests(config: SchedulerConfig, grammar_steps: int = 0,
                        shape: Callable[[RequestSpec, SchedulerConfig, bool], RequestSpec] | None = None,
-                       ) -> st.SearchStrategy[tuple[list[RequestSpec], Acceptance]]:
+                       remote_kv: bool = False) -> st.SearchStrategy[tuple[list[RequestSpec], Acceptance]]:
     """1 to 8 requests that vLLM's input processor accepts (``0 < prompt_len < max_model_len``) and
     that can complete alone (the spec does not reject them), arriving in steps 0..8, sometimes
     aborted, sometimes stopping early (end-of-sequence), with ``max_loras`` on a LoRA adapter of 0 (none) to
     ``max_loras + 1`` each, with ``grammar_steps > 0`` structured output for about half of them (a grammar
-    ready 0 to ``grammar_steps`` steps after arrival), priorities from
+    ready 0 to ``grammar_steps`` steps after arrival), with ``remote_kv`` (and prefix caching off) about half
+    of them loading 1 to all of their prompt tokens remotely (landing 1 to 4 steps after the load starts, a third
+    of those failing from one of their first three blocks) and about a third sending their KV when they finish
+    (completing 1 to 3 steps later), priorities from
     :func:`schedspec.strategies.priorities` (often equal); with prefix caching on, most share a prefix
     of 1..prompt_len tokens with others of one of two groups. The ids ``r0`` .. ``r{n-1}`` are a random
     permutation, independent of the order of arrival and of the workload's order (which orders the
@@ -387,10 +390,18 @@ def _possible_requests(config: SchedulerConfig, grammar_steps: int = 0,
         lora = draw(st.integers(0, config.max_loras + 1)) if config.max_loras else 0
         # structured output, drawn only when asked for (--grammar-steps)
         grammar = draw(st.one_of(st.none(), st.integers(0, grammar_steps))) if grammar_steps else None
+        remote: dict[str, Any] = {}
+        if remote_kv and not config.enable_prefix_caching:  # drawn only when asked for (--remote-kv)
+            if draw(st.booleans()):
+                remote.update(num_external_computed_tokens=draw(st.integers(1, prompt_len)),
+                              kv_load_steps=draw(st.integers(1, 4)),
+                              kv_load_invalid_block=draw(st.one_of(st.none(), st.none(), st.integers(0, 2))))
+            if draw(st.integers(0, 2)) == 0:
+                remote.update(kv_send=True, kv_send_steps=draw(st.integers(1, 3)))
         spec = RequestSpec(request_id, prompt_len, max_tokens, arrival_step=arrival,
                            priority=draw(priorities()), abort_at_step=abort, eos_at_output=eos,
                            prefix_group=group, prefix_len=prefix_len, lora_int_id=lora,
-                           grammar_compile_steps=grammar)
+                           grammar_compile_steps=grammar, **remote)
         if shape is not None:  # drawn only for such a profile, so that other scenarios stay what they were
             spec = shape(spec, config, draw(st.integers(0, 9)) > 0)
         # drawn only with speculative decoding on, so that other scenarios stay what they were for a seed
@@ -407,7 +418,7 @@ def _possible_requests(config: SchedulerConfig, grammar_steps: int = 0,
 
 
 def scenarios(changes: dict[str, Any], grammar_steps: int = 0, profile: ProfileDifferences | None = None,
-              ) -> st.SearchStrategy[tuple[SchedulerConfig, list[RequestSpec], Acceptance]]:
+              remote_kv: bool = False) -> st.SearchStrategy[tuple[SchedulerConfig, list[RequestSpec], Acceptance]]:
     """``(config, requests, acceptance)``: a config from :func:`schedspec.testing.scheduler_configs` (with
     ``long_prefill_token_threshold`` at most ``max_model_len``, as vLLM requires), moved by ``profile``'s
     :attr:`~ProfileDifferences.config` when it has one, with ``changes`` applied (drawn configs that
@@ -434,7 +445,8 @@ def scenarios(changes: dict[str, Any], grammar_steps: int = 0, profile: ProfileD
 
     shape = profile.shape if profile is not None else None
     configs = scheduler_configs().map(apply).filter(lambda c: c is not None and c.max_model_len >= 2)
-    return configs.flatmap(lambda c: _possible_requests(c, grammar_steps, shape).map(lambda drawn: (c, *drawn)))
+    return configs.flatmap(lambda c: _possible_requests(c, grammar_steps, shape, remote_kv).map(
+        lambda drawn: (c, *drawn)))
 
 
 # ------------------------------------------------------------------------------------ shrinking
@@ -451,14 +463,20 @@ def _candidates(requests: list[RequestSpec]) -> list[list[RequestSpec]]:
             simpler.append(attrs.evolve(r, eos_at_output=None))
         if r.prefix_group is not None:
             simpler.append(attrs.evolve(r, prefix_group=None, prefix_len=0))
+        if r.num_external_computed_tokens:  # no remote KV load
+            simpler.append(attrs.evolve(r, num_external_computed_tokens=0, kv_load_steps=None,
+                                        kv_load_invalid_block=None))
+        if r.kv_send:
+            simpler.append(attrs.evolve(r, kv_send=False, kv_send_steps=None))
         for field in ("prompt_len", "max_tokens"):
             value = getattr(r, field)
             for smaller in sorted({1, value // 2, value - 1}):
                 if 1 <= smaller < value:
-                    variant = attrs.evolve(r, **{field: smaller})
-                    if variant.prefix_len > variant.prompt_len:
-                        variant = attrs.evolve(variant, prefix_len=variant.prompt_len)
-                    simpler.append(variant)
+                    changes: dict[str, Any] = {field: smaller}
+                    if field == "prompt_len":  # what counts prompt tokens stays within the prompt
+                        changes.update(prefix_len=min(r.prefix_len, smaller),
+                                       num_external_computed_tokens=min(r.num_external_computed_tokens, smaller))
+                    simpler.append(attrs.evolve(r, **changes))
         if r.arrival_step:
             simpler.append(attrs.evolve(r, arrival_step=0))
             simpler.append(attrs.evolve(r, arrival_step=r.arrival_step - 1))
@@ -516,6 +534,10 @@ def case_dict(name: str, about: str, config: SchedulerConfig, requests: Sequence
             row["lora_int_id"] = r.lora_int_id
         if r.grammar_compile_steps is not None:
             row["grammar_compile_steps"] = r.grammar_compile_steps
+        for field in ("num_external_computed_tokens", "kv_load_steps", "kv_load_invalid_block", "kv_send",
+                      "kv_send_steps"):  # remote KV (the scenario fields of the same names)
+            if getattr(r, field) is not None and getattr(r, field) is not False:
+                row[field] = getattr(r, field)
         rows.append(row)
         outcome[r.request_id] = ["finished", "aborted"] if r.abort_at_step is not None else "finished"
     data: dict[str, Any] = {"name": name, "about": about, "config": config.to_dict(), "requests": rows,
@@ -555,10 +577,11 @@ class DiffReport:
 
 def run_diff(scheduler: str, against: str, examples: int, seed: int, changes: dict[str, Any],
              out: Path | None, exact_blocks: bool = False, max_steps: int = DEFAULT_MAX_STEPS,
-             echo: Callable[[str], None] = print, grammar_steps: int = 0) -> DiffReport:
+             echo: Callable[[str], None] = print, grammar_steps: int = 0, remote_kv: bool = False) -> DiffReport:
     """Generate ``examples`` scenarios from ``seed``, compare the two schedulers on each, shrink and
     write each divergence (module docstring). Deterministic for a given seed and Hypothesis version.
-    ``grammar_steps > 0``: about half the requests have structured output (:func:`_possible_requests`)."""
+    ``grammar_steps > 0``: about half the requests have structured output; ``remote_kv``: remote KV loads and
+    sends (:func:`_possible_requests`)."""
     report = DiffReport()
 
     def examine(config: SchedulerConfig, requests: list[RequestSpec], acceptance: Acceptance) -> None:
@@ -614,7 +637,7 @@ def run_diff(scheduler: str, against: str, examples: int, seed: int, changes: di
     @hypothesis_seed(seed)
     @settings(max_examples=examples, database=None, deadline=None, phases=(Phase.generate,),
               suppress_health_check=list(HealthCheck), derandomize=False)
-    @given(scenarios(changes, grammar_steps, pair_profile(scheduler, against)))
+    @given(scenarios(changes, grammar_steps, pair_profile(scheduler, against), remote_kv))
     def generate(scenario: tuple[SchedulerConfig, list[RequestSpec], Acceptance]) -> None:
         examine(*scenario)
 
@@ -660,8 +683,11 @@ def _check_environment(option: str, name: str) -> None:
               help="Steps after which a run that has not ended is a finding.")
 @click.option("--grammar-steps", type=click.IntRange(min=0, max=1000), default=0, show_default=True,
               help="Structured output: about half the requests wait 0..N steps for their grammar (0: none).")
+@click.option("--remote-kv", is_flag=True,
+              help="KV connector: about half the requests load part of their prompt remotely (some loads fail), "
+                   "some send their KV when they finish (scenarios with prefix caching off).")
 def command(scheduler_name: str, against: str, examples: int, seed: int, sets: tuple[str, ...],
-            out: str | None, exact_blocks: bool, max_steps: int, grammar_steps: int) -> None:
+            out: str | None, exact_blocks: bool, max_steps: int, grammar_steps: int, remote_kv: bool) -> None:
     """Compare two schedulers step by step on generated scenarios.
 
     Exit 0 if they agree and neither breaks the spec (unsupported scenarios are counted, not
@@ -685,7 +711,7 @@ def command(scheduler_name: str, against: str, examples: int, seed: int, sets: t
     check_outputs([], [], folders=[("--out", out)])  # before any work (cli_common: one rule for outputs)
     try:
         report = run_diff(scheduler_name, against, examples, seed, changes, folder, exact_blocks, max_steps,
-                          echo=click.echo, grammar_steps=grammar_steps)
+                          echo=click.echo, grammar_steps=grammar_steps, remote_kv=remote_kv)
     except Unsatisfiable:
         fail(f"--set {' '.join(sets)}: no generated config satisfies it")
     except EngineEnvironmentError as error:  # e.g. a vLLM worker that dies at start: one line, exit 2
