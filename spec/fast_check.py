@@ -39,7 +39,9 @@ shadow's update is the spec's update restricted to the allowed features; the loc
 **What makes it fall back** (``None``): a config feature outside the allow-list (:func:`supported`: prefix
 caching, speculative decoding, asynchronous scheduling, LoRA, the watermark, ``max_num_active_seqs``,
 the prefill cadence), properties other than :data:`~schedspec.spec.checker.DEFAULT_PROPERTIES`,
-``keep_going``; an arrival with a LoRA adapter or structured output, or one the plain reader refuses as it
+``keep_going``; a record naming a field outside :data:`MODELLED_RECORD_FIELDS` with a non-empty value, an
+arrival naming one outside :data:`MODELLED_ARRIVAL_FIELDS` (allow-lists: a field added to the format later
+falls back until it is modelled); an arrival with a LoRA adapter, or one the plain reader refuses as it
 builds the request (``abort_at_step`` before ``arrival_step``, ``abort_at_time`` before ``arrival_time``,
 ``hash_block_tokens < 1``); any line that does not parse, breaks the schema, might repeat a key, or
 is longer than :data:`~schedspec.spec.trace.MAX_LINE_BYTES`; any rule, comparison or property it doubts;
@@ -88,24 +90,39 @@ except ImportError:  # pragma: no cover - the plain json module is as correct, s
 
 MAP_FIELDS = ("blocks_allocated", "blocks_freed", "prefix_hit_tokens", "prefix_hit_blocks", "finished", "rejected",
               "sampled_token_ids", "num_accepted_tokens", "draft_token_ids", "wasted_tokens", "group_blocks_allocated",
-              "blocks_skipped")
+              "blocks_skipped", "kv_loads")
 """The record fields whose values are JSON objects (besides ``arrivals[]`` and ``scheduled[]``): with the
 record itself, every object a valid record holds (``tests/test_fast_check.py`` reads the schema to check it),
 for the repeated-key screen."""
 
-UNMODELLED_ARRIVAL_FIELDS = ("grammar_compile_steps",)
-"""Arrival fields that, not null, make :func:`fast_check` fall back (with ``lora_int_id`` other than 0):
-structured output and LoRA, which the shadow does not model."""
+MODELLED_ARRIVAL_FIELDS = frozenset({
+    "request_id", "prompt_len", "max_tokens", "arrival_step", "arrival_time", "abort_at_step", "abort_at_time",
+    "eos_token_id", "eos_at_output", "stop_token_ids", "min_tokens", "priority", "lora_int_id",
+    "hash_block_tokens", "block_hash_ids", "prefix_group", "prefix_len",
+})
+"""The arrival fields :func:`fast_check` reads or may ignore (the prompt's hash fields matter only with prefix
+caching, which falls back; ``priority`` only orders a policy's choices, which the rules do not judge). An
+arrival naming any other field makes it fall back, whatever the value: an allow-list, so that a field added
+to the trace format later (structured output's ``grammar_compile_steps``, the KV connector's
+``num_external_computed_tokens``, ``kv_send``, ...) is judged by the plain path until the fast path models
+it (``tests/test_fast_check.py`` checks that every arrival field of the schema is here or falls back)."""
 
 _QUOTE_SPACE = re.compile(rb'"[ \t\r\n]')
 """A ``"`` followed by JSON whitespace (a key might then be written ``"key" :``): the repeated-key screen
 hands such a line to the strict reader."""
 
-_UNMODELLED_RECORD_FIELDS = ("num_accepted_tokens", "draft_token_ids", "prefix_hit_blocks", "blocks_evicted",
-                             "wasted_tokens", "group_blocks_allocated", "blocks_skipped")
-"""Record fields that, not empty, make :func:`fast_check` fall back (speculative decoding, prefix caching,
-asynchronous scheduling, hybrid KV cache groups: the plain path judges them; with those features off each is
-a violation, or an empty entry that the fast path does not tell apart)."""
+MODELLED_RECORD_FIELDS = frozenset({
+    "step", "start_time", "duration", "arrivals", "aborts", "aborted", "scheduled", "blocks_allocated",
+    "blocks_freed", "prefix_hit_tokens", "preempted", "rejected", "sampled_token_ids", "finished",
+    "num_free_blocks", "num_running", "num_waiting",
+})
+"""The record fields :func:`fast_check` models. A record naming any other field with a non-empty value makes it
+fall back (speculative decoding's ``num_accepted_tokens``/``draft_token_ids``, prefix caching's
+``prefix_hit_blocks``/``blocks_evicted``, asynchronous scheduling's ``wasted_tokens``, the KV cache groups'
+``group_blocks_allocated``/``blocks_skipped``, the KV connector's ``kv_loads``, ``finished_recving``,
+``invalid_block_ids``, ``finished_sending``, and any field added later): an allow-list, so that a new field
+is judged by the plain path until the fast path models it. With those features off each such entry is a
+violation, or an empty one that the plain path accepts too."""
 
 
 FAST_CONFIG_FIELDS = ("block_size", "num_kv_blocks", "max_num_batched_tokens", "max_num_seqs", "max_model_len",
@@ -247,8 +264,8 @@ class FastChecker:
             raise _Doubt
         has_live = bool(live)
 
-        for name in _UNMODELLED_RECORD_FIELDS:
-            if data.get(name):
+        for name, value in data.items():
+            if value and name not in MODELLED_RECORD_FIELDS:
                 raise _Doubt
         if any(data["prefix_hit_tokens"].values()):
             raise _Doubt
@@ -403,8 +420,8 @@ class FastChecker:
 
     def _arrive(self, arrival: dict, step: int, start: float) -> None:
         """An arrival before ``step`` (``checker._compare_arrival`` and ``transitions.add_request``)."""
-        for name in UNMODELLED_ARRIVAL_FIELDS:
-            if arrival.get(name) is not None:
+        for name in arrival:
+            if name not in MODELLED_ARRIVAL_FIELDS:
                 raise _Doubt
         if arrival.get("lora_int_id"):
             raise _Doubt
@@ -478,4 +495,5 @@ def fast_check(trace: TraceFile, properties: Iterable[str] = DEFAULT_PROPERTIES,
     return CheckReport(steps_checked=steps, valid_prefix=steps, properties=names)
 
 
-__all__ = ["FAST_CONFIG_FIELDS", "FastChecker", "MAP_FIELDS", "fast_check", "supported"]
+__all__ = ["FAST_CONFIG_FIELDS", "MAP_FIELDS", "MODELLED_ARRIVAL_FIELDS", "MODELLED_RECORD_FIELDS", "FastChecker",
+           "fast_check", "supported"]

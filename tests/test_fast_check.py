@@ -22,7 +22,13 @@ from hypothesis import strategies as st
 
 from schedspec.cli import cli
 from schedspec.spec.checker import check_trace
-from schedspec.spec.fast_check import MAP_FIELDS, fast_check, supported
+from schedspec.spec.fast_check import (
+    MAP_FIELDS,
+    MODELLED_ARRIVAL_FIELDS,
+    MODELLED_RECORD_FIELDS,
+    fast_check,
+    supported,
+)
 from schedspec.spec.trace import TraceFormatError, open_trace, trace_schema
 from schedspec.trace_mutations import MUTATIONS, applicable_steps, standard_traces
 
@@ -71,8 +77,17 @@ def _write(path: Path, header: dict, records: list[dict], separators: tuple[str,
 
 
 def _supported(path: Path) -> bool:
+    """The header is one the fast path models, and no record or arrival names a field it does not model."""
     opened = open_trace(path)
-    return supported(opened.config, opened.schema_version, opened.async_scheduling)
+    if not supported(opened.config, opened.schema_version, opened.async_scheduling):
+        return False
+    for line in path.read_text().splitlines()[1:]:
+        record = json.loads(line)
+        if any(value and name not in MODELLED_RECORD_FIELDS for name, value in record.items()):
+            return False
+        if any(set(arrival) - MODELLED_ARRIVAL_FIELDS for arrival in record["arrivals"]):
+            return False
+    return True
 
 
 def _lockstep(path: Path, allow_unfinished: bool = False):
@@ -168,6 +183,57 @@ def test_same_output_with_and_without_the_fast_path(traces, tmp_path):
         for extra in ((), ("--json",), ("--allow-unfinished",), ("--property", "work-conserving"), ("--keep-going",)):
             assert _cli(str(path), *extra) == _cli(str(path), *extra, fast=False), (path.name, extra)
     assert _cli(str(paths[0]))[0] == 0 and _cli(str(paths[1]))[0] == 1
+
+
+def _one_request_trace(tmp_path: Path) -> Path:
+    """A legal one-request fcfs trace (the fast path certifies it)."""
+    from schedspec.reference.engine import Engine
+    from schedspec.reference.scheduler import SCHEDULERS
+    from schedspec.spec.config import SchedulerConfig
+    from schedspec.spec.trace import header_line
+    from schedspec.spec.workload import RequestSpec
+    from schedspec.trace_mutations import Trace
+
+    config = SchedulerConfig(block_size=4, num_kv_blocks=16, max_num_batched_tokens=32, max_num_seqs=4,
+                             max_model_len=64)
+    result = Engine(SCHEDULERS["fcfs"](config), config).run([RequestSpec("r", 6, 2, arrival_step=0)])
+    trace = Trace.of(json.loads(header_line(config, "fcfs")), result.records)
+    return _write(tmp_path / "legal.jsonl", trace.header, trace.records)
+
+
+def test_the_field_allow_lists_name_only_fields_of_the_schema():
+    """The fields the fast path models are fields of the trace schema (a misspelt name would let nothing
+    through, or, worse, model a field under a name no record carries), and some fields of the schema are left
+    to the plain path (the allow-lists are not the whole schema, so a field added later falls back)."""
+    defs = trace_schema()["$defs"]
+    assert MODELLED_RECORD_FIELDS < set(defs["record"]["properties"])
+    assert MODELLED_ARRIVAL_FIELDS < set(defs["arrival"]["properties"])
+
+
+@pytest.mark.parametrize("field, value", [("kv_loads", {"r": 4}), ("finished_recving", ["r"]), ("future_field", [1])])
+def test_a_record_field_it_does_not_model_falls_back(tmp_path, field, value):
+    """A record naming a field outside MODELLED_RECORD_FIELDS is never certified, whatever the field (the KV
+    connector's fields came after the fast path was written: a deny-list would have ignored them)."""
+    path = _one_request_trace(tmp_path)
+    assert fast_check(open_trace(path)) is not None  # the legal trace is certified
+    lines = path.read_text().splitlines()
+    record = json.loads(lines[1])
+    record[field] = value
+    lines[1] = json.dumps(record)
+    path.write_text("\n".join(lines) + "\n")
+    assert fast_check(open_trace(path)) is None
+
+
+def test_an_arrival_field_it_does_not_model_falls_back(tmp_path):
+    """An arrival naming a field outside MODELLED_ARRIVAL_FIELDS (here the KV connector's, even at 0) is never
+    certified."""
+    path = _one_request_trace(tmp_path)
+    lines = path.read_text().splitlines()
+    record = json.loads(lines[1])
+    record["arrivals"][0]["num_external_computed_tokens"] = 0
+    lines[1] = json.dumps(record)
+    path.write_text("\n".join(lines) + "\n")
+    assert fast_check(open_trace(path)) is None
 
 
 def test_the_repeated_key_screen_knows_every_object_of_a_record():
