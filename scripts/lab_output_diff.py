@@ -53,6 +53,8 @@ COMMAND_LINES = [
     "--duration 10 --max-steps 50 --steps none --plot plots",
     "--duration 10 --sweep max_num_seqs=4,16 --capacity --jobs 1",
     "--duration 10 --json --compare fcfs,static --sweep max_num_seqs=2",
+    "--duration 20 --set enable_prefix_caching=true --steps changed:5 --steps-out steps.jsonl",
+    "--duration 20 --set enable_prefix_caching=true --compare fcfs,priority,vllm-v1 --json",
 ]
 """The command lines compared (each fast: a 10 to 20 s window of the packaged Azure conversation trace)."""
 
