@@ -51,7 +51,8 @@ tests_for() {
                       tests/test_spec_mutants.py ;;
     prefix_cache) echo tests/test_prefix_cache.py tests/test_rules.py tests/test_invariants.py tests/test_checker.py \
                        tests/test_spec_mutants.py ;;
-    properties) echo tests/test_priority_inversion.py tests/test_proofs_counterexamples.py tests/test_checker.py tests/test_transitions.py ;;
+    properties) echo tests/test_priority_inversion.py tests/test_proofs_counterexamples.py tests/test_checker.py tests/test_transitions.py \
+                     tests/test_spec_mutants.py ;;
     *) echo "unknown module $1 (one of: ${ALL[*]})" >&2; exit 2 ;;
   esac
 }
@@ -105,12 +106,12 @@ echo "mutmut on spec/$MODULE.py took $took s with $CHILDREN worker(s) on $(nproc
 # Every mutant's status, for the table in docs/testing.md (scripts/gen_mutmut_table.py reads these files): a
 # whole module's run in MODULE.txt; a run of some of its mutants (names or patterns: the survivors again,
 # after new tests) in MODULE.rerun-DATE.txt, whose statuses replace those of the mutants it ran.
-mkdir -p "$ROOT/build/mutmut-results"
-local out="$ROOT/build/mutmut-results/$MODULE.txt"
-[ $# -gt 0 ] && out="$ROOT/build/mutmut-results/$MODULE.rerun-$(date -u +%Y%m%dT%H%M%S).txt"
+mkdir -p "$ROOT/scripts/mutmut-results"
+local out="$ROOT/scripts/mutmut-results/$MODULE.txt"
+[ $# -gt 0 ] && out="$ROOT/scripts/mutmut-results/$MODULE.rerun-$(date -u +%Y%m%dT%H%M%S).txt"
 { echo "# spec/$MODULE.py: tests ${TESTS[*]}; $took s; $CHILDREN worker(s); $(date -u +%FT%TZ)"
   "$PY" -m mutmut results --all true; } > "$out"
-"$PY" "$ROOT/scripts/gen_mutmut_table.py" --summary "$ROOT/build/mutmut-results/$MODULE.txt"
+"$PY" "$ROOT/scripts/gen_mutmut_table.py" --summary "$ROOT/scripts/mutmut-results/$MODULE.txt"
 }
 
 # Arguments: module names, or mutant names/patterns (run in the stage of their module).

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import attrs
 import pytest
-from test_rules import CASES, CONFIG, DECODE_A, base_state
+from test_rules import ADMIT_B, CASES, CONFIG, DECODE_A, base_state, running_a, waiting_b
 
 from schedspec.spec.request import Request
 from schedspec.spec.rules import RULES, coded, violated_rules
@@ -328,3 +328,508 @@ def test_the_screen_holds_at_every_limit_exactly_met(change, plan):
     state = base_state()
     assert not violated_rules(state, plan, config)
     assert screened_rules_hold(state, plan, config)
+
+
+# --- spec/properties.py, second round (issue 28: every monitor's survivors, scripts/mutmut.sh properties) ------
+
+
+def _seen(monitor) -> list[tuple[str, int, str | None, str, str]]:
+    """What a monitor reported: (name, step, request, detail, kind) per violation."""
+    return [(v.name, v.step, v.request_id, v.detail, v.kind) for v in monitor.violations]
+
+
+def _watch(cls, config, state: SchedulerState, plan: StepPlan, after: SchedulerState | None = None, **kwargs):
+    monitor = cls(config, **kwargs)
+    monitor.observe(state, plan, attrs.evolve(state, step=state.step + 1) if after is None else after)
+    return _seen(monitor)
+
+
+def _fresh(request_id: str, tokens: int, **fields) -> Request:
+    return Request(request_id, fields.pop("arrival_step", 1), tuple(range(100, 100 + tokens)),
+                   max_tokens=fields.pop("max_tokens", 1), **fields)
+
+
+def test_oldest_live_breaks_ties_by_queue_place_and_reads_every_preempted_request():
+    """``_oldest_live``: none for no request (``#14``); a running request ahead of a waiting one of the same
+    arrival (the waiting queue's places start after the running set's: ``#8``); every preempted request at the
+    head of the waiting queue is a candidate, up to the first fresh one (``#11``)."""
+    from schedspec.spec.properties import _oldest_live
+
+    assert _oldest_live(SchedulerState()) is None
+    tie = SchedulerState(running=("z",), waiting=("a",),
+                         requests={"z": _running("z", (0, 1)), "a": _fresh("a", 3, arrival_step=0)})
+    assert _oldest_live(tie) == "z"
+    line = SchedulerState(step=9, waiting=("p1", "p2", "f"), requests={
+        "p1": _fresh("p1", 3, arrival_step=6, num_preemptions=1),
+        "p2": _fresh("p2", 3, arrival_step=2, num_preemptions=1), "f": _fresh("f", 3, arrival_step=7)})
+    assert _oldest_live(line) == "p2"
+
+
+def test_trace_property_registers_name_statement_source_and_monitor_once():
+    """``trace_property`` (``#1-#13``): the entry is the class's name, stripped docstring (empty without one),
+    source and class; a second registration of the name is refused."""
+    from schedspec.spec.properties import PROPERTIES, Monitor, TraceProperty, trace_property
+
+    class Told(Monitor):
+        """  Says what it checks.  """
+
+        name = "test-told"
+
+    class Untold(Monitor):
+        name = "test-untold"
+
+    try:
+        assert trace_property("a source")(Told) is Told
+        assert PROPERTIES["test-told"] == TraceProperty("test-told", "Says what it checks.", "a source", Told)
+        trace_property("elsewhere")(Untold)
+        assert PROPERTIES["test-untold"] == TraceProperty("test-untold", "", "elsewhere", Untold)
+        with pytest.raises(ValueError, match="trace property 'test-told' registered twice"):
+            trace_property("again")(Told)
+    finally:
+        PROPERTIES.pop("test-told", None)
+        PROPERTIES.pop("test-untold", None)
+
+
+def test_monitors_refuse_an_unknown_property_naming_the_known_ones():
+    """``monitors#3, #4``."""
+    from schedspec.spec.properties import monitors
+
+    with pytest.raises(KeyError) as raised:
+        monitors(["progress", "no-such-property"], CONFIG)
+    message = raised.value.args[0]
+    assert message.startswith("unknown trace property 'no-such-property'; known: [") and "'progress'" in message
+
+
+def test_progress_counts_new_positions_ends_and_grammar_waits():
+    """``progress`` with a window of one step (each step without progress is reported): a request's first
+    position, or one past its high-water mark, is progress, reaching it again is not (``observe#4-#10``); a
+    request that ends is progress (``#1``); a step where every live request waits for its grammar starts no
+    window (``#14``, ``#19``); the report names the step and the window (``#27``, ``#28``)."""
+    from schedspec.spec.properties import Progress
+
+    monitor = Progress(CONFIG, window=1)
+    a = _fresh("a", 6, max_tokens=2)
+    state = SchedulerState(step=1, waiting=("a",), requests={"a": a}, free_block_ids=tuple(range(8)),
+                           num_requests_added=1)
+
+    def step(n: int, *items: ScheduledRequest, ended: bool = False, requests=None) -> None:
+        before = attrs.evolve(state, step=n, requests=requests or state.requests)
+        after = attrs.evolve(before, step=n + 1, finished={"x": a} if ended else {})
+        monitor.observe(before, StepPlan(scheduled=items), after)
+
+    step(1, ScheduledRequest("a", 0, 1))  # position 1: new
+    step(2, ScheduledRequest("a", 1, 5))  # positions up to 6: new
+    step(3, ScheduledRequest("a", 5, 1))  # position 6 again (after a preemption): no progress
+    step(4, ended=True)  # a request ended: progress
+    waits = {"g": _fresh("g", 3, grammar_ready_step=50)}
+    step(5, requests=waits)  # every live request waits for its grammar
+    assert _seen(monitor) == [
+        ("progress", 3, None, "no new token position and no request ended for 1 steps", "property")]
+
+
+def test_progress_reports_on_the_last_step_of_its_window():
+    """A window of 3 steps without progress is reported on its third step, not before (``observe#23, #25,
+    #26``); the default window is ``max_model_len`` (``__init__#1``)."""
+    from schedspec.spec.properties import Progress
+
+    assert Progress(CONFIG).window == CONFIG.max_model_len
+    monitor = Progress(CONFIG, window=3)
+    state = SchedulerState(step=1, waiting=("a",), requests={"a": _fresh("a", 6)}, num_requests_added=1)
+    for n in (1, 2, 3):
+        monitor.observe(attrs.evolve(state, step=n), StepPlan(), attrs.evolve(state, step=n + 1))
+    assert [(v.step, v.detail) for v in monitor.violations] == [
+        (3, "no new token position and no request ended for 3 steps")]
+
+
+@pytest.mark.parametrize("marks, pruned", [(66, False), (67, True)])
+def test_progress_prunes_marks_past_twice_the_live_requests_plus_64(marks, pruned):
+    """With one live request, 66 marks are kept and 67 pruned to the live one's (``forget_ended#1-#7``)."""
+    from schedspec.spec.properties import Progress
+
+    monitor = Progress(CONFIG)
+    monitor.high_water = {f"r{k}": 1 for k in range(marks - 1)} | {"live": 5}
+    monitor.forget_ended(SchedulerState(requests={"live": _fresh("live", 2)}, waiting=("live",)))
+    assert monitor.high_water == ({"live": 5} if pruned else {f"r{k}": 1 for k in range(marks - 1)} | {"live": 5})
+
+
+def _work(config, state, plan) -> list:
+    from schedspec.spec.properties import WorkConserving
+
+    return _watch(WorkConserving, config, state, plan)
+
+
+def _fits(step: int, request_id: str, free: int, left: int, slots: int) -> tuple:
+    return ("work-conserving", step, request_id, f"head of the waiting queue fits ({free} free blocks, {left} tokens, "
+            f"{slots} slots left) but was not admitted", "property")
+
+
+def test_work_conserving_names_the_left_out_request_and_the_head_that_fits():
+    """The left-out running request and the waiting head that fits, each with the step and the numbers of
+    what is left (``observe#3``, ``#17``, ``#24-#29``, ``#39``, ``#84-#90``)."""
+    state = base_state()
+    assert _work(CONFIG, state, StepPlan()) == [
+        ("work-conserving", 1, "a", "running request left out with 16 tokens of budget unused", "property"),
+        _fits(1, "b", 6, 16, 1)]
+    # a's decode takes one block: 5 free, 15 tokens, one slot left
+    assert _work(CONFIG, state, StepPlan(scheduled=(ScheduledRequest("a", 6, 1, (2,)),))) == [_fits(1, "b", 5, 15, 1)]
+
+
+@pytest.mark.parametrize("budget, fits", [(3, False), (4, True)])
+def test_work_conserving_judges_a_step_with_one_token_left(budget, fits):
+    """No token left: nothing is judged (``#4``); one left: the head c fits with chunked prefill (``#5``)."""
+    plan = StepPlan(scheduled=(DECODE_A, ScheduledRequest("b", 0, 2, (2,))))
+    found = _work(CONFIG.with_changes(max_num_batched_tokens=budget, max_num_seqs=3), base_state(_fresh("c", 5)), plan)
+    assert found == ([_fits(1, "c", 5, 1, 1)] if fits else [])
+
+
+def test_work_conserving_allows_a_step_that_preempts():
+    """vLLM admits nothing in a step that preempted (``#30``)."""
+    assert _work(CONFIG, base_state(), StepPlan(preempted=("a",))) == []
+
+
+def test_work_conserving_judges_the_waiting_request_after_the_admitted_one():
+    """The head after an admitted request is judged, with the admitted one counted as running (``#34``,
+    ``#54``)."""
+    state = base_state(_fresh("c", 5))
+    plan = StepPlan(scheduled=(DECODE_A, ADMIT_B))
+    assert _work(CONFIG.with_changes(max_num_seqs=3), state, plan) == [_fits(1, "c", 4, 10, 1)]
+
+
+def test_work_conserving_skips_the_held_prefills_of_the_prefill_cadence():
+    """On a step the prefill cadence holds, a running prefill chunk may be left out and the waiting queue is
+    not judged (``#9``, ``#10``, ``#18-#23``); on a step it does not hold, the same plan is judged (``#19``)."""
+    from schedspec.spec.state import PrefillCadence
+
+    chunk = attrs.evolve(_running("c", (2, 3), computed=2), output_token_ids=())  # a prefill chunk, 4 pending
+    state = attrs.evolve(base_state(chunk), running=("a", "c"), waiting=("b",), free_block_ids=(4, 5, 6, 7))
+    config = CONFIG.with_changes(max_num_seqs=3, prefill_schedule_interval=2)
+    held = attrs.evolve(state, prefill_cadence=PrefillCadence(0))  # 0 + 1 < 2 steps since a prefill: held
+    assert _work(config, held, StepPlan(scheduled=(DECODE_A,))) == []
+    left_out = ("work-conserving", 1, "c", "running request left out with 15 tokens of budget unused", "property")
+    assert _work(config.with_changes(prefill_schedule_interval=1), state, StepPlan(scheduled=(DECODE_A,))) == [
+        left_out, _fits(1, "b", 4, 15, 1)]
+
+
+def test_work_conserving_counts_a_prefix_hit_on_a_free_block_as_taken():
+    """A hit on an evictable cached block takes it from the free queue (``#41-#43``): 6 free, one new block
+    and one hit leave 4."""
+    from schedspec.spec.prefix_cache import PrefixCache
+
+    cache = PrefixCache(block_hashes={5: "h5"}, hash_to_blocks={"h5": (5,)}, ref_counts={0: 1, 1: 1})
+    state = attrs.evolve(base_state(_fresh("c", 5)), waiting=("c", "b"), prefix_cache=cache)
+    plan = StepPlan(scheduled=(DECODE_A, ScheduledRequest("c", 4, 1, (2,), (5,))))
+    assert _work(CONFIG.with_changes(max_num_seqs=3), state, plan) == [_fits(1, "b", 4, 14, 1)]
+
+
+@pytest.mark.parametrize("budget, tokens, fits", [(10, 9, True), (10, 10, False)])
+def test_work_conserving_without_chunking_needs_the_whole_prompt_in_the_budget(budget, tokens, fits):
+    """Chunked prefill off: a head of 9 pending tokens fits in the 9 left, one of 10 does not, however many
+    blocks are free (``#81-#83``)."""
+    config = CONFIG.with_changes(enable_chunked_prefill=False, max_num_batched_tokens=budget, max_model_len=budget)
+    state = attrs.evolve(base_state(_fresh("w", tokens, max_tokens=0 if tokens == budget else 1)), waiting=("w",))
+    assert _work(config, state, StepPlan(scheduled=(DECODE_A,))) == ([_fits(1, "w", 6, 9, 1)] if fits else [])
+
+
+def test_work_conserving_with_chunking_admits_a_head_larger_than_the_budget_left():
+    """Chunked prefill on: a head of 5 tokens with 3 left fits (a chunk) (``#81``)."""
+    config = CONFIG.with_changes(max_num_batched_tokens=4)
+    assert _work(config, base_state(), StepPlan(scheduled=(DECODE_A,))) == [_fits(1, "b", 6, 3, 1)]
+
+
+def test_work_conserving_keeps_the_watermark_free_only_while_others_run():
+    """``watermark`` 0.25 keeps int(0.25 * 9) = 2 blocks free when a request runs: b's 2 blocks and the 2 kept
+    do not fit in 3 free (``#66``, ``#70``); with nothing running the watermark is not kept: 2 free fit b's 2
+    (``#67``, ``#68``)."""
+    config = CONFIG.with_changes(watermark=0.25, max_num_seqs=3)
+    assert config.watermark_blocks == 2
+    state = attrs.evolve(base_state(_running("d", (2, 3, 4))), running=("a", "d"), waiting=("b",),
+                         free_block_ids=(5, 6, 7))
+    assert _work(config, state, StepPlan(scheduled=(DECODE_A, ScheduledRequest("d", 6, 1)))) == []
+    alone = SchedulerState(step=1, waiting=("b",), requests={"b": waiting_b()}, free_block_ids=(6, 7),
+                           num_requests_added=1)
+    assert _work(config, alone, StepPlan()) == [_fits(1, "b", 2, 16, 3)]
+
+
+def test_work_conserving_passes_over_a_request_whose_grammar_compiles():
+    """A waiting request whose grammar is not ready is passed over; the next one is the head (``#63``,
+    ``#64``)."""
+    state = attrs.evolve(base_state(_fresh("g", 3, grammar_ready_step=10)), waiting=("g", "b"))
+    assert _work(CONFIG, state, StepPlan(scheduled=(DECODE_A,))) == [_fits(1, "b", 6, 15, 1)]
+
+
+def test_work_conserving_passes_over_an_adapter_one_too_many():
+    """``max_loras``: a waiting request whose adapter would be one too many is passed over (``#44``, ``#45``,
+    ``#47``, ``#50``, ``#58-#61``); the adapters are those of the running set and of the admitted requests
+    (``#48``, ``#49``); with LoRA off an adapter passes nothing over (``#58``)."""
+    a = attrs.evolve(running_a(), lora_int_id=1)
+    x = _fresh("x", 3, lora_int_id=2)
+    state = attrs.evolve(base_state(x), requests={"a": a, "b": waiting_b(), "x": x}, waiting=("x", "b"))
+    plan = StepPlan(scheduled=(DECODE_A,))
+    assert _work(CONFIG.with_changes(max_loras=1), state, plan) == [_fits(1, "b", 6, 15, 1)]
+    assert _work(CONFIG, state, plan) == [_fits(1, "x", 6, 15, 1)]  # LoRA off
+    y = _fresh("y", 3, lora_int_id=3)
+    two = attrs.evolve(state, requests={**state.requests, "y": y}, waiting=("y", "x", "b"))
+    admit_y = StepPlan(scheduled=(DECODE_A, ScheduledRequest("y", 0, 3, (2,))))
+    assert _work(CONFIG.with_changes(max_loras=2, max_num_seqs=4), two, admit_y) == [_fits(1, "b", 5, 12, 2)]
+
+
+def test_stall_free_decode_reports_a_decode_without_its_token_at_the_budget():
+    """One decode and a budget of one token: the decode is owed its token (``#2``); the report names the step
+    and the request (``#7-#14``)."""
+    from schedspec.spec.properties import StallFreeDecode
+
+    found = _watch(StallFreeDecode, CONFIG.with_changes(max_num_batched_tokens=1, max_num_seqs=1), base_state(),
+                   StepPlan())
+    assert found == [("stall-free-decode", 1, "a", "running decode got no token", "property")]
+
+
+def test_bounded_itl_reports_the_running_decode_not_the_prefill():
+    """A step over the budget reports the running decode that rides in it (``observe#9-#14``), not a
+    prefill (``#6``)."""
+    from schedspec.spec.properties import BoundedItl
+
+    both = StepPlan(scheduled=(ScheduledRequest("b", 0, 4, (2,)), DECODE_A))
+    assert _watch(BoundedItl, CONFIG, base_state(), both, budget=4) == [
+        ("bounded-itl", 1, "a", "a running decode rides in a step of 5 tokens > 4", "property")]
+    alone = StepPlan(scheduled=(ScheduledRequest("b", 0, 5, (2, 3)),))
+    assert _watch(BoundedItl, CONFIG, base_state(), alone, budget=4) == []
+
+
+def _wait(config, states: list[SchedulerState]) -> list:
+    from schedspec.spec.properties import BoundedWait
+
+    monitor = BoundedWait(config)
+    for state in states:
+        monitor.observe(state, StepPlan(), attrs.evolve(state, step=state.step + 1))
+    return _seen(monitor)
+
+
+def test_bounded_wait_reports_the_oldest_request_at_its_bound():
+    """``max_model_len`` 2: the oldest request live for 2 steps is reported once, with its step and wait
+    (``observe#18``, ``#21-#27``); an empty state has no oldest (``#7``)."""
+    config = CONFIG.with_changes(max_model_len=2)
+    state = base_state()
+    found = _wait(config, [SchedulerState(), *(attrs.evolve(state, step=n) for n in (1, 2, 3))])
+    assert found == [("bounded-wait", 2, "a", "oldest live request for 2 steps without ending", "property")]
+
+
+def test_bounded_wait_bound_grows_with_the_prefill_cadence_and_waits_for_grammars():
+    """With ``prefill_schedule_interval`` 2 the bound is 2 * ``max_model_len`` (``#14``); an oldest request
+    whose grammar compiles is not waiting yet (``#4``, ``#9``)."""
+    config = CONFIG.with_changes(max_model_len=2, prefill_schedule_interval=2)
+    assert _wait(config, [attrs.evolve(base_state(), step=n) for n in (1, 2, 3)]) == []
+    g = _fresh("g", 3, arrival_step=0, grammar_ready_step=50)
+    alone = SchedulerState(waiting=("g",), requests={"g": g}, num_requests_added=1)
+    assert _wait(CONFIG.with_changes(max_model_len=2), [attrs.evolve(alone, step=n) for n in (1, 2, 3, 4)]) == []
+
+
+def _line() -> tuple[SchedulerState, dict[str, int]]:
+    """Running a, waiting b then c; the bounds of ``bounded-preemptions`` by hand from each one's
+    ``max_blocks_needed``: a 0, b A(a) = m_a, c m_a + (m_a + 1) * m_b."""
+    from schedspec.spec.admission import max_blocks_needed
+
+    state = base_state(_fresh("c", 5, max_tokens=3))
+    m = {r: max_blocks_needed(q.prompt_len, q.max_tokens, CONFIG) for r, q in state.requests.items()}
+    return state, {"a": 0, "b": m["a"], "c": m["a"] + (m["a"] + 1) * m["b"]}
+
+
+def _preempt(monitor, state: SchedulerState, step: int, *preempted: str, scheduled=(DECODE_A,)) -> None:
+    before = attrs.evolve(state, step=step)
+    monitor.observe(before, StepPlan(scheduled=scheduled, preempted=preempted), attrs.evolve(before, step=step + 1))
+
+
+@pytest.mark.parametrize("max_loras", [0, 1])
+def test_bounded_preemptions_counts_to_the_bound_of_each_place_in_line(max_loras):
+    """c (third in line) preempted once more than its bound is reported once, with the count and the
+    bound (``observe#3``, ``#4``, ``#18``, ``#27-#31``, ``#42-#61``); a at the head may not be preempted at
+    all; a first step with no request compiles no grammar (``__init__#6``); with ``max_loras`` a step that
+    admits past no skip keeps the counts (``#63-#67``)."""
+    from schedspec.spec.properties import BoundedPreemptions
+
+    config = CONFIG.with_changes(max_loras=max_loras)
+    state, bounds = _line()
+    assert bounds["c"] == 3 + 4 * 2  # a: 6 + 4 tokens, 3 blocks; b: 5 + 3, 2 blocks
+    monitor = BoundedPreemptions(config)
+    monitor.observe(SchedulerState(), StepPlan(), SchedulerState(step=1))
+    for n in range(1, bounds["c"] + 2):
+        _preempt(monitor, state, n, "c")
+    last = bounds["c"] + 1
+    assert _seen(monitor) == [("bounded-preemptions", last, "c",
+                               f"preempted {last} times after the last arrival > bound {bounds['c']}", "property")]
+    head = BoundedPreemptions(config)
+    _preempt(head, state, 1, "a", scheduled=())
+    assert [(v.request_id, v.detail) for v in head.violations] == [
+        ("a", "preempted 1 times after the last arrival > bound 0")]
+
+
+def test_bounded_preemptions_starts_again_at_an_arrival_and_at_a_grammar_ready_step():
+    """An arrival (``#1``, ``#2``) and the step a grammar becomes ready (``#3``, ``#8``) start the count
+    again: b preempted up to its bound, then once more after either, is within its bound."""
+    from schedspec.spec.properties import BoundedPreemptions
+
+    state, bounds = _line()
+    for arrival in (True, False):
+        monitor = BoundedPreemptions(CONFIG)
+        g = _fresh("g", 3, grammar_ready_step=bounds["b"] + 2)
+        start = attrs.evolve(state, requests={**state.requests, "g": g}, waiting=(*state.waiting, "g"))
+        for n in range(1, bounds["b"] + 1):
+            _preempt(monitor, start, n, "b")
+        later = attrs.evolve(start, num_requests_added=start.num_requests_added + 1) if arrival else start
+        _preempt(monitor, later, bounds["b"] + (1 if arrival else 2), "b")
+        assert _seen(monitor) == [], arrival
+
+
+@pytest.mark.parametrize("max_loras", [0, 1])
+def test_bounded_preemptions_starts_again_after_an_admission_past_a_lora_skip(max_loras):
+    """With ``max_loras``, a step that admits c past b (skipped) starts the count again from the next step
+    (``#62``, ``#68``, ``#69``); with LoRA off it does not."""
+    from schedspec.spec.properties import BoundedPreemptions
+
+    state, bounds = _line()
+    monitor = BoundedPreemptions(CONFIG.with_changes(max_loras=max_loras))
+    for n in range(1, bounds["c"] + 1):
+        _preempt(monitor, state, n, "c")
+    _preempt(monitor, state, bounds["c"] + 1, scheduled=(DECODE_A, ScheduledRequest("c", 0, 5, (2, 3))))
+    _preempt(monitor, state, bounds["c"] + 2, "c")
+    assert [v.request_id for v in monitor.violations] == ([] if max_loras else ["c"])
+
+
+@pytest.mark.parametrize("admitted, rejected, past", [
+    ((), (), False), (("b",), (), False), (("c",), (), True), (("c",), ("b",), False), (("ghost",), ("b", "c"), False),
+    (("b", "c"), (), False),
+], ids=["none", "head", "past-b", "past-rejected-b", "unknown", "both"])
+def test_admitted_past_a_skip(admitted, rejected, past):
+    """Whether a plan admits a waiting request past one that stays (``_admitted_past_a_skip#1-#15``)."""
+    from schedspec.spec.properties import _admitted_past_a_skip
+
+    state = base_state(_fresh("c", 5))
+    plan = StepPlan(scheduled=(DECODE_A, *(ScheduledRequest(r, 0, 1) for r in admitted)),
+                    rejected=tuple((r, "x") for r in rejected))
+    assert _admitted_past_a_skip(state, plan) is past
+
+
+def test_rejects_impossible_judges_each_fresh_waiting_request():
+    """A fresh impossible request not rejected, and a possible one rejected, are each reported with the step
+    and the reason (``observe#4-#30``); a request admitted before (preempted) is passed over, not the end of
+    the queue (``#5``); an impossible request rejected is right (``#15``, ``#23``)."""
+    from schedspec.spec.admission import rejection_reason
+    from schedspec.spec.properties import RejectsImpossible
+
+    huge = _fresh("huge", 40)
+    back = attrs.evolve(_fresh("p", 3, arrival_step=0), admitted_step=0, num_preemptions=1)
+    state = attrs.evolve(base_state(back, huge), waiting=("p", "huge", "b"))
+    reason = rejection_reason(40, 1, CONFIG)
+    assert reason is not None
+    found = _watch(RejectsImpossible, CONFIG, state, StepPlan(rejected=(("b", "made up"),)))
+    assert found == [
+        ("rejects-impossible", 1, "huge", f"not rejected although {reason}", "property"),
+        ("rejects-impossible", 1, "b", "rejected (made up) although it can complete alone", "property")]
+    assert _watch(RejectsImpossible, CONFIG, state, StepPlan(rejected=(("huge", reason),))) == []
+
+
+def _inversion(config, state: SchedulerState, plan: StepPlan) -> list:
+    from schedspec.spec.properties import NoPriorityInversion
+
+    return [(request_id, detail) for _, _, request_id, detail, _ in _watch(NoPriorityInversion, config, state, plan)]
+
+
+def _urgent(request_id: str, tokens: int, priority: int = 0, **fields) -> Request:
+    return _fresh(request_id, tokens, priority=priority, **fields)
+
+
+def _less(request_id: str, blocks: tuple[int, ...], priority: int = 1) -> Request:
+    return attrs.evolve(_running(request_id, blocks), priority=priority)
+
+
+def _prio(running: dict[str, Request], waiting: dict[str, Request], free: tuple[int, ...], **state) -> SchedulerState:
+    return SchedulerState(step=1, running=tuple(running), waiting=tuple(waiting), requests={**running, **waiting},
+                          free_block_ids=free, num_requests_added=len(running) + len(waiting), **state)
+
+
+def test_no_priority_inversion_names_what_is_lacking_and_who_holds_it():
+    """W (priority 0) lacks a slot (``max_num_seqs`` 2, both held by less urgent L1, L2) and blocks (1 free
+    of the 2 it needs): the report lists both, and the holders, in order (``observe#107``, ``#121``,
+    ``#123``); with 2 free it lacks only the slot (``#111``); an empty state has nothing to invert
+    (``#4``)."""
+    assert _inversion(CONFIG, SchedulerState(), StepPlan()) == []
+    running = {"L2": _less("L2", (3, 4)), "L1": _less("L1", (0, 1))}
+    plan = StepPlan(scheduled=(ScheduledRequest("L2", 6, 1), ScheduledRequest("L1", 6, 1)))
+    state = _prio(running, {"W": _urgent("W", 5)}, (2,))
+    assert _inversion(CONFIG, state, plan) == [
+        ("W", "priority 0 waits for a max_num_seqs slot, 2 blocks (1 free) held by less urgent running L1, L2")]
+    state = _prio(running, {"W": _urgent("W", 5)}, (2, 5))
+    assert _inversion(CONFIG, state, plan) == [
+        ("W", "priority 0 waits for a max_num_seqs slot held by less urgent running L1, L2")]
+
+
+def test_no_priority_inversion_with_one_slot_and_one_token_left():
+    """A slot left is not lacking (``#109``, ``#110``); one token left with chunked prefill is enough
+    (``#76``, ``#112``); a request that fits is passed over, not the end of the queue (``#77``); so is one
+    that can never complete (``#56``) and one with no less urgent request running (``#100``)."""
+    config = CONFIG.with_changes(max_num_batched_tokens=2)
+    running = {"L": _less("L", (0, 1))}
+    waiting = {"I": _urgent("I", 40), "F": _urgent("F", 3), "Z": _urgent("Z", 5, priority=5), "W": _urgent("W", 5)}
+    plan = StepPlan(scheduled=(ScheduledRequest("L", 6, 1),))
+    assert _inversion(config, _prio(running, waiting, (2,)), plan) == [
+        ("W", "priority 0 waits for 2 blocks (1 free) held by less urgent running L")]
+    assert _inversion(config, _prio(running, {"W": _urgent("W", 5)}, (2, 3)), plan) == []  # fits: 1 token left
+    assert _inversion(config.with_changes(max_num_seqs=1), _prio(running, {"W": _urgent("W", 5)}, (2, 3)), plan) == [
+        ("W", "priority 0 waits for a max_num_seqs slot held by less urgent running L")]
+
+
+def test_no_priority_inversion_without_chunking_needs_the_whole_prompt_of_budget():
+    """Chunked prefill off: W's 5 pending tokens; 4 left, and L's 1 would make exactly 5 (``#68``,
+    ``#105``)."""
+    config = CONFIG.with_changes(enable_chunked_prefill=False, max_num_batched_tokens=8, max_model_len=8,
+                                 max_num_seqs=3)
+    x = attrs.evolve(_running("X", (2, 3), computed=2), output_token_ids=())
+    state = _prio({"L": _less("L", (0, 1)), "X": x}, {"W": _urgent("W", 5, max_tokens=3)}, (4, 5, 6, 7))
+    plan = StepPlan(scheduled=(ScheduledRequest("L", 6, 1), ScheduledRequest("X", 2, 3)))
+    assert _inversion(config, state, plan) == [
+        ("W", "priority 0 waits for 5 tokens of budget (4 left) held by less urgent running L")]
+
+
+def test_no_priority_inversion_counts_no_token_for_a_less_urgent_request_left_out():
+    """L runs but is not scheduled: it holds no token of the budget (``#94``, ``#96``, ``#97``), and its
+    table is its request's (``_table#3``, ``_held_only_by#5, #13``): W, lacking the one token, is not kept
+    out by L."""
+    config = CONFIG.with_changes(max_num_batched_tokens=4, max_num_seqs=4)
+    y = attrs.evolve(_running("Y", (6,)), priority=0)
+    x = attrs.evolve(_running("X", (2, 3), computed=2), output_token_ids=(), priority=0)
+    state = _prio({"L": _less("L", (0, 1)), "X": x, "Y": y}, {"W": _urgent("W", 5)}, (4, 5))
+    assert _inversion(config, state, StepPlan(scheduled=(ScheduledRequest("X", 2, 4),))) == []
+
+
+def test_no_priority_inversion_counts_the_blocks_preemptions_release():
+    """P's preemption releases its blocks (``#31``): W fits after it (3 free of the 2 it needs), though L
+    alone would hold 3; a block P shares with L is not released (``_released#2``): W needing 3 then lacks
+    one, which L holds."""
+    running = {"L": _less("L", (0, 1, 5)), "P": attrs.evolve(_running("P", (2, 3)), priority=0)}
+    plan = StepPlan(scheduled=(ScheduledRequest("L", 6, 1),), preempted=("P",))
+    assert _inversion(CONFIG, _prio(running, {"W": _urgent("W", 5)}, (4,)), plan) == []
+    shared = {"L": _less("L", (0, 1, 2)), "P": attrs.evolve(_running("P", (2, 3)), priority=0)}
+    assert _inversion(CONFIG, _prio(shared, {"W": _urgent("W", 9)}, (4,)), plan) == [
+        ("W", "priority 0 waits for 3 blocks (2 free) held by less urgent running L")]
+
+
+def _hits(with_cache: bool, needed: int) -> list:
+    """Free 4, 5, 6 (4 and 5 cached, evictable); H admitted with hits on 0 (L's, held), 4 and 5: 3 - 2 = 1
+    block left; L's blocks 0, 1, of which only 1 is L's alone."""
+    from schedspec.spec.prefix_cache import PrefixCache
+
+    cache = PrefixCache(block_hashes={0: "h0", 4: "h4", 5: "h5"}, hash_to_blocks={"h0": (0,), "h4": (4,), "h5": (5,)},
+                        ref_counts={0: 1, 1: 1})
+    h = attrs.evolve(_urgent("H", 13), priority=0)
+    state = _prio({"L": _less("L", (0, 1))}, {"H": h, "W": _urgent("W", needed * 4)}, (4, 5, 6),
+                  prefix_cache=cache if with_cache else None)
+    plan = StepPlan(scheduled=(ScheduledRequest("L", 6, 1), ScheduledRequest("H", 12, 1, (), (0, 4, 5))))
+    return _inversion(CONFIG.with_changes(max_num_seqs=3), state, plan)
+
+
+def test_no_priority_inversion_counts_prefix_hits_on_free_blocks_and_shared_blocks():
+    """Hits on free cached blocks take them from the free queue, a hit on a held block does not
+    (``observe#29``, ``_hits_on_free_blocks#1-#20``): 1 block left, W needs 2, L alone holds 1 (block 0 is
+    H's too: ``observe#81, #87, #88``); without a prefix cache no hit takes a free block (``#11``)."""
+    assert _hits(True, 2) == [("W", "priority 0 waits for 2 blocks (1 free) held by less urgent running L")]
+    assert _hits(True, 3) == []  # 1 + L's 1 < 3
+    assert _hits(False, 2) == []  # 3 free: fits
