@@ -37,7 +37,8 @@ ALL=(rules transitions invariants checker incremental prefix_cache properties)
 "$PY" -c "import mutmut" 2>/dev/null || { echo "mutmut is not installed: pip install -e '.[dev]'" >&2; exit 2; }
 
 # The focused test selection of each module: the test files that exercise it directly (timed per file on
-# an idle core with `pytest --durations`; the slow end-to-end files are left out, docs/testing.md says which).
+# an idle core with `pytest --durations`; the slow end-to-end files are left out, docs/testing.md says which;
+# checker: the in-flight state machine test, 23 s, is deselected: test_in_flight's hand-made cases cover the paths).
 tests_for() {
   local spec=(tests/test_rules.py tests/test_invariants.py tests/test_transitions.py tests/test_state.py)
   local checker=(tests/test_incremental.py tests/test_checker.py tests/test_checker_report.py)
@@ -46,7 +47,8 @@ tests_for() {
     transitions) echo "${spec[@]}" "${checker[@]}" tests/test_prefix_cache.py tests/test_spec_mutants.py ;;
     invariants) echo "${spec[@]}" "${checker[@]}" tests/test_spec_mutants.py ;;
     checker) echo "${checker[@]}" tests/test_checker_memory.py tests/test_invariants.py tests/test_state.py \
-                  tests/test_spec_mutants.py ;;
+                  tests/test_spec_mutants.py tests/test_speculative.py tests/test_in_flight.py \
+                  --deselect tests/test_in_flight.py::test_the_machine_drives_an_in_flight_scheduler ;;
     incremental) echo tests/test_incremental.py tests/test_checker_memory.py tests/test_invariants.py \
                       tests/test_spec_mutants.py ;;
     prefix_cache) echo tests/test_prefix_cache.py tests/test_rules.py tests/test_invariants.py tests/test_checker.py \

@@ -833,3 +833,70 @@ def test_no_priority_inversion_counts_prefix_hits_on_free_blocks_and_shared_bloc
     assert _hits(True, 2) == [("W", "priority 0 waits for 2 blocks (1 free) held by less urgent running L")]
     assert _hits(True, 3) == []  # 1 + L's 1 < 3
     assert _hits(False, 2) == []  # 3 free: fits
+
+
+# --- spec/checker.py (issue 28: survivors of scripts/mutmut.sh checker) ------------------------------------
+
+
+def test_unfinished_requests_are_named_with_their_queue_last_step_and_progress():
+    """``_unfinished#2-#27``: each live request at the end, its queue, the last step, when it was last
+    scheduled (or never) and what it computed."""
+    from schedspec.spec.checker import _unfinished
+
+    state = attrs.evolve(base_state(), step=5)
+    found = [(v.name, v.step, v.request_id, v.kind, v.detail.split(": every request")[0])
+             for v in _unfinished(state, {"a": 3})]
+    assert found == [
+        ("unfinished-request", 4, "a", "mismatch", "still running when the trace ends after step 4 (last scheduled "
+                                                   "at step 3; computed 6 of 7 tokens, 2 blocks held)"),
+        ("unfinished-request", 4, "b", "mismatch", "still waiting when the trace ends after step 4 (never scheduled; "
+                                                   "computed 0 of 5 tokens, 0 blocks held)")]
+
+
+def test_step_times_may_meet_but_not_overlap_beyond_the_tolerance():
+    """``_compare_times#12, #22, #23``: a step that starts exactly at the tolerance before the previous one's
+    end is allowed; one just earlier is reported, saying why."""
+    from schedspec.spec.checker import TIME_TOLERANCE, _compare_times, _StepComparison
+    from schedspec.spec.trace import StepRecord
+
+    previous = StepRecord(3, 10.0, 2.0)
+    edge = 12.0 - TIME_TOLERANCE * 12.0
+    ok = _StepComparison(4)
+    _compare_times(StepRecord(4, edge, 1.0), previous, ok)
+    assert ok.found == []
+    bad = _StepComparison(4)
+    _compare_times(StepRecord(4, 11.0, 1.0), previous, bad)
+    assert [v.detail for v in bad.found] == [
+        "starts at 11.0 s, before step 3 ended at 12.0 s (time runs backwards or steps overlap)"]
+
+
+@pytest.mark.parametrize("start, arrival, late", [
+    (100.0, 100.0 + 50e-9, False), (0.5, 0.5 + 1.5e-9, True), (4.0, 4.0 + 1e-9 * 4.0, False), (7.0, 7.5, True)])
+def test_an_arrival_may_follow_its_step_start_only_within_the_relative_tolerance(start, arrival, late):
+    """``_compare_arrival#8-#20``: the tolerance is 1e-9 of the start time (at least 1e-9 s); the report
+    names the request."""
+    from schedspec.spec.checker import _compare_arrival, _StepComparison
+    from schedspec.spec.trace import StepRecord
+    from schedspec.spec.workload import RequestSpec
+
+    found = _StepComparison(2)
+    _compare_arrival(RequestSpec("r", 3, 2, arrival_step=1, arrival_time=arrival), StepRecord(2, start, 0.1), found)
+    assert [(v.request_id, v.detail.split(",")[0]) for v in found.found] == [
+        ("r", "arrival_step 1")] + ([("r", f"arrival_time {arrival} s is after the start of step 2 ({start} s)")]
+                                    if late else [])
+
+
+def test_a_sampler_the_record_omits_gets_a_token_that_stops_it_as_recorded():
+    """``_sampled_for_update#4-#27``: a recorded token is kept; a sampler the record says stopped gets its
+    eos (or first stop) token; one that did not stop gets the smallest token that is neither, after a
+    sampler whose token is recorded."""
+    from schedspec.spec.checker import _sampled_for_update
+    from schedspec.spec.trace import StepRecord
+
+    requests = {"a": running_a(), "s": attrs.evolve(running_a(), request_id="s", eos_token_id=None,
+                                                       stop_token_ids=(9,)),
+                "e": attrs.evolve(running_a(), request_id="e", eos_token_id=7),
+                "n": attrs.evolve(running_a(), request_id="n", eos_token_id=0, stop_token_ids=(1,))}
+    before = SchedulerState(step=3, running=tuple(requests), requests=requests)
+    record = StepRecord(3, 0.0, 0.1, sampled_token_ids={"a": 42}, finished={"s": "stop", "e": "stop", "n": "length"})
+    assert _sampled_for_update(["a", "s", "e", "n"], record, before) == {"a": 42, "s": 9, "e": 7, "n": 2}
