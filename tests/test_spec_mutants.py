@@ -900,3 +900,136 @@ def test_a_sampler_the_record_omits_gets_a_token_that_stops_it_as_recorded():
     before = SchedulerState(step=3, running=tuple(requests), requests=requests)
     record = StepRecord(3, 0.0, 0.1, sampled_token_ids={"a": 42}, finished={"s": "stop", "e": "stop", "n": "length"})
     assert _sampled_for_update(["a", "s", "e", "n"], record, before) == {"a": 42, "s": 9, "e": 7, "n": 2}
+
+
+def _compared(compare, *args, step: int = 3) -> list[tuple[str | None, str]]:
+    from schedspec.spec.checker import _StepComparison
+
+    found = _StepComparison(step)
+    compare(*args, found)
+    assert all(v.step == step and v.name == "trace-mismatch" for v in found.found)
+    return [(v.request_id, v.detail) for v in found.found]
+
+
+def test_record_prefix_hits_and_wasted_tokens_are_compared_with_the_spec():
+    """``_compare_record#51-#101``: hit blocks and hit tokens of a request outside the batch, hit tokens that
+    differ from what the spec's hit blocks hold, and the wasted tokens, each named; the requests whose hit
+    agrees are passed over (not the end of the check)."""
+    from schedspec.spec.checker import _compare_record
+    from schedspec.spec.trace import ScheduledTokens, StepRecord
+
+    config = CONFIG.with_changes(enable_prefix_caching=True)
+    agree = [f"q{k}" for k in range(6)]
+    batch = tuple(ScheduledTokens(r, 0, 1, 0) for r in ["a", *agree])
+    expected = StepRecord(3, 0.0, 0.1, scheduled=batch, prefix_hit_tokens={"a": 4}, prefix_hit_blocks={"a": (5,)},
+                          wasted_tokens={"x": 2})
+    record = StepRecord(3, 0.0, 0.1, scheduled=batch, prefix_hit_blocks={"a": (5,), "ghost": (3,), "z": ()},
+                        prefix_hit_tokens={"a": 2, "ghost": 3, **dict.fromkeys(agree, 0)}, wasted_tokens={"x": 3})
+    found = _compared(_compare_record, record, expected, config)
+    assert found[0] == ("ghost", "prefix_hit_blocks [3] for a request that is not in the step's batch")
+    assert sorted(found[1:3]) == [("a", "prefix_hit_tokens=2, but its hit blocks [5] hold 4 tokens"),
+                                  ("ghost", "prefix_hit_tokens=3 for a request that is not in the step's batch")]
+    assert found[3:] == [(None, "wasted_tokens {'x': 3}, but the tokens computed for requests that had ended "
+                                "were {'x': 2}")]
+
+
+def test_accepted_counts_name_exactly_the_samplers_that_verified_drafts():
+    """``_compare_accepted#1-#17``: a count for a request without drafts, or for a verifier that does not
+    sample, and none for a sampler that verified drafts."""
+    from schedspec.spec.checker import _compare_accepted
+    from schedspec.spec.trace import StepRecord
+
+    plan = StepPlan(scheduled=(ScheduledRequest("a", 6, 3, (), (), (5, 6)), ScheduledRequest("b", 6, 1),
+                               ScheduledRequest("c", 6, 2, (), (), (7,))))
+    record = StepRecord(3, 0.0, 0.1, num_accepted_tokens={"b": 1, "c": 1})
+    assert sorted(_compared(_compare_accepted, plan, ["a", "b"], record)) == [
+        ("a", "no num_accepted_tokens, but it verified drafts and samples this step"),
+        ("b", "num_accepted_tokens for a request that verified no drafts or does not sample this step"),
+        ("c", "num_accepted_tokens for a request that verified no drafts or does not sample this step")]
+
+
+def test_speculative_output_of_a_record_with_either_field():
+    """``speculative_of#1-#6``."""
+    from schedspec.spec.checker import speculative_of
+    from schedspec.spec.state import NO_SPECULATION
+    from schedspec.spec.trace import StepRecord
+
+    assert speculative_of(StepRecord(3, 0.0, 0.1)) is NO_SPECULATION
+    accepted = speculative_of(StepRecord(3, 0.0, 0.1, num_accepted_tokens={"a": 1}))
+    assert (dict(accepted.num_accepted_tokens), dict(accepted.draft_token_ids)) == ({"a": 1}, {})
+    drafts = speculative_of(StepRecord(3, 0.0, 0.1, draft_token_ids={"a": (1, 2)}))
+    assert (dict(drafts.num_accepted_tokens), dict(drafts.draft_token_ids)) == ({}, {"a": (1, 2)})
+
+
+def test_a_driven_abort_that_is_due_is_named_after_an_ended_request_is_dropped():
+    """``_compare_driven_aborts#4-#17``: an ended request is dropped from the driven ones and the check goes
+    on; a live request past its abort_at_step and not aborted is named."""
+    from schedspec.spec.checker import _compare_driven_aborts
+    from schedspec.spec.trace import StepRecord
+    from schedspec.spec.workload import RequestSpec
+
+    driven = {"gone": RequestSpec("gone", 3, 2, abort_at_step=1), "a": RequestSpec("a", 6, 4, abort_at_step=2)}
+    found = _compared(_compare_driven_aborts, driven, base_state(), StepRecord(3, 0.0, 0.1))
+    assert found == [("a", "its arrival says abort_at_step 2, but it is still live and not aborted in step 3")]
+    assert list(driven) == ["a"]
+
+
+def test_a_driven_eos_is_read_at_its_output_among_the_accepted_drafts():
+    """``_compare_driven_eos#13-#38``: the outputs a step appends are the accepted drafts then the sampled
+    token; output 3 of r (one output before) is its second appended token; q, without an accepted count, appends
+    only its sampled token; w's output is past what this step appends; x is not driven."""
+    from schedspec.spec.checker import _compare_driven_eos
+    from schedspec.spec.trace import ScheduledTokens, StepRecord
+    from schedspec.spec.workload import RequestSpec
+
+    r, q = attrs.evolve(running_a(), request_id="r"), attrs.evolve(running_a(), request_id="q")
+    w = attrs.evolve(running_a(), request_id="w", output_token_ids=())
+    state = SchedulerState(step=3, running=("x", "w", "q", "r"),
+                           requests={"x": running_a(), "w": w, "q": q, "r": r})
+    driven = {"r": RequestSpec("r", 6, 4, eos_at_output=3, eos_token_id=2),
+              "q": RequestSpec("q", 6, 4, eos_at_output=2, eos_token_id=5),
+              "w": RequestSpec("w", 6, 4, eos_at_output=2, eos_token_id=5)}
+    record = StepRecord(3, 0.0, 0.1, scheduled=(ScheduledTokens("r", 7, 0, 3, (7, 8)), ScheduledTokens("q", 7, 0, 2, (4,))),
+                        num_accepted_tokens={"r": 1}, sampled_token_ids={"x": 1, "w": 3, "q": 5, "r": 9})
+    assert _compared(_compare_driven_eos, driven, state, record) == [
+        ("r", "its arrival says eos_at_output 3, but output 3 was sampled as 9, not its eos_token_id 2")]
+
+
+def test_token_split_is_checked_after_an_item_it_passes_over():
+    """``_compare_split#13, #14, #24, #26``: an unknown item and one whose computed tokens disagree (no hit)
+    are passed over; a decode or a prefill split the wrong way is named with its kind."""
+    from schedspec.spec.checker import _compare_split
+    from schedspec.spec.trace import ScheduledTokens, StepRecord
+
+    record = StepRecord(3, 0.0, 0.1, scheduled=(ScheduledTokens("ghost", 0, 1, 0), ScheduledTokens("a", 6, 1, 0),
+                                                 ScheduledTokens("b", 0, 0, 5)))
+    assert _compared(_compare_split, base_state(), record) == [
+        ("a", "prefill_tokens=1, decode_tokens=0, but the step is a decode of 1 tokens: the spec says "
+              "prefill_tokens=0, decode_tokens=1"),
+        ("b", "prefill_tokens=0, decode_tokens=5, but the step is a prefill (or recompute) chunk of 5 tokens: the "
+              "spec says prefill_tokens=5, decode_tokens=0")]
+    skewed = StepRecord(3, 0.0, 0.1, scheduled=(ScheduledTokens("a", 5, 1, 0),))
+    assert _compared(_compare_split, base_state(), skewed) == []
+
+
+def test_sampled_tokens_mismatches_say_why():
+    """``_compare_sampled#8-#17``."""
+    from schedspec.spec.checker import _compare_sampled
+    from schedspec.spec.trace import StepRecord
+
+    record = StepRecord(3, 0.0, 0.1, sampled_token_ids={"b": 4})
+    assert _compared(_compare_sampled, ["a"], record) == [
+        ("b", "a token was sampled for a request that does not sample this step (not scheduled, not live, or its "
+              "chunk does not reach the end of its sequence)"),
+        ("a", "no sampled token, but its chunk reaches the end of its sequence, so it samples one")]
+
+
+def test_the_plan_of_a_record_carries_its_hit_blocks_and_drafts():
+    """``plan_from_record#18, #19, #24``."""
+    from schedspec.spec.checker import plan_from_record
+    from schedspec.spec.trace import ScheduledTokens, StepRecord
+
+    record = StepRecord(3, 0.0, 0.1, scheduled=(ScheduledTokens("a", 6, 0, 3, (5, 6)), ScheduledTokens("b", 4, 1, 0)),
+                        prefix_hit_blocks={"b": (0,)}, blocks_allocated={"b": (2,)})
+    assert plan_from_record(record).scheduled == (ScheduledRequest("a", 6, 3, (), (), (5, 6)),
+                                                  ScheduledRequest("b", 4, 1, (2,), (0,)))
