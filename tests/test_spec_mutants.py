@@ -1033,3 +1033,18 @@ def test_the_plan_of_a_record_carries_its_hit_blocks_and_drafts():
                         prefix_hit_blocks={"b": (0,)}, blocks_allocated={"b": (2,)})
     assert plan_from_record(record).scheduled == (ScheduledRequest("a", 6, 3, (), (), (5, 6)),
                                                   ScheduledRequest("b", 4, 1, (2,), (0,)))
+
+
+def test_keep_going_stops_at_an_arrival_the_spec_refuses():
+    """``check_trace#75, #76, #191``: with ``keep_going`` the check still stops after a step whose arrival the
+    spec refuses (the same id twice): the state after it is not the engine's, so later steps cannot be
+    judged."""
+    from schedspec.spec.checker import check_trace
+    from schedspec.spec.trace import StepRecord
+    from schedspec.spec.workload import RequestSpec
+
+    twice = (RequestSpec("r", 3, 2, arrival_step=0), RequestSpec("r", 3, 2, arrival_step=0))
+    records = [StepRecord(0, 0.0, 0.1, arrivals=twice), StepRecord(1, 0.1, 0.1)]
+    report = check_trace(CONFIG, records, keep_going=True)
+    assert report.steps_checked == 1
+    assert any(v.request_id == "r" and v.detail.startswith("arrival: ") for v in report.violations)
