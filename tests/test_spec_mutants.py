@@ -1048,3 +1048,16 @@ def test_keep_going_stops_at_an_arrival_the_spec_refuses():
     report = check_trace(CONFIG, records, keep_going=True)
     assert report.steps_checked == 1
     assert any(v.request_id == "r" and v.detail.startswith("arrival: ") for v in report.violations)
+
+
+def test_bounded_preemptions_caps_the_bounds_of_a_long_line_at_10_to_the_18():
+    """The bounds grow at least twofold per place in line; they are capped at 10**18 so that a long line
+    stays cheap (``observe#37-#39``): from the 60th place on every bound is exactly 10**18."""
+    from schedspec.spec.properties import BoundedPreemptions
+
+    line = {f"r{k}": _fresh(f"r{k}", 5, arrival_step=0) for k in range(70)}  # each needs 2 blocks at most
+    state = SchedulerState(step=1, waiting=tuple(line), requests=line, num_requests_added=70)
+    monitor = BoundedPreemptions(CONFIG)
+    monitor.observe(state, StepPlan(), attrs.evolve(state, step=2))
+    assert monitor.bounds["r1"] == 2 and monitor.bounds["r2"] == 2 + 3 * 2
+    assert [monitor.bounds[f"r{k}"] for k in range(60, 70)] == [10**18] * 10
