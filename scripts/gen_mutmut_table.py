@@ -84,7 +84,7 @@ def table() -> str:
     for module in MODULES:
         found = merged(module)
         if found is None:
-            rows.append(f"| spec/{module}.py | not run | | | | | | |")
+            rows.append(f"| spec/{module}.py | not run (no results file) | | | | | | |")
             continue
         headers, statuses = found
         header = "; then ".join(headers)
