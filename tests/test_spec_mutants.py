@@ -924,12 +924,13 @@ def test_record_prefix_hits_and_wasted_tokens_are_compared_with_the_spec():
     expected = StepRecord(3, 0.0, 0.1, scheduled=batch, prefix_hit_tokens={"a": 4}, prefix_hit_blocks={"a": (5,)},
                           wasted_tokens={"x": 2})
     record = StepRecord(3, 0.0, 0.1, scheduled=batch, prefix_hit_blocks={"a": (5,), "ghost": (3,), "z": ()},
-                        prefix_hit_tokens={"a": 2, "ghost": 3, **dict.fromkeys(agree, 0)}, wasted_tokens={"x": 3})
+                        prefix_hit_tokens={"a": 2, "ghost": 3, **dict.fromkeys(agree, 0), "q0": 1}, wasted_tokens={"x": 3})
     found = _compared(_compare_record, record, expected, config)
     assert found[0] == ("ghost", "prefix_hit_blocks [3] for a request that is not in the step's batch")
-    assert sorted(found[1:3]) == [("a", "prefix_hit_tokens=2, but its hit blocks [5] hold 4 tokens"),
-                                  ("ghost", "prefix_hit_tokens=3 for a request that is not in the step's batch")]
-    assert found[3:] == [(None, "wasted_tokens {'x': 3}, but the tokens computed for requests that had ended "
+    assert sorted(found[1:4]) == [("a", "prefix_hit_tokens=2, but its hit blocks [5] hold 4 tokens"),
+                                  ("ghost", "prefix_hit_tokens=3 for a request that is not in the step's batch"),
+                                  ("q0", "prefix_hit_tokens=1, but its hit blocks [] hold 0 tokens")]
+    assert found[4:] == [(None, "wasted_tokens {'x': 3}, but the tokens computed for requests that had ended "
                                 "were {'x': 2}")]
 
 
@@ -1061,3 +1062,18 @@ def test_bounded_preemptions_caps_the_bounds_of_a_long_line_at_10_to_the_18():
     monitor.observe(state, StepPlan(), attrs.evolve(state, step=2))
     assert monitor.bounds["r1"] == 2 and monitor.bounds["r2"] == 2 + 3 * 2
     assert [monitor.bounds[f"r{k}"] for k in range(60, 70)] == [10**18] * 10
+
+
+def test_a_wasted_item_of_a_request_that_ended_in_flight_is_split_as_that_request():
+    """``_compare_split#2, #8``: with a step in flight, an item of a request that ended since (a wasted item)
+    is split as the request it was: a decode of 1 token recorded as prefill is named."""
+    from schedspec.spec.checker import _compare_split
+    from schedspec.spec.state import InFlightStep
+    from schedspec.spec.trace import ScheduledTokens, StepRecord
+
+    ended = attrs.evolve(running_a(), request_id="gone")
+    state = attrs.evolve(base_state(), in_flight=InFlightStep(step=2, ended={"gone": ended}))
+    record = StepRecord(3, 0.0, 0.1, scheduled=(ScheduledTokens("gone", 6, 1, 0),))
+    assert _compared(_compare_split, state, record) == [
+        ("gone", "prefill_tokens=1, decode_tokens=0, but the step is a decode of 1 tokens: the spec says "
+                 "prefill_tokens=0, decode_tokens=1")]
