@@ -1077,3 +1077,33 @@ def test_a_wasted_item_of_a_request_that_ended_in_flight_is_split_as_that_reques
     assert _compared(_compare_split, state, record) == [
         ("gone", "prefill_tokens=1, decode_tokens=0, but the step is a decode of 1 tokens: the spec says "
                  "prefill_tokens=0, decode_tokens=1")]
+
+
+def test_a_speculative_record_without_its_accepted_counts_is_named():
+    """``check_trace#130, #135, #156, #157``: with speculative decoding on, a step whose record drops both
+    ``num_accepted_tokens`` and ``draft_token_ids`` (so it carries no speculative output at all) still has its
+    verifying samplers' counts asked for."""
+    from test_speculative import _workload
+
+    from schedspec.reference.engine import Engine
+    from schedspec.reference.scheduler import SCHEDULERS
+    from schedspec.spec.checker import check_trace
+    from schedspec.spec.config import SchedulerConfig
+
+    config = SchedulerConfig(block_size=4, num_kv_blocks=30, max_num_seqs=4, max_model_len=64,
+                             max_num_batched_tokens=16, num_speculative_tokens=2)
+    records = Engine(SCHEDULERS["fcfs"](config), config).run(_workload(1)).records
+    k = next(k for k, record in enumerate(records) if record.num_accepted_tokens)
+    verifier = sorted(records[k].num_accepted_tokens)[0]
+    kept = records[k]
+    records[k] = attrs.evolve(kept, num_accepted_tokens={}, draft_token_ids={})
+    report = check_trace(config, records)
+    assert (k, verifier, "no num_accepted_tokens, but it verified drafts and samples this step") in {
+        (v.step, v.request_id, v.detail) for v in report.violations}
+    # more drafts accepted than verified: no rule judges the count, the spec cannot apply the step
+    # (check_trace#156, #157: that is reported, with the spec's reason)
+    records[k] = attrs.evolve(kept, num_accepted_tokens={**kept.num_accepted_tokens, verifier: 99})
+    report = check_trace(config, records)
+    assert not report.ok and report.first_bad_step == k
+    assert any(v.step == k and v.detail.startswith("the spec cannot apply the recorded step: ")
+               for v in report.violations), report.violations
