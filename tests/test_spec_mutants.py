@@ -1107,3 +1107,21 @@ def test_a_speculative_record_without_its_accepted_counts_is_named():
     assert not report.ok and report.first_bad_step == k
     assert any(v.step == k and v.detail.startswith("the spec cannot apply the recorded step: ")
                for v in report.violations), report.violations
+
+
+def test_some_blocks_are_named_with_their_count_and_how_many_more():
+    """``invariants._some#1-#21``: the leaked-block list of ``block-conservation``."""
+    from schedspec.spec.invariants import _some
+
+    assert _some([3]) == "block 3"
+    assert _some([3, 7]) == "blocks 3, 7"
+    assert _some(list(range(8))) == "blocks 0, 1, 2, 3, 4, 5, 6, 7"
+    assert _some(list(range(11))) == "blocks 0, 1, 2, 3, 4, 5, 6, 7 and 3 more"
+
+
+def test_block_conservation_names_only_the_block_twice_in_the_free_queue():
+    """``block_conservation#12``: a block twice in the free queue is named, the others once there are not."""
+    state = SchedulerState(running=("a",), requests={"a": _running("a", (0, 1))},
+                           free_block_ids=(2, 3, 3, 4, 5, 6, 7), num_requests_added=1)
+    found = [d for _, d in _invariant(state, "block-conservation") if "in the free queue" in d]
+    assert found == ["block 3 is 2 times in the free queue"]
