@@ -1125,3 +1125,21 @@ def test_block_conservation_names_only_the_block_twice_in_the_free_queue():
                            free_block_ids=(2, 3, 3, 4, 5, 6, 7), num_requests_added=1)
     found = [d for _, d in _invariant(state, "block-conservation") if "in the free queue" in d]
     assert found == ["block 3 is 2 times in the free queue"]
+
+
+def test_published_chain_counts_the_leading_published_blocks_and_stops_after_a_gap():
+    """``published_chain#3, #14, #15, #33``: the published blocks before the first breach are counted (one
+    per block), and a cached block after one that is not is a breach."""
+    from schedspec.spec.invariants import published_chain
+    from schedspec.spec.prefix_cache import ROOT_HASH, request_block_hash
+
+    request = attrs.evolve(_running("a", (0, 1, 2)), prompt_token_ids=tuple(range(1, 13)), num_computed_tokens=12,
+                           output_token_ids=())
+    h0 = request_block_hash(request, 0, ROOT_HASH, 4)
+    h1 = request_block_hash(request, 1, h0, 4)
+    assert published_chain(request, {0: h0, 1: h1}, 4) == (None, 2, h1)
+    gap = request_block_hash(request, 2, h1, 4)
+    assert published_chain(request, {0: h0, 2: gap}, 4) == (
+        "block 2 at index 2 is cached after a block that is not", 1, h0)
+    assert published_chain(request, {1: h1}, 4) == ("block 1 at index 1 is cached after a block that is not", 0,
+                                                    ROOT_HASH)
