@@ -8,7 +8,7 @@ import attrs
 import pytest
 from test_rules import ADMIT_B, CASES, CONFIG, DECODE_A, base_state, running_a, waiting_b
 
-from schedspec.spec.request import Request
+from schedspec.spec.request import Request, RequestStatus
 from schedspec.spec.rules import RULES, coded, violated_rules
 from schedspec.spec.state import ScheduledRequest, SchedulerState, StepPlan, landed_plan
 
@@ -1143,3 +1143,41 @@ def test_published_chain_counts_the_leading_published_blocks_and_stops_after_a_g
         "block 2 at index 2 is cached after a block that is not", 1, h0)
     assert published_chain(request, {1: h1}, 4) == ("block 1 at index 1 is cached after a block that is not", 0,
                                                     ROOT_HASH)
+
+
+def test_block_conservation_names_leaked_blocks_only_when_some_are():
+    """``block_conservation#33-#46``: a count that does not add up names the blocks neither free nor owned,
+    and nothing more when there are none (a block twice in the free queue); a terminal request given apart
+    (the incremental checker's ``terminal``) is judged, not the state's finished ones."""
+    from schedspec.spec.invariants import block_conservation
+
+    leak = SchedulerState(running=("a",), requests={"a": _running("a", (0, 1))}, free_block_ids=(2, 3, 4, 5, 6),
+                          num_requests_added=1)
+    assert _invariant(leak, "block-conservation") == [
+        (None, "free 5 + owned 2 != num_kv_blocks=8; neither free nor owned: block 7")]
+    twice = attrs.evolve(leak, free_block_ids=(2, 3, 3, 4, 5, 6, 7))
+    assert (None, "free 7 + owned 2 != num_kv_blocks=8") in _invariant(twice, "block-conservation")
+    ended = attrs.evolve(_running("z", (7,)), status=RequestStatus.FINISHED_STOPPED)
+    found = list(block_conservation(attrs.evolve(leak, free_block_ids=(2, 3, 4, 5, 6, 7)), CONFIG, {"z": ended}))
+    assert [(f[0], f[1]) for f in found] == [("z", "terminal request still owns 1 blocks")]
+
+
+def test_a_step_invariant_judges_the_item_after_a_decode_that_verified_drafts():
+    """``chunks_in_order#9``: the check goes on past an item with drafts (judged by
+    ``rejected-drafts-uncomputed``) to the next one."""
+    from schedspec.spec.invariants import check_step
+
+    before = SchedulerState(step=5, running=("d", "a"), requests={"d": _running("d", (2, 3)), "a": _running("a", (0, 1))},
+                            free_block_ids=(4, 5, 6, 7), num_requests_added=2)
+    plan = StepPlan(scheduled=(ScheduledRequest("d", 6, 3, (), (), (8, 9)), ScheduledRequest("a", 6, 1)))
+    found = [v.request_id for v in check_step(before, plan, attrs.evolve(before, step=6), CONFIG)
+             if v.name == "chunks-in-order"]
+    assert found == ["a"]
+
+
+def test_an_invariant_name_is_registered_once():
+    """``state_invariant#1``: a second state invariant of a registered name is refused."""
+    from schedspec.spec.invariants import state_invariant
+
+    with pytest.raises(ValueError, match="invariant 'block-conservation' registered twice"):
+        state_invariant("block-conservation", "a source")(lambda state, config: iter(()))
