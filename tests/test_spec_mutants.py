@@ -1181,3 +1181,17 @@ def test_an_invariant_name_is_registered_once():
 
     with pytest.raises(ValueError, match="invariant 'block-conservation' registered twice"):
         state_invariant("block-conservation", "a source")(lambda state, config: iter(()))
+
+
+def test_accepted_drafts_prefix_passes_over_a_request_gone_after_the_step():
+    """``_appended#1``: a drafting decode that is neither live nor ended after the step appended nothing (the
+    lost request is ``no-request-lost``'s to report), not a crash of the check."""
+    from schedspec.spec.invariants import check_step
+
+    config = CONFIG.with_changes(num_speculative_tokens=2)
+    before = SchedulerState(step=5, running=("a",), requests={"a": _running("a", (0, 1))},
+                            free_block_ids=(2, 3, 4, 5, 6, 7), num_requests_added=1)
+    after = SchedulerState(step=6, free_block_ids=tuple(range(8)), num_requests_added=1)
+    plan = StepPlan(scheduled=(ScheduledRequest("a", 6, 3, (), (), (8, 9)),))
+    names = {v.name for v in check_step(before, plan, after, config)}
+    assert "accepted-drafts-prefix" not in names
