@@ -1195,3 +1195,36 @@ def test_accepted_drafts_prefix_passes_over_a_request_gone_after_the_step():
     plan = StepPlan(scheduled=(ScheduledRequest("a", 6, 3, (), (), (8, 9)),))
     names = {v.name for v in check_step(before, plan, after, config)}
     assert "accepted-drafts-prefix" not in names
+
+
+def test_prefix_hit_computed_judges_the_item_after_those_it_passes_over():
+    """``prefix_hit_computed#2, #8, #14, #18``: past an item without a hit, an unknown one and one that ended,
+    a table that does not start with its hit blocks is named with the table."""
+    from schedspec.spec.invariants import check_step
+
+    g, h = _fresh("g", 6, max_tokens=2), _fresh("h", 6, max_tokens=2)
+    before = SchedulerState(step=5, running=("a",), waiting=("g", "h"), requests={"a": _running("a", (0, 1)), "g": g, "h": h},
+                            free_block_ids=(2, 3, 4, 5, 6, 7), num_requests_added=3)
+    after_h = attrs.evolve(h, status=RequestStatus.RUNNING, num_computed_tokens=6, block_ids=(3, 4), admitted_step=5)
+    after = SchedulerState(step=6, running=("a", "h"), requests={"a": before.requests["a"], "h": after_h},
+                           free_block_ids=(5, 6, 7), num_requests_added=3)
+    plan = StepPlan(scheduled=(DECODE_A, ScheduledRequest("ghost", 4, 1, (), (0,)),
+                               ScheduledRequest("g", 4, 2, (5,), (0,)), ScheduledRequest("h", 4, 2, (4,), (2,))))
+    found = [(v.request_id, v.detail) for v in check_step(before, plan, after, CONFIG) if v.name == "prefix-hit-computed"]
+    assert found == [("h", "block table [3, 4] does not start with the hit blocks")]
+
+
+def test_rejected_drafts_uncomputed_judges_the_decode_after_one_without_drafts():
+    """``rejected_drafts_uncomputed#3``: past a decode without drafts, a decode that computed a rejected draft
+    is named."""
+    from schedspec.spec.invariants import check_step
+
+    config = CONFIG.with_changes(num_speculative_tokens=2)
+    before = SchedulerState(step=5, running=("a", "d"), requests={"a": _running("a", (0, 1)), "d": _running("d", (2, 3))},
+                            free_block_ids=(4, 5, 6, 7), num_requests_added=2)
+    d = attrs.evolve(before.requests["d"], output_token_ids=(21, 30), num_computed_tokens=9)
+    after = attrs.evolve(before, step=6, requests={**before.requests, "d": d})
+    plan = StepPlan(scheduled=(DECODE_A, ScheduledRequest("d", 6, 3, (), (), (8, 9))))
+    found = [(v.request_id, v.detail) for v in check_step(before, plan, after, config)
+             if v.name == "rejected-drafts-uncomputed"]
+    assert found == [("d", "computed 9 after verifying 2 drafts and accepting 0: 7 (the 2 rejected are not computed)")]
