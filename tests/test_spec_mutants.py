@@ -1228,3 +1228,51 @@ def test_rejected_drafts_uncomputed_judges_the_decode_after_one_without_drafts()
     found = [(v.request_id, v.detail) for v in check_step(before, plan, after, config)
              if v.name == "rejected-drafts-uncomputed"]
     assert found == [("d", "computed 9 after verifying 2 drafts and accepting 0: 7 (the 2 rejected are not computed)")]
+
+
+def _drafting() -> tuple[SchedulerState, object]:
+    """Running decodes a (no drafts), e, w, d, f (each verifying drafts 8, 9), speculative decoding on."""
+    config = CONFIG.with_changes(num_speculative_tokens=2, num_kv_blocks=16)
+    ids = {"a": (0, 1), "e": (2, 3), "w": (4, 5), "d": (6, 7), "f": (8, 9)}
+    requests = {r: _running(r, blocks) for r, blocks in ids.items()}
+    before = SchedulerState(step=5, running=tuple(ids), requests=requests, free_block_ids=tuple(range(10, 16)),
+                            num_requests_added=5)
+    return before, config
+
+
+def _drafts_plan(*ids: str) -> StepPlan:
+    return StepPlan(scheduled=(DECODE_A, *(ScheduledRequest(r, 6, 3, (), (), (8, 9)) for r in ids)))
+
+
+def test_rejected_drafts_uncomputed_judges_each_live_drafting_decode():
+    """``rejected_drafts_uncomputed#8, #9, #13, #20, #29, #34``: past an unknown item, one that appended
+    nothing (named) and one no longer running, a decode that accepted one draft and computed the rejected one
+    is named with the counts."""
+    from schedspec.spec.invariants import check_step
+
+    before, config = _drafting()
+    ghost = attrs.evolve(_running("ghost", ()), output_token_ids=(21, 30), num_computed_tokens=9)
+    requests = {**before.requests, "ghost": ghost,
+                "w": attrs.evolve(before.requests["w"], output_token_ids=(21, 30), num_computed_tokens=9),
+                "d": attrs.evolve(before.requests["d"], output_token_ids=(21, 8, 30), num_computed_tokens=9)}
+    after = attrs.evolve(before, step=6, running=("a", "ghost", "e", "d", "f"), waiting=("w",), requests=requests)
+    found = [(v.request_id, v.detail) for v in check_step(before, _drafts_plan("ghost", "e", "w", "d"), after, config)
+             if v.name == "rejected-drafts-uncomputed"]
+    assert found == [("e", "verified 2 drafts but appended no token"),
+                     ("d", "computed 9 after verifying 2 drafts and accepting 1: 8 (the 1 rejected are not computed)")]
+
+
+def test_accepted_drafts_prefix_judges_a_request_that_ended_in_the_step():
+    """``accepted_drafts_prefix#3, #7, #11, #19``: past a decode without drafts, an unknown item and one that
+    appended nothing, a request that ended in the step is judged from its finished record: its appended
+    tokens before the last must be its first drafts."""
+    from schedspec.spec.invariants import check_step
+
+    before, config = _drafting()
+    ended = attrs.evolve(before.requests["f"], output_token_ids=(21, 99, 30), num_computed_tokens=8,
+                         status=RequestStatus.FINISHED_STOPPED, block_ids=())
+    requests = {r: q for r, q in before.requests.items() if r != "f"}
+    after = attrs.evolve(before, step=6, running=("a", "e", "w", "d"), requests=requests, finished={"f": ended})
+    found = [(v.request_id, v.detail) for v in check_step(before, _drafts_plan("ghost", "e", "f"), after, config)
+             if v.name == "accepted-drafts-prefix"]
+    assert found == [("f", "appended [99, 30]: the tokens before the last are not the first of its drafts [8, 9]")]
