@@ -1276,3 +1276,32 @@ def test_accepted_drafts_prefix_judges_a_request_that_ended_in_the_step():
     found = [(v.request_id, v.detail) for v in check_step(before, _drafts_plan("ghost", "e", "f"), after, config)
              if v.name == "accepted-drafts-prefix"]
     assert found == [("f", "appended [99, 30]: the tokens before the last are not the first of its drafts [8, 9]")]
+
+
+def test_accepted_drafts_prefix_counts_and_cuts_the_appended_tokens_at_a_stop():
+    """``accepted_drafts_prefix#20-#57``, one decode per case, each verifying drafts 8, 9: x appends 4 tokens
+    (too many); y's first is not its first draft; z appends both drafts and a token (legal); m reaches
+    max_tokens at its second token and keeps a third; n reaches it at its last and goes on. Each breach is
+    named, and the check goes on to the next decode."""
+    from schedspec.spec.invariants import check_step
+    from schedspec.spec.transitions import stop_reason
+
+    config = CONFIG.with_changes(num_speculative_tokens=2, num_kv_blocks=16)
+    ids = {"x": (0, 1), "y": (2, 3), "z": (4, 5), "m": (6, 7), "n": (8, 9)}
+    requests = {r: _running(r, blocks) for r, blocks in ids.items()}
+    requests["z"] = attrs.evolve(requests["z"], max_tokens=10)
+    requests["m"] = attrs.evolve(requests["m"], max_tokens=3)
+    requests["n"] = attrs.evolve(requests["n"], max_tokens=3)
+    before = SchedulerState(step=5, running=tuple(ids), requests=requests, free_block_ids=tuple(range(10, 16)),
+                            num_requests_added=5)
+    appended = {"x": (8, 9, 30, 31), "y": (7, 30), "z": (8, 9, 30), "m": (8, 9, 30), "n": (8, 30)}
+    after = attrs.evolve(before, step=6, requests={
+        r: attrs.evolve(q, output_token_ids=q.output_token_ids + appended[r]) for r, q in requests.items()})
+    plan = StepPlan(scheduled=tuple(ScheduledRequest(r, 6, 3, (), (), (8, 9)) for r in ids))
+    found = [(v.request_id, v.detail) for v in check_step(before, plan, after, config) if v.name == "accepted-drafts-prefix"]
+    length = stop_reason(attrs.evolve(requests["m"], output_token_ids=(21, 8, 9)), config)[1]
+    assert found == [
+        ("x", "appended 4 tokens after verifying 2 drafts"),
+        ("y", "appended [7, 30]: the tokens before the last are not the first of its drafts [8, 9]"),
+        ("m", f"token 2 of the 3 appended stops it ({length}), but the tokens after it were kept"),
+        ("n", f"its last appended token stops it ({length}), but it goes on")]
