@@ -1305,3 +1305,29 @@ def test_accepted_drafts_prefix_counts_and_cuts_the_appended_tokens_at_a_stop():
         ("y", "appended [7, 30]: the tokens before the last are not the first of its drafts [8, 9]"),
         ("m", f"token 2 of the 3 appended stops it ({length}), but the tokens after it were kept"),
         ("n", f"its last appended token stops it ({length}), but it goes on")]
+
+
+def test_queue_and_lost_request_invariants_say_which_queue_and_what_is_wrong():
+    """``queues_disjoint#1-#24``, ``no_request_lost#7-#15``, ``check_step#34``: duplicates named with their
+    queue, an id in both queues, a live request in no queue, a queued id that is not live, one both live and
+    terminal; a terminal set given apart is the one judged (``check_state`` and ``check_step``)."""
+    from schedspec.spec.invariants import check_state, check_step
+
+    a, b = _running("a", (0, 1)), _fresh("b", 3, arrival_step=0)
+    dup = SchedulerState(waiting=("b", "b", "a"), running=("a", "a"), requests={"a": a, "b": b},
+                         free_block_ids=(2, 3, 4, 5, 6, 7), num_requests_added=2)
+    assert sorted(_invariant(dup, "queues-disjoint")) == [
+        ("a", "2 times in running"), ("a", "both waiting and running"), ("a", "in waiting with status running"),
+        ("b", "2 times in waiting")]
+    lost = SchedulerState(waiting=("ghost",), running=("a",), requests={"a": a, "b": b}, finished={"a": a},
+                          free_block_ids=(2, 3, 4, 5, 6, 7), num_requests_added=3)
+    assert sorted(d for _, d in _invariant(lost, "no-request-lost")) == [
+        "both live and terminal", "live but in neither waiting nor running", "queued but not a live request"]
+    state = SchedulerState(running=("a",), requests={"a": a}, free_block_ids=(2, 3, 4, 5, 6, 7), num_requests_added=1)
+    apart = {"z": _fresh("z", 3)}  # "terminal" but waiting
+    judged = [(v.request_id, v.detail) for v in check_state(state, CONFIG, apart) if v.name == "queues-disjoint"]
+    assert judged == [("z", "in finished with status waiting")]
+    after = attrs.evolve(state, step=1)
+    judged = [(v.request_id, v.detail) for v in check_step(state, StepPlan(), after, CONFIG, apart)
+              if v.name == "queues-disjoint"]
+    assert judged == [("z", "in finished with status waiting")]
