@@ -1331,3 +1331,29 @@ def test_queue_and_lost_request_invariants_say_which_queue_and_what_is_wrong():
     judged = [(v.request_id, v.detail) for v in check_step(state, StepPlan(), after, CONFIG, apart)
               if v.name == "queues-disjoint"]
     assert judged == [("z", "in finished with status waiting")]
+
+
+def test_prefix_ref_counts_compare_every_block_counted_or_held():
+    """``prefix_ref_counts#8-#25``: a held block without a count, a count above the tables holding it, a count
+    for a block no table holds are each named with both numbers; a count of 0 for a block no table holds is
+    right."""
+    from schedspec.spec.prefix_cache import PrefixCache
+
+    cache = PrefixCache(ref_counts={1: 2, 5: 1, 6: 0})
+    state = SchedulerState(running=("a",), requests={"a": _running("a", (0, 1))}, free_block_ids=(2, 3, 4, 5, 6, 7),
+                           num_requests_added=1, prefix_cache=cache)
+    assert _invariant(state, "prefix-ref-counts") == [
+        (None, "block 0 has reference count 0 but 1 block tables hold it"),
+        (None, "block 1 has reference count 2 but 1 block tables hold it"),
+        (None, "block 5 has reference count 1 but 0 block tables hold it")]
+
+
+def test_output_bound_judges_a_terminal_set_given_apart():
+    """``output_bound#2``: the terminal requests given apart (the incremental checker's) are judged."""
+    from schedspec.spec.invariants import check_state
+
+    state = SchedulerState(running=("a",), requests={"a": _running("a", (0, 1))}, free_block_ids=(2, 3, 4, 5, 6, 7),
+                           num_requests_added=1)
+    long = attrs.evolve(_running("z", ()), output_token_ids=(1, 2, 3, 4, 5), status=RequestStatus.FINISHED_LENGTH)
+    found = [(v.request_id, v.detail) for v in check_state(state, CONFIG, {"z": long}) if v.name == "output-bound"]
+    assert found == [("z", "5 outputs > max_tokens=4")]
