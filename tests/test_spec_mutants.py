@@ -1357,3 +1357,13 @@ def test_output_bound_judges_a_terminal_set_given_apart():
     long = attrs.evolve(_running("z", ()), output_token_ids=(1, 2, 3, 4, 5), status=RequestStatus.FINISHED_LENGTH)
     found = [(v.request_id, v.detail) for v in check_state(state, CONFIG, {"z": long}) if v.name == "output-bound"]
     assert found == [("z", "5 outputs > max_tokens=4")]
+
+
+def test_prefix_block_partition_names_a_block_twice_in_the_free_queue():
+    """``prefix_block_partition#6, #7``: with prefix caching, a block twice in the free queue is named."""
+    from schedspec.spec.prefix_cache import PrefixCache
+
+    state = SchedulerState(running=("a",), requests={"a": _running("a", (0, 1))},
+                           free_block_ids=(2, 3, 3, 4, 5, 6, 7), num_requests_added=1,
+                           prefix_cache=PrefixCache(ref_counts={0: 1, 1: 1}))
+    assert [d for _, d in _invariant(state, "prefix-block-partition")] == ["block 3 is 2 times in the free queue"]
