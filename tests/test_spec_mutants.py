@@ -1367,3 +1367,55 @@ def test_prefix_block_partition_names_a_block_twice_in_the_free_queue():
                            free_block_ids=(2, 3, 3, 4, 5, 6, 7), num_requests_added=1,
                            prefix_cache=PrefixCache(ref_counts={0: 1, 1: 1}))
     assert [d for _, d in _invariant(state, "prefix-block-partition")] == ["block 3 is 2 times in the free queue"]
+
+
+def test_state_invariant_codes_name_the_case():
+    """``check_state#10-#23``: a terminal request that still owns blocks is ``block-conservation`` with the
+    code ``block-conservation:terminal-owns-blocks``; a count that does not add up has the plain code."""
+    from schedspec.spec.invariants import check_state
+
+    ended = attrs.evolve(_running("z", (2,)), status=RequestStatus.FINISHED_STOPPED)
+    state = SchedulerState(running=("a",), requests={"a": _running("a", (0, 1))}, finished={"z": ended},
+                           free_block_ids=(3, 4, 5, 6, 7), num_requests_added=2)
+    codes = sorted((v.request_id or "", v.code) for v in check_state(state, CONFIG) if v.name == "block-conservation")
+    assert codes == [("", "block-conservation"), ("z", "block-conservation:terminal-owns-blocks")]
+
+
+def test_prefix_block_partition_counts_free_evictable_and_held_blocks():
+    """``prefix_block_partition#8-#24``: a held block in the free queue is named; a count of 0 is not held;
+    the sum names free (in the queue, no hash), evictable (in the queue, hashed) and held (not in the queue)."""
+    from schedspec.spec.prefix_cache import PrefixCache
+
+    cache = PrefixCache(block_hashes={2: "h2"}, hash_to_blocks={"h2": (2,)}, ref_counts={0: 1, 1: 1, 6: 1, 5: 0})
+    state = SchedulerState(running=("a",), requests={"a": _running("a", (0, 1))}, free_block_ids=(2, 3, 4, 5, 6),
+                           num_requests_added=1, prefix_cache=cache)
+    assert [d for _, d in _invariant(state, "prefix-block-partition")] == [
+        "block 6 is in the free queue with reference count 1",
+        "free 4 + evictable 1 + held 2 blocks != num_kv_blocks=8"]
+
+
+def test_released_and_draft_invariants_judge_each_request():
+    """``released_holds_no_reference#3-#6``: a waiting request holding blocks is named (after an unknown id);
+    ``drafts_on_running_decodes#2-#9``: drafts on a request that is not a running decode, and more than
+    ``num_speculative_tokens`` on one, are named; exactly that many is allowed; a request without drafts is
+    passed over."""
+    from schedspec.spec.invariants import check_state
+    from schedspec.spec.prefix_cache import PrefixCache
+
+    held = attrs.evolve(_fresh("w", 3, arrival_step=0), block_ids=(2,))
+    state = SchedulerState(running=("a",), waiting=("ghost", "w"), requests={"a": _running("a", (0, 1)), "w": held},
+                           free_block_ids=(3, 4, 5, 6, 7), num_requests_added=2,
+                           prefix_cache=PrefixCache(ref_counts={0: 1, 1: 1}))
+    assert _invariant(state, "released-holds-no-reference") == [("w", "waiting but holds 1 blocks")]
+    config = CONFIG.with_changes(num_speculative_tokens=2, num_kv_blocks=16)
+    requests = {"plain": _running("plain", (0, 1)), "two": attrs.evolve(_running("two", (2, 3)), spec_token_ids=(5, 6)),
+                "three": attrs.evolve(_running("three", (4, 5)), spec_token_ids=(5, 6, 7)),
+                "prefill": attrs.evolve(_running("prefill", (6, 7), computed=2), output_token_ids=(),
+                                        spec_token_ids=(5,)),
+                "waiting": attrs.evolve(_fresh("waiting", 3, arrival_step=0), spec_token_ids=(5,))}
+    drafted = SchedulerState(running=("plain", "two", "three", "prefill"), waiting=("waiting",), requests=requests,
+                             free_block_ids=tuple(range(8, 16)), num_requests_added=5)
+    found = sorted((v.request_id, v.detail) for v in check_state(drafted, config) if v.name == "drafts-on-running-decodes")
+    assert found == [("prefill", "holds 1 drafts but is not a running decode (running)"),
+                     ("three", "holds 3 drafts > num_speculative_tokens=2"),
+                     ("waiting", "holds 1 drafts but is not a running decode (waiting)")]
