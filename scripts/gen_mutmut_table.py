@@ -1,6 +1,6 @@
 """The mutation-score table of docs/testing.md, from the results scripts/mutmut.sh saves.
 
-scripts/mutmut.sh writes, per module, ``build/mutmut-results/MODULE.txt``: a header line (tests, seconds,
+scripts/mutmut.sh writes, per module, ``scripts/mutmut-results/MODULE.txt`` (committed, so that the table can be regenerated): a header line (tests, seconds,
 workers, date) and mutmut's ``results --all true`` (``name: status`` per mutant); a rerun of some mutants
 (the survivors, after new tests) ``MODULE.rerun-DATE.txt``, whose statuses replace theirs. This script counts them
 per file and writes the table, and every surviving mutant with its reason from
@@ -26,7 +26,7 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "build" / "mutmut-results"
+RESULTS = ROOT / "scripts" / "mutmut-results"
 REASONS = ROOT / "scripts" / "mutmut_reasons.toml"
 DOC = ROOT / "docs" / "testing.md"
 MODULES = ("rules", "transitions", "invariants", "checker", "incremental", "prefix_cache", "properties")
@@ -84,7 +84,7 @@ def table() -> str:
     for module in MODULES:
         found = merged(module)
         if found is None:
-            rows.append(f"| spec/{module}.py | not run | | | | | | |")
+            rows.append(f"| spec/{module}.py | not run (no results file) | | | | | | |")
             continue
         headers, statuses = found
         header = "; then ".join(headers)

@@ -37,21 +37,26 @@ ALL=(rules transitions invariants checker incremental prefix_cache properties)
 "$PY" -c "import mutmut" 2>/dev/null || { echo "mutmut is not installed: pip install -e '.[dev]'" >&2; exit 2; }
 
 # The focused test selection of each module: the test files that exercise it directly (timed per file on
-# an idle core with `pytest --durations`; the slow end-to-end files are left out, docs/testing.md says which).
+# an idle core with `pytest --durations`; the slow end-to-end files are left out, docs/testing.md says which;
+# checker: the in-flight state machine test, 23 s, is deselected: test_in_flight's hand-made cases cover the paths).
 tests_for() {
   local spec=(tests/test_rules.py tests/test_invariants.py tests/test_transitions.py tests/test_state.py)
   local checker=(tests/test_incremental.py tests/test_checker.py tests/test_checker_report.py)
   case "$1" in
     rules) echo "${spec[@]}" "${checker[@]}" tests/test_prefix_cache.py tests/test_spec_mutants.py ;;
-    transitions) echo "${spec[@]}" "${checker[@]}" tests/test_prefix_cache.py tests/test_spec_mutants.py ;;
+    transitions) echo "${spec[@]}" "${checker[@]}" tests/test_prefix_cache.py tests/test_spec_mutants.py \
+                      tests/test_speculative.py tests/test_in_flight.py \
+                      --deselect tests/test_in_flight.py::test_the_machine_drives_an_in_flight_scheduler ;;
     invariants) echo "${spec[@]}" "${checker[@]}" tests/test_spec_mutants.py ;;
     checker) echo "${checker[@]}" tests/test_checker_memory.py tests/test_invariants.py tests/test_state.py \
-                  tests/test_spec_mutants.py ;;
+                  tests/test_spec_mutants.py tests/test_speculative.py tests/test_in_flight.py \
+                  --deselect tests/test_in_flight.py::test_the_machine_drives_an_in_flight_scheduler ;;
     incremental) echo tests/test_incremental.py tests/test_checker_memory.py tests/test_invariants.py \
                       tests/test_spec_mutants.py ;;
     prefix_cache) echo tests/test_prefix_cache.py tests/test_rules.py tests/test_invariants.py tests/test_checker.py \
                        tests/test_spec_mutants.py ;;
-    properties) echo tests/test_priority_inversion.py tests/test_proofs_counterexamples.py tests/test_checker.py tests/test_transitions.py ;;
+    properties) echo tests/test_priority_inversion.py tests/test_proofs_counterexamples.py tests/test_checker.py tests/test_transitions.py \
+                     tests/test_spec_mutants.py ;;
     *) echo "unknown module $1 (one of: ${ALL[*]})" >&2; exit 2 ;;
   esac
 }
@@ -105,12 +110,12 @@ echo "mutmut on spec/$MODULE.py took $took s with $CHILDREN worker(s) on $(nproc
 # Every mutant's status, for the table in docs/testing.md (scripts/gen_mutmut_table.py reads these files): a
 # whole module's run in MODULE.txt; a run of some of its mutants (names or patterns: the survivors again,
 # after new tests) in MODULE.rerun-DATE.txt, whose statuses replace those of the mutants it ran.
-mkdir -p "$ROOT/build/mutmut-results"
-local out="$ROOT/build/mutmut-results/$MODULE.txt"
-[ $# -gt 0 ] && out="$ROOT/build/mutmut-results/$MODULE.rerun-$(date -u +%Y%m%dT%H%M%S).txt"
+mkdir -p "$ROOT/scripts/mutmut-results"
+local out="$ROOT/scripts/mutmut-results/$MODULE.txt"
+[ $# -gt 0 ] && out="$ROOT/scripts/mutmut-results/$MODULE.rerun-$(date -u +%Y%m%dT%H%M%S).txt"
 { echo "# spec/$MODULE.py: tests ${TESTS[*]}; $took s; $CHILDREN worker(s); $(date -u +%FT%TZ)"
   "$PY" -m mutmut results --all true; } > "$out"
-"$PY" "$ROOT/scripts/gen_mutmut_table.py" --summary "$ROOT/build/mutmut-results/$MODULE.txt"
+"$PY" "$ROOT/scripts/gen_mutmut_table.py" --summary "$ROOT/scripts/mutmut-results/$MODULE.txt"
 }
 
 # Arguments: module names, or mutant names/patterns (run in the stage of their module).
