@@ -352,3 +352,31 @@ def test_the_failed_load_recognizer_matches_only_a_failed_load_held_by_vllm() ->
     config, records = _failed_load_run()
     records = [attrs.evolve(r, finished_recving=(), invalid_block_ids=()) for r in records]
     assert failed_load_held(config, records, 3, engine, profile) is None
+
+
+def test_the_failed_load_recognizer_matches_an_admission_stopped_at_a_holder_ahead() -> None:
+    """The other form of the failed-load difference (``diff --remote-kv --seed 2`` example 178): vLLM's waiting
+    loop stops at a landed load ahead of the failed one in ``kv_holding_waiting`` (the failed load's blocks still
+    held, the whole sequence does not fit), the profile admits it. Not matched when the first request only the
+    profile admits holds nothing, or loaded after the failed one, or when the engine scheduled an item differently."""
+    from schedspec.commands.diff import FAILED_LOAD_HELD, ComparedStep, failed_load_held
+
+    config, records = _failed_load_run()
+    # d's load (blocks 12..15) started at step 0 before c's and landed after step 0; a and b end after step 2
+    records[0] = attrs.evolve(records[0], kv_loads={"d": 8, "c": 8},
+                              blocks_allocated={"d": (12, 13, 14, 15), "c": (10, 11)}, finished_recving=("d",))
+    records[2] = attrs.evolve(records[2], num_running=0)
+    records[3] = _step(3, {}, 0)
+    engine = ComparedStep.of(records[3], exact_blocks=False)
+    profile = ComparedStep({"d": (8, 8, 2)}, frozenset(), frozenset(), frozenset())
+    assert failed_load_held(config, records, 3, engine, profile) == FAILED_LOAD_HELD
+    # the profile admitted c itself, or a request that holds nothing: not this difference
+    fresh = ComparedStep({"e": (0, 8, 2)}, frozenset(), frozenset(), frozenset())
+    assert failed_load_held(config, records, 3, engine, fresh) is None
+    # d's load started after c's: c is ahead of it, vLLM's loop reached c first
+    late = [attrs.evolve(records[0], kv_loads={"c": 8, "d": 8})] + records[1:]
+    assert failed_load_held(config, late, 3, engine, profile) is None
+    # the engine scheduled a common item differently
+    records[3] = _step(3, {"d": (8, 4)}, 1)
+    other = ComparedStep({"d": (8, 8, 2), "e": (0, 8, 2)}, frozenset(), frozenset(), frozenset())
+    assert failed_load_held(config, records, 3, ComparedStep.of(records[3], exact_blocks=False), other) is None
