@@ -144,8 +144,12 @@ admission. The rules, each with its place in vLLM's source:
     admitted from its loaded tokens into the blocks it holds (``num_computed_tokens > 0``: no prefix lookup). The
     spec promotes a landed request when the report arrives, vLLM when its waiting loop reaches it; the plans are
     the same but for a load that failed from its first block, whose blocks vLLM frees only then: until a
-    waiting loop reaches it (a full running set, a step that preempts) vLLM has those blocks fewer, and may
-    preempt where this profile does not (``schedspec diff --remote-kv``, docs/engines.md).
+    waiting loop reaches it (a full running set, a step that preempts or spends the budget, an admission that
+    stops at a landed load ahead of it in ``kv_holding_waiting``) vLLM has those blocks fewer, and may preempt, or
+    stop admission, where this profile does not. A documented difference (``schedspec diff`` recognizes it:
+    ``schedspec/commands/diff.py`` ``failed_load_held``; docs/engines.md): the spec state after the report is the
+    same whether or not vLLM's loop has since reached the request, so a plan of the state alone cannot follow
+    vLLM there; that needs a lazy promotion in the spec.
 
 **With prefix caching** (``enable_prefix_caching``): admission first looks up the longest cached prefix
 (``KVCacheManager.get_computed_blocks``, at most ``num_tokens - 1`` tokens), the whole-sequence gate

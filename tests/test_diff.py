@@ -292,3 +292,91 @@ def test_remote_kv_scenarios_exercise_loads_failures_and_sends_and_vllm_v1_agree
                     "--remote-kv")
     assert result.exit_code == 0, result.output
     assert "0 divergent (unexplained), 0 documented differences, 0 findings, 0 unsupported" in result.output
+
+
+def _step(step: int, scheduled: dict[str, tuple[int, int]], num_running: int, **fields):
+    """A StepRecord for the recognizer tests: ``scheduled`` maps id -> (num_computed_tokens, tokens), all decode
+    tokens (a prefill count does not matter to the recognizer)."""
+    from schedspec.spec.trace import ScheduledTokens, StepRecord
+
+    items = tuple(ScheduledTokens(r, c, 0, n) for r, (c, n) in scheduled.items())
+    return StepRecord(step=step, start_time=0.0, duration=0.0, scheduled=items, num_running=num_running, **fields)
+
+
+def _failed_load_run(invalid_block: int = 10, full: bool = True, scheduled_c: bool = False):
+    """An engine's run in which request ``c``'s remote load (blocks 10, 11) lands after step 1, failed from
+    ``invalid_block``; ``a`` and ``b`` run, taking both sequence slots when ``full`` (``max_num_seqs=2``); at step 3
+    the engine preempts ``b``."""
+    from schedspec.spec.config import SchedulerConfig
+
+    config = SchedulerConfig(block_size=4, num_kv_blocks=16, max_num_batched_tokens=64, max_num_seqs=2,
+                             max_model_len=64)
+    running = 2 if full else 1
+    ab = {"a": (8, 1), "b": (8, 1)} if full else {"a": (8, 1)}
+    records = [
+        _step(0, {"a": (0, 8), "b": (0, 8)} if full else {"a": (0, 8)}, running, kv_loads={"c": 8},
+              blocks_allocated={"c": (10, 11)}),
+        _step(1, ab, running, finished_recving=("c",), invalid_block_ids=(invalid_block,)),
+        _step(2, {**ab, **({"c": (0, 8)} if scheduled_c else {})}, running),
+        _step(3, {"a": (9, 1)}, 1, preempted=("b",)),
+    ]
+    return config, records
+
+
+def test_the_failed_load_recognizer_matches_only_a_failed_load_held_by_vllm() -> None:
+    """``failed_load_held`` (docs/engines.md, remote KV): the engine preempts where the profile does not while a
+    load that failed from its first block waits, unreached by vLLM's waiting loop since the report. Any other
+    divergence, or the same one with the blocks already freed in vLLM, is not matched."""
+    from schedspec.commands.diff import FAILED_LOAD_HELD, ComparedStep, failed_load_held
+
+    config, records = _failed_load_run()
+    engine = ComparedStep.of(records[3], exact_blocks=False)
+    profile = ComparedStep({"a": (9, 1, 0), "b": (9, 1, 0)}, frozenset(), frozenset(), frozenset())
+    assert failed_load_held(config, records, 3, engine, profile) == FAILED_LOAD_HELD
+    # the profile preempting more than the engine, or the same: not this difference
+    assert failed_load_held(config, records, 3, profile, engine) is None
+    assert failed_load_held(config, records, 3, engine, engine) is None
+    # the engine scheduled something the profile did not
+    other = ComparedStep({"b": (9, 1, 0)}, frozenset(), frozenset(), frozenset())
+    assert failed_load_held(config, records, 3, engine, other) is None
+    # a load that failed from its second block keeps its blocks in the spec too
+    config, records = _failed_load_run(invalid_block=11)
+    assert failed_load_held(config, records, 3, engine, profile) is None
+    # a free sequence slot at step 2: vLLM's waiting loop reached c and freed its blocks
+    config, records = _failed_load_run(full=False)
+    assert failed_load_held(config, records, 3, engine, profile) is None
+    # c was admitted at step 2 (its blocks freed first)
+    config, records = _failed_load_run(scheduled_c=True)
+    assert failed_load_held(config, records, 3, engine, profile) is None
+    # no failed load at all: a plain preemption divergence
+    config, records = _failed_load_run()
+    records = [attrs.evolve(r, finished_recving=(), invalid_block_ids=()) for r in records]
+    assert failed_load_held(config, records, 3, engine, profile) is None
+
+
+def test_the_failed_load_recognizer_matches_an_admission_stopped_at_a_holder_ahead() -> None:
+    """The other form of the failed-load difference (``diff --remote-kv --seed 2`` example 178): vLLM's waiting
+    loop stops at a landed load ahead of the failed one in ``kv_holding_waiting`` (the failed load's blocks still
+    held, the whole sequence does not fit), the profile admits it. Not matched when the first request only the
+    profile admits holds nothing, or loaded after the failed one, or when the engine scheduled an item differently."""
+    from schedspec.commands.diff import FAILED_LOAD_HELD, ComparedStep, failed_load_held
+
+    config, records = _failed_load_run()
+    # d's load (blocks 12..15) started at step 0 before c's and landed after step 0; a and b end after step 2
+    records[0] = attrs.evolve(records[0], kv_loads={"d": 8, "c": 8},
+                              blocks_allocated={"d": (12, 13, 14, 15), "c": (10, 11)}, finished_recving=("d",))
+    records[2] = attrs.evolve(records[2], num_running=0)
+    records[3] = _step(3, {}, 0)
+    engine = ComparedStep.of(records[3], exact_blocks=False)
+    profile = ComparedStep({"d": (8, 8, 2)}, frozenset(), frozenset(), frozenset())
+    assert failed_load_held(config, records, 3, engine, profile) == FAILED_LOAD_HELD
+    # the profile admitted c itself, or a request that holds nothing: not this difference
+    fresh = ComparedStep({"e": (0, 8, 2)}, frozenset(), frozenset(), frozenset())
+    assert failed_load_held(config, records, 3, engine, fresh) is None
+    # d's load started after c's: c is ahead of it, vLLM's loop reached c first
+    late = [attrs.evolve(records[0], kv_loads={"c": 8, "d": 8})] + records[1:]
+    assert failed_load_held(config, late, 3, engine, profile) is None
+    # the engine scheduled a common item differently
+    records[3] = _step(3, {"d": (8, 4)}, 1)
+    other = ComparedStep({"d": (8, 8, 2), "e": (0, 8, 2)}, frozenset(), frozenset(), frozenset())
+    assert failed_load_held(config, records, 3, ComparedStep.of(records[3], exact_blocks=False), other) is None

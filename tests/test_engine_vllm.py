@@ -796,6 +796,23 @@ def test_remote_kv_scenarios_pass_on_vllm_with_its_connector(stem: str, name: st
     assert any(r.kv_loads or r.finished_sending for r in records)  # the connector's path ran
 
 
+@pytest.mark.parametrize("pair", [("vllm", "vllm-v1"), ("vllm@0.33", "vllm-v1@0.33")])
+def test_diff_vllm_against_the_vllm_v1_profile_with_remote_kv(pair: tuple[str, str]) -> None:
+    """``schedspec diff --remote-kv``: vLLM's scheduler driven through the adapter's KV connector against the
+    profile's rule 14 over 60 derandomized scenarios (loads that land, fail, sends, aborts while loading): no
+    unexplained divergence and no finding (the 1,000-scenario counts are in docs/engines.md)."""
+    from click.testing import CliRunner
+
+    from schedspec.cli import cli
+
+    engine, profile = pair
+    result = CliRunner().invoke(cli, ["diff", "--scheduler", engine, "--against", profile, "--examples", "60",
+                                      "--seed", "2", "--remote-kv"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output[-3000:]
+    assert "60 examples" in result.output and "0 divergent (unexplained)" in result.output
+    assert "0 findings" in result.output
+
+
 def test_remote_kv_with_async_scheduling_is_refused() -> None:
     from schedspec.reference.scheduler import UnsupportedFeature
 

@@ -159,6 +159,105 @@ def documented_difference(config: SchedulerConfig, records: Sequence[StepRecord]
     return None
 
 
+FAILED_LOAD_HELD = ("a remote KV load failed from its first block keeps its blocks in vLLM until a waiting loop reaches "
+                    "the request (Scheduler._update_waiting_for_remote_kv frees them), the spec frees them at the report "
+                    "(land_transfers): vLLM preempts or stops admission where the profile has the blocks")
+
+
+def _waiting_loop_skipped(config: SchedulerConfig, records: Sequence[StepRecord], index: int) -> bool:
+    """Whether vLLM's waiting loop cannot have run in step ``records[index]`` as the record shows it: the step
+    preempted (``if not preempted_reqs``), spent the whole token budget (``while token_budget > 0``), or began
+    with every sequence slot taken and no abort (``num_running >= max_num_active_reqs``); nothing else (a loop
+    that ran and broke elsewhere is not recognized)."""
+    record = records[index]
+    if record.preempted:
+        return True
+    if sum(item.num_tokens for item in record.scheduled) >= config.max_num_batched_tokens:
+        return True
+    return bool(index) and not record.aborts and not record.aborted and (
+        records[index - 1].num_running >= config.active_seq_cap)
+
+
+def _load_step(records: Sequence[StepRecord], index: int, request_id: str) -> int | None:
+    """The last step before ``records[index]`` (inclusive) that started a remote KV load for ``request_id``."""
+    return next((j for j in range(index, -1, -1) if request_id in records[j].kv_loads), None)
+
+
+def _holder_ahead(records: Sequence[StepRecord], index: int, request_id: str, behind: str, load_step: int) -> bool:
+    """Whether ``request_id`` waits ahead of ``behind`` in vLLM's ``kv_holding_waiting`` at ``records[index]``: its
+    remote load started before ``behind``'s (at step ``load_step``), or in the same step ahead of it, and landed
+    before the step without failing from its first block (so it still holds its blocks)."""
+    own = _load_step(records, index - 1, request_id) if index else None
+    if own is None or own > load_step:
+        return False
+    if own == load_step:
+        order = list(records[own].kv_loads)
+        if order.index(request_id) > order.index(behind):
+            return False
+    first = records[own].blocks_allocated.get(request_id, ())[:1]
+    landed = [k for k in range(own, index) if request_id in records[k].finished_recving]
+    return bool(landed) and not set(first) & set(records[landed[0]].invalid_block_ids)
+
+
+def failed_load_held(config: SchedulerConfig, records: Sequence[StepRecord], index: int,
+                     mine: ComparedStep, other: ComparedStep) -> str | None:
+    """Whether the divergence at ``records[index]`` between an engine (``mine``, its ``records``) and a
+    ``vllm-v1`` profile (``other``) is the profile's documented difference of a failed remote KV load
+    (``reference/vllm_v1.py`` rule 14, docs/engines.md): vLLM 0.32/0.33 frees the blocks of a load that failed
+    from its first block only when a waiting loop reaches the request (``Scheduler._handle_blocked_waiting_request``
+    → ``_update_waiting_for_remote_kv`` → ``kv_cache_manager.free``), the spec at the report that says it failed
+    (``spec.transitions.land_transfers``), so until then vLLM has those blocks fewer: it may preempt, or stop
+    admission, where the profile does not. Recognized only when all of these hold:
+
+    - some request's load (``kv_loads``, its blocks in ``blocks_allocated``) landed in the report after a step
+      ``k < index`` with its first block in ``invalid_block_ids``, and the request was neither aborted nor
+      scheduled in steps ``k + 1 .. index`` on either side (it still waits, holding its blocks in vLLM);
+    - vLLM's waiting loop cannot have reached it in steps ``k + 1 .. index - 1`` (:func:`_waiting_loop_skipped`);
+    - at ``index`` either the engine preempted a strict superset of what the profile preempted and scheduled
+      nothing the profile did not (the extra preemption is the only loss), or neither preempted and the engine
+      scheduled a strict subset of the profile's items, the common ones alike, the first item only the profile
+      has being a request that waits ahead of the failed one in ``kv_holding_waiting`` (:func:`_holder_ahead`:
+      vLLM's admission stopped there, before its loop reached the failed load).
+    """
+    same = all(other.scheduled.get(r) == item for r, item in mine.scheduled.items())
+    more_preempted = other.preempted < mine.preempted and mine.scheduled.keys() <= other.scheduled.keys()
+    fewer_admitted = (not mine.preempted and not other.preempted and same
+                      and mine.scheduled.keys() < other.scheduled.keys())
+    if not (more_preempted or fewer_admitted):
+        return None
+    for k in range(index):
+        invalid = set(records[k].invalid_block_ids)
+        for request_id in records[k].finished_recving:
+            load_step = _load_step(records, k, request_id)
+            if load_step is None:
+                continue
+            blocks = records[load_step].blocks_allocated.get(request_id, ())
+            if not blocks or blocks[0] not in invalid:
+                continue
+            later = records[k + 1:index + 1]
+            if any(request_id in {s.request_id for s in r.scheduled} or request_id in r.aborts
+                   or request_id in r.aborted for r in later):
+                continue
+            if request_id in mine.scheduled or request_id in other.scheduled:
+                continue
+            if not all(_waiting_loop_skipped(config, records, m) for m in range(k + 1, index)):
+                continue
+            if more_preempted:
+                return FAILED_LOAD_HELD
+            first = next(r for r in other.scheduled if r not in mine.scheduled)
+            if _holder_ahead(records, index, first, request_id, load_step):
+                return FAILED_LOAD_HELD
+    return None
+
+
+def vllm_v1_divergence(config: SchedulerConfig, records: Sequence[StepRecord], index: int,
+                       mine: ComparedStep, other: ComparedStep) -> str | None:
+    """The documented differences of the ``vllm-v1`` profiles (:func:`documented_difference`,
+    :func:`failed_load_held`): the name of the one the divergence is, or ``None``."""
+    return (documented_difference(config, records, index, mine, other)
+            or failed_load_held(config, records, index, mine, other))
+
+
 def _sglang_finding(config: SchedulerConfig, violations: Sequence[Violation], state: SchedulerState) -> str | None:
     """Whether the violations that stopped an ``sglang`` run are the finding ``sglang-clips-max-tokens``:
     SGLang ended requests at their clipped ``max_new_tokens`` (``reference/sglang_profile.py`` rule 1, the
@@ -212,8 +311,10 @@ class ProfileDifferences:
 
 
 PROFILES: dict[str, ProfileDifferences] = {
-    "vllm-v1": ProfileDifferences(divergence=documented_difference),
-    "vllm-v1-priority": ProfileDifferences(divergence=documented_difference),
+    "vllm-v1": ProfileDifferences(divergence=vllm_v1_divergence),
+    "vllm-v1-priority": ProfileDifferences(divergence=vllm_v1_divergence),
+    "vllm-v1@0.33": ProfileDifferences(divergence=vllm_v1_divergence),
+    "vllm-v1-priority@0.33": ProfileDifferences(divergence=vllm_v1_divergence),
     "sglang-profile": ProfileDifferences(finding=_sglang_finding, config=comparable_config, shape=comparable_request),
 }
 """The reference profiles of engines, by registry name, with what :class:`ProfileDifferences` says of each:
@@ -342,7 +443,10 @@ def compare(config: SchedulerConfig, requests: Sequence[RequestSpec], scheduler:
         compared += 1
         a, b = ComparedStep.of(mine, exact_blocks), ComparedStep.of(other, exact_blocks)
         if a != b:
-            documented = profile.divergence(config, our_records, index, a, b) if profile is not None else None
+            # the engine's records and step first (a profile's recognizers read the engine's run)
+            engine_first = (our_records, a, b) if ours_engine else (their_records, b, a)
+            documented = (profile.divergence(config, engine_first[0], index, *engine_first[1:])
+                          if profile is not None else None)
             return Comparison(compared, Divergence(mine.step, a.describe(), b.describe(), documented),
                               tuple(findings))
     if not stopped and len(our_records) != len(their_records):
