@@ -238,3 +238,22 @@ def test_groups_that_do_not_match_the_layers_are_refused(tmp_path_factory) -> No
         Runner(_config((FULL, other), 26), model=path, device=device_for_tests())
     with pytest.raises(BackendError, match="debug=True with kv_cache_groups"):
         Runner(_config((FULL, SLIDING), 26), model=path, device=device_for_tests(), debug=True)
+
+
+@pytest.mark.parametrize("changes", [
+    {"use_sliding_window": True, "sliding_window": 7, "max_window_layers": 2},
+    {"use_sliding_window": True, "sliding_window": 7, "layer_types": [S, F, F, S]},
+    {"use_sliding_window": False, "sliding_window": 7, "layer_types": [S, F, F, S]},
+    {"use_sliding_window": True, "sliding_window": 7, "max_window_layers": 4},
+    {},
+])
+def test_qwen2_config_fields_read_as_transformers_reads_them(changes) -> None:
+    transformers = pytest.importorskip("transformers")
+    from schedspec.gpu_backend.config import ModelConfig
+
+    data = {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 1, **changes}
+    ours = ModelConfig.from_hf_dict(data)
+    theirs = transformers.Qwen2Config(**{k: v for k, v in data.items() if k != "architectures"})
+    windows = [theirs.sliding_window if kind == S else None for kind in theirs.layer_types]
+    assert [ours.layer_window(layer) for layer in range(4)] == windows

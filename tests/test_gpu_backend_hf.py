@@ -104,6 +104,18 @@ def test_qwen2_with_qkv_biases_matches_transformers(tmp_path):
     _all_chunk_sizes_match(model_dir)
 
 
+def test_qwen2_with_sliding_window_layers_matches_transformers(tmp_path):
+    """Qwen2 whose layers mix sliding-window (window 5 tokens) and full attention: transformers' own window
+    convention (``masking_utils.sliding_window_overlay``) against the backend's, every chunk size."""
+    config = tiny_model_config("Qwen2ForCausalLM", num_hidden_layers=3, hidden_size=128, intermediate_size=256,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                               layer_types=("sliding_attention", "full_attention", "sliding_attention"), sliding_window=5)
+    model_dir = save_model_dir(tmp_path / "qwen2-sliding", config, random_weights(config, seed=4))
+    hf_config = _hf_model(model_dir).config
+    assert hf_config.sliding_window == 5 and hf_config.layer_types[0] == "sliding_attention"
+    _all_chunk_sizes_match(model_dir)
+
+
 def test_llama_variant_biases_tied_llama3_rope_matches_transformers(tmp_path):
     """Llama with attention/mlp biases, tied embeddings, MQA (1 kv head) and llama3 rope scaling."""
     config = tiny_model_config(num_hidden_layers=2, hidden_size=128, intermediate_size=192, num_attention_heads=4,
