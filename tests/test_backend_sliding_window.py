@@ -51,15 +51,7 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _exact_fp32_one_thread():
-    threads = torch.get_num_threads()
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.set_num_threads(1)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.set_num_threads(threads)
-    torch.backends.cuda.matmul.allow_tf32 = tf32
+pytestmark = pytest.mark.usefixtures("exact_fp32_one_thread")
 
 
 def _model(tmp_path_factory, layer_types):

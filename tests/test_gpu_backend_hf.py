@@ -26,17 +26,7 @@ CONFIG = SchedulerConfig(block_size=4, num_kv_blocks=40, max_num_batched_tokens=
 SCRAMBLED = tuple(reversed(range(CONFIG.num_kv_blocks)))  # blocks handed out in descending id order
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _exact_fp32_one_thread():
-    # The comparison is fp32 against fp32: TF32 matmuls on a GPU would exceed the tolerance. Tiny CPU
-    # matmuls run faster (and steadier on a shared machine) on one thread.
-    threads = torch.get_num_threads()
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.set_num_threads(1)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.set_num_threads(threads)
-    torch.backends.cuda.matmul.allow_tf32 = tf32
+pytestmark = pytest.mark.usefixtures("exact_fp32_one_thread")
 
 
 def _hf_model(model_dir):
