@@ -14,7 +14,7 @@ from collections.abc import Collection, Mapping, Sequence
 import numpy as np
 import torch
 
-from schedspec.gpu_backend.config import ModelConfig, tiny_model_config
+from schedspec.gpu_backend.config import SLIDING_ATTENTION, ModelConfig, tiny_model_config
 from schedspec.gpu_backend.device import check_fits, resolve_device, resolve_dtype
 from schedspec.gpu_backend.errors import BackendError, BlockTableError
 from schedspec.gpu_backend.kv_cache import BlockLedger, PagedKVCache, layer_groups
@@ -260,7 +260,10 @@ class Runner:
             device += f" ({torch.cuda.get_device_name(self.device)})"
         dtype = str(self.dtype).removeprefix("torch.")
         clock = "" if self.clock == "wall" else ", step times on the thread's CPU clock"
-        return (f"{name} ({c.architecture}, {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
+        layers = f"{c.num_hidden_layers} layers"
+        if c.sliding_window is not None:
+            layers += f" ({sum(1 for t in c.layer_types if t == SLIDING_ATTENTION)} sliding window {c.sliding_window})"
+        return (f"{name} ({c.architecture}, {layers}, hidden {c.hidden_size}, "
                 f"{c.num_attention_heads}/{c.num_key_value_heads} heads, vocab {c.vocab_size}), {dtype} on {device}"
                 f"{clock}")
 
