@@ -7,9 +7,9 @@ of block ``b``. A request's block table ``[b0, b1, ...]`` puts its position ``p`
 Hybrid KV cache groups (``SchedulerConfig.kv_cache_groups``): each layer's KV lives in the pages of its group's
 block table (group 0's is ``Request.block_ids``, groups 1..'s ``Request.group_block_ids``), and the groups share one
 pool of ``num_kv_blocks`` block ids, as vLLM's ``KVCacheConfig`` does: the ``k``-th layer of every group shares
-one tensor (vLLM ``KVCacheTensor.shared_by``, ``vllm/v1/core/kv_cache_utils.py``
-``get_kv_cache_config_from_groups``), so a block id handed to another group, or another request, overwrites what
-the first one wrote there (see :func:`layer_groups`).
+one tensor (vLLM 0.32 ``vllm/v1/kv_cache_interface.py`` ``KVCacheTensor``: "cache groups overlay each other, which
+is sound because a block ID is owned by one group at a time"), so a block id handed to another group, or another
+request, overwrites what the first one wrote there (see :func:`layer_groups`).
 """
 
 from __future__ import annotations
@@ -32,10 +32,11 @@ def layer_groups(model: ModelConfig, config: SchedulerConfig) -> tuple[tuple[int
     layer then reads the full-attention pages through its window mask (vLLM with the hybrid KV cache manager
     off: ``--disable-hybrid-kv-cache-manager`` allocates a sliding window as full attention). With groups,
     the full-attention layers go to the ``full_attention`` groups and the ``sliding_attention`` layers to the
-    ``sliding_window`` groups whose window is the model's ``sliding_window``, each kind's layers split in
-    layer order into runs of ``ceil(layers / groups)`` (vLLM ``_get_kv_cache_groups_uniform_page_size``
-    splits each kind into groups of one size); a layer's tensor is its index in its group, so layers of
-    different groups share tensors.
+    ``sliding_window`` groups whose window is the model's ``sliding_window``: the ``k``-th layer of a kind
+    (in layer order) to that kind's group ``k % n`` of ``n``, as its tensor ``k // n`` (vLLM 0.32
+    ``vllm/v1/core/kv_cache_utils.py`` ``_get_kv_cache_groups_uniform_page_size`` gives group ``i`` the layers
+    ``layers[i::num_groups]``); so layers of different groups share tensors. The number of groups is the
+    config's (vLLM derives it from the layer counts; this does not check that it would derive the same).
 
     Raises:
         BackendError (field ``kv_cache_groups``): a group whose kind or window no layer has, or a kind of
@@ -59,9 +60,8 @@ def layer_groups(model: ModelConfig, config: SchedulerConfig) -> tuple[tuple[int
                 f"kv_cache_groups={[g.to_dict() for g in config.kv_cache_groups]}: {len(members)} group(s) of "
                 f"{kind} for the model's {len(layers)} layer(s) of it (layer_types, sliding_window="
                 f"{model.sliding_window})", field="kv_cache_groups")
-        size = -(-len(layers) // len(members))
         for index, layer in enumerate(layers):
-            result[layer] = (members[index // size], index % size)
+            result[layer] = (members[index % len(members)], index // len(members))
     return tuple(result)
 
 

@@ -250,3 +250,17 @@ def test_qwen2_config_fields_read_as_transformers_reads_them(changes) -> None:
     theirs = transformers.Qwen2Config(**{k: v for k, v in data.items() if k != "architectures"})
     windows = [theirs.sliding_window if kind == S else None for kind in theirs.layer_types]
     assert [ours.layer_window(layer) for layer in range(4)] == windows
+
+
+def test_layers_split_into_groups_of_one_size_as_vllm() -> None:
+    """Gemma-3-like 5 sliding : 1 full over 12 layers with vLLM's six groups of two layers: the full layers (5
+    and 11) in group 0, the ten sliding ones strided over groups 1..5 (vLLM's ``layers[i::num_groups]``: layers
+    0 and 6 in group 1, 1 and 7 in group 2, ...); a layer's tensor is its index in its group."""
+    from schedspec.gpu_backend.kv_cache import layer_groups
+
+    kinds = ((S,) * 5 + (F,)) * 2
+    cfg = tiny_model_config("Qwen2ForCausalLM", num_hidden_layers=12, layer_types=kinds, sliding_window=WINDOW)
+    got = layer_groups(cfg, _config((FULL,) + (SLIDING,) * 5, 26))
+    assert got == ((1, 0), (2, 0), (3, 0), (4, 0), (5, 0), (0, 0), (1, 1), (2, 1), (3, 1), (4, 1), (5, 1), (0, 1))
+    with pytest.raises(BackendError, match=r"6 group\(s\) of sliding window 6 for the model's 5 layer"):
+        layer_groups(attrs.evolve(cfg, layer_types=(S,) * 5 + (F,) * 7), _config((FULL,) + (SLIDING,) * 6, 26))
