@@ -2,7 +2,8 @@
 
 Torch-free. Only the decoder-only Llama family is supported: ``LlamaForCausalLM`` (RMSNorm, rotary
 embeddings, grouped-query attention, SwiGLU MLP; optional ``attention_bias`` / ``mlp_bias``) and
-``Qwen2ForCausalLM`` (the same with q/k/v biases, full attention only).
+``Qwen2ForCausalLM`` (the same with q/k/v biases; its layers may mix full and sliding-window attention,
+``layer_types`` / ``use_sliding_window`` / ``sliding_window``, see :attr:`ModelConfig.layer_types`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,11 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 _ROPE_TYPES = ("default", "linear", "llama3")
+
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+"""Values of Hugging Face ``layer_types`` the backend runs."""
 
 TINY_MODEL_SEED = 0
 """Seed of the built-in tiny model's weights (fixed: the tiny model is the same everywhere)."""
@@ -50,6 +56,18 @@ class ModelConfig:
         qkv_bias: q/k/v projections have biases (Qwen2; Llama ``attention_bias``).
         o_bias: the output projection has a bias (Llama ``attention_bias``).
         mlp_bias: gate/up/down projections have biases (Llama ``mlp_bias``).
+        layer_types: per layer, ``"full_attention"`` or ``"sliding_attention"`` (Hugging Face ``layer_types``);
+            empty: every layer is full attention.
+        sliding_window: the window of the ``"sliding_attention"`` layers in tokens (Hugging Face
+            ``sliding_window``): the token at position ``i`` attends positions ``j`` with
+            ``i - sliding_window < j <= i`` (transformers ``masking_utils.sliding_window_overlay``,
+            ``kv_idx > q_idx - sliding_window``, on top of the causal mask; vLLM's ``SlidingWindowSpec`` and the
+            spec's ``KVCacheGroup`` use the same window). ``None`` without sliding layers.
+
+    Raises:
+        BackendError: ``layer_types`` of the wrong length or with another kind, sliding layers without a
+            window (an integer >= 1) or a window without sliding layers, or sliding layers in a Llama
+            (transformers' ``LlamaForCausalLM`` has no sliding window).
     """
 
     architecture: str
@@ -72,6 +90,33 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
+    layer_types: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    sliding_window: int | None = None
+
+    def __attrs_post_init__(self) -> None:
+        types = self.layer_types
+        if types and len(types) != self.num_hidden_layers:
+            raise BackendError(f"layer_types={list(types)!r}: must name {self.num_hidden_layers} layers "
+                               "(num_hidden_layers)", field="layer_types")
+        if any(t not in LAYER_TYPES for t in types):
+            raise BackendError(f"layer_types={list(types)!r}: each must be one of {list(LAYER_TYPES)}",
+                               field="layer_types")
+        window = self.sliding_window
+        if SLIDING_ATTENTION in types:
+            if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+                raise BackendError(f"sliding_window={window!r}: must be an integer >= 1 (tokens) for the "
+                                   "sliding_attention layers", field="sliding_window")
+            if self.architecture != "Qwen2ForCausalLM":
+                raise BackendError(f"layer_types: sliding_attention layers are not supported for {self.architecture} "
+                                   "(only Qwen2ForCausalLM)", field="layer_types")
+        elif window is not None:
+            raise BackendError(f"sliding_window={window!r}: no layer is sliding_attention", field="sliding_window")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The attention window of layer ``layer`` in tokens, ``None`` for full attention."""
+        if self.layer_types and self.layer_types[layer] == SLIDING_ATTENTION:
+            return self.sliding_window
+        return None
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -112,6 +157,9 @@ class ModelConfig:
         if self.architecture == "LlamaForCausalLM":
             data["attention_bias"] = self.qkv_bias
             data["mlp_bias"] = self.mlp_bias
+        elif self.sliding_window is not None:
+            data.update(use_sliding_window=True, sliding_window=self.sliding_window, layer_types=list(self.layer_types),
+                        max_window_layers=self.num_hidden_layers)
         else:
             data["use_sliding_window"] = False
         return data
@@ -126,7 +174,7 @@ class ModelConfig:
 
         Raises:
             BackendError: an unsupported architecture, a missing or ill-typed field, or a feature the
-                backend does not implement (sliding window, other activations, other rope types);
+                backend does not implement (other activations, other rope types, other layer types);
                 the message names ``source`` and the field.
         """
 
@@ -215,11 +263,26 @@ class ModelConfig:
         if isinstance(original, bool) or not isinstance(original, int) or original < 1:
             raise fail("rope_scaling", "original_max_position_embeddings must be a positive integer")
 
+        layer_types: tuple[str, ...] = ()
+        window = None
         if architecture == "Qwen2ForCausalLM":
-            layer_types = data.get("layer_types") or []
-            sliding = flag("use_sliding_window", False) and integer("max_window_layers", 28, 0) < num_layers
-            if sliding or "sliding_attention" in layer_types:
-                raise fail("use_sliding_window", "sliding-window attention is not supported")
+            # As transformers' Qwen2Config: the window only with use_sliding_window; layer_types given, or the
+            # layers from max_window_layers on are sliding.
+            if flag("use_sliding_window", False):
+                window = integer("sliding_window", 4096)
+            given = data.get("layer_types")
+            if given is not None:
+                if not isinstance(given, list) or len(given) != num_layers or any(t not in LAYER_TYPES for t in given):
+                    raise fail("layer_types", f"must list {num_layers} of {list(LAYER_TYPES)}")
+                kinds = given
+            else:
+                first = integer("max_window_layers", 28, 0)
+                kinds = [SLIDING_ATTENTION if window is not None and i >= first else FULL_ATTENTION
+                         for i in range(num_layers)]
+            if window is not None and SLIDING_ATTENTION in kinds:
+                layer_types = tuple(kinds)
+            else:  # transformers: a sliding_attention layer without a window attends like a full one
+                window = None
             qkv_bias, o_bias, mlp_bias = True, False, False
         else:
             qkv_bias = o_bias = flag("attention_bias", False)
@@ -246,6 +309,8 @@ class ModelConfig:
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=mlp_bias,
+            layer_types=layer_types,
+            sliding_window=window,
         )
 
     @classmethod

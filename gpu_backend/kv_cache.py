@@ -3,6 +3,13 @@
 Block ``b`` of the pool holds ``block_size`` token slots; slot ``b * block_size + o`` is offset ``o``
 of block ``b``. A request's block table ``[b0, b1, ...]`` puts its position ``p`` in slot
 ``table[p // block_size] * block_size + p % block_size`` (vLLM's paged attention layout).
+
+Hybrid KV cache groups (``SchedulerConfig.kv_cache_groups``): each layer's KV lives in the pages of its group's
+block table (group 0's is ``Request.block_ids``, groups 1..'s ``Request.group_block_ids``), and the groups share one
+pool of ``num_kv_blocks`` block ids, as vLLM's ``KVCacheConfig`` does: the ``k``-th layer of every group shares
+one tensor (vLLM 0.32 ``vllm/v1/kv_cache_interface.py`` ``KVCacheTensor``: "cache groups overlay each other, which
+is sound because a block ID is owned by one group at a time"), so a block id handed to another group, or another
+request, overwrites what the first one wrote there (see :func:`layer_groups`).
 """
 
 from __future__ import annotations
@@ -11,26 +18,82 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+from schedspec.gpu_backend.config import SLIDING_ATTENTION, ModelConfig
+from schedspec.gpu_backend.errors import BackendError
+from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.state import SchedulerState, StepPlan
+
+
+def layer_groups(model: ModelConfig, config: SchedulerConfig) -> tuple[tuple[int, int], ...]:
+    """Per decoder layer, ``(group, tensor)``: the KV cache group whose block tables hold its KV and the cache
+    tensor it writes (:attr:`PagedKVCache.key` ``[layer]`` is tensor ``tensor`` of the shared ones).
+
+    Without ``config.kv_cache_groups`` every layer is in group 0 with a tensor of its own; a sliding-window
+    layer then reads the full-attention pages through its window mask (vLLM with the hybrid KV cache manager
+    off: ``--disable-hybrid-kv-cache-manager`` allocates a sliding window as full attention). With groups,
+    the full-attention layers go to the ``full_attention`` groups and the ``sliding_attention`` layers to the
+    ``sliding_window`` groups whose window is the model's ``sliding_window``: the ``k``-th layer of a kind
+    (in layer order) to that kind's group ``k % n`` of ``n``, as its tensor ``k // n`` (vLLM 0.32
+    ``vllm/v1/core/kv_cache_utils.py`` ``_get_kv_cache_groups_uniform_page_size`` gives group ``i`` the layers
+    ``layers[i::num_groups]``); so layers of different groups share tensors. The number of groups is the
+    config's (vLLM derives it from the layer counts; this does not check that it would derive the same).
+
+    Raises:
+        BackendError (field ``kv_cache_groups``): a group whose kind or window no layer has, or a kind of
+            layer with no group.
+    """
+    num_layers = model.num_hidden_layers
+    if not config.kv_cache_groups:
+        return tuple((0, layer) for layer in range(num_layers))
+
+    def kind_of(layer: int) -> int | None:
+        return model.sliding_window if model.layer_types and model.layer_types[layer] == SLIDING_ATTENTION else None
+
+    groups = [g.sliding_window for g in config.kv_cache_groups]
+    result: list[tuple[int, int]] = [(0, 0)] * num_layers
+    for window in dict.fromkeys([kind_of(layer) for layer in range(num_layers)] + groups):
+        layers = [layer for layer in range(num_layers) if kind_of(layer) == window]
+        members = [g for g, w in enumerate(groups) if w == window]
+        if not layers or not members or len(members) > len(layers):
+            kind = "full attention" if window is None else f"sliding window {window}"
+            raise BackendError(
+                f"kv_cache_groups={[g.to_dict() for g in config.kv_cache_groups]}: {len(members)} group(s) of "
+                f"{kind} for the model's {len(layers)} layer(s) of it (layer_types, sliding_window="
+                f"{model.sliding_window})", field="kv_cache_groups")
+        for index, layer in enumerate(layers):
+            result[layer] = (members[index % len(members)], index // len(members))
+    return tuple(result)
 
 
 class PagedKVCache:
     """Per-layer key and value tensors of shape ``[num_blocks, block_size, num_kv_heads, head_dim]``.
 
+    Args:
+        num_layers: tensors to allocate (per key and value); one per layer unless ``tensor_of_layer`` says
+            which layers share one (hybrid KV cache groups, :func:`layer_groups`).
+        tensor_of_layer: per layer, the index of its tensor in ``[0, num_layers)``; default: layer ``i`` has
+            tensor ``i``.
+
     Attributes:
-        key, value: one tensor per layer, in the model dtype on the model device.
+        key, value: one tensor per layer (the same object for layers that share one), in the model dtype on
+            the model device.
         num_blocks, block_size, num_kv_heads, head_dim: the sizes (blocks, tokens, heads, elements).
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, fill: float = 0.0) -> None:
+                 dtype: torch.dtype, device: torch.device, fill: float = 0.0,
+                 tensor_of_layer: Iterable[int] | None = None) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.key = [torch.full(shape, fill, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.value = [torch.full(shape, fill, dtype=dtype, device=device) for _ in range(num_layers)]
+        keys = [torch.full(shape, fill, dtype=dtype, device=device) for _ in range(num_layers)]
+        values = [torch.full(shape, fill, dtype=dtype, device=device) for _ in range(num_layers)]
+        which = range(num_layers) if tensor_of_layer is None else tuple(tensor_of_layer)
+        self.key = [keys[i] for i in which]
+        self.value = [values[i] for i in which]
+        self._tensors = (*keys, *values)
 
     @staticmethod
     def size_bytes(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -51,7 +114,7 @@ class PagedKVCache:
         if not ids:
             return
         index = torch.tensor(ids, dtype=torch.int64, device=self.key[0].device)
-        for tensor in (*self.key, *self.value):
+        for tensor in self._tensors:
             tensor.index_fill_(0, index, value)
 
     def fill_slots(self, slots: Iterable[int], value: float = float("nan")) -> None:
@@ -62,7 +125,7 @@ class PagedKVCache:
             return
         index = torch.tensor(ids, dtype=torch.int64, device=self.key[0].device)
         width = self.num_kv_heads * self.head_dim
-        for tensor in (*self.key, *self.value):
+        for tensor in self._tensors:
             tensor.view(-1, width).index_fill_(0, index, value)
 
 

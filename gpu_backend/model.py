@@ -3,7 +3,8 @@
 The batch packs ``T`` new tokens of several requests: prefill chunks at any offset into their sequence
 and single decode tokens. Each new token attends to its request's cached tokens plus the causal part of
 its own chunk; keys and values are written to, then gathered from, the paged KV cache through the
-request's block table. Numerics follow Hugging Face ``modeling_llama`` (fp32 RMSNorm, fp32 rotary
+request's block table (a sliding-window layer: through its KV cache group's table, attending only to the
+positions its window sees, :func:`visible`). Numerics follow Hugging Face ``modeling_llama`` (fp32 RMSNorm, fp32 rotary
 angles, ``rotate_half`` rotary embedding, SwiGLU) so logits match ``transformers`` to rounding.
 """
 
@@ -19,6 +20,24 @@ from schedspec.gpu_backend.config import ModelConfig
 from schedspec.gpu_backend.kv_cache import PagedKVCache
 
 
+def visible(query_positions, key_positions, window: int | None):
+    """Which keys each query attends: ``[Q, K]`` bool (numpy or torch, as the inputs), True where the key's
+    position ``j`` is at most the query's ``i`` and, with a sliding ``window`` (tokens), ``i - window < j``:
+    the window holds the query and the ``window - 1`` positions before it. transformers
+    ``masking_utils.causal_mask_function`` and ``sliding_window_overlay`` (``kv_idx > q_idx - sliding_window``);
+    vLLM ``SlidingWindowSpec`` and the spec's ``KVCacheGroup`` (position ``p`` attends ``[p - w + 1, p]``).
+
+    Args:
+        query_positions: ``[Q]`` int positions.
+        key_positions: ``[K]`` int positions.
+        window: the window in tokens, ``None`` for full (causal) attention.
+    """
+    mask = key_positions[None, :] <= query_positions[:, None]
+    if window is not None:
+        mask = mask & (key_positions[None, :] > query_positions[:, None] - window)
+    return mask
+
+
 @attrs.define
 class PrefillChunk:
     """One request's chunk of more than one token in a packed batch.
@@ -26,12 +45,16 @@ class PrefillChunk:
     Attributes:
         token_start: index of its first token in the packed batch.
         num_tokens: ``n``, tokens in the chunk.
-        seq_len: ``L``, positions ``[0, L)`` visible after the chunk (cached plus new), tokens.
-        block_ids: ``[ceil(L / block_size)]`` int64, its block table prefix covering ``[0, L)``
-            (``None`` for a chunk that starts at position 0: it attends only to its own new keys and values,
-            causally, without reading the cache).
-        mask: ``[G * n, L]`` bool, True where query ``i`` (repeated for the ``G`` query heads of each
-            key/value head) may attend key position ``j`` (``j <= L - n + i``); ``None`` with ``block_ids``.
+        seq_len: ``L``, positions ``[0, L)`` computed after the chunk (cached plus new), tokens.
+        block_ids: ``[ceil(L / block_size) - key_start / block_size]`` int64, its block table from the
+            block of position ``key_start`` to the one of ``L - 1`` (``None`` for a chunk that starts at position 0
+            and whose every query sees all the chunk's earlier tokens: it attends only to its own new keys and
+            values, causally, without reading the cache).
+        mask: ``[G * n, L - key_start]`` bool, True where query ``i`` (repeated for the ``G`` query heads of each
+            key/value head) may attend key position ``key_start + j`` (:func:`visible`); ``None`` without
+            ``block_ids``.
+        key_start: the first position read from the cache, a multiple of ``block_size`` (0, or for a
+            sliding-window layer the start of the block of the first position its window sees).
     """
 
     token_start: int
@@ -39,6 +62,7 @@ class PrefillChunk:
     seq_len: int
     block_ids: torch.Tensor | None
     mask: torch.Tensor | None
+    key_start: int = 0
 
 
 @attrs.define
@@ -51,7 +75,8 @@ class DecodeGroup:
             cover the group's longest sequence).
         num_blocks: ``B``.
         mask: ``[R, 1, 1, B * block_size]`` additive mask in the model dtype: 0 where the item may read
-            (positions below its length), ``-inf`` elsewhere.
+            (positions below its length, and in its window for a sliding-window layer; :func:`visible`),
+            ``-inf`` elsewhere.
         invalid: ``[R, B * block_size, 1, 1]`` bool, True at the positions the mask hides; set only when the
             cache may hold NaN or inf there (debug mode's poisoned blocks; float16): the gathered copy is
             zeroed at them, since a masked-out NaN would otherwise leak through ``0 * NaN``.
@@ -65,23 +90,35 @@ class DecodeGroup:
 
 
 @attrs.define
+class AttentionView:
+    """The attention metadata of the layers of one KV cache group and one window.
+
+    Attributes:
+        slot_mapping: ``[T]`` int64 KV-cache slot each token's key/value is written to (in the group's tables).
+        decode_groups: the single-token items, in groups of similar length (see :class:`DecodeGroup`).
+        prefills: the chunks of more than one token.
+    """
+
+    slot_mapping: torch.Tensor
+    decode_groups: list[DecodeGroup]
+    prefills: list[PrefillChunk]
+
+
+@attrs.define
 class PackedBatch:
     """Inputs and attention metadata of one step, on the model device.
 
     Attributes:
         input_ids: ``[T]`` int64 token ids.
         positions: ``[T]`` int64 position of each token in its sequence.
-        slot_mapping: ``[T]`` int64 KV-cache slot each token's key/value is written to.
-        decode_groups: the single-token items, in groups of similar length (see :class:`DecodeGroup`).
-        prefills: the chunks of more than one token.
+        views: the :class:`AttentionView` of each layer kind (``LlamaModel.layer_view`` says which a layer
+            uses); one for a model of full-attention layers only.
         logits_index: ``[S]`` int64 batch indices whose logits are returned.
     """
 
     input_ids: torch.Tensor
     positions: torch.Tensor
-    slot_mapping: torch.Tensor
-    decode_groups: list[DecodeGroup]
-    prefills: list[PrefillChunk]
+    views: list[AttentionView]
     logits_index: torch.Tensor
 
 
@@ -176,6 +213,8 @@ class LlamaModel:
                 down_weight=get(p + "mlp.down_proj.weight"),
                 down_bias=get(p + "mlp.down_proj.bias") if config.mlp_bias else None,
             ))
+        self.layer_view = [0] * config.num_hidden_layers
+        """Per layer, the index of its :class:`AttentionView` in ``PackedBatch.views`` (set by the runner)."""
         self.inv_freq = rope_inv_freq(config).to(device)
         self._rope_cos: torch.Tensor | None = None
         self._rope_sin: torch.Tensor | None = None
@@ -225,8 +264,9 @@ class LlamaModel:
             qk = qk * cos + _rotate_half(qk) * sin
             q, k = qk[:, :heads], qk[:, heads:]
             v = qkv[:, q_size + kv_size:].view(num_tokens, kv_heads, cfg.head_dim)
-            kv_cache.write(index, batch.slot_mapping, k, v)
-            attn = self._attention(index, q, k, v, batch, kv_cache)
+            view = batch.views[self.layer_view[index]]
+            kv_cache.write(index, view.slot_mapping, k, v)
+            attn = self._attention(index, q, k, v, view, kv_cache)
             x = x + F.linear(attn.reshape(num_tokens, q_size), layer.o_weight, layer.o_bias)
             h = _rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
             gate, up = F.linear(h, layer.gate_up_weight, layer.gate_up_bias).chunk(2, dim=-1)
@@ -234,7 +274,7 @@ class LlamaModel:
         x = _rms_norm(x[batch.logits_index], self.norm, cfg.rms_norm_eps)
         return F.linear(x, self.lm_head).to(torch.float32)
 
-    def _attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PackedBatch,
+    def _attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionView,
                    kv_cache: PagedKVCache) -> torch.Tensor:
         """Attention output ``[T, num_attention_heads, head_dim]`` for queries ``q`` of the same shape
         (``k``, ``v``: the batch's own new keys and values, ``[T, num_key_value_heads, head_dim]``).
@@ -263,7 +303,7 @@ class LlamaModel:
                 query, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=group.mask)
             out.index_copy_(0, group.index, result.reshape(rows, kv_heads * groups, head_dim))
         for chunk in batch.prefills:
-            start, n, length = chunk.token_start, chunk.num_tokens, chunk.seq_len
+            start, n, length = chunk.token_start, chunk.num_tokens, chunk.seq_len - chunk.key_start
             if chunk.block_ids is None:
                 result = F.scaled_dot_product_attention(
                     q[start:start + n].transpose(0, 1)[None], k[start:start + n].transpose(0, 1)[None],

@@ -14,11 +14,18 @@ from collections.abc import Collection, Mapping, Sequence
 import numpy as np
 import torch
 
-from schedspec.gpu_backend.config import ModelConfig, tiny_model_config
+from schedspec.gpu_backend.config import SLIDING_ATTENTION, ModelConfig, tiny_model_config
 from schedspec.gpu_backend.device import check_fits, resolve_device, resolve_dtype
 from schedspec.gpu_backend.errors import BackendError, BlockTableError
-from schedspec.gpu_backend.kv_cache import BlockLedger, PagedKVCache
-from schedspec.gpu_backend.model import DecodeGroup, LlamaModel, PackedBatch, PrefillChunk
+from schedspec.gpu_backend.kv_cache import BlockLedger, PagedKVCache, layer_groups
+from schedspec.gpu_backend.model import (
+    AttentionView,
+    DecodeGroup,
+    LlamaModel,
+    PackedBatch,
+    PrefillChunk,
+    visible,
+)
 from schedspec.gpu_backend.ngram import DEFAULT_LOOKUP, ngram_drafts
 from schedspec.gpu_backend.sampling import sample, uniforms
 from schedspec.gpu_backend.weights import (
@@ -30,7 +37,9 @@ from schedspec.gpu_backend.weights import (
 from schedspec.reference.cost_model import step_shape
 from schedspec.reference.fake_model import greedy_verify
 from schedspec.spec.config import SchedulerConfig, blocks_for_tokens
+from schedspec.spec.kv_cache_groups import group_tables, groups_of, num_skipped_blocks
 from schedspec.spec.state import SchedulerState, SpeculativeOutput, StepPlan, samples_this_step
+from schedspec.spec.transitions import group_tables_after
 from schedspec.spec.workload import EOS_TOKEN_ID, token_id_at, token_ids
 
 RECORD_LOGITS = ("none", "last", "all")
@@ -74,7 +83,11 @@ class Runner:
     Args:
         config: the scheduler limits; the KV cache has ``num_kv_blocks`` blocks of ``block_size`` tokens.
         model: ``None`` for the built-in tiny model (no download), or a local Hugging Face model
-            directory (``config.json`` + ``*.safetensors``; ``LlamaForCausalLM`` / ``Qwen2ForCausalLM``).
+            directory (``config.json`` + ``*.safetensors``; ``LlamaForCausalLM`` / ``Qwen2ForCausalLM``, the
+            latter's layers possibly mixing full and sliding-window attention). With
+            ``config.kv_cache_groups`` each layer's KV is paged through its group's block tables
+            (:func:`~schedspec.gpu_backend.kv_cache.layer_groups`); without, a sliding-window layer reads the
+            full-attention tables through its window mask.
         device: ``"auto"`` (CUDA if available), ``"cuda"``, ``"cuda:N"`` or ``"cpu"``.
         dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"`` (weights, activations and KV cache).
         debug: check every step's block tables against the blocks each request was given (raise
@@ -95,8 +108,9 @@ class Runner:
     Raises:
         BackendError: before anything is loaded or allocated, naming the field or file: a bad model
             directory or tensor, an unsupported architecture, a device/dtype the machine cannot run,
-            ``max_model_len`` beyond the model's ``max_position_embeddings``, or a KV cache (plus
-            weights) that does not fit in free memory.
+            ``max_model_len`` beyond the model's ``max_position_embeddings``, ``kv_cache_groups`` that do not
+            match the model's layer kinds (or with ``debug``: the debug ledger tracks group 0's tables only),
+            or a KV cache (plus weights) that does not fit in free memory.
 
     Attributes:
         model_config: the architecture in use.
@@ -173,7 +187,16 @@ class Runner:
             raise BackendError(
                 f"max_model_len={config.max_model_len}: exceeds the model's max_position_embeddings="
                 f"{model_config.max_position_embeddings}", field="max_model_len")
-        kv_bytes = PagedKVCache.size_bytes(model_config.num_hidden_layers, config.num_kv_blocks, config.block_size,
+        self.layer_groups = layer_groups(model_config, config)
+        """Per layer, ``(KV cache group, cache tensor)`` (:func:`~schedspec.gpu_backend.kv_cache.layer_groups`)."""
+        if debug and config.kv_cache_groups:
+            raise BackendError("debug=True with kv_cache_groups: the debug ledger checks group 0's block tables only "
+                               "(not implemented for several groups)", field="kv_cache_groups")
+        self.views = list(dict.fromkeys((group, model_config.layer_window(layer))
+                                        for layer, (group, _) in enumerate(self.layer_groups)))
+        """The distinct ``(KV cache group, window)`` of the layers: one ``AttentionView`` each per step."""
+        num_tensors = 1 + max(tensor for _, tensor in self.layer_groups)
+        kv_bytes = PagedKVCache.size_bytes(num_tensors, config.num_kv_blocks, config.block_size,
                                            model_config.num_key_value_heads, model_config.head_dim, self.dtype)
         check_fits(weight_bytes(model_config, self.dtype), kv_bytes, self.device)
 
@@ -182,6 +205,8 @@ class Runner:
         self.model_path = None if model is None else os.fspath(model)
         """The model directory, or ``None`` for the built-in tiny model."""
         self.model = LlamaModel(model_config, weights, self.device, self.dtype)
+        self.model.layer_view = [self.views.index((group, model_config.layer_window(layer)))
+                                 for layer, (group, _) in enumerate(self.layer_groups)]
         del weights
         if config.max_model_len <= ROTARY_TABLE_MAX_LEN:
             self.model.prepare_rotary(config.max_model_len)
@@ -191,9 +216,10 @@ class Runner:
         self.debug = debug
         self.check_block_tables = debug
         """In debug mode, raise on ownership violations (tests may turn this off to see NaN poisoning)."""
-        self.kv_cache = PagedKVCache(model_config.num_hidden_layers, config.num_kv_blocks, config.block_size,
+        self.kv_cache = PagedKVCache(num_tensors, config.num_kv_blocks, config.block_size,
                                      model_config.num_key_value_heads, model_config.head_dim, self.dtype,
-                                     self.device, fill=float("nan") if debug else 0.0)
+                                     self.device, fill=float("nan") if debug else 0.0,
+                                     tensor_of_layer=[tensor for _, tensor in self.layer_groups])
         self.ledger = BlockLedger(config.num_kv_blocks, config.block_size) if debug else None
         self.eos_at_output = eos
         self.seed = seed
@@ -234,7 +260,10 @@ class Runner:
             device += f" ({torch.cuda.get_device_name(self.device)})"
         dtype = str(self.dtype).removeprefix("torch.")
         clock = "" if self.clock == "wall" else ", step times on the thread's CPU clock"
-        return (f"{name} ({c.architecture}, {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
+        layers = f"{c.num_hidden_layers} layers"
+        if c.sliding_window is not None:
+            layers += f" ({sum(1 for t in c.layer_types if t == SLIDING_ATTENTION)} sliding window {c.sliding_window})"
+        return (f"{name} ({c.architecture}, {layers}, hidden {c.hidden_size}, "
                 f"{c.num_attention_heads}/{c.num_key_value_heads} heads, vocab {c.vocab_size}), {dtype} on {device}"
                 f"{clock}")
 
@@ -270,7 +299,8 @@ class Runner:
         if tokens is None:
             tokens = self.config.max_num_batched_tokens
         total = tokens + decodes
-        room = min(self.config.num_kv_blocks * size, self.config.max_model_len)
+        num_groups = len(groups_of(self.config))  # each group's table covers the request (no window frees here)
+        room = min(self.config.num_kv_blocks // num_groups * size, self.config.max_model_len)
         if total > room:
             decodes = min(decodes, max(room - 1, 0) // 2)
             tokens = room - decodes
@@ -287,10 +317,14 @@ class Runner:
                     break
                 start = request.num_computed_tokens
                 n = request.num_tokens - start
-                have = len(request.block_ids)
-                need = blocks_for_tokens(start + n, size) - have
-                new = tuple(state.free_block_ids[:need])
-                plan = StepPlan(scheduled=(ScheduledRequest("warm-up", start, n, new),))
+                free = state.free_block_ids
+                new = []
+                for table in group_tables(request) + ((),) * (num_groups - 1 - len(request.group_block_ids)):
+                    need = blocks_for_tokens(start + n, size) - len(table)
+                    new.append(tuple(free[:need]))
+                    free = free[need:]
+                plan = StepPlan(scheduled=(ScheduledRequest("warm-up", start, n, new[0],
+                                                            group_new_block_ids=tuple(new[1:])),))
                 sampled, _ = self.execute(plan, state)
                 state = apply_plan(state, plan, sampled, self.config).state
         finally:
@@ -464,20 +498,19 @@ class Runner:
         sampling request; every position of an item with drafts, in order), the largest position in the
         batch, and the ``[T]`` int64 slot of each batch token."""
         block_size = self.config.block_size
-        num_blocks = self.config.num_kv_blocks
-        groups = self.model_config.num_queries_per_kv
+        num_groups = len(groups_of(self.config))
         total = sum(item.num_tokens for item in plan.scheduled)
         input_ids = np.empty(total, dtype=np.int64)
         positions = np.empty(total, dtype=np.int64)
-        slots = np.empty(total, dtype=np.int64)
+        slots = [np.empty(total, dtype=np.int64) for _ in range(num_groups)]
         spans: dict[str, tuple[int, int]] = {}
         samplers: list[tuple[str, int, int]] = []
         decode_index: list[int] = []
-        decode_tables: list[tuple[int, ...]] = []
+        decode_tables: list[list[tuple[int, ...]]] = [[] for _ in range(num_groups)]
         decode_lens: list[int] = []
         decode_ids: list[int] = []
-        decode_slots: list[int] = []
-        prefills: list[tuple[int, int, int, np.ndarray]] = []
+        decode_slots: list[list[int]] = [[] for _ in range(num_groups)]
+        prefills: list[tuple[int, int, int, list[np.ndarray]]] = []
         offset = 0
         max_end = 0
         for item in plan.scheduled:
@@ -500,28 +533,18 @@ class Runner:
                 raise BackendError(
                     f"step {state.step}: request {request_id!r}: chunk [{start}, {end}) is outside its "
                     f"{num_tokens} tokens", field="num_tokens")
-            table = request.block_ids + hits.get(request_id, ()) + item.new_block_ids
-            needed = blocks_for_tokens(end, block_size)
-            if len(table) < needed:
-                raise BlockTableError(
-                    f"step {state.step}: request {request_id!r}: block table {list(table)} holds "
-                    f"{len(table) * block_size} tokens but the chunk ends at position {end}", field="new_block_ids")
-            blocks = table[:needed]
-            if min(blocks) < 0 or max(blocks) >= num_blocks:
-                raise BlockTableError(
-                    f"step {state.step}: request {request_id!r}: block table {list(table)} names a block outside "
-                    f"[0, {num_blocks})", field="new_block_ids")
+            tables = self._item_tables(state, request, item, hits.get(request_id, ()), end)
             spans[request_id] = (offset, n)
             if end > max_end:
                 max_end = end
             if n == 1:  # decode: plain Python ints, written into the arrays below in one go
                 decode_index.append(offset)
-                decode_tables.append(blocks)
                 decode_lens.append(end)
                 decode_ids.append(token_id_at(request, start))
-                decode_slots.append(blocks[start // block_size] * block_size + start % block_size)
+                for group, blocks in enumerate(tables):
+                    decode_tables[group].append(blocks)
+                    decode_slots[group].append(blocks[start // block_size] * block_size + start % block_size)
             else:
-                block_array = np.asarray(blocks, dtype=np.int64)
                 pos = np.arange(start, end, dtype=np.int64)
                 if draft:
                     input_ids[offset] = token_id_at(request, start)
@@ -529,8 +552,10 @@ class Runner:
                 else:
                     input_ids[offset:offset + n] = token_ids(request, start, end)
                 positions[offset:offset + n] = pos
-                slots[offset:offset + n] = block_array[pos // block_size] * block_size + pos % block_size
-                prefills.append((offset, n, end, block_array))
+                arrays = [np.asarray(blocks, dtype=np.int64) for blocks in tables]
+                for group, block_array in enumerate(arrays):
+                    slots[group][offset:offset + n] = block_array[pos // block_size] * block_size + pos % block_size
+                prefills.append((offset, n, end, arrays))
             if draft:
                 first_output = request.num_output_tokens + 1
                 samplers.extend((request_id, offset + i, first_output + i) for i in range(n))
@@ -540,7 +565,8 @@ class Runner:
         if decode_index:
             input_ids[decode_index] = decode_ids
             positions[decode_index] = np.asarray(decode_lens, dtype=np.int64) - 1
-            slots[decode_index] = decode_slots
+            for group in range(num_groups):
+                slots[group][decode_index] = decode_slots[group]
 
         if input_ids.min() < 0 or input_ids.max() >= self.vocab_size:
             for request_id, (first, n) in spans.items():
@@ -555,16 +581,13 @@ class Runner:
         def tensor(array: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(array).to(device, non_blocking=True)
 
-        decode_groups = self._decode_groups(decode_index, decode_tables, decode_lens) if decode_index else []
-        chunks = []
-        for first, n, end, blocks in prefills:
-            if end == n:  # starts at position 0: attends only to its own new keys/values
-                chunks.append(PrefillChunk(first, n, end, None, None))
-                continue
-            key_pos = torch.arange(end, device=device)
-            query_pos = torch.arange(end - n, end, device=device)
-            mask = (key_pos[None, :] <= query_pos[:, None]).repeat(groups, 1)
-            chunks.append(PrefillChunk(first, n, end, tensor(blocks), mask))
+        slot_tensors = [tensor(array) for array in slots]
+        views = []
+        for group, window in self.views:
+            decode_groups = (self._decode_groups(decode_index, decode_tables[group], decode_lens, window)
+                             if decode_index else [])
+            chunks = [self._prefill_chunk(first, n, end, arrays[group], window) for first, n, end, arrays in prefills]
+            views.append(AttentionView(slot_tensors[group], decode_groups, chunks))
         if self.record_logits == "all":
             logits_index = np.arange(offset, dtype=np.int64)
         else:
@@ -572,16 +595,62 @@ class Runner:
         batch = PackedBatch(
             input_ids=tensor(input_ids),
             positions=tensor(positions),
-            slot_mapping=tensor(slots),
-            decode_groups=decode_groups,
-            prefills=chunks,
+            views=views,
             logits_index=tensor(logits_index),
         )
-        return batch, spans, samplers, max_end - 1, slots
+        return batch, spans, samplers, max_end - 1, slots[0]
 
-    def _decode_groups(self, index: list[int], tables: list[tuple[int, ...]], lengths: list[int]) -> list[DecodeGroup]:
+    def _item_tables(self, state: SchedulerState, request, item, hits: tuple[int, ...], end: int) -> list[tuple[int, ...]]:
+        """Per KV cache group, the item's block table after the step, cut to the ``ceil(end / block_size)``
+        blocks that cover positions ``[0, end)``: group 0's is ``request.block_ids + hits + new_block_ids``,
+        groups 1..'s the spec's :func:`~schedspec.spec.transitions.group_tables_after`. In a sliding-window
+        group, the first :func:`~schedspec.spec.kv_cache_groups.num_skipped_blocks` entries (at the item's
+        ``num_computed_tokens``: wholly before the window of its first token, null or freed) are replaced
+        by the first visible block, which the window mask hides.
+
+        Raises:
+            BlockTableError: a table too short for the chunk, or a block the chunk reads or writes outside
+                ``[0, num_kv_blocks)`` (a null entry the window still sees included).
+        """
+        block_size, num_blocks = self.config.block_size, self.config.num_kv_blocks
+        needed = blocks_for_tokens(end, block_size)
+        tables = [request.block_ids + hits + item.new_block_ids]
+        if self.config.kv_cache_groups:
+            tables.extend(group_tables_after(request, item, self.config))
+        result = []
+        for group, (kind, table) in enumerate(zip(groups_of(self.config), tables, strict=True)):
+            where = "" if group == 0 else f" of KV cache group {group}"
+            if len(table) < needed:
+                raise BlockTableError(
+                    f"step {state.step}: request {item.request_id!r}: block table{where} {list(table)} holds "
+                    f"{len(table) * block_size} tokens but the chunk ends at position {end}", field="new_block_ids")
+            skipped = min(num_skipped_blocks(kind, item.num_computed_tokens, block_size), needed - 1)
+            blocks = table[skipped:needed]
+            if min(blocks) < 0 or max(blocks) >= num_blocks:
+                raise BlockTableError(
+                    f"step {state.step}: request {item.request_id!r}: block table{where} {list(table)} names a block "
+                    f"outside [0, {num_blocks}) that the chunk reads or writes", field="new_block_ids")
+            result.append((blocks[0],) * skipped + blocks)
+        return result
+
+    def _prefill_chunk(self, first: int, n: int, end: int, blocks: np.ndarray, window: int | None) -> PrefillChunk:
+        """The :class:`PrefillChunk` of ``n`` tokens at batch index ``first`` ending at position ``end``, for
+        layers of ``window`` (tokens, ``None``: full attention) reading the block table ``blocks``: the
+        cache is read from the block of the first position the chunk's first token sees."""
+        if end == n and (window is None or n <= window):  # starts at 0 and sees its whole self: no cache read
+            return PrefillChunk(first, n, end, None, None)
+        block_size, device = self.config.block_size, self.device
+        key_start = 0 if window is None else max(0, end - n - window + 1) // block_size * block_size
+        mask = visible(torch.arange(end - n, end, device=device), torch.arange(key_start, end, device=device), window)
+        block_ids = torch.from_numpy(blocks[key_start // block_size:]).to(device, non_blocking=True)
+        return PrefillChunk(first, n, end, block_ids, mask.repeat(self.model_config.num_queries_per_kv, 1), key_start)
+
+    def _decode_groups(self, index: list[int], tables: list[tuple[int, ...]], lengths: list[int],
+                       window: int | None = None) -> list[DecodeGroup]:
         """Split the single-token items into :class:`DecodeGroup` s: sorted by length, each group as large as
-        ``decode_group_bytes`` allows (one group when it is 0). Tables are padded with their first block."""
+        ``decode_group_bytes`` allows (one group when it is 0). Tables are padded with their first block;
+        each item sees the positions :func:`~schedspec.gpu_backend.model.visible` gives its token for
+        ``window``."""
         block_size = self.config.block_size
         cfg = self.model_config
         block_bytes = 2 * block_size * cfg.num_key_value_heads * cfg.head_dim * self.kv_cache.key[0].element_size()
@@ -593,7 +662,7 @@ class Runner:
                            width, axis=1)
         for row, table in enumerate(tables):
             padded[row, :len(table)] = table
-        valid = np.arange(width * block_size)[None, :] < lens[:, None]
+        valid = visible(lens - 1, np.arange(width * block_size), window)
         additive = np.where(valid, np.float32(0), np.float32(-np.inf))
         # Masked positions hold stale but finite keys/values, which the -inf mask removes exactly; only a
         # NaN-poisoned cache (debug) or an fp16 one (which may hold inf) needs them zeroed in the copy.

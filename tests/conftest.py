@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
@@ -51,3 +52,18 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+
+@pytest.fixture(scope="module")
+def exact_fp32_one_thread():
+    """For a module of fp32 comparisons (``pytestmark = pytest.mark.usefixtures("exact_fp32_one_thread")``):
+    TF32 matmuls off (on a GPU they would exceed a 1e-4 tolerance) and one CPU thread (tiny matmuls run faster
+    and steadier on a shared machine); both restored after the module."""
+    torch = pytest.importorskip("torch")
+    threads = torch.get_num_threads()
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.set_num_threads(1)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.set_num_threads(threads)
+    torch.backends.cuda.matmul.allow_tf32 = tf32

@@ -94,8 +94,10 @@ def test_config_json_that_is_not_json(model_dir):
         ({"vocab_size": "many"}, "vocab_size", r"vocab_size='many': must be an integer"),
         ({"hidden_act": "gelu"}, "hidden_act", r"only 'silu'"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling", r"rope_type 'yarn' is not supported"),
-        ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True, "max_window_layers": 0},
-         "use_sliding_window", "sliding-window attention is not supported"),
+        ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True, "layer_types": "sliding"},
+         "layer_types", r"must list \d+ of \['full_attention', 'sliding_attention'\]"),
+        ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True, "sliding_window": 0},
+         "sliding_window", r"must be an integer >= 1"),
     ],
 )
 def test_bad_config_fields_are_named(model_dir, changes, field, match):

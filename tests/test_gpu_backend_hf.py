@@ -26,17 +26,7 @@ CONFIG = SchedulerConfig(block_size=4, num_kv_blocks=40, max_num_batched_tokens=
 SCRAMBLED = tuple(reversed(range(CONFIG.num_kv_blocks)))  # blocks handed out in descending id order
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _exact_fp32_one_thread():
-    # The comparison is fp32 against fp32: TF32 matmuls on a GPU would exceed the tolerance. Tiny CPU
-    # matmuls run faster (and steadier on a shared machine) on one thread.
-    threads = torch.get_num_threads()
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.set_num_threads(1)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.set_num_threads(threads)
-    torch.backends.cuda.matmul.allow_tf32 = tf32
+pytestmark = pytest.mark.usefixtures("exact_fp32_one_thread")
 
 
 def _hf_model(model_dir):
@@ -101,6 +91,18 @@ def test_qwen2_with_qkv_biases_matches_transformers(tmp_path):
     weights = random_weights(config, seed=1)
     model_dir = save_model_dir(tmp_path / "qwen2", config, weights)
     assert type(_hf_model(model_dir)).__name__ == "Qwen2ForCausalLM"
+    _all_chunk_sizes_match(model_dir)
+
+
+def test_qwen2_with_sliding_window_layers_matches_transformers(tmp_path):
+    """Qwen2 whose layers mix sliding-window (window 5 tokens) and full attention: transformers' own window
+    convention (``masking_utils.sliding_window_overlay``) against the backend's, every chunk size."""
+    config = tiny_model_config("Qwen2ForCausalLM", num_hidden_layers=3, hidden_size=128, intermediate_size=256,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                               layer_types=("sliding_attention", "full_attention", "sliding_attention"), sliding_window=5)
+    model_dir = save_model_dir(tmp_path / "qwen2-sliding", config, random_weights(config, seed=4))
+    hf_config = _hf_model(model_dir).config
+    assert hf_config.sliding_window == 5 and hf_config.layer_types[0] == "sliding_attention"
     _all_chunk_sizes_match(model_dir)
 
 
