@@ -307,9 +307,9 @@ class SglangScheduler(_WorkerClient):
             self.admitted.discard(request_id)
         return finished
 
-    def finish_reason_mismatches(self, ended: Mapping[str, Request]) -> list[str]:
+    def finish_reason_mismatches(self, ended: Mapping[str, Request]) -> list[tuple[str, str]]:
         """The requests the last :meth:`update` finished whose SGLang finish type is not the spec's reason,
-        one text each (the engine loop reports them as ``refinement`` mismatches). ``ended``: the spec's
+        as ``(request id, text)`` pairs (the engine loop reports them as ``refinement`` mismatches). ``ended``: the spec's
         terminal requests after the step, by id. SGLang's types are ``BaseFinishReason.to_json()["type"]``
         (``sglang/srt/managers/schedule_batch.py``: ``stop`` for ``FINISH_MATCHED_TOKEN``, ``length`` for
         ``FINISH_LENGTH``, ``abort``); both of the spec's length limits are ``length``

@@ -500,11 +500,12 @@ def same_step_hits(state: SchedulerState, plan: StepPlan, config: SchedulerConfi
     return found
 
 
-def finish_reason_differences(engine: str, reasons: Mapping[str, str], ended: Mapping[str, Request]) -> list[str]:
+def finish_reason_differences(engine: str, reasons: Mapping[str, str],
+                              ended: Mapping[str, Request]) -> list[tuple[str, str]]:
     """The ids of ``reasons`` (request id -> the finish reason ``engine`` reported in a step) whose reason is
     not the spec's (:data:`ENGINE_FINISH_REASONS`) for the request as ``ended`` has it (the spec's terminal
-    requests after the step), one text each; a request the spec did not end is left to the engine loop's
-    comparison of the finished sets. The adapters' ``finish_reason_mismatches``."""
+    requests after the step), as ``(request id, text)`` pairs; a request the spec did not end is left to the
+    engine loop's comparison of the finished sets. The adapters' ``finish_reason_mismatches``."""
     found = []
     for request_id, reason in reasons.items():
         request = ended.get(request_id)
@@ -512,8 +513,9 @@ def finish_reason_differences(engine: str, reasons: Mapping[str, str], ended: Ma
             continue
         expected = ENGINE_FINISH_REASONS.get(request.finish_reason, request.finish_reason)
         if reason != expected:
-            found.append(f"{engine} finished request {printable(request_id)} with reason {printable(reason)}; "
-                         f"the spec ends it with {request.finish_reason} ({engine}'s {expected})")
+            found.append((request_id, f"{engine} finished request {printable(request_id)} with reason "
+                                      f"{printable(reason)}; the spec ends it with {request.finish_reason} ({engine}'s "
+                                      f"{expected})"))
     return found
 
 
@@ -844,9 +846,9 @@ class _VllmAdapter(_WorkerClient):
         self.live.difference_update(finished)
         return finished
 
-    def finish_reason_mismatches(self, ended: Mapping[str, Request]) -> list[str]:
-        """The requests the last :meth:`update` finished whose vLLM finish reason is not the spec's, one
-        text each (the engine loop reports them as ``refinement`` mismatches).
+    def finish_reason_mismatches(self, ended: Mapping[str, Request]) -> list[tuple[str, str]]:
+        """The requests the last :meth:`update` finished whose vLLM finish reason is not the spec's, as
+        ``(request id, text)`` pairs (the engine loop reports them as ``refinement`` mismatches).
 
         ``ended``: the spec's terminal requests after the step, by id (a request the spec did not end is
         named by the loop's comparison of the finished sets, not here). vLLM 0.32's reasons are the strings

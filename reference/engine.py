@@ -225,6 +225,28 @@ class StepView:
     speculative: SpeculativeOutput = NO_SPECULATION
 
 
+
+ENDED_BY_SCHEDULER_ONLY = "refinement:ended-by-scheduler-only"
+""":attr:`Violation.code` of a request the scheduler reports finished in a step where the spec runs it on."""
+ENDED_BY_SPEC_ONLY = "refinement:ended-by-spec-only"
+""":attr:`Violation.code` of a request the spec ends in a step where the scheduler runs it on."""
+FINISH_REASON_MISMATCH = "refinement:finish-reason"
+""":attr:`Violation.code` of a request both end in a step, the engine with another reason than the spec's."""
+
+
+def finished_set_mismatches(reported: Iterable[str], expected: Iterable[str], step: int) -> list[Violation]:
+    """The ``refinement`` mismatches of a step whose finished requests as the scheduler ``reported`` them
+    differ from the spec's ``expected`` ones: one per request, with its id and a code saying which side ended
+    it (:data:`ENDED_BY_SCHEDULER_ONLY`, :data:`ENDED_BY_SPEC_ONLY`), so that programs (``schedspec diff``'s
+    documented findings) test the code and the id, never the wording."""
+    reported, expected = set(reported), set(expected)
+    both = f"scheduler says finished {sorted(reported)}, spec says {sorted(expected)}"
+    return ([Violation("refinement", f"the scheduler ended it, the spec runs it on ({both})", step, request_id,
+                       kind="mismatch", code=ENDED_BY_SCHEDULER_ONLY) for request_id in sorted(reported - expected)]
+            + [Violation("refinement", f"the spec ends it, the scheduler runs it on ({both})", step, request_id,
+                         kind="mismatch", code=ENDED_BY_SPEC_ONLY) for request_id in sorted(expected - reported)])
+
+
 class Engine:
     """Drives a scheduler (module docstring).
 
@@ -490,14 +512,12 @@ class Engine:
                 finished = self._update(before.step, plan, sampled, speculative, transfers)
                 if self.check:
                     found = []
-                    if set(finished) != set(outcome.finished):
-                        found.append(Violation(
-                            "refinement", f"scheduler says finished {sorted(finished)}, spec says "
-                            f"{sorted(outcome.finished)}", before.step, kind="mismatch"))
+                    found += finished_set_mismatches(finished, outcome.finished, before.step)
                     reasons = getattr(self.scheduler, "finish_reason_mismatches", None)
                     if reasons is not None:  # an engine adapter's own finish reasons against the spec's
-                        found += [Violation("refinement", text, before.step, kind="mismatch")
-                                  for text in reasons(outcome.after.finished)]
+                        found += [Violation("refinement", text, before.step, request_id, kind="mismatch",
+                                            code=FINISH_REASON_MISMATCH)
+                                  for request_id, text in reasons(outcome.after.finished)]
                     found += compare_own(outcome.after, outcome.finished, before.step)
                     report(found, outcome.after)
             after = outcome.after

@@ -539,3 +539,17 @@ def clipped_finishes(state: SchedulerState, config: SchedulerConfig) -> frozense
         request_id for request_id, request in state.requests.items()
         if request.num_output_tokens < request.max_tokens
         and request.num_output_tokens == max(1, clipped_max_new_tokens(request.prompt_len, request.max_tokens, config)))
+
+
+def clipped_stops(state: SchedulerState, config: SchedulerConfig) -> frozenset[str]:
+    """The requests the spec ended with ``stop`` at their first output, in ``state`` (after a step), whose
+    ``max_new_tokens`` SGLang clipped to 0 at arrival (rule 1): SGLang ends such a request at the prefill's
+    token with ``length`` even when that token is its end-of-sequence id, so only the reason differs, the
+    finding ``sglang-clips-max-tokens`` again (seen through the adapter on 29 of the 1,000 scenarios of
+    ``schedspec diff --scheduler sglang --against sglang-profile --seed 20261206``, every one a request clipped
+    to 0 whose first output was its EOS; ``Req.update_finish_state`` tests the sampled token before the length
+    for a request with ``max_new_tokens >= 1``, so the reason differs only at 0)."""
+    return frozenset(
+        request_id for request_id, request in state.finished.items()
+        if request.finish_reason == "stop" and request.num_output_tokens == 1
+        and clipped_max_new_tokens(request.prompt_len, request.max_tokens, config) == 0)

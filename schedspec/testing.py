@@ -353,7 +353,7 @@ class SchedulerStateMachine(RuleBasedStateMachine):
         reasons = getattr(self.scheduler, "finish_reason_mismatches", None)
         mismatched = reasons(outcome.after.finished) if reasons is not None else []
         if mismatched:  # an engine adapter's own finish reasons against the spec's (as the engine loop)
-            self._fail("refinement", f"step {before.step}: " + "; ".join(mismatched))
+            self._fail("refinement", f"step {before.step}: " + "; ".join(text for _, text in mismatched))
         found = outcome.invariant_violations
         if found:
             self._fail("invariant", f"after plan {plan}: {_lines(found)}", found)

@@ -10,7 +10,7 @@ from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from schedspec.reference import sglang_profile as sp
-from schedspec.reference.engine import Engine
+from schedspec.reference.engine import Engine, finished_set_mismatches
 from schedspec.reference.scheduler import UnsupportedFeature, make_scheduler
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.workload import RequestSpec
@@ -183,13 +183,42 @@ def test_the_clipped_finish_is_recognized_only_where_it_holds() -> None:
     engine = Engine(profile, config)
     engine.on_step = lambda record: states.setdefault(record.step, profile.state)
     engine.run([RequestSpec("A", 40, 20, arrival_step=0)], mode="steps", max_steps=40)
-    ended = Violation("refinement", "scheduler says finished ['A'], spec says []", 18, kind="mismatch")
+    ended, = finished_set_mismatches(["A"], [], 18)  # SGLang ended A, the spec runs it on
     view = Violation("state-mismatch", "num_free_blocks: engine 16, spec 5", 18, kind="mismatch")
     assert states[18].requests["A"].num_output_tokens == 19
     assert diff._sglang_finding(config, [ended, view], states[18]) == diff.CLIPPED_MAX_TOKENS
     assert diff._sglang_finding(config, [ended], states[17]) is None  # 18 outputs: not the clipped count
-    other = Violation("refinement", "scheduler says finished ['A', 'B'], spec says []", 18, kind="mismatch")
-    assert diff._sglang_finding(config, [other], states[18]) is None
+    other = finished_set_mismatches(["A", "B"], [], 18)  # B is not clipped
+    assert diff._sglang_finding(config, other, states[18]) is None
+    spec_only = finished_set_mismatches([], ["A"], 18)  # the other side: not this finding
+    assert diff._sglang_finding(config, spec_only, states[18]) is None
     budget = Violation("token-budget", "65 tokens scheduled > max_num_batched_tokens=64", 18, kind="rule")
     assert diff._sglang_finding(config, [ended, budget], states[18]) is None
     assert diff._sglang_finding(config, [view], states[18]) is None  # no refinement: not this finding
+
+
+
+def test_a_request_clipped_to_no_new_token_that_stops_on_its_first_output_is_the_clipping_finding():
+    """A 1-token prompt whose max_new_tokens SGLang clips to 0 (a 2-page pool of 4 tokens: 8 - 4 - 4 - 1 < 0),
+    its first output the EOS: the spec ends it with stop, SGLang with length. Only a finish-reason mismatch of
+    such a request is the finding; the same code for a request not clipped to 0, or a request the spec ended with
+    length, is not."""
+    import attrs
+
+    from schedspec.commands import diff
+    from schedspec.reference.engine import FINISH_REASON_MISMATCH
+    from schedspec.spec.rules import Violation
+
+    config = SchedulerConfig(block_size=4, num_kv_blocks=2, max_num_batched_tokens=8, max_num_seqs=2, max_model_len=8)
+    assert sp.clipped_max_new_tokens(1, 3, config) == 0
+    result = Engine(make_scheduler("fcfs", config), config).run(
+        [RequestSpec("A", 1, 3, arrival_step=0, eos_at_output=1), RequestSpec("B", 1, 1, arrival_step=0)])
+    state = result.state
+    assert state.finished["A"].finish_reason == "stop" and state.finished["B"].finish_reason == "length"
+    mismatch = Violation("refinement", "SGLang finished request A with reason length; the spec ends it with stop",
+                         0, "A", kind="mismatch", code=FINISH_REASON_MISMATCH)
+    assert diff._sglang_finding(config, [mismatch], state) == diff.CLIPPED_MAX_TOKENS
+    other = attrs.evolve(mismatch, request_id="B")  # ended with length by the spec: not this case
+    assert diff._sglang_finding(config, [other], state) is None
+    roomy = config.with_changes(num_kv_blocks=8)  # not clipped to 0
+    assert diff._sglang_finding(roomy, [mismatch], state) is None

@@ -26,9 +26,7 @@ the scenarios (``UnsupportedFeature``), e.g. an engine whose adapter is not inst
 
 from __future__ import annotations
 
-import ast
 import json
-import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -51,7 +49,13 @@ from schedspec.cli_common import (
     plural,
 )
 from schedspec.engines.vllm import PADDING_RULES, SAME_STEP_HIT_RULES
-from schedspec.reference.engine import Engine, RunResult, ViolationFound
+from schedspec.reference.engine import (
+    ENDED_BY_SCHEDULER_ONLY,
+    FINISH_REASON_MISMATCH,
+    Engine,
+    RunResult,
+    ViolationFound,
+)
 from schedspec.reference.fake_model import AcceptanceModel, FakeModel
 from schedspec.reference.scheduler import (
     REGISTRY,
@@ -60,7 +64,12 @@ from schedspec.reference.scheduler import (
     UnsupportedFeature,
     make_scheduler,
 )
-from schedspec.reference.sglang_profile import clipped_finishes, comparable_config, comparable_request
+from schedspec.reference.sglang_profile import (
+    clipped_finishes,
+    clipped_stops,
+    comparable_config,
+    comparable_request,
+)
 from schedspec.reference.vllm_v1 import startup_blocks
 from schedspec.spec.config import ConfigError, SchedulerConfig
 from schedspec.spec.rules import Violation
@@ -261,21 +270,22 @@ def vllm_v1_divergence(config: SchedulerConfig, records: Sequence[StepRecord], i
 def _sglang_finding(config: SchedulerConfig, violations: Sequence[Violation], state: SchedulerState) -> str | None:
     """Whether the violations that stopped an ``sglang`` run are the finding ``sglang-clips-max-tokens``:
     SGLang ended requests at their clipped ``max_new_tokens`` (``reference/sglang_profile.py`` rule 1, the
-    precise condition :func:`~schedspec.reference.sglang_profile.clipped_finishes`), and nothing else broke
-    (the refinement mismatch of the finished sets, and SGLang's view differing from the spec's for those
-    requests or for the free blocks they left)."""
-    clipped = clipped_finishes(state, config)
-    if not clipped or not any(violation.name == "refinement" for violation in violations):
+    precise condition :func:`~schedspec.reference.sglang_profile.clipped_finishes`), and nothing else broke:
+    the ``refinement`` mismatches are requests SGLang alone ended (code ``ENDED_BY_SCHEDULER_ONLY``), all of
+    them clipped, or requests clipped to 0 new tokens that both ended at their first output, SGLang with
+    ``length`` where the spec stops on the EOS sampled there (code ``FINISH_REASON_MISMATCH``,
+    :func:`~schedspec.reference.sglang_profile.clipped_stops`); ``state-mismatch`` only for those requests or
+    for the free blocks they left. Decided by the violations' codes and request ids, never their wording."""
+    clipped, stopped = clipped_finishes(state, config), clipped_stops(state, config)
+    refinements = [violation for violation in violations if violation.name == "refinement"]
+    if not (clipped or stopped) or not refinements:
         return None
     for violation in violations:
         if violation.name == "refinement":
-            found = re.fullmatch(r"scheduler says finished (\[.*\]), spec says (\[.*\])", violation.detail)
-            if found is None:
+            if not ((violation.code == ENDED_BY_SCHEDULER_ONLY and violation.request_id in clipped)
+                    or (violation.code == FINISH_REASON_MISMATCH and violation.request_id in stopped)):
                 return None
-            engine, spec = (set(ast.literal_eval(part)) for part in found.groups())
-            if not (spec <= engine and engine - spec and engine - spec <= clipped):
-                return None
-        elif not (violation.name == "state-mismatch" and violation.request_id in clipped | {None}):
+        elif not (violation.name == "state-mismatch" and violation.request_id in clipped | stopped | {None}):
             return None
     return CLIPPED_MAX_TOKENS
 
