@@ -498,7 +498,8 @@ def check_trace(
 
 
 def _unfinished(state: SchedulerState, last_scheduled: dict[str, int]) -> list[Violation]:
-    """One ``unfinished-request`` mismatch per request live in ``state`` (the end of a legal trace)."""
+    """One ``unfinished-request`` mismatch per request live in ``state`` (the end of a legal trace), and one per
+    ended request whose remote KV transfer still holds blocks (``delayed_frees``)."""
     found = []
     for queue, ids in (("running", state.running), ("waiting", state.waiting)):
         for request_id in ids:
@@ -512,6 +513,14 @@ def _unfinished(state: SchedulerState, last_scheduled: dict[str, int]) -> list[V
                 f"held): every request must end finished, aborted or rejected; a log window cut from a running "
                 f"engine is checked with --allow-unfinished",
                 state.step - 1, request_id, kind="mismatch"))
+    for request_id, held in state.delayed_frees.items():  # KV connector: a transfer never reported done
+        found.append(Violation(
+            UNFINISHED,
+            f"ended, but its remote KV {'send' if held.transfer == 'sending' else 'load'} still holds "
+            f"{len(held.block_ids)} blocks when the trace ends after step {state.step - 1} (never reported in "
+            f"finished_{held.transfer}): every transfer must complete; a log window cut from a running engine is "
+            f"checked with --allow-unfinished",
+            state.step - 1, request_id, kind="mismatch"))
     return found
 
 

@@ -439,9 +439,13 @@ class FastChecker:
             raise _Doubt
         request_id = arrival["request_id"]
         max_tokens = arrival["max_tokens"]
+        prompt_len = arrival["prompt_len"]
+        # JSON Schema's "integer" accepts 5.0; the plain path builds the request's tokens from prompt_len and
+        # fails on a float: such an arrival is the plain path's to judge (found in review)
+        if type(prompt_len) is not int or type(max_tokens) is not int:
+            raise _Doubt
         if request_id in self.known or max_tokens < 0:
             raise _Doubt
-        prompt_len = arrival["prompt_len"]
         self.known.add(request_id)
         eos = arrival.get("eos_token_id", V1_EOS_TOKEN_ID)
         eos_at_output = arrival.get("eos_at_output") or 0

@@ -442,9 +442,9 @@ def sample(step: StepInProgress, request_id: str, token_id: int, item: Scheduled
     del step.requests[request_id]
     step.running.remove(request_id)
     if request.kv_send:  # KV connector: its blocks are sent; freed when the send completes (land_transfers)
-        if step.cache is not None or step.before.in_flight is not None:
-            raise PlanError(f"request_id={request_id!r}: KV sends with enable_prefix_caching or a step in flight are "
-                            "not specified")
+        if step.cache is not None or step.before.in_flight is not None or step.config.kv_cache_groups:
+            raise PlanError(f"request_id={request_id!r}: KV sends with enable_prefix_caching, a step in flight or "
+                            "kv_cache_groups are not specified")
         step.delay_free(request_id, DelayedFree(request.block_ids, "sending"))
     elif step.cache is not None:
         step.cache.release(request.block_ids)

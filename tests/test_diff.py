@@ -380,3 +380,17 @@ def test_the_failed_load_recognizer_matches_an_admission_stopped_at_a_holder_ahe
     records[3] = _step(3, {"d": (8, 4)}, 1)
     other = ComparedStep({"d": (8, 8, 2), "e": (0, 8, 2)}, frozenset(), frozenset(), frozenset())
     assert failed_load_held(config, records, 3, ComparedStep.of(records[3], exact_blocks=False), other) is None
+
+
+def test_a_profile_excuses_only_the_engine_it_reproduces():
+    """A profile's documented differences apply between it and an adapter of its own engine only: vLLM is never
+    excused by the SGLang profile's findings, nor SGLang by the vllm-v1 profile's divergences."""
+    from schedspec.commands.diff import PROFILES, pair_profile
+
+    assert pair_profile("vllm", "vllm-v1") is PROFILES["vllm-v1"]
+    assert pair_profile("vllm-v1@0.33", "vllm@0.33") is PROFILES["vllm-v1@0.33"]
+    assert pair_profile("sglang", "sglang-profile") is PROFILES["sglang-profile"]
+    assert pair_profile("sglang", "vllm-v1") is None
+    assert pair_profile("vllm", "sglang-profile") is None
+    assert pair_profile("nanovllm", "vllm-v1") is None
+    assert pair_profile("fcfs", "vllm-v1") is None

@@ -464,3 +464,15 @@ def test_a_rejection_one_step_late_is_not_certified(traces, tmp_path):
     fast, plain = _lockstep(_write(tmp_path / "late.jsonl", trace.header, records))
     assert plain.first_bad_step == step and fast is None
     assert "reject-only-impossible" in {v.name for v in plain.violations}, plain.violations
+
+
+def test_an_integer_field_written_as_a_float_falls_back(tmp_path):
+    """JSON Schema's integer accepts ``5.0``; the plain path builds a prompt from prompt_len and cannot take a
+    float, so the fast path must not certify such an arrival (found in review: it did)."""
+    path = _one_request_trace(tmp_path)
+    lines = path.read_text().splitlines()
+    record = json.loads(lines[1])
+    record["arrivals"][0]["prompt_len"] = float(record["arrivals"][0]["prompt_len"])
+    lines[1] = json.dumps(record)
+    path.write_text("\n".join(lines) + "\n")
+    assert fast_check(open_trace(path)) is None

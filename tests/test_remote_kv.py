@@ -348,3 +348,41 @@ def test_remote_kv_with_prefix_caching_is_refused_not_misjudged() -> None:
     state = add_request(SchedulerState.initial(config), fresh())
     with pytest.raises(PlanError, match="not specified"):
         apply_plan(state, LOAD, {}, config)
+
+
+
+def _send_blocks_the_queue(send_steps: int):
+    """fcfs on 3 blocks of 4 (max_model_len 8): ``a`` finishes at once and sends its 2 blocks for ``send_steps``
+    steps; ``b`` (2 blocks) cannot be admitted until the send completes. Returns ``(config, run result)``."""
+    from schedspec.reference.engine import Engine
+    from schedspec.reference.scheduler import make_scheduler
+    from schedspec.spec.workload import RequestSpec
+
+    config = SchedulerConfig(block_size=4, num_kv_blocks=3, max_num_batched_tokens=16, max_num_seqs=4,
+                             max_model_len=8)
+    workload = [RequestSpec("a", 7, 1, arrival_step=0, kv_send=True, kv_send_steps=send_steps),
+                RequestSpec("b", 7, 1, arrival_step=1)]
+    return config, Engine(make_scheduler("fcfs", config), config).run(workload, max_steps=40)
+
+
+def test_a_send_excuses_the_wait_it_causes_only_for_the_progress_window():
+    """A transfer in flight excuses ``progress`` and ``bounded-wait`` for at most max_model_len steps in a row: a
+    send that completes after 3 steps passes; one that takes 30 is a hang (before, a transfer that never
+    completed excused every later step: found in review)."""
+    assert _send_blocks_the_queue(3)[1].ok
+    hung = _send_blocks_the_queue(30)[1]
+    assert "progress" in {v.name for v in hung.violations}
+
+
+def test_a_transfer_still_holding_blocks_at_the_end_of_a_trace_is_unfinished():
+    """A trace that ends while a send still holds blocks (never reported in finished_sending): an
+    unfinished-request mismatch naming the ended request (a whole trace ends with every transfer complete)."""
+    from schedspec.spec.checker import check_trace
+
+    config, result = _send_blocks_the_queue(3)
+    ended_at = next(i for i, r in enumerate(result.records) if "a" in r.finished)
+    cut = result.records[:ended_at + 1]  # the send's report never comes
+    assert not any(r.finished_sending for r in cut)
+    report = check_trace(config, cut)
+    assert any(v.name == "unfinished-request" and v.request_id == "a" for v in report.violations)
+    assert check_trace(config, result.records).ok

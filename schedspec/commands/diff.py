@@ -205,7 +205,11 @@ def _holder_ahead(records: Sequence[StepRecord], index: int, request_id: str, be
             return False
     first = records[own].blocks_allocated.get(request_id, ())[:1]
     landed = [k for k in range(own, index) if request_id in records[k].finished_recving]
-    return bool(landed) and not set(first) & set(records[landed[0]].invalid_block_ids)
+    if not landed or set(first) & set(records[landed[0]].invalid_block_ids):
+        return False
+    # still in kv_holding_waiting: not admitted since it landed
+    return not any(request_id in {item.request_id for item in records[k].scheduled}
+                   for k in range(landed[0] + 1, index))
 
 
 def failed_load_held(config: SchedulerConfig, records: Sequence[StepRecord], index: int,
@@ -229,9 +233,20 @@ def failed_load_held(config: SchedulerConfig, records: Sequence[StepRecord], ind
       vLLM's admission stopped there, before its loop reached the failed load).
     """
     same = all(other.scheduled.get(r) == item for r, item in mine.scheduled.items())
-    more_preempted = other.preempted < mine.preempted and mine.scheduled.keys() <= other.scheduled.keys()
-    fewer_admitted = (not mine.preempted and not other.preempted and same
+    alike = all(r in other.scheduled and other.scheduled[r][:2] == item[:2] for r, item in mine.scheduled.items())
+    only_profile = other.scheduled.keys() - mine.scheduled.keys()
+    # nothing else differs: the same rejections, and the engine ends only what the profile ends, the profile
+    # more only among the requests the engine did not schedule
+    rest_alike = (mine.rejected == other.rejected and mine.finished <= other.finished
+                  and other.finished - mine.finished <= only_profile)
+    more_preempted = (other.preempted < mine.preempted and mine.scheduled.keys() <= other.scheduled.keys()
+                      and alike and rest_alike)
+    fewer_admitted = (not mine.preempted and not other.preempted and same and rest_alike
                       and mine.scheduled.keys() < other.scheduled.keys())
+    if fewer_admitted:  # admission stopped: nothing after the first request it did not admit was admitted
+        order = list(other.scheduled)
+        first_missing = next(i for i, r in enumerate(order) if r not in mine.scheduled)
+        fewer_admitted = not any(r in mine.scheduled for r in order[first_missing + 1:])
     if not (more_preempted or fewer_admitted):
         return None
     for k in range(index):
@@ -285,7 +300,10 @@ def _sglang_finding(config: SchedulerConfig, violations: Sequence[Violation], st
             if not ((violation.code == ENDED_BY_SCHEDULER_ONLY and violation.request_id in clipped)
                     or (violation.code == FINISH_REASON_MISMATCH and violation.request_id in stopped)):
                 return None
-        elif not (violation.name == "state-mismatch" and violation.request_id in clipped | stopped | {None}):
+        elif not (violation.name == "state-mismatch" and (
+                violation.request_id in clipped
+                # the free blocks: a request SGLang ended early gave its blocks back; both ended a stopped one
+                or (violation.request_id is None and any(v.code == ENDED_BY_SCHEDULER_ONLY for v in refinements)))):
             return None
     return CLIPPED_MAX_TOKENS
 
@@ -301,6 +319,8 @@ class ProfileDifferences:
     that the two can be compared at all. Each profile names its own (:data:`PROFILES`).
 
     Attributes:
+        engine: the engine the profile reproduces: its documented differences apply only against that engine's
+            adapters (registry targets ``schedspec.engines.ENGINE:...``), never against another engine's.
         divergence: ``(config, records, index, mine, other) -> name or None``: whether a divergence between
             the engine (``mine``, its ``records``) and the profile (``other``) at ``records[index]`` is
             documented.
@@ -314,6 +334,7 @@ class ProfileDifferences:
             ``max_tokens``, so that most runs are compared to their end.
     """
 
+    engine: str = "vllm"
     divergence: Callable[..., str | None] = lambda *args: None
     finding: Callable[..., str | None] = lambda *args: None
     config: Callable[[SchedulerConfig], SchedulerConfig | None] | None = None
@@ -325,7 +346,8 @@ PROFILES: dict[str, ProfileDifferences] = {
     "vllm-v1-priority": ProfileDifferences(divergence=vllm_v1_divergence),
     "vllm-v1@0.33": ProfileDifferences(divergence=vllm_v1_divergence),
     "vllm-v1-priority@0.33": ProfileDifferences(divergence=vllm_v1_divergence),
-    "sglang-profile": ProfileDifferences(finding=_sglang_finding, config=comparable_config, shape=comparable_request),
+    "sglang-profile": ProfileDifferences(engine="sglang", finding=_sglang_finding, config=comparable_config,
+                                         shape=comparable_request),
 }
 """The reference profiles of engines, by registry name, with what :class:`ProfileDifferences` says of each:
 their documented differences apply only between an engine adapter and the profile."""
@@ -333,10 +355,12 @@ their documented differences apply only between an engine adapter and the profil
 
 def pair_profile(scheduler: str, against: str) -> ProfileDifferences | None:
     """The profile of a ``--scheduler``/``--against`` pair when one side is a profile of :data:`PROFILES`
-    and the other is an engine adapter (registry kind ``engine-adapter``), else ``None``."""
+    and the other is an adapter of the engine it reproduces (registry kind ``engine-adapter``, target in
+    ``schedspec.engines.<engine>``), else ``None``: an engine is never excused by another engine's profile."""
     for profile, other in ((scheduler, against), (against, scheduler)):
         entry = REGISTRY.get(other)
-        if profile in PROFILES and entry is not None and entry.kind == "engine-adapter":
+        if profile in PROFILES and entry is not None and entry.kind == "engine-adapter" \
+                and entry.target.startswith(f"schedspec.engines.{PROFILES[profile].engine}:"):
             return PROFILES[profile]
     return None
 
