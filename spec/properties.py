@@ -127,7 +127,7 @@ class Progress(Monitor):
         self.window = window or config.max_model_len
         self.high_water: dict[str, int] = {}
         self.stalled_since: int | None = None
-        self.transfers = TransfersInFlight(config.max_model_len)
+        self.transfers = TransfersInFlight()
 
     def observe(self, before: SchedulerState, plan: StepPlan, after: SchedulerState) -> None:
         busy = self.transfers.during(before, plan, after)  # (called every step: it follows the loads)
@@ -157,33 +157,19 @@ class TransfersInFlight:
     """Follows, step by step, whether a remote KV transfer is in flight (KV connector): a load started and not
     landed (WAITING_FOR_REMOTE_KVS), or blocks held for an ended request's transfer (``delayed_frees``). Costs
     O(loads in flight) per step. While one is, the engine waits on the transfer, not on the scheduler:
-    ``progress`` and ``bounded-wait`` do not count those steps, for at most ``limit`` steps in a row (the
-    config's ``max_model_len``, the ``progress`` window): a transfer that never completes is a hang too, and
-    the steps past the limit count again (a transfer that never lands or is never sent excused every later
-    step before; found in review).
+    ``progress`` and ``bounded-wait`` do not count those steps."""
 
-    Args:
-        limit: the most consecutive steps a transfer in flight excuses (steps, >= 1)."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
+    def __init__(self) -> None:
         self.loading: set[str] = set()
-        self.busy_since: int | None = None
 
     def during(self, before: SchedulerState, plan: StepPlan, after: SchedulerState) -> bool:
-        """Whether a transfer in flight excuses the step ``before -> after``: one was in flight during it, for
-        fewer than ``limit`` steps in a row so far (call once per step, in order)."""
+        """Whether a transfer was in flight during the step ``before -> after`` (call once per step, in order)."""
         busy = bool(self.loading or plan.loads or before.delayed_frees)
         if plan.loads or self.loading:
             started = {load.request_id for load in plan.loads}
             self.loading = {r for r in self.loading | started if r in after.requests
                             and after.requests[r].status is RequestStatus.WAITING_FOR_REMOTE_KVS}
-        if not busy:
-            self.busy_since = None
-            return False
-        if self.busy_since is None:
-            self.busy_since = before.step
-        return before.step - self.busy_since < self.limit
+        return busy
 
 
 @trace_property('vLLM Scheduler.schedule; Orca §3')
@@ -324,7 +310,7 @@ class BoundedWait(Monitor):
 
     def __init__(self, config: SchedulerConfig) -> None:
         super().__init__(config)
-        self.transfers = TransfersInFlight(config.max_model_len)
+        self.transfers = TransfersInFlight()
         self.transfers_seen = False
         self.oldest: str | None = None
         self.since = 0
