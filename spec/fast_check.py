@@ -51,7 +51,8 @@ requests still live at the end of the trace (unless ``allow_unfinished``); and a
 the same numbers as the spec's state, by induction over the steps, since both start from the initial
 state and apply the same update); a step passes only when every one of them passes; and a line passes
 the reader only when the plain reader accepts it too: ``orjson`` (when installed) or ``json.loads``, then
-the compiled schema screen, which accepts only what ``jsonschema`` accepts (``trace._schema_error``), and a
+the plain reader's own schema check (``trace._schema_error``: the compiled screen, or ``jsonschema`` for a line
+that may hold an integral float such as ``5.0``, which the screen would read as an integer), and a
 repeated-key screen: with no ``"`` followed by whitespace on the line, every key's closing quote is
 followed by ``:``, so the line's count of ``":`` bounds its keys from above; when it equals the keys of the
 parsed objects, no key was read twice. Otherwise the line is parsed by the strict reader
@@ -65,7 +66,6 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable
-from typing import Any
 
 import attrs
 
@@ -79,7 +79,7 @@ from schedspec.spec.trace import (
     V1_EOS_TOKEN_ID,
     StrictJsonError,
     TraceFile,
-    _fast_validator,
+    _schema_error,
     strict_json_loads,
 )
 
@@ -174,16 +174,16 @@ class _Doubt(Exception):
     """The fast path cannot prove the step legal: the plain path judges the trace."""
 
 
-def _parse(line: bytes, validator: Any) -> dict:
-    """One record line as the plain reader would read it (``validator``: the compiled schema screen of the
-    trace's version), or :class:`_Doubt` (module docstring)."""
+def _parse(line: bytes, version: int) -> dict:
+    """One record line as the plain reader would read it (``version``: the trace's schema version, judged by
+    the plain reader's own schema check, ``trace._schema_error``), or :class:`_Doubt` (module docstring)."""
     try:
         data = _loads(line)
     except ValueError:  # orjson.JSONDecodeError and json.JSONDecodeError are ValueErrors
         raise _Doubt from None
     if type(data) is not dict:
         raise _Doubt
-    if not validator.is_valid(data):
+    if _schema_error("", "record", version, data, line) is not None:
         raise _Doubt
     keys = len(data) + sum(map(len, data["arrivals"])) + sum(map(len, data["scheduled"]))
     for name in MAP_FIELDS:
@@ -440,10 +440,6 @@ class FastChecker:
         request_id = arrival["request_id"]
         max_tokens = arrival["max_tokens"]
         prompt_len = arrival["prompt_len"]
-        # JSON Schema's "integer" accepts 5.0; the plain path builds the request's tokens from prompt_len and
-        # fails on a float: such an arrival is the plain path's to judge (found in review)
-        if type(prompt_len) is not int or type(max_tokens) is not int:
-            raise _Doubt
         if request_id in self.known or max_tokens < 0:
             raise _Doubt
         self.known.add(request_id)
@@ -474,7 +470,6 @@ def fast_check(trace: TraceFile, properties: Iterable[str] = DEFAULT_PROPERTIES,
     if (keep_going or names != DEFAULT_PROPERTIES
             or not supported(trace.config, trace.schema_version, trace.async_scheduling)):
         return None
-    validator = _fast_validator("record", trace.schema_version)
     checker = FastChecker(trace.config)
     steps = 0
     try:
@@ -488,7 +483,7 @@ def fast_check(trace: TraceFile, properties: Iterable[str] = DEFAULT_PROPERTIES,
                     return None
                 if not line.strip():
                     continue
-                checker.check(_parse(line, validator))
+                checker.check(_parse(line, trace.schema_version))
                 steps += 1
     except _Doubt:
         return None

@@ -290,6 +290,34 @@ def trace_schema() -> dict[str, Any]:
     return json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))
 
 
+def _is_integer(checker: Any, instance: Any) -> bool:
+    return isinstance(instance, int) and not isinstance(instance, bool)
+
+
+StrictValidator = jsonschema.validators.extend(
+    jsonschema.Draft202012Validator,
+    type_checker=jsonschema.Draft202012Validator.TYPE_CHECKER.redefine("integer", _is_integer))
+"""Draft 2020-12 with JSON Schema's ``"integer"`` read as "a number written without a fraction or exponent":
+``5.0`` and ``1e3`` are refused where an integer is required (the standard, and ``jsonschema-rs``, accept
+them: JSON Schema's data model does not distinguish ``5`` from ``5.0``). One decision for every input file of
+the project (traces, recordings, cost profiles, run records; scenarios apply the same rule in their own
+reader): a count written as a float is a writer's bug, not a number to round (docs/trace-format.md,
+*Numbers*). Every ``jsonschema`` validator of ours is this one."""
+
+_FLOAT_TOKEN = re.compile(rb"-?[0-9]+(?:\.[0-9]+)?[eE][-+]?[0-9]+|-?[0-9]+\.0+(?![0-9eE])")
+"""A JSON number with an exponent, or with a fraction of zeros only: the only tokens that may read as an
+integral float (``5.0``, ``1e3``, ``1.5e3``). It may also match digits inside a string (an id ``"x1.0"``):
+that costs only speed (:func:`has_integral_float`)."""
+
+
+def has_integral_float(line: bytes) -> bool:
+    """Whether the JSON text ``line`` may hold a number written as a float with an integral value (``5.0``,
+    ``1e3``), which :data:`StrictValidator` refuses where an integer is required and ``jsonschema-rs``
+    accepts. True for such a number anywhere, also in a field that is a float (``"start_time": 0.0``) or
+    inside a string: then the line is judged by :data:`StrictValidator` itself (slower, the same verdict)."""
+    return any(float(token).is_integer() for token in _FLOAT_TOKEN.findall(line))
+
+
 @cache
 def _validator(part: str, version: int) -> jsonschema.Draft202012Validator:
     schema = json.loads(json.dumps(trace_schema()))  # a private copy
@@ -302,7 +330,7 @@ def _validator(part: str, version: int) -> jsonschema.Draft202012Validator:
     if version < HYBRID_SCHEMA_VERSION:  # nor KV cache groups before version 4
         for name in HYBRID_RECORD_FIELDS:
             del schema["$defs"]["record"]["properties"][name]
-    return jsonschema.Draft202012Validator({"$ref": f"#/$defs/{part}", "$defs": schema["$defs"]})
+    return StrictValidator({"$ref": f"#/$defs/{part}", "$defs": schema["$defs"]})
 
 
 @cache
@@ -318,16 +346,19 @@ def _field_path(path: Iterable[Any]) -> str:
     return out or "(the line)"
 
 
-def _schema_error(where: str, part: str, version: int, data: Any) -> TraceFormatError | None:
-    """The error of ``data`` against ``$defs/part`` of the schema (version ``version``), or ``None``.
+def _schema_error(where: str, part: str, version: int, data: Any, line: bytes) -> TraceFormatError | None:
+    """The error of ``data`` (parsed from the JSON text ``line``) against ``$defs/part`` of the schema
+    (version ``version``), or ``None``.
 
     ``jsonschema-rs`` screens first (about 60,000 records a second against ``jsonschema``'s 240 on a
-    lab trace of 45 scheduled requests a step); what it accepts is valid. Anything else, a refusal or a
-    failure of the screen itself, is judged by ``jsonschema``, the definition, which also names the
-    field (its ``best_match``), so a refused line's message is ``jsonschema``'s whichever screen ran.
+    lab trace of 45 scheduled requests a step); what it accepts is valid, unless the line may hold an
+    integral float (:func:`has_integral_float`: the screen reads ``5.0`` as an integer, the definition does
+    not). Anything else, a refusal or a failure of the screen itself, is judged by ``jsonschema``
+    (:data:`StrictValidator`), the definition, which also names the field (its ``best_match``), so a refused
+    line's message is ``jsonschema``'s whichever screen ran.
     """
     try:
-        if _fast_validator(part, version).is_valid(data):
+        if not has_integral_float(line) and _fast_validator(part, version).is_valid(data):
             return None
     except Exception:  # noqa: BLE001 - the screen cannot decide; the definition below does
         pass
@@ -342,7 +373,11 @@ def _schema_error(where: str, part: str, version: int, data: Any) -> TraceFormat
 
 def record_schema_errors(data: Any, version: int = HYBRID_SCHEMA_VERSION) -> str | None:
     """The first schema error of one record given as a JSON object (``"field X: message"``), or ``None``."""
-    problem = _schema_error("record", "record", version, data)
+    try:
+        text = json.dumps(data).encode()
+    except (TypeError, ValueError):  # not JSON at all: the definition alone judges it
+        text = b"0.0"
+    problem = _schema_error("record", "record", version, data, text)
     return None if problem is None else str(problem).partition(": ")[2]
 
 
@@ -585,13 +620,30 @@ class TraceFile:
                 if not line.strip():
                     continue
                 data = _parse(line, where)
-                problem = _schema_error(where, "record", self.schema_version, data)
+                problem = _schema_error(where, "record", self.schema_version, data, line)
                 if problem is not None:
                     raise problem
                 if self.schema_version == 1:
                     for arrival in data["arrivals"]:
                         arrival.setdefault("eos_token_id", V1_EOS_TOKEN_ID)
-                yield StepRecord.from_dict(data)
+                yield _record(data, where)
+
+
+def _record(data: dict[str, Any], where: str) -> StepRecord:
+    """The :class:`StepRecord` of a schema-valid line, or :class:`TraceFormatError` naming the line and the field
+    where a value the schema allows is still impossible (an arrival's ``abort_at_step`` before its
+    ``arrival_step``, ``num_external_computed_tokens`` above its ``prompt_len``: :class:`RequestSpec`'s checks)."""
+    try:
+        return StepRecord.from_dict(data)
+    except (ValueError, TypeError) as error:
+        field = "(the line)"
+        for index, arrival in enumerate(data.get("arrivals", ())):
+            try:
+                RequestSpec.from_dict(arrival)
+            except (ValueError, TypeError):
+                field = f"arrivals[{index}]"
+                break
+        raise TraceFormatError(f"{where}: field {field}: {error}") from None
 
 
 def open_trace(path: str | Path) -> TraceFile:
@@ -618,7 +670,7 @@ def open_trace(path: str | Path) -> TraceFile:
     version = header.get("schema_version") if isinstance(header, dict) else None
     if isinstance(header, dict) and "schema_version" in header and version not in READABLE_VERSIONS:
         raise TraceFormatError(f"{where}: field schema_version: {version!r} is not one of {list(READABLE_VERSIONS)}")
-    problem = _schema_error(where, "header", SCHEMA_VERSION, header)
+    problem = _schema_error(where, "header", SCHEMA_VERSION, header, first)
     if problem is not None:
         raise problem
     try:
