@@ -42,7 +42,13 @@ from schedspec.lab.run import LabResult, largest_step
 from schedspec.reference.cost_model import CostModel, profile_schema
 from schedspec.spec.admission import REJECTION_CODES, rejection_code
 from schedspec.spec.config import ConfigError, SchedulerConfig
-from schedspec.spec.trace import StrictJsonError, json_line, schema_problem, strict_json_loads
+from schedspec.spec.trace import (
+    StrictJsonError,
+    StrictValidator,
+    json_line,
+    schema_problem,
+    strict_json_loads,
+)
 
 RECORD_KIND = "schedspec-run-record"
 SCHEMA_VERSION = 1
@@ -294,7 +300,7 @@ def _validator() -> jsonschema.Draft202012Validator:
 
     profile = profile_schema()
     registry = Registry().with_resource(profile["$id"], Resource.from_contents(profile))
-    return jsonschema.Draft202012Validator(record_schema(), registry=registry)
+    return StrictValidator(record_schema(), registry=registry)  # integers written as integers (spec/trace.py)
 
 
 def validate_record(data: Any, text: str | None = None) -> str | None:

@@ -487,9 +487,13 @@ def load_profile(path) -> CostModel:
         CostModelError: the file cannot be read, is not strict JSON, or breaks the schema (the message
             names the file, the line and the field: ``profile p.json:7: field coefficients.x: ...``).
     """
-    import jsonschema
-
-    from schedspec.spec.trace import StrictJsonError, json_line, schema_problem, strict_json_loads
+    from schedspec.spec.trace import (
+        StrictJsonError,
+        StrictValidator,
+        json_line,
+        schema_problem,
+        strict_json_loads,
+    )
 
     where = str(path)
     try:
@@ -509,7 +513,7 @@ def load_profile(path) -> CostModel:
     if not isinstance(data, dict) or data.get("record") != "schedspec-cost-profile":
         raise CostModelError(f"profile {where}: field record: expected \"schedspec-cost-profile\" (a file written "
                              "by schedspec calibrate)")
-    problem = schema_problem(jsonschema.Draft202012Validator(profile_schema()), data, text)
+    problem = schema_problem(StrictValidator(profile_schema()), data, text)
     if problem is not None:
         line, message = problem
         raise CostModelError(f"profile {where}{f':{line}' if line else ''}: {message}")

@@ -18,7 +18,7 @@ from typing import Any
 
 import attrs
 
-from schedspec.spec.config import ConfigError, SchedulerConfig
+from schedspec.spec.config import ConfigError, SchedulerConfig, blocks_for_tokens
 from schedspec.spec.properties import PROPERTIES
 from schedspec.spec.rules import RULES
 from schedspec.spec.trace import StrictJsonError, strict_json_loads
@@ -180,7 +180,8 @@ def parse_scenario(data: Any, path: str = "<scenario>") -> Scenario:
             except ValueError as error:
                 raise ScenarioError(f"{where}.acceptance: {error}") from None
             acceptance[request_id] = pattern
-        requests.append(RequestSpec(
+        try:
+            spec = RequestSpec(
             request_id=request_id,
             arrival_step=arrival,
             prompt_len=prompt_len,
@@ -202,7 +203,10 @@ def parse_scenario(data: Any, path: str = "<scenario>") -> Scenario:
             kv_send=_bool(raw.get("kv_send", False), f"{where}.kv_send"),
             kv_send_steps=(_int(raw["kv_send_steps"], f"{where}.kv_send_steps", 1, maximum=MAX_STEP)
                            if "kv_send_steps" in raw else None),
-        ))
+            )
+        except ValueError as error:  # RequestSpec's own checks (a transfer's schedule without the transfer, ...)
+            raise ScenarioError(f"{where}: {error}") from None
+        requests.append(spec)
     expect = data.get("expect", {})
     if not isinstance(expect, dict):
         raise ScenarioError(f"{path}: field 'expect' must be an object")
@@ -220,6 +224,14 @@ def parse_scenario(data: Any, path: str = "<scenario>") -> Scenario:
         problem = simulation_size_problem(checked)
         if problem is not None:
             raise ScenarioError(f"{path}: config.{problem}")
+        for index, spec in enumerate(requests):
+            # a failure past the load's blocks never happens: the field would be dropped silently
+            load_blocks = blocks_for_tokens(spec.num_external_computed_tokens, checked.block_size)
+            if spec.kv_load_invalid_block is not None and spec.kv_load_invalid_block >= load_blocks:
+                raise ScenarioError(f"{path}: requests[{index}].kv_load_invalid_block: {spec.kv_load_invalid_block} is "
+                                    f"past the load's last block (index {load_blocks - 1}: num_external_computed_tokens "
+                                    f"{spec.num_external_computed_tokens} at block_size {checked.block_size}), so the "
+                                    "load would never fail")
     max_steps = _int(data["max_steps"], f"{path}: max_steps", 1, maximum=10 * MAX_STEP) if "max_steps" in data else None
     return Scenario(
         name=name, about=about, config=config, policy=policy,

@@ -441,7 +441,8 @@ _LONG_DIGITS = re.compile(f"[0-9]{{{MAX_JSON_INT_DIGITS + 1}}}")
 
 def strict_json_loads(text: str, *, constants: bool = False) -> Any:
     """``json.loads`` that refuses NaN, Infinity, numbers out of a float's range (``1e400``), integers
-    longer than :data:`MAX_JSON_INT_DIGITS` digits and repeated keys, with every failure one exception.
+    longer than :data:`MAX_JSON_INT_DIGITS` digits, repeated keys and lone UTF-16 surrogates in strings
+    (``"\\ud800"``), with every failure one exception.
 
     With ``constants`` the literals ``NaN``, ``Infinity`` and ``-Infinity`` are read as floats (for a reader
     whose range check of each field refuses them, naming the field); repeated keys are still refused.
@@ -454,8 +455,10 @@ def strict_json_loads(text: str, *, constants: bool = False) -> Any:
     # integer may have (then every integer goes through _bounded_int, which names it): the same verdicts.
     parse_int = _bounded_int if _LONG_DIGITS.search(text) else None
     try:
-        return json.loads(text, parse_constant=float if constants else _reject_constant,
+        data = json.loads(text, parse_constant=float if constants else _reject_constant,
                           object_pairs_hook=_no_duplicate_keys, parse_float=_finite_float, parse_int=parse_int)
+        _refuse_lone_surrogates(text, data)
+        return data
     except json.JSONDecodeError as error:
         raise StrictJsonError(f"not JSON ({error.msg} at column {error.colno})", error.lineno) from None
     except RecursionError:
@@ -464,6 +467,23 @@ def strict_json_loads(text: str, *, constants: bool = False) -> Any:
         if error.lineno is None:  # a number refused by a hook: find its line by parsing up to it
             error.lineno = _line_of_refused_number(text)
         raise
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+"""A ``\\uD800``..``\\uDFFF`` escape: half of a UTF-16 pair, which JSON allows alone and Unicode text does not."""
+
+
+def _refuse_lone_surrogates(text: str, data: Any) -> None:
+    """:class:`StrictJsonError` if a string of ``data`` (parsed from ``text``) holds a lone surrogate (``"\\ud800"``
+    alone: no character, so no file name, id or message can be written with it); a pair is one character."""
+    first = _SURROGATE_ESCAPE.search(text)
+    if first is None:
+        return
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise StrictJsonError("a string holds a lone UTF-16 surrogate (\\ud800 to \\udfff without its pair): not "
+                              "Unicode text", text.count("\n", 0, first.start()) + 1) from None
 
 
 def _line_of_refused_number(text: str) -> int | None:

@@ -230,11 +230,14 @@ class RequestSpec:
             (``ValueError``), so that a plan never depends on the report of its own step.
         kv_load_invalid_block: the index, among its load's blocks, of the first block the load fails to fill
             (reported in ``invalid_block_ids`` when it lands: vLLM ``_handle_invalid_blocks``); ``None``: the
-            load succeeds.
+            load succeeds. Given without a load (``num_external_computed_tokens`` 0), like ``kv_load_steps``, it is
+            refused (``ValueError``); past the load's blocks it never fails it (a scenario refuses that:
+            ``reference/scenarios.py``).
         kv_send: KV connector: its blocks are sent when it finishes (:attr:`Request.kv_send`; left out of
             :meth:`to_dict` when false).
         kv_send_steps: the workload's schedule for its send: it completes with the report of the step
-            ``kv_send_steps`` steps after the step it finished in; ``None``: 1; at least 1 (``ValueError``).
+            ``kv_send_steps`` steps after the step it finished in; ``None``: 1; at least 1, and only with
+            ``kv_send`` (``ValueError``).
     """
 
     request_id: str
@@ -272,6 +275,14 @@ class RequestSpec:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"request_id={self.request_id!r}: {name}={value} < 1")
+        # A transfer's schedule without the transfer would be dropped silently: such a request is refused.
+        if self.num_external_computed_tokens == 0:
+            for name in ("kv_load_steps", "kv_load_invalid_block"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"request_id={self.request_id!r}: {name}={getattr(self, name)} without a remote "
+                                     "KV load (num_external_computed_tokens is 0)")
+        if self.kv_send_steps is not None and not self.kv_send:
+            raise ValueError(f"request_id={self.request_id!r}: kv_send_steps={self.kv_send_steps} without kv_send")
         if not 0 <= self.num_external_computed_tokens <= self.prompt_len:
             raise ValueError(f"request_id={self.request_id!r}: num_external_computed_tokens="
                              f"{self.num_external_computed_tokens} outside [0, prompt_len={self.prompt_len}]")

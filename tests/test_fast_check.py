@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import json
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -274,7 +275,10 @@ def _line_edit(trace, tmp_path: Path, name: str, edit) -> Path:
     ("huge-number", lambda t: t.replace('"start_time":', '"start_time":1e400,"x":', 1), False),
     ("spaced", lambda t: json.dumps(json.loads(t), indent=None), True),
     ("colon-in-a-string", lambda t: t.replace('"aborts":[]', '"aborts":["no\\":such"]', 1), True),
-    ("integer-as-float", lambda t: t.replace('"step":5,', '"step":5.0,', 1), True),
+    ("integer-as-float", lambda t: t.replace('"step":5,', '"step":5.0,', 1), False),  # refused (trace.StrictValidator)
+    ("integer-as-exponent", lambda t: t.replace('"step":5,', '"step":5e0,', 1), False),
+    ("float-time-integral", lambda t: t.replace('"duration":', '"duration":1.0,"x":', 1), False),  # the key "x": refused
+    ("float-time-zero", lambda t: re.sub(r'"duration":[-0-9.e]+', '"duration":0.0', t, count=1), True),
 ])
 def test_the_reader_certifies_only_what_the_plain_reader_accepts(traces, tmp_path, name, edit, certified):
     label, trace = traces[0]

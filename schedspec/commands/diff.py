@@ -71,7 +71,7 @@ from schedspec.reference.sglang_profile import (
     comparable_request,
 )
 from schedspec.reference.vllm_v1 import startup_blocks
-from schedspec.spec.config import ConfigError, SchedulerConfig
+from schedspec.spec.config import ConfigError, SchedulerConfig, blocks_for_tokens
 from schedspec.spec.rules import Violation
 from schedspec.spec.state import SchedulerState
 from schedspec.spec.trace import StepRecord
@@ -676,6 +676,8 @@ def case_dict(name: str, about: str, config: SchedulerConfig, requests: Sequence
                       "kv_send_steps"):  # remote KV (the scenario fields of the same names)
             if getattr(r, field) is not None and getattr(r, field) is not False:
                 row[field] = getattr(r, field)
+        if row.get("kv_load_invalid_block", 0) >= blocks_for_tokens(r.num_external_computed_tokens, config.block_size):
+            del row["kv_load_invalid_block"]  # past the load's blocks it never fails it (a case file refuses it)
         rows.append(row)
         outcome[r.request_id] = ["finished", "aborted"] if r.abort_at_step is not None else "finished"
     data: dict[str, Any] = {"name": name, "about": about, "config": config.to_dict(), "requests": rows,
