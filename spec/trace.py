@@ -365,10 +365,19 @@ def _schema_error(where: str, part: str, version: int, data: Any, line: bytes) -
     error = jsonschema.exceptions.best_match(_validator(part, version).iter_errors(data))
     if error is None:
         return None
+    message = _error_message(error)
     # jsonschema's message starts with the offending value and ends with what is wrong with it: a long
     # one is cut in the middle, so the part that says what is wrong is kept
-    message = error.message if len(error.message) <= 200 else error.message[:60] + " ... " + error.message[-140:]
+    message = message if len(message) <= 200 else message[:60] + " ... " + message[-140:]
     return TraceFormatError(f"{where}: field {_field_path(error.absolute_path)}: {message}")
+
+
+def _error_message(error: jsonschema.exceptions.ValidationError) -> str:
+    """``error``'s message; for a value that fits none of an ``anyOf`` ("5.0 is not valid under any of the given
+    schemas"), what each alternative says instead ("5.0 is not of type 'integer'; 5.0 is not of type 'null'")."""
+    if error.validator in ("anyOf", "oneOf") and error.context:
+        return "; ".join(dict.fromkeys(sub.message for sub in error.context if not sub.path))
+    return error.message
 
 
 def record_schema_errors(data: Any, version: int = HYBRID_SCHEMA_VERSION) -> str | None:
@@ -556,7 +565,7 @@ def schema_problem(validator: jsonschema.protocols.Validator, data: Any, text: s
     if error is None:
         return None
     path = list(error.absolute_path)
-    message = error.message
+    message = _error_message(error)
     if error.validator == "additionalProperties" and isinstance(error.instance, dict):
         import re
 
@@ -688,7 +697,8 @@ def open_trace(path: str | Path) -> TraceFile:
         raise TraceFormatError(f"{where}: empty; expected the header line")
     header = _parse(first, where)
     version = header.get("schema_version") if isinstance(header, dict) else None
-    if isinstance(header, dict) and "schema_version" in header and version not in READABLE_VERSIONS:
+    if isinstance(header, dict) and "schema_version" in header and (type(version) is not int
+                                                                     or version not in READABLE_VERSIONS):
         raise TraceFormatError(f"{where}: field schema_version: {version!r} is not one of {list(READABLE_VERSIONS)}")
     problem = _schema_error(where, "header", SCHEMA_VERSION, header, first)
     if problem is not None:

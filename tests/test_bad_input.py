@@ -91,9 +91,9 @@ def scenario(**changes) -> bytes:
     return json.dumps(data).encode()
 
 
-def invoke(command: str, files: dict[str, bytes], args: tuple[str, ...], folder: Path):
-    """Run ``schedspec COMMAND ARGS`` in-process on ``files`` written into ``folder``; assert the
-    contract; return the result."""
+def invoke(command: str, files: dict[str, bytes], args: tuple[str, ...], folder: Path, env: dict | None = None):
+    """Run ``schedspec COMMAND ARGS`` in-process on ``files`` written into ``folder`` (with the environment
+    variables ``env`` set); assert the contract; return the result."""
     paths = {}
     for name, data in files.items():
         path = folder / name
@@ -106,7 +106,7 @@ def invoke(command: str, files: dict[str, bytes], args: tuple[str, ...], folder:
         for name, path in paths.items():
             arg = arg.replace("{" + name + "}", str(path))
         argv.append(arg)
-    result = CliRunner().invoke(cli, argv, prog_name="schedspec", env={"COLUMNS": "200"})
+    result = CliRunner().invoke(cli, argv, prog_name="schedspec", env={"COLUMNS": "200", **(env or {})})
     output = result.stdout + result.stderr
     assert result.exit_code in (0, 1, 2, 3), (argv, result.exit_code, output, result.exception)
     assert result.exception is None or isinstance(result.exception, SystemExit), (argv, repr(result.exception))
