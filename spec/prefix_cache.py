@@ -150,13 +150,15 @@ class PrefixCache:
             (vLLM ``KVCacheBlock.ref_cnt``).
         changes: how this cache differs from the one it was made from (:class:`CacheChanges`; ``None``
             for a cache not made by :meth:`CacheUpdate.freeze_cache`). Not part of the value: equality
-            ignores it.
+            ignores it; not an argument of the constructor, so that a copy made by ``attrs.evolve`` (whose
+            mappings may differ at keys never logged) starts with ``None`` and a checker following the log
+            rechecks it whole.
     """
 
     block_hashes: Mapping[int, str] = _EMPTY
     hash_to_blocks: Mapping[str, tuple[int, ...]] = _EMPTY
     ref_counts: Mapping[int, int] = _EMPTY
-    changes: CacheChanges | None = attrs.field(default=None, eq=False, repr=False)
+    changes: CacheChanges | None = attrs.field(default=None, init=False, eq=False, repr=False)
 
     def cached_block(self, hash_value: str, excluded: frozenset[int] | set[int] = frozenset()) -> int | None:
         """The first published block carrying ``hash_value`` and not in ``excluded``, or ``None``."""
@@ -360,7 +362,8 @@ class CacheUpdate:
         changes = CacheChanges(weakref.ref(self.cache), frozenset(self._hashed), frozenset(self._listed),
                                frozenset(self._counted))
         self._hashed, self._listed, self._counted = set(), set(), set()
-        self.cache = PrefixCache(hashes, by_hash, counts, changes)
+        self.cache = PrefixCache(hashes, by_hash, counts)
+        object.__setattr__(self.cache, "changes", changes)  # the only writer of the log (class docstring)
         self._hashes_copied = self._counts_copied = False
         self.block_hashes, self.hash_to_blocks, self.ref_counts = hashes, by_hash, counts
         return self.cache

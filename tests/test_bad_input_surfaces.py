@@ -56,6 +56,7 @@ BASES = {
     "spec": _scenario_trace("spec-eos-inside-accepted-drafts"),  # version 3
     "hybrid": _hybrid_trace(),  # version 4: KV cache groups, sliding windows
 }
+BASES["hybrid-window"] = "\n".join(BASES["hybrid"].splitlines()[:13]) + "\n"  # 12 steps: --allow-unfinished
 
 
 def edited(base: str, line: int, edit) -> str:
@@ -463,7 +464,7 @@ NUMBERS = st.sampled_from(["5.0", "1e3", "true", "-1", "0", "2147483648", "NaN",
 
 @st.composite
 def check_surface_cases(draw):
-    base = draw(st.sampled_from(["remote", "send", "spec", "plain"]))
+    base = draw(st.sampled_from(["remote", "send", "spec", "plain", "hybrid-window"]))
     lines = BASES[base].splitlines()
     line = draw(st.integers(0, len(lines) - 1))
     if draw(st.booleans()):  # one value of one field, written as a raw token
@@ -487,9 +488,44 @@ def check_surface_cases(draw):
     return "\n".join(lines) + "\n"
 
 
+CHECK_OPTIONS = st.lists(st.sampled_from(["--allow-unfinished", "--json", "--full", "--keep-going"]), max_size=2,
+                         unique=True)
+
+
 @settings(max_examples=min(settings().max_examples, 40), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(text=check_surface_cases(), env=st.sampled_from([None, {"SCHEDSPEC_NO_FAST_PATH": "1"}]))
-def test_check_fuzz_both_paths(tmp_path_factory, text, env):
+@given(text=check_surface_cases(), options=CHECK_OPTIONS,
+       env=st.sampled_from([None, {"SCHEDSPEC_NO_FAST_PATH": "1"}, {"SCHEDSPEC_NO_FAST_PATH": "0"}]))
+def test_check_fuzz_both_paths(tmp_path_factory, text, options, env):
     """The contract on every mutant, and the same output from the fast and the plain path."""
-    check_both_paths(tmp_path_factory.mktemp("fuzz"), text, env=env)
+    check_both_paths(tmp_path_factory.mktemp("fuzz"), text, *options, env=env)
+
+
+ENGINE_VARIABLES = st.sampled_from([
+    {}, {"SCHEDSPEC_VLLM_PYTHON": "/bin/false"}, {"SCHEDSPEC_VLLM_PYTHON": "/no/such"}, {"SCHEDSPEC_VLLM_PYTHON": "."},
+    {"SCHEDSPEC_SGLANG_PYTHON": "/bin/false"}, {"SCHEDSPEC_SGLANG_PYTHON": "\x1b[31m[red]"}])
+NOWHERE = {"SCHEDSPEC_VLLM_PYTHON": "/no/such/python", "SCHEDSPEC_SGLANG_PYTHON": "/no/such/python"}
+"""Where the drawn variables leave an engine's variable unset: no engine worker starts (seconds each), the
+adapters refuse at once."""
+SCHEDULERS = st.sampled_from(["fcfs", "static", "priority", "vllm", "sglang", "vllm-v1", "nope", "[red]", "fcfs\n"])
+SETTINGS = st.sampled_from(["num_speculative_tokens=2", "num_speculative_tokens=2.0", "block_size=16",
+                            'kv_cache_groups=[{"kind":"full_attention"},{"kind":"sliding_window","sliding_window":4}]',
+                            'kv_cache_groups=[{"kind":"full_attention"},{"kind":"sliding_window","sliding_window":0}]',
+                            "enable_prefix_caching=true", "max_num_seqs=1e2", "max_model_len=-1"])
+
+
+@settings(max_examples=min(settings().max_examples, 12), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
+                                 HealthCheck.nested_given])  # diff runs Hypothesis itself
+@given(scheduler=SCHEDULERS, against=SCHEDULERS, sets=st.lists(SETTINGS, max_size=2), env=ENGINE_VARIABLES,
+       remote=st.booleans())
+def test_diff_and_replay_fuzz_engines_and_remote_kv(tmp_path_factory, scheduler, against, sets, env, remote):
+    """``diff`` (``--remote-kv`` or not) and ``replay`` of a remote-KV scenario on drawn schedulers, settings and
+    engine variables: the contract (the engine adapters refuse a variable pointing nowhere with one line)."""
+    folder = tmp_path_factory.mktemp("fuzz")
+    env = {**NOWHERE, **env}
+    set_args = tuple(arg for setting in sets for arg in ("--set", setting))
+    invoke("diff", {}, ("--scheduler", scheduler, "--against", against, "--examples", "1", *set_args,
+                        *(("--remote-kv",) if remote else ())), folder, env)
+    invoke("replay", {"c.json": CASES_FOLDER[LOAD].read_bytes()}, ("-q", "--scheduler", scheduler, *set_args,
+                                                                   "{c.json}"), folder, env)

@@ -113,10 +113,19 @@ def _count_off(update, state):
 
 
 def _unhash_held(update, state):
-    held = _held(state, hashed=True)
-    if not held:
+    """A held block loses its hash: one followed, in the table of a request holding it, by a published block,
+    so that the table's published blocks no longer come first (``prefix-published-computed``). Unhashing the
+    last published block of a table breaks no rule of the spec, which requires only that published blocks be
+    computed and come first, not that every full computed block be published (vLLM 0.32 publishes them at
+    allocation, ``KVCacheManager.allocate_slots`` -> ``coordinator.cache_blocks``, but not for a request whose
+    remote KV load is in flight, ``delay_cache_blocks``), so such a fault would be undetectable by either check
+    and is not made."""
+    hashes = state.prefix_cache.block_hashes
+    followed = [block for r in state.requests.values() for index, block in enumerate(r.block_ids[:-1])
+                if block in hashes and r.block_ids[index + 1] in hashes]
+    if not followed:
         return False
-    update._evict(held[0])
+    update._evict(followed[0])
 
 
 def _publish_uncomputed(update, state):
@@ -455,3 +464,40 @@ def test_the_screen_counts_lookahead_and_drafts_as_the_rules_do() -> None:
     decode = _mutate_item(plan, 0, spec_token_ids=(5,))  # all 8 pending but not the draft it carries
     assert "whole-prefill-without-chunking" in {v.name for v in violated_rules(state, decode, whole)}
     assert not screened_rules_hold(state, decode, whole)
+
+
+def test_a_cache_copied_by_evolve_carries_no_change_log():
+    """``attrs.evolve`` on a :class:`~schedspec.spec.prefix_cache.PrefixCache` made by a transition gives a cache
+    without its change log (the copy may differ at keys the log never names), so the incremental checker
+    rechecks it whole: a reference count changed that way is found as the full check finds it. With the log
+    kept (``changes`` a constructor argument, as it was), the copy carries a log that does not name its change
+    (this test then fails at ``changes is None``), and the checker follows that log."""
+    config = CONFIG.with_changes(num_kv_blocks=10, enable_prefix_caching=True)
+    specs = [attrs.evolve(s, prefix_group="p", prefix_len=8) for s in SPECS]
+    scheduler = make_scheduler("fcfs", config)
+    model = FakeModel(config, cost_model=_Flat())
+    checker = IncrementalChecker(config)
+    for spec in specs:
+        scheduler.add_request(spec.to_request(0))
+    found = False
+    for _ in range(6):
+        before = scheduler.state
+        checker.sync(before)
+        plan = scheduler.schedule()
+        sampled, _ = model.execute(plan, before)
+        scheduler.update(plan, sampled)
+        after = scheduler.state
+        assert after.prefix_cache.changes is not None or after.prefix_cache is before.prefix_cache
+        held = _held(after)
+        if not held:
+            continue
+        counts = dict(after.prefix_cache.ref_counts)
+        counts[held[0]] = counts.get(held[0], 0) + 1
+        broken_cache = attrs.evolve(after.prefix_cache, ref_counts=counts)
+        assert broken_cache.changes is None
+        broken = attrs.evolve(after, prefix_cache=broken_cache)
+        full = check_step(before, plan, broken, config)
+        assert full and _verdict(checker.invariants(before, plan, broken)) == _verdict(full)
+        found = True
+        break
+    assert found

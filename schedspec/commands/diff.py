@@ -676,7 +676,8 @@ def case_dict(name: str, about: str, config: SchedulerConfig, requests: Sequence
                       "kv_send_steps"):  # remote KV (the scenario fields of the same names)
             if getattr(r, field) is not None and getattr(r, field) is not False:
                 row[field] = getattr(r, field)
-        if row.get("kv_load_invalid_block", 0) >= blocks_for_tokens(r.num_external_computed_tokens, config.block_size):
+        if ("kv_load_invalid_block" in row
+                and row["kv_load_invalid_block"] >= blocks_for_tokens(r.num_external_computed_tokens, config.block_size)):
             del row["kv_load_invalid_block"]  # past the load's blocks it never fails it (a case file refuses it)
         rows.append(row)
         outcome[r.request_id] = ["finished", "aborted"] if r.abort_at_step is not None else "finished"
