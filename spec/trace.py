@@ -310,11 +310,19 @@ integral float (``5.0``, ``1e3``, ``1.5e3``). It may also match digits inside a 
 that costs only speed (:func:`has_integral_float`)."""
 
 
+_FLOAT_HINTS = (re.compile(rb"\.0+(?![0-9])"), re.compile(rb"e[-+0-9]"), re.compile(rb"E[-+0-9]"))
+"""What every token :data:`_FLOAT_TOKEN` finds holds (a fraction of zeros, or an exponent), each a pattern with a
+literal prefix, which ``re`` scans for fast (about 10 times faster than one pattern starting with a class): a
+line with none of them is not searched further (most lines of a trace: times such as ``0.0107`` match none)."""
+
+
 def has_integral_float(line: bytes) -> bool:
     """Whether the JSON text ``line`` may hold a number written as a float with an integral value (``5.0``,
     ``1e3``), which :data:`StrictValidator` refuses where an integer is required and ``jsonschema-rs``
     accepts. True for such a number anywhere, also in a field that is a float (``"start_time": 0.0``) or
     inside a string: then the line is judged by :data:`StrictValidator` itself (slower, the same verdict)."""
+    if not any(hint.search(line) for hint in _FLOAT_HINTS):
+        return False
     return any(float(token).is_integer() for token in _FLOAT_TOKEN.findall(line))
 
 
