@@ -2,7 +2,7 @@
 what the scenarios exercised: how many had a retraction, a chunked prefill, a request SGLang ended at its
 clipped ``max_new_tokens`` (the documented finding), as the profile ran them.
 
-Run (SGLang's environment built: ``SCHEDSPEC_SGLANG=1 bash scripts/engines_setup.sh``)::
+Run (SGLang's environment built: ``bash scripts/engines_setup.sh --only sglang``, which ``scripts/test.sh`` runs)::
 
     nice -n 10 .venv/bin/python benchmarks/sglang_profile_diff.py --examples 10000 --seed 25
     # retractions (the generated scenarios almost never make SGLang retract: 1 of 10,000): one-token pages, a small pool

@@ -91,6 +91,7 @@ admitted (its ``abort_request`` finishes it at the next result, not at once).
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -117,22 +118,79 @@ PYTHON_VARIABLE = "SCHEDSPEC_SGLANG_PYTHON"
 SGLANG_VERSION = "0.5.23"
 
 
-def sglang_python() -> Path:
-    """The interpreter of the SGLang environment: ``$SCHEDSPEC_SGLANG_PYTHON`` or ``.venv-sglang/bin/python``.
+INSTALL_WAIT_S = 1200.0
+"""How long :func:`sglang_python` waits for an install of the environment in progress (seconds)."""
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs; a zombie (ended, not yet reaped by its parent) does not."""
+    proc = Path("/proc")
+    if proc.is_dir():
+        try:
+            stat = (proc / str(pid) / "stat").read_text()
+        except OSError:
+            return False
+        return stat.rsplit(")", 1)[-1].split()[0] != "Z"  # the state field follows the command's ")"
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def wait_for_install(environment: Path, timeout_s: float = INSTALL_WAIT_S) -> None:
+    """Wait while ``scripts/engines_setup.sh`` installs the environment ``environment`` (the folder of a venv).
+
+    The set-up writes its process id into ``environment/.schedspec-installing`` before it installs and removes
+    the file after the environment passed its import check (``scripts/engines_setup.sh``, ``setup_sglang``), so
+    ``scripts/test.sh`` can build ``.venv-sglang`` in the background while the suite runs: a test (or any
+    run) that reaches the adapter first waits here. Returns at once when no install is in progress.
 
     Raises:
-        EngineUnavailable: the variable is not set and the default does not exist (not installed).
+        EngineUnavailable: the file names a process that has ended (an install that failed or was cut short:
+            its own ``ENGINES SETUP: FAIL`` line says why), or the install still runs after ``timeout_s``
+            seconds.
+    """
+    marker = environment / ".schedspec-installing"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            pid = int(marker.read_text().strip() or 0)
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError):
+            pid = 0
+        if not pid or not _process_alive(pid):
+            raise EngineUnavailable(f"scheduler 'sglang': the install of {environment} (scripts/engines_setup.sh, "
+                                    f"process {pid}) ended without completing; its log says why (scripts/test.sh: "
+                                    "build/sglang-setup.log); run `bash scripts/engines_setup.sh --only sglang`")
+        if time.monotonic() > deadline:
+            raise EngineUnavailable(f"scheduler 'sglang': {environment} is still being installed by process {pid} "
+                                    f"after {timeout_s:.0f} s")
+        time.sleep(0.5)
+
+
+def sglang_python() -> Path:
+    """The interpreter of the SGLang environment: ``$SCHEDSPEC_SGLANG_PYTHON`` or ``.venv-sglang/bin/python``,
+    once an install of it in progress has ended (:func:`wait_for_install`).
+
+    Raises:
+        EngineUnavailable: the variable is not set and the default does not exist (not installed), or its
+            install failed or is still running after :data:`INSTALL_WAIT_S`.
         EngineStartError: the variable names a path that is not a file.
     """
     named = os.environ.get(PYTHON_VARIABLE)
     python = Path(named) if named else DEFAULT_PYTHON
+    wait_for_install(python.parent.parent)
     if named and not python.is_file():
         raise EngineStartError(f"environment variable {PYTHON_VARIABLE}={named}: no such file (the Python of an "
-                               f"environment with sglang=={SGLANG_VERSION}; `SCHEDSPEC_SGLANG=1 bash "
-                               f"scripts/engines_setup.sh` builds one at {DEFAULT_PYTHON})")
+                               f"environment with sglang=={SGLANG_VERSION}; `bash scripts/engines_setup.sh --only sglang` "
+                               f"builds one at {DEFAULT_PYTHON})")
     if not python.exists():
-        raise EngineUnavailable(f"scheduler 'sglang': no SGLang environment at {python}; run `SCHEDSPEC_SGLANG=1 "
-                                f"bash scripts/engines_setup.sh` (builds .venv-sglang) or set {PYTHON_VARIABLE}")
+        raise EngineUnavailable(f"scheduler 'sglang': no SGLang environment at {python}; run `bash "
+                                f"scripts/engines_setup.sh --only sglang` (builds .venv-sglang) or set {PYTHON_VARIABLE}")
     return python
 
 
@@ -210,7 +268,7 @@ class SglangScheduler(_WorkerClient):
         if reply["sglang_version"] != SGLANG_VERSION:
             self.close()
             raise EngineUnavailable(f"scheduler {self.name!r}: the worker imported sglang {reply['sglang_version']}, "
-                                    f"expected {SGLANG_VERSION}; run `SCHEDSPEC_SGLANG=1 bash scripts/engines_setup.sh`")
+                                    f"expected {SGLANG_VERSION}; run `bash scripts/engines_setup.sh --only sglang --force`")
         self.requests: dict[str, Request] = {}
         self.stops = StopBeforeMinTokens("SGLang")
         self.finish_reasons: dict[str, str] = {}  # the last update's finished ids -> SGLang's finish type

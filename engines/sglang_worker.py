@@ -10,14 +10,14 @@ protocol of ``worker_pipe.py`` (beside this file, shared with ``vllm_worker.py``
 ``ENGINES SETUP: OK sglang ...`` naming the ``torchvision`` modules the stub answered, and exit.
 
 Without arguments (the ``sglang`` adapter, ``engines/sglang.py``): serve the commands ``init``, ``add``,
-``abort``, ``schedule``, ``update``, ``view`` and ``close`` over the pipe (:class:`Engine`; replies in SGLang's
+``abort``, ``schedule``, ``update``, ``view``, ``probe`` (``--probe``'s cases) and ``close`` over the pipe (:class:`Engine`; replies in SGLang's
 page numbering mapped to spec blocks, ``p - 1``). *Step loop*: ``schedule`` is SGLang's own
 ``Scheduler.get_next_batch_to_run`` on a headless ``Scheduler`` (:func:`_headless_scheduler`: what is set and
 what is a stand-in, and why, is listed there and in the adapter's module docstring); ``update`` passes the
 sampled tokens to SGLang's own ``SchedulerBatchResultProcessor.process_batch_result_prefill`` / ``_decode``.
 
-``--probe CASES_JSON`` (used by ``tests/test_engine_sglang.py``; a list of ``{"config", "requests"}``,
-one output line each): build SGLang's scheduling components
+``--probe CASES_JSON`` (a list of ``{"config", "requests"}``, one output line each; ``tests/test_engine_sglang.py``
+sends the same cases to the serving worker's ``probe`` command): build SGLang's scheduling components
 for a schedspec config (:class:`Components`), admit the given requests through SGLang's own
 ``SchedulePolicy.calc_priority``, ``PrefillAdder.add_one_req``, ``ScheduleBatch.init_new`` and
 ``prepare_for_extend`` (which allocates the pages), and print one JSON line: what was admitted, the
@@ -323,7 +323,7 @@ def _headless_scheduler(parts: Components):
 class Engine:
     """One headless SGLang scheduler driven step by step over the pipe (module docstring, *Step loop*).
 
-    Commands (``worker_pipe.serve``): ``add``, ``abort``, ``schedule``, ``update``, ``view``."""
+    Commands (``worker_pipe.serve``): ``add``, ``abort``, ``schedule``, ``update``, ``view``, ``probe``."""
 
     def __init__(self, config: dict, policy: str) -> None:
         import torch  # noqa: F401
@@ -457,6 +457,12 @@ class Engine:
             return 0
         raise RuntimeError(f"update: no sampled token for request {req.rid!r}, whose token SGLang appends")
 
+    @staticmethod
+    def probe(message: dict) -> dict:
+        """``--probe`` over the pipe (``{"cases": [{"config", "requests"}, ...]}``: one result each, on fresh
+        components of their own, not this engine's), so that the probe tests share the adapter's worker."""
+        return {"cases": [probe(case["config"], case["requests"]) for case in message["cases"]]}
+
     def view(self, message: dict) -> dict:
         """SGLang's own bookkeeping: the allocator's free tokens, the waiting queue, the running batch
         (and the chunked request), each live request's pages and computed tokens."""
@@ -482,12 +488,17 @@ class Engine:
         }
 
 
+_STUB: _TorchvisionStub | None = None
+"""The serving worker's torchvision hook (``__main__``), for the ``check`` line of each ``init`` reply."""
+
+
 def _build(message: dict):
     import sglang
 
     engine = Engine(message["config"], message["policy"])
     engine.rejected = []
-    return engine, {"sglang_version": sglang.__version__, "sglang_file": sglang.__file__}
+    return engine, {"sglang_version": sglang.__version__, "sglang_file": sglang.__file__,
+                    "check": check_line(_STUB)}
 
 
 def probe(config: dict, requests: list[dict]) -> dict:
@@ -531,29 +542,34 @@ def probe(config: dict, requests: list[dict]) -> dict:
     }
 
 
-def check() -> None:
-    """``--check``: import the scheduling modules and print one OK line (module docstring)."""
+def check_line(stub: _TorchvisionStub) -> str:
+    """Import the scheduling modules; the OK line of ``--check`` (module docstring), also sent in the serving
+    worker's ``init`` reply (``check``) so that a test of the environment needs no second import of sglang."""
     import importlib
 
-    stub = install_torchvision_stub()
     for name in SCHEDULING_MODULES:
         importlib.import_module(name)
     import sglang
     import torch
 
-    print(f"ENGINES SETUP: OK sglang {sglang.__version__}, torch {torch.__version__}, python "
-          f"{sys.version.split()[0]}, {sys.prefix}; torchvision stubbed: {', '.join(sorted(set(stub.answered)))}")
+    return (f"ENGINES SETUP: OK sglang {sglang.__version__}, torch {torch.__version__}, python "
+            f"{sys.version.split()[0]}, {sys.prefix}; torchvision stubbed: {', '.join(sorted(set(stub.answered)))}")
+
+
+def check() -> None:
+    """``--check``: import the scheduling modules and print one OK line (module docstring)."""
+    print(check_line(install_torchvision_stub()))
 
 
 if __name__ == "__main__":
     if sys.argv[1:] == []:
         import importlib.util
 
-        install_torchvision_stub()
+        _STUB = install_torchvision_stub()
         _spec = importlib.util.spec_from_file_location("worker_pipe", os.path.join(_HERE, "worker_pipe.py"))
         _pipe = importlib.util.module_from_spec(_spec)
         _spec.loader.exec_module(_pipe)
-        _pipe.serve(_build, ("add", "abort", "schedule", "update", "view"), ValueError)
+        _pipe.serve(_build, ("add", "abort", "schedule", "update", "view", "probe"), ValueError)
     elif sys.argv[1:] == ["--check"]:
         check()
     elif len(sys.argv) == 3 and sys.argv[1] == "--probe":

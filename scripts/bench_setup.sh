@@ -5,4 +5,4 @@
 # torchcodec are left out). Kept as a name for the benchmark docs; arguments (--force) and variables
 # (PYTHON, VLLM_VENV) pass through.
 set -euo pipefail
-exec bash "$(dirname "$0")/engines_setup.sh" "$@"
+exec bash "$(dirname "$0")/engines_setup.sh" --only vllm "$@"   # not .venv-sglang: the benchmark needs vLLM only

