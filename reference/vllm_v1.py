@@ -206,7 +206,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from schedspec.spec.config import SchedulerConfig, blocks_for_tokens, slot_tokens
-from schedspec.spec.kv_cache_groups import allocation_cost, groups_of, held_block_ids
+from schedspec.spec.kv_cache_groups import groups_of, held_block_ids
 from schedspec.spec.request import Request, RequestStatus
 from schedspec.spec.state import (
     KVLoad,
@@ -223,10 +223,13 @@ from .policies import (
     BlockPool,
     CachePool,
     _BlockPool,
+    group_admission,
+    group_cost,
     group_item,
     lora_fits,
     loras_of,
     reject_impossible,
+    release_victim,
     step_config,
     watermark_keep,
 )
@@ -346,8 +349,8 @@ def plan_vllm_v1(state: SchedulerState, config: SchedulerConfig, by_priority: bo
         needed = max(0, blocks_for_tokens(slot_tokens(request.num_computed_tokens + num_tokens, config), config.block_size)
                      - len(request.block_ids))
         if hybrid:  # rule 13: every group's new blocks, less those the window frees first
-            needed = allocation_cost(request, request.num_computed_tokens, request.num_computed_tokens + num_tokens,
-                                     config)
+            needed = group_cost(queue, request, request.num_computed_tokens,
+                                request.num_computed_tokens + num_tokens, config)
         granted = True
         while needed > queue.available:
             if by_priority:
@@ -363,11 +366,14 @@ def plan_vllm_v1(state: SchedulerState, config: SchedulerConfig, by_priority: bo
                     queue.release(held_block_ids(requests[victim]))
             else:
                 victim = running.pop()
-                queue.release(held_block_ids(requests[victim]))
+                release_victim(queue, requests[victim])
             preempted.append(victim)
             if victim == request_id:
                 granted = False
                 break
+            if hybrid:  # allocate_slots again: a victim that shared a block the window frees lets it go back
+                needed = group_cost(queue, request, request.num_computed_tokens,
+                                    request.num_computed_tokens + num_tokens, config)
         if not granted:
             if self_preemption_continues:
                 # 0.33: ``continue``; the request left ``running`` at ``index``, the next one is there now
@@ -412,9 +418,12 @@ def plan_vllm_v1(state: SchedulerState, config: SchedulerConfig, by_priority: bo
             whole_tokens = min(request.num_tokens, config.max_model_len)
             # KVCacheManager.get_computed_blocks (no hit without caching), then
             # allocateslot_tokens(full_sequence_must_fit=True)
-            hit, _, whole = queue.admission(request, config, whole_tokens)
-            if hybrid:
-                whole = admission_blocks(whole_tokens, config)  # rule 13: the capped whole-sequence gate
+            if hybrid:  # rule 13: the hit every group holds, the capped whole-sequence gate beyond it
+                admitted, group_hit, evictable = group_admission(queue, request, config)
+                hit = group_hit[0] if group_hit else ()
+                whole = admission_blocks(whole_tokens, config, len(hit)) + evictable
+            else:
+                hit, _, whole = queue.admission(request, config, whole_tokens)
             if offers_load(request, config):  # rule 14: load_kv_async, allocate_slots(num_new_tokens=0, ...)
                 if reserved is None:  # (tables as this plan leaves them so far: the running phase's blocks and
                     # the admissions'; a holder admitted in this loop stays in vLLM's set until the step is planned)
@@ -448,7 +457,12 @@ def plan_vllm_v1(state: SchedulerState, config: SchedulerConfig, by_priority: bo
             if whole + watermark_keep(config, num_running) > queue.available:
                 break  # allocateslot_tokens(full_sequence_must_fit=True) returns None
             if hybrid:
-                scheduled[request_id] = group_item(request, 0, num_tokens, queue, config)
+                # the same allocate_slots call then requires the chunk's blocks beyond the hit (a gate capped
+                # below them passes a long hit whose chunk does not fit)
+                cost = group_cost(queue, admitted, hit_tokens, hit_tokens + num_tokens, config) + evictable
+                if cost + watermark_keep(config, num_running) > queue.available:
+                    break
+                scheduled[request_id] = group_item(admitted, hit_tokens, num_tokens, queue, config, group_hit)
             else:
                 blocks = queue.admit(hit, blocks_for_tokens(slot_tokens(hit_tokens + num_tokens, config),
                                                             config.block_size) - len(hit) - len(request.block_ids))
@@ -466,10 +480,13 @@ def plan_vllm_v1(state: SchedulerState, config: SchedulerConfig, by_priority: bo
     return StepPlan(scheduled=tuple(scheduled.values()), preempted=tuple(preempted), rejected=rejected)
 
 
-def admission_blocks(whole_tokens: int, config: SchedulerConfig) -> int:
+def admission_blocks(whole_tokens: int, config: SchedulerConfig, hit_blocks: int = 0) -> int:
     """Rule 13: the blocks vLLM's whole-sequence gate requires of a waiting request with KV cache groups:
     per group ``ceil(whole_tokens / block_size)``, a sliding-window group's capped at
-    ``ceil(min(sliding_window - 1 + max_num_batched_tokens, max_model_len) / block_size) + 1``. vLLM 0.32
+    ``ceil(min(sliding_window - 1 + max_num_batched_tokens, max_model_len) / block_size) + 1``, less the
+    ``hit_blocks`` entries a prefix-cache hit gives every group's table (null ones included: ``max(required -
+    max(num_skipped_blocks, num_local_computed_blocks), 0)``), at least 0; the hit's evictable blocks are the
+    caller's. vLLM 0.32
     ``KVCacheManager.allocate_slots(full_sequence_must_fit=True)`` -> ``get_num_blocks_to_allocate(
     apply_admission_cap=True)``, the cap ``SlidingWindowSpec.max_admission_blocks_per_request`` with
     ``VllmConfig.max_in_flight_tokens`` = ``max_num_batched_tokens`` (a synchronous engine, no pipeline
@@ -481,7 +498,7 @@ def admission_blocks(whole_tokens: int, config: SchedulerConfig) -> int:
         if group.sliding_window is not None:
             window = min(group.sliding_window - 1 + config.max_num_batched_tokens, config.max_model_len)
             cap = blocks_for_tokens(window, config.block_size) + 1
-        total += min(whole, cap)
+        total += max(min(whole, cap) - hit_blocks, 0)
     return total
 
 
