@@ -635,7 +635,8 @@ def open_trace(path: str | Path) -> TraceFile:
         config = SchedulerConfig.from_dict(header["config"])
     except (ConfigError, TypeError) as error:
         raise TraceFormatError(f"{where}: field config: {error}") from None
-    if config.speculative and version != SCHEMA_VERSION:
+    # (with KV cache groups, version 4; groups with speculative decoding are then refused as not specified, exit 3)
+    if config.speculative and version != SCHEMA_VERSION and not config.kv_cache_groups:
         raise TraceFormatError(f"{where}: field config.num_speculative_tokens: {config.num_speculative_tokens} "
                                f"(speculative decoding) needs schema_version {SCHEMA_VERSION}, the header says {version}")
     if config.kv_cache_groups and version != HYBRID_SCHEMA_VERSION:
