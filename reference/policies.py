@@ -79,6 +79,7 @@ from typing import Protocol
 from schedspec.spec.admission import rejection_reason
 from schedspec.spec.config import SchedulerConfig, blocks_for_tokens, slot_tokens
 from schedspec.spec.kv_cache_groups import (
+    NULL_BLOCK,
     allocation_cost,
     free_skipped,
     held_block_ids,
@@ -357,20 +358,30 @@ def _running_item(request: Request, num_tokens: int, draft_budget: int,
     return num_tokens, drafts, needed
 
 
+def free_window(pool: BlockPool, request: Request, skipped: tuple[int, ...]) -> None:
+    """The blocks a request's window frees (``skipped``, :func:`~schedspec.spec.kv_cache_groups.window_frees`)
+    go back to ``pool``: with prefix caching group by group, a block another table holds staying held
+    (:func:`~schedspec.spec.kv_cache_groups.free_skipped`); else at once, last block first."""
+    if skipped and isinstance(pool, CachePool):
+        free_skipped(pool.update, request, skipped)
+    elif skipped:
+        pool.release(tuple(reversed(skipped)))
+
+
 def group_item(request: Request, start: int, num_tokens: int, pool: BlockPool, config: SchedulerConfig,
-               hit: tuple[tuple[int, ...], ...] = (), drafts: tuple[int, ...] = ()) -> ScheduledRequest:
+               hit: tuple[tuple[int, ...], ...] = (), drafts: tuple[int, ...] = (),
+               freed: tuple[int, ...] | None = None) -> ScheduledRequest:
     """Hybrid KV cache groups: the item of a chunk ``[start, start + num_tokens)``: its window's frees go back
     to ``pool`` first (vLLM ``KVCacheManager.allocate_slots`` calls ``remove_skipped_blocks`` before it
     allocates), then a prefix-cache hit's blocks are referenced (``hit``: one table per group, from
     :func:`group_admission`, whose request ``request`` then is), then every group's table is extended from it
     (:func:`~schedspec.spec.kv_cache_groups.new_blocks_needed`). The caller checked that
     :func:`~schedspec.spec.kv_cache_groups.allocation_cost` (plus the hit's evictable blocks) fits
-    ``pool.available``."""
-    skipped = window_frees(request, start, config)
-    if skipped and isinstance(pool, CachePool):  # per group, a block another table holds stays held
-        free_skipped(pool.update, request, skipped)
-    elif skipped:
-        pool.release(tuple(reversed(skipped)))  # a released table goes back last block first
+    ``pool.available``. ``freed``: the window's frees when the caller gave them back already (:func:`free_window`,
+    as vLLM does before it checks the free blocks), ``None`` to give them back here."""
+    skipped = window_frees(request, start, config) if freed is None else freed
+    if freed is None:
+        free_window(pool, request, skipped)
     if hit:
         assert isinstance(pool, CachePool)
         for table in hit:
@@ -397,10 +408,14 @@ def group_admission(pool: BlockPool, request: Request,
     return hit_request, tables, pool.update.num_evictable(b for table in tables for b in table)
 
 
-def release_victim(pool: BlockPool, request: Request) -> None:
+def release_victim(pool: BlockPool, request: Request, gone: tuple[int, ...] = ()) -> None:
     """A preempted request's blocks go back to ``pool``: with prefix caching every group's table in turn
     (:func:`~schedspec.spec.kv_cache_groups.release_tables`, vLLM ``KVCacheCoordinator.free``), else all its
-    blocks (:func:`~schedspec.spec.kv_cache_groups.held_block_ids`) at once."""
+    blocks (:func:`~schedspec.spec.kv_cache_groups.held_block_ids`) at once; ``gone``: blocks its window gave
+    back already in this step (:func:`free_window`), null entries of its tables by now."""
+    if gone:
+        request = evolve_request(request, group_block_ids=tuple(
+            tuple(NULL_BLOCK if b in gone else b for b in table) for table in request.group_block_ids))
     if isinstance(pool, CachePool) and request.group_block_ids:
         release_tables(pool.update, request)
     else:

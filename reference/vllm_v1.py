@@ -129,9 +129,14 @@ admission. The rules, each with its place in vLLM's source:
     (``HybridKVCacheCoordinator.get_num_blocks_to_allocate``) to be free; all groups share one pool. The
     whole-sequence gate of an admission caps a sliding-window group's blocks at
     ``SlidingWindowSpec.max_admission_blocks_per_request`` (:func:`admission_blocks`); the first chunk then
-    gets its blocks in every group. The profile frees a window's blocks only for a request it schedules
-    (vLLM frees them also when the allocation then fails, and the request preempts itself: the same blocks,
-    in another order in the free queue).
+    gets its blocks in every group. A running request's window frees its blocks before the free blocks are
+    checked, so a preemption's blocks go after them, and a request that then preempts itself has freed them
+    already (as vLLM: with prefix caching the order in the free queue decides which cached block is evicted
+    first). With prefix caching (vLLM 0.32 and 0.33 alike) admission looks up the hit every group holds
+    (:func:`~schedspec.spec.kv_cache_groups.longest_group_hit`); the whole-sequence gate counts, per group, the
+    blocks beyond the hit's entries plus the hit's evictable blocks (:func:`admission_blocks`), and the same
+    ``allocate_slots`` call then requires the chunk's blocks beyond the hit (a gate capped below them lets a long
+    hit through whose chunk does not fit: admission stops there).
 14. **Remote KV loads** (KV connector, FCFS profiles only). The waiting loop drains ``kv_holding_waiting`` first
     (:func:`~schedspec.spec.state.holding_first`); a request whose load is in flight (WAITING_FOR_REMOTE_KVS) is
     skipped (``_handle_blocked_waiting_request``); a request whose connector offers a load
@@ -206,7 +211,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from schedspec.spec.config import SchedulerConfig, blocks_for_tokens, slot_tokens
-from schedspec.spec.kv_cache_groups import groups_of, held_block_ids
+from schedspec.spec.kv_cache_groups import groups_of, held_block_ids, new_blocks_needed, window_frees
 from schedspec.spec.request import Request, RequestStatus
 from schedspec.spec.state import (
     KVLoad,
@@ -223,6 +228,7 @@ from .policies import (
     BlockPool,
     CachePool,
     _BlockPool,
+    free_window,
     group_admission,
     group_cost,
     group_item,
@@ -348,9 +354,12 @@ def plan_vllm_v1(state: SchedulerState, config: SchedulerConfig, by_priority: bo
             continue
         needed = max(0, blocks_for_tokens(slot_tokens(request.num_computed_tokens + num_tokens, config), config.block_size)
                      - len(request.block_ids))
-        if hybrid:  # rule 13: every group's new blocks, less those the window frees first
-            needed = group_cost(queue, request, request.num_computed_tokens,
-                                request.num_computed_tokens + num_tokens, config)
+        freed: tuple[int, ...] = ()
+        if hybrid:  # rule 13: the window frees first (remove_skipped_blocks, before the check), then every
+            # group's new blocks must be free
+            freed = window_frees(request, request.num_computed_tokens, config)
+            free_window(queue, request, freed)
+            needed = sum(new_blocks_needed(request, request.num_computed_tokens + num_tokens, config))
         granted = True
         while needed > queue.available:
             if by_priority:
@@ -366,21 +375,19 @@ def plan_vllm_v1(state: SchedulerState, config: SchedulerConfig, by_priority: bo
                     queue.release(held_block_ids(requests[victim]))
             else:
                 victim = running.pop()
-                release_victim(queue, requests[victim])
+                release_victim(queue, requests[victim], freed if victim == request_id else ())
             preempted.append(victim)
             if victim == request_id:
                 granted = False
                 break
-            if hybrid:  # allocate_slots again: a victim that shared a block the window frees lets it go back
-                needed = group_cost(queue, request, request.num_computed_tokens,
-                                    request.num_computed_tokens + num_tokens, config)
         if not granted:
             if self_preemption_continues:
                 # 0.33: ``continue``; the request left ``running`` at ``index``, the next one is there now
                 continue
             break  # 0.32: ``if new_blocks is None: break`` ends the running phase
         if hybrid:
-            scheduled[request_id] = group_item(request, request.num_computed_tokens, num_tokens, queue, config)
+            scheduled[request_id] = group_item(request, request.num_computed_tokens, num_tokens, queue, config,
+                                               freed=freed)
         else:
             blocks = queue.take(needed)
             taken[request_id] = blocks
