@@ -344,7 +344,8 @@ def _held_tables(state: SchedulerState) -> Counter[int]:
 @state_invariant("prefix-ref-counts", "vLLM block_pool.py KVCacheBlock.ref_cnt (touch, get_new_blocks, free_blocks)")
 def prefix_ref_counts(state: SchedulerState, config: SchedulerConfig, terminal: Terminal = None) -> Breaches:
     """With prefix caching, every block's reference count equals the number of live block tables holding
-    it (0 for a block no table holds), and no table holds a block twice."""
+    it (0 for a block no table holds), and no table holds a block twice. With KV cache groups every group's
+    table counts (a window's null entries not), so a block a window freed while a hit shares it stays held."""
     cache = state.prefix_cache
     if cache is None:
         return
@@ -390,7 +391,9 @@ def prefix_published_computed(state: SchedulerState, config: SchedulerConfig, te
     """With prefix caching, a published block (one with a hash) held by a live request is fully computed by
     it: it sits at table index i with (i + 1) * block_size <= the request's num_computed_tokens, the hashed
     blocks of a table come first, and its hash is the chained hash of the request's tokens of block i. The
-    hash map and the blocks' hashes agree (every block of hash h is listed under h, once)."""
+    hash map and the blocks' hashes agree (every block of hash h is listed under h, once).
+    With KV cache groups, a block of group g > 0 is cached only fully computed and under its group's key
+    (:func:`~schedspec.spec.kv_cache_groups.group_cache_key`; null entries skipped)."""
     cache = state.prefix_cache
     if cache is None:
         return
