@@ -335,3 +335,19 @@ def test_a_trace_carries_the_group_hits_and_the_fast_path_falls_back(tmp_path) -
     checked = CliRunner().invoke(main, ["check", "--json", str(bad)])
     assert checked.exit_code == 1, checked.output
     assert json.loads(checked.output)["first_bad_step"] == records[index]["step"]
+
+
+def test_check_exits_3_on_a_trace_of_groups_with_a_remote_kv_load(tmp_path) -> None:
+    """A groups trace whose arrival offers a remote KV load: refused as not specified (exit 3), not judged."""
+    config = CONFIG.with_changes(enable_prefix_caching=False)
+    result = Engine(make_scheduler("fcfs", config), config).run([RequestSpec("r", 4, 2, arrival_step=0)])
+    path = tmp_path / "load.jsonl"
+    with path.open("w") as out:
+        write_trace(out, config, result.records, "fcfs")
+    lines = path.read_text().splitlines()
+    record = json.loads(lines[1])
+    record["arrivals"][0]["num_external_computed_tokens"] = 2
+    path.write_text("\n".join([lines[0], json.dumps(record), *lines[2:]]) + "\n")
+    checked = CliRunner().invoke(main, ["check", str(path)])
+    assert checked.exit_code == 3, checked.output
+    assert "remote KV" in checked.output

@@ -102,7 +102,10 @@ def command(trace: str, properties: tuple[str, ...], keep_going: bool, full: boo
             fail(f"{trace}: header: async_scheduling with prefill_schedule_interval="
                  f"{opened.config.prefill_schedule_interval}: the spec does not specify vLLM's prefill cadence "
                  "for plans made while a step is in flight", status=EXIT_UNSUPPORTED)
-        unspecified = unspecified_with_groups(opened.config, opened.async_scheduling)
+        connector = bool(opened.config.kv_cache_groups) and any(  # a groups trace is short: read it once more
+            record.kv_loads or any(a.num_external_computed_tokens or a.kv_send for a in record.arrivals)
+            for record in opened.records())
+        unspecified = unspecified_with_groups(opened.config, opened.async_scheduling, connector)
         if unspecified is not None:  # spec/kv_cache_groups.py: a combination with groups the spec does not specify
             fail(f"{trace}: header: {unspecified}", status=EXIT_UNSUPPORTED)
         names = DEFAULT_PROPERTIES + properties
