@@ -351,3 +351,27 @@ def test_check_exits_3_on_a_trace_of_groups_with_a_remote_kv_load(tmp_path) -> N
     checked = CliRunner().invoke(main, ["check", str(path)])
     assert checked.exit_code == 3, checked.output
     assert "remote KV" in checked.output
+
+
+def test_work_conserving_counts_a_hit_on_blocks_a_window_freed_in_the_step() -> None:
+    """``schedspec diff --scheduler vllm --against vllm-v1 --seed 1 --set block_size=2`` (groups of 8 and 5, prefix
+    caching), example 30: at step 12 r6's window frees 11 blocks and r3's hit takes 4 of them back; the property
+    counted those 4 free and called the head r7 admissible (a false alarm of ``work-conserving``)."""
+    config = SchedulerConfig(block_size=2, num_kv_blocks=30, max_num_batched_tokens=20, max_num_seqs=7,
+                             max_model_len=20, enable_chunked_prefill=False, enable_prefix_caching=True,
+                             kv_cache_groups=[{"kind": "full_attention"}, {"kind": "sliding_window", "sliding_window": 8},
+                                              {"kind": "sliding_window", "sliding_window": 5}])
+    workload = [RequestSpec("r3", 7, 11, arrival_step=7, priority=2, prefix_group="b", prefix_len=4),
+                RequestSpec("r4", 10, 10, arrival_step=3, abort_at_step=7),
+                RequestSpec("r0", 10, 19, arrival_step=3, priority=2, eos_at_output=4, prefix_group="b", prefix_len=4),
+                RequestSpec("r6", 17, 12, arrival_step=5, eos_at_output=4, prefix_group="b", prefix_len=14),
+                RequestSpec("r2", 16, 16, arrival_step=4, eos_at_output=3),
+                RequestSpec("r7", 3, 2, arrival_step=7),
+                RequestSpec("r5", 7, 17, arrival_step=7, prefix_group="b", prefix_len=5),
+                RequestSpec("r1", 19, 18, arrival_step=3, priority=2)]
+    result = Engine(make_scheduler("vllm-v1", config), config).run(workload)
+    assert result.ok, [str(v) for v in result.violations[:3]]
+    step = result.records[12]
+    reused = {b for tables in step.group_prefix_hit_blocks.values() for t in tables for b in t} \
+        & {b for blocks in step.blocks_skipped.values() for b in blocks}
+    assert reused  # the case above: a hit on blocks a window freed in the same step
