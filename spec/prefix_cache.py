@@ -40,6 +40,10 @@ published) each compute and publish their own copy: the spec allows **duplicate*
 hash, as vLLM does (``block_pool.py`` ``BlockHashToBlockMap``, NOTE #1: no de-duplication, so that
 block tables stay append-only). A lookup takes the first published copy (``get_one_block``).
 
+With hybrid KV cache groups (:mod:`~schedspec.spec.kv_cache_groups`) the cache is keyed by group, as vLLM keys it
+(``BlockHashWithGroupId``): a block of group ``g > 0`` is published under :func:`group_cache_key` of its chained
+hash and ``g``, so the maps below hold every group's blocks, each under its own key.
+
 The data here is plain and immutable (:class:`PrefixCache`); :class:`CacheUpdate` is the working copy
 one transition (or a policy planning one step) edits and then freezes.
 """

@@ -346,8 +346,11 @@ def schedule(step: StepInProgress, item: ScheduledRequest) -> None:
     (vLLM ``Scheduler.schedule``, ``self.running.append(request)``).
 
     With prefix caching, an admitted request's ``item.cached_block_ids`` (a hit) are referenced and start
-    its block table, and count as computed tokens; a new block that carries a hash is evicted (its hash
-    dropped); and the blocks the request has fully computed after the step are published
+    its block table, and count as computed tokens (with KV cache groups, every group's hit table too,
+    ``item.group_cached_block_ids``, its null entries skipped; a window's frees go back first, a block another
+    table shares staying held); a new block that carries a hash is evicted (its hash
+    dropped); and the blocks the request has fully computed after the step are published (each group's under
+    its own key, :func:`~schedspec.spec.prefix_cache.group_cache_key`)
     (:meth:`~schedspec.spec.prefix_cache.CacheUpdate.publish`: the same cache as publishing at the end
     of the step, since a hit may only name blocks published before it).
 
