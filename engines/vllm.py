@@ -150,7 +150,14 @@ from typing import IO, Any
 
 from schedspec.reference.scheduler import EngineEnvironmentError, EngineView, UnsupportedFeature
 from schedspec.spec.config import SchedulerConfig
-from schedspec.spec.prefix_cache import ROOT_HASH, max_hit_blocks, request_block_hash
+from schedspec.spec.kv_cache_groups import (
+    NULL_BLOCK,
+    group_publishes,
+    groups_of,
+    hit_blocks_needed,
+    longest_group_hit,
+)
+from schedspec.spec.prefix_cache import ROOT_HASH, group_cache_key, max_hit_blocks, request_block_hash
 from schedspec.spec.request import Request, printable
 from schedspec.spec.rules import REUSED_BY_HIT_IN_STEP, Violation, coded
 from schedspec.spec.state import (
@@ -163,6 +170,7 @@ from schedspec.spec.state import (
     SpeculativeOutput,
     StepPlan,
 )
+from schedspec.spec.transitions import group_tables_after
 from schedspec.spec.workload import DEFAULT_VOCAB_SIZE, token_ids
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -468,35 +476,50 @@ def same_step_hits(state: SchedulerState, plan: StepPlan, config: SchedulerConfi
     if cache is None:
         return {}
     size = config.block_size
-    computing: dict[int, tuple[int, str]] = {}  # block -> (index in the table, chain hash) being computed
+    groups = groups_of(config)
+    computing: dict[int, tuple[int, str]] = {}  # block -> (index in its table, cache key) being computed
     found: dict[str, tuple[int, ...]] = {}
     for item in plan.scheduled:
         request = state.requests.get(item.request_id)
         if request is None:
             continue
+        hit_tables = (item.cached_block_ids,) + item.group_cached_block_ids
         if item.cached_block_ids and len(item.cached_block_ids) <= max_hit_blocks(request, size):
-            parent, same_step, valid = ROOT_HASH, [], True
-            for index, block_id in enumerate(item.cached_block_ids):
-                parent = request_block_hash(request, index, parent, size)
-                if block_id in computing:  # handed out or filled earlier in this step: its old hash is gone
-                    if computing[block_id] == (index, parent):
+            same_step: list[int] = []
+            valid = True
+            for g, (group, table) in enumerate(zip(groups, hit_tables, strict=False)):
+                needed = hit_blocks_needed(group, len(table), size)
+                parent = ROOT_HASH
+                for index, block_id in enumerate(table):
+                    parent = request_block_hash(request, index, parent, size)
+                    key = group_cache_key(parent, g)
+                    if index not in needed:
+                        valid = block_id == NULL_BLOCK
+                    elif block_id in computing:  # handed out or filled earlier in this step: its old hash is gone
+                        valid = computing[block_id] == (index, key)
                         same_step.append(block_id)
-                        continue
-                elif cache.block_hashes.get(block_id) == parent:
-                    continue
-                valid = False
-                break
+                    else:
+                        valid = cache.block_hashes.get(block_id) == key
+                    if not valid:
+                        break
+                if not valid:
+                    break
             if valid and same_step:
                 found[item.request_id] = tuple(same_step)
-        table = request.block_ids + item.cached_block_ids + item.new_block_ids
-        full = min((item.num_computed_tokens + item.num_tokens) // size, len(table))
-        parent = ROOT_HASH
-        new = set(item.new_block_ids)
-        for index in range(full):
-            parent = request_block_hash(request, index, parent, size)
-            if table[index] not in cache.block_hashes or table[index] in new:
-                # no hash before the step, or handed out now (vLLM get_new_blocks evicts its old hash)
-                computing.setdefault(table[index], (index, parent))
+        new = set(item.new_block_ids).union(*item.group_new_block_ids)
+        tables = (request.block_ids + item.cached_block_ids + item.new_block_ids,)
+        if config.kv_cache_groups:
+            tables += group_tables_after(request, item, config)
+        for g, table in enumerate(tables):
+            if not group_publishes(groups[g], size):
+                continue
+            full = min((item.num_computed_tokens + item.num_tokens) // size, len(table))
+            parent = ROOT_HASH
+            for index in range(full):
+                parent = request_block_hash(request, index, parent, size)
+                if table[index] != NULL_BLOCK and (table[index] not in cache.block_hashes or table[index] in new):
+                    # no hash before the step, or handed out now (vLLM get_new_blocks evicts its old hash)
+                    computing.setdefault(table[index], (index, group_cache_key(parent, g)))
     return found
 
 
@@ -737,11 +760,15 @@ class _VllmAdapter(_WorkerClient):
                 if held is not None:  # a landed remote KV load: its table starts with the blocks it holds, no hit
                     scheduled.append(ScheduledRequest(request_id, computed, count, ids[held:]))
                     continue
+                # groups 1..: an admitted request's table starts with its hit (vLLM's null block 0 is -1 here,
+                # NULL_BLOCK), as group 0's does
+                tables = tuple(tuple(b - 1 for b in group) for group in groups.get(request_id, ()))
                 scheduled.append(ScheduledRequest(
                     request_id, computed, count, ids[num_hit_blocks:], cached_block_ids=ids[:num_hit_blocks],
                     spec_token_ids=tuple(drafts),
-                    group_new_block_ids=tuple(tuple(b - 1 for b in group) for group in groups.get(request_id, ())),
-                    skipped_block_ids=tuple(b - 1 for b in skipped.get(request_id, ()))))
+                    group_new_block_ids=tuple(table[num_hit_blocks:] for table in tables),
+                    skipped_block_ids=tuple(b - 1 for b in skipped.get(request_id, ())),
+                    group_cached_block_ids=tuple(table[:num_hit_blocks] for table in tables) if num_hit_blocks else ()))
             loads = tuple(KVLoad(request_id, tokens, tuple(b - 1 for b in blocks))
                           for request_id, tokens, blocks in reply.get("loads", ()))
             for load in loads:
@@ -786,15 +813,18 @@ class _VllmAdapter(_WorkerClient):
                 return False
             item = next((i for i in self.plan.scheduled if i.request_id == violation.request_id), None)
             hit = {b for i in self.plan.scheduled for b in i.cached_block_ids}
+            hit.update(b for i in self.plan.scheduled for table in i.group_cached_block_ids for b in table)
             explained = {b for blocks in hits.values() for b in blocks}
-            return item is not None and set(item.new_block_ids) & hit <= explained
+            return item is not None and set(item.new_block_ids).union(*item.group_new_block_ids) & hit <= explained
         if violation.request_id not in hits:
             return False
         if violation.name == "prefix-hit-longest":
             request = state.requests[violation.request_id]
             item = next(i for i in self.plan.scheduled if i.request_id == violation.request_id)
             assert state.prefix_cache is not None
-            return len(item.cached_block_ids) > len(state.prefix_cache.longest_hit(request, self.config.block_size))
+            longest = (longest_group_hit(state.prefix_cache, request, self.config)[0] if self.config.kv_cache_groups
+                       else state.prefix_cache.longest_hit(request, self.config.block_size))
+            return len(item.cached_block_ids) > len(longest)
         return True
 
     def update(self, plan: StepPlan, sampled_token_ids: Mapping[str, int],

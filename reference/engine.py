@@ -40,6 +40,7 @@ from typing import Any
 import attrs
 
 from schedspec.spec.config import SchedulerConfig
+from schedspec.spec.kv_cache_groups import unspecified_with_groups
 from schedspec.spec.properties import Monitor, Progress, monitors
 from schedspec.spec.rules import Violation
 from schedspec.spec.state import (
@@ -372,6 +373,10 @@ class Engine:
         token_source = self.token_source or FakeModel(
             self.config, eos_at_output={s.request_id: s.eos_at_output for s in workload if s.eos_at_output}
         )
+        unspecified = unspecified_with_groups(self.config, bool(getattr(self.scheduler, "async_scheduling", False)),
+                                              uses_kv_connector(workload))
+        if unspecified is not None:  # a combination the spec does not specify: no scheduler can be judged on it
+            raise UnsupportedFeature(unspecified)
         if self.config.kv_cache_groups and not getattr(self.scheduler, "supports_kv_cache_groups", False):
             name = getattr(self.scheduler, "name", None) or type(self.scheduler).__name__
             raise UnsupportedFeature(f"scheduler {name!r} does not support hybrid KV cache groups "
@@ -392,9 +397,9 @@ class Engine:
             raise UnsupportedFeature(f"scheduler {name!r} does not support remote KV loads and sends (a workload "
                                      "request has num_external_computed_tokens or kv_send): its update takes no "
                                      "KV connector report")
-        if connector is not None and (self.config.enable_prefix_caching or self.config.kv_cache_groups):
-            raise UnsupportedFeature("remote KV loads and sends are specified with prefix caching off and one KV "
-                                     "cache group (enable_prefix_caching is on or kv_cache_groups is set)")
+        if connector is not None and self.config.enable_prefix_caching:
+            raise UnsupportedFeature("remote KV loads and sends are specified with prefix caching off "
+                                     "(enable_prefix_caching is on)")
         if connector is not None and callable(getattr(self.scheduler, "enable_kv_connector", None)):
             self._call("enable_kv_connector", 0, self.scheduler.enable_kv_connector)  # an engine's own connector
         checker = step_checker(self.config, self.incremental) if self.check else None

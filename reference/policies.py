@@ -78,7 +78,17 @@ from typing import Protocol
 
 from schedspec.spec.admission import rejection_reason
 from schedspec.spec.config import SchedulerConfig, blocks_for_tokens, slot_tokens
-from schedspec.spec.kv_cache_groups import allocation_cost, held_block_ids, new_blocks_needed, window_frees
+from schedspec.spec.kv_cache_groups import (
+    NULL_BLOCK,
+    allocation_cost,
+    free_skipped,
+    held_block_ids,
+    longest_group_hit,
+    new_blocks_needed,
+    release_tables,
+    window_frees,
+)
+from schedspec.spec.persistent import evolve_request
 from schedspec.spec.prefix_cache import CacheUpdate
 from schedspec.spec.request import Request, RequestStatus
 from schedspec.spec.state import (
@@ -348,31 +358,99 @@ def _running_item(request: Request, num_tokens: int, draft_budget: int,
     return num_tokens, drafts, needed
 
 
+def free_window(pool: BlockPool, request: Request, skipped: tuple[int, ...]) -> None:
+    """The blocks a request's window frees (``skipped``, :func:`~schedspec.spec.kv_cache_groups.window_frees`)
+    go back to ``pool``: with prefix caching group by group, a block another table holds staying held
+    (:func:`~schedspec.spec.kv_cache_groups.free_skipped`); else at once, last block first."""
+    if skipped and isinstance(pool, CachePool):
+        free_skipped(pool.update, request, skipped)
+    elif skipped:
+        pool.release(tuple(reversed(skipped)))
+
+
 def group_item(request: Request, start: int, num_tokens: int, pool: BlockPool, config: SchedulerConfig,
-               hit: tuple[int, ...] = (), drafts: tuple[int, ...] = ()) -> ScheduledRequest:
+               hit: tuple[tuple[int, ...], ...] = (), drafts: tuple[int, ...] = (),
+               freed: tuple[int, ...] | None = None) -> ScheduledRequest:
     """Hybrid KV cache groups: the item of a chunk ``[start, start + num_tokens)``: its window's frees go back
     to ``pool`` first (vLLM ``KVCacheManager.allocate_slots`` calls ``remove_skipped_blocks`` before it
-    allocates), then every group's table is extended from it (:func:`~schedspec.spec.kv_cache_groups.new_blocks_needed`).
-    The caller checked that :func:`~schedspec.spec.kv_cache_groups.allocation_cost` fits ``pool.available``."""
-    skipped = window_frees(request, start, config)
-    if skipped:
-        pool.release(tuple(reversed(skipped)))  # a released table goes back last block first
+    allocates), then a prefix-cache hit's blocks are referenced (``hit``: one table per group, from
+    :func:`group_admission`, whose request ``request`` then is), then every group's table is extended from it
+    (:func:`~schedspec.spec.kv_cache_groups.new_blocks_needed`). The caller checked that
+    :func:`~schedspec.spec.kv_cache_groups.allocation_cost` (plus the hit's evictable blocks) fits
+    ``pool.available``. ``freed``: the window's frees when the caller gave them back already (:func:`free_window`,
+    as vLLM does before it checks the free blocks), ``None`` to give them back here."""
+    skipped = window_frees(request, start, config) if freed is None else freed
+    if freed is None:
+        free_window(pool, request, skipped)
+    if hit:
+        assert isinstance(pool, CachePool)
+        for table in hit:
+            pool.update.touch(table)
     new = tuple(pool.take(count) for count in new_blocks_needed(request, start + num_tokens, config))
-    return ScheduledRequest(request.request_id, start, num_tokens, new[0], hit, drafts, new[1:], skipped)
+    return ScheduledRequest(request.request_id, start, num_tokens, new[0], hit[0] if hit else (), drafts, new[1:],
+                            skipped, hit[1:])
 
 
-def fit_chunk(request: Request, start: int, num_tokens: int, available: int, config: SchedulerConfig) -> int:
+def group_admission(pool: BlockPool, request: Request,
+                    config: SchedulerConfig) -> tuple[Request, tuple[tuple[int, ...], ...], int]:
+    """Hybrid KV cache groups: a waiting request's prefix-cache hit on ``pool`` (none without caching):
+    ``(request, hit, evictable)``, the request as the hit leaves it (its tables the hit's, its computed tokens
+    the hit's), the hit's tables, one per group (:func:`~schedspec.spec.kv_cache_groups.longest_group_hit`; empty
+    without a hit), and how many of the hit's blocks are evictable now (a hit takes them out of the free queue:
+    vLLM ``SingleTypeKVCacheManager.get_num_blocks_to_allocate`` ``num_evictable_blocks`` of every group)."""
+    if not isinstance(pool, CachePool):
+        return request, (), 0
+    tables = longest_group_hit(pool.update.view(), request, config)
+    if not tables[0]:
+        return request, (), 0
+    hit_request = evolve_request(request, block_ids=tables[0], group_block_ids=tables[1:],
+                                 num_computed_tokens=request.num_computed_tokens + len(tables[0]) * config.block_size)
+    return hit_request, tables, pool.update.num_evictable(b for table in tables for b in table)
+
+
+def release_victim(pool: BlockPool, request: Request, gone: tuple[int, ...] = ()) -> None:
+    """A preempted request's blocks go back to ``pool``: with prefix caching every group's table in turn
+    (:func:`~schedspec.spec.kv_cache_groups.release_tables`, vLLM ``KVCacheCoordinator.free``), else all its
+    blocks (:func:`~schedspec.spec.kv_cache_groups.held_block_ids`) at once; ``gone``: blocks its window gave
+    back already in this step (:func:`free_window`), null entries of its tables by now."""
+    if gone:
+        request = evolve_request(request, group_block_ids=tuple(
+            tuple(NULL_BLOCK if b in gone else b for b in table) for table in request.group_block_ids))
+    if isinstance(pool, CachePool) and request.group_block_ids:
+        release_tables(pool.update, request)
+    else:
+        pool.release(held_block_ids(request))
+
+
+def shared_frees(pool: BlockPool, request: Request, start: int, config: SchedulerConfig) -> frozenset[int]:
+    """Of the blocks the request's window frees at ``start``, those another block table also holds now (prefix
+    caching: a hit shared them), which the free does not give back (empty without caching)."""
+    if not isinstance(pool, CachePool) or not request.group_block_ids:
+        return frozenset()
+    counts = pool.update.ref_counts
+    return frozenset(b for b in window_frees(request, start, config) if counts.get(b, 0) > 1)
+
+
+def group_cost(pool: BlockPool, request: Request, start: int, end: int, config: SchedulerConfig) -> int:
+    """:func:`~schedspec.spec.kv_cache_groups.allocation_cost` of a chunk ``[start, end)`` on ``pool`` as it is
+    now (the window's frees of blocks another table holds give nothing back: :func:`shared_frees`)."""
+    return allocation_cost(request, start, end, config, shared_frees(pool, request, start, config))
+
+
+def fit_chunk(request: Request, start: int, num_tokens: int, available: int, config: SchedulerConfig,
+              shared: frozenset[int] = frozenset()) -> int:
     """Hybrid KV cache groups, chunked prefill on: the largest chunk of at most ``num_tokens`` tokens from
     ``start`` whose :func:`~schedspec.spec.kv_cache_groups.allocation_cost` fits ``available`` blocks (the
     cost grows with the chunk), at least 1. A chunk that asks for fewer blocks keeps a lone request within the
     peak the admission rule allows (:func:`~schedspec.spec.kv_cache_groups.min_peak_blocks`: one token a step
     fits), where vLLM would preempt. ``num_tokens`` itself without chunked prefill."""
-    if not config.enable_chunked_prefill or allocation_cost(request, start, start + num_tokens, config) <= available:
+    if not config.enable_chunked_prefill or allocation_cost(request, start, start + num_tokens, config,
+                                                            shared) <= available:
         return num_tokens
     low, high = 1, num_tokens  # allocation_cost(start + low) may not fit either: then the caller preempts
     while low < high:
         middle = (low + high + 1) // 2
-        if allocation_cost(request, start, start + middle, config) <= available:
+        if allocation_cost(request, start, start + middle, config, shared) <= available:
             low = middle
         else:
             high = middle - 1
@@ -584,18 +662,21 @@ def plan_step(
         num_tokens, drafts, needed = _running_item(request, num_tokens,
                                                    budget - max(len(decodes) - index - 1, 0), config)
         if hybrid:  # every group's blocks, less those its window frees; a prefill chunk shrinks to fit
-            num_tokens = fit_chunk(request, request.num_computed_tokens, num_tokens, pool.available, config)
-            needed = allocation_cost(request, request.num_computed_tokens, request.num_computed_tokens + num_tokens,
-                                     config)
+            start = request.num_computed_tokens
+            num_tokens = fit_chunk(request, start, num_tokens, pool.available, config,
+                                   shared_frees(pool, request, start, config))
+            needed = group_cost(pool, request, start, start + num_tokens, config)
         while needed > pool.available:
             while victims and victims[-1] in gone:
                 victims.pop()
             victim = victims.pop()
             gone.add(victim)
             preempted.append(victim)
-            pool.release(held_block_ids(requests[victim]))
+            release_victim(pool, requests[victim])
             if victim == request_id:
                 break
+            if hybrid:  # a victim that shared a block the window frees lets that free give it back
+                needed = group_cost(pool, request, start, start + num_tokens, config)
         if request_id in gone:
             continue
         gone.add(request_id)
@@ -639,8 +720,9 @@ def plan_step(
                 loads.append(KVLoad(request_id, request.num_external_computed_tokens, pool.take(needed)))
                 reserved += whole - needed
                 continue
-            if hybrid:  # every group's blocks for the first chunk only, shrunk to fit (fit_chunk); no hit
-                hit, needed, hit_tokens = (), 0, 0
+            if hybrid:  # every group's blocks for the first chunk only beyond the hit, shrunk to fit (fit_chunk)
+                admitted, group_hit, evictable = group_admission(pool, request, config)
+                hit, needed, hit_tokens = (), 0, admitted.num_computed_tokens
             else:
                 hit, needed, cost = pool.admission(request, config)
                 hit_tokens = len(hit) * config.block_size
@@ -649,11 +731,11 @@ def plan_step(
             num_tokens = _chunk(request, budget, config, hit_tokens)
             keep = watermark_keep(config, num_running)
             if hybrid and num_tokens:
-                num_tokens = fit_chunk(request, 0, num_tokens, pool.available - keep, config)
-                cost = allocation_cost(request, 0, num_tokens, config)
+                num_tokens = fit_chunk(admitted, hit_tokens, num_tokens, pool.available - keep - evictable, config)
+                cost = group_cost(pool, admitted, hit_tokens, hit_tokens + num_tokens, config) + evictable
             if num_tokens == 0 or cost + keep > pool.available:
                 break
-            scheduled.append(group_item(request, 0, num_tokens, pool, config) if hybrid else
+            scheduled.append(group_item(admitted, hit_tokens, num_tokens, pool, config, group_hit) if hybrid else
                              ScheduledRequest(request_id, request.num_computed_tokens + hit_tokens, num_tokens,
                                               pool.admit(hit, needed), hit))
             budget -= num_tokens

@@ -129,9 +129,14 @@ admission. The rules, each with its place in vLLM's source:
     (``HybridKVCacheCoordinator.get_num_blocks_to_allocate``) to be free; all groups share one pool. The
     whole-sequence gate of an admission caps a sliding-window group's blocks at
     ``SlidingWindowSpec.max_admission_blocks_per_request`` (:func:`admission_blocks`); the first chunk then
-    gets its blocks in every group. The profile frees a window's blocks only for a request it schedules
-    (vLLM frees them also when the allocation then fails, and the request preempts itself: the same blocks,
-    in another order in the free queue).
+    gets its blocks in every group. A running request's window frees its blocks before the free blocks are
+    checked, so a preemption's blocks go after them, and a request that then preempts itself has freed them
+    already (as vLLM: with prefix caching the order in the free queue decides which cached block is evicted
+    first). With prefix caching (vLLM 0.32 and 0.33 alike) admission looks up the hit every group holds
+    (:func:`~schedspec.spec.kv_cache_groups.longest_group_hit`); the whole-sequence gate counts, per group, the
+    blocks beyond the hit's entries plus the hit's evictable blocks (:func:`admission_blocks`), and the same
+    ``allocate_slots`` call then requires the chunk's blocks beyond the hit (a gate capped below them lets a long
+    hit through whose chunk does not fit: admission stops there).
 14. **Remote KV loads** (KV connector, FCFS profiles only). The waiting loop drains ``kv_holding_waiting`` first
     (:func:`~schedspec.spec.state.holding_first`); a request whose load is in flight (WAITING_FOR_REMOTE_KVS) is
     skipped (``_handle_blocked_waiting_request``); a request whose connector offers a load
@@ -206,7 +211,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from schedspec.spec.config import SchedulerConfig, blocks_for_tokens, slot_tokens
-from schedspec.spec.kv_cache_groups import allocation_cost, groups_of, held_block_ids
+from schedspec.spec.kv_cache_groups import groups_of, held_block_ids, new_blocks_needed, window_frees
 from schedspec.spec.request import Request, RequestStatus
 from schedspec.spec.state import (
     KVLoad,
@@ -223,10 +228,14 @@ from .policies import (
     BlockPool,
     CachePool,
     _BlockPool,
+    free_window,
+    group_admission,
+    group_cost,
     group_item,
     lora_fits,
     loras_of,
     reject_impossible,
+    release_victim,
     step_config,
     watermark_keep,
 )
@@ -345,9 +354,12 @@ def plan_vllm_v1(state: SchedulerState, config: SchedulerConfig, by_priority: bo
             continue
         needed = max(0, blocks_for_tokens(slot_tokens(request.num_computed_tokens + num_tokens, config), config.block_size)
                      - len(request.block_ids))
-        if hybrid:  # rule 13: every group's new blocks, less those the window frees first
-            needed = allocation_cost(request, request.num_computed_tokens, request.num_computed_tokens + num_tokens,
-                                     config)
+        freed: tuple[int, ...] = ()
+        if hybrid:  # rule 13: the window frees first (remove_skipped_blocks, before the check), then every
+            # group's new blocks must be free
+            freed = window_frees(request, request.num_computed_tokens, config)
+            free_window(queue, request, freed)
+            needed = sum(new_blocks_needed(request, request.num_computed_tokens + num_tokens, config))
         granted = True
         while needed > queue.available:
             if by_priority:
@@ -363,7 +375,7 @@ def plan_vllm_v1(state: SchedulerState, config: SchedulerConfig, by_priority: bo
                     queue.release(held_block_ids(requests[victim]))
             else:
                 victim = running.pop()
-                queue.release(held_block_ids(requests[victim]))
+                release_victim(queue, requests[victim], freed if victim == request_id else ())
             preempted.append(victim)
             if victim == request_id:
                 granted = False
@@ -374,7 +386,8 @@ def plan_vllm_v1(state: SchedulerState, config: SchedulerConfig, by_priority: bo
                 continue
             break  # 0.32: ``if new_blocks is None: break`` ends the running phase
         if hybrid:
-            scheduled[request_id] = group_item(request, request.num_computed_tokens, num_tokens, queue, config)
+            scheduled[request_id] = group_item(request, request.num_computed_tokens, num_tokens, queue, config,
+                                               freed=freed)
         else:
             blocks = queue.take(needed)
             taken[request_id] = blocks
@@ -412,9 +425,12 @@ def plan_vllm_v1(state: SchedulerState, config: SchedulerConfig, by_priority: bo
             whole_tokens = min(request.num_tokens, config.max_model_len)
             # KVCacheManager.get_computed_blocks (no hit without caching), then
             # allocateslot_tokens(full_sequence_must_fit=True)
-            hit, _, whole = queue.admission(request, config, whole_tokens)
-            if hybrid:
-                whole = admission_blocks(whole_tokens, config)  # rule 13: the capped whole-sequence gate
+            if hybrid:  # rule 13: the hit every group holds, the capped whole-sequence gate beyond it
+                admitted, group_hit, evictable = group_admission(queue, request, config)
+                hit = group_hit[0] if group_hit else ()
+                whole = admission_blocks(whole_tokens, config, len(hit)) + evictable
+            else:
+                hit, _, whole = queue.admission(request, config, whole_tokens)
             if offers_load(request, config):  # rule 14: load_kv_async, allocate_slots(num_new_tokens=0, ...)
                 if reserved is None:  # (tables as this plan leaves them so far: the running phase's blocks and
                     # the admissions'; a holder admitted in this loop stays in vLLM's set until the step is planned)
@@ -448,7 +464,12 @@ def plan_vllm_v1(state: SchedulerState, config: SchedulerConfig, by_priority: bo
             if whole + watermark_keep(config, num_running) > queue.available:
                 break  # allocateslot_tokens(full_sequence_must_fit=True) returns None
             if hybrid:
-                scheduled[request_id] = group_item(request, 0, num_tokens, queue, config)
+                # the same allocate_slots call then requires the chunk's blocks beyond the hit (a gate capped
+                # below them passes a long hit whose chunk does not fit)
+                cost = group_cost(queue, admitted, hit_tokens, hit_tokens + num_tokens, config) + evictable
+                if cost + watermark_keep(config, num_running) > queue.available:
+                    break
+                scheduled[request_id] = group_item(admitted, hit_tokens, num_tokens, queue, config, group_hit)
             else:
                 blocks = queue.admit(hit, blocks_for_tokens(slot_tokens(hit_tokens + num_tokens, config),
                                                             config.block_size) - len(hit) - len(request.block_ids))
@@ -466,10 +487,13 @@ def plan_vllm_v1(state: SchedulerState, config: SchedulerConfig, by_priority: bo
     return StepPlan(scheduled=tuple(scheduled.values()), preempted=tuple(preempted), rejected=rejected)
 
 
-def admission_blocks(whole_tokens: int, config: SchedulerConfig) -> int:
+def admission_blocks(whole_tokens: int, config: SchedulerConfig, hit_blocks: int = 0) -> int:
     """Rule 13: the blocks vLLM's whole-sequence gate requires of a waiting request with KV cache groups:
     per group ``ceil(whole_tokens / block_size)``, a sliding-window group's capped at
-    ``ceil(min(sliding_window - 1 + max_num_batched_tokens, max_model_len) / block_size) + 1``. vLLM 0.32
+    ``ceil(min(sliding_window - 1 + max_num_batched_tokens, max_model_len) / block_size) + 1``, less the
+    ``hit_blocks`` entries a prefix-cache hit gives every group's table (null ones included: ``max(required -
+    max(num_skipped_blocks, num_local_computed_blocks), 0)``), at least 0; the hit's evictable blocks are the
+    caller's. vLLM 0.32
     ``KVCacheManager.allocate_slots(full_sequence_must_fit=True)`` -> ``get_num_blocks_to_allocate(
     apply_admission_cap=True)``, the cap ``SlidingWindowSpec.max_admission_blocks_per_request`` with
     ``VllmConfig.max_in_flight_tokens`` = ``max_num_batched_tokens`` (a synchronous engine, no pipeline
@@ -481,7 +505,7 @@ def admission_blocks(whole_tokens: int, config: SchedulerConfig) -> int:
         if group.sliding_window is not None:
             window = min(group.sliding_window - 1 + config.max_num_batched_tokens, config.max_model_len)
             cap = blocks_for_tokens(window, config.block_size) + 1
-        total += min(whole, cap)
+        total += max(min(whole, cap) - hit_blocks, 0)
     return total
 
 

@@ -343,6 +343,20 @@ def group_extra_block(trace: Trace, i: int) -> Mutant | None:
     return None
 
 
+def group_hit_not_held(trace: Trace, i: int) -> Mutant | None:
+    """A prefix-cache hit whose sliding-window group does not hold the prefix: the last entry of the window's hit
+    table (which its window needs at the hit length) reported null, as a coordinator that took group 0's hit
+    alone would leave it (a hit only where every group holds the prefix: ``prefix-hit-is-cached-chain``)."""
+    for request_id, tables in sorted(trace.records[i].get("group_prefix_hit_blocks", {}).items()):
+        group = next((g for g, table in enumerate(tables) if table and table[-1] != NULL_BLOCK), None)
+        if group is None:
+            continue
+        records, r = _edit(trace, i)
+        r["group_prefix_hit_blocks"][request_id][group][-1] = NULL_BLOCK
+        return trace.header, records, i
+    return None
+
+
 # --- the batch ----------------------------------------------------------------------------------------
 
 
@@ -1364,6 +1378,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation("group-table-short", "a KV cache group past group 0 not extended for the step's tokens", group_table_short),
     Mutation("group-extra-block", "a KV cache group past group 0 given more blocks than the sequence needs",
              group_extra_block),
+    Mutation("group-hit-not-held", "a prefix-cache hit a sliding-window group does not hold (its needed entry "
+             "null): group 0's hit taken for every group", group_hit_not_held),
     Mutation("allocation-out-of-range", "a block id past the pool (off-by-one in the block pool)", allocation_out_of_range),
     Mutation("allocation-outside-batch", "blocks allocated to a request that is not in the step's batch",
              allocation_outside_batch),
@@ -1685,9 +1701,10 @@ def in_flight_trace(scale: int = 1) -> tuple[str, Trace]:
 def hybrid_trace(scale: int = 1) -> tuple[str, Trace]:
     """A correct trace with hybrid KV cache groups (trace version 4): a full-attention group and sliding-window
     groups of 8 and 5 tokens (block size 2) sharing a pool of 38 blocks, ``30 * scale`` requests of up to 40
-    prompt tokens and 16 outputs (max_model_len 64), every seventh aborted, and one request whose full-attention
-    blocks alone would fit but whose groups together never can (rejected ``exceeds-kv-cache``); fcfs, with
-    window frees and preemptions."""
+    prompt tokens and 16 outputs (max_model_len 64), every seventh aborted, every third sharing a prefix (prefix
+    caching on: hits across the groups, some past a window), and one request whose full-attention blocks alone
+    would fit but whose groups together never can (rejected ``exceeds-kv-cache``); fcfs, with window frees and
+    preemptions."""
     import random
 
     from schedspec.reference.engine import Engine
@@ -1696,15 +1713,19 @@ def hybrid_trace(scale: int = 1) -> tuple[str, Trace]:
 
     rng = random.Random(31)
     config = SchedulerConfig(block_size=2, num_kv_blocks=38, max_num_batched_tokens=24, max_num_seqs=6,
-                             max_model_len=64, kv_cache_groups=[{"kind": "full_attention"},
-                                                                {"kind": "sliding_window", "sliding_window": 8},
-                                                                {"kind": "sliding_window", "sliding_window": 5}])
+                             max_model_len=64, enable_prefix_caching=True,
+                             kv_cache_groups=[{"kind": "full_attention"},
+                                              {"kind": "sliding_window", "sliding_window": 8},
+                                              {"kind": "sliding_window", "sliding_window": 5}])
     workload = []
     for k in range(30 * scale):
         arrival = rng.randrange(0, 30 * scale)
-        workload.append(RequestSpec(f"h{k:03d}", rng.randrange(1, 41), rng.randrange(1, 17), arrival_step=arrival,
+        prompt_len = rng.randrange(1, 41)
+        shared = k % 3 == 0  # every third shares a prefix (prefix caching: hits across the groups)
+        workload.append(RequestSpec(f"h{k:03d}", prompt_len, rng.randrange(1, 17), arrival_step=arrival,
                                     eos_at_output=rng.randrange(2, 10) if k % 5 == 1 else None,
-                                    abort_at_step=arrival + rng.randrange(2, 20) if k % 7 == 3 else None))
+                                    abort_at_step=arrival + rng.randrange(2, 20) if k % 7 == 3 else None,
+                                    prefix_group="p" if shared else None, prefix_len=prompt_len if shared else 0))
     workload.append(RequestSpec("impossible", 60, 4, arrival_step=4))
     result = Engine(SCHEDULERS["fcfs"](config), config, stop_on_violation=True).run(workload)
     return "hybrid-kv-cache-groups", Trace.of(json.loads(header_line(config, "fcfs")), result.records)

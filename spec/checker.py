@@ -122,7 +122,8 @@ def plan_from_record(record: StepRecord) -> StepPlan:
         scheduled=tuple(
             ScheduledRequest(s.request_id, s.num_computed_tokens, s.num_tokens, record.blocks_allocated.get(s.request_id, ()),
                              record.prefix_hit_blocks.get(s.request_id, ()), s.spec_token_ids,
-                             record.group_blocks_allocated.get(s.request_id, ()), record.blocks_skipped.get(s.request_id, ()))
+                             record.group_blocks_allocated.get(s.request_id, ()), record.blocks_skipped.get(s.request_id, ()),
+                             record.group_prefix_hit_blocks.get(s.request_id, ()))
             for s in record.scheduled
         ),
         preempted=record.preempted,
@@ -323,7 +324,7 @@ def _compare_record(record: StepRecord, expected: StepRecord, config: SchedulerC
             mismatch(f"blocks_allocated {list(blocks)} to a request that is not in the step's batch nor loads",
                      request_id)
 
-    for name in ("group_blocks_allocated", "blocks_skipped"):  # hybrid KV cache groups (version 4)
+    for name in ("group_blocks_allocated", "blocks_skipped", "group_prefix_hit_blocks"):  # KV cache groups (v4)
         for request_id, blocks in getattr(record, name).items():
             if request_id not in scheduled and any(blocks):
                 mismatch(f"{name} {[list(b) if isinstance(b, tuple) else b for b in blocks]} for a request that is "

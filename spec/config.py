@@ -176,9 +176,10 @@ class SchedulerConfig:
             >= 0; ``watermark`` not a number in [0, 1) (vLLM ``Field(ge=0.0, lt=1.0)``);
             ``max_num_active_seqs`` not ``None`` or an integer in [1, ``max_num_seqs``] (vLLM ``Field(ge=1)`` and
             ``SchedulerConfig._verify_args``); ``prefill_schedule_interval`` not an integer >= 1 (vLLM
-            ``Field(ge=1)``); ``kv_cache_groups`` not a list of groups, group 0 not full attention, or given
-            with ``enable_prefix_caching`` or speculative decoding (the spec does not define hits across
-            groups, nor a window with lookahead slots, yet).
+            ``Field(ge=1)``); ``kv_cache_groups`` not a list of groups, or group 0 not full attention. (A valid
+            config the spec does not specify yet, e.g. groups with speculative decoding, is refused where it
+            runs or is checked, as a feature the scheduler lacks:
+            :func:`~schedspec.spec.kv_cache_groups.unspecified_with_groups`.)
     """
 
     block_size: int
@@ -230,13 +231,6 @@ class SchedulerConfig:
             if self.kv_cache_groups[0].kind != "full_attention":
                 raise ConfigError("kv_cache_groups", [g.to_dict() for g in self.kv_cache_groups],
                                   "group 0 must be full_attention (its block table is Request.block_ids)")
-            if self.enable_prefix_caching:
-                raise ConfigError("kv_cache_groups", [g.to_dict() for g in self.kv_cache_groups],
-                                  "with enable_prefix_caching: prefix-cache hits across KV cache groups are not "
-                                  "specified yet")
-            if self.speculative:
-                raise ConfigError("kv_cache_groups", [g.to_dict() for g in self.kv_cache_groups],
-                                  "with speculative decoding: a window with lookahead slots is not specified yet")
         if self.num_lookahead_tokens and not self.num_speculative_tokens:
             raise ConfigError("num_lookahead_tokens", self.num_lookahead_tokens,
                               "must be 0 when num_speculative_tokens=0 (no speculative decoding, no lookahead)")

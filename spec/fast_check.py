@@ -90,7 +90,7 @@ except ImportError:  # pragma: no cover - the plain json module is as correct, s
 
 MAP_FIELDS = ("blocks_allocated", "blocks_freed", "prefix_hit_tokens", "prefix_hit_blocks", "finished", "rejected",
               "sampled_token_ids", "num_accepted_tokens", "draft_token_ids", "wasted_tokens", "group_blocks_allocated",
-              "blocks_skipped", "kv_loads")
+              "blocks_skipped", "group_prefix_hit_blocks", "kv_loads")
 """The record fields whose values are JSON objects (besides ``arrivals[]`` and ``scheduled[]``): with the
 record itself, every object a valid record holds (``tests/test_fast_check.py`` reads the schema to check it),
 for the repeated-key screen."""

@@ -16,7 +16,13 @@ from collections.abc import Callable, Iterator, Mapping
 import attrs
 
 from schedspec.spec.config import SchedulerConfig, blocks_for_tokens
-from schedspec.spec.kv_cache_groups import NULL_BLOCK, held_block_ids, num_skipped_blocks
+from schedspec.spec.kv_cache_groups import (
+    NULL_BLOCK,
+    group_hashes,
+    group_tables,
+    held_block_ids,
+    num_skipped_blocks,
+)
 from schedspec.spec.persistent import evolve_request
 from schedspec.spec.prefix_cache import ROOT_HASH, request_block_hash
 from schedspec.spec.request import Request, RequestStatus
@@ -87,7 +93,7 @@ def kv_capacity(state: SchedulerState, config: SchedulerConfig, terminal: Termin
     """The blocks held by all requests, and by transfers for ended requests (delayed_frees), are at most
     num_kv_blocks (distinct blocks, with prefix caching)."""
     if state.prefix_cache is not None:
-        held = len({b for r in state.requests.values() for b in r.block_ids})
+        held = len({b for r in state.requests.values() for b in held_block_ids(r)})
     else:  # every KV cache group's blocks come from the one pool
         held = sum(len(held_block_ids(r)) for r in state.requests.values())
     held += sum(len(held.block_ids) for held in state.delayed_frees.values())
@@ -330,20 +336,25 @@ def chunks_in_order(before: SchedulerState, plan: StepPlan, after: SchedulerStat
 
 
 def _held_tables(state: SchedulerState) -> Counter[int]:
-    return Counter(b for request in state.requests.values() for b in set(request.block_ids))
+    """Per block, how many live block tables (of every KV cache group) hold it, null entries left out."""
+    return Counter(b for request in state.requests.values() for table in group_tables(request)
+                   for b in set(table) if b != NULL_BLOCK)
 
 
 @state_invariant("prefix-ref-counts", "vLLM block_pool.py KVCacheBlock.ref_cnt (touch, get_new_blocks, free_blocks)")
 def prefix_ref_counts(state: SchedulerState, config: SchedulerConfig, terminal: Terminal = None) -> Breaches:
     """With prefix caching, every block's reference count equals the number of live block tables holding
-    it (0 for a block no table holds), and no table holds a block twice."""
+    it (0 for a block no table holds), and no table holds a block twice. With KV cache groups every group's
+    table counts (a window's null entries not), so a block a window freed while a hit shares it stays held."""
     cache = state.prefix_cache
     if cache is None:
         return
     held = _held_tables(state)
     for request_id, request in state.requests.items():
-        if len(set(request.block_ids)) != len(request.block_ids):
-            yield request_id, f"holds a block twice in its table {list(request.block_ids)}"
+        for table in group_tables(request):
+            blocks = [b for b in table if b != NULL_BLOCK]
+            if len(set(blocks)) != len(blocks):
+                yield request_id, f"holds a block twice in its table {list(table)}"
     for block_id in sorted(set(held) | set(cache.ref_counts)):
         if cache.ref_counts.get(block_id, 0) != held.get(block_id, 0):
             yield None, (f"block {block_id} has reference count {cache.ref_counts.get(block_id, 0)} but "
@@ -380,7 +391,9 @@ def prefix_published_computed(state: SchedulerState, config: SchedulerConfig, te
     """With prefix caching, a published block (one with a hash) held by a live request is fully computed by
     it: it sits at table index i with (i + 1) * block_size <= the request's num_computed_tokens, the hashed
     blocks of a table come first, and its hash is the chained hash of the request's tokens of block i. The
-    hash map and the blocks' hashes agree (every block of hash h is listed under h, once)."""
+    hash map and the blocks' hashes agree (every block of hash h is listed under h, once).
+    With KV cache groups, a block of group g > 0 is cached only fully computed and under its group's key
+    (:func:`~schedspec.spec.kv_cache_groups.group_cache_key`; null entries skipped)."""
     cache = state.prefix_cache
     if cache is None:
         return
@@ -397,6 +410,11 @@ def prefix_published_computed(state: SchedulerState, config: SchedulerConfig, te
         breach, _, _ = published_chain(request, cache.block_hashes, config.block_size)
         if breach is not None:
             yield request_id, breach
+        for group, table in enumerate(request.group_block_ids, start=1):  # KV cache groups: under their own keys
+            breach = group_hashes(request, table, cache.block_hashes, group, config.block_size,
+                                  request.num_computed_tokens)
+            if breach is not None:
+                yield request_id, breach
 
 
 def published_chain(request: Request, block_hashes: Mapping[int, str], block_size: int, start: int = 0,
@@ -441,10 +459,10 @@ def released_holds_no_reference(state: SchedulerState, config: SchedulerConfig, 
         return
     for request_id in state.waiting:
         request = state.requests.get(request_id)
-        if request is not None and request.block_ids:
-            yield request_id, f"waiting but holds {len(request.block_ids)} blocks"
+        if request is not None and held_block_ids(request):
+            yield request_id, f"waiting but holds {len(held_block_ids(request))} blocks"
     total = sum(cache.ref_counts.values())
-    running = sum(len(state.requests[r].block_ids) for r in state.running if r in state.requests)
+    running = sum(len(held_block_ids(state.requests[r])) for r in state.running if r in state.requests)
     if total != running:
         yield None, f"reference counts add up to {total}, but running requests' tables hold {running} blocks"
 

@@ -40,6 +40,10 @@ published) each compute and publish their own copy: the spec allows **duplicate*
 hash, as vLLM does (``block_pool.py`` ``BlockHashToBlockMap``, NOTE #1: no de-duplication, so that
 block tables stay append-only). A lookup takes the first published copy (``get_one_block``).
 
+With hybrid KV cache groups (:mod:`~schedspec.spec.kv_cache_groups`) the cache is keyed by group, as vLLM keys it
+(``BlockHashWithGroupId``): a block of group ``g > 0`` is published under :func:`group_cache_key` of its chained
+hash and ``g``, so the maps below hold every group's blocks, each under its own key.
+
 The data here is plain and immutable (:class:`PrefixCache`); :class:`CacheUpdate` is the working copy
 one transition (or a policy planning one step) edits and then freezes.
 """
@@ -62,6 +66,18 @@ ROOT_HASH = ""
 """The parent hash of a request's first block (vLLM ``NONE_HASH``, fixed here)."""
 
 _EMPTY: Mapping = MappingProxyType({})
+
+NULL_BLOCK = -1
+"""The table entry of a block a sliding window freed (vLLM ``BlockPool.null_block``, never handed out, never
+counted among the ``num_kv_blocks``; :mod:`~schedspec.spec.kv_cache_groups`). No cache operation touches it."""
+
+
+def group_cache_key(hash_value: str, group: int) -> str:
+    """The key under which a block of KV cache group ``group`` is cached: the chained hash itself for group 0 (so
+    a config without groups keys as before), ``"<hash>@<group>"`` for groups 1.. . vLLM ``kv_cache_utils.py``
+    ``make_block_hash_with_group_id`` (the hash followed by the group id): a lookup in one group never finds a
+    block of another (:mod:`~schedspec.spec.kv_cache_groups`)."""
+    return hash_value if group == 0 else f"{hash_value}@{group}"
 
 
 def block_hash(parent: str, token_ids: Sequence[int] | np.ndarray) -> str:
@@ -278,19 +294,35 @@ class CacheUpdate:
 
     def num_evictable(self, blocks: Iterable[int]) -> int:
         """How many of ``blocks`` are in the free queue now (a hit on them takes them out of it, so they
-        count against the free blocks: vLLM ``get_num_blocks_to_allocate`` ``num_evictable_blocks``)."""
-        return sum(1 for b in blocks if not self.ref_counts.get(b))
+        count against the free blocks: vLLM ``get_num_blocks_to_allocate`` ``num_evictable_blocks``; null
+        entries not counted, ``not blk.is_null``)."""
+        return sum(1 for b in blocks if b != NULL_BLOCK and not self.ref_counts.get(b))
+
+    def view(self) -> PrefixCache:
+        """The cache as it is now (blocks handed out so far are evicted), to read; not a frozen value (later
+        edits of this update may show through)."""
+        return PrefixCache(self.block_hashes, self.hash_to_blocks, self.ref_counts)
 
     def longest_hit(self, request: Request, block_size: int) -> tuple[int, ...]:
         """:meth:`PrefixCache.longest_hit` on the cache as it is now (blocks handed out so far are evicted)."""
-        return PrefixCache(self.block_hashes, self.hash_to_blocks, self.ref_counts).longest_hit(request, block_size)
+        return self.view().longest_hit(request, block_size)
 
     def release(self, table: Sequence[int]) -> None:
         """A block table is given back: last block first, each block's count drops by one; blocks reaching
-        0 without a hash go to the front of the free queue, those with a hash to the back."""
+        0 without a hash go to the front of the free queue, those with a hash to the back (a window's
+        :data:`NULL_BLOCK` entries are skipped). vLLM ``SingleTypeKVCacheManager.free``."""
+        self.free_blocks(table[::-1])
+
+    def free_blocks(self, ordered: Sequence[int]) -> None:
+        """Blocks are given back in this order (the first evicted first): each block's count drops by one;
+        those reaching 0 without a hash go to the front of the free queue (in this order), those with a hash to
+        the back (in this order); :data:`NULL_BLOCK` entries are skipped. vLLM ``BlockPool.free_blocks``
+        (``prepend_n`` / ``append_n``)."""
         front: list[int] = []
         back: list[int] = []
-        for block_id in reversed(table):
+        for block_id in ordered:
+            if block_id == NULL_BLOCK:
+                continue
             count = self.ref_counts.get(block_id, 0) - 1
             self._set_count(block_id, count)
             if count > 0:
@@ -301,8 +333,11 @@ class CacheUpdate:
         self.free.extend(back)
 
     def touch(self, blocks: Sequence[int]) -> None:
-        """A hit: each block's count rises by one; an evictable block leaves the free queue."""
+        """A hit: each block's count rises by one; an evictable block leaves the free queue (:data:`NULL_BLOCK`
+        entries skipped)."""
         for block_id in blocks:
+            if block_id == NULL_BLOCK:
+                continue
             count = self.ref_counts.get(block_id, 0)
             if count == 0 and block_id in self.free:
                 self.free.remove(block_id)
@@ -337,10 +372,24 @@ class CacheUpdate:
         self.evicted.append(block_id)
         self._set_listed(old, tuple(b for b in self.hash_to_blocks.get(old, ()) if b != block_id))
 
-    def publish(self, request: Request, table: Sequence[int], num_computed_tokens: int, block_size: int) -> None:
+    def publish(self, request: Request, table: Sequence[int], num_computed_tokens: int, block_size: int,
+                group: int = 0) -> None:
         """Give a hash to every block of ``table`` whose tokens the request has all computed and that has none
-        yet (hashes of a table's first blocks are their parents)."""
+        yet (hashes of a table's first blocks are their parents). ``group``: the KV cache group of the table
+        (:func:`group_cache_key`; a group past 0 publishes its blocks under their keys, its null entries
+        skipped: vLLM ``BlockPool.cache_full_blocks`` skips ``blk.is_null``)."""
         full = min(num_computed_tokens // block_size, len(table))
+        if group:
+            parent = ROOT_HASH
+            for index in range(full):
+                parent = request_block_hash(request, index, parent, block_size)
+                block_id = table[index]
+                if block_id == NULL_BLOCK or block_id in self.block_hashes:
+                    continue
+                key = group_cache_key(parent, group)
+                self._set_hash(block_id, key)
+                self._set_listed(key, self.hash_to_blocks.get(key, ()) + (block_id,))
+            return
         parent = ROOT_HASH
         for index in range(full):
             block_id = table[index]

@@ -221,12 +221,19 @@ class WorkConserving(Monitor):
         free_at_plan = (len(before.free_block_ids) - sum(len(i.new_block_ids) for i in plan.scheduled)
                         - sum(len(load.new_block_ids) for load in plan.loads))
         loaded = {load.request_id for load in plan.loads}
-        if config.kv_cache_groups:  # every group's new blocks, and the blocks the windows freed
+        cache = before.prefix_cache
+        window_freed: set[int] = set()
+        if config.kv_cache_groups:  # every group's new blocks, and the blocks the windows freed (with prefix
+            # caching only those no other table holds: a shared block's free only drops its reference count)
             free_at_plan -= sum(len(b) for i in plan.scheduled for b in i.group_new_block_ids)
-            free_at_plan += sum(len(i.skipped_block_ids) for i in plan.scheduled)
-        if before.prefix_cache is not None:  # a hit on an evictable block takes it out of the free queue
-            free_at_plan -= len({b for i in plan.scheduled for b in i.cached_block_ids
-                                 if before.prefix_cache.is_evictable(b)})
+            window_freed = {b for i in plan.scheduled for b in i.skipped_block_ids
+                            if cache is None or cache.ref_counts.get(b, 0) <= 1}
+            free_at_plan += len(window_freed)
+        if cache is not None:  # a hit on an evictable block (or one a window freed in the step) takes it out of
+            # the free queue (every group's)
+            free_at_plan -= len({b for i in plan.scheduled
+                                 for b in i.cached_block_ids + tuple(b for t in i.group_cached_block_ids for b in t)
+                                 if cache.is_evictable(b) or b in window_freed})
         # the adapters of the running set as the plan leaves it (before.running plus the admitted; nothing is
         # preempted here); requests that finish in the step still count: they end only after sampling
         loras = ({before.requests[r].lora_int_id for r in before.running}

@@ -24,8 +24,10 @@ from schedspec.spec.admission import rejection_code, rejection_reason, rejection
 from schedspec.spec.config import SchedulerConfig, blocks_for_tokens, slot_tokens
 from schedspec.spec.kv_cache_groups import (
     NULL_BLOCK,
+    group_hit_violation,
     group_tables,
     held_block_ids,
+    longest_group_hit,
     num_skipped_blocks,
     window_frees,
 )
@@ -540,10 +542,16 @@ def released_by_preemptions(state: SchedulerState, plan: StepPlan) -> set[int]:
             if cache is None:
                 released.update(held_block_ids(request))
                 continue
-            for block_id in request.block_ids:
+            for block_id in held_block_ids(request):  # every group's table
                 counts[block_id] = counts.get(block_id, cache.ref_counts.get(block_id, 0)) - 1
     released.update(b for b, count in counts.items() if count <= 0)
     return released
+
+
+def _preempted_holders(state: SchedulerState, plan: StepPlan) -> Counter[int]:
+    """How many tables of the plan's preempted requests hold each block (prefix caching: what the preemptions take
+    off the blocks' reference counts)."""
+    return Counter(b for r in plan.preempted if r in state.requests for b in held_block_ids(state.requests[r]))
 
 
 def blocks_not_from_free_pool(state: SchedulerState, plan: StepPlan, free: AbstractSet[int]):
@@ -553,12 +561,31 @@ def blocks_not_from_free_pool(state: SchedulerState, plan: StepPlan, free: Abstr
     :data:`REUSED_BY_HIT_IN_STEP`)."""
     released = released_by_preemptions(state, plan)
     hits = {b for item in plan.scheduled for b in item.cached_block_ids}
+    hits.update(b for item in plan.scheduled for hit in item.group_cached_block_ids for b in hit if b != NULL_BLOCK)
+    cache = state.prefix_cache
+    # prefix caching with a window's frees: the reference counts as the preemptions and the items change them
+    tracking = cache is not None and any(item.skipped_block_ids for item in plan.scheduled)
+    counts: dict[int, int] = {}
+    if tracking:
+        assert cache is not None
+        counts = {b: cache.ref_counts.get(b, 0) - n for b, n in _preempted_holders(state, plan).items()}
     handed: set[int] = set()
     for item in plan.scheduled:
         new_block_ids = item.new_block_ids
         if item.skipped_block_ids or item.group_new_block_ids:  # hybrid KV cache groups
-            released = released | set(item.skipped_block_ids)  # a window's frees, from its own item on
+            if cache is None:
+                released = released | set(item.skipped_block_ids)  # a window's frees, from its own item on
+            else:  # a window's free releases a block only when no other table holds it (BlockPool.free_blocks)
+                for block_id in item.skipped_block_ids:
+                    counts[block_id] = counts.get(block_id, cache.ref_counts.get(block_id, 0)) - 1
+                    if counts[block_id] <= 0:
+                        released = released | {block_id}
             new_block_ids = new_block_ids + tuple(b for blocks in item.group_new_block_ids for b in blocks)
+        if tracking:  # the item's hits are touched after its window's frees
+            assert cache is not None
+            for block_id in item.cached_block_ids + tuple(b for hit in item.group_cached_block_ids for b in hit):
+                if block_id != NULL_BLOCK:
+                    counts[block_id] = counts.get(block_id, cache.ref_counts.get(block_id, 0)) + 1
         for block_id in new_block_ids:
             if block_id in handed:
                 yield item.request_id, f"block {block_id} handed out twice"
@@ -635,14 +662,14 @@ def _no_excess_blocks(state: SchedulerState, plan: StepPlan, config: SchedulerCo
 
 @rule(
     "prefix-hit-at-admission",
-    "A plan reuses cached blocks (ScheduledRequest.cached_block_ids) only with enable_prefix_caching on, and "
-    "only for a waiting request it admits.",
+    "A plan reuses cached blocks (ScheduledRequest.cached_block_ids, and group_cached_block_ids with KV cache "
+    "groups) only with enable_prefix_caching on, and only for a waiting request it admits.",
     "vLLM Scheduler.schedule: KVCacheManager.get_computed_blocks is called for waiting requests only",
     action="schedule",
 )
 def _prefix_hit_at_admission(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
     for item in plan.scheduled:
-        if not item.cached_block_ids:
+        if not item.cached_block_ids and not any(item.group_cached_block_ids):
             continue
         if state.prefix_cache is None:
             yield item.request_id, f"reuses cached blocks {list(item.cached_block_ids)} with prefix caching off"
@@ -654,9 +681,16 @@ def _prefix_hit_at_admission(state: SchedulerState, plan: StepPlan, config: Sche
     "prefix-hit-is-cached-chain",
     "A prefix-cache hit reuses, for each block i of the hit, a block published before the step whose hash is "
     "the hash of the request's block i (chained over blocks 0..i), not handed out in the same step; and it "
-    "leaves at least one token to compute (at most (num_tokens - 1) // block_size blocks).",
+    "leaves at least one token to compute (at most (num_tokens - 1) // block_size blocks). With KV cache groups "
+    "a hit is one only where every group holds the prefix: each group's hit table is as long as group 0's, a "
+    "full-attention group's entries and a sliding-window group's entries its window still needs at the hit "
+    "length (at least the last) are blocks cached under that group's key for those tokens, the entries below "
+    "null (kv_cache_groups.hit_blocks_needed).",
     "vLLM kv_cache_utils.py hash_block_tokens; kv_cache_manager.py KVCacheManager.get_computed_blocks "
-    "(max_cache_hit_length = num_tokens - 1)",
+    "(max_cache_hit_length = num_tokens - 1); with groups kv_cache_coordinator.py "
+    "HybridKVCacheCoordinator.find_longest_cache_hit, single_type_kv_cache_manager.py "
+    "SlidingWindowManager.find_longest_cache_hit and add_local_computed_blocks, block_pool.py get_cached_block "
+    "(BlockHashWithGroupId) (0.32 and 0.33)",
     action="schedule",
 )
 def _prefix_hit_chain(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
@@ -664,9 +698,21 @@ def _prefix_hit_chain(state: SchedulerState, plan: StepPlan, config: SchedulerCo
     if cache is None:
         return
     handed = {b for item in plan.scheduled for b in item.new_block_ids}
+    if config.kv_cache_groups:
+        handed.update(b for item in plan.scheduled for new in item.group_new_block_ids for b in new)
     for item in plan.scheduled:
         request = state.requests.get(item.request_id)
-        if request is None or not item.cached_block_ids:
+        if request is None or not (item.cached_block_ids or any(item.group_cached_block_ids)):
+            continue
+        if config.kv_cache_groups:
+            tables = (item.cached_block_ids,) + (item.group_cached_block_ids
+                                                 or tuple(() for _ in config.kv_cache_groups[1:]))
+            breach = group_hit_violation(cache, request, tables, config)
+            if breach is None:
+                breach = next((f"hit block {b} handed out in the same step" for t in tables for b in t if b in handed),
+                              None)
+            if breach is not None:
+                yield item.request_id, breach
             continue
         limit = max_hit_blocks(request, config.block_size)
         if len(item.cached_block_ids) > limit:
@@ -693,9 +739,11 @@ def _prefix_hit_chain(state: SchedulerState, plan: StepPlan, config: SchedulerCo
     "prefix-hit-longest",
     "With prefix caching on, a waiting request admitted in the step reuses the longest chain of cached blocks "
     "that matches its sequence (at most (num_tokens - 1) // block_size blocks), not counting blocks handed "
-    "out to requests earlier in the batch (those are evicted before its lookup).",
+    "out to requests earlier in the batch (those are evicted before its lookup). With KV cache groups, the "
+    "longest hit every group holds (kv_cache_groups.longest_group_hit).",
     "vLLM kv_cache_manager.py KVCacheManager.get_computed_blocks -> find_longest_cache_hit, called just before "
-    "the request's allocate_slots in Scheduler.schedule",
+    "the request's allocate_slots in Scheduler.schedule; with groups HybridKVCacheCoordinator.find_longest_cache_hit "
+    "(0.32 and 0.33)",
     action="schedule",
 )
 def _prefix_hit_longest(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
@@ -706,12 +754,17 @@ def _prefix_hit_longest(state: SchedulerState, plan: StepPlan, config: Scheduler
     for item in plan.scheduled:
         request = state.requests.get(item.request_id)
         if request is not None and item.request_id not in state.running:
-            longest = cache.longest_hit(request, config.block_size, handed)
+            if config.kv_cache_groups:  # the longest hit every group holds
+                longest = longest_group_hit(cache, request, config, handed)[0]
+            else:
+                longest = cache.longest_hit(request, config.block_size, handed)
             if len(longest) != len(item.cached_block_ids):
                 yield item.request_id, (
                     f"prefix-cache hit of {len(item.cached_block_ids) * config.block_size} tokens, but "
                     f"{len(longest) * config.block_size} were cached (blocks {list(longest)})")
         handed.update(item.new_block_ids)
+        for new in item.group_new_block_ids:
+            handed.update(new)
 
 
 # Hybrid KV cache groups (SchedulerConfig.kv_cache_groups; schedspec.spec.kv_cache_groups). Without groups no
@@ -753,7 +806,7 @@ def _group_table_covers(state: SchedulerState, plan: StepPlan, config: Scheduler
         needed = _blocks_needed(item, config)
         for index in range(1, extra + 1):
             new = item.group_new_block_ids[index - 1] if index - 1 < len(item.group_new_block_ids) else ()
-            blocks = len(_group_table(request, index)) + len(new)
+            blocks = len(_group_table(request, index)) + len(_group_hit(item, index)) + len(new)
             if blocks < needed:
                 yield item.request_id, f"group {index}: {blocks} blocks hold fewer than the {needed} needed"
 
@@ -770,9 +823,15 @@ def _group_no_excess_blocks(state: SchedulerState, plan: StepPlan, config: Sched
     for item, request in _group_items(state, plan, config):
         limit, tokens = _blocks_limit(request, item, config)
         for index, new in enumerate(item.group_new_block_ids, start=1):
-            blocks = len(_group_table(request, index)) + len(new)
+            blocks = len(_group_table(request, index)) + len(_group_hit(item, index)) + len(new)
             if blocks > limit and new:
                 yield item.request_id, f"group {index}: {blocks} blocks > {limit} for a sequence of {tokens} tokens"
+
+
+def _group_hit(item: ScheduledRequest, index: int) -> tuple[int, ...]:
+    """The item's prefix-cache hit in group ``index`` >= 1 (null entries included); empty without one."""
+    hits = item.group_cached_block_ids
+    return hits[index - 1] if index - 1 < len(hits) else ()
 
 
 def _where_held(request: Request, block_id: int) -> tuple[int, int] | None:

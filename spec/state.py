@@ -305,6 +305,11 @@ class ScheduledRequest:
             ``remove_skipped_blocks`` before it allocates), in the order they go to the front of the free
             queue; they become :data:`~schedspec.spec.kv_cache_groups.NULL_BLOCK` in their tables and may be
             handed out again from this item on. Empty otherwise.
+        group_cached_block_ids: hybrid KV cache groups with prefix caching, a waiting request admitted with a
+            hit: the tables of groups 1.. the hit starts with, one tuple per group in group order, each as long as
+            ``cached_block_ids`` (vLLM ``KVCacheBlocks.blocks`` of ``get_computed_blocks``), a sliding window's
+            entries below what it still needs :data:`~schedspec.spec.kv_cache_groups.NULL_BLOCK`
+            (:func:`~schedspec.spec.kv_cache_groups.longest_group_hit`). Empty otherwise.
     """
 
     request_id: str
@@ -315,6 +320,7 @@ class ScheduledRequest:
     spec_token_ids: tuple[int, ...] = ()
     group_new_block_ids: tuple[tuple[int, ...], ...] = ()
     skipped_block_ids: tuple[int, ...] = ()
+    group_cached_block_ids: tuple[tuple[int, ...], ...] = ()
 
     @property
     def num_sequence_tokens(self) -> int:

@@ -306,7 +306,9 @@ def expected_record(outcome: StepOutcome, config: SchedulerConfig, start_time: f
                     if item.spec_token_ids and item.request_id in sampled}
     evicted: list[int] = []
     if before.prefix_cache is not None:
-        evicted = evicted_blocks(before.prefix_cache, (b for item in plan.scheduled for b in item.new_block_ids))
+        evicted = evicted_blocks(before.prefix_cache, (b for item in plan.scheduled
+                                                       for b in item.new_block_ids + tuple(
+                                                           b for new in item.group_new_block_ids for b in new)))
     return StepRecord(
         step=before.step,
         start_time=start_time,
@@ -333,6 +335,8 @@ def expected_record(outcome: StepOutcome, config: SchedulerConfig, start_time: f
         group_blocks_allocated={item.request_id: item.group_new_block_ids for item in plan.scheduled
                                 if any(item.group_new_block_ids)},
         blocks_skipped={item.request_id: item.skipped_block_ids for item in plan.scheduled if item.skipped_block_ids},
+        group_prefix_hit_blocks={item.request_id: item.group_cached_block_ids for item in plan.scheduled
+                                 if any(item.group_cached_block_ids)},
         kv_loads={load.request_id: load.num_tokens for load in plan.loads},
         finished_recving=transfers.finished_recving,
         invalid_block_ids=transfers.invalid_block_ids,

@@ -50,7 +50,7 @@ PLAIN_SCHEMA_VERSION = 2
 HYBRID_SCHEMA_VERSION = 4
 """The version :func:`write_trace` writes with hybrid KV cache groups (``config.kv_cache_groups``)."""
 
-HYBRID_RECORD_FIELDS = ("group_blocks_allocated", "blocks_skipped")
+HYBRID_RECORD_FIELDS = ("group_blocks_allocated", "blocks_skipped", "group_prefix_hit_blocks")
 """The record fields version 4 adds."""
 
 READABLE_VERSIONS = (1, 2, 3, 4)
@@ -172,6 +172,10 @@ class StepRecord:
         blocks_skipped: hybrid KV cache groups (version 4): request id -> the blocks its allocation freed
             because a sliding window had passed them (``ScheduledRequest.skipped_block_ids``); they are not in
             ``blocks_freed``. Omitted from the JSON when empty.
+        group_prefix_hit_blocks: hybrid KV cache groups with prefix caching (version 4): request id -> the
+            tables of groups 1.. its prefix-cache hit starts with, one tuple per group in group order, each as long
+            as its ``prefix_hit_blocks``, -1 where a sliding window no longer needs the block (a null entry;
+            ``ScheduledRequest.group_cached_block_ids``). Omitted from the JSON when empty.
         kv_loads: KV connector: request id -> the tokens of the remote KV load this step starts for it (its
             blocks are in ``blocks_allocated``; it waits in WAITING_FOR_REMOTE_KVS). Omitted when empty.
         finished_recving: KV connector, reported after this step: the ids whose remote KV load landed (vLLM
@@ -207,6 +211,8 @@ class StepRecord:
     wasted_tokens: dict[str, int] = attrs.field(factory=dict)
     group_blocks_allocated: dict[str, tuple[tuple[int, ...], ...]] = attrs.field(factory=dict, converter=_group_blocks)
     blocks_skipped: dict[str, tuple[int, ...]] = attrs.field(factory=dict, converter=_blocks)
+    group_prefix_hit_blocks: dict[str, tuple[tuple[int, ...], ...]] = attrs.field(factory=dict,
+                                                                                 converter=_group_blocks)
     kv_loads: dict[str, int] = attrs.field(factory=dict)
     finished_recving: tuple[str, ...] = attrs.field(default=(), converter=_to_tuple)
     invalid_block_ids: tuple[int, ...] = attrs.field(default=(), converter=_to_tuple)
@@ -258,6 +264,10 @@ class StepRecord:
             data["blocks_skipped"] = {k: list(v) for k, v in self.blocks_skipped.items()}
         else:
             del data["blocks_skipped"]
+        if self.group_prefix_hit_blocks:
+            data["group_prefix_hit_blocks"] = {k: [list(g) for g in v] for k, v in self.group_prefix_hit_blocks.items()}
+        else:
+            del data["group_prefix_hit_blocks"]
         for name in KV_CONNECTOR_RECORD_FIELDS:  # KV connector only, likewise
             if data[name]:
                 data[name] = dict(data[name]) if name == "kv_loads" else list(data[name])
@@ -715,7 +725,8 @@ def open_trace(path: str | Path) -> TraceFile:
         config = SchedulerConfig.from_dict(header["config"])
     except (ConfigError, TypeError) as error:
         raise TraceFormatError(f"{where}: field config: {error}") from None
-    if config.speculative and version != SCHEMA_VERSION:
+    # (with KV cache groups, version 4; groups with speculative decoding are then refused as not specified, exit 3)
+    if config.speculative and version != SCHEMA_VERSION and not config.kv_cache_groups:
         raise TraceFormatError(f"{where}: field config.num_speculative_tokens: {config.num_speculative_tokens} "
                                f"(speculative decoding) needs schema_version {SCHEMA_VERSION}, the header says {version}")
     if config.kv_cache_groups and version != HYBRID_SCHEMA_VERSION:

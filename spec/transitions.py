@@ -62,7 +62,14 @@ from types import MappingProxyType
 import attrs
 
 from schedspec.spec.config import SchedulerConfig
-from schedspec.spec.kv_cache_groups import NULL_BLOCK, held_block_ids, release_order
+from schedspec.spec.kv_cache_groups import (
+    NULL_BLOCK,
+    free_skipped,
+    group_publishes,
+    held_block_ids,
+    release_order,
+    release_tables,
+)
 from schedspec.spec.persistent import FreeQueue, live_copy, with_arrival
 from schedspec.spec.persistent import evolve_request as evolve
 from schedspec.spec.prefix_cache import CacheUpdate
@@ -162,7 +169,7 @@ def abort_request(state: SchedulerState, request_id: str) -> SchedulerState:
         free = FreeQueue.of(state.free_block_ids).pushed_front(release_order(request))
     else:
         update = CacheUpdate(cache, state.free_block_ids)
-        update.release(request.block_ids)
+        release_tables(update, request)
         cache, free = update.freeze()
     in_flight = state.in_flight
     if in_flight is not None:
@@ -309,7 +316,7 @@ def preempt(step: StepInProgress, request_id: str) -> None:
     ``Scheduler._preempt_request``)."""
     request = step.live(request_id)
     if step.cache is not None:
-        step.cache.release(request.block_ids)
+        release_tables(step.cache, request)
     else:
         step.released[:0] = release_order(request)
     changes: dict = {"status": RequestStatus.PREEMPTED, "num_computed_tokens": 0, "block_ids": (),
@@ -339,8 +346,11 @@ def schedule(step: StepInProgress, item: ScheduledRequest) -> None:
     (vLLM ``Scheduler.schedule``, ``self.running.append(request)``).
 
     With prefix caching, an admitted request's ``item.cached_block_ids`` (a hit) are referenced and start
-    its block table, and count as computed tokens; a new block that carries a hash is evicted (its hash
-    dropped); and the blocks the request has fully computed after the step are published
+    its block table, and count as computed tokens (with KV cache groups, every group's hit table too,
+    ``item.group_cached_block_ids``, its null entries skipped; a window's frees go back first, a block another
+    table shares staying held); a new block that carries a hash is evicted (its hash
+    dropped); and the blocks the request has fully computed after the step are published (each group's under
+    its own key, :func:`~schedspec.spec.prefix_cache.group_cache_key`)
     (:meth:`~schedspec.spec.prefix_cache.CacheUpdate.publish`: the same cache as publishing at the end
     of the step, since a hit may only name blocks published before it).
 
@@ -358,15 +368,31 @@ def schedule(step: StepInProgress, item: ScheduledRequest) -> None:
         changes["block_ids"] = table
     if request.spec_token_ids:
         changes["spec_token_ids"] = ()
-    if item.group_new_block_ids or item.skipped_block_ids:
+    # every group's table, whether or not the item names blocks for it (a record leaves out a request with none:
+    # its tables still get the step's full blocks published)
+    groups = bool(step.config.kv_cache_groups)
+    if groups:
         changes["group_block_ids"] = group_tables_after(request, item, step.config)
-        step.skipped[:0] = item.skipped_block_ids
-        step.taken.extend(b for blocks in item.group_new_block_ids for b in blocks)
-    if step.cache is not None:
+    if step.cache is not None:  # vLLM KVCacheManager.allocate_slots: window frees, hits touched, new blocks taken
+        size = step.config.block_size
+        if item.skipped_block_ids:
+            free_skipped(step.cache, request, item.skipped_block_ids)
         step.cache.touch(item.cached_block_ids)
+        for hit in item.group_cached_block_ids:
+            step.cache.touch(hit)
         step.cache.take(item.new_block_ids)
-        step.cache.publish(request, table, min(computed, request.num_tokens), step.config.block_size)
+        for new in item.group_new_block_ids:
+            step.cache.take(new)
+        cacheable = min(computed, request.num_tokens)
+        step.cache.publish(request, table, cacheable, size)
+        if groups:  # every group's blocks under its own keys (KVCacheCoordinator.cache_blocks, per manager)
+            for index, group_table in enumerate(changes["group_block_ids"], start=1):
+                if group_publishes(step.config.kv_cache_groups[index], size):
+                    step.cache.publish(request, group_table, cacheable, size, group=index)
     else:
+        if groups:
+            step.skipped[:0] = item.skipped_block_ids
+            step.taken.extend(b for blocks in item.group_new_block_ids for b in blocks)
         step.taken.extend(item.new_block_ids)
     if request.status is not RequestStatus.RUNNING:
         changes.update(status=RequestStatus.RUNNING, admitted_step=step.before.step)
@@ -378,15 +404,17 @@ def schedule(step: StepInProgress, item: ScheduledRequest) -> None:
 def group_tables_after(request: Request, item: ScheduledRequest, config: SchedulerConfig) -> tuple[tuple[int, ...], ...]:
     """Hybrid KV cache groups: the request's tables of groups 1.. after ``item`` is scheduled: the blocks its
     window freed (``item.skipped_block_ids``) become :data:`~schedspec.spec.kv_cache_groups.NULL_BLOCK` (the
-    table keeps its length, vLLM ``_remove_blocks_in_range``), then each group's new blocks are appended
+    table keeps its length, vLLM ``_remove_blocks_in_range``), then each group's prefix-cache hit
+    (``item.group_cached_block_ids``, ``add_local_computed_blocks``) and new blocks are appended
     (vLLM ``SingleTypeKVCacheManager.allocate_new_blocks``).
 
     Raises:
-        PlanError: the item names new blocks for more groups than ``config.kv_cache_groups`` has.
+        PlanError: the item names new or hit blocks for more groups than ``config.kv_cache_groups`` has.
     """
     extra = max(len(config.kv_cache_groups) - 1, 0)
-    if len(item.group_new_block_ids) > extra:
-        raise PlanError(f"request_id={item.request_id!r}: new blocks for {len(item.group_new_block_ids)} groups past "
+    if max(len(item.group_new_block_ids), len(item.group_cached_block_ids)) > extra:
+        raise PlanError(f"request_id={item.request_id!r}: blocks for "
+                        f"{max(len(item.group_new_block_ids), len(item.group_cached_block_ids))} groups past "
                         f"group 0, but the config has {extra}")
     skipped = frozenset(item.skipped_block_ids)
     tables = []
@@ -394,8 +422,9 @@ def group_tables_after(request: Request, item: ScheduledRequest, config: Schedul
         table = request.group_block_ids[index] if index < len(request.group_block_ids) else ()
         if skipped:
             table = tuple(NULL_BLOCK if b in skipped else b for b in table)
+        hit = item.group_cached_block_ids[index] if index < len(item.group_cached_block_ids) else ()
         new = item.group_new_block_ids[index] if index < len(item.group_new_block_ids) else ()
-        tables.append(table + new)
+        tables.append(table + hit + new)
     return tuple(tables)
 
 
@@ -447,7 +476,7 @@ def sample(step: StepInProgress, request_id: str, token_id: int, item: Scheduled
                             "kv_cache_groups are not specified")
         step.delay_free(request_id, DelayedFree(request.block_ids, "sending"))
     elif step.cache is not None:
-        step.cache.release(request.block_ids)
+        release_tables(step.cache, request)
     else:
         step.freed[:0] = release_order(request)
     step.ended[request_id] = evolve(request, status=status, finish_reason=reason, block_ids=(), group_block_ids=())

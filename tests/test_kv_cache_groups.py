@@ -33,6 +33,7 @@ from schedspec.spec.workload import RequestSpec
 from schedspec.trace_mutations import (
     Trace,
     group_extra_block,
+    group_hit_not_held,
     group_table_short,
     hybrid_trace,
     judge,
@@ -175,9 +176,10 @@ def test_bad_groups_are_refused_naming_the_field(groups, field) -> None:
 
 
 @pytest.mark.parametrize("changes", [{"enable_prefix_caching": True}, {"num_speculative_tokens": 2}])
-def test_groups_with_prefix_caching_or_speculative_decoding_are_not_specified_yet(changes) -> None:
-    with pytest.raises(ConfigError, match="not specified yet"):
-        CONFIG.with_changes(**changes)
+def test_groups_with_prefix_caching_or_speculative_decoding_are_valid_configs(changes) -> None:
+    """Not a bad config (exit 2): prefix caching with groups is specified (tests/test_prefix_groups.py), and
+    speculative decoding with groups is refused where it runs, as a feature the scheduler lacks (exit 3)."""
+    assert CONFIG.with_changes(**changes).kv_cache_groups == CONFIG.kv_cache_groups
 
 
 # ---- admission
@@ -275,6 +277,10 @@ def test_a_hybrid_trace_is_version_4_and_passes_the_check(trace: Trace, tmp_path
     assert trace.header["schema_version"] == 4 and trace.header["config"]["kv_cache_groups"]
     assert any(r.get("blocks_skipped") for r in trace.records) and any(r["preempted"] for r in trace.records)
     assert any(code.startswith("exceeds-kv-cache") for r in trace.records for code in r["rejected"].values())
+    # prefix caching on: hits across the groups, some past a window (a spec that published a group's blocks only
+    # when the record named blocks for it failed here: the engine's plan and the record's differed)
+    hits = [t for r in trace.records for tables in r.get("group_prefix_hit_blocks", {}).values() for t in tables]
+    assert hits and any(NULL_BLOCK in t for t in hits)
     assert judge(trace.header, trace.records) == (None, None)
     path = tmp_path / "hybrid.jsonl"
     out = io.StringIO()
@@ -301,6 +307,7 @@ def test_a_group_config_needs_version_4(trace: Trace, tmp_path) -> None:
 
 
 @pytest.mark.parametrize("mutation, rule", [
+    (group_hit_not_held, "prefix-hit-is-cached-chain"),
     (window_frees_visible_block, "window-keeps-visible"),
     (window_keeps_skipped_block, "window-frees-skipped"),
     (group_table_short, "group-table-covers"),

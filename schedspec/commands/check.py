@@ -11,6 +11,7 @@ import click
 from schedspec.cli_common import EXIT_CHECK_FAILED, EXIT_UNSUPPORTED, fail, one_line, plural
 from schedspec.spec.checker import DEFAULT_PROPERTIES, CheckReport, check_trace
 from schedspec.spec.fast_check import fast_check
+from schedspec.spec.kv_cache_groups import unspecified_with_groups
 from schedspec.spec.properties import PROPERTIES
 from schedspec.spec.request import RequestStatus
 from schedspec.spec.state import SchedulerState
@@ -101,11 +102,12 @@ def command(trace: str, properties: tuple[str, ...], keep_going: bool, full: boo
             fail(f"{trace}: header: async_scheduling with prefill_schedule_interval="
                  f"{opened.config.prefill_schedule_interval}: the spec does not specify vLLM's prefill cadence "
                  "for plans made while a step is in flight", status=EXIT_UNSUPPORTED)
-        if opened.async_scheduling and opened.config.kv_cache_groups:
-            # spec/kv_cache_groups.py: a window's frees over a plan made while a step is in flight (vLLM frees on
-            # the processed tokens, request.num_in_flight_tokens) are not specified
-            fail(f"{trace}: header: async_scheduling with kv_cache_groups: the spec does not specify a sliding "
-                 "window's frees for plans made while a step is in flight", status=EXIT_UNSUPPORTED)
+        connector = bool(opened.config.kv_cache_groups) and any(  # a groups trace is short: read it once more
+            record.kv_loads or any(a.num_external_computed_tokens or a.kv_send for a in record.arrivals)
+            for record in opened.records())
+        unspecified = unspecified_with_groups(opened.config, opened.async_scheduling, connector)
+        if unspecified is not None:  # spec/kv_cache_groups.py: a combination with groups the spec does not specify
+            fail(f"{trace}: header: {unspecified}", status=EXIT_UNSUPPORTED)
         names = DEFAULT_PROPERTIES + properties
         report = None
         if not (full or no_fast_path or os.environ.get("SCHEDSPEC_NO_FAST_PATH", "") not in ("", "0")):
