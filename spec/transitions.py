@@ -371,7 +371,7 @@ def schedule(step: StepInProgress, item: ScheduledRequest) -> None:
     # every group's table, whether or not the item names blocks for it (a record leaves out a request with none:
     # its tables still get the step's full blocks published)
     groups = bool(step.config.kv_cache_groups)
-    if groups:
+    if groups or item.group_new_block_ids or item.group_cached_block_ids:  # PlanError: blocks for groups not configured
         changes["group_block_ids"] = group_tables_after(request, item, step.config)
     if step.cache is not None:  # vLLM KVCacheManager.allocate_slots: window frees, hits touched, new blocks taken
         size = step.config.block_size

@@ -205,7 +205,7 @@ def _check_cases() -> list[tuple[str, str, int, str]]:
         ("drafts in version 2", edited("spec", 0, lambda d: d.update(schema_version=2)), 2,
          "needs schema_version 3"),
         ("asynchronous groups", edited("hybrid", 0, lambda d: d.update(async_scheduling=True)), 3,
-         "async_scheduling with kv_cache_groups"),
+         "with async_scheduling: a sliding window"),
         ("asynchronous as a string", edited("plain", 0, lambda d: d.update(async_scheduling="yes")), 2,
          "field async_scheduling"),
         ("unknown header key", edited("plain", 0, lambda d: d.update(colour="blue")), 2, "'colour' was unexpected"),
