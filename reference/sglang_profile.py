@@ -2,7 +2,7 @@
 scheduler (``sglang==0.5.23``, ``sglang/srt/managers/scheduler.py`` ``Scheduler.get_next_batch_to_run``)
 in the configuration the ``sglang`` adapter runs it in (``engines/sglang.py``): one CPU rank, the
 chunk cache (radix cache disabled: no prefix caching), ``--schedule-policy fcfs``, no priority
-scheduling, no mixed chunks, no overlap, no speculative decoding, the default environment
+scheduling (``sglang-profile-priority``: with it, rule 12), no mixed chunks, no overlap, no speculative decoding, the default environment
 (``sglang/srt/environ.py``), ``page_size = block_size``, a pool of ``num_kv_blocks * block_size``
 tokens, ``max_running_requests = max_num_seqs``, ``chunked_prefill_size = max_prefill_tokens =
 max_num_batched_tokens`` (``chunked_prefill_size = -1`` with chunked prefill off).
@@ -99,6 +99,27 @@ The rules, each with its place in SGLang 0.5.23's source (``sglang/srt/...``):
     (``ScheduleBatch.prepare_for_extend``), a decode one page when rule 8 says so
     (``prepare_for_decode``), both from the spec state's free queue in order (block ids are not
     SGLang's: ``schedspec diff`` compares counts unless ``--exact-blocks``).
+12. **Priority** (``sglang-profile-priority`` only; ``--enable-priority-scheduling
+    --schedule-low-priority-values-first --priority-scheduling-preemption-threshold 0``, the ``sglang-priority``
+    adapter): each prefill pass clears ``batch_is_full`` and skips the request-slot early return
+    (``_get_new_batch_prefill_raw``: ``enable_priority_preemption``), and the waiting queue is sorted by
+    ``(priority, wait_queue_entry_time)`` (``SchedulePolicy._sort_by_priority_and_fcfs``; a lower value is
+    more urgent, the spec's convention; every arrival, retraction and preemption stamps the time anew,
+    ``Scheduler._add_request_to_queue``). When a request finds the slots taken (rule 6), or the flag set
+    earlier in the pass, ``PrefillAdder.preempt_to_schedule`` walks the running requests from the least
+    urgent (greatest ``priority``, then the latest to join the queue), each more than
+    :data:`PREEMPTION_THRESHOLD` less urgent than it, summing their :meth:`SglangProfile._offset` (rule 4's
+    reserved remaining output) until it covers ``len(full_untruncated_fill_ids) + min(max_new_tokens, 4096)
+    - rem_total_tokens``; if it never does, nothing is preempted and the pass ends. ``full_untruncated_fill_ids``
+    is the request's prompt and outputs as of its last ``Req.init_next_round_input`` (a pass that reached it)
+    or ``prepare_for_decode``: empty for a request no pass has reached. The victims leave the running batch
+    (its order kept), give their pages back and their offsets to the budget, and are re-queued at the back
+    after the pass, admitted or not (``get_new_batch_prefill``), keeping their outputs like a retraction
+    (rule 9), in the walk's order (SGLang's ``preempt_list`` is extended from a ``set``, so two victims
+    of one step may be re-queued the other way round; that matters only between victims of equal priority,
+    and no scenario measured showed it). Preempted requests' pages are freed but not counted toward the need: SGLang can take more
+    requests than it needs, or none where one would do (the finding
+    ``sglang-priority-preemption-takes-too-many``, :class:`ExcessPreemption`).
 
 **Within the spec, where SGLang is not** (docs/engines.md, *SGLang 0.5.23*, *The sglang-profile*):
 the profile rejects at arrival only what the spec calls impossible (``spec.admission``), never what
@@ -146,6 +167,10 @@ NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600
 """``(init - min) / SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS`` (600), per decode step."""
 RETRACT_DECODE_STEPS = 20
 """``SGLANG_RETRACT_DECODE_STEPS``: decode steps a kept request is assumed to take after a retraction."""
+
+PREEMPTION_THRESHOLD = 0
+"""``--priority-scheduling-preemption-threshold`` of ``sglang-profile-priority`` and the ``sglang-priority``
+adapter (``engines/sglang_worker.py`` ``PREEMPTION_THRESHOLD``; SGLang's default is 10)."""
 
 NO_TOKEN, OTHER, CONTINUE = "NO_TOKEN", "OTHER", "CONTINUE"
 """``PrefillAdder``'s ``AddReqResult`` values the profile meets."""
@@ -219,6 +244,19 @@ class _Budget:
 
 
 @attrs.frozen
+class ExcessPreemption:
+    """The finding ``sglang-priority-preemption-takes-too-many`` at one step (rule 12): SGLang's
+    ``PrefillAdder.preempt_to_schedule`` preempted ``victims`` for ``request_id`` where its first ``enough``
+    would have let ``PrefillAdder.add_one_req`` admit it (the pages they hold, which ``release_req`` frees, are
+    not counted in what preemption frees)."""
+
+    step: int
+    request_id: str
+    victims: tuple[str, ...]
+    enough: int
+
+
+@attrs.frozen
 class _Decision:
     """What a planned step does to the profile's own state (applied by ``update``)."""
 
@@ -229,6 +267,8 @@ class _Decision:
     waiting: tuple[str, ...]  # the waiting queue after the step's planning
     batch_is_full: bool
     ratio: float
+    requeued: tuple[str, ...]  # re-queued at the back: preempt_to_schedule's, then retract_decode's (rule 12)
+    fill_len: dict[str, int]  # len(Req.full_untruncated_fill_ids) after the step's planning (rule 12)
 
 
 class SglangProfile:
@@ -244,7 +284,7 @@ class SglangProfile:
 
     guarantees: frozenset[str] = frozenset()
 
-    def __init__(self, config: SchedulerConfig, name: str = "sglang-profile") -> None:
+    def __init__(self, config: SchedulerConfig, name: str = "sglang-profile", priority: bool = False) -> None:
         for refused, why in (
             (config.enable_prefix_caching, "prefix caching (SGLang's radix tree is not reproduced)"),
             (config.speculative, "speculative decoding"),
@@ -263,6 +303,11 @@ class SglangProfile:
         self.batch_is_full = False
         self.ratio = INIT_NEW_TOKEN_RATIO
         self.max_new_tokens: dict[str, int] = {}
+        self.priority = priority
+        self.entered: dict[str, int] = {}  # rid -> when it last joined the waiting queue (rule 12: an order)
+        self.fill_len: dict[str, int] = {}  # rid -> len(Req.full_untruncated_fill_ids) (rule 12)
+        self._clock = 0
+        self.excess_preemptions: list[ExcessPreemption] = []  # the finding, each time it happened (rule 12)
         self._decision: _Decision | None = None
 
     # ------------------------------------------------------------------ arrivals and aborts
@@ -277,8 +322,16 @@ class SglangProfile:
         self.state = add_request(self.state, request)
         self.max_new_tokens[request.request_id] = clipped_max_new_tokens(request.prompt_len, request.max_tokens,
                                                                          self.config)
-        self.waiting.append(request.request_id)
+        self._enqueue([request.request_id])
         self._decision = None
+
+    def _enqueue(self, request_ids) -> None:
+        """``Scheduler._add_request_to_queue``: to the back of the queue, stamped
+        (``ReqTimeStats.set_wait_queue_entry_time``, which rule 12 orders by)."""
+        for request_id in request_ids:
+            self.waiting.append(request_id)
+            self._clock += 1
+            self.entered[request_id] = self._clock
 
     def abort_request(self, request_id: str) -> None:
         """The spec's abort; the request leaves SGLang's queues."""
@@ -293,7 +346,8 @@ class SglangProfile:
                 queue.remove(request_id)
         if self.chunked == request_id:
             self.chunked = None
-        self.max_new_tokens.pop(request_id, None)
+        for kept in (self.max_new_tokens, self.entered, self.fill_len):
+            kept.pop(request_id, None)
 
     # ------------------------------------------------------------------------- planning
     def schedule(self) -> StepPlan:
@@ -316,7 +370,12 @@ class SglangProfile:
         waiting = [r for r in self.waiting if r not in refused]
         running = list(self.running)
         full = self.batch_is_full and bool(running)  # rule 3: an empty running batch clears the flag
+        fill_len = dict(self.fill_len)
+        if self.priority:  # rule 12: the flag is cleared to try preemption; the queue is sorted
+            full = False
+            waiting.sort(key=lambda r: (requests[r].priority, self.entered[r]))
         free = list(state.free_block_ids)
+        preempted: list[str] = []
 
         def outputs(request_id: str) -> int:
             return requests[request_id].num_output_tokens
@@ -335,7 +394,7 @@ class SglangProfile:
         slots = config.max_num_seqs - len(running)
         if (full or not waiting) and chunked is None:
             pass
-        elif slots <= 0 and chunked is None:
+        elif slots <= 0 and chunked is None and not self.priority:
             full = True
         else:
             budget = _Budget(free=state.num_free_blocks * page, page=page,
@@ -358,9 +417,18 @@ class SglangProfile:
             for request_id in waiting:  # rule 6
                 if budget.state() == OTHER:
                     break
-                if len(admitted) >= slots:
+                if len(admitted) >= config.max_num_seqs - len(running):
                     full = True
-                    break
+                if full:  # rule 12: a more urgent request may preempt running ones
+                    victims = self._preempt_to_schedule(requests[request_id], budget, running, fill_len) \
+                        if self.priority else []
+                    if not victims:
+                        break
+                    preempted += victims
+                    running = [r for r in running if r not in victims]
+                    for victim in victims:
+                        free.extend(requests[victim].block_ids)
+                fill_len[request_id] = requests[request_id].num_tokens  # Req.init_next_round_input
                 result, tokens, is_chunked = self._add_one_req(requests[request_id], budget, bool(admitted))
                 if tokens:
                     admitted.append((request_id, tokens))
@@ -372,7 +440,7 @@ class SglangProfile:
                     break
 
         ratio = self.ratio
-        preempted: list[str] = []
+        requeued = list(preempted)  # rule 12: preempt_list re-queued after the pass, admitted or not
         if admitted:  # rule 2: a prefill step
             names = {r for r, _ in admitted}
             waiting = [r for r in waiting if r not in names]
@@ -403,18 +471,61 @@ class SglangProfile:
                                       "out of memory even after retracting all other requests)")
                 running = order
                 full = False
-                waiting += preempted
                 kept_max_new = sum(self.max_new_tokens[r] for r in running)
                 ratio = min(1.0, (sum(outputs(r) for r in running) + RETRACT_DECODE_STEPS * len(running))
                             / (kept_max_new + 1))
             decodes = running[:config.max_num_batched_tokens]  # the spec's token budget (module docstring)
             scheduled = tuple(item(r, 1) for r in decodes)
+            for r in running:  # ScheduleBatch.prepare_for_decode: Req.refresh_fill_ids
+                fill_len[r] = requests[r].num_tokens
         else:
             prefill, scheduled = (), ()
             if not waiting and chunked is None:  # rule 10: Scheduler.on_idle when fully idle
                 ratio = INIT_NEW_TOKEN_RATIO
         plan = StepPlan(scheduled=scheduled, preempted=tuple(preempted), rejected=rejected)
-        return _Decision(plan, prefill, chunked, tuple(running), tuple(waiting), full, ratio)
+        requeued += [r for r in preempted if r not in requeued]  # then retract_decode's, in its order
+        return _Decision(plan, prefill, chunked, tuple(running), tuple(waiting), full, ratio, tuple(requeued),
+                         fill_len)
+
+    def _offset(self, request_id: str) -> float:
+        """``PrefillAdder._get_running_request_total_token_offset`` (rule 4): a running request's remaining
+        clipped output, capped at 4096, times the new-token ratio (tokens)."""
+        outputs = self.state.requests[request_id].num_output_tokens
+        return min(self.max_new_tokens[request_id] - outputs, CLIP_MAX_NEW_TOKENS) * self.ratio
+
+    def _preempt_to_schedule(self, request: Request, budget: _Budget, running: list[str],
+                             fill_len: Mapping[str, int]) -> list[str]:
+        """``PrefillAdder.preempt_to_schedule`` (rule 12): the running requests preempted for ``request``, in
+        the order taken, or none. Takes them from the least urgent (greatest ``priority``, then the last to
+        join the queue), each more than ``PREEMPTION_THRESHOLD`` less urgent than ``request``, until the sum of
+        their :meth:`_offset` covers ``len(full_untruncated_fill_ids) + min(max_new_tokens, 4096) -
+        rem_total_tokens``; none if it never does. Taken, each leaves the budget's ``total_offset`` and gives
+        its pages back (``ScheduleBatch.release_req``)."""
+        requests = self.state.requests
+        need = (fill_len.get(request.request_id, 0)
+                + min(self.max_new_tokens[request.request_id], CLIP_MAX_NEW_TOKENS) - budget.rem_total)
+        victims: list[str] = []
+        for r in sorted(running, key=lambda r: (-requests[r].priority, -self.entered[r])):
+            if requests[r].priority - request.priority <= PREEMPTION_THRESHOLD:
+                break
+            victims.append(r)
+            need -= self._offset(r)
+            if need <= 0:
+                break
+        if not victims or need > 0:
+            return []
+        for k, r in enumerate(victims, 1):
+            budget.total_offset -= self._offset(r)
+            budget.free += len(requests[r].block_ids) * budget.page
+            if k < len(victims) and self._add_one_req(request, attrs.evolve(budget), False)[1]:
+                found = ExcessPreemption(self.state.step, request.request_id, tuple(victims), k)
+                if found not in self.excess_preemptions:  # a step planned again (an arrival) finds it again
+                    self.excess_preemptions.append(found)
+                break
+        for r in victims[k:]:
+            budget.total_offset -= self._offset(r)
+            budget.free += len(requests[r].block_ids) * budget.page
+        return victims
 
     def _add_one_req(self, request: Request, budget: _Budget, others: bool) -> tuple[str, int, bool]:
         """``PrefillAdder.add_one_req`` for a request with an end-of-sequence id (rule 7): ``(result, tokens
@@ -453,6 +564,8 @@ class SglangProfile:
         finished = set(result.finished)
         ended = set(self.max_new_tokens) - set(self.state.requests)
         self.waiting = [r for r in decision.waiting if r not in ended]
+        self._enqueue(r for r in decision.requeued if r not in ended)
+        self.fill_len = decision.fill_len
         self.chunked = decision.chunked
         self.ratio = decision.ratio
         running = [r for r in decision.running if r not in ended]
@@ -479,6 +592,11 @@ class SglangProfile:
 def sglang_profile(config: SchedulerConfig) -> SglangProfile:
     """The registry's ``sglang-profile`` factory (module docstring)."""
     return SglangProfile(config)
+
+
+def sglang_profile_priority(config: SchedulerConfig) -> SglangProfile:
+    """The registry's ``sglang-profile-priority`` factory: rule 12 on (module docstring)."""
+    return SglangProfile(config, "sglang-profile-priority", priority=True)
 
 
 # ------------------------------------------------------------------ what SGLang and the spec agree on
