@@ -185,6 +185,7 @@ class SglangScheduler(_WorkerClient):
         config: the limits (mapping in the module docstring).
         policy: SGLang's ``--schedule-policy`` (``"fcfs"``; with prefix caching off every cache-aware
             policy falls back to it, ``SchedulePolicy._determine_active_policy``).
+        priority: priority scheduling with preemption (module docstring, *Priority*; name ``sglang-priority``).
 
     Raises:
         UnsupportedFeature: a refused feature (module docstring) or no SGLang environment.
