@@ -120,6 +120,20 @@ The rules, each with its place in SGLang 0.5.23's source (``sglang/srt/...``):
     and no scenario measured showed it). Preempted requests' pages are freed but not counted toward the need: SGLang can take more
     requests than it needs, or none where one would do (the finding
     ``sglang-priority-preemption-takes-too-many``, :class:`ExcessPreemption`).
+13. **A request SGLang runs with ``ignore_eos``** (no end-of-sequence id and no stop id:
+    :func:`ignores_eos`; ``PrefillAdder.add_one_req`` sends it to ``add_one_req_ignore_eos`` while the radix
+    cache is off): its remaining output is reserved at ratio 1, not the tracker's, wherever rule 4 counts a
+    running request (``_get_running_request_total_token_offset``). It is admitted when ``ceil_page(extend) +
+    page_size <= min(cur_rem_tokens, rem_total_tokens)`` (``PrefillBudget.can_allocate_prefill``) and a
+    simulation of the requests' ends passes: ``req_states``, built at the pass's first such request from it,
+    the running batch and the requests admitted so far (each ``(max_new_tokens * ratio - outputs, prompt +
+    outputs)``, those with nothing left dropped), sorted by tokens left, and then extended by each later such
+    request alone, inserted before the first state with at least as many tokens left, or before the last
+    one; with ``cur_rem_tokens - paged input`` free, for the ``i``-th state of ``n`` the free tokens plus
+    those the states before it free must exceed ``tokens left * (n - i) + IGNORE_EOS_RESERVE_TOKENS * (n -
+    i)`` (``NO_TOKEN`` otherwise). No ``rem_input_tokens`` check; with chunking it is cut when its unrounded
+    length exceeds ``rem_chunk_tokens``, to ``rem_chunk_tokens`` itself (not rounded to a page, unlike rule
+    7). Admitted, it reserves as in rule 7.
 
 **Within the spec, where SGLang is not** (docs/engines.md, *SGLang 0.5.23*, *The sglang-profile*):
 the profile rejects at arrival only what the spec calls impossible (``spec.admission``), never what
@@ -128,9 +142,8 @@ a decode batch of more than ``max_num_batched_tokens`` requests is cut to the bu
 every running request: ``token-budget``), keeping the first ``max_num_batched_tokens`` of the running
 order. Refused (:class:`~schedspec.reference.scheduler.UnsupportedFeature`, exit 3):
 what the ``sglang`` adapter refuses (prefix caching, speculative decoding,
-``long_prefill_token_threshold``, vLLM's per-step limits, LoRA and structured output) and a request
-without an end-of-sequence id (SGLang's ``add_one_req_ignore_eos`` estimate is not reproduced; every
-workload of this project has one).
+``long_prefill_token_threshold``, vLLM's per-step limits, LoRA and structured output). A request without an
+end-of-sequence id is admitted by rule 13.
 
 **SGLang's stalls are kept**: a request SGLang never admits (rules 1 and 7: a prompt of ``pool tokens -
 page_size`` or more whose clipped ``max_new_tokens`` is 0, or a prompt longer than a chunk budget under a
@@ -174,6 +187,16 @@ adapter (``engines/sglang_worker.py`` ``PREEMPTION_THRESHOLD``; SGLang's default
 
 NO_TOKEN, OTHER, CONTINUE = "NO_TOKEN", "OTHER", "CONTINUE"
 """``PrefillAdder``'s ``AddReqResult`` values the profile meets."""
+
+
+IGNORE_EOS_RESERVE_TOKENS = 1
+"""``managers/schedule_policy.py`` ``IGNORE_EOS_RESERVE_TOKENS``: tokens kept per request by rule 13's check."""
+
+
+def ignores_eos(request: Request) -> bool:
+    """Whether the ``sglang`` adapter runs ``request`` with SGLang's ``ignore_eos`` (no end-of-sequence id and
+    no stop id: ``engines/sglang_worker.py`` ``Components.request``), which takes rule 13's admission."""
+    return request.eos_token_id is None and not request.stop_token_ids
 
 
 class SglangAbort(Exception):
@@ -222,6 +245,7 @@ class _Budget:
     rem_input: int
     rem_chunk: int | None
     current_offset: float = 0.0
+    req_states: list[tuple[float, int]] | None = None  # PrefillAdder.req_states (rule 13), built once per pass
 
     @property
     def rem_total(self) -> float:
@@ -315,10 +339,10 @@ class SglangProfile:
         """``handle_generate_request``: clip ``max_new_tokens`` (rule 1), join the back of the queue.
 
         Raises:
-            UnsupportedFeature: no end-of-sequence id, a LoRA adapter or structured output."""
-        if request.eos_token_id is None or request.lora_int_id or request.grammar_ready_step is not None:
-            raise UnsupportedFeature(f"scheduler {self.name!r}: request {printable(request.request_id)} has no "
-                                     "end-of-sequence id, or a LoRA adapter or structured output")
+            UnsupportedFeature: a LoRA adapter or structured output."""
+        if request.lora_int_id or request.grammar_ready_step is not None:
+            raise UnsupportedFeature(f"scheduler {self.name!r}: request {printable(request.request_id)} has a LoRA "
+                                     "adapter or structured output")
         self.state = add_request(self.state, request)
         self.max_new_tokens[request.request_id] = clipped_max_new_tokens(request.prompt_len, request.max_tokens,
                                                                          self.config)
@@ -398,8 +422,7 @@ class SglangProfile:
             full = True
         else:
             budget = _Budget(free=state.num_free_blocks * page, page=page,
-                             total_offset=sum(min(self.max_new_tokens[r] - outputs(r), CLIP_MAX_NEW_TOKENS) * self.ratio
-                                              for r in running),
+                             total_offset=sum(self._offset(r) for r in running),
                              rem_input=config.max_num_batched_tokens,
                              rem_chunk=config.max_num_batched_tokens if config.enable_chunked_prefill else None)
             if chunked is not None:  # rule 5
@@ -429,7 +452,11 @@ class SglangProfile:
                     for victim in victims:
                         free.extend(requests[victim].block_ids)
                 fill_len[request_id] = requests[request_id].num_tokens  # Req.init_next_round_input
-                result, tokens, is_chunked = self._add_one_req(requests[request_id], budget, bool(admitted))
+                if ignores_eos(requests[request_id]):  # rule 13
+                    result, tokens, is_chunked = self._add_one_req_ignore_eos(
+                        requests[request_id], budget, running, [r for r, _ in admitted])
+                else:
+                    result, tokens, is_chunked = self._add_one_req(requests[request_id], budget, bool(admitted))
                 if tokens:
                     admitted.append((request_id, tokens))
                     if is_chunked:
@@ -490,8 +517,14 @@ class SglangProfile:
     def _offset(self, request_id: str) -> float:
         """``PrefillAdder._get_running_request_total_token_offset`` (rule 4): a running request's remaining
         clipped output, capped at 4096, times the new-token ratio (tokens)."""
-        outputs = self.state.requests[request_id].num_output_tokens
-        return min(self.max_new_tokens[request_id] - outputs, CLIP_MAX_NEW_TOKENS) * self.ratio
+        request = self.state.requests[request_id]
+        return (min(self.max_new_tokens[request_id] - request.num_output_tokens, CLIP_MAX_NEW_TOKENS)
+                * self._ratio_of(request))
+
+    def _ratio_of(self, request: Request) -> float:
+        """The new-token ratio SGLang applies to ``request``'s remaining output: 1 for a request it runs with
+        ``ignore_eos`` (rule 13: it always runs to its ``max_new_tokens``), else the tracker's."""
+        return 1.0 if ignores_eos(request) else self.ratio
 
     def _preempt_to_schedule(self, request: Request, budget: _Budget, running: list[str],
                              fill_len: Mapping[str, int]) -> list[str]:
@@ -548,6 +581,45 @@ class SglangProfile:
             is_chunked, reserved = True, 0
         budget.reserve(extend, reserved)
         return budget.state(), extend, is_chunked
+
+    def _add_one_req_ignore_eos(self, request: Request, budget: _Budget, running: list[str],
+                                admitted: list[str]) -> tuple[str, int, bool]:
+        """``PrefillAdder.add_one_req_ignore_eos`` (rule 13): ``(result, tokens admitted or 0, whether it is now
+        the chunked request)``."""
+        page, requests = budget.page, self.state.requests
+        extend = request.num_tokens  # nothing cached: prompt plus the kept output tokens
+        paged_input = _ceil_page(extend, page) + page
+        if not paged_input <= min(budget.free - budget.current_offset, budget.rem_total):
+            return NO_TOKEN, 0, False
+
+        def state_of(request_id: str) -> tuple[float, int] | None:
+            other = requests[request_id]
+            left = self.max_new_tokens[request_id] * self._ratio_of(other) - other.num_output_tokens
+            return (left, other.num_tokens) if left > 0 else None
+
+        if budget.req_states is None:  # this request, the running batch, then the pass's admitted ones
+            budget.req_states = sorted((found for r in (request.request_id, *running, *admitted)
+                                        if (found := state_of(r)) is not None), key=lambda x: x[0])
+        elif (found := state_of(request.request_id)) is not None:
+            at = 0  # the first state with at least as many tokens left, else before the last one
+            for at in range(len(budget.req_states)):
+                if found[0] <= budget.req_states[at][0]:
+                    break
+            budget.req_states.insert(at, found)
+        remaining, freed = budget.free - budget.current_offset - paged_input, 0
+        for index, (left, occupied) in enumerate(budget.req_states):
+            batch = len(budget.req_states) - index
+            if remaining + freed - left * batch <= IGNORE_EOS_RESERVE_TOKENS * batch:
+                return NO_TOKEN, 0, False
+            freed += occupied
+        if budget.rem_chunk is None or extend <= budget.rem_chunk:
+            budget.reserve(extend, min(self.max_new_tokens[request.request_id], CLIP_MAX_NEW_TOKENS))
+            return budget.state(), extend, False
+        if budget.rem_chunk <= 0:
+            return OTHER, 0, False
+        tokens = budget.rem_chunk  # not rounded to a page, unlike rule 7
+        budget.reserve(tokens, 0)
+        return budget.state(), tokens, True
 
     # --------------------------------------------------------------------------- update
     def update(self, plan: StepPlan, sampled_token_ids: Mapping[str, int]) -> tuple[str, ...]:

@@ -172,6 +172,22 @@ def test_sglang_preempts_too_many_for_a_priority_request() -> None:
     assert broken.divergence is not None and broken.divergence.step == 2, broken
 
 
+def _derandomized(strategy: st.SearchStrategy, examples: int) -> list:
+    """``examples`` draws of ``strategy``, the same on every run (Hypothesis ``derandomize``)."""
+    from hypothesis import HealthCheck, Phase, given, settings
+
+    drawn: list = []
+
+    @settings(max_examples=examples, derandomize=True, database=None, deadline=None, phases=(Phase.generate,),
+              suppress_health_check=list(HealthCheck))
+    @given(strategy)
+    def draw(scenario) -> None:
+        drawn.append(scenario)
+
+    draw()
+    return drawn
+
+
 @st.composite
 def priority_scenarios(draw: st.DrawFn) -> tuple[SchedulerConfig, list[RequestSpec]]:
     """Scenarios where a more urgent request finds the request slots taken (``schedspec diff``'s generated
@@ -195,20 +211,10 @@ def test_sglang_priority_preemption_as_the_profile() -> None:
     """Priority scheduling (rule 12: the queue's order, which running requests a more urgent one preempts, what
     they give back) on SGLang itself against the profile: 100 derandomized priority-prone scenarios, no
     divergence, no finding, and priority preemptions (a preemption in a step that admits) in some."""
-    from hypothesis import HealthCheck, Phase, given, settings
-
     from schedspec.reference.engine import Engine
     from schedspec.reference.scheduler import make_scheduler
 
-    drawn: list[tuple[SchedulerConfig, list[RequestSpec]]] = []
-
-    @settings(max_examples=100, derandomize=True, database=None, deadline=None, phases=(Phase.generate,),
-              suppress_health_check=list(HealthCheck))
-    @given(priority_scenarios())
-    def draw(scenario: tuple[SchedulerConfig, list[RequestSpec]]) -> None:
-        drawn.append(scenario)
-
-    draw()
+    drawn = _derandomized(priority_scenarios(), 100)
     preempted = excess = 0
     for config, specs in drawn:
         result = diff.compare(config, specs, "sglang-priority", "sglang-profile-priority")
@@ -219,3 +225,26 @@ def test_sglang_priority_preemption_as_the_profile() -> None:
         excess += bool(profile.excess_preemptions)
     print(f"priority scenarios: {len(drawn)}, with a priority preemption: {preempted}, taking too many: {excess}")
     assert preempted >= 5, preempted
+
+
+@st.composite
+def eos_less_scenarios(draw: st.DrawFn) -> tuple[SchedulerConfig, list[RequestSpec]]:
+    """:func:`retraction_scenarios` (a pool of 2 to 3.2 requests, where admission estimates bind) with each
+    request drawn without an end-of-sequence id half the time (SGLang's ``ignore_eos``: rule 13), and then
+    running to its ``max_tokens``."""
+    config, requests = draw(retraction_scenarios())
+    import attrs
+
+    return config, [attrs.evolve(r, eos_token_id=None, eos_at_output=None) if draw(st.booleans()) else r
+                    for r in requests]
+
+
+def test_sglang_admits_requests_without_eos_as_the_profile() -> None:
+    """Requests without an end-of-sequence id (rule 13: ``add_one_req_ignore_eos``, ratio 1 for their
+    remaining output) on SGLang itself against the profile: 100 derandomized scenarios, no divergence, no
+    finding."""
+    drawn = _derandomized(eos_less_scenarios(), 100)
+    assert sum(any(r.eos_token_id is None for r in specs) for _, specs in drawn) >= 50
+    for config, specs in drawn:
+        result = diff.compare(config, specs, "sglang", "sglang-profile")
+        assert result.divergence is None and not result.findings, (config, specs, result)

@@ -139,8 +139,28 @@ def test_refused_configs_and_requests() -> None:
     with pytest.raises(UnsupportedFeature, match="prefix caching"):
         make_scheduler("sglang-profile", config.with_changes(enable_prefix_caching=True))
     profile = make_scheduler("sglang-profile", config)
-    with pytest.raises(UnsupportedFeature, match="end-of-sequence"):
-        profile.add_request(RequestSpec("A", 4, 2, arrival_step=0, eos_token_id=None).to_request(0))
+    with pytest.raises(UnsupportedFeature, match="LoRA"):
+        profile.add_request(RequestSpec("A", 4, 2, arrival_step=0, lora_int_id=1).to_request(0))
+
+
+def test_requests_without_eos_take_the_ignore_eos_estimate() -> None:
+    """Rule 13, worked by hand: 16 pages of 4, budget 64; A and B (8 + 19, clipped to min(19, 63 - 8 - 1,
+    64 - 8 - 4 - 1) = 19). With an end-of-sequence id (rule 7) A reserves 8 + 4 + 19 = 31 and B needs 8 + 19
+    + 4 = 31 < 33: both at step 0. Without one (ignore_eos), B's input fits (12 <= min(52, 33)), but the end
+    simulation does not: states [(19, 8), (19, 8)] (B inserted before A's equal one), 64 - 12 - 12 = 40 free
+    tokens, 40 - 19 * 2 = 2 <= 1 * 2: NO_TOKEN. Step 1: A decoded once is counted at ratio 1 ((19 - 1) * 1 =
+    18 offset, rem_total_tokens 56 - 18 = 38 >= 12); states [(18, 9), (19, 8)]: 44 - 36 = 8 > 2, then 44 + 9
+    - 19 = 34 > 1: B is admitted."""
+    config = SchedulerConfig(block_size=4, num_kv_blocks=16, max_num_batched_tokens=64, max_num_seqs=4,
+                             max_model_len=128)
+    _, _, with_eos = _run(config, [RequestSpec("A", 8, 19, arrival_step=0), RequestSpec("B", 8, 19, arrival_step=0)])
+    assert with_eos[0] == {"A": (0, 8, 2), "B": (0, 8, 2)}
+    _, _, steps = _run(config, [RequestSpec("A", 8, 19, arrival_step=0, eos_token_id=None),
+                                RequestSpec("B", 8, 19, arrival_step=0, eos_token_id=None)])
+    assert steps[0] == {"A": (0, 8, 2)}
+    assert steps[1] == {"B": (0, 8, 2)}
+    assert sp.ignores_eos(RequestSpec("A", 8, 19, eos_token_id=None).to_request(0))
+    assert not sp.ignores_eos(RequestSpec("A", 8, 19, eos_token_id=None, stop_token_ids=(5,)).to_request(0))
 
 
 class SglangProfileMachine(SchedulerStateMachine):
