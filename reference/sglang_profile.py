@@ -443,8 +443,8 @@ class SglangProfile:
                 if len(admitted) >= config.max_num_seqs - len(running):
                     full = True
                 if full:  # rule 12: a more urgent request may preempt running ones
-                    victims = self._preempt_to_schedule(requests[request_id], budget, running, fill_len) \
-                        if self.priority else []
+                    victims = self._preempt_to_schedule(requests[request_id], budget, running,
+                                                        [r for r, _ in admitted], fill_len) if self.priority else []
                     if not victims:
                         break
                     preempted += victims
@@ -452,11 +452,8 @@ class SglangProfile:
                     for victim in victims:
                         free.extend(requests[victim].block_ids)
                 fill_len[request_id] = requests[request_id].num_tokens  # Req.init_next_round_input
-                if ignores_eos(requests[request_id]):  # rule 13
-                    result, tokens, is_chunked = self._add_one_req_ignore_eos(
-                        requests[request_id], budget, running, [r for r, _ in admitted])
-                else:
-                    result, tokens, is_chunked = self._add_one_req(requests[request_id], budget, bool(admitted))
+                result, tokens, is_chunked = self._admit(requests[request_id], budget, running,
+                                                         [r for r, _ in admitted])
                 if tokens:
                     admitted.append((request_id, tokens))
                     if is_chunked:
@@ -526,7 +523,14 @@ class SglangProfile:
         ``ignore_eos`` (rule 13: it always runs to its ``max_new_tokens``), else the tracker's."""
         return 1.0 if ignores_eos(request) else self.ratio
 
-    def _preempt_to_schedule(self, request: Request, budget: _Budget, running: list[str],
+    def _admit(self, request: Request, budget: _Budget, running: list[str], admitted: list[str]
+               ) -> tuple[str, int, bool]:
+        """``PrefillAdder.add_one_req``: rule 13 for a request SGLang runs with ``ignore_eos``, else rule 7."""
+        if ignores_eos(request):
+            return self._add_one_req_ignore_eos(request, budget, running, admitted)
+        return self._add_one_req(request, budget, bool(admitted))
+
+    def _preempt_to_schedule(self, request: Request, budget: _Budget, running: list[str], admitted: list[str],
                              fill_len: Mapping[str, int]) -> list[str]:
         """``PrefillAdder.preempt_to_schedule`` (rule 12): the running requests preempted for ``request``, in
         the order taken, or none. Takes them from the least urgent (greatest ``priority``, then the last to
@@ -550,7 +554,9 @@ class SglangProfile:
         for k, r in enumerate(victims, 1):
             budget.total_offset -= self._offset(r)
             budget.free += len(requests[r].block_ids) * budget.page
-            if k < len(victims) and self._add_one_req(request, attrs.evolve(budget), False)[1]:
+            trial = attrs.evolve(budget, req_states=None if budget.req_states is None else list(budget.req_states))
+            if k < len(victims) and self._admit(request, trial, [r for r in running if r not in victims[:k]],
+                                                admitted)[1]:
                 found = ExcessPreemption(self.state.step, request.request_id, tuple(victims), k)
                 if found not in self.excess_preemptions:  # a step planned again (an arrival) finds it again
                     self.excess_preemptions.append(found)
