@@ -147,7 +147,11 @@ class Components:
       (``mem_cache/allocator/paged.py``): pages ``1..num_kv_blocks`` (page 0 is padding), SGLang page
       ``p`` is spec block ``p - 1``;
     - ``RadixCache`` (``mem_cache/radix_cache.py``) with ``disable = not enable_prefix_caching``;
-    - ``SchedulePolicy(policy, ...)`` and ``NewTokenRatioTracker.from_config()``.
+    - ``SchedulePolicy(policy, ...)`` and ``NewTokenRatioTracker.from_config()``;
+    - with ``priority`` (the ``sglang-priority`` adapter): ``enable_priority_scheduling``,
+      ``schedule_low_priority_values_first`` (a lower value is more urgent, the spec's convention) and
+      ``priority_scheduling_preemption_threshold =`` :data:`PREEMPTION_THRESHOLD`, which ``preempt_to_schedule``
+      reads from ``get_schedule()``; the headless scheduler's ``enable_priority_preemption`` follows.
     """
 
     def __init__(self, config: dict, policy: str = "fcfs", priority: bool = False) -> None:

@@ -301,6 +301,8 @@ class SglangProfile:
 
     Args:
         config: the limits (the ``sglang`` adapter's mapping, module docstring).
+        name: its registry name.
+        priority: SGLang's priority scheduling and preemption (rule 12; ``sglang-profile-priority``).
 
     Raises:
         UnsupportedFeature: a config the ``sglang`` adapter refuses (module docstring).
