@@ -1,10 +1,14 @@
 """``schedspec diff --scheduler sglang --against sglang-profile`` at scale (issue 25: 10,000 scenarios), with
 what the scenarios exercised: how many had a retraction, a chunked prefill, a request SGLang ended at its
-clipped ``max_new_tokens`` (the documented finding), as the profile ran them.
+clipped ``max_new_tokens`` (the documented finding), a priority preemption and one that took more requests
+than it needed (``sglang_profile.ExcessPreemption``), as the profile ran them. ``--scheduler sglang-priority
+--against sglang-profile-priority`` compares SGLang's priority scheduling.
 
 Run (SGLang's environment built: ``SCHEDSPEC_SGLANG=1 bash scripts/engines_setup.sh``)::
 
     nice -n 10 .venv/bin/python benchmarks/sglang_profile_diff.py --examples 10000 --seed 25
+    nice -n 10 .venv/bin/python benchmarks/sglang_profile_diff.py --examples 10000 --seed 25 \
+        --scheduler sglang-priority --against sglang-profile-priority
     # retractions (the generated scenarios almost never make SGLang retract: 1 of 10,000): one-token pages, a small pool
     nice -n 10 .venv/bin/python benchmarks/sglang_profile_diff.py --examples 500 --seed 25 --set block_size=1 \
         --set num_kv_blocks=48 --set max_num_seqs=8 --set max_num_batched_tokens=64 --set max_model_len=64
