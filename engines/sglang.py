@@ -78,6 +78,16 @@ the radix cache, the policy and the ratio tracker are SGLang's (``sglang_worker.
 - *Engine aborts*: a request ``retract_decode`` aborts ("out of memory even after retracting") is
   raised as :class:`~schedspec.reference.scheduler.EngineFault` (the spec has no such transition).
 
+**Priority** (``sglang-priority``, :func:`priority`): ``--enable-priority-scheduling`` with
+``--schedule-low-priority-values-first`` (SGLang's default takes a *greater* value as more urgent; this flag
+gives the spec's convention, a lower value more urgent) and ``--priority-scheduling-preemption-threshold 0``
+(``sglang_worker.PREEMPTION_THRESHOLD``: SGLang's default 10 never preempts among the spec's priorities 0..3);
+the request's ``priority`` goes to its ``Req`` (the plain ``sglang`` sends none, as a client of a server without
+priority scheduling must). A request ``PrefillAdder.preempt_to_schedule`` releases for a more urgent one is
+reported as preempted in the step that admits that one (SGLang re-queues it without ``is_retracted``; the
+worker knows it by ``Req.is_retracted``, which ``reset_for_retract`` sets). Retraction keeps its ``length``
+order (``--retraction-policy`` default).
+
 **Refused** (:class:`~schedspec.reference.scheduler.UnsupportedFeature`, CLI exit 3): prefix caching
 (the radix tree is not mapped onto the spec's cache yet), speculative decoding,
 ``long_prefill_token_threshold > 0`` (SGLang has no such limit), vLLM's per-step limits
@@ -233,6 +243,7 @@ class SglangScheduler(_WorkerClient):
         config: the limits (mapping in the module docstring).
         policy: SGLang's ``--schedule-policy`` (``"fcfs"``; with prefix caching off every cache-aware
             policy falls back to it, ``SchedulePolicy._determine_active_policy``).
+        priority: priority scheduling with preemption (module docstring, *Priority*; name ``sglang-priority``).
 
     Raises:
         UnsupportedFeature: a refused feature (module docstring) or no SGLang environment.
@@ -241,8 +252,9 @@ class SglangScheduler(_WorkerClient):
 
     state = None
 
-    def __init__(self, config: SchedulerConfig, policy: str = "fcfs") -> None:
-        self.name = "sglang" if policy == "fcfs" else f"sglang-{policy}"
+    def __init__(self, config: SchedulerConfig, policy: str = "fcfs", priority: bool = False) -> None:
+        self.name = ("sglang" if policy == "fcfs" else f"sglang-{policy}") + ("-priority" if priority else "")
+        self.priority = priority
         for refused, why in (
             (config.enable_prefix_caching, "prefix caching (enable_prefix_caching=true): SGLang's radix tree is "
                                            "not mapped onto the spec's prefix cache yet"),
@@ -262,7 +274,8 @@ class SglangScheduler(_WorkerClient):
         self.handle = self.worker.next_handle
         self.worker.next_handle += 1
         self.closed = False  # from here on the worker may hold a scheduler for this handle: close() drops it
-        reply = self.worker.call({"op": "init", "handle": self.handle, "config": config.to_dict(), "policy": policy})
+        reply = self.worker.call({"op": "init", "handle": self.handle, "config": config.to_dict(), "policy": policy,
+                                  "priority": priority})
         if "refused" in reply:
             raise UnsupportedFeature(f"scheduler {self.name!r}: SGLang refuses this config: {reply['refused']}")
         if reply["sglang_version"] != SGLANG_VERSION:
@@ -298,7 +311,7 @@ class SglangScheduler(_WorkerClient):
                     "max_tokens": request.max_tokens, "eos": request.eos_token_id,
                     "stop_token_ids": list(request.stop_token_ids),
                     # a client sends no priority to a server without priority scheduling (SGLang aborts it)
-                    "priority": request.priority if self.name != "sglang" else None})
+                    "priority": request.priority if self.priority else None})
 
     def abort_request(self, request_id: str) -> None:
         """A waiting request leaves SGLang's queue; unknown ids are ignored.
@@ -391,3 +404,10 @@ class SglangScheduler(_WorkerClient):
 def fcfs(config: SchedulerConfig) -> SglangScheduler:
     """SGLang 0.5.23's scheduler with ``--schedule-policy fcfs`` (registry name ``sglang``)."""
     return SglangScheduler(config, "fcfs")
+
+
+def priority(config: SchedulerConfig) -> SglangScheduler:
+    """SGLang 0.5.23's scheduler with ``--schedule-policy fcfs --enable-priority-scheduling
+    --schedule-low-priority-values-first --priority-scheduling-preemption-threshold 0`` (registry name
+    ``sglang-priority``; module docstring, *Priority*)."""
+    return SglangScheduler(config, "fcfs", priority=True)

@@ -59,6 +59,11 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+PREEMPTION_THRESHOLD = 0
+"""``--priority-scheduling-preemption-threshold`` of the ``sglang-priority`` adapter: a waiting request preempts a
+running one whose priority value is greater by more than this (``PrefillAdder.preempt_to_schedule``). SGLang's
+default is 10; the spec's scenarios draw priorities 0..3, under which 10 would never preempt."""
+
 SCHEDULING_MODULES = (
     "sglang.srt.managers.schedule_policy",
     "sglang.srt.managers.schedule_batch",
@@ -142,11 +147,15 @@ class Components:
       (``mem_cache/allocator/paged.py``): pages ``1..num_kv_blocks`` (page 0 is padding), SGLang page
       ``p`` is spec block ``p - 1``;
     - ``RadixCache`` (``mem_cache/radix_cache.py``) with ``disable = not enable_prefix_caching``;
-    - ``SchedulePolicy(policy, ...)`` and ``NewTokenRatioTracker.from_config()``.
+    - ``SchedulePolicy(policy, ...)`` and ``NewTokenRatioTracker.from_config()``;
+    - with ``priority`` (the ``sglang-priority`` adapter): ``enable_priority_scheduling``,
+      ``schedule_low_priority_values_first`` (a lower value is more urgent, the spec's convention) and
+      ``priority_scheduling_preemption_threshold =`` :data:`PREEMPTION_THRESHOLD`, which ``preempt_to_schedule``
+      reads from ``get_schedule()``; the headless scheduler's ``enable_priority_preemption`` follows.
     """
 
-    def __init__(self, config: dict, policy: str = "fcfs") -> None:
-        self.priority = policy == "priority"
+    def __init__(self, config: dict, policy: str = "fcfs", priority: bool = False) -> None:
+        self.priority = priority
         import torch
         from sglang.srt.managers.schedule_policy import SchedulePolicy
         from sglang.srt.managers.scheduler_components.new_token_ratio_tracker import NewTokenRatioTracker
@@ -168,6 +177,10 @@ class Components:
             chunked_prefill_size=self.chunked_prefill_size or -1, max_prefill_tokens=self.max_prefill_tokens,
             schedule_policy=policy, skip_tokenizer_init=True,
             disable_radix_cache=not config.get("enable_prefix_caching", False),
+            # priority scheduling in the spec's convention (a lower value is more urgent), with a request
+            # preempting any running one of a strictly greater value (SGLang's default threshold is 10)
+            enable_priority_scheduling=priority, schedule_low_priority_values_first=priority,
+            priority_scheduling_preemption_threshold=PREEMPTION_THRESHOLD if priority else 10,
         )
         get_context().set_server_args(server_args)
         self.req_to_token_pool = ReqToTokenPool(size=self.max_running_requests,
@@ -182,7 +195,7 @@ class Components:
         self.tree_cache = RadixCache(CacheInitParams(
             disable=not config.get("enable_prefix_caching", False), req_to_token_pool=self.req_to_token_pool,
             token_to_kv_pool_allocator=self.allocator, page_size=self.page_size))
-        self.policy = SchedulePolicy(policy, self.tree_cache, False, policy == "priority", False)
+        self.policy = SchedulePolicy(policy, self.tree_cache, False, priority, priority)
         self.new_token_ratio = NewTokenRatioTracker.from_config()
 
     def request(self, message: dict):
@@ -256,7 +269,10 @@ def _headless_scheduler(parts: Components):
                                  "(engines/sglang_worker.py _headless_scheduler)")
 
         def _add_request_to_queue(self, req, is_retracted: bool = False):
-            if is_retracted:
+            # retract_decode passes is_retracted; a request PrefillAdder.preempt_to_schedule released for a
+            # more urgent one is re-queued without it, but Req.reset_for_retract has set req.is_retracted
+            # (cleared only by ScheduleBatch.prepare_for_extend, at its re-admission)
+            if is_retracted or req.is_retracted:
                 self.retracted.append(req.rid)
             return super()._add_request_to_queue(req, is_retracted)
 
@@ -282,7 +298,8 @@ def _headless_scheduler(parts: Components):
         server_args=None, schedule_policy=parts.policy.policy,
         abort_on_priority_when_disabled=get_schedule().abort_on_priority_when_disabled,
         schedule_low_priority_values_first=get_schedule().schedule_low_priority_values_first, enable_priority_scheduling=parts.priority,
-        priority_scheduling_preemption_threshold=10, enable_lora=False, enable_overlap=False,
+        priority_scheduling_preemption_threshold=get_schedule().priority_scheduling_preemption_threshold,
+        enable_lora=False, enable_overlap=False,
         spec_algorithm=SpeculativeAlgorithm.NONE, page_size=parts.page_size, enable_hierarchical_cache=False,
         enable_lmcache=False, enable_hicache_storage=False, enable_unified_cache_external_linker=False,
         enable_hisparse=False, model_config=_ModelConfig(), is_generation=True,
@@ -325,7 +342,7 @@ class Engine:
 
     Commands (``worker_pipe.serve``): ``add``, ``abort``, ``schedule``, ``update``, ``view``, ``probe``."""
 
-    def __init__(self, config: dict, policy: str) -> None:
+    def __init__(self, config: dict, policy: str, priority: bool = False) -> None:
         import torch  # noqa: F401
         from sglang.srt.managers.scheduler_components.batch_result_processor import (
             SchedulerBatchResultProcessor,
@@ -334,7 +351,7 @@ class Engine:
             SchedulerLogprobResultProcessor,
         )
 
-        self.parts = Components(config, policy)
+        self.parts = Components(config, policy, priority)
         self.scheduler = s = _headless_scheduler(self.parts)
         # Scheduler.init_model_worker, from the model worker's get_worker_info (managers/tp_worker.py):
         # max_req_len = min(context_len - 1, kv_capacity - 1), max_req_input_len = max_req_len - 5.
@@ -495,7 +512,7 @@ _STUB: _TorchvisionStub | None = None
 def _build(message: dict):
     import sglang
 
-    engine = Engine(message["config"], message["policy"])
+    engine = Engine(message["config"], message["policy"], message.get("priority", False))
     engine.rejected = []
     return engine, {"sglang_version": sglang.__version__, "sglang_file": sglang.__file__,
                     "check": check_line(_STUB)}

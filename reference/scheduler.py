@@ -393,6 +393,14 @@ def _sglang_profile(config: SchedulerConfig) -> Scheduler:
     return SglangProfile(config)
 
 
+def _sglang_profile_priority(config: SchedulerConfig) -> Scheduler:
+    """``sglang-profile-priority``: :class:`schedspec.reference.sglang_profile.SglangProfile` with SGLang's
+    priority scheduling and preemption (its rule 12)."""
+    from .sglang_profile import sglang_profile_priority
+
+    return sglang_profile_priority(config)
+
+
 def _fast_fcfs(config: SchedulerConfig) -> Scheduler:
     """``fcfs-fast``: :func:`schedspec.reference.fast_fcfs.fcfs_fast` (imported here: that module builds
     on this one)."""
@@ -494,6 +502,7 @@ def _reference_entries() -> list[RegisteredScheduler]:
         # SGLang 0.5.23's decisions in the sglang adapter's configuration (reference/sglang_profile.py); keeps
         # state the spec does not (its queue order, the new-token ratio), so it is no pure plan function
         RegisteredScheduler("sglang-profile", "engine-profile", factory=_sglang_profile),
+        RegisteredScheduler("sglang-profile-priority", "engine-profile", factory=_sglang_profile_priority),
     ]
 
 
@@ -513,6 +522,7 @@ def _engine_adapter_entries() -> list[RegisteredScheduler]:
         "vllm-priority-async@0.33": "schedspec.engines.vllm:priority_async_033",
         "nanovllm": "schedspec.engines.nanovllm:NanoVllmScheduler",
         "sglang": "schedspec.engines.sglang:fcfs",
+        "sglang-priority": "schedspec.engines.sglang:priority",
     }
     return [RegisteredScheduler(name, "engine-adapter", target=target) for name, target in adapters.items()]
 

@@ -2,7 +2,7 @@
 scheduler (``sglang==0.5.23``, ``sglang/srt/managers/scheduler.py`` ``Scheduler.get_next_batch_to_run``)
 in the configuration the ``sglang`` adapter runs it in (``engines/sglang.py``): one CPU rank, the
 chunk cache (radix cache disabled: no prefix caching), ``--schedule-policy fcfs``, no priority
-scheduling, no mixed chunks, no overlap, no speculative decoding, the default environment
+scheduling (``sglang-profile-priority``: with it, rule 12), no mixed chunks, no overlap, no speculative decoding, the default environment
 (``sglang/srt/environ.py``), ``page_size = block_size``, a pool of ``num_kv_blocks * block_size``
 tokens, ``max_running_requests = max_num_seqs``, ``chunked_prefill_size = max_prefill_tokens =
 max_num_batched_tokens`` (``chunked_prefill_size = -1`` with chunked prefill off).
@@ -99,6 +99,41 @@ The rules, each with its place in SGLang 0.5.23's source (``sglang/srt/...``):
     (``ScheduleBatch.prepare_for_extend``), a decode one page when rule 8 says so
     (``prepare_for_decode``), both from the spec state's free queue in order (block ids are not
     SGLang's: ``schedspec diff`` compares counts unless ``--exact-blocks``).
+12. **Priority** (``sglang-profile-priority`` only; ``--enable-priority-scheduling
+    --schedule-low-priority-values-first --priority-scheduling-preemption-threshold 0``, the ``sglang-priority``
+    adapter): each prefill pass clears ``batch_is_full`` and skips the request-slot early return
+    (``_get_new_batch_prefill_raw``: ``enable_priority_preemption``), and the waiting queue is sorted by
+    ``(priority, wait_queue_entry_time)`` (``SchedulePolicy._sort_by_priority_and_fcfs``; a lower value is
+    more urgent, the spec's convention; every arrival, retraction and preemption stamps the time anew,
+    ``Scheduler._add_request_to_queue``). When a request finds the slots taken (rule 6), or the flag set
+    earlier in the pass, ``PrefillAdder.preempt_to_schedule`` walks the running requests from the least
+    urgent (greatest ``priority``, then the latest to join the queue), each more than
+    :data:`PREEMPTION_THRESHOLD` less urgent than it, summing their :meth:`SglangProfile._offset` (rule 4's
+    reserved remaining output) until it covers ``len(full_untruncated_fill_ids) + min(max_new_tokens, 4096)
+    - rem_total_tokens``; if it never does, nothing is preempted and the pass ends. ``full_untruncated_fill_ids``
+    is the request's prompt and outputs as of its last ``Req.init_next_round_input`` (a pass that reached it)
+    or ``prepare_for_decode``: empty for a request no pass has reached. The victims leave the running batch
+    (its order kept), give their pages back and their offsets to the budget, and are re-queued at the back
+    after the pass, admitted or not (``get_new_batch_prefill``), keeping their outputs like a retraction
+    (rule 9), in the walk's order (SGLang's ``preempt_list`` is extended from a ``set``, so two victims
+    of one step may be re-queued the other way round; that matters only between victims of equal priority,
+    and no scenario measured showed it). Preempted requests' pages are freed but not counted toward the need: SGLang can take more
+    requests than it needs, or none where one would do (the finding
+    ``sglang-priority-preemption-takes-too-many``, :class:`ExcessPreemption`).
+13. **A request SGLang runs with ``ignore_eos``** (no end-of-sequence id and no stop id:
+    :func:`ignores_eos`; ``PrefillAdder.add_one_req`` sends it to ``add_one_req_ignore_eos`` while the radix
+    cache is off): its remaining output is reserved at ratio 1, not the tracker's, wherever rule 4 counts a
+    running request (``_get_running_request_total_token_offset``). It is admitted when ``ceil_page(extend) +
+    page_size <= min(cur_rem_tokens, rem_total_tokens)`` (``PrefillBudget.can_allocate_prefill``) and a
+    simulation of the requests' ends passes: ``req_states``, built at the pass's first such request from it,
+    the running batch and the requests admitted so far (each ``(max_new_tokens * ratio - outputs, prompt +
+    outputs)``, those with nothing left dropped), sorted by tokens left, and then extended by each later such
+    request alone, inserted before the first state with at least as many tokens left, or before the last
+    one; with ``cur_rem_tokens - paged input`` free, for the ``i``-th state of ``n`` the free tokens plus
+    those the states before it free must exceed ``tokens left * (n - i) + IGNORE_EOS_RESERVE_TOKENS * (n -
+    i)`` (``NO_TOKEN`` otherwise). No ``rem_input_tokens`` check; with chunking it is cut when its unrounded
+    length exceeds ``rem_chunk_tokens``, to ``rem_chunk_tokens`` itself (not rounded to a page, unlike rule
+    7). Admitted, it reserves as in rule 7.
 
 **Within the spec, where SGLang is not** (docs/engines.md, *SGLang 0.5.23*, *The sglang-profile*):
 the profile rejects at arrival only what the spec calls impossible (``spec.admission``), never what
@@ -107,9 +142,8 @@ a decode batch of more than ``max_num_batched_tokens`` requests is cut to the bu
 every running request: ``token-budget``), keeping the first ``max_num_batched_tokens`` of the running
 order. Refused (:class:`~schedspec.reference.scheduler.UnsupportedFeature`, exit 3):
 what the ``sglang`` adapter refuses (prefix caching, speculative decoding,
-``long_prefill_token_threshold``, vLLM's per-step limits, LoRA and structured output) and a request
-without an end-of-sequence id (SGLang's ``add_one_req_ignore_eos`` estimate is not reproduced; every
-workload of this project has one).
+``long_prefill_token_threshold``, vLLM's per-step limits, LoRA and structured output). A request without an
+end-of-sequence id is admitted by rule 13.
 
 **SGLang's stalls are kept**: a request SGLang never admits (rules 1 and 7: a prompt of ``pool tokens -
 page_size`` or more whose clipped ``max_new_tokens`` is 0, or a prompt longer than a chunk budget under a
@@ -147,8 +181,22 @@ NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600
 RETRACT_DECODE_STEPS = 20
 """``SGLANG_RETRACT_DECODE_STEPS``: decode steps a kept request is assumed to take after a retraction."""
 
+PREEMPTION_THRESHOLD = 0
+"""``--priority-scheduling-preemption-threshold`` of ``sglang-profile-priority`` and the ``sglang-priority``
+adapter (``engines/sglang_worker.py`` ``PREEMPTION_THRESHOLD``; SGLang's default is 10)."""
+
 NO_TOKEN, OTHER, CONTINUE = "NO_TOKEN", "OTHER", "CONTINUE"
 """``PrefillAdder``'s ``AddReqResult`` values the profile meets."""
+
+
+IGNORE_EOS_RESERVE_TOKENS = 1
+"""``managers/schedule_policy.py`` ``IGNORE_EOS_RESERVE_TOKENS``: tokens kept per request by rule 13's check."""
+
+
+def ignores_eos(request: Request) -> bool:
+    """Whether the ``sglang`` adapter runs ``request`` with SGLang's ``ignore_eos`` (no end-of-sequence id and
+    no stop id: ``engines/sglang_worker.py`` ``Components.request``), which takes rule 13's admission."""
+    return request.eos_token_id is None and not request.stop_token_ids
 
 
 class SglangAbort(Exception):
@@ -197,6 +245,7 @@ class _Budget:
     rem_input: int
     rem_chunk: int | None
     current_offset: float = 0.0
+    req_states: list[tuple[float, int]] | None = None  # PrefillAdder.req_states (rule 13), built once per pass
 
     @property
     def rem_total(self) -> float:
@@ -219,6 +268,19 @@ class _Budget:
 
 
 @attrs.frozen
+class ExcessPreemption:
+    """The finding ``sglang-priority-preemption-takes-too-many`` at one step (rule 12): SGLang's
+    ``PrefillAdder.preempt_to_schedule`` preempted ``victims`` for ``request_id`` where its first ``enough``
+    would have let ``PrefillAdder.add_one_req`` admit it (the pages they hold, which ``release_req`` frees, are
+    not counted in what preemption frees)."""
+
+    step: int
+    request_id: str
+    victims: tuple[str, ...]
+    enough: int
+
+
+@attrs.frozen
 class _Decision:
     """What a planned step does to the profile's own state (applied by ``update``)."""
 
@@ -229,6 +291,8 @@ class _Decision:
     waiting: tuple[str, ...]  # the waiting queue after the step's planning
     batch_is_full: bool
     ratio: float
+    requeued: tuple[str, ...]  # re-queued at the back: preempt_to_schedule's, then retract_decode's (rule 12)
+    fill_len: dict[str, int]  # len(Req.full_untruncated_fill_ids) after the step's planning (rule 12)
 
 
 class SglangProfile:
@@ -237,6 +301,8 @@ class SglangProfile:
 
     Args:
         config: the limits (the ``sglang`` adapter's mapping, module docstring).
+        name: its registry name.
+        priority: SGLang's priority scheduling and preemption (rule 12; ``sglang-profile-priority``).
 
     Raises:
         UnsupportedFeature: a config the ``sglang`` adapter refuses (module docstring).
@@ -244,7 +310,7 @@ class SglangProfile:
 
     guarantees: frozenset[str] = frozenset()
 
-    def __init__(self, config: SchedulerConfig, name: str = "sglang-profile") -> None:
+    def __init__(self, config: SchedulerConfig, name: str = "sglang-profile", priority: bool = False) -> None:
         for refused, why in (
             (config.enable_prefix_caching, "prefix caching (SGLang's radix tree is not reproduced)"),
             (config.speculative, "speculative decoding"),
@@ -263,6 +329,11 @@ class SglangProfile:
         self.batch_is_full = False
         self.ratio = INIT_NEW_TOKEN_RATIO
         self.max_new_tokens: dict[str, int] = {}
+        self.priority = priority
+        self.entered: dict[str, int] = {}  # rid -> when it last joined the waiting queue (rule 12: an order)
+        self.fill_len: dict[str, int] = {}  # rid -> len(Req.full_untruncated_fill_ids) (rule 12)
+        self._clock = 0
+        self.excess_preemptions: list[ExcessPreemption] = []  # the finding, each time it happened (rule 12)
         self._decision: _Decision | None = None
 
     # ------------------------------------------------------------------ arrivals and aborts
@@ -270,15 +341,23 @@ class SglangProfile:
         """``handle_generate_request``: clip ``max_new_tokens`` (rule 1), join the back of the queue.
 
         Raises:
-            UnsupportedFeature: no end-of-sequence id, a LoRA adapter or structured output."""
-        if request.eos_token_id is None or request.lora_int_id or request.grammar_ready_step is not None:
-            raise UnsupportedFeature(f"scheduler {self.name!r}: request {printable(request.request_id)} has no "
-                                     "end-of-sequence id, or a LoRA adapter or structured output")
+            UnsupportedFeature: a LoRA adapter or structured output."""
+        if request.lora_int_id or request.grammar_ready_step is not None:
+            raise UnsupportedFeature(f"scheduler {self.name!r}: request {printable(request.request_id)} has a LoRA "
+                                     "adapter or structured output")
         self.state = add_request(self.state, request)
         self.max_new_tokens[request.request_id] = clipped_max_new_tokens(request.prompt_len, request.max_tokens,
                                                                          self.config)
-        self.waiting.append(request.request_id)
+        self._enqueue([request.request_id])
         self._decision = None
+
+    def _enqueue(self, request_ids) -> None:
+        """``Scheduler._add_request_to_queue``: to the back of the queue, stamped
+        (``ReqTimeStats.set_wait_queue_entry_time``, which rule 12 orders by)."""
+        for request_id in request_ids:
+            self.waiting.append(request_id)
+            self._clock += 1
+            self.entered[request_id] = self._clock
 
     def abort_request(self, request_id: str) -> None:
         """The spec's abort; the request leaves SGLang's queues."""
@@ -293,7 +372,8 @@ class SglangProfile:
                 queue.remove(request_id)
         if self.chunked == request_id:
             self.chunked = None
-        self.max_new_tokens.pop(request_id, None)
+        for kept in (self.max_new_tokens, self.entered, self.fill_len):
+            kept.pop(request_id, None)
 
     # ------------------------------------------------------------------------- planning
     def schedule(self) -> StepPlan:
@@ -316,7 +396,12 @@ class SglangProfile:
         waiting = [r for r in self.waiting if r not in refused]
         running = list(self.running)
         full = self.batch_is_full and bool(running)  # rule 3: an empty running batch clears the flag
+        fill_len = dict(self.fill_len)
+        if self.priority:  # rule 12: the flag is cleared to try preemption; the queue is sorted
+            full = False
+            waiting.sort(key=lambda r: (requests[r].priority, self.entered[r]))
         free = list(state.free_block_ids)
+        preempted: list[str] = []
 
         def outputs(request_id: str) -> int:
             return requests[request_id].num_output_tokens
@@ -335,12 +420,11 @@ class SglangProfile:
         slots = config.max_num_seqs - len(running)
         if (full or not waiting) and chunked is None:
             pass
-        elif slots <= 0 and chunked is None:
+        elif slots <= 0 and chunked is None and not self.priority:
             full = True
         else:
             budget = _Budget(free=state.num_free_blocks * page, page=page,
-                             total_offset=sum(min(self.max_new_tokens[r] - outputs(r), CLIP_MAX_NEW_TOKENS) * self.ratio
-                                              for r in running),
+                             total_offset=sum(self._offset(r) for r in running),
                              rem_input=config.max_num_batched_tokens,
                              rem_chunk=config.max_num_batched_tokens if config.enable_chunked_prefill else None)
             if chunked is not None:  # rule 5
@@ -358,10 +442,20 @@ class SglangProfile:
             for request_id in waiting:  # rule 6
                 if budget.state() == OTHER:
                     break
-                if len(admitted) >= slots:
+                if len(admitted) >= config.max_num_seqs - len(running):
                     full = True
-                    break
-                result, tokens, is_chunked = self._add_one_req(requests[request_id], budget, bool(admitted))
+                if full:  # rule 12: a more urgent request may preempt running ones
+                    victims = self._preempt_to_schedule(requests[request_id], budget, running,
+                                                        [r for r, _ in admitted], fill_len) if self.priority else []
+                    if not victims:
+                        break
+                    preempted += victims
+                    running = [r for r in running if r not in victims]
+                    for victim in victims:
+                        free.extend(requests[victim].block_ids)
+                fill_len[request_id] = requests[request_id].num_tokens  # Req.init_next_round_input
+                result, tokens, is_chunked = self._admit(requests[request_id], budget, running,
+                                                         [r for r, _ in admitted])
                 if tokens:
                     admitted.append((request_id, tokens))
                     if is_chunked:
@@ -372,7 +466,7 @@ class SglangProfile:
                     break
 
         ratio = self.ratio
-        preempted: list[str] = []
+        requeued = list(preempted)  # rule 12: preempt_list re-queued after the pass, admitted or not
         if admitted:  # rule 2: a prefill step
             names = {r for r, _ in admitted}
             waiting = [r for r in waiting if r not in names]
@@ -403,18 +497,76 @@ class SglangProfile:
                                       "out of memory even after retracting all other requests)")
                 running = order
                 full = False
-                waiting += preempted
                 kept_max_new = sum(self.max_new_tokens[r] for r in running)
                 ratio = min(1.0, (sum(outputs(r) for r in running) + RETRACT_DECODE_STEPS * len(running))
                             / (kept_max_new + 1))
             decodes = running[:config.max_num_batched_tokens]  # the spec's token budget (module docstring)
             scheduled = tuple(item(r, 1) for r in decodes)
+            for r in running:  # ScheduleBatch.prepare_for_decode: Req.refresh_fill_ids
+                fill_len[r] = requests[r].num_tokens
         else:
             prefill, scheduled = (), ()
             if not waiting and chunked is None:  # rule 10: Scheduler.on_idle when fully idle
                 ratio = INIT_NEW_TOKEN_RATIO
         plan = StepPlan(scheduled=scheduled, preempted=tuple(preempted), rejected=rejected)
-        return _Decision(plan, prefill, chunked, tuple(running), tuple(waiting), full, ratio)
+        requeued += [r for r in preempted if r not in requeued]  # then retract_decode's, in its order
+        return _Decision(plan, prefill, chunked, tuple(running), tuple(waiting), full, ratio, tuple(requeued),
+                         fill_len)
+
+    def _offset(self, request_id: str) -> float:
+        """``PrefillAdder._get_running_request_total_token_offset`` (rule 4): a running request's remaining
+        clipped output, capped at 4096, times the new-token ratio (tokens)."""
+        request = self.state.requests[request_id]
+        return (min(self.max_new_tokens[request_id] - request.num_output_tokens, CLIP_MAX_NEW_TOKENS)
+                * self._ratio_of(request))
+
+    def _ratio_of(self, request: Request) -> float:
+        """The new-token ratio SGLang applies to ``request``'s remaining output: 1 for a request it runs with
+        ``ignore_eos`` (rule 13: it always runs to its ``max_new_tokens``), else the tracker's."""
+        return 1.0 if ignores_eos(request) else self.ratio
+
+    def _admit(self, request: Request, budget: _Budget, running: list[str], admitted: list[str]
+               ) -> tuple[str, int, bool]:
+        """``PrefillAdder.add_one_req``: rule 13 for a request SGLang runs with ``ignore_eos``, else rule 7."""
+        if ignores_eos(request):
+            return self._add_one_req_ignore_eos(request, budget, running, admitted)
+        return self._add_one_req(request, budget, bool(admitted))
+
+    def _preempt_to_schedule(self, request: Request, budget: _Budget, running: list[str], admitted: list[str],
+                             fill_len: Mapping[str, int]) -> list[str]:
+        """``PrefillAdder.preempt_to_schedule`` (rule 12): the running requests preempted for ``request``, in
+        the order taken, or none. Takes them from the least urgent (greatest ``priority``, then the last to
+        join the queue), each more than ``PREEMPTION_THRESHOLD`` less urgent than ``request``, until the sum of
+        their :meth:`_offset` covers ``len(full_untruncated_fill_ids) + min(max_new_tokens, 4096) -
+        rem_total_tokens``; none if it never does. Taken, each leaves the budget's ``total_offset`` and gives
+        its pages back (``ScheduleBatch.release_req``)."""
+        requests = self.state.requests
+        need = (fill_len.get(request.request_id, 0)
+                + min(self.max_new_tokens[request.request_id], CLIP_MAX_NEW_TOKENS) - budget.rem_total)
+        victims: list[str] = []
+        for r in sorted(running, key=lambda r: (-requests[r].priority, -self.entered[r])):
+            if requests[r].priority - request.priority <= PREEMPTION_THRESHOLD:
+                break
+            victims.append(r)
+            need -= self._offset(r)
+            if need <= 0:
+                break
+        if not victims or need > 0:
+            return []
+        for k, r in enumerate(victims, 1):
+            budget.total_offset -= self._offset(r)
+            budget.free += len(requests[r].block_ids) * budget.page
+            trial = attrs.evolve(budget, req_states=None if budget.req_states is None else list(budget.req_states))
+            if k < len(victims) and self._admit(request, trial, [r for r in running if r not in victims[:k]],
+                                                admitted)[1]:
+                found = ExcessPreemption(self.state.step, request.request_id, tuple(victims), k)
+                if found not in self.excess_preemptions:  # a step planned again (an arrival) finds it again
+                    self.excess_preemptions.append(found)
+                break
+        for r in victims[k:]:
+            budget.total_offset -= self._offset(r)
+            budget.free += len(requests[r].block_ids) * budget.page
+        return victims
 
     def _add_one_req(self, request: Request, budget: _Budget, others: bool) -> tuple[str, int, bool]:
         """``PrefillAdder.add_one_req`` for a request with an end-of-sequence id (rule 7): ``(result, tokens
@@ -438,6 +590,45 @@ class SglangProfile:
         budget.reserve(extend, reserved)
         return budget.state(), extend, is_chunked
 
+    def _add_one_req_ignore_eos(self, request: Request, budget: _Budget, running: list[str],
+                                admitted: list[str]) -> tuple[str, int, bool]:
+        """``PrefillAdder.add_one_req_ignore_eos`` (rule 13): ``(result, tokens admitted or 0, whether it is now
+        the chunked request)``."""
+        page, requests = budget.page, self.state.requests
+        extend = request.num_tokens  # nothing cached: prompt plus the kept output tokens
+        paged_input = _ceil_page(extend, page) + page
+        if not paged_input <= min(budget.free - budget.current_offset, budget.rem_total):
+            return NO_TOKEN, 0, False
+
+        def state_of(request_id: str) -> tuple[float, int] | None:
+            other = requests[request_id]
+            left = self.max_new_tokens[request_id] * self._ratio_of(other) - other.num_output_tokens
+            return (left, other.num_tokens) if left > 0 else None
+
+        if budget.req_states is None:  # this request, the running batch, then the pass's admitted ones
+            budget.req_states = sorted((found for r in (request.request_id, *running, *admitted)
+                                        if (found := state_of(r)) is not None), key=lambda x: x[0])
+        elif (found := state_of(request.request_id)) is not None:
+            at = 0  # the first state with at least as many tokens left, else before the last one
+            for at in range(len(budget.req_states)):
+                if found[0] <= budget.req_states[at][0]:
+                    break
+            budget.req_states.insert(at, found)
+        remaining, freed = budget.free - budget.current_offset - paged_input, 0
+        for index, (left, occupied) in enumerate(budget.req_states):
+            batch = len(budget.req_states) - index
+            if remaining + freed - left * batch <= IGNORE_EOS_RESERVE_TOKENS * batch:
+                return NO_TOKEN, 0, False
+            freed += occupied
+        if budget.rem_chunk is None or extend <= budget.rem_chunk:
+            budget.reserve(extend, min(self.max_new_tokens[request.request_id], CLIP_MAX_NEW_TOKENS))
+            return budget.state(), extend, False
+        if budget.rem_chunk <= 0:
+            return OTHER, 0, False
+        tokens = budget.rem_chunk  # not rounded to a page, unlike rule 7
+        budget.reserve(tokens, 0)
+        return budget.state(), tokens, True
+
     # --------------------------------------------------------------------------- update
     def update(self, plan: StepPlan, sampled_token_ids: Mapping[str, int]) -> tuple[str, ...]:
         """Apply the plan by the spec's transition and SGLang's bookkeeping after the step (the merge of
@@ -453,6 +644,8 @@ class SglangProfile:
         finished = set(result.finished)
         ended = set(self.max_new_tokens) - set(self.state.requests)
         self.waiting = [r for r in decision.waiting if r not in ended]
+        self._enqueue(r for r in decision.requeued if r not in ended)
+        self.fill_len = decision.fill_len
         self.chunked = decision.chunked
         self.ratio = decision.ratio
         running = [r for r in decision.running if r not in ended]
@@ -479,6 +672,11 @@ class SglangProfile:
 def sglang_profile(config: SchedulerConfig) -> SglangProfile:
     """The registry's ``sglang-profile`` factory (module docstring)."""
     return SglangProfile(config)
+
+
+def sglang_profile_priority(config: SchedulerConfig) -> SglangProfile:
+    """The registry's ``sglang-profile-priority`` factory: rule 12 on (module docstring)."""
+    return SglangProfile(config, "sglang-profile-priority", priority=True)
 
 
 # ------------------------------------------------------------------ what SGLang and the spec agree on

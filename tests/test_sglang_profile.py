@@ -139,8 +139,28 @@ def test_refused_configs_and_requests() -> None:
     with pytest.raises(UnsupportedFeature, match="prefix caching"):
         make_scheduler("sglang-profile", config.with_changes(enable_prefix_caching=True))
     profile = make_scheduler("sglang-profile", config)
-    with pytest.raises(UnsupportedFeature, match="end-of-sequence"):
-        profile.add_request(RequestSpec("A", 4, 2, arrival_step=0, eos_token_id=None).to_request(0))
+    with pytest.raises(UnsupportedFeature, match="LoRA"):
+        profile.add_request(RequestSpec("A", 4, 2, arrival_step=0, lora_int_id=1).to_request(0))
+
+
+def test_requests_without_eos_take_the_ignore_eos_estimate() -> None:
+    """Rule 13, worked by hand: 16 pages of 4, budget 64; A and B (8 + 19, clipped to min(19, 63 - 8 - 1,
+    64 - 8 - 4 - 1) = 19). With an end-of-sequence id (rule 7) A reserves 8 + 4 + 19 = 31 and B needs 8 + 19
+    + 4 = 31 < 33: both at step 0. Without one (ignore_eos), B's input fits (12 <= min(52, 33)), but the end
+    simulation does not: states [(19, 8), (19, 8)] (B inserted before A's equal one), 64 - 12 - 12 = 40 free
+    tokens, 40 - 19 * 2 = 2 <= 1 * 2: NO_TOKEN. Step 1: A decoded once is counted at ratio 1 ((19 - 1) * 1 =
+    18 offset, rem_total_tokens 56 - 18 = 38 >= 12); states [(18, 9), (19, 8)]: 44 - 36 = 8 > 2, then 44 + 9
+    - 19 = 34 > 1: B is admitted."""
+    config = SchedulerConfig(block_size=4, num_kv_blocks=16, max_num_batched_tokens=64, max_num_seqs=4,
+                             max_model_len=128)
+    _, _, with_eos = _run(config, [RequestSpec("A", 8, 19, arrival_step=0), RequestSpec("B", 8, 19, arrival_step=0)])
+    assert with_eos[0] == {"A": (0, 8, 2), "B": (0, 8, 2)}
+    _, _, steps = _run(config, [RequestSpec("A", 8, 19, arrival_step=0, eos_token_id=None),
+                                RequestSpec("B", 8, 19, arrival_step=0, eos_token_id=None)])
+    assert steps[0] == {"A": (0, 8, 2)}
+    assert steps[1] == {"B": (0, 8, 2)}
+    assert sp.ignores_eos(RequestSpec("A", 8, 19, eos_token_id=None).to_request(0))
+    assert not sp.ignores_eos(RequestSpec("A", 8, 19, eos_token_id=None, stop_token_ids=(5,)).to_request(0))
 
 
 class SglangProfileMachine(SchedulerStateMachine):
@@ -222,3 +242,75 @@ def test_a_request_clipped_to_no_new_token_that_stops_on_its_first_output_is_the
     assert diff._sglang_finding(config, [other], state) is None
     roomy = config.with_changes(num_kv_blocks=8)  # not clipped to 0
     assert diff._sglang_finding(roomy, [mismatch], state) is None
+
+
+PRIORITY_POOL = SchedulerConfig(block_size=4, num_kv_blocks=32, max_num_batched_tokens=128, max_num_seqs=2,
+                                max_model_len=128)
+"""32 pages of 4 (128 tokens), two request slots: the case of
+docs/findings/sglang-priority-preemption-takes-too-many.md."""
+
+
+def _run_priority(specs: list[RequestSpec], config: SchedulerConfig = PRIORITY_POOL):
+    profile = make_scheduler("sglang-profile-priority", config)
+    result = Engine(profile, config).run(specs, mode="steps", max_steps=200)
+    assert result.ok, [str(v) for v in result.violations[:3]]
+    return profile, result
+
+
+def test_priority_preemption_takes_more_than_it_needs() -> None:
+    """Rule 12, worked by hand (the finding). Step 0, priority order A (2) then B (3): A needs 8 + 60 + 4 =
+    72 < 128 and reserves 72; B needs 40 + 6 + 4 = 50 < 56 and reserves 50. Step 1 decodes both (ratio
+    0.7 - 0.001003). Step 2: C (priority 0, 12 + 40) finds no slot; rem_total_tokens = 72 free - (58 + 4) *
+    0.698997 = 28.66, so preempt_to_schedule must free 0 (C's fill ids: never reached) + 40 - 28.66 = 11.34
+    of offsets: B (least urgent) frees 4 * 0.698997 = 2.80, not enough, so A (58 * 0.698997 = 40.54) goes
+    too. B alone gave back its 11 pages (44 tokens): rem_total_tokens 28.66 + 2.80 + 44 = 75.46 > 12 + 40
+    + 4 = 56, enough for C."""
+    profile, result = _run_priority([RequestSpec("A", 8, 60, arrival_step=0, priority=2),
+                                     RequestSpec("B", 40, 6, arrival_step=0, priority=3),
+                                     RequestSpec("C", 12, 40, arrival_step=2, priority=0)])
+    step2 = result.records[2]
+    assert set(step2.preempted) == {"A", "B"}
+    assert [(i.request_id, i.prefill_tokens) for i in step2.scheduled] == [("C", 12)]
+    # A (priority 2) is re-admitted first, recomputing its 8 prompt and 2 output tokens
+    assert [(i.request_id, i.num_computed_tokens, i.prefill_tokens) for i in result.records[3].scheduled] == [
+        ("A", 0, 10)]
+    assert profile.excess_preemptions == [sp.ExcessPreemption(2, "C", ("B", "A"), 1)]
+
+
+def test_priority_preemption_needs_a_strictly_more_urgent_request_and_orders_the_queue() -> None:
+    """Rule 12: A and B (priority 1) hold both slots; C, D, E (priorities 2, 3, 2, arriving in steps 1, 2, 3)
+    are less urgent, so nothing is preempted; when A and B end, C and E (priority 2, C the older) are admitted
+    before D, which arrived before E (``_sort_by_priority_and_fcfs``); D, the least urgent, preempts neither."""
+    profile, result = _run_priority([RequestSpec("A", 8, 6, arrival_step=0, priority=1),
+                                     RequestSpec("B", 8, 6, arrival_step=0, priority=1),
+                                     RequestSpec("C", 8, 6, arrival_step=1, priority=2),
+                                     RequestSpec("D", 8, 6, arrival_step=2, priority=3),
+                                     RequestSpec("E", 8, 6, arrival_step=3, priority=2)])
+    assert not any(record.preempted for record in result.records)
+    admitted = [i.request_id for r in result.records for i in r.scheduled if i.num_computed_tokens == 0]
+    assert admitted == ["A", "B", "C", "E", "D"]
+    assert profile.excess_preemptions == []
+
+
+class SglangPriorityProfileMachine(SglangProfileMachine):
+    """:class:`SglangProfileMachine` on ``sglang-profile-priority`` (rule 12: priorities from the machine's
+    draws, 0..3)."""
+
+    scheduler_name = "sglang-profile-priority"
+
+
+def test_the_priority_profile_refines_the_spec() -> None:
+    run_state_machine_as_test(SglangPriorityProfileMachine, settings=settings(max_examples=30, stateful_step_count=30,
+                                                                              deadline=None))
+
+
+def test_priority_preemption_refuses_when_the_offsets_fall_short() -> None:
+    """Rule 12, the other face of the finding: C at priority 2 may take only B (3; A at 2 differs by 0, not
+    more than the threshold 0). B's offset (2.80) does not cover the 11.34 to free, so nothing is
+    preempted, although B's 11 pages alone would have let C in (75.46 > 56): C waits for a slot."""
+    _, result = _run_priority([RequestSpec("A", 8, 60, arrival_step=0, priority=2),
+                               RequestSpec("B", 40, 6, arrival_step=0, priority=3),
+                               RequestSpec("C", 12, 40, arrival_step=2, priority=2)])
+    assert not any(record.preempted for record in result.records)
+    first_c = next(k for k, r in enumerate(result.records) if any(i.request_id == "C" for i in r.scheduled))
+    assert first_c > 2 and any(r.finished for r in result.records[:first_c])  # after B ended

@@ -348,6 +348,8 @@ PROFILES: dict[str, ProfileDifferences] = {
     "vllm-v1-priority@0.33": ProfileDifferences(divergence=vllm_v1_divergence),
     "sglang-profile": ProfileDifferences(engine="sglang", finding=_sglang_finding, config=comparable_config,
                                          shape=comparable_request),
+    "sglang-profile-priority": ProfileDifferences(engine="sglang", finding=_sglang_finding, config=comparable_config,
+                                                  shape=comparable_request),
 }
 """The reference profiles of engines, by registry name, with what :class:`ProfileDifferences` says of each:
 their documented differences apply only between an engine adapter and the profile."""

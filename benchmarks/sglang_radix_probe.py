@@ -1,0 +1,48 @@
+"""What SGLang 0.5.23's radix cache decides that the spec's prefix cache cannot express yet (issue 25, the
+radix tree as the spec's prefix cache; docs/engines.md, *SGLang 0.5.23*, *The radix cache*).
+
+The ``sglang`` adapter refuses prefix caching (exit 3) until the mapping exists. This probe goes around the
+refusal on purpose: it starts the adapter with caching off, then asks its worker for a second scheduler
+with ``enable_prefix_caching`` on (``RadixCache(disable=False)``, ``page_size = block_size``), and runs four
+requests of one prefix group (16 shared tokens, 4 pages of 4) under every spec check, printing each step
+(computed tokens, tokens, the hit reported) and the first violations. Not a supported path and not a test:
+it shows *why* the mapping needs the spec widened, with SGLang's own decisions.
+
+Run (SGLang's environment built: ``SCHEDSPEC_SGLANG=1 bash scripts/engines_setup.sh``)::
+
+    nice -n 10 .venv/bin/python benchmarks/sglang_radix_probe.py [NUM_KV_BLOCKS]
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main() -> None:
+    import schedspec.engines.sglang as adapter
+    from schedspec.reference.engine import Engine
+    from schedspec.spec.config import SchedulerConfig
+    from schedspec.spec.workload import RequestSpec
+
+    blocks = int(sys.argv[1]) if len(sys.argv) > 1 else 32
+    config = SchedulerConfig(block_size=4, num_kv_blocks=blocks, max_num_batched_tokens=64, max_num_seqs=4,
+                             max_model_len=128, enable_prefix_caching=True)
+    scheduler = adapter.SglangScheduler(config.with_changes(enable_prefix_caching=False))
+    scheduler.config = config  # the spec side checks with caching on; the worker side gets it below
+    scheduler.handle = scheduler.worker.next_handle
+    scheduler.worker.next_handle += 1
+    scheduler.worker.call({"op": "init", "handle": scheduler.handle, "config": config.to_dict(), "policy": "fcfs",
+                           "priority": False})
+    specs = [RequestSpec("A", 20, 6, arrival_step=0, prefix_group="g", prefix_len=16),
+             RequestSpec("B", 20, 6, arrival_step=0, prefix_group="g", prefix_len=16),
+             RequestSpec("C", 20, 6, arrival_step=3, prefix_group="g", prefix_len=16),
+             RequestSpec("D", 18, 6, arrival_step=12, prefix_group="g", prefix_len=16)]
+    run = Engine(scheduler, config, properties=()).run(specs, mode="steps", max_steps=60)
+    for record in run.records:
+        print(record.step, [(i.request_id, i.num_computed_tokens, i.prefill_tokens + i.decode_tokens)
+                            for i in record.scheduled], dict(record.prefix_hit_tokens), dict(record.finished))
+    print("violations:", [str(v) for v in run.violations[:4]])
+
+
+if __name__ == "__main__":
+    main()
