@@ -98,9 +98,9 @@ class _Lockstep:
         return finished
 
 
-def lockstep_machine(scheduler_name: str, shard: int) -> type[SchedulerStateMachine]:
-    """:func:`shard_machine`, with the twin of ``scheduler_name`` (:data:`TWINS`), if any, in lockstep."""
-    machine = shard_machine(scheduler_name, shard)
+def with_twin(machine: type[SchedulerStateMachine], scheduler_name: str) -> type[SchedulerStateMachine]:
+    """``machine`` (of the registered ``scheduler_name``), with the twin of ``scheduler_name``
+    (:data:`TWINS`), if any, in lockstep (also used by ``tests/test_prefix_cache.py``)."""
     if scheduler_name not in TWINS:
         return machine
     twin_name = TWINS[scheduler_name]
@@ -112,6 +112,11 @@ def lockstep_machine(scheduler_name: str, shard: int) -> type[SchedulerStateMach
 
     WithTwin.__name__ = WithTwin.__qualname__ = f"{machine.__name__}With{twin_name.title().replace('-', '')}"
     return WithTwin
+
+
+def lockstep_machine(scheduler_name: str, shard: int) -> type[SchedulerStateMachine]:
+    """:func:`shard_machine`, with the twin of ``scheduler_name`` (:data:`TWINS`), if any, in lockstep."""
+    return with_twin(shard_machine(scheduler_name, shard), scheduler_name)
 
 
 @pytest.mark.parametrize("shard", range(SHARDS))
