@@ -1,7 +1,9 @@
 """The stateful refinement suite: every reference policy, driven by :mod:`schedspec.testing`.
 
 Examples and steps per example come from the active Hypothesis profile (``tests/conftest.py``):
-``HYPOTHESIS_PROFILE=ci`` runs 500 derandomized examples of 50 rules per policy.
+``HYPOTHESIS_PROFILE=ci`` runs 500 derandomized examples of 50 rules per policy. Two registered schedulers
+that make the same plans as another (``TWINS``: ``fcfs-fast``, ``vllm-v1@0.33``) run their 500 in lockstep
+inside that one's examples, and 10 more through their own machine.
 
 The other tests here check the machine itself: it works for an adapter that hides its state, and it
 fails (with a :class:`~schedspec.testing.SpecViolation`) on schedulers that break the spec.
