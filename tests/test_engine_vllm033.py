@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 from hypothesis import settings
@@ -32,7 +31,6 @@ from test_engine_vllm import (  # the 0.32 tests' helpers, shared (tests/ is on 
     AGREEING,
     CASES,
     FINDINGS,
-    ROOT,
     VllmAsyncMachine,
     VllmMachine,
     _replay_checked,
@@ -199,10 +197,10 @@ def test_the_version_is_in_the_run_conditions() -> None:
     shown = runner.invoke(cli, ["lab", "--scheduler", "vllm@0.33", "--max-requests", "5"], catch_exceptions=False)
     assert shown.exit_code == 0, shown.output
     assert any("engine" in line and "vllm 0.33.0" in line for line in shown.output.splitlines()), shown.output
-    replayed = subprocess.run(
-        [sys.executable, "-m", "schedspec", "replay", "-q", "--scheduler", "vllm-priority@0.33",
-         str(CASES["kv-pressure-no-thrash"])], capture_output=True, text=True, cwd=ROOT, timeout=600)
-    assert replayed.returncode == 0, replayed.stdout + replayed.stderr
+    # in-process: the replay reuses the 0.33 worker the lab runs above started (a subprocess started its own)
+    replayed = runner.invoke(cli, ["replay", "-q", "--scheduler", "vllm-priority@0.33",
+                                   str(CASES["kv-pressure-no-thrash"])], catch_exceptions=False)
+    assert replayed.exit_code == 0, replayed.output
     assert "on vllm-priority@0.33 (vllm 0.33.0)" in replayed.stdout
 
 

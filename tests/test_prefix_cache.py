@@ -13,6 +13,7 @@ import attrs
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
+from test_stateful import TWINS, with_twin  # tests/ is on sys.path under pytest
 
 from schedspec.reference.scheduler import SCHEDULERS
 from schedspec.spec.config import SchedulerConfig
@@ -293,13 +294,15 @@ def test_prefix_scenarios_pass_on_every_reference_scheduler(name: str, scheduler
 # ---- the stateful suite with prefix caching
 
 
-@pytest.mark.parametrize("scheduler_name", sorted(SCHEDULERS))
+@pytest.mark.parametrize("scheduler_name", sorted(set(SCHEDULERS) - set(TWINS.values())))
 def test_policy_refines_spec_with_prefix_caching(scheduler_name: str) -> None:
     """The stateful machine (:mod:`schedspec.testing`) with prefix caching on and shared-prefix requests.
     Examples: the active profile's, at most 40 of at most 30 rules (ci: 40 derandomized examples per policy,
     about 2 minutes for the six on this machine; 100 examples of 50 rules took 9 minutes). Longer runs:
-    ``HYPOTHESIS_PROFILE=nightly`` is capped too; run the machine directly for more."""
-    machine = machine_for(scheduler_name, prefix_caching=True)
+    ``HYPOTHESIS_PROFILE=nightly`` is capped too; run the machine directly for more. The twins of
+    ``tests/test_stateful.py`` (``TWINS``: ``fcfs-fast``, which with prefix caching on is the plain fcfs
+    scheduler, and ``vllm-v1@0.33``) run in lockstep inside fcfs's and vllm-v1's machines."""
+    machine = with_twin(machine_for(scheduler_name, prefix_caching=True), scheduler_name)
     active = settings()
     run_state_machine_as_test(machine, settings=settings(active, max_examples=min(active.max_examples, 40),
                                                          stateful_step_count=min(active.stateful_step_count, 30)))

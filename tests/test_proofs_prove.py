@@ -46,10 +46,11 @@ def test_every_fcfs_theorem_holds_at_three_slots():
                                                       "a request preempted twice after the last arrival"})):
         assert found[name]["status"] == "proved" and found[name]["depth"] == 4, name
         assert found[name]["block_size"] == "fixed 2"
-        covers = {c["case"]: (c["status"], c["depth"]) for c in found[name]["vacuity"]}
+        covers = {c["case"]: (c["status"], c["depth"], c["slots"]) for c in found[name]["vacuity"]}
         assert set(covers) == goals
-        # reached (and reproduced by the reference's replay of the same run) within K steps
-        assert all(status == "sat" and 1 <= depth <= 4 for status, depth in covers.values()), covers
+        # reached (and reproduced by the reference's replay of the same run, of `slots` requests) within K steps
+        assert all(status == "sat" and 1 <= depth <= 4 and slots is not None
+                   for status, depth, slots in covers.values()), covers
     itl = found["fcfs/bounded-itl-without-chunking"]
     assert itl["status"] == "counterexample" and itl["replayed"] is True
     assert itl["scenario"]["expect"] == {"demonstrates": "bounded-itl"}

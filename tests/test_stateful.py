@@ -1,7 +1,9 @@
 """The stateful refinement suite: every reference policy, driven by :mod:`schedspec.testing`.
 
 Examples and steps per example come from the active Hypothesis profile (``tests/conftest.py``):
-``HYPOTHESIS_PROFILE=ci`` runs 500 derandomized examples of 50 rules per policy.
+``HYPOTHESIS_PROFILE=ci`` runs 500 derandomized examples of 50 rules per policy. Two registered schedulers
+that make the same plans as another (``TWINS``: ``fcfs-fast``, ``vllm-v1@0.33``) run their 500 in lockstep
+inside that one's examples, and 10 more through their own machine.
 
 The other tests here check the machine itself: it works for an adapter that hides its state, and it
 fails (with a :class:`~schedspec.testing.SpecViolation`) on schedulers that break the spec.
@@ -46,13 +48,108 @@ def shard_machine(scheduler_name: str, shard: int, derandomize: bool | None = No
     return part
 
 
+TWINS = {"fcfs": "fcfs-fast", "vllm-v1": "vllm-v1@0.33"}
+"""Registered schedulers that make the same plans as another one on every config the machine draws, and run
+in lockstep inside that one's shards instead of in shards of their own (the checks of a shard are most of
+its cost, the twin's plan and update little; two policies' shards were a fifth of CI's pytest time):
+
+- ``fcfs-fast`` is a faster implementation of ``fcfs``'s plans (``reference/fast_fcfs.py``);
+  ``tests/test_fast_fcfs.py`` drives the two in lockstep too, on its own workloads.
+- ``vllm-v1@0.33`` is ``vllm-v1`` in the machine's scope: under FCFS vLLM 0.33 plans as 0.32
+  (``reference/vllm_v1.py``, module docstring); the releases differ only with ``max_loras`` or
+  ``prefill_schedule_interval > 1``, which ``scheduler_configs()`` never draws.
+
+At every call the twin gets the same arrivals, aborts and outcomes; its plan, the requests it reports
+finished and its state must equal the primary's (:class:`_Lockstep`), so every step the machine checks
+against the spec is the twin's step too. Each twin still runs a few examples through its own machine
+(``test_twin_runs_in_its_own_machine``)."""
+
+
+class _Lockstep:
+    """The ``primary`` scheduler as the machine sees it (its name, guarantees and state), with ``twin`` driven
+    alongside; any difference between the two raises ``AssertionError`` naming the call."""
+
+    def __init__(self, primary, twin) -> None:
+        self.primary, self.twin = primary, twin
+        self.name = primary.name
+        self.guarantees = primary.guarantees
+        assert twin.guarantees == primary.guarantees, (twin.name, twin.guarantees, primary.guarantees)
+
+    @property
+    def state(self):
+        return self.primary.state
+
+    def add_request(self, request: Request) -> None:
+        self.primary.add_request(request)
+        self.twin.add_request(request)
+
+    def abort_request(self, request_id: str) -> None:
+        self.primary.abort_request(request_id)
+        self.twin.abort_request(request_id)
+
+    def schedule(self) -> StepPlan:
+        plan, twin_plan = self.primary.schedule(), self.twin.schedule()
+        assert twin_plan == plan, f"lockstep: {self.twin.name} planned {twin_plan}, {self.primary.name} {plan}"
+        return plan
+
+    def update(self, plan: StepPlan, sampled_token_ids: Mapping[str, int]) -> tuple[str, ...]:
+        finished = self.primary.update(plan, sampled_token_ids)
+        twin_finished = self.twin.update(plan, sampled_token_ids)
+        assert set(twin_finished) == set(finished), (self.twin.name, twin_finished, finished)
+        assert self.twin.state == self.primary.state, f"lockstep: {self.twin.name}'s state differs after {plan}"
+        return finished
+
+
+def with_twin(machine: type[SchedulerStateMachine], scheduler_name: str) -> type[SchedulerStateMachine]:
+    """``machine`` (of the registered ``scheduler_name``), with the twin of ``scheduler_name``
+    (:data:`TWINS`), if any, in lockstep (also used by ``tests/test_prefix_cache.py``)."""
+    if scheduler_name not in TWINS:
+        return machine
+    twin_name = TWINS[scheduler_name]
+
+    class WithTwin(machine):
+        @classmethod
+        def build_scheduler(cls, config):
+            return _Lockstep(super().build_scheduler(config), make_scheduler(twin_name, config))
+
+    WithTwin.__name__ = WithTwin.__qualname__ = f"{machine.__name__}With{twin_name.title().replace('-', '')}"
+    return WithTwin
+
+
+def lockstep_machine(scheduler_name: str, shard: int) -> type[SchedulerStateMachine]:
+    """:func:`shard_machine`, with the twin of ``scheduler_name`` (:data:`TWINS`), if any, in lockstep."""
+    return with_twin(shard_machine(scheduler_name, shard), scheduler_name)
+
+
 @pytest.mark.parametrize("shard", range(SHARDS))
-@pytest.mark.parametrize("scheduler_name", sorted(SCHEDULERS))
+@pytest.mark.parametrize("scheduler_name", sorted(set(SCHEDULERS) - set(TWINS.values())))
 def test_policy_refines_spec(scheduler_name: str, shard: int) -> None:
-    machine = shard_machine(scheduler_name, shard)
+    machine = lockstep_machine(scheduler_name, shard)
     assert issubclass(machine, SchedulerStateMachine) and machine.scheduler_name == scheduler_name
     profile = settings()
     run_state_machine_as_test(machine, settings=settings(profile, max_examples=-(-profile.max_examples // SHARDS)))
+
+
+@pytest.mark.parametrize("twin", sorted(TWINS.values()))
+def test_twin_runs_in_its_own_machine(twin: str) -> None:
+    """A twin (:data:`TWINS`) is still a scheduler the machine builds by its registered name: a few examples
+    through its own machine (the full count runs in lockstep with its primary)."""
+    assert set(TWINS.values()) <= set(SCHEDULERS) and not set(TWINS) & set(TWINS.values())
+    run_state_machine_as_test(shard_machine(twin, 0), settings=settings(settings(), max_examples=10))
+
+
+def test_lockstep_catches_a_twin_that_plans_differently() -> None:
+    """Deliberate break: a twin that plans as ``static`` instead of ``fcfs`` fails the lockstep."""
+
+    class Broken(machine_for("fcfs")):
+        @classmethod
+        def build_scheduler(cls, config):
+            twin = make_scheduler("static", config)
+            twin.guarantees = make_scheduler("fcfs", config).guarantees
+            return _Lockstep(super().build_scheduler(config), twin)
+
+    with pytest.raises(AssertionError, match="lockstep"):
+        run_state_machine_as_test(Broken, settings=settings(QUICK, max_examples=200, phases=(Phase.generate,)))
 
 
 def test_the_shards_run_different_examples_reproducibly() -> None:

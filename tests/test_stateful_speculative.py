@@ -11,7 +11,7 @@ import os
 
 import attrs
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.errors import Flaky
 
@@ -74,8 +74,11 @@ class _KeepsRejected(ReferenceScheduler):
 
 
 def test_the_machine_catches_rejected_drafts_kept_computed():
+    """Deliberate break. No shrinking (``Phase.shrink`` off): the test asks whether the machine catches the
+    break, not for the smallest example, and shrinking a failing run of up to 30 rules was most of its cost
+    (45 to 85 s in CI); the first failing example raises the same ``SpecViolation``."""
     Machine = machine("broken", lambda config: _KeepsRejected(config, vllm_v1, "keeps-rejected", frozenset()))
-    Machine.TestCase.settings = settings(SETTINGS, max_examples=200)
+    Machine.TestCase.settings = settings(SETTINGS, max_examples=200, phases=(Phase.explicit, Phase.generate))
     with pytest.raises((SpecViolation, Flaky)) as caught:
         Machine.TestCase().runTest()
     assert "refinement" in str(caught.value) or isinstance(caught.value, Flaky)
