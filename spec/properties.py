@@ -237,8 +237,9 @@ class TransfersInFlight:
         ``delayed_frees``, of loads in flight and of loads the plan starts, > 0), (b) the first waiting request
         the plan leaves waiting (``holding_first`` order; past those loading, rejected, or whose grammar is not
         ready) needs more blocks for its whole sequence than the plan leaves free, and no more than that plus
-        ``held``; or (c) the plan preempts while the running requests need more blocks to compute one more
-        position each than are free before the step, and no more than that plus ``held``."""
+        ``held``, and the plan schedules every running request; or (c) the plan preempts or leaves a running
+        request out while the running requests need more blocks to compute one more position each than are free
+        before the step, and no more than that plus ``held``."""
         config = self.config
         waiting_on_load = {r for r, request in before.requests.items()
                            if request.status is RequestStatus.WAITING_FOR_REMOTE_KVS}
@@ -257,8 +258,7 @@ class TransfersInFlight:
                                                   config.block_size) - len(before.requests[r].block_ids))
                          for r in before.running)
             free = len(before.free_block_ids)
-            if free < demand <= free + held:
-                return True
+            return free < demand <= free + held  # (not (b): a running request left out may have been the work)
         head = next((r for r in holding_first(before.waiting, before.requests)  # (b) the head left waiting
                      if r not in waiting_on_load and r not in scheduled and before.requests[r].grammar_ready(before.step)
                      and r not in {rejected for rejected, _ in plan.rejected}), None)

@@ -433,3 +433,15 @@ def test_a_preempt_and_recompute_livelock_while_a_load_is_in_flight_fails_progre
 
     state = _other_and_a_long_load(CONFIG, 6)
     assert _watched(CONFIG, state, _load_then(livelock, 70)) == {"progress", "bounded-wait"}
+
+
+def test_leaving_the_running_out_while_a_load_keeps_the_head_out_fails_progress() -> None:
+    """``r``'s load holds 2 of 4 blocks and keeps ``w`` (2 blocks, 5 + 3 tokens) waiting, which is excused; but the
+    scheduler also leaves ``o`` out, running with its block and 1 block free: the step is not held back."""
+    config = attrs.evolve(CONFIG, num_kv_blocks=4)
+    state = add_request(SchedulerState.initial(config), Request("o", 0, (1, 2, 3), max_tokens=20))
+    state = apply_plan(state, StepPlan(scheduled=(ScheduledRequest("o", 0, 3, (0,)),)), {"o": 9}, config).state
+    state = add_request(add_request(state, fresh(arrival_step=1)), Request("w", 1, (1, 2, 3, 4, 5), max_tokens=3))
+    load = StepPlan(loads=(KVLoad("r", 8, (1, 2)),))
+    assert _watched(config, state, [lambda s: (load, {})] + [lambda s: (StepPlan(), {})] * 70) == {
+        "progress", "bounded-wait"}
