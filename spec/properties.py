@@ -18,11 +18,12 @@ import attrs
 from schedspec.spec.admission import max_blocks_needed, rejection_reason
 from schedspec.spec.config import SchedulerConfig, blocks_for_tokens, slot_tokens
 from schedspec.spec.kv_cache_groups import groups_of
-from schedspec.spec.request import RequestStatus
+from schedspec.spec.request import Request, RequestStatus
 from schedspec.spec.rules import Violation
 from schedspec.spec.state import (
     SchedulerState,
     StepPlan,
+    freed_by_windows,
     holding_first,
     is_prefill_chunk,
     offers_load,
@@ -106,6 +107,38 @@ def trace_property(source: str) -> Callable[[type[Monitor]], type[Monitor]]:
     return register
 
 
+def free_at_plan(before: SchedulerState, plan: StepPlan, config: SchedulerConfig) -> int:
+    """Free blocks the plan leaves (blocks): the free queue before the step less every block the plan allocates
+    (its items' new blocks, in every KV cache group, and its remote KV loads'), plus the blocks sliding windows
+    free in the step (with prefix caching only those no other table holds: a shared block's free only drops its
+    reference count), less the prefix hits on evictable blocks (or on blocks a window freed in the step), which
+    leave the free queue. Blocks freed by requests that finish in the step are not counted: they are free only
+    after sampling. vLLM 0.32 ``KVCacheManager.allocate_slots`` / ``BlockPool.get_num_free_blocks`` as the
+    waiting loop sees it (``Scheduler.schedule``)."""
+    free = (len(before.free_block_ids) - sum(len(i.new_block_ids) for i in plan.scheduled)
+            - sum(len(load.new_block_ids) for load in plan.loads))
+    cache = before.prefix_cache
+    window_freed: set[int] = set()
+    if config.kv_cache_groups:
+        free -= sum(len(b) for i in plan.scheduled for b in i.group_new_block_ids)
+        window_freed = freed_by_windows(plan.scheduled, cache)
+        free += len(window_freed)
+    if cache is not None:
+        free -= len({b for i in plan.scheduled
+                     for b in i.cached_block_ids + tuple(b for t in i.group_cached_block_ids for b in t)
+                     if cache.is_evictable(b) or b in window_freed})
+    return free
+
+
+def whole_sequence_need(request: Request, config: SchedulerConfig) -> int:
+    """Blocks a waiting request needs beyond those it holds to admit its whole sequence (blocks): its
+    ``num_tokens`` with the lookahead its table must hold (speculative decoding: ``slot_tokens``), in every KV
+    cache group (a window's savings not counted), less the blocks of its table (a request holding loaded blocks
+    needs the rest). The admission ``work-conserving`` judges: the head is admitted when this many blocks are free."""
+    return (len(groups_of(config)) * blocks_for_tokens(slot_tokens(request.num_tokens, config), config.block_size)
+            - len(request.block_ids))
+
+
 @trace_property("Orca (OSDI'22) iteration-level scheduling; this spec")
 class Progress(Monitor):
     """``progress``: over any window of ``window`` steps that start with live work, some request ends or
@@ -116,8 +149,10 @@ class Progress(Monitor):
     that gives the oldest request at least one token per step recomputes at most that many positions
     before passing its high-water mark (fcfs; see ``bounded-wait``). A step in which every live request
     waits for its structured-output grammar (:meth:`~schedspec.spec.request.Request.grammar_ready`) has no
-    work to do: it starts no window; nor does a step during which a remote KV transfer is in flight
-    (:class:`TransfersInFlight`: the engine waits on the transfer).
+    work to do: it starts no window; nor does a step that a remote KV transfer in flight holds back
+    (:meth:`TransfersInFlight.holds_back`: every live request waits on its own load, or the blocks transfers hold
+    are what the head or the running requests lack). Any other step counts while a transfer is in flight, so a
+    scheduler that preempts without need, recomputes forever or never admits a head that fits fails.
     """
 
     name = "progress"
@@ -127,10 +162,11 @@ class Progress(Monitor):
         self.window = window or config.max_model_len
         self.high_water: dict[str, int] = {}
         self.stalled_since: int | None = None
-        self.transfers = TransfersInFlight()
+        self.transfers = TransfersInFlight(config)
 
     def observe(self, before: SchedulerState, plan: StepPlan, after: SchedulerState) -> None:
-        busy = self.transfers.during(before, plan, after)  # (called every step: it follows the loads)
+        # (during is called every step: it follows the loads)
+        busy = self.transfers.during(before, plan, after) and self.transfers.holds_back(before, plan)
         advanced = busy or len(after.finished) > len(before.finished)
         for item in plan.scheduled:
             reach = item.num_computed_tokens + item.num_sequence_tokens  # no draft position
@@ -155,11 +191,34 @@ class Progress(Monitor):
 
 class TransfersInFlight:
     """Follows, step by step, whether a remote KV transfer is in flight (KV connector): a load started and not
-    landed (WAITING_FOR_REMOTE_KVS), or blocks held for an ended request's transfer (``delayed_frees``). Costs
-    O(loads in flight) per step. While one is, the engine waits on the transfer, not on the scheduler:
-    ``progress`` and ``bounded-wait`` do not count those steps."""
+    landed (WAITING_FOR_REMOTE_KVS), or blocks held for an ended request's transfer (``delayed_frees``); and
+    whether that transfer is what holds the engine back in a step (:meth:`holds_back`), the only steps
+    ``progress`` and ``bounded-wait`` do not count. Costs O(live requests) per step while one is in flight.
 
-    def __init__(self) -> None:
+    What vLLM 0.32 does in such steps (``vllm/v1/core/sched/scheduler.py``): the waiting loop skips a request
+    whose load has not landed (``_handle_blocked_waiting_request``: WAITING_FOR_REMOTE_KVS and not in
+    ``finished_recving_kv_req_ids`` returns False, ``skip_request``), and promotes it only once
+    ``_update_from_kv_xfer_finished`` reported it (``_update_waiting_for_remote_kv``); the blocks of a load in
+    flight stay in the request's table, and those of a request that ended while its transfer ran are freed only
+    when the transfer is reported done (``_free_request``: ``delay_free_blocks`` from ``_connector_finished`` /
+    ``request_finished``, or an abort while WAITING_FOR_REMOTE_KVS; ``_free_blocks`` from
+    ``_update_from_kv_xfer_finished``). Until then those blocks are missing from the pool: the waiting loop stops at
+    a head ``allocate_slots`` cannot place (``new_blocks is None``: ``break``), and a running request that cannot
+    get its next block preempts (``_preempt_request``) or, with ``has_pending_block_frees``, is left out. Every
+    other step the engine could compute: a scheduler that then preempts without need, recomputes forever or
+    never admits a head that fits is judged as without a transfer (a transfer in flight excused every step
+    before, so such a livelock passed).
+
+    A transfer that never completes excuses the steps it holds back for as long as it is in flight; a whole
+    trace ends with every transfer reported (``unfinished-request``), so only a window checked with
+    ``--allow-unfinished`` can hide it.
+
+    Args:
+        config: the run's configuration (block_size, the lookahead of ``slot_tokens``).
+    """
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
         self.loading: set[str] = set()
 
     def during(self, before: SchedulerState, plan: StepPlan, after: SchedulerState) -> bool:
@@ -170,6 +229,43 @@ class TransfersInFlight:
             self.loading = {r for r in self.loading | started if r in after.requests
                             and after.requests[r].status is RequestStatus.WAITING_FOR_REMOTE_KVS}
         return busy
+
+    def holds_back(self, before: SchedulerState, plan: StepPlan) -> bool:
+        """Whether a transfer in flight holds the step ``before -> plan`` back (call after :meth:`during` found
+        one in flight): (a) every live request waits on its own load (WAITING_FOR_REMOTE_KVS, or one the plan
+        starts) or on its structured-output grammar; or, with blocks held by transfers (``held``: those of
+        ``delayed_frees``, of loads in flight and of loads the plan starts, > 0), (b) the first waiting request
+        the plan leaves waiting (``holding_first`` order; past those loading, rejected, or whose grammar is not
+        ready) needs more blocks for its whole sequence than the plan leaves free, and no more than that plus
+        ``held``, and the plan schedules every running request; or (c) the plan preempts or leaves a running
+        request out while the running requests need more blocks to compute one more position each than are free
+        before the step, and no more than that plus ``held``."""
+        config = self.config
+        waiting_on_load = {r for r, request in before.requests.items()
+                           if request.status is RequestStatus.WAITING_FOR_REMOTE_KVS}
+        waiting_on_load.update(load.request_id for load in plan.loads)
+        if all(r in waiting_on_load or not request.grammar_ready(before.step)
+               for r, request in before.requests.items()):
+            return True  # (a)
+        held = (sum(len(d.block_ids) for d in before.delayed_frees.values())
+                + sum(len(before.requests[r].block_ids) for r in waiting_on_load if r in before.requests)
+                + sum(len(load.new_block_ids) for load in plan.loads))
+        if not held:
+            return False
+        scheduled = {item.request_id for item in plan.scheduled}
+        if plan.preempted or any(r not in scheduled for r in before.running):  # (c) short of blocks for running
+            demand = sum(max(0, blocks_for_tokens(slot_tokens(before.requests[r].num_computed_tokens + 1, config),
+                                                  config.block_size) - len(before.requests[r].block_ids))
+                         for r in before.running)
+            free = len(before.free_block_ids)
+            return free < demand <= free + held  # (not (b): a running request left out may have been the work)
+        head = next((r for r in holding_first(before.waiting, before.requests)  # (b) the head left waiting
+                     if r not in waiting_on_load and r not in scheduled and before.requests[r].grammar_ready(before.step)
+                     and r not in {rejected for rejected, _ in plan.rejected}), None)
+        if head is None:
+            return False
+        free = free_at_plan(before, plan, config)
+        return free < whole_sequence_need(before.requests[head], config) <= free + held
 
 
 @trace_property('vLLM Scheduler.schedule; Orca §3')
@@ -218,22 +314,8 @@ class WorkConserving(Monitor):
         if running_after >= config.active_seq_cap:  # max_num_active_seqs when set (rule active-sequence-cap)
             return
         rejected = {request_id for request_id, _ in plan.rejected}
-        free_at_plan = (len(before.free_block_ids) - sum(len(i.new_block_ids) for i in plan.scheduled)
-                        - sum(len(load.new_block_ids) for load in plan.loads))
+        free_at_plan_ = free_at_plan(before, plan, config)
         loaded = {load.request_id for load in plan.loads}
-        cache = before.prefix_cache
-        window_freed: set[int] = set()
-        if config.kv_cache_groups:  # every group's new blocks, and the blocks the windows freed (with prefix
-            # caching only those no other table holds: a shared block's free only drops its reference count)
-            free_at_plan -= sum(len(b) for i in plan.scheduled for b in i.group_new_block_ids)
-            window_freed = {b for i in plan.scheduled for b in i.skipped_block_ids
-                            if cache is None or cache.ref_counts.get(b, 0) <= 1}
-            free_at_plan += len(window_freed)
-        if cache is not None:  # a hit on an evictable block (or one a window freed in the step) takes it out of
-            # the free queue (every group's)
-            free_at_plan -= len({b for i in plan.scheduled
-                                 for b in i.cached_block_ids + tuple(b for t in i.group_cached_block_ids for b in t)
-                                 if cache.is_evictable(b) or b in window_freed})
         # the adapters of the running set as the plan leaves it (before.running plus the admitted; nothing is
         # preempted here); requests that finish in the step still count: they end only after sampling
         loras = ({before.requests[r].lora_int_id for r in before.running}
@@ -257,14 +339,13 @@ class WorkConserving(Monitor):
                 break  # a head whose remote KV load may start is not judged (a policy may hold a load back)
             # a request holding loaded blocks needs the rest of its sequence; with KV cache groups, the whole
             # sequence in every group (a window's savings not counted)
-            needed = (len(groups_of(config)) * blocks_for_tokens(slot_tokens(request.num_tokens, config),
-                                                                 config.block_size) - len(request.block_ids))
+            needed = whole_sequence_need(request, config)
             fits_budget = config.enable_chunked_prefill or request.num_pending_tokens <= left
-            fits_blocks = needed + keep <= free_at_plan
+            fits_blocks = needed + keep <= free_at_plan_
             if fits_blocks and fits_budget:
                 self.report(
                     before.step,
-                    f"head of the waiting queue fits ({free_at_plan} free blocks, {left} tokens, "
+                    f"head of the waiting queue fits ({free_at_plan_} free blocks, {left} tokens, "
                     f"{config.active_seq_cap - running_after} slots left) but was not admitted",
                     request_id,
                 )
@@ -305,9 +386,11 @@ class BoundedWait(Monitor):
     guarantee this. An oldest request whose structured-output grammar is not ready is not counted: its wait
     starts at its grammar's ready step. With vLLM 0.33's prefill cadence (``prefill_schedule_interval`` N > 1)
     the bound is ``N * max_model_len``: a held step may leave the oldest request's prefill out, and at most
-    N - 1 executed steps in a row are held (rule ``prefill-cadence``). While a remote KV transfer is in flight
-    (:class:`TransfersInFlight`) the wait is not counted: it starts again from the first step without one (the
-    oldest request may wait on its own load, or on blocks a transfer holds); and once a trace has had one the
+    N - 1 executed steps in a row are held (rule ``prefill-cadence``). An oldest request waiting on its own remote
+    KV load (WAITING_FOR_REMOTE_KVS) is not counted: its wait starts when the load lands; nor is a step that a
+    transfer in flight holds back (:meth:`TransfersInFlight.holds_back`: the blocks transfers hold are what the
+    head or the running requests lack): the wait starts again from the first step no transfer holds back. Once
+    a trace has had a transfer in flight the
     bound is doubled: requests admitted while the oldest waited on its load may hold every sequence slot until
     they end, at most ``max_model_len`` steps later (found by ``schedspec diff --remote-kv``: a request loading
     while a younger one took the only slot).
@@ -317,7 +400,7 @@ class BoundedWait(Monitor):
 
     def __init__(self, config: SchedulerConfig) -> None:
         super().__init__(config)
-        self.transfers = TransfersInFlight()
+        self.transfers = TransfersInFlight(config)
         self.transfers_seen = False
         self.oldest: str | None = None
         self.since = 0
@@ -328,8 +411,11 @@ class BoundedWait(Monitor):
         if oldest in rejected or (oldest is not None and not before.requests[oldest].grammar_ready(before.step)):
             oldest = None  # rejected, or waiting for its structured-output grammar: its wait starts when ready
         if self.transfers.during(before, plan, after):
-            oldest = None  # a remote KV transfer in flight: the wait is counted from when none is
             self.transfers_seen = True
+            if oldest is not None and before.requests[oldest].status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+                oldest = None  # waiting on its own load: its wait starts when the load lands
+            elif self.transfers.holds_back(before, plan):
+                oldest = None  # a remote KV transfer holds the engine back: the wait is counted from when none does
         if oldest != self.oldest:
             self.oldest, self.since = oldest, before.step
         bound = self.config.max_model_len * self.config.prefill_schedule_interval * (2 if self.transfers_seen else 1)

@@ -38,6 +38,7 @@ from schedspec.spec.state import (
     SchedulerState,
     StepPlan,
     carries_prefill,
+    freed_by_windows,
     prefill_held,
     wasted_items,
 )
@@ -392,13 +393,16 @@ def _grammar_ready(state: SchedulerState, plan: StepPlan, config: SchedulerConfi
     "less the preempted, plus those admitted before it in the plan) leaves at least watermark_blocks blocks "
     "free after its allocation (counting, in plan order, the free blocks, those the step's preemptions "
     "release, and the blocks handed out and the evictable cached blocks hit up to it: a hit on a block free "
-    "before the step or released by its preemptions). The first admission into an empty running set may take "
-    "every block.",
+    "before the step or released by its preemptions). With KV cache groups the blocks are the shared pool's: "
+    "every group's new blocks count, and the blocks sliding windows free in the step (skipped_block_ids) are "
+    "free from that item on. The first admission into an empty running set may take every block.",
     "vLLM vllm/v1/core/kv_cache_manager.py KVCacheManager.allocate_slots (0.32 and 0.33): watermark_blocks "
     "is added to the blocks required for a request in WAITING or PREEMPTED when has_scheduled_reqs, which "
     "Scheduler.schedule passes as bool(self.running); KVCacheManager.__init__ watermark_blocks; the required "
     "blocks count the hit blocks at ref_cnt 0 (single_type_kv_cache_manager.py "
-    "SingleTypeKVCacheManager.get_num_blocks_to_allocate, num_evictable_blocks)",
+    "SingleTypeKVCacheManager.get_num_blocks_to_allocate, num_evictable_blocks); with KV cache groups "
+    "KVCacheCoordinator.get_num_blocks_to_allocate sums every group's, against the shared "
+    "BlockPool.get_num_free_blocks, after remove_skipped_blocks",
     action="schedule",
 )
 def _watermark(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
@@ -412,12 +416,17 @@ def _watermark(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
         held = held.difference(b for r in preempted for b in state.in_flight.freed_blocks.get(r, ()))
     # the blocks at reference count 0 when the waiting loop admits: the free queue as planned and the blocks
     # this step's preemptions released (vLLM preempts in the running loop, before it)
-    evictable = (frozenset(state.free_block_ids) - held) | released_by_preemptions(state, plan)
+    evictable = set(frozenset(state.free_block_ids) - held) | released_by_preemptions(state, plan)
     free = len(evictable)
     hit: set[int] = set()
+    cache = state.prefix_cache
     for item in plan.scheduled:
-        free -= len(item.new_block_ids)
-        for block_id in item.cached_block_ids:
+        # KV cache groups: the blocks its windows pass go back to the shared pool before it allocates
+        # (remove_skipped_blocks), and it allocates in every group (get_num_blocks_to_allocate sums them)
+        window_freed = freed_by_windows((item,), cache) - evictable
+        evictable |= window_freed
+        free += len(window_freed) - len(item.new_block_ids) - sum(len(b) for b in item.group_new_block_ids)
+        for block_id in item.cached_block_ids + tuple(b for t in item.group_cached_block_ids for b in t):
             if block_id in evictable and block_id not in hit:  # an evictable cached block leaves the free queue
                 hit.add(block_id)
                 free -= 1

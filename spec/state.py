@@ -375,6 +375,15 @@ class KVTransferOutput:
         return not (self.finished_recving or self.invalid_block_ids or self.finished_sending)
 
 
+def freed_by_windows(items: Sequence[ScheduledRequest], cache: PrefixCache | None) -> set[int]:
+    """The blocks the items' sliding-window groups free in the step (``skipped_block_ids``) that go back to the free
+    queue: with prefix caching only those no other table holds (a shared block's free only drops its reference
+    count). vLLM 0.32 ``KVCacheManager.allocate_slots`` → ``SingleTypeKVCacheManager.remove_skipped_blocks`` →
+    ``BlockPool.free_blocks``, before the request's allocation."""
+    return {b for item in items for b in item.skipped_block_ids
+            if cache is None or cache.ref_counts.get(b, 0) <= 1}
+
+
 def holding_first(order: Sequence[str], requests: Mapping[str, Request]) -> Sequence[str]:
     """``order`` (waiting request ids) with those that may hold blocks after a remote KV load
     (``Request.holds_loaded_kv``) first, in their order: the order vLLM 0.32 ``Scheduler.schedule`` visits the

@@ -338,3 +338,24 @@ def test_the_profile_releases_every_group_of_a_victim() -> None:
     assert step.preempted == ("r5",)
     assert [(s.request_id, s.num_tokens) for s in step.scheduled] == [("r3", 1), ("r4", 1)]
     assert step.blocks_skipped == {"r4": (5,)}
+
+
+def test_the_watermark_counts_every_groups_blocks_and_the_windows_frees() -> None:
+    """vLLM's watermark check is against the shared pool (``KVCacheManager.allocate_slots``: the coordinator's
+    ``get_num_blocks_to_allocate`` sums every group's blocks, ``BlockPool.get_num_free_blocks`` after
+    ``remove_skipped_blocks``). 16 blocks, watermark int(0.3 * 17) = 5, 8 free; ``a``'s decode takes one block
+    per group and its window frees 2 (the pool stays at 8); admitting ``b`` with a 4-token prompt takes 2 blocks per
+    group: 4 left < 5. Counting group 0 alone (main's rule) left 5: a false pass."""
+    config = CONFIG.with_changes(num_kv_blocks=16, watermark=0.3)
+    assert config.watermark_blocks == 5
+    state = state_of(free=tuple(range(8, 16)))
+    state = SchedulerState(step=1, running=("a",), requests={**state.requests, "b": Request("b", 1, (1, 2, 3, 4),
+                                                                                          max_tokens=2)},
+                           waiting=("b",), free_block_ids=state.free_block_ids, num_requests_added=2)
+
+    def admit(prompt_blocks: tuple[int, ...], window_blocks: tuple[int, ...], tokens: int):
+        b = ScheduledRequest("b", 0, tokens, prompt_blocks, group_new_block_ids=(window_blocks,))
+        return [(v.name, v.request_id) for v in violated_rules(state, StepPlan(scheduled=(GOOD, b)), config)]
+
+    assert admit((10, 11), (12, 13), 4) == [("watermark", "b")]
+    assert admit((10,), (11,), 2) == []  # 1 block per group: 6 left

@@ -377,3 +377,71 @@ def test_a_transfer_still_holding_blocks_at_the_end_of_a_trace_is_unfinished():
     report = check_trace(config, cut)
     assert any(v.name == "unfinished-request" and v.request_id == "a" for v in report.violations)
     assert check_trace(config, result.records).ok
+
+
+def _watched(config: SchedulerConfig, state: SchedulerState, plans) -> set[str]:
+    """Apply each plan of ``plans`` (a callable ``state -> (plan, sampled)`` per step, or ``None`` to stop) with no
+    transfer reported, under the ``progress`` and ``bounded-wait`` monitors; the names of the properties violated."""
+    from schedspec.spec.properties import monitors
+
+    watchers = monitors(["progress", "bounded-wait"], config)
+    for make in plans:
+        plan, sampled = make(state)
+        after = apply_plan(state, plan, sampled, config).state
+        for watcher in watchers:
+            watcher.observe(state, plan, after)
+        state = after
+    return {v.name for watcher in watchers for v in watcher.finish(state)}
+
+
+def _other_and_a_long_load(config: SchedulerConfig, other_prompt: int) -> SchedulerState:
+    """``o`` (``other_prompt`` tokens, 3 to generate) arrives first, then ``r``, which offers a remote KV load of 8
+    tokens (2 blocks of 4)."""
+    state = add_request(SchedulerState.initial(config), Request("o", 0, tuple(range(other_prompt)), max_tokens=3))
+    return add_request(state, fresh())
+
+
+def _load_then(step_plan, steps: int = 40):
+    """Step 0 starts ``r``'s load into blocks 0, 1; then ``steps`` steps of ``step_plan`` while it never lands."""
+    return [lambda state: (LOAD, {})] + [step_plan] * steps
+
+
+def test_starving_the_others_while_a_load_is_in_flight_fails_progress_and_bounded_wait() -> None:
+    """A scheduler that never admits ``o`` (1 block; 6 of 8 free) during ``r``'s 70-step load: the load does not
+    hold the engine back, so the stall counts (past bounded-wait's bound, doubled with a transfer: 64 steps).
+    Main excused every step a transfer was in flight: it passed."""
+    state = _other_and_a_long_load(CONFIG, 4)
+    assert _watched(CONFIG, state, _load_then(lambda s: (StepPlan(), {}), 70)) == {"progress", "bounded-wait"}
+
+
+def test_a_head_the_loads_blocks_keep_out_is_excused() -> None:
+    """The same stall with 3 blocks: ``r``'s load holds 2, ``o`` needs 2 for its whole sequence (5 + 3 tokens) and
+    1 is free: the transfer holds the engine back (vLLM's waiting loop stops at ``allocate_slots``), no alarm."""
+    config = attrs.evolve(CONFIG, num_kv_blocks=3)
+    state = _other_and_a_long_load(config, 5)
+    assert _watched(config, state, _load_then(lambda s: (StepPlan(), {}), 70)) == set()
+
+
+def test_a_preempt_and_recompute_livelock_while_a_load_is_in_flight_fails_progress() -> None:
+    """``o`` computes its first 4-token chunk, is preempted, recomputes the same chunk, and so on, while ``r``'s
+    load never lands, with 5 blocks free: no preemption was needed, the livelock counts."""
+
+    def livelock(state: SchedulerState):
+        if "o" in state.running:
+            return StepPlan(preempted=("o",)), {}
+        return StepPlan(scheduled=(ScheduledRequest("o", 0, 4, state.free_block_ids[:1]),)), {}
+
+    state = _other_and_a_long_load(CONFIG, 6)
+    assert _watched(CONFIG, state, _load_then(livelock, 70)) == {"progress", "bounded-wait"}
+
+
+def test_leaving_the_running_out_while_a_load_keeps_the_head_out_fails_progress() -> None:
+    """``r``'s load holds 2 of 4 blocks and keeps ``w`` (2 blocks, 5 + 3 tokens) waiting, which is excused; but the
+    scheduler also leaves ``o`` out, running with its block and 1 block free: the step is not held back."""
+    config = attrs.evolve(CONFIG, num_kv_blocks=4)
+    state = add_request(SchedulerState.initial(config), Request("o", 0, (1, 2, 3), max_tokens=20))
+    state = apply_plan(state, StepPlan(scheduled=(ScheduledRequest("o", 0, 3, (0,)),)), {"o": 9}, config).state
+    state = add_request(add_request(state, fresh(arrival_step=1)), Request("w", 1, (1, 2, 3, 4, 5), max_tokens=3))
+    load = StepPlan(loads=(KVLoad("r", 8, (1, 2)),))
+    assert _watched(config, state, [lambda s: (load, {})] + [lambda s: (StepPlan(), {})] * 70) == {
+        "progress", "bounded-wait"}
