@@ -58,6 +58,8 @@ FAULTS = {
     "block owned twice": lambda s, before, checked: _give_block(s, lambda req, other: req.block_ids + other.block_ids[:1]),
     "block leaked": lambda s, before, checked: attrs.evolve(s, free_block_ids=s.free_block_ids[1:]) if s.free_block_ids else None,
     "block out of range": lambda s, before, checked: _give_block(s, lambda req, other: req.block_ids + (10**6,)),
+    # the first id past the pool (num_kv_blocks itself: an off-by-one range test of the ledger passes it)
+    "block one past the pool": lambda s, before, checked: _give_block(s, lambda req, other: req.block_ids + (_pool_size(s),)),
     "terminal holds blocks": lambda s, before, checked: _finished_with_blocks(s, before),
     # Faults that keep the free queue's length right (the count alone cannot see them).
     "owned block in the free queue": lambda s, before, checked: _owned_in_queue(s),
@@ -172,6 +174,11 @@ def _aborted_not_terminal(state, before, checked):
     finished = dict(state.finished)
     finished[aborted[-1]] = attrs.evolve(finished[aborted[-1]], status=RequestStatus.WAITING)
     return attrs.evolve(state, finished=finished)
+
+
+def _pool_size(state):
+    """num_kv_blocks of a state that keeps block-conservation: every block is free or in a live table."""
+    return len(set(state.free_block_ids) | {b for r in state.requests.values() for b in r.block_ids})
 
 
 def _give_block(state, table):
@@ -417,7 +424,7 @@ def test_the_screen_sees_a_sequence_cap_breach_alone() -> None:
     assert not screened_rules_hold(scheduler.state, broken, config)
 
 
-CACHE_FAULTS = ["block owned twice", "block leaked", "block out of range", "terminal holds blocks",
+CACHE_FAULTS = ["block owned twice", "block leaked", "block out of range", "block one past the pool", "terminal holds blocks",
                 "reference count off", "held block loses its hash", "uncomputed block published",
                 "block listed twice under its hash", "block published under another hash",
                 "held block in the free queue", "duplicate in the free queue", "out-of-range id in the free queue"]

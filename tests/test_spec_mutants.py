@@ -4,6 +4,8 @@ Grouped by module; each test names the mutants it was written for (``scripts/mut
 
 from __future__ import annotations
 
+import collections
+
 import attrs
 import pytest
 from test_rules import ADMIT_B, CASES, CONFIG, DECODE_A, base_state, running_a, waiting_b
@@ -328,6 +330,148 @@ def test_the_screen_holds_at_every_limit_exactly_met(change, plan):
     state = base_state()
     assert not violated_rules(state, plan, config)
     assert screened_rules_hold(state, plan, config)
+
+
+def _three_running() -> SchedulerState:
+    """a (blocks 0, 1), c (2, 3) and e (4, 5) running, each a decode of 1 token; b and d waiting, 5 tokens each;
+    blocks 6 and 7 free."""
+    c, e = (attrs.evolve(running_a(), request_id=r, arrival_step=0, block_ids=blocks)
+            for r, blocks in (("c", (2, 3)), ("e", (4, 5))))
+    d = attrs.evolve(waiting_b(), request_id="d", arrival_step=2)
+    return attrs.evolve(base_state(c, e, d), waiting=("b", "d"), running=("a", "c", "e"), free_block_ids=(6, 7))
+
+
+def _screen_cases():
+    """(config, state, plan, whether the screened rules pass it): plans on which the screen's answer must be the
+    screened rules' answer exactly."""
+    three = _three_running()
+    excess = attrs.evolve(base_state(), requests={**base_state().requests, "a": attrs.evolve(running_a(), block_ids=(0, 1, 2))},
+                          free_block_ids=(3, 4, 5, 6, 7))
+    spec = CONFIG.with_changes(num_speculative_tokens=2, max_num_batched_tokens=32)
+    fresh = SchedulerState(step=0, waiting=("f",), requests={"f": Request("f", 0, tuple(range(8)), max_tokens=3)},
+                           free_block_ids=tuple(range(8)), num_requests_added=1)
+    return {
+        # the budget broken only by the sum of the items (#85: total = num_tokens)
+        "budget-by-the-sum": (CONFIG.with_changes(max_num_batched_tokens=5), base_state(),
+                              StepPlan(scheduled=(DECODE_A, ADMIT_B)), False),
+        # a request preempted and scheduled (#92), preempted twice (#97), rejected twice (#105)
+        "preempted-and-scheduled": (CONFIG, base_state(), StepPlan(scheduled=(DECODE_A,), preempted=("a",)), False),
+        "preempted-twice": (CONFIG, base_state(), StepPlan(preempted=("a", "a")), False),
+        "rejected-twice": (CONFIG, base_state(), StepPlan(rejected=(("b", "x"), ("b", "x"))), False),
+        # sequence-cap with preemptions: two preempted make room for two admitted (#98, #99, #111), one does
+        # not (#100: each preemption counted twice)
+        "two-out-two-in": (CONFIG.with_changes(max_num_seqs=3), three,
+                           StepPlan(scheduled=(DECODE_A, ScheduledRequest("b", 0, 5, (2, 3)),
+                                               ScheduledRequest("d", 0, 5, (4, 5))), preempted=("c", "e")), True),
+        "one-out-two-in": (CONFIG.with_changes(max_num_seqs=3), three,
+                           StepPlan(scheduled=(DECODE_A, ScheduledRequest("e", 6, 1), ScheduledRequest("b", 0, 5, (2, 3)),
+                                               ScheduledRequest("d", 0, 5, (6, 7))), preempted=("c",)), False),
+        # without chunked prefill the long-prefill threshold does not apply (#8: applied anyway)
+        "whole-prefill-over-an-unused-threshold": (
+            CONFIG.with_changes(enable_chunked_prefill=False, long_prefill_token_threshold=4, max_num_batched_tokens=32),
+            base_state(), StepPlan(scheduled=(DECODE_A, ADMIT_B)), True),
+        # a table holding more than its sequence needs, decoding without a new block: refused without speculative
+        # decoding (#70, #71), allowed with it (drafts rejected leave such tables: #10, #71)
+        "excess-table-without-drafts": (CONFIG, excess, StepPlan(scheduled=(DECODE_A,)), False),
+        "excess-table-with-drafts": (spec, excess, StepPlan(scheduled=(DECODE_A,)), True),
+        # without chunking a whole prompt with two drafts is 8 + 2 tokens, not 8 - 2 (#40)
+        "whole-prefill-less-its-drafts": (spec.with_changes(enable_chunked_prefill=False), fresh,
+                                          StepPlan(scheduled=(ScheduledRequest("f", 0, 6, (0, 1), spec_token_ids=(5, 5)),)),
+                                          False),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_screen_cases()))
+def test_the_screen_answers_as_the_screened_rules_on_hand_made_plans(case):
+    """``screened_rules_hold`` is True exactly when no rule of ``SCREENED`` refuses the plan, on plans each aimed at
+    one condition of the screen (the mutants named in ``_screen_cases``): a looser screen skips the rules and
+    loses a violation; a stricter one makes every such step pay for the full rules."""
+    from schedspec.spec.incremental import SCREENED, screened_rules_hold
+
+    config, state, plan, passes = _screen_cases()[case]
+    assert (not {v.name for v in violated_rules(state, plan, config)} & SCREENED) == passes
+    assert screened_rules_hold(state, plan, config) == passes
+
+
+def _every_field(violations) -> collections.Counter:
+    """Violations as a multiset of all their fields (name, detail, step, request, kind, code)."""
+    return collections.Counter((v.name, v.detail, v.step, v.request_id, v.kind, v.code) for v in violations)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_incremental_rules_are_the_rules_field_for_field(name):
+    """``IncrementalChecker.rules`` returns what ``violated_rules`` returns, every field of every violation
+    (its own ``blocks-from-free-pool`` violations, built from the ledger's free set, included: ``rules#36-#56``
+    left out or changed the rule's name, detail, step, request, kind or code, and ``#33`` ran the plain
+    free-pool rule beside the ledger's), on the bad plan and the legal twin of every rule's case."""
+    from schedspec.spec.incremental import IncrementalChecker
+
+    state, bad, good, config = CASES[name]()
+    checker = IncrementalChecker(config)
+    checker.sync(state)
+    for plan in (bad, good):
+        assert _every_field(checker.rules(state, plan)) == _every_field(violated_rules(state, plan, config)), plan
+
+
+def test_the_incremental_free_pool_check_names_the_case_of_a_block_reused_by_a_hit():
+    """The ledger's ``blocks-from-free-pool`` violations carry the code ``violated_rules`` gives them: the plain
+    rule's name for a block that is not free, ``name:reused-by-hit-in-step`` for a block handed out and hit in
+    the same step (``rules#50-#56``: the case dropped, or read from an empty case)."""
+    from schedspec.spec.incremental import IncrementalChecker
+
+    state = base_state()
+    checker = IncrementalChecker(CONFIG)
+    checker.sync(state)
+    assert checker.sound  # the ledger followed base_state: its free set, not the plain rule, judges below
+    not_free = StepPlan(scheduled=(DECODE_A, ScheduledRequest("b", 0, 5, (0, 2))))
+    reused = StepPlan(scheduled=(ScheduledRequest("a", 6, 1, (), (2,)), ScheduledRequest("b", 0, 5, (2, 3))))
+    for plan, code in ((not_free, "blocks-from-free-pool"),
+                       (reused, "blocks-from-free-pool:reused-by-hit-in-step")):
+        found = [v for v in checker.rules(state, plan) if v.name == "blocks-from-free-pool"]
+        assert [(v.code, v.request_id, v.step, v.kind) for v in found] == [(code, "b", state.step, "rule")]
+        assert _every_field(found) == _every_field(
+            v for v in violated_rules(state, plan, CONFIG) if v.name == "blocks-from-free-pool")
+
+
+def test_the_incremental_rules_run_in_full_once_the_ledger_is_unsound():
+    """A checker whose ledger could not follow a state (here a request holds a block that is still in the free
+    queue, so ``sync`` fails) judges plans with the plain rules: the same violations as ``violated_rules``,
+    with the state and the plan it was given (``rules#7-#12``: the plain rules called with ``None`` or without
+    an argument)."""
+    from schedspec.spec.incremental import IncrementalChecker
+
+    state = base_state()
+    broken = attrs.evolve(state, free_block_ids=(0, *state.free_block_ids))  # block 0 held by a and free
+    checker = IncrementalChecker(CONFIG)
+    checker.sync(broken)
+    assert not checker.sound
+    for plan in (StepPlan(scheduled=(DECODE_A, ADMIT_B)), StepPlan(scheduled=(DECODE_A, ScheduledRequest("b", 0, 5, (0, 2))))):
+        assert _every_field(checker.rules(broken, plan)) == _every_field(violated_rules(broken, plan, CONFIG))
+
+
+def test_a_remote_kv_load_switches_the_incremental_checker_to_full_checks():
+    """The first plan with a remote KV load (or a state with a delayed free) makes the checker run the rules
+    and the ledger's invariants in full from then on (``remote``; ``rules#1-#3``: ``or`` made ``and``, the flag
+    left False); the step after is judged by the full invariants (a fallback)."""
+    from schedspec.spec.incremental import IncrementalChecker
+    from schedspec.spec.state import DelayedFree, KVLoad
+    from schedspec.spec.transitions import apply_plan
+
+    state = attrs.evolve(base_state(), requests={**base_state().requests, "b": attrs.evolve(
+        waiting_b(), num_external_computed_tokens=4)})
+    for plan, before in ((StepPlan(scheduled=(DECODE_A,), loads=(KVLoad("b", 4, (2,)),)), state),
+                         (StepPlan(scheduled=(DECODE_A,)), attrs.evolve(state, delayed_frees={"z": DelayedFree((7,), "sending")}))):
+        checker = IncrementalChecker(CONFIG)
+        checker.sync(before)
+        checker.rules(before, plan)
+        assert checker.remote is True, plan
+    checker = IncrementalChecker(CONFIG)
+    checker.sync(state)
+    plan = StepPlan(scheduled=(DECODE_A,), loads=(KVLoad("b", 4, (2,)),))
+    assert _every_field(checker.rules(state, plan)) == _every_field(violated_rules(state, plan, CONFIG))
+    after = apply_plan(state, plan, {"a": 22}, CONFIG).state
+    assert checker.invariants(state, plan, after) == []
+    assert checker.fallbacks == 1
 
 
 # --- spec/properties.py, second round (issue 28: every monitor's survivors, scripts/mutmut.sh properties) ------
