@@ -462,3 +462,19 @@ def test_the_screen_counts_lookahead_and_drafts_as_the_rules_do() -> None:
     decode = _mutate_item(plan, 0, spec_token_ids=(5,))  # all 8 pending but not the draft it carries
     assert "whole-prefill-without-chunking" in {v.name for v in violated_rules(state, decode, whole)}
     assert not screened_rules_hold(state, decode, whole)
+
+
+@settings(deadline=None)  # examples: the active profile's
+@given(runs())
+def test_the_ledger_follows_every_correct_run_without_a_fallback(run):
+    """On random correct runs (arrivals, aborts, preemptions, shared prompt prefixes, with and without prefix
+    caching) the ledger proves every step: no step pays for the full block checks. A ledger that loses track of
+    a table, a block's holders, the cache or a request's published chain falls back (it cannot prove what it
+    no longer follows), which costs only time, so only this count shows it (spec/incremental.py mutants of
+    ``_follow``, ``_follow_cached`` and ``_chain_known``)."""
+    config, specs, name = run
+    if not specs:
+        return
+    checker = IncrementalChecker(config)
+    _drive(config, specs, name, checker=checker)
+    assert checker.fallbacks == 0

@@ -1563,3 +1563,54 @@ def test_released_and_draft_invariants_judge_each_request():
     assert found == [("prefill", "holds 1 drafts but is not a running decode (running)"),
                      ("three", "holds 3 drafts > num_speculative_tokens=2"),
                      ("waiting", "holds 1 drafts but is not a running decode (waiting)")]
+
+
+# --- spec/prefix_cache.py (issue 28: survivors of scripts/mutmut.sh prefix_cache) ----------------------------
+
+
+def _published_cache():
+    """A cache where blocks 0 and 1 carry the hashes of a 2-block prompt's blocks, block 0 held by one table,
+    block 1 evictable (count 0, in the free queue); the free queue is (2, 3, 1)."""
+    from schedspec.spec.prefix_cache import ROOT_HASH, CacheUpdate, PrefixCache, request_block_hash
+
+    request = Request("p", 0, tuple(range(8)), max_tokens=2)
+    first = request_block_hash(request, 0, ROOT_HASH, 4)
+    second = request_block_hash(request, 1, first, 4)
+    cache = PrefixCache({0: first, 1: second}, {first: (0,), second: (1,)}, {0: 1})
+    return CacheUpdate(cache, (2, 3, 1)), request
+
+
+def test_a_block_is_evictable_only_published_and_held_by_no_table():
+    """``PrefixCache.is_evictable`` (``#1``, ``#4``): published with count 0 (block 1) yes; published and held
+    (block 0), or never published (block 2), no."""
+    update, _ = _published_cache()
+    cache = update.freeze_cache()
+    assert [cache.is_evictable(b) for b in (0, 1, 2, 3)] == [False, True, False, False]
+
+
+def test_a_cloned_working_copy_is_independent_of_its_source():
+    """``CacheUpdate.clone`` (``#1-#4``: a policy trying a choice out): the clone starts as the source is now,
+    free queue and cache, and edits of either leave the other as it was."""
+    update, request = _published_cache()
+    update.touch((1,))  # a hit on the evictable block: out of the free queue, count 1
+    clone = update.clone()
+    assert clone.free == [2, 3] and clone.freeze() == update.freeze()
+    assert clone.longest_hit(request, 4) == update.longest_hit(request, 4) == (0,)  # (num_tokens - 1) // 4 = 1 block
+    clone.take((2,))
+    clone.release((0,))
+    assert update.free == [2, 3] and update.ref_counts == {0: 1, 1: 1}
+    assert clone.free == [3, 0] and dict(clone.ref_counts) == {1: 1, 2: 1}
+    update.take_front(2)
+    assert clone.free == [3, 0]
+
+
+def test_a_hit_counts_its_blocks_in_the_free_queue_against_the_free_blocks():
+    """``CacheUpdate.num_evictable`` (``#1-#3``) and ``available``: of a hit's blocks, those with no reference
+    (evictable block 1, and block 2, free) leave the free queue; block 0, held, does not. ``available`` is the
+    free queue's length, evictable blocks included."""
+    update, _ = _published_cache()
+    assert update.num_evictable((0, 1, 2)) == 2
+    assert update.num_evictable((0,)) == 0 and update.num_evictable(()) == 0
+    assert update.available == 3
+    update.touch((1,))
+    assert update.num_evictable((0, 1, 2)) == 1 and update.available == 2
