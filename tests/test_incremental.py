@@ -7,7 +7,7 @@ from collections import Counter
 
 import attrs
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from schedspec.reference.fake_model import FakeModel
@@ -464,17 +464,49 @@ def test_the_screen_counts_lookahead_and_drafts_as_the_rules_do() -> None:
     assert not screened_rules_hold(state, decode, whole)
 
 
+class _CountingChecker(IncrementalChecker):
+    """An incremental checker that keeps the steps on which it fell back to the full block checks."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.fallback_steps = []
+
+    def invariants(self, before, plan, after):
+        fallbacks = self.fallbacks
+        found = super().invariants(before, plan, after)
+        if self.fallbacks > fallbacks:
+            self.fallback_steps.append((plan, after))
+        return found
+
+
+def _takes_and_releases(plan, after) -> bool:
+    """A request got new blocks in this step and ended in it: those blocks were handed out and given back within
+    the step, a move the ledger does not follow (it sees the tables of the states only; the full check runs)."""
+    return any(item.new_block_ids and item.request_id in after.finished for item in plan.scheduled)
+
+
+# shortest-prompt-first keeps r0 waiting, unchanged, before r1 in the request map while r1 runs: a ledger that
+# stops at the first unchanged request (_follow_cached#61) never follows r1
+_WAITING_FIRST = (SchedulerConfig(block_size=4, num_kv_blocks=12, max_num_batched_tokens=32, max_num_seqs=1,
+                                  max_model_len=32, enable_prefix_caching=True),
+                  [RequestSpec("r0", 20, 4, arrival_step=0), RequestSpec("r1", 5, 6, arrival_step=0)],
+                  "shortest-prompt-first")
+
+
 @settings(deadline=None)  # examples: the active profile's
 @given(runs())
-def test_the_ledger_follows_every_correct_run_without_a_fallback(run):
+@example(_WAITING_FIRST)
+def test_the_ledger_follows_every_correct_run(run):
     """On random correct runs (arrivals, aborts, preemptions, shared prompt prefixes, with and without prefix
-    caching) the ledger proves every step: no step pays for the full block checks. A ledger that loses track of
-    a table, a block's holders, the cache or a request's published chain falls back (it cannot prove what it
-    no longer follows), which costs only time, so only this count shows it (spec/incremental.py mutants of
-    ``_follow``, ``_follow_cached`` and ``_chain_known``)."""
+    caching) the ledger proves every step but those where a request got new blocks and ended (its blocks handed
+    out and released within the step, which the ledger does not see: a known cost of a fallback, never a wrong
+    verdict). A ledger that loses track of a table, a block's holders, the cache or a request's published chain
+    falls back on other steps too (it cannot prove what it no longer follows), which costs only time, so only
+    this count shows it (spec/incremental.py mutants of ``_follow``, ``_follow_cached`` and ``_chain_known``)."""
     config, specs, name = run
     if not specs:
         return
-    checker = IncrementalChecker(config)
+    checker = _CountingChecker(config)
     _drive(config, specs, name, checker=checker)
-    assert checker.fallbacks == 0
+    assert all(_takes_and_releases(plan, after) for plan, after in checker.fallback_steps), [
+        (plan, sorted(after.finished)) for plan, after in checker.fallback_steps if not _takes_and_releases(plan, after)]
