@@ -459,12 +459,16 @@ def test_a_remote_kv_load_switches_the_incremental_checker_to_full_checks():
 
     state = attrs.evolve(base_state(), requests={**base_state().requests, "b": attrs.evolve(
         waiting_b(), num_external_computed_tokens=4)})
+    # block 7 held by a finished request's KV send (a delayed free), so not free: handing it out is refused
+    sending = attrs.evolve(state, delayed_frees={"z": DelayedFree((7,), "sending")}, free_block_ids=(2, 3, 4, 5, 6))
     for plan, before in ((StepPlan(scheduled=(DECODE_A,), loads=(KVLoad("b", 4, (2,)),)), state),
-                         (StepPlan(scheduled=(DECODE_A,)), attrs.evolve(state, delayed_frees={"z": DelayedFree((7,), "sending")}))):
+                         (StepPlan(scheduled=(DECODE_A, ScheduledRequest("b", 0, 5, (7, 2)))), sending)):
         checker = IncrementalChecker(CONFIG)
         checker.sync(before)
-        checker.rules(before, plan)
+        # the plain rules' verdict (#5: the ledger's free set, which knows no delayed free, judged block 7 free)
+        assert _every_field(checker.rules(before, plan)) == _every_field(violated_rules(before, plan, CONFIG))
         assert checker.remote is True, plan
+    assert "blocks-from-free-pool" in {v.name for v in violated_rules(sending, plan, CONFIG)}
     checker = IncrementalChecker(CONFIG)
     checker.sync(state)
     plan = StepPlan(scheduled=(DECODE_A,), loads=(KVLoad("b", 4, (2,)),))
