@@ -76,6 +76,13 @@ FAULTS = {
     "block listed twice under its hash": lambda s, before, checked: _cache_fault(s, _list_twice),
     "block published under another hash": lambda s, before, checked: _cache_fault(s, _rehash),
     "held block in the free queue": lambda s, before, checked: _held_in_queue(s),
+    # an evictable block (no holder, so no chain check reaches it) whose hash changes while the hash map is
+    # left as it was, or lists it under the new hash and still under the old one
+    "evictable block rehashed, not relisted": lambda s, before, checked: _cache_fault(s, _rehash_evictable),
+    "evictable block rehashed, still under its old hash": lambda s, before, checked: _cache_fault(
+        s, lambda update, state: _rehash_evictable(update, state, new_listing=True)),
+    "evictable block rehashed, listed under neither": lambda s, before, checked: _cache_fault(
+        s, lambda update, state: _rehash_evictable(update, state, old_listing=False)),
     # Not a breach (the full check finds nothing): the free queue reordered, which the ledger cannot follow.
     "free queue reordered": lambda s, before, checked: (
         attrs.evolve(s, free_block_ids=s.free_block_ids[::-1]) if len(s.free_block_ids) > 1 else None),
@@ -145,6 +152,21 @@ def _rehash(update, state):
     update._set_listed(old, tuple(b for b in update.hash_to_blocks[old] if b != held[-1]))
     update._set_hash(held[-1], "e" * 32)
     update._set_listed("e" * 32, (held[-1],))
+
+
+def _rehash_evictable(update, state, new_listing=False, old_listing=True):
+    """An evictable block's hash becomes another; it is listed under the new one (``new_listing``) and kept
+    under the old one (``old_listing``) or not."""
+    evictable = [b for b in state.prefix_cache.block_hashes if not state.prefix_cache.ref_counts.get(b)]
+    if not evictable:
+        return False
+    block_id = evictable[0]
+    old = update.block_hashes[block_id]
+    update._set_hash(block_id, "d" * 32)
+    if new_listing:
+        update._set_listed("d" * 32, (block_id,))
+    if not old_listing:
+        update._set_listed(old, tuple(b for b in update.hash_to_blocks[old] if b != block_id))
 
 
 def _held_in_queue(state):
@@ -427,7 +449,9 @@ def test_the_screen_sees_a_sequence_cap_breach_alone() -> None:
 CACHE_FAULTS = ["block owned twice", "block leaked", "block out of range", "block one past the pool", "terminal holds blocks",
                 "reference count off", "held block loses its hash", "uncomputed block published",
                 "block listed twice under its hash", "block published under another hash",
-                "held block in the free queue", "duplicate in the free queue", "out-of-range id in the free queue"]
+                "held block in the free queue", "duplicate in the free queue", "out-of-range id in the free queue",
+                "evictable block rehashed, not relisted", "evictable block rehashed, still under its old hash",
+                "evictable block rehashed, listed under neither"]
 
 
 @pytest.mark.parametrize("fault", CACHE_FAULTS)
