@@ -83,6 +83,12 @@ FAULTS = {
         s, lambda update, state: _rehash_evictable(update, state, new_listing=True)),
     "evictable block rehashed, listed under neither": lambda s, before, checked: _cache_fault(
         s, lambda update, state: _rehash_evictable(update, state, old_listing=False)),
+    # a free block joins a table (its count 1) but stays in the free queue, which is otherwise as before
+    "held block left in an unchanged free queue": lambda s, before, checked: _held_still_free(s),
+    # the cache replaced by one built directly (no change log) with a reference count off
+    "cache rebuilt without a change log": lambda s, before, checked: _rebuilt_cache(s),
+    # two working copies in a row: the first publishes an uncomputed block, the second writes a count again
+    "uncomputed block published, then another working copy": lambda s, before, checked: _twice(s),
     # Not a breach (the full check finds nothing): the free queue reordered, which the ledger cannot follow.
     "free queue reordered": lambda s, before, checked: (
         attrs.evolve(s, free_block_ids=s.free_block_ids[::-1]) if len(s.free_block_ids) > 1 else None),
@@ -167,6 +173,45 @@ def _rehash_evictable(update, state, new_listing=False, old_listing=True):
         update._set_listed("d" * 32, (block_id,))
     if not old_listing:
         update._set_listed(old, tuple(b for b in update.hash_to_blocks[old] if b != block_id))
+
+
+def _held_still_free(state):
+    from schedspec.spec.prefix_cache import CacheUpdate
+
+    cache = state.prefix_cache
+    live = [r for r in state.requests.values() if r.block_ids]
+    free = [b for b in state.free_block_ids if b not in cache.block_hashes] if cache is not None else []
+    if not live or not free:
+        return None
+    update = CacheUpdate(cache, state.free_block_ids)
+    update._set_count(free[-1], 1)
+    requests = dict(state.requests)
+    requests[live[0].request_id] = attrs.evolve(live[0], block_ids=live[0].block_ids + (free[-1],))
+    return attrs.evolve(state, requests=requests, prefix_cache=update.freeze_cache())
+
+
+def _rebuilt_cache(state):
+    from schedspec.spec.prefix_cache import PrefixCache
+
+    cache = state.prefix_cache
+    held = _held(state)
+    if cache is None or not held:
+        return None
+    counts = dict(cache.ref_counts)
+    counts[held[0]] += 1
+    return attrs.evolve(state, prefix_cache=PrefixCache(dict(cache.block_hashes), dict(cache.hash_to_blocks), counts))
+
+
+def _twice(state):
+    from schedspec.spec.prefix_cache import CacheUpdate
+
+    broken = _cache_fault(state, _publish_uncomputed)
+    held = _held(state)
+    if broken is None or not held:
+        return None
+    update = CacheUpdate(broken.prefix_cache, broken.free_block_ids)
+    update._set_count(held[0], update.ref_counts[held[0]])
+    return attrs.evolve(broken, prefix_cache=update.freeze_cache())
 
 
 def _held_in_queue(state):
@@ -451,7 +496,8 @@ CACHE_FAULTS = ["block owned twice", "block leaked", "block out of range", "bloc
                 "block listed twice under its hash", "block published under another hash",
                 "held block in the free queue", "duplicate in the free queue", "out-of-range id in the free queue",
                 "evictable block rehashed, not relisted", "evictable block rehashed, still under its old hash",
-                "evictable block rehashed, listed under neither"]
+                "evictable block rehashed, listed under neither", "held block left in an unchanged free queue",
+                "cache rebuilt without a change log", "uncomputed block published, then another working copy"]
 
 
 @pytest.mark.parametrize("fault", CACHE_FAULTS)
