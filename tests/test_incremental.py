@@ -89,6 +89,11 @@ FAULTS = {
     "cache rebuilt without a change log": lambda s, before, checked: _rebuilt_cache(s),
     # two working copies in a row: the first publishes an uncomputed block, the second writes a count again
     "uncomputed block published, then another working copy": lambda s, before, checked: _twice(s),
+    # another table's unpublished block joins a table, its count left at 1 (only the reference count is wrong)
+    "unpublished block in a second table": lambda s, before, checked: _share(s, hashed=False, count=False),
+    # another request's published block joins a table after its own blocks, its count raised (only the
+    # request's chain is wrong: that block's hash is not the hash of this request's tokens there)
+    "published block in a second table": lambda s, before, checked: _share(s, hashed=True, count=True),
     # Not a breach (the full check finds nothing): the free queue reordered, which the ledger cannot follow.
     "free queue reordered": lambda s, before, checked: (
         attrs.evolve(s, free_block_ids=s.free_block_ids[::-1]) if len(s.free_block_ids) > 1 else None),
@@ -212,6 +217,25 @@ def _twice(state):
     update = CacheUpdate(broken.prefix_cache, broken.free_block_ids)
     update._set_count(held[0], update.ref_counts[held[0]])
     return attrs.evolve(broken, prefix_cache=update.freeze_cache())
+
+
+def _share(state, hashed, count):
+    from schedspec.spec.prefix_cache import CacheUpdate
+
+    cache = state.prefix_cache
+    live = [r for r in state.requests.values() if r.block_ids]
+    if cache is None or len(live) < 2:
+        return None
+    taker, giver = live[0], live[1]
+    given = [b for b in giver.block_ids if (b in cache.block_hashes) == hashed and b not in taker.block_ids]
+    if not given:
+        return None
+    requests = dict(state.requests)
+    requests[taker.request_id] = attrs.evolve(taker, block_ids=taker.block_ids + (given[-1],))
+    update = CacheUpdate(cache, state.free_block_ids)
+    if count:
+        update._set_count(given[-1], update.ref_counts[given[-1]] + 1)
+    return attrs.evolve(state, requests=requests, prefix_cache=update.freeze_cache())
 
 
 def _held_in_queue(state):
@@ -497,7 +521,8 @@ CACHE_FAULTS = ["block owned twice", "block leaked", "block out of range", "bloc
                 "held block in the free queue", "duplicate in the free queue", "out-of-range id in the free queue",
                 "evictable block rehashed, not relisted", "evictable block rehashed, still under its old hash",
                 "evictable block rehashed, listed under neither", "held block left in an unchanged free queue",
-                "cache rebuilt without a change log", "uncomputed block published, then another working copy"]
+                "cache rebuilt without a change log", "uncomputed block published, then another working copy",
+                "unpublished block in a second table", "published block in a second table"]
 
 
 @pytest.mark.parametrize("fault", CACHE_FAULTS)
