@@ -1618,3 +1618,14 @@ def test_a_hit_counts_its_blocks_in_the_free_queue_against_the_free_blocks():
     assert update.available == 3
     update.touch((1,))
     assert update.num_evictable((0, 1, 2)) == 1 and update.available == 2
+
+
+def test_the_blocks_evicted_in_a_step_are_those_handed_out_that_carried_a_hash():
+    """``evicted_blocks`` (``#1``: the test inverted): of the blocks handed out, in their order, those published
+    before the step (the record's ``blocks_evicted``)."""
+    from schedspec.spec.prefix_cache import evicted_blocks
+
+    update, _ = _published_cache()
+    cache = update.freeze_cache()
+    assert evicted_blocks(cache, (2, 1, 3, 0)) == [1, 0]
+    assert evicted_blocks(cache, (2, 3)) == []
