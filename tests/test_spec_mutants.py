@@ -1629,3 +1629,13 @@ def test_the_blocks_evicted_in_a_step_are_those_handed_out_that_carried_a_hash()
     cache = update.freeze_cache()
     assert evicted_blocks(cache, (2, 1, 3, 0)) == [1, 0]
     assert evicted_blocks(cache, (2, 3)) == []
+
+
+@pytest.mark.parametrize("prompt_len, block_size, blocks", [(1, 1, 0), (2, 1, 1), (4, 4, 0), (5, 4, 1), (9, 4, 2)])
+def test_a_hit_leaves_at_least_the_last_token_to_compute(prompt_len, block_size, blocks):
+    """``max_hit_blocks`` (``#8``: ``max(num_tokens - 1, 1)``): a 1-token prompt with 1-token blocks gets no hit
+    (a hit of its only block would leave no token to compute, and no logits to sample from); otherwise
+    ``(num_tokens - 1) // block_size`` blocks."""
+    from schedspec.spec.prefix_cache import max_hit_blocks
+
+    assert max_hit_blocks(Request("p", 0, tuple(range(prompt_len)), max_tokens=1), block_size) == blocks
