@@ -588,9 +588,17 @@ _WAITING_FIRST = (SchedulerConfig(block_size=4, num_kv_blocks=12, max_num_batche
                   "shortest-prompt-first")
 
 
+# chunks of 2 tokens with 4-token blocks: a chain checked with no published block, then block 0 published a
+# step later and block 1 two steps after (_chain_known#7: a memo of no block taken as one block known right)
+_CHUNKS_OF_TWO = (SchedulerConfig(block_size=4, num_kv_blocks=12, max_num_batched_tokens=32, max_num_seqs=2,
+                                  max_model_len=32, long_prefill_token_threshold=2, enable_prefix_caching=True),
+                  [RequestSpec("r0", 12, 2, arrival_step=0)], "fcfs")
+
+
 @settings(deadline=None)  # examples: the active profile's
 @given(runs())
 @example(_WAITING_FIRST)
+@example(_CHUNKS_OF_TWO)
 def test_the_ledger_follows_every_correct_run(run):
     """On random correct runs (arrivals, aborts, preemptions, shared prompt prefixes, with and without prefix
     caching) the ledger proves every step but those where a request got new blocks and ended (its blocks handed
