@@ -1639,3 +1639,29 @@ def test_a_hit_leaves_at_least_the_last_token_to_compute(prompt_len, block_size,
     from schedspec.spec.prefix_cache import max_hit_blocks
 
     assert max_hit_blocks(Request("p", 0, tuple(range(prompt_len)), max_tokens=1), block_size) == blocks
+
+
+def test_taking_blocks_from_anywhere_in_the_free_queue_removes_exactly_them():
+    """``CacheUpdate.take`` (``#3``, ``#5-#7``: the fast path taken for blocks that are not the queue's front, or
+    the general path broken): blocks handed out from the middle or the back leave the queue and nothing else
+    does; a block taken from the front too; each gets count 1, and a published one loses its hash (evicted)."""
+    update, _ = _published_cache()  # free queue (2, 3, 1); block 1 evictable
+    update.take((3,))
+    assert update.free == [2, 1] and update.ref_counts[3] == 1
+    update.take((1,))
+    assert update.free == [2] and update.evicted == [1] and 1 not in update.block_hashes
+    update.take((2,))
+    assert update.free == [] and update.ref_counts[2] == 1
+
+
+def test_a_hit_skips_the_blocks_it_is_told_to_exclude():
+    """``PrefixCache.longest_hit`` (``#22``: ``excluded`` not passed on): with two published copies of a block,
+    the hit takes the first not excluded (blocks handed out earlier in the same step are evicted)."""
+    from schedspec.spec.prefix_cache import ROOT_HASH, PrefixCache, request_block_hash
+
+    request = Request("p", 0, tuple(range(8)), max_tokens=2)
+    first = request_block_hash(request, 0, ROOT_HASH, 4)
+    cache = PrefixCache({0: first, 5: first}, {first: (0, 5)}, {})
+    assert cache.longest_hit(request, 4) == (0,)
+    assert cache.longest_hit(request, 4, excluded=frozenset({0})) == (5,)
+    assert cache.longest_hit(request, 4, excluded=frozenset({0, 5})) == ()
