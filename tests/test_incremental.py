@@ -94,6 +94,10 @@ FAULTS = {
     # another request's published block joins a table after its own blocks, its count raised (only the
     # request's chain is wrong: that block's hash is not the hash of this request's tokens there)
     "published block in a second table": lambda s, before, checked: _share(s, hashed=True, count=True),
+    # a table that holds one of its blocks twice (its count left as it was)
+    "block twice in one table": lambda s, before, checked: _twice_in_table(s),
+    # a published block dropped from its hash's listing while it keeps its hash
+    "published block unlisted": lambda s, before, checked: _cache_fault(s, _unlist),
     # Not a breach (the full check finds nothing): the free queue reordered, which the ledger cannot follow.
     "free queue reordered": lambda s, before, checked: (
         attrs.evolve(s, free_block_ids=s.free_block_ids[::-1]) if len(s.free_block_ids) > 1 else None),
@@ -236,6 +240,23 @@ def _share(state, hashed, count):
     if count:
         update._set_count(given[-1], update.ref_counts[given[-1]] + 1)
     return attrs.evolve(state, requests=requests, prefix_cache=update.freeze_cache())
+
+
+def _twice_in_table(state):
+    live = [r for r in state.requests.values() if r.block_ids]
+    if state.prefix_cache is None or not live:
+        return None
+    requests = dict(state.requests)
+    requests[live[0].request_id] = attrs.evolve(live[0], block_ids=live[0].block_ids + live[0].block_ids[-1:])
+    return attrs.evolve(state, requests=requests)
+
+
+def _unlist(update, state):
+    hashed = sorted(state.prefix_cache.block_hashes)
+    if not hashed:
+        return False
+    value = update.block_hashes[hashed[0]]
+    update._set_listed(value, tuple(b for b in update.hash_to_blocks[value] if b != hashed[0]))
 
 
 def _held_in_queue(state):
@@ -522,7 +543,8 @@ CACHE_FAULTS = ["block owned twice", "block leaked", "block out of range", "bloc
                 "evictable block rehashed, not relisted", "evictable block rehashed, still under its old hash",
                 "evictable block rehashed, listed under neither", "held block left in an unchanged free queue",
                 "cache rebuilt without a change log", "uncomputed block published, then another working copy",
-                "unpublished block in a second table", "published block in a second table"]
+                "unpublished block in a second table", "published block in a second table", "block twice in one table",
+                "published block unlisted"]
 
 
 @pytest.mark.parametrize("fault", CACHE_FAULTS)
