@@ -1665,3 +1665,15 @@ def test_a_hit_skips_the_blocks_it_is_told_to_exclude():
     assert cache.longest_hit(request, 4) == (0,)
     assert cache.longest_hit(request, 4, excluded=frozenset({0})) == (5,)
     assert cache.longest_hit(request, 4, excluded=frozenset({0, 5})) == ()
+
+
+def test_a_frozen_cache_cannot_be_written():
+    """``CacheUpdate.freeze_cache`` (``#4``, ``#8``, ``#12``: the working copy's dicts handed out as they are): the
+    cache it returns is read-only in each mapping it changed, so no later write can alter a state's cache."""
+    update, _ = _published_cache()
+    update.take((2,))  # a count written
+    update.publish(Request("q", 0, tuple(range(100, 108)), max_tokens=1), (2,), 4, 4)  # a hash and a listing written
+    cache = update.freeze_cache()
+    for mapping, key, value in ((cache.ref_counts, 2, 5), (cache.block_hashes, 2, "x"), (cache.hash_to_blocks, "x", (2,))):
+        with pytest.raises(TypeError):
+            mapping[key] = value
