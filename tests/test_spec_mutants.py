@@ -1677,3 +1677,22 @@ def test_a_frozen_cache_cannot_be_written():
     for mapping, key, value in ((cache.ref_counts, 2, 5), (cache.block_hashes, 2, "x"), (cache.hash_to_blocks, "x", (2,))):
         with pytest.raises(TypeError):
             mapping[key] = value
+
+
+def test_a_block_hash_is_the_chained_hash_of_its_tokens_for_any_parent_block_size_and_adapter():
+    """``request_block_hash`` (``#8``, ``#14``, ``#20``, ``#21``: its memo keyed without the block size and index,
+    or used for another parent; the LoRA key put into every block, or into a request without an adapter): block
+    ``i`` hashes its own tokens after the parent given, whatever was asked of the same request before; only the
+    first block of a request with an adapter carries the adapter's key."""
+    from schedspec.spec.prefix_cache import ROOT_HASH, block_hash, request_block_hash
+
+    tokens = tuple(range(40, 56))
+    plain = Request("p", 0, tokens, max_tokens=1)
+    assert request_block_hash(plain, 0, ROOT_HASH, 4) == block_hash(ROOT_HASH, tokens[:4])
+    assert request_block_hash(plain, 0, ROOT_HASH, 8) == block_hash(ROOT_HASH, tokens[:8])  # another block size
+    first = request_block_hash(plain, 0, ROOT_HASH, 4)
+    assert request_block_hash(plain, 1, first, 4) == block_hash(first, tokens[4:8])
+    assert request_block_hash(plain, 1, "f" * 32, 4) == block_hash("f" * 32, tokens[4:8])  # another parent
+    adapter = Request("l", 0, tokens, max_tokens=1, lora_int_id=3)
+    assert request_block_hash(adapter, 0, ROOT_HASH, 4) == block_hash(f"{ROOT_HASH}|lora:3", tokens[:4])
+    assert request_block_hash(adapter, 1, first, 4) == block_hash(first, tokens[4:8])
