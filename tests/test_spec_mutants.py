@@ -1696,3 +1696,17 @@ def test_a_block_hash_is_the_chained_hash_of_its_tokens_for_any_parent_block_siz
     adapter = Request("l", 0, tokens, max_tokens=1, lora_int_id=3)
     assert request_block_hash(adapter, 0, ROOT_HASH, 4) == block_hash(f"{ROOT_HASH}|lora:3", tokens[:4])
     assert request_block_hash(adapter, 1, first, 4) == block_hash(first, tokens[4:8])
+
+
+def test_block_hash_is_the_documented_blake2b():
+    """``block_hash`` (``#11``: another separator) is what its docstring defines, computed here from that text:
+    blake2b with a 16-byte digest over the parent hash (ASCII), ``|`` and the token ids as little-endian int64,
+    as hex (trace files carry these hashes, so they must not drift)."""
+    import hashlib
+    import struct
+
+    from schedspec.spec.prefix_cache import block_hash
+
+    parent, tokens = "ab" * 16, (1, 70000, 2**40, 0)
+    digest = hashlib.blake2b(parent.encode("ascii") + b"|" + struct.pack("<4q", *tokens), digest_size=16)
+    assert block_hash(parent, tokens) == digest.hexdigest()
