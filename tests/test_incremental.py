@@ -650,3 +650,31 @@ def test_block_faults_without_prefix_caching_are_found_as_the_full_check_finds_t
     config = CONFIG.with_changes(num_kv_blocks=10)
     found = [step for step in range(2, 14) if _drive(config, SPECS, "fcfs", fault=fault, fault_step=step)]
     assert found, f"the fault {fault!r} was never made or never found"
+
+
+@pytest.mark.parametrize("name", ["fcfs", "static", "shortest-prompt-first"])
+def test_the_ledger_follows_free_queues_without_shared_structure(name):
+    """The owner ledger's general search (_queue_follows without FreeQueue's shared structure, as for queues read
+    from a trace or rebuilt as tuples) proves every correct step but those where a request got new blocks and
+    ended, as the shortcut does (spec/incremental.py ``_queue_follows`` mutants of the search: a wrong leading
+    run of released blocks, a wrong start in the old queue, the kept part not compared)."""
+    config = CONFIG.with_changes(num_kv_blocks=8)
+    scheduler = make_scheduler(name, config)
+    model = FakeModel(config, cost_model=_Flat())
+    checker = _CountingChecker(config)
+    plain = lambda state: attrs.evolve(state, free_block_ids=tuple(state.free_block_ids))  # noqa: E731
+    for step in range(200):
+        for spec in SPECS:
+            if spec.arrival_step == step:
+                scheduler.add_request(spec.to_request(step))
+        before = plain(scheduler.state)
+        if not before.requests and step > max(s.arrival_step for s in SPECS):
+            break
+        checker.sync(before)
+        plan = scheduler.schedule()
+        sampled, _ = model.execute(plan, scheduler.state)
+        scheduler.update(plan, sampled)
+        after = plain(scheduler.state)
+        assert checker.invariants(before, plan, after) == check_step(before, plan, after, config) == []
+    assert all(_takes_and_releases(plan, after) for plan, after in checker.fallback_steps)
+    assert step > 5
