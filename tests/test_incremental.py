@@ -59,12 +59,14 @@ FAULTS = {
     "block leaked": lambda s, before, checked: attrs.evolve(s, free_block_ids=s.free_block_ids[1:]) if s.free_block_ids else None,
     "block out of range": lambda s, before, checked: _give_block(s, lambda req, other: req.block_ids + (10**6,)),
     # the first id past the pool (num_kv_blocks itself: an off-by-one range test of the ledger passes it)
-    "block one past the pool": lambda s, before, checked: _give_block(s, lambda req, other: req.block_ids + (_pool_size(s),)),
+    "block one past the pool": lambda s, before, checked: _past_the_pool(s),
     "terminal holds blocks": lambda s, before, checked: _finished_with_blocks(s, before),
     # Faults that keep the free queue's length right (the count alone cannot see them).
     "owned block in the free queue": lambda s, before, checked: _owned_in_queue(s),
     "duplicate in the free queue": lambda s, before, checked: (
         attrs.evolve(s, free_block_ids=s.free_block_ids[1:] + s.free_block_ids[-1:]) if len(s.free_block_ids) > 1 else None),
+    # the queue's second block replaced by an owned one (same length: only the kept-part comparison sees it)
+    "owned block in the middle of the free queue": lambda s, before, checked: _owned_in_middle(s),
     "out-of-range id in the free queue": lambda s, before, checked: (
         attrs.evolve(s, free_block_ids=s.free_block_ids[1:] + (10**6,)) if s.free_block_ids else None),
     "aborted request not terminal": lambda s, before, checked: _aborted_not_terminal(s, before, checked),
@@ -266,6 +268,14 @@ def _held_in_queue(state):
     return attrs.evolve(state, free_block_ids=(held[0],) + tuple(state.free_block_ids[1:]))
 
 
+def _owned_in_middle(state):
+    owned = [b for r in state.requests.values() for b in r.block_ids]
+    if not owned or len(state.free_block_ids) < 3:
+        return None
+    queue = tuple(state.free_block_ids)
+    return attrs.evolve(state, free_block_ids=queue[:1] + (owned[0],) + queue[2:])
+
+
 def _owned_in_queue(state):
     owned = [b for r in state.requests.values() for b in r.block_ids]
     if not owned or not state.free_block_ids:
@@ -291,6 +301,20 @@ def _aborted_not_terminal(state, before, checked):
 def _pool_size(state):
     """num_kv_blocks of a state that keeps block-conservation: every block is free or in a live table."""
     return len(set(state.free_block_ids) | {b for r in state.requests.values() for b in r.block_ids})
+
+
+def _past_the_pool(state):
+    """A table gains the id num_kv_blocks; with prefix caching its reference count is written too (through a
+    working copy), so that only the range check can see it."""
+    from schedspec.spec.prefix_cache import CacheUpdate
+
+    size = _pool_size(state)
+    broken = _give_block(state, lambda req, other: req.block_ids + (size,))
+    if broken is None or state.prefix_cache is None:
+        return broken
+    update = CacheUpdate(state.prefix_cache, state.free_block_ids)
+    update._set_count(size, 1)
+    return attrs.evolve(broken, prefix_cache=update.freeze_cache())
 
 
 def _give_block(state, table):
@@ -638,7 +662,8 @@ def test_the_ledger_follows_every_correct_run(run):
 
 
 PLAIN_FAULTS = ["block owned twice", "block leaked", "block out of range", "block one past the pool", "terminal holds blocks",
-                "owned block in the free queue", "duplicate in the free queue", "out-of-range id in the free queue"]
+                "owned block in the free queue", "owned block in the middle of the free queue", "duplicate in the free queue",
+                "out-of-range id in the free queue"]
 
 
 @pytest.mark.parametrize("fault", PLAIN_FAULTS)
