@@ -61,6 +61,9 @@ FAULTS = {
     # the first id past the pool (num_kv_blocks itself: an off-by-one range test of the ledger passes it)
     "block one past the pool": lambda s, before, checked: _past_the_pool(s),
     "terminal holds blocks": lambda s, before, checked: _finished_with_blocks(s, before),
+    # a request that ended in this step keeps its table in its record while its blocks were freed as they should:
+    # the ledger proves the blocks and must still name the terminal request's table (its own check)
+    "ended request keeps its freed table": lambda s, before, checked: _ended_keeps_table(s, before),
     # Faults that keep the free queue's length right (the count alone cannot see them).
     "owned block in the free queue": lambda s, before, checked: _owned_in_queue(s),
     "duplicate in the free queue": lambda s, before, checked: (
@@ -327,6 +330,15 @@ def _give_block(state, table):
     return attrs.evolve(state, requests=requests)
 
 
+def _ended_keeps_table(state, before):
+    ended = [r for r in state.finished if r in before.requests and before.requests[r].block_ids]
+    if not ended:
+        return None
+    finished = dict(state.finished)
+    finished[ended[0]] = attrs.evolve(finished[ended[0]], block_ids=before.requests[ended[0]].block_ids)
+    return attrs.evolve(state, finished=finished)
+
+
 def _finished_with_blocks(state, before):
     """A request that ends in this step keeps a block (terminal requests never change afterwards: the
     spec's transitions never touch them, so a request is checked once, when it ends)."""
@@ -561,6 +573,7 @@ def test_the_screen_sees_a_sequence_cap_breach_alone() -> None:
 
 
 CACHE_FAULTS = ["block owned twice", "block leaked", "block out of range", "block one past the pool", "terminal holds blocks",
+                "ended request keeps its freed table",
                 "reference count off", "held block loses its hash", "uncomputed block published",
                 "block listed twice under its hash", "block published under another hash",
                 "held block in the free queue", "duplicate in the free queue", "out-of-range id in the free queue",
@@ -662,6 +675,7 @@ def test_the_ledger_follows_every_correct_run(run):
 
 
 PLAIN_FAULTS = ["block owned twice", "block leaked", "block out of range", "block one past the pool", "terminal holds blocks",
+                "ended request keeps its freed table",
                 "owned block in the free queue", "owned block in the middle of the free queue", "duplicate in the free queue",
                 "out-of-range id in the free queue"]
 
