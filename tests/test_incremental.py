@@ -50,8 +50,8 @@ def runs(draw):
 
 
 def _verdict(violations):
-    """What a check reports: each violation's name, kind, step and request (as a multiset)."""
-    return Counter((v.name, v.kind, v.step, v.request_id) for v in violations)
+    """What a check reports: each violation's name, kind, step, request and code (as a multiset)."""
+    return Counter((v.name, v.kind, v.step, v.request_id, v.code) for v in violations)
 
 
 FAULTS = {
