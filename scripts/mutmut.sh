@@ -39,22 +39,47 @@ ALL=(rules transitions invariants checker incremental prefix_cache properties)
 # The focused test selection of each module: the test files that exercise it directly (timed per file on
 # an idle core with `pytest --durations`; the slow end-to-end files are left out, docs/testing.md says which;
 # checker: the in-flight state machine test, 23 s, is deselected: test_in_flight's hand-made cases cover the paths).
+# The slow stateful suites with prefix caching (6 to 12 s each on a loaded core; a surviving mutant runs every
+# test that called it, so each survivor paid about two minutes): left out of the first pass of prefix_cache, rules
+# and transitions, whose survivors are then rerun by name with MUTMUT_FULL=1 (the whole selection). The three
+# vllm-v1 and static cases of the same suite stay in the first pass.
+SLOW_PREFIX=()
+if [ "${MUTMUT_FULL:-0}" != 1 ]; then
+  for t in 'test_policy_refines_spec_with_prefix_caching[vllm-v1-priority]' \
+           'test_policy_refines_spec_with_prefix_caching[vllm-v1-priority@0.33]' \
+           'test_policy_refines_spec_with_prefix_caching[priority]' \
+           'test_policy_refines_spec_with_prefix_caching[shortest-prompt-first]' \
+           'test_policy_refines_spec_with_prefix_caching[fcfs]' \
+           'test_policy_refines_spec_with_prefix_caching[fcfs-fast]' \
+           test_stateful_machine_reaches_hits_after_preemption; do
+    SLOW_PREFIX+=(--deselect "tests/test_prefix_cache.py::$t")
+  done
+fi
+
 tests_for() {
   local spec=(tests/test_rules.py tests/test_invariants.py tests/test_transitions.py tests/test_state.py)
   local checker=(tests/test_incremental.py tests/test_checker.py tests/test_checker_report.py)
   case "$1" in
-    rules) echo "${spec[@]}" "${checker[@]}" tests/test_prefix_cache.py tests/test_spec_mutants.py ;;
+    rules) echo "${spec[@]}" "${checker[@]}" tests/test_prefix_cache.py tests/test_spec_mutants.py "${SLOW_PREFIX[@]}" ;;
     transitions) echo "${spec[@]}" "${checker[@]}" tests/test_prefix_cache.py tests/test_spec_mutants.py \
                       tests/test_speculative.py tests/test_in_flight.py \
-                      --deselect tests/test_in_flight.py::test_the_machine_drives_an_in_flight_scheduler ;;
+                      --deselect tests/test_in_flight.py::test_the_machine_drives_an_in_flight_scheduler "${SLOW_PREFIX[@]}" ;;
     invariants) echo "${spec[@]}" "${checker[@]}" tests/test_spec_mutants.py ;;
     checker) echo "${checker[@]}" tests/test_checker_memory.py tests/test_invariants.py tests/test_state.py \
                   tests/test_spec_mutants.py tests/test_speculative.py tests/test_in_flight.py \
                   --deselect tests/test_in_flight.py::test_the_machine_drives_an_in_flight_scheduler ;;
     incremental) echo tests/test_incremental.py tests/test_checker_memory.py tests/test_invariants.py \
-                      tests/test_spec_mutants.py ;;
-    prefix_cache) echo tests/test_prefix_cache.py tests/test_rules.py tests/test_invariants.py tests/test_checker.py \
-                       tests/test_spec_mutants.py ;;
+                      tests/test_spec_mutants.py tests/test_in_flight.py \
+                      --deselect tests/test_in_flight.py::test_the_machine_drives_an_in_flight_scheduler ;;
+    # prefix_cache: the policies call CacheUpdate in every end-to-end test, so a survivor ran all of
+    # test_checker.py's engine traces (minutes on a loaded core): the first pass has the direct tests only
+    # (and the three vllm-v1/static stateful cases and the CLI round trip, 41 s of its 52 s: a survivor paid
+    # them all, minutes at load 10)
+    prefix_cache) echo tests/test_prefix_cache.py tests/test_rules.py tests/test_invariants.py tests/test_incremental.py \
+                       tests/test_spec_mutants.py "${SLOW_PREFIX[@]}" \
+                       "$([ "${MUTMUT_FULL:-0}" = 1 ] && echo tests/test_checker.py || echo \
+                          --deselect tests/test_prefix_cache.py::test_policy_refines_spec_with_prefix_caching \
+                          --deselect tests/test_prefix_cache.py::test_caching_trace_round_trips_through_schedspec_check)" ;;
     properties) echo tests/test_priority_inversion.py tests/test_proofs_counterexamples.py tests/test_checker.py tests/test_transitions.py \
                      tests/test_spec_mutants.py ;;
     *) echo "unknown module $1 (one of: ${ALL[*]})" >&2; exit 2 ;;
@@ -96,6 +121,10 @@ pytest_add_cli_args_test_selection = [${SEL%, }]
 EOF
 fi
 
+# The commit the mutants come from (with "+changes" when spec/ or tests/ differ from it in the working tree).
+local COMMIT
+COMMIT="$(git -C "$ROOT" rev-parse --short HEAD)"
+git -C "$ROOT" diff --quiet HEAD -- spec tests || COMMIT="$COMMIT+changes"
 cd "$STAGE"
 local PATTERNS=("$@")
 [ ${#PATTERNS[@]} -eq 0 ] && PATTERNS=("schedspec.spec.$MODULE.*")
@@ -113,7 +142,7 @@ echo "mutmut on spec/$MODULE.py took $took s with $CHILDREN worker(s) on $(nproc
 mkdir -p "$ROOT/scripts/mutmut-results"
 local out="$ROOT/scripts/mutmut-results/$MODULE.txt"
 [ $# -gt 0 ] && out="$ROOT/scripts/mutmut-results/$MODULE.rerun-$(date -u +%Y%m%dT%H%M%S).txt"
-{ echo "# spec/$MODULE.py: tests ${TESTS[*]}; $took s; $CHILDREN worker(s); $(date -u +%FT%TZ)"
+{ echo "# spec/$MODULE.py: tests ${TESTS[*]}; $took s; $CHILDREN worker(s); $(date -u +%FT%TZ); commit $COMMIT"
   "$PY" -m mutmut results --all true; } > "$out"
 "$PY" "$ROOT/scripts/gen_mutmut_table.py" --summary "$ROOT/scripts/mutmut-results/$MODULE.txt"
 }

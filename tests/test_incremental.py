@@ -7,7 +7,7 @@ from collections import Counter
 
 import attrs
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from schedspec.reference.fake_model import FakeModel
@@ -50,19 +50,26 @@ def runs(draw):
 
 
 def _verdict(violations):
-    """What a check reports: each violation's name, kind, step and request (as a multiset)."""
-    return Counter((v.name, v.kind, v.step, v.request_id) for v in violations)
+    """What a check reports: each violation's name, kind, step, request and code (as a multiset)."""
+    return Counter((v.name, v.kind, v.step, v.request_id, v.code) for v in violations)
 
 
 FAULTS = {
     "block owned twice": lambda s, before, checked: _give_block(s, lambda req, other: req.block_ids + other.block_ids[:1]),
     "block leaked": lambda s, before, checked: attrs.evolve(s, free_block_ids=s.free_block_ids[1:]) if s.free_block_ids else None,
     "block out of range": lambda s, before, checked: _give_block(s, lambda req, other: req.block_ids + (10**6,)),
+    # the first id past the pool (num_kv_blocks itself: an off-by-one range test of the ledger passes it)
+    "block one past the pool": lambda s, before, checked: _past_the_pool(s),
     "terminal holds blocks": lambda s, before, checked: _finished_with_blocks(s, before),
+    # a request that ended in this step keeps its table in its record while its blocks were freed as they should:
+    # the ledger proves the blocks and must still name the terminal request's table (its own check)
+    "ended request keeps its freed table": lambda s, before, checked: _ended_keeps_table(s, before),
     # Faults that keep the free queue's length right (the count alone cannot see them).
     "owned block in the free queue": lambda s, before, checked: _owned_in_queue(s),
     "duplicate in the free queue": lambda s, before, checked: (
         attrs.evolve(s, free_block_ids=s.free_block_ids[1:] + s.free_block_ids[-1:]) if len(s.free_block_ids) > 1 else None),
+    # the queue's second block replaced by an owned one (same length: only the kept-part comparison sees it)
+    "owned block in the middle of the free queue": lambda s, before, checked: _owned_in_middle(s),
     "out-of-range id in the free queue": lambda s, before, checked: (
         attrs.evolve(s, free_block_ids=s.free_block_ids[1:] + (10**6,)) if s.free_block_ids else None),
     "aborted request not terminal": lambda s, before, checked: _aborted_not_terminal(s, before, checked),
@@ -74,6 +81,28 @@ FAULTS = {
     "block listed twice under its hash": lambda s, before, checked: _cache_fault(s, _list_twice),
     "block published under another hash": lambda s, before, checked: _cache_fault(s, _rehash),
     "held block in the free queue": lambda s, before, checked: _held_in_queue(s),
+    # an evictable block (no holder, so no chain check reaches it) whose hash changes while the hash map is
+    # left as it was, or lists it under the new hash and still under the old one
+    "evictable block rehashed, not relisted": lambda s, before, checked: _cache_fault(s, _rehash_evictable),
+    "evictable block rehashed, still under its old hash": lambda s, before, checked: _cache_fault(
+        s, lambda update, state: _rehash_evictable(update, state, new_listing=True)),
+    "evictable block rehashed, listed under neither": lambda s, before, checked: _cache_fault(
+        s, lambda update, state: _rehash_evictable(update, state, old_listing=False)),
+    # a free block joins a table (its count 1) but stays in the free queue, which is otherwise as before
+    "held block left in an unchanged free queue": lambda s, before, checked: _held_still_free(s),
+    # the cache replaced by one built directly (no change log) with a reference count off
+    "cache rebuilt without a change log": lambda s, before, checked: _rebuilt_cache(s),
+    # two working copies in a row: the first publishes an uncomputed block, the second writes a count again
+    "uncomputed block published, then another working copy": lambda s, before, checked: _twice(s),
+    # another table's unpublished block joins a table, its count left at 1 (only the reference count is wrong)
+    "unpublished block in a second table": lambda s, before, checked: _share(s, hashed=False, count=False),
+    # another request's published block joins a table after its own blocks, its count raised (only the
+    # request's chain is wrong: that block's hash is not the hash of this request's tokens there)
+    "published block in a second table": lambda s, before, checked: _share(s, hashed=True, count=True),
+    # a table that holds one of its blocks twice (its count left as it was)
+    "block twice in one table": lambda s, before, checked: _twice_in_table(s),
+    # a published block dropped from its hash's listing while it keeps its hash
+    "published block unlisted": lambda s, before, checked: _cache_fault(s, _unlist),
     # Not a breach (the full check finds nothing): the free queue reordered, which the ledger cannot follow.
     "free queue reordered": lambda s, before, checked: (
         attrs.evolve(s, free_block_ids=s.free_block_ids[::-1]) if len(s.free_block_ids) > 1 else None),
@@ -154,11 +183,109 @@ def _rehash(update, state):
     update._set_listed("e" * 32, (held[-1],))
 
 
+def _rehash_evictable(update, state, new_listing=False, old_listing=True):
+    """An evictable block's hash becomes another; it is listed under the new one (``new_listing``) and kept
+    under the old one (``old_listing``) or not."""
+    evictable = [b for b in state.prefix_cache.block_hashes if not state.prefix_cache.ref_counts.get(b)]
+    if not evictable:
+        return False
+    block_id = evictable[0]
+    old = update.block_hashes[block_id]
+    update._set_hash(block_id, "d" * 32)
+    if new_listing:
+        update._set_listed("d" * 32, (block_id,))
+    if not old_listing:
+        update._set_listed(old, tuple(b for b in update.hash_to_blocks[old] if b != block_id))
+
+
+def _held_still_free(state):
+    from schedspec.spec.prefix_cache import CacheUpdate
+
+    cache = state.prefix_cache
+    live = [r for r in state.requests.values() if r.block_ids]
+    free = [b for b in state.free_block_ids if b not in cache.block_hashes] if cache is not None else []
+    if not live or not free:
+        return None
+    update = CacheUpdate(cache, state.free_block_ids)
+    update._set_count(free[-1], 1)
+    requests = dict(state.requests)
+    requests[live[0].request_id] = attrs.evolve(live[0], block_ids=live[0].block_ids + (free[-1],))
+    return attrs.evolve(state, requests=requests, prefix_cache=update.freeze_cache())
+
+
+def _rebuilt_cache(state):
+    from schedspec.spec.prefix_cache import PrefixCache
+
+    cache = state.prefix_cache
+    held = _held(state)
+    if cache is None or not held:
+        return None
+    counts = dict(cache.ref_counts)
+    counts[held[0]] += 1
+    return attrs.evolve(state, prefix_cache=PrefixCache(dict(cache.block_hashes), dict(cache.hash_to_blocks), counts))
+
+
+def _twice(state):
+    from schedspec.spec.prefix_cache import CacheUpdate
+
+    broken = _cache_fault(state, _publish_uncomputed)
+    held = _held(state)
+    if broken is None or not held:
+        return None
+    update = CacheUpdate(broken.prefix_cache, broken.free_block_ids)
+    update._set_count(held[0], update.ref_counts[held[0]])
+    return attrs.evolve(broken, prefix_cache=update.freeze_cache())
+
+
+def _share(state, hashed, count):
+    from schedspec.spec.prefix_cache import CacheUpdate
+
+    cache = state.prefix_cache
+    live = [r for r in state.requests.values() if r.block_ids]
+    if cache is None or len(live) < 2:
+        return None
+    taker, giver = live[0], live[1]
+    given = [b for b in giver.block_ids if (b in cache.block_hashes) == hashed and b not in taker.block_ids]
+    if not given:
+        return None
+    requests = dict(state.requests)
+    requests[taker.request_id] = attrs.evolve(taker, block_ids=taker.block_ids + (given[-1],))
+    update = CacheUpdate(cache, state.free_block_ids)
+    if count:
+        update._set_count(given[-1], update.ref_counts[given[-1]] + 1)
+    return attrs.evolve(state, requests=requests, prefix_cache=update.freeze_cache())
+
+
+def _twice_in_table(state):
+    live = [r for r in state.requests.values() if r.block_ids]
+    if state.prefix_cache is None or not live:
+        return None
+    requests = dict(state.requests)
+    requests[live[0].request_id] = attrs.evolve(live[0], block_ids=live[0].block_ids + live[0].block_ids[-1:])
+    return attrs.evolve(state, requests=requests)
+
+
+def _unlist(update, state):
+    hashed = sorted(state.prefix_cache.block_hashes)
+    if not hashed:
+        return False
+    value = update.block_hashes[hashed[0]]
+    update._set_listed(value, tuple(b for b in update.hash_to_blocks[value] if b != hashed[0]))
+
+
 def _held_in_queue(state):
     held = _held(state)
     if state.prefix_cache is None or not held or not state.free_block_ids:
         return None
     return attrs.evolve(state, free_block_ids=(held[0],) + tuple(state.free_block_ids[1:]))
+
+
+def _owned_in_middle(state):
+    owned = [b for r in state.requests.values() for b in r.block_ids]
+    if not owned or len(state.free_block_ids) < 3:
+        return None
+    queue = tuple(state.free_block_ids)
+    return attrs.evolve(state, free_block_ids=queue[:1] + (owned[0],) + queue[2:])
 
 
 def _owned_in_queue(state):
@@ -183,6 +310,25 @@ def _aborted_not_terminal(state, before, checked):
     return attrs.evolve(state, finished=finished)
 
 
+def _pool_size(state):
+    """num_kv_blocks of a state that keeps block-conservation: every block is free or in a live table."""
+    return len(set(state.free_block_ids) | {b for r in state.requests.values() for b in r.block_ids})
+
+
+def _past_the_pool(state):
+    """A table gains the id num_kv_blocks; with prefix caching its reference count is written too (through a
+    working copy), so that only the range check can see it."""
+    from schedspec.spec.prefix_cache import CacheUpdate
+
+    size = _pool_size(state)
+    broken = _give_block(state, lambda req, other: req.block_ids + (size,))
+    if broken is None or state.prefix_cache is None:
+        return broken
+    update = CacheUpdate(state.prefix_cache, state.free_block_ids)
+    update._set_count(size, 1)
+    return attrs.evolve(broken, prefix_cache=update.freeze_cache())
+
+
 def _give_block(state, table):
     live = [r for r in state.requests.values() if r.block_ids]
     if len(live) < 2:
@@ -191,6 +337,15 @@ def _give_block(state, table):
     requests = dict(state.requests)
     requests[first.request_id] = attrs.evolve(first, block_ids=table(first, second))
     return attrs.evolve(state, requests=requests)
+
+
+def _ended_keeps_table(state, before):
+    ended = [r for r in state.finished if r in before.requests and before.requests[r].block_ids]
+    if not ended:
+        return None
+    finished = dict(state.finished)
+    finished[ended[0]] = attrs.evolve(finished[ended[0]], block_ids=before.requests[ended[0]].block_ids)
+    return attrs.evolve(state, finished=finished)
 
 
 def _finished_with_blocks(state, before):
@@ -426,10 +581,16 @@ def test_the_screen_sees_a_sequence_cap_breach_alone() -> None:
     assert not screened_rules_hold(scheduler.state, broken, config)
 
 
-CACHE_FAULTS = ["block owned twice", "block leaked", "block out of range", "terminal holds blocks",
+CACHE_FAULTS = ["block owned twice", "block leaked", "block out of range", "block one past the pool", "terminal holds blocks",
+                "ended request keeps its freed table",
                 "reference count off", "held block loses its hash", "uncomputed block published",
                 "block listed twice under its hash", "block published under another hash",
-                "held block in the free queue", "duplicate in the free queue", "out-of-range id in the free queue"]
+                "held block in the free queue", "duplicate in the free queue", "out-of-range id in the free queue",
+                "evictable block rehashed, not relisted", "evictable block rehashed, still under its old hash",
+                "evictable block rehashed, listed under neither", "held block left in an unchanged free queue",
+                "cache rebuilt without a change log", "uncomputed block published, then another working copy",
+                "unpublished block in a second table", "published block in a second table", "block twice in one table",
+                "published block unlisted"]
 
 
 @pytest.mark.parametrize("fault", CACHE_FAULTS)
@@ -501,3 +662,102 @@ def test_a_cache_copied_by_evolve_carries_no_change_log():
         found = True
         break
     assert found
+class _CountingChecker(IncrementalChecker):
+    """An incremental checker that keeps the steps on which it fell back to the full block checks."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.fallback_steps = []
+
+    def invariants(self, before, plan, after):
+        fallbacks = self.fallbacks
+        found = super().invariants(before, plan, after)
+        if self.fallbacks > fallbacks:
+            self.fallback_steps.append((plan, after))
+        return found
+
+
+def _takes_and_releases(plan, after) -> bool:
+    """A request got new blocks in this step and ended in it: those blocks were handed out and given back within
+    the step, a move the ledger does not follow (it sees the tables of the states only; the full check runs)."""
+    return any(item.new_block_ids and item.request_id in after.finished for item in plan.scheduled)
+
+
+# shortest-prompt-first keeps r0 waiting, unchanged, before r1 in the request map while r1 runs: a ledger that
+# stops at the first unchanged request (_follow_cached#61) never follows r1
+_WAITING_FIRST = (SchedulerConfig(block_size=4, num_kv_blocks=12, max_num_batched_tokens=32, max_num_seqs=1,
+                                  max_model_len=32, enable_prefix_caching=True),
+                  [RequestSpec("r0", 20, 4, arrival_step=0), RequestSpec("r1", 5, 6, arrival_step=0)],
+                  "shortest-prompt-first")
+
+
+# chunks of 2 tokens with 4-token blocks: a chain checked with no published block, then block 0 published a
+# step later and block 1 two steps after (_chain_known#7: a memo of no block taken as one block known right)
+_CHUNKS_OF_TWO = (SchedulerConfig(block_size=4, num_kv_blocks=12, max_num_batched_tokens=32, max_num_seqs=2,
+                                  max_model_len=32, long_prefill_token_threshold=2, enable_prefix_caching=True),
+                  [RequestSpec("r0", 12, 2, arrival_step=0)], "fcfs")
+
+
+@settings(deadline=None)  # examples: the active profile's
+@given(runs())
+@example(_WAITING_FIRST)
+@example(_CHUNKS_OF_TWO)
+def test_the_ledger_follows_every_correct_run(run):
+    """On random correct runs (arrivals, aborts, preemptions, shared prompt prefixes, with and without prefix
+    caching) the ledger proves every step but those where a request got new blocks and ended (its blocks handed
+    out and released within the step, which the ledger does not see: a known cost of a fallback, never a wrong
+    verdict). A ledger that loses track of a table, a block's holders, the cache or a request's published chain
+    falls back on other steps too (it cannot prove what it no longer follows), which costs only time, so only
+    this count shows it (spec/incremental.py mutants of ``_follow``, ``_follow_cached`` and ``_chain_known``)."""
+    config, specs, name = run
+    if not specs:
+        return
+    checker = _CountingChecker(config)
+    _drive(config, specs, name, checker=checker)
+    assert all(_takes_and_releases(plan, after) for plan, after in checker.fallback_steps), [
+        (plan, sorted(after.finished)) for plan, after in checker.fallback_steps if not _takes_and_releases(plan, after)]
+
+
+PLAIN_FAULTS = ["block owned twice", "block leaked", "block out of range", "block one past the pool", "terminal holds blocks",
+                "ended request keeps its freed table",
+                "owned block in the free queue", "owned block in the middle of the free queue", "duplicate in the free queue",
+                "out-of-range id in the free queue"]
+
+
+@pytest.mark.parametrize("fault", PLAIN_FAULTS)
+def test_block_faults_without_prefix_caching_are_found_as_the_full_check_finds_them(fault):
+    """Without prefix caching, each fault of the blocks and the free queue, made after some step of a run with
+    preemptions and finishes, is reported by the incremental checker exactly as by the full check: the owner
+    ledger's queue and count checks do not prove what is broken (spec/incremental.py ``_follow`` and
+    ``_queue_follows`` mutants: the queue check skipped, the count check loosened)."""
+    config = CONFIG.with_changes(num_kv_blocks=10)
+    found = [step for step in range(2, 14) if _drive(config, SPECS, "fcfs", fault=fault, fault_step=step)]
+    assert found, f"the fault {fault!r} was never made or never found"
+
+
+@pytest.mark.parametrize("name", ["fcfs", "static", "shortest-prompt-first"])
+def test_the_ledger_follows_free_queues_without_shared_structure(name):
+    """The owner ledger's general search (_queue_follows without FreeQueue's shared structure, as for queues read
+    from a trace or rebuilt as tuples) proves every correct step but those where a request got new blocks and
+    ended, as the shortcut does (spec/incremental.py ``_queue_follows`` mutants of the search: a wrong leading
+    run of released blocks, a wrong start in the old queue, the kept part not compared)."""
+    config = CONFIG.with_changes(num_kv_blocks=8)
+    scheduler = make_scheduler(name, config)
+    model = FakeModel(config, cost_model=_Flat())
+    checker = _CountingChecker(config)
+    plain = lambda state: attrs.evolve(state, free_block_ids=tuple(state.free_block_ids))  # noqa: E731
+    for step in range(200):
+        for spec in SPECS:
+            if spec.arrival_step == step:
+                scheduler.add_request(spec.to_request(step))
+        before = plain(scheduler.state)
+        if not before.requests and step > max(s.arrival_step for s in SPECS):
+            break
+        checker.sync(before)
+        plan = scheduler.schedule()
+        sampled, _ = model.execute(plan, scheduler.state)
+        scheduler.update(plan, sampled)
+        after = plain(scheduler.state)
+        assert checker.invariants(before, plan, after) == check_step(before, plan, after, config) == []
+    assert all(_takes_and_releases(plan, after) for plan, after in checker.fallback_steps)
+    assert step > 5

@@ -4,6 +4,8 @@ Grouped by module; each test names the mutants it was written for (``scripts/mut
 
 from __future__ import annotations
 
+import collections
+
 import attrs
 import pytest
 from test_rules import ADMIT_B, CASES, CONFIG, DECODE_A, base_state, running_a, waiting_b
@@ -328,6 +330,152 @@ def test_the_screen_holds_at_every_limit_exactly_met(change, plan):
     state = base_state()
     assert not violated_rules(state, plan, config)
     assert screened_rules_hold(state, plan, config)
+
+
+def _three_running() -> SchedulerState:
+    """a (blocks 0, 1), c (2, 3) and e (4, 5) running, each a decode of 1 token; b and d waiting, 5 tokens each;
+    blocks 6 and 7 free."""
+    c, e = (attrs.evolve(running_a(), request_id=r, arrival_step=0, block_ids=blocks)
+            for r, blocks in (("c", (2, 3)), ("e", (4, 5))))
+    d = attrs.evolve(waiting_b(), request_id="d", arrival_step=2)
+    return attrs.evolve(base_state(c, e, d), waiting=("b", "d"), running=("a", "c", "e"), free_block_ids=(6, 7))
+
+
+def _screen_cases():
+    """(config, state, plan, whether the screened rules pass it): plans on which the screen's answer must be the
+    screened rules' answer exactly."""
+    three = _three_running()
+    excess = attrs.evolve(base_state(), requests={**base_state().requests, "a": attrs.evolve(running_a(), block_ids=(0, 1, 2))},
+                          free_block_ids=(3, 4, 5, 6, 7))
+    spec = CONFIG.with_changes(num_speculative_tokens=2, max_num_batched_tokens=32)
+    fresh = SchedulerState(step=0, waiting=("f",), requests={"f": Request("f", 0, tuple(range(8)), max_tokens=3)},
+                           free_block_ids=tuple(range(8)), num_requests_added=1)
+    return {
+        # the budget broken only by the sum of the items (#85: total = num_tokens)
+        "budget-by-the-sum": (CONFIG.with_changes(max_num_batched_tokens=5), base_state(),
+                              StepPlan(scheduled=(DECODE_A, ADMIT_B)), False),
+        # a request preempted and scheduled (#92), preempted twice (#97), rejected twice (#105)
+        "preempted-and-scheduled": (CONFIG, base_state(), StepPlan(scheduled=(DECODE_A,), preempted=("a",)), False),
+        "preempted-twice": (CONFIG, base_state(), StepPlan(preempted=("a", "a")), False),
+        "rejected-twice": (CONFIG, base_state(), StepPlan(rejected=(("b", "x"), ("b", "x"))), False),
+        # sequence-cap with preemptions: two preempted make room for two admitted (#98, #99, #111), one does
+        # not (#100: each preemption counted twice)
+        "two-out-two-in": (CONFIG.with_changes(max_num_seqs=3), three,
+                           StepPlan(scheduled=(DECODE_A, ScheduledRequest("b", 0, 5, (2, 3)),
+                                               ScheduledRequest("d", 0, 5, (4, 5))), preempted=("c", "e")), True),
+        "one-out-two-in": (CONFIG.with_changes(max_num_seqs=3), three,
+                           StepPlan(scheduled=(DECODE_A, ScheduledRequest("e", 6, 1), ScheduledRequest("b", 0, 5, (2, 3)),
+                                               ScheduledRequest("d", 0, 5, (6, 7))), preempted=("c",)), False),
+        # without chunked prefill the long-prefill threshold does not apply (#8: applied anyway)
+        "whole-prefill-over-an-unused-threshold": (
+            CONFIG.with_changes(enable_chunked_prefill=False, long_prefill_token_threshold=4, max_num_batched_tokens=32),
+            base_state(), StepPlan(scheduled=(DECODE_A, ADMIT_B)), True),
+        # a table holding more than its sequence needs, decoding without a new block: refused without speculative
+        # decoding (#70, #71), allowed with it (drafts rejected leave such tables: #10, #71)
+        "excess-table-without-drafts": (CONFIG, excess, StepPlan(scheduled=(DECODE_A,)), False),
+        "excess-table-with-drafts": (spec, excess, StepPlan(scheduled=(DECODE_A,)), True),
+        # without chunking a whole prompt with two drafts is 8 + 2 tokens, not 8 - 2 (#40)
+        "whole-prefill-less-its-drafts": (spec.with_changes(enable_chunked_prefill=False), fresh,
+                                          StepPlan(scheduled=(ScheduledRequest("f", 0, 6, (0, 1), spec_token_ids=(5, 5)),)),
+                                          False),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_screen_cases()))
+def test_the_screen_answers_as_the_screened_rules_on_hand_made_plans(case):
+    """``screened_rules_hold`` is True exactly when no rule of ``SCREENED`` refuses the plan, on plans each aimed at
+    one condition of the screen (the mutants named in ``_screen_cases``): a looser screen skips the rules and
+    loses a violation; a stricter one makes every such step pay for the full rules."""
+    from schedspec.spec.incremental import SCREENED, screened_rules_hold
+
+    config, state, plan, passes = _screen_cases()[case]
+    assert (not {v.name for v in violated_rules(state, plan, config)} & SCREENED) == passes
+    assert screened_rules_hold(state, plan, config) == passes
+
+
+def _every_field(violations) -> collections.Counter:
+    """Violations as a multiset of all their fields (name, detail, step, request, kind, code)."""
+    return collections.Counter((v.name, v.detail, v.step, v.request_id, v.kind, v.code) for v in violations)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_incremental_rules_are_the_rules_field_for_field(name):
+    """``IncrementalChecker.rules`` returns what ``violated_rules`` returns, every field of every violation
+    (its own ``blocks-from-free-pool`` violations, built from the ledger's free set, included: ``rules#36-#56``
+    left out or changed the rule's name, detail, step, request, kind or code, and ``#33`` ran the plain
+    free-pool rule beside the ledger's), on the bad plan and the legal twin of every rule's case."""
+    from schedspec.spec.incremental import IncrementalChecker
+
+    state, bad, good, config = CASES[name]()
+    checker = IncrementalChecker(config)
+    checker.sync(state)
+    for plan in (bad, good):
+        assert _every_field(checker.rules(state, plan)) == _every_field(violated_rules(state, plan, config)), plan
+
+
+def test_the_incremental_free_pool_check_names_the_case_of_a_block_reused_by_a_hit():
+    """The ledger's ``blocks-from-free-pool`` violations carry the code ``violated_rules`` gives them: the plain
+    rule's name for a block that is not free, ``name:reused-by-hit-in-step`` for a block handed out and hit in
+    the same step (``rules#50-#56``: the case dropped, or read from an empty case)."""
+    from schedspec.spec.incremental import IncrementalChecker
+
+    state = base_state()
+    checker = IncrementalChecker(CONFIG)
+    checker.sync(state)
+    assert checker.sound  # the ledger followed base_state: its free set, not the plain rule, judges below
+    not_free = StepPlan(scheduled=(DECODE_A, ScheduledRequest("b", 0, 5, (0, 2))))
+    reused = StepPlan(scheduled=(ScheduledRequest("a", 6, 1, (), (2,)), ScheduledRequest("b", 0, 5, (2, 3))))
+    for plan, code in ((not_free, "blocks-from-free-pool"),
+                       (reused, "blocks-from-free-pool:reused-by-hit-in-step")):
+        found = [v for v in checker.rules(state, plan) if v.name == "blocks-from-free-pool"]
+        assert [(v.code, v.request_id, v.step, v.kind) for v in found] == [(code, "b", state.step, "rule")]
+        assert _every_field(found) == _every_field(
+            v for v in violated_rules(state, plan, CONFIG) if v.name == "blocks-from-free-pool")
+
+
+def test_the_incremental_rules_run_in_full_once_the_ledger_is_unsound():
+    """A checker whose ledger could not follow a state (here a request holds a block that is still in the free
+    queue, so ``sync`` fails) judges plans with the plain rules: the same violations as ``violated_rules``,
+    with the state and the plan it was given (``rules#7-#12``: the plain rules called with ``None`` or without
+    an argument)."""
+    from schedspec.spec.incremental import IncrementalChecker
+
+    state = base_state()
+    broken = attrs.evolve(state, free_block_ids=(0, *state.free_block_ids))  # block 0 held by a and free
+    checker = IncrementalChecker(CONFIG)
+    checker.sync(broken)
+    assert not checker.sound
+    for plan in (StepPlan(scheduled=(DECODE_A, ADMIT_B)), StepPlan(scheduled=(DECODE_A, ScheduledRequest("b", 0, 5, (0, 2))))):
+        assert _every_field(checker.rules(broken, plan)) == _every_field(violated_rules(broken, plan, CONFIG))
+
+
+def test_a_remote_kv_load_switches_the_incremental_checker_to_full_checks():
+    """The first plan with a remote KV load (or a state with a delayed free) makes the checker run the rules
+    and the ledger's invariants in full from then on (``remote``; ``rules#1-#3``: ``or`` made ``and``, the flag
+    left False); the step after is judged by the full invariants (a fallback)."""
+    from schedspec.spec.incremental import IncrementalChecker
+    from schedspec.spec.state import DelayedFree, KVLoad
+    from schedspec.spec.transitions import apply_plan
+
+    state = attrs.evolve(base_state(), requests={**base_state().requests, "b": attrs.evolve(
+        waiting_b(), num_external_computed_tokens=4)})
+    # block 7 held by a finished request's KV send (a delayed free), so not free: handing it out is refused
+    sending = attrs.evolve(state, delayed_frees={"z": DelayedFree((7,), "sending")}, free_block_ids=(2, 3, 4, 5, 6))
+    for plan, before in ((StepPlan(scheduled=(DECODE_A,), loads=(KVLoad("b", 4, (2,)),)), state),
+                         (StepPlan(scheduled=(DECODE_A, ScheduledRequest("b", 0, 5, (7, 2)))), sending)):
+        checker = IncrementalChecker(CONFIG)
+        checker.sync(before)
+        # the plain rules' verdict (#5: the ledger's free set, which knows no delayed free, judged block 7 free)
+        assert _every_field(checker.rules(before, plan)) == _every_field(violated_rules(before, plan, CONFIG))
+        assert checker.remote is True, plan
+    assert "blocks-from-free-pool" in {v.name for v in violated_rules(sending, plan, CONFIG)}
+    checker = IncrementalChecker(CONFIG)
+    checker.sync(state)
+    plan = StepPlan(scheduled=(DECODE_A,), loads=(KVLoad("b", 4, (2,)),))
+    assert _every_field(checker.rules(state, plan)) == _every_field(violated_rules(state, plan, CONFIG))
+    after = apply_plan(state, plan, {"a": 22}, CONFIG).state
+    assert checker.invariants(state, plan, after) == []
+    assert checker.fallbacks == 1
 
 
 # --- spec/properties.py, second round (issue 28: every monitor's survivors, scripts/mutmut.sh properties) ------
@@ -1419,3 +1567,146 @@ def test_released_and_draft_invariants_judge_each_request():
     assert found == [("prefill", "holds 1 drafts but is not a running decode (running)"),
                      ("three", "holds 3 drafts > num_speculative_tokens=2"),
                      ("waiting", "holds 1 drafts but is not a running decode (waiting)")]
+
+
+# --- spec/prefix_cache.py (issue 28: survivors of scripts/mutmut.sh prefix_cache) ----------------------------
+
+
+def _published_cache():
+    """A cache where blocks 0 and 1 carry the hashes of a 2-block prompt's blocks, block 0 held by one table,
+    block 1 evictable (count 0, in the free queue); the free queue is (2, 3, 1)."""
+    from schedspec.spec.prefix_cache import ROOT_HASH, CacheUpdate, PrefixCache, request_block_hash
+
+    request = Request("p", 0, tuple(range(8)), max_tokens=2)
+    first = request_block_hash(request, 0, ROOT_HASH, 4)
+    second = request_block_hash(request, 1, first, 4)
+    cache = PrefixCache({0: first, 1: second}, {first: (0,), second: (1,)}, {0: 1})
+    return CacheUpdate(cache, (2, 3, 1)), request
+
+
+def test_a_block_is_evictable_only_published_and_held_by_no_table():
+    """``PrefixCache.is_evictable`` (``#1``, ``#4``): published with count 0 (block 1) yes; published and held
+    (block 0), or never published (block 2), no."""
+    update, _ = _published_cache()
+    cache = update.freeze_cache()
+    assert [cache.is_evictable(b) for b in (0, 1, 2, 3)] == [False, True, False, False]
+
+
+def test_a_cloned_working_copy_is_independent_of_its_source():
+    """``CacheUpdate.clone`` (``#1-#4``: a policy trying a choice out): the clone starts as the source is now,
+    free queue and cache, and edits of either leave the other as it was."""
+    update, request = _published_cache()
+    update.touch((1,))  # a hit on the evictable block: out of the free queue, count 1
+    clone = update.clone()
+    assert clone.free == [2, 3] and clone.freeze() == update.freeze()
+    assert clone.longest_hit(request, 4) == update.longest_hit(request, 4) == (0,)  # (num_tokens - 1) // 4 = 1 block
+    clone.take((2,))
+    clone.release((0,))
+    assert update.free == [2, 3] and update.ref_counts == {0: 1, 1: 1}
+    assert clone.free == [3, 0] and dict(clone.ref_counts) == {1: 1, 2: 1}
+    update.take_front(2)
+    assert clone.free == [3, 0]
+
+
+def test_a_hit_counts_its_blocks_in_the_free_queue_against_the_free_blocks():
+    """``CacheUpdate.num_evictable`` (``#1-#3``) and ``available``: of a hit's blocks, those with no reference
+    (evictable block 1, and block 2, free) leave the free queue; block 0, held, does not. ``available`` is the
+    free queue's length, evictable blocks included."""
+    update, _ = _published_cache()
+    assert update.num_evictable((0, 1, 2)) == 2
+    assert update.num_evictable((0,)) == 0 and update.num_evictable(()) == 0
+    assert update.available == 3
+    update.touch((1,))
+    assert update.num_evictable((0, 1, 2)) == 1 and update.available == 2
+
+
+def test_the_blocks_evicted_in_a_step_are_those_handed_out_that_carried_a_hash():
+    """``evicted_blocks`` (``#1``: the test inverted): of the blocks handed out, in their order, those published
+    before the step (the record's ``blocks_evicted``)."""
+    from schedspec.spec.prefix_cache import evicted_blocks
+
+    update, _ = _published_cache()
+    cache = update.freeze_cache()
+    assert evicted_blocks(cache, (2, 1, 3, 0)) == [1, 0]
+    assert evicted_blocks(cache, (2, 3)) == []
+
+
+@pytest.mark.parametrize("prompt_len, block_size, blocks", [(1, 1, 0), (2, 1, 1), (4, 4, 0), (5, 4, 1), (9, 4, 2)])
+def test_a_hit_leaves_at_least_the_last_token_to_compute(prompt_len, block_size, blocks):
+    """``max_hit_blocks`` (``#8``: ``max(num_tokens - 1, 1)``): a 1-token prompt with 1-token blocks gets no hit
+    (a hit of its only block would leave no token to compute, and no logits to sample from); otherwise
+    ``(num_tokens - 1) // block_size`` blocks."""
+    from schedspec.spec.prefix_cache import max_hit_blocks
+
+    assert max_hit_blocks(Request("p", 0, tuple(range(prompt_len)), max_tokens=1), block_size) == blocks
+
+
+def test_taking_blocks_from_anywhere_in_the_free_queue_removes_exactly_them():
+    """``CacheUpdate.take`` (``#3``, ``#5-#7``: the fast path taken for blocks that are not the queue's front, or
+    the general path broken): blocks handed out from the middle or the back leave the queue and nothing else
+    does; a block taken from the front too; each gets count 1, and a published one loses its hash (evicted)."""
+    update, _ = _published_cache()  # free queue (2, 3, 1); block 1 evictable
+    update.take((3,))
+    assert update.free == [2, 1] and update.ref_counts[3] == 1
+    update.take((1,))
+    assert update.free == [2] and update.evicted == [1] and 1 not in update.block_hashes
+    update.take((2,))
+    assert update.free == [] and update.ref_counts[2] == 1
+
+
+def test_a_hit_skips_the_blocks_it_is_told_to_exclude():
+    """``PrefixCache.longest_hit`` (``#22``: ``excluded`` not passed on): with two published copies of a block,
+    the hit takes the first not excluded (blocks handed out earlier in the same step are evicted)."""
+    from schedspec.spec.prefix_cache import ROOT_HASH, PrefixCache, request_block_hash
+
+    request = Request("p", 0, tuple(range(8)), max_tokens=2)
+    first = request_block_hash(request, 0, ROOT_HASH, 4)
+    cache = PrefixCache({0: first, 5: first}, {first: (0, 5)}, {})
+    assert cache.longest_hit(request, 4) == (0,)
+    assert cache.longest_hit(request, 4, excluded=frozenset({0})) == (5,)
+    assert cache.longest_hit(request, 4, excluded=frozenset({0, 5})) == ()
+
+
+def test_a_frozen_cache_cannot_be_written():
+    """``CacheUpdate.freeze_cache`` (``#4``, ``#8``, ``#12``: the working copy's dicts handed out as they are): the
+    cache it returns is read-only in each mapping it changed, so no later write can alter a state's cache."""
+    update, _ = _published_cache()
+    update.take((2,))  # a count written
+    update.publish(Request("q", 0, tuple(range(100, 108)), max_tokens=1), (2,), 4, 4)  # a hash and a listing written
+    cache = update.freeze_cache()
+    for mapping, key, value in ((cache.ref_counts, 2, 5), (cache.block_hashes, 2, "x"), (cache.hash_to_blocks, "x", (2,))):
+        with pytest.raises(TypeError):
+            mapping[key] = value
+
+
+def test_a_block_hash_is_the_chained_hash_of_its_tokens_for_any_parent_block_size_and_adapter():
+    """``request_block_hash`` (``#8``, ``#14``, ``#20``, ``#21``: its memo keyed without the block size and index,
+    or used for another parent; the LoRA key put into every block, or into a request without an adapter): block
+    ``i`` hashes its own tokens after the parent given, whatever was asked of the same request before; only the
+    first block of a request with an adapter carries the adapter's key."""
+    from schedspec.spec.prefix_cache import ROOT_HASH, block_hash, request_block_hash
+
+    tokens = tuple(range(40, 56))
+    plain = Request("p", 0, tokens, max_tokens=1)
+    assert request_block_hash(plain, 0, ROOT_HASH, 4) == block_hash(ROOT_HASH, tokens[:4])
+    assert request_block_hash(plain, 0, ROOT_HASH, 8) == block_hash(ROOT_HASH, tokens[:8])  # another block size
+    first = request_block_hash(plain, 0, ROOT_HASH, 4)
+    assert request_block_hash(plain, 1, first, 4) == block_hash(first, tokens[4:8])
+    assert request_block_hash(plain, 1, "f" * 32, 4) == block_hash("f" * 32, tokens[4:8])  # another parent
+    adapter = Request("l", 0, tokens, max_tokens=1, lora_int_id=3)
+    assert request_block_hash(adapter, 0, ROOT_HASH, 4) == block_hash(f"{ROOT_HASH}|lora:3", tokens[:4])
+    assert request_block_hash(adapter, 1, first, 4) == block_hash(first, tokens[4:8])
+
+
+def test_block_hash_is_the_documented_blake2b():
+    """``block_hash`` (``#11``: another separator) is what its docstring defines, computed here from that text:
+    blake2b with a 16-byte digest over the parent hash (ASCII), ``|`` and the token ids as little-endian int64,
+    as hex (trace files carry these hashes, so they must not drift)."""
+    import hashlib
+    import struct
+
+    from schedspec.spec.prefix_cache import block_hash
+
+    parent, tokens = "ab" * 16, (1, 70000, 2**40, 0)
+    digest = hashlib.blake2b(parent.encode("ascii") + b"|" + struct.pack("<4q", *tokens), digest_size=16)
+    assert block_hash(parent, tokens) == digest.hexdigest()
