@@ -4,6 +4,8 @@ reported finished again, are each caught by both checkers at their step; the rep
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from schedspec.spec.checker import check_trace, plan_from_record
@@ -106,3 +108,49 @@ def test_a_request_left_live_at_the_end_of_a_long_trace_is_named_with_its_last_s
     (unfinished,) = [v for v in report.violations if v.name == "unfinished-request"]
     assert unfinished.request_id == f"r{(STEPS - 2) // 2}"
     assert f"last scheduled at step {STEPS - 2}" in unfinished.detail, unfinished.detail
+
+
+def _retained_growth(feed, steps: int) -> tuple[int, int]:
+    """Bytes still allocated (tracemalloc) after ``steps`` more steps of :func:`long_trace` fed to ``feed``,
+    first from step ``steps`` to ``2 * steps`` then from ``2 * steps`` to ``3 * steps`` (the first ``steps``
+    warm up caches and free lists); the bounded id-parse cache is emptied before each reading."""
+    import gc
+    import tracemalloc
+
+    from schedspec.spec.persistent import _numbered
+
+    readings = []
+    records = long_trace(3 * steps)
+    tracemalloc.start()
+    try:
+        for _ in range(3):
+            for _ in range(steps):
+                feed(next(records))
+            _numbered.cache_clear()
+            gc.collect()
+            readings.append(tracemalloc.get_traced_memory()[0])
+    finally:
+        tracemalloc.stop()
+    return readings[1] - readings[0], readings[2] - readings[1]
+
+
+# A string id in a set costs over 50 bytes (the str object and its slot); an id kept as a bit of a bitmap
+# (spec.persistent.EndedIds) costs one bit plus 128 bytes per 1,024 ids: 8 bytes per ended request is far
+# below the first and far above the second (and the measurement's noise over 1,500 requests).
+BYTES_PER_ENDED_REQUEST = 8
+GROWTH_STEPS = 3_000  # 1,500 requests ended per reading
+
+
+def test_the_fast_path_retains_no_memory_per_ended_request():
+    """What FastChecker holds does not grow with the trace: per live request only, and the ids of the
+    ended ones (a reused id is refused) at about one bit each."""
+    from schedspec.spec.fast_check import FastChecker
+
+    checker = FastChecker(CONFIG)
+
+    def feed(record):  # a fresh copy, as read from a line (json, not orjson: orjson keeps a cache of keys)
+        checker.check(json.loads(json.dumps(record)))
+
+    growth = _retained_growth(feed, GROWTH_STEPS)
+    assert max(growth) <= BYTES_PER_ENDED_REQUEST * GROWTH_STEPS // 2, growth
+    assert not checker.live and "r0" in checker.known and f"r{3 * GROWTH_STEPS // 2 - 1}" in checker.known
