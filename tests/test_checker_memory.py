@@ -110,25 +110,28 @@ def test_a_request_left_live_at_the_end_of_a_long_trace_is_named_with_its_last_s
     assert f"last scheduled at step {STEPS - 2}" in unfinished.detail, unfinished.detail
 
 
-def _retained_growth(feed, steps: int) -> tuple[int, int]:
-    """Bytes still allocated (tracemalloc) after ``steps`` more steps of :func:`long_trace` fed to ``feed``,
-    first from step ``steps`` to ``2 * steps`` then from ``2 * steps`` to ``3 * steps`` (the first ``steps``
-    warm up caches and free lists); the bounded id-parse cache is emptied before each reading."""
+def _retained_growth(run, steps: int) -> tuple[int, int]:
+    """Bytes still allocated (tracemalloc) as ``run`` reads :func:`long_trace`'s records (each a fresh copy,
+    as read from a line), from step ``steps`` to ``2 * steps`` and from ``2 * steps`` to ``3 * steps`` (the
+    first ``steps`` warm up caches and free lists); the bounded id-parse cache is emptied before each reading."""
     import gc
     import tracemalloc
 
     from schedspec.spec.persistent import _numbered
 
     readings = []
-    records = long_trace(3 * steps)
+
+    def records():
+        for index, record in enumerate(long_trace(3 * steps + 2)):  # ends with its last request finished
+            if index and index % steps == 0:
+                _numbered.cache_clear()
+                gc.collect()
+                readings.append(tracemalloc.get_traced_memory()[0])
+            yield json.loads(json.dumps(record))  # json, not orjson (orjson keeps a cache of keys)
+
     tracemalloc.start()
     try:
-        for _ in range(3):
-            for _ in range(steps):
-                feed(next(records))
-            _numbered.cache_clear()
-            gc.collect()
-            readings.append(tracemalloc.get_traced_memory()[0])
+        run(records())
     finally:
         tracemalloc.stop()
     return readings[1] - readings[0], readings[2] - readings[1]
@@ -148,9 +151,23 @@ def test_the_fast_path_retains_no_memory_per_ended_request():
 
     checker = FastChecker(CONFIG)
 
-    def feed(record):  # a fresh copy, as read from a line (json, not orjson: orjson keeps a cache of keys)
-        checker.check(json.loads(json.dumps(record)))
+    def run(records):
+        for record in records:
+            checker.check(record)
 
-    growth = _retained_growth(feed, GROWTH_STEPS)
+    growth = _retained_growth(run, GROWTH_STEPS)
     assert max(growth) <= BYTES_PER_ENDED_REQUEST * GROWTH_STEPS // 2, growth
-    assert not checker.live and "r0" in checker.known and f"r{3 * GROWTH_STEPS // 2 - 1}" in checker.known
+    assert not checker.live and "r0" in checker.known and f"r{3 * GROWTH_STEPS // 2}" in checker.known
+
+
+@pytest.mark.parametrize("incremental", [False, True], ids=["full", "incremental"])
+def test_the_plain_path_retains_no_memory_per_ended_request(incremental):
+    """What check_trace holds does not grow with the trace either (Stepper.forget_ended: per live request
+    only, and the ended requests' count and ids, EndedIds)."""
+    steps = GROWTH_STEPS // 3  # the plain path is slower; 500 requests per reading still tell a string from a bit
+    reports = []
+    growth = _retained_growth(
+        lambda records: reports.append(check_trace(CONFIG, (StepRecord.from_dict(r) for r in records),
+                                                   incremental=incremental)), steps)
+    assert reports[0].ok and reports[0].steps_checked == 3 * steps + 2
+    assert max(growth) <= BYTES_PER_ENDED_REQUEST * steps // 2, growth
