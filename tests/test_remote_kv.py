@@ -377,3 +377,20 @@ def test_a_transfer_still_holding_blocks_at_the_end_of_a_trace_is_unfinished():
     report = check_trace(config, cut)
     assert any(v.name == "unfinished-request" and v.request_id == "a" for v in report.violations)
     assert check_trace(config, result.records).ok
+
+
+def test_a_load_for_an_unknown_request_is_named_as_unknown_only():
+    """A record starting a remote KV load for an id never added: ``known-requests`` (not a live request),
+    and no other rule about a load it cannot judge (``load-blocks-exact`` said "takes 0 blocks")."""
+    from schedspec.spec.checker import check_trace
+    from schedspec.spec.trace import StepRecord
+    from schedspec.trace_mutations import remote_kv_trace
+
+    _, trace = remote_kv_trace()
+    records = [dict(record) for record in trace.records]  # a copy to edit
+    step = next(index for index, record in enumerate(records) if record.get("kv_loads"))
+    records[step]["kv_loads"]["ghost"] = 5
+    report = check_trace(trace.config, [StepRecord.from_dict(record) for record in records])
+    assert report.first_bad_step == step
+    assert [(v.name, v.request_id, v.detail) for v in report.violations] == [
+        ("known-requests", "ghost", "not a live request")]
