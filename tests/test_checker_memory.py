@@ -139,9 +139,9 @@ def _retained_growth(run, steps: int) -> tuple[int, int]:
 
 # A string id in a set costs over 50 bytes (the str object and its slot); an id kept as a bit of a bitmap
 # (spec.persistent.EndedIds) costs one bit plus 128 bytes per 1,024 ids: 8 bytes per ended request is far
-# below the first and far above the second (and the measurement's noise over 1,500 requests).
+# below the first and far above the second (and the measurement's noise over 250 requests).
 BYTES_PER_ENDED_REQUEST = 8
-GROWTH_STEPS = 3_000  # 1,500 requests ended per reading
+GROWTH_STEPS = 2_000  # 1,000 requests ended per reading
 
 
 def test_the_fast_path_retains_no_memory_per_ended_request():
@@ -164,7 +164,7 @@ def test_the_fast_path_retains_no_memory_per_ended_request():
 def test_the_plain_path_retains_no_memory_per_ended_request(incremental):
     """What check_trace holds does not grow with the trace either (Stepper.forget_ended: per live request
     only, and the ended requests' count and ids, EndedIds)."""
-    steps = GROWTH_STEPS // 3  # the plain path is slower; 500 requests per reading still tell a string from a bit
+    steps = GROWTH_STEPS // 4  # the plain path is slower; 250 requests per reading still tell a string from a bit
     reports = []
     growth = _retained_growth(
         lambda records: reports.append(check_trace(CONFIG, (StepRecord.from_dict(r) for r in records),
