@@ -1,7 +1,7 @@
 """Benchmark: input size (issue 28). Each part runs in its own process, so that its peak memory is its own;
 each prints its run conditions and its target beside its figure.
 
-    .venv/bin/python benchmarks/size.py [--part replay|check|mooncake|burstgpt] [--requests N] [--steps N]
+    .venv/bin/python benchmarks/size.py [--part replay|check|mooncake|burstgpt] [--requests N] [--steps N] [--no-fast-path]
 
 - ``replay``: ``schedspec replay`` of a generated scenario of ``--requests`` requests (default 100,000),
   ten arrivals per step over 10,000 steps, every check on. Target: under a minute. Also, side by side,
@@ -10,7 +10,8 @@ each prints its run conditions and its target beside its figure.
 - ``check``: ``schedspec check`` of a generated correct trace of ``--steps`` steps (default 10^6, one
   request every two steps), and of a tenth and a hundredth of it, side by side: peak RSS of each
   (``ru_maxrss``). Target: bounded memory (the larger traces' peaks no larger than the smallest's: the
-  check forgets ended requests, ``Stepper.forget_ended``).
+  plain path forgets ended requests, ``Stepper.forget_ended``; the fast path, ``spec/fast_check.py``, keeps
+  only live requests and the ids ever added as ``EndedIds``). ``--no-fast-path``: the plain path only.
 - ``mooncake``: ``schedspec lab`` on the whole Mooncake conversation trace (12,031 requests, ``--max-requests``
   all of them: lab's default window is the first 120 s), checks on: time and peak RSS.
 - ``burstgpt``: a BurstGPT-format file of 10^6 generated rows: loading it (time, peak RSS), then ``lab``
@@ -104,10 +105,11 @@ def part_check(args: argparse.Namespace, folder: Path) -> None:
     path = folder / f"trace-{steps}.jsonl"
     trace_file(path, steps)
     print(f"check: a correct trace of {steps:,} steps ({path.stat().st_size / 2**20:,.0f} MiB, "
-          f"{steps // 2:,} requests); default properties; {conditions()}")
+          f"{steps // 2:,} requests); default properties; {'plain path only' if args.no_fast_path else 'fast path'}; "
+          f"{conditions()}")
 
     def run():
-        status, out = cli("check", str(path))
+        status, out = cli("check", str(path), *(["--no-fast-path"] if args.no_fast_path else []))
         return f"exit {status}; " + " ".join(line.strip() for line in out.splitlines()[-2:])[:200]
 
     timed(f"check {steps:,} steps", "bounded memory: peak RSS no larger than the smaller traces'", run)
@@ -164,6 +166,7 @@ def main() -> None:
     parser.add_argument("--burst", type=int, default=6_000)
     parser.add_argument("--steps", type=int, default=1_000_000)
     parser.add_argument("--burstgpt-requests", type=int, default=20_000)
+    parser.add_argument("--no-fast-path", action="store_true", help="check: judge with the plain path only")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     parts = args.part or ["replay", "check", "mooncake", "burstgpt"]
@@ -172,7 +175,7 @@ def main() -> None:
             PARTS[parts[0]](args, Path(folder))
         return
     forwarded = [f"--requests={args.requests}", f"--burst={args.burst}",
-                 f"--burstgpt-requests={args.burstgpt_requests}"]
+                 f"--burstgpt-requests={args.burstgpt_requests}", *(["--no-fast-path"] if args.no_fast_path else [])]
     for part in parts:
         runs = [args.steps // 100, args.steps // 10, args.steps] if part == "check" else [args.steps]
         for steps in runs:  # one process per figure: its peak RSS is its own

@@ -24,6 +24,12 @@ SPECULATIVE_FIELDS = ("num_speculative_tokens", "num_lookahead_tokens")
 """The speculative-decoding fields of :class:`SchedulerConfig` (both 0 = off)."""
 
 
+MAX_CONFIG_INT = 2**31 - 1
+"""Largest integer a config field may hold (tokens, blocks, requests, steps): the trace format's bound on every
+integer (``spec/trace-schema.json``: "at most 2^31 - 1"; vLLM's model runner keeps positions, block ids and
+FlashAttention's ``window_size`` as 32-bit ints). A larger value is refused as unusable input, not run."""
+
+
 KV_CACHE_GROUP_KINDS = ("full_attention", "sliding_window")
 """The kinds of KV cache group the spec defines: vLLM ``FullAttentionSpec`` and ``SlidingWindowSpec``
 (``vllm/v1/kv_cache_interface.py``). vLLM's ``MambaSpec`` (a per-request state group) is not specified yet."""
@@ -55,9 +61,9 @@ class KVCacheGroup:
             raise ConfigError("kv_cache_groups[].kind", self.kind, f"must be one of {list(KV_CACHE_GROUP_KINDS)}")
         window = self.sliding_window
         if self.kind == "sliding_window":
-            if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= MAX_CONFIG_INT:
                 raise ConfigError("kv_cache_groups[].sliding_window", window,
-                                  "must be an integer >= 1 (tokens) for a sliding_window group")
+                                  f"must be an integer in [1, {MAX_CONFIG_INT}] (tokens) for a sliding_window group")
         elif window is not None:
             raise ConfigError("kv_cache_groups[].sliding_window", window, "is only for a sliding_window group")
 
@@ -166,7 +172,12 @@ class SchedulerConfig:
             not yet). See :mod:`schedspec.spec.kv_cache_groups`.
 
     Raises:
-        ConfigError: a field has the wrong type or range, or two fields contradict each other:
+        ConfigError: a field has the wrong type or range, or two fields contradict each other: any
+            integer field (``kv_cache_groups[].sliding_window`` too) above :data:`MAX_CONFIG_INT` (2^31 - 1,
+            the trace format's bound; no tighter one on ``num_speculative_tokens``: vLLM 0.32
+            ``SpeculativeConfig.num_speculative_tokens`` is ``Field(gt=0)`` with no maximum, and
+            ``Scheduler.schedule`` never lets drafts reach past ``max_model_len``, so a k of 10^9 runs as
+            "no limit", as in vLLM);
             with chunked prefill off, ``max_num_batched_tokens < max_model_len`` (vLLM
             ``SchedulerConfig._verify_args``: a prompt could never be scheduled); or
             ``max_num_batched_tokens < max_num_seqs`` (vLLM, same function: a full batch of
@@ -231,6 +242,10 @@ class SchedulerConfig:
             if self.kv_cache_groups[0].kind != "full_attention":
                 raise ConfigError("kv_cache_groups", [g.to_dict() for g in self.kv_cache_groups],
                                   "group 0 must be full_attention (its block table is Request.block_ids)")
+        for field in attrs.fields(type(self)):
+            value = getattr(self, field.name)
+            if type(value) is int and value > MAX_CONFIG_INT:
+                raise ConfigError(field.name, value, f"must be at most {MAX_CONFIG_INT} (2^31 - 1)")
         if self.num_lookahead_tokens and not self.num_speculative_tokens:
             raise ConfigError("num_lookahead_tokens", self.num_lookahead_tokens,
                               "must be 0 when num_speculative_tokens=0 (no speculative decoding, no lookahead)")

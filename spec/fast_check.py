@@ -72,6 +72,7 @@ import attrs
 from schedspec.spec.admission import rejection_code, rejection_reason, rejection_reasons
 from schedspec.spec.checker import DEFAULT_PROPERTIES, TIME_TOLERANCE, CheckReport
 from schedspec.spec.config import SchedulerConfig, blocks_for_tokens
+from schedspec.spec.persistent import EndedIds
 from schedspec.spec.stop_rule import stop_reason_of
 from schedspec.spec.trace import (
     MAX_LINE_BYTES,
@@ -209,7 +210,9 @@ class FastChecker:
         self.config = config
         self.step = 0
         self.live: dict[str, _Request] = {}
-        self.known: set[str] = set()  # every id ever added
+        # every id ever added (a reused id is refused: transitions.add_request), in about one bit per numbered
+        # id, so that a long trace's check holds no string per ended request (bounded memory, benchmarks/size.py)
+        self.known = EndedIds()
         self.free: set[int] = set(range(config.num_kv_blocks))
         self.num_running = 0
         self.must_reject: set[str] = set()  # waiting, never admitted, and impossible: rejected at once

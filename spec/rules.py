@@ -1113,6 +1113,8 @@ def _load_as_offered(state: SchedulerState, plan: StepPlan, config: SchedulerCon
 )
 def _load_blocks_exact(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
     for load in plan.loads:
+        if load.request_id not in state.requests:
+            continue  # known-requests names it (a load for an unknown request: not a live request)
         needed = blocks_for_tokens(load.num_tokens, config.block_size)
         if len(load.new_block_ids) != needed:
             yield load.request_id, f"load of {load.num_tokens} tokens takes {len(load.new_block_ids)} blocks, not {needed}"

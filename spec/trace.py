@@ -702,8 +702,12 @@ def open_trace(path: str | Path) -> TraceFile:
     """
     path = Path(path)
     try:
-        if path.exists() and not path.is_file():
-            raise TraceFormatError(f"{path}: not a regular file (a folder, device or pipe cannot be read as a trace)")
+        regular = not path.exists() or path.is_file()
+    except (OSError, ValueError):  # too long a name, a NUL character: open() below names the reason
+        regular = True
+    if not regular:  # raised outside the try below, which would wrap its message (TraceFormatError is a ValueError)
+        raise TraceFormatError(f"{path}: not a regular file (a folder, device or pipe cannot be read as a trace)")
+    try:
         with path.open("rb") as handle:
             first = _read_line(handle, f"{path}:1")
     except OSError as error:

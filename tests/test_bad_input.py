@@ -207,6 +207,14 @@ def test_issue_case(tmp_path, command, files, args, status, needle):
     assert needle in result.stderr + result.stdout
 
 
+
+def test_a_folder_given_as_a_trace_is_named_once_with_its_reason(tmp_path):
+    """``check FOLDER``: one reason, not wrapped in "cannot read (...)" a second time."""
+    result = invoke("check", {}, ("{folder}",), tmp_path)
+    assert result.exit_code == 2, result.stdout + result.stderr
+    assert result.stderr.strip() == (f"schedspec: error: {tmp_path}: not a regular file (a folder, device or pipe "
+                                      "cannot be read as a trace)"), result.stderr
+
 def test_no_internal_names_in_messages(tmp_path):
     for args in (("--start", "99999999"), ("--set", "max_num_seqs=0", "--compare", "fcfs,static")):
         message = invoke("lab", {}, args, tmp_path).stderr

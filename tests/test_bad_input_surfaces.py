@@ -197,7 +197,7 @@ def _check_cases() -> list[tuple[str, str, int, str]]:
         ("group fields without groups", edited("hybrid", 0, lambda d: d["config"].update(kv_cache_groups=[])), 1,
          "but the config has 0"),
         ("window 0", edited("hybrid", 0, lambda d: d["config"]["kv_cache_groups"][1].update(sliding_window=0)), 2,
-         "sliding_window=0: must be an integer >= 1"),
+         "sliding_window=0: must be an integer in [1, 2147483647]"),
         ("misspelt window", edited("hybrid", 0, lambda d: d["config"]["kv_cache_groups"][1].update(sliding_windw=3)),
          2, "t.jsonl:1: field config: kv_cache_groups[]"),
         ("sliding group first", edited("hybrid", 0, lambda d: d["config"]["kv_cache_groups"].reverse()), 2,
@@ -326,7 +326,7 @@ SCENARIO_CASES = [  # (what, edit of which scenario, exit status, text in the ou
     ("lookahead negative", SPEC, config(num_lookahead_tokens=-2), 2, "config.num_lookahead_tokens"),
     ("misspelt drafts", SPEC, config(num_speculativ_tokens=2), 2, "num_speculativ_tokens: is not a SchedulerConfig"),
     ("window 0", PLAIN, config(kv_cache_groups=[GROUPS[0], {**GROUPS[1], "sliding_window": 0}]), 2,
-     "sliding_window: must be an integer >= 1"),
+     "sliding_window: must be an integer in [1, 2147483647]"),
     ("window 4.0", PLAIN, config(kv_cache_groups=[GROUPS[0], {**GROUPS[1], "sliding_window": 4.0}]), 2, "got 4.0"),
     ("misspelt kind", PLAIN, config(kv_cache_groups=[GROUPS[0], {**GROUPS[1], "kind": "sliding_windw"}]), 2,
      "kv_cache_groups[].kind"),
@@ -334,8 +334,14 @@ SCENARIO_CASES = [  # (what, edit of which scenario, exit status, text in the ou
     ("groups a string", PLAIN, config(kv_cache_groups="full"), 2, "must be a list of groups"),
     ("group with a block size", PLAIN, config(kv_cache_groups=[{"kind": "full_attention", "block_size": 3}]), 2,
      "kv_cache_groups[]: must be"),
+    # config integers are bounded by the trace format's 2^31 - 1 (spec.config.MAX_CONFIG_INT)
     ("groups with a huge window", PLAIN, config(kv_cache_groups=[GROUPS[0], {**GROUPS[1], "sliding_window": 10**15}]),
-     0, "0 failed"),
+     2, "sliding_window: must be an integer in [1, 2147483647] (tokens) for a sliding_window group (got 10000"),
+    ("huge max_model_len", PLAIN, config(max_model_len=10**15), 2,
+     "config.max_model_len: must be at most 2147483647 (2^31 - 1) (got 1000000000000000)"),
+    ("drafts past 2^31 - 1", SPEC, config(num_speculative_tokens=2**31), 2, "must be at most 2147483647"),
+    # vLLM 0.32 SpeculativeConfig.num_speculative_tokens has no maximum (Field(gt=0)): a k of 10^9 runs as no limit
+    ("drafts 10^9", SPEC, config(num_speculative_tokens=10**9), 0, "0 failed"),
 ]
 
 

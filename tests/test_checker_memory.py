@@ -4,6 +4,8 @@ reported finished again, are each caught by both checkers at their step; the rep
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from schedspec.spec.checker import check_trace, plan_from_record
@@ -106,3 +108,66 @@ def test_a_request_left_live_at_the_end_of_a_long_trace_is_named_with_its_last_s
     (unfinished,) = [v for v in report.violations if v.name == "unfinished-request"]
     assert unfinished.request_id == f"r{(STEPS - 2) // 2}"
     assert f"last scheduled at step {STEPS - 2}" in unfinished.detail, unfinished.detail
+
+
+def _retained_growth(run, steps: int) -> tuple[int, int]:
+    """Bytes still allocated (tracemalloc) as ``run`` reads :func:`long_trace`'s records (each a fresh copy,
+    as read from a line), from step ``steps`` to ``2 * steps`` and from ``2 * steps`` to ``3 * steps`` (the
+    first ``steps`` warm up caches and free lists); the bounded id-parse cache is emptied before each reading."""
+    import gc
+    import tracemalloc
+
+    from schedspec.spec.persistent import _numbered
+
+    readings = []
+
+    def records():
+        for index, record in enumerate(long_trace(3 * steps + 2)):  # ends with its last request finished
+            if index and index % steps == 0:
+                _numbered.cache_clear()
+                gc.collect()
+                readings.append(tracemalloc.get_traced_memory()[0])
+            yield json.loads(json.dumps(record))  # json, not orjson (orjson keeps a cache of keys)
+
+    tracemalloc.start()
+    try:
+        run(records())
+    finally:
+        tracemalloc.stop()
+    return readings[1] - readings[0], readings[2] - readings[1]
+
+
+# A string id in a set costs over 50 bytes (the str object and its slot); an id kept as a bit of a bitmap
+# (spec.persistent.EndedIds) costs one bit plus 128 bytes per 1,024 ids: 8 bytes per ended request is far
+# below the first and far above the second (and the measurement's noise over 250 requests).
+BYTES_PER_ENDED_REQUEST = 8
+GROWTH_STEPS = 2_000  # 1,000 requests ended per reading
+
+
+def test_the_fast_path_retains_no_memory_per_ended_request():
+    """What FastChecker holds does not grow with the trace: per live request only, and the ids of the
+    ended ones (a reused id is refused) at about one bit each."""
+    from schedspec.spec.fast_check import FastChecker
+
+    checker = FastChecker(CONFIG)
+
+    def run(records):
+        for record in records:
+            checker.check(record)
+
+    growth = _retained_growth(run, GROWTH_STEPS)
+    assert max(growth) <= BYTES_PER_ENDED_REQUEST * GROWTH_STEPS // 2, growth
+    assert not checker.live and "r0" in checker.known and f"r{3 * GROWTH_STEPS // 2}" in checker.known
+
+
+@pytest.mark.parametrize("incremental", [False, True], ids=["full", "incremental"])
+def test_the_plain_path_retains_no_memory_per_ended_request(incremental):
+    """What check_trace holds does not grow with the trace either (Stepper.forget_ended: per live request
+    only, and the ended requests' count and ids, EndedIds)."""
+    steps = GROWTH_STEPS // 4  # the plain path is slower; 250 requests per reading still tell a string from a bit
+    reports = []
+    growth = _retained_growth(
+        lambda records: reports.append(check_trace(CONFIG, (StepRecord.from_dict(r) for r in records),
+                                                   incremental=incremental)), steps)
+    assert reports[0].ok and reports[0].steps_checked == 3 * steps + 2
+    assert max(growth) <= BYTES_PER_ENDED_REQUEST * steps // 2, growth

@@ -445,3 +445,18 @@ def test_leaving_the_running_out_while_a_load_keeps_the_head_out_fails_progress(
     load = StepPlan(loads=(KVLoad("r", 8, (1, 2)),))
     assert _watched(config, state, [lambda s: (load, {})] + [lambda s: (StepPlan(), {})] * 70) == {
         "progress", "bounded-wait"}
+def test_a_load_for_an_unknown_request_is_named_as_unknown_only():
+    """A record starting a remote KV load for an id never added: ``known-requests`` (not a live request),
+    and no other rule about a load it cannot judge (``load-blocks-exact`` said "takes 0 blocks")."""
+    from schedspec.spec.checker import check_trace
+    from schedspec.spec.trace import StepRecord
+    from schedspec.trace_mutations import remote_kv_trace
+
+    _, trace = remote_kv_trace()
+    records = [dict(record) for record in trace.records]  # a copy to edit
+    step = next(index for index, record in enumerate(records) if record.get("kv_loads"))
+    records[step]["kv_loads"]["ghost"] = 5
+    report = check_trace(trace.config, [StepRecord.from_dict(record) for record in records])
+    assert report.first_bad_step == step
+    assert [(v.name, v.request_id, v.detail) for v in report.violations] == [
+        ("known-requests", "ghost", "not a live request")]
