@@ -14,7 +14,7 @@ it changes). The client's actions happen between steps: a request **arrives**
   admitted. Guard: ``positive-tokens``, ``chunk-continues``, ``no-overcompute``,
   ``whole-prefill-without-chunking``, ``long-prefill-threshold``, ``admit-fits-alone``,
   ``blocks-from-free-pool``, ``block-table-covers``, ``no-excess-blocks``, ``prefix-hit-at-admission``,
-  ``prefix-hit-is-cached-chain``, ``prefix-hit-longest``, ``drafts-only-in-decodes``,
+  ``prefix-hit-is-cached-chain``, ``prefix-hit-longest``, ``deduplicate-at-publication``, ``drafts-only-in-decodes``,
   ``drafts-are-proposed``, ``drafts-within-max-model-len``; the per-step limits, which constrain
   nothing while their options are off: ``active-sequence-cap``, ``lora-limit``,
   ``grammar-ready-before-admission``, ``watermark``, ``prefill-cadence``; with hybrid KV cache groups
@@ -72,7 +72,7 @@ from schedspec.spec.kv_cache_groups import (
 )
 from schedspec.spec.persistent import FreeQueue, live_copy, with_arrival
 from schedspec.spec.persistent import evolve_request as evolve
-from schedspec.spec.prefix_cache import CacheUpdate
+from schedspec.spec.prefix_cache import CacheUpdate, publishes_at_step
 from schedspec.spec.request import Request, RequestStatus
 from schedspec.spec.state import (
     NO_SPECULATION,
@@ -227,6 +227,9 @@ class StepInProgress:
     """With prefix caching: the working copy of the prefix cache and the free queue."""
     delayed: dict[str, DelayedFree] | None = None
     """KV connector: the working copy of ``delayed_frees`` (``None``: unchanged in this step)."""
+    deduplicating: dict[str, dict[int, int]] = attrs.field(factory=dict)
+    """SGLang's publication: request id -> the de-duplications of its item (own block -> cached block) not yet
+    applied, waiting for its finish (:func:`sample`); none may be left at :meth:`end`."""
 
     @classmethod
     def begin(cls, state: SchedulerState, config: SchedulerConfig) -> StepInProgress:
@@ -264,7 +267,16 @@ class StepInProgress:
             raise PlanError(f"request_id={request_id!r} is not a live request at step {self.before.step}") from None
 
     def end(self) -> StepResult:
-        """The state after the step: the step counter advances by one."""
+        """The state after the step: the step counter advances by one.
+
+        Raises:
+            PlanError: a de-duplication of the plan (``ScheduledRequest.deduplicated_block_ids``) names a block the
+                step did not publish (a decode under SGLang's publication that did not finish).
+        """
+        for request_id, pending in self.deduplicating.items():
+            if pending:
+                raise PlanError(f"request_id={request_id!r}: blocks {sorted(pending)} de-duplicated at step "
+                                f"{self.before.step}, but not published in it")
         cache = None
         if self.cache is not None:
             cache, free = self.cache.freeze()
@@ -384,7 +396,13 @@ def schedule(step: StepInProgress, item: ScheduledRequest) -> None:
         for new in item.group_new_block_ids:
             step.cache.take(new)
         cacheable = min(computed, request.num_tokens)
-        step.cache.publish(request, table, cacheable, size)
+        pending = dict(item.deduplicated_block_ids) if item.deduplicated_block_ids else None
+        if publishes_at_step(request, step.config):
+            published = step.cache.publish(request, table, cacheable, size, replaced=pending)
+            if published != table:  # SGLang's de-duplication: cached blocks in place of the request's own
+                changes["block_ids"] = table = published
+        if pending:
+            step.deduplicating[item.request_id] = pending
         if groups:  # every group's blocks under its own keys (KVCacheCoordinator.cache_blocks, per manager)
             for index, group_table in enumerate(changes["group_block_ids"], start=1):
                 if group_publishes(step.config.kv_cache_groups[index], size):
@@ -476,6 +494,12 @@ def sample(step: StepInProgress, request_id: str, token_id: int, item: Scheduled
                             "kv_cache_groups are not specified")
         step.delay_free(request_id, DelayedFree(request.block_ids, "sending"))
     elif step.cache is not None:
+        if step.config.prefix_cache_publication == "sglang-radix":  # decoded blocks are published at the finish
+            table = step.cache.publish(request, request.block_ids,
+                                       min(request.num_computed_tokens, request.num_tokens), step.config.block_size,
+                                       replaced=step.deduplicating.get(request_id))
+            if table != request.block_ids:
+                request = evolve(request, block_ids=table)
         release_tables(step.cache, request)
     else:
         step.freed[:0] = release_order(request)
