@@ -398,7 +398,10 @@ def schedule(step: StepInProgress, item: ScheduledRequest) -> None:
         cacheable = min(computed, request.num_tokens)
         pending = dict(item.deduplicated_block_ids) if item.deduplicated_block_ids else None
         if publishes_at_step(request, step.config):
-            published = step.cache.publish(request, table, cacheable, size, replaced=pending)
+            try:
+                published = step.cache.publish(request, table, cacheable, size, replaced=pending)
+            except ValueError as error:  # a de-duplication onto other tokens (rule deduplicate-at-publication)
+                raise PlanError(f"request_id={item.request_id!r} at step {step.before.step}: {error}") from None
             if published != table:  # SGLang's de-duplication: cached blocks in place of the request's own
                 changes["block_ids"] = table = published
         if pending:
@@ -495,9 +498,12 @@ def sample(step: StepInProgress, request_id: str, token_id: int, item: Scheduled
         step.delay_free(request_id, DelayedFree(request.block_ids, "sending"))
     elif step.cache is not None:
         if step.config.prefix_cache_publication == "sglang-radix":  # decoded blocks are published at the finish
-            table = step.cache.publish(request, request.block_ids,
-                                       min(request.num_computed_tokens, request.num_tokens), step.config.block_size,
-                                       replaced=step.deduplicating.get(request_id))
+            try:
+                table = step.cache.publish(request, request.block_ids,
+                                           min(request.num_computed_tokens, request.num_tokens), step.config.block_size,
+                                           replaced=step.deduplicating.get(request_id))
+            except ValueError as error:  # a de-duplication onto other tokens (rule deduplicate-at-publication)
+                raise PlanError(f"request_id={request_id!r} at step {step.before.step}: {error}") from None
             if table != request.block_ids:
                 request = evolve(request, block_ids=table)
         release_tables(step.cache, request)
