@@ -387,7 +387,7 @@ class CacheUpdate:
         self._set_listed(old, tuple(b for b in self.hash_to_blocks.get(old, ()) if b != block_id))
 
     def publish(self, request: Request, table: Sequence[int], num_computed_tokens: int, block_size: int,
-                group: int = 0, replaced: dict[int, int] | None = None) -> tuple[int, ...]:
+                group: int = 0, replaced: dict[int, int] | None = None, skip_cached: bool = False) -> tuple[int, ...]:
         """Give a hash to every block of ``table`` whose tokens the request has all computed and that has none
         yet (hashes of a table's first blocks are their parents). ``group``: the KV cache group of the table
         (:func:`group_cache_key`; a group past 0 publishes its blocks under their keys, its null entries
@@ -397,7 +397,11 @@ class CacheUpdate:
         block of ``replaced`` that would be published here is not: the cached block takes its place in the
         table (one reference more) and the own block is freed (count 0, no hash: to the front of the free
         queue). The pairs applied are removed from ``replaced``. SGLang 0.5.23 ``RadixCache._insert_cache``
-        (``free_segment`` of the duplicates) and ``req_to_token_pool.write``.
+        (``free_segment`` of the duplicates) and ``req_to_token_pool.write``. ``skip_cached`` (a request's
+        finish with SGLang's publication, its table released right after): a block whose hash is cached already
+        is left unpublished, so that the release frees it as a never-cached block (``cache_finished_req`` ->
+        ``_insert_cache`` frees the request's copies of what the tree holds; the table is released at once, so
+        no replacement is needed).
 
         Returns:
             The table after the publication (``table`` itself without de-duplication).
@@ -425,6 +429,9 @@ class CacheUpdate:
             known = self.block_hashes.get(block_id)
             if known is None:
                 known = request_block_hash(request, index, parent, block_size)
+                if skip_cached and known in self.hash_to_blocks:
+                    parent = known
+                    continue
                 if replaced and block_id in replaced:
                     cached = replaced.pop(block_id)
                     if self.block_hashes.get(cached) != known:

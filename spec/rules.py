@@ -776,9 +776,10 @@ def _publication_end(request: Request, item: ScheduledRequest) -> int:
 @rule(
     "deduplicate-at-publication",
     "A de-duplication (ScheduledRequest.deduplicated_block_ids, (own, cached) pairs) only with prefix caching on "
-    "and SGLang's publication (prefix_cache_publication sglang-radix). Each own block is a block of the request's "
-    "table after the item, at an index i whose tokens are all computed once the item ran, not published before "
-    "the step (the request's own copy: no other table can hold it), named once; its cached block carries the hash "
+    "and SGLang's publication (prefix_cache_publication sglang-radix), in an item that publishes at its step (a "
+    "prefill chunk; a finish de-duplicates by itself: prefix_cache.CacheUpdate.publish). Each own block is a block "
+    "of the request's table after the item, at an index i whose tokens are all computed once the item ran, not "
+    "published before the step (the request's own copy: no other table can hold it), named once; its cached block carries the hash "
     "of the request's block i (same prefix, same tokens) and is either published before the step and not handed "
     "out in it, or block i of an earlier item of the batch that publishes it in this step and does not "
     "de-duplicate it; a cached block is never itself an own block of the step.",
@@ -823,6 +824,8 @@ def _deduplicate_at_publication(state: SchedulerState, plan: StepPlan, config: S
                 yield item.request_id, f"de-duplicates block {own} (block {index} of its table), not full and computed"
             elif own in cache.block_hashes:
                 yield item.request_id, f"de-duplicates block {own}, published before the step"
+            elif not publishes_at_step(request, config):
+                yield item.request_id, f"de-duplicates block {own} in a decode, which publishes only at its finish"
             elif cached in own_blocks:
                 yield item.request_id, f"replaces block {own} by block {cached}, itself de-duplicated in the step"
             elif cache.block_hashes.get(cached, published.get(cached)) != hashes[index]:

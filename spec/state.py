@@ -311,10 +311,12 @@ class ScheduledRequest:
             entries below what it still needs :data:`~schedspec.spec.kv_cache_groups.NULL_BLOCK`
             (:func:`~schedspec.spec.kv_cache_groups.longest_group_hit`). Empty otherwise.
         deduplicated_block_ids: prefix caching with SGLang's publication (``SchedulerConfig.prefix_cache_publication
-            == "sglang-radix"``): ``(own, cached)`` pairs, each a block of the request's own table that this step
-            completes and publishes and the cached block of the same hash that replaces it there: at the
-            publication (the end of the item, or the request's finish) ``own`` is freed (to the front of the free
-            queue, never published) and ``cached`` takes its place in the table, one reference more. SGLang
+            == "sglang-radix"``), a prefill chunk: ``(own, cached)`` pairs, each a block of the request's own table
+            that this step completes and publishes and the cached block of the same hash that replaces it there: at
+            the publication (the end of the item) ``own`` is freed (to the front of the free queue, never
+            published) and ``cached`` takes its place in the table, one reference more. (At a finish SGLang
+            de-duplicates too, which needs no pair: the table is released at once,
+            :meth:`~schedspec.spec.prefix_cache.CacheUpdate.publish` ``skip_cached``.) SGLang
             0.5.23 ``mem_cache/radix_cache.py`` ``RadixCache.cache_unfinished_req`` / ``cache_finished_req`` ->
             ``_insert_cache`` (``free_segment`` of the request's copies of tokens the tree already holds) and
             ``req_to_token_pool.write`` (the tree's pages written into the request's row). Rule

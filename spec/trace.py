@@ -178,7 +178,7 @@ class StepRecord:
             ``ScheduledRequest.group_cached_block_ids``). Omitted from the JSON when empty.
         blocks_deduplicated: prefix caching with SGLang's publication (``prefix_cache_publication ==
             "sglang-radix"``): request id -> ``[own, cached]`` pairs: a block of its table published in this step
-            (its item's, or its finish's) replaced there by the cached block of the same hash, ``own`` freed
+            (a prefill chunk's) replaced there by the cached block of the same hash, ``own`` freed
             (``ScheduledRequest.deduplicated_block_ids``); ``own`` is also in ``blocks_freed``. Omitted when empty.
         kv_loads: KV connector: request id -> the tokens of the remote KV load this step starts for it (its
             blocks are in ``blocks_allocated``; it waits in WAITING_FOR_REMOTE_KVS). Omitted when empty.

@@ -227,9 +227,6 @@ class StepInProgress:
     """With prefix caching: the working copy of the prefix cache and the free queue."""
     delayed: dict[str, DelayedFree] | None = None
     """KV connector: the working copy of ``delayed_frees`` (``None``: unchanged in this step)."""
-    deduplicating: dict[str, dict[int, int]] = attrs.field(factory=dict)
-    """SGLang's publication: request id -> the de-duplications of its item (own block -> cached block) not yet
-    applied, waiting for its finish (:func:`sample`); none may be left at :meth:`end`."""
 
     @classmethod
     def begin(cls, state: SchedulerState, config: SchedulerConfig) -> StepInProgress:
@@ -267,16 +264,7 @@ class StepInProgress:
             raise PlanError(f"request_id={request_id!r} is not a live request at step {self.before.step}") from None
 
     def end(self) -> StepResult:
-        """The state after the step: the step counter advances by one.
-
-        Raises:
-            PlanError: a de-duplication of the plan (``ScheduledRequest.deduplicated_block_ids``) names a block the
-                step did not publish (a decode under SGLang's publication that did not finish).
-        """
-        for request_id, pending in self.deduplicating.items():
-            if pending:
-                raise PlanError(f"request_id={request_id!r}: blocks {sorted(pending)} de-duplicated at step "
-                                f"{self.before.step}, but not published in it")
+        """The state after the step: the step counter advances by one."""
         cache = None
         if self.cache is not None:
             cache, free = self.cache.freeze()
@@ -404,8 +392,9 @@ def schedule(step: StepInProgress, item: ScheduledRequest) -> None:
                 raise PlanError(f"request_id={item.request_id!r} at step {step.before.step}: {error}") from None
             if published != table:  # SGLang's de-duplication: cached blocks in place of the request's own
                 changes["block_ids"] = table = published
-        if pending:
-            step.deduplicating[item.request_id] = pending
+        if pending:  # rule deduplicate-at-publication: only blocks this item publishes
+            raise PlanError(f"request_id={item.request_id!r}: blocks {sorted(pending)} de-duplicated at step "
+                            f"{step.before.step}, but not published in it")
         if groups:  # every group's blocks under its own keys (KVCacheCoordinator.cache_blocks, per manager)
             for index, group_table in enumerate(changes["group_block_ids"], start=1):
                 if group_publishes(step.config.kv_cache_groups[index], size):
@@ -497,15 +486,10 @@ def sample(step: StepInProgress, request_id: str, token_id: int, item: Scheduled
                             "kv_cache_groups are not specified")
         step.delay_free(request_id, DelayedFree(request.block_ids, "sending"))
     elif step.cache is not None:
-        if step.config.prefix_cache_publication == "sglang-radix":  # decoded blocks are published at the finish
-            try:
-                table = step.cache.publish(request, request.block_ids,
-                                           min(request.num_computed_tokens, request.num_tokens), step.config.block_size,
-                                           replaced=step.deduplicating.get(request_id))
-            except ValueError as error:  # a de-duplication onto other tokens (rule deduplicate-at-publication)
-                raise PlanError(f"request_id={request_id!r} at step {step.before.step}: {error}") from None
-            if table != request.block_ids:
-                request = evolve(request, block_ids=table)
+        if step.config.prefix_cache_publication == "sglang-radix":  # decoded blocks are published at the finish,
+            # each one whose tokens are cached already freed unpublished (cache_finished_req -> _insert_cache)
+            step.cache.publish(request, request.block_ids, min(request.num_computed_tokens, request.num_tokens),
+                               step.config.block_size, skip_cached=True)
         release_tables(step.cache, request)
     else:
         step.freed[:0] = release_order(request)

@@ -19,7 +19,7 @@ from schedspec.spec.request import Request
 from schedspec.spec.rules import violated_rules
 from schedspec.spec.state import ScheduledRequest, SchedulerState, StepPlan
 from schedspec.spec.trace import StepRecord
-from schedspec.spec.transitions import PlanError, add_request, apply_plan
+from schedspec.spec.transitions import add_request, apply_plan
 
 VLLM = SchedulerConfig(block_size=4, num_kv_blocks=10, max_num_batched_tokens=32, max_num_seqs=4, max_model_len=32,
                        enable_prefix_caching=True)
@@ -87,7 +87,7 @@ def test_decoded_blocks_publish_only_at_the_finish() -> None:
     assert check_state(after.state, SGLANG) == []
 
 
-def test_a_decode_deduplicates_at_its_finish_and_not_before() -> None:
+def test_a_finish_frees_its_copies_of_cached_blocks_and_a_decode_names_none() -> None:
     # r computed block 1 while decoding; s (same sequence) finished before and published it as block 5
     tokens = PROMPT[:7]
     state = SchedulerState.initial(SGLANG)
@@ -98,17 +98,16 @@ def test_a_decode_deduplicates_at_its_finish_and_not_before() -> None:
     state = apply_plan(state, StepPlan(scheduled=(ScheduledRequest("s", 7, 1, ()), ScheduledRequest("r", 7, 1, ()))),
                        {"s": 6, "r": 6}, SGLANG).state
     assert "s" in state.finished and 5 in state.prefix_cache.block_hashes and 1 not in state.prefix_cache.block_hashes
-    last = StepPlan(scheduled=(ScheduledRequest("r", 8, 1, (2,), deduplicated_block_ids=((1, 5),)),))
-    assert names(state, last) == set()
+    last = StepPlan(scheduled=(ScheduledRequest("r", 8, 1, (2,)),))
+    named = StepPlan(scheduled=(ScheduledRequest("r", 8, 1, (2,), deduplicated_block_ids=((1, 5),)),))
+    found = [v.detail for v in violated_rules(state, named, SGLANG) if v.name == "deduplicate-at-publication"]
+    assert found and "publishes only at its finish" in found[0]
     result = apply_plan(state, last, {"r": 7}, SGLANG)
     assert result.finished == ("r",)
-    assert 1 not in result.state.prefix_cache.block_hashes and check_state(result.state, SGLANG) == []
-    # the same pair while r does not finish: the block is not published, the plan cannot be applied
-    longer = add_request(SchedulerState.initial(SGLANG), Request("r", 0, tokens, max_tokens=9))
-    with pytest.raises(PlanError, match="not published"):
-        longer = apply_plan(longer, StepPlan(scheduled=(ScheduledRequest("r", 0, 7, (0, 1)),)), {"r": 5}, SGLANG).state
-        apply_plan(longer, StepPlan(scheduled=(ScheduledRequest("r", 7, 1, (), deduplicated_block_ids=((1, 0),)),)),
-                   {"r": 6}, SGLANG)
+    cache = result.state.prefix_cache
+    assert 1 not in cache.block_hashes and cache.hash_to_blocks[cache.block_hashes[5]] == (5,)  # no duplicate
+    assert result.state.free_block_ids[:2] == (2, 1)  # r's copy freed as a never-cached block (front, last first)
+    assert check_state(result.state, SGLANG) == []
 
 
 def test_hit_is_a_bound_for_sglang_only() -> None:
