@@ -26,13 +26,8 @@ def main() -> None:
 
     blocks = int(sys.argv[1]) if len(sys.argv) > 1 else 32
     config = SchedulerConfig(block_size=4, num_kv_blocks=blocks, max_num_batched_tokens=64, max_num_seqs=4,
-                             max_model_len=128, enable_prefix_caching=True)
-    scheduler = adapter.SglangScheduler(config.with_changes(enable_prefix_caching=False))
-    scheduler.config = config  # the spec side checks with caching on; the worker side gets it below
-    scheduler.handle = scheduler.worker.next_handle
-    scheduler.worker.next_handle += 1
-    scheduler.worker.call({"op": "init", "handle": scheduler.handle, "config": config.to_dict(), "policy": "fcfs",
-                           "priority": False})
+                             max_model_len=128, enable_prefix_caching=True, prefix_cache_publication="sglang-radix")
+    scheduler = adapter.SglangScheduler(config)
     specs = [RequestSpec("A", 20, 6, arrival_step=0, prefix_group="g", prefix_len=16),
              RequestSpec("B", 20, 6, arrival_step=0, prefix_group="g", prefix_len=16),
              RequestSpec("C", 20, 6, arrival_step=3, prefix_group="g", prefix_len=16),

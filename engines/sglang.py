@@ -256,8 +256,10 @@ class SglangScheduler(_WorkerClient):
         self.name = ("sglang" if policy == "fcfs" else f"sglang-{policy}") + ("-priority" if priority else "")
         self.priority = priority
         for refused, why in (
-            (config.enable_prefix_caching, "prefix caching (enable_prefix_caching=true): SGLang's radix tree is "
-                                           "not mapped onto the spec's prefix cache yet"),
+            (config.enable_prefix_caching and config.prefix_cache_publication != "sglang-radix",
+             "prefix caching with prefix_cache_publication="
+             f"{config.prefix_cache_publication!r}: SGLang's radix tree publishes and de-duplicates as "
+             "prefix_cache_publication='sglang-radix' says (docs/engines.md, The radix cache)"),
             (config.speculative, "speculative decoding (num_speculative_tokens>0)"),
             (config.long_prefill_token_threshold > 0,
              f"long_prefill_token_threshold={config.long_prefill_token_threshold}: SGLang has no such limit"),
@@ -344,8 +346,11 @@ class SglangScheduler(_WorkerClient):
                 raise EngineFault(f"sglang {SGLANG_VERSION}", "Scheduler.update_running_batch", self.step,
                                   "schedule_batch.py ScheduleBatch.retract_decode",
                                   f"aborted request {request_id}: {message}")
-            scheduled = tuple(ScheduledRequest(r, computed, count, tuple(new), cached_block_ids=tuple(hit))
-                              for r, computed, count, new, hit in reply["scheduled"])
+            if "refused" in reply:
+                raise UnsupportedFeature(f"scheduler {self.name!r}: {reply['refused']}")
+            scheduled = tuple(ScheduledRequest(r, computed, count, tuple(new), cached_block_ids=tuple(hit),
+                                               deduplicated_block_ids=tuple(tuple(p) for p in pairs))
+                              for r, computed, count, new, hit, pairs in reply["scheduled"])
             rejected = tuple(self.refused.items()) + tuple((r, self._reason(r, message))
                                                           for r, message in reply["rejected"])
             self.plan = StepPlan(scheduled=scheduled, preempted=tuple(reply["preempted"]), rejected=rejected)

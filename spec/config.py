@@ -91,8 +91,7 @@ PREFIX_CACHE_PUBLICATIONS = ("vllm", "sglang-radix")
 
 
 LIMIT_DEFAULTS: dict[str, Any] = {"max_loras": 0, "watermark": 0.0, "max_num_active_seqs": None,
-                                   "long_prefill_token_threshold_adaptive": False, "prefill_schedule_interval": 1,
-                                   "prefix_cache_publication": "vllm"}
+                                   "long_prefill_token_threshold_adaptive": False, "prefill_schedule_interval": 1}
 """The per-step limits of vLLM's scheduler that are off by default, each with its default (off): a field
 at its default is left out of :meth:`SchedulerConfig.to_dict`, so traces and run records of runs without
 it are what they were before it existed."""
@@ -328,6 +327,8 @@ class SchedulerConfig:
         for name, default in LIMIT_DEFAULTS.items():
             if data[name] == default:
                 del data[name]
+        if data["prefix_cache_publication"] == "vllm":  # likewise: traces of vLLM's publication unchanged
+            del data["prefix_cache_publication"]
         if self.kv_cache_groups:
             data["kv_cache_groups"] = [group.to_dict() for group in self.kv_cache_groups]
         else:
