@@ -341,13 +341,13 @@ class SglangScheduler(_WorkerClient):
                 retracting)."""
         if self.plan is None:
             reply = self._call({"op": "schedule"})
+            if "refused" in reply:
+                raise UnsupportedFeature(f"scheduler {self.name!r}: {reply['refused']}")
             if reply["engine_aborted"]:
                 request_id, message = reply["engine_aborted"][0]
                 raise EngineFault(f"sglang {SGLANG_VERSION}", "Scheduler.update_running_batch", self.step,
                                   "schedule_batch.py ScheduleBatch.retract_decode",
                                   f"aborted request {request_id}: {message}")
-            if "refused" in reply:
-                raise UnsupportedFeature(f"scheduler {self.name!r}: {reply['refused']}")
             scheduled = tuple(ScheduledRequest(r, computed, count, tuple(new), cached_block_ids=tuple(hit),
                                                deduplicated_block_ids=tuple(tuple(p) for p in pairs))
                               for r, computed, count, new, hit, pairs in reply["scheduled"])
