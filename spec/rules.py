@@ -822,21 +822,22 @@ def _deduplicate_at_publication(state: SchedulerState, plan: StepPlan, config: S
                 yield item.request_id, f"de-duplicates block {own}, which is not in its table"
             elif index >= full:
                 yield item.request_id, f"de-duplicates block {own} (block {index} of its table), not full and computed"
-            elif own in cache.block_hashes:
+            elif own in cache.block_hashes and own not in handed:  # (a block handed out in the step is evicted)
                 yield item.request_id, f"de-duplicates block {own}, published before the step"
             elif not publishes_at_step(request, config):
                 yield item.request_id, f"de-duplicates block {own} in a decode, which publishes only at its finish"
             elif cached in own_blocks:
                 yield item.request_id, f"replaces block {own} by block {cached}, itself de-duplicated in the step"
-            elif cache.block_hashes.get(cached, published.get(cached)) != hashes[index]:
+            elif (published[cached] if cached in published else cache.block_hashes.get(cached)) != hashes[index]:
                 yield item.request_id, f"replaces block {own} (block {index}) by block {cached}, which does not cache its tokens"
             elif cached in handed and cached not in published:  # cached before the step, evicted in it
                 yield item.request_id, f"replaces block {own} by block {cached}, handed out in the same step"
             seen.add(own)
         if publishes_at_step(request, config):
             for index in range(full):
-                if table[index] not in cache.block_hashes and table[index] not in seen:
-                    published[table[index]] = hashes[index]
+                block_id = table[index]
+                if (block_id not in cache.block_hashes or block_id in handed) and block_id not in seen:
+                    published[block_id] = hashes[index]
 
 
 # Hybrid KV cache groups (SchedulerConfig.kv_cache_groups; schedspec.spec.kv_cache_groups). Without groups no
