@@ -24,8 +24,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--examples", type=int, default=300)
     parser.add_argument("--seed", type=int, default=25)
-    parser.add_argument("--shape", choices=("diff", "prefix"), default="diff",
-                        help="diff: schedspec diff's scenarios; prefix: prefix-heavy ones (prefix_scenarios)")
+    parser.add_argument("--shape", choices=("diff", "prefix", "retraction"), default="diff",
+                        help="diff: schedspec diff's scenarios; prefix: prefix-heavy ones (prefix_scenarios); "
+                             "retraction: two bursts of identical requests that SGLang retracts (retraction_scenarios)")
     args = parser.parse_args()
 
     from hypothesis import HealthCheck, Phase, given, settings
@@ -41,9 +42,11 @@ def main() -> None:
     failures: list[str] = []
     started, load = time.perf_counter(), os.getloadavg()
 
+    max_steps = 20_000 if args.shape == "retraction" else diff.DEFAULT_MAX_STEPS
+
     def examine(config, requests) -> None:
         try:
-            _, findings, _, records = diff._run("sglang", config, requests, diff.DEFAULT_MAX_STEPS, finding=finding)
+            _, findings, _, records = diff._run("sglang", config, requests, max_steps, finding=finding)
         except UnsupportedFeature as refused:
             counts["refused"] += 1
             if counts["refused"] <= 2:
@@ -68,8 +71,9 @@ def main() -> None:
     def generate(scenario) -> None:
         examine(*scenario[:2])
 
-    if args.shape == "prefix":
-        for config, requests in prefix_scenarios(args.examples, args.seed):
+    if args.shape in ("prefix", "retraction"):
+        made = prefix_scenarios(args.examples, args.seed) if args.shape == "prefix" else retraction_scenarios()
+        for config, requests in made:
             examine(config, requests)
     else:
         generate()
@@ -83,6 +87,24 @@ def main() -> None:
     print(f"wall {wall:.0f} s; load average at start {load[0]:.1f}, at end {os.getloadavg()[0]:.1f}")
     for line in failures[:10]:
         print("VIOLATION", line)
+
+
+def retraction_scenarios():
+    """``benchmarks/sglang_retraction_probe.py``'s first two probes with prefix caching (chunked prefill off,
+    ``max_model_len`` 256): long requests decay the new-token ratio, then a burst of identical requests (one
+    prefix group, same prompt, so the same outputs) that SGLang over-admits and retracts; they hit, de-duplicate
+    and re-admit after retractions."""
+    from schedspec.spec.config import SchedulerConfig
+    from schedspec.spec.workload import RequestSpec
+
+    for burst, prompt, outputs, seqs, longs, long_outputs in ((8, 12, 100, 8, 3, 200), (16, 8, 200, 16, 4, 150)):
+        config = SchedulerConfig(4, 64, 256, seqs, 256, enable_chunked_prefill=False, enable_prefix_caching=True,
+                                 prefix_cache_publication="sglang-radix")
+        requests = [RequestSpec(f"L{i}", 4, long_outputs, i * (long_outputs + 1), prefix_group="l", prefix_len=4)
+                    for i in range(longs)]
+        arrival = longs * (long_outputs + 1) + 10
+        requests += [RequestSpec(f"B{i}", prompt, outputs, arrival, prefix_group="b", prefix_len=8) for i in range(burst)]
+        yield config, requests
 
 
 def prefix_scenarios(count: int, seed: int):

@@ -40,6 +40,17 @@ published) each compute and publish their own copy: the spec allows **duplicate*
 hash, as vLLM does (``block_pool.py`` ``BlockHashToBlockMap``, NOTE #1: no de-duplication, so that
 block tables stay append-only). A lookup takes the first published copy (``get_one_block``).
 
+**SGLang's publication** (``SchedulerConfig.prefix_cache_publication == "sglang-radix"``, SGLang 0.5.23
+``mem_cache/radix_cache.py`` ``RadixCache``): a prefill chunk's blocks are published at the end of its step, a
+decode's only when its request finishes (:func:`publishes_at_step`), and a prefill chunk's publication may
+**de-duplicate** (``ScheduledRequest.deduplicated_block_ids``: the request's copy freed, the cached block in its
+place, as ``RadixCache.checkpoint`` does). SGLang's tree holds one page per prefix; the spec's cache holds at
+least what the tree holds: at a finish SGLang frees the request's copies of tokens its tree holds, which the
+spec keeps cached (evictable, counted free either way, so no count differs: the table is released at once), and
+SGLang evicts whole leaves when it allocates (``RadixCache.evict``), where the spec drops a hash only when its
+block is handed out. So a hit is bounded by the spec's cache, not equal to the longest chain in it
+(``prefix-hit-longest`` does not apply), and a de-duplication names a cached block of the spec's.
+
 With hybrid KV cache groups (:mod:`~schedspec.spec.kv_cache_groups`) the cache is keyed by group, as vLLM keys it
 (``BlockHashWithGroupId``): a block of group ``g > 0`` is published under :func:`group_cache_key` of its chained
 hash and ``g``, so the maps below hold every group's blocks, each under its own key.
@@ -387,7 +398,7 @@ class CacheUpdate:
         self._set_listed(old, tuple(b for b in self.hash_to_blocks.get(old, ()) if b != block_id))
 
     def publish(self, request: Request, table: Sequence[int], num_computed_tokens: int, block_size: int,
-                group: int = 0, replaced: dict[int, int] | None = None, skip_cached: bool = False) -> tuple[int, ...]:
+                group: int = 0, replaced: dict[int, int] | None = None) -> tuple[int, ...]:
         """Give a hash to every block of ``table`` whose tokens the request has all computed and that has none
         yet (hashes of a table's first blocks are their parents). ``group``: the KV cache group of the table
         (:func:`group_cache_key`; a group past 0 publishes its blocks under their keys, its null entries
@@ -397,11 +408,7 @@ class CacheUpdate:
         block of ``replaced`` that would be published here is not: the cached block takes its place in the
         table (one reference more) and the own block is freed (count 0, no hash: to the front of the free
         queue). The pairs applied are removed from ``replaced``. SGLang 0.5.23 ``RadixCache._insert_cache``
-        (``free_segment`` of the duplicates) and ``req_to_token_pool.write``. ``skip_cached`` (a request's
-        finish with SGLang's publication, its table released right after): a block whose hash is cached already
-        is left unpublished, so that the release frees it as a never-cached block (``cache_finished_req`` ->
-        ``_insert_cache`` frees the request's copies of what the tree holds; the table is released at once, so
-        no replacement is needed).
+        (``free_segment`` of the duplicates) and ``req_to_token_pool.write``.
 
         Returns:
             The table after the publication (``table`` itself without de-duplication).
@@ -429,9 +436,6 @@ class CacheUpdate:
             known = self.block_hashes.get(block_id)
             if known is None:
                 known = request_block_hash(request, index, parent, block_size)
-                if skip_cached and known in self.hash_to_blocks:
-                    parent = known
-                    continue
                 if replaced and block_id in replaced:
                     cached = replaced.pop(block_id)
                     if self.block_hashes.get(cached) != known:

@@ -777,7 +777,7 @@ def _publication_end(request: Request, item: ScheduledRequest) -> int:
     "deduplicate-at-publication",
     "A de-duplication (ScheduledRequest.deduplicated_block_ids, (own, cached) pairs) only with prefix caching on "
     "and SGLang's publication (prefix_cache_publication sglang-radix), in an item that publishes at its step (a "
-    "prefill chunk; a finish de-duplicates by itself: prefix_cache.CacheUpdate.publish). Each own block is a block "
+    "prefill chunk; at a finish the table is released at once, and the spec keeps the copies cached). Each own block is a block "
     "of the request's table after the item, at an index i whose tokens are all computed once the item ran, not "
     "published before the step (the request's own copy: no other table can hold it), named once; its cached block carries the hash "
     "of the request's block i (same prefix, same tokens) and is either published before the step and not handed "

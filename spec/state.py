@@ -315,8 +315,8 @@ class ScheduledRequest:
             that this step completes and publishes and the cached block of the same hash that replaces it there: at
             the publication (the end of the item) ``own`` is freed (to the front of the free queue, never
             published) and ``cached`` takes its place in the table, one reference more. (At a finish SGLang
-            de-duplicates too, which needs no pair: the table is released at once,
-            :meth:`~schedspec.spec.prefix_cache.CacheUpdate.publish` ``skip_cached``.) SGLang
+            de-duplicates too, which needs no pair: the table is released at once, and the spec keeps the copies
+            cached: :mod:`~schedspec.spec.prefix_cache`, *SGLang's publication*.) SGLang
             0.5.23 ``mem_cache/radix_cache.py`` ``RadixCache.cache_unfinished_req`` / ``cache_finished_req`` ->
             ``_insert_cache`` (``free_segment`` of the request's copies of tokens the tree already holds) and
             ``req_to_token_pool.write`` (the tree's pages written into the request's row). Rule

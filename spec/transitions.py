@@ -486,10 +486,11 @@ def sample(step: StepInProgress, request_id: str, token_id: int, item: Scheduled
                             "kv_cache_groups are not specified")
         step.delay_free(request_id, DelayedFree(request.block_ids, "sending"))
     elif step.cache is not None:
-        if step.config.prefix_cache_publication == "sglang-radix":  # decoded blocks are published at the finish,
-            # each one whose tokens are cached already freed unpublished (cache_finished_req -> _insert_cache)
+        if step.config.prefix_cache_publication == "sglang-radix":  # decoded blocks are published at the finish
+            # (cache_finished_req); SGLang frees its copies of tokens its tree holds, the spec keeps them cached:
+            # module docstring of prefix_cache, SGLang's publication
             step.cache.publish(request, request.block_ids, min(request.num_computed_tokens, request.num_tokens),
-                               step.config.block_size, skip_cached=True)
+                               step.config.block_size)
         release_tables(step.cache, request)
     else:
         step.freed[:0] = release_order(request)

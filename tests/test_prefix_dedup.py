@@ -87,7 +87,7 @@ def test_decoded_blocks_publish_only_at_the_finish() -> None:
     assert check_state(after.state, SGLANG) == []
 
 
-def test_a_finish_frees_its_copies_of_cached_blocks_and_a_decode_names_none() -> None:
+def test_a_finish_keeps_its_copies_cached_and_a_decode_names_no_deduplication() -> None:
     # r computed block 1 while decoding; s (same sequence) finished before and published it as block 5
     tokens = PROMPT[:7]
     state = SchedulerState.initial(SGLANG)
@@ -105,8 +105,10 @@ def test_a_finish_frees_its_copies_of_cached_blocks_and_a_decode_names_none() ->
     result = apply_plan(state, last, {"r": 7}, SGLANG)
     assert result.finished == ("r",)
     cache = result.state.prefix_cache
-    assert 1 not in cache.block_hashes and cache.hash_to_blocks[cache.block_hashes[5]] == (5,)  # no duplicate
-    assert result.state.free_block_ids[:2] == (2, 1)  # r's copy freed as a never-cached block (front, last first)
+    # SGLang frees r's copy of block 1's tokens; the spec keeps it cached, evictable: a superset of SGLang's tree,
+    # counted free all the same
+    assert cache.hash_to_blocks[cache.block_hashes[5]] == (5, 1)
+    assert len(result.state.free_block_ids) == 10  # nothing held: every block free or evictable
     assert check_state(result.state, SGLANG) == []
 
 
