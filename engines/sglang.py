@@ -88,8 +88,16 @@ reported as preempted in the step that admits that one (SGLang re-queues it with
 worker knows it by ``Req.is_retracted``, which ``reset_for_retract`` sets). Retraction keeps its ``length``
 order (``--retraction-policy`` default).
 
-**Refused** (:class:`~schedspec.reference.scheduler.UnsupportedFeature`, CLI exit 3): prefix caching
-(the radix tree is not mapped onto the spec's cache yet), speculative decoding,
+**Prefix caching** (``RadixCache``, ``page_size = block_size``) runs under ``prefix_cache_publication =
+"sglang-radix"`` only (the spec's SGLang publication: docs/engines.md, *The radix cache*): a hit is the pages
+``match_prefix`` gave at admission; each prefill chunk's plan names the de-duplications SGLang's checkpoint will
+make (``sglang_worker.Engine.deduplications``, read from the tree without touching it); the view counts the
+tree's evictable pages as free (``available_size() + evictable_size()``) and rereads each row after the
+checkpoint rewrote it. A chunked prefill with caching is refused when it happens (SGLang inserts a middle chunk
+only in the next ``get_next_batch_to_run``, ``stash_chunked_request``: not mapped yet).
+
+**Refused** (:class:`~schedspec.reference.scheduler.UnsupportedFeature`, CLI exit 3): prefix caching with
+vLLM's publication, a chunked prefill with prefix caching (above), speculative decoding,
 ``long_prefill_token_threshold > 0`` (SGLang has no such limit), vLLM's per-step limits
 (``max_loras``, ``watermark``, ``max_num_active_seqs``, the threshold floor, ``prefill_schedule_interval``)
 and requests with a LoRA adapter or structured output, and aborting a request SGLang has
