@@ -1,12 +1,11 @@
-"""What SGLang 0.5.23's radix cache decides that the spec's prefix cache cannot express yet (issue 25, the
-radix tree as the spec's prefix cache; docs/engines.md, *SGLang 0.5.23*, *The radix cache*).
+"""SGLang 0.5.23's radix cache under the spec, in small (issue 25, the radix tree as the spec's prefix cache;
+docs/engines.md, *SGLang 0.5.23*, *The radix cache*).
 
-The ``sglang`` adapter refuses prefix caching (exit 3) until the mapping exists. This probe goes around the
-refusal on purpose: it starts the adapter with caching off, then asks its worker for a second scheduler
-with ``enable_prefix_caching`` on (``RadixCache(disable=False)``, ``page_size = block_size``), and runs four
-requests of one prefix group (16 shared tokens, 4 pages of 4) under every spec check, printing each step
-(computed tokens, tokens, the hit reported) and the first violations. Not a supported path and not a test:
-it shows *why* the mapping needs the spec widened, with SGLang's own decisions.
+Four requests of one prefix group (16 shared tokens, 4 pages of 4) through the ``sglang`` adapter with
+``enable_prefix_caching`` and ``prefix_cache_publication = "sglang-radix"``, under every spec check, printing
+each step (computed tokens, tokens, the hit reported) and the first violations: A and B prefill the prefix
+together (SGLang frees B's copies: a de-duplication), C and D hit it. Before the spec had SGLang's publication
+this probe went around the adapter's refusal and stopped at ``state-mismatch: num_free_blocks`` at step 0.
 
 Run (SGLang's environment built: ``SCHEDSPEC_SGLANG=1 bash scripts/engines_setup.sh``)::
 
@@ -26,13 +25,8 @@ def main() -> None:
 
     blocks = int(sys.argv[1]) if len(sys.argv) > 1 else 32
     config = SchedulerConfig(block_size=4, num_kv_blocks=blocks, max_num_batched_tokens=64, max_num_seqs=4,
-                             max_model_len=128, enable_prefix_caching=True)
-    scheduler = adapter.SglangScheduler(config.with_changes(enable_prefix_caching=False))
-    scheduler.config = config  # the spec side checks with caching on; the worker side gets it below
-    scheduler.handle = scheduler.worker.next_handle
-    scheduler.worker.next_handle += 1
-    scheduler.worker.call({"op": "init", "handle": scheduler.handle, "config": config.to_dict(), "policy": "fcfs",
-                           "priority": False})
+                             max_model_len=128, enable_prefix_caching=True, prefix_cache_publication="sglang-radix")
+    scheduler = adapter.SglangScheduler(config)
     specs = [RequestSpec("A", 20, 6, arrival_step=0, prefix_group="g", prefix_len=16),
              RequestSpec("B", 20, 6, arrival_step=0, prefix_group="g", prefix_len=16),
              RequestSpec("C", 20, 6, arrival_step=3, prefix_group="g", prefix_len=16),

@@ -88,8 +88,16 @@ reported as preempted in the step that admits that one (SGLang re-queues it with
 worker knows it by ``Req.is_retracted``, which ``reset_for_retract`` sets). Retraction keeps its ``length``
 order (``--retraction-policy`` default).
 
-**Refused** (:class:`~schedspec.reference.scheduler.UnsupportedFeature`, CLI exit 3): prefix caching
-(the radix tree is not mapped onto the spec's cache yet), speculative decoding,
+**Prefix caching** (``RadixCache``, ``page_size = block_size``) runs under ``prefix_cache_publication =
+"sglang-radix"`` only (the spec's SGLang publication: docs/engines.md, *The radix cache*): a hit is the pages
+``match_prefix`` gave at admission; each prefill chunk's plan names the de-duplications SGLang's checkpoint will
+make (``sglang_worker.Engine.deduplications``, read from the tree without touching it); the view counts the
+tree's evictable pages as free (``available_size() + evictable_size()``) and rereads each row after the
+checkpoint rewrote it. A chunked prefill with caching is refused when it happens (SGLang inserts a middle chunk
+only in the next ``get_next_batch_to_run``, ``stash_chunked_request``: not mapped yet).
+
+**Refused** (:class:`~schedspec.reference.scheduler.UnsupportedFeature`, CLI exit 3): prefix caching with
+vLLM's publication, a chunked prefill with prefix caching (above), speculative decoding,
 ``long_prefill_token_threshold > 0`` (SGLang has no such limit), vLLM's per-step limits
 (``max_loras``, ``watermark``, ``max_num_active_seqs``, the threshold floor, ``prefill_schedule_interval``)
 and requests with a LoRA adapter or structured output, and aborting a request SGLang has
@@ -256,8 +264,10 @@ class SglangScheduler(_WorkerClient):
         self.name = ("sglang" if policy == "fcfs" else f"sglang-{policy}") + ("-priority" if priority else "")
         self.priority = priority
         for refused, why in (
-            (config.enable_prefix_caching, "prefix caching (enable_prefix_caching=true): SGLang's radix tree is "
-                                           "not mapped onto the spec's prefix cache yet"),
+            (config.enable_prefix_caching and config.prefix_cache_publication != "sglang-radix",
+             "prefix caching with prefix_cache_publication="
+             f"{config.prefix_cache_publication!r}: SGLang's radix tree publishes and de-duplicates as "
+             "prefix_cache_publication='sglang-radix' says (docs/engines.md, The radix cache)"),
             (config.speculative, "speculative decoding (num_speculative_tokens>0)"),
             (config.long_prefill_token_threshold > 0,
              f"long_prefill_token_threshold={config.long_prefill_token_threshold}: SGLang has no such limit"),
@@ -339,13 +349,16 @@ class SglangScheduler(_WorkerClient):
                 retracting)."""
         if self.plan is None:
             reply = self._call({"op": "schedule"})
+            if "refused" in reply:
+                raise UnsupportedFeature(f"scheduler {self.name!r}: {reply['refused']}")
             if reply["engine_aborted"]:
                 request_id, message = reply["engine_aborted"][0]
                 raise EngineFault(f"sglang {SGLANG_VERSION}", "Scheduler.update_running_batch", self.step,
                                   "schedule_batch.py ScheduleBatch.retract_decode",
                                   f"aborted request {request_id}: {message}")
-            scheduled = tuple(ScheduledRequest(r, computed, count, tuple(new), cached_block_ids=tuple(hit))
-                              for r, computed, count, new, hit in reply["scheduled"])
+            scheduled = tuple(ScheduledRequest(r, computed, count, tuple(new), cached_block_ids=tuple(hit),
+                                               deduplicated_block_ids=tuple(tuple(p) for p in pairs))
+                              for r, computed, count, new, hit, pairs in reply["scheduled"])
             rejected = tuple(self.refused.items()) + tuple((r, self._reason(r, message))
                                                           for r, message in reply["rejected"])
             self.plan = StepPlan(scheduled=scheduled, preempted=tuple(reply["preempted"]), rejected=rejected)

@@ -221,6 +221,26 @@ class Components:
                    eos_token_ids=None if eos is None else {eos}, vocab_size=message.get("vocab_size", 32000),
                    priority=message.get("priority"))
 
+    def cached_pages(self, token_ids) -> list[int]:
+        """The pages the radix tree holds for the page-aligned prefix of ``token_ids``, read without touching
+        the tree (``RadixCache._match_prefix_helper`` walked by hand: it would split a node and stamp access
+        times, which decide SGLang's eviction order)."""
+        from array import array
+
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        size = self.page_size
+        key = RadixKey(array("q", token_ids)).page_aligned(size)  # the tree's keys hold arrays (RadixKey.match)
+        node, slots = self.tree_cache.root_node, []
+        while len(key) and key.child_key(size) in node.children:
+            child = node.children[key.child_key(size)]
+            matched = child.key.match(key, page_size=size)
+            slots += child.value[:matched].tolist()
+            if matched < len(child.key):
+                break
+            node, key = child, key[matched:]
+        return [slot // size for slot in slots[::size]]
+
     def pages(self, req, length: int | None = None) -> list[int]:
         """The pages of the first ``length`` tokens (default ``req.extend_end``, its allocated tokens) of
         ``req``'s row of the request-to-token pool, in order; none for a request without a row."""
@@ -372,6 +392,7 @@ class Engine:
         self.batch = None  # the batch schedule() chose, until update()
         self.requests: dict = {}  # rid -> Req, every live request
         self.pages: dict[str, list[int]] = {}  # rid -> the pages it held after the last step
+        self.lengths: dict[str, int] = {}  # rid -> its tokens with pages after the last step it was scheduled in
 
     def add(self, message: dict) -> None:
         """What ``Scheduler.handle_generate_request`` does for a plain token-id request: build the
@@ -417,6 +438,12 @@ class Engine:
         for rid in s.retracted:
             self.pages[rid] = []
         scheduled = []
+        if batch is not None and extend_with_cache(batch, self.parts) and s.chunked_req is not None:
+            # SGLang inserts a middle chunk only in the next get_next_batch_to_run (stash_chunked_request), after
+            # the step that computed it: not mapped yet (engines/sglang.py, docs/engines.md, The radix cache)
+            return {"refused": "a chunked prefill with prefix caching (its middle chunks are inserted into the radix "
+                               "tree a step late: not mapped yet)"}
+        inserted: dict[tuple, int] = {}  # SGLang's publication: page-aligned prefix -> the page an earlier item inserts
         if batch is not None:
             extend = batch.forward_mode.is_extend()
             for i, req in enumerate(batch.reqs):
@@ -428,10 +455,33 @@ class Engine:
                 now = self.parts.pages(req, computed + count)
                 hit = [] if req.rid in self.pages and held else now[: computed // self.parts.page_size]
                 new = [p for p in now if p not in held and p not in hit]
-                scheduled.append([req.rid, computed, count, [p - 1 for p in new], [p - 1 for p in hit]])
+                pairs = self.deduplications(req, now, computed + count, inserted) if extend_with_cache(batch, self.parts) else []
+                scheduled.append([req.rid, computed, count, [p - 1 for p in new], [p - 1 for p in hit], pairs])
                 self.pages[req.rid] = now
+                self.lengths[req.rid] = computed + count
         return {"scheduled": scheduled, "preempted": list(s.retracted), "rejected": rejected,
                 "engine_aborted": list(s.engine_aborted), "mode": None if batch is None else str(batch.forward_mode)}
+
+    def deduplications(self, req, row: list[int], end: int, inserted: dict[tuple, int]) -> list[list[int]]:
+        """The ``[own, cached]`` block pairs SGLang's checkpoint after this prefill chunk will make
+        (``RadixCache.checkpoint`` -> ``_insert_cache``: ``free_segment`` of the row's pages the tree already holds,
+        ``req_to_token_pool.write`` of the tree's pages into the row), predicted before it runs, as the spec's plan
+        names them: for each full page of ``req``'s first ``end`` tokens, the tree's page (or the page an earlier
+        item of the batch inserts, ``inserted``) where it is not the row's own. Records this item's pages in
+        ``inserted`` for the later items."""
+        size = self.parts.page_size
+        tokens = list(req.full_untruncated_fill_ids[:end])
+        cached = self.parts.cached_pages(tokens)
+        pairs = []
+        for index in range(end // size):
+            prefix = tuple(tokens[: (index + 1) * size])
+            target = cached[index] if index < len(cached) else inserted.get(prefix)
+            if target is None:
+                inserted[prefix] = row[index]
+                continue
+            if target != row[index]:
+                pairs.append([row[index] - 1, target - 1])
+        return pairs
 
     def update(self, message: dict) -> dict:
         """The model worker's sampled tokens (``GenerationBatchResult.next_token_ids``) through
@@ -452,10 +502,13 @@ class Engine:
             else:
                 s.batch_result_processor.process_batch_result_prefill(batch, result)
             for req in batch.reqs:
+                if not req.finished() and req.rid in self.lengths:  # a checkpoint may have rewritten its row
+                    self.pages[req.rid] = self.parts.pages(req, self.lengths[req.rid])
                 if req.finished() and req.rid in self.requests:
                     finished.append([req.rid, req.finished_reason.to_json()["type"]])  # stop, length, abort
                     del self.requests[req.rid]
                     self.pages.pop(req.rid, None)
+                    self.lengths.pop(req.rid, None)
         s.last_batch = batch
         return {"finished": finished}
 
@@ -495,8 +548,7 @@ class Engine:
         if s.chunked_req is not None:
             computed[s.chunked_req.rid] = s.chunked_req.extend_end
         return {
-            "num_free_tokens": self.parts.allocator.available_size(),
-            "evictable_tokens": self.parts.tree_cache.evictable_size(),
+            "num_free_tokens": self.parts.allocator.available_size() + self.parts.tree_cache.evictable_size(),
             "waiting": [r.rid for r in s.waiting_queue] + [rid for rid, _ in self.rejected],
             "running": running,
             "block_tables": {rid: [p - 1 for p in pages] for rid, pages in self.pages.items() if pages},
@@ -507,6 +559,12 @@ class Engine:
 
 _STUB: _TorchvisionStub | None = None
 """The serving worker's torchvision hook (``__main__``), for the ``check`` line of each ``init`` reply."""
+
+
+def extend_with_cache(batch, parts: Components) -> bool:
+    """Whether ``batch`` is a prefill (extend) batch with the radix cache on: its chunks are inserted into the
+    tree after the step (``checkpoint_kv_cache``)."""
+    return batch.forward_mode.is_extend() and not parts.tree_cache.disable
 
 
 def _build(message: dict):

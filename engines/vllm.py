@@ -648,6 +648,9 @@ class _VllmAdapter(_WorkerClient):
         if config.enable_prefix_caching and self.async_scheduling:
             raise UnsupportedFeature(f"scheduler {self.name!r}: prefix caching with async scheduling is not "
                                      "mapped onto the spec yet (enable_prefix_caching=true)")
+        if config.enable_prefix_caching and config.prefix_cache_publication != "vllm":
+            raise UnsupportedFeature(f"scheduler {self.name!r}: prefix_cache_publication="
+                                     f"{config.prefix_cache_publication!r}: vLLM publishes as 'vllm' says")
         if policy not in POLICIES:
             raise UnsupportedFeature(f"scheduler {self.name!r}: policy {policy!r} (vLLM has {list(POLICIES)})")
         if config.kv_cache_groups and self.async_scheduling:

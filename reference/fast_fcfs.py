@@ -134,6 +134,7 @@ _set_spec = ScheduledRequest.__dict__["spec_token_ids"].__set__
 _set_groups = ScheduledRequest.__dict__["group_new_block_ids"].__set__  # KV cache groups: none here
 _set_skipped = ScheduledRequest.__dict__["skipped_block_ids"].__set__
 _set_group_hits = ScheduledRequest.__dict__["group_cached_block_ids"].__set__
+_set_deduplicated = ScheduledRequest.__dict__["deduplicated_block_ids"].__set__  # SGLang's publication: none here
 
 
 class _Sized:
@@ -292,6 +293,7 @@ class FastFcfsScheduler:
             _set_groups(item, ())
             _set_skipped(item, ())
             _set_group_hits(item, ())
+            _set_deduplicated(item, ())
             if needed > 0:
                 if needed > top + len(released) - taken:
                     if victims is running:

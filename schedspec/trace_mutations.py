@@ -884,6 +884,37 @@ def hit_on_evicted_block(trace: Trace, i: int) -> Mutant | None:
     return _replace_last_hit(trace, i, list(dict.fromkeys(reversed(evicted))))
 
 
+def deduplicated_under_vllm(trace: Trace, i: int) -> Mutant | None:
+    """A block a prefill chunk of step ``i`` completes (and vLLM publishes) replaced in its request's table by a
+    block cached before the step, the request's copy freed: SGLang's de-duplication at publication
+    (``RadixCache._insert_cache``) in an engine whose header claims vLLM's publication, whose block tables only
+    grow (``BlockHashToBlockMap`` keeps duplicates)."""
+    cache = trace.before[i].prefix_cache
+    if cache is None or not cache.block_hashes or trace.config.prefix_cache_publication != "vllm":
+        return None
+    record = trace.records[i]
+    handed = {b for bs in record["blocks_allocated"].values() for b in bs}
+    cached = next((b for b in sorted(cache.block_hashes) if b not in handed), None)
+    if cached is None:
+        return None
+    size = trace.config.block_size
+    for item in record["scheduled"]:
+        request = trace.before[i].requests.get(item["request_id"])
+        if request is None:
+            continue
+        table = request.block_ids + tuple(record.get("prefix_hit_blocks", {}).get(item["request_id"], ())) + tuple(
+            record["blocks_allocated"].get(item["request_id"], ()))
+        full = min((item["num_computed_tokens"] + item["prefill_tokens"] + item["decode_tokens"]) // size, len(table))
+        own = next((b for b in table[:full] if b not in cache.block_hashes and b != cached), None)
+        if own is None:
+            continue
+        records, r = _edit(trace, i)
+        r["blocks_deduplicated"] = {item["request_id"]: [[own, cached]]}
+        r["blocks_freed"][item["request_id"]] = list(r["blocks_freed"].get(item["request_id"], [])) + [own]
+        return trace.header, records, i
+    return None
+
+
 def cached_block_handed_out_while_referenced(trace: Trace, i: int) -> Mutant | None:
     """A new block replaced by a cached block another running request still references."""
     cache = trace.before[i].prefix_cache
@@ -1444,6 +1475,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation("cached-block-handed-out-while-referenced",
              "a cached block handed out as a new block while a running request references it",
              cached_block_handed_out_while_referenced),
+    Mutation("deduplicated-under-vllm", "a block table rewritten at publication (SGLang's de-duplication) by an "
+             "engine that claims vLLM's append-only publication", deduplicated_under_vllm),
     Mutation("eviction-unreported", "a cached block handed out without reporting its eviction", eviction_unreported),
     Mutation("drafts-over-budget", "a decode's drafts not counted in the token budget", drafts_over_budget),
     Mutation("drafts-on-prefill", "drafts verified by a prefill chunk", drafts_on_prefill),

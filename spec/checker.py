@@ -123,7 +123,8 @@ def plan_from_record(record: StepRecord) -> StepPlan:
             ScheduledRequest(s.request_id, s.num_computed_tokens, s.num_tokens, record.blocks_allocated.get(s.request_id, ()),
                              record.prefix_hit_blocks.get(s.request_id, ()), s.spec_token_ids,
                              record.group_blocks_allocated.get(s.request_id, ()), record.blocks_skipped.get(s.request_id, ()),
-                             record.group_prefix_hit_blocks.get(s.request_id, ()))
+                             record.group_prefix_hit_blocks.get(s.request_id, ()),
+                             record.blocks_deduplicated.get(s.request_id, ()))
             for s in record.scheduled
         ),
         preempted=record.preempted,
@@ -331,6 +332,11 @@ def _compare_record(record: StepRecord, expected: StepRecord, config: SchedulerC
                          "not in the step's batch", request_id)
             elif any(blocks) and not config.kv_cache_groups:
                 mismatch(f"{name} with no kv_cache_groups configured", request_id)
+
+    for request_id, pairs in record.blocks_deduplicated.items():
+        if request_id not in scheduled and pairs:
+            mismatch(f"blocks_deduplicated {[list(p) for p in pairs]} for a request that is not in the step's batch",
+                     request_id)
 
     for request_id, hit in record.prefix_hit_tokens.items():
         if hit and not config.enable_prefix_caching:

@@ -90,6 +90,12 @@ def _kv_cache_groups(value: Any) -> tuple[KVCacheGroup, ...]:
     return tuple(groups)
 
 
+PREFIX_CACHE_PUBLICATIONS = ("vllm", "sglang-radix")
+"""The values of ``SchedulerConfig.prefix_cache_publication``: vLLM 0.32's automatic prefix caching
+(``block_pool.py`` ``BlockPool.cache_full_blocks``) and SGLang 0.5.23's radix cache
+(``mem_cache/radix_cache.py`` ``RadixCache``)."""
+
+
 LIMIT_DEFAULTS: dict[str, Any] = {"max_loras": 0, "watermark": 0.0, "max_num_active_seqs": None,
                                    "long_prefill_token_threshold_adaptive": False, "prefill_schedule_interval": 1}
 """The per-step limits of vLLM's scheduler that are off by default, each with its default (off): a field
@@ -162,6 +168,16 @@ class SchedulerConfig:
             with N > 1, a step is *held* while fewer than N executed steps separate it from the last step that
             carried a prefill, some running request decodes, and the last release step drained the queue;
             a held step carries no prefill (:func:`~schedspec.spec.state.prefill_held`; rule ``prefill-cadence``).
+        prefix_cache_publication: with ``enable_prefix_caching``, when a computed block becomes hittable and what
+            a publication may do (:data:`PREFIX_CACHE_PUBLICATIONS`; :mod:`~schedspec.spec.prefix_cache`).
+            ``"vllm"`` (the default): every full computed block is published at the end of the step that
+            computed it, a hit is the longest published chain (rule ``prefix-hit-longest``), no de-duplication
+            (vLLM ``BlockPool.cache_full_blocks``). ``"sglang-radix"``: SGLang 0.5.23's ``RadixCache``: a prefill
+            chunk's blocks are published at the end of its step (``Scheduler.process_batch_result_prefill`` ->
+            ``RadixCache.cache_unfinished_req``), decoded blocks only when the request finishes
+            (``cache_finished_req``), never at a retraction; a hit is at most the longest published chain (a
+            bound: ``prefix-hit-longest`` does not apply); and a publication may **de-duplicate**
+            (``ScheduledRequest.deduplicated_block_ids``, rule ``deduplicate-at-publication``).
         kv_cache_groups: a hybrid model's KV cache groups (:class:`KVCacheGroup`), in vLLM's group order;
             empty (the default) = one full-attention group, the spec as it was before groups. Group 0 must be
             full attention: its block table is ``Request.block_ids``, those of groups 1.. are
@@ -187,7 +203,8 @@ class SchedulerConfig:
             >= 0; ``watermark`` not a number in [0, 1) (vLLM ``Field(ge=0.0, lt=1.0)``);
             ``max_num_active_seqs`` not ``None`` or an integer in [1, ``max_num_seqs``] (vLLM ``Field(ge=1)`` and
             ``SchedulerConfig._verify_args``); ``prefill_schedule_interval`` not an integer >= 1 (vLLM
-            ``Field(ge=1)``); ``kv_cache_groups`` not a list of groups, or group 0 not full attention. (A valid
+            ``Field(ge=1)``); ``prefix_cache_publication`` not one of :data:`PREFIX_CACHE_PUBLICATIONS`, or not
+            ``"vllm"`` with ``kv_cache_groups``; ``kv_cache_groups`` not a list of groups, or group 0 not full attention. (A valid
             config the spec does not specify yet, e.g. groups with speculative decoding, is refused where it
             runs or is checked, as a feature the scheduler lacks:
             :func:`~schedspec.spec.kv_cache_groups.unspecified_with_groups`.)
@@ -210,6 +227,7 @@ class SchedulerConfig:
 
     long_prefill_token_threshold_adaptive: bool = False
     prefill_schedule_interval: int = 1
+    prefix_cache_publication: str = "vllm"
     kv_cache_groups: tuple[KVCacheGroup, ...] = attrs.field(default=(), converter=_kv_cache_groups)
 
     def __attrs_post_init__(self) -> None:
@@ -238,6 +256,12 @@ class SchedulerConfig:
         interval = self.prefill_schedule_interval
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
             raise ConfigError("prefill_schedule_interval", interval, "must be an integer >= 1 (1 = off)")
+        if self.prefix_cache_publication not in PREFIX_CACHE_PUBLICATIONS:
+            raise ConfigError("prefix_cache_publication", self.prefix_cache_publication,
+                              f"must be one of {list(PREFIX_CACHE_PUBLICATIONS)}")
+        if self.prefix_cache_publication != "vllm" and self.kv_cache_groups:
+            raise ConfigError("prefix_cache_publication", self.prefix_cache_publication,
+                              "SGLang's publication with kv_cache_groups is not specified")
         if self.kv_cache_groups:
             if self.kv_cache_groups[0].kind != "full_attention":
                 raise ConfigError("kv_cache_groups", [g.to_dict() for g in self.kv_cache_groups],
@@ -318,6 +342,8 @@ class SchedulerConfig:
         for name, default in LIMIT_DEFAULTS.items():
             if data[name] == default:
                 del data[name]
+        if data["prefix_cache_publication"] == "vllm":  # likewise: traces of vLLM's publication unchanged
+            del data["prefix_cache_publication"]
         if self.kv_cache_groups:
             data["kv_cache_groups"] = [group.to_dict() for group in self.kv_cache_groups]
         else:

@@ -91,7 +91,7 @@ except ImportError:  # pragma: no cover - the plain json module is as correct, s
 
 MAP_FIELDS = ("blocks_allocated", "blocks_freed", "prefix_hit_tokens", "prefix_hit_blocks", "finished", "rejected",
               "sampled_token_ids", "num_accepted_tokens", "draft_token_ids", "wasted_tokens", "group_blocks_allocated",
-              "blocks_skipped", "group_prefix_hit_blocks", "kv_loads")
+              "blocks_skipped", "group_prefix_hit_blocks", "kv_loads", "blocks_deduplicated")
 """The record fields whose values are JSON objects (besides ``arrivals[]`` and ``scheduled[]``): with the
 record itself, every object a valid record holds (``tests/test_fast_check.py`` reads the schema to check it),
 for the repeated-key screen."""
@@ -121,7 +121,7 @@ MODELLED_RECORD_FIELDS = frozenset({
 fall back (speculative decoding's ``num_accepted_tokens``/``draft_token_ids``, prefix caching's
 ``prefix_hit_blocks``/``blocks_evicted``, asynchronous scheduling's ``wasted_tokens``, the KV cache groups'
 ``group_blocks_allocated``/``blocks_skipped``, the KV connector's ``kv_loads``, ``finished_recving``,
-``invalid_block_ids``, ``finished_sending``, and any field added later): an allow-list, so that a new field
+``invalid_block_ids``, ``finished_sending``, SGLang's de-duplication ``blocks_deduplicated``, and any field added later): an allow-list, so that a new field
 is judged by the plain path until the fast path models it. With those features off each such entry is a
 violation, or an empty one that the plain path accepts too."""
 

@@ -40,6 +40,17 @@ published) each compute and publish their own copy: the spec allows **duplicate*
 hash, as vLLM does (``block_pool.py`` ``BlockHashToBlockMap``, NOTE #1: no de-duplication, so that
 block tables stay append-only). A lookup takes the first published copy (``get_one_block``).
 
+**SGLang's publication** (``SchedulerConfig.prefix_cache_publication == "sglang-radix"``, SGLang 0.5.23
+``mem_cache/radix_cache.py`` ``RadixCache``): a prefill chunk's blocks are published at the end of its step, a
+decode's only when its request finishes (:func:`publishes_at_step`), and a prefill chunk's publication may
+**de-duplicate** (``ScheduledRequest.deduplicated_block_ids``: the request's copy freed, the cached block in its
+place, as ``RadixCache.checkpoint`` does). SGLang's tree holds one page per prefix; the spec's cache holds at
+least what the tree holds: at a finish SGLang frees the request's copies of tokens its tree holds, which the
+spec keeps cached (evictable, counted free either way, so no count differs: the table is released at once), and
+SGLang evicts whole leaves when it allocates (``RadixCache.evict``), where the spec drops a hash only when its
+block is handed out. So a hit is bounded by the spec's cache, not equal to the longest chain in it
+(``prefix-hit-longest`` does not apply), and a de-duplication names a cached block of the spec's.
+
 With hybrid KV cache groups (:mod:`~schedspec.spec.kv_cache_groups`) the cache is keyed by group, as vLLM keys it
 (``BlockHashWithGroupId``): a block of group ``g > 0`` is published under :func:`group_cache_key` of its chained
 hash and ``g``, so the maps below hold every group's blocks, each under its own key.
@@ -59,7 +70,7 @@ import attrs
 import numpy as np
 
 from schedspec.spec.persistent import request_memo
-from schedspec.spec.request import Request
+from schedspec.spec.request import Request, RequestStatus
 from schedspec.spec.workload import token_ids
 
 ROOT_HASH = ""
@@ -128,6 +139,20 @@ def max_hit_blocks(request: Request, block_size: int) -> int:
     tokens hit the cache, we must recompute the last token to obtain logits", which with a block-aligned
     hit recomputes the whole last block)."""
     return max(request.num_tokens - 1, 0) // block_size
+
+
+def publishes_at_step(request: Request, config) -> bool:
+    """Whether a scheduled item of ``request`` (as it was before the step) publishes its full computed blocks at
+    the end of its step, by ``config.prefix_cache_publication``: always with vLLM's (``BlockPool.cache_full_blocks``
+    for every scheduled request); with SGLang's (``"sglang-radix"``) for a prefill chunk only, not for a decode
+    (the request runs and its one pending token is a sampled output), whose blocks are published when it finishes
+    (SGLang 0.5.23 ``Scheduler.process_batch_result_prefill`` -> ``RadixCache.cache_unfinished_req``;
+    ``process_batch_result_decode`` inserts nothing until ``cache_finished_req``). A running request whose last
+    prefill chunk is a single token counts as a decode here (SGLang's extend would publish it)."""
+    if config.prefix_cache_publication == "vllm":
+        return True
+    return not (request.status is RequestStatus.RUNNING and request.output_token_ids
+                and request.num_computed_tokens == request.num_tokens - 1)
 
 
 @attrs.frozen(slots=True)
@@ -373,11 +398,25 @@ class CacheUpdate:
         self._set_listed(old, tuple(b for b in self.hash_to_blocks.get(old, ()) if b != block_id))
 
     def publish(self, request: Request, table: Sequence[int], num_computed_tokens: int, block_size: int,
-                group: int = 0) -> None:
+                group: int = 0, replaced: dict[int, int] | None = None) -> tuple[int, ...]:
         """Give a hash to every block of ``table`` whose tokens the request has all computed and that has none
         yet (hashes of a table's first blocks are their parents). ``group``: the KV cache group of the table
         (:func:`group_cache_key`; a group past 0 publishes its blocks under their keys, its null entries
-        skipped: vLLM ``BlockPool.cache_full_blocks`` skips ``blk.is_null``)."""
+        skipped: vLLM ``BlockPool.cache_full_blocks`` skips ``blk.is_null``).
+
+        **De-duplication** (SGLang's publication, ``replaced``: own block -> cached block; group 0 only): a
+        block of ``replaced`` that would be published here is not: the cached block takes its place in the
+        table (one reference more) and the own block is freed (count 0, no hash: to the front of the free
+        queue). The pairs applied are removed from ``replaced``. SGLang 0.5.23 ``RadixCache._insert_cache``
+        (``free_segment`` of the duplicates) and ``req_to_token_pool.write``.
+
+        Returns:
+            The table after the publication (``table`` itself without de-duplication).
+
+        Raises:
+            ValueError: a cached block of ``replaced`` does not carry the hash of the block it replaces (the
+                rule ``deduplicate-at-publication`` refuses such a plan first).
+        """
         full = min(num_computed_tokens // block_size, len(table))
         if group:
             parent = ROOT_HASH
@@ -389,16 +428,28 @@ class CacheUpdate:
                 key = group_cache_key(parent, group)
                 self._set_hash(block_id, key)
                 self._set_listed(key, self.hash_to_blocks.get(key, ()) + (block_id,))
-            return
+            return tuple(table)
         parent = ROOT_HASH
+        after: list[int] | None = None
         for index in range(full):
             block_id = table[index]
             known = self.block_hashes.get(block_id)
             if known is None:
                 known = request_block_hash(request, index, parent, block_size)
+                if replaced and block_id in replaced:
+                    cached = replaced.pop(block_id)
+                    if self.block_hashes.get(cached) != known:
+                        raise ValueError(f"block {block_id} replaced by block {cached}, which does not cache its tokens")
+                    after = list(table) if after is None else after
+                    after[index] = cached
+                    self.touch((cached,))
+                    self.free_blocks((block_id,))
+                    parent = known
+                    continue
                 self._set_hash(block_id, known)
                 self._set_listed(known, self.hash_to_blocks.get(known, ()) + (block_id,))
             parent = known
+        return tuple(table) if after is None else tuple(after)
 
     def freeze_cache(self) -> PrefixCache:
         """The cache as it is now (the source cache itself when nothing changed). Later edits of this update

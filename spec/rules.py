@@ -31,7 +31,7 @@ from schedspec.spec.kv_cache_groups import (
     num_skipped_blocks,
     window_frees,
 )
-from schedspec.spec.prefix_cache import ROOT_HASH, max_hit_blocks, request_block_hash
+from schedspec.spec.prefix_cache import ROOT_HASH, max_hit_blocks, publishes_at_step, request_block_hash
 from schedspec.spec.request import Request, RequestStatus, printable
 from schedspec.spec.state import (
     ScheduledRequest,
@@ -746,8 +746,8 @@ def _prefix_hit_chain(state: SchedulerState, plan: StepPlan, config: SchedulerCo
 
 @rule(
     "prefix-hit-longest",
-    "With prefix caching on, a waiting request admitted in the step reuses the longest chain of cached blocks "
-    "that matches its sequence (at most (num_tokens - 1) // block_size blocks), not counting blocks handed "
+    "With prefix caching on and vLLM's publication (prefix_cache_publication vllm), a waiting request admitted in "
+    "the step reuses the longest chain of cached blocks that matches its sequence (at most (num_tokens - 1) // block_size blocks), not counting blocks handed "
     "out to requests earlier in the batch (those are evicted before its lookup). With KV cache groups, the "
     "longest hit every group holds (kv_cache_groups.longest_group_hit).",
     "vLLM kv_cache_manager.py KVCacheManager.get_computed_blocks -> find_longest_cache_hit, called just before "
@@ -757,8 +757,8 @@ def _prefix_hit_chain(state: SchedulerState, plan: StepPlan, config: SchedulerCo
 )
 def _prefix_hit_longest(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
     cache = state.prefix_cache
-    if cache is None or not cache.hash_to_blocks:
-        return
+    if cache is None or not cache.hash_to_blocks or config.prefix_cache_publication != "vllm":
+        return  # SGLang's radix cache: a hit is a cached chain (prefix-hit-is-cached-chain), at most the longest
     handed: set[int] = set()
     for item in plan.scheduled:
         request = state.requests.get(item.request_id)
@@ -774,6 +774,79 @@ def _prefix_hit_longest(state: SchedulerState, plan: StepPlan, config: Scheduler
         handed.update(item.new_block_ids)
         for new in item.group_new_block_ids:
             handed.update(new)
+
+
+def _publication_end(request: Request, item: ScheduledRequest) -> int:
+    """Tokens of ``request`` computed once ``item`` ran (positions of its sequence, drafts left out): its blocks
+    below ``end // block_size`` are full and computed (``deduplicate-at-publication``)."""
+    return min(item.num_computed_tokens + item.num_sequence_tokens, request.num_tokens)
+
+
+@rule(
+    "deduplicate-at-publication",
+    "A de-duplication (ScheduledRequest.deduplicated_block_ids, (own, cached) pairs) only with prefix caching on "
+    "and SGLang's publication (prefix_cache_publication sglang-radix), in an item that publishes at its step (a "
+    "prefill chunk; at a finish the table is released at once, and the spec keeps the copies cached). Each own block is a block "
+    "of the request's table after the item, at an index i whose tokens are all computed once the item ran, not "
+    "published before the step (the request's own copy: no other table can hold it), named once; its cached block carries the hash "
+    "of the request's block i (same prefix, same tokens) and is either published before the step and not handed "
+    "out in it, or block i of an earlier item of the batch that publishes it in this step and does not "
+    "de-duplicate it; a cached block is never itself an own block of the step.",
+    "SGLang 0.5.23 mem_cache/radix_cache.py RadixCache.cache_unfinished_req and cache_finished_req -> "
+    "_insert_cache (the prefix the tree already holds: free_segment of the request's copies) and "
+    "req_to_token_pool.write (the tree's pages written into the request's row)",
+    action="schedule",
+)
+def _deduplicate_at_publication(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
+    if not any(item.deduplicated_block_ids for item in plan.scheduled):
+        return
+    cache = state.prefix_cache
+    if cache is None or config.prefix_cache_publication != "sglang-radix":
+        for item in plan.scheduled:
+            if item.deduplicated_block_ids:
+                yield item.request_id, (f"de-duplicates {[list(p) for p in item.deduplicated_block_ids]} without "
+                                        "prefix caching with prefix_cache_publication sglang-radix")
+        return
+    size = config.block_size
+    handed = {b for item in plan.scheduled for b in item.new_block_ids}
+    own_blocks = {own for item in plan.scheduled for own, _ in item.deduplicated_block_ids}
+    published: dict[int, str] = {}  # block -> hash, for the blocks earlier items publish in this step
+    for item in plan.scheduled:
+        request = state.requests.get(item.request_id)
+        if request is None:
+            continue
+        table = request.block_ids + item.cached_block_ids + item.new_block_ids
+        full = min(_publication_end(request, item) // size, len(table))
+        hashes: list[str] = []
+        parent = ROOT_HASH
+        for index in range(full):
+            parent = request_block_hash(request, index, parent, size)
+            hashes.append(parent)
+        seen: set[int] = set()
+        for own, cached in item.deduplicated_block_ids:
+            index = table.index(own) if own in table else -1
+            if own in seen:
+                yield item.request_id, f"block {own} de-duplicated twice"
+            elif index < 0:
+                yield item.request_id, f"de-duplicates block {own}, which is not in its table"
+            elif index >= full:
+                yield item.request_id, f"de-duplicates block {own} (block {index} of its table), not full and computed"
+            elif own in cache.block_hashes and own not in handed:  # (a block handed out in the step is evicted)
+                yield item.request_id, f"de-duplicates block {own}, published before the step"
+            elif not publishes_at_step(request, config):
+                yield item.request_id, f"de-duplicates block {own} in a decode, which publishes only at its finish"
+            elif cached in own_blocks:
+                yield item.request_id, f"replaces block {own} by block {cached}, itself de-duplicated in the step"
+            elif (published[cached] if cached in published else cache.block_hashes.get(cached)) != hashes[index]:
+                yield item.request_id, f"replaces block {own} (block {index}) by block {cached}, which does not cache its tokens"
+            elif cached in handed and cached not in published:  # cached before the step, evicted in it
+                yield item.request_id, f"replaces block {own} by block {cached}, handed out in the same step"
+            seen.add(own)
+        if publishes_at_step(request, config):
+            for index in range(full):
+                block_id = table[index]
+                if (block_id not in cache.block_hashes or block_id in handed) and block_id not in seen:
+                    published[block_id] = hashes[index]
 
 
 # Hybrid KV cache groups (SchedulerConfig.kv_cache_groups; schedspec.spec.kv_cache_groups). Without groups no

@@ -310,6 +310,17 @@ class ScheduledRequest:
             ``cached_block_ids`` (vLLM ``KVCacheBlocks.blocks`` of ``get_computed_blocks``), a sliding window's
             entries below what it still needs :data:`~schedspec.spec.kv_cache_groups.NULL_BLOCK`
             (:func:`~schedspec.spec.kv_cache_groups.longest_group_hit`). Empty otherwise.
+        deduplicated_block_ids: prefix caching with SGLang's publication (``SchedulerConfig.prefix_cache_publication
+            == "sglang-radix"``), a prefill chunk: ``(own, cached)`` pairs, each a block of the request's own table
+            that this step completes and publishes and the cached block of the same hash that replaces it there: at
+            the publication (the end of the item) ``own`` is freed (to the front of the free queue, never
+            published) and ``cached`` takes its place in the table, one reference more. (At a finish SGLang
+            de-duplicates too, which needs no pair: the table is released at once, and the spec keeps the copies
+            cached: :mod:`~schedspec.spec.prefix_cache`, *SGLang's publication*.) SGLang
+            0.5.23 ``mem_cache/radix_cache.py`` ``RadixCache.cache_unfinished_req`` / ``cache_finished_req`` ->
+            ``_insert_cache`` (``free_segment`` of the request's copies of tokens the tree already holds) and
+            ``req_to_token_pool.write`` (the tree's pages written into the request's row). Rule
+            ``deduplicate-at-publication``. Empty otherwise (vLLM never de-duplicates).
     """
 
     request_id: str
@@ -321,6 +332,7 @@ class ScheduledRequest:
     group_new_block_ids: tuple[tuple[int, ...], ...] = ()
     skipped_block_ids: tuple[int, ...] = ()
     group_cached_block_ids: tuple[tuple[int, ...], ...] = ()
+    deduplicated_block_ids: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_sequence_tokens(self) -> int:

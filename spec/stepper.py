@@ -103,8 +103,12 @@ class FullChecker:
 def step_checker(config: SchedulerConfig, incremental: bool = False) -> StepChecker:
     """The :class:`~schedspec.spec.incremental.IncrementalChecker` with ``incremental``, else the
     :class:`FullChecker`. With hybrid KV cache groups (``config.kv_cache_groups``) always the
-    :class:`FullChecker`: the incremental checker's block ledger knows one table per request."""
-    return IncrementalChecker(config) if incremental and not config.kv_cache_groups else FullChecker(config)
+    :class:`FullChecker`: the incremental checker's block ledger knows one table per request; and with SGLang's
+    prefix-cache publication (``prefix_cache_publication != "vllm"``): its ledger assumes tables that only grow
+    while their request runs, which a de-duplication breaks (a block replaced in the middle of a table)."""
+    if not incremental or config.kv_cache_groups or config.prefix_cache_publication != "vllm":
+        return FullChecker(config)
+    return IncrementalChecker(config)
 
 
 @attrs.frozen(eq=False)
@@ -285,6 +289,12 @@ def expected_record(outcome: StepOutcome, config: SchedulerConfig, start_time: f
                             for b in table if b != NULL_BLOCK)
         if blocks and not before.requests[request_id].kv_send:  # a sending request's blocks wait for the send
             freed[request_id] = blocks
+    for item in plan.scheduled:  # SGLang's de-duplication: the own copies are freed, the cached blocks held instead
+        if item.deduplicated_block_ids:
+            replaced = dict(item.deduplicated_block_ids)
+            own = tuple(replaced)
+            table = tuple(replaced.get(b, b) for b in freed.get(item.request_id, ()))
+            freed[item.request_id] = own + table if item.request_id in outcome.finished else own
     transfers = outcome.transfers
     for request_id in transfers.finished_recving + transfers.finished_sending:
         delayed = before.delayed_frees.get(request_id)
@@ -338,6 +348,8 @@ def expected_record(outcome: StepOutcome, config: SchedulerConfig, start_time: f
         group_prefix_hit_blocks={item.request_id: item.group_cached_block_ids for item in plan.scheduled
                                  if any(item.group_cached_block_ids)},
         kv_loads={load.request_id: load.num_tokens for load in plan.loads},
+        blocks_deduplicated={item.request_id: item.deduplicated_block_ids for item in plan.scheduled
+                             if item.deduplicated_block_ids},
         finished_recving=transfers.finished_recving,
         invalid_block_ids=transfers.invalid_block_ids,
         finished_sending=transfers.finished_sending,

@@ -176,6 +176,10 @@ class StepRecord:
             tables of groups 1.. its prefix-cache hit starts with, one tuple per group in group order, each as long
             as its ``prefix_hit_blocks``, -1 where a sliding window no longer needs the block (a null entry;
             ``ScheduledRequest.group_cached_block_ids``). Omitted from the JSON when empty.
+        blocks_deduplicated: prefix caching with SGLang's publication (``prefix_cache_publication ==
+            "sglang-radix"``): request id -> ``[own, cached]`` pairs: a block of its table published in this step
+            (a prefill chunk's) replaced there by the cached block of the same hash, ``own`` freed
+            (``ScheduledRequest.deduplicated_block_ids``); ``own`` is also in ``blocks_freed``. Omitted when empty.
         kv_loads: KV connector: request id -> the tokens of the remote KV load this step starts for it (its
             blocks are in ``blocks_allocated``; it waits in WAITING_FOR_REMOTE_KVS). Omitted when empty.
         finished_recving: KV connector, reported after this step: the ids whose remote KV load landed (vLLM
@@ -214,6 +218,7 @@ class StepRecord:
     group_prefix_hit_blocks: dict[str, tuple[tuple[int, ...], ...]] = attrs.field(factory=dict,
                                                                                  converter=_group_blocks)
     kv_loads: dict[str, int] = attrs.field(factory=dict)
+    blocks_deduplicated: dict[str, tuple[tuple[int, ...], ...]] = attrs.field(factory=dict, converter=_group_blocks)
     finished_recving: tuple[str, ...] = attrs.field(default=(), converter=_to_tuple)
     invalid_block_ids: tuple[int, ...] = attrs.field(default=(), converter=_to_tuple)
     finished_sending: tuple[str, ...] = attrs.field(default=(), converter=_to_tuple)
@@ -268,6 +273,10 @@ class StepRecord:
             data["group_prefix_hit_blocks"] = {k: [list(g) for g in v] for k, v in self.group_prefix_hit_blocks.items()}
         else:
             del data["group_prefix_hit_blocks"]
+        if self.blocks_deduplicated:
+            data["blocks_deduplicated"] = {k: [list(p) for p in v] for k, v in self.blocks_deduplicated.items()}
+        else:
+            del data["blocks_deduplicated"]
         for name in KV_CONNECTOR_RECORD_FIELDS:  # KV connector only, likewise
             if data[name]:
                 data[name] = dict(data[name]) if name == "kv_loads" else list(data[name])

@@ -14,7 +14,7 @@ it changes). The client's actions happen between steps: a request **arrives**
   admitted. Guard: ``positive-tokens``, ``chunk-continues``, ``no-overcompute``,
   ``whole-prefill-without-chunking``, ``long-prefill-threshold``, ``admit-fits-alone``,
   ``blocks-from-free-pool``, ``block-table-covers``, ``no-excess-blocks``, ``prefix-hit-at-admission``,
-  ``prefix-hit-is-cached-chain``, ``prefix-hit-longest``, ``drafts-only-in-decodes``,
+  ``prefix-hit-is-cached-chain``, ``prefix-hit-longest``, ``deduplicate-at-publication``, ``drafts-only-in-decodes``,
   ``drafts-are-proposed``, ``drafts-within-max-model-len``; the per-step limits, which constrain
   nothing while their options are off: ``active-sequence-cap``, ``lora-limit``,
   ``grammar-ready-before-admission``, ``watermark``, ``prefill-cadence``; with hybrid KV cache groups
@@ -72,7 +72,7 @@ from schedspec.spec.kv_cache_groups import (
 )
 from schedspec.spec.persistent import FreeQueue, live_copy, with_arrival
 from schedspec.spec.persistent import evolve_request as evolve
-from schedspec.spec.prefix_cache import CacheUpdate
+from schedspec.spec.prefix_cache import CacheUpdate, publishes_at_step
 from schedspec.spec.request import Request, RequestStatus
 from schedspec.spec.state import (
     NO_SPECULATION,
@@ -384,7 +384,17 @@ def schedule(step: StepInProgress, item: ScheduledRequest) -> None:
         for new in item.group_new_block_ids:
             step.cache.take(new)
         cacheable = min(computed, request.num_tokens)
-        step.cache.publish(request, table, cacheable, size)
+        pending = dict(item.deduplicated_block_ids) if item.deduplicated_block_ids else None
+        if publishes_at_step(request, step.config):
+            try:
+                published = step.cache.publish(request, table, cacheable, size, replaced=pending)
+            except ValueError as error:  # a de-duplication onto other tokens (rule deduplicate-at-publication)
+                raise PlanError(f"request_id={item.request_id!r} at step {step.before.step}: {error}") from None
+            if published != table:  # SGLang's de-duplication: cached blocks in place of the request's own
+                changes["block_ids"] = table = published
+        if pending:  # rule deduplicate-at-publication: only blocks this item publishes
+            raise PlanError(f"request_id={item.request_id!r}: blocks {sorted(pending)} de-duplicated at step "
+                            f"{step.before.step}, but not published in it")
         if groups:  # every group's blocks under its own keys (KVCacheCoordinator.cache_blocks, per manager)
             for index, group_table in enumerate(changes["group_block_ids"], start=1):
                 if group_publishes(step.config.kv_cache_groups[index], size):
@@ -476,6 +486,11 @@ def sample(step: StepInProgress, request_id: str, token_id: int, item: Scheduled
                             "kv_cache_groups are not specified")
         step.delay_free(request_id, DelayedFree(request.block_ids, "sending"))
     elif step.cache is not None:
+        if step.config.prefix_cache_publication == "sglang-radix":  # decoded blocks are published at the finish
+            # (cache_finished_req); SGLang frees its copies of tokens its tree holds, the spec keeps them cached:
+            # module docstring of prefix_cache, SGLang's publication
+            step.cache.publish(request, request.block_ids, min(request.num_computed_tokens, request.num_tokens),
+                               step.config.block_size)
         release_tables(step.cache, request)
     else:
         step.freed[:0] = release_order(request)

@@ -98,3 +98,53 @@ def test_a_version_mismatch_drops_the_scheduler_it_built(monkeypatch) -> None:
         sglang_adapter.SglangScheduler(CONFIG)
     with pytest.raises(EngineError, match="never built"):
         worker.call({"op": "view", "handle": handle})
+
+
+RADIX = SchedulerConfig(block_size=4, num_kv_blocks=32, max_num_batched_tokens=64, max_num_seqs=4, max_model_len=128,
+                        enable_prefix_caching=True, prefix_cache_publication="sglang-radix")
+SHARED = [RequestSpec("A", 20, 6, arrival_step=0, prefix_group="g", prefix_len=16),
+          RequestSpec("B", 20, 6, arrival_step=0, prefix_group="g", prefix_len=16),
+          RequestSpec("C", 20, 6, arrival_step=3, prefix_group="g", prefix_len=16)]
+
+
+def test_the_radix_cache_deduplicates_and_hits_under_every_check() -> None:
+    """SGLang's RadixCache under prefix_cache_publication="sglang-radix" (docs/engines.md, The radix cache): A and
+    B prefill one new 16-token prefix together, and SGLang's checkpoint frees B's 4 copies for A's pages (the
+    plan names the de-duplication); C, admitted later, hits the 16 tokens. Every rule, invariant and view
+    comparison holds (the view counts the tree's evictable pages as free)."""
+    result = Engine(make_scheduler("sglang", RADIX), RADIX, properties=()).run(SHARED, mode="steps", max_steps=60)
+    assert [str(v) for v in result.violations] == []
+    first = result.records[0]
+    assert len(first.blocks_deduplicated.get("B", ())) == 4
+    assert any(r.prefix_hit_tokens.get("C") == 16 for r in result.records)
+    assert sorted(result.state.finished) == ["A", "B", "C"]
+
+
+def test_a_de_duplication_left_out_of_the_plan_is_a_state_mismatch(monkeypatch) -> None:
+    """The deliberate break: an adapter that does not name SGLang's de-duplication in its plan. SGLang frees B's
+    copies anyway, so its free count exceeds the spec's after step 0."""
+    from schedspec.engines.sglang import SglangScheduler
+
+    honest = SglangScheduler.schedule
+
+    def silent(self):
+        plan = honest(self)
+        self.plan = attrs.evolve(plan, scheduled=tuple(attrs.evolve(i, deduplicated_block_ids=()) for i in plan.scheduled))
+        return self.plan
+
+    monkeypatch.setattr(SglangScheduler, "schedule", silent)
+    result = Engine(make_scheduler("sglang", RADIX), RADIX, properties=()).run(SHARED, mode="steps", max_steps=60)
+    assert any(v.name == "state-mismatch" and v.step == 0 and "num_free_blocks" in str(v) for v in result.violations)
+
+
+def test_a_chunked_prefill_with_the_radix_cache_is_refused() -> None:
+    """SGLang inserts a chunked request's middle chunk into the tree only in the next get_next_batch_to_run
+    (stash_chunked_request): not mapped yet, a feature the adapter lacks (exit 3), not a finding."""
+    config = attrs.evolve(RADIX, max_num_batched_tokens=8)
+    with pytest.raises(UnsupportedFeature, match="chunked prefill with prefix caching"):
+        Engine(make_scheduler("sglang", config), config, properties=()).run(SHARED[:1], mode="steps", max_steps=60)
+
+
+def test_prefix_caching_with_vllm_publication_is_refused() -> None:
+    with pytest.raises(UnsupportedFeature, match="prefix_cache_publication='vllm'"):
+        make_scheduler("sglang", attrs.evolve(RADIX, prefix_cache_publication="vllm"))

@@ -839,3 +839,14 @@ def test_remote_kv_with_async_scheduling_is_refused() -> None:
 
     with pytest.raises(UnsupportedFeature, match="remote KV"):
         replay(load_scenario(CASES[REMOTE_KV_CASES[0]]), "vllm-async")
+
+
+def test_sglang_publication_is_refused() -> None:
+    """vLLM publishes every full computed block at the end of its step: a config that says SGLang's
+    publication (spec.config.PREFIX_CACHE_PUBLICATIONS) would judge vLLM by the wrong policy."""
+    from schedspec.reference.scheduler import UnsupportedFeature, make_scheduler
+    from schedspec.spec.config import SchedulerConfig
+
+    config = SchedulerConfig(4, 16, 64, 4, 128, enable_prefix_caching=True, prefix_cache_publication="sglang-radix")
+    with pytest.raises(UnsupportedFeature, match="prefix_cache_publication='sglang-radix'"):
+        make_scheduler("vllm", config)

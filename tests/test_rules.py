@@ -17,6 +17,7 @@ from test_in_flight import IN_FLIGHT_RULE_CASES
 from test_kv_cache_groups import GROUP_RULE_CASES
 from test_limits import LIMIT_RULE_CASES
 from test_prefix_cache import PREFIX_RULE_CASES
+from test_prefix_dedup import DEDUP_RULE_CASES
 from test_remote_kv import REMOTE_KV_RULE_CASES
 from test_speculative import SPEC_RULE_CASES
 
@@ -173,6 +174,7 @@ CASES: dict[str, Case] = {
     "no-excess-blocks": case_no_excess_blocks,
 }
 CASES.update(PREFIX_RULE_CASES)  # the prefix-caching rules' cases live with the other prefix tests
+CASES.update(DEDUP_RULE_CASES)  # and SGLang's de-duplication's (test_prefix_dedup.py)
 CASES.update(SPEC_RULE_CASES)  # and the speculative-decoding rules' with the speculative-decoding tests
 CASES.update(IN_FLIGHT_RULE_CASES)  # and the rules of a step in flight with its tests (test_in_flight.py)
 CASES.update(LIMIT_RULE_CASES)  # and the per-step limits' (max_loras, ...) with their tests
