@@ -443,6 +443,10 @@ class FastChecker:
         request_id = arrival["request_id"]
         max_tokens = arrival["max_tokens"]
         prompt_len = arrival["prompt_len"]
+        # a backstop: the reader refuses an integer written as a float (spec/trace.py has_integral_float); an
+        # arrival whose counts are not ints is the plain path's to judge, never certified here
+        if type(prompt_len) is not int or type(max_tokens) is not int:
+            raise _Doubt
         if request_id in self.known or max_tokens < 0:
             raise _Doubt
         self.known.add(request_id)

@@ -323,16 +323,19 @@ the project (traces, recordings, cost profiles, run records; scenarios apply the
 reader): a count written as a float is a writer's bug, not a number to round (docs/trace-format.md,
 *Numbers*). Every ``jsonschema`` validator of ours is this one."""
 
-_FLOAT_TOKEN = re.compile(rb"-?[0-9]+(?:\.[0-9]+)?[eE][-+]?[0-9]+|-?[0-9]+\.0+(?![0-9eE])")
-"""A JSON number with an exponent, or with a fraction of zeros only: the only tokens that may read as an
-integral float (``5.0``, ``1e3``, ``1.5e3``). It may also match digits inside a string (an id ``"x1.0"``):
-that costs only speed (:func:`has_integral_float`)."""
+_FLOAT_TOKEN = re.compile(rb"-?[0-9]+(?:\.[0-9]+)?[eE][-+]?[0-9]+|-?[0-9]+\.[0-9]+(?![0-9eE])")
+"""A JSON number with an exponent or a fraction: the tokens that may read as an integral float (``5.0``,
+``1e3``, ``1.5e3``, and ``5.9999999999999999``, which rounds to 6.0). It may also match digits inside a string
+(an id ``"x1.0"``): that costs only speed (:func:`has_integral_float`)."""
 
 
-_FLOAT_HINTS = (re.compile(rb"\.0+(?![0-9])"), re.compile(rb"e[-+0-9]"), re.compile(rb"E[-+0-9]"))
-"""What every token :data:`_FLOAT_TOKEN` finds holds (a fraction of zeros, or an exponent), each a pattern with a
-literal prefix, which ``re`` scans for fast (about 10 times faster than one pattern starting with a class): a
-line with none of them is not searched further (most lines of a trace: times such as ``0.0107`` match none)."""
+_FLOAT_HINTS = (re.compile(rb"\.0+(?![0-9])"), re.compile(rb"e[-+0-9]"), re.compile(rb"E[-+0-9]"),
+                re.compile(rb"[0-9.]{17}"))
+"""What every integral float :data:`_FLOAT_TOKEN` finds shows: a fraction of zeros, an exponent, or at least 16
+digits (a decimal of at most 15 significant digits is the double nearest to it and back, DBL_DIG, so one with a
+fraction that is not all zeros reads as a whole number only with 16 digits or more: ``5.9999999999999999``,
+found in review). Each is a pattern ``re`` scans for fast; a line with none of them is not searched further
+(most lines of a trace: times such as ``0.0107`` match none)."""
 
 
 def has_integral_float(line: bytes) -> bool:

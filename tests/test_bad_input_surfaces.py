@@ -106,6 +106,7 @@ NUMBER_TOKENS = [  # (token, what the message says)
     ("5.0", "is not of type 'integer'"), ("1e3", "is not of type 'integer'"), ("true", "True"),
     ("100000000000000000000", "greater than the maximum"), ("NaN", "NaN is not a finite number"),
     ("-Infinity", "-Infinity is not a finite number"),
+    ("5.9999999999999999", "is not of type 'integer'"),  # reads as 6.0 with no ".0" in its text (found in review)
 ]
 
 
