@@ -23,11 +23,11 @@ from schedspec.spec.rules import Violation
 from schedspec.spec.state import (
     SchedulerState,
     StepPlan,
-    freed_by_windows,
     holding_first,
     is_prefill_chunk,
     offers_load,
     prefill_held,
+    window_releases,
 )
 
 
@@ -121,7 +121,7 @@ def free_at_plan(before: SchedulerState, plan: StepPlan, config: SchedulerConfig
     window_freed: set[int] = set()
     if config.kv_cache_groups:
         free -= sum(len(b) for i in plan.scheduled for b in i.group_new_block_ids)
-        window_freed = freed_by_windows(plan.scheduled, cache)
+        window_freed = set().union(*window_releases(before, plan))
         free += len(window_freed)
     if cache is not None:
         free -= len({b for i in plan.scheduled

@@ -38,9 +38,9 @@ from schedspec.spec.state import (
     SchedulerState,
     StepPlan,
     carries_prefill,
-    freed_by_windows,
     prefill_held,
     wasted_items,
+    window_releases,
 )
 
 VIOLATION_KINDS = ("rule", "invariant", "property", "mismatch")
@@ -419,11 +419,10 @@ def _watermark(state: SchedulerState, plan: StepPlan, config: SchedulerConfig):
     evictable = set(frozenset(state.free_block_ids) - held) | released_by_preemptions(state, plan)
     free = len(evictable)
     hit: set[int] = set()
-    cache = state.prefix_cache
-    for item in plan.scheduled:
+    for item, releases in zip(plan.scheduled, window_releases(state, plan), strict=True):
         # KV cache groups: the blocks its windows pass go back to the shared pool before it allocates
         # (remove_skipped_blocks), and it allocates in every group (get_num_blocks_to_allocate sums them)
-        window_freed = freed_by_windows((item,), cache) - evictable
+        window_freed = releases - evictable
         evictable |= window_freed
         free += len(window_freed) - len(item.new_block_ids) - sum(len(b) for b in item.group_new_block_ids)
         for block_id in item.cached_block_ids + tuple(b for t in item.group_cached_block_ids for b in t):
@@ -557,12 +556,6 @@ def released_by_preemptions(state: SchedulerState, plan: StepPlan) -> set[int]:
     return released
 
 
-def _preempted_holders(state: SchedulerState, plan: StepPlan) -> Counter[int]:
-    """How many tables of the plan's preempted requests hold each block (prefix caching: what the preemptions take
-    off the blocks' reference counts)."""
-    return Counter(b for r in plan.preempted if r in state.requests for b in held_block_ids(state.requests[r]))
-
-
 def blocks_not_from_free_pool(state: SchedulerState, plan: StepPlan, free: AbstractSet[int]):
     """The check of ``blocks-from-free-pool`` given the free queue as a set (``free`` must equal
     ``set(state.free_block_ids)``; the incremental checker passes the set it keeps, instead of building
@@ -571,30 +564,12 @@ def blocks_not_from_free_pool(state: SchedulerState, plan: StepPlan, free: Abstr
     released = released_by_preemptions(state, plan)
     hits = {b for item in plan.scheduled for b in item.cached_block_ids}
     hits.update(b for item in plan.scheduled for hit in item.group_cached_block_ids for b in hit if b != NULL_BLOCK)
-    cache = state.prefix_cache
-    # prefix caching with a window's frees: the reference counts as the preemptions and the items change them
-    tracking = cache is not None and any(item.skipped_block_ids for item in plan.scheduled)
-    counts: dict[int, int] = {}
-    if tracking:
-        assert cache is not None
-        counts = {b: cache.ref_counts.get(b, 0) - n for b, n in _preempted_holders(state, plan).items()}
     handed: set[int] = set()
-    for item in plan.scheduled:
+    for item, window_released in zip(plan.scheduled, window_releases(state, plan), strict=True):
         new_block_ids = item.new_block_ids
         if item.skipped_block_ids or item.group_new_block_ids:  # hybrid KV cache groups
-            if cache is None:
-                released = released | set(item.skipped_block_ids)  # a window's frees, from its own item on
-            else:  # a window's free releases a block only when no other table holds it (BlockPool.free_blocks)
-                for block_id in item.skipped_block_ids:
-                    counts[block_id] = counts.get(block_id, cache.ref_counts.get(block_id, 0)) - 1
-                    if counts[block_id] <= 0:
-                        released = released | {block_id}
+            released = released | window_released  # a window's frees, from its own item on
             new_block_ids = new_block_ids + tuple(b for blocks in item.group_new_block_ids for b in blocks)
-        if tracking:  # the item's hits are touched after its window's frees
-            assert cache is not None
-            for block_id in item.cached_block_ids + tuple(b for hit in item.group_cached_block_ids for b in hit):
-                if block_id != NULL_BLOCK:
-                    counts[block_id] = counts.get(block_id, cache.ref_counts.get(block_id, 0)) + 1
         for block_id in new_block_ids:
             if block_id in handed:
                 yield item.request_id, f"block {block_id} handed out twice"

@@ -17,6 +17,7 @@ from types import MappingProxyType
 import attrs
 
 from schedspec.spec.config import SchedulerConfig
+from schedspec.spec.kv_cache_groups import NULL_BLOCK, held_block_ids
 from schedspec.spec.persistent import ArrivedRequests, TerminalRequests, terminal_requests
 from schedspec.spec.prefix_cache import PrefixCache
 from schedspec.spec.request import Request, RequestStatus
@@ -387,13 +388,39 @@ class KVTransferOutput:
         return not (self.finished_recving or self.invalid_block_ids or self.finished_sending)
 
 
-def freed_by_windows(items: Sequence[ScheduledRequest], cache: PrefixCache | None) -> set[int]:
-    """The blocks the items' sliding-window groups free in the step (``skipped_block_ids``) that go back to the free
-    queue: with prefix caching only those no other table holds (a shared block's free only drops its reference
-    count). vLLM 0.32 ``KVCacheManager.allocate_slots`` → ``SingleTypeKVCacheManager.remove_skipped_blocks`` →
-    ``BlockPool.free_blocks``, before the request's allocation."""
-    return {b for item in items for b in item.skipped_block_ids
-            if cache is None or cache.ref_counts.get(b, 0) <= 1}
+def window_releases(state: SchedulerState, plan: StepPlan) -> tuple[frozenset[int], ...]:
+    """Per item of ``plan.scheduled``, in order: the blocks its sliding-window groups free in the step
+    (``skipped_block_ids``) that go back to the free pool (blocks). Without prefix caching every such block; with
+    it, a block whose reference count the free brings to 0, the counts walked in the order vLLM changes them: the
+    plan's preemptions first (the running loop, ``_preempt_request`` → ``free``), then item by item its window's
+    frees and then its prefix hits (a block another item hit earlier in the step is still held when a window
+    passes it; one a preempted request shared may be released by the window). vLLM 0.32
+    ``KVCacheManager.allocate_slots`` → ``SingleTypeKVCacheManager.remove_skipped_blocks`` →
+    ``BlockPool.free_blocks``, before the request's allocation and ``touch`` of its hits. The one definition of
+    what a window's free releases: rules ``watermark`` and ``blocks-from-free-pool`` and the property
+    ``work-conserving`` use it (found in review: they computed it three ways, two of them from the counts before
+    the step)."""
+    cache = state.prefix_cache
+    if cache is None or not any(item.skipped_block_ids for item in plan.scheduled):
+        return tuple(frozenset(item.skipped_block_ids) for item in plan.scheduled)
+    counts: dict[int, int] = {}
+    for request_id in plan.preempted:
+        request = state.requests.get(request_id)
+        if request is not None:
+            for block_id in held_block_ids(request):  # every group's table
+                counts[block_id] = counts.get(block_id, cache.ref_counts.get(block_id, 0)) - 1
+    releases = []
+    for item in plan.scheduled:
+        released = set()
+        for block_id in item.skipped_block_ids:
+            counts[block_id] = counts.get(block_id, cache.ref_counts.get(block_id, 0)) - 1
+            if counts[block_id] <= 0:
+                released.add(block_id)
+        for block_id in item.cached_block_ids + tuple(b for hit in item.group_cached_block_ids for b in hit):
+            if block_id != NULL_BLOCK:
+                counts[block_id] = counts.get(block_id, cache.ref_counts.get(block_id, 0)) + 1
+        releases.append(frozenset(released))
+    return tuple(releases)
 
 
 def holding_first(order: Sequence[str], requests: Mapping[str, Request]) -> Sequence[str]:

@@ -15,6 +15,7 @@ import io
 import json
 import random
 
+import attrs
 import pytest
 
 from schedspec.reference.engine import Engine, UnsupportedFeature
@@ -359,3 +360,37 @@ def test_the_watermark_counts_every_groups_blocks_and_the_windows_frees() -> Non
 
     assert admit((10, 11), (12, 13), 4) == [("watermark", "b")]
     assert admit((10,), (11,), 2) == []  # 1 block per group: 6 left
+
+
+def test_a_windows_free_is_judged_by_the_reference_counts_in_plan_order() -> None:
+    """``state.window_releases``, the one definition of what a window's free gives back to the pool (rules
+    ``watermark`` and ``blocks-from-free-pool``, property ``work-conserving``), walks the counts in vLLM's order:
+    preemptions, then per item its window's frees and then its hits (found in review: ``watermark`` and
+    ``work-conserving`` read the counts before the step). (1) ``b``, first in the plan, hits block 5 that only
+    ``a``'s window table holds; ``a``'s window then passes 5: 5 stays held (``b`` holds it), nothing is released
+    (the counts before the step said released: a false pass of ``watermark``, one block too many). (2) ``p``,
+    preempted, shares block 5 with ``a`` (count 2); ``a``'s window passes it: released (the counts before the step
+    said held: a false alarm)."""
+    from schedspec.spec.prefix_cache import PrefixCache
+    from schedspec.spec.state import window_releases
+
+    a = running_a()
+    b = Request("b", 1, tuple(range(10, 18)), max_tokens=2)
+    cache = PrefixCache(block_hashes={5: "h5"}, hash_to_blocks={"h5": (5,)},
+                        ref_counts={b_id: 1 for b_id in (0, 1, 2, 3, 4, 5, 6, 7)})
+    state = SchedulerState(step=1, running=("a",), requests={"a": a, "b": b}, waiting=("b",),
+                           free_block_ids=(8, 9, 10, 11), num_requests_added=2, prefix_cache=cache)
+    hit_first = StepPlan(scheduled=(ScheduledRequest("b", 0, 2, (9,), group_cached_block_ids=((5,),)),
+                                    ScheduledRequest("a", 8, 1, (8,), skipped_block_ids=(5,))))
+    assert window_releases(state, hit_first) == (frozenset(), frozenset())
+    alone = StepPlan(scheduled=(ScheduledRequest("a", 8, 1, (8,), skipped_block_ids=(5,)),))
+    assert window_releases(state, alone) == (frozenset({5}),)
+
+    p = Request("p", 0, (1, 2), max_tokens=2, status=RequestStatus.RUNNING, num_computed_tokens=2,
+                output_token_ids=(3,), block_ids=(10,), group_block_ids=((5,),), admitted_step=0, first_token_step=0)
+    shared = attrs.evolve(cache, ref_counts={**cache.ref_counts, 5: 2, 10: 1})
+    state = SchedulerState(step=1, running=("a", "p"), requests={"a": a, "p": p}, free_block_ids=(8, 9, 11),
+                           num_requests_added=2, prefix_cache=shared)
+    preempt = StepPlan(scheduled=(ScheduledRequest("a", 8, 1, (8,), skipped_block_ids=(5,)),), preempted=("p",))
+    assert window_releases(state, preempt) == (frozenset({5}),)
+    assert window_releases(state, attrs.evolve(preempt, preempted=())) == (frozenset(),)
