@@ -279,6 +279,7 @@ KNOWN = {
     # the priority-inversion cases fill max_num_seqs too
     "counterexample-fcfs-priority-inversion": SEQUENCE_CAP,
     "counterexample-priority-inversion-second-urgent": SEQUENCE_CAP,
+    "counterexample-sglang-priority-preemption-refused": SEQUENCE_CAP,  # SGLang's finding's case: 2 slots filled
 }
 SCENARIOS = bundled_scenarios()
 
