@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The test command (README quick start): create the environment, install pinned dependencies,
 # lint, build the documentation site (mkdocs.yml, strict: a broken link or reference fails), and run
-# the whole suite. The engines' environments are made too (scripts/engines_setup.sh): .venv-vllm and
-# .vllm033 before the suite; .venv-sglang in the background from the start, while the rest runs (log:
-# build/sglang-setup.log): the SGLang adapter waits for it (engines/sglang.py, wait_for_install), so
-# only the SGLang tests wait, and only if they come before the install ends. A failed SGLang install
-# fails the command with its one `ENGINES SETUP: FAIL` line after the suite. Local opt-outs:
+# the whole suite. The engines' environments are made too (scripts/engines_setup.sh), in the background from
+# the start, beside .venv's install: .venv-vllm and .vllm033 (log: build/vllm-setup.log) waited for before
+# the suite; .venv-sglang (log: build/sglang-setup.log) while the suite runs too: the SGLang adapter
+# waits for it (engines/sglang.py, wait_for_install), so only the SGLang tests wait, and only if they
+# come before the install ends. A failed vLLM install stops the command before the suite with its
+# `ENGINES SETUP: FAIL` line; a failed SGLang install fails the command with its one `ENGINES SETUP: FAIL` line after the suite. Local opt-outs:
 # SCHEDSPEC_SKIP_ENGINES=1 skips every engine (then deselect tests/test_engine_vllm.py; the SGLang tests
 # skip, saying why); SCHEDSPEC_SKIP_SGLANG=1 skips SGLang alone (its tests skip, saying why).
 # HYPOTHESIS_PROFILE selects the Hypothesis profile (default: fast; CI sets "ci").
@@ -20,6 +21,14 @@ if [[ "${SCHEDSPEC_SKIP_ENGINES:-}" != "1" && "${SCHEDSPEC_SKIP_SGLANG:-}" != "1
   SGLANG_SETUP_PID=$!
   export SCHEDSPEC_SGLANG=1  # the SGLang tests run: a missing environment fails them, never skips them
 fi
+# .venv-vllm and .vllm033 (`--only vllm`) in the background too: they are made with python3 (or python3.11),
+# not .venv, so they install beside .venv's pip installs; waited for before the suite (below), where a failed
+# install stops the command with its `ENGINES SETUP: FAIL` line.
+VLLM_SETUP_LOG=build/vllm-setup.log
+mkdir -p build
+echo "install: building .venv-vllm and .vllm033 in the background (reused when unchanged; log $VLLM_SETUP_LOG)"
+bash scripts/engines_setup.sh --only vllm >"$VLLM_SETUP_LOG" 2>&1 &
+VLLM_SETUP_PID=$!
 # The two pip installs are skipped when .venv was made by this script from the same pins: the stamp
 # .venv/.schedspec-install holds the pyproject.toml and engines/requirements-nanovllm.txt it installed
 # (written only after both installs succeeded; the import checks below run every time, and the package
@@ -43,9 +52,16 @@ else
 fi
 .venv/bin/python -c "import schedspec, torch, transformers, xxhash" # fail early if the install is incomplete
 .venv/bin/python -c "from schedspec.engines.nanovllm import load_engine; load_engine()"
-bash scripts/engines_setup.sh --only vllm  # .venv-vllm and .vllm033 for the `vllm` adapters (reused when unchanged)
 .venv/bin/ruff check .
 NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet   # the site goes to site/ (git-ignored)
+# .venv-vllm and .vllm033 for the `vllm` adapters: the suite needs them, so wait for their set-up here.
+if ! wait "$VLLM_SETUP_PID"; then
+  cat "$VLLM_SETUP_LOG" >&2
+  grep -q "^ENGINES SETUP: FAIL" "$VLLM_SETUP_LOG" \
+    || echo "ENGINES SETUP: FAIL: the vLLM install (.venv-vllm, .vllm033) failed; see $VLLM_SETUP_LOG" >&2
+  exit 1
+fi
+grep "^ENGINES SETUP" "$VLLM_SETUP_LOG" || true
 # The suite on both cores (pytest-xdist, 2 workers; every test is independent of order and process).
 # --dist worksteal: each worker starts on one contiguous half of the collection (so a module's
 # fixtures, e.g. a torch runner or the vLLM worker process, are mostly built once per worker), and a
