@@ -779,8 +779,10 @@ def _deduplicate_at_publication(state: SchedulerState, plan: StepPlan, config: S
     if cache is None or config.prefix_cache_publication != "sglang-radix":
         for item in plan.scheduled:
             if item.deduplicated_block_ids:
-                yield item.request_id, (f"de-duplicates {[list(p) for p in item.deduplicated_block_ids]} without "
-                                        "prefix caching with prefix_cache_publication sglang-radix")
+                why = ("prefix caching is off" if cache is None
+                       else f"prefix_cache_publication is {config.prefix_cache_publication!r}, not 'sglang-radix'")
+                yield item.request_id, (f"de-duplicates {[list(p) for p in item.deduplicated_block_ids]}, but "
+                                        f"{why} (only SGLang's radix cache de-duplicates)")
         return
     size = config.block_size
     handed = {b for item in plan.scheduled for b in item.new_block_ids}
@@ -1185,6 +1187,11 @@ GROUP_RULES: tuple[str, ...] = ("group-table-covers", "group-no-excess-blocks", 
 """The rules of hybrid KV cache groups (``SchedulerConfig.kv_cache_groups``): without groups they constrain
 nothing, so the Z3 encodings (:mod:`schedspec.spec.proofs`), which model one full-attention group, leave them
 out."""
+
+PUBLICATION_RULES: tuple[str, ...] = ("deduplicate-at-publication",)
+"""The rules of SGLang's publication policy (``prefix_cache_publication = "sglang-radix"``): a plan without a
+de-duplication (every plan under vLLM's policy, the default) meets them, so the Z3 encodings
+(:mod:`schedspec.spec.proofs`), which model vLLM's publication, leave them out."""
 
 LIMIT_RULES: tuple[str, ...] = ("active-sequence-cap", "lora-limit", "grammar-ready-before-admission", "watermark",
                                  "prefill-cadence")

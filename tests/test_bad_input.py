@@ -191,7 +191,7 @@ CASES = [
      "a[red]b:100:.jsonl:2: field"),
     ("check", {"s.jsonl": b""}, ("{s.jsonl}",), 2, "s.jsonl:1: empty"),
     ("check", {"s.jsonl": step_trace(0, lambda h: h["config"].__setitem__("num_kv_blocks", 2**60))},
-     ("{s.jsonl}",), 2, "s.jsonl:1: field config.num_kv_blocks"),
+     ("{s.jsonl}",), 2, "s.jsonl:1: field config: num_kv_blocks=1152921504606846976: must be at most"),
     ("check", {"s.jsonl": STEPS}, ("{s.jsonl}", "--property", "no-such-property"), 2, "--property"),
     ("check", {}, ("/dev/zero",), 2, "/dev/zero"),
     ("check", {"s.jsonl": step_trace(1, lambda r: r.__setitem__("num_free_blocks", r["num_free_blocks"] + 1))},

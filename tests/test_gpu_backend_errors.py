@@ -165,7 +165,7 @@ def test_kv_cache_too_big_fails_before_any_work(monkeypatch):
 
     for name in ("tiny_model_weights", "load_model_dir", "LlamaModel"):
         monkeypatch.setattr(runner_module, name, forbidden)
-    huge = CONFIG.with_changes(num_kv_blocks=2**40)
+    huge = CONFIG.with_changes(num_kv_blocks=2**31 - 1)  # the largest a config takes (spec.config.MAX_CONFIG_INT)
     error = _raises(None, r"num_kv_blocks: the KV cache \(.* GiB\) plus weights", field="num_kv_blocks", config=huge)
     assert "do not fit" in str(error)
 

@@ -40,6 +40,7 @@ from schedspec.spec.rules import (  # noqa: E402
     GROUP_RULES,
     IN_FLIGHT_RULES,
     LIMIT_RULES,
+    PUBLICATION_RULES,
     REMOTE_KV_RULES,
     RULE_NAMES,
     violated_rules,
@@ -249,6 +250,8 @@ def test_rule_registry_matches_the_encoding():
     not_encoded += GROUP_RULES
     # nor the remote KV loads' rules (tests/test_remote_kv.py): with no request offering a load they find nothing
     not_encoded += REMOTE_KV_RULES
+    # nor SGLang's de-duplication at publication (tests/test_prefix_dedup.py): a plan without one meets it
+    not_encoded += PUBLICATION_RULES
     # nor the per-step limits' rules (tests/test_limits.py): with their options off (the default) they constrain
     # nothing, and each only removes plans, so a proof over the encoded rules holds with them too
     assert set(LIMIT_RULES) <= set(RULE_NAMES)

@@ -39,6 +39,7 @@ from schedspec.spec.rules import (  # noqa: E402
     GROUP_RULES,
     IN_FLIGHT_RULES,
     LIMIT_RULES,
+    PUBLICATION_RULES,
     REMOTE_KV_RULES,
     RULE_NAMES,
     violated_rules,
@@ -250,7 +251,7 @@ def test_the_encoding_has_every_rule():
     # synchronous engines only (no rule of a step in flight), and not the per-step limits' (tests/test_limits.py):
     # off by default they constrain nothing, and each only removes plans, so a proof over the encoded rules holds
     assert set(prefix.PREFIX_RULE_ORDER) == (set(RULE_NAMES) - set(IN_FLIGHT_RULES) - set(LIMIT_RULES) - set(GROUP_RULES)
-                                             - set(REMOTE_KV_RULES))
+                                             - set(REMOTE_KV_RULES) - set(PUBLICATION_RULES))
 
 
 def test_the_grid_reaches_hits_evictions_and_releases_to_the_evictable_pool():

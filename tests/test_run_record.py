@@ -47,9 +47,10 @@ def test_the_record_carries_every_condition(saved):
                                     "length_scale": 1.0}
     # the speculative-decoding fields are written only when on (SchedulerConfig.to_dict), so a run without
     # speculative decoding keeps the record it had before they existed
-    # (kv_cache_groups too: written only when set, SchedulerConfig.to_dict)
+    # (kv_cache_groups and prefix_cache_publication too: written only when not at their defaults,
+    # SchedulerConfig.to_dict)
     assert set(conditions["config"]) == ({f.name for f in attrs.fields(SchedulerConfig)} - set(SPECULATIVE_FIELDS)
-                                         - set(LIMIT_DEFAULTS) - {"kv_cache_groups"})
+                                         - set(LIMIT_DEFAULTS) - {"kv_cache_groups", "prefix_cache_publication"})
     assert conditions["scheduler"] == "fcfs"
     assert conditions["cost_profile"]["name"] == "llama3-8b-a100-80gb"
     assert conditions["cost_profile"]["a_s_per_step"] > 0
