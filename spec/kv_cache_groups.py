@@ -57,6 +57,7 @@ from schedspec.spec.prefix_cache import (
     group_cache_key,
     max_hit_blocks,
     request_block_hash,
+    request_block_hashes,
 )
 from schedspec.spec.request import Request
 
@@ -281,9 +282,10 @@ def longest_group_hit(cache: PrefixCache, request: Request, config: SchedulerCon
     for index in range(limit):
         parent = request_block_hash(request, index, parent, size)
         hashes.append(parent)
-        if full == index and all(cache.cached_block(group_cache_key(parent, g), excluded) is not None
-                                 for g, group in enumerate(groups) if group.sliding_window is None):
-            full = index + 1
+        if not all(cache.cached_block(group_cache_key(parent, g), excluded) is not None
+                   for g, group in enumerate(groups) if group.sliding_window is None):
+            break  # no hit reaches past here: the rest of the prompt is not hashed (a hot path of the references)
+        full = index + 1
     for num_blocks in range(full, 0, -1):
         tables = [group_holds_prefix(cache, hashes, g, group, num_blocks, size, excluded)
                   for g, group in enumerate(groups)]
@@ -308,11 +310,7 @@ def group_hit_violation(cache: PrefixCache, request: Request, tables: tuple[tupl
     if num_blocks > max_hit_blocks(request, size):
         return (f"hit of {num_blocks} blocks, but at most {max_hit_blocks(request, size)} may hit so that one of its "
                 f"{request.num_tokens} tokens is computed")
-    parent = ROOT_HASH
-    hashes = []
-    for index in range(num_blocks):
-        parent = request_block_hash(request, index, parent, size)
-        hashes.append(parent)
+    hashes = request_block_hashes(request, num_blocks, size)
     for g, (group, table) in enumerate(zip(groups, tables, strict=True)):
         needed = hit_blocks_needed(group, num_blocks, size)
         for index, block_id in enumerate(table):

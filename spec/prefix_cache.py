@@ -108,6 +108,18 @@ def block_hash(parent: str, token_ids: Sequence[int] | np.ndarray) -> str:
     return digest.hexdigest()
 
 
+def request_block_hashes(request: Request, num_blocks: int, block_size: int) -> list[str]:
+    """The chained hashes of the request's first ``num_blocks`` blocks (:func:`request_block_hash` from
+    :data:`ROOT_HASH`), in order: the one definition of "the hashes of a request's prefix" that the hit and
+    publication checks of KV cache groups and SGLang's de-duplication read."""
+    hashes: list[str] = []
+    parent = ROOT_HASH
+    for index in range(num_blocks):
+        parent = request_block_hash(request, index, parent, block_size)
+        hashes.append(parent)
+    return hashes
+
+
 def request_block_hash(request: Request, index: int, parent: str, block_size: int) -> str:
     """The hash of block ``index`` of the request's sequence (prompt plus output), given its parent's:
     ``block_hash(parent, token ids of positions [index * block_size, (index + 1) * block_size))``, with the

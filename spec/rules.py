@@ -31,7 +31,13 @@ from schedspec.spec.kv_cache_groups import (
     num_skipped_blocks,
     window_frees,
 )
-from schedspec.spec.prefix_cache import ROOT_HASH, max_hit_blocks, publishes_at_step, request_block_hash
+from schedspec.spec.prefix_cache import (
+    ROOT_HASH,
+    max_hit_blocks,
+    publishes_at_step,
+    request_block_hash,
+    request_block_hashes,
+)
 from schedspec.spec.request import Request, RequestStatus, printable
 from schedspec.spec.state import (
     ScheduledRequest,
@@ -794,11 +800,7 @@ def _deduplicate_at_publication(state: SchedulerState, plan: StepPlan, config: S
             continue
         table = request.block_ids + item.cached_block_ids + item.new_block_ids
         full = min(_publication_end(request, item) // size, len(table))
-        hashes: list[str] = []
-        parent = ROOT_HASH
-        for index in range(full):
-            parent = request_block_hash(request, index, parent, size)
-            hashes.append(parent)
+        hashes = request_block_hashes(request, full, size)
         seen: set[int] = set()
         for own, cached in item.deduplicated_block_ids:
             index = table.index(own) if own in table else -1
