@@ -1122,7 +1122,8 @@ def _run_one(name: str, scheduler: str, config: SchedulerConfig, window: list, t
             fail(str(error))
         except EngineFault as error:
             # The engine under test crashed inside its own code: a finding, reported as a failed check.
-            console.print(Text.assemble(("ENGINE CRASH", "red"), " ", one_line(error)))
+            # one line whatever the terminal's width (soft_wrap: rich would wrap a long message, e.g. a long path)
+            console.print(Text.assemble(("ENGINE CRASH", "red"), " ", one_line(error)), soft_wrap=True)
             console.print("Stopped: the engine raised; see docs/findings for known engine faults.")
             sys.exit(EXIT_CHECK_FAILED)
         except ViolationFound as error:
