@@ -76,7 +76,8 @@ tests_for() {
     # (and the three vllm-v1/static stateful cases and the CLI round trip, 41 s of its 52 s: a survivor paid
     # them all, minutes at load 10)
     prefix_cache) echo tests/test_prefix_cache.py tests/test_rules.py tests/test_invariants.py tests/test_incremental.py \
-                       tests/test_spec_mutants.py "${SLOW_PREFIX[@]}" \
+                       tests/test_spec_mutants.py tests/test_prefix_groups.py tests/test_prefix_dedup.py \
+                       tests/test_mutants_prefix_cache.py "${SLOW_PREFIX[@]}" \
                        "$([ "${MUTMUT_FULL:-0}" = 1 ] && echo tests/test_checker.py || echo \
                           --deselect tests/test_prefix_cache.py::test_policy_refines_spec_with_prefix_caching \
                           --deselect tests/test_prefix_cache.py::test_caching_trace_round_trips_through_schedspec_check)" ;;

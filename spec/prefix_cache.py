@@ -93,7 +93,7 @@ def group_cache_key(hash_value: str, group: int) -> str:
 
 def block_hash(parent: str, token_ids: Sequence[int] | np.ndarray) -> str:
     """The hash of one full block: blake2b (16-byte digest) over the parent block's hash and the block's
-    token ids as little-endian int64, as a 32-character hex string.
+    token ids as little-endian int64 (whatever integer type holds them), as a 32-character hex string.
 
     Args:
         parent: the hash of the block before it in the request's sequence, :data:`ROOT_HASH` for block 0.
@@ -102,7 +102,7 @@ def block_hash(parent: str, token_ids: Sequence[int] | np.ndarray) -> str:
     Source: vLLM 0.32 ``kv_cache_utils.py`` ``hash_block_tokens(hash_function, parent_block_hash,
     curr_block_token_ids)`` (chained; differences in the module docstring).
     """
-    digest = hashlib.blake2b(parent.encode("ascii"), digest_size=16)
+    digest = hashlib.blake2b(parent.encode(), digest_size=16)  # a hash is hex (plus "|lora:<id>"): ASCII
     digest.update(b"|")
     digest.update(np.asarray(token_ids, dtype="<i8").tobytes())
     return digest.hexdigest()
@@ -269,56 +269,57 @@ class CacheUpdate:
     def __init__(self, cache: PrefixCache, free: Sequence[int]) -> None:
         self.free: list[int] = list(free)
         self.cache = cache
-        # copied on first write (_write_hashes, _write_counts): most steps change no hash
+        # the source cache's own mappings until the first write copies them (_write_hashes, _write_counts: most
+        # steps change no hash); a mapping that is not ``self.cache``'s is this update's copy
         self.block_hashes: Mapping[int, str] = cache.block_hashes
         self.hash_to_blocks: Mapping[str, tuple[int, ...]] = cache.hash_to_blocks
         self.ref_counts: Mapping[int, int] = cache.ref_counts
-        self._hashes_copied = self._counts_copied = False
         self._counted: set[int] = set()
         self._hashed: set[int] = set()
         self._listed: set[str] = set()
         self.evicted: list[int] = []
 
     def _write_hashes(self) -> tuple[dict[int, str], dict[str, tuple[int, ...]]]:
-        if not self._hashes_copied:  # .copy(): a dict's (or a mappingproxy's dict's) fast copy
+        if self.block_hashes is self.cache.block_hashes:  # .copy(): a dict's (or a mappingproxy's dict's) fast copy
             self.block_hashes, self.hash_to_blocks = self.block_hashes.copy(), self.hash_to_blocks.copy()  # type: ignore[attr-defined]
-            self._hashes_copied = True
         return self.block_hashes, self.hash_to_blocks  # type: ignore[return-value]
 
     def _write_counts(self) -> dict[int, int]:
-        if not self._counts_copied:
+        if self.ref_counts is self.cache.ref_counts:
             self.ref_counts = self.ref_counts.copy()  # type: ignore[attr-defined]
-            self._counts_copied = True
         return self.ref_counts  # type: ignore[return-value]
 
     # The only writers of the working copy's mappings: each logs its key (CacheChanges).
 
     def _set_count(self, block_id: int, count: int) -> None:
-        """Block ``block_id``'s reference count becomes ``count`` (no entry for 0)."""
+        """Block ``block_id``'s reference count becomes ``count`` (no entry for 0: a count reaches 0 only from 1,
+        :meth:`free_blocks`)."""
         counts = self._write_counts()
         self._counted.add(block_id)
         if count > 0:
             counts[block_id] = count
         else:
-            counts.pop(block_id, None)
+            del counts[block_id]
 
     def _set_hash(self, block_id: int, value: str | None) -> None:
-        """Block ``block_id``'s hash becomes ``value`` (``None``: no hash)."""
+        """Block ``block_id``'s hash becomes ``value`` (``None``: no hash; only :meth:`_evict`, for a block that has
+        one)."""
         block_hashes, _ = self._write_hashes()
         self._hashed.add(block_id)
         if value is None:
-            block_hashes.pop(block_id, None)
+            del block_hashes[block_id]
         else:
             block_hashes[block_id] = value
 
     def _set_listed(self, value: str, blocks: tuple[int, ...]) -> None:
-        """The hash map lists ``blocks`` under ``value`` (no entry when empty)."""
+        """The hash map lists ``blocks`` under ``value`` (no entry when empty; emptied only by :meth:`_evict`, for
+        the hash its block is listed under)."""
         _, hash_to_blocks = self._write_hashes()
         self._listed.add(value)
         if blocks:
             hash_to_blocks[value] = blocks
         else:
-            hash_to_blocks.pop(value, None)
+            del hash_to_blocks[value]
 
     def clone(self) -> CacheUpdate:
         """An independent copy (a policy trying a choice out)."""
@@ -354,13 +355,17 @@ class CacheUpdate:
         """Blocks are given back in this order (the first evicted first): each block's count drops by one;
         those reaching 0 without a hash go to the front of the free queue (in this order), those with a hash to
         the back (in this order); :data:`NULL_BLOCK` entries are skipped. vLLM ``BlockPool.free_blocks``
-        (``prepend_n`` / ``append_n``)."""
+        (``prepend_n`` / ``append_n``).
+
+        Raises:
+            KeyError: a block held by no table (count 0): the spec gives back only the blocks of live tables, whose
+                counts are at least 1 (invariant ``prefix-ref-counts``)."""
         front: list[int] = []
         back: list[int] = []
         for block_id in ordered:
             if block_id == NULL_BLOCK:
                 continue
-            count = self.ref_counts.get(block_id, 0) - 1
+            count = self.ref_counts[block_id] - 1
             self._set_count(block_id, count)
             if count > 0:
                 continue
@@ -407,7 +412,7 @@ class CacheUpdate:
             return
         self._set_hash(block_id, None)
         self.evicted.append(block_id)
-        self._set_listed(old, tuple(b for b in self.hash_to_blocks.get(old, ()) if b != block_id))
+        self._set_listed(old, tuple(b for b in self.hash_to_blocks[old] if b != block_id))
 
     def publish(self, request: Request, table: Sequence[int], num_computed_tokens: int, block_size: int,
                 group: int = 0, replaced: dict[int, int] | None = None) -> tuple[int, ...]:
@@ -466,18 +471,20 @@ class CacheUpdate:
     def freeze_cache(self) -> PrefixCache:
         """The cache as it is now (the source cache itself when nothing changed). Later edits of this update
         copy again, so the value returned never changes."""
-        if not (self._hashes_copied or self._counts_copied):
+        hashes_copied = self.block_hashes is not self.cache.block_hashes
+        counts_copied = self.ref_counts is not self.cache.ref_counts
+        if not (hashes_copied or counts_copied):
             return self.cache
-        hashes = MappingProxyType(self.block_hashes) if self._hashes_copied else self.block_hashes
-        by_hash = MappingProxyType(self.hash_to_blocks) if self._hashes_copied else self.hash_to_blocks
-        counts = MappingProxyType(self.ref_counts) if self._counts_copied else self.ref_counts
+        if hashes_copied:  # read-only views of the copies; the new cache's own mappings, so the next write copies
+            self.block_hashes = MappingProxyType(self.block_hashes)
+            self.hash_to_blocks = MappingProxyType(self.hash_to_blocks)
+        if counts_copied:
+            self.ref_counts = MappingProxyType(self.ref_counts)
         changes = CacheChanges(weakref.ref(self.cache), frozenset(self._hashed), frozenset(self._listed),
                                frozenset(self._counted))
         self._hashed, self._listed, self._counted = set(), set(), set()
-        self.cache = PrefixCache(hashes, by_hash, counts)
+        self.cache = PrefixCache(self.block_hashes, self.hash_to_blocks, self.ref_counts)
         object.__setattr__(self.cache, "changes", changes)  # the only writer of the log (class docstring)
-        self._hashes_copied = self._counts_copied = False
-        self.block_hashes, self.hash_to_blocks, self.ref_counts = hashes, by_hash, counts
         return self.cache
 
     def freeze(self) -> tuple[PrefixCache, tuple[int, ...]]:
