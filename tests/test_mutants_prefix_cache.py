@@ -165,3 +165,34 @@ def test_sglang_publishes_a_prefill_chunk_at_its_step_and_a_decode_at_the_finish
                              output_token_ids=outputs, num_computed_tokens=computed)
     assert publishes_at_step(request, SGLANG) is publishes
     assert publishes_at_step(request, CONFIG) is True
+
+
+def test_a_group_table_publishes_its_full_blocks_after_its_null_entries() -> None:
+    """``CacheUpdate.publish`` for a group past 0 (``continue`` turned into ``break`` at a null or already
+    published entry): a sliding window's table starts with :data:`NULL_BLOCK` entries (blocks the window freed)
+    and may start with blocks a hit reused; every full block after them still gets its hash, under the group's
+    key (``<hash>@<group>``, vLLM ``BlockHashWithGroupId``), so a later request can hit it in that group."""
+    prompt = tuple(range(500, 517))  # 17 tokens: 4 full blocks of 4
+    request = Request("w", 0, prompt, max_tokens=1)
+    chain = [_blake(ROOT_HASH, list(prompt[:4]))]
+    for index in (1, 2, 3):
+        chain.append(_blake(chain[-1], list(prompt[4 * index:4 * index + 4])))
+    update = CacheUpdate(PrefixCache(), (4, 5, 6))
+    update.take((4, 5, 6))
+    update.publish(request, (NULL_BLOCK, 4, 5), 12, 4, group=1)
+    assert dict(update.block_hashes) == {4: f"{chain[1]}@1", 5: f"{chain[2]}@1"}
+    update.publish(request, (NULL_BLOCK, 4, 5, 6), 16, 4, group=1)  # 4 and 5 published already: 6 still is
+    assert update.block_hashes[6] == f"{chain[3]}@1" and update.hash_to_blocks[f"{chain[3]}@1"] == (6,)
+
+
+def test_a_deduplication_onto_other_tokens_names_both_blocks() -> None:
+    """``CacheUpdate.publish``'s error (its message replaced by ``None``): a de-duplication whose cached block does
+    not carry the hash of the block it replaces is refused with a message naming the request's own block and the
+    cached block (the two numbers a user needs to find the faulty record; the checker reports it as a plan the
+    spec cannot apply)."""
+    request = Request("d", 0, tuple(range(600, 609)), max_tokens=1)
+    other = _blake(ROOT_HASH, [1, 2, 3, 4])  # block 7 caches other tokens
+    update = CacheUpdate(PrefixCache({7: other}, {other: (7,)}, {}), (3, 7))
+    update.take((3,))
+    with pytest.raises(ValueError, match=r"\b3\b.*\b7\b"):
+        update.publish(request, (3,), 4, 4, replaced={3: 7})
