@@ -1,0 +1,255 @@
+"""Tests that kill the mutants mutmut found surviving in spec/properties.py (issue 28, docs/testing.md
+"Mutation score"): each asserts a property's verdict (or the verdict of the pieces it is made of:
+``TransfersInFlight``, ``free_at_plan``, ``whole_sequence_need``) on hand-made states whose blocks are
+counted by hand here, at the boundaries the statement names. Each test names the mutants it was written for
+(``scripts/mutmut.sh`` names, ``x_FUNCTION__mutmut_N`` or ``xǁClassǁmethod__mutmut_N``).
+
+Block counts below: block_size 4, so a sequence of n tokens needs ceil(n / 4) blocks."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+
+from schedspec.spec.config import SchedulerConfig
+from schedspec.spec.properties import TransfersInFlight, free_at_plan, whole_sequence_need
+from schedspec.spec.request import Request, RequestStatus
+from schedspec.spec.state import (
+    DelayedFree,
+    KVLoad,
+    KVTransferOutput,
+    ScheduledRequest,
+    SchedulerState,
+    StepPlan,
+)
+from schedspec.spec.transitions import abort_request, add_request, apply_plan
+
+CONFIG = SchedulerConfig(block_size=4, num_kv_blocks=8, max_num_batched_tokens=16, max_num_seqs=4, max_model_len=32)
+WFRK = RequestStatus.WAITING_FOR_REMOTE_KVS
+
+
+def fresh(request_id: str, tokens: int, **changes) -> Request:
+    """A waiting request with a prompt of ``tokens`` tokens."""
+    return attrs.evolve(Request(request_id, 0, tuple(range(100, 100 + tokens)), max_tokens=3), **changes)
+
+
+def loading(request_id: str, blocks: tuple[int, ...]) -> Request:
+    """A request whose remote KV load of 8 tokens into ``blocks`` is in flight (WAITING_FOR_REMOTE_KVS)."""
+    return fresh(request_id, 10, num_external_computed_tokens=8, status=WFRK, kv_load_step=0, block_ids=blocks,
+                 num_computed_tokens=8)
+
+
+def landed(request_id: str, tokens: int, blocks: tuple[int, ...]) -> Request:
+    """A waiting request whose remote KV load into ``blocks`` landed, never admitted since (holds loaded KV)."""
+    return fresh(request_id, tokens, num_external_computed_tokens=4 * len(blocks), kv_load_step=0, block_ids=blocks,
+                 num_computed_tokens=4 * len(blocks))
+
+
+def running(request_id: str, computed: int, blocks: tuple[int, ...]) -> Request:
+    """A running prefill of 20 prompt tokens with ``computed`` of them computed."""
+    return fresh(request_id, 20, status=RequestStatus.RUNNING, num_computed_tokens=computed, block_ids=blocks,
+                 admitted_step=0)
+
+
+def state_of(waiting: tuple[Request, ...] = (), running_: tuple[Request, ...] = (), free: int = 0,
+             delayed: dict[str, DelayedFree] | None = None) -> SchedulerState:
+    """A state at step 1 with ``free`` free blocks (ids 50..), the requests in the queues as given."""
+    requests = {r.request_id: r for r in waiting + running_}
+    return SchedulerState(step=1, waiting=tuple(r.request_id for r in waiting),
+                          running=tuple(r.request_id for r in running_), requests=requests,
+                          free_block_ids=tuple(range(50, 50 + free)), num_requests_added=len(requests),
+                          delayed_frees=delayed or {})
+
+
+NOTHING = StepPlan()
+"""A plan that schedules, preempts, rejects and loads nothing."""
+
+
+def holds_back(state: SchedulerState, plan: StepPlan = NOTHING) -> bool:
+    return TransfersInFlight(CONFIG).holds_back(state, plan)
+
+
+# --- TransfersInFlight.during ------------------------------------------------------------------------
+
+
+def test_during_follows_a_load_from_its_start_until_it_lands() -> None:
+    """``during`` is true for the step that starts a load, each step it is in flight, and the step whose report
+    lands it; false from the next step on, and on a run that never had a transfer. Kills the mutants of
+    ``xǁTransfersInFlightǁduring`` that lose the load between steps (``loading`` not kept, or not
+    followed: ``or`` made ``and``, the status compared wrong) or keep it after it landed."""
+    config = CONFIG
+    start = add_request(SchedulerState.initial(config), fresh("r", 10, num_external_computed_tokens=8))
+    load = StepPlan(loads=(KVLoad("r", 8, (0, 1)),))
+    inflight = apply_plan(start, load, {}, config).state
+    still = apply_plan(inflight, StepPlan(), {}, config).state
+    done = apply_plan(still, StepPlan(), {}, config, transfers=KVTransferOutput(finished_recving=("r",))).state
+    after = apply_plan(done, StepPlan(), {}, config).state
+    assert done.requests["r"].status is RequestStatus.WAITING
+
+    transfers = TransfersInFlight(config)
+    assert not transfers.during(SchedulerState.initial(config), StepPlan(), SchedulerState.initial(config))
+    assert transfers.during(start, load, inflight) and transfers.loading == {"r"}
+    assert transfers.during(inflight, StepPlan(), still) and transfers.loading == {"r"}
+    assert transfers.during(still, StepPlan(), done) and transfers.loading == set()
+    assert not transfers.during(done, StepPlan(), after)
+
+
+def test_during_drops_an_aborted_load_and_follows_its_delayed_free() -> None:
+    """A load aborted in flight leaves the live requests (its blocks wait in ``delayed_frees`` until the load
+    lands): ``during`` stops following the request and is true while ``delayed_frees`` holds blocks. Kills the
+    mutants of ``during`` that keep an id no longer live, or forget ``before.delayed_frees``."""
+    config = CONFIG
+    start = add_request(SchedulerState.initial(config), fresh("r", 10, num_external_computed_tokens=8))
+    load = StepPlan(loads=(KVLoad("r", 8, (0, 1)),))
+    inflight = apply_plan(start, load, {}, config).state
+    aborted = abort_request(inflight, "r")
+    assert "r" in aborted.delayed_frees
+    transfers = TransfersInFlight(config)
+    transfers.during(start, load, inflight)
+    assert transfers.during(inflight, StepPlan(), aborted) and transfers.loading == set()
+    assert transfers.during(aborted, StepPlan(), aborted)
+
+
+# --- TransfersInFlight.holds_back ----------------------------------------------------------------------
+
+
+def test_every_live_request_waiting_on_its_own_load_or_grammar_holds_the_step_back() -> None:
+    """Case (a): the only live request waits on its load (in flight, or started by the plan), or the others
+    wait on their grammar: held back. A request whose load the plan does not start is work (held back only if
+    blocks are held, none here). Kills ``holds_back``'s mutants of (a): the plan's loads not counted, the
+    grammar test inverted or ``all`` made of the wrong test."""
+    r = fresh("r", 10, num_external_computed_tokens=8)
+    assert holds_back(state_of((loading("r", (0, 1)),), free=6))
+    assert holds_back(state_of((r,), free=8), StepPlan(loads=(KVLoad("r", 8, (50, 51)),)))
+    assert not holds_back(state_of((r,), free=8))
+    compiling = fresh("g", 4, grammar_ready_step=5)  # not ready at step 1
+    assert holds_back(state_of((loading("r", (0, 1)), compiling), free=6))
+    assert not holds_back(state_of((loading("r", (0, 1)), fresh("g", 4)), free=6))
+
+
+@pytest.mark.parametrize(("free", "tokens", "held_back"), [
+    (1, 4, False),   # needs 1 block, 1 free: it fits
+    (1, 5, True),    # needs 2 > 1 free, <= 1 + 2 held by the load
+    (1, 12, True),   # needs 3 = 1 free + 2 held
+    (1, 13, False),  # needs 4 > 1 + 2: the load is not what keeps it out
+    (2, 8, False),   # needs 2, 2 free
+    (2, 9, True),    # needs 3 > 2, <= 4
+])
+def test_a_head_the_blocks_of_a_load_keep_out_holds_the_step_back(free: int, tokens: int, held_back: bool) -> None:
+    """Case (b): ``o`` (``tokens`` prompt tokens, its whole sequence ceil(tokens / 4) blocks) heads the queue
+    behind ``r``, whose load in flight holds 2 blocks: held back exactly when o needs more than the free blocks
+    and no more than those plus 2. Kills ``holds_back``'s comparison and ``held`` mutants of case (b)."""
+    state = state_of((loading("r", (0, 1)), fresh("o", tokens)), free=free)
+    assert holds_back(state) is held_back
+
+
+def test_the_blocks_held_count_delayed_frees_and_the_loads_the_plan_starts() -> None:
+    """``held`` sums the blocks of ``delayed_frees`` (an ended request's send), of loads in flight and of loads
+    the plan starts: with each alone holding 2 blocks and the head ``o`` needing 3 with 1 free (at plan
+    time), the step is held back; with a send of 1 block it is not (3 > 1 + 1). Kills the mutants that drop or
+    miscount one term of ``held``, or return before (b) with blocks held."""
+    o = fresh("o", 12)  # 3 blocks
+    assert holds_back(state_of((o,), free=1, delayed={"d": DelayedFree((0, 1), "sending")}))
+    assert not holds_back(state_of((o,), free=1, delayed={"d": DelayedFree((0,), "sending")}))
+    r = fresh("r", 10, num_external_computed_tokens=8)
+    assert holds_back(state_of((r, o), free=3), StepPlan(loads=(KVLoad("r", 8, (50, 51)),)))  # 1 free at plan
+    assert not holds_back(state_of((r, o), free=5), StepPlan(loads=(KVLoad("r", 8, (50, 51)),)))  # 3 at plan: fits
+
+
+def test_the_head_is_the_first_request_left_waiting_that_could_be_admitted() -> None:
+    """The head (b) judges: the queue in ``holding_first`` order, past requests loading, admitted by the plan,
+    rejected by it, or whose grammar is not ready. Here each request passed over needs 1 block (it would fit
+    in the 2 free) and ``h`` needs 3 (2 < 3 <= 2 + 2 held by ``r``'s load): held back only when h is the head.
+    Kills the mutants that take a passed-over request as the head (each skip's test inverted or dropped)."""
+    r = loading("r", (0, 1))
+    grammar = fresh("g", 4, grammar_ready_step=5)
+    rejected = fresh("x", 4)
+    admitted = fresh("s", 4)
+    h = fresh("h", 12)
+    state = state_of((r, grammar, rejected, admitted, h), free=3)
+    plan = StepPlan(scheduled=(ScheduledRequest("s", 0, 4, (50,)),), rejected=(("x", "prompt-too-long"),))
+    assert holds_back(state, plan)  # 3 free - 1 for s = 2 < 3 <= 4
+    assert not holds_back(attrs.evolve(state, waiting=("r", "g", "x", "s", "h"),
+                                       requests={**state.requests, "g": fresh("g", 4)}), plan)
+
+
+def test_a_request_holding_loaded_blocks_heads_the_queue() -> None:
+    """A request whose load landed (``l``, 10 tokens holding 2 of its 3 blocks: it needs 1 more) comes first
+    (vLLM drains ``kv_holding_waiting`` first) though it is behind ``o`` (3 blocks) in the queue: it fits in the
+    1 free block, so the step is not held back; judged in queue order ``o`` would be (1 < 3 <= 1 + 2 held by
+    a send). Kills the mutants that judge the queue in its own order or count a landed request's need without
+    the blocks it holds."""
+    state = state_of((fresh("o", 12), landed("l", 10, (2, 3))), free=1, delayed={"d": DelayedFree((0, 1), "sending")})
+    assert not holds_back(state)
+    assert holds_back(attrs.evolve(state, requests={**state.requests, "l": fresh("l", 4)}))
+
+
+@pytest.mark.parametrize(("free", "computed", "held_back"), [
+    (0, 4, True),    # o needs 1 block for its next position (5 tokens in 2 blocks), 0 free, 2 held
+    (1, 4, False),   # 1 free: it had a block
+    (0, 3, False),   # its next position (4 tokens) fits its 1 block: no need
+])
+def test_leaving_a_running_request_out_is_excused_only_when_the_loads_blocks_are_what_it_lacks(
+        free: int, computed: int, held_back: bool) -> None:
+    """Case (c): the plan leaves running ``o`` out (or preempts it) while ``r``'s load holds 2 blocks: held back
+    exactly when the running requests need more blocks for one more position each than are free, and no more
+    than those plus the 2 held. Kills the mutants of (c)'s demand (``+ 1`` changed, ``max`` changed) and
+    comparison."""
+    state = state_of((loading("r", (0, 1)),), (running("o", computed, (2,)),), free=free)
+    assert holds_back(state) is held_back
+    assert holds_back(state, StepPlan(preempted=("o",))) is held_back
+
+
+def test_the_demand_of_the_running_counts_only_the_requests_short_of_blocks() -> None:
+    """(c) adds up what each running request lacks, never less than 0: ``p`` holds 3 blocks for 4 computed
+    tokens (2 more than it needs) and ``o`` lacks 1; with 0 free and 1 held the demand is 1: held back; a demand
+    taken as 1 - 2 or 2 + 1 would not be. And a demand above free + held is not the load's doing: three
+    requests lacking 1 each with 2 held. Kills ``max(0, ...)``'s mutants and (c)'s upper bound."""
+    state = state_of((loading("r", (0,)),), (running("p", 4, (2, 3, 4)), running("o", 4, (5,))), free=0)
+    assert holds_back(state)
+    three = state_of((loading("r", (0, 1)),), (running("o", 4, (2,)), running("p", 4, (3,)), running("q", 4, (4,))),
+                     free=0)
+    assert not holds_back(three)
+
+
+def test_a_plan_that_schedules_every_running_request_is_judged_by_its_head() -> None:
+    """With every running request scheduled, (c) does not apply: the step is judged by the head (b). ``o``
+    runs and is scheduled; ``w`` waits needing 3 blocks with 1 free at plan time and 2 held: held back.
+    And a plan that leaves ``o`` out with a block free for it is not held back, though its head is (a running
+    request left out may have been the work). Kills the mutants of the test that picks (c)."""
+    o = running("o", 4, (2,))
+    state = state_of((loading("r", (0, 1)), fresh("w", 12)), (o,), free=2)
+    assert holds_back(state, StepPlan(scheduled=(ScheduledRequest("o", 4, 4, (50,)),)))
+    assert not holds_back(state)
+
+
+# --- free_at_plan and whole_sequence_need ----------------------------------------------------------------
+
+GROUPS = SchedulerConfig(block_size=4, num_kv_blocks=40, max_num_batched_tokens=16, max_num_seqs=4, max_model_len=32,
+                         kv_cache_groups=({"kind": "full_attention"}, {"kind": "sliding_window", "sliding_window": 4}))
+
+
+def test_whole_sequence_need_counts_every_group_and_the_lookahead_less_the_blocks_held() -> None:
+    """10 tokens need 3 blocks per group: 3 alone, 6 with two KV cache groups, 1 for a request holding 2
+    (a landed load), and with 3 lookahead tokens (speculative decoding) 13 tokens: 4 blocks. Kills the mutants
+    of ``x_whole_sequence_need`` (a group count, the lookahead, the held blocks)."""
+    request = fresh("o", 10)
+    assert whole_sequence_need(request, CONFIG) == 3
+    assert whole_sequence_need(request, GROUPS) == 6
+    assert whole_sequence_need(landed("l", 10, (0, 1)), CONFIG) == 1
+    speculative = attrs.evolve(CONFIG, num_speculative_tokens=3, num_lookahead_tokens=3)
+    assert whole_sequence_need(request, speculative) == 4
+
+
+def test_free_at_plan_takes_the_plans_blocks_and_gives_back_the_windows() -> None:
+    """Free blocks at plan time (no prefix caching): 10 free, less 2 new blocks of group 0 and 1 of group 1
+    for ``a``, less 2 of ``r``'s load, plus the 2 blocks ``a``'s window frees: 7. Without KV cache groups the
+    group terms are absent: 10 - 2 - 2 = 6. Kills the mutants of ``x_free_at_plan`` on the groups' and the
+    loads' terms."""
+    a = attrs.evolve(running("a", 8, (0, 1)), group_block_ids=((2, 3),))
+    state = state_of((fresh("r", 10, num_external_computed_tokens=8),), (a,), free=10)
+    item = ScheduledRequest("a", 8, 8, (50, 51), group_new_block_ids=((52,),), skipped_block_ids=(2, 3))
+    plan = StepPlan(scheduled=(item,), loads=(KVLoad("r", 8, (53, 54)),))
+    assert free_at_plan(state, plan, GROUPS) == 10 - 2 - 1 - 2 + 2
+    plain = StepPlan(scheduled=(ScheduledRequest("a", 8, 8, (50, 51)),), loads=(KVLoad("r", 8, (53, 54)),))
+    assert free_at_plan(state, plain, CONFIG) == 10 - 2 - 2
