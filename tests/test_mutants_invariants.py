@@ -171,3 +171,68 @@ def test_blocks_held_for_a_transfer_belong_to_an_ended_request_and_are_some() ->
         ("a", "1 blocks held for the transfer of a request that has not ended"),
         ("d", "held for its transfer with no block"),
     ]
+
+
+WINDOW = SchedulerConfig(block_size=2, num_kv_blocks=16, max_num_batched_tokens=16, max_num_seqs=4, max_model_len=32,
+                         kv_cache_groups=({"kind": "full_attention"}, {"kind": "sliding_window", "sliding_window": 4}))
+"""Block size 2, full attention and a sliding window of 4 tokens: at 8 computed tokens the window's next token
+(position 8) no longer sees table indices 0 and 1 ((8 - 4 + 1) // 2 = 2), and still sees index 2 on."""
+
+
+def test_a_window_must_hold_what_it_sees_and_a_table_past_the_groups_is_named() -> None:
+    """``window-sees-held`` over three running ids: ``ghost`` (not a live request) is passed over; ``x`` holds
+    a table for a third group with two configured: named once, and its other tables are not judged past it;
+    ``a``'s window freed index 2, which the token at position 8 still sees. Kills
+    ``x_window_sees_held__mutmut_5`` (``continue`` made ``break`` at the unknown id), ``_8`` (``>=`` made
+    ``>``: the third table indexed a group that does not exist, IndexError) and ``_9`` (``break`` made
+    ``return``: a was not judged after x)."""
+    from schedspec.spec.kv_cache_groups import NULL_BLOCK
+
+    x = running("x", 8, (0, 1, 2, 3), ((NULL_BLOCK, NULL_BLOCK, 4, 5), (6,)))
+    a = running("a", 8, (7, 8, 9, 10), ((NULL_BLOCK, NULL_BLOCK, NULL_BLOCK, 11),))
+    state = SchedulerState(step=1, running=("ghost", "x", "a"), requests={"x": x, "a": a},
+                           free_block_ids=(12, 13, 14, 15), num_requests_added=2)
+    assert breaches("window-sees-held", state, WINDOW) == [
+        ("x", "holds a table for group 2, but 2 groups are configured"),
+        ("a", "group 1: table index 2 was freed, but the window of the token at position 8 still sees it"),
+    ]
+
+
+def cached_window_state() -> SchedulerState:
+    """Prefix caching with the two groups of ``WINDOW``: after step 0, ``a`` computed its 8-token prompt in
+    group 0's blocks 0..3 and the window's 4..7, all published (each group's under its own key)."""
+    from schedspec.spec.state import ScheduledRequest, StepPlan
+    from schedspec.spec.transitions import add_request, apply_plan
+
+    config = attrs.evolve(WINDOW, enable_prefix_caching=True)
+    state = add_request(SchedulerState.initial(config), Request("a", 0, tuple(range(10, 18)), max_tokens=4))
+    plan = StepPlan(scheduled=(ScheduledRequest("a", 0, 8, (0, 1, 2, 3), group_new_block_ids=((4, 5, 6, 7),)),))
+    state = apply_plan(state, plan, {"a": 21}, config).state
+    assert check_state(state, config) == []
+    return state
+
+
+def test_a_groups_cached_blocks_are_judged_under_that_groups_key() -> None:
+    """``prefix-published-computed`` with KV cache groups: the window group's blocks, published under group 1's
+    key (vLLM ``BlockHashWithGroupId``), pass; with two of them swapped in a's window table (block 5 at index 0)
+    the breach names a, the group, the block and its index. Kills
+    ``x_prefix_published_computed__mutmut_22, _23`` (the groups numbered from 0 or 2: every window block
+    under the wrong key), ``_24`` (the groups' breach dropped) and ``_25`` (no request given: TypeError)."""
+    state = cached_window_state()
+    config = attrs.evolve(WINDOW, enable_prefix_caching=True)
+    assert breaches("prefix-published-computed", state, config) == []
+    a = state.requests["a"]
+    swapped = attrs.evolve(state, requests={"a": attrs.evolve(a, group_block_ids=((5, 4, 6, 7),))})
+    assert breaches("prefix-published-computed", swapped, config) == [
+        ("a", "group 1: block 5 at index 0 is cached under another key than its tokens'")]
+
+
+def test_a_table_holding_a_block_twice_is_named() -> None:
+    """``prefix-ref-counts``: a's group 0 table holds block 2 twice (index 2 and 3): named with the table.
+    Kills ``x_prefix_ref_counts__mutmut_7`` (only null entries compared: the duplicate passed)."""
+    state = cached_window_state()
+    config = attrs.evolve(WINDOW, enable_prefix_caching=True)
+    a = state.requests["a"]
+    twice = attrs.evolve(state, requests={"a": attrs.evolve(a, block_ids=(0, 1, 2, 2))})
+    assert [b for b in breaches("prefix-ref-counts", twice, config) if b[0] == "a"] == [
+        ("a", "holds a block twice in its table [0, 1, 2, 2]")]
