@@ -12,7 +12,7 @@ import attrs
 import pytest
 
 from schedspec.spec.config import SchedulerConfig
-from schedspec.spec.properties import TransfersInFlight, free_at_plan, whole_sequence_need
+from schedspec.spec.properties import TransfersInFlight, free_at_plan, monitors, whole_sequence_need
 from schedspec.spec.request import Request, RequestStatus
 from schedspec.spec.state import (
     DelayedFree,
@@ -253,3 +253,130 @@ def test_free_at_plan_takes_the_plans_blocks_and_gives_back_the_windows() -> Non
     assert free_at_plan(state, plan, GROUPS) == 10 - 2 - 1 - 2 + 2
     plain = StepPlan(scheduled=(ScheduledRequest("a", 8, 8, (50, 51)),), loads=(KVLoad("r", 8, (53, 54)),))
     assert free_at_plan(state, plain, CONFIG) == 10 - 2 - 2
+
+
+# --- the monitors with a KV connector -------------------------------------------------------------------
+
+
+def violations(name: str, steps, config: SchedulerConfig = CONFIG) -> list[tuple[str, int, str | None, str]]:
+    """Run the monitor of property ``name`` over ``steps`` (``(before, plan, after)`` triples; the monitors read
+    only these, so a hand-made step may repeat a state at later step numbers); its violations as
+    ``(name, step, request_id, detail)``."""
+    (monitor,) = monitors([name], config)
+    last = None
+    for before, plan, after in steps:
+        monitor.observe(before, plan, after)
+        last = after
+    return [(v.name, v.step, v.request_id, v.detail) for v in monitor.finish(last)]
+
+
+def at(state: SchedulerState, step: int) -> SchedulerState:
+    return attrs.evolve(state, step=step)
+
+
+def stalled(before: SchedulerState, load: StepPlan, steps: int):
+    """Step 1 starts the load of ``load`` (``before`` -> ``before`` with ``r`` loading into blocks 0, 1), then
+    ``steps`` steps that do nothing while the load never lands."""
+    r = before.requests["r"]
+    after = attrs.evolve(before, requests={**before.requests, "r": attrs.evolve(
+        r, status=WFRK, kv_load_step=1, block_ids=(0, 1), num_computed_tokens=8)},
+        free_block_ids=before.free_block_ids[2:])
+    return [(at(before, 1), load, at(after, 2))] + [(at(after, k), NOTHING, at(after, k + 1)) for k in range(2, 2 + steps)]
+
+
+def _o_then_r(free: int, o_tokens: int) -> SchedulerState:
+    """``o`` (``o_tokens`` tokens) waits ahead of ``r``, whose connector offers 8 tokens; ``free`` blocks 0..."""
+    o, r = fresh("o", o_tokens), fresh("r", 10, num_external_computed_tokens=8, arrival_step=1)
+    return SchedulerState(step=1, waiting=("o", "r"), requests={"o": o, "r": r}, free_block_ids=tuple(range(free)),
+                          num_requests_added=2)
+
+
+LOAD_R = StepPlan(loads=(KVLoad("r", 8, (0, 1)),))
+
+
+@pytest.mark.parametrize(("name", "first"), [("progress", (32, None)), ("bounded-wait", (64, "o"))])
+def test_a_stall_is_excused_only_while_the_loads_blocks_keep_the_head_out(name: str, first: tuple) -> None:
+    """``o`` (5 tokens: 2 blocks) is never admitted during 70 steps while ``r``'s load holds 2 of 3 blocks: the
+    load holds the engine back (1 block free), no violation; with 4 blocks (2 free, o fits) the stall counts
+    and the property fails (``progress``: at step 32, its window of 32 steps; ``bounded-wait``: naming o, at
+    step 64, its bound of 32 steps doubled once a transfer was seen). Kills the mutants of ``xǁProgressǁobserve`` and
+    ``xǁBoundedWaitǁobserve`` that excuse every step a transfer is in flight or none."""
+    assert violations(name, stalled(_o_then_r(3, 5), LOAD_R, 70)) == []
+    assert violations(name, stalled(_o_then_r(4, 5), LOAD_R, 70))[0][1:3] == first
+
+
+def test_bounded_wait_doubles_its_bound_once_a_transfer_was_seen() -> None:
+    """With a transfer seen the bound is 2 * max_model_len = 64 steps: ``o`` starved 60 steps after the load
+    started passes, 70 steps fails, at the step 64 steps after its wait started (step 1). Kills the mutants of
+    the doubled bound (``2`` changed, the flag never set or always set)."""
+    assert violations("bounded-wait", stalled(_o_then_r(4, 5), LOAD_R, 60)) == []
+    assert violations("bounded-wait", stalled(_o_then_r(4, 5), LOAD_R, 70)) == [
+        ("bounded-wait", 64, "o", "oldest live request for 64 steps without ending")]
+    plain = _o_then_r(4, 5)
+    steps = [(at(plain, k), NOTHING, at(plain, k + 1)) for k in range(1, 40)]
+    assert [v[1:3] for v in violations("bounded-wait", steps)] == [(32, "o")]
+
+
+def test_an_oldest_request_waiting_on_its_own_load_is_not_counted() -> None:
+    """``r`` arrived first and loads for 70 steps while ``o``, admitted past it, decodes every step (nothing
+    holds the engine back): r's wait is not counted until its load lands (vLLM skips it in the waiting loop).
+    Kills the ``xǁBoundedWaitǁobserve`` mutants that drop that test."""
+    r = fresh("r", 10, num_external_computed_tokens=8)
+    o = running("o", 20, (2, 3, 4, 5, 6))
+    before = SchedulerState(step=1, waiting=("r",), running=("o",), requests={"r": r, "o": attrs.evolve(o, arrival_step=1)},
+                            free_block_ids=(0, 1, 7), num_requests_added=2)
+    decode = StepPlan(scheduled=(ScheduledRequest("o", 20, 1, ()),))
+    steps = stalled(before, StepPlan(scheduled=decode.scheduled, loads=LOAD_R.loads), 70)
+    steps = steps[:1] + [(b, decode, a) for b, _, a in steps[1:]]
+    assert violations("bounded-wait", steps) == []
+
+
+def test_bounded_preemptions_does_not_judge_steps_while_blocks_are_held_outside_the_line() -> None:
+    """``a`` runs first in line (bound 0 preemptions). Preempting it while ``r``'s load holds blocks, or while
+    an ended request's send holds blocks (``delayed_frees``), is not judged; once r was admitted (it holds
+    nothing outside the line) a preemption of a is judged again, against a fresh baseline. A load that failed
+    from its first block leaves r holding nothing: the next step is judged. Kills the mutants of
+    ``xǁBoundedPreemptionsǁobserve``'s KV connector branch."""
+    a = running("a", 8, (2, 3))
+    before = SchedulerState(step=1, waiting=("r",), running=("a",), requests={"a": a, "r": fresh(
+        "r", 10, num_external_computed_tokens=8)}, free_block_ids=(0, 1, 4, 5, 6, 7), num_requests_added=2)
+    held = attrs.evolve(before, requests={**before.requests, "r": attrs.evolve(
+        before.requests["r"], status=WFRK, kv_load_step=1, block_ids=(0, 1), num_computed_tokens=8)})
+    admitted = attrs.evolve(held, waiting=(), running=("a", "r"), requests={**held.requests, "r": attrs.evolve(
+        held.requests["r"], status=RequestStatus.RUNNING, admitted_step=3)})
+    empty = attrs.evolve(held, requests={**held.requests, "r": attrs.evolve(
+        held.requests["r"], status=RequestStatus.WAITING, block_ids=(), num_computed_tokens=0)})
+    preempt = StepPlan(preempted=("a",))
+    steps = [(at(before, 1), LOAD_R, at(held, 2)), (at(held, 2), preempt, at(held, 3))]
+    assert violations("bounded-preemptions", steps) == []
+    judged = ("bounded-preemptions", 5, "a", "preempted 1 times after the last arrival > bound 0")
+    assert violations("bounded-preemptions", steps + [(at(held, 3), NOTHING, at(admitted, 4)),
+                                                      (at(admitted, 4), NOTHING, at(admitted, 5)),
+                                                      (at(admitted, 5), preempt, at(admitted, 6))]) == [judged]
+    assert violations("bounded-preemptions", steps + [(at(held, 3), NOTHING, at(empty, 4)),
+                                                      (at(empty, 4), NOTHING, at(empty, 5)),
+                                                      (at(empty, 5), preempt, at(empty, 6))]) == [judged]
+    sending = attrs.evolve(admitted, delayed_frees={"d": DelayedFree((7,), "sending")})
+    assert violations("bounded-preemptions", [(at(sending, k), preempt, at(sending, k + 1)) for k in (1, 2)]) == []
+
+
+def test_work_conserving_passes_over_loads_and_judges_the_requests_holding_loaded_blocks_first() -> None:
+    """The head ``work-conserving`` judges with a KV connector (6 blocks free, 16 tokens of budget): ``r``,
+    whose load the plan starts, or in flight (WAITING_FOR_REMOTE_KVS), is passed over and ``o`` behind it is the
+    head: o fits and is left waiting, a violation naming o; a head whose load may start is not judged (the
+    policy may hold it back); a request whose load landed comes first though it is behind o (o needs 5 blocks
+    of the 2 free, l 1 of its 3). Kills the mutants of ``xǁWorkConservingǁobserve`` on the ``loaded`` set, the
+    WAITING_FOR_REMOTE_KVS skip, the ``offers_load`` break and the ``holding_first`` order."""
+    r = fresh("r", 10, num_external_computed_tokens=8)
+    o = fresh("o", 4)
+    state = SchedulerState(step=1, waiting=("r", "o"), requests={"r": r, "o": o}, free_block_ids=tuple(range(8)),
+                           num_requests_added=2)
+    fits = ("work-conserving", 1, "o", "head of the waiting queue fits (6 free blocks, 16 tokens, 4 slots left) but "
+            "was not admitted")
+    assert violations("work-conserving", [(state, LOAD_R, state)]) == [fits]
+    inflight = attrs.evolve(state, requests={"r": loading("r", (0, 1)), "o": o}, free_block_ids=tuple(range(2, 8)))
+    assert violations("work-conserving", [(inflight, NOTHING, inflight)]) == [fits]
+    assert violations("work-conserving", [(state, NOTHING, state)]) == []
+    behind = SchedulerState(step=1, waiting=("o", "l"), requests={"o": fresh("o", 20), "l": landed("l", 10, (0, 1))},
+                            free_block_ids=(2, 3), num_requests_added=2)
+    assert [v[2] for v in violations("work-conserving", [(behind, NOTHING, behind)])] == ["l"]
