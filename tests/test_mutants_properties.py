@@ -216,11 +216,15 @@ def test_a_plan_that_schedules_every_running_request_is_judged_by_its_head() -> 
     """With every running request scheduled, (c) does not apply: the step is judged by the head (b). ``o``
     runs and is scheduled; ``w`` waits needing 3 blocks with 1 free at plan time and 2 held: held back.
     And a plan that leaves ``o`` out with a block free for it is not held back, though its head is (a running
-    request left out may have been the work). Kills the mutants of the test that picks (c)."""
+    request left out may have been the work); nor is a plan that schedules every running request with no head
+left waiting. Kills the mutants of the test that picks (c), and ``xǁTransfersInFlightǁholds_back__mutmut_62``
+(no head: held back)."""
     o = running("o", 4, (2,))
     state = state_of((loading("r", (0, 1)), fresh("w", 12)), (o,), free=2)
     assert holds_back(state, StepPlan(scheduled=(ScheduledRequest("o", 4, 4, (50,)),)))
     assert not holds_back(state)
+    alone = state_of((loading("r", (0, 1)),), (o,), free=2)  # no head: the load keeps nothing out
+    assert not holds_back(alone, StepPlan(scheduled=(ScheduledRequest("o", 4, 4, (50,)),)))
 
 
 # --- free_at_plan and whole_sequence_need ----------------------------------------------------------------
