@@ -384,3 +384,48 @@ def test_work_conserving_passes_over_loads_and_judges_the_requests_holding_loade
     behind = SchedulerState(step=1, waiting=("o", "l"), requests={"o": fresh("o", 20), "l": landed("l", 10, (0, 1))},
                             free_block_ids=(2, 3), num_requests_added=2)
     assert [v[2] for v in violations("work-conserving", [(behind, NOTHING, behind)])] == ["l"]
+
+
+@pytest.mark.parametrize(("live", "marks", "pruned"), [(0, 64, False), (0, 65, True), (3, 70, False), (3, 71, True)])
+def test_progress_prunes_marks_past_twice_the_live_requests_plus_64(live: int, marks: int, pruned: bool) -> None:
+    """``Progress.forget_ended`` keeps at most 2 * live + 64 high-water marks (its memory does not grow with the
+    trace; ``tests/test_spec_mutants.py`` pins the case of 1 live request, where ``2 *`` and ``2 /`` agree):
+    with 0 live requests 64 marks are kept and 65 pruned, with 3 live 70 kept and 71 pruned to the live ones'.
+    Kills ``xǁProgressǁforget_ended__mutmut_3`` (``2 *`` made ``2 /``: a ZeroDivisionError with none live, a
+    prune at 65 with 3)."""
+    from schedspec.spec.properties import Progress
+
+    requests = {f"live{k}": fresh(f"live{k}", 2) for k in range(live)}
+    marks_of = {f"r{k}": 1 for k in range(marks - live)} | {r: 5 for r in requests}
+    monitor = Progress(CONFIG)
+    monitor.high_water = dict(marks_of)
+    monitor.forget_ended(SchedulerState(requests=requests, waiting=tuple(requests)))
+    assert monitor.high_water == ({r: 5 for r in requests} if pruned else marks_of)
+
+
+CACHING = attrs.evolve(CONFIG, enable_prefix_caching=True)
+
+
+def _a_published_and_b_waiting(abort_a: bool) -> SchedulerState:
+    """Prefix caching: ``a`` computed its 8-token prompt in blocks 0, 1 (published) and runs on, or was aborted
+    (its blocks then evictable: free, still cached); ``b`` (the same 8 tokens and 3 more) waits."""
+    prompt = tuple(range(100, 108))
+    state = add_request(SchedulerState.initial(CACHING), Request("a", 0, prompt, max_tokens=4))
+    state = apply_plan(state, StepPlan(scheduled=(ScheduledRequest("a", 0, 8, (0, 1)),)), {"a": 7}, CACHING).state
+    if abort_a:
+        state = abort_request(state, "a")
+    return add_request(state, Request("b", 1, prompt + (1, 2, 3), max_tokens=2))
+
+
+def test_free_at_plan_takes_out_the_hits_on_evictable_blocks_only() -> None:
+    """With prefix caching, ``b``'s hit on blocks 0, 1 leaves the free queue only if they were evictable: with
+    ``a`` running (holding them) the free blocks at plan time are the 6 free less b's 1 new block: 5; with ``a``
+    aborted (8 free, 0 and 1 evictable among them) 8 - 1 - 2 = 5 as well, but 7 if the hits were not counted.
+    Kills ``x_free_at_plan__mutmut_7`` (``window_freed = None``: a hit on a held block tested ``in None``,
+    TypeError) and the mutants of the evictable-hits term."""
+    for abort_a, free in ((False, 6), (True, 8)):
+        state = _a_published_and_b_waiting(abort_a)
+        assert len(state.free_block_ids) == free
+        new = tuple(b for b in state.free_block_ids if b not in (0, 1))[:1]
+        plan = StepPlan(scheduled=(ScheduledRequest("b", 8, 3, new, (0, 1)),))
+        assert free_at_plan(state, plan, CACHING) == 5, abort_a
