@@ -339,8 +339,10 @@ def test_bounded_preemptions_does_not_judge_steps_while_blocks_are_held_outside_
     """``a`` runs first in line (bound 0 preemptions). Preempting it while ``r``'s load holds blocks, or while
     an ended request's send holds blocks (``delayed_frees``), is not judged; once r was admitted (it holds
     nothing outside the line) a preemption of a is judged again, against a fresh baseline. A load that failed
-    from its first block leaves r holding nothing: the next step is judged. Kills the mutants of
-    ``xǁBoundedPreemptionsǁobserve``'s KV connector branch."""
+    from its first block leaves r holding nothing: the next step is judged. No request is added after step 0, so
+    the fresh baseline comes from the connector's branch alone. Kills the mutants of
+    ``xǁBoundedPreemptionsǁobserve``'s KV connector branch (``_8, _9``: the baseline left as ``""`` or ``None``,
+    an AttributeError at the next preemption judged)."""
     a = running("a", 8, (2, 3))
     before = SchedulerState(step=1, waiting=("r",), running=("a",), requests={"a": a, "r": fresh(
         "r", 10, num_external_computed_tokens=8)}, free_block_ids=(0, 1, 4, 5, 6, 7), num_requests_added=2)
@@ -351,7 +353,8 @@ def test_bounded_preemptions_does_not_judge_steps_while_blocks_are_held_outside_
     empty = attrs.evolve(held, requests={**held.requests, "r": attrs.evolve(
         held.requests["r"], status=RequestStatus.WAITING, block_ids=(), num_computed_tokens=0)})
     preempt = StepPlan(preempted=("a",))
-    steps = [(at(before, 1), LOAD_R, at(held, 2)), (at(held, 2), preempt, at(held, 3))]
+    steps = [(at(before, 0), NOTHING, at(before, 1)),  # judged: the baseline of the 2 requests added
+             (at(before, 1), LOAD_R, at(held, 2)), (at(held, 2), preempt, at(held, 3))]
     assert violations("bounded-preemptions", steps) == []
     judged = ("bounded-preemptions", 5, "a", "preempted 1 times after the last arrival > bound 0")
     assert violations("bounded-preemptions", steps + [(at(held, 3), NOTHING, at(admitted, 4)),
