@@ -432,3 +432,21 @@ def test_free_at_plan_takes_out_the_hits_on_evictable_blocks_only() -> None:
         new = tuple(b for b in state.free_block_ids if b not in (0, 1))[:1]
         plan = StepPlan(scheduled=(ScheduledRequest("b", 8, 3, new, (0, 1)),))
         assert free_at_plan(state, plan, CACHING) == 5, abort_a
+
+
+def test_priority_inversion_counts_a_landed_requests_pending_tokens_without_its_loaded_ones() -> None:
+    """``no-priority-inversion`` with chunked prefill off: ``w`` (priority 0) waits holding the 8 tokens its
+    remote KV load computed, so it needs its 20 pending tokens (28 - 8) of budget, not 28 (nor 36); the step gives
+    16 of 32 to less urgent ``l`` (priority 5): w is kept out only by l (16 left, 32 with l's). Kills
+    ``xǁNoPriorityInversionǁobserve__mutmut_70`` (the pending tokens as ``num_tokens + num_computed_tokens``:
+    36 never fits, the inversion passed; a waiting request without a load has nothing computed, where both
+    agree)."""
+    config = attrs.evolve(CONFIG, enable_chunked_prefill=False, max_num_batched_tokens=32, num_kv_blocks=40)
+    w = attrs.evolve(landed("w", 28, (0, 1)), priority=0)
+    low = fresh("l", 20, priority=5, status=RequestStatus.RUNNING, admitted_step=0)
+    state = SchedulerState(step=1, waiting=("w",), running=("l",), requests={"w": w, "l": low},
+                           free_block_ids=tuple(range(10, 40)), num_requests_added=2)
+    plan = StepPlan(scheduled=(ScheduledRequest("l", 0, 16, (10, 11, 12, 13)),))
+    assert violations("no-priority-inversion", [(state, plan, state)], config) == [
+        ("no-priority-inversion", 1, "w", "priority 0 waits for 20 tokens of budget (16 left) held by less urgent "
+                                          "running l")]
