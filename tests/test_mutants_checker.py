@@ -116,12 +116,11 @@ def test_blocks_allocated_go_to_the_batch_or_to_the_loads_the_step_starts(remote
     ("group_prefix_hit_blocks", ((4,), ()), "[[4], []]"),
 ])
 def test_the_groups_blocks_go_only_to_the_batch(hybrid, field: str, value: tuple, shown: str) -> None:
-    """With KV cache groups the trace passes; a group field (version 4) giving blocks to an id not in the step's
-    batch is a mismatch naming the field, the id and the blocks; the same field with only empty tables is no
-    mismatch. Kills the mutants of ``x__compare_record``'s group fields loop (a field left out, ``any`` dropped,
+    """With KV cache groups (the trace passes: ``test_deduplicated_blocks_go_only_to_the_batch``), a group field
+    (version 4) giving blocks to an id not in the step's batch is a mismatch naming the field, the id and the
+    blocks; the same field with only empty tables is no mismatch. Kills the mutants of ``x__compare_record``'s group fields loop (a field left out, ``any`` dropped,
     the detail)."""
     config, records = hybrid
-    assert check_trace(config, records).ok
     step = next(i for i, r in enumerate(records) if r.scheduled)
     assert mismatches(config, records, step, **{field: {**getattr(records[step], field), "ghost": value}}) == [
         (step, "ghost", f"{field} {shown} for a request that is not in the step's batch")]
@@ -141,10 +140,11 @@ def test_window_frees_need_groups_configured(remote) -> None:
 
 
 def test_deduplicated_blocks_go_only_to_the_batch(hybrid) -> None:
-    """``blocks_deduplicated`` pairs for an id not in the step's batch are a mismatch naming the id and the
+    """The trace with KV cache groups passes; ``blocks_deduplicated`` pairs for an id not in the step's batch are a mismatch naming the id and the
     pairs; an empty list is none. Kills the mutants of ``x__compare_record``'s ``blocks_deduplicated``
     loop."""
     config, records = hybrid
+    assert check_trace(config, records).ok
     step = next(i for i, r in enumerate(records) if r.scheduled)
     assert mismatches(config, records, step, blocks_deduplicated={"ghost": ((5, 6),)}) == [
         (step, "ghost", "blocks_deduplicated [[5, 6]] for a request that is not in the step's batch")]
