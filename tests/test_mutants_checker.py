@@ -149,3 +149,22 @@ def test_deduplicated_blocks_go_only_to_the_batch(hybrid) -> None:
     assert mismatches(config, records, step, blocks_deduplicated={"ghost": ((5, 6),)}) == [
         (step, "ghost", "blocks_deduplicated [[5, 6]] for a request that is not in the step's batch")]
     assert mismatches(config, records, step, blocks_deduplicated={"ghost": ()}) == []
+
+
+def test_a_load_the_record_gives_no_blocks_is_judged_as_taking_none(remote) -> None:
+    """A record that starts a remote KV load but lists no ``blocks_allocated`` for it: the plan's load takes no
+    blocks (``()``), so ``load-blocks-exact`` names the request and the blocks it should take (3 tokens: 1
+    block of 4), at that step; no crash. Kills ``x_plan_from_record__mutmut_63, _65`` (the load's blocks
+    ``None``: a TypeError instead of the verdict)."""
+    config, records = remote
+    step = next(i for i, r in enumerate(records) if r.kv_loads)
+    request_id, tokens = next(iter(records[step].kv_loads.items()))
+    assert plan_from_record(record(kv_loads={"r": 8})).loads == (KVLoad("r", 8, ()),)
+    edited = list(records)
+    edited[step] = attrs.evolve(records[step], blocks_allocated={
+        r: b for r, b in records[step].blocks_allocated.items() if r != request_id})
+    report = check_trace(config, edited)
+    blocks = -(-tokens // config.block_size)
+    assert report.first_bad_step == step
+    assert ("load-blocks-exact", request_id, f"load of {tokens} tokens takes 0 blocks, not {blocks}") in [
+        (v.name, v.request_id, v.detail) for v in report.violations]
