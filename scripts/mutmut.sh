@@ -64,9 +64,9 @@ tests_for() {
     transitions) echo "${spec[@]}" "${checker[@]}" tests/test_prefix_cache.py tests/test_spec_mutants.py \
                       tests/test_speculative.py tests/test_in_flight.py \
                       --deselect tests/test_in_flight.py::test_the_machine_drives_an_in_flight_scheduler "${SLOW_PREFIX[@]}" ;;
-    invariants) echo "${spec[@]}" "${checker[@]}" tests/test_spec_mutants.py ;;
+    invariants) echo "${spec[@]}" "${checker[@]}" tests/test_spec_mutants.py tests/test_mutants_invariants.py ;;
     checker) echo "${checker[@]}" tests/test_checker_memory.py tests/test_invariants.py tests/test_state.py \
-                  tests/test_spec_mutants.py tests/test_speculative.py tests/test_in_flight.py \
+                  tests/test_spec_mutants.py tests/test_speculative.py tests/test_in_flight.py tests/test_mutants_checker.py \
                   --deselect tests/test_in_flight.py::test_the_machine_drives_an_in_flight_scheduler ;;
     incremental) echo tests/test_incremental.py tests/test_checker_memory.py tests/test_invariants.py \
                       tests/test_spec_mutants.py tests/test_in_flight.py \
@@ -82,7 +82,7 @@ tests_for() {
                           --deselect tests/test_prefix_cache.py::test_policy_refines_spec_with_prefix_caching \
                           --deselect tests/test_prefix_cache.py::test_caching_trace_round_trips_through_schedspec_check)" ;;
     properties) echo tests/test_priority_inversion.py tests/test_proofs_counterexamples.py tests/test_checker.py tests/test_transitions.py \
-                     tests/test_spec_mutants.py ;;
+                     tests/test_spec_mutants.py tests/test_mutants_properties.py ;;
     *) echo "unknown module $1 (one of: ${ALL[*]})" >&2; exit 2 ;;
   esac
 }
