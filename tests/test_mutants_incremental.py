@@ -1,0 +1,337 @@
+"""Tests that kill mutants of spec/incremental.py (issue 28: scripts/mutmut.sh incremental).
+
+Each test states the contract it checks and the mutants it kills. The verdicts are always compared with the
+full check (:func:`~schedspec.spec.invariants.check_step`), the definition; the work the fast path does (how
+many steps fell back to the full block checks, how many blocks of the published chains were checked, what the
+ledger keeps of ended requests) is observed through the counters and the ledger the checker keeps.
+"""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+
+from schedspec.reference.fake_model import FakeModel
+from schedspec.reference.scheduler import make_scheduler
+from schedspec.spec.config import SchedulerConfig
+from schedspec.spec.incremental import IncrementalChecker
+from schedspec.spec.invariants import check_step
+from schedspec.spec.transitions import abort_request
+from schedspec.spec.workload import RequestSpec
+from tests.test_incremental import CONFIG, FAULTS, NOT_BREACHES, SPECS, _Flat, _takes_and_releases, _verdict
+
+
+class _Counting(IncrementalChecker):
+    """An incremental checker that keeps the steps (plan, after) on which it fell back to the full checks."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.fallback_steps = []
+
+    def invariants(self, before, plan, after):
+        fallbacks = self.fallbacks
+        found = super().invariants(before, plan, after)
+        if self.fallbacks > fallbacks:
+            self.fallback_steps.append((before.step, plan, after))
+        return found
+
+
+def _run_on(config, specs, fault=None, fault_step=None, checker=None, steps=60):
+    """Run fcfs on ``specs``; after step ``fault_step`` the state is broken by FAULTS[fault] and the scheduler
+    goes on FROM THE BROKEN STATE, so the breach persists (or heals as the run moves on). At every step the
+    incremental verdict must equal the full check's. Stops when the scheduler cannot go on from the broken
+    state (it is not built for one: an id past the pool) or the run ends. Returns the full check's verdict
+    counts per step from the fault step on, or None when the fault could not be made."""
+    scheduler = make_scheduler("fcfs", config)
+    model = FakeModel(config, cost_model=_Flat())
+    checker = checker if checker is not None else IncrementalChecker(config)
+    checked: frozenset[str] = frozenset()
+    reports: list[int] = []
+    for step in range(steps):
+        for spec in specs:
+            if spec.arrival_step == step:
+                scheduler.add_request(spec.to_request(step))
+            if spec.abort_at_step == step:
+                scheduler.state = abort_request(scheduler.state, spec.request_id)
+        before = scheduler.state
+        if not before.requests and step > max(s.arrival_step for s in specs):
+            break
+        checker.sync(before)
+        try:
+            plan = scheduler.schedule()
+            sampled, _ = model.execute(plan, before)
+            scheduler.update(plan, sampled)
+        except IndexError:  # the reference scheduler indexes its pool with a block id past it
+            assert fault is not None and step > fault_step
+            break
+        after = scheduler.state
+        if fault is not None and step == fault_step:
+            broken = FAULTS[fault](after, before, checked)
+            if broken is None:
+                return None
+            after = scheduler.state = broken
+        full = check_step(before, plan, after, config)
+        assert _verdict(checker.invariants(before, plan, after)) == _verdict(full), (fault, step)
+        if fault is not None and step >= fault_step:
+            reports.append(len(full))
+        checked = frozenset(after.finished)
+    return reports
+
+
+# "aborted request not terminal" needs an abort before any step; a reordered free queue is no breach (its own test)
+PERSISTENT = sorted(set(FAULTS) - {"aborted request not terminal"} - NOT_BREACHES)
+
+
+@pytest.mark.parametrize("caching", [False, True], ids=["no-caching", "prefix-caching"])
+@pytest.mark.parametrize("fault", PERSISTENT)
+def test_a_breach_that_persists_is_reported_at_every_step_as_the_full_check_reports_it(fault, caching):
+    """A breach the run carries on with (the scheduler goes on from the broken state) is reported by the
+    incremental checker at every later step exactly as by the full check, and once the run has healed (the broken
+    request ended, the leaked block came back) the ledger proves steps again. This is the module docstring's
+    promise that a persistent breach is reported as often as the full check reports it: after a fallback that
+    found a breach the ledger was rebuilt FROM THE BROKEN STATE, so it must not prove the next step
+    (``invariants``: ``sound`` from the fallback's breaches; ``sync``: ``and`` made ``or``, the flag left True;
+    ``_follow``/``_follow_cached``: a check of the ledger loosened, which a rebuilt ledger of a broken state
+    passes)."""
+    config = CONFIG.with_changes(num_kv_blocks=10, enable_prefix_caching=caching)
+    specs = [attrs.evolve(s, prefix_group="p", prefix_len=8) for s in SPECS] if caching else SPECS
+    made = [reports for step in range(2, 8)
+            if (reports := _run_on(config, specs, fault, step)) is not None and any(reports)]
+    if not made:
+        # the cache faults cannot be made without prefix caching
+        assert not caching and fault not in _PLAIN_FAULTS, fault
+        return
+    assert any(len([n for n in reports if n]) > 1 for reports in made) or fault in _ONE_STEP, (fault, made)
+
+
+# Faults the full check reports on their own step only: the run does not carry them on (the scheduler overwrote
+# the broken part at the next step).
+_ONE_STEP = {"held block loses its hash", "published block in a second table", "uncomputed block published",
+             "uncomputed block published, then another working copy"}
+_PLAIN_FAULTS = {"block owned twice", "block leaked", "block out of range", "block one past the pool",
+                 "terminal holds blocks", "ended request keeps its freed table", "owned block in the free queue",
+                 "owned block in the middle of the free queue", "duplicate in the free queue",
+                 "out-of-range id in the free queue"}
+
+
+@pytest.mark.parametrize("caching", [False, True], ids=["no-caching", "prefix-caching"])
+def test_after_a_harmless_reordering_the_ledger_proves_steps_again(caching):
+    """A free queue reordered (no breach: the full check finds nothing) cannot be followed by the shared-block
+    ledger, so that step falls back; the scheduler goes on from the reordered queue, and from then on the ledger proves every
+    step again but those where a request got blocks and ended in the step (``invariants``: the ledger left
+    unsound after a fallback that found nothing, so every later step pays for the full checks; ``sync``: the
+    flag set False on a step it followed)."""
+    config = CONFIG.with_changes(num_kv_blocks=10, enable_prefix_caching=caching)
+    specs = [attrs.evolve(s, prefix_group="p", prefix_len=8) for s in SPECS] if caching else SPECS
+    checker = _Counting(config)
+    reports = _run_on(config, specs, "free queue reordered", 3, checker=checker)
+    assert reports is not None and not any(reports) and len(reports) > 8
+    late = [(step, plan, after) for step, plan, after in checker.fallback_steps if step != 3]
+    assert all(_takes_and_releases(plan, after) for _, plan, after in late), [s for s, _, _ in late]
+    # the shared-block ledger wants the queue's kept blocks in their order; the owner ledger's search takes the
+    # reversed queue as the old one less all but its last block, those put back in front (a proof all the same)
+    assert (3 in {step for step, _, _ in checker.fallback_steps}) == caching
+
+
+def test_a_block_taken_from_an_unchanged_free_queue_is_found():
+    """A request takes a free block while the free queue stays the same object (the block was never removed from
+    it) and another block leaves a table without joining the queue: the counts still agree, so only the comparison
+    of the queue with the old one sees that a block is both free and owned. The ledger once skipped that comparison
+    when the queue object was unchanged and passed this breach (``_follow``: the queue check skipped or loosened;
+    ``_queue_follows``: a block taken from the old queue's kept part not refused)."""
+    config = SchedulerConfig(block_size=4, num_kv_blocks=10, max_num_batched_tokens=16, max_num_seqs=3,
+                             max_model_len=32)
+    for shared in (True, False):
+        scheduler = make_scheduler("fcfs", config)
+        model = FakeModel(config, cost_model=_Flat())
+        checker = IncrementalChecker(config)
+        for name in ("r0", "r1"):
+            scheduler.add_request(RequestSpec(name, 5, 4, arrival_step=0).to_request(0))
+        for _ in range(2):
+            before = scheduler.state if shared else attrs.evolve(scheduler.state,
+                                                                  free_block_ids=tuple(scheduler.state.free_block_ids))
+            checker.sync(before)
+            plan = scheduler.schedule()
+            sampled, _ = model.execute(plan, before)
+            scheduler.update(plan, sampled)
+            after = scheduler.state
+            if before.step == 0:
+                assert checker.invariants(before, plan, after) == []
+        queue = before.free_block_ids
+        r0 = after.requests["r0"]
+        # r0's last block (freed by nobody) swapped for the queue's first block, the queue left as it was
+        broken = attrs.evolve(after, free_block_ids=queue, requests={
+            **after.requests, "r0": attrs.evolve(r0, block_ids=r0.block_ids[:-1] + (queue[0],))})
+        full = check_step(before, plan, broken, config)
+        assert {(v.name, v.request_id) for v in full} >= {("block-conservation", "r0")}
+        assert _verdict(checker.invariants(before, plan, broken)) == _verdict(full)
+        assert checker.fallbacks == 1
+
+
+@pytest.mark.parametrize("caching", [False, True], ids=["no-caching", "prefix-caching"])
+def test_the_ledger_keeps_nothing_of_ended_requests(caching):
+    """The ledger keeps per request only what live requests need: after a run (finishes, an abort, preemptions)
+    its tables, its memo of requests seen and its memo of published chains name live requests only, so a trace of
+    an hour does not grow the checker with every request that ever ran (``_follow_cached``: the ended request's
+    entry left in the memos)."""
+    config = CONFIG.with_changes(num_kv_blocks=8, enable_prefix_caching=caching)
+    specs = [attrs.evolve(s, prefix_group="p", prefix_len=8, max_tokens=12) for s in SPECS]
+    specs += [RequestSpec("aborted", 6, 4, arrival_step=1, abort_at_step=3, prefix_group="p", prefix_len=8)]
+    scheduler = make_scheduler("fcfs", config)
+    model = FakeModel(config, cost_model=_Flat())
+    checker = IncrementalChecker(config)
+    ended = 0
+    for step in range(200):
+        for spec in specs:
+            if spec.arrival_step == step:
+                scheduler.add_request(spec.to_request(step))
+            if spec.abort_at_step == step:
+                scheduler.state = abort_request(scheduler.state, spec.request_id)
+        before = scheduler.state
+        if not before.requests and step > 3:
+            break
+        checker.sync(before)
+        plan = scheduler.schedule()
+        sampled, _ = model.execute(plan, before)
+        scheduler.update(plan, sampled)
+        after = scheduler.state
+        assert checker.invariants(before, plan, after) == []
+        live = set(after.requests)
+        assert set(checker.tables) <= live
+        if caching:
+            assert set(checker.seen) == live and set(checker.chains) <= live
+        ended = len(after.finished)
+    assert ended == len(specs)
+
+
+def _plain_run(config, specs, checker, name="fcfs"):
+    """Run ``name`` on ``specs`` (arrivals and aborts at their steps) with ``checker``; every step's verdicts must
+    be the full check's (none: the run is correct). Returns the longest table each request had."""
+    scheduler = make_scheduler(name, config)
+    model = FakeModel(config, cost_model=_Flat())
+    longest: dict[str, int] = {}
+    for step in range(200):
+        for spec in specs:
+            if spec.arrival_step == step:
+                scheduler.add_request(spec.to_request(step))
+            if spec.abort_at_step == step:
+                scheduler.state = abort_request(scheduler.state, spec.request_id)
+        before = scheduler.state
+        if not before.requests and step > max(s.arrival_step for s in specs):
+            break
+        checker.sync(before)
+        plan = scheduler.schedule()
+        assert checker.rules(before, plan) == []
+        sampled, _ = model.execute(plan, before)
+        scheduler.update(plan, sampled)
+        after = scheduler.state
+        assert checker.invariants(before, plan, after) == check_step(before, plan, after, config) == []
+        for request_id, request in after.requests.items():
+            longest[request_id] = max(longest.get(request_id, 0), len(request.block_ids))
+    return longest
+
+
+def test_ended_requests_are_found_without_scanning_every_ended_request():
+    """Terminal requests are collected from the requests that left the live set; the map of every request that
+    ever ended is scanned only on a step where some arrived and ended before the checker saw them live (here two
+    arrivals aborted in the step they arrived, at two steps), never otherwise, though requests end in the same
+    step as others (``_collect_terminal``: the count of those found wrong or compared wrong, so the scan runs at
+    every step: O(every ended request) per step over an hour's trace)."""
+    specs = [*SPECS, RequestSpec("gone", 3, 2, arrival_step=1, abort_at_step=1),
+             RequestSpec("gone-too", 3, 2, arrival_step=4, abort_at_step=4),
+             RequestSpec("aborted", 6, 4, arrival_step=1, abort_at_step=3)]
+    together = [attrs.evolve(s, arrival_step=0) for s in SPECS[:3]]  # three finish together
+    for run, scans in ((specs, 2), (together, 0), (SPECS, 0)):
+        checker = IncrementalChecker(CONFIG)
+        _plain_run(CONFIG, run, checker)
+        assert checker.scans == scans, [s.request_id for s in run]
+
+
+class _NoChainMemo(IncrementalChecker):
+    """The incremental checker without its memo of published chains: every chain is checked from its first block."""
+
+    def _chain_known(self, request_id, request, hashed):
+        from schedspec.spec.prefix_cache import ROOT_HASH
+
+        return 0, ROOT_HASH
+
+
+def test_the_chain_memo_spares_checking_published_blocks_again():
+    """With prefix caching each changed request's published chain is checked from the prefix known right at its
+    last check: on a run with long decodes the checker checks at least every block of every table once, and fewer
+    than half the blocks the same checker checks without its memo, with the same verdicts (``_chain_known``
+    and ``_follow_cached``: the memo never used, or restarted from the first block)."""
+    config = CONFIG.with_changes(num_kv_blocks=24, block_size=2, max_model_len=64, enable_prefix_caching=True)
+    specs = [RequestSpec(f"r{i}", 5 + i, 20, arrival_step=i, prefix_group="p", prefix_len=4) for i in range(4)]
+    memo, plain = IncrementalChecker(config), _NoChainMemo(config)
+    longest = _plain_run(config, specs, memo)
+    assert _plain_run(config, specs, plain) == longest
+    assert memo.fallbacks == plain.fallbacks == 0
+    assert sum(longest.values()) <= memo.chain_blocks < plain.chain_blocks / 2, (memo.chain_blocks, plain.chain_blocks)
+
+
+def test_the_screen_spares_the_screened_rules_on_correct_plans(monkeypatch):
+    """Without prefix caching every plan of a correct run passes the screen, so the rules it screens are skipped
+    (``violated_rules`` is called with them in ``skip``); with prefix caching the screen, which knows no prefix
+    hits, is never used (``rules``: the screen left off, or used with caching)."""
+    import schedspec.spec.incremental as incremental
+    from schedspec.spec.incremental import FREE_POOL, SCREENED
+
+    skips = []
+
+    def recording(state, plan, config, skip=frozenset()):
+        skips.append(frozenset(skip))
+        return violated_rules(state, plan, config, skip=skip)
+
+    from schedspec.spec.rules import violated_rules
+
+    monkeypatch.setattr(incremental, "violated_rules", recording)
+    for caching in (False, True):
+        config = CONFIG.with_changes(enable_prefix_caching=caching)
+        skips.clear()
+        _plain_run(config, SPECS, IncrementalChecker(config))
+        assert len(skips) > 10
+        assert all(skip == (FREE_POOL if caching else SCREENED | FREE_POOL) for skip in skips), caching
+
+
+def test_a_terminal_request_is_checked_once_when_it_ends(monkeypatch):
+    """The full invariants are asked about the terminal requests that ended in the step only (and those found
+    broken), never about every request that ever ended: on the proved path (``check_step``) and on a fallback
+    (``check_state``), the map of terminal requests passed holds only requests that ended in the step
+    (``invariants``: the map left out, so every ended request is checked at every step)."""
+    import schedspec.spec.incremental as incremental
+    from schedspec.spec.invariants import check_state
+
+    seen_step, seen_state = [], []
+
+    def step_recording(before, plan, after, config, terminal=None, skip=frozenset()):
+        seen_step.append((set(before.finished), set(after.finished), terminal))
+        return check_step(before, plan, after, config, terminal=terminal, skip=skip)
+
+    def state_recording(state, config, terminal=None, skip=frozenset(), step=None):
+        seen_state.append(terminal)
+        return check_state(state, config, terminal, skip=skip, step=step)
+
+    monkeypatch.setattr(incremental, "check_step", step_recording)
+    monkeypatch.setattr(incremental, "check_state", state_recording)
+    config = CONFIG.with_changes(num_kv_blocks=8)
+    _plain_run(config, SPECS, IncrementalChecker(config))
+    assert not seen_state
+    for before, after, terminal in seen_step:
+        assert terminal is not None and set(terminal) <= after - before
+    assert sum(len(terminal) for _, _, terminal in seen_step) == len(SPECS)
+    # a fallback (the shared-block ledger cannot follow a reordered free queue) after two requests ended
+    config = config.with_changes(num_kv_blocks=10, enable_prefix_caching=True)
+    specs = [attrs.evolve(s, prefix_group="p", prefix_len=8) for s in SPECS]
+    fallbacks = 0
+    for fault_step in range(2, 12):
+        seen_step.clear()
+        seen_state.clear()
+        if _run_on(config, specs, "free queue reordered", fault_step) is None:
+            continue
+        fallbacks += len(seen_state)
+        assert all(terminal is not None for terminal in seen_state)
+        assert sum(len(terminal) for _, _, terminal in seen_step) == len(SPECS)
+        if seen_state:
+            assert set(seen_state[0]) <= seen_step[fault_step][1] - seen_step[fault_step][0]
+    assert fallbacks
