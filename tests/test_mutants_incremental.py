@@ -8,6 +8,8 @@ ledger keeps of ended requests) is observed through the counters and the ledger 
 
 from __future__ import annotations
 
+from collections import Counter
+
 import attrs
 import pytest
 
@@ -18,7 +20,12 @@ from schedspec.spec.incremental import IncrementalChecker
 from schedspec.spec.invariants import check_step
 from schedspec.spec.transitions import abort_request
 from schedspec.spec.workload import RequestSpec
-from tests.test_incremental import CONFIG, FAULTS, NOT_BREACHES, SPECS, _Flat, _takes_and_releases, _verdict
+from tests.test_incremental import CONFIG, FAULTS, NOT_BREACHES, SPECS, _Flat, _takes_and_releases
+
+
+def _verdict(violations):
+    """Every field of each violation, the detail included (the message a user reads), as a multiset."""
+    return Counter((v.name, v.detail, v.kind, v.step, v.request_id, v.code) for v in violations)
 
 
 class _Counting(IncrementalChecker):
@@ -39,7 +46,7 @@ class _Counting(IncrementalChecker):
 def _run_on(config, specs, fault=None, fault_step=None, checker=None, steps=60):
     """Run fcfs on ``specs``; after step ``fault_step`` the state is broken by FAULTS[fault] and the scheduler
     goes on FROM THE BROKEN STATE, so the breach persists (or heals as the run moves on). At every step the
-    incremental verdict must equal the full check's. Stops when the scheduler cannot go on from the broken
+    incremental verdict must equal the full check's, every field of every violation (its detail too). Stops when the scheduler cannot go on from the broken
     state (it is not built for one: an id past the pool) or the run ends. Returns the full check's verdict
     counts per step from the fault step on, or None when the fault could not be made."""
     scheduler = make_scheduler("fcfs", config)
@@ -376,3 +383,41 @@ def test_a_terminal_request_is_checked_once_when_it_ends(monkeypatch):
     # with prefix caching check_step skips every invariant the shared-block ledger proves, and a fallback's
     # check_state runs exactly those (``__init__``: only block-conservation skipped, the others run in full)
     assert skips == {("step", CACHE_SCREENED), ("state", STATE_NAMES - CACHE_SCREENED)}
+
+
+def test_a_rehashed_block_of_a_request_that_did_not_change_is_found():
+    """A published block held by a request that did not change (the same request object as in the last state
+    followed) gets another hash, listed consistently under it, in a step that schedules nothing: no table changed,
+    the counts and the free queue are as before, the hash map agrees with the blocks' hashes; only the holder's
+    published chain is now wrong (``prefix-published-computed``). The ledger must send the holders of every block
+    whose hash changed to the chain check (``_follow_cached``: the holders of rehashed blocks left out)."""
+    from schedspec.spec.state import StepPlan
+    from tests.test_incremental import _cache_fault, _rehash
+
+    config = CONFIG.with_changes(num_kv_blocks=10, enable_prefix_caching=True)
+    scheduler = make_scheduler("fcfs", config)
+    model = FakeModel(config, cost_model=_Flat())
+    checker = IncrementalChecker(config)
+    for spec in SPECS[:2]:
+        scheduler.add_request(spec.to_request(0))
+    found = 0
+    for _ in range(4):
+        before = scheduler.state
+        checker.sync(before)
+        plan = scheduler.schedule()
+        sampled, _ = model.execute(plan, before)
+        scheduler.update(plan, sampled)
+        after = scheduler.state
+        assert checker.invariants(before, plan, after) == []
+        broken = _cache_fault(after, _rehash)
+        if broken is None:
+            continue
+        assert all(broken.requests[r] is after.requests[r] for r in after.requests)
+        probe = IncrementalChecker(config)  # a copy of the checker that followed the run so far
+        probe.__dict__.update({k: (v.copy() if hasattr(v, "copy") else v) for k, v in checker.__dict__.items()})
+        probe.holders = {b: set(h) for b, h in checker.holders.items()}
+        full = check_step(after, StepPlan(), broken, config)
+        assert "prefix-published-computed" in {v.name for v in full}
+        assert _verdict(probe.invariants(after, StepPlan(), broken)) == _verdict(full)
+        found += 1
+    assert found
