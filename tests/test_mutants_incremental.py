@@ -421,3 +421,29 @@ def test_a_rehashed_block_of_a_request_that_did_not_change_is_found():
         assert _verdict(probe.invariants(after, StepPlan(), broken)) == _verdict(full)
         found += 1
     assert found
+
+
+def test_the_screen_passes_a_speculative_decode_whose_table_fits_its_drafts_exactly():
+    """A decode verifying two drafts with the block its tokens, drafts and lookahead slots need (13 slots in 4
+    blocks of 4: the table neither short nor in excess) breaks no rule, and the screen passes it; a screen that
+    counted the sequence less its drafts would see an excess block and make every such step of a speculative run
+    pay for the full rules (``screened_rules_hold``: ``num_tokens - drafts``)."""
+    from schedspec.spec.incremental import screened_rules_hold
+    from schedspec.spec.rules import violated_rules
+    from schedspec.spec.state import ScheduledRequest
+
+    config = SchedulerConfig(block_size=4, num_kv_blocks=12, max_num_batched_tokens=16, max_num_seqs=3,
+                             max_model_len=32, num_speculative_tokens=2, num_lookahead_tokens=2)
+    scheduler = make_scheduler("fcfs", config)
+    model = FakeModel(config, cost_model=_Flat())
+    scheduler.add_request(RequestSpec("a", 8, 6, arrival_step=0).to_request(0))
+    plan = scheduler.schedule()
+    sampled, _ = model.execute(plan, scheduler.state)
+    scheduler.update(plan, sampled)
+    state = scheduler.state
+    a = state.requests["a"]
+    assert (a.num_tokens, a.num_computed_tokens, len(a.block_ids)) == (9, 8, 3)
+    state = attrs.evolve(state, requests={"a": attrs.evolve(a, spec_token_ids=(5, 5))})
+    plan = attrs.evolve(plan, scheduled=(ScheduledRequest("a", 8, 3, state.free_block_ids[:1], spec_token_ids=(5, 5)),))
+    assert violated_rules(state, plan, config) == []
+    assert screened_rules_hold(state, plan, config)
