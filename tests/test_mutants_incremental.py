@@ -447,3 +447,123 @@ def test_the_screen_passes_a_speculative_decode_whose_table_fits_its_drafts_exac
     plan = attrs.evolve(plan, scheduled=(ScheduledRequest("a", 8, 3, state.free_block_ids[:1], spec_token_ids=(5, 5)),))
     assert violated_rules(state, plan, config) == []
     assert screened_rules_hold(state, plan, config)
+
+
+def _followed_states(config, specs):
+    """The states an incremental checker follows on a correct fcfs run (each step's ``before``, after arrivals
+    and aborts, then its ``after``), with the checker that followed them."""
+    scheduler = make_scheduler("fcfs", config)
+    model = FakeModel(config, cost_model=_Flat())
+    checker = IncrementalChecker(config)
+    states = [scheduler.state]
+    for step in range(200):
+        for spec in specs:
+            if spec.arrival_step == step:
+                scheduler.add_request(spec.to_request(step))
+            if spec.abort_at_step == step:
+                scheduler.state = abort_request(scheduler.state, spec.request_id)
+        before = scheduler.state
+        if not before.requests and step > max(s.arrival_step for s in specs):
+            break
+        checker.sync(before)
+        plan = scheduler.schedule()
+        sampled, _ = model.execute(plan, before)
+        scheduler.update(plan, sampled)
+        assert checker.invariants(before, plan, scheduler.state) == []
+        states += [before, scheduler.state]
+    return states, checker
+
+
+def test_the_chain_memo_resumes_at_the_prefix_published_at_the_last_state():
+    """Between two states the checker follows, a request that changed has its published chain checked from the
+    prefix that was published right in the earlier state (:func:`~schedspec.spec.invariants.published_chain`,
+    the definition, run here on that state), so the blocks checked are at most, summed over the changed
+    requests, their tables' blocks past that prefix (``_chain_known``: the memo dropped when the published
+    prefix exactly fills the computed tokens, or when no output token lies in it)."""
+    from schedspec.spec.invariants import published_chain
+
+    for block_size, prompt in ((2, 5), (4, 7), (4, 8)):
+        config = CONFIG.with_changes(num_kv_blocks=40, block_size=block_size, max_model_len=64,
+                                     max_num_batched_tokens=32, enable_prefix_caching=True)
+        specs = [RequestSpec(f"r{i}", prompt + i, 16, arrival_step=i, prefix_group="p", prefix_len=4)
+                 for i in range(3)]
+        states, checker = _followed_states(config, specs)
+        bound = 0
+        for old, new in zip(states, states[1:], strict=False):
+            for request_id, request in new.requests.items():
+                known = old.requests.get(request_id)
+                if known is request:
+                    continue
+                published = 0 if known is None else published_chain(
+                    known, old.prefix_cache.block_hashes, block_size)[1]
+                bound += max(0, len(request.block_ids) - published)
+        assert 0 < checker.chain_blocks <= bound, (block_size, prompt, checker.chain_blocks, bound)
+
+
+def _published(request, state, block_size):
+    """How many leading blocks of the request's table are published right in ``state`` (the definition)."""
+    from schedspec.spec.invariants import published_chain
+
+    return published_chain(request, state.prefix_cache.block_hashes, block_size)[1]
+
+
+def _rolled_back(request, published, size):
+    """Its computed tokens rolled back into its last published block (``prefix-published-computed``)."""
+    return attrs.evolve(request, num_computed_tokens=published * size - 1)
+
+
+def _prompt_changed(request, published, size):
+    """Its first prompt token changed (a new tuple): its published blocks hold the hashes of other tokens."""
+    return attrs.evolve(request, prompt_token_ids=(request.prompt_token_ids[0] + 1, *request.prompt_token_ids[1:]))
+
+
+def _output_changed(request, published, size):
+    """Its first output token changed, when its published blocks hold it (else None)."""
+    if published * size - request.prompt_len < 1:
+        return None
+    return attrs.evolve(request, output_token_ids=(request.output_token_ids[0] + 1, *request.output_token_ids[1:]))
+
+
+@pytest.mark.parametrize("edit", [_rolled_back, _prompt_changed, _output_changed], ids=lambda f: f.__name__[1:])
+def test_a_request_changed_under_its_published_blocks_is_found(edit):
+    """A running request whose published blocks no longer match it (its computed tokens rolled back into them, a
+    prompt or output token they hold changed) is reported by the incremental checker as by the full check, though
+    its table, the cache and the free queue are as a correct step leaves them: the memo of its published chain
+    must not be trusted past such a change (``_chain_known``: the tests of the computed tokens, of the prompt and
+    of the output tokens, joined with ``and``, loosened, or skipped when the prefix holds one output token)."""
+    size = 4
+    config = CONFIG.with_changes(num_kv_blocks=40, max_model_len=64, max_num_batched_tokens=32,
+                                 enable_prefix_caching=True)
+    specs = [RequestSpec(f"r{i}", 7 + i, 12, arrival_step=i, prefix_group="p", prefix_len=4) for i in range(3)]
+    made, outputs = 0, set()
+    for fault_step in range(1, 14):
+        scheduler = make_scheduler("fcfs", config)
+        model = FakeModel(config, cost_model=_Flat())
+        checker = IncrementalChecker(config)
+        for step in range(fault_step + 1):
+            for spec in specs:
+                if spec.arrival_step == step:
+                    scheduler.add_request(spec.to_request(step))
+            before = scheduler.state
+            checker.sync(before)
+            plan = scheduler.schedule()
+            sampled, _ = model.execute(plan, before)
+            scheduler.update(plan, sampled)
+            after = scheduler.state
+            if step < fault_step:
+                assert checker.invariants(before, plan, after) == []
+        # the request with the longest published prefix in ``before`` (the checker's memo of it starts there)
+        request_id = max(before.requests, key=lambda r: _published(before.requests[r], before, size))
+        published = _published(before.requests[request_id], before, size)
+        broken = edit(after.requests[request_id], published, size) if published and request_id in after.requests else None
+        if broken is None:
+            continue
+        broken = attrs.evolve(after, requests={**after.requests, request_id: broken})
+        full = check_step(before, plan, broken, config)
+        assert ("prefix-published-computed", request_id) in {(v.name, v.request_id) for v in full}
+        assert _verdict(checker.invariants(before, plan, broken)) == _verdict(full), fault_step
+        made += 1
+        outputs.add(published * size - before.requests[request_id].prompt_len)
+    assert made
+    if edit is _output_changed:
+        assert 1 in outputs  # the published prefix held exactly one output token
