@@ -18,9 +18,18 @@ from schedspec.reference.scheduler import make_scheduler
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.incremental import IncrementalChecker
 from schedspec.spec.invariants import check_step
+from schedspec.spec.rules import violated_rules
 from schedspec.spec.transitions import abort_request
 from schedspec.spec.workload import RequestSpec
-from tests.test_incremental import CONFIG, FAULTS, NOT_BREACHES, SPECS, _Flat, _takes_and_releases
+from tests.test_incremental import (
+    CONFIG,
+    FAULTS,
+    NOT_BREACHES,
+    SPECS,
+    _CountingChecker,
+    _Flat,
+    _takes_and_releases,
+)
 
 
 def _verdict(violations):
@@ -28,30 +37,26 @@ def _verdict(violations):
     return Counter((v.name, v.detail, v.kind, v.step, v.request_id, v.code) for v in violations)
 
 
-class _Counting(IncrementalChecker):
-    """An incremental checker that keeps the steps (plan, after) on which it fell back to the full checks."""
-
-    def __init__(self, config):
-        super().__init__(config)
-        self.fallback_steps = []
-
-    def invariants(self, before, plan, after):
-        fallbacks = self.fallbacks
-        found = super().invariants(before, plan, after)
-        if self.fallbacks > fallbacks:
-            self.fallback_steps.append((before.step, plan, after))
-        return found
+def _fallback_steps(checker):
+    """(step, plan, after) of each step on which a :class:`_CountingChecker` fell back to the full checks."""
+    return [(after.step - 1, plan, after) for plan, after in checker.fallback_steps]
 
 
-def _run_on(config, specs, fault=None, fault_step=None, checker=None, steps=60):
-    """Run fcfs on ``specs``; after step ``fault_step`` the state is broken by FAULTS[fault] and the scheduler
-    goes on FROM THE BROKEN STATE, so the breach persists (or heals as the run moves on). At every step the
-    incremental verdict must equal the full check's, every field of every violation (its detail too). Stops when the scheduler cannot go on from the broken
-    state (it is not built for one: an id past the pool) or the run ends. Returns the full check's verdict
-    counts per step from the fault step on, or None when the fault could not be made."""
+def _run_on(config, specs, fault=None, fault_step=-1, checker=None, steps=200, states=None, longest=None):
+    """Run fcfs on ``specs``; after step ``fault_step`` the state is broken by ``fault`` (a name in FAULTS, or a
+    function as they are) and the scheduler goes on FROM THE BROKEN STATE, so the breach persists (or heals as
+    the run moves on). At every step the incremental rules and invariants must equal the definitions', every
+    field of every violation (its detail too). Stops when the scheduler cannot go on from the broken state (it is
+    not built for one: an id past the pool) or the run ends. Returns the full check's verdict counts per step
+    from the fault step on (every step without a fault), or None when the fault could not be made; appends to
+    ``states`` the states the checker followed (the initial one first), and keeps in ``longest`` the longest
+    table each request had."""
     scheduler = make_scheduler("fcfs", config)
     model = FakeModel(config, cost_model=_Flat())
     checker = checker if checker is not None else IncrementalChecker(config)
+    states = [] if states is None else states
+    longest = {} if longest is None else longest
+    states.append(scheduler.state)
     checked: frozenset[str] = frozenset()
     reports: list[int] = []
     for step in range(steps):
@@ -71,6 +76,7 @@ def _run_on(config, specs, fault=None, fault_step=None, checker=None, steps=60):
         except IndexError:  # the reference scheduler indexes its pool with a block id past it
             assert fault is not None and step > fault_step
             break
+        assert _verdict(checker.rules(before, plan)) == _verdict(violated_rules(before, plan, config)), (fault, step)
         after = scheduler.state
         if fault is not None and step == fault_step:
             broken = (FAULTS[fault] if isinstance(fault, str) else fault)(after, before, checked)
@@ -79,9 +85,12 @@ def _run_on(config, specs, fault=None, fault_step=None, checker=None, steps=60):
             after = scheduler.state = broken
         full = check_step(before, plan, after, config)
         assert _verdict(checker.invariants(before, plan, after)) == _verdict(full), (fault, step)
-        if fault is not None and step >= fault_step:
+        if step >= fault_step:
             reports.append(len(full))
         checked = frozenset(after.finished)
+        states += [before, after]
+        for request_id, request in after.requests.items():
+            longest[request_id] = max(longest.get(request_id, 0), len(request.block_ids))
     return reports
 
 
@@ -130,14 +139,14 @@ def test_after_a_harmless_reordering_the_ledger_proves_steps_again(caching):
     flag set False on a step it followed)."""
     config = CONFIG.with_changes(num_kv_blocks=10, enable_prefix_caching=caching)
     specs = [attrs.evolve(s, prefix_group="p", prefix_len=8) for s in SPECS] if caching else SPECS
-    checker = _Counting(config)
+    checker = _CountingChecker(config)
     reports = _run_on(config, specs, "free queue reordered", 3, checker=checker)
     assert reports is not None and not any(reports) and len(reports) > 8
-    late = [(step, plan, after) for step, plan, after in checker.fallback_steps if step != 3]
+    late = [(step, plan, after) for step, plan, after in _fallback_steps(checker) if step != 3]
     assert all(_takes_and_releases(plan, after) for _, plan, after in late), [s for s, _, _ in late]
     # the shared-block ledger wants the queue's kept blocks in their order; the owner ledger's search takes the
     # reversed queue as the old one less all but its last block, those put back in front (a proof all the same)
-    assert (3 in {step for step, _, _ in checker.fallback_steps}) == caching
+    assert (3 in {step for step, _, _ in _fallback_steps(checker)}) == caching
 
 
 def _middle_swapped(state, before, checked):
@@ -159,12 +168,12 @@ def test_the_ledger_rebuilt_after_a_fallback_proves_the_next_steps(caching):
     specs = [attrs.evolve(s, prefix_group="p", prefix_len=8) for s in SPECS] if caching else SPECS
     made = 0
     for fault_step in range(1, 8):
-        checker = _Counting(config)
+        checker = _CountingChecker(config)
         reports = _run_on(config, specs, _middle_swapped, fault_step, checker=checker)
         if reports is None:
             continue
         assert not any(reports) and len(reports) > 5
-        steps = [step for step, plan, after in checker.fallback_steps if not _takes_and_releases(plan, after)]
+        steps = [step for step, plan, after in _fallback_steps(checker) if not _takes_and_releases(plan, after)]
         # (no fallback at all where the swapped blocks were released in the step: then they are blocks added)
         assert steps in ([], [fault_step]), fault_step
         made += steps == [fault_step]
@@ -242,30 +251,11 @@ def test_the_ledger_keeps_nothing_of_ended_requests(caching):
     assert ended == len(specs)
 
 
-def _plain_run(config, specs, checker, name="fcfs"):
-    """Run ``name`` on ``specs`` (arrivals and aborts at their steps) with ``checker``; every step's verdicts must
-    be the full check's (none: the run is correct). Returns the longest table each request had."""
-    scheduler = make_scheduler(name, config)
-    model = FakeModel(config, cost_model=_Flat())
+def _plain_run(config, specs, checker, states=None):
+    """Run fcfs on ``specs`` with ``checker`` (:func:`_run_on` without a fault); the run is correct, so every
+    check finds nothing. Returns the longest table each request had."""
     longest: dict[str, int] = {}
-    for step in range(200):
-        for spec in specs:
-            if spec.arrival_step == step:
-                scheduler.add_request(spec.to_request(step))
-            if spec.abort_at_step == step:
-                scheduler.state = abort_request(scheduler.state, spec.request_id)
-        before = scheduler.state
-        if not before.requests and step > max(s.arrival_step for s in specs):
-            break
-        checker.sync(before)
-        plan = scheduler.schedule()
-        assert checker.rules(before, plan) == []
-        sampled, _ = model.execute(plan, before)
-        scheduler.update(plan, sampled)
-        after = scheduler.state
-        assert checker.invariants(before, plan, after) == check_step(before, plan, after, config) == []
-        for request_id, request in after.requests.items():
-            longest[request_id] = max(longest.get(request_id, 0), len(request.block_ids))
+    assert not any(_run_on(config, specs, checker=checker, states=states, longest=longest))
     return longest
 
 
@@ -452,25 +442,8 @@ def test_the_screen_passes_a_speculative_decode_whose_table_fits_its_drafts_exac
 def _followed_states(config, specs):
     """The states an incremental checker follows on a correct fcfs run (each step's ``before``, after arrivals
     and aborts, then its ``after``), with the checker that followed them."""
-    scheduler = make_scheduler("fcfs", config)
-    model = FakeModel(config, cost_model=_Flat())
-    checker = IncrementalChecker(config)
-    states = [scheduler.state]
-    for step in range(200):
-        for spec in specs:
-            if spec.arrival_step == step:
-                scheduler.add_request(spec.to_request(step))
-            if spec.abort_at_step == step:
-                scheduler.state = abort_request(scheduler.state, spec.request_id)
-        before = scheduler.state
-        if not before.requests and step > max(s.arrival_step for s in specs):
-            break
-        checker.sync(before)
-        plan = scheduler.schedule()
-        sampled, _ = model.execute(plan, before)
-        scheduler.update(plan, sampled)
-        assert checker.invariants(before, plan, scheduler.state) == []
-        states += [before, scheduler.state]
+    checker, states = IncrementalChecker(config), []
+    _plain_run(config, specs, checker, states=states)
     return states, checker
 
 
