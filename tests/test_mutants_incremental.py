@@ -521,3 +521,52 @@ def test_a_request_changed_under_its_published_blocks_is_found(edit):
     assert made
     if edit is _output_changed:
         assert 1 in outputs  # the published prefix held exactly one output token
+
+
+def test_the_owner_ledger_compares_shared_free_queues_by_their_structure(monkeypatch):
+    """Without prefix caching the spec's free queues are :class:`~schedspec.spec.persistent.FreeQueue` values
+    sharing their base, and the owner ledger compares each new queue with the old one by that shared structure
+    (``FreeQueue.shares_suffix_with``, no Python loop over the kept blocks) on most states it follows, not by the
+    general search that plain tuples need (``_queue_follows``: the shortcut left off)."""
+    from schedspec.spec.persistent import FreeQueue
+
+    shared = []
+    original = FreeQueue.shares_suffix_with
+
+    def recording(queue, previous):
+        found = original(queue, previous)
+        shared.append(found is not None)
+        return found
+
+    monkeypatch.setattr(FreeQueue, "shares_suffix_with", recording)
+    states: list = []
+    _plain_run(CONFIG, SPECS, IncrementalChecker(CONFIG), states=states)
+    # most steps: a queue that a transition rebuilt (a new base) is compared by the search
+    assert sum(shared) > len(states) // 2
+
+
+class _RefollowWatch(IncrementalChecker):
+    """An incremental checker that, after each step, follows the state it just followed once more: nothing
+    changed, so the ledger proves it again without checking any chain (asserted)."""
+
+    refollowed = 0
+
+    def invariants(self, before, plan, after):
+        found = super().invariants(before, plan, after)
+        chain_blocks = self.chain_blocks
+        assert self._follow_any(after)
+        assert self.chain_blocks == chain_blocks
+        self.refollowed += any(len(r.block_ids) * self.config.block_size > r.num_computed_tokens
+                               for r in after.requests.values())  # a request with a block not yet full
+        return found
+
+
+def test_requests_that_did_not_change_are_not_examined_again():
+    """The shared-block ledger examines only the requests that are new values since the last state it followed
+    (the memo ``seen``): following the same state twice checks no published chain the second time, though some
+    request holds a block not yet full, which a chain check would visit (``_follow_cached``: the memo looked up
+    or stored wrong, so every live request is examined at every step)."""
+    config = CONFIG.with_changes(num_kv_blocks=16, enable_prefix_caching=True)
+    checker = _RefollowWatch(config)
+    _plain_run(config, [attrs.evolve(s, prefix_group="p", prefix_len=8) for s in SPECS], checker)
+    assert checker.refollowed > 3
