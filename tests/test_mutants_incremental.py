@@ -28,6 +28,7 @@ from tests.test_incremental import (
     SPECS,
     _CountingChecker,
     _Flat,
+    _pool_size,
     _takes_and_releases,
 )
 
@@ -82,7 +83,9 @@ def _run_on(config, specs, fault=None, fault_step=-1, checker=None, steps=200, s
             broken = (FAULTS[fault] if isinstance(fault, str) else fault)(after, before, checked)
             if broken is None:
                 return None
-            after = scheduler.state = broken
+            # the state it broke stays referenced: its cache is the base of the broken one's change log
+            correct, after = after, broken  # noqa: F841
+            scheduler.state = broken
         full = check_step(before, plan, after, config)
         assert _verdict(checker.invariants(before, plan, after)) == _verdict(full), (fault, step)
         if step >= fault_step:
@@ -570,3 +573,35 @@ def test_requests_that_did_not_change_are_not_examined_again():
     checker = _RefollowWatch(config)
     _plain_run(config, [attrs.evolve(s, prefix_group="p", prefix_len=8) for s in SPECS], checker)
     assert checker.refollowed > 3
+
+
+def _table_rewritten_past_the_pool(state, before, checked):
+    """A request's one-block table (as in ``before``), its block not published, replaced by the id past the pool: the old block is
+    released as a correct step releases it (its count dropped, put at the front of the free queue), the new id
+    gets no count. Only the range check of the blocks a rewritten table holds sees it (with the reference count
+    of the new id, which no changed count names)."""
+    from schedspec.spec.prefix_cache import CacheUpdate
+
+    cache = state.prefix_cache
+    single = [r for r in state.requests.values() if len(r.block_ids) == 1 and r.block_ids[0] not in cache.block_hashes
+              and cache.ref_counts.get(r.block_ids[0]) == 1
+              and r.request_id in before.requests and before.requests[r.request_id].block_ids == r.block_ids]
+    if not single:
+        return None
+    request, (block_id,) = single[0], single[0].block_ids
+    update = CacheUpdate(cache, state.free_block_ids)
+    update._set_count(block_id, 0)
+    past = _pool_size(state)
+    return attrs.evolve(state, prefix_cache=update.freeze_cache(), free_block_ids=(block_id, *state.free_block_ids),
+                        requests={**state.requests, request.request_id: attrs.evolve(request, block_ids=(past,))})
+
+
+def test_a_table_rewritten_with_an_id_past_the_pool_is_found():
+    """With prefix caching a table that is not its old table plus new blocks (a rewrite) is dropped and added
+    whole; the blocks added must be range-checked though the counts, the free queue and the hash map agree with
+    the ledger (``_follow_cached``: the add skipped once the drop succeeded)."""
+    config = CONFIG.with_changes(num_kv_blocks=10, enable_prefix_caching=True)
+    specs = [RequestSpec("small", 2, 6, arrival_step=0), *SPECS[:2]]
+    made = [reports for step in range(0, 4)
+            if (reports := _run_on(config, specs, _table_rewritten_past_the_pool, step, steps=step + 1)) is not None]
+    assert made and all(reports[0] for reports in made)
