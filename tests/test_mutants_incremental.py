@@ -183,20 +183,35 @@ def test_the_ledger_rebuilt_after_a_fallback_proves_the_next_steps(caching):
     assert made >= 2
 
 
-def test_a_block_taken_from_an_unchanged_free_queue_is_found():
+def _swap_last(after, queue):
+    """r0's last block (freed by nobody) swapped for the queue's first block, the queue left as it was."""
+    r0 = after.requests["r0"]
+    return {"r0": attrs.evolve(r0, block_ids=r0.block_ids[:-1] + (queue[0],))}
+
+
+def _take_and_drop(after, queue):
+    """r0 takes the queue's first block on top of its table, and r1's one block leaves its table for nowhere, the
+    queue left as it was: no block taken by r0 was released in the step."""
+    r0, r1 = after.requests["r0"], after.requests["r1"]
+    return {"r0": attrs.evolve(r0, block_ids=r0.block_ids + (queue[0],)), "r1": attrs.evolve(r1, block_ids=())}
+
+
+@pytest.mark.parametrize("edit", [_swap_last, _take_and_drop], ids=["swap-last", "take-and-drop"])
+def test_a_block_taken_from_an_unchanged_free_queue_is_found(edit):
     """A request takes a free block while the free queue stays the same object (the block was never removed from
     it) and another block leaves a table without joining the queue: the counts still agree, so only the comparison
     of the queue with the old one sees that a block is both free and owned. The ledger once skipped that comparison
-    when the queue object was unchanged and passed this breach (``_follow``: the queue check skipped or loosened;
-    ``_queue_follows``: a block taken from the old queue's kept part not refused)."""
+    when the queue object was unchanged and passed this breach (``_follow``: the queue check skipped or loosened,
+    the blocks taken fresh from the queue (not released in the step) not listed; ``_queue_follows``: a block taken
+    from the old queue's kept part not refused)."""
     config = SchedulerConfig(block_size=4, num_kv_blocks=10, max_num_batched_tokens=16, max_num_seqs=3,
                              max_model_len=32)
     for shared in (True, False):
         scheduler = make_scheduler("fcfs", config)
         model = FakeModel(config, cost_model=_Flat())
         checker = IncrementalChecker(config)
-        for name in ("r0", "r1"):
-            scheduler.add_request(RequestSpec(name, 5, 4, arrival_step=0).to_request(0))
+        for name, prompt in (("r0", 5), ("r1", 3)):
+            scheduler.add_request(RequestSpec(name, prompt, 4, arrival_step=0).to_request(0))
         for _ in range(2):
             before = scheduler.state if shared else attrs.evolve(scheduler.state,
                                                                   free_block_ids=tuple(scheduler.state.free_block_ids))
@@ -208,14 +223,22 @@ def test_a_block_taken_from_an_unchanged_free_queue_is_found():
             if before.step == 0:
                 assert checker.invariants(before, plan, after) == []
         queue = before.free_block_ids
-        r0 = after.requests["r0"]
-        # r0's last block (freed by nobody) swapped for the queue's first block, the queue left as it was
-        broken = attrs.evolve(after, free_block_ids=queue, requests={
-            **after.requests, "r0": attrs.evolve(r0, block_ids=r0.block_ids[:-1] + (queue[0],))})
+        assert len(after.requests["r1"].block_ids) == 1
+        broken = attrs.evolve(after, free_block_ids=queue, requests={**after.requests, **edit(after, queue)})
         full = check_step(before, plan, broken, config)
         assert {(v.name, v.request_id) for v in full} >= {("block-conservation", "r0")}
         assert _verdict(checker.invariants(before, plan, broken)) == _verdict(full)
         assert checker.fallbacks == 1
+
+
+def test_every_step_of_a_lasting_leak_falls_back():
+    """A block leaked (gone from the free queue, in no table) and never given back: every step from then on
+    falls back to the full check, which reports it each time, and the checker counts each of those steps
+    (``invariants``: the count of fallbacks set instead of increased)."""
+    checker = IncrementalChecker(CONFIG)
+    reports = _run_on(CONFIG, SPECS, "block leaked", 3, checker=checker)
+    assert len(reports) > 5 and all(reports)
+    assert checker.fallbacks == len(reports)
 
 
 @pytest.mark.parametrize("caching", [False, True], ids=["no-caching", "prefix-caching"])
