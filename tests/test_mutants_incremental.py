@@ -628,3 +628,32 @@ def test_a_table_rewritten_with_an_id_past_the_pool_is_found():
     made = [reports for step in range(0, 4)
             if (reports := _run_on(config, specs, _table_rewritten_past_the_pool, step, steps=step + 1)) is not None]
     assert made and all(reports[0] for reports in made)
+
+
+def _ended_keeps_table_and_queue_swapped(state, before, checked):
+    """A request that ended in the step keeps its freed table in its record, and the free queue's middle is
+    reordered (which the shared-block ledger cannot follow, so the step falls back)."""
+    from tests.test_incremental import _ended_keeps_table
+
+    broken = _ended_keeps_table(state, before)
+    return None if broken is None else _middle_swapped(broken, before, checked)
+
+
+def test_after_a_fallback_that_finds_only_an_ended_request_with_blocks_the_ledger_proves_again():
+    """A fallback whose only breach is an ended request that still lists blocks (``block-conservation``'s
+    terminal case) leaves the ledger sound: it matches the live tables and the free queue, so the next steps are
+    proved (the ended request is re-checked on its own at each of them, and reported as the full check reports it)
+    (``invariants``: the ledger left unsound after such a fallback, so every later step falls back)."""
+    config = CONFIG.with_changes(num_kv_blocks=16, enable_prefix_caching=True)
+    specs = [attrs.evolve(s, prefix_group="p", prefix_len=8) for s in SPECS]
+    made = 0
+    for fault_step in range(2, 10):
+        checker = _CountingChecker(config)
+        reports = _run_on(config, specs, _ended_keeps_table_and_queue_swapped, fault_step, checker=checker)
+        if reports is None:
+            continue
+        assert all(reports) and len(reports) > 3  # the ended request is reported at every later step
+        steps = [step for step, plan, after in _fallback_steps(checker) if not _takes_and_releases(plan, after)]
+        assert steps in ([], [fault_step]), fault_step
+        made += steps == [fault_step]
+    assert made
