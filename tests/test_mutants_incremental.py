@@ -278,20 +278,36 @@ def _plain_run(config, specs, checker, states=None):
     return longest
 
 
-def test_ended_requests_are_found_without_scanning_every_ended_request():
+def test_ended_requests_are_found_without_scanning_every_ended_request(monkeypatch):
     """Terminal requests are collected from the requests that left the live set; the map of every request that
     ever ended is scanned only on a step where some arrived and ended before the checker saw them live (here two
-    arrivals aborted in the step they arrived, at two steps), never otherwise, though requests end in the same
-    step as others (``_collect_terminal``: the count of those found wrong or compared wrong, so the scan runs at
-    every step: O(every ended request) per step over an hour's trace)."""
+    arrivals aborted in the step they arrived, the second in the step a live request is aborted), never
+    otherwise, though requests end in the same step as others; and each ended request is handed to the checks
+    once, in the step it ended, whether found by the scan or not (``_collect_terminal``: the count of those
+    found wrong or compared wrong, so the scan runs at every step (O(every ended request) per step over an hour's
+    trace) or not when it must; the ids collected not kept, so a later scan collects them again)."""
+    import schedspec.spec.incremental as incremental
+
+    handed, last = [], set()  # per step, the requests handed over that did not end since the last step
+
+    def recording(before, plan, after, config, terminal=None, skip=frozenset()):
+        handed.append(set(terminal) - (set(after.finished) - last))
+        last.clear()
+        last.update(after.finished)
+        return check_step(before, plan, after, config, terminal=terminal, skip=skip)
+
+    monkeypatch.setattr(incremental, "check_step", recording)
     specs = [*SPECS, RequestSpec("gone", 3, 2, arrival_step=1, abort_at_step=1),
-             RequestSpec("gone-too", 3, 2, arrival_step=4, abort_at_step=4),
-             RequestSpec("aborted", 6, 4, arrival_step=1, abort_at_step=3)]
-    together = [attrs.evolve(s, arrival_step=0) for s in SPECS[:3]]  # three finish together
+             RequestSpec("gone-too", 3, 2, arrival_step=7, abort_at_step=7),
+             RequestSpec("aborted", 6, 16, arrival_step=1, abort_at_step=7)]
+    together = [RequestSpec(f"t{i}", 5, 4, arrival_step=0) for i in range(3)]  # three finish in one step
     for run, scans in ((specs, 2), (together, 0), (SPECS, 0)):
         checker = IncrementalChecker(CONFIG)
+        handed.clear()
+        last.clear()
         _plain_run(CONFIG, run, checker)
         assert checker.scans == scans, [s.request_id for s in run]
+        assert not any(handed), handed
 
 
 class _NoChainMemo(IncrementalChecker):
