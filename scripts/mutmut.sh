@@ -68,7 +68,7 @@ tests_for() {
     checker) echo "${checker[@]}" tests/test_checker_memory.py tests/test_invariants.py tests/test_state.py \
                   tests/test_spec_mutants.py tests/test_speculative.py tests/test_in_flight.py tests/test_mutants_checker.py \
                   --deselect tests/test_in_flight.py::test_the_machine_drives_an_in_flight_scheduler ;;
-    incremental) echo tests/test_incremental.py tests/test_checker_memory.py tests/test_invariants.py \
+    incremental) echo tests/test_incremental.py tests/test_mutants_incremental.py tests/test_checker_memory.py tests/test_invariants.py \
                       tests/test_spec_mutants.py tests/test_in_flight.py \
                       --deselect tests/test_in_flight.py::test_the_machine_drives_an_in_flight_scheduler ;;
     # prefix_cache: the policies call CacheUpdate in every end-to-end test, so a survivor ran all of

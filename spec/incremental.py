@@ -31,9 +31,12 @@ every step of random runs with injected faults), by two means:
 
 Cost per step: O(live requests) Python operations (the other state invariants and the scan for
 requests that left the live set), plus O(changed blocks) for the ledger (with prefix caching also
-O(changed keys of the cache) and O(new blocks of each changed table) for the chains), plus, on steps
-where the free queue changed, one comparison of the new queue with the old one done by CPython's tuple
-slicing and comparison (O(num_kv_blocks) machine operations, no Python loop). A fallback step costs
+O(changed keys of the cache) and O(new blocks of each changed table) for the chains), plus one
+comparison of the new free queue with the old one: O(blocks added in front) when both are
+:class:`~schedspec.spec.persistent.FreeQueue` values sharing their base (the spec's transitions make
+them so), else done by CPython's tuple slicing and comparison (O(num_kv_blocks) machine operations, no
+Python loop). The queue is compared even when it is the same object as before: a block taken from it
+without leaving it, with another released elsewhere, keeps every count right. A fallback step costs
 the full checks of the invariants the ledger proves.
 
 **KV connector**: the ledger does not follow the blocks that remote KV loads and delayed frees hold
@@ -148,9 +151,8 @@ def screened_rules_hold(state: SchedulerState, plan: StepPlan, config: Scheduler
             return False
         named.add(request_id)
     # sequence-cap, with the running requests as the planner saw them (a step in flight: those ended since
-    # still held their slots; every preempted id is in state.running, checked above)
-    planned = len(running_when_planned(state)[0]) if state.in_flight is not None else len(running)
-    return planned - preempted + admitted <= config.max_num_seqs
+    # still held their slots; without one, state.running; every preempted id is in state.running, checked above)
+    return len(running_when_planned(state)[0]) - preempted + admitted <= config.max_num_seqs
 
 
 class IncrementalChecker:
@@ -178,6 +180,12 @@ class IncrementalChecker:
         self.pending_terminal: dict[str, Request] = {}
         self.fallbacks = 0
         """Steps on which the screen could not prove ``block-conservation`` and the full check ran."""
+        self.scans = 0
+        """Steps on which ended requests were found by scanning all of ``state.finished`` (O(every request
+        that ever ended)): only when some arrived and ended between two states the checker saw."""
+        self.chain_blocks = 0
+        """With prefix caching, the blocks of published chains checked (:func:`published_chain` from the prefix
+        known right, :meth:`_chain_known`): near one check per block of a table, not one per block and step."""
         self.remote = False
         """KV connector: a remote KV load or a delayed free was seen. The ledger does not follow the blocks
         transfers hold, so from then on every step runs the rules and the ledger's invariants in full."""
@@ -210,6 +218,7 @@ class IncrementalChecker:
         if len(state.finished) - self.num_terminal > found:
             # Requests that arrived and ended between two states this checker saw (an arrival aborted
             # before the step was planned): find them by scanning (rare).
+            self.scans += 1
             for request_id, ended in state.finished.items():
                 if request_id not in self.terminal_ids:
                     self.pending_terminal[request_id] = ended
@@ -218,65 +227,58 @@ class IncrementalChecker:
 
     def _follow(self, state: SchedulerState) -> bool:
         """Bring the ledger to ``state``; True when the screen proves ``block-conservation`` of ``state``
-        given that it held for the previous state."""
-        ok = True
-        num_blocks = self.config.num_kv_blocks
-        owner, free = self.owner, self.free
+        given that it held for the previous state. False as soon as a check fails: the ledger is then off
+        (partly brought to ``state``) and the caller runs the full check, which rebuilds it
+        (:meth:`invariants`), or marks it unsound (:meth:`sync`). Every step keeps the free set exactly the
+        blocks in range that no table owns (a block moves between the two at once, or not at all)."""
+        owner, free, tables = self.owner, self.free, self.tables
         gone = [r for r in self.live if r not in state.requests]
         self._collect_terminal(state, gone)
+        self.live = set(state.requests)
         released: set[int] = set()
-        taken: list[int] = []
 
-        def release(request_id: str, blocks: tuple[int, ...]) -> None:
-            nonlocal ok
+        def release(request_id: str, blocks: tuple[int, ...]) -> bool:
             for block_id in blocks:
                 if owner.get(block_id) != request_id:
-                    ok = False
-                    continue
+                    return False
                 del owner[block_id]
                 free.add(block_id)
                 released.add(block_id)
+            return True
 
         for request_id in gone:
-            self.live.discard(request_id)
-            blocks = self.tables.pop(request_id, None)
-            if blocks:
-                release(request_id, blocks)
-        self.live.update(state.requests)
+            if not release(request_id, tables.pop(request_id, ())):
+                return False
         takes: list[tuple[str, tuple[int, ...]]] = []
         for request_id, request in state.requests.items():
-            old = self.tables.get(request_id, ())
+            old = tables.get(request_id, ())
             table = request.block_ids
-            if table is old or table == old:
+            if table == old:
                 continue
             if table[: len(old)] == old:
                 takes.append((request_id, table[len(old):]))
-            else:
-                release(request_id, old)
+            elif release(request_id, old):
                 takes.append((request_id, table))
-            if table:
-                self.tables[request_id] = table
             else:
-                self.tables.pop(request_id, None)
+                return False
+            if table:
+                tables[request_id] = table
+            else:
+                del tables[request_id]
         fresh_from_queue: list[int] = []  # taken blocks that were free before this state, not released now
         for request_id, blocks in takes:
             for block_id in blocks:
-                if not 0 <= block_id < num_blocks or block_id in owner or block_id not in free:
-                    ok = False
-                    continue
-                free.discard(block_id)
+                if block_id not in free:  # owned, or out of range (the free set is the rest of the range)
+                    return False
+                free.remove(block_id)
                 owner[block_id] = request_id
-                taken.append(block_id)
                 if block_id not in released:
                     fresh_from_queue.append(block_id)
-
         previous, queue = self.queue, state.free_block_ids
         self.queue = queue
-        if queue is not previous and not self._queue_follows(previous, queue, released, fresh_from_queue):
-            ok = False
-        if len(queue) + len(owner) != num_blocks or len(free) != len(queue):
-            ok = False
-        return ok
+        # The queue is compared even when it is the same object: a block taken from it (and one released
+        # elsewhere, so the count still agrees) leaves the queue unchanged, and only _queue_follows sees it.
+        return len(free) == len(queue) and self._queue_follows(previous, queue, released, fresh_from_queue)
 
     def _queue_follows(self, previous: tuple[int, ...], queue: tuple[int, ...], released: set[int],
                        fresh_from_queue: list[int]) -> bool:
@@ -287,30 +289,27 @@ class IncrementalChecker:
         the new free set (the spec adds freed blocks at the front, as vLLM; engines may add them at the
         back)."""
         owner = self.owner
-        size, length = len(previous), len(queue)
         shared = (queue.shares_suffix_with(previous)
                   if isinstance(queue, FreeQueue) and isinstance(previous, FreeQueue) else None)
         if shared is not None:
             # queue == queue[:front] + previous[start:] by shared structure (spec.persistent.FreeQueue): the
             # same decomposition the search below finds, without comparing the kept blocks one by one
             front, start = shared
-            kept = size - start
+            added = queue[:front]
         else:
+            size, length = len(previous), len(queue)
             front = 0  # blocks added in front: a leading run of released blocks
             while front < length and queue[front] in released:
                 front += 1
-            if front < length:
-                try:
-                    start = previous.index(queue[front])
-                except ValueError:
-                    start = size
-            else:
+            try:
+                start = previous.index(queue[front]) if front < length else size
+            except ValueError:
                 start = size
             kept = size - start
             if front + kept > length or queue[front:front + kept] != previous[start:]:
                 return False
+            added = queue[:front] + queue[front + kept:]
         removed = set(previous[:start])
-        added = queue[:front] + queue[front + kept:]
         if len(set(added)) != len(added):
             return False
         for block_id in added:
@@ -337,7 +336,6 @@ class IncrementalChecker:
         self.queue = tuple(state.free_block_ids)
         self.free = set(self.queue)
         self.cache: PrefixCache | None = state.prefix_cache
-        self.live = set(state.requests)
         self.num_terminal = len(state.finished)
 
     def _follow_cached(self, state: SchedulerState) -> bool:
@@ -355,48 +353,39 @@ class IncrementalChecker:
         the hash map agrees with the blocks' hashes at every changed key, and every changed request's
         published blocks are a fully computed prefix of its table under the right hashes
         (:func:`~schedspec.spec.invariants.published_chain`, resumed after the prefix known right)."""
-        ok = True
         num_blocks = self.config.num_kv_blocks
         requests = state.requests
-        holders, tables, seen = self.holders, self.tables, self.seen
-        gone = [r for r in self.live if r not in requests]
+        holders, tables, seen, chains = self.holders, self.tables, self.seen, self.chains
+        gone = [r for r in seen if r not in requests]  # seen: the live requests of the last state followed
         self._collect_terminal(state, gone)
         moved: set[int] = set()  # blocks whose holders changed
         changed: list[str] = []  # requests that are new values
 
-        def drop(request_id: str, blocks: tuple[int, ...]) -> None:
-            nonlocal ok
+        def drop(request_id: str, blocks: tuple[int, ...]) -> bool:
             for block_id in blocks:
-                owners = holders.get(block_id)
-                if owners is None or request_id not in owners:
-                    ok = False
-                    continue
-                owners.discard(request_id)
+                owners = holders.get(block_id, set())
+                if request_id not in owners:
+                    return False
+                owners.remove(request_id)
                 if not owners:
                     del holders[block_id]
                 moved.add(block_id)
+            return True
 
-        def add(request_id: str, blocks: tuple[int, ...]) -> None:
-            nonlocal ok
+        def add(request_id: str, blocks: tuple[int, ...]) -> bool:
             for block_id in blocks:
-                if not 0 <= block_id < num_blocks:
-                    ok = False
-                    continue
                 owners = holders.setdefault(block_id, set())
-                if request_id in owners:  # the table holds it twice
-                    ok = False
-                    continue
+                if not 0 <= block_id < num_blocks or request_id in owners:  # out of range, or held twice
+                    return False
                 owners.add(request_id)
                 moved.add(block_id)
+            return True
 
         for request_id in gone:
-            self.live.discard(request_id)
-            seen.pop(request_id, None)
-            self.chains.pop(request_id, None)
-            blocks = tables.pop(request_id, None)
-            if blocks:
-                drop(request_id, blocks)
-        self.live.update(requests)
+            del seen[request_id]
+            chains.pop(request_id, None)
+            if not drop(request_id, tables.pop(request_id, ())):
+                return False
         for request_id, request in requests.items():
             if seen.get(request_id) is request:
                 continue
@@ -404,48 +393,44 @@ class IncrementalChecker:
             changed.append(request_id)
             old = tables.get(request_id, ())
             table = request.block_ids
-            if table is old or table == old:
+            if table == old:
                 continue
             if table[:len(old)] == old:
-                add(request_id, table[len(old):])
-            else:
-                drop(request_id, old)
-                add(request_id, table)
+                if not add(request_id, table[len(old):]):
+                    return False
+            elif not (drop(request_id, old) and add(request_id, table)):
+                return False
             if table:
                 tables[request_id] = table
             else:
-                tables.pop(request_id, None)
+                del tables[request_id]
 
         cache, previous = state.prefix_cache, self.cache
         self.cache = cache
         keys = _cache_changes(cache, previous)
-        if keys is None or previous is None or cache is None:
+        if keys is None or cache is None:  # a cache made otherwise (or none): previous is not None below
             return False
         hashed, listed, counted = keys
         counts = cache.ref_counts
         moved |= counted
-        for block_id in moved:
-            if counts.get(block_id, 0) != len(holders.get(block_id, ())):
-                ok = False
-        if not self._queue_follows_cached(tuple(state.free_block_ids), moved):
-            ok = False
-        if not _hash_map_follows(previous, cache, hashed, listed):
-            ok = False
+        if any(counts.get(block_id, 0) != len(holders.get(block_id, ())) for block_id in moved):
+            return False
+        if not (self._queue_follows_cached(tuple(state.free_block_ids), moved)
+                and _hash_map_follows(previous, cache, hashed, listed)):
+            return False
         for block_id in hashed:  # a held block whose hash changed: its holders' chains
             changed.extend(holders.get(block_id, ()))
         size = self.config.block_size
         block_hashes = cache.block_hashes
-        for request_id in set(changed):
-            request = requests.get(request_id)
-            if request is None or not request.block_ids:
-                self.chains.pop(request_id, None)
-                continue
+        for request_id in set(changed):  # live requests (a table without blocks has an empty chain)
+            request = requests[request_id]
             start, parent = self._chain_known(request_id, request, hashed)
+            self.chain_blocks += len(request.block_ids) - start
             breach, published, parent = published_chain(request, block_hashes, size, start, parent)
             if breach is not None:
-                ok = False
-            self.chains[request_id] = (request, published, parent)
-        return ok
+                return False
+            chains[request_id] = (request, published, parent)
+        return True
 
     def _chain_known(self, request_id: str, request: Request, hashed: set[int]) -> tuple[int, str]:
         """How many leading blocks of the request's table are known published right (0 and the root when
@@ -493,7 +478,7 @@ class IncrementalChecker:
         while start < len(previous) and previous[start] in left:
             start += 1
         try:  # the others left it from the middle (a prefix-cache hit on an evictable block)
-            cuts = sorted(previous.index(b, start) for b in left.difference(previous[:start]))
+            cuts = sorted(previous.index(b) for b in left.difference(previous[:start]))
         except ValueError:  # not in the old queue: the ledger is off (it is rebuilt)
             return False
         at = front
@@ -508,8 +493,7 @@ class IncrementalChecker:
     def sync(self, before: SchedulerState) -> None:
         """Follow the arrivals and aborts applied since the last step. Reports nothing (the next
         :meth:`invariants` does)."""
-        if not self._follow_any(before):
-            self.sound = False
+        self.sound = self._follow_any(before) and self.sound
 
     def rules(self, before: SchedulerState, plan: StepPlan) -> list[Violation]:
         """:func:`schedspec.spec.rules.violated_rules` for ``before`` (after :meth:`sync`), with
@@ -521,9 +505,7 @@ class IncrementalChecker:
         run in full and the next :meth:`invariants` falls back to the full check."""
         if plan.loads or before.delayed_frees:
             self.remote = True
-        if self.remote:
-            self.sound = False
-        if not self.sound:
+        if self.remote or not self.sound:
             return violated_rules(before, plan, self.config)
         # the screen knows no prefix caching (e.g. prefix-hit-at-admission of an item without a hit)
         screened = not self.cached and screened_rules_hold(before, plan, self.config)
@@ -537,9 +519,7 @@ class IncrementalChecker:
     def invariants(self, before: SchedulerState, plan: StepPlan, after: SchedulerState) -> list[Violation]:
         """The violations of the step ``before -> after``: what :func:`check_step` returns (as a multiset;
         the order may differ)."""
-        if self.remote:
-            self.sound = False
-        proved = self._follow_any(after) and self.sound
+        proved = self._follow_any(after) and self.sound and not self.remote
         # The terminal requests as ``after`` has them (one that ended before ``before`` was seen by sync).
         terminal: Mapping[str, Request] = {
             rid: after.finished.get(rid, r) for rid, r in {**self.broken_terminal, **self.pending_terminal}.items()
