@@ -279,7 +279,7 @@ class StepInProgress:
             running=tuple(self.running),
             requests=MappingProxyType(self.requests),
             finished=self.before.finished.with_added(self.ended),
-            free_block_ids=free if cache is None else tuple(free),
+            free_block_ids=free,  # a FreeQueue, or the tuple CacheUpdate.freeze returns
             num_requests_added=self.before.num_requests_added,
             prefix_cache=cache,
             delayed_frees=self.before.delayed_frees if self.delayed is None else MappingProxyType(self.delayed),
