@@ -6,11 +6,23 @@ function and what they break."""
 
 from __future__ import annotations
 
+import attrs
+import pytest
+
 from schedspec.spec.config import SchedulerConfig
 from schedspec.spec.invariants import check_state
 from schedspec.spec.request import Request, RequestStatus
-from schedspec.spec.state import ScheduledRequest, SchedulerState, StepPlan
-from schedspec.spec.transitions import apply_plan
+from schedspec.spec.state import (
+    DelayedFree,
+    InFlightStep,
+    KVLoad,
+    KVTransferOutput,
+    ScheduledRequest,
+    SchedulerState,
+    SpeculativeOutput,
+    StepPlan,
+)
+from schedspec.spec.transitions import PlanError, add_request, apply_plan
 
 # block_size 4, 8 blocks, budget 16, 4 sequences, max_model_len 12.
 CONFIG = SchedulerConfig(block_size=4, num_kv_blocks=8, max_num_batched_tokens=16, max_num_seqs=4, max_model_len=12)
@@ -51,3 +63,106 @@ def test_a_step_orders_the_free_queue_released_then_taken_then_freed() -> None:
     assert after.running == ("c",)
     assert after.requests["c"].block_ids == (1,)
     assert after.finished["a"].status is RequestStatus.FINISHED_STOPPED
+
+
+# --- KV connector: what a report of transfers that cannot be applied names ------------------------------------
+KV_CONFIG = SchedulerConfig(block_size=4, num_kv_blocks=8, max_num_batched_tokens=16, max_num_seqs=2,
+                            max_model_len=32)
+
+
+def loading_state() -> SchedulerState:
+    """After step 0: r (a 10-token prompt, the connector offering its first 8) waits for its remote KV in blocks
+    0 and 1 (the load of tests/test_remote_kv.py)."""
+    r = Request("r", 0, tuple(range(100, 110)), max_tokens=3, num_external_computed_tokens=8)
+    state = add_request(SchedulerState.initial(KV_CONFIG), r)
+    return apply_plan(state, StepPlan(loads=(KVLoad("r", 8, (0, 1)),)), {}, KV_CONFIG).state
+
+
+def sent_state() -> SchedulerState:
+    """After step 0: s (3-token prompt, max_tokens 1, ``kv_send``) finished at its first sample; its block 0 is
+    held for the send (``delayed_frees``)."""
+    s = Request("s", 0, (1, 2, 3), max_tokens=1, kv_send=True)
+    state = add_request(SchedulerState.initial(KV_CONFIG), s)
+    after = apply_plan(state, StepPlan(scheduled=(ScheduledRequest("s", 0, 3, (0,)),)), {"s": 9}, KV_CONFIG).state
+    assert after.delayed_frees == {"s": DelayedFree((0,), "sending")}
+    return after
+
+
+def test_a_transfer_report_of_nothing_in_flight_names_the_request_the_step_and_the_transfer() -> None:
+    """Kills the mutants of ``StepInProgress.free_delayed``'s message (``PlanError(None)``, the load/send words
+    swapped or garbled): a user reading a refused trace needs the request, the report field, the step and which
+    transfer it lacks. A send reported for r, which loads: "no KV send"; a load reported twice for s, whose
+    send is in flight: "no remote KV load"."""
+    with pytest.raises(PlanError, match=r"^request_id='r': finished_sending at step 1, but it has no KV send in "
+                                        r"flight$"):
+        apply_plan(loading_state(), StepPlan(), {}, KV_CONFIG, transfers=KVTransferOutput(finished_sending=("r",)))
+    with pytest.raises(PlanError, match=r"^request_id='s': finished_recving at step 1, but it has no remote KV "
+                                        r"load in flight$"):
+        apply_plan(sent_state(), StepPlan(), {}, KV_CONFIG, transfers=KVTransferOutput(finished_recving=("s",)))
+
+
+def test_a_send_reported_twice_in_one_report_is_refused() -> None:
+    """Kills ``StepInProgress.free_delayed``'s mutant that looks the held blocks up in the state before the step
+    even after this step freed them (``or True``): the second report of s's send would free block 0 a second
+    time (block 0 twice in the free queue). The first completion frees it; the second names no send in
+    flight."""
+    with pytest.raises(PlanError, match=r"request_id='s': finished_sending at step 1, but it has no KV send"):
+        apply_plan(sent_state(), StepPlan(), {}, KV_CONFIG, transfers=KVTransferOutput(finished_sending=("s", "s")))
+
+
+def test_an_invalid_block_of_no_landing_load_is_named() -> None:
+    """Kills ``land_transfers``' ``PlanError(None)``: the refusal names the block and the step (block 5 is no
+    block of r's load in blocks 0 and 1)."""
+    with pytest.raises(PlanError, match=r"^invalid block 5 at step 1 belongs to no load that lands$"):
+        apply_plan(loading_state(), StepPlan(), {}, KV_CONFIG,
+                   transfers=KVTransferOutput(finished_recving=("r",), invalid_block_ids=(5,)))
+
+
+def test_a_remote_load_with_a_step_in_flight_is_refused() -> None:
+    """Kills ``start_load``'s mutants that accept a load while a step is in flight (``or`` made ``and`` with the
+    KV cache groups' test) and garble the message: remote loads under asynchronous scheduling are not
+    specified, so the spec refuses rather than judge them (exit 3 upstream, not a wrong verdict)."""
+    r = Request("r", 0, tuple(range(100, 110)), max_tokens=3, num_external_computed_tokens=8)
+    state = add_request(SchedulerState.initial(KV_CONFIG), r)
+    state = attrs.evolve(state, in_flight=InFlightStep())
+    with pytest.raises(PlanError, match=r"^request_id='r': remote KV loads with enable_prefix_caching, a step in "
+                                        r"flight or kv_cache_groups are not specified$"):
+        apply_plan(state, StepPlan(loads=(KVLoad("r", 8, (0, 1)),)), {}, KV_CONFIG)
+
+
+# --- a step in flight (asynchronous scheduling) -----------------------------------------------------------------
+def test_the_step_in_flight_records_its_landed_plan_and_one_placeholder_per_sample_plus_its_drafts() -> None:
+    """Kills ``in_flight_after``'s mutants that record ``1 - d`` placeholders for a decode verifying d drafts,
+    and that record no plan: the state after step 1 carries step 1 as the step in flight when step 2 was
+    planned, with its landed plan and, per request that samples, 1 + d output placeholders (vLLM
+    ``AsyncScheduler._update_after_schedule``: ``num_output_placeholders`` counts the sampled token and the
+    drafts), which rule ``in-flight-foreseen-length`` reads.
+
+    a (6-token prompt, one output, 6 computed, blocks 0 and 1) decodes its pending token and verifies drafts
+    (5, 6): 3 tokens, positions 6..8, so block 2 is taken; the model accepts one draft. Nothing ended meanwhile,
+    so nothing was freed: placeholders {a: 1 + 2}."""
+    config = SchedulerConfig(block_size=4, num_kv_blocks=8, max_num_batched_tokens=16, max_num_seqs=2,
+                             max_model_len=32, num_speculative_tokens=2)
+    a = Request("a", 0, (11, 12, 13, 14, 15, 16), max_tokens=8, status=RequestStatus.RUNNING, num_computed_tokens=6,
+                output_token_ids=(21,), block_ids=(0, 1), admitted_step=0, first_token_step=0, spec_token_ids=(5, 6))
+    state = SchedulerState(step=1, running=("a",), requests={"a": a}, free_block_ids=(2, 3, 4, 5, 6, 7),
+                           num_requests_added=1, in_flight=InFlightStep(0, StepPlan(), {"a": 1}))
+    item = ScheduledRequest("a", 6, 3, new_block_ids=(2,), spec_token_ids=(5, 6))
+    plan = StepPlan(scheduled=(item,))
+    result = apply_plan(state, plan, {"a": 30}, config, SpeculativeOutput(num_accepted_tokens={"a": 1}))
+    assert result.state.in_flight == InFlightStep(1, plan, {"a": 3}, {}, {})
+    assert result.state.requests["a"].output_token_ids == (21, 5, 30)
+    assert result.wasted == ()
+
+
+# --- hybrid KV cache groups ------------------------------------------------------------------------------------
+def test_an_item_naming_group_blocks_without_groups_is_refused_before_the_step() -> None:
+    """Kills ``group_tables_after``'s mutant that counts at least one group past group 0 when the config has
+    none (``max(..., 1)``): c's prefill names new blocks for a group 1 the config lacks; the spec refuses the
+    plan, naming the request and both counts, instead of growing a table for a group that does not exist."""
+    c = Request("c", 0, (1, 2, 3, 4), max_tokens=4, eos_token_id=EOS)
+    state = SchedulerState(step=0, waiting=("c",), requests={"c": c}, free_block_ids=tuple(range(8)),
+                           num_requests_added=1)
+    item = ScheduledRequest("c", 0, 4, new_block_ids=(0,), group_new_block_ids=((1,),))
+    with pytest.raises(PlanError, match=r"^request_id='c': blocks for 1 groups past group 0, but the config has 0$"):
+        apply_plan(state, StepPlan(scheduled=(item,)), {"c": 9}, CONFIG)
