@@ -22,7 +22,7 @@ from schedspec.spec.state import (
     SpeculativeOutput,
     StepPlan,
 )
-from schedspec.spec.transitions import PlanError, add_request, apply_plan
+from schedspec.spec.transitions import PlanError, abort_request, add_request, apply_plan
 
 # block_size 4, 8 blocks, budget 16, 4 sequences, max_model_len 12.
 CONFIG = SchedulerConfig(block_size=4, num_kv_blocks=8, max_num_batched_tokens=16, max_num_seqs=4, max_model_len=12)
@@ -166,3 +166,24 @@ def test_an_item_naming_group_blocks_without_groups_is_refused_before_the_step()
     item = ScheduledRequest("c", 0, 4, new_block_ids=(0,), group_new_block_ids=((1,),))
     with pytest.raises(PlanError, match=r"^request_id='c': blocks for 1 groups past group 0, but the config has 0$"):
         apply_plan(state, StepPlan(scheduled=(item,)), {"c": 9}, CONFIG)
+
+
+def test_an_abort_while_a_step_is_in_flight_records_freed_blocks_only_for_a_request_that_held_some() -> None:
+    """Kills ``abort_request``'s mutant that records an empty entry in ``in_flight.freed_blocks`` for an aborted
+    request that held no blocks (``if held`` made ``or True``): ``InFlightStep.freed_blocks`` lists the requests
+    of ``ended`` that held blocks, which rule ``in-flight-blocks-held-when-planned`` reads.
+
+    While step 0 is in flight, the client aborts the waiting w (no blocks) and the running a (blocks 0, 1): both
+    join ``ended``; only a's blocks are recorded as freed, and they go to the front of the free queue last block
+    first."""
+    a = running("a", 6, (7,), (0, 1))
+    w = Request("w", 0, (1, 2, 3), max_tokens=4, eos_token_id=EOS)
+    state = SchedulerState(step=1, waiting=("w",), running=("a",), requests={"a": a, "w": w},
+                           free_block_ids=tuple(range(2, 8)), num_requests_added=2,
+                           in_flight=InFlightStep(0, StepPlan(), {"a": 1}))
+    after = abort_request(abort_request(state, "w"), "a")
+    assert dict(after.in_flight.freed_blocks) == {"a": (0, 1)}
+    assert set(after.in_flight.ended) == {"w", "a"}
+    assert after.in_flight.ended["w"].status is RequestStatus.FINISHED_ABORTED
+    assert tuple(after.free_block_ids) == (1, 0, 2, 3, 4, 5, 6, 7)
+    assert after.waiting == () and after.running == ()
