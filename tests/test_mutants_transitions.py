@@ -187,3 +187,16 @@ def test_an_abort_while_a_step_is_in_flight_records_freed_blocks_only_for_a_requ
     assert after.in_flight.ended["w"].status is RequestStatus.FINISHED_ABORTED
     assert tuple(after.free_block_ids) == (1, 0, 2, 3, 4, 5, 6, 7)
     assert after.waiting == () and after.running == ()
+
+
+def test_a_kv_send_with_a_step_in_flight_is_refused() -> None:
+    """Kills ``sample``'s mutants that accept a finishing request's KV send while a step is in flight (either
+    ``or`` of the guard made ``and``): KV sends under asynchronous scheduling are not specified, so the spec
+    refuses the step, naming the request, rather than judge it. s (3-token prompt, max_tokens 1, ``kv_send``)
+    finishes at its first sample."""
+    s = Request("s", 1, (1, 2, 3), max_tokens=1, kv_send=True)
+    state = SchedulerState(step=1, waiting=("s",), requests={"s": s}, free_block_ids=tuple(range(8)),
+                           num_requests_added=1, in_flight=InFlightStep(0, StepPlan()))
+    with pytest.raises(PlanError, match=r"^request_id='s': KV sends with enable_prefix_caching, a step in flight or "
+                                        r"kv_cache_groups are not specified$"):
+        apply_plan(state, StepPlan(scheduled=(ScheduledRequest("s", 0, 3, (0,)),)), {"s": 9}, KV_CONFIG)
