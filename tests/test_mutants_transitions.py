@@ -17,6 +17,7 @@ from schedspec.spec.state import (
     InFlightStep,
     KVLoad,
     KVTransferOutput,
+    PrefillCadence,
     ScheduledRequest,
     SchedulerState,
     SpeculativeOutput,
@@ -200,3 +201,26 @@ def test_a_kv_send_with_a_step_in_flight_is_refused() -> None:
     with pytest.raises(PlanError, match=r"^request_id='s': KV sends with enable_prefix_caching, a step in flight or "
                                         r"kv_cache_groups are not specified$"):
         apply_plan(state, StepPlan(scheduled=(ScheduledRequest("s", 0, 3, (0,)),)), {"s": 9}, KV_CONFIG)
+
+
+# --- the prefill cadence (vLLM 0.33 prefill_schedule_interval) ----------------------------------------------------
+def test_a_step_records_the_prefill_cadence_from_an_interval_of_two() -> None:
+    """Kills ``apply_plan``'s mutant that records the cadence's step history only from an interval of 3
+    (``> 1`` made ``> 2``): with ``prefill_schedule_interval=2`` the state after a step carries the
+    :class:`~schedspec.spec.state.PrefillCadence` the next plan is judged by (rule ``prefill-cadence``); without it
+    a held step could not be told from a free one. vLLM 0.33 ``Scheduler.schedule``: a step carrying a prefill
+    restarts the count (0 steps since), a decode-only step adds one; with the option off the state has none.
+
+    c (4-token prompt) is admitted whole at step 0 (a prefill: 0 steps since), then decodes at step 1 (1 step
+    since)."""
+    config = SchedulerConfig(block_size=4, num_kv_blocks=8, max_num_batched_tokens=16, max_num_seqs=4,
+                             max_model_len=12, prefill_schedule_interval=2)
+    c = Request("c", 0, (1, 2, 3, 4), max_tokens=4, eos_token_id=EOS)
+    state = add_request(SchedulerState.initial(config), c)
+    first = apply_plan(state, StepPlan(scheduled=(ScheduledRequest("c", 0, 4, (0,)),)), {"c": 9}, config).state
+    assert first.prefill_cadence == PrefillCadence(0)
+    second = apply_plan(first, StepPlan(scheduled=(ScheduledRequest("c", 4, 1, (1,)),)), {"c": 8}, config).state
+    assert second.prefill_cadence == PrefillCadence(1)
+    off = apply_plan(add_request(SchedulerState.initial(CONFIG), c),
+                     StepPlan(scheduled=(ScheduledRequest("c", 0, 4, (0,)),)), {"c": 9}, CONFIG).state
+    assert off.prefill_cadence is None
