@@ -224,3 +224,29 @@ def test_a_step_records_the_prefill_cadence_from_an_interval_of_two() -> None:
     off = apply_plan(add_request(SchedulerState.initial(CONFIG), c),
                      StepPlan(scheduled=(ScheduledRequest("c", 0, 4, (0,)),)), {"c": 9}, CONFIG).state
     assert off.prefill_cadence is None
+
+
+# --- SGLang's publication: de-duplications a step cannot apply ----------------------------------------------------
+SGLANG = SchedulerConfig(block_size=4, num_kv_blocks=10, max_num_batched_tokens=32, max_num_seqs=4, max_model_len=32,
+                         enable_prefix_caching=True, prefix_cache_publication="sglang-radix")
+TWIN_PROMPT = tuple(range(11, 20))  # 9 tokens: blocks [11..14], [15..18], [19] (tests/test_prefix_dedup.py's twins)
+
+
+@pytest.mark.parametrize(("pairs", "message"), [
+    # q's block 3 (its tokens 11..14) replaced by p's block 1, which caches tokens 15..18
+    (((3, 1),), r"^request_id='q' at step 0: block 3 replaced by block 1, which does not cache its tokens$"),
+    # q's block 5 holds only token 19: not full, so this step does not publish it
+    (((5, 2),), r"^request_id='q': blocks \[5\] de-duplicated at step 0, but not published in it$"),
+])
+def test_a_deduplication_the_step_cannot_apply_names_the_request_the_blocks_and_the_step(pairs, message) -> None:
+    """Kills ``schedule``'s mutants of its two refusals of a de-duplication (``PlanError(None)``, the pending blocks
+    not listed): onto a cached block of other tokens, and of a block the step does not publish. p and q prefill
+    the same 9-token prompt together (blocks 0-2 and 3-5); the message names q, the blocks and the step, as rule
+    ``deduplicate-at-publication`` does for a plan a checker judges."""
+    state = SchedulerState.initial(SGLANG)
+    for request_id in ("p", "q"):
+        state = add_request(state, Request(request_id, 0, TWIN_PROMPT, max_tokens=3))
+    plan = StepPlan(scheduled=(ScheduledRequest("p", 0, 9, (0, 1, 2)),
+                               ScheduledRequest("q", 0, 9, (3, 4, 5), deduplicated_block_ids=pairs)))
+    with pytest.raises(PlanError, match=message):
+        apply_plan(state, plan, {"p": 1, "q": 1}, SGLANG)
