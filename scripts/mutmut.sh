@@ -62,7 +62,8 @@ tests_for() {
   case "$1" in
     rules) echo "${spec[@]}" "${checker[@]}" tests/test_prefix_cache.py tests/test_spec_mutants.py "${SLOW_PREFIX[@]}" ;;
     transitions) echo "${spec[@]}" "${checker[@]}" tests/test_prefix_cache.py tests/test_spec_mutants.py \
-                      tests/test_speculative.py tests/test_in_flight.py \
+                      tests/test_speculative.py tests/test_in_flight.py tests/test_remote_kv.py tests/test_kv_cache_groups.py \
+                      tests/test_prefix_groups.py tests/test_prefix_dedup.py tests/test_mutants_transitions.py \
                       --deselect tests/test_in_flight.py::test_the_machine_drives_an_in_flight_scheduler "${SLOW_PREFIX[@]}" ;;
     invariants) echo "${spec[@]}" "${checker[@]}" tests/test_spec_mutants.py tests/test_mutants_invariants.py ;;
     checker) echo "${checker[@]}" tests/test_checker_memory.py tests/test_invariants.py tests/test_state.py \

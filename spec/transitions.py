@@ -279,7 +279,7 @@ class StepInProgress:
             running=tuple(self.running),
             requests=MappingProxyType(self.requests),
             finished=self.before.finished.with_added(self.ended),
-            free_block_ids=free if cache is None else tuple(free),
+            free_block_ids=free,  # a FreeQueue, or the tuple CacheUpdate.freeze returns
             num_requests_added=self.before.num_requests_added,
             prefix_cache=cache,
             delayed_frees=self.before.delayed_frees if self.delayed is None else MappingProxyType(self.delayed),
@@ -384,7 +384,7 @@ def schedule(step: StepInProgress, item: ScheduledRequest) -> None:
         for new in item.group_new_block_ids:
             step.cache.take(new)
         cacheable = min(computed, request.num_tokens)
-        pending = dict(item.deduplicated_block_ids) if item.deduplicated_block_ids else None
+        pending = dict(item.deduplicated_block_ids)
         if publishes_at_step(request, step.config):
             try:
                 published = step.cache.publish(request, table, cacheable, size, replaced=pending)
@@ -457,7 +457,6 @@ def sample(step: StepInProgress, request_id: str, token_id: int, item: Scheduled
     changes: dict = {}
     if request.first_token_step is None:
         changes["first_token_step"] = step.before.step
-    ending = None
     if item is not None and item.spec_token_ids:
         rejected = len(item.spec_token_ids) - num_accepted
         for token in item.spec_token_ids[:num_accepted] + (token_id,):
@@ -678,11 +677,11 @@ def apply_plan(
         sampled = set(step.sampled)
         for request_id, drafts in speculative.draft_token_ids.items():
             propose_drafts(step, request_id, drafts, sampled)
-    if transfers is not NO_TRANSFERS and not transfers.is_empty:
+    if not transfers.is_empty:
         land_transfers(step, transfers)
     result = step.end()
-    if config.prefill_schedule_interval > 1:  # the cadence's step history (off: the state has none)
-        cadence = cadence_after(state, plan, result.state.waiting, config)
+    cadence = cadence_after(state, plan, result.state.waiting, config)  # the cadence's step history
+    if cadence is not None:  # off (prefill_schedule_interval <= 1): the state has none
         result = attrs.evolve(result, state=attrs.evolve(result.state, prefill_cadence=cadence))
     if state.in_flight is None:
         return result
