@@ -60,7 +60,8 @@ tests_for() {
   local spec=(tests/test_rules.py tests/test_invariants.py tests/test_transitions.py tests/test_state.py)
   local checker=(tests/test_incremental.py tests/test_checker.py tests/test_checker_report.py)
   case "$1" in
-    rules) echo "${spec[@]}" "${checker[@]}" tests/test_prefix_cache.py tests/test_spec_mutants.py "${SLOW_PREFIX[@]}" ;;
+    rules) echo "${spec[@]}" "${checker[@]}" tests/test_prefix_cache.py tests/test_spec_mutants.py tests/test_mutants_rules.py \
+                "${SLOW_PREFIX[@]}" ;;
     transitions) echo "${spec[@]}" "${checker[@]}" tests/test_prefix_cache.py tests/test_spec_mutants.py \
                       tests/test_speculative.py tests/test_in_flight.py \
                       --deselect tests/test_in_flight.py::test_the_machine_drives_an_in_flight_scheduler "${SLOW_PREFIX[@]}" ;;

@@ -1,0 +1,292 @@
+"""Tests that kill the mutants of spec/rules.py that survived ``scripts/mutmut.sh rules`` (issue 28, docs/testing.md
+"Mutation score"). Each asserts a verdict (which rule fires, for which request), a count the rules compute, or the
+numbers and names a breach's detail gives a user, worked out by hand from the state in the comment beside it (not
+copied from the code under test). Each test's docstring names the mutants it kills (``scripts/mutmut.sh`` names,
+``schedspec.spec.rules.x_FUNCTION__mutmut_N`` shortened to ``FUNCTION#N``; the names are those of the run at
+main's commit 4458185).
+
+The states are the small hand-written ones of the rules' own test files (imported from them): test_rules (block
+size 4, running ``a`` decoding, waiting ``b``), test_in_flight (a plan made while step 0 ran, ``c`` ended at its
+sample), test_kv_cache_groups (block size 2, a full-attention group and a sliding window of 4 tokens),
+test_prefix_dedup (SGLang's publication, ``p`` and ``q`` of one 9-token prompt) and test_remote_kv.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+
+import attrs
+import test_in_flight as flight
+import test_kv_cache_groups as groups
+import test_prefix_dedup as dedup
+import test_remote_kv as remote
+from test_rules import CONFIG, DECODE_A, base_state
+
+from schedspec.spec.config import SchedulerConfig
+from schedspec.spec.prefix_cache import NULL_BLOCK
+from schedspec.spec.request import Request, RequestStatus
+from schedspec.spec.rules import (
+    eligible_when_planned,
+    request_when_planned,
+    running_when_planned,
+    violated_rules,
+)
+from schedspec.spec.state import InFlightStep, KVLoad, ScheduledRequest, SchedulerState, StepPlan
+from schedspec.spec.transitions import apply_plan
+
+
+def _details(name: str, state: SchedulerState, plan: StepPlan, config: SchedulerConfig) -> list[tuple[str, str]]:
+    """``(request_id, detail)`` of each breach of rule ``name``, in the order the rule found them."""
+    return [(v.request_id, v.detail) for v in violated_rules(state, plan, config) if v.name == name]
+
+
+# --- chunk-continues, no-overcompute, preempt-running-only, prefix-hit-at-admission: what the detail says ---
+
+
+def test_a_chunk_that_starts_elsewhere_names_the_hit_only_when_there_is_one():
+    """``_chunk_continues#9-#12``: the detail gives where the chunk starts and the computed tokens, and adds the
+    prefix-cache hit (in tokens) only when the item has one: a's decode from 5 (6 computed) says no more; b's
+    admission from 0 with a one-block hit (4 tokens) should start at 4."""
+    state = base_state()
+    assert _details("chunk-continues", state, StepPlan(scheduled=(ScheduledRequest("a", 5, 1),)), CONFIG) == [
+        ("a", "chunk starts at 5 but 6 tokens are computed")]
+    hit = StepPlan(scheduled=(ScheduledRequest("b", 0, 1, (3,), (2,)),))
+    assert _details("chunk-continues", state, hit, CONFIG) == [
+        ("b", "chunk starts at 0 but 0 tokens are computed plus a prefix-cache hit of 4")]
+
+
+def test_overcompute_names_the_drafts_only_when_the_item_verifies_some():
+    """``_no_overcompute#10-#13``: a's decode has 1 pending token; 3 tokens without drafts are 2 too many and
+    the detail says just the pending count; 4 tokens with 2 drafts (1 + 2 allowed) name the drafts."""
+    state = base_state()
+    assert _details("no-overcompute", state, StepPlan(scheduled=(ScheduledRequest("a", 6, 3),)), CONFIG) == [
+        ("a", "num_tokens=3 > pending tokens=1")]
+    drafts = StepPlan(scheduled=(ScheduledRequest("a", 6, 4, spec_token_ids=(7, 8)),))
+    assert _details("no-overcompute", state, drafts, CONFIG) == [("a", "num_tokens=4 > pending tokens=1 plus 2 drafts")]
+
+
+def test_preempt_running_only_says_exactly_what_is_wrong():
+    """``_preempt_running#5, #8``: the two breaches' details, word for word (a mutant that wraps them in other
+    characters still contains the words)."""
+    state = base_state()
+    assert _details("preempt-running-only", state, StepPlan(preempted=("b",)), CONFIG) == [
+        ("b", "preempted but not running")]
+    assert _details("preempt-running-only", state, StepPlan(scheduled=(DECODE_A,), preempted=("a",)), CONFIG) == [
+        ("a", "preempted and scheduled in the same step")]
+
+
+def test_a_hit_for_a_running_request_names_the_blocks_it_reuses():
+    """``_prefix_hit_at_admission#9`` (the blocks made ``list(None)``, a crash): p, running after its prefill,
+    may not reuse cached block 0 in a decode; the detail names block 0."""
+    state = apply_plan(dedup.two_waiting(dedup.VLLM), StepPlan(scheduled=(dedup.P_ITEM,)), {"p": 1}, dedup.VLLM).state
+    plan = StepPlan(scheduled=(ScheduledRequest("p", 9, 1, (), (0,)),))
+    assert _details("prefix-hit-at-admission", state, plan, dedup.VLLM) == [
+        ("p", "reuses cached blocks [0] while already running")]
+
+
+# --- the view of the planner with a step in flight (asynchronous scheduling) --------------------------------
+
+
+def test_the_requests_eligible_when_planned_count_the_ended_and_leave_out_the_arrivals():
+    """``eligible_when_planned#4, #7, #8, #14``: step 1 planned while step 0 ran saw a (running), b (waiting) and
+    c (ended at step 0's sample since): 3; b arriving before step 1 came after the plan: 2 (a, c); without a step
+    in flight a and b: 2; a plan that rejects b: 2."""
+    state = flight.in_flight_state()
+    assert eligible_when_planned(state, StepPlan()) == 3
+    assert eligible_when_planned(flight.in_flight_state(b_arrival=1), StepPlan()) == 2
+    assert eligible_when_planned(attrs.evolve(state, in_flight=None), StepPlan()) == 2
+    assert eligible_when_planned(state, StepPlan(rejected=(("b", "x"),))) == 2
+
+
+def test_the_adaptive_long_prefill_threshold_counts_the_requests_eligible_when_planned():
+    """``_long_prefill#2`` (the count made ``None``) and the count's effect on the verdict: threshold 2, adaptive,
+    budget 16: 3 eligible (a, b, c) floor it at 16 // 3 = 5, so b's 5-token chunk is allowed; b arriving after
+    the plan leaves 2 eligible, floor 8, allowed too; without c (no step in flight) a and b: 8. A 6-token chunk
+    is over 5 with c counted."""
+    config = flight.CONFIG.with_changes(long_prefill_token_threshold=2, long_prefill_token_threshold_adaptive=True,
+                                        max_num_batched_tokens=16)
+    state = flight.in_flight_state()
+    five = StepPlan(scheduled=(flight.DECODE_A, ScheduledRequest("b", 0, 5, (2, 3))))
+    assert _details("long-prefill-threshold", state, five, config) == []
+    six = attrs.evolve(state, requests={**state.requests, "b": Request("b", 0, tuple(range(31, 37)), max_tokens=3)})
+    plan = StepPlan(scheduled=(flight.DECODE_A, ScheduledRequest("b", 0, 6, (2, 3))))
+    assert _details("long-prefill-threshold", six, plan, config) == [
+        ("b", "chunk of 6 tokens > long_prefill_token_threshold=5")]
+    assert _details("long-prefill-threshold", attrs.evolve(six, in_flight=None), plan, config) == []
+
+
+def test_the_planner_saw_an_ended_request_running_with_the_blocks_it_held():
+    """``running_when_planned#3``, ``request_when_planned#5, #6, #8``: c ended at step 0's sample holding blocks
+    6 and 7 (free now): the planner saw it running with them, and its table as 2 blocks; a live request is seen
+    as it is; an id never added is no request."""
+    state = flight.in_flight_state()
+    assert running_when_planned(state) == (frozenset({"a", "c"}), frozenset({6, 7}))
+    assert running_when_planned(attrs.evolve(state, in_flight=None)) == (frozenset({"a"}), frozenset())
+    assert request_when_planned(state, "c") == (state.in_flight.ended["c"], 2)
+    assert request_when_planned(state, "a") == (state.requests["a"], 2)
+    assert request_when_planned(state, "ghost") is None
+
+
+def test_a_wasted_item_is_judged_against_the_table_its_request_held():
+    """``request_when_planned#5, #6, #8`` through the rules: c's wasted decode (7 computed, 8 tokens) with a new
+    block holds 3 blocks as planned, more than the 2 its 8 tokens need (``no-excess-blocks``); without a new
+    block it is allowed."""
+    state = flight.in_flight_state()
+    extra = StepPlan(scheduled=(flight.DECODE_A, ScheduledRequest("c", 7, 1, (2,))))
+    assert _details("no-excess-blocks", state, extra, flight.CONFIG) == [("c", "3 blocks > 2 for a sequence of 8 tokens")]
+    assert violated_rules(state, StepPlan(scheduled=(flight.DECODE_A, flight.WASTED_C)), flight.CONFIG) == []
+
+
+def test_a_wasted_item_may_verify_its_drafts():
+    """``_wasted_item_continues#6`` (the drafts subtracted from the pending tokens): c's wasted decode from 7 has
+    1 pending token plus the 2 drafts it verifies: 3 tokens are allowed, 4 are not."""
+    state = flight.in_flight_state()
+    three = StepPlan(scheduled=(flight.DECODE_A, ScheduledRequest("c", 7, 3, spec_token_ids=(5, 6))))
+    assert _details("wasted-item-continues", state, three, flight.CONFIG) == []
+    four = StepPlan(scheduled=(flight.DECODE_A, ScheduledRequest("c", 7, 4, spec_token_ids=(5, 6))))
+    assert _details("wasted-item-continues", state, four, flight.CONFIG) == [("c", "wasted chunk of 4 tokens of 3 pending")]
+
+
+def _ended(request_id: str, reason: str, max_tokens: int, prompt_len: int = 6) -> Request:
+    """A request that ended at step 0's sample with two outputs (``prompt_len`` + 2 tokens)."""
+    status = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH,
+              "abort": RequestStatus.FINISHED_ABORTED}[reason]
+    return Request(request_id, 0, tuple(range(40, 40 + prompt_len)), max_tokens=max_tokens, status=status,
+                   finish_reason=reason, num_computed_tokens=prompt_len + 1, output_token_ids=(51, 52), admitted_step=0,
+                   first_token_step=0)
+
+
+def _flight_with(*ended: Request, placeholders: dict[str, int] | None = None) -> SchedulerState:
+    """Step 1 planned while step 0 ran: a running (one placeholder), the ``ended`` requests ended at its sample
+    (one placeholder each unless ``placeholders`` says otherwise), nothing freed."""
+    counts = placeholders if placeholders is not None else {"a": 1, **{r.request_id: 1 for r in ended}}
+    in_flight = InFlightStep(0, StepPlan(), MappingProxyType(counts), MappingProxyType({r.request_id: r for r in ended}))
+    return SchedulerState(step=1, running=("a",), requests={"a": flight.running_a()},
+                          finished={r.request_id: r for r in ended}, free_block_ids=(2, 3, 4, 5, 6, 7),
+                          num_requests_added=1 + len(ended), in_flight=in_flight)
+
+
+def test_foreseen_length_names_the_limit_and_the_placeholders():
+    """``_in_flight_foreseen_length#17, #18, #23-#25``: c's one placeholder of step 0 brought it to max_tokens=2;
+    d's (8 tokens, max_tokens 5) to max_model_len=8."""
+    state = _flight_with(_ended("c", "length", 2))
+    plan = StepPlan(scheduled=(flight.DECODE_A, ScheduledRequest("c", 7, 1)))
+    assert _details("in-flight-foreseen-length", state, plan, flight.CONFIG) == [
+        ("c", "scheduled although its 1 output placeholder(s) of step 0 bring it to max_tokens=2")]
+    config = flight.CONFIG.with_changes(max_model_len=8)
+    state = _flight_with(_ended("d", "length", 5))
+    plan = StepPlan(scheduled=(flight.DECODE_A, ScheduledRequest("d", 7, 1)))
+    assert _details("in-flight-foreseen-length", state, plan, config) == [
+        ("d", "scheduled although its 1 output placeholder(s) of step 0 bring it to max_model_len=8")]
+
+
+def test_foreseen_length_reaches_max_model_len_exactly_and_judges_every_wasted_item():
+    """``_in_flight_foreseen_length#14`` (``>=`` made ``>``): d's 8 tokens are max_model_len=8 exactly, foreseen;
+    ``#15`` (``continue`` made ``break``): e, first in the batch, stopped on an end-of-sequence token the
+    planner could not foresee (max_tokens 5), which does not hide d after it."""
+    config = flight.CONFIG.with_changes(max_model_len=8)
+    state = _flight_with(_ended("e", "stop", 5, prompt_len=4), _ended("d", "length", 5))
+    plan = StepPlan(scheduled=(ScheduledRequest("e", 5, 1), ScheduledRequest("d", 7, 1), flight.DECODE_A))
+    assert [r for r, _ in _details("in-flight-foreseen-length", state, plan, config)] == ["d"]
+
+
+def test_foreseen_length_counts_no_placeholder_for_a_request_the_step_did_not_sample():
+    """``_in_flight_foreseen_length#19-#22``: a placeholder count missing from the in-flight step (a hand-made
+    record: c sampled nothing there) reads as 0 in the detail, not 1 or ``None``."""
+    state = _flight_with(_ended("c", "length", 2), placeholders={"a": 1})
+    plan = StepPlan(scheduled=(flight.DECODE_A, ScheduledRequest("c", 7, 1)))
+    assert _details("in-flight-foreseen-length", state, plan, flight.CONFIG) == [
+        ("c", "scheduled although its 0 output placeholder(s) of step 0 bring it to max_tokens=2")]
+
+
+# --- KV connector loads ---------------------------------------------------------------------------------------
+
+
+def test_load_blocks_exact_judges_the_load_after_one_for_an_unknown_request():
+    """``_load_blocks_exact#2`` (``continue`` made ``break``): a load for an id never added (known-requests names
+    it) first does not hide r's load of 8 tokens taking 3 blocks (2 hold them)."""
+    state, bad, _, config = remote.case_load_blocks_exact()
+    padded = attrs.evolve(bad, loads=(KVLoad("ghost", 4, (5,)), *bad.loads))
+    assert _details("load-blocks-exact", state, padded, config) == [("r", "load of 8 tokens takes 3 blocks, not 2")]
+
+
+# --- SGLang's publication: which blocks an item has computed -------------------------------------------------
+
+
+def test_a_deduplication_is_judged_on_the_blocks_the_item_computed():
+    """``_publication_end#1-#5``: q's whole prompt (9 tokens) fills blocks 0 and 1, so both may be replaced by
+    p's twins; a first chunk of 5 tokens fills block 0 only, so de-duplicating block 1 of its table (block 4) is
+    refused as not full and computed, and block 0 (block 3) is allowed."""
+    state = dedup.two_waiting()
+    assert _details("deduplicate-at-publication", state, StepPlan(scheduled=(dedup.P_ITEM, dedup.Q_DEDUP)),
+                    dedup.SGLANG) == []
+    chunk = StepPlan(scheduled=(dedup.P_ITEM, ScheduledRequest("q", 0, 5, (3, 4), deduplicated_block_ids=((4, 1),))))
+    assert _details("deduplicate-at-publication", state, chunk, dedup.SGLANG) == [
+        ("q", "de-duplicates block 4 (block 1 of its table), not full and computed")]
+    first = StepPlan(scheduled=(dedup.P_ITEM, ScheduledRequest("q", 0, 5, (3, 4), deduplicated_block_ids=((3, 0),))))
+    assert _details("deduplicate-at-publication", state, first, dedup.SGLANG) == []
+
+
+# --- KV cache groups -----------------------------------------------------------------------------------------
+
+THREE_GROUPS = groups.GROUPS + ({"kind": "sliding_window", "sliding_window": 8},)
+
+
+def _admit_with_hits(config: SchedulerConfig, hits: tuple[tuple[int, ...], ...],
+                     new: tuple[tuple[int, ...], ...]) -> tuple[SchedulerState, StepPlan]:
+    """w, a fresh 8-token prompt (4 blocks of 2), admitted with a one-block hit in group 0 (block 0) and the
+    group hits and new blocks given (group 0 gets blocks 1, 2, 3 and a slot for the 9th token: 4 + 1)."""
+    w = Request("w", 0, tuple(range(60, 68)), max_tokens=3)
+    state = SchedulerState(step=1, waiting=("w",), requests={"w": w}, free_block_ids=tuple(range(1, 24)),
+                           num_requests_added=1)
+    item = ScheduledRequest("w", 2, 6, (1, 2, 3), (0,), group_new_block_ids=new, group_cached_block_ids=hits)
+    return state, StepPlan(scheduled=(item,))
+
+
+def test_a_groups_table_counts_its_own_prefix_hit():
+    """``_group_hit#2, #4, #6`` and ``_group_table#4, #5``: w (no table yet in any group) is admitted from 2 with
+    8 tokens computed after the step: each group needs 4 blocks; group 1's hit of one block plus 3 new covers
+    it exactly (no breach of group-table-covers nor group-no-excess-blocks); one more new block is excess (5 >
+    4), one fewer leaves 3 < 4."""
+    config = groups.CONFIG.with_changes(num_kv_blocks=24)
+    state, exact = _admit_with_hits(config, ((10,),), ((11, 12, 13),))
+    assert _details("group-table-covers", state, exact, config) == []
+    assert _details("group-no-excess-blocks", state, exact, config) == []
+    state, excess = _admit_with_hits(config, ((10,),), ((11, 12, 13, 14),))
+    assert _details("group-no-excess-blocks", state, excess, config) == [
+        ("w", "group 1: 5 blocks > 4 for a sequence of 8 tokens")]
+    state, short = _admit_with_hits(config, ((10,),), ((11, 12),))
+    assert _details("group-table-covers", state, short, config) == [
+        ("w", "group 1: 3 blocks hold fewer than the 4 needed")]
+
+
+def test_each_group_counts_its_own_hit_not_another_groups():
+    """``_group_hit#5`` (group ``index`` read at ``index - 2``): with three groups, a hit of one block in group 1
+    and none in group 2 (as if group 2 held no prefix) leaves group 2 with its 3 new blocks only: 3 < 4 needed;
+    group 1 (hit + 3 new) is covered."""
+    config = groups.CONFIG.with_changes(num_kv_blocks=24, kv_cache_groups=THREE_GROUPS)
+    state, plan = _admit_with_hits(config, ((10,), ()), ((11, 12, 13), (14, 15, 16)))
+    assert _details("group-table-covers", state, plan, config) == [
+        ("w", "group 2: 3 blocks hold fewer than the 4 needed")]
+
+
+def test_freeing_the_null_block_is_freeing_a_block_it_does_not_hold():
+    """``_window_keeps_visible#9``: a's window table holds null entries at indices 0 and 1 (freed earlier); an
+    item naming the null block among its frees frees nothing the request holds, even though a null entry sits
+    below the window. ``#16`` (``continue`` made ``break``): block 6 after it, at index 2, still attended by
+    the token at position 8, is reported too."""
+    state = groups.state_of(groups.running_a((NULL_BLOCK, NULL_BLOCK, 6, 7)), free=(4, 5, 8, 9, 10, 11))
+    plan = StepPlan(scheduled=(ScheduledRequest("a", 8, 1, (8,), group_new_block_ids=((9,),),
+                                                skipped_block_ids=(NULL_BLOCK, 6)),))
+    found = _details("window-keeps-visible", state, plan, groups.CONFIG)
+    assert [d.split(",")[0] for _, d in found] == [f"frees block {NULL_BLOCK}", "frees block 6 (group 1"]
+    assert found[0][1] == f"frees block {NULL_BLOCK}, which it does not hold"
+
+
+def test_a_block_kept_past_the_window_is_named_with_its_group_and_index():
+    """``_window_frees_skipped#16, #18``: a at position 8 (window 4: indices 0 and 1 past it) frees block 5
+    (index 1) but keeps block 4, index 0 of group 1."""
+    state, bad, _, config = groups.GROUP_RULE_CASES["window-frees-skipped"]()
+    assert _details("window-frees-skipped", state, bad, config) == [
+        ("a", "keeps 1 block(s) past the window at position 8 (block 4: group 1, index 0)")]
+
