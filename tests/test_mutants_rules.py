@@ -156,11 +156,14 @@ def _ended(request_id: str, reason: str, max_tokens: int, prompt_len: int = 6) -
                    first_token_step=0)
 
 
-def _flight_with(*ended: Request, placeholders: dict[str, int] | None = None) -> SchedulerState:
+def _flight_with(*ended: Request, placeholders: dict[str, int] | None = None,
+                 freed: dict[str, tuple[int, ...]] | None = None) -> SchedulerState:
     """Step 1 planned while step 0 ran: a running (one placeholder), the ``ended`` requests ended at its sample
-    (one placeholder each unless ``placeholders`` says otherwise), nothing freed."""
+    (one placeholder each unless ``placeholders`` says otherwise), the blocks they held ``freed`` (none unless
+    given: free now all the same)."""
     counts = placeholders if placeholders is not None else {"a": 1, **{r.request_id: 1 for r in ended}}
-    in_flight = InFlightStep(0, StepPlan(), MappingProxyType(counts), MappingProxyType({r.request_id: r for r in ended}))
+    in_flight = InFlightStep(0, StepPlan(), MappingProxyType(counts), MappingProxyType({r.request_id: r for r in ended}),
+                             MappingProxyType(freed or {}))
     return SchedulerState(step=1, running=("a",), requests={"a": flight.running_a()},
                           finished={r.request_id: r for r in ended}, free_block_ids=(2, 3, 4, 5, 6, 7),
                           num_requests_added=1 + len(ended), in_flight=in_flight)
@@ -197,6 +200,19 @@ def test_foreseen_length_counts_no_placeholder_for_a_request_the_step_did_not_sa
     plan = StepPlan(scheduled=(flight.DECODE_A, ScheduledRequest("c", 7, 1)))
     assert _details("in-flight-foreseen-length", state, plan, flight.CONFIG) == [
         ("c", "scheduled although its 0 output placeholder(s) of step 0 bring it to max_tokens=2")]
+
+
+def test_an_abort_is_never_foreseen_even_of_a_prompt_of_max_model_len():
+    """``_in_flight_foreseen_length#10, #11`` (the ``"abort"`` compared made another word): d's prompt is exactly
+    max_model_len=8 tokens (allowed: it samples its one token); its first chunk of 4 was in flight when the
+    client aborted it. Its 8 tokens are max_model_len, but the planner could not foresee the abort: the next
+    chunk of 4 is wasted work, allowed (vLLM plans it: its guard reads placeholders, and d has none)."""
+    config = flight.CONFIG.with_changes(max_model_len=8)
+    d = Request("d", 0, tuple(range(40, 48)), max_tokens=3, status=RequestStatus.FINISHED_ABORTED,
+                finish_reason="abort", num_computed_tokens=4, admitted_step=0)
+    state = _flight_with(d, placeholders={"a": 1}, freed={"d": (6, 7)})
+    plan = StepPlan(scheduled=(flight.DECODE_A, ScheduledRequest("d", 4, 4)))
+    assert violated_rules(state, plan, config) == []
 
 
 # --- KV connector loads ---------------------------------------------------------------------------------------
