@@ -16,6 +16,7 @@ from __future__ import annotations
 from types import MappingProxyType
 
 import attrs
+import pytest
 import test_in_flight as flight
 import test_kv_cache_groups as groups
 import test_prefix_dedup as dedup
@@ -306,3 +307,33 @@ def test_a_block_kept_past_the_window_is_named_with_its_group_and_index():
     assert _details("window-frees-skipped", state, bad, config) == [
         ("a", "keeps 1 block(s) past the window at position 8 (block 4: group 1, index 0)")]
 
+
+
+def test_freeing_a_visible_block_names_its_group_index_and_window():
+    """``_window_keeps_visible#27-#32``: the detail of a visible block freed says which group and index it is
+    at and what that group attends: block 6 is index 2 of the window group (sliding_window=4: only indices 0
+    and 1 are past the token at position 8); block 0 is index 0 of the full-attention group, which frees
+    nothing."""
+    state = groups.state_of()
+    plan = StepPlan(scheduled=(ScheduledRequest("a", 8, 1, (8,), group_new_block_ids=((9,),),
+                                                skipped_block_ids=(6, 0)),))
+    assert _details("window-keeps-visible", state, plan, groups.CONFIG) == [
+        ("a", "frees block 6 (group 1, index 2, sliding_window=4), which the token at position 8 still attends "
+              "(only the first 2 blocks are past its window)"),
+        ("a", "frees block 0 (group 0, index 0, full attention), which the token at position 8 still attends "
+              "(only the first 0 blocks are past its window)")]
+
+
+@pytest.mark.parametrize(("config", "why"), [
+    (dedup.VLLM.with_changes(enable_prefix_caching=False), "prefix caching is off"),
+    (dedup.VLLM, "prefix_cache_publication is 'vllm', not 'sglang-radix'"),
+])
+def test_a_deduplication_outside_sglangs_publication_says_which_setting_forbids_it(config, why):
+    """``_deduplicate_at_publication#3, #5, #7-#14``: q's de-duplication of blocks 3 and 4 onto p's 0 and 1 is
+    SGLang's alone: with prefix caching off the detail says so, with vLLM's publication it names the setting;
+    with SGLang's publication the same plan is allowed."""
+    state = dedup.two_waiting(config)
+    plan = StepPlan(scheduled=(dedup.P_ITEM, dedup.Q_DEDUP))
+    assert _details("deduplicate-at-publication", state, plan, config) == [
+        ("q", f"de-duplicates [[3, 0], [4, 1]], but {why} (only SGLang's radix cache de-duplicates)")]
+    assert _details("deduplicate-at-publication", dedup.two_waiting(), plan, dedup.SGLANG) == []
