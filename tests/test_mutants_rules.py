@@ -19,6 +19,7 @@ import attrs
 import pytest
 import test_in_flight as flight
 import test_kv_cache_groups as groups
+import test_prefix_cache as prefix
 import test_prefix_dedup as dedup
 import test_remote_kv as remote
 from test_rules import CONFIG, DECODE_A, base_state
@@ -33,7 +34,7 @@ from schedspec.spec.rules import (
     violated_rules,
 )
 from schedspec.spec.state import InFlightStep, KVLoad, ScheduledRequest, SchedulerState, StepPlan
-from schedspec.spec.transitions import apply_plan
+from schedspec.spec.transitions import add_request, apply_plan
 
 
 def _details(name: str, state: SchedulerState, plan: StepPlan, config: SchedulerConfig) -> list[tuple[str, str]]:
@@ -337,3 +338,37 @@ def test_a_deduplication_outside_sglangs_publication_says_which_setting_forbids_
     assert _details("deduplicate-at-publication", state, plan, config) == [
         ("q", f"de-duplicates [[3, 0], [4, 1]], but {why} (only SGLang's radix cache de-duplicates)")]
     assert _details("deduplicate-at-publication", dedup.two_waiting(), plan, dedup.SGLANG) == []
+
+
+# --- prefix caching: what a wrong hit is ----------------------------------------------------------------------
+
+
+def test_a_hit_shorter_than_the_cached_chain_gives_both_lengths_in_tokens():
+    """``_prefix_hit_longest`` (the token counts of the detail: blocks times block_size 4): b ignores the 2
+    cached blocks (8 tokens) of a's prompt."""
+    state, bad, _, config = prefix.PREFIX_RULE_CASES["prefix-hit-longest"]()
+    assert _details("prefix-hit-longest", state, bad, config) == [
+        ("b", "prefix-cache hit of 0 tokens, but 8 were cached (blocks [0, 1])")]
+
+
+@pytest.mark.parametrize(("hit", "new", "detail"), [
+    ((1, 0), (2,), "hit block 0 is block 1, which caches other tokens"),
+    ((5,), (2, 3), "hit block 0 is block 5, which is not cached"),
+    ((0, 1), (1,), "hit block 1 is block 1, handed out in the same step"),
+    ((0, 2), (3,), "hit block 1 is block 2, which is not cached"),
+])
+def test_a_hit_that_is_not_the_cached_chain_names_the_first_wrong_block(hit, new, detail):
+    """``_prefix_hit_chain``: b's 10-token prompt shares its first 8 tokens (blocks 0 and 1, cached by a) with a;
+    each wrong hit is reported once, at its first wrong block, with the block's place in the hit and its id."""
+    state = prefix.warm_state()
+    plan = StepPlan(scheduled=(ScheduledRequest("b", 4 * len(hit), 10 - 4 * len(hit), new, cached_block_ids=hit),))
+    assert _details("prefix-hit-is-cached-chain", state, plan, prefix.CONFIG) == [("b", detail)]
+
+
+def test_a_hit_past_the_last_token_says_how_many_blocks_may_hit():
+    """``_prefix_hit_chain``: c's whole 8-token prompt is cached, but at most (8 - 1) // 4 = 1 block may hit so
+    that one token is computed."""
+    state = add_request(prefix.warm_state(), Request("c", 1, prefix.A_PROMPT[:8], max_tokens=2))
+    plan = StepPlan(scheduled=(ScheduledRequest("c", 8, 0, (), cached_block_ids=(0, 1)),))
+    assert _details("prefix-hit-is-cached-chain", state, plan, prefix.CONFIG) == [
+        ("c", "hit of 2 blocks, but at most 1 may hit so that one of its 8 tokens is computed")]
