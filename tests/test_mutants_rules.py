@@ -372,3 +372,23 @@ def test_a_hit_past_the_last_token_says_how_many_blocks_may_hit():
     plan = StepPlan(scheduled=(ScheduledRequest("c", 8, 0, (), cached_block_ids=(0, 1)),))
     assert _details("prefix-hit-is-cached-chain", state, plan, prefix.CONFIG) == [
         ("c", "hit of 2 blocks, but at most 1 may hit so that one of its 8 tokens is computed")]
+
+
+def _queued(request: Request) -> SchedulerState:
+    """Step 1 with ``request`` in the waiting queue, every block free (test_remote_kv's config)."""
+    return SchedulerState(step=1, waiting=(request.request_id,), requests={request.request_id: request},
+                          free_block_ids=tuple(range(8)), num_requests_added=1)
+
+
+@pytest.mark.parametrize(("status", "words"), [
+    (RequestStatus.PREEMPTED, "status preempted, admitted at step 0"),
+    (RequestStatus.WAITING, "status waiting, admitted at step 0"),
+])
+def test_a_load_for_a_request_admitted_before_names_its_status_and_admission(status, words):
+    """``_load_as_offered#4, #5, #8, #9``: r offers 8 tokens (2 blocks) but was admitted at step 0 (preempted
+    since, or re-queued waiting): vLLM asks the connector only for a request that has computed nothing, so a
+    load is refused, naming the status and the admission step, also after a load for an unknown id."""
+    state = _queued(remote.fresh(status=status, admitted_step=0))
+    plan = StepPlan(loads=(KVLoad("ghost", 4, (5,)), KVLoad("r", 8, (0, 1))))
+    assert _details("load-as-offered", state, plan, remote.CONFIG) == [("r", f"load started for a request with {words}")]
+    assert _details("load-as-offered", _queued(remote.fresh()), plan, remote.CONFIG) == []
