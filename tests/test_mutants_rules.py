@@ -392,3 +392,11 @@ def test_a_load_for_a_request_admitted_before_names_its_status_and_admission(sta
     plan = StepPlan(loads=(KVLoad("ghost", 4, (5,)), KVLoad("r", 8, (0, 1))))
     assert _details("load-as-offered", state, plan, remote.CONFIG) == [("r", f"load started for a request with {words}")]
     assert _details("load-as-offered", _queued(remote.fresh()), plan, remote.CONFIG) == []
+
+
+def test_a_second_load_while_the_first_is_in_flight_names_the_status_alone():
+    """``_load_as_offered#10-#12``: r waits for its remote KV (loaded at step 0, never admitted): a second load
+    is refused naming its status, with no admission step (it has none)."""
+    state = remote.loading()
+    assert _details("load-as-offered", state, remote.LOAD, remote.CONFIG) == [
+        ("r", "load started for a request with status waiting_for_remote_kvs")]
