@@ -400,3 +400,22 @@ def test_a_second_load_while_the_first_is_in_flight_names_the_status_alone():
     state = remote.loading()
     assert _details("load-as-offered", state, remote.LOAD, remote.CONFIG) == [
         ("r", "load started for a request with status waiting_for_remote_kvs")]
+
+
+def test_a_load_of_no_tokens_is_refused_even_when_nothing_is_offered():
+    """``_load_as_offered#18`` (``0 <`` made ``0 <=``): r's connector offers nothing (0 tokens); a load of 0
+    tokens matches the offer but loads nothing: refused."""
+    state = _queued(remote.fresh(num_external_computed_tokens=0))
+    plan = StepPlan(loads=(KVLoad("r", 0, ()),))
+    assert _details("load-as-offered", state, plan, remote.CONFIG) == [
+        ("r", "load of 0 tokens, but the connector offers 0 of a 10-token sequence")]
+
+
+def test_a_block_of_a_groups_hit_handed_out_in_the_same_step_is_the_named_case():
+    """``blocks_not_from_free_pool#8`` (the group hits' filter made ``== NULL_BLOCK``): w's hit in the window
+    group reuses block 10, and the same item hands block 10 out as a new block of that group: the case
+    ``reused-by-hit-in-step`` of blocks-from-free-pool, although block 10 is in the free queue."""
+    config = groups.CONFIG.with_changes(num_kv_blocks=24)
+    state, plan = _admit_with_hits(config, ((10,),), ((10, 12, 13),))
+    found = [(v.request_id, v.code) for v in violated_rules(state, plan, config) if v.name == "blocks-from-free-pool"]
+    assert found == [("w", "blocks-from-free-pool:reused-by-hit-in-step")]
