@@ -19,9 +19,11 @@ import attrs
 import pytest
 import test_in_flight as flight
 import test_kv_cache_groups as groups
+import test_limits as limits
 import test_prefix_cache as prefix
 import test_prefix_dedup as dedup
 import test_remote_kv as remote
+import test_speculative as speculative
 from test_rules import CONFIG, DECODE_A, base_state
 
 from schedspec.spec.config import SchedulerConfig
@@ -419,3 +421,39 @@ def test_a_block_of_a_groups_hit_handed_out_in_the_same_step_is_the_named_case()
     state, plan = _admit_with_hits(config, ((10,),), ((10, 12, 13),))
     found = [(v.request_id, v.code) for v in violated_rules(state, plan, config) if v.name == "blocks-from-free-pool"]
     assert found == [("w", "blocks-from-free-pool:reused-by-hit-in-step")]
+
+
+@pytest.mark.parametrize(("interval", "since"), [(3, 1), (2, 0)])
+def test_a_held_step_names_the_steps_since_the_last_prefill_and_the_interval(interval, since):
+    """``_prefill_cadence#3`` (the interval's gate made ``<= 2``) and ``#9, #10, #12`` (the count made ``None``):
+    a decodes, and ``since`` + 1 executed steps separate this step from the last prefill, fewer than the
+    interval: held, so admitting b (8 tokens) is refused, naming the count and the interval."""
+    config = limits.CONFIG.with_changes(prefill_schedule_interval=interval)
+    state = limits._held_state(since, False, limits._running_a())
+    plan = StepPlan(scheduled=(ScheduledRequest("a", 4, 1), ScheduledRequest("b", 0, 8, (4, 5))))
+    assert _details("prefill-cadence", state, plan, config) == [
+        ("b", f"a prefill of 8 tokens on a held step ({since} executed steps since the last prefill, "
+              f"prefill_schedule_interval={interval})")]
+
+
+def test_drafts_past_max_model_len_name_the_last_position_computed():
+    """``_drafts_within_max_model_len#6`` (the position made ``computed - tokens``): a from 5 computes 4 tokens
+    (its pending token and 3 drafts), positions up to 9; with the token after them that passes
+    max_model_len=9."""
+    state, bad, _, config = speculative.case_drafts_within_max_model_len()
+    assert _details("drafts-within-max-model-len", state, bad, config) == [
+        ("a", "computes positions up to 9 with 3 drafts: its drafts and the token after them pass max_model_len=9")]
+
+
+def test_a_load_takes_only_free_blocks_and_each_once():
+    """``blocks_not_from_free_pool#37, #38`` (the loads' checks): r's load of 8 tokens may not take block 2, which
+    a holds (not free, not released), nor block 0 twice."""
+    a = Request("a", 0, (1, 2, 3), max_tokens=2, status=RequestStatus.RUNNING, num_computed_tokens=3, block_ids=(2,),
+                admitted_step=0)
+    r = remote.fresh()
+    state = SchedulerState(step=1, waiting=("r",), running=("a",), requests={"a": a, "r": r},
+                           free_block_ids=(0, 1, 3, 4, 5, 6, 7), num_requests_added=2)
+    held = StepPlan(loads=(KVLoad("r", 8, (2, 3)),))
+    assert _details("blocks-from-free-pool", state, held, remote.CONFIG) == [("r", "block 2 is not free")]
+    twice = StepPlan(loads=(KVLoad("r", 8, (0, 0)),))
+    assert _details("blocks-from-free-pool", state, twice, remote.CONFIG) == [("r", "block 0 handed out twice")]
