@@ -22,6 +22,7 @@ import test_kv_cache_groups as groups
 import test_limits as limits
 import test_prefix_cache as prefix
 import test_prefix_dedup as dedup
+import test_prefix_groups as prefix_groups
 import test_remote_kv as remote
 import test_speculative as speculative
 from test_rules import CONFIG, DECODE_A, base_state
@@ -457,3 +458,47 @@ def test_a_load_takes_only_free_blocks_and_each_once():
     assert _details("blocks-from-free-pool", state, held, remote.CONFIG) == [("r", "block 2 is not free")]
     twice = StepPlan(loads=(KVLoad("r", 8, (0, 0)),))
     assert _details("blocks-from-free-pool", state, twice, remote.CONFIG) == [("r", "block 0 handed out twice")]
+
+
+def test_the_longest_hit_with_groups_names_group_0s_blocks():
+    """``_prefix_hit_longest#24`` (group 1's hit table named instead of group 0's): a's 8-token prompt is cached
+    in both groups (block size 2); b, sharing it, admitted with no hit, is told the 8 tokens of group 0's blocks
+    0 to 3 were cached (group 1's table, as long, has null entries below the window)."""
+    state = prefix_groups.after_a()
+    plan = prefix_groups.admit_b(hit0=(), hit1=(), num_tokens=10)
+    assert _details("prefix-hit-longest", state, plan, prefix_groups.CONFIG) == [
+        ("b", "prefix-cache hit of 0 tokens, but 8 were cached (blocks [0, 1, 2, 3])")]
+
+
+def test_the_longest_hit_leaves_out_blocks_handed_out_earlier_in_the_batch():
+    """``_prefix_hit_longest#31`` (the blocks handed out earlier not passed): x, first in the batch, takes block 1
+    (a's cached block 1, evictable) as a new block; b's lookup comes after its eviction, so b's longest hit is
+    block 0 alone: a hit of block 0 is right, one of blocks 0 and 1 is not."""
+    state = add_request(prefix.warm_state(), Request("x", 1, (90, 91), max_tokens=2))
+    take_1 = ScheduledRequest("x", 0, 2, (1,))
+    one = StepPlan(scheduled=(take_1, ScheduledRequest("b", 4, 6, (3, 4), cached_block_ids=(0,))))
+    assert _details("prefix-hit-longest", state, one, prefix.CONFIG) == []
+    two = StepPlan(scheduled=(take_1, ScheduledRequest("b", 8, 2, (3,), cached_block_ids=(0, 1))))
+    assert _details("prefix-hit-longest", state, two, prefix.CONFIG) == [
+        ("b", "prefix-cache hit of 8 tokens, but 4 were cached (blocks [0])")]
+
+
+def _running_prefill_state() -> tuple[SchedulerState, SchedulerConfig]:
+    """Speculative decoding (3 drafts at most): p runs a prefill, 4 of its 12 prompt tokens computed, on block 0."""
+    cfg = speculative.config()
+    p = Request("p", 0, tuple(range(200, 212)), max_tokens=2, status=RequestStatus.RUNNING, num_computed_tokens=4,
+                block_ids=(0,), admitted_step=0)
+    return SchedulerState(step=1, running=("p",), requests={"p": p}, free_block_ids=tuple(range(1, 16)),
+                          num_requests_added=1), cfg
+
+
+def test_a_running_prefill_carries_no_drafts_even_computing_one_plus_d():
+    """``_drafts_only_in_decodes#8`` (``or`` made ``and``): p is running but a prefill: its item may carry no
+    drafts, even when it computes 1 + d tokens. ``#6`` (``continue`` made ``break``): an item for an unknown id
+    with drafts, and one without drafts, first in the batch do not hide it."""
+    state, cfg = _running_prefill_state()
+    item = ScheduledRequest("p", 4, 3, (), spec_token_ids=(7, 8))
+    for plan in (StepPlan(scheduled=(item,)),
+                 StepPlan(scheduled=(ScheduledRequest("ghost", 0, 3, spec_token_ids=(7, 8)), item))):
+        assert _details("drafts-only-in-decodes", state, plan, cfg) == [
+            ("p", "carries 2 drafts but is not a running decode")]
