@@ -502,3 +502,42 @@ def test_a_running_prefill_carries_no_drafts_even_computing_one_plus_d():
                  StepPlan(scheduled=(ScheduledRequest("ghost", 0, 3, spec_token_ids=(7, 8)), item))):
         assert _details("drafts-only-in-decodes", state, plan, cfg) == [
             ("p", "carries 2 drafts but is not a running decode")]
+
+
+def test_the_watermark_breach_names_the_running_count_and_the_free_blocks_left():
+    """``_watermark#9`` (each running request counted twice): c is admitted while a and b (admitted before it)
+    run; 6 free - 3 for b - 2 for c = 1 free block left, below the watermark's 2 (int(0.3 * 9))."""
+    state, bad, _, config = limits.case_watermark()
+    assert _details("watermark", state, bad, config) == [
+        ("c", "admitted while 2 run, leaving 1 free blocks < watermark_blocks=2 (watermark=0.3)")]
+
+
+@pytest.mark.parametrize(("watermark", "breach"), [(0.5, False), (0.6, True)])
+def test_the_watermark_counts_a_live_request_preempted_with_a_step_in_flight(watermark, breach):
+    """``_watermark#15, #17`` (a preempted request that freed nothing in flight read as ``None``: a crash): with
+    step 0 in flight, the plan preempts a (live: its blocks 0 and 1 are released) and admits b on blocks 2
+    and 3; c, ended in flight, still ran when the plan was made. Free: 2, 3, 4, 5 (6 and 7 were c's) + 0, 1 -
+    2 = 4: the watermark int(0.5 * 9) = 4 is kept, int(0.6 * 9) = 5 is not."""
+    config = flight.CONFIG.with_changes(watermark=watermark, max_num_seqs=3)
+    plan = StepPlan(scheduled=(ScheduledRequest("b", 0, 5, (2, 3)),), preempted=("a",))
+    expected = [("b", f"admitted while 1 run, leaving 4 free blocks < watermark_blocks=5 (watermark={watermark})")]
+    assert _details("watermark", flight.in_flight_state(), plan, config) == (expected if breach else [])
+
+
+def test_the_watermark_counts_no_free_block_for_a_hit_on_a_block_another_request_holds():
+    """``_watermark#51`` (``and`` made ``or``: every hit block counted as leaving the free queue): r runs on block
+    0, p on blocks 1 and 2 (cached, held). q hits block 1, which p holds (not in the free queue), and takes 3
+    new blocks: 5 free - 3 = 2 left, the watermark (int(0.3 * 9) = 2) kept."""
+    config = limits.CONFIG.with_changes(max_num_batched_tokens=32, enable_prefix_caching=True, watermark=0.3)
+    state = SchedulerState.initial(config)
+    state = add_request(add_request(state, Request("r", 0, (1, 2, 3), max_tokens=4)),
+                        Request("p", 0, tuple(range(10, 18)), max_tokens=4))
+    first = StepPlan(scheduled=(ScheduledRequest("r", 0, 3, (0,)), ScheduledRequest("p", 0, 8, (1, 2))))
+    state = apply_plan(state, first, {"r": 5, "p": 6}, config).state
+    state = add_request(state, Request("q", 1, (10, 11, 12, 13, *range(40, 52)), max_tokens=2))
+    plan = StepPlan(scheduled=(ScheduledRequest("r", 3, 1), ScheduledRequest("p", 8, 1),
+                               ScheduledRequest("q", 4, 12, (3, 4, 5), (1,))))
+    assert _details("watermark", state, plan, config) == []
+    stricter = config.with_changes(watermark=0.4)  # int(0.4 * 9) = 3 > 2
+    assert _details("watermark", state, plan, stricter) == [
+        ("q", "admitted while 2 run, leaving 2 free blocks < watermark_blocks=3 (watermark=0.4)")]
