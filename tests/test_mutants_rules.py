@@ -541,3 +541,16 @@ def test_the_watermark_counts_no_free_block_for_a_hit_on_a_block_another_request
     stricter = config.with_changes(watermark=0.4)  # int(0.4 * 9) = 3 > 2
     assert _details("watermark", state, plan, stricter) == [
         ("q", "admitted while 2 run, leaving 2 free blocks < watermark_blocks=3 (watermark=0.4)")]
+
+
+@pytest.mark.parametrize(("watermark", "breach"), [(0.34, False), (0.56, True)])
+def test_the_watermark_counts_a_block_two_admissions_hit_once(watermark, breach):
+    """``_watermark#54`` (the hit blocks not remembered: each hit counted again): a finished, its blocks 0 and 1
+    cached and evictable (8 blocks free or evictable). b, then c (the same prompt), hit both and take one new
+    block each: 8 - 2 (the hit, once) - 2 = 4 free after c, admitted while b runs: the watermark int(0.34 * 9) =
+    3 is kept, int(0.56 * 9) = 5 is not."""
+    config = prefix.CONFIG.with_changes(watermark=watermark)
+    state = add_request(prefix.warm_state(), Request("c", 1, prefix.B_PROMPT, max_tokens=3))
+    plan = StepPlan(scheduled=(prefix.HIT_B, ScheduledRequest("c", 8, 2, (3,), cached_block_ids=(0, 1))))
+    expected = [("c", f"admitted while 1 run, leaving 4 free blocks < watermark_blocks=5 (watermark={watermark})")]
+    assert _details("watermark", state, plan, config) == (expected if breach else [])
