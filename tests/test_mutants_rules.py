@@ -554,3 +554,17 @@ def test_the_watermark_counts_a_block_two_admissions_hit_once(watermark, breach)
     plan = StepPlan(scheduled=(prefix.HIT_B, ScheduledRequest("c", 8, 2, (3,), cached_block_ids=(0, 1))))
     expected = [("c", f"admitted while 1 run, leaving 4 free blocks < watermark_blocks=5 (watermark={watermark})")]
     assert _details("watermark", state, plan, config) == (expected if breach else [])
+
+
+def test_the_watermark_binds_admissions_only_not_a_running_decode():
+    """``_watermark#58`` (``or`` made ``and``: a running request judged as an admission): a runs on blocks 0 and 1
+    with 6 blocks free, fewer than the watermark's int(0.8 * 9) = 7; its decode takes block 2 (5 left): vLLM
+    adds the watermark only for a request in WAITING or PREEMPTED, so the decode is allowed; admitting b (one
+    block) is not."""
+    state, _, _, config = limits.case_watermark()
+    config = config.with_changes(watermark=0.8)
+    decode = ScheduledRequest("a", 4, 1, (2,))
+    assert _details("watermark", state, StepPlan(scheduled=(decode,)), config) == []
+    admit = StepPlan(scheduled=(decode, ScheduledRequest("b", 0, 4, (3,))))
+    assert _details("watermark", state, admit, config) == [
+        ("b", "admitted while 1 run, leaving 4 free blocks < watermark_blocks=7 (watermark=0.8)")]
