@@ -568,3 +568,15 @@ def test_the_watermark_binds_admissions_only_not_a_running_decode():
     admit = StepPlan(scheduled=(decode, ScheduledRequest("b", 0, 4, (3,))))
     assert _details("watermark", state, admit, config) == [
         ("b", "admitted while 1 run, leaving 4 free blocks < watermark_blocks=7 (watermark=0.8)")]
+
+
+@pytest.mark.parametrize(("what", "plan"), [
+    ("scheduled", StepPlan(scheduled=(ScheduledRequest("r", 8, 2),))),
+    ("preempted", StepPlan(preempted=("r",))),
+    ("rejected", StepPlan(rejected=(("r", "x"),))),
+])
+def test_a_request_waiting_for_its_remote_kv_names_what_the_plan_did_to_it(what, plan):
+    """``_wait_for_remote_kv#4-#9``: r's load of 8 tokens started at step 0 and is in flight; the detail says
+    whether the plan scheduled, preempted or rejected it, and when its load started."""
+    assert _details("wait-for-remote-kv", remote.loading(), plan, remote.CONFIG) == [
+        ("r", f"{what} while its remote KV load (started at step 0) is in flight")]
