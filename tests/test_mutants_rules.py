@@ -580,3 +580,39 @@ def test_a_request_waiting_for_its_remote_kv_names_what_the_plan_did_to_it(what,
     whether the plan scheduled, preempted or rejected it, and when its load started."""
     assert _details("wait-for-remote-kv", remote.loading(), plan, remote.CONFIG) == [
         ("r", f"{what} while its remote KV load (started at step 0) is in flight")]
+
+
+def test_a_deduplication_of_a_block_published_before_the_step_is_refused():
+    """``_deduplicate_at_publication``: p and q prefilled their one prompt without de-duplicating (q's block 3
+    published as a twin of p's block 0); q may not de-duplicate block 3 in a later step: it was published before."""
+    state = dedup.two_waiting()
+    state = apply_plan(state, StepPlan(scheduled=(dedup.P_ITEM, ScheduledRequest("q", 0, 9, (3, 4, 5)))),
+                       {"p": 1, "q": 1}, dedup.SGLANG).state
+    plan = StepPlan(scheduled=(ScheduledRequest("q", 9, 1, (), deduplicated_block_ids=((3, 0),)),))
+    assert _details("deduplicate-at-publication", state, plan, dedup.SGLANG) == [
+        ("q", "de-duplicates block 3, published before the step")]
+
+
+def test_a_deduplication_onto_a_block_itself_deduplicated_is_refused():
+    """``_deduplicate_at_publication``: p replaces its block 0 by q's block 3 while q replaces block 3 by p's
+    block 0: each cached block is itself an own block of the step."""
+    plan = StepPlan(scheduled=(ScheduledRequest("p", 0, 9, (0, 1, 2), deduplicated_block_ids=((0, 3),)),
+                               ScheduledRequest("q", 0, 9, (3, 4, 5), deduplicated_block_ids=((3, 0),))))
+    assert _details("deduplicate-at-publication", dedup.two_waiting(), plan, dedup.SGLANG) == [
+        ("p", "replaces block 0 by block 3, itself de-duplicated in the step"),
+        ("q", "replaces block 3 by block 0, itself de-duplicated in the step")]
+
+
+def test_a_deduplication_onto_a_cached_block_evicted_in_the_step_is_refused():
+    """``_deduplicate_at_publication``: p finished (its blocks 0 and 1 cached, evictable); x, first in the batch,
+    takes block 0 as a new block (evicting it, and not filling it: nothing published), so q may not replace its
+    block 3 by block 0."""
+    state = apply_plan(dedup.two_waiting(), StepPlan(scheduled=(dedup.P_ITEM,)), {"p": 1}, dedup.SGLANG).state
+    state = apply_plan(state, StepPlan(scheduled=(ScheduledRequest("p", 9, 1),)), {"p": 2}, dedup.SGLANG).state
+    state = apply_plan(state, StepPlan(scheduled=(ScheduledRequest("p", 10, 1),)), {"p": 3}, dedup.SGLANG).state
+    assert "p" in state.finished
+    state = add_request(state, Request("x", state.step, (90, 91), max_tokens=2))
+    plan = StepPlan(scheduled=(ScheduledRequest("x", 0, 2, (0,)),
+                               ScheduledRequest("q", 0, 9, (3, 4, 5), deduplicated_block_ids=((3, 0),))))
+    assert _details("deduplicate-at-publication", state, plan, dedup.SGLANG) == [
+        ("q", "replaces block 3 by block 0, handed out in the same step")]
