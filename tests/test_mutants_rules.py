@@ -616,3 +616,17 @@ def test_a_deduplication_onto_a_cached_block_evicted_in_the_step_is_refused():
                                ScheduledRequest("q", 0, 9, (3, 4, 5), deduplicated_block_ids=((3, 0),))))
     assert _details("deduplicate-at-publication", state, plan, dedup.SGLANG) == [
         ("q", "replaces block 3 by block 0, handed out in the same step")]
+
+
+def test_group_table_covers_judges_the_item_after_one_naming_too_many_groups():
+    """``_group_table_covers#11`` (``continue`` made ``break``): w, first in the batch, names new blocks for 2
+    groups past group 0 (1 is configured); a's decode after it keeps its window table at 4 blocks (block size
+    2), fewer than the 5 its 9 tokens need: both reported."""
+    w = Request("w", 0, (60, 61), max_tokens=2)
+    state = SchedulerState(step=1, waiting=("w",), running=("a",), requests={"a": groups.running_a(), "w": w},
+                           free_block_ids=(8, 9, 10, 11), num_requests_added=2)
+    plan = StepPlan(scheduled=(ScheduledRequest("w", 0, 2, (9,), group_new_block_ids=((10,), (11,))),
+                               ScheduledRequest("a", 8, 1, (8,), skipped_block_ids=(5, 4))))
+    assert _details("group-table-covers", state, plan, groups.CONFIG) == [
+        ("w", "new blocks for 2 groups past group 0, but 1 are configured"),
+        ("a", "group 1: 4 blocks hold fewer than the 5 needed")]
