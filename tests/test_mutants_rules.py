@@ -630,3 +630,51 @@ def test_group_table_covers_judges_the_item_after_one_naming_too_many_groups():
     assert _details("group-table-covers", state, plan, groups.CONFIG) == [
         ("w", "new blocks for 2 groups past group 0, but 1 are configured"),
         ("a", "group 1: 4 blocks hold fewer than the 5 needed")]
+
+
+def test_drafts_not_proposed_are_named_with_those_that_were():
+    """``_drafts_are_proposed``: a's proposed drafts are 12, 13, 14; an item carrying 13 alone is no prefix of
+    them; an item without drafts and one for an unknown id first in the batch do not hide it."""
+    state, bad, _, cfg = speculative.case_drafts_are_proposed()
+    padded = StepPlan(scheduled=(ScheduledRequest("ghost", 0, 2, spec_token_ids=(1,)), *bad.scheduled))
+    for plan in (bad, padded):
+        assert _details("drafts-are-proposed", state, plan, cfg) == [
+            ("a", "carries drafts [13], not a prefix of those proposed [12, 13, 14]")]
+
+
+def test_the_active_sequence_cap_names_the_admissions_and_the_running_count():
+    """``_active_sequence_cap``: max_num_active_seqs 1; a runs and b is admitted: 2 running after the step."""
+    state, bad, good, config = limits.case_active_sequence_cap()
+    assert _details("active-sequence-cap", state, bad, config) == [
+        (None, "1 admitted: 2 running after the step > max_num_active_seqs=1")]
+    assert _details("active-sequence-cap", state, good, config) == []
+
+
+def test_reject_only_impossible_says_exactly_what_is_wrong():
+    """``_reject_impossible``: the three breaches' details word for word: b (which fits) rejected; a rejected
+    while running; c (a prompt of 33 tokens past max_model_len 32) left waiting."""
+    huge = Request("c", 1, tuple(range(1, 34)), max_tokens=1)
+    state = base_state(huge)
+    plan = StepPlan(rejected=(("b", "made up"), ("a", "made up")))
+    assert _details("reject-only-impossible", state, plan, CONFIG) == [
+        ("b", "rejected although it can complete alone"),
+        ("a", "rejected while running (only waiting requests can be rejected)"),
+        ("c", "not rejected although prompt-exceeds-max-model-len: prompt_len=33 exceeds max_model_len=32")]
+
+
+def test_a_preemption_releases_only_the_blocks_no_one_else_holds():
+    """``released_by_preemptions``: with prefix caching, p and q share cached block 0 (q's hit) and each holds
+    its own blocks after it. Preempting q releases its own blocks (reference count 1 to 0) but not block 0
+    (2 to 1): handing out q's block 4 is allowed, block 0 is not free."""
+    state = dedup.two_waiting(dedup.VLLM)
+    state = apply_plan(state, StepPlan(scheduled=(dedup.P_ITEM,)), {"p": 1}, dedup.VLLM).state
+    state = apply_plan(state, StepPlan(scheduled=(ScheduledRequest("p", 9, 1),
+                                                  ScheduledRequest("q", 8, 1, (4,), (0, 1)))), {"p": 2, "q": 2},
+                       dedup.VLLM).state
+    assert state.requests["q"].block_ids == (0, 1, 4)
+    free = set(state.free_block_ids)
+    assert 4 not in free and 0 not in free
+    ok = StepPlan(scheduled=(ScheduledRequest("p", 10, 1, (4,)),), preempted=("q",))
+    assert _details("blocks-from-free-pool", state, ok, dedup.VLLM) == []
+    shared = StepPlan(scheduled=(ScheduledRequest("p", 10, 1, (0,)),), preempted=("q",))
+    assert _details("blocks-from-free-pool", state, shared, dedup.VLLM) == [("p", "block 0 is not free")]
