@@ -678,3 +678,12 @@ def test_a_preemption_releases_only_the_blocks_no_one_else_holds():
     assert _details("blocks-from-free-pool", state, ok, dedup.VLLM) == []
     shared = StepPlan(scheduled=(ScheduledRequest("p", 10, 1, (0,)),), preempted=("q",))
     assert _details("blocks-from-free-pool", state, shared, dedup.VLLM) == [("p", "block 0 is not free")]
+
+
+def test_each_group_counts_its_own_new_blocks_not_another_groups():
+    """``_group_table_covers#28`` (group ``index``'s new blocks read at ``index - 2``): with three groups and a
+    one-block hit in each, group 1 gets 3 new blocks (4: covered) and group 2 only 2 (3 < 4)."""
+    config = groups.CONFIG.with_changes(num_kv_blocks=24, kv_cache_groups=THREE_GROUPS)
+    state, plan = _admit_with_hits(config, ((10,), (17,)), ((11, 12, 13), (14, 15)))
+    assert _details("group-table-covers", state, plan, config) == [
+        ("w", "group 2: 3 blocks hold fewer than the 4 needed")]
