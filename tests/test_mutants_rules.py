@@ -687,3 +687,25 @@ def test_each_group_counts_its_own_new_blocks_not_another_groups():
     state, plan = _admit_with_hits(config, ((10,), (17,)), ((11, 12, 13), (14, 15)))
     assert _details("group-table-covers", state, plan, config) == [
         ("w", "group 2: 3 blocks hold fewer than the 4 needed")]
+
+
+def test_a_group_hit_on_a_block_handed_out_in_the_same_step_is_refused():
+    """``_prefix_hit_chain`` with KV cache groups: b's hit in the window group ends with a's cached blocks 6 and 7
+    (a good hit, as test_prefix_groups admits it); a's decode, first in the batch, takes block 6 as its window
+    group's new block: the hit reuses a block handed out in the same step."""
+    state = prefix_groups.after_a()
+    good = prefix_groups.admit_b()
+    assert _details("prefix-hit-is-cached-chain", state, good, prefix_groups.CONFIG) == []
+    a_item, b_item = good.scheduled
+    bad = StepPlan(scheduled=(attrs.evolve(a_item, group_new_block_ids=((6,),)), b_item))
+    assert _details("prefix-hit-is-cached-chain", state, bad, prefix_groups.CONFIG) == [
+        ("b", "hit block 6 handed out in the same step")]
+
+
+def test_a_hit_without_group_tables_is_no_hit_of_every_group():
+    """``_prefix_hit_chain`` with KV cache groups: b's hit names group 0's blocks 0 to 3 and no table for the
+    window group: a hit is one only where every group holds the prefix, so the rule refuses it."""
+    state = prefix_groups.after_a()
+    _, b_item = prefix_groups.admit_b().scheduled
+    bad = StepPlan(scheduled=(attrs.evolve(b_item, group_cached_block_ids=()),))
+    assert [r for r, _ in _details("prefix-hit-is-cached-chain", state, bad, prefix_groups.CONFIG)] == ["b"]
