@@ -709,3 +709,14 @@ def test_a_hit_without_group_tables_is_no_hit_of_every_group():
     _, b_item = prefix_groups.admit_b().scheduled
     bad = StepPlan(scheduled=(attrs.evolve(b_item, group_cached_block_ids=()),))
     assert [r for r, _ in _details("prefix-hit-is-cached-chain", state, bad, prefix_groups.CONFIG)] == ["b"]
+
+
+def test_a_hit_of_an_unknown_request_is_left_to_known_requests():
+    """``_prefix_hit_chain#7`` (``or`` made ``and``: the chain of an unknown id's hit walked, a crash): an item for
+    an id never added names a hit; known-requests reports it, and prefix-hit-is-cached-chain has nothing to
+    judge, nor stops judging b's swapped hit after it."""
+    state, bad, _, config = prefix.PREFIX_RULE_CASES["prefix-hit-is-cached-chain"]()
+    plan = StepPlan(scheduled=(ScheduledRequest("ghost", 4, 1, (), cached_block_ids=(0,)), *bad.scheduled))
+    assert _details("prefix-hit-is-cached-chain", state, plan, config) == [
+        ("b", "hit block 0 is block 1, which caches other tokens")]
+    assert _details("known-requests", state, plan, config) == [("ghost", "not a live request")]
