@@ -720,3 +720,17 @@ def test_a_hit_of_an_unknown_request_is_left_to_known_requests():
     assert _details("prefix-hit-is-cached-chain", state, plan, config) == [
         ("b", "hit block 0 is block 1, which caches other tokens")]
     assert _details("known-requests", state, plan, config) == [("ghost", "not a live request")]
+
+
+def test_the_active_sequence_cap_stops_admission_only():
+    """``_active_sequence_cap``: max_num_active_seqs caps admission, not the running set: with a and p running
+    (2 > 1) a plan that admits nothing is allowed; admitting b as well names 1 admitted and 3 running."""
+    state, _, _, config = limits.case_active_sequence_cap()
+    p = limits._running_prefill()
+    state = attrs.evolve(state, running=(*state.running, "p"), requests={**state.requests, "p": p},
+                         free_block_ids=tuple(b for b in state.free_block_ids if b != 2))
+    decodes = (ScheduledRequest("a", 4, 1), ScheduledRequest("p", 4, 4, (3,)))
+    assert _details("active-sequence-cap", state, StepPlan(scheduled=decodes), config) == []
+    admit = StepPlan(scheduled=(*decodes, ScheduledRequest("b", 0, 4, (4,))))
+    assert _details("active-sequence-cap", state, admit, config) == [
+        (None, "1 admitted: 3 running after the step > max_num_active_seqs=1")]
