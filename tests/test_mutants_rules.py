@@ -734,3 +734,70 @@ def test_the_active_sequence_cap_stops_admission_only():
     admit = StepPlan(scheduled=(*decodes, ScheduledRequest("b", 0, 4, (4,))))
     assert _details("active-sequence-cap", state, admit, config) == [
         (None, "1 admitted: 3 running after the step > max_num_active_seqs=1")]
+
+
+def _finished_p() -> SchedulerState:
+    """SGLang's publication: p ran its 9-token prompt and two decodes and finished (its blocks 0 and 1 cached,
+    evictable); q, of the same prompt, waits."""
+    state = apply_plan(dedup.two_waiting(), StepPlan(scheduled=(dedup.P_ITEM,)), {"p": 1}, dedup.SGLANG).state
+    state = apply_plan(state, StepPlan(scheduled=(ScheduledRequest("p", 9, 1),)), {"p": 2}, dedup.SGLANG).state
+    state = apply_plan(state, StepPlan(scheduled=(ScheduledRequest("p", 10, 1),)), {"p": 3}, dedup.SGLANG).state
+    assert "p" in state.finished
+    return state
+
+
+def test_a_deduplication_onto_a_block_cached_before_the_step_is_allowed_after_an_unknown_item():
+    """``_deduplicate_at_publication#69`` (the cached block's hash looked up as ``None``) and ``#23`` (``continue``
+    made ``break`` at an unknown id): q replaces its block 3 by p's cached block 0 (same tokens): allowed; its
+    replacement of block 4 by block 0 (block 1's tokens) is not, also after an item for an unknown id."""
+    state = _finished_p()
+    good = ScheduledRequest("q", 0, 9, (3, 4, 5), deduplicated_block_ids=((3, 0),))
+    assert _details("deduplicate-at-publication", state, StepPlan(scheduled=(good,)), dedup.SGLANG) == []
+    bad = ScheduledRequest("q", 0, 9, (3, 4, 5), deduplicated_block_ids=((4, 0),))
+    ghost = ScheduledRequest("ghost", 0, 1, deduplicated_block_ids=((9, 0),))
+    assert _details("deduplicate-at-publication", state, StepPlan(scheduled=(ghost, bad)), dedup.SGLANG) == [
+        ("q", "replaces block 4 (block 1) by block 0, which does not cache its tokens")]
+
+
+def test_a_block_an_earlier_item_only_hits_is_not_republished_with_its_tokens():
+    """``_deduplicate_at_publication#81`` (``and`` made ``or``: every block of an earlier item's table published
+    anew): r (other tokens) names p's cached block 0 as its hit, a hit prefix-hit-is-cached-chain refuses; the
+    de-duplication rule still reads block 0 as what the cache holds (p's first 4 tokens), so q may replace its
+    block 3 by it."""
+    state = add_request(_finished_p(), Request("r", 3, tuple(range(70, 79)), max_tokens=2))
+    plan = StepPlan(scheduled=(ScheduledRequest("r", 4, 5, (6, 7), (0,)),
+                               ScheduledRequest("q", 0, 9, (3, 4, 5), deduplicated_block_ids=((3, 0),))))
+    assert _details("deduplicate-at-publication", state, plan, dedup.SGLANG) == []
+    assert [r for r, _ in _details("prefix-hit-is-cached-chain", state, plan, dedup.SGLANG)] == ["r"]
+
+
+def test_the_cached_chain_judges_every_item_after_a_wrong_hit():
+    """``_prefix_hit_chain#41, #56, #58, #60`` (``continue``/``break`` made ``break``/``return``): three wrong
+    hits in one batch, each reported: c's hit past its last token, then b's swapped blocks, then d's block 5
+    (not cached)."""
+    state = prefix.warm_state()
+    state = add_request(add_request(state, Request("c", 1, prefix.A_PROMPT[:8], max_tokens=2)),
+                        Request("d", 1, prefix.B_PROMPT, max_tokens=2))
+    plan = StepPlan(scheduled=(ScheduledRequest("c", 8, 0, (), cached_block_ids=(0, 1)),
+                               ScheduledRequest("b", 8, 2, (2,), cached_block_ids=(1, 0)),
+                               ScheduledRequest("d", 4, 6, (3, 4), cached_block_ids=(5,))))
+    assert _details("prefix-hit-is-cached-chain", state, plan, prefix.CONFIG) == [
+        ("c", "hit of 2 blocks, but at most 1 may hit so that one of its 8 tokens is computed"),
+        ("b", "hit block 0 is block 1, which caches other tokens"),
+        ("d", "hit block 0 is block 5, which is not cached")]
+    handed = StepPlan(scheduled=(ScheduledRequest("b", 8, 2, (1,), cached_block_ids=(0, 1)),
+                                 ScheduledRequest("d", 4, 6, (3, 4), cached_block_ids=(5,))))
+    assert _details("prefix-hit-is-cached-chain", state, handed, prefix.CONFIG) == [
+        ("b", "hit block 1 is block 1, handed out in the same step"),
+        ("d", "hit block 0 is block 5, which is not cached")]
+
+
+def test_a_group_hit_breach_does_not_hide_the_next_item():
+    """``_prefix_hit_chain#34`` (``continue`` made ``break`` after a breach with KV cache groups): b's hit on a
+    block handed out in the same step is reported, and so is c's hit without group tables after it."""
+    state = prefix_groups.after_a()
+    state = add_request(state, Request("c", 1, prefix_groups.PROMPT + (40, 41), max_tokens=2))
+    a_item, b_item = prefix_groups.admit_b().scheduled
+    c_item = ScheduledRequest("c", 8, 2, (20,), (0, 1, 2, 3), group_new_block_ids=((21,),))
+    plan = StepPlan(scheduled=(attrs.evolve(a_item, group_new_block_ids=((6,),)), b_item, c_item))
+    assert [r for r, _ in _details("prefix-hit-is-cached-chain", state, plan, prefix_groups.CONFIG)] == ["b", "c"]
