@@ -801,3 +801,14 @@ def test_a_group_hit_breach_does_not_hide_the_next_item():
     c_item = ScheduledRequest("c", 8, 2, (20,), (0, 1, 2, 3), group_new_block_ids=((21,),))
     plan = StepPlan(scheduled=(attrs.evolve(a_item, group_new_block_ids=((6,),)), b_item, c_item))
     assert [r for r, _ in _details("prefix-hit-is-cached-chain", state, plan, prefix_groups.CONFIG)] == ["b", "c"]
+
+
+def test_a_deduplication_onto_a_cached_block_an_earlier_item_refills_is_allowed():
+    """``_deduplicate_at_publication#82`` (``or`` made ``and``: a block evicted and refilled in the step not
+    published again): p finished, its blocks 0 and 1 cached and evictable; s (the same prompt), first in the
+    batch, takes block 0 as a new block (evicting it) and publishes its first 4 tokens there again; q may
+    replace its block 3 by block 0, which s publishes in this step."""
+    state = add_request(_finished_p(), Request("s", 3, dedup.PROMPT, max_tokens=2))
+    plan = StepPlan(scheduled=(ScheduledRequest("s", 0, 9, (0, 6, 7)),
+                               ScheduledRequest("q", 0, 9, (3, 4, 5), deduplicated_block_ids=((3, 0),))))
+    assert _details("deduplicate-at-publication", state, plan, dedup.SGLANG) == []
