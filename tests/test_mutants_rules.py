@@ -812,3 +812,11 @@ def test_a_deduplication_onto_a_cached_block_an_earlier_item_refills_is_allowed(
     plan = StepPlan(scheduled=(ScheduledRequest("s", 0, 9, (0, 6, 7)),
                                ScheduledRequest("q", 0, 9, (3, 4, 5), deduplicated_block_ids=((3, 0),))))
     assert _details("deduplicate-at-publication", state, plan, dedup.SGLANG) == []
+
+
+def test_reject_only_impossible_judges_the_rejection_after_one_of_a_running_request():
+    """``_reject_impossible``: a (running) rejected first does not hide b (which fits) rejected after it."""
+    plan = StepPlan(rejected=(("a", "made up"), ("b", "made up")))
+    assert _details("reject-only-impossible", base_state(), plan, CONFIG) == [
+        ("a", "rejected while running (only waiting requests can be rejected)"),
+        ("b", "rejected although it can complete alone")]
