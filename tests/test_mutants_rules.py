@@ -820,3 +820,29 @@ def test_reject_only_impossible_judges_the_rejection_after_one_of_a_running_requ
     assert _details("reject-only-impossible", base_state(), plan, CONFIG) == [
         ("a", "rejected while running (only waiting requests can be rejected)"),
         ("b", "rejected although it can complete alone")]
+
+
+def test_preempting_every_request_that_holds_a_shared_block_releases_it():
+    """``released_by_preemptions``: p and q share cached block 0 (reference count 2); preempting both brings it
+    to 0, so r may take it in the same step."""
+    state = dedup.two_waiting(dedup.VLLM)
+    state = apply_plan(state, StepPlan(scheduled=(dedup.P_ITEM,)), {"p": 1}, dedup.VLLM).state
+    state = apply_plan(state, StepPlan(scheduled=(ScheduledRequest("p", 9, 1),
+                                                  ScheduledRequest("q", 8, 1, (4,), (0, 1)))), {"p": 2, "q": 2},
+                       dedup.VLLM).state
+    state = add_request(state, Request("r", state.step, (90, 91), max_tokens=2))
+    plan = StepPlan(scheduled=(ScheduledRequest("r", 0, 2, (0,)),), preempted=("p", "q"))
+    assert _details("blocks-from-free-pool", state, plan, dedup.VLLM) == []
+    only_q = StepPlan(scheduled=(ScheduledRequest("r", 0, 2, (0,)),), preempted=("q",))
+    assert _details("blocks-from-free-pool", state, only_q, dedup.VLLM) == [("r", "block 0 is not free")]
+
+
+def test_without_prefix_caching_every_preemption_releases_its_blocks():
+    """``released_by_preemptions`` without a prefix cache: preempting a (blocks 0, 1) and then c (blocks 6, 7)
+    releases all four; b may take blocks 7 and 0."""
+    c = Request("c", 0, (1, 2, 3, 4, 5), max_tokens=3, status=RequestStatus.RUNNING, num_computed_tokens=5,
+                block_ids=(6, 7), admitted_step=0)
+    state = attrs.evolve(base_state(), running=("a", "c"), requests={**base_state().requests, "c": c},
+                         free_block_ids=(2, 3, 4, 5))
+    plan = StepPlan(scheduled=(ScheduledRequest("b", 0, 5, (7, 0)),), preempted=("a", "c"))
+    assert _details("blocks-from-free-pool", state, plan, CONFIG) == []
