@@ -708,7 +708,9 @@ def test_a_hit_without_group_tables_is_no_hit_of_every_group():
     state = prefix_groups.after_a()
     _, b_item = prefix_groups.admit_b().scheduled
     bad = StepPlan(scheduled=(attrs.evolve(b_item, group_cached_block_ids=()),))
-    assert [r for r, _ in _details("prefix-hit-is-cached-chain", state, bad, prefix_groups.CONFIG)] == ["b"]
+    # ``#17`` (one empty table per group past the first made one fewer): group 1's missing table reads as empty
+    assert _details("prefix-hit-is-cached-chain", state, bad, prefix_groups.CONFIG) == [
+        ("b", "hit tables of lengths [4, 0] for 2 groups: not one length per group")]
 
 
 def test_a_hit_of_an_unknown_request_is_left_to_known_requests():
@@ -773,18 +775,18 @@ def test_a_block_an_earlier_item_only_hits_is_not_republished_with_its_tokens():
 
 def test_the_cached_chain_judges_every_item_after_a_wrong_hit():
     """``_prefix_hit_chain#41, #56, #58, #60`` (``continue``/``break`` made ``break``/``return``): three wrong
-    hits in one batch, each reported: c's hit past its last token, then b's swapped blocks, then d's block 5
-    (not cached)."""
+    hits in one batch, each reported: d's block 5 (not cached), then c's hit past its last token, then b's
+    swapped blocks; b's hit of a block it is handed, then d's."""
     state = prefix.warm_state()
     state = add_request(add_request(state, Request("c", 1, prefix.A_PROMPT[:8], max_tokens=2)),
                         Request("d", 1, prefix.B_PROMPT, max_tokens=2))
-    plan = StepPlan(scheduled=(ScheduledRequest("c", 8, 0, (), cached_block_ids=(0, 1)),
-                               ScheduledRequest("b", 8, 2, (2,), cached_block_ids=(1, 0)),
-                               ScheduledRequest("d", 4, 6, (3, 4), cached_block_ids=(5,))))
+    plan = StepPlan(scheduled=(ScheduledRequest("d", 4, 6, (3, 4), cached_block_ids=(5,)),
+                               ScheduledRequest("c", 8, 0, (), cached_block_ids=(0, 1)),
+                               ScheduledRequest("b", 8, 2, (2,), cached_block_ids=(1, 0))))
     assert _details("prefix-hit-is-cached-chain", state, plan, prefix.CONFIG) == [
+        ("d", "hit block 0 is block 5, which is not cached"),
         ("c", "hit of 2 blocks, but at most 1 may hit so that one of its 8 tokens is computed"),
-        ("b", "hit block 0 is block 1, which caches other tokens"),
-        ("d", "hit block 0 is block 5, which is not cached")]
+        ("b", "hit block 0 is block 1, which caches other tokens")]
     handed = StepPlan(scheduled=(ScheduledRequest("b", 8, 2, (1,), cached_block_ids=(0, 1)),
                                  ScheduledRequest("d", 4, 6, (3, 4), cached_block_ids=(5,))))
     assert _details("prefix-hit-is-cached-chain", state, handed, prefix.CONFIG) == [
