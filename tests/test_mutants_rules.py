@@ -2,8 +2,8 @@
 "Mutation score"). Each asserts a verdict (which rule fires, for which request), a count the rules compute, or the
 numbers and names a breach's detail gives a user, worked out by hand from the state in the comment beside it (not
 copied from the code under test). Each test's docstring names the mutants it kills (``scripts/mutmut.sh`` names,
-``schedspec.spec.rules.x_FUNCTION__mutmut_N`` shortened to ``FUNCTION#N``; the names are those of the run at
-main's commit 4458185).
+``schedspec.spec.rules.x_FUNCTION__mutmut_N`` shortened to ``FUNCTION#N``; the names are those of the runs at
+4458185 and d8abb68, which differ only in ``_window_frees_skipped``, simplified between them).
 
 The states are the small hand-written ones of the rules' own test files (imported from them): test_rules (block
 size 4, running ``a`` decoding, waiting ``b``), test_in_flight (a plan made while step 0 ran, ``c`` ended at its
