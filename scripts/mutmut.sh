@@ -60,7 +60,12 @@ tests_for() {
   local spec=(tests/test_rules.py tests/test_invariants.py tests/test_transitions.py tests/test_state.py)
   local checker=(tests/test_incremental.py tests/test_checker.py tests/test_checker_report.py)
   case "$1" in
-    rules) echo "${spec[@]}" "${checker[@]}" tests/test_prefix_cache.py tests/test_spec_mutants.py "${SLOW_PREFIX[@]}" ;;
+    # rules: also the test files of its rule families (SGLang's publication, the limits, remote KV loads, KV cache
+    # groups and their prefix hits, speculative decoding, a step in flight less its state machine): 60 s together
+    rules) echo "${spec[@]}" "${checker[@]}" tests/test_prefix_cache.py tests/test_spec_mutants.py tests/test_mutants_rules.py \
+                tests/test_prefix_dedup.py tests/test_limits.py tests/test_remote_kv.py tests/test_kv_cache_groups.py \
+                tests/test_prefix_groups.py tests/test_speculative.py tests/test_in_flight.py \
+                --deselect tests/test_in_flight.py::test_the_machine_drives_an_in_flight_scheduler "${SLOW_PREFIX[@]}" ;;
     transitions) echo "${spec[@]}" "${checker[@]}" tests/test_prefix_cache.py tests/test_spec_mutants.py \
                       tests/test_speculative.py tests/test_in_flight.py tests/test_remote_kv.py tests/test_kv_cache_groups.py \
                       tests/test_prefix_groups.py tests/test_prefix_dedup.py tests/test_mutants_transitions.py \

@@ -944,7 +944,9 @@ def _window_frees_skipped(state: SchedulerState, plan: StepPlan, config: Schedul
     for item, request in _group_items(state, plan, config):
         kept = [b for b in window_frees(request, item.num_computed_tokens, config) if b not in item.skipped_block_ids]
         if kept:
-            group, index = _where_held(request, kept[-1]) or (0, 0)
+            where = _where_held(request, kept[-1])
+            assert where is not None  # window_frees names blocks the request holds
+            group, index = where
             yield item.request_id, (f"keeps {len(kept)} block(s) past the window at position "
                                     f"{item.num_computed_tokens} (block {kept[-1]}: group {group}, index {index})")
 
