@@ -399,6 +399,17 @@ def test_incremental_equals_full_check(run, fault, fault_step):
         fault_step = -1 if broken is not None else fault_step
 
 
+def _step_inputs(scheduler, specs, step: int) -> bool:
+    """Give ``scheduler`` the arrivals and the aborts of ``step`` from ``specs``; False when the run is over
+    (nothing live and no arrival to come)."""
+    for spec in specs:
+        if spec.arrival_step == step:
+            scheduler.add_request(spec.to_request(step))
+        if spec.abort_at_step == step:
+            scheduler.state = abort_request(scheduler.state, spec.request_id)
+    return bool(scheduler.state.requests) or step <= max(s.arrival_step for s in specs)
+
+
 def _drive(config, specs, name, fault=None, fault_step=None, checker=None):
     """Run ``name`` on ``specs`` and compare the incremental and the full check at every step, breaking
     the state after step ``fault_step`` with FAULTS[fault]; returns the verdicts of that step (or None)."""
@@ -407,14 +418,9 @@ def _drive(config, specs, name, fault=None, fault_step=None, checker=None):
     checker = checker if checker is not None else IncrementalChecker(config)
     checked: frozenset[str] = frozenset()
     for step in range(200):
-        for spec in specs:
-            if spec.arrival_step == step:
-                scheduler.add_request(spec.to_request(step))
-            if spec.abort_at_step == step:
-                scheduler.state = abort_request(scheduler.state, spec.request_id)
-        before = scheduler.state
-        if not before.requests and step > max(s.arrival_step for s in specs):
+        if not _step_inputs(scheduler, specs, step):
             return None
+        before = scheduler.state
         checker.sync(before)
         plan = scheduler.schedule()
         sampled, _ = model.execute(plan, before)
