@@ -116,6 +116,12 @@ def part_check(args: argparse.Namespace, folder: Path) -> None:
     path.unlink()
 
 
+def ends(figures: dict) -> str:
+    """How the requests of a lab run ended (every one finished, aborted or rejected, or still live at the end)."""
+    return ", ".join(f"{figures.get(f'requests_{key}', '?'):,} {key}" for key in ("total", "finished", "aborted",
+                                                                                 "rejected", "live"))
+
+
 def part_mooncake(args: argparse.Namespace, folder: Path) -> None:
     print(f"lab: the whole Mooncake conversation trace ({MOONCAKE}); fcfs; checks on; {conditions()}")
 
@@ -126,8 +132,7 @@ def part_mooncake(args: argparse.Namespace, folder: Path) -> None:
     def run():  # every request (lab's default window is the first 120 s)
         status, out = cli("lab", "--trace", str(MOONCAKE), "--max-requests", str(count), "--json")
         figures = json.loads(out)["figures"] if status == 0 else {}
-        return (f"exit {status}; {figures.get('requests_total', '?'):,} requests, "
-                f"{figures.get('requests_finished', '?')} finished")
+        return f"exit {status}; {ends(figures)}"
 
     timed("lab on the Mooncake trace", "memory stated (no target)", run)
 
@@ -151,7 +156,7 @@ def part_burstgpt(args: argparse.Namespace, folder: Path) -> None:
     def run():
         status, out = cli("lab", "--trace", str(path), "--max-requests", str(args.burstgpt_requests), "--json")
         figures = json.loads(out)["figures"] if status == 0 else {}
-        return f"exit {status}; {figures.get('requests_total', '?'):,} requests"
+        return f"exit {status}; {ends(figures)}"
 
     timed(f"lab on its first {args.burstgpt_requests:,} requests", "memory stated (no target)", run)
 
