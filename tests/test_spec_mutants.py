@@ -1,6 +1,9 @@
 """Tests that kill the mutants mutmut found surviving in the spec (issue 28, docs/testing.md "Mutation
 score"): each asserts a behaviour of the spec that a surviving mutant changed and no other test pinned.
-Grouped by module; each test names the mutants it was written for (``scripts/mutmut.sh`` names)."""
+Grouped by module; each test names the mutants it was written for (``scripts/mutmut.sh`` names of the run
+it was written against: a mutant's number shifts whenever its function changes, so a name here may now be
+another mutant's; the behaviour each test pins is what counts). The survivors of later runs are killed by
+``tests/test_mutants_MODULE.py``, one file per module."""
 
 from __future__ import annotations
 
