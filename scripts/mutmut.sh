@@ -78,9 +78,9 @@ tests_for() {
                       tests/test_spec_mutants.py tests/test_in_flight.py \
                       --deselect tests/test_in_flight.py::test_the_machine_drives_an_in_flight_scheduler ;;
     # prefix_cache: the policies call CacheUpdate in every end-to-end test, so a survivor ran all of
-    # test_checker.py's engine traces (minutes on a loaded core): the first pass has the direct tests only
-    # (and the three vllm-v1/static stateful cases and the CLI round trip, 41 s of its 52 s: a survivor paid
-    # them all, minutes at load 10)
+    # test_checker.py's engine traces (minutes on a loaded core): the first pass has the direct tests only, without
+    # test_checker.py, every case of the prefix-caching stateful suite and the CLI round trip (41 s of its 52 s: a
+    # survivor paid them all, minutes at load 10); MUTMUT_FULL=1 adds them back
     prefix_cache) echo tests/test_prefix_cache.py tests/test_rules.py tests/test_invariants.py tests/test_incremental.py \
                        tests/test_spec_mutants.py tests/test_prefix_groups.py tests/test_prefix_dedup.py \
                        tests/test_mutants_prefix_cache.py "${SLOW_PREFIX[@]}" \
