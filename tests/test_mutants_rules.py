@@ -776,7 +776,8 @@ def test_a_block_an_earlier_item_only_hits_is_not_republished_with_its_tokens():
 def test_the_cached_chain_judges_every_item_after_a_wrong_hit():
     """``_prefix_hit_chain#41, #56, #58, #60`` (``continue``/``break`` made ``break``/``return``): three wrong
     hits in one batch, each reported: d's block 5 (not cached), then c's hit past its last token, then b's
-    swapped blocks; b's hit of a block it is handed, then d's."""
+    swapped blocks; b's hit of a block it is handed, then d's; b's swapped blocks, then d's (the final whole run
+    found #58 alive: no item followed b's swapped blocks)."""
     state = prefix.warm_state()
     state = add_request(add_request(state, Request("c", 1, prefix.A_PROMPT[:8], max_tokens=2)),
                         Request("d", 1, prefix.B_PROMPT, max_tokens=2))
@@ -791,6 +792,11 @@ def test_the_cached_chain_judges_every_item_after_a_wrong_hit():
                                  ScheduledRequest("d", 4, 6, (3, 4), cached_block_ids=(5,))))
     assert _details("prefix-hit-is-cached-chain", state, handed, prefix.CONFIG) == [
         ("b", "hit block 1 is block 1, handed out in the same step"),
+        ("d", "hit block 0 is block 5, which is not cached")]
+    swapped_first = StepPlan(scheduled=(ScheduledRequest("b", 8, 2, (2,), cached_block_ids=(1, 0)),
+                                        ScheduledRequest("d", 4, 6, (3, 4), cached_block_ids=(5,))))
+    assert _details("prefix-hit-is-cached-chain", state, swapped_first, prefix.CONFIG) == [
+        ("b", "hit block 0 is block 1, which caches other tokens"),
         ("d", "hit block 0 is block 5, which is not cached")]
 
 
