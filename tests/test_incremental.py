@@ -399,6 +399,17 @@ def test_incremental_equals_full_check(run, fault, fault_step):
         fault_step = -1 if broken is not None else fault_step
 
 
+def _advance(scheduler, model, checker):
+    """One step of a driven run: the checker synced to the state before it, the plan made and applied; returns
+    (state before, plan, state after)."""
+    before = scheduler.state
+    checker.sync(before)
+    plan = scheduler.schedule()
+    sampled, _ = model.execute(plan, before)
+    scheduler.update(plan, sampled)
+    return before, plan, scheduler.state
+
+
 def _step_inputs(scheduler, specs, step: int) -> bool:
     """Give ``scheduler`` the arrivals and the aborts of ``step`` from ``specs``; False when the run is over
     (nothing live and no arrival to come)."""
@@ -420,12 +431,7 @@ def _drive(config, specs, name, fault=None, fault_step=None, checker=None):
     for step in range(200):
         if not _step_inputs(scheduler, specs, step):
             return None
-        before = scheduler.state
-        checker.sync(before)
-        plan = scheduler.schedule()
-        sampled, _ = model.execute(plan, before)
-        scheduler.update(plan, sampled)
-        after = scheduler.state
+        before, plan, after = _advance(scheduler, model, checker)
         broken = FAULTS[fault](after, before, checked) if step == fault_step else None
         target = broken if broken is not None else after
         full, incremental = check_step(before, plan, target, config), checker.invariants(before, plan, target)
@@ -648,12 +654,7 @@ def test_a_cache_copied_by_evolve_carries_no_change_log():
         scheduler.add_request(spec.to_request(0))
     found = False
     for _ in range(6):
-        before = scheduler.state
-        checker.sync(before)
-        plan = scheduler.schedule()
-        sampled, _ = model.execute(plan, before)
-        scheduler.update(plan, sampled)
-        after = scheduler.state
+        before, plan, after = _advance(scheduler, model, checker)
         assert after.prefix_cache.changes is not None or after.prefix_cache is before.prefix_cache
         held = _held(after)
         if not held:

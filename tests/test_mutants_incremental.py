@@ -25,6 +25,7 @@ from tests.test_incremental import (
     FAULTS,
     NOT_BREACHES,
     SPECS,
+    _advance,
     _CountingChecker,
     _Flat,
     _pool_size,
@@ -423,12 +424,7 @@ def test_a_rehashed_block_of_a_request_that_did_not_change_is_found():
         scheduler.add_request(spec.to_request(0))
     found = 0
     for _ in range(4):
-        before = scheduler.state
-        checker.sync(before)
-        plan = scheduler.schedule()
-        sampled, _ = model.execute(plan, before)
-        scheduler.update(plan, sampled)
-        after = scheduler.state
+        before, plan, after = _advance(scheduler, model, checker)
         assert checker.invariants(before, plan, after) == []
         broken = _cache_fault(after, _rehash)
         if broken is None:
